@@ -1,0 +1,45 @@
+// What a store publishes: the model's architecture and, per shared-memory segment, where
+// each tensor lies. Torch-free; the store writes it, workers and `verify` read it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/dtype.h"
+#include "common/model_config.h"
+
+namespace lorastream {
+
+// One tensor inside a segment: bytes [offset, offset + nbytes) of the segment.
+struct TensorSlice {
+  std::string name;  // relative to "model.layers.{i}." in a block segment, full in the rest
+  DType dtype = DType::kBF16;
+  std::vector<int64_t> shape;
+  uint64_t offset = 0;  // a multiple of Manifest::alignment
+  uint64_t nbytes = 0;
+};
+
+// One shared-memory segment: a transformer block, or the rest (embeddings, norm, lm_head).
+struct SegmentInfo {
+  std::string shm_name;  // the POSIX shm object's name
+  uint64_t nbytes = 0;   // the packed size (the mapping may be rounded up to a page)
+  uint64_t checksum = 0; // over [0, nbytes)
+  std::vector<TensorSlice> tensors;  // in the canonical order of ModelConfig::*TensorShapes()
+
+  // nullptr when the segment holds no tensor of that name.
+  const TensorSlice* Find(const std::string& name) const;
+};
+
+struct Manifest {
+  std::string store_name;
+  uint64_t generation = 0;   // unique per `serve` start
+  std::string fingerprint;   // identifies the weights (same checkpoint => same fingerprint)
+  ModelConfig config;
+  DType dtype = DType::kBF16;  // of every floating-point tensor in the store
+  uint64_t alignment = 256;
+  std::vector<SegmentInfo> blocks;  // blocks[i] holds model.layers.{i}.*
+  SegmentInfo rest;
+};
+
+}  // namespace lorastream

@@ -1,0 +1,189 @@
+#include "common/model_config.h"
+
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "common/error.h"
+
+namespace lorastream {
+
+namespace {
+
+using Json = nlohmann::json;
+
+[[noreturn]] void Bad(const std::string& source, const std::string& field, const std::string& why) {
+  throw Error(ErrorCode::kCorrupt, source + ": field `" + field + "` " + why);
+}
+
+int64_t RequirePositiveInt(const Json& j, const std::string& source, const char* field) {
+  auto it = j.find(field);
+  if (it == j.end() || it->is_null()) Bad(source, field, "is missing");
+  if (!it->is_number_integer()) Bad(source, field, "must be an integer");
+  int64_t v = it->get<int64_t>();
+  if (v <= 0 || v > (int64_t{1} << 40)) Bad(source, field, "must be a positive integer");
+  return v;
+}
+
+double GetNumber(const Json& j, const std::string& source, const char* field, double fallback) {
+  auto it = j.find(field);
+  if (it == j.end() || it->is_null()) return fallback;
+  if (!it->is_number()) Bad(source, field, "must be a number");
+  return it->get<double>();
+}
+
+bool GetBool(const Json& j, const std::string& source, const char* field, bool fallback) {
+  auto it = j.find(field);
+  if (it == j.end() || it->is_null()) return fallback;
+  if (!it->is_boolean()) Bad(source, field, "must be true or false");
+  return it->get<bool>();
+}
+
+}  // namespace
+
+ModelConfig ModelConfigFromJson(const Json& j, const std::string& source) {
+  if (!j.is_object()) throw Error(ErrorCode::kCorrupt, source + ": not a JSON object");
+  ModelConfig c;
+  auto mt = j.find("model_type");
+  if (mt == j.end() || !mt->is_string()) Bad(source, "model_type", "is missing or not a string");
+  c.model_type = mt->get<std::string>();
+  if (c.model_type != "llama" && c.model_type != "mistral" && c.model_type != "qwen2" &&
+      c.model_type != "qwen3")
+    throw Error(ErrorCode::kUnsupported,
+                source + ": model_type `" + c.model_type +
+                    "` is not supported (supported: llama, mistral, qwen2, qwen3)");
+  c.hidden_size = RequirePositiveInt(j, source, "hidden_size");
+  c.intermediate_size = RequirePositiveInt(j, source, "intermediate_size");
+  c.num_hidden_layers = RequirePositiveInt(j, source, "num_hidden_layers");
+  c.num_attention_heads = RequirePositiveInt(j, source, "num_attention_heads");
+  c.num_key_value_heads = j.contains("num_key_value_heads") && !j["num_key_value_heads"].is_null()
+                              ? RequirePositiveInt(j, source, "num_key_value_heads")
+                              : c.num_attention_heads;
+  if (j.contains("head_dim") && !j["head_dim"].is_null()) {
+    c.head_dim = RequirePositiveInt(j, source, "head_dim");
+  } else {
+    if (c.hidden_size % c.num_attention_heads != 0)
+      Bad(source, "num_attention_heads", "must divide hidden_size when head_dim is absent");
+    c.head_dim = c.hidden_size / c.num_attention_heads;
+  }
+  if (c.num_attention_heads % c.num_key_value_heads != 0)
+    Bad(source, "num_key_value_heads", "must divide num_attention_heads");
+  if (c.head_dim % 2 != 0) Bad(source, "head_dim", "must be even (rotary embeddings)");
+  c.vocab_size = RequirePositiveInt(j, source, "vocab_size");
+  c.max_position_embeddings = j.contains("max_position_embeddings")
+                                  ? RequirePositiveInt(j, source, "max_position_embeddings")
+                                  : 2048;
+  c.rms_norm_eps = GetNumber(j, source, "rms_norm_eps", 1e-6);
+  c.rope_theta = GetNumber(j, source, "rope_theta", 10000.0);
+  c.tie_word_embeddings = GetBool(j, source, "tie_word_embeddings", false);
+  c.attention_bias = c.model_type == "qwen2" || GetBool(j, source, "attention_bias", false);
+  c.qk_norm = c.model_type == "qwen3";
+  if (j.contains("torch_dtype") && j["torch_dtype"].is_string())
+    c.torch_dtype = j["torch_dtype"].get<std::string>();
+  auto rs = j.find("rope_scaling");
+  if (rs != j.end() && !rs->is_null()) {
+    if (!rs->is_object()) Bad(source, "rope_scaling", "must be an object or null");
+    std::string type;
+    if (rs->contains("rope_type") && (*rs)["rope_type"].is_string())
+      type = (*rs)["rope_type"].get<std::string>();
+    else if (rs->contains("type") && (*rs)["type"].is_string())
+      type = (*rs)["type"].get<std::string>();
+    if (type != "llama3" && type != "linear" && type != "default")
+      throw Error(ErrorCode::kUnsupported, source + ": rope_scaling type `" + type +
+                                               "` is not supported (llama3, linear, default)");
+    if (type != "default") {
+      c.rope_scaling.type = type;
+      c.rope_scaling.factor = GetNumber(*rs, source, "factor", 1.0);
+      c.rope_scaling.low_freq_factor = GetNumber(*rs, source, "low_freq_factor", 1.0);
+      c.rope_scaling.high_freq_factor = GetNumber(*rs, source, "high_freq_factor", 4.0);
+      c.rope_scaling.original_max_position_embeddings = static_cast<int64_t>(
+          GetNumber(*rs, source, "original_max_position_embeddings", 8192));
+    }
+  }
+  return c;
+}
+
+ModelConfig ParseModelConfig(const std::string& json_text, const std::string& source) {
+  Json j = Json::parse(json_text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) throw Error(ErrorCode::kCorrupt, source + ": not valid JSON");
+  return ModelConfigFromJson(j, source);
+}
+
+ModelConfig LoadModelConfig(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(ErrorCode::kNotFound, path + ": cannot open config.json");
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return ParseModelConfig(buffer.str(), path);
+}
+
+void ToJson(Json& out, const ModelConfig& c) {
+  std::string arch = c.model_type == "llama"     ? "LlamaForCausalLM"
+                     : c.model_type == "mistral" ? "MistralForCausalLM"
+                     : c.model_type == "qwen2"   ? "Qwen2ForCausalLM"
+                                                 : "Qwen3ForCausalLM";
+  out = Json{{"architectures", {arch}},
+             {"model_type", c.model_type},
+             {"hidden_size", c.hidden_size},
+             {"intermediate_size", c.intermediate_size},
+             {"num_hidden_layers", c.num_hidden_layers},
+             {"num_attention_heads", c.num_attention_heads},
+             {"num_key_value_heads", c.num_key_value_heads},
+             {"head_dim", c.head_dim},
+             {"vocab_size", c.vocab_size},
+             {"max_position_embeddings", c.max_position_embeddings},
+             {"rms_norm_eps", c.rms_norm_eps},
+             {"rope_theta", c.rope_theta},
+             {"tie_word_embeddings", c.tie_word_embeddings},
+             {"attention_bias", c.attention_bias},
+             {"hidden_act", "silu"},
+             {"torch_dtype", c.torch_dtype.empty() ? "bfloat16" : c.torch_dtype}};
+  if (c.rope_scaling.type.empty()) {
+    out["rope_scaling"] = nullptr;
+  } else {
+    out["rope_scaling"] = Json{
+        {"rope_type", c.rope_scaling.type},
+        {"factor", c.rope_scaling.factor},
+        {"low_freq_factor", c.rope_scaling.low_freq_factor},
+        {"high_freq_factor", c.rope_scaling.high_freq_factor},
+        {"original_max_position_embeddings", c.rope_scaling.original_max_position_embeddings}};
+  }
+}
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> ModelConfig::BlockTensorShapes() const {
+  const int64_t q = num_attention_heads * head_dim;
+  const int64_t kv = num_key_value_heads * head_dim;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> t = {
+      {"input_layernorm.weight", {hidden_size}},
+      {"self_attn.q_proj.weight", {q, hidden_size}},
+      {"self_attn.k_proj.weight", {kv, hidden_size}},
+      {"self_attn.v_proj.weight", {kv, hidden_size}},
+      {"self_attn.o_proj.weight", {hidden_size, q}},
+  };
+  if (attention_bias) {
+    t.push_back({"self_attn.q_proj.bias", {q}});
+    t.push_back({"self_attn.k_proj.bias", {kv}});
+    t.push_back({"self_attn.v_proj.bias", {kv}});
+  }
+  if (qk_norm) {
+    t.push_back({"self_attn.q_norm.weight", {head_dim}});
+    t.push_back({"self_attn.k_norm.weight", {head_dim}});
+  }
+  t.push_back({"post_attention_layernorm.weight", {hidden_size}});
+  t.push_back({"mlp.gate_proj.weight", {intermediate_size, hidden_size}});
+  t.push_back({"mlp.up_proj.weight", {intermediate_size, hidden_size}});
+  t.push_back({"mlp.down_proj.weight", {hidden_size, intermediate_size}});
+  return t;
+}
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> ModelConfig::RestTensorShapes() const {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> t = {
+      {"model.embed_tokens.weight", {vocab_size, hidden_size}},
+      {"model.norm.weight", {hidden_size}},
+  };
+  if (!tie_word_embeddings) t.push_back({"lm_head.weight", {vocab_size, hidden_size}});
+  return t;
+}
+
+}  // namespace lorastream

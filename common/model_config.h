@@ -1,0 +1,53 @@
+// Architecture of a Hugging Face causal LM of the Llama family (llama, mistral, qwen2, qwen3),
+// read from config.json. Torch-free: the store validates shapes with it, the worker builds
+// its model from it, and it travels inside the store's manifest.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace lorastream {
+
+struct RopeScaling {
+  std::string type;  // "" (none), "llama3", "linear"
+  double factor = 1.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int64_t original_max_position_embeddings = 8192;
+};
+
+struct ModelConfig {
+  std::string model_type;  // llama | mistral | qwen2 | qwen3
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;
+  int64_t num_hidden_layers = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;
+  int64_t head_dim = 0;  // hidden_size / num_attention_heads unless config.json says
+  int64_t vocab_size = 0;
+  int64_t max_position_embeddings = 0;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  RopeScaling rope_scaling;
+  bool tie_word_embeddings = false;
+  bool attention_bias = false;  // q/k/v bias (qwen2: always true)
+  bool qk_norm = false;         // q_norm / k_norm per head (qwen3)
+  std::string torch_dtype;      // as written in config.json ("bfloat16", ...)
+
+  // The tensors of block `i` as (name relative to "model.layers.{i}.", shape), in the
+  // canonical order in which the store packs them.
+  std::vector<std::pair<std::string, std::vector<int64_t>>> BlockTensorShapes() const;
+  // The non-block tensors (full names) with their shapes; lm_head only when not tied.
+  std::vector<std::pair<std::string, std::vector<int64_t>>> RestTensorShapes() const;
+};
+
+// Parses config.json text; throws Error(kCorrupt/kUnsupported) naming `source` and the field.
+ModelConfig ParseModelConfig(const std::string& json_text, const std::string& source);
+ModelConfig LoadModelConfig(const std::string& config_json_path);
+void ToJson(nlohmann::json& out, const ModelConfig& config);  // the same keys as config.json
+ModelConfig ModelConfigFromJson(const nlohmann::json& in, const std::string& source);
+
+}  // namespace lorastream

@@ -1,0 +1,42 @@
+// The seam between the model and where its block weights come from: fully resident on the
+// device, or streamed through the ring (the streaming engine). The trainer calls Acquire and
+// Release in the step's known order: forward 0..L-1, then (checkpointed backward) L-1..0,
+// where each block's forward is recomputed just before its backward.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "common/manifest.h"
+#include "common/step_stats.h"
+
+namespace lorastream {
+
+// Views of one block's base weights (never requiring grad). Optional tensors are undefined
+// when the architecture has none (biases: qwen2; q_norm/k_norm: qwen3).
+struct BlockWeights {
+  at::Tensor input_norm, q_proj, k_proj, v_proj, o_proj;
+  at::Tensor q_bias, k_bias, v_bias, q_norm, k_norm;
+  at::Tensor post_norm, gate_proj, up_proj, down_proj;
+};
+
+// Views at the manifest's offsets over `bytes` (a uint8 tensor holding one block's packed
+// bytes, on any device); no copy.
+BlockWeights BlockWeightsFromBytes(const at::Tensor& bytes, const SegmentInfo& layout);
+
+class BlockProvider {
+ public:
+  virtual ~BlockProvider() = default;
+  virtual int num_blocks() const = 0;
+  // Starts a training step (the streaming engine begins prefetching the step's first blocks).
+  virtual void BeginStep() = 0;
+  // The weights of `block`, safe to compute on from the current stream: on CUDA the current
+  // stream waits on the block's copy event (never the host). Called in the step's order.
+  virtual const BlockWeights& Acquire(int block) = 0;
+  // Every kernel that reads `block` for this use has been enqueued; its slot may be reused
+  // once the compute work enqueued so far has completed.
+  virtual void Release(int block) = 0;
+  // Ends the step; fills the streaming fields of `stats` (h2d_bytes, stall, copies...).
+  virtual void EndStep(StepStats& stats) = 0;
+};
+
+}  // namespace lorastream
