@@ -1,0 +1,108 @@
+// safetensors reading (mmap, validated before trusted) and writing (aligned, with metadata),
+// single files and sharded checkpoints (model.safetensors.index.json). Torch-free.
+//
+// Format: 8-byte little-endian header length N, N bytes of JSON
+// {"name": {"dtype": "BF16", "shape": [..], "data_offsets": [begin, end]}, "__metadata__": {..}},
+// then the data section; offsets are relative to the data section.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/dtype.h"
+#include "common/model_config.h"
+
+namespace lorastream {
+
+// Largest header accepted (safetensors' own reader caps it at 100 MB too).
+constexpr uint64_t kMaxSafetensorsHeaderBytes = 100ull << 20;
+
+struct SafetensorsEntry {
+  std::string name;
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  uint64_t begin = 0;  // byte range within the data section
+  uint64_t end = 0;
+  uint64_t nbytes() const { return end - begin; }
+  uint64_t numel() const;
+};
+
+struct SafetensorsHeader {
+  std::vector<SafetensorsEntry> tensors;  // sorted by begin offset
+  std::map<std::string, std::string> metadata;
+  uint64_t data_offset = 0;  // 8 + N: where the data section starts in the file
+};
+
+// Validates and parses the header of a safetensors image of `size` bytes (only the first
+// 8 + N bytes are read; N is checked against `size`). Every failure throws Error(kCorrupt)
+// naming `source` and, where there is one, the tensor. Used by the reader and the fuzzer.
+SafetensorsHeader ParseSafetensorsHeader(const uint8_t* data, size_t size,
+                                         const std::string& source);
+
+// A read-only memory mapping of one validated .safetensors file. Move-only.
+class SafetensorsFile {
+ public:
+  static SafetensorsFile Open(const std::string& path);
+  SafetensorsFile(SafetensorsFile&&) noexcept;
+  SafetensorsFile& operator=(SafetensorsFile&&) noexcept;
+  ~SafetensorsFile();
+
+  const std::string& path() const { return path_; }
+  const SafetensorsHeader& header() const { return header_; }
+  const std::vector<SafetensorsEntry>& tensors() const { return header_.tensors; }
+  const SafetensorsEntry* Find(const std::string& name) const;  // nullptr when absent
+  // The tensor's bytes inside the mapping.
+  const uint8_t* Data(const SafetensorsEntry& entry) const;
+
+ private:
+  SafetensorsFile() = default;
+  std::string path_;
+  SafetensorsHeader header_;
+  const uint8_t* map_ = nullptr;
+  size_t map_size_ = 0;
+};
+
+// A Hugging Face checkpoint folder: config.json plus model.safetensors, or shards listed in
+// model.safetensors.index.json (every listed shard must exist and hold the tensors the index
+// assigns it; no tensor may appear twice).
+class Checkpoint {
+ public:
+  static Checkpoint Open(const std::string& dir);
+  const std::string& dir() const { return dir_; }
+  const ModelConfig& config() const { return config_; }
+  struct Ref {
+    const SafetensorsFile* file;
+    const SafetensorsEntry* entry;
+  };
+  // Every tensor of every shard, in file order.
+  std::vector<Ref> AllTensors() const;
+  // Throws Error(kNotFound) naming the tensor and the folder when absent.
+  Ref Get(const std::string& name) const;
+  bool Has(const std::string& name) const;
+
+ private:
+  std::string dir_;
+  ModelConfig config_;
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::map<std::string, Ref> by_name_;
+};
+
+struct TensorToWrite {
+  std::string name;
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  const void* data = nullptr;  // nbytes = numel * DTypeSize(dtype)
+};
+
+// Writes a .safetensors file (tensors in the given order, each start aligned to `alignment`
+// bytes of the data section, header padded with spaces). Writes to a temporary name and
+// renames, so a reader never sees half a file.
+void WriteSafetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
+                      const std::map<std::string, std::string>& metadata = {},
+                      size_t alignment = 64);
+
+}  // namespace lorastream
