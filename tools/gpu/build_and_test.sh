@@ -8,6 +8,7 @@
 #   LORASTREAM_GPU_STEPS  comma list of: test (gpu tests), cputest (every other test),
 #                         bench (tools/gpu/bench_stream.sh), parity (tools/parity/run_all.sh),
 #                         store (tools/bench_store.sh). Default: test
+#   LORASTREAM_GPU_TARGETS  build only these targets (default: all)
 #   LORASTREAM_DEBS       the .deb folder (default: .debs in the repo)
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -42,7 +43,7 @@ cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$TORCH_PREFIX;$DEPS/usr" \
   -DCMAKE_EXE_LINKER_FLAGS="-Wl,-rpath-link,$DEPS/usr/lib/x86_64-linux-gnu" \
   -DCMAKE_SHARED_LINKER_FLAGS="-Wl,-rpath-link,$DEPS/usr/lib/x86_64-linux-gnu" || exit 1
-cmake --build "$BUILD" -j"$(nproc)" || exit 1
+cmake --build "$BUILD" -j"$(nproc)" ${LORASTREAM_GPU_TARGETS:+--target $LORASTREAM_GPU_TARGETS} || exit 1
 echo "build: $(( $(date +%s) - start )) s on $(nproc) cores"
 export LORASTREAM_BUILD_DIR="$BUILD"
 
