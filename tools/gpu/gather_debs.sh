@@ -13,7 +13,7 @@ PACKAGES=(
   libboost1.74-dev libboost-dev
   libzmq3-dev libzmq5 cppzmq-dev libsodium23 libpgm-5.3-0 libnorm1 libbsd0 libmd0
   libgssapi-krb5-2 libkrb5-3 libk5crypto3 libkrb5support0 libcom-err2 libkeyutils1
-  libcereal-dev catch2 nlohmann-json3-dev libtomlplusplus-dev libcli11-dev
+  libcereal-dev catch2 nlohmann-json3-dev libtomlplusplus-dev libtomlplusplus3 libcli11-dev
   libspdlog-dev libspdlog1.10 libfmt-dev libfmt9
   libsqlite3-dev libsqlite3-0
 )
