@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The README's main-job command: installs what is missing, builds, then runs `lorastream up`
+# (a store, one worker per GPU or two CPU workers, a coordinator, the example jobs, the live
+# view). Arguments go to `lorastream up` (see `build/bin/lorastream up --help`).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BUILD_DIR="${LORASTREAM_BUILD_DIR:-$ROOT/build}"
+"$ROOT/tools/setup.sh"
+cd "$ROOT"
+exec "$BUILD_DIR/bin/lorastream" up "$@"
