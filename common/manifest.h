@@ -40,6 +40,18 @@ struct Manifest {
   uint64_t alignment = 256;
   std::vector<SegmentInfo> blocks;  // blocks[i] holds model.layers.{i}.*
   SegmentInfo rest;
+  int64_t owner_pid = 0;            // the serving store process
+  uint64_t owner_start_time = 0;    // its start time (/proc/PID/stat field 22): pid reuse guard
+  std::string source_dir;           // the checkpoint folder it was loaded from
+
+  uint64_t total_bytes() const;     // sum of every segment's nbytes
 };
+
+// The manifest as JSON text (uint64 values as 16-digit hex strings, so that every JSON reader
+// keeps them exact) and back. ManifestFromJson validates everything a reader relies on
+// (offsets aligned and inside their segment, sizes matching shapes) and throws
+// Error(kCorrupt) naming `source` and the field.
+std::string ManifestToJson(const Manifest& manifest);
+Manifest ManifestFromJson(const std::string& text, const std::string& source);
 
 }  // namespace lorastream

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -104,5 +105,17 @@ struct TensorToWrite {
 void WriteSafetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
                       const std::map<std::string, std::string>& metadata = {},
                       size_t alignment = 64);
+
+// Streaming variant for files larger than memory (lorastream-synth): `fill(index, offset, out,
+// n)` writes bytes [offset, offset + n) of tensors[index] into `out`; it is called in file
+// order, in chunks of at most `chunk_bytes`. `data` of the entries is ignored.
+using TensorFiller = std::function<void(size_t index, uint64_t offset, uint8_t* out, size_t n)>;
+void WriteSafetensorsStreamed(const std::string& path, const std::vector<TensorToWrite>& tensors,
+                              const TensorFiller& fill,
+                              const std::map<std::string, std::string>& metadata = {},
+                              size_t alignment = 64, size_t chunk_bytes = 64u << 20);
+
+// Total data-section bytes of a file WriteSafetensors would write (used to plan shards).
+uint64_t TensorBytes(const TensorToWrite& tensor);
 
 }  // namespace lorastream

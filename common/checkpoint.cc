@@ -1,0 +1,134 @@
+// Checkpoint: a Hugging Face folder (config.json + model.safetensors, or the shards named by
+// model.safetensors.index.json). The index is cross-checked against the shards' headers.
+#include <sys/stat.h>
+
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "common/error.h"
+#include "common/safetensors.h"
+
+namespace lorastream {
+
+namespace {
+
+bool IsFile(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+bool IsDir(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+std::string ReadText(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(ErrorCode::kNotFound, path + ": cannot open");
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
+// weight_map of an index file: tensor name -> shard file name (validated).
+std::map<std::string, std::string> ParseIndex(const std::string& path) {
+  auto bad = [&](const std::string& why) { throw Error(ErrorCode::kCorrupt, path + ": " + why); };
+  nlohmann::json j = nlohmann::json::parse(ReadText(path), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) bad("not valid JSON");
+  if (!j.is_object()) bad("not a JSON object");
+  auto wm = j.find("weight_map");
+  if (wm == j.end()) bad("`weight_map` is missing");
+  if (!wm->is_object() || wm->empty()) bad("`weight_map` must be a non-empty object");
+  std::map<std::string, std::string> map;
+  for (auto it = wm->begin(); it != wm->end(); ++it) {
+    if (!it.value().is_string())
+      bad("`weight_map` entry for tensor `" + it.key() + "` is not a file name");
+    std::string shard = it.value().get<std::string>();
+    if (shard.empty() || shard.find('/') != std::string::npos || shard == "." || shard == "..")
+      bad("`weight_map` entry for tensor `" + it.key() + "` names `" + shard +
+          "`, not a file in the checkpoint folder");
+    map[it.key()] = shard;
+  }
+  return map;
+}
+
+}  // namespace
+
+Checkpoint Checkpoint::Open(const std::string& dir_in) {
+  std::string dir = dir_in;
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  if (!IsDir(dir)) throw Error(ErrorCode::kNotFound, dir + ": not a folder");
+  Checkpoint cp;
+  cp.dir_ = dir;
+  const std::string config_path = dir + "/config.json";
+  if (!IsFile(config_path))
+    throw Error(ErrorCode::kNotFound, dir + ": no config.json (not a Hugging Face checkpoint)");
+  cp.config_ = LoadModelConfig(config_path);
+
+  const std::string index_path = dir + "/model.safetensors.index.json";
+  const std::string single_path = dir + "/model.safetensors";
+  if (IsFile(index_path)) {
+    const auto weight_map = ParseIndex(index_path);
+    std::map<std::string, const SafetensorsFile*> shards;
+    for (const auto& [tensor, shard] : weight_map) {
+      if (shards.count(shard)) continue;
+      const std::string shard_path = dir + "/" + shard;
+      if (!IsFile(shard_path))
+        throw Error(ErrorCode::kNotFound, index_path + ": shard `" + shard + "` (tensor `" +
+                                              tensor + "`) does not exist");
+      cp.files_.push_back(std::make_unique<SafetensorsFile>(SafetensorsFile::Open(shard_path)));
+      shards[shard] = cp.files_.back().get();
+    }
+    for (const auto& [tensor, shard] : weight_map) {
+      const SafetensorsFile* file = shards[shard];
+      const SafetensorsEntry* entry = file->Find(tensor);
+      if (!entry)
+        throw Error(ErrorCode::kCorrupt, index_path + ": tensor `" + tensor +
+                                             "` is assigned to shard `" + shard +
+                                             "`, which does not hold it");
+      cp.by_name_[tensor] = Ref{file, entry};
+    }
+    // Every tensor of every shard is listed, and listed for that shard (no tensor twice).
+    for (const auto& [shard, file] : shards)
+      for (const SafetensorsEntry& e : file->tensors()) {
+        auto it = weight_map.find(e.name);
+        if (it == weight_map.end())
+          throw Error(ErrorCode::kCorrupt, index_path + ": tensor `" + e.name + "` of shard `" +
+                                               shard + "` is not listed in weight_map");
+        if (it->second != shard)
+          throw Error(ErrorCode::kCorrupt, index_path + ": tensor `" + e.name +
+                                               "` appears in shard `" + shard +
+                                               "` too, but weight_map assigns it to `" +
+                                               it->second + "`");
+      }
+  } else if (IsFile(single_path)) {
+    cp.files_.push_back(std::make_unique<SafetensorsFile>(SafetensorsFile::Open(single_path)));
+    for (const SafetensorsEntry& e : cp.files_.back()->tensors())
+      cp.by_name_[e.name] = Ref{cp.files_.back().get(), &e};
+  } else {
+    throw Error(ErrorCode::kNotFound,
+                dir + ": neither model.safetensors nor model.safetensors.index.json");
+  }
+  return cp;
+}
+
+std::vector<Checkpoint::Ref> Checkpoint::AllTensors() const {
+  std::vector<Ref> all;
+  for (const auto& file : files_)
+    for (const SafetensorsEntry& e : file->tensors()) all.push_back(Ref{file.get(), &e});
+  return all;
+}
+
+Checkpoint::Ref Checkpoint::Get(const std::string& name) const {
+  auto it = by_name_.find(name);
+  if (it == by_name_.end())
+    throw Error(ErrorCode::kNotFound, dir_ + ": checkpoint has no tensor `" + name + "`");
+  return it->second;
+}
+
+bool Checkpoint::Has(const std::string& name) const { return by_name_.count(name) != 0; }
+
+}  // namespace lorastream

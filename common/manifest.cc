@@ -1,0 +1,179 @@
+// Manifest <-> JSON. The reader validates the layout so that an attacher can trust every
+// offset it hands out as a pointer.
+#include "common/manifest.h"
+
+#include <cinttypes>
+#include <cstdio>
+
+#include <nlohmann/json.hpp>
+
+#include "common/error.h"
+
+namespace lorastream {
+
+namespace {
+
+using Json = nlohmann::json;
+
+std::string Hex(uint64_t v) {
+  char buf[24];
+  std::snprintf(buf, sizeof(buf), "%016" PRIx64, v);
+  return buf;
+}
+
+[[noreturn]] void Bad(const std::string& source, const std::string& what) {
+  throw Error(ErrorCode::kCorrupt, source + ": manifest " + what);
+}
+
+const Json& Field(const Json& j, const char* key, const std::string& source,
+                  const std::string& where) {
+  auto it = j.find(key);
+  if (it == j.end()) Bad(source, where + "`" + key + "` is missing");
+  return *it;
+}
+
+std::string GetString(const Json& j, const char* key, const std::string& source,
+                      const std::string& where = "") {
+  const Json& v = Field(j, key, source, where);
+  if (!v.is_string()) Bad(source, where + "`" + key + "` must be a string");
+  return v.get<std::string>();
+}
+
+uint64_t GetUnsigned(const Json& j, const char* key, const std::string& source,
+                     const std::string& where = "") {
+  const Json& v = Field(j, key, source, where);
+  if (!v.is_number_unsigned()) Bad(source, where + "`" + key + "` must be a non-negative integer");
+  return v.get<uint64_t>();
+}
+
+uint64_t GetHex(const Json& j, const char* key, const std::string& source,
+                const std::string& where = "") {
+  std::string s = GetString(j, key, source, where);
+  if (s.empty() || s.size() > 16 || s.find_first_not_of("0123456789abcdef") != std::string::npos)
+    Bad(source, where + "`" + key + "` must be a hex string of at most 16 digits");
+  return std::stoull(s, nullptr, 16);
+}
+
+DType GetDType(const Json& j, const char* key, const std::string& source,
+               const std::string& where = "") {
+  auto d = ParseDType(GetString(j, key, source, where));
+  if (!d) Bad(source, where + "`" + key + "` is not a known dtype");
+  return *d;
+}
+
+Json SegmentToJson(const SegmentInfo& s) {
+  Json tensors = Json::array();
+  for (const TensorSlice& t : s.tensors)
+    tensors.push_back({{"name", t.name}, {"dtype", DTypeName(t.dtype)}, {"shape", t.shape},
+                       {"offset", t.offset}, {"nbytes", t.nbytes}});
+  return {{"shm_name", s.shm_name}, {"nbytes", s.nbytes}, {"checksum", Hex(s.checksum)},
+          {"tensors", tensors}};
+}
+
+SegmentInfo SegmentFromJson(const Json& j, uint64_t alignment, const std::string& source,
+                            const std::string& where) {
+  if (!j.is_object()) Bad(source, where + "is not an object");
+  SegmentInfo s;
+  s.shm_name = GetString(j, "shm_name", source, where);
+  if (s.shm_name.size() < 2 || s.shm_name[0] != '/' ||
+      s.shm_name.find('/', 1) != std::string::npos)
+    Bad(source, where + "`shm_name` must be `/name` without further slashes");
+  s.nbytes = GetUnsigned(j, "nbytes", source, where);
+  s.checksum = GetHex(j, "checksum", source, where);
+  const Json& tensors = Field(j, "tensors", source, where);
+  if (!tensors.is_array()) Bad(source, where + "`tensors` must be an array");
+  for (const Json& t : tensors) {
+    if (!t.is_object()) Bad(source, where + "tensor entry is not an object");
+    TensorSlice slice;
+    slice.name = GetString(t, "name", source, where);
+    const std::string at = where + "tensor `" + slice.name + "`: ";
+    slice.dtype = GetDType(t, "dtype", source, at);
+    slice.offset = GetUnsigned(t, "offset", source, at);
+    slice.nbytes = GetUnsigned(t, "nbytes", source, at);
+    const Json& shape = Field(t, "shape", source, at);
+    if (!shape.is_array()) Bad(source, at + "`shape` must be an array");
+    uint64_t numel = 1;
+    for (const Json& d : shape) {
+      if (!d.is_number_unsigned() || d.get<uint64_t>() > (uint64_t{1} << 40))
+        Bad(source, at + "`shape` must hold non-negative integers");
+      slice.shape.push_back(d.get<int64_t>());
+      numel *= d.get<uint64_t>();
+      if (numel > (uint64_t{1} << 48)) Bad(source, at + "`shape` is too large");
+    }
+    if (numel * DTypeSize(slice.dtype) != slice.nbytes)
+      Bad(source, at + "`nbytes` does not match its shape and dtype");
+    if (slice.offset % alignment != 0) Bad(source, at + "`offset` is not aligned");
+    if (slice.offset > s.nbytes || slice.nbytes > s.nbytes - slice.offset)
+      Bad(source, at + "lies outside its segment");
+    s.tensors.push_back(std::move(slice));
+  }
+  return s;
+}
+
+}  // namespace
+
+const TensorSlice* SegmentInfo::Find(const std::string& name) const {
+  for (const TensorSlice& t : tensors)
+    if (t.name == name) return &t;
+  return nullptr;
+}
+
+uint64_t Manifest::total_bytes() const {
+  uint64_t total = rest.nbytes;
+  for (const SegmentInfo& b : blocks) total += b.nbytes;
+  return total;
+}
+
+std::string ManifestToJson(const Manifest& m) {
+  Json config;
+  ToJson(config, m.config);
+  Json blocks = Json::array();
+  for (const SegmentInfo& b : m.blocks) blocks.push_back(SegmentToJson(b));
+  Json j = {{"format", "lorastream-manifest-1"},
+            {"store_name", m.store_name},
+            {"generation", Hex(m.generation)},
+            {"fingerprint", m.fingerprint},
+            {"config", config},
+            {"dtype", DTypeName(m.dtype)},
+            {"alignment", m.alignment},
+            {"blocks", blocks},
+            {"rest", SegmentToJson(m.rest)},
+            {"owner_pid", m.owner_pid},
+            {"owner_start_time", m.owner_start_time},
+            {"source_dir", m.source_dir}};
+  return j.dump(1);
+}
+
+Manifest ManifestFromJson(const std::string& text, const std::string& source) {
+  Json j = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) Bad(source, "is not valid JSON");
+  if (!j.is_object()) Bad(source, "is not a JSON object");
+  if (GetString(j, "format", source) != "lorastream-manifest-1")
+    Bad(source, "has an unknown `format` (expected lorastream-manifest-1)");
+  Manifest m;
+  m.store_name = GetString(j, "store_name", source);
+  m.generation = GetHex(j, "generation", source);
+  m.fingerprint = GetString(j, "fingerprint", source);
+  m.config = ModelConfigFromJson(Field(j, "config", source, ""), source + " (config)");
+  m.dtype = GetDType(j, "dtype", source);
+  m.alignment = GetUnsigned(j, "alignment", source);
+  if (m.alignment == 0 || (m.alignment & (m.alignment - 1)) != 0)
+    Bad(source, "`alignment` must be a power of two");
+  const Json& blocks = Field(j, "blocks", source, "");
+  if (!blocks.is_array()) Bad(source, "`blocks` must be an array");
+  for (size_t i = 0; i < blocks.size(); ++i)
+    m.blocks.push_back(
+        SegmentFromJson(blocks[i], m.alignment, source, "block " + std::to_string(i) + ": "));
+  if (static_cast<int64_t>(m.blocks.size()) != m.config.num_hidden_layers)
+    Bad(source, "has " + std::to_string(m.blocks.size()) + " blocks but the config has " +
+                    std::to_string(m.config.num_hidden_layers) + " layers");
+  m.rest = SegmentFromJson(Field(j, "rest", source, ""), m.alignment, source, "rest: ");
+  const Json& pid = Field(j, "owner_pid", source, "");
+  if (!pid.is_number_integer()) Bad(source, "`owner_pid` must be an integer");
+  m.owner_pid = pid.get<int64_t>();
+  m.owner_start_time = GetUnsigned(j, "owner_start_time", source);
+  m.source_dir = GetString(j, "source_dir", source);
+  return m;
+}
+
+}  // namespace lorastream

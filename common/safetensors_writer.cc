@@ -1,0 +1,135 @@
+// Writing .safetensors files: header padded with spaces so that the data section starts on
+// an `alignment` boundary, each tensor aligned within it; written under a temporary name and
+// renamed so that a reader never sees half a file.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/error.h"
+#include "common/safetensors.h"
+
+namespace lorastream {
+
+namespace {
+
+uint64_t RoundUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+void WriteAll(int fd, const uint8_t* p, size_t n, const std::string& path) {
+  while (n > 0) {
+    ssize_t w = ::write(fd, p, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      ThrowErrno(path + ": write failed");
+    }
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+}
+
+// Removes the temporary file unless Commit() renamed it into place.
+class TempFile {
+ public:
+  explicit TempFile(const std::string& path)
+      : path_(path), temp_(path + ".tmp." + std::to_string(::getpid())) {
+    fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd_ < 0) ThrowErrno(temp_ + ": cannot create");
+  }
+  ~TempFile() {
+    if (fd_ >= 0) ::close(fd_);
+    if (!committed_) ::unlink(temp_.c_str());
+  }
+  int fd() const { return fd_; }
+  const std::string& temp() const { return temp_; }
+  void Commit() {
+    int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0) ThrowErrno(temp_ + ": close failed");
+    if (::rename(temp_.c_str(), path_.c_str()) != 0) ThrowErrno(path_ + ": rename failed");
+    committed_ = true;
+  }
+
+ private:
+  std::string path_, temp_;
+  int fd_ = -1;
+  bool committed_ = false;
+};
+
+}  // namespace
+
+uint64_t TensorBytes(const TensorToWrite& t) {
+  uint64_t n = DTypeSize(t.dtype);
+  for (int64_t d : t.shape) {
+    if (d < 0) throw Error(ErrorCode::kInvalidArgument, "tensor `" + t.name + "`: negative dimension");
+    n *= static_cast<uint64_t>(d);
+  }
+  return n;
+}
+
+void WriteSafetensorsStreamed(const std::string& path, const std::vector<TensorToWrite>& tensors,
+                              const TensorFiller& fill,
+                              const std::map<std::string, std::string>& metadata,
+                              size_t alignment, size_t chunk_bytes) {
+  if (alignment == 0 || (alignment & (alignment - 1)) != 0 || alignment > 4096)
+    throw Error(ErrorCode::kInvalidArgument, path + ": alignment must be a power of two <= 4096");
+  nlohmann::json header = nlohmann::json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::vector<uint64_t> begins;
+  uint64_t offset = 0;
+  for (const TensorToWrite& t : tensors) {
+    if (t.name.empty() || t.name == "__metadata__" || header.contains(t.name))
+      throw Error(ErrorCode::kInvalidArgument, path + ": bad or duplicate tensor name `" + t.name + "`");
+    offset = RoundUp(offset, alignment);
+    const uint64_t n = TensorBytes(t);
+    begins.push_back(offset);
+    header[t.name] = {{"dtype", DTypeName(t.dtype)}, {"shape", t.shape},
+                      {"data_offsets", {offset, offset + n}}};
+    offset += n;
+  }
+  std::string text = header.dump();
+  text.resize(RoundUp(8 + text.size(), alignment) - 8, ' ');
+  std::vector<uint8_t> prefix(8 + text.size());
+  for (int i = 0; i < 8; ++i) prefix[i] = static_cast<uint8_t>(uint64_t{text.size()} >> (8 * i));
+  std::copy(text.begin(), text.end(), prefix.begin() + 8);
+
+  TempFile file(path);
+  WriteAll(file.fd(), prefix.data(), prefix.size(), file.temp());
+  std::vector<uint8_t> buffer;
+  uint64_t written = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (begins[i] > written) {
+      std::vector<uint8_t> pad(begins[i] - written, 0);
+      WriteAll(file.fd(), pad.data(), pad.size(), file.temp());
+      written = begins[i];
+    }
+    const uint64_t n = TensorBytes(tensors[i]);
+    for (uint64_t done = 0; done < n;) {
+      const size_t step = static_cast<size_t>(std::min<uint64_t>(chunk_bytes, n - done));
+      buffer.resize(step);
+      fill(i, done, buffer.data(), step);
+      WriteAll(file.fd(), buffer.data(), step, file.temp());
+      done += step;
+    }
+    written += n;
+  }
+  file.Commit();
+}
+
+void WriteSafetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
+                      const std::map<std::string, std::string>& metadata, size_t alignment) {
+  for (const TensorToWrite& t : tensors)
+    if (t.data == nullptr && TensorBytes(t) != 0)
+      throw Error(ErrorCode::kInvalidArgument, path + ": tensor `" + t.name + "` has no data");
+  WriteSafetensorsStreamed(
+      path, tensors,
+      [&](size_t index, uint64_t offset, uint8_t* out, size_t n) {
+        std::copy_n(static_cast<const uint8_t*>(tensors[index].data) + offset, n, out);
+      },
+      metadata, alignment);
+}
+
+}  // namespace lorastream
