@@ -1,0 +1,23 @@
+// Element conversions the store needs (F32/F16 -> BF16 on load) and tests use to check them.
+// Rounding is to nearest, ties to even, as torch's .to(torch.bfloat16); NaN stays NaN.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/dtype.h"
+
+namespace lorastream {
+
+uint16_t FloatToBF16(float value);
+float BF16ToFloat(uint16_t bits);
+float HalfToFloat(uint16_t bits);
+uint16_t FloatToHalf(float value);  // round to nearest even; overflow -> inf
+
+// Converts `count` elements of `src_dtype` (F32, F16 or BF16) to BF16.
+void ConvertToBF16(DType src_dtype, const void* src, uint16_t* dst, size_t count);
+
+// True for the dtypes ConvertToBF16 accepts.
+bool ConvertibleToBF16(DType dtype);
+
+}  // namespace lorastream

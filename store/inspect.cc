@@ -1,0 +1,75 @@
+#include "store/inspect.h"
+
+#include <sys/stat.h>
+
+#include <cstdio>
+
+#include "common/error.h"
+#include "common/safetensors.h"
+#include "store/layout.h"
+
+namespace lorastream {
+
+namespace {
+
+std::string Shape(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+std::string Human(uint64_t n) {
+  char buf[32];
+  if (n >= (1ull << 30)) std::snprintf(buf, sizeof(buf), "%.2f GiB", n / double(1ull << 30));
+  else if (n >= (1ull << 20)) std::snprintf(buf, sizeof(buf), "%.2f MiB", n / double(1ull << 20));
+  else std::snprintf(buf, sizeof(buf), "%.1f KiB", n / 1024.0);
+  return buf;
+}
+
+void ListFile(const SafetensorsFile& file, std::ostream& out, uint64_t* total, size_t* count) {
+  out << file.path() << ": " << file.tensors().size() << " tensors";
+  for (const auto& [k, v] : file.header().metadata) out << ", " << k << "=" << v;
+  out << "\n";
+  for (const SafetensorsEntry& e : file.tensors()) {
+    char line[64];
+    std::snprintf(line, sizeof(line), "  %-8s %14llu  ", DTypeName(e.dtype),
+                  static_cast<unsigned long long>(e.nbytes()));
+    out << line << e.name << " " << Shape(e.shape) << "\n";
+    *total += e.nbytes();
+  }
+  *count += file.tensors().size();
+}
+
+}  // namespace
+
+void RunInspect(const std::string& path, std::ostream& out) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0)
+    throw Error(ErrorCode::kNotFound, path + ": no such file or folder");
+  uint64_t total = 0;
+  size_t count = 0;
+  if (S_ISDIR(st.st_mode)) {
+    Checkpoint cp = Checkpoint::Open(path);
+    const ModelConfig& c = cp.config();
+    std::vector<const SafetensorsFile*> files;
+    for (const Checkpoint::Ref& ref : cp.AllTensors())
+      if (files.empty() || files.back() != ref.file) files.push_back(ref.file);
+    for (const SafetensorsFile* f : files) ListFile(*f, out, &total, &count);
+    PlanPack(cp, PackOptions{});  // the store's own checks against config.json
+    out << "config: " << c.model_type << ", " << c.num_hidden_layers << " layers, hidden "
+        << c.hidden_size << ", intermediate " << c.intermediate_size << ", heads "
+        << c.num_attention_heads << "/" << c.num_key_value_heads << " (head_dim " << c.head_dim
+        << "), vocab " << c.vocab_size << (c.tie_word_embeddings ? ", tied embeddings" : "")
+        << "; every tensor matches it\n";
+    out << "total: " << files.size() << " file(s), ";
+  } else if (S_ISREG(st.st_mode)) {
+    SafetensorsFile file = SafetensorsFile::Open(path);
+    ListFile(file, out, &total, &count);
+    out << "total: ";
+  } else {
+    throw Error(ErrorCode::kInvalidArgument, path + ": neither a file nor a folder");
+  }
+  out << count << " tensors, " << total << " bytes (" << Human(total) << ")\n";
+}
+
+}  // namespace lorastream

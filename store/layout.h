@@ -1,0 +1,31 @@
+// Planning a store: validate a checkpoint's tensors against its config.json and lay out
+// one segment per transformer block plus one for the rest, every tensor at an aligned offset
+// in the canonical order of ModelConfig::BlockTensorShapes()/RestTensorShapes(). Nothing is
+// allocated here, so a bad checkpoint is refused before anything exists in /dev/shm.
+#pragma once
+
+#include <vector>
+
+#include "common/manifest.h"
+#include "common/safetensors.h"
+
+namespace lorastream {
+
+struct PackPlan {
+  // Layout only: shm names, checksums, fingerprint and generation are still empty.
+  Manifest manifest;
+  // Sources parallel to manifest.blocks[i].tensors and manifest.rest.tensors.
+  std::vector<std::vector<Checkpoint::Ref>> block_sources;
+  std::vector<Checkpoint::Ref> rest_sources;
+};
+
+struct PackOptions {
+  bool to_bf16 = false;      // convert F32/F16 tensors to BF16 (else keep the file's dtype)
+  uint64_t alignment = 256;  // of every tensor's offset inside its segment (power of two)
+};
+
+// Throws Error(kCorrupt) naming the folder and the tensor for a missing block, a missing,
+// extra or misshapen tensor, or a dtype the store cannot hold.
+PackPlan PlanPack(const Checkpoint& checkpoint, const PackOptions& options);
+
+}  // namespace lorastream

@@ -1,0 +1,88 @@
+#include "store/registry.h"
+
+#include <dirent.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <map>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "common/shm_names.h"
+#include "store/process.h"
+
+namespace lorastream {
+
+namespace {
+
+std::vector<ShmObject> ObjectsWithPrefix(const std::string& prefix) {
+  std::vector<ShmObject> objects;
+  DIR* dir = ::opendir(kShmDir);
+  if (!dir) return objects;
+  while (dirent* e = ::readdir(dir)) {
+    const std::string name = e->d_name;
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    struct stat st {};
+    const std::string path = std::string(kShmDir) + "/" + name;
+    ShmObject object{"/" + name, 0};
+    if (::stat(path.c_str(), &st) == 0) object.bytes = static_cast<uint64_t>(st.st_size);
+    objects.push_back(object);
+  }
+  ::closedir(dir);
+  std::sort(objects.begin(), objects.end(),
+            [](const ShmObject& a, const ShmObject& b) { return a.name < b.name; });
+  return objects;
+}
+
+}  // namespace
+
+std::vector<ShmObject> ShmObjectsOf(const std::string& store_name) {
+  return ObjectsWithPrefix(ShmPrefix(store_name));
+}
+
+std::vector<StoreListing> ListStores() {
+  std::map<std::string, StoreListing> stores;
+  for (const ShmObject& object : ObjectsWithPrefix("lorastream.")) {
+    // "/lorastream.NAME.rest" -> NAME (store names hold no dots).
+    const size_t begin = std::string("/lorastream.").size();
+    const size_t dot = object.name.find('.', begin);
+    if (dot == std::string::npos) continue;
+    const std::string name = object.name.substr(begin, dot - begin);
+    StoreListing& listing = stores[name];
+    listing.name = name;
+    listing.objects.push_back(object);
+  }
+  std::vector<StoreListing> out;
+  for (auto& [name, listing] : stores) {
+    try {
+      listing.record = ReadManifestObject(name);
+    } catch (const Error& e) {
+      LS_LOG_WARN("store {}: {}", name, e.what());
+    }
+    listing.alive = listing.record &&
+                    ProcessAlive(listing.record->owner_pid, listing.record->owner_start_time);
+    listing.mapping_pids = PidsMapping(ShmPrefix(name));
+    out.push_back(std::move(listing));
+  }
+  return out;
+}
+
+int RemoveStaleStore(const std::string& store_name) {
+  ValidateStoreName(store_name);
+  std::optional<ManifestRecord> record = ReadManifestObject(store_name);
+  if (record && ProcessAlive(record->owner_pid, record->owner_start_time))
+    throw Error(ErrorCode::kRefused,
+                "store `" + store_name + "` is already served by pid " +
+                    std::to_string(record->owner_pid) +
+                    "; stop it first (kill " + std::to_string(record->owner_pid) +
+                    ") or choose another --name");
+  const std::vector<ShmObject> objects = ShmObjectsOf(store_name);
+  for (const ShmObject& object : objects) ::shm_unlink(object.name.c_str());
+  if (!objects.empty())
+    LS_LOG_WARN("removed {} stale shared-memory objects of store `{}` (owner pid {} is gone)",
+                objects.size(), store_name, record ? record->owner_pid : 0);
+  return static_cast<int>(objects.size());
+}
+
+}  // namespace lorastream

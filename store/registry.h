@@ -1,0 +1,38 @@
+// What lives in /dev/shm: the stores, their objects, who maps them; and removal of the
+// objects a dead store left behind.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "store/manifest_object.h"
+
+namespace lorastream {
+
+struct ShmObject {
+  std::string name;  // "/lorastream.NAME...."
+  uint64_t bytes = 0;
+};
+
+struct StoreListing {
+  std::string name;
+  std::optional<ManifestRecord> record;  // absent: orphaned segments without a manifest
+  bool alive = false;                    // the owner process is running
+  std::vector<ShmObject> objects;        // every shm object of the store, manifest included
+  std::vector<int64_t> mapping_pids;     // processes mapping one of its objects (owner too)
+};
+
+// Every shm object whose name starts with ShmPrefix(store_name).
+std::vector<ShmObject> ShmObjectsOf(const std::string& store_name);
+
+// All stores found in /dev/shm, sorted by name.
+std::vector<StoreListing> ListStores();
+
+// Before a store of `store_name` starts: when a live store holds the name, throws
+// Error(kRefused) naming its pid; otherwise unlinks every object left by a dead one and
+// returns how many were removed.
+int RemoveStaleStore(const std::string& store_name);
+
+}  // namespace lorastream

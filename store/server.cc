@@ -1,0 +1,205 @@
+#include "store/server.h"
+
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/statvfs.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cinttypes>
+#include <cstdio>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "common/safetensors.h"
+#include "common/shm_names.h"
+#include "store/checksum.h"
+#include "store/layout.h"
+#include "store/loader.h"
+#include "store/registry.h"
+
+namespace lorastream {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point since) {
+  return std::chrono::duration<double>(Clock::now() - since).count();
+}
+
+std::string GiB(uint64_t n) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.2f GiB", n / double(1ull << 30));
+  return buf;
+}
+
+uint64_t NewGeneration() {
+  std::random_device rd;
+  const uint64_t random = (uint64_t{rd()} << 32) ^ rd();
+  const uint64_t now = static_cast<uint64_t>(
+      std::chrono::system_clock::now().time_since_epoch().count());
+  return Xxh64(&now, sizeof(now), random) ^ (static_cast<uint64_t>(::getpid()) << 48);
+}
+
+void CheckShmSpace(uint64_t needed) {
+  struct statvfs vfs {};
+  if (::statvfs(kShmDir, &vfs) != 0) return;  // no /dev/shm view: fallocate will tell
+  const uint64_t free_bytes = uint64_t{vfs.f_bavail} * vfs.f_frsize;
+  const uint64_t size = uint64_t{vfs.f_blocks} * vfs.f_frsize;
+  if (needed > free_bytes)
+    throw Error(ErrorCode::kResource,
+                "the store needs " + GiB(needed) + " of /dev/shm, which has " + GiB(free_bytes) +
+                    " free (of " + GiB(size) +
+                    "); free space there or enlarge it: mount -o remount,size=<N>G /dev/shm");
+}
+
+std::string ShmemThpSetting() {
+  std::ifstream in("/sys/kernel/mm/transparent_hugepage/shmem_enabled");
+  std::string line;
+  std::getline(in, line);
+  const size_t a = line.find('['), b = line.find(']');
+  return a != std::string::npos && b > a ? line.substr(a + 1, b - a - 1) : "unknown";
+}
+
+}  // namespace
+
+std::string ComputeFingerprint(const Manifest& m) {
+  nlohmann::json config;
+  ToJson(config, m.config);
+  std::string text = config.dump() + "|" + DTypeName(m.dtype) + "|" + std::to_string(m.alignment);
+  auto add = [&](const SegmentInfo& s) {
+    text += "|" + std::to_string(s.nbytes) + ":" + std::to_string(s.checksum);
+    for (const TensorSlice& t : s.tensors) {
+      text += ";" + t.name + "," + DTypeName(t.dtype) + "," + std::to_string(t.offset);
+      for (int64_t d : t.shape) text += "x" + std::to_string(d);
+    }
+  };
+  for (const SegmentInfo& b : m.blocks) add(b);
+  add(m.rest);
+  char buf[24];
+  std::snprintf(buf, sizeof(buf), "%016" PRIx64, Xxh64(text.data(), text.size(), 0x6c6f7261));
+  return buf;
+}
+
+std::unique_ptr<PublishedStore> PublishedStore::Build(const ServeOptions& options,
+                                                      const std::function<bool()>& should_stop) {
+  const auto start = Clock::now();
+  ValidateStoreName(options.name);
+  const int threads = options.threads > 0
+                          ? options.threads
+                          : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  // Everything that can be wrong with the checkpoint is found here, before any shm object.
+  Checkpoint checkpoint = Checkpoint::Open(options.model_dir);
+  PackPlan plan = PlanPack(checkpoint, PackOptions{options.to_bf16, 256});
+  uint64_t needed = 0;
+  for (const SegmentInfo& b : plan.manifest.blocks) needed += RoundUpToPage(b.nbytes);
+  needed += RoundUpToPage(plan.manifest.rest.nbytes);
+
+  RemoveStaleStore(options.name);  // refuses when a live store holds the name
+  CheckShmSpace(needed);
+  std::unique_ptr<PublishedStore> store(new PublishedStore());
+  store->claim_ = std::make_unique<ManifestClaim>(ManifestClaim::Claim(options.name, options.mode));
+  Manifest& m = plan.manifest;
+  m.store_name = options.name;
+  m.generation = NewGeneration();
+  m.owner_pid = ::getpid();
+  for (size_t i = 0; i < m.blocks.size(); ++i)
+    m.blocks[i].shm_name = BlockShmName(options.name, m.generation, static_cast<int>(i));
+  m.rest.shm_name = RestShmName(options.name, m.generation);
+
+  const auto prefault_start = Clock::now();
+  bool huge_refused = false, lock_refused = false;
+  const size_t count = m.blocks.size() + 1;
+  for (size_t i = 0; i < count; ++i) {
+    const SegmentInfo& info = i < m.blocks.size() ? m.blocks[i] : m.rest;
+    store->segments_.push_back(
+        ShmSegment::Create(info.shm_name, info.nbytes, options.mode, options.huge_pages));
+    ShmSegment& seg = store->segments_.back();
+    if (options.huge_pages && !seg.huge_pages_advised()) huge_refused = true;
+    if (options.lock && !lock_refused && !seg.Lock()) {
+      lock_refused = true;
+      struct rlimit limit {};
+      ::getrlimit(RLIMIT_MEMLOCK, &limit);
+      LS_LOG_WARN(
+          "cannot lock the store in RAM (memlock limit {} KiB, store {}): it stays unlocked and "
+          "may be swapped. Fix: `ulimit -l unlimited` before starting, or LimitMEMLOCK=infinity "
+          "in the systemd unit",
+          limit.rlim_cur == RLIM_INFINITY ? -1 : static_cast<long long>(limit.rlim_cur / 1024),
+          GiB(needed));
+    }
+  }
+  const std::string thp = ShmemThpSetting();
+  if (options.huge_pages && (huge_refused || (thp != "always" && thp != "advise" && thp != "within_size")))
+    LS_LOG_INFO("shared memory is on 4 KiB pages: shmem transparent huge pages are `{}`; to "
+                "enable: echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled", thp);
+  store->report_.prefault_seconds = Seconds(prefault_start);
+
+  std::vector<ShmSegment*> pointers;
+  for (ShmSegment& s : store->segments_) pointers.push_back(&s);
+  LoadResult load = LoadSegments(plan, pointers, threads, should_stop);
+  for (ShmSegment& s : store->segments_) s.MakeReadOnly();  // never written after publishing
+
+  m.fingerprint = ComputeFingerprint(m);
+  m.owner_start_time = 0;  // filled from the claim's header below
+  {
+    auto record = ReadManifestObject(options.name);
+    if (record) m.owner_start_time = record->owner_start_time;
+  }
+  store->claim_->Publish(m);
+  store->manifest_ = m;
+  store->report_.bytes = load.bytes;
+  store->report_.load_seconds = load.seconds;
+  store->report_.threads = threads;
+  store->report_.locked = options.lock && !lock_refused;
+  store->report_.total_seconds = Seconds(start);
+  return store;
+}
+
+PublishedStore::~PublishedStore() {
+  segments_.clear();  // unlink the segments first, the manifest (claim_) last
+  claim_.reset();
+}
+
+int RunServe(const ServeOptions& options) {
+  // Signals are blocked in every thread and taken synchronously: the loader polls for them,
+  // and the idle store sleeps in sigwait.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  auto signalled = [&signals] {
+    sigset_t pending;
+    sigpending(&pending);
+    return sigismember(&pending, SIGTERM) == 1 || sigismember(&pending, SIGINT) == 1;
+  };
+  std::unique_ptr<PublishedStore> store = PublishedStore::Build(options, signalled);
+  const Manifest& m = store->manifest();
+  const LoadReport& r = store->report();
+  LS_LOG_INFO(
+      "store `{}` published: {} blocks + rest, {} {}, fingerprint {}, generation {:016x}; "
+      "loaded {} in {:.2f} s ({:.2f} GB/s, {} threads), prefault {:.2f} s, total {:.2f} s, {}",
+      m.store_name, m.blocks.size(), GiB(r.bytes), DTypeName(m.dtype), m.fingerprint,
+      m.generation, GiB(r.bytes), r.load_seconds, r.bytes / r.load_seconds / 1e9, r.threads,
+      r.prefault_seconds, r.total_seconds, r.locked ? "locked in RAM" : "not locked");
+  std::printf("published %s fingerprint=%s bytes=%llu load_s=%.4f load_gbps=%.3f prefault_s=%.4f\n",
+              m.store_name.c_str(), m.fingerprint.c_str(),
+              static_cast<unsigned long long>(r.bytes), r.load_seconds,
+              r.bytes / r.load_seconds / 1e9, r.prefault_seconds);
+  std::fflush(stdout);
+  int sig = 0;
+  sigwait(&signals, &sig);
+  LS_LOG_INFO("store `{}`: {} received, unlinking its segments (attached workers keep their "
+              "mappings)", m.store_name, sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  store.reset();
+  return 0;
+}
+
+}  // namespace lorastream

@@ -1,0 +1,237 @@
+#include "store/synth.h"
+
+#include <dirent.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "common/error.h"
+#include "common/safetensors.h"
+#include "common/toml_file.h"
+#include "store/checksum.h"
+#include "store/convert.h"
+
+#ifndef LORASTREAM_PRESETS_DIR
+#define LORASTREAM_PRESETS_DIR "configs/models"
+#endif
+
+namespace lorastream {
+
+namespace {
+
+inline uint64_t SplitMix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// Sum of four 16-bit uniforms (Irwin-Hall): close to a standard normal, cheap, no tails.
+inline float NormalIsh(uint64_t bits) {
+  const uint32_t sum = static_cast<uint32_t>((bits & 0xffff) + ((bits >> 16) & 0xffff) +
+                                             ((bits >> 32) & 0xffff) + (bits >> 48));
+  return (static_cast<float>(sum) - 131070.0f) * (1.0f / 37837.2f);
+}
+
+// HF-like init: matrices N(0, 0.02); norm weights 1 + N(0, 0.02) (not exactly 1, so that a
+// mixed-up norm weight shows in parity tests); biases N(0, 0.01).
+struct Scale {
+  float mean, std;
+};
+Scale ScaleFor(const std::string& name, size_t rank) {
+  if (name.find("norm") != std::string::npos) return {1.0f, 0.02f};
+  if (name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0) return {0.0f, 0.01f};
+  return {0.0f, rank >= 2 ? 0.02f : 0.01f};
+}
+
+uint64_t TensorKey(const std::string& name, uint64_t seed) {
+  return Xxh64(name.data(), name.size(), seed);
+}
+
+DType ParseSynthDType(const std::string& s, const std::string& where) {
+  if (s == "f32") return DType::kF32;
+  if (s == "f16") return DType::kF16;
+  if (s == "bf16") return DType::kBF16;
+  throw Error(ErrorCode::kInvalidArgument, where + ": dtype `" + s + "` must be f32, f16 or bf16");
+}
+
+const char* TorchDTypeName(DType d) {
+  return d == DType::kF32 ? "float32" : d == DType::kF16 ? "float16" : "bfloat16";
+}
+
+void WriteTextFile(const std::string& path, const std::string& text) {
+  const std::string temp = path + ".tmp";
+  {
+    std::ofstream out(temp, std::ios::binary | std::ios::trunc);
+    out << text;
+    if (!out) throw Error(ErrorCode::kIo, temp + ": write failed");
+  }
+  if (::rename(temp.c_str(), path.c_str()) != 0) ThrowErrno(path + ": rename failed");
+}
+
+// Removes the checkpoint files of an earlier run so that a stale index never survives.
+void RemoveOldCheckpoint(const std::string& dir) {
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) return;
+  while (dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.compare(0, 5, "model") == 0 && name.find(".safetensors") != std::string::npos)
+      ::unlink((dir + "/" + name).c_str());
+  }
+  ::closedir(d);
+}
+
+}  // namespace
+
+float SynthValue(const std::string& name, size_t rank, uint64_t seed, uint64_t index) {
+  const Scale s = ScaleFor(name, rank);
+  return s.mean + s.std * NormalIsh(SplitMix64(TensorKey(name, seed) + index));
+}
+
+std::string DefaultPresetsDir() {
+  const char* env = std::getenv("LORASTREAM_PRESETS_DIR");
+  return env && *env ? env : LORASTREAM_PRESETS_DIR;
+}
+
+Preset LoadPreset(const std::string& name_or_path, const std::string& presets_dir) {
+  const bool is_path = name_or_path.find('/') != std::string::npos ||
+                       (name_or_path.size() > 5 &&
+                        name_or_path.compare(name_or_path.size() - 5, 5, ".toml") == 0);
+  const std::string path = is_path ? name_or_path : presets_dir + "/" + name_or_path + ".toml";
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0)
+    throw Error(ErrorCode::kNotFound, "preset `" + name_or_path + "`: " + path +
+                                          " does not exist (presets live in " + presets_dir + ")");
+  TomlSection t = TomlSection::Load(path);
+  t.RejectUnknownKeys({"model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+                       "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+                       "max_position_embeddings", "rope_theta", "rms_norm_eps",
+                       "tie_word_embeddings", "attention_bias", "dtype", "rope_scaling"});
+  nlohmann::json j = {
+      {"model_type", t.RequireString("model_type")},
+      {"hidden_size", t.RequireInt("hidden_size")},
+      {"intermediate_size", t.RequireInt("intermediate_size")},
+      {"num_hidden_layers", t.RequireInt("num_hidden_layers")},
+      {"num_attention_heads", t.RequireInt("num_attention_heads")},
+      {"num_key_value_heads", t.GetInt("num_key_value_heads", t.RequireInt("num_attention_heads"))},
+      {"vocab_size", t.RequireInt("vocab_size")},
+      {"max_position_embeddings", t.GetInt("max_position_embeddings", 2048)},
+      {"rope_theta", t.GetDouble("rope_theta", 10000.0)},
+      {"rms_norm_eps", t.GetDouble("rms_norm_eps", 1e-6)},
+      {"tie_word_embeddings", t.GetBool("tie_word_embeddings", false)},
+      {"attention_bias", t.GetBool("attention_bias", false)}};
+  if (t.Has("head_dim")) j["head_dim"] = t.RequireInt("head_dim");
+  if (t.Has("rope_scaling")) {
+    TomlSection rs = t.Section("rope_scaling");
+    rs.RejectUnknownKeys({"rope_type", "factor", "low_freq_factor", "high_freq_factor",
+                          "original_max_position_embeddings"});
+    j["rope_scaling"] = {{"rope_type", rs.RequireString("rope_type")},
+                         {"factor", rs.GetDouble("factor", 1.0)},
+                         {"low_freq_factor", rs.GetDouble("low_freq_factor", 1.0)},
+                         {"high_freq_factor", rs.GetDouble("high_freq_factor", 4.0)},
+                         {"original_max_position_embeddings",
+                          rs.GetInt("original_max_position_embeddings", 8192)}};
+  }
+  Preset preset;
+  preset.config = ModelConfigFromJson(j, path);
+  preset.dtype = ParseSynthDType(t.GetString("dtype", "f32"), t.Where("dtype"));
+  return preset;
+}
+
+SynthResult RunSynth(const SynthOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
+  if (options.out_dir.empty()) throw Error(ErrorCode::kInvalidArgument, "--out is required");
+  Preset preset = LoadPreset(options.preset, options.presets_dir.empty() ? DefaultPresetsDir()
+                                                                         : options.presets_dir);
+  ModelConfig config = preset.config;
+  if (options.layers < 0) throw Error(ErrorCode::kInvalidArgument, "--layers must be positive");
+  if (options.layers > 0) config.num_hidden_layers = options.layers;
+  const DType dtype = options.dtype.empty() ? preset.dtype : ParseSynthDType(options.dtype, "--dtype");
+  config.torch_dtype = TorchDTypeName(dtype);
+  const int threads = options.threads > 0
+                          ? options.threads
+                          : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+
+  // Tensors in HF's order: embeddings, blocks, final norm, lm_head.
+  std::vector<TensorToWrite> tensors;
+  auto rest = config.RestTensorShapes();
+  tensors.push_back({rest[0].first, dtype, rest[0].second, nullptr});
+  for (int64_t i = 0; i < config.num_hidden_layers; ++i)
+    for (const auto& [rel, shape] : config.BlockTensorShapes())
+      tensors.push_back({"model.layers." + std::to_string(i) + "." + rel, dtype, shape, nullptr});
+  for (size_t k = 1; k < rest.size(); ++k) tensors.push_back({rest[k].first, dtype, rest[k].second, nullptr});
+
+  std::vector<std::vector<TensorToWrite>> shards(1);
+  uint64_t shard_size = 0, total = 0;
+  for (const TensorToWrite& t : tensors) {
+    const uint64_t n = TensorBytes(t);
+    if (shard_size > 0 && shard_size + n > options.shard_bytes) {
+      shards.emplace_back();
+      shard_size = 0;
+    }
+    shards.back().push_back(t);
+    shard_size += n;
+    total += n;
+  }
+
+  for (size_t pos = 1; pos != std::string::npos;) {  // mkdir -p
+    pos = options.out_dir.find('/', pos + 1);
+    const std::string part = options.out_dir.substr(0, pos);
+    if (::mkdir(part.c_str(), 0755) != 0 && errno != EEXIST) ThrowErrno(part + ": cannot create");
+  }
+  RemoveOldCheckpoint(options.out_dir);
+  const size_t esize = DTypeSize(dtype);
+  nlohmann::json weight_map = nlohmann::json::object();
+  for (size_t s = 0; s < shards.size(); ++s) {
+    char file[64];
+    std::snprintf(file, sizeof(file), "model-%05zu-of-%05zu.safetensors", s + 1, shards.size());
+    const std::string name = shards.size() == 1 ? "model.safetensors" : file;
+    const auto& list = shards[s];
+    auto fill = [&](size_t index, uint64_t offset, uint8_t* out, size_t n) {
+      const TensorToWrite& t = list[index];
+      const Scale scale = ScaleFor(t.name, t.shape.size());
+      const uint64_t key = TensorKey(t.name, options.seed);
+      const uint64_t first = offset / esize, count = n / esize;
+      auto work = [&](uint64_t begin, uint64_t end) {
+        for (uint64_t i = begin; i < end; ++i) {
+          const float v = scale.mean + scale.std * NormalIsh(SplitMix64(key + first + i));
+          if (dtype == DType::kF32) std::memcpy(out + i * 4, &v, 4);
+          else {
+            const uint16_t h = dtype == DType::kBF16 ? FloatToBF16(v) : FloatToHalf(v);
+            std::memcpy(out + i * 2, &h, 2);
+          }
+        }
+      };
+      const int parts = count < (1u << 16) ? 1 : threads;
+      std::vector<std::thread> pool;
+      for (int p = 1; p < parts; ++p) pool.emplace_back(work, count * p / parts, count * (p + 1) / parts);
+      work(0, count / parts);
+      for (std::thread& th : pool) th.join();
+    };
+    WriteSafetensorsStreamed(options.out_dir + "/" + name, list, fill, {{"format", "pt"}}, 64);
+    for (const TensorToWrite& t : list) weight_map[t.name] = name;
+  }
+  if (shards.size() > 1) {
+    nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+    WriteTextFile(options.out_dir + "/model.safetensors.index.json", index.dump(2));
+  }
+  nlohmann::json cj;
+  ToJson(cj, config);
+  WriteTextFile(options.out_dir + "/config.json", cj.dump(2));
+  SynthResult result;
+  result.bytes = total;
+  result.shards = static_cast<int>(shards.size());
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return result;
+}
+
+}  // namespace lorastream
