@@ -1,0 +1,303 @@
+// In-process tests of packing, attaching and the refusals that happen before publishing.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstring>
+#include <fstream>
+#include <functional>
+
+#include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
+
+#include "common/error.h"
+#include "common/safetensors.h"
+#include "store/attach.h"
+#include "store/convert.h"
+#include "store/registry.h"
+#include "store/server.h"
+#include "test_util.h"
+
+using namespace lorastream;
+using namespace lorastream::testing;
+
+namespace {
+
+std::unique_ptr<PublishedStore> Serve(const std::string& dir, const std::string& name,
+                                      bool to_bf16 = false) {
+  ServeOptions o;
+  o.model_dir = dir;
+  o.name = name;
+  o.to_bf16 = to_bf16;
+  o.threads = 2;
+  return PublishedStore::Build(o);
+}
+
+// Every tensor in the store equals the checkpoint's bytes (or their BF16 rounding).
+void CheckAgainstSource(const AttachedStore& store, const Checkpoint& cp, bool to_bf16) {
+  const Manifest& m = store.manifest();
+  auto compare = [&](const std::string& full, const TensorSlice& slice, const uint8_t* data) {
+    INFO(full);
+    const auto ref = cp.Get(full);
+    CHECK(slice.shape == ref.entry->shape);
+    CHECK(slice.offset % m.alignment == 0);
+    const uint8_t* src = ref.file->Data(*ref.entry);
+    if (!to_bf16 || ref.entry->dtype == DType::kBF16) {
+      REQUIRE(slice.nbytes == ref.entry->nbytes());
+      CHECK(std::memcmp(data, src, slice.nbytes) == 0);
+    } else {
+      REQUIRE(slice.dtype == DType::kBF16);
+      std::vector<uint16_t> expected(ref.entry->numel());
+      ConvertToBF16(ref.entry->dtype, src, expected.data(), expected.size());
+      REQUIRE(slice.nbytes == expected.size() * 2);
+      CHECK(std::memcmp(data, expected.data(), slice.nbytes) == 0);
+    }
+  };
+  REQUIRE(store.num_blocks() == cp.config().num_hidden_layers);
+  for (int i = 0; i < store.num_blocks(); ++i) {
+    const auto canonical = cp.config().BlockTensorShapes();
+    REQUIRE(m.blocks[i].tensors.size() == canonical.size());
+    for (size_t k = 0; k < canonical.size(); ++k) {
+      const TensorSlice& slice = m.blocks[i].tensors[k];
+      CHECK(slice.name == canonical[k].first);  // canonical order
+      if (k > 0) CHECK(slice.offset >= m.blocks[i].tensors[k - 1].offset + m.blocks[i].tensors[k - 1].nbytes);
+      compare("model.layers." + std::to_string(i) + "." + slice.name, slice,
+              store.tensor_data(i, slice.name));
+    }
+  }
+  for (const TensorSlice& slice : m.rest.tensors)
+    compare(slice.name, slice, store.tensor_data(-1, slice.name));
+  CHECK(m.rest.tensors.size() == cp.config().RestTensorShapes().size());
+}
+
+// Rewrites the single-file checkpoint in `dir` after `edit` changed its tensor list.
+void Rewrite(const std::string& dir, const std::function<void(std::vector<TensorToWrite>&)>& edit) {
+  SafetensorsFile f = SafetensorsFile::Open(dir + "/model.safetensors");
+  std::vector<TensorToWrite> tensors;
+  for (const SafetensorsEntry& e : f.tensors()) tensors.push_back({e.name, e.dtype, e.shape, f.Data(e)});
+  edit(tensors);
+  WriteSafetensors(dir + "/model.safetensors", tensors);  // temp + rename: `f` stays valid
+}
+
+void EditConfig(const std::string& dir, const std::function<void(nlohmann::json&)>& edit) {
+  std::ifstream in(dir + "/config.json");
+  nlohmann::json j = nlohmann::json::parse(in);
+  edit(j);
+  std::ofstream(dir + "/config.json") << j.dump();
+}
+
+std::string ServeError(const std::string& dir, const std::string& name, bool to_bf16 = false) {
+  try {
+    Serve(dir, name, to_bf16);
+  } catch (const Error& e) {
+    CHECK(ShmObjectsOf(name).empty());  // refused before anything was published
+    return e.what();
+  }
+  return "(accepted)";
+}
+
+}  // namespace
+
+TEST_CASE("pack/attach round trip is bit-exact for every tiny preset", "[store]") {
+  for (const std::string preset : {"tiny", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"}) {
+    INFO(preset);
+    ScopedDir dir;
+    Synth(preset, dir.path, 3, "", /*shard_bytes=*/preset == "tiny-qwen3" ? 200000 : 4ull << 30);
+    const std::string name = UniqueName("rt");
+    auto published = Serve(dir.path, name);
+    AttachedStore store = AttachedStore::Attach(name, published->manifest().fingerprint);
+    Checkpoint cp = Checkpoint::Open(dir.path);
+    CheckAgainstSource(store, cp, false);
+    CHECK(store.manifest().dtype == DType::kF32);
+    CHECK_NOTHROW(VerifyChecksums(store, 2));
+    for (int i = 0; i < store.num_blocks(); ++i)
+      CHECK(store.block_size(i) == store.manifest().blocks[i].nbytes);
+    CHECK_THROWS_WITH(AttachedStore::Attach(name, "0123456789abcdef"),
+                      Catch::Contains("expected 0123456789abcdef"));
+  }
+}
+
+TEST_CASE("F32 and F16 checkpoints convert to BF16 on request", "[store]") {
+  for (const std::string dtype : {"f32", "f16"}) {
+    INFO(dtype);
+    ScopedDir dir;
+    Synth("tiny", dir.path, 5, dtype);
+    const std::string name = UniqueName("bf16");
+    auto published = Serve(dir.path, name, /*to_bf16=*/true);
+    AttachedStore store = AttachedStore::Attach(name);
+    CHECK(store.manifest().dtype == DType::kBF16);
+    CheckAgainstSource(store, Checkpoint::Open(dir.path), true);
+  }
+}
+
+TEST_CASE("same weights give the same fingerprint, other weights another", "[store]") {
+  ScopedDir a, b;
+  Synth("tiny", a.path, 1);
+  Synth("tiny", b.path, 2);
+  auto s1 = Serve(a.path, UniqueName("fp"));
+  const std::string f1 = s1->manifest().fingerprint;
+  s1.reset();
+  auto s2 = Serve(a.path, UniqueName("fp"));
+  auto s3 = Serve(b.path, UniqueName("fp"));  // two stores side by side
+  CHECK(s2->manifest().fingerprint == f1);
+  CHECK(s3->manifest().fingerprint != f1);
+  CHECK(s2->manifest().generation != s3->manifest().generation);
+  CHECK_NOTHROW(VerifyChecksums(AttachedStore::Attach(s2->manifest().store_name)));
+  CHECK_NOTHROW(VerifyChecksums(AttachedStore::Attach(s3->manifest().store_name)));
+}
+
+TEST_CASE("a write through an attached mapping faults in the writer only", "[store]") {
+  ScopedDir dir;
+  Synth("tiny", dir.path);
+  const std::string name = UniqueName("ro");
+  auto published = Serve(dir.path, name);
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    std::signal(SIGSEGV, SIG_DFL);  // Catch2's handler would report instead of dying
+    try {
+      AttachedStore store = AttachedStore::Attach(name);
+      const_cast<uint8_t*>(store.block_data(1))[100] = 0x5a;  // must raise SIGSEGV
+    } catch (...) {
+      _exit(3);
+    }
+    _exit(0);
+  }
+  int status = 0;
+  REQUIRE(waitpid(child, &status, 0) == child);
+  CHECK(WIFSIGNALED(status));
+  CHECK(WTERMSIG(status) == SIGSEGV);
+  CHECK_NOTHROW(VerifyChecksums(AttachedStore::Attach(name)));
+}
+
+TEST_CASE("a second store of a live name is refused and leaves the first intact", "[store]") {
+  ScopedDir dir;
+  Synth("tiny", dir.path);
+  const std::string name = UniqueName("dup");
+  auto first = Serve(dir.path, name);
+  CHECK_THROWS_WITH(Serve(dir.path, name), Catch::Contains("is already served by pid " + std::to_string(getpid())));
+  CHECK_NOTHROW(VerifyChecksums(AttachedStore::Attach(name)));
+  first.reset();
+  CHECK(ShmObjectsOf(name).empty());
+  CHECK_THROWS_WITH(AttachedStore::Attach(name), Catch::Contains("no store named"));
+  CHECK_THROWS_AS(Serve(dir.path, "bad.name"), Error);
+}
+
+TEST_CASE("malformed checkpoints are refused before anything is published", "[store]") {
+  const std::string name = UniqueName("bad");
+  auto fresh = [](ScopedDir& d) { Synth("tiny", d.path, 9); };
+  {
+    ScopedDir d;
+    fresh(d);
+    Rewrite(d.path, [](auto& t) {
+      t.erase(std::remove_if(t.begin(), t.end(), [](auto& x) { return x.name == "model.layers.1.mlp.up_proj.weight"; }), t.end());
+    });
+    CHECK_THAT(ServeError(d.path, name), Catch::Contains("tensor `model.layers.1.mlp.up_proj.weight` is missing"));
+  }
+  {
+    ScopedDir d;
+    fresh(d);
+    Rewrite(d.path, [](auto& t) {
+      t.erase(std::remove_if(t.begin(), t.end(), [](auto& x) { return x.name.rfind("model.layers.3.", 0) == 0; }), t.end());
+    });
+    CHECK_THAT(ServeError(d.path, name), Catch::Contains("block 3 is missing (no tensor model.layers.3.*"));
+  }
+  {
+    ScopedDir d;
+    fresh(d);
+    Rewrite(d.path, [](auto& t) {
+      TensorToWrite x = t[1];
+      x.name = "model.layers.2.mlp.extra_proj.weight";
+      t.push_back(x);
+    });
+    CHECK_THAT(ServeError(d.path, name), Catch::Contains("unexpected tensor `model.layers.2.mlp.extra_proj.weight` (not part of a llama block)"));
+  }
+  {
+    ScopedDir d;
+    fresh(d);
+    Rewrite(d.path, [](auto& t) {
+      TensorToWrite x = t[1];
+      x.name = "vision_tower.weight";
+      t.push_back(x);
+    });
+    CHECK_THAT(ServeError(d.path, name), Catch::Contains("unexpected tensor `vision_tower.weight`"));
+  }
+  {
+    ScopedDir d;
+    fresh(d);
+    Rewrite(d.path, [](auto& t) {
+      for (auto& x : t)
+        if (x.name == "model.layers.0.self_attn.q_proj.weight") x.shape = {32, 128};
+    });
+    CHECK_THAT(ServeError(d.path, name), Catch::Contains("tensor `model.layers.0.self_attn.q_proj.weight` has shape [32, 128] but config.json implies [64, 64]"));
+  }
+  {
+    ScopedDir d;
+    fresh(d);
+    EditConfig(d.path, [](auto& j) { j["num_hidden_layers"] = 3; });
+    CHECK_THAT(ServeError(d.path, name), Catch::Contains("belongs to block 3 but config.json has num_hidden_layers = 3"));
+    EditConfig(d.path, [](auto& j) { j["num_hidden_layers"] = 4; j["hidden_size"] = 128; });
+    CHECK_THAT(ServeError(d.path, name), Catch::Contains("config.json implies"));
+    EditConfig(d.path, [](auto& j) { j.erase("vocab_size"); });
+    CHECK_THAT(ServeError(d.path, name), Catch::Contains("field `vocab_size` is missing"));
+  }
+  {
+    ScopedDir d;
+    fresh(d);
+    Rewrite(d.path, [](auto& t) {
+      t.erase(std::remove_if(t.begin(), t.end(), [](auto& x) { return x.name == "model.norm.weight"; }), t.end());
+    });
+    CHECK_THAT(ServeError(d.path, name), Catch::Contains("tensor `model.norm.weight` is missing"));
+  }
+  {
+    ScopedDir d;
+    fresh(d);
+    std::vector<int32_t> ints(64, 1);
+    Rewrite(d.path, [&](auto& t) {
+      for (auto& x : t)
+        if (x.name == "model.norm.weight") x = {x.name, DType::kI32, {64}, ints.data()};
+    });
+    CHECK_THAT(ServeError(d.path, name), Catch::Contains("tensor `model.norm.weight` is I32; the store holds floating-point weights"));
+  }
+  {
+    ScopedDir d;
+    fresh(d);
+    std::vector<uint16_t> halves(64, 0x3C00);
+    Rewrite(d.path, [&](auto& t) {
+      for (auto& x : t)
+        if (x.name == "model.norm.weight") x = {x.name, DType::kF16, {64}, halves.data()};
+    });
+    CHECK_THAT(ServeError(d.path, name), Catch::Contains("serve with --dtype bf16 to convert"));
+    CHECK(ServeError(d.path, name, /*to_bf16=*/true) == "(accepted)");  // mixed is fine when converting
+  }
+  {
+    ScopedDir d;
+    Synth("tiny", d.path, 9, "", /*shard_bytes=*/250000);
+    const std::string index = d.path + "/model.safetensors.index.json";
+    std::string text;
+    {
+      std::ifstream in(index);
+      text.assign(std::istreambuf_iterator<char>(in), {});
+    }
+    std::ofstream(index) << "{\"weight_map\": ";
+    CHECK_THAT(ServeError(d.path, name), Catch::Contains("model.safetensors.index.json: not valid JSON"));
+    std::ofstream(index) << nlohmann::json::parse(text).dump();
+    std::remove((d.path + "/model-00002-of-" + std::string(text.find("of-00004") != std::string::npos ? "00004" : "00005") + ".safetensors").c_str());
+    const std::string missing = ServeError(d.path, name);
+    CHECK_THAT(missing, Catch::Contains("model.safetensors.index.json: shard `model-00002-of-"));
+    CHECK_THAT(missing, Catch::Contains("does not exist"));
+  }
+  {
+    ScopedDir d;
+    fresh(d);
+    std::remove((d.path + "/config.json").c_str());
+    CHECK_THAT(ServeError(d.path, name), Catch::Contains("no config.json"));
+  }
+  {
+    ScopedDir d;
+    fresh(d);
+    ::truncate((d.path + "/model.safetensors").c_str(), 5000);
+    CHECK_THAT(ServeError(d.path, name), Catch::Contains("model.safetensors: tensor `"));
+  }
+}
