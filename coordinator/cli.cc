@@ -1,0 +1,273 @@
+#include "coordinator/cli.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include <CLI/CLI.hpp>
+
+#include "common/error.h"
+#include "common/job_spec.h"
+#include "common/log.h"
+#include "coordinator/cli_format.h"
+#include "coordinator/client.h"
+#include "coordinator/coordinator_server.h"
+#include "coordinator/curve.h"
+#include "coordinator/watch_view.h"
+
+namespace lorastream {
+namespace {
+
+std::atomic<bool> g_stop{false};
+void OnSignal(int) { g_stop = true; }
+
+struct GlobalOptions {
+  std::string endpoint = kDefaultEndpoint;
+  std::string curve_keys;
+  double timeout_s = 10;
+};
+
+Client Connect(const GlobalOptions& g) {
+  return Client(ClientOptions{g.endpoint, g.curve_keys, static_cast<int>(g.timeout_s * 1000)});
+}
+
+int RunCoordinator(const GlobalOptions& g, ServerOptions options, const std::string& log_level,
+                   const std::string& log_file) {
+  InitLogging("coordinator", log_level, log_file);
+  options.curve_keys_dir = g.curve_keys;
+  options.coordinator.validator = [](const JobSpec& spec) {
+    return ValidateJobSpec(spec, nullptr);
+  };
+  CoordinatorServer server(options);
+  std::signal(SIGINT, OnSignal);
+  std::signal(SIGTERM, OnSignal);
+  std::signal(SIGPIPE, SIG_IGN);
+  server.Run(g_stop);
+  return 0;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(ErrorCode::kNotFound, "cannot read job file " + path);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+int RunSubmit(const GlobalOptions& g, const std::string& path, int64_t* priority, bool json,
+              bool quiet) {
+  SubmitRequest req;
+  req.spec_toml = ReadFile(path);
+  // Parsed and resolved here: relative paths mean what they mean where the user typed them.
+  std::string source = std::filesystem::absolute(path).lexically_normal().string();
+  req.spec = ParseJobSpec(req.spec_toml, source);
+  ResolveJobSpec(req.spec);
+  if (priority) req.spec.priority = *priority;
+  Client client = Connect(g);
+  SubmitReply reply = client.Call(req);
+  if (!reply.problems.empty()) {
+    if (json) {
+      std::cout << nlohmann::json{{"job_id", nullptr}, {"problems", reply.problems}}.dump(2)
+                << "\n";
+    }
+    std::cerr << "lorastream submit: " << path << " was refused (" << reply.problems.size()
+              << (reply.problems.size() == 1 ? " problem" : " problems") << "):\n";
+    for (const std::string& p : reply.problems) std::cerr << "  " << p << "\n";
+    return ExitCodeFor(ErrorCode::kRefused);
+  }
+  if (json)
+    std::cout << nlohmann::json{{"job_id", reply.job_id}, {"problems", nlohmann::json::array()}}.dump(2) << "\n";
+  else if (quiet)
+    std::cout << reply.job_id << "\n";
+  else
+    std::cout << "job " << reply.job_id << " submitted: " << req.spec.name << "\n";
+  return 0;
+}
+
+int RunStats(const GlobalOptions& g, int64_t job, const std::string& format) {
+  Client client = Connect(g);
+  StatsReply reply = client.Call(StatsRequest{job});
+  std::cout << (format == "json" ? StatsJson(job, reply.stats) : StatsCsv(reply.stats));
+  return 0;
+}
+
+}  // namespace
+
+int RunLorastreamCli(int argc, char** argv) {
+  CLI::App app{"lorastream: many LoRA jobs against one RAM-resident base model.\n"
+               "The coordinator daemon and the commands that talk to it."};
+  app.require_subcommand(1);
+  GlobalOptions g;
+  app.add_option("--coordinator", g.endpoint, "coordinator endpoint (ZeroMQ)")
+      ->envname("LORASTREAM_COORDINATOR")
+      ->capture_default_str();
+  app.add_option("--curve-keys", g.curve_keys,
+                 "folder of CURVE keys from `lorastream keygen` (the daemon loads "
+                 "coordinator.*, clients load coordinator.pub + client.*)")
+      ->envname("LORASTREAM_CURVE_KEYS");
+  app.add_option("--timeout", g.timeout_s, "seconds to wait for each reply")->capture_default_str();
+
+  // coordinator
+  ServerOptions server;
+  std::string log_level = "info", log_file;
+  CLI::App* coord = app.add_subcommand("coordinator", "run the coordinator daemon");
+  coord->add_option("--bind", server.bind, "endpoint to listen on (non-loopback needs "
+                                           "--curve-keys or --insecure)")
+      ->capture_default_str();
+  coord->add_option("--db", server.db, "SQLite journal (created when missing)")
+      ->capture_default_str();
+  coord->add_option("--heartbeat-timeout", server.coordinator.heartbeat_timeout_s,
+                    "seconds of silence after which a worker is dead")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  coord->add_option("--heartbeat-interval", server.coordinator.heartbeat_interval_s,
+                    "seconds between worker heartbeats (told to workers)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  coord->add_option("--max-retries", server.coordinator.max_retries,
+                    "requeues after worker deaths before a job fails")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  coord->add_option("--reconcile-timeout", server.coordinator.reconcile_timeout_s,
+                    "after a restart, seconds running jobs wait for their workers "
+                    "(default: the heartbeat timeout)");
+  coord->add_flag("--insecure", server.insecure,
+                  "allow a non-loopback bind without CURVE (anyone who can reach it controls it)");
+  coord->add_option("--log-level", log_level, "trace|debug|info|warn|error")->capture_default_str();
+  coord->add_option("--log-file", log_file, "also log to this file");
+
+  // submit
+  std::string job_file;
+  int64_t priority = 0;
+  bool json = false, quiet = false;
+  CLI::App* submit = app.add_subcommand("submit", "validate a job file and queue it");
+  submit->add_option("JOB_TOML", job_file, "the job file")->required();
+  CLI::Option* priority_opt =
+      submit->add_option("--priority", priority, "override the file's priority (higher first)");
+  submit->add_flag("--json", json, "print {job_id, problems} as JSON");
+  submit->add_flag("-q,--quiet", quiet, "print only the job id");
+
+  // jobs, show, stats, cancel, workers
+  bool active_only = false;
+  CLI::App* jobs = app.add_subcommand("jobs", "list jobs");
+  jobs->add_flag("--json", json, "JSON array");
+  jobs->add_flag("--active", active_only, "only queued and running jobs");
+  int64_t job_id = 0;
+  CLI::App* show = app.add_subcommand("show", "a job's state, progress, worker and job file");
+  show->add_option("JOB", job_id, "job id")->required();
+  show->add_flag("--json", json, "JSON object");
+  std::string format = "csv";
+  CLI::App* stats = app.add_subcommand("stats", "a job's per-step statistics (downsampled)");
+  stats->add_option("JOB", job_id, "job id")->required();
+  stats->add_option("--format", format, "csv or json")
+      ->check(CLI::IsMember({"csv", "json"}))->capture_default_str();
+  CLI::App* cancel = app.add_subcommand(
+      "cancel", "cancel a job (a running one stops at its next step boundary, adapter saved)");
+  cancel->add_option("JOB", job_id, "job id")->required();
+  cancel->add_flag("--json", json, "JSON object");
+  bool include_dead = false;
+  CLI::App* workers = app.add_subcommand("workers", "list registered workers");
+  workers->add_flag("--json", json, "JSON array");
+  workers->add_flag("--all", include_dead, "include dead workers");
+
+  // watch
+  std::vector<int64_t> watch_ids;
+  WatchOptions watch_options;
+  bool plain = false;
+  CLI::App* watch = app.add_subcommand(
+      "watch", "live view until the watched jobs end (exit 1 if one failed or was cancelled)");
+  watch->add_option("JOB", watch_ids, "job ids (default: every job not yet ended)");
+  watch->add_flag("--plain", plain, "plain lines even on a terminal");
+  watch->add_option("--line-interval", watch_options.line_interval_s,
+                    "plain mode: seconds between progress lines of one job")
+      ->capture_default_str();
+
+  // keygen
+  std::string key_dir;
+  bool force = false;
+  CLI::App* keygen = app.add_subcommand("keygen", "write CURVE keys for the coordinator and its clients");
+  keygen->add_option("--out", key_dir, "folder to write the keys into")->required();
+  keygen->add_flag("--force", force, "replace existing keys");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+
+  try {
+    if (coord->parsed()) return RunCoordinator(g, server, log_level, log_file);
+    if (submit->parsed())
+      return RunSubmit(g, job_file, priority_opt->count() ? &priority : nullptr, json, quiet);
+    if (keygen->parsed()) {
+      WriteCurveKeys(key_dir, force);
+      std::cout << "CURVE keys written to " << key_dir
+                << " (coordinator: --curve-keys " << key_dir
+                << "; copy the folder to client hosts; *.key files are secret)\n";
+      return 0;
+    }
+    Client client = Connect(g);
+    if (jobs->parsed()) {
+      ListJobsReply reply = client.Call(ListJobsRequest{!active_only});
+      if (json) {
+        nlohmann::json out = nlohmann::json::array();
+        for (const JobSummary& j : reply.jobs) out.push_back(ToJson(j));
+        std::cout << out.dump(2) << "\n";
+      } else {
+        std::cout << JobsTable(reply.jobs);
+      }
+      return 0;
+    }
+    if (show->parsed()) {
+      ShowJobReply reply = client.Call(ShowJobRequest{job_id});
+      if (json) {
+        nlohmann::json out = ToJson(reply.job);
+        out["retries"] = reply.retries;
+        out["spec_toml"] = reply.spec_toml;
+        std::cout << out.dump(2) << "\n";
+      } else {
+        std::cout << JobDetails(reply);
+      }
+      return 0;
+    }
+    if (stats->parsed()) return RunStats(g, job_id, format);
+    if (cancel->parsed()) {
+      CancelReply reply = client.Call(CancelRequest{job_id});
+      if (json)
+        std::cout << nlohmann::json{{"job_id", job_id}, {"state", JobStateName(reply.state)}}.dump() << "\n";
+      else if (reply.state == JobState::kCancelled)
+        std::cout << "job " << job_id << " cancelled\n";
+      else
+        std::cout << "job " << job_id << ": cancel requested; it stops at its next step "
+                                          "boundary after saving its adapter\n";
+      return 0;
+    }
+    if (workers->parsed()) {
+      ListWorkersReply reply = client.Call(ListWorkersRequest{include_dead});
+      if (json) {
+        nlohmann::json out = nlohmann::json::array();
+        for (const WorkerSummary& w : reply.workers) out.push_back(ToJson(w));
+        std::cout << out.dump(2) << "\n";
+      } else {
+        std::cout << WorkersTable(reply.workers);
+      }
+      return 0;
+    }
+    if (watch->parsed()) {
+      watch_options.job_ids = watch_ids;
+      watch_options.tty = !plain && isatty(STDOUT_FILENO);
+      return RunWatch(client, watch_options, std::cout);
+    }
+  } catch (const Error& e) {
+    std::cerr << "lorastream: " << ErrorCodeName(e.code()) << ": " << e.what() << "\n";
+    return ExitCodeFor(e.code());
+  } catch (const std::exception& e) {
+    std::cerr << "lorastream: internal error: " << e.what() << "\n";
+    return ExitCodeFor(ErrorCode::kInternal);
+  }
+  return 0;
+}
+
+}  // namespace lorastream

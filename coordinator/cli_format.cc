@@ -1,0 +1,189 @@
+#include "coordinator/cli_format.h"
+
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+namespace lorastream {
+namespace {
+
+std::string Printf(const char* fmt, double value) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), fmt, value);
+  return buf;
+}
+
+std::string Pad(std::string s, size_t width) {
+  if (s.size() < width) s.append(width - s.size(), ' ');
+  return s;
+}
+
+}  // namespace
+
+std::string FormatDuration(double seconds) {
+  if (!(seconds >= 0) || !std::isfinite(seconds)) return "-";
+  long total = std::lround(seconds);
+  char buf[32];
+  if (total >= 3600)
+    std::snprintf(buf, sizeof(buf), "%ld:%02ld:%02ld", total / 3600, (total / 60) % 60, total % 60);
+  else
+    std::snprintf(buf, sizeof(buf), "%ld:%02ld", total / 60, total % 60);
+  return buf;
+}
+
+std::string FormatBytes(uint64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    ++u;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), u == 0 ? "%.0f %s" : "%.1f %s", v, units[u]);
+  return buf;
+}
+
+std::string FormatProgress(const JobSummary& job) {
+  std::string s = "step " + std::to_string(job.step);
+  if (job.total_steps > 0) s += "/" + std::to_string(job.total_steps);
+  return s;
+}
+
+nlohmann::json ToJson(const StepStats& s) {
+  return {{"step", s.step},
+          {"total_steps", s.total_steps},
+          {"loss", s.loss},
+          {"learning_rate", s.learning_rate},
+          {"grad_norm", s.grad_norm},
+          {"tokens", s.tokens},
+          {"step_seconds", s.step_seconds},
+          {"tokens_per_second", s.tokens_per_second},
+          {"h2d_bytes", s.h2d_bytes},
+          {"h2d_busy_seconds", s.h2d_busy_seconds},
+          {"stall_seconds", s.stall_seconds},
+          {"copies", s.copies},
+          {"copies_saved", s.copies_saved},
+          {"peak_device_bytes", s.peak_device_bytes}};
+}
+
+nlohmann::json ToJson(const JobSummary& j) {
+  nlohmann::json out = {{"id", j.id},
+                        {"name", j.name},
+                        {"state", JobStateName(j.state)},
+                        {"reason", j.reason},
+                        {"priority", j.priority},
+                        {"store", j.store_name},
+                        {"fingerprint", j.fingerprint},
+                        {"spec_source", j.spec_source},
+                        {"output_dir", j.output_dir},
+                        {"adapter_path", j.adapter_path},
+                        {"worker_id", j.worker_id},
+                        {"worker_host", j.worker_host},
+                        {"worker_device", j.worker_device},
+                        {"attempt", j.attempt},
+                        {"step", j.step},
+                        {"total_steps", j.total_steps},
+                        {"checkpoint_step", j.checkpoint_step},
+                        {"checkpoint_path", j.checkpoint_path},
+                        {"cancel_requested", j.cancel_requested},
+                        {"submitted_at", j.submitted_at},
+                        {"started_at", j.started_at},
+                        {"finished_at", j.finished_at},
+                        {"eta_seconds", j.eta_seconds}};
+  out["last_stats"] = j.has_stats ? ToJson(j.last_stats) : nlohmann::json(nullptr);
+  return out;
+}
+
+nlohmann::json ToJson(const WorkerSummary& w) {
+  nlohmann::json stores = nlohmann::json::array();
+  for (const StoreInfo& s : w.stores)
+    stores.push_back({{"name", s.name}, {"fingerprint", s.fingerprint}});
+  return {{"id", w.id},
+          {"host", w.host},
+          {"device", w.device},
+          {"gpu_name", w.gpu_name},
+          {"gpu_memory_bytes", w.gpu_memory_bytes},
+          {"pid", w.pid},
+          {"stores", stores},
+          {"alive", w.alive},
+          {"job_id", w.job_id},
+          {"seconds_since_heartbeat", w.seconds_since_heartbeat}};
+}
+
+std::string JobsTable(const std::vector<JobSummary>& jobs) {
+  std::ostringstream out;
+  out << Pad("ID", 6) << Pad("NAME", 20) << Pad("STATE", 11) << Pad("PRI", 5)
+      << Pad("PROGRESS", 18) << Pad("WORKER", 26) << "REASON\n";
+  for (const JobSummary& j : jobs) {
+    std::string where = j.worker_id.empty() ? "-" : j.worker_host + " " + j.worker_device;
+    out << Pad(std::to_string(j.id), 6) << Pad(j.name, 20) << Pad(JobStateName(j.state), 11)
+        << Pad(std::to_string(j.priority), 5) << Pad(FormatProgress(j), 18) << Pad(where, 26)
+        << j.reason << "\n";
+  }
+  return out.str();
+}
+
+std::string WorkersTable(const std::vector<WorkerSummary>& workers) {
+  std::ostringstream out;
+  out << Pad("ID", 27) << Pad("HOST", 16) << Pad("DEVICE", 9) << Pad("GPU", 28)
+      << Pad("STATE", 7) << Pad("JOB", 6) << "STORES\n";
+  for (const WorkerSummary& w : workers) {
+    std::string gpu = w.gpu_name.empty() ? "-" : w.gpu_name + " " + FormatBytes(w.gpu_memory_bytes);
+    std::string stores;
+    for (const StoreInfo& s : w.stores) stores += (stores.empty() ? "" : ",") + s.name;
+    out << Pad(w.id, 27) << Pad(w.host, 16) << Pad(w.device, 9) << Pad(gpu, 28)
+        << Pad(w.alive ? (w.job_id ? "busy" : "idle") : "dead", 7)
+        << Pad(w.job_id ? std::to_string(w.job_id) : "-", 6) << (stores.empty() ? "-" : stores)
+        << "\n";
+  }
+  return out.str();
+}
+
+std::string JobDetails(const ShowJobReply& r) {
+  const JobSummary& j = r.job;
+  std::ostringstream out;
+  out << "job " << j.id << " '" << j.name << "': " << JobStateName(j.state);
+  if (!j.reason.empty()) out << " (" << j.reason << ")";
+  out << "\n  progress:    " << FormatProgress(j) << ", ETA " << FormatDuration(j.eta_seconds)
+      << "\n  priority:    " << j.priority
+      << "\n  base model:  " << (j.store_name.empty() ? "(checkpoint folder)" : "store " + j.store_name)
+      << (j.fingerprint.empty() ? "" : " [" + j.fingerprint + "]")
+      << "\n  worker:      " << (j.worker_id.empty() ? "-" : j.worker_id + " on " + j.worker_host + " " + j.worker_device)
+      << "\n  attempt:     " << j.attempt << " (" << r.retries << " retries after worker deaths)"
+      << "\n  checkpoint:  " << (j.checkpoint_step ? "step " + std::to_string(j.checkpoint_step) + " in " + j.checkpoint_path : "-")
+      << "\n  output:      " << j.output_dir
+      << "\n  adapter:     " << (j.adapter_path.empty() ? "-" : j.adapter_path)
+      << "\n  job file:    " << j.spec_source << "\n";
+  if (j.has_stats) {
+    const StepStats& s = j.last_stats;
+    out << "  last step:   loss " << Printf("%.4f", s.loss) << ", "
+        << Printf("%.0f", s.tokens_per_second) << " tokens/s, step "
+        << Printf("%.3f", s.step_seconds) << " s\n";
+  }
+  out << "--- job file ---\n" << r.spec_toml;
+  if (!r.spec_toml.empty() && r.spec_toml.back() != '\n') out << "\n";
+  return out.str();
+}
+
+std::string StatsCsv(const std::vector<StepStats>& stats) {
+  std::ostringstream out;
+  out << "step,total_steps,loss,learning_rate,grad_norm,tokens,step_seconds,tokens_per_second,"
+         "h2d_bytes,h2d_busy_seconds,stall_seconds,copies,copies_saved,peak_device_bytes\n";
+  out.precision(9);
+  for (const StepStats& s : stats)
+    out << s.step << ',' << s.total_steps << ',' << s.loss << ',' << s.learning_rate << ','
+        << s.grad_norm << ',' << s.tokens << ',' << s.step_seconds << ','
+        << s.tokens_per_second << ',' << s.h2d_bytes << ',' << s.h2d_busy_seconds << ','
+        << s.stall_seconds << ',' << s.copies << ',' << s.copies_saved << ','
+        << s.peak_device_bytes << '\n';
+  return out.str();
+}
+
+std::string StatsJson(int64_t job_id, const std::vector<StepStats>& stats) {
+  nlohmann::json rows = nlohmann::json::array();
+  for (const StepStats& s : stats) rows.push_back(ToJson(s));
+  return nlohmann::json{{"job_id", job_id}, {"stats", rows}}.dump(2) + "\n";
+}
+
+}  // namespace lorastream

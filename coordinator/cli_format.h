@@ -1,0 +1,32 @@
+// How the `lorastream` command prints what the coordinator says: human tables, JSON for
+// `--json`, and CSV/JSON exports of statistics. Pure functions (tested without sockets).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/messages.h"
+
+namespace lorastream {
+
+nlohmann::json ToJson(const StepStats& s);
+nlohmann::json ToJson(const JobSummary& job);
+nlohmann::json ToJson(const WorkerSummary& worker);
+
+std::string JobsTable(const std::vector<JobSummary>& jobs);
+std::string WorkersTable(const std::vector<WorkerSummary>& workers);
+std::string JobDetails(const ShowJobReply& reply);
+
+// One header line, then one line per step; columns named as the StepStats fields.
+std::string StatsCsv(const std::vector<StepStats>& stats);
+std::string StatsJson(int64_t job_id, const std::vector<StepStats>& stats);
+
+// "1:02:03", "4:05", "-" for an unknown duration.
+std::string FormatDuration(double seconds);
+std::string FormatBytes(uint64_t bytes);  // "1.5 GiB"
+// "step 12/100", or "step 12" when the total is unknown.
+std::string FormatProgress(const JobSummary& job);
+
+}  // namespace lorastream

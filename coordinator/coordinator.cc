@@ -1,0 +1,450 @@
+#include "coordinator/coordinator.h"
+
+#include <algorithm>
+#include <chrono>
+#include <limits>
+
+#include "common/log.h"
+
+namespace lorastream {
+namespace {
+
+bool Fits(const JobRecord& job, const WorkerEntry& worker) {
+  const JobSummary& s = job.summary;
+  // A job on a checkpoint folder (no store) reads it directly: any worker may take it.
+  return s.store_name.empty() || worker.HasStore(s.store_name, s.fingerprint);
+}
+
+std::string Describe(const WorkerEntry& w) {
+  return w.id + " (" + w.info.host + " " + w.info.device + ")";
+}
+
+}  // namespace
+
+double WallSeconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+Coordinator::Coordinator(CoordinatorOptions options, Journal journal, double now)
+    : options_(std::move(options)), journal_(std::move(journal)) {
+  LS_CHECK(static_cast<bool>(options_.validator), "coordinator needs a job validator");
+  if (options_.reconcile_timeout_s < 0) options_.reconcile_timeout_s = options_.heartbeat_timeout_s;
+  reconcile_deadline_ = now + options_.reconcile_timeout_s;
+  int running = 0;
+  for (JobRecord& job : journal_.LoadJobs()) {
+    int64_t id = job.summary.id;
+    next_job_id_ = std::max(next_job_id_, id + 1);
+    if (job.summary.state == JobState::kQueued) queue_.Push(id, job.summary.priority);
+    if (job.summary.state == JobState::kRunning) ++running;
+    jobs_.emplace(id, std::move(job));
+  }
+  if (!jobs_.empty())
+    LS_LOG_INFO("journal: {} jobs loaded ({} queued, {} running awaiting their workers)",
+                jobs_.size(), queue_.size(), running);
+}
+
+JobRecord& Coordinator::FindJob(int64_t id) {
+  auto it = jobs_.find(id);
+  if (it == jobs_.end()) throw Error(ErrorCode::kNotFound, "no job " + std::to_string(id));
+  return it->second;
+}
+
+const JobRecord& Coordinator::FindJob(int64_t id) const {
+  return const_cast<Coordinator*>(this)->FindJob(id);
+}
+
+void Coordinator::Save(const JobRecord& job) { journal_.SaveJob(job); }
+
+RegisterReply Coordinator::Register(const RegisterRequest& req, double now) {
+  if (req.host.empty() || req.device.empty())
+    throw Error(ErrorCode::kInvalidArgument, "Register: host and device must be named");
+  RegisterReply reply;
+  reply.heartbeat_interval_s = options_.heartbeat_interval_s;
+  JobRecord* kept = nullptr;
+  if (req.running_job_id != 0 && !req.previous_worker_id.empty()) {
+    auto it = jobs_.find(req.running_job_id);
+    if (it != jobs_.end() && it->second.summary.state == JobState::kRunning &&
+        it->second.summary.worker_id == req.previous_worker_id &&
+        it->second.summary.attempt == req.running_attempt)
+      kept = &it->second;
+  }
+  if (kept) {
+    WorkerEntry& w = workers_.Add(req.previous_worker_id, req, now);
+    w.job_id = kept->summary.id;
+    w.attempt = kept->summary.attempt;
+    reply.worker_id = w.id;
+    reply.keep_running_job = true;
+    LS_LOG_INFO("worker {} re-registered; keeps job {} attempt {}", Describe(w), w.job_id,
+                w.attempt);
+  } else {
+    if (!req.previous_worker_id.empty()) {
+      // The old identity comes back without its job: whatever it owned must run elsewhere.
+      if (WorkerEntry* old = workers_.FindAlive(req.previous_worker_id)) {
+        old->alive = false;
+        if (old->job_id != 0) {
+          JobRecord& job = FindJob(old->job_id);
+          if (job.summary.state == JobState::kRunning && job.summary.worker_id == old->id)
+            Requeue(job, "worker " + old->id + " re-registered without its job", false);
+        }
+      }
+    }
+    WorkerEntry& w = workers_.Add(NewWorkerId(), req, now);
+    reply.worker_id = w.id;
+    LS_LOG_INFO("worker {} registered ({} stores, gpu '{}')", Describe(w), req.stores.size(),
+                req.gpu_name);
+  }
+  Touch();
+  return reply;
+}
+
+JobAssignment Coordinator::Assign(JobRecord& job, WorkerEntry& worker) {
+  JobSummary& s = job.summary;
+  queue_.Remove(s.id, s.priority);
+  s.state = JobState::kRunning;
+  s.attempt += 1;
+  s.worker_id = worker.id;
+  s.worker_host = worker.info.host;
+  s.worker_device = worker.info.device;
+  if (s.started_at == 0) s.started_at = WallSeconds();
+  // Pin the base model's fingerprint at the first run: a resumed adapter must continue on
+  // the same weights.
+  if (s.fingerprint.empty() && !s.store_name.empty())
+    s.fingerprint = worker.FingerprintOf(s.store_name);
+  worker.job_id = s.id;
+  worker.attempt = s.attempt;
+  Save(job);
+  Touch();
+  LS_LOG_INFO("job {} '{}' attempt {} -> worker {} (resume from step {})", s.id, s.name,
+              s.attempt, Describe(worker), s.checkpoint_step);
+  JobAssignment a;
+  a.job_id = s.id;
+  a.attempt = s.attempt;
+  a.spec = job.spec;
+  a.resume_step = s.checkpoint_step;
+  a.checkpoint_path = s.checkpoint_path;
+  return a;
+}
+
+HeartbeatReply Coordinator::Heartbeat(const HeartbeatRequest& req, double now) {
+  HeartbeatReply reply;
+  WorkerEntry* w = workers_.FindAlive(req.worker_id);
+  if (!w) {
+    reply.known_worker = false;
+    return reply;
+  }
+  w->last_seen = now;
+  if (req.job_id != 0) {
+    auto it = jobs_.find(req.job_id);
+    bool owned = it != jobs_.end() && it->second.summary.state == JobState::kRunning &&
+                 it->second.summary.worker_id == w->id &&
+                 it->second.summary.attempt == req.attempt;
+    reply.stop_job = !owned || it->second.summary.cancel_requested;
+    return reply;
+  }
+  if (w->job_id != 0) {
+    // The registry says this idle worker runs a job: the reply carrying the assignment was
+    // lost. Send the same attempt again rather than leave the job running on nobody.
+    JobRecord& job = FindJob(w->job_id);
+    if (job.summary.state == JobState::kRunning && job.summary.worker_id == w->id &&
+        job.summary.attempt == w->attempt) {
+      reply.has_assignment = true;
+      reply.assignment.job_id = job.summary.id;
+      reply.assignment.attempt = job.summary.attempt;
+      reply.assignment.spec = job.spec;
+      reply.assignment.resume_step = job.summary.checkpoint_step;
+      reply.assignment.checkpoint_path = job.summary.checkpoint_path;
+      return reply;
+    }
+    w->job_id = 0;
+  }
+  int64_t id = queue_.PickFirst([&](int64_t job_id) { return Fits(jobs_.at(job_id), *w); });
+  if (id != 0) {
+    reply.has_assignment = true;
+    reply.assignment = Assign(jobs_.at(id), *w);
+  }
+  return reply;
+}
+
+JobRecord& Coordinator::RequireOwner(const std::string& worker_id, int64_t job_id,
+                                     int32_t attempt, double now) {
+  WorkerEntry* w = workers_.FindAlive(worker_id);
+  if (!w)
+    throw Error(ErrorCode::kRefused,
+                "unknown or dead worker '" + worker_id + "': register again");
+  w->last_seen = now;
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end())
+    throw Error(ErrorCode::kRefused, "worker " + worker_id + " reports on job " +
+                                         std::to_string(job_id) + ", which does not exist");
+  const JobSummary& s = it->second.summary;
+  if (s.state != JobState::kRunning || s.worker_id != worker_id || s.attempt != attempt)
+    throw Error(ErrorCode::kRefused,
+                "worker " + worker_id + " does not run job " + std::to_string(job_id) +
+                    " attempt " + std::to_string(attempt) + " (the job is " +
+                    JobStateName(s.state) + (s.worker_id.empty() ? "" : " on " + s.worker_id) +
+                    ", attempt " + std::to_string(s.attempt) + ")");
+  return it->second;
+}
+
+WorkerAck Coordinator::Step(const StepReport& req, double now) {
+  JobRecord& job = RequireOwner(req.worker_id, req.job_id, req.attempt, now);
+  JobSummary& s = job.summary;
+  const StepStats& x = req.stats;
+  s.step = x.step;
+  if (x.total_steps > 0) s.total_steps = x.total_steps;
+  s.last_stats = x;
+  s.has_stats = true;
+  if (x.step_seconds > 0) {
+    auto [it, fresh] = step_seconds_ema_.emplace(s.id, x.step_seconds);
+    if (!fresh) it->second = 0.8 * it->second + 0.2 * x.step_seconds;
+  }
+  // Downsampling: about stats_rows_per_job rows per job, always the first and the last step.
+  int64_t stride = std::max<int64_t>(1, s.total_steps / std::max(1, options_.stats_rows_per_job));
+  if (x.step % stride == 0 || x.step == 1 || x.step == s.total_steps) {
+    journal_.AppendStats(s.id, s.attempt, x);
+    Save(job);
+  }
+  Touch();
+  WorkerAck ack;
+  ack.stop_job = s.cancel_requested;
+  return ack;
+}
+
+WorkerAck Coordinator::Checkpoint(const CheckpointReport& req, double now) {
+  JobRecord& job = RequireOwner(req.worker_id, req.job_id, req.attempt, now);
+  job.summary.checkpoint_step = req.step;
+  job.summary.checkpoint_path = req.path;
+  Save(job);
+  Touch();
+  WorkerAck ack;
+  ack.stop_job = job.summary.cancel_requested;
+  return ack;
+}
+
+WorkerAck Coordinator::Finished(const JobFinished& req, double now) {
+  JobRecord& job = RequireOwner(req.worker_id, req.job_id, req.attempt, now);
+  JobSummary& s = job.summary;
+  if (req.final_step > 0) s.step = req.final_step;
+  if (!req.adapter_path.empty()) s.adapter_path = req.adapter_path;
+  std::string at = " at step " + std::to_string(s.step);
+  switch (req.outcome) {
+    case JobOutcome::kSucceeded:
+      Finish(job, JobState::kSucceeded, "", WallSeconds());
+      break;
+    case JobOutcome::kFailed:
+      Finish(job, JobState::kFailed, req.reason.empty() ? "failed" + at : req.reason,
+             WallSeconds());
+      break;
+    case JobOutcome::kCancelled:
+      if (s.cancel_requested)
+        Finish(job, JobState::kCancelled,
+               "cancelled" + at + (s.adapter_path.empty() ? "" : "; adapter in " + s.adapter_path),
+               WallSeconds());
+      else
+        Finish(job, JobState::kFailed, "the worker stopped the job" + at + ": " + req.reason,
+               WallSeconds());
+      break;
+    case JobOutcome::kInterrupted:
+      if (s.cancel_requested)
+        Finish(job, JobState::kCancelled, "cancelled" + at, WallSeconds());
+      else
+        Requeue(job, "worker " + req.worker_id + " shut down" + at, false);
+      break;
+  }
+  return WorkerAck{};
+}
+
+void Coordinator::DetachWorker(const std::string& worker_id) {
+  if (worker_id.empty()) return;
+  if (WorkerEntry* w = workers_.FindAlive(worker_id)) {
+    w->job_id = 0;
+    w->attempt = 0;
+  }
+}
+
+void Coordinator::Finish(JobRecord& job, JobState state, const std::string& reason,
+                         double wall_now) {
+  JobSummary& s = job.summary;
+  if (s.state == JobState::kQueued) queue_.Remove(s.id, s.priority);
+  DetachWorker(s.worker_id);
+  s.state = state;
+  s.reason = reason;
+  s.finished_at = wall_now;
+  step_seconds_ema_.erase(s.id);
+  Save(job);
+  Touch();
+  LS_LOG_INFO("job {} '{}' {}{}{}", s.id, s.name, JobStateName(state),
+              reason.empty() ? "" : ": ", reason);
+}
+
+void Coordinator::Requeue(JobRecord& job, const std::string& why, bool count_retry) {
+  JobSummary& s = job.summary;
+  if (s.cancel_requested) {
+    Finish(job, JobState::kCancelled, "cancelled; " + why, WallSeconds());
+    return;
+  }
+  if (count_retry && ++job.retries > options_.max_retries) {
+    Finish(job, JobState::kFailed,
+           why + "; gave up after " + std::to_string(options_.max_retries) + " retries",
+           WallSeconds());
+    return;
+  }
+  DetachWorker(s.worker_id);
+  s.state = JobState::kQueued;
+  s.reason = why + "; requeued, resumes from step " + std::to_string(s.checkpoint_step);
+  s.worker_id.clear();
+  s.worker_host.clear();
+  s.worker_device.clear();
+  step_seconds_ema_.erase(s.id);
+  queue_.Push(s.id, s.priority);
+  Save(job);
+  Touch();
+  LS_LOG_WARN("job {} '{}': {}", s.id, s.name, s.reason);
+}
+
+SubmitReply Coordinator::Submit(const SubmitRequest& req) {
+  SubmitReply reply;
+  reply.problems = options_.validator(req.spec);
+  const JobSpec& spec = req.spec;
+  if (spec.priority < std::numeric_limits<int32_t>::min() ||
+      spec.priority > std::numeric_limits<int32_t>::max())
+    reply.problems.push_back(spec.source + ": key `priority` is out of range (found " +
+                             std::to_string(spec.priority) + ")");
+  // Two live jobs writing one output folder would resume from each other's checkpoints.
+  for (const auto& [id, other] : jobs_)
+    if (!IsTerminal(other.summary.state) && !spec.train.output_dir.empty() &&
+        other.summary.output_dir == spec.train.output_dir)
+      reply.problems.push_back(spec.source + ": key `train.output_dir` (" +
+                               spec.train.output_dir + ") is already used by job " +
+                               std::to_string(id) + ", which is " +
+                               JobStateName(other.summary.state));
+  if (!reply.problems.empty()) return reply;
+  JobRecord job;
+  JobSummary& s = job.summary;
+  s.id = next_job_id_++;
+  s.name = spec.name;
+  s.priority = static_cast<int32_t>(spec.priority);
+  s.store_name = spec.model.store;
+  s.spec_source = spec.source;
+  s.output_dir = spec.train.output_dir;
+  s.total_steps = spec.train.steps;
+  s.submitted_at = WallSeconds();
+  s.state = JobState::kQueued;
+  job.spec = spec;
+  job.spec_toml = req.spec_toml;
+  Save(job);
+  queue_.Push(s.id, s.priority);
+  reply.job_id = s.id;
+  LS_LOG_INFO("job {} '{}' submitted (priority {}, store '{}')", s.id, s.name, s.priority,
+              s.store_name);
+  jobs_.emplace(reply.job_id, std::move(job));
+  Touch();
+  return reply;
+}
+
+JobSummary Coordinator::View(const JobRecord& job) const {
+  JobSummary s = job.summary;
+  auto it = step_seconds_ema_.find(s.id);
+  if (s.state == JobState::kRunning && it != step_seconds_ema_.end() && s.total_steps > 0)
+    s.eta_seconds = std::max<int64_t>(0, s.total_steps - s.step) * it->second;
+  return s;
+}
+
+ListJobsReply Coordinator::ListJobs(const ListJobsRequest& req, double now) const {
+  ListJobsReply reply;
+  for (const auto& [id, job] : jobs_)
+    if (req.include_finished || !IsTerminal(job.summary.state)) reply.jobs.push_back(View(job));
+  return reply;
+}
+
+ShowJobReply Coordinator::ShowJob(const ShowJobRequest& req, double now) const {
+  const JobRecord& job = FindJob(req.job_id);
+  ShowJobReply reply;
+  reply.job = View(job);
+  reply.spec_toml = job.spec_toml;
+  reply.retries = job.retries;
+  return reply;
+}
+
+StatsReply Coordinator::Stats(const StatsRequest& req) const {
+  const JobRecord& job = FindJob(req.job_id);
+  StatsReply reply;
+  reply.job_id = req.job_id;
+  reply.stats = journal_.LoadStats(req.job_id);
+  const JobSummary& s = job.summary;
+  if (s.has_stats && (reply.stats.empty() || reply.stats.back().step < s.last_stats.step))
+    reply.stats.push_back(s.last_stats);
+  return reply;
+}
+
+CancelReply Coordinator::Cancel(const CancelRequest& req) {
+  JobRecord& job = FindJob(req.job_id);
+  JobSummary& s = job.summary;
+  CancelReply reply;
+  if (IsTerminal(s.state))
+    throw Error(ErrorCode::kInvalidArgument, "job " + std::to_string(s.id) + " already " +
+                                                 JobStateName(s.state));
+  if (s.state == JobState::kQueued) {
+    s.cancel_requested = true;
+    Finish(job, JobState::kCancelled, "cancelled while queued",
+           WallSeconds());
+  } else {
+    // The worker hears it in its next step report or heartbeat reply, saves the adapter at
+    // the step boundary and reports the job cancelled.
+    s.cancel_requested = true;
+    Save(job);
+    Touch();
+    LS_LOG_INFO("job {} '{}': cancel requested", s.id, s.name);
+  }
+  reply.state = s.state;
+  return reply;
+}
+
+ListWorkersReply Coordinator::ListWorkers(const ListWorkersRequest& req, double now) const {
+  ListWorkersReply reply;
+  reply.workers = workers_.Summaries(now, req.include_dead);
+  return reply;
+}
+
+WatchReply Coordinator::Watch(const WatchRequest& req, double now) const {
+  WatchReply reply;
+  reply.version = version_;
+  if (req.job_ids.empty()) {
+    for (const auto& [id, job] : jobs_) reply.jobs.push_back(View(job));
+  } else {
+    for (int64_t id : req.job_ids) reply.jobs.push_back(View(FindJob(id)));
+  }
+  reply.workers = workers_.Summaries(now, false);
+  return reply;
+}
+
+void Coordinator::Tick(double now) {
+  for (WorkerEntry* w : workers_.Expired(now, options_.heartbeat_timeout_s)) {
+    w->alive = false;
+    Touch();
+    LS_LOG_WARN("worker {} missed heartbeats for {:.1f} s: dead", Describe(*w),
+                now - w->last_seen);
+    if (w->job_id != 0) {
+      JobRecord& job = FindJob(w->job_id);
+      w->job_id = 0;
+      if (job.summary.state == JobState::kRunning && job.summary.worker_id == w->id)
+        Requeue(job, "worker " + Describe(*w) + " died (no heartbeat for " +
+                         std::to_string(static_cast<int>(options_.heartbeat_timeout_s)) + " s)",
+                true);
+    }
+  }
+  if (now >= reconcile_deadline_) {
+    // Running jobs from the journal whose worker never came back after a restart.
+    for (auto& [id, job] : jobs_) {
+      const JobSummary& s = job.summary;
+      if (s.state == JobState::kRunning && !workers_.FindAlive(s.worker_id))
+        Requeue(job, "worker " + s.worker_id + " did not come back after a coordinator restart",
+                true);
+    }
+    reconcile_deadline_ = std::numeric_limits<double>::infinity();
+  }
+  workers_.Prune(64);
+}
+
+}  // namespace lorastream

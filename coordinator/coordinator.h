@@ -1,0 +1,92 @@
+// The coordinator's logic, free of sockets so that it can be tested directly: one handler per
+// request type, each returning the reply or throwing Error (which the server turns into an
+// ErrorReply). Time is passed in (steady seconds) so timeouts are testable. Not thread-safe:
+// the server calls it from its single loop thread.
+//
+// Job states: queued -> running -> succeeded | failed | cancelled. A running job is owned by
+// exactly one (worker id, attempt); reports from anyone else are refused. A job whose worker
+// dies, or whose worker does not re-register after a coordinator restart, is requeued with
+// attempt + 1 and resumes from its last checkpoint, at most max_retries times.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "common/messages.h"
+#include "coordinator/job_record.h"
+#include "coordinator/journal.h"
+#include "coordinator/registry.h"
+#include "coordinator/scheduler.h"
+
+namespace lorastream {
+
+// Every problem that stops a job from running (empty: it can run). The product uses
+// ValidateJobSpec (common/job_spec.h).
+using JobValidator = std::function<std::vector<std::string>(const JobSpec&)>;
+
+struct CoordinatorOptions {
+  double heartbeat_interval_s = 1.0;  // what workers are told to use
+  double heartbeat_timeout_s = 5.0;   // silence after which a worker is dead
+  int max_retries = 3;                // requeues after worker deaths before a job fails
+  // After a restart, how long running jobs wait for their worker to re-register before they
+  // are requeued; < 0: heartbeat_timeout_s.
+  double reconcile_timeout_s = -1;
+  int stats_rows_per_job = 2000;  // downsampling target of the journal's statistics
+  JobValidator validator;         // required
+};
+
+class Coordinator {
+ public:
+  // Loads every job from the journal; running ones wait for their workers (reconcile).
+  Coordinator(CoordinatorOptions options, Journal journal, double now);
+
+  RegisterReply Register(const RegisterRequest& req, double now);
+  HeartbeatReply Heartbeat(const HeartbeatRequest& req, double now);
+  WorkerAck Step(const StepReport& req, double now);
+  WorkerAck Checkpoint(const CheckpointReport& req, double now);
+  WorkerAck Finished(const JobFinished& req, double now);
+
+  SubmitReply Submit(const SubmitRequest& req);
+  ListJobsReply ListJobs(const ListJobsRequest& req, double now) const;
+  ShowJobReply ShowJob(const ShowJobRequest& req, double now) const;
+  StatsReply Stats(const StatsRequest& req) const;
+  CancelReply Cancel(const CancelRequest& req);
+  ListWorkersReply ListWorkers(const ListWorkersRequest& req, double now) const;
+  WatchReply Watch(const WatchRequest& req, double now) const;
+
+  // Declares silent workers dead and requeues their jobs; requeues unreconciled jobs.
+  void Tick(double now);
+
+  // Bumped by every change a `watch` would show.
+  uint64_t version() const { return version_; }
+
+ private:
+  JobRecord& FindJob(int64_t id);
+  const JobRecord& FindJob(int64_t id) const;
+  // The job `worker_id` reports on, when it owns that attempt; Error(kRefused) otherwise.
+  JobRecord& RequireOwner(const std::string& worker_id, int64_t job_id, int32_t attempt,
+                          double now);
+  JobAssignment Assign(JobRecord& job, WorkerEntry& worker);
+  void Requeue(JobRecord& job, const std::string& why, bool count_retry);
+  void Finish(JobRecord& job, JobState state, const std::string& reason, double wall_now);
+  void DetachWorker(const std::string& worker_id);
+  JobSummary View(const JobRecord& job) const;
+  void Save(const JobRecord& job);
+  void Touch() { ++version_; }
+
+  CoordinatorOptions options_;
+  Journal journal_;
+  WorkerRegistry workers_;
+  std::map<int64_t, JobRecord> jobs_;
+  JobQueue queue_;
+  std::map<int64_t, double> step_seconds_ema_;  // per running job, for the ETA
+  int64_t next_job_id_ = 1;
+  double reconcile_deadline_ = 0;
+  uint64_t version_ = 1;
+};
+
+double WallSeconds();
+
+}  // namespace lorastream

@@ -1,0 +1,257 @@
+#include "coordinator/coordinator_server.h"
+
+#include <chrono>
+#include <array>
+#include <deque>
+#include <zmq.hpp>
+#include <zmq_addon.hpp>
+
+#include "common/log.h"
+#include "common/messages.h"
+#include "coordinator/curve.h"
+
+namespace lorastream {
+namespace {
+
+double SteadySeconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Frames above this are dropped by libzmq (the peer is disconnected) before they reach us;
+// between kMaxPayloadBytes and this they are received and answered with kProtocol.
+constexpr int64_t kTransportCapBytes = 4 * static_cast<int64_t>(kMaxPayloadBytes);
+
+struct ParkedWatch {
+  std::string identity;
+  uint32_t request_id;
+  WatchRequest request;
+  double deadline;
+};
+
+}  // namespace
+
+struct CoordinatorServer::Impl {
+  ServerOptions options;
+  zmq::context_t context;
+  zmq::socket_t router{context, zmq::socket_type::router};
+  zmq::socket_t zap{context, zmq::socket_type::rep};
+  bool curve = false;
+  CurveServerKeys keys;
+  std::string endpoint;
+  std::unique_ptr<Coordinator> core;
+  std::deque<ParkedWatch> watches;
+  uint64_t bad_messages = 0;
+
+  void Send(const std::string& identity, const std::string& frame) {
+    router.send(zmq::buffer(identity), zmq::send_flags::sndmore);
+    router.send(zmq::buffer(frame), zmq::send_flags::dontwait);
+  }
+  void SendError(const std::string& identity, uint32_t request_id, ErrorCode code,
+                 const std::string& message) {
+    ErrorReply e{code, message};
+    Send(identity, EncodeMessage(e, request_id));
+  }
+  void HandleFrames(std::vector<zmq::message_t>& frames);
+  std::string Dispatch(const Envelope& env, const std::string& identity, double now);
+  void HandleZap();
+  void AnswerWatches(double now, bool all);
+};
+
+CoordinatorServer::CoordinatorServer(ServerOptions options) : impl_(std::make_unique<Impl>()) {
+  Impl& s = *impl_;
+  s.options = std::move(options);
+  bool local = IsLocalEndpoint(s.options.bind);
+  if (!local && s.options.curve_keys_dir.empty() && !s.options.insecure)
+    throw Error(ErrorCode::kInvalidArgument,
+                "binding " + s.options.bind +
+                    " exposes the coordinator beyond this host: pass --curve-keys DIR (keys "
+                    "from `lorastream keygen`) or, knowingly, --insecure");
+  if (!s.options.curve_keys_dir.empty()) {
+    s.keys = LoadServerKeys(s.options.curve_keys_dir);
+    s.curve = true;
+    // ZAP: libzmq asks this socket about every CURVE handshake; only listed keys pass.
+    s.zap.bind("inproc://zeromq.zap.01");
+    s.router.set(zmq::sockopt::curve_server, 1);
+    s.router.set(zmq::sockopt::curve_secretkey, s.keys.server.secret_key);
+    s.router.set(zmq::sockopt::zap_domain, "lorastream");
+  }
+  s.router.set(zmq::sockopt::linger, 0);
+  s.router.set(zmq::sockopt::maxmsgsize, kTransportCapBytes);
+  s.router.set(zmq::sockopt::router_mandatory, 0);
+  s.router.set(zmq::sockopt::sndhwm, 100000);
+  s.router.set(zmq::sockopt::rcvhwm, 100000);
+  s.core = std::make_unique<Coordinator>(s.options.coordinator, Journal(s.options.db),
+                                         SteadySeconds());
+  try {
+    s.router.bind(s.options.bind);
+  } catch (const zmq::error_t& e) {
+    throw Error(ErrorCode::kIo, "cannot bind " + s.options.bind + ": " + e.what());
+  }
+  s.endpoint = s.router.get(zmq::sockopt::last_endpoint);
+  LS_LOG_INFO("coordinator listening on {} ({}), journal {}", s.endpoint,
+              s.curve ? "CURVE, " + std::to_string(s.keys.authorized_clients.size()) +
+                            " authorized client keys"
+                      : (local ? "local only, no CURVE" : "INSECURE: no CURVE"),
+              s.options.db);
+}
+
+CoordinatorServer::~CoordinatorServer() = default;
+
+const std::string& CoordinatorServer::endpoint() const { return impl_->endpoint; }
+
+void CoordinatorServer::Impl::HandleZap() {
+  std::vector<zmq::message_t> frames;
+  if (!zmq::recv_multipart(zap, std::back_inserter(frames), zmq::recv_flags::dontwait)) return;
+  std::string version = frames.size() > 0 ? frames[0].to_string() : "";
+  std::string request_id = frames.size() > 1 ? frames[1].to_string() : "";
+  std::string mechanism = frames.size() > 5 ? frames[5].to_string() : "";
+  std::string address = frames.size() > 3 ? frames[3].to_string() : "";
+  bool ok = false;
+  if (mechanism == "CURVE" && frames.size() > 6 && frames[6].size() == 32) {
+    char z85[41];
+    zmq_z85_encode(z85, static_cast<const uint8_t*>(frames[6].data()), 32);
+    ok = keys.authorized_clients.count(z85) > 0;
+  }
+  if (!ok) LS_LOG_WARN("refused a {} client from {}: key not authorized", mechanism, address);
+  std::array<std::string, 6> reply = {version, request_id, ok ? "200" : "400",
+                                      ok ? "OK" : "client key not authorized", "", ""};
+  for (size_t i = 0; i < reply.size(); ++i)
+    zap.send(zmq::buffer(reply[i]),
+             i + 1 < reply.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+}
+
+std::string CoordinatorServer::Impl::Dispatch(const Envelope& env, const std::string& identity,
+                                              double now) {
+  uint32_t rid = env.header.request_id;
+  Coordinator& c = *core;
+  switch (static_cast<MessageType>(env.header.type)) {
+    case MessageType::kRegister:
+      return EncodeMessage(c.Register(DecodeMessage<RegisterRequest>(env), now), rid);
+    case MessageType::kHeartbeat:
+      return EncodeMessage(c.Heartbeat(DecodeMessage<HeartbeatRequest>(env), now), rid);
+    case MessageType::kStepReport:
+      return EncodeMessage(c.Step(DecodeMessage<StepReport>(env), now), rid);
+    case MessageType::kCheckpointReport:
+      return EncodeMessage(c.Checkpoint(DecodeMessage<CheckpointReport>(env), now), rid);
+    case MessageType::kJobFinished:
+      return EncodeMessage(c.Finished(DecodeMessage<JobFinished>(env), now), rid);
+    case MessageType::kSubmit:
+      return EncodeMessage(c.Submit(DecodeMessage<SubmitRequest>(env)), rid);
+    case MessageType::kListJobs:
+      return EncodeMessage(c.ListJobs(DecodeMessage<ListJobsRequest>(env), now), rid);
+    case MessageType::kShowJob:
+      return EncodeMessage(c.ShowJob(DecodeMessage<ShowJobRequest>(env), now), rid);
+    case MessageType::kStats:
+      return EncodeMessage(c.Stats(DecodeMessage<StatsRequest>(env)), rid);
+    case MessageType::kCancel:
+      return EncodeMessage(c.Cancel(DecodeMessage<CancelRequest>(env)), rid);
+    case MessageType::kListWorkers:
+      return EncodeMessage(c.ListWorkers(DecodeMessage<ListWorkersRequest>(env), now), rid);
+    case MessageType::kWatch: {
+      WatchRequest req = DecodeMessage<WatchRequest>(env);
+      WatchReply reply = c.Watch(req, now);  // validates the job ids before parking
+      if (reply.version > req.since_version || req.wait_ms <= 0)
+        return EncodeMessage(reply, rid);
+      double wait = std::min(req.wait_ms, 60000) / 1000.0;
+      watches.push_back(ParkedWatch{identity, rid, std::move(req), now + wait});
+      return "";
+    }
+    default:
+      break;
+  }
+  if (IsKnownMessageType(env.header.type))
+    throw Error(ErrorCode::kProtocol,
+                std::string(MessageTypeName(env.header.type)) + " is not a request");
+  throw Error(ErrorCode::kProtocol, "unknown message type " + std::to_string(env.header.type));
+}
+
+void CoordinatorServer::Impl::HandleFrames(std::vector<zmq::message_t>& frames) {
+  if (frames.empty()) return;
+  std::string identity = frames[0].to_string();
+  uint32_t rid = 0;
+  ErrorCode code = ErrorCode::kOk;
+  std::string message;
+  if (frames.size() != 2) {
+    code = ErrorCode::kProtocol;
+    message = "expected one frame per message, got " + std::to_string(frames.size() - 1);
+  } else {
+    const zmq::message_t& frame = frames[1];
+    rid = PeekRequestId(frame.data(), frame.size()).value_or(0);
+    try {
+      Envelope env = DecodeEnvelope(frame.data(), frame.size());
+      std::string reply = Dispatch(env, identity, SteadySeconds());
+      if (!reply.empty()) Send(identity, reply);
+      return;
+    } catch (const Error& e) {
+      code = e.code();
+      message = e.what();
+    } catch (const std::exception& e) {
+      code = ErrorCode::kInternal;
+      message = std::string("internal error: ") + e.what();
+    }
+  }
+  // Refused reports are part of normal operation (a worker that lost its job); malformed
+  // frames are not, but a flood of them must not flood the log either.
+  bool malformed = code == ErrorCode::kProtocol || code == ErrorCode::kCorrupt;
+  if (malformed && (++bad_messages <= 20 || bad_messages % 1000 == 0))
+    LS_LOG_WARN("bad message #{}: {}", bad_messages, message);
+  else if (code == ErrorCode::kInternal)
+    LS_LOG_ERROR("request failed: {}", message);
+  else
+    LS_LOG_DEBUG("request refused: {}", message);
+  try {
+    SendError(identity, rid, code, message);
+  } catch (const std::exception& e) {
+    LS_LOG_WARN("cannot send an error reply: {}", e.what());
+  }
+}
+
+void CoordinatorServer::Impl::AnswerWatches(double now, bool all) {
+  for (auto it = watches.begin(); it != watches.end();) {
+    if (all || core->version() > it->request.since_version || now >= it->deadline) {
+      try {
+        Send(it->identity, EncodeMessage(core->Watch(it->request, now), it->request_id));
+      } catch (const Error& e) {
+        SendError(it->identity, it->request_id, e.code(), e.what());
+      }
+      it = watches.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void CoordinatorServer::Run(const std::atomic<bool>& stop) {
+  Impl& s = *impl_;
+  std::vector<zmq::pollitem_t> items = {{s.router.handle(), 0, ZMQ_POLLIN, 0}};
+  if (s.curve) items.push_back({s.zap.handle(), 0, ZMQ_POLLIN, 0});
+  while (!stop.load()) {
+    try {
+      zmq::poll(items.data(), items.size(), std::chrono::milliseconds(50));
+    } catch (const zmq::error_t& e) {
+      if (e.num() != EINTR) throw;
+      continue;
+    }
+    if (s.curve && (items[1].revents & ZMQ_POLLIN)) s.HandleZap();
+    // Drain a bounded batch, so ticks and watches keep running under a flood.
+    for (int i = 0; i < 1000; ++i) {
+      std::vector<zmq::message_t> frames;
+      if (!zmq::recv_multipart(s.router, std::back_inserter(frames), zmq::recv_flags::dontwait))
+        break;
+      s.HandleFrames(frames);
+      if (s.curve) s.HandleZap();
+    }
+    double now = SteadySeconds();
+    try {
+      s.core->Tick(now);
+    } catch (const std::exception& e) {
+      LS_LOG_ERROR("tick failed: {}", e.what());
+    }
+    s.AnswerWatches(now, false);
+  }
+  s.AnswerWatches(SteadySeconds(), true);
+  LS_LOG_INFO("coordinator stopped");
+}
+
+}  // namespace lorastream

@@ -1,0 +1,142 @@
+#include "coordinator/curve.h"
+
+#include <sys/stat.h>
+#include <zmq.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "common/error.h"
+
+namespace lorastream {
+namespace fs = std::filesystem;
+namespace {
+
+constexpr size_t kZ85KeyChars = 40;
+
+void WriteKeyFile(const fs::path& path, const std::string& text, bool secret) {
+  fs::path tmp = path.string() + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    if (!out) ThrowErrno("cannot write " + tmp.string());
+    out << text << "\n";
+    if (!out.flush()) ThrowErrno("cannot write " + tmp.string());
+  }
+  if (::chmod(tmp.c_str(), secret ? 0600 : 0644) != 0) ThrowErrno("chmod " + tmp.string());
+  fs::rename(tmp, path);
+}
+
+bool ValidZ85Key(const std::string& key) {
+  if (key.size() != kZ85KeyChars) return false;
+  uint8_t raw[32];
+  return zmq_z85_decode(raw, key.c_str()) != nullptr;
+}
+
+std::string ReadKey(const fs::path& path) {
+  std::ifstream in(path);
+  if (!in)
+    throw Error(ErrorCode::kNotFound, "CURVE key file " + path.string() +
+                                          " is missing (create keys with `lorastream keygen`)");
+  std::string key;
+  in >> key;
+  if (!ValidZ85Key(key))
+    throw Error(ErrorCode::kCorrupt, "CURVE key file " + path.string() +
+                                         " does not hold a 40-character Z85 key");
+  return key;
+}
+
+CurveKeyPair NewKeyPair() {
+  char pub[41], sec[41];
+  if (zmq_curve_keypair(pub, sec) != 0)
+    throw Error(ErrorCode::kUnsupported, "zmq_curve_keypair failed: " +
+                                             std::string(zmq_strerror(zmq_errno())));
+  return CurveKeyPair{pub, sec};
+}
+
+}  // namespace
+
+void RequireCurveSupport() {
+  if (!zmq_has("curve"))
+    throw Error(ErrorCode::kUnsupported, "this libzmq was built without CURVE support");
+}
+
+void WriteCurveKeys(const std::string& dir, bool force) {
+  RequireCurveSupport();
+  fs::path d(dir);
+  std::error_code ec;
+  fs::create_directories(d, ec);
+  if (ec) throw Error(ErrorCode::kIo, "cannot create " + dir + ": " + ec.message());
+  for (const char* name : {"coordinator.key", "client.key"})
+    if (!force && fs::exists(d / name))
+      throw Error(ErrorCode::kInvalidArgument, (d / name).string() +
+                                                   " exists; pass --force to replace the keys");
+  CurveKeyPair server = NewKeyPair();
+  CurveKeyPair client = NewKeyPair();
+  WriteKeyFile(d / "coordinator.pub", server.public_key, false);
+  WriteKeyFile(d / "coordinator.key", server.secret_key, true);
+  WriteKeyFile(d / "client.pub", client.public_key, false);
+  WriteKeyFile(d / "client.key", client.secret_key, true);
+  WriteKeyFile(d / "authorized_clients", client.public_key, false);
+}
+
+CurveServerKeys LoadServerKeys(const std::string& dir) {
+  RequireCurveSupport();
+  fs::path d(dir);
+  CurveServerKeys keys;
+  keys.server.public_key = ReadKey(d / "coordinator.pub");
+  keys.server.secret_key = ReadKey(d / "coordinator.key");
+  std::ifstream in(d / "authorized_clients");
+  if (!in)
+    throw Error(ErrorCode::kNotFound, (d / "authorized_clients").string() + " is missing");
+  std::string line;
+  int number = 0;
+  while (std::getline(in, line)) {
+    ++number;
+    std::istringstream words(line);
+    std::string key;
+    if (!(words >> key) || key[0] == '#') continue;
+    if (!ValidZ85Key(key))
+      throw Error(ErrorCode::kCorrupt, (d / "authorized_clients").string() + ":" +
+                                           std::to_string(number) +
+                                           ": not a 40-character Z85 public key");
+    keys.authorized_clients.insert(key);
+  }
+  if (keys.authorized_clients.empty())
+    throw Error(ErrorCode::kInvalidArgument,
+                (d / "authorized_clients").string() + " lists no client key");
+  return keys;
+}
+
+CurveClientKeys LoadClientKeys(const std::string& dir) {
+  RequireCurveSupport();
+  fs::path d(dir);
+  CurveClientKeys keys;
+  keys.server_public_key = ReadKey(d / "coordinator.pub");
+  keys.client.public_key = ReadKey(d / "client.pub");
+  keys.client.secret_key = ReadKey(d / "client.key");
+  return keys;
+}
+
+bool IsLocalEndpoint(const std::string& endpoint) {
+  if (endpoint.rfind("ipc://", 0) == 0 || endpoint.rfind("inproc://", 0) == 0) return true;
+  if (endpoint.rfind("tcp://", 0) != 0) return false;
+  std::string rest = endpoint.substr(6);
+  std::string host;
+  if (!rest.empty() && rest[0] == '[') {
+    size_t close = rest.find(']');
+    if (close == std::string::npos) return false;
+    host = rest.substr(1, close - 1);
+    return host == "::1";
+  }
+  size_t colon = rest.rfind(':');
+  host = rest.substr(0, colon);
+  if (host == "localhost") return true;
+  // 127.0.0.0/8, written as four decimal numbers.
+  unsigned a, b, c, d;
+  char tail;
+  return std::sscanf(host.c_str(), "%u.%u.%u.%u%c", &a, &b, &c, &d, &tail) == 4 && a == 127 &&
+         b < 256 && c < 256 && d < 256;
+}
+
+}  // namespace lorastream

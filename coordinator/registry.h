@@ -1,0 +1,46 @@
+// The workers the coordinator knows: what each registered with, when it was last heard of and
+// which job (attempt) it runs. A worker that misses heartbeats for longer than the timeout is
+// declared dead (kept for `workers` listings, but it must register again to get work).
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "common/messages.h"
+
+namespace lorastream {
+
+struct WorkerEntry {
+  std::string id;
+  RegisterRequest info;
+  double last_seen = 0;  // steady seconds
+  bool alive = true;
+  int64_t job_id = 0;  // 0: idle
+  int32_t attempt = 0;
+
+  bool HasStore(const std::string& name, const std::string& fingerprint) const;
+  std::string FingerprintOf(const std::string& store) const;  // "" when absent
+  WorkerSummary Summary(double now) const;
+};
+
+class WorkerRegistry {
+ public:
+  // Adds (or replaces, for a re-registration under the same id) a live worker.
+  WorkerEntry& Add(const std::string& id, const RegisterRequest& info, double now);
+  WorkerEntry* FindAlive(const std::string& id);
+  const WorkerEntry* Find(const std::string& id) const;
+  // Live workers silent for longer than timeout_s; the caller marks them dead.
+  std::vector<WorkerEntry*> Expired(double now, double timeout_s);
+  std::vector<WorkerSummary> Summaries(double now, bool include_dead) const;
+  // Forgets dead workers beyond the newest `keep` (a long-running coordinator would grow).
+  void Prune(size_t keep);
+
+ private:
+  std::map<std::string, WorkerEntry> workers_;
+};
+
+// A fresh unguessable worker id: the token a worker proves its identity with.
+std::string NewWorkerId();
+
+}  // namespace lorastream

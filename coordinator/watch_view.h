@@ -1,0 +1,35 @@
+// `lorastream watch`: a live view of jobs and workers fed by long-polling Watch requests.
+// On a terminal it redraws one frame (a progress bar per job with step/total and ETA, loss,
+// tokens/s, stall %, H2D GB/s, then the workers and their GPUs); otherwise (a pipe, a log
+// file, CI) it prints one plain line per change, throttled per job. Either way it returns
+// when every watched job has ended.
+#pragma once
+
+#include <cstdint>
+#include <ostream>
+#include <vector>
+
+#include "common/messages.h"
+#include "coordinator/client.h"
+
+namespace lorastream {
+
+struct WatchOptions {
+  std::vector<int64_t> job_ids;  // empty: every job not yet ended (and those submitted later)
+  bool tty = false;              // redraw frames instead of printing lines
+  int width = 100;               // terminal columns
+  double line_interval_s = 1.0;  // plain mode: at most one progress line per job this often
+  int poll_wait_ms = 1000;       // long-poll wait per request
+};
+
+// Returns the exit status: 0 when every watched job succeeded, 1 when one failed or was
+// cancelled. Throws Error (kNotFound for an unknown job, kTimeout when the coordinator is
+// unreachable).
+int RunWatch(Client& client, const WatchOptions& options, std::ostream& out);
+
+// One terminal frame (exposed for tests).
+std::string RenderFrame(const WatchReply& reply, const std::vector<int64_t>& watched, int width);
+// One plain line for a job.
+std::string RenderLine(const JobSummary& job);
+
+}  // namespace lorastream

@@ -1,0 +1,251 @@
+// The coordinator's logic without sockets: queue order, model affinity, ownership of reports,
+// cancel, dead workers, retry limit, and a restart from the journal.
+#include <catch2/catch.hpp>
+
+#include <unistd.h>
+
+#include <filesystem>
+
+#include "coordinator/coordinator.h"
+
+using namespace lorastream;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::vector<std::string> NoProblems(const JobSpec&) { return {}; }
+
+CoordinatorOptions Options() {
+  CoordinatorOptions o;
+  o.heartbeat_timeout_s = 5;
+  o.max_retries = 1;
+  o.validator = NoProblems;
+  return o;
+}
+
+SubmitRequest Job(const std::string& name, int priority, const std::string& store = "tiny") {
+  SubmitRequest r;
+  r.spec.name = name;
+  r.spec.priority = priority;
+  r.spec.model.store = store;
+  r.spec.train.steps = 10;
+  r.spec.train.output_dir = "/tmp/out-" + name;
+  r.spec.source = name + ".toml";
+  r.spec_toml = "name = \"" + name + "\"\n";
+  return r;
+}
+
+RegisterRequest Worker(const std::string& host, std::vector<StoreInfo> stores) {
+  RegisterRequest r;
+  r.host = host;
+  r.device = "cpu";
+  r.stores = std::move(stores);
+  return r;
+}
+
+struct TempDb {
+  fs::path dir = fs::temp_directory_path() / ("lorastream-coord-test-" + std::to_string(getpid()));
+  TempDb() { fs::create_directories(dir); fs::remove(dir / "j.db"); }
+  ~TempDb() { fs::remove_all(dir); }
+  std::string path() const { return (dir / "j.db").string(); }
+};
+
+const JobSummary& FindJob(const ListJobsReply& r, int64_t id) {
+  for (const JobSummary& j : r.jobs)
+    if (j.id == id) return j;
+  FAIL("no job " << id);
+  return r.jobs.front();
+}
+
+}  // namespace
+
+TEST_CASE("queue order is priority, then submission; only hosts with the model", "[coordinator]") {
+  TempDb db;
+  Coordinator c(Options(), Journal(db.path()), 0);
+  int64_t low = c.Submit(Job("low", 0)).job_id;
+  int64_t high1 = c.Submit(Job("high1", 5)).job_id;
+  int64_t other = c.Submit(Job("other", 9, "qwen")).job_id;
+  int64_t high2 = c.Submit(Job("high2", 5)).job_id;
+
+  std::string w = c.Register(Worker("a", {{"tiny", "fp-a"}}), 0).worker_id;
+  std::vector<int64_t> order;
+  for (int i = 0; i < 3; ++i) {
+    HeartbeatReply hb = c.Heartbeat(HeartbeatRequest{w, 0, 0}, 1);
+    REQUIRE(hb.has_assignment);
+    order.push_back(hb.assignment.job_id);
+    c.Finished(JobFinished{w, hb.assignment.job_id, hb.assignment.attempt,
+                           JobOutcome::kSucceeded, "", "/a", 10},
+               1);
+  }
+  CHECK(order == std::vector<int64_t>{high1, high2, low});
+  // The qwen job waits: no worker has that store.
+  CHECK_FALSE(c.Heartbeat(HeartbeatRequest{w, 0, 0}, 2).has_assignment);
+  ListJobsReply jobs = c.ListJobs(ListJobsRequest{true}, 2);
+  CHECK(FindJob(jobs, other).state == JobState::kQueued);
+  CHECK(FindJob(jobs, low).fingerprint == "fp-a");  // pinned at the first run
+
+  std::string q = c.Register(Worker("b", {{"qwen", "fp-q"}}), 2).worker_id;
+  HeartbeatReply hb = c.Heartbeat(HeartbeatRequest{q, 0, 0}, 3);
+  REQUIRE(hb.has_assignment);
+  CHECK(hb.assignment.job_id == other);
+  CHECK(hb.assignment.spec.model.store == "qwen");
+}
+
+TEST_CASE("a resumed job only goes to a host with the same base fingerprint", "[coordinator]") {
+  TempDb db;
+  Coordinator c(Options(), Journal(db.path()), 0);
+  int64_t id = c.Submit(Job("j", 0)).job_id;
+  std::string a = c.Register(Worker("a", {{"tiny", "fp-1"}}), 0).worker_id;
+  REQUIRE(c.Heartbeat(HeartbeatRequest{a, 0, 0}, 0).assignment.job_id == id);
+  c.Tick(10);  // a is silent for 10 s > 5 s: dead, job requeued
+  std::string b = c.Register(Worker("b", {{"tiny", "fp-2"}}), 10).worker_id;
+  CHECK_FALSE(c.Heartbeat(HeartbeatRequest{b, 0, 0}, 10).has_assignment);
+  std::string d = c.Register(Worker("d", {{"tiny", "fp-1"}}), 10).worker_id;
+  HeartbeatReply hb = c.Heartbeat(HeartbeatRequest{d, 0, 0}, 10);
+  REQUIRE(hb.has_assignment);
+  CHECK(hb.assignment.attempt == 2);
+}
+
+TEST_CASE("a worker can report only on its own job", "[coordinator]") {
+  TempDb db;
+  Coordinator c(Options(), Journal(db.path()), 0);
+  int64_t id = c.Submit(Job("j", 0)).job_id;
+  std::string a = c.Register(Worker("a", {{"tiny", ""}}), 0).worker_id;
+  std::string b = c.Register(Worker("b", {{"tiny", ""}}), 0).worker_id;
+  HeartbeatReply hb = c.Heartbeat(HeartbeatRequest{a, 0, 0}, 0);
+  REQUIRE(hb.assignment.job_id == id);
+  StepReport step{b, id, 1, {}};
+  step.stats.step = 1;
+  CHECK_THROWS_WITH(c.Step(step, 1), Catch::Contains("does not run job"));
+  CHECK_THROWS_WITH(c.Finished(JobFinished{b, id, 1, JobOutcome::kSucceeded, "", "", 1}, 1),
+                    Catch::Contains("does not run job"));
+  CHECK_THROWS_WITH(c.Step(StepReport{"w-forged", id, 1, {}}, 1), Catch::Contains("unknown"));
+  StepReport wrong_attempt{a, id, 2, {}};
+  CHECK_THROWS_AS(c.Step(wrong_attempt, 1), Error);
+  step.worker_id = a;
+  CHECK_NOTHROW(c.Step(step, 1));
+  CHECK(c.ShowJob(ShowJobRequest{id}, 1).job.step == 1);
+}
+
+TEST_CASE("cancel: queued at once, running at the next step boundary", "[coordinator]") {
+  TempDb db;
+  Coordinator c(Options(), Journal(db.path()), 0);
+  int64_t run = c.Submit(Job("run", 1)).job_id;
+  int64_t wait = c.Submit(Job("wait", 0)).job_id;
+  std::string w = c.Register(Worker("a", {{"tiny", ""}}), 0).worker_id;
+  REQUIRE(c.Heartbeat(HeartbeatRequest{w, 0, 0}, 0).assignment.job_id == run);
+  CHECK(c.Cancel(CancelRequest{wait}).state == JobState::kCancelled);
+  CHECK(c.Cancel(CancelRequest{run}).state == JobState::kRunning);
+  StepReport step{w, run, 1, {}};
+  step.stats.step = 3;
+  CHECK(c.Step(step, 1).stop_job);
+  CHECK(c.Heartbeat(HeartbeatRequest{w, run, 1}, 1).stop_job);
+  c.Finished(JobFinished{w, run, 1, JobOutcome::kCancelled, "", "/out/adapter", 3}, 1);
+  JobSummary s = c.ShowJob(ShowJobRequest{run}, 1).job;
+  CHECK(s.state == JobState::kCancelled);
+  CHECK_THAT(s.reason, Catch::Contains("step 3"));
+  CHECK(s.adapter_path == "/out/adapter");
+  CHECK_THROWS_AS(c.Cancel(CancelRequest{run}), Error);
+  CHECK_THROWS_AS(c.Cancel(CancelRequest{999}), Error);
+}
+
+TEST_CASE("dead workers requeue their job from its checkpoint, up to the retry limit",
+          "[coordinator]") {
+  TempDb db;
+  Coordinator c(Options(), Journal(db.path()), 0);  // max_retries = 1
+  int64_t id = c.Submit(Job("j", 0)).job_id;
+  std::string a = c.Register(Worker("a", {{"tiny", ""}}), 0).worker_id;
+  REQUIRE(c.Heartbeat(HeartbeatRequest{a, 0, 0}, 0).has_assignment);
+  c.Checkpoint(CheckpointReport{a, id, 1, 4, "/out/checkpoint-4"}, 1);
+  c.Tick(4);  // 4 s of silence: still alive
+  CHECK(c.ShowJob(ShowJobRequest{id}, 4).job.state == JobState::kRunning);
+  c.Tick(7);
+  JobSummary s = c.ShowJob(ShowJobRequest{id}, 7).job;
+  CHECK(s.state == JobState::kQueued);
+  CHECK_THAT(s.reason, Catch::Contains("died"));
+
+  std::string b = c.Register(Worker("b", {{"tiny", ""}}), 7).worker_id;
+  HeartbeatReply hb = c.Heartbeat(HeartbeatRequest{b, 0, 0}, 7);
+  REQUIRE(hb.has_assignment);
+  CHECK(hb.assignment.resume_step == 4);
+  CHECK(hb.assignment.checkpoint_path == "/out/checkpoint-4");
+  // The dead worker's late report is refused.
+  CHECK_THROWS_AS(c.Step(StepReport{a, id, 1, {}}, 8), Error);
+  c.Tick(20);  // b dies too: the second death exceeds max_retries = 1
+  s = c.ShowJob(ShowJobRequest{id}, 20).job;
+  CHECK(s.state == JobState::kFailed);
+  CHECK_THAT(s.reason, Catch::Contains("gave up after 1 retries"));
+}
+
+TEST_CASE("a restarted coordinator keeps every job and reconciles running ones",
+          "[coordinator]") {
+  TempDb db;
+  int64_t queued, running, orphan;
+  std::string w1, w2;
+  {
+    Coordinator c(Options(), Journal(db.path()), 0);
+    running = c.Submit(Job("running", 2)).job_id;
+    orphan = c.Submit(Job("orphan", 1)).job_id;
+    queued = c.Submit(Job("queued", 0)).job_id;
+    w1 = c.Register(Worker("a", {{"tiny", ""}}), 0).worker_id;
+    w2 = c.Register(Worker("b", {{"tiny", ""}}), 0).worker_id;
+    REQUIRE(c.Heartbeat(HeartbeatRequest{w1, 0, 0}, 0).assignment.job_id == running);
+    REQUIRE(c.Heartbeat(HeartbeatRequest{w2, 0, 0}, 0).assignment.job_id == orphan);
+    StepReport step{w1, running, 1, {}};
+    step.stats.step = 1;
+    step.stats.total_steps = 10;
+    c.Step(step, 1);
+  }
+  Coordinator c(Options(), Journal(db.path()), 100);
+  ListJobsReply jobs = c.ListJobs(ListJobsRequest{true}, 100);
+  REQUIRE(jobs.jobs.size() == 3);
+  CHECK(FindJob(jobs, queued).state == JobState::kQueued);
+  CHECK(FindJob(jobs, running).state == JobState::kRunning);
+  // The coordinator forgot the workers: heartbeats say so, and w1 comes back with its job.
+  CHECK_FALSE(c.Heartbeat(HeartbeatRequest{w1, running, 1}, 100).known_worker);
+  RegisterRequest again = Worker("a", {{"tiny", ""}});
+  again.previous_worker_id = w1;
+  again.running_job_id = running;
+  again.running_attempt = 1;
+  RegisterReply rr = c.Register(again, 101);
+  CHECK(rr.keep_running_job);
+  CHECK(rr.worker_id == w1);
+  // A forged claim on the orphan is not honoured.
+  RegisterRequest forged = Worker("x", {{"tiny", ""}});
+  forged.previous_worker_id = "w-forged";
+  forged.running_job_id = orphan;
+  forged.running_attempt = 1;
+  CHECK_FALSE(c.Register(forged, 101).keep_running_job);
+  // w2 never returns: after the reconcile timeout its job is requeued.
+  c.Tick(103);
+  CHECK(c.ShowJob(ShowJobRequest{orphan}, 103).job.state == JobState::kRunning);
+  c.Tick(106);
+  JobSummary o = c.ShowJob(ShowJobRequest{orphan}, 106).job;
+  CHECK(o.state == JobState::kQueued);
+  CHECK_THAT(o.reason, Catch::Contains("coordinator restart"));
+  CHECK(c.Stats(StatsRequest{running}).stats.size() == 1);
+  // New ids continue after the journal's.
+  CHECK(c.Submit(Job("next", 0)).job_id == queued + 1);
+}
+
+TEST_CASE("submit returns every problem and refuses a shared output folder", "[coordinator]") {
+  TempDb db;
+  CoordinatorOptions o = Options();
+  o.validator = [](const JobSpec& s) {
+    std::vector<std::string> p;
+    if (s.train.steps <= 0) p.push_back("steps");
+    if (s.name.empty()) p.push_back("name");
+    return p;
+  };
+  Coordinator c(o, Journal(db.path()), 0);
+  SubmitRequest bad = Job("", 0);
+  bad.spec.train.steps = 0;
+  SubmitReply r = c.Submit(bad);
+  CHECK(r.job_id == 0);
+  CHECK(r.problems == std::vector<std::string>{"steps", "name"});
+  REQUIRE(c.Submit(Job("a", 0)).job_id == 1);
+  SubmitReply dup = c.Submit(Job("a", 0));
+  CHECK(dup.job_id == 0);
+  REQUIRE(dup.problems.size() == 1);
+  CHECK_THAT(dup.problems[0], Catch::Contains("already used by job 1"));
+}

@@ -1,0 +1,49 @@
+#include <catch2/catch.hpp>
+
+#include <unistd.h>
+
+#include <filesystem>
+
+#include "coordinator/journal.h"
+
+using namespace lorastream;
+
+TEST_CASE("journal round-trips jobs and statistics across reopen", "[coordinator]") {
+  auto path = std::filesystem::temp_directory_path() /
+              ("lorastream-journal-" + std::to_string(getpid()) + ".db");
+  std::filesystem::remove(path);
+  {
+    Journal j(path.string());
+    JobRecord r;
+    r.summary.id = 5;
+    r.summary.name = "x";
+    r.summary.state = JobState::kRunning;
+    r.summary.checkpoint_step = 40;
+    r.spec.lora.rank = 8;
+    r.spec_toml = "name = \"x\"";
+    r.retries = 2;
+    j.SaveJob(r);
+    r.summary.step = 41;
+    j.SaveJob(r);  // replaces
+    StepStats s;
+    s.step = 41;
+    s.loss = 1.25;
+    s.h2d_bytes = 1ull << 35;
+    j.AppendStats(5, 1, s);
+  }
+  Journal j(path.string());
+  std::vector<JobRecord> jobs = j.LoadJobs();
+  REQUIRE(jobs.size() == 1);
+  CHECK(jobs[0].summary.step == 41);
+  CHECK(jobs[0].summary.state == JobState::kRunning);
+  CHECK(jobs[0].spec.lora.rank == 8);
+  CHECK(jobs[0].retries == 2);
+  std::vector<StepStats> stats = j.LoadStats(5);
+  REQUIRE(stats.size() == 1);
+  CHECK(stats[0].loss == 1.25);
+  CHECK(stats[0].h2d_bytes == (1ull << 35));
+  std::filesystem::remove(path);
+  std::filesystem::remove(path.string() + "-wal");
+  std::filesystem::remove(path.string() + "-shm");
+  CHECK_THROWS_AS(Journal("/nonexistent-dir/x/j.db"), Error);
+}
