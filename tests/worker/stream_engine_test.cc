@@ -1,0 +1,290 @@
+// The streaming engine on its CPU backend: streamed runs equal resident runs bit for bit for
+// every ring size and swap count (invariant 4), also with a slowed, poisoning copy thread
+// (invariants 1 and 2: a reader never sees a poisoned or partial slot), base weights are never
+// written (invariant 3: the host blocks are mapped read-only, so a write would fault), blocks
+// still in a slot are not copied again (invariant 5, by the copy statistics), and misuse is
+// refused.
+#include <chrono>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <catch2/catch.hpp>
+
+#include "common/error.h"
+#include "worker/stream_cpu_backend.h"
+#include "worker/stream_engine.h"
+#include "tests/worker/stream_chain.h"
+#include "tests/worker/stream_test_blocks.h"
+
+using namespace lorastream;
+using namespace lorastream::testing;
+
+namespace {
+
+constexpr int64_t kTokens = 6;
+
+std::unique_ptr<StreamEngine> Engine(const HostBlocks& host, int swap, int ring,
+                                     const StreamEngineOptions& options = {}) {
+  StreamEngineOptions o = options;
+  o.log_plan = false;
+  return MakeStreamEngine(host.manifest(), host.pointers(),
+                          PlanFromSwapCount(host.manifest().config.num_hidden_layers, swap, ring),
+                          c10::Device(c10::kCPU), o);
+}
+
+at::Tensor Input(int64_t hidden, uint64_t seed) {
+  at::Generator gen = at::detail::createCPUGenerator(seed);
+  return at::randn({kTokens, hidden}, gen, at::kFloat);
+}
+
+// The block's weights as the host holds them (the reference for what a reader must see).
+BlockWeights HostView(const HostBlocks& host, int block) {
+  const SegmentInfo& s = host.manifest().blocks[block];
+  at::Tensor bytes = at::from_blob(const_cast<uint8_t*>(host.pointers()[block]),
+                                   {static_cast<int64_t>(s.nbytes)}, at::kByte);
+  return BlockWeightsFromBytes(bytes, s);
+}
+
+bool SameWeights(const BlockWeights& a, const BlockWeights& b) {
+  for (auto field : {&BlockWeights::input_norm, &BlockWeights::q_proj, &BlockWeights::k_proj,
+                     &BlockWeights::v_proj, &BlockWeights::o_proj, &BlockWeights::post_norm,
+                     &BlockWeights::gate_proj, &BlockWeights::up_proj, &BlockWeights::down_proj}) {
+    if (!BitEqual(a.*field, b.*field)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("streamed runs equal the resident run bit for bit, every ring and swap count",
+          "[worker]") {
+  const int layers = 5;
+  HostBlocks host(TinyStreamConfig(layers), 7, /*read_only=*/true);
+  const int64_t hidden = host.manifest().config.hidden_size;
+  const ChainAdapter ad = MakeChainAdapter(layers, hidden, 4, 11);
+  const at::Tensor x0 = Input(hidden, 3);
+
+  auto resident = Engine(host, 0, 2);
+  const ChainResult want = RunCheckpointedChain(*resident, ad, x0);
+  REQUIRE(std::isfinite(want.loss));
+
+  for (int ring = 1; ring <= 3; ++ring) {
+    for (int swap = 0; swap <= layers; ++swap) {
+      CAPTURE(ring, swap);
+      auto engine = Engine(host, swap, ring);
+      for (int step = 0; step < 3; ++step) {  // cold pass, then steady passes
+        engine->BeginStep();
+        const ChainResult got = RunCheckpointedChain(*engine, ad, x0);
+        StepStats stats;
+        engine->EndStep(stats);
+        REQUIRE(BitEqual(got, want));
+      }
+    }
+  }
+}
+
+TEST_CASE("a slowed, poisoning copy thread changes nothing: compute waits for every copy",
+          "[worker]") {
+  const int layers = 4;
+  HostBlocks host(TinyStreamConfig(layers), 8, /*read_only=*/true);
+  const int64_t hidden = host.manifest().config.hidden_size;
+  const ChainAdapter ad = MakeChainAdapter(layers, hidden, 4, 12);
+  const at::Tensor x0 = Input(hidden, 4);
+  auto resident = Engine(host, 0, 2);
+  const ChainResult want = RunCheckpointedChain(*resident, ad, x0);
+
+  StreamEngineOptions slow;
+  slow.debug_poison = true;
+  slow.debug_copy_delay_us = 3000;
+  for (int ring = 1; ring <= 3; ++ring) {
+    for (int swap : {1, 3, 4}) {
+      CAPTURE(ring, swap);
+      auto engine = Engine(host, swap, ring, slow);
+      int inspected = 0;
+      // What the compute read is exactly the host's block, both when it acquired it and after
+      // it had held it a while (no copy overwrote the slot under it).
+      auto inspect = [&](int block, const BlockWeights& w) {
+        REQUIRE(SameWeights(w, HostView(host, block)));
+        std::this_thread::sleep_for(std::chrono::microseconds(500));
+        REQUIRE(SameWeights(w, HostView(host, block)));
+        ++inspected;
+      };
+      for (int step = 0; step < 2; ++step) {
+        engine->BeginStep();
+        const ChainResult got = RunCheckpointedChain(*engine, ad, x0, inspect);
+        StepStats stats;
+        engine->EndStep(stats);
+        REQUIRE(BitEqual(got, want));
+        if (stats.copies > 0) {
+          // Each copy sleeps 3 ms inside the copy engine's busy time.
+          REQUIRE(stats.h2d_busy_seconds >= stats.copies * 0.003);
+        }
+      }
+      REQUIRE(inspected == 2 * 2 * layers);
+    }
+  }
+}
+
+TEST_CASE("the poison is visible: a slot read before its copy lands holds NaN", "[worker]") {
+  // The detector behind the test above: poison, then a slow copy.
+  StreamBackendOptions o;
+  o.num_slots = 1;
+  o.slot_bytes = 1024;
+  o.debug_poison = true;
+  o.debug_copy_delay_us = 200000;
+  CpuStreamBackend backend(o);
+  std::vector<float> src(256, 1.5f);
+  backend.Copy(0, reinterpret_cast<const uint8_t*>(src.data()), 1024);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const at::Tensor early = backend.slot(0).view(at::kFloat);
+  REQUIRE(at::isnan(early).all().item<bool>());  // read without AcquireSlot: poison
+  backend.AcquireSlot(0);
+  REQUIRE(at::equal(backend.slot(0).view(at::kFloat), at::full({256}, 1.5f)));
+  backend.ReleaseSlot(0);
+}
+
+TEST_CASE("the CPU backend refuses a copy into a slot that is still being read", "[worker]") {
+  StreamBackendOptions o;
+  o.num_slots = 2;
+  o.slot_bytes = 64;
+  CpuStreamBackend backend(o);
+  std::vector<uint8_t> src(64, 1);
+  backend.Copy(0, src.data(), 64);
+  backend.AcquireSlot(0);
+  backend.Copy(0, src.data(), 64);  // a ring bug: slot 0 has not been released
+  try {
+    backend.Drain();
+    FAIL("overwrite of a slot in use went unnoticed");
+  } catch (const Error& e) {
+    REQUIRE(e.code() == ErrorCode::kInternal);
+    REQUIRE(std::string(e.what()).find("invariant 2") != std::string::npos);
+  }
+}
+
+TEST_CASE("copies per step: reuse at the turnaround and across passes", "[worker]") {
+  const int layers = 6;
+  HostBlocks host(TinyStreamConfig(layers), 9, /*read_only=*/true);
+  const int64_t hidden = host.manifest().config.hidden_size;
+  const uint64_t block_bytes = host.manifest().blocks[0].nbytes;
+  const ChainAdapter ad = MakeChainAdapter(layers, hidden, 2, 13);
+  const at::Tensor x0 = Input(hidden, 5);
+  auto engine = Engine(host, 6, 2);
+
+  StepStats s1, s2, s3;
+  engine->BeginStep();
+  RunCheckpointedChain(*engine, ad, x0);
+  engine->EndStep(s1);
+  // Cold: 6 forward copies, the backward reuses blocks 5 and 4 and copies 3..0.
+  REQUIRE(s1.copies == 10);
+  REQUIRE(s1.copies_saved == 2);
+  REQUIRE(s1.h2d_bytes == 10 * block_bytes);
+
+  engine->BeginStep();
+  RunCheckpointedChain(*engine, ad, x0);
+  engine->EndStep(s2);
+  // Steady: blocks 0 and 1 are still in the ring from the previous backward.
+  REQUIRE(s2.copies == 8);
+  REQUIRE(s2.copies_saved == 4);
+  REQUIRE(s2.h2d_bytes == 8 * block_bytes);
+
+  // Gradient accumulation: two passes in one step.
+  engine->BeginStep();
+  RunCheckpointedChain(*engine, ad, x0);
+  RunCheckpointedChain(*engine, ad, x0);
+  engine->EndStep(s3);
+  REQUIRE(s3.copies == 16);
+  REQUIRE(s3.copies_saved == 8);
+
+  // Everything resident: no copies at all.
+  auto resident = Engine(host, 0, 2);
+  StepStats r;
+  resident->BeginStep();
+  RunCheckpointedChain(*resident, ad, x0);
+  resident->EndStep(r);
+  REQUIRE(r.copies == 0);
+  REQUIRE(r.h2d_bytes == 0);
+}
+
+TEST_CASE("a step begun in the middle of a pass restarts cleanly", "[worker]") {
+  const int layers = 5;
+  HostBlocks host(TinyStreamConfig(layers), 10, /*read_only=*/true);
+  const int64_t hidden = host.manifest().config.hidden_size;
+  const ChainAdapter ad = MakeChainAdapter(layers, hidden, 2, 14);
+  const at::Tensor x0 = Input(hidden, 6);
+  auto resident = Engine(host, 0, 2);
+  const ChainResult want = RunCheckpointedChain(*resident, ad, x0);
+
+  StreamEngineOptions slow;
+  slow.debug_poison = true;
+  slow.debug_copy_delay_us = 1000;
+  auto engine = Engine(host, 4, 2, slow);
+  engine->BeginStep();
+  for (int i = 0; i < 3; ++i) {  // a forward-only pass abandoned after three blocks
+    engine->Acquire(i);
+    engine->Release(i);
+  }
+  engine->Acquire(3);  // ... even with a block still acquired
+  engine->BeginStep();
+  REQUIRE(BitEqual(RunCheckpointedChain(*engine, ad, x0), want));
+}
+
+TEST_CASE("the engine refuses calls out of the step's order", "[worker]") {
+  HostBlocks host(TinyStreamConfig(3), 11, /*read_only=*/true);
+  auto engine = Engine(host, 3, 2);
+  engine->BeginStep();
+  REQUIRE_THROWS_AS(engine->Acquire(1), Error);  // the pass starts with block 0
+  REQUIRE_THROWS_AS(engine->Release(0), Error);  // nothing acquired
+  engine->Acquire(0);
+  REQUIRE_THROWS_AS(engine->Acquire(0), Error);  // still acquired
+  REQUIRE_THROWS_AS(engine->Release(1), Error);  // not the acquired block
+  engine->Release(0);
+  try {
+    engine->Acquire(2);
+    FAIL("out-of-order Acquire accepted");
+  } catch (const Error& e) {
+    REQUIRE(e.code() == ErrorCode::kInternal);
+    REQUIRE(std::string(e.what()).find("forward of block 1") != std::string::npos);
+  }
+}
+
+TEST_CASE("bad construction arguments are refused", "[worker]") {
+  HostBlocks host(TinyStreamConfig(3), 12, /*read_only=*/true);
+  const ResidencyPlan plan = PlanFromSwapCount(3, 2, 2);
+  std::vector<const uint8_t*> too_few(host.pointers().begin(), host.pointers().end() - 1);
+  REQUIRE_THROWS_AS(MakeStreamEngine(host.manifest(), too_few, plan, c10::Device(c10::kCPU)),
+                    Error);
+  std::vector<const uint8_t*> null_block = host.pointers();
+  null_block[1] = nullptr;
+  REQUIRE_THROWS_AS(MakeStreamEngine(host.manifest(), null_block, plan, c10::Device(c10::kCPU)),
+                    Error);
+  Manifest bad = host.manifest();
+  bad.blocks[2].tensors.back().offset = bad.blocks[2].nbytes;  // outside its segment
+  REQUIRE_THROWS_AS(MakeStreamEngine(bad, host.pointers(), plan, c10::Device(c10::kCPU)), Error);
+}
+
+TEST_CASE("a trainable base weight is refused naming the tensor", "[worker]") {
+  HostBlocks host(TinyStreamConfig(2), 13, /*read_only=*/false);
+  BlockWeights w = HostView(host, 1);
+  RefuseTrainableBaseWeights(w, 1);  // frozen: fine
+  w.up_proj = w.up_proj.clone().requires_grad_(true);
+  try {
+    RefuseTrainableBaseWeights(w, 1);
+    FAIL("trainable base weight accepted");
+  } catch (const Error& e) {
+    REQUIRE(e.code() == ErrorCode::kRefused);
+    REQUIRE(std::string(e.what()).find("model.layers.1.mlp.up_proj.weight") != std::string::npos);
+  }
+  REQUIRE_THROWS_AS(RefuseTrainableBaseWeight(at::ones({2}).requires_grad_(true), "lm_head.weight"),
+                    Error);
+}
+
+TEST_CASE("residency from a job's stream settings", "[worker]") {
+  HostBlocks host(TinyStreamConfig(4), 14, /*read_only=*/false);
+  const MemoryModelInputs in = MemoryInputsFor(host.manifest(), 4, {"q_proj", "down_proj"},
+                                               kTokens, 4, /*attention_materialized=*/true);
+  REQUIRE(PlanResidency(2, 0, 2, in).num_streamed() == 2);
+  REQUIRE(PlanResidency(2, ~uint64_t{0} >> 1, 2, in).num_streamed() == 0);  // budget wins
+  REQUIRE_THROWS_AS(PlanResidency(2, 1000, 2, in), Error);                 // below minimum
+  REQUIRE_THROWS_AS(PlanResidency(2, 0, 0, in), Error);                    // ring 0
+  REQUIRE_THROWS_AS(PlanResidency(5, 0, 2, in), Error);                    // too many blocks
+}

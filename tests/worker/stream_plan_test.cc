@@ -1,0 +1,170 @@
+// The streaming planner: block order, resident/streamed split, slot assignment, reuse and
+// copy issue points, checked by simulating every plan against the invariants.
+#include <algorithm>
+#include <set>
+
+#include <catch2/catch.hpp>
+
+#include "common/error.h"
+#include "worker/stream_plan.h"
+
+using namespace lorastream;
+
+namespace {
+
+// Walks a pass plan as the engine executes it and checks:
+//  - every streamed use reads a slot that holds its block (invariant 1 on the plan level);
+//  - a copy is issued after the last use of the slot's previous occupant (invariant 2) and
+//    before its own use, and issue points never decrease;
+//  - a copy happens only when the block is in no slot (invariant 5);
+//  - resident blocks never touch a slot.
+void CheckPlan(const ResidencyPlan& r, const PassPlan& p) {
+  const int n = 2 * r.num_blocks();
+  REQUIRE(static_cast<int>(p.uses.size()) == n);
+  std::vector<int> slots = p.slots_at_start;
+  std::vector<int> last_use(r.ring_size, -1);
+  int last_issue = -1;
+  for (int u = 0; u < n; ++u) {
+    const BlockUse& use = p.uses[u];
+    REQUIRE(use.block == (u < n / 2 ? u : n - 1 - u));
+    REQUIRE(use.backward == (u >= n / 2));
+    if (!r.streamed[use.block]) {
+      REQUIRE(use.slot == -1);
+      REQUIRE_FALSE(use.copy);
+      continue;
+    }
+    REQUIRE(use.slot >= 0);
+    REQUIRE(use.slot < r.ring_size);
+    const bool present = std::count(slots.begin(), slots.end(), use.block) > 0;
+    REQUIRE(use.copy == !present);
+    if (use.copy) {
+      REQUIRE(use.issue_after < u);
+      REQUIRE(use.issue_after >= last_use[use.slot]);
+      REQUIRE(use.issue_after >= last_issue);
+      last_issue = use.issue_after;
+      const auto& list = use.issue_after < 0 ? p.issue_at_start
+                                             : p.issue_after_release[use.issue_after];
+      REQUIRE(std::count(list.begin(), list.end(), u) == 1);
+      slots[use.slot] = use.block;
+    }
+    REQUIRE(slots[use.slot] == use.block);
+    last_use[use.slot] = u;
+  }
+  REQUIRE(slots == p.slots_at_end);
+  std::set<int> distinct(slots.begin(), slots.end());
+  distinct.erase(-1);
+  REQUIRE(distinct.size() == static_cast<size_t>(std::count_if(
+                                 slots.begin(), slots.end(), [](int b) { return b >= 0; })));
+}
+
+}  // namespace
+
+TEST_CASE("a pass uses blocks forward then backward", "[worker]") {
+  REQUIRE(PassBlockOrder(3) == std::vector<int>{0, 1, 2, 2, 1, 0});
+  REQUIRE(PassBlockOrder(1) == std::vector<int>{0, 0});
+}
+
+TEST_CASE("blocks_to_swap streams N blocks with the resident ones spread", "[worker]") {
+  ResidencyPlan p = PlanFromSwapCount(16, 12, 2);
+  REQUIRE(p.num_streamed() == 12);
+  REQUIRE(p.ring_size == 2);
+  for (int b : {2, 6, 10, 14}) REQUIRE_FALSE(p.streamed[b]);
+  REQUIRE(p.Describe().find("12 of 16 blocks streamed") != std::string::npos);
+
+  ResidencyPlan none = PlanFromSwapCount(8, 0, 2);
+  REQUIRE(none.num_streamed() == 0);
+  REQUIRE(none.ring_size == 0);
+  ResidencyPlan all = PlanFromSwapCount(8, 8, 3);
+  REQUIRE(all.num_streamed() == 8);
+  REQUIRE(all.ring_size == 3);
+  // No more slots than streamed blocks.
+  REQUIRE(PlanFromSwapCount(8, 1, 3).ring_size == 1);
+  for (int l = 1; l <= 20; ++l) {
+    for (int n = 0; n <= l; ++n) REQUIRE(PlanFromSwapCount(l, n, 2).num_streamed() == n);
+  }
+}
+
+TEST_CASE("the planner refuses impossible requests naming the field", "[worker]") {
+  try {
+    PlanFromSwapCount(8, 2, 0);
+    FAIL("ring 0 accepted");
+  } catch (const Error& e) {
+    REQUIRE(e.code() == ErrorCode::kRefused);
+    REQUIRE(std::string(e.what()).find("ring_size") != std::string::npos);
+  }
+  REQUIRE_THROWS_AS(PlanFromSwapCount(8, 9, 2), Error);
+  REQUIRE_THROWS_AS(PlanFromSwapCount(8, -1, 2), Error);
+  try {
+    RequireCheckpointingForStreaming(PlanFromSwapCount(8, 2, 2), false);
+    FAIL("streaming without checkpointing accepted");
+  } catch (const Error& e) {
+    REQUIRE(e.code() == ErrorCode::kRefused);
+    REQUIRE(std::string(e.what()).find("gradient checkpointing") != std::string::npos);
+  }
+  RequireCheckpointingForStreaming(PlanFromSwapCount(8, 0, 2), false);  // nothing streams
+  RequireCheckpointingForStreaming(PlanFromSwapCount(8, 2, 2), true);
+}
+
+TEST_CASE("every plan keeps the ring's invariants (all sizes, rings and swap counts)",
+          "[worker]") {
+  for (int l = 1; l <= 9; ++l) {
+    for (int ring = 1; ring <= 4; ++ring) {
+      for (int n = 0; n <= l; ++n) {
+        CAPTURE(l, ring, n);
+        const ResidencyPlan r = PlanFromSwapCount(l, n, ring);
+        PassPlan p = PlanPass(r, std::vector<int>(r.ring_size, -1));
+        CheckPlan(r, p);
+        for (int pass = 0; pass < 3; ++pass) {  // following passes start from the last state
+          p = PlanPass(r, p.slots_at_end);
+          CheckPlan(r, p);
+        }
+        const int rr = r.ring_size;
+        // Cold pass: every streamed block copied in the forward, and again in the backward
+        // except the forward's last R (the turnaround reuse, invariant 5).
+        const PassPlan cold = PlanPass(r, std::vector<int>(rr, -1));
+        REQUIRE(cold.copies() == (n > rr ? 2 * n - rr : n));
+        REQUIRE(cold.copies_saved() == (n > rr ? rr : n));
+        // Steady pass: the backward's last R are also the next forward's first R.
+        const PassPlan steady = PlanSteadyPass(r);
+        CheckPlan(r, steady);
+        REQUIRE(steady.copies() == (n > rr ? 2 * n - 2 * rr : 0));
+        REQUIRE(steady.copies_saved() == 2 * n - steady.copies());
+      }
+    }
+  }
+}
+
+TEST_CASE("the forward's last blocks serve the first backward uses without a copy",
+          "[worker]") {
+  const ResidencyPlan r = PlanFromSwapCount(6, 6, 2);
+  const PassPlan p = PlanPass(r, {-1, -1});
+  // Uses 6 and 7 are the backward of blocks 5 and 4, still in the ring.
+  REQUIRE(p.uses[6].block == 5);
+  REQUIRE_FALSE(p.uses[6].copy);
+  REQUIRE_FALSE(p.uses[7].copy);
+  REQUIRE(p.uses[8].copy);  // block 3 again
+  // Double buffering: the copy for forward block k+1... is issued after block k-1's use, so it
+  // overlaps block k's compute.
+  REQUIRE(p.uses[0].issue_after == -1);
+  REQUIRE(p.uses[1].issue_after == -1);
+  REQUIRE(p.uses[2].issue_after == 0);
+  REQUIRE(p.uses[3].issue_after == 1);
+  // The backward's first copy (block 3) goes into the slot of block 5, released at use 6.
+  REQUIRE(p.uses[8].slot == p.uses[6].slot);
+  REQUIRE(p.uses[8].issue_after == 6);
+  // R = 1: no overlap, each copy right after the previous use.
+  const PassPlan one = PlanPass(PlanFromSwapCount(3, 3, 1), {-1});
+  REQUIRE(one.uses[1].issue_after == 0);
+  REQUIRE(one.uses[2].issue_after == 1);
+  REQUIRE_FALSE(one.uses[3].copy);  // block 2 at the turnaround
+  REQUIRE(one.uses[4].issue_after == 3);
+  REQUIRE(one.Describe().find("#3 bwd 2 slot 0 reused") != std::string::npos);
+}
+
+TEST_CASE("the benchmark's plan: 12 of 16 streamed through 2 slots", "[worker]") {
+  const ResidencyPlan r = PlanFromSwapCount(16, 12, 2);
+  const PassPlan steady = PlanSteadyPass(r);
+  REQUIRE(steady.copies() == 20);
+  REQUIRE(steady.copies_saved() == 4);
+  REQUIRE(steady.issue_at_start.empty());  // nothing left to fetch when a pass starts
+}

@@ -1,0 +1,103 @@
+// Test helpers for the streaming engine: a tiny Llama-shaped model's blocks packed as the
+// store packs them (canonical tensor order, 256-byte aligned offsets, f32) into host buffers
+// the test owns, and a manifest describing them.
+#pragma once
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "common/manifest.h"
+#include "common/model_config.h"
+
+namespace lorastream::testing {
+
+inline ModelConfig TinyStreamConfig(int layers) {
+  ModelConfig c;
+  c.model_type = "llama";
+  c.hidden_size = 32;
+  c.intermediate_size = 48;
+  c.num_hidden_layers = layers;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 8;
+  c.vocab_size = 64;
+  c.max_position_embeddings = 64;
+  c.torch_dtype = "float32";
+  return c;
+}
+
+inline SegmentInfo PackedLayout(const std::vector<std::pair<std::string, std::vector<int64_t>>>& shapes,
+                                const std::string& name, DType dtype, uint64_t alignment) {
+  SegmentInfo s;
+  s.shm_name = name;
+  uint64_t offset = 0;
+  for (const auto& [tensor, shape] : shapes) {
+    TensorSlice t;
+    t.name = tensor;
+    t.dtype = dtype;
+    t.shape = shape;
+    uint64_t n = DTypeSize(dtype);
+    for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+    t.offset = (offset + alignment - 1) / alignment * alignment;
+    t.nbytes = n;
+    offset = t.offset + n;
+    s.tensors.push_back(t);
+  }
+  s.nbytes = offset;
+  return s;
+}
+
+// Page-aligned host memory holding every block's bytes (one region per block, as the store's
+// segments are), optionally made read-only after filling, as the store's mappings are.
+class HostBlocks {
+ public:
+  HostBlocks(const ModelConfig& config, uint64_t seed, bool read_only) {
+    manifest_.store_name = "test";
+    manifest_.config = config;
+    manifest_.dtype = DType::kF32;
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> normal(0.0f, 0.2f);
+    for (int i = 0; i < config.num_hidden_layers; ++i) {
+      SegmentInfo s = PackedLayout(config.BlockTensorShapes(), "block" + std::to_string(i),
+                                   DType::kF32, manifest_.alignment);
+      const size_t mapped = (s.nbytes + page - 1) / page * page;
+      void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      LS_CHECK(p != MAP_FAILED, "mmap for test blocks");
+      auto* bytes = static_cast<uint8_t*>(p);
+      for (const TensorSlice& t : s.tensors) {
+        auto* f = reinterpret_cast<float*>(bytes + t.offset);
+        const bool norm = t.name.find("norm") != std::string::npos;
+        for (uint64_t k = 0; k < t.nbytes / 4; ++k) f[k] = norm ? 1.0f + normal(rng) : normal(rng);
+      }
+      if (read_only) LS_CHECK(mprotect(p, mapped, PROT_READ) == 0, "mprotect");
+      maps_.push_back({p, mapped});
+      pointers_.push_back(bytes);
+      manifest_.blocks.push_back(s);
+    }
+    manifest_.rest = PackedLayout(config.RestTensorShapes(), "rest", DType::kF32,
+                                  manifest_.alignment);
+  }
+  ~HostBlocks() {
+    for (auto& [p, n] : maps_) munmap(p, n);
+  }
+  HostBlocks(const HostBlocks&) = delete;
+  HostBlocks& operator=(const HostBlocks&) = delete;
+
+  const Manifest& manifest() const { return manifest_; }
+  const std::vector<const uint8_t*>& pointers() const { return pointers_; }
+
+ private:
+  Manifest manifest_;
+  std::vector<const uint8_t*> pointers_;
+  std::vector<std::pair<void*, size_t>> maps_;
+};
+
+}  // namespace lorastream::testing

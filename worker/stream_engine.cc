@@ -1,0 +1,276 @@
+#include "worker/stream_engine.h"
+
+#include <algorithm>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "worker/stream_cpu_backend.h"
+#ifdef LORASTREAM_HAVE_CUDA
+#include "worker/cuda/cuda_stream_backend.h"
+#endif
+
+namespace lorastream {
+
+namespace {
+
+std::vector<SegmentInfo> CheckedLayouts(const Manifest& manifest,
+                                        const std::vector<const uint8_t*>& sources,
+                                        const ResidencyPlan& residency) {
+  const size_t n = manifest.blocks.size();
+  if (sources.size() != n || static_cast<size_t>(residency.num_blocks()) != n) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "stream engine: the manifest has " + std::to_string(n) + " blocks, but " +
+                    std::to_string(sources.size()) + " block addresses and a plan for " +
+                    std::to_string(residency.num_blocks()) + " were given");
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (sources[i] == nullptr) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "stream engine: no host address for block " + std::to_string(i));
+    }
+    for (const TensorSlice& t : manifest.blocks[i].tensors) {
+      if (t.offset > manifest.blocks[i].nbytes ||
+          t.nbytes > manifest.blocks[i].nbytes - t.offset) {
+        throw Error(ErrorCode::kCorrupt,
+                    "manifest: tensor model.layers." + std::to_string(i) + "." + t.name +
+                        " lies outside its segment (" + std::to_string(t.offset) + " + " +
+                        std::to_string(t.nbytes) + " > " +
+                        std::to_string(manifest.blocks[i].nbytes) + ")");
+      }
+    }
+  }
+  if (residency.num_streamed() > 0) RequireValidRingSize(residency.ring_size);
+  return manifest.blocks;
+}
+
+void RefuseIfTrainable(const at::Tensor& t, int block, const char* name) {
+  if (t.defined() && t.requires_grad()) {
+    RefuseTrainableBaseWeight(t, "model.layers." + std::to_string(block) + "." + name);
+  }
+}
+
+}  // namespace
+
+void RefuseTrainableBaseWeight(const at::Tensor& weight, const std::string& name) {
+  if (weight.defined() && weight.requires_grad()) {
+    throw Error(ErrorCode::kRefused,
+                "base weight " + name +
+                    " requires grad: base weights are frozen and shared read-only; train it "
+                    "through a LoRA adapter (lora.targets) and leave requires_grad off");
+  }
+}
+
+void RefuseTrainableBaseWeights(const BlockWeights& w, int block) {
+  RefuseIfTrainable(w.input_norm, block, "input_layernorm.weight");
+  RefuseIfTrainable(w.q_proj, block, "self_attn.q_proj.weight");
+  RefuseIfTrainable(w.k_proj, block, "self_attn.k_proj.weight");
+  RefuseIfTrainable(w.v_proj, block, "self_attn.v_proj.weight");
+  RefuseIfTrainable(w.o_proj, block, "self_attn.o_proj.weight");
+  RefuseIfTrainable(w.q_bias, block, "self_attn.q_proj.bias");
+  RefuseIfTrainable(w.k_bias, block, "self_attn.k_proj.bias");
+  RefuseIfTrainable(w.v_bias, block, "self_attn.v_proj.bias");
+  RefuseIfTrainable(w.q_norm, block, "self_attn.q_norm.weight");
+  RefuseIfTrainable(w.k_norm, block, "self_attn.k_norm.weight");
+  RefuseIfTrainable(w.post_norm, block, "post_attention_layernorm.weight");
+  RefuseIfTrainable(w.gate_proj, block, "mlp.gate_proj.weight");
+  RefuseIfTrainable(w.up_proj, block, "mlp.up_proj.weight");
+  RefuseIfTrainable(w.down_proj, block, "mlp.down_proj.weight");
+}
+
+StreamEngine::StreamEngine(const Manifest& manifest, std::vector<const uint8_t*> block_bytes,
+                           ResidencyPlan residency, std::unique_ptr<StreamBackend> backend,
+                           bool log_plan)
+    : layouts_(CheckedLayouts(manifest, block_bytes, residency)),
+      sources_(std::move(block_bytes)),
+      residency_(std::move(residency)),
+      backend_(std::move(backend)) {
+  const int n = num_blocks();
+  resident_bytes_.resize(n);
+  resident_weights_.resize(n);
+  for (int i = 0; i < n; ++i) {
+    if (residency_.streamed[i]) {
+      backend_->AddSource(sources_[i], layouts_[i].nbytes);
+    } else {
+      resident_bytes_[i] = backend_->MakeResident(sources_[i], layouts_[i].nbytes);
+      resident_weights_[i] = BlockWeightsFromBytes(resident_bytes_[i], layouts_[i]);
+      RefuseTrainableBaseWeights(resident_weights_[i], i);
+    }
+  }
+  slot_weights_.resize(residency_.ring_size);
+  slot_weights_block_.assign(residency_.ring_size, -1);
+  slot_block_.assign(residency_.ring_size, -1);
+  if (log_plan) {
+    const PassPlan steady = PlanSteadyPass(residency_);
+    uint64_t steady_bytes = 0;
+    for (const BlockUse& u : steady.uses) {
+      if (u.copy) steady_bytes += layouts_[u.block].nbytes;
+    }
+    LS_LOG_INFO("stream engine: {}; steady pass: {} copies ({:.2f} GB), {} uses served from "
+                "a slot",
+                residency_.Describe(), steady.copies(), steady_bytes / 1e9,
+                steady.copies_saved());
+    if (residency_.num_streamed() > 0) LS_LOG_DEBUG("steady pass plan:\n{}", steady.Describe());
+  }
+  // Prefetch the first pass's blocks right away: the ring is empty, nothing to wait for.
+  StartPass();
+}
+
+StreamEngine::~StreamEngine() {
+  try {
+    backend_->Drain();  // no copy may still write a slot while the backend frees it
+  } catch (const std::exception& e) {
+    LS_LOG_WARN("stream engine: a copy failed during shutdown: {}", e.what());
+  }
+}
+
+void StreamEngine::StartPass() {
+  pass_ = PlanPass(residency_, slot_block_);
+  cursor_ = 0;
+  acquired_ = false;
+  for (int u : pass_.issue_at_start) Issue(u);
+}
+
+void StreamEngine::Issue(int use) {
+  const BlockUse& u = pass_.uses[use];
+  const uint64_t bytes = layouts_[u.block].nbytes;
+  backend_->Copy(u.slot, sources_[u.block], bytes);
+  slot_block_[u.slot] = u.block;
+  h2d_bytes_ += bytes;
+  ++copies_;
+}
+
+const BlockUse& StreamEngine::Expect(int block, const char* verb) const {
+  LS_CHECK(cursor_ < static_cast<int>(pass_.uses.size()), "pass cursor past its end");
+  const BlockUse& use = pass_.uses[cursor_];
+  if (use.block != block) {
+    throw Error(ErrorCode::kInternal,
+                std::string("stream engine: ") + verb + "(" + std::to_string(block) +
+                    ") out of order: use #" + std::to_string(cursor_) + " of the pass is " +
+                    (use.backward ? "backward" : "forward") + " of block " +
+                    std::to_string(use.block) + " (order: 0..L-1 then L-1..0)");
+  }
+  return use;
+}
+
+void StreamEngine::BeginStep() {
+  if (cursor_ != 0 || acquired_) {
+    // An unfinished pass (aborted step, forward-only pass): let its copies land, then plan
+    // afresh from what the slots hold.
+    if (acquired_ && pass_.uses[cursor_].slot >= 0) {
+      backend_->ReleaseSlot(pass_.uses[cursor_].slot);
+    }
+    backend_->Drain();
+    StartPass();
+  }
+  // Statistics are not reset here: copies issued since the last EndStep (the first pass's
+  // prefetch at construction) belong to this step's work. EndStep resets them.
+  backend_->ResetPeak();
+}
+
+const BlockWeights& StreamEngine::Acquire(int block) {
+  if (acquired_) {
+    throw Error(ErrorCode::kInternal,
+                "stream engine: Acquire(" + std::to_string(block) + ") while block " +
+                    std::to_string(pass_.uses[cursor_].block) + " is still acquired");
+  }
+  const BlockUse& use = Expect(block, "Acquire");
+  if (use.slot < 0) {
+    acquired_ = true;
+    return resident_weights_[block];
+  }
+  backend_->AcquireSlot(use.slot);
+  acquired_ = true;
+  if (!use.copy) ++copies_saved_;
+  if (slot_weights_block_[use.slot] != block) {
+    slot_weights_[use.slot] = BlockWeightsFromBytes(backend_->slot(use.slot), layouts_[block]);
+    RefuseTrainableBaseWeights(slot_weights_[use.slot], block);
+    slot_weights_block_[use.slot] = block;
+  }
+  return slot_weights_[use.slot];
+}
+
+void StreamEngine::Release(int block) {
+  if (!acquired_) {
+    throw Error(ErrorCode::kInternal,
+                "stream engine: Release(" + std::to_string(block) + ") without an Acquire");
+  }
+  const BlockUse& use = Expect(block, "Release");
+  // The release is recorded before the copies that follow it are issued: those copies wait
+  // for it (invariant 2).
+  if (use.slot >= 0) backend_->ReleaseSlot(use.slot);
+  acquired_ = false;
+  const int released = cursor_++;
+  for (int u : pass_.issue_after_release[released]) Issue(u);
+  if (cursor_ == static_cast<int>(pass_.uses.size())) StartPass();
+}
+
+void StreamEngine::EndStep(StepStats& stats) {
+  stats.h2d_bytes = h2d_bytes_;
+  stats.copies = copies_;
+  stats.copies_saved = copies_saved_;
+  backend_->CollectTimes(&stats.h2d_busy_seconds, &stats.stall_seconds);
+  stats.peak_device_bytes = backend_->PeakDeviceBytes();
+  h2d_bytes_ = 0;
+  copies_ = 0;
+  copies_saved_ = 0;
+}
+
+ResidencyPlan PlanResidency(int64_t blocks_to_swap, uint64_t gpu_memory_budget,
+                            int64_t ring_size, const MemoryModelInputs& inputs) {
+  const int num_blocks = static_cast<int>(inputs.block_bytes.size());
+  const int ring = static_cast<int>(std::clamp<int64_t>(ring_size, -1, 1 << 20));
+  RequireValidRingSize(ring);
+  if (gpu_memory_budget > 0) return PlanFromBudget(inputs, gpu_memory_budget, ring);
+  const int swap = static_cast<int>(std::clamp<int64_t>(blocks_to_swap, -1, num_blocks + 1));
+  ResidencyPlan plan = PlanFromSwapCount(num_blocks, swap, ring);
+  LS_LOG_INFO("stream plan from blocks_to_swap {}: {}", blocks_to_swap, plan.Describe());
+  return plan;
+}
+
+MemoryModelInputs MemoryInputsFor(const Manifest& manifest, int64_t lora_rank,
+                                  const std::vector<std::string>& lora_targets,
+                                  int64_t tokens_per_micro_batch, int compute_bytes,
+                                  bool attention_materialized) {
+  MemoryModelInputs in;
+  in.config = manifest.config;
+  for (const SegmentInfo& b : manifest.blocks) in.block_bytes.push_back(b.nbytes);
+  in.rest_bytes = manifest.rest.nbytes;
+  in.lora_rank = lora_rank;
+  in.lora_targets = lora_targets;
+  in.tokens = tokens_per_micro_batch;
+  in.compute_bytes = compute_bytes;
+  in.attention_materialized = attention_materialized;
+  return in;
+}
+
+std::unique_ptr<StreamEngine> MakeStreamEngine(const Manifest& manifest,
+                                               std::vector<const uint8_t*> block_bytes,
+                                               const ResidencyPlan& residency,
+                                               const c10::Device& device,
+                                               const StreamEngineOptions& options) {
+  StreamBackendOptions b;
+  b.num_slots = residency.ring_size;
+  for (size_t i = 0; i < manifest.blocks.size() && i < residency.streamed.size(); ++i) {
+    if (residency.streamed[i]) b.slot_bytes = std::max(b.slot_bytes, manifest.blocks[i].nbytes);
+  }
+  b.debug_poison = options.debug_poison;
+  b.debug_copy_delay_us = options.debug_copy_delay_us;
+  b.force_staging = options.force_staging;
+  std::unique_ptr<StreamBackend> backend;
+  if (device.is_cpu()) {
+    backend = std::make_unique<CpuStreamBackend>(b);
+  } else if (device.is_cuda()) {
+#ifdef LORASTREAM_HAVE_CUDA
+    backend = MakeCudaStreamBackend(b, device.has_index() ? device.index() : 0);
+#else
+    throw Error(ErrorCode::kUnsupported,
+                "device " + device.str() + ": this build of lorastream has no CUDA backend");
+#endif
+  } else {
+    throw Error(ErrorCode::kUnsupported, "device " + device.str() + " is not supported");
+  }
+  return std::make_unique<StreamEngine>(manifest, std::move(block_bytes), residency,
+                                        std::move(backend), options.log_plan);
+}
+
+}  // namespace lorastream

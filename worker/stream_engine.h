@@ -1,0 +1,113 @@
+// The streaming engine: a BlockProvider that keeps the resident blocks on the device and
+// streams the others Host->Device through a ring of R slots, following the pass plan
+// (worker/stream_plan.h). One H2D copy per block (a block's bytes are contiguous in the
+// store), issued as soon as the slot's previous occupant has been released, overlapped with
+// compute; a block still in its slot is served again without a copy.
+//
+// Construction, as the trainer does it:
+//   ResidencyPlan plan = PlanResidency(job.stream.blocks_to_swap, job.stream.gpu_memory_budget,
+//                                      job.stream.ring_size, MemoryInputsFor(...));
+//   RequireCheckpointingForStreaming(plan, /*gradient_checkpointing=*/true);
+//   auto engine = MakeStreamEngine(store.manifest, store.block_pointers, plan, device, {});
+//   model.set_block_provider(engine.get());  // BeginStep / Acquire / Release / EndStep
+//
+// Order contract: within a pass, Acquire/Release alternate and follow 0..L-1, L-1..0; passes
+// repeat (gradient accumulation = several passes between BeginStep and EndStep). A BeginStep
+// in the middle of a pass (an aborted step, a forward-only evaluation) drains the copies in
+// flight and starts a fresh pass. Any other order is a bug in the caller: Error(kInternal).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include <c10/core/Device.h>
+
+#include "common/manifest.h"
+#include "worker/block_provider.h"
+#include "worker/stream_backend.h"
+#include "worker/stream_budget.h"
+#include "worker/stream_plan.h"
+
+namespace lorastream {
+
+struct StreamEngineOptions {
+  bool debug_poison = false;          // see StreamBackendOptions
+  int64_t debug_copy_delay_us = 0;    // see StreamBackendOptions
+  bool force_staging = false;         // CUDA: always copy through the pinned staging pool
+  bool log_plan = true;               // log the residency and the steady pass plan at start
+};
+
+class StreamEngine : public BlockProvider {
+ public:
+  // block_bytes[i]: host address of block i's packed bytes (manifest.blocks[i].nbytes long;
+  // the store's read-only mapping), for every block, resident ones included. They must stay
+  // mapped for the engine's life.
+  StreamEngine(const Manifest& manifest, std::vector<const uint8_t*> block_bytes,
+               ResidencyPlan residency, std::unique_ptr<StreamBackend> backend,
+               bool log_plan = true);
+  ~StreamEngine() override;
+  StreamEngine(const StreamEngine&) = delete;
+  StreamEngine& operator=(const StreamEngine&) = delete;
+
+  int num_blocks() const override { return residency_.num_blocks(); }
+  void BeginStep() override;
+  const BlockWeights& Acquire(int block) override;
+  void Release(int block) override;
+  void EndStep(StepStats& stats) override;
+
+  const ResidencyPlan& residency() const { return residency_; }
+  const PassPlan& pass_plan() const { return pass_; }  // the pass in progress
+
+ private:
+  void StartPass();  // plans the pass from the slots' contents and issues its first copies
+  void Issue(int use);
+  const BlockUse& Expect(int block, const char* verb) const;
+
+  const std::vector<SegmentInfo> layouts_;
+  const std::vector<const uint8_t*> sources_;
+  const ResidencyPlan residency_;
+  std::unique_ptr<StreamBackend> backend_;
+
+  std::vector<at::Tensor> resident_bytes_;     // [block], defined for resident blocks
+  std::vector<BlockWeights> resident_weights_; // [block]
+  std::vector<BlockWeights> slot_weights_;     // [slot]: views over the slot for ...
+  std::vector<int> slot_weights_block_;        // ... this block's layout (-1: none yet)
+  std::vector<int> slot_block_;                // block each slot holds once its copies land
+
+  PassPlan pass_;
+  int cursor_ = 0;     // index of the next use to Acquire in pass_
+  bool acquired_ = false;  // use cursor_ is acquired and not yet released
+
+  // Statistics since the last EndStep.
+  uint64_t h2d_bytes_ = 0;
+  int64_t copies_ = 0;
+  int64_t copies_saved_ = 0;
+};
+
+// Base weights are frozen (invariant 3): Error(kRefused) naming the tensor when one requires
+// grad. The engine checks every block it serves; the trainer calls the second form for the
+// non-block weights.
+void RefuseTrainableBaseWeights(const BlockWeights& weights, int block);
+void RefuseTrainableBaseWeight(const at::Tensor& weight, const std::string& name);
+
+// The resident/streamed split a job asks for: from the budget when gpu_memory_budget > 0,
+// else from blocks_to_swap. Logs the plan. Refusals name the field.
+ResidencyPlan PlanResidency(int64_t blocks_to_swap, uint64_t gpu_memory_budget,
+                            int64_t ring_size, const MemoryModelInputs& inputs);
+
+// Memory-model inputs from the manifest (block and rest sizes) and the job's numbers.
+MemoryModelInputs MemoryInputsFor(const Manifest& manifest, int64_t lora_rank,
+                                  const std::vector<std::string>& lora_targets,
+                                  int64_t tokens_per_micro_batch, int compute_bytes,
+                                  bool attention_materialized);
+
+// The engine on `device`: the CUDA backend for a CUDA device (builds with CUDA), the CPU
+// backend for the CPU. Error(kUnsupported) for a CUDA device in a build without CUDA.
+std::unique_ptr<StreamEngine> MakeStreamEngine(const Manifest& manifest,
+                                               std::vector<const uint8_t*> block_bytes,
+                                               const ResidencyPlan& residency,
+                                               const c10::Device& device,
+                                               const StreamEngineOptions& options = {});
+
+}  // namespace lorastream

@@ -1,0 +1,188 @@
+#include "worker/stream_plan.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include "common/error.h"
+
+namespace lorastream {
+
+int ResidencyPlan::num_streamed() const {
+  return static_cast<int>(std::count(streamed.begin(), streamed.end(), true));
+}
+
+std::string ResidencyPlan::Describe() const {
+  std::ostringstream s, resident;
+  s << num_streamed() << " of " << num_blocks() << " blocks streamed [";
+  bool first_s = true, first_r = true;
+  for (int i = 0; i < num_blocks(); ++i) {
+    if (streamed[i]) {
+      s << (first_s ? "" : " ") << i;
+      first_s = false;
+    } else {
+      resident << (first_r ? "" : " ") << i;
+      first_r = false;
+    }
+  }
+  s << "] through " << ring_size << " ring slot" << (ring_size == 1 ? "" : "s")
+    << "; resident [" << resident.str() << "]";
+  return s.str();
+}
+
+void RequireValidRingSize(int ring_size) {
+  if (ring_size < 1) {
+    throw Error(ErrorCode::kRefused,
+                "stream.ring_size must be >= 1 (found " + std::to_string(ring_size) +
+                    "): set ring_size = 2 for double buffering, or 1 for the least memory");
+  }
+}
+
+void RequireCheckpointingForStreaming(const ResidencyPlan& plan, bool gradient_checkpointing) {
+  if (plan.num_streamed() > 0 && !gradient_checkpointing) {
+    throw Error(ErrorCode::kRefused,
+                "streaming " + std::to_string(plan.num_streamed()) +
+                    " blocks needs gradient checkpointing (a ring slot is overwritten while "
+                    "autograd still holds views of it): turn gradient checkpointing on, or "
+                    "set stream.blocks_to_swap = 0 and stream.gpu_memory_budget = 0 to keep "
+                    "every block resident");
+  }
+}
+
+ResidencyPlan PlanFromSwapCount(int num_blocks, int blocks_to_swap, int ring_size) {
+  RequireValidRingSize(ring_size);
+  if (num_blocks < 1) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "the model has no transformer blocks (num_hidden_layers = " +
+                    std::to_string(num_blocks) + ")");
+  }
+  if (blocks_to_swap < 0 || blocks_to_swap > num_blocks) {
+    throw Error(ErrorCode::kRefused,
+                "stream.blocks_to_swap must be in [0, " + std::to_string(num_blocks) +
+                    "] for this " + std::to_string(num_blocks) + "-block model (found " +
+                    std::to_string(blocks_to_swap) + ")");
+  }
+  ResidencyPlan plan;
+  plan.streamed.assign(num_blocks, true);
+  const int resident = num_blocks - blocks_to_swap;
+  // Resident block j sits at the centre of the j-th of `resident` equal stretches.
+  for (int j = 0; j < resident; ++j) {
+    const int block = static_cast<int>((2LL * j + 1) * num_blocks / (2LL * resident));
+    plan.streamed[block] = false;
+  }
+  LS_CHECK(plan.num_streamed() == blocks_to_swap, "resident blocks collided");
+  plan.ring_size = std::min(ring_size, blocks_to_swap);
+  return plan;
+}
+
+std::vector<int> PassBlockOrder(int num_blocks) {
+  std::vector<int> order;
+  order.reserve(2 * num_blocks);
+  for (int i = 0; i < num_blocks; ++i) order.push_back(i);
+  for (int i = num_blocks - 1; i >= 0; --i) order.push_back(i);
+  return order;
+}
+
+int PassPlan::copies() const {
+  return static_cast<int>(
+      std::count_if(uses.begin(), uses.end(), [](const BlockUse& u) { return u.copy; }));
+}
+
+int PassPlan::copies_saved() const {
+  return static_cast<int>(std::count_if(uses.begin(), uses.end(), [](const BlockUse& u) {
+    return u.slot >= 0 && !u.copy;
+  }));
+}
+
+std::string PassPlan::Describe() const {
+  std::ostringstream s;
+  for (size_t u = 0; u < uses.size(); ++u) {
+    const BlockUse& use = uses[u];
+    s << "#" << u << (use.backward ? " bwd " : " fwd ") << use.block;
+    if (use.slot < 0) {
+      s << " resident";
+    } else if (use.copy) {
+      s << " slot " << use.slot << " copy issued "
+        << (use.issue_after < 0 ? std::string("at pass start")
+                                : "after #" + std::to_string(use.issue_after));
+    } else {
+      s << " slot " << use.slot << " reused";
+    }
+    s << "\n";
+  }
+  return s.str();
+}
+
+PassPlan PlanPass(const ResidencyPlan& residency, const std::vector<int>& slots_at_start) {
+  const int num_blocks = residency.num_blocks();
+  const int ring = residency.ring_size;
+  LS_CHECK(static_cast<int>(slots_at_start.size()) == ring, "slot state of the wrong size");
+  LS_CHECK(ring > 0 || residency.num_streamed() == 0, "streamed blocks without a ring");
+  const std::vector<int> order = PassBlockOrder(num_blocks);
+  const int n = static_cast<int>(order.size());
+
+  PassPlan plan;
+  plan.slots_at_start = slots_at_start;
+  plan.issue_after_release.assign(n, {});
+  std::vector<int> slot_block = slots_at_start;
+  std::vector<int> slot_last_use(ring, -1);  // last use in this pass of the slot's block
+
+  // Position (in the cyclic sequence) of the next use of `block` strictly after use u.
+  auto next_use = [&](int block, int u) {
+    for (int k = u + 1; k < u + 1 + n; ++k) {
+      if (order[k % n] == block) return k;
+    }
+    return u + 1 + n;  // never (cannot happen for a streamed block)
+  };
+
+  int last_issue = -1;
+  for (int u = 0; u < n; ++u) {
+    BlockUse use;
+    use.block = order[u];
+    use.backward = u >= num_blocks;
+    if (residency.streamed[use.block]) {
+      auto held = std::find(slot_block.begin(), slot_block.end(), use.block);
+      if (held != slot_block.end()) {
+        use.slot = static_cast<int>(held - slot_block.begin());
+      } else {
+        // Empty slot first; otherwise the block needed again furthest in the future.
+        int victim = -1, victim_next = -1;
+        for (int s = 0; s < ring; ++s) {
+          const int next = slot_block[s] < 0 ? n * 3 : next_use(slot_block[s], u);
+          if (next > victim_next) {
+            victim = s;
+            victim_next = next;
+          }
+        }
+        use.slot = victim;
+        use.copy = true;
+        use.issue_after = std::max(slot_last_use[victim], last_issue);
+        last_issue = use.issue_after;
+        slot_block[victim] = use.block;
+        if (use.issue_after < 0) {
+          plan.issue_at_start.push_back(u);
+        } else {
+          plan.issue_after_release[use.issue_after].push_back(u);
+        }
+      }
+      slot_last_use[use.slot] = u;
+    }
+    plan.uses.push_back(use);
+  }
+  plan.slots_at_end = slot_block;
+  return plan;
+}
+
+PassPlan PlanSteadyPass(const ResidencyPlan& residency) {
+  PassPlan plan = PlanPass(residency, std::vector<int>(residency.ring_size, -1));
+  // The slot contents at the end of a pass are the last R streamed blocks of the backward,
+  // so the state converges after one or two passes; a few more iterations are a safety net.
+  for (int i = 0; i < 4; ++i) {
+    PassPlan next = PlanPass(residency, plan.slots_at_end);
+    const bool fixed = next.slots_at_end == plan.slots_at_end;
+    plan = std::move(next);
+    if (fixed) break;
+  }
+  return plan;
+}
+
+}  // namespace lorastream

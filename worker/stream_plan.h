@@ -1,0 +1,84 @@
+// The streaming engine's plan (torch-free): which blocks stay resident on the device, and,
+// for one training pass, which block uses need a copy into which ring slot and when each copy
+// may be issued.
+//
+// A pass uses blocks in a known order: forward 0..L-1, then the checkpointed backward
+// L-1..0 (each block's forward recomputed right before its backward), so 2L uses. Passes
+// repeat (micro-batches, steps), and the plan treats the sequence as cyclic: the backward's
+// last blocks are the next forward's first ones, so they stay in their slots across passes.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace lorastream {
+
+// Where each block's base weights live for the whole job.
+struct ResidencyPlan {
+  std::vector<bool> streamed;  // streamed[i]: block i is copied into the ring when used
+  int ring_size = 0;           // slots; min(requested ring, streamed blocks); 0 = none stream
+
+  int num_blocks() const { return static_cast<int>(streamed.size()); }
+  int num_streamed() const;
+  // One line for the log: "12 of 16 blocks streamed [0 1 3 ...] through 2 slots; resident [2 ...]".
+  std::string Describe() const;
+};
+
+// Refusals that hold for every plan (Error kRefused, naming the field and the fix).
+void RequireValidRingSize(int ring_size);
+// Streaming rewrites ring slots under autograd's feet unless every block is recomputed in
+// the backward pass: refuse streaming without gradient checkpointing.
+void RequireCheckpointingForStreaming(const ResidencyPlan& plan, bool gradient_checkpointing);
+
+// Streams `blocks_to_swap` blocks (0 = all resident, num_blocks = all streamed). The resident
+// blocks are spread evenly over the depth rather than taken from one end: a resident block's
+// compute is time in which the copy engine fills the ring for the next streamed block, so
+// spreading them keeps the copy engine busy through the whole pass (with the streamed blocks
+// at one end, the copy engine idles through a contiguous resident stretch, forward and
+// backward, and the streamed stretch is purely transfer-bound). Which blocks stream does not
+// change the number of copies: every streamed block is copied twice per pass minus the reuse
+// at the turnaround (the forward's last R streamed blocks serve the first backward uses) and
+// at the pass boundary (the backward's last R serve the next forward's first uses).
+ResidencyPlan PlanFromSwapCount(int num_blocks, int blocks_to_swap, int ring_size);
+
+// The step's block order: 0..L-1, L-1..0.
+std::vector<int> PassBlockOrder(int num_blocks);
+
+// One use of a block in a pass.
+struct BlockUse {
+  int block = 0;
+  bool backward = false;  // the recompute+backward use
+  int slot = -1;          // ring slot it is read from; -1: resident
+  bool copy = false;      // a copy into `slot` precedes this use; false for a streamed block
+                          // still in its slot (a copy saved)
+  // The copy may be issued once use `issue_after` has been Released (its compute event is the
+  // one the copy waits for: the slot's previous occupant's last use, invariant 2); -1: at the
+  // start of the pass. Always < this use's index; non-decreasing over the pass's copies.
+  int issue_after = -1;
+};
+
+struct PassPlan {
+  std::vector<BlockUse> uses;          // 2L, in order
+  std::vector<int> slots_at_start;     // block held by each slot when the pass starts (-1 empty)
+  std::vector<int> slots_at_end;       // ... and when it ends
+  std::vector<std::vector<int>> issue_after_release;  // [u]: uses whose copies follow Release(u)
+  std::vector<int> issue_at_start;     // uses whose copies are issued at the start of the pass
+
+  int copies() const;
+  int copies_saved() const;  // streamed uses served by a block already in its slot
+  // Multi-line description: one line per use ("fwd 3 slot 1 copy after #2"), for the log.
+  std::string Describe() const;
+};
+
+// Plans one pass from the slots' contents at its start (all -1 for the first pass; the
+// previous pass's slots_at_end afterwards). A streamed block still in a slot is never copied
+// again; a copy evicts the slot whose block is needed again furthest in the future (the
+// cyclic order, so the next pass counts), which for this order is also the slot released
+// earliest, so copies are issued as early as the ring allows.
+PassPlan PlanPass(const ResidencyPlan& residency, const std::vector<int>& slots_at_start);
+
+// The steady state: the plan of a pass that follows other passes (slots as the previous pass
+// left them, starting from an empty ring).
+PassPlan PlanSteadyPass(const ResidencyPlan& residency);
+
+}  // namespace lorastream
