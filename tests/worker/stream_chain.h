@@ -20,12 +20,16 @@ struct ChainAdapter {
   std::vector<at::Tensor> a, b;  // [r, hidden], [hidden, r] per block, f32, requires grad
 };
 
-inline ChainAdapter MakeChainAdapter(int blocks, int64_t hidden, int64_t rank, uint64_t seed) {
+// Drawn on the CPU (the same values for every device), then moved to `device`.
+inline ChainAdapter MakeChainAdapter(int blocks, int64_t hidden, int64_t rank, uint64_t seed,
+                                     c10::Device device = c10::Device(c10::kCPU)) {
   at::Generator gen = at::detail::createCPUGenerator(seed);
   ChainAdapter ad;
   for (int i = 0; i < blocks; ++i) {
-    ad.a.push_back((at::randn({rank, hidden}, gen, at::kFloat) * 0.1).requires_grad_(true));
-    ad.b.push_back((at::randn({hidden, rank}, gen, at::kFloat) * 0.1).requires_grad_(true));
+    at::Tensor a = at::randn({rank, hidden}, gen, at::kFloat) * 0.1;
+    at::Tensor b = at::randn({hidden, rank}, gen, at::kFloat) * 0.1;
+    ad.a.push_back(a.to(device).requires_grad_(true));
+    ad.b.push_back(b.to(device).requires_grad_(true));
   }
   return ad;
 }
