@@ -92,7 +92,7 @@ uint64_t SegmentChecksum(const uint8_t* data, size_t n, int threads) {
   auto work = [&] {
     for (size_t c; (c = next.fetch_add(1)) < chunks;) {
       const size_t begin = c * kChecksumChunkBytes;
-      hashes[c] = Xxh64(data + begin, std::min(kChecksumChunkBytes, n - begin));
+      hashes[c] = BulkHash64(data + begin, std::min(kChecksumChunkBytes, n - begin));
     }
   };
   const int extra = std::max(0, std::min<int>(threads, static_cast<int>(chunks)) - 1);

@@ -19,6 +19,11 @@ namespace lorastream {
 
 namespace {
 
+// Copy-then-hash granularity: small enough to stay in L2, a multiple of kBulkHashBlock and
+// of the 256-byte tensor alignment (so pieces split tensors on element boundaries).
+constexpr uint64_t kPieceBytes = 256u << 10;
+static_assert(kPieceBytes % kBulkHashBlock == 0 && kChecksumChunkBytes % kPieceBytes == 0);
+
 struct Segment {
   SegmentInfo* info;
   const std::vector<Checkpoint::Ref>* sources;
@@ -119,8 +124,14 @@ LoadResult LoadSegments(PackPlan& plan, const std::vector<ShmSegment*>& shm, int
         Segment& seg = segs[items[k].first];
         const uint64_t begin = items[k].second * kChecksumChunkBytes;
         const uint64_t end = std::min<uint64_t>(begin + kChecksumChunkBytes, seg.info->nbytes);
-        FillChunk(seg, begin, end, files, buffer);
-        seg.chunk_hashes[items[k].second] = Xxh64(seg.data + begin, end - begin);
+        // Piece by piece, so that each piece is hashed while it is still in cache.
+        BulkHasher hasher;
+        for (uint64_t piece = begin; piece < end; piece += kPieceBytes) {
+          const uint64_t piece_end = std::min(piece + kPieceBytes, end);
+          FillChunk(seg, piece, piece_end, files, buffer);
+          hasher.Update(seg.data + piece, piece_end - piece);
+        }
+        seg.chunk_hashes[items[k].second] = hasher.Finish();
       }
     } catch (...) {
       std::lock_guard<std::mutex> lock(error_mutex);

@@ -6,7 +6,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
+#include <mutex>
 #include <cinttypes>
 #include <cstdio>
 #include <fstream>
@@ -58,6 +60,28 @@ void CheckShmSpace(uint64_t needed) {
                 "the store needs " + GiB(needed) + " of /dev/shm, which has " + GiB(free_bytes) +
                     " free (of " + GiB(size) +
                     "); free space there or enlarge it: mount -o remount,size=<N>G /dev/shm");
+}
+
+// Runs fn(0..n-1) on `threads` threads; rethrows the first exception after all joined.
+void RunParallel(size_t n, int threads, const std::function<void(size_t)>& fn) {
+  std::atomic<size_t> next{0};
+  std::mutex mutex;
+  std::exception_ptr error;
+  auto work = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < n;) {
+      try {
+        fn(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (!error) error = std::current_exception();
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads && static_cast<size_t>(t) < n; ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+  if (error) std::rethrow_exception(error);
 }
 
 std::string ShmemThpSetting() {
@@ -117,11 +141,14 @@ std::unique_ptr<PublishedStore> PublishedStore::Build(const ServeOptions& option
   const auto prefault_start = Clock::now();
   bool huge_refused = false, lock_refused = false;
   const size_t count = m.blocks.size() + 1;
-  for (size_t i = 0; i < count; ++i) {
+  // Creating and prefaulting costs a page fault per 4 KiB page: done by all threads at once.
+  store->segments_.resize(count);
+  RunParallel(count, threads, [&](size_t i) {
     const SegmentInfo& info = i < m.blocks.size() ? m.blocks[i] : m.rest;
-    store->segments_.push_back(
-        ShmSegment::Create(info.shm_name, info.nbytes, options.mode, options.huge_pages));
-    ShmSegment& seg = store->segments_.back();
+    store->segments_[i] =
+        ShmSegment::Create(info.shm_name, info.nbytes, options.mode, options.huge_pages);
+  });
+  for (ShmSegment& seg : store->segments_) {
     if (options.huge_pages && !seg.huge_pages_advised()) huge_refused = true;
     if (options.lock && !lock_refused && !seg.Lock()) {
       lock_refused = true;
