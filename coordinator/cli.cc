@@ -102,6 +102,7 @@ int RunLorastreamCli(int argc, char** argv) {
   CLI::App app{"lorastream: many LoRA jobs against one RAM-resident base model.\n"
                "The coordinator daemon and the commands that talk to it."};
   app.require_subcommand(1);
+  app.fallthrough();  // global options may follow the verb: `lorastream jobs --coordinator X`
   GlobalOptions g;
   app.add_option("--coordinator", g.endpoint, "coordinator endpoint (ZeroMQ)")
       ->envname("LORASTREAM_COORDINATOR")

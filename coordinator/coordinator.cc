@@ -170,7 +170,7 @@ JobRecord& Coordinator::RequireOwner(const std::string& worker_id, int64_t job_i
                                      int32_t attempt, double now) {
   WorkerEntry* w = workers_.FindAlive(worker_id);
   if (!w)
-    throw Error(ErrorCode::kRefused,
+    throw Error(ErrorCode::kNotFound,  // the agent registers again on this code
                 "unknown or dead worker '" + worker_id + "': register again");
   w->last_seen = now;
   auto it = jobs_.find(job_id);

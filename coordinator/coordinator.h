@@ -65,7 +65,8 @@ class Coordinator {
  private:
   JobRecord& FindJob(int64_t id);
   const JobRecord& FindJob(int64_t id) const;
-  // The job `worker_id` reports on, when it owns that attempt; Error(kRefused) otherwise.
+  // The job `worker_id` reports on, when it owns that attempt; Error(kNotFound) for a worker
+  // the coordinator does not know (it should register again), Error(kRefused) otherwise.
   JobRecord& RequireOwner(const std::string& worker_id, int64_t job_id, int32_t attempt,
                           double now);
   JobAssignment Assign(JobRecord& job, WorkerEntry& worker);

@@ -133,6 +133,15 @@ struct WorkerAgent::Impl {
         if (!ack) return false;
         if (ack->stop_job) stop_job = true;
       } catch (const Error& e) {
+        if (e.code() == ErrorCode::kNotFound) {
+          // The coordinator restarted and forgot us: register again, naming the job; if it
+          // agrees the job is still ours, the report is sent on the next round.
+          LS_LOG_WARN("{}: registering again", e.what());
+          if (!Register() || !lost_job.load()) return false;
+          std::lock_guard<std::mutex> lock(queue_mu);
+          queue.clear();
+          return true;
+        }
         // Refused: this worker no longer owns the job. Nothing more to report.
         LS_LOG_WARN("report refused ({}): stopping job {}", e.what(), job_id.load());
         lost_job = true;
