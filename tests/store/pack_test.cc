@@ -1,5 +1,6 @@
 // In-process tests of packing, attaching and the refusals that happen before publishing.
 #include <signal.h>
+#include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -300,4 +301,57 @@ TEST_CASE("malformed checkpoints are refused before anything is published", "[st
     ::truncate((d.path + "/model.safetensors").c_str(), 5000);
     CHECK_THAT(ServeError(d.path, name), Catch::Contains("model.safetensors: tensor `"));
   }
+}
+
+TEST_CASE("a store larger than /dev/shm is refused with the size and the fix", "[store]") {
+  // A sparse checkpoint of 32 GB of F32 (only its header is real): bigger than /dev/shm here.
+  struct statvfs vfs {};
+  if (statvfs("/dev/shm", &vfs) == 0 && uint64_t{vfs.f_bavail} * vfs.f_frsize > (31ull << 30)) {
+    WARN("skipped: /dev/shm has room for 32 GB here");
+    return;
+  }
+  ScopedDir d;
+  ModelConfig c;
+  c.model_type = "llama";
+  c.hidden_size = 4096;
+  c.intermediate_size = 14336;
+  c.num_hidden_layers = 32;
+  c.num_attention_heads = 32;
+  c.num_key_value_heads = 8;
+  c.head_dim = 128;
+  c.vocab_size = 128256;
+  c.max_position_embeddings = 8192;
+  c.torch_dtype = "float32";
+  nlohmann::json cj;
+  ToJson(cj, c);
+  std::ofstream(d.path + "/config.json") << cj.dump();
+  nlohmann::json header = nlohmann::json::object();
+  uint64_t offset = 0;
+  auto add = [&](const std::string& name, const std::vector<int64_t>& shape) {
+    uint64_t n = 4;
+    for (int64_t x : shape) n *= x;
+    header[name] = {{"dtype", "F32"}, {"shape", shape}, {"data_offsets", {offset, offset + n}}};
+    offset += n;
+  };
+  for (int i = 0; i < c.num_hidden_layers; ++i)
+    for (const auto& [rel, shape] : c.BlockTensorShapes()) add("model.layers." + std::to_string(i) + "." + rel, shape);
+  for (const auto& [name, shape] : c.RestTensorShapes()) add(name, shape);
+  const std::string text = header.dump();
+  {
+    std::ofstream out(d.path + "/model.safetensors", std::ios::binary);
+    const uint64_t n = text.size();
+    out.write(reinterpret_cast<const char*>(&n), 8);
+    out << text;
+  }
+  REQUIRE(::truncate((d.path + "/model.safetensors").c_str(), static_cast<off_t>(8 + text.size() + offset)) == 0);
+  const std::string name = UniqueName("big");
+  try {
+    Serve(d.path, name);
+    FAIL("a 32 GB store was accepted");
+  } catch (const Error& e) {
+    CHECK(e.code() == ErrorCode::kResource);
+    CHECK_THAT(e.what(), Catch::Contains("the store needs 29.92 GiB") && Catch::Contains("of /dev/shm, which has"));
+    CHECK_THAT(e.what(), Catch::Contains("mount -o remount,size="));
+  }
+  CHECK(ShmObjectsOf(name).empty());
 }
