@@ -1,0 +1,111 @@
+#include "worker/serve.h"
+
+#include <filesystem>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "coordinator/worker_agent.h"
+#include "store/attach.h"
+#include "store/registry.h"
+#include "worker/stream_provider.h"
+#include "worker/trainer.h"
+
+#ifdef LORASTREAM_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace lorastream {
+namespace {
+
+// The GPU's name and memory for registration ("", 0 on CPU).
+void DescribeDevice(const std::string& device, WorkerAgentOptions* out) {
+  if (device == "cpu") return;
+  if (device.rfind("cuda", 0) != 0)
+    throw Error(ErrorCode::kInvalidArgument, "--device must be cpu or cuda:N (found '" + device + "')");
+#ifdef LORASTREAM_HAVE_CUDA
+  int index = 0;
+  if (device.size() > 5) index = std::stoi(device.substr(5));
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, index) != cudaSuccess)
+    throw Error(ErrorCode::kInvalidArgument, "no CUDA device " + device);
+  out->gpu_name = prop.name;
+  out->gpu_memory_bytes = prop.totalGlobalMem;
+#else
+  throw Error(ErrorCode::kUnsupported, "this build has no CUDA backend: use --device cpu");
+#endif
+}
+
+// Stores offered at registration, each with the fingerprint of its weights.
+std::vector<StoreInfo> DiscoverStores(const ServeOptions& options) {
+  std::vector<std::string> names = options.stores;
+  if (names.empty())
+    for (const StoreListing& s : ListStores())
+      if (s.alive && s.record) names.push_back(s.name);
+  std::vector<StoreInfo> out;
+  for (const std::string& name : names) {
+    AttachedStore store = AttachedStore::AttachWhenReady(name, options.store_wait_s);
+    out.push_back(StoreInfo{name, store.manifest().fingerprint});
+    LS_LOG_INFO("offering store '{}' (fingerprint {})", name, store.manifest().fingerprint);
+  }
+  if (out.empty())
+    LS_LOG_WARN("no store on this host: only jobs on checkpoint folders can run here");
+  return out;
+}
+
+}  // namespace
+
+int RunServe(const ServeOptions& options, const std::atomic<bool>& stop) {
+  WorkerAgentOptions agent_options;
+  agent_options.client.endpoint = options.coordinator;
+  agent_options.client.curve_keys_dir = options.curve_keys;
+  agent_options.client.timeout_ms = static_cast<int>(options.request_timeout_s * 1000);
+  agent_options.device = options.device;
+  DescribeDevice(options.device, &agent_options);
+  agent_options.stores = DiscoverStores(options);
+
+  TrainOptions train;
+  train.device = options.device;
+  train.resume = true;  // a requeued job continues from its output folder's checkpoint
+  train.threads = options.threads;
+  if (options.stream)
+    train.make_provider = [](const JobSpec& spec, const BaseWeights& base,
+                             const std::string& device, const std::string& dtype) {
+      return MakeStreamProvider(spec, base, device, dtype);
+    };
+
+  JobRunner runner = [&train](const JobContext& ctx) {
+    const JobSpec& spec = ctx.assignment.spec;
+    const int64_t every = spec.train.checkpoint_every;
+    auto checkpoint_dir = [&](int64_t step) {
+      return (std::filesystem::path(spec.train.output_dir) / ("checkpoint-" + std::to_string(step)))
+          .string();
+    };
+    // The trainer saves checkpoint N right after on_step(N) returns, so step N + 1 is the
+    // first moment checkpoint N is known to exist.
+    auto on_step = [&](const StepStats& stats) {
+      ctx.report_step(stats);
+      int64_t previous = stats.step - 1;
+      if (every > 0 && previous > 0 && previous % every == 0)
+        ctx.report_checkpoint(previous, checkpoint_dir(previous));
+    };
+    TrainResult r = RunTraining(spec, train, on_step, ctx.should_stop);
+    JobResult result;
+    result.final_step = r.steps_done;
+    if (!r.checkpoint_dir.empty()) ctx.report_checkpoint(r.steps_done, r.checkpoint_dir);
+    if (r.stopped) {
+      result.kind = JobResult::Kind::kStopped;
+      result.adapter_path = r.checkpoint_dir;  // the adapter as of the stop, in its checkpoint
+    } else {
+      result.kind = JobResult::Kind::kCompleted;
+      result.adapter_path = r.adapter_dir;
+    }
+    return result;
+  };
+
+  WorkerAgent agent(agent_options, runner);
+  int jobs = agent.Run(stop);
+  LS_LOG_INFO("worker stopping after {} jobs", jobs);
+  return 0;
+}
+
+}  // namespace lorastream

@@ -1,0 +1,28 @@
+// `lorastream-worker serve`: the worker taking jobs from the coordinator. The protocol lives
+// in the torch-free WorkerAgent (coordinator/worker_agent.h); this file only plugs the
+// trainer (RunTraining) in as its job runner and describes this worker (device, GPU, stores).
+#pragma once
+
+#include <atomic>
+#include <string>
+#include <vector>
+
+namespace lorastream {
+
+struct ServeOptions {
+  std::string coordinator;           // endpoint, e.g. tcp://127.0.0.1:5757
+  std::string curve_keys;            // folder from `lorastream keygen` ("" = no CURVE)
+  std::string device = "cpu";        // "cpu" | "cuda:N"
+  std::vector<std::string> stores;   // stores to offer; empty = every live store on this host
+  double store_wait_s = 30;          // how long a named store may still be loading
+  int threads = 0;                   // CPU threads for training (0 = every core)
+  bool stream = true;                // stream blocks through the engine (false: resident)
+  double request_timeout_s = 5;      // per coordinator request
+};
+
+// Serves until `stop` (SIGINT/SIGTERM in the executable); a job running then is stopped at
+// its next step boundary (checkpoint saved) and requeued by the coordinator. Returns the
+// exit status. Throws Error for a bad device or a store that cannot be attached.
+int RunServe(const ServeOptions& options, const std::atomic<bool>& stop);
+
+}  // namespace lorastream
