@@ -1,5 +1,6 @@
 #include "coordinator/cli.h"
 
+#include <sys/ioctl.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -259,6 +260,9 @@ int RunLorastreamCli(int argc, char** argv) {
     if (watch->parsed()) {
       watch_options.job_ids = watch_ids;
       watch_options.tty = !plain && isatty(STDOUT_FILENO);
+      winsize size{};
+      if (watch_options.tty && ioctl(STDOUT_FILENO, TIOCGWINSZ, &size) == 0 && size.ws_col > 0)
+        watch_options.width = size.ws_col;
       return RunWatch(client, watch_options, std::cout);
     }
   } catch (const Error& e) {
