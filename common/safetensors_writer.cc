@@ -6,6 +6,7 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <future>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -19,15 +20,16 @@ namespace {
 
 uint64_t RoundUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
-void WriteAll(int fd, const uint8_t* p, size_t n, const std::string& path) {
+void PwriteAll(int fd, const uint8_t* p, size_t n, uint64_t at, const std::string& path) {
   while (n > 0) {
-    ssize_t w = ::write(fd, p, n);
+    ssize_t w = ::pwrite(fd, p, n, static_cast<off_t>(at));
     if (w < 0) {
       if (errno == EINTR) continue;
       ThrowErrno(path + ": write failed");
     }
     p += w;
     n -= static_cast<size_t>(w);
+    at += static_cast<uint64_t>(w);
   }
 }
 
@@ -97,25 +99,33 @@ void WriteSafetensorsStreamed(const std::string& path, const std::vector<TensorT
   std::copy(text.begin(), text.end(), prefix.begin() + 8);
 
   TempFile file(path);
-  WriteAll(file.fd(), prefix.data(), prefix.size(), file.temp());
-  std::vector<uint8_t> buffer;
-  uint64_t written = 0;
+  PwriteAll(file.fd(), prefix.data(), prefix.size(), 0, file.temp());
+  // Double buffering: the next chunk is generated while the previous one is written (pwrite
+  // at explicit offsets, so the two writes may finish in any order; the gaps between
+  // tensors stay holes, which read as zeros).
+  std::vector<uint8_t> buffers[2];
+  std::future<void> writes[2];  // declared after `file`: joined before it closes
+  int current = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
-    if (begins[i] > written) {
-      std::vector<uint8_t> pad(begins[i] - written, 0);
-      WriteAll(file.fd(), pad.data(), pad.size(), file.temp());
-      written = begins[i];
-    }
     const uint64_t n = TensorBytes(tensors[i]);
     for (uint64_t done = 0; done < n;) {
       const size_t step = static_cast<size_t>(std::min<uint64_t>(chunk_bytes, n - done));
+      if (writes[current].valid()) writes[current].get();
+      std::vector<uint8_t>& buffer = buffers[current];
       buffer.resize(step);
       fill(i, done, buffer.data(), step);
-      WriteAll(file.fd(), buffer.data(), step, file.temp());
+      const uint64_t at = prefix.size() + begins[i] + done;
+      writes[current] = std::async(std::launch::async, [&file, &buffer, step, at] {
+        PwriteAll(file.fd(), buffer.data(), step, at, file.temp());
+      });
+      current ^= 1;
       done += step;
     }
-    written += n;
   }
+  for (std::future<void>& w : writes)
+    if (w.valid()) w.get();
+  if (::ftruncate(file.fd(), static_cast<off_t>(prefix.size() + offset)) != 0)
+    ThrowErrno(file.temp() + ": truncate failed");
   file.Commit();
 }
 

@@ -201,14 +201,21 @@ SynthResult RunSynth(const SynthOptions& options) {
       const Scale scale = ScaleFor(t.name, t.shape.size());
       const uint64_t key = TensorKey(t.name, options.seed);
       const uint64_t first = offset / esize, count = n / esize;
-      auto work = [&](uint64_t begin, uint64_t end) {
-        for (uint64_t i = begin; i < end; ++i) {
-          const float v = scale.mean + scale.std * NormalIsh(SplitMix64(key + first + i));
-          if (dtype == DType::kF32) std::memcpy(out + i * 4, &v, 4);
-          else {
-            const uint16_t h = dtype == DType::kBF16 ? FloatToBF16(v) : FloatToHalf(v);
-            std::memcpy(out + i * 2, &h, 2);
-          }
+      auto work = [=](uint64_t begin, uint64_t end) {
+        // Locals and typed pointers: writes through uint8_t* would alias everything.
+        const float mean = scale.mean, std = scale.std;
+        if (dtype == DType::kF32) {
+          float* o = reinterpret_cast<float*>(out);
+          for (uint64_t i = begin; i < end; ++i)
+            o[i] = mean + std * NormalIsh(SplitMix64(key + first + i));
+        } else if (dtype == DType::kBF16) {
+          uint16_t* o = reinterpret_cast<uint16_t*>(out);
+          for (uint64_t i = begin; i < end; ++i)
+            o[i] = FloatToBF16(mean + std * NormalIsh(SplitMix64(key + first + i)));
+        } else {
+          uint16_t* o = reinterpret_cast<uint16_t*>(out);
+          for (uint64_t i = begin; i < end; ++i)
+            o[i] = FloatToHalf(mean + std * NormalIsh(SplitMix64(key + first + i)));
         }
       };
       const int parts = count < (1u << 16) ? 1 : threads;
