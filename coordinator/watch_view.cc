@@ -93,8 +93,23 @@ int RunWatch(Client& client, const WatchOptions& options, std::ostream& out) {
   bool first = true;
   std::map<int64_t, std::pair<JobState, double>> last_line;  // plain mode throttle
   std::string last_workers;
+  double unreachable_since = -1;
   while (true) {
-    WatchReply reply = client.Call(req, options.poll_wait_ms + 10000);
+    WatchReply reply;
+    try {
+      reply = client.Call(req, options.poll_wait_ms + 5000);
+      unreachable_since = -1;
+    } catch (const Error& e) {
+      // A coordinator restarting (its journal keeps every job) is worth waiting for.
+      if (e.code() != ErrorCode::kTimeout) throw;
+      if (unreachable_since < 0) {
+        unreachable_since = Now();
+        out << "coordinator unreachable; retrying for " << options.reconnect_s << " s\n"
+            << std::flush;
+      }
+      if (Now() - unreachable_since > options.reconnect_s) throw;
+      continue;
+    }
     req.since_version = reply.version;
     if (options.job_ids.empty()) {
       // All jobs: those not ended at the start, and every job that appears later.

@@ -20,6 +20,7 @@ struct WatchOptions {
   int width = 100;               // terminal columns
   double line_interval_s = 1.0;  // plain mode: at most one progress line per job this often
   int poll_wait_ms = 1000;       // long-poll wait per request
+  double reconnect_s = 60;       // keep retrying this long while the coordinator is away
 };
 
 // Returns the exit status: 0 when every watched job succeeded, 1 when one failed or was

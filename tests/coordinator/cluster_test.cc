@@ -135,6 +135,10 @@ TEST_CASE("cluster: coordinator killed and restarted mid-run -> every job still 
   int64_t j3 = c.Submit(c.WriteJob("j3", 10, 5, 0));
   REQUIRE(WaitFor([&] { return c.Job(j1).step >= 5 && c.Job(j2).step >= 5; }, 30));
   CHECK(c.Job(j3).state == JobState::kQueued);
+  // A `watch` of every job rides through the restart.
+  Subprocess watch = Subprocess::Spawn({Bin("lorastream"), "--coordinator", c.endpoint(), "watch"},
+                                       SpawnOptions{(c.dir() / "watch.log").string()});
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
   c.coordinator().Signal(SIGKILL);
   CHECK(c.coordinator().Wait(10) == 128 + SIGKILL);
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
@@ -151,4 +155,5 @@ TEST_CASE("cluster: coordinator killed and restarted mid-run -> every job still 
   CHECK(c.ReadOutput("j1", "adapter") == "completed 40\n");
   CHECK(StepsByAttempt(c.ReadOutput("j2", "steps.log"))[1].size() == 40);
   CHECK(client.Call(StatsRequest{j1}).stats.back().step == 40);
+  CHECK(watch.Wait(30) == 0);
 }
