@@ -202,7 +202,7 @@ int RunServe(const ServeOptions& options) {
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-  auto signalled = [&signals] {
+  auto signalled = [] {
     sigset_t pending;
     sigpending(&pending);
     return sigismember(&pending, SIGTERM) == 1 || sigismember(&pending, SIGINT) == 1;
