@@ -65,6 +65,11 @@ size_t AttachedStore::block_size(int i) const {
   return manifest_.blocks[i].nbytes;
 }
 
+size_t AttachedStore::block_mapped_size(int i) const {
+  LS_CHECK(i >= 0 && i < num_blocks(), "block " + std::to_string(i));
+  return blocks_[i].mapped_size();
+}
+
 const uint8_t* AttachedStore::tensor_data(int block, const std::string& name) const {
   const SegmentInfo& info = block < 0 ? manifest_.rest : manifest_.blocks.at(block);
   const TensorSlice* slice = info.Find(name);

@@ -45,6 +45,10 @@ class AttachedStore {
   size_t block_size(int i) const;          // == manifest().blocks[i].nbytes
   const uint8_t* rest_data() const { return rest_.data(); }
   size_t rest_size() const { return manifest_.rest.nbytes; }
+  // Page-rounded lengths of the mappings (what cudaHostRegister should be given; the bytes
+  // past *_size() are zero). Mappings start page-aligned.
+  size_t block_mapped_size(int i) const;
+  size_t rest_mapped_size() const { return rest_.mapped_size(); }
   // Bytes of one tensor: `block` >= 0 with a block-relative name ("mlp.up_proj.weight"), or
   // block == -1 with a full rest name ("model.embed_tokens.weight"); nullptr when absent.
   const uint8_t* tensor_data(int block, const std::string& name) const;

@@ -36,6 +36,7 @@ class ShmSegment {
 
   const std::string& name() const { return name_; }
   size_t size() const { return size_; }  // the requested bytes (mapping rounds up to a page)
+  size_t mapped_size() const { return mapped_; }  // page-rounded length of the mapping
   const uint8_t* data() const { return data_; }
   uint8_t* mutable_data();  // only on a created segment before MakeReadOnly()
 

@@ -112,8 +112,13 @@ TEST_CASE("pack/attach round trip is bit-exact for every tiny preset", "[store]"
     CheckAgainstSource(store, cp, false);
     CHECK(store.manifest().dtype == DType::kF32);
     CHECK_NOTHROW(VerifyChecksums(store, 2));
-    for (int i = 0; i < store.num_blocks(); ++i)
+    for (int i = 0; i < store.num_blocks(); ++i) {
       CHECK(store.block_size(i) == store.manifest().blocks[i].nbytes);
+      CHECK(store.block_mapped_size(i) % 4096 == 0);
+      CHECK(store.block_mapped_size(i) >= store.block_size(i));
+      CHECK(reinterpret_cast<uintptr_t>(store.block_data(i)) % 4096 == 0);
+    }
+    CHECK(store.rest_mapped_size() >= store.rest_size());
     CHECK_THROWS_WITH(AttachedStore::Attach(name, "0123456789abcdef"),
                       Catch::Contains("expected 0123456789abcdef"));
   }
