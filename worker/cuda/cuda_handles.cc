@@ -3,6 +3,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cstdint>
+
 #include "common/error.h"
 #include "common/log.h"
 
@@ -74,9 +76,14 @@ void PrefaultReadOnly(const void* ptr, size_t bytes) {
 bool HostRegistration::Register(const void* ptr, size_t bytes, std::string* error) {
   LS_CHECK(ptr_ == nullptr, "HostRegistration registered twice");
   PrefaultReadOnly(ptr, bytes);
-  void* p = const_cast<void*>(ptr);  // read-only registration: the GPU only reads it
-  const cudaError_t status =
-      cudaHostRegister(p, bytes, cudaHostRegisterReadOnly | cudaHostRegisterPortable);
+  // Whole pages (the mapping covers them; the store's segments start page-aligned and their
+  // mapped length is page-rounded): the driver pins pages either way.
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(ptr) & ~(page - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(ptr) + bytes + page - 1) & ~(page - 1);
+  void* p = reinterpret_cast<void*>(begin);  // read-only registration: the GPU only reads it
+  const cudaError_t status = cudaHostRegister(
+      p, end - begin, cudaHostRegisterReadOnly | cudaHostRegisterPortable);
   if (status == cudaSuccess) {
     ptr_ = p;
     return true;
