@@ -360,3 +360,24 @@ TEST_CASE("a store larger than /dev/shm is refused with the size and the fix", "
   }
   CHECK(ShmObjectsOf(name).empty());
 }
+
+TEST_CASE("a signal during loading cancels it and removes what was created", "[store]") {
+  ScopedDir d;
+  Synth("tiny", d.path);
+  const std::string name = UniqueName("cancel");
+  ServeOptions o;
+  o.model_dir = d.path;
+  o.name = name;
+  bool segments_existed = false;
+  try {
+    PublishedStore::Build(o, [&] {
+      segments_existed = ShmObjectsOf(name).size() == 4 + 1 + 1;  // polled mid-load
+      return true;
+    });
+    FAIL("not cancelled");
+  } catch (const Error& e) {
+    CHECK(e.code() == ErrorCode::kCancelled);
+  }
+  CHECK(segments_existed);
+  CHECK(ShmObjectsOf(name).empty());
+}
