@@ -1,0 +1,284 @@
+#include "common/job_spec.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "common/error.h"
+#include "common/toml_file.h"
+
+namespace lorastream {
+
+namespace fs = std::filesystem;
+
+const std::vector<std::string>& LoraTargetNames() {
+  static const std::vector<std::string> names = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
+                                                 "gate_proj", "up_proj", "down_proj"};
+  return names;
+}
+
+uint64_t ParseByteSize(const std::string& text, const std::string& where) {
+  size_t i = 0;
+  while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i]))) ++i;
+  size_t digits_begin = i;
+  while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.'))
+    ++i;
+  std::string number = text.substr(digits_begin, i - digits_begin);
+  while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i]))) ++i;
+  std::string unit = text.substr(i);
+  for (auto& c : unit) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  static const std::pair<const char*, double> kUnits[] = {
+      {"", 1.0},          {"b", 1.0},          {"kb", 1e3},          {"mb", 1e6},
+      {"gb", 1e9},        {"tb", 1e12},        {"kib", 1024.0},      {"mib", 1048576.0},
+      {"gib", 1073741824.0}, {"tib", 1099511627776.0}};
+  double mult = -1;
+  for (const auto& [name, m] : kUnits)
+    if (unit == name) mult = m;
+  char* end = nullptr;
+  double value = number.empty() ? -1 : std::strtod(number.c_str(), &end);
+  if (mult < 0 || number.empty() || end != number.c_str() + number.size() || value < 0 ||
+      !std::isfinite(value * mult) || value * mult > 1.8e19)
+    throw Error(ErrorCode::kCorrupt, where + " must be a byte count like 8GiB, 500MB or 1024 "
+                                             "(found \"" + text + "\")");
+  return static_cast<uint64_t>(value * mult);
+}
+
+JobSpec ParseJobSpec(const std::string& toml_text, const std::string& source) {
+  TomlSection doc = TomlSection::Parse(toml_text, source);
+  doc.RejectUnknownKeys({"name", "priority", "model", "data", "lora", "optim", "train", "stream"});
+  JobSpec s;
+  s.source = source;
+  s.name = doc.GetString("name", s.name);
+  s.priority = doc.GetInt("priority", s.priority);
+
+  TomlSection m = doc.Section("model");
+  m.RejectUnknownKeys({"store", "checkpoint"});
+  s.model.store = m.GetString("store", "");
+  s.model.checkpoint = m.GetString("checkpoint", "");
+
+  TomlSection d = doc.Section("data");
+  d.RejectUnknownKeys({"path", "format", "seq_len", "packing", "pad_id"});
+  s.data.path = d.GetString("path", "");
+  s.data.format = d.GetString("format", "");
+  s.data.seq_len = d.GetInt("seq_len", s.data.seq_len);
+  s.data.packing = d.GetBool("packing", s.data.packing);
+  s.data.pad_id = d.GetInt("pad_id", s.data.pad_id);
+
+  TomlSection l = doc.Section("lora");
+  l.RejectUnknownKeys({"rank", "alpha", "dropout", "targets", "rslora"});
+  s.lora.rank = l.GetInt("rank", s.lora.rank);
+  s.lora.alpha = l.GetDouble("alpha", s.lora.alpha);
+  s.lora.dropout = l.GetDouble("dropout", s.lora.dropout);
+  s.lora.targets = l.GetStrings("targets", s.lora.targets);
+  s.lora.rslora = l.GetBool("rslora", s.lora.rslora);
+
+  TomlSection o = doc.Section("optim");
+  o.RejectUnknownKeys({"lr", "beta1", "beta2", "eps", "weight_decay", "schedule", "warmup_steps",
+                       "grad_clip"});
+  s.optim.lr = o.GetDouble("lr", s.optim.lr);
+  s.optim.beta1 = o.GetDouble("beta1", s.optim.beta1);
+  s.optim.beta2 = o.GetDouble("beta2", s.optim.beta2);
+  s.optim.eps = o.GetDouble("eps", s.optim.eps);
+  s.optim.weight_decay = o.GetDouble("weight_decay", s.optim.weight_decay);
+  s.optim.schedule = o.GetString("schedule", s.optim.schedule);
+  s.optim.warmup_steps = o.GetInt("warmup_steps", s.optim.warmup_steps);
+  s.optim.grad_clip = o.GetDouble("grad_clip", s.optim.grad_clip);
+
+  TomlSection t = doc.Section("train");
+  t.RejectUnknownKeys({"steps", "batch_size", "grad_accum", "seed", "checkpoint_every",
+                       "output_dir", "dtype", "stats_file"});
+  s.train.steps = t.GetInt("steps", 0);
+  s.train.batch_size = t.GetInt("batch_size", s.train.batch_size);
+  s.train.grad_accum = t.GetInt("grad_accum", s.train.grad_accum);
+  int64_t seed = t.GetInt("seed", 0);
+  if (seed < 0)
+    throw Error(ErrorCode::kCorrupt, t.Where("seed") + " must be >= 0 (found " +
+                                         std::to_string(seed) + ")");
+  s.train.seed = static_cast<uint64_t>(seed);
+  s.train.checkpoint_every = t.GetInt("checkpoint_every", s.train.checkpoint_every);
+  s.train.output_dir = t.GetString("output_dir", "");
+  s.train.dtype = t.GetString("dtype", s.train.dtype);
+  s.train.stats_file = t.GetString("stats_file", "");
+
+  TomlSection st = doc.Section("stream");
+  st.RejectUnknownKeys({"blocks_to_swap", "gpu_memory_budget", "ring_size"});
+  s.stream.blocks_to_swap = st.GetInt("blocks_to_swap", s.stream.blocks_to_swap);
+  s.stream.ring_size = st.GetInt("ring_size", s.stream.ring_size);
+  if (st.Has("gpu_memory_budget")) {
+    // An integer (bytes) or a string with a unit.
+    try {
+      int64_t bytes = st.GetInt("gpu_memory_budget", 0);
+      if (bytes < 0)
+        throw Error(ErrorCode::kCorrupt, st.Where("gpu_memory_budget") + " must be >= 0");
+      s.stream.gpu_memory_budget = static_cast<uint64_t>(bytes);
+    } catch (const Error& e) {
+      if (std::string(e.what()).find("must be an integer") == std::string::npos) throw;
+      s.stream.gpu_memory_budget = ParseByteSize(st.GetString("gpu_memory_budget", ""),
+                                                 st.Where("gpu_memory_budget"));
+    }
+  }
+  return s;
+}
+
+void ResolveJobSpec(JobSpec& s) {
+  auto absolute = [](std::string& p) {
+    if (!p.empty()) p = fs::absolute(fs::path(p)).lexically_normal().string();
+  };
+  absolute(s.model.checkpoint);
+  absolute(s.data.path);
+  absolute(s.train.output_dir);
+  absolute(s.train.stats_file);
+  if (s.data.format.empty()) {
+    std::string ext = fs::path(s.data.path).extension().string();
+    if (ext == ".jsonl" || ext == ".json") s.data.format = "jsonl";
+    else if (ext == ".tok" || ext == ".bin" || ext == ".tokens") s.data.format = "tokens";
+  }
+}
+
+std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* model) {
+  std::vector<std::string> p;
+  const std::string src = s.source.empty() ? std::string("job") : s.source;
+  auto key = [&](const std::string& k) { return src + ": key `" + k + "` "; };
+  auto num = [](double v) {
+    std::ostringstream o;
+    o << v;
+    return o.str();
+  };
+
+  // [model]
+  ModelConfig loaded;
+  if (s.model.store.empty() == s.model.checkpoint.empty()) {
+    p.push_back(key("model") + "must name exactly one of `model.store` (a published store) or "
+                               "`model.checkpoint` (a Hugging Face folder)");
+  } else if (!s.model.checkpoint.empty() && model == nullptr) {
+    fs::path cfg = fs::path(s.model.checkpoint) / "config.json";
+    std::error_code ec;
+    if (!fs::is_directory(s.model.checkpoint, ec)) {
+      p.push_back(key("model.checkpoint") + "names a folder that does not exist: " +
+                  s.model.checkpoint);
+    } else {
+      try {
+        loaded = LoadModelConfig(cfg.string());
+        model = &loaded;
+      } catch (const Error& e) {
+        p.push_back(key("model.checkpoint") + "has no usable config.json: " + e.what());
+      }
+    }
+  }
+
+  // [data]
+  std::error_code ec;
+  if (s.data.path.empty()) {
+    p.push_back(key("data.path") + "is required (a .jsonl or token file)");
+  } else if (!fs::is_regular_file(s.data.path, ec)) {
+    p.push_back(key("data.path") + "names a file that does not exist: " + s.data.path);
+  }
+  if (s.data.format != "jsonl" && s.data.format != "tokens")
+    p.push_back(key("data.format") + "must be \"jsonl\" or \"tokens\" (found \"" + s.data.format +
+                "\"; it is taken from the extension .jsonl/.tok/.bin when absent)");
+  if (s.data.seq_len < 2 || s.data.seq_len > (int64_t{1} << 22))
+    p.push_back(key("data.seq_len") + "must be in [2, 4194304] (found " +
+                std::to_string(s.data.seq_len) + ")");
+  else if (model && s.data.seq_len > model->max_position_embeddings)
+    p.push_back(key("data.seq_len") + "is " + std::to_string(s.data.seq_len) +
+                ", longer than the model allows (max_position_embeddings = " +
+                std::to_string(model->max_position_embeddings) + ")");
+  if (s.data.pad_id < 0 || (model && s.data.pad_id >= model->vocab_size))
+    p.push_back(key("data.pad_id") + "must be a token id in [0, vocab_size) (found " +
+                std::to_string(s.data.pad_id) + ")");
+
+  // [lora]
+  if (s.lora.rank <= 0 || s.lora.rank > 65536)
+    p.push_back(key("lora.rank") + "must be > 0 (found " + std::to_string(s.lora.rank) + ")");
+  if (!(s.lora.alpha > 0) || !std::isfinite(s.lora.alpha))
+    p.push_back(key("lora.alpha") + "must be > 0 (found " + num(s.lora.alpha) + ")");
+  if (!(s.lora.dropout >= 0 && s.lora.dropout < 1))
+    p.push_back(key("lora.dropout") + "must be in [0, 1) (found " + num(s.lora.dropout) + ")");
+  if (s.lora.targets.empty()) p.push_back(key("lora.targets") + "must name at least one module");
+  std::set<std::string> seen;
+  for (const auto& t : s.lora.targets) {
+    const auto& names = LoraTargetNames();
+    if (std::find(names.begin(), names.end(), t) == names.end())
+      p.push_back(key("lora.targets") + "names an unknown module `" + t +
+                  "` (known: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)");
+    else if (!seen.insert(t).second)
+      p.push_back(key("lora.targets") + "names `" + t + "` twice");
+  }
+
+  // [optim]
+  if (!(s.optim.lr > 0) || !std::isfinite(s.optim.lr))
+    p.push_back(key("optim.lr") + "must be > 0 (found " + num(s.optim.lr) + ")");
+  if (!(s.optim.beta1 >= 0 && s.optim.beta1 < 1))
+    p.push_back(key("optim.beta1") + "must be in [0, 1) (found " + num(s.optim.beta1) + ")");
+  if (!(s.optim.beta2 >= 0 && s.optim.beta2 < 1))
+    p.push_back(key("optim.beta2") + "must be in [0, 1) (found " + num(s.optim.beta2) + ")");
+  if (!(s.optim.eps > 0) || !std::isfinite(s.optim.eps))
+    p.push_back(key("optim.eps") + "must be > 0 (found " + num(s.optim.eps) + ")");
+  if (!(s.optim.weight_decay >= 0) || !std::isfinite(s.optim.weight_decay))
+    p.push_back(key("optim.weight_decay") + "must be >= 0 (found " + num(s.optim.weight_decay) +
+                ")");
+  if (s.optim.schedule != "constant" && s.optim.schedule != "linear" &&
+      s.optim.schedule != "cosine")
+    p.push_back(key("optim.schedule") + "must be \"constant\", \"linear\" or \"cosine\" (found \"" +
+                s.optim.schedule + "\")");
+  if (s.optim.warmup_steps < 0 || (s.train.steps > 0 && s.optim.warmup_steps > s.train.steps))
+    p.push_back(key("optim.warmup_steps") + "must be in [0, train.steps] (found " +
+                std::to_string(s.optim.warmup_steps) + ")");
+  if (!(s.optim.grad_clip >= 0) || !std::isfinite(s.optim.grad_clip))
+    p.push_back(key("optim.grad_clip") + "must be >= 0 (0 = off; found " +
+                num(s.optim.grad_clip) + ")");
+
+  // [train]
+  if (s.train.steps <= 0)
+    p.push_back(key("train.steps") + "must be > 0 (found " + std::to_string(s.train.steps) + ")");
+  if (s.train.batch_size <= 0)
+    p.push_back(key("train.batch_size") + "must be > 0 (found " +
+                std::to_string(s.train.batch_size) + ")");
+  if (s.train.grad_accum <= 0)
+    p.push_back(key("train.grad_accum") + "must be > 0 (found " +
+                std::to_string(s.train.grad_accum) + ")");
+  if (s.train.checkpoint_every < 0)
+    p.push_back(key("train.checkpoint_every") + "must be >= 0 (0 = only at the end; found " +
+                std::to_string(s.train.checkpoint_every) + ")");
+  if (s.train.output_dir.empty())
+    p.push_back(key("train.output_dir") + "is required (where the adapter is written)");
+  if (s.train.dtype != "auto" && s.train.dtype != "bf16" && s.train.dtype != "f32")
+    p.push_back(key("train.dtype") + "must be \"auto\", \"bf16\" or \"f32\" (found \"" +
+                s.train.dtype + "\")");
+
+  // [stream]
+  if (s.stream.blocks_to_swap < 0 ||
+      (model && s.stream.blocks_to_swap > model->num_hidden_layers))
+    p.push_back(key("stream.blocks_to_swap") + "must be in [0, num_hidden_layers" +
+                (model ? " = " + std::to_string(model->num_hidden_layers) : std::string()) +
+                "] (found " + std::to_string(s.stream.blocks_to_swap) + ")");
+  if (s.stream.ring_size < 1)
+    p.push_back(key("stream.ring_size") + "must be >= 1 (found " +
+                std::to_string(s.stream.ring_size) + ")");
+  return p;
+}
+
+void RequireValidJobSpec(const JobSpec& spec, const ModelConfig* model) {
+  auto problems = ValidateJobSpec(spec, model);
+  if (problems.empty()) return;
+  std::string msg = "job refused:";
+  for (const auto& pr : problems) msg += "\n  " + pr;
+  throw Error(ErrorCode::kRefused, msg);
+}
+
+JobSpec LoadJobSpec(const std::string& path, const ModelConfig* model) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(ErrorCode::kNotFound, path + ": cannot open the job file");
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  JobSpec spec = ParseJobSpec(buffer.str(), path);
+  ResolveJobSpec(spec);
+  RequireValidJobSpec(spec, model);
+  return spec;
+}
+
+}  // namespace lorastream

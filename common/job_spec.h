@@ -1,0 +1,177 @@
+// A training job as a human writes it: a TOML file (example: configs/jobs/tiny_llama.toml).
+// Torch-free, so that the coordinator validates `submit` with the same code the worker runs.
+//
+// Every field, with its default (a field without a default is required):
+//
+//   name = "job"                  # free text; shows in `lorastream jobs` and the logs
+//   priority = 0                  # higher runs first (the coordinator's queue order)
+//
+//   [model]                       # exactly one of store / checkpoint
+//   store = ""                    # name of a store published by `lorastream-store serve`
+//   checkpoint = ""               # or a Hugging Face checkpoint folder (config.json +
+//                                 #   *.safetensors), read directly (mmapped)
+//
+//   [data]
+//   path = (required)             # the training data
+//   format = ""                   # "jsonl" | "tokens"; "" = from the extension
+//                                 #   (.jsonl -> jsonl, .tok/.bin -> tokens); worker/data.h
+//   seq_len = 512                 # tokens per sequence
+//   packing = true                # true: concatenate documents and cut seq_len chunks;
+//                                 #   false: one document per sequence, truncated/padded
+//   pad_id = 0                    # token id written into padding (never trained on)
+//
+//   [lora]
+//   rank = 16                     # r, > 0
+//   alpha = 32.0                  # lora_alpha; scale = alpha / rank (alpha / sqrt(rank)
+//                                 #   with rslora)
+//   dropout = 0.0                 # lora_dropout, in [0, 1)
+//   targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+//   rslora = false                # use_rslora
+//
+//   [optim]
+//   lr = 2e-4                     # peak learning rate
+//   beta1 = 0.9
+//   beta2 = 0.999
+//   eps = 1e-8
+//   weight_decay = 0.0            # decoupled (AdamW)
+//   schedule = "constant"         # "constant" | "linear" | "cosine" (all with warmup,
+//                                 #   as transformers' get_*_schedule_with_warmup)
+//   warmup_steps = 0
+//   grad_clip = 1.0               # max global grad norm; 0 = no clipping
+//
+//   [train]
+//   steps = (required)            # optimizer steps
+//   batch_size = 1                # sequences per micro-batch
+//   grad_accum = 1                # micro-batches per optimizer step
+//   seed = 0                      # LoRA init, data order, dropout: CPU runs are bit-exact
+//   checkpoint_every = 0          # steps between checkpoints (0 = only the final save)
+//   output_dir = (required)       # adapter_model.safetensors, adapter_config.json,
+//                                 #   checkpoint-N/, stats.jsonl
+//   dtype = "auto"                # compute dtype: "auto" (bf16 on CUDA, f32 on CPU) |
+//                                 #   "bf16" | "f32"; LoRA master weights are always f32
+//   stats_file = ""               # per-step JSON lines; "" = OUTPUT_DIR/stats.jsonl
+//
+//   [stream]                      # used by the streaming engine (worker/stream*)
+//   blocks_to_swap = 0            # blocks streamed from host RAM (0 = all resident)
+//   gpu_memory_budget = 0         # bytes (integer, or a string "8GiB"/"500MB"); when > 0
+//                                 #   the engine plans the resident set from it instead
+//   ring_size = 2                 # GPU slots for streamed blocks (>= 1)
+//
+// Relative paths are resolved against the current directory of the process that loads the
+// file (LoadJobSpec makes them absolute, so a spec travelling to a worker stays valid).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/model_config.h"
+
+namespace lorastream {
+
+struct ModelSource {
+  std::string store;       // a published store's name, or
+  std::string checkpoint;  // a Hugging Face checkpoint folder
+  template <class A> void serialize(A& ar) { ar(store, checkpoint); }
+};
+
+struct DataSpec {
+  std::string path;
+  std::string format;  // "jsonl" | "tokens" after LoadJobSpec (resolved from the extension)
+  int64_t seq_len = 512;
+  bool packing = true;
+  int64_t pad_id = 0;
+  template <class A> void serialize(A& ar) { ar(path, format, seq_len, packing, pad_id); }
+};
+
+struct LoraSpec {
+  int64_t rank = 16;
+  double alpha = 32.0;
+  double dropout = 0.0;
+  std::vector<std::string> targets = {"q_proj", "k_proj", "v_proj", "o_proj",
+                                      "gate_proj", "up_proj", "down_proj"};
+  bool rslora = false;
+  template <class A> void serialize(A& ar) { ar(rank, alpha, dropout, targets, rslora); }
+};
+
+struct OptimSpec {
+  double lr = 2e-4;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  std::string schedule = "constant";
+  int64_t warmup_steps = 0;
+  double grad_clip = 1.0;
+  template <class A> void serialize(A& ar) {
+    ar(lr, beta1, beta2, eps, weight_decay, schedule, warmup_steps, grad_clip);
+  }
+};
+
+struct TrainSpec {
+  int64_t steps = 0;
+  int64_t batch_size = 1;
+  int64_t grad_accum = 1;
+  uint64_t seed = 0;
+  int64_t checkpoint_every = 0;
+  std::string output_dir;
+  std::string dtype = "auto";
+  std::string stats_file;
+  template <class A> void serialize(A& ar) {
+    ar(steps, batch_size, grad_accum, seed, checkpoint_every, output_dir, dtype, stats_file);
+  }
+};
+
+struct StreamSpec {
+  int64_t blocks_to_swap = 0;
+  uint64_t gpu_memory_budget = 0;  // bytes; 0 = plan from blocks_to_swap
+  int64_t ring_size = 2;
+  template <class A> void serialize(A& ar) { ar(blocks_to_swap, gpu_memory_budget, ring_size); }
+};
+
+struct JobSpec {
+  std::string name = "job";
+  int64_t priority = 0;
+  ModelSource model;
+  DataSpec data;
+  LoraSpec lora;
+  OptimSpec optim;
+  TrainSpec train;
+  StreamSpec stream;
+  std::string source;  // the file it came from (for messages); "" when built in code
+  template <class A> void serialize(A& ar) {
+    ar(name, priority, model, data, lora, optim, train, stream, source);
+  }
+};
+
+// The names accepted in [lora] targets.
+const std::vector<std::string>& LoraTargetNames();
+
+// Parses TOML text. Throws Error(kCorrupt) for TOML syntax, unknown keys and wrong value
+// types (naming file and key). Does not check values: see ValidateJobSpec.
+JobSpec ParseJobSpec(const std::string& toml_text, const std::string& source);
+
+// Every problem that stops the job from running, each naming the field, e.g.
+// "job.toml: key `lora.rank` must be > 0 (found 0)". Empty when the job can run.
+// `model` (optional) is the base model's architecture: when given (or when the spec names a
+// checkpoint folder, whose config.json is read), seq_len, targets and the model's existence
+// are checked against it too. Data contents (token ids against the vocabulary) are checked by
+// the worker when it loads the data, naming the file and line.
+std::vector<std::string> ValidateJobSpec(const JobSpec& spec, const ModelConfig* model = nullptr);
+
+// Reads, parses, resolves (absolute paths, data format from the extension) and validates a
+// job file; throws Error(kNotFound) for a missing file, kCorrupt for bad TOML, kRefused with
+// every problem (one per line) when ValidateJobSpec finds any.
+JobSpec LoadJobSpec(const std::string& path, const ModelConfig* model = nullptr);
+
+// Makes the paths absolute against the current directory and fills data.format from the
+// extension when empty (LoadJobSpec calls it; exposed for specs built from text).
+void ResolveJobSpec(JobSpec& spec);
+
+// Throws Error(kRefused) listing the problems when there are any.
+void RequireValidJobSpec(const JobSpec& spec, const ModelConfig* model = nullptr);
+
+// "8GiB", "500MB", "1024" -> bytes; throws Error(kCorrupt) naming `where` when malformed.
+uint64_t ParseByteSize(const std::string& text, const std::string& where);
+
+}  // namespace lorastream

@@ -1,0 +1,85 @@
+#include "common/job_spec.h"
+
+#include <catch2/catch.hpp>
+
+#include "common/error.h"
+#include "worker_test_util.h"
+
+using namespace lorastream;
+
+namespace {
+
+bool Mentions(const std::vector<std::string>& problems, const std::string& text) {
+  for (const auto& p : problems)
+    if (p.find(text) != std::string::npos) return true;
+  return false;
+}
+
+}  // namespace
+
+TEST_CASE("the example job file parses with its documented defaults", "[worker]") {
+  JobSpec s = ParseJobSpec(testing::ReadFile(std::string(LORASTREAM_SOURCE_DIR) +
+                                             "/configs/jobs/tiny_llama.toml"),
+                           "tiny_llama.toml");
+  CHECK(s.lora.rank == 8);
+  CHECK(s.lora.targets.size() == 7);
+  CHECK(s.optim.schedule == "cosine");
+  CHECK(s.stream.ring_size == 2);
+  JobSpec d = ParseJobSpec("[train]\nsteps = 1\n", "min.toml");
+  CHECK(d.lora.rank == 16);
+  CHECK(d.lora.alpha == 32.0);
+  CHECK(d.optim.lr == 2e-4);
+  CHECK(d.optim.grad_clip == 1.0);
+  CHECK(d.train.dtype == "auto");
+  CHECK(d.data.packing);
+}
+
+TEST_CASE("job specs: unknown keys and wrong types are errors naming the key", "[worker]") {
+  try {
+    ParseJobSpec("[lora]\nranke = 8\n", "j.toml");
+    FAIL("accepted");
+  } catch (const Error& e) {
+    CHECK(std::string(e.what()).find("ranke") != std::string::npos);
+  }
+  CHECK_THROWS_AS(ParseJobSpec("[lora]\nrank = \"8\"\n", "j.toml"), Error);
+  JobSpec s = ParseJobSpec("[stream]\ngpu_memory_budget = \"8GiB\"\n", "j.toml");
+  CHECK(s.stream.gpu_memory_budget == 8ull << 30);
+  CHECK(ParseJobSpec("[stream]\ngpu_memory_budget = 1000\n", "j.toml").stream.gpu_memory_budget == 1000);
+  CHECK_THROWS_AS(ParseJobSpec("[stream]\ngpu_memory_budget = \"8 parsecs\"\n", "j.toml"), Error);
+  CHECK(ParseByteSize("500MB", "x") == 500000000ull);
+  CHECK(ParseByteSize("1.5 KiB", "x") == 1536ull);
+}
+
+TEST_CASE("ValidateJobSpec returns every problem, each naming its field", "[worker]") {
+  testing::TempDir dir("spec");
+  testing::MakeCheckpoint(dir / "model", "tiny");
+  JobSpec s = testing::TinyJob(dir / "model", dir / "missing.jsonl", dir / "out");
+  s.lora.rank = 0;
+  s.lora.targets = {"q_proj", "qkv_proj"};
+  s.data.seq_len = 4096;  // tiny: max_position_embeddings = 256
+  s.optim.schedule = "exponential";
+  s.stream.ring_size = 0;
+  auto problems = ValidateJobSpec(s);
+  CHECK(problems.size() == 6);
+  CHECK(Mentions(problems, "`lora.rank` must be > 0"));
+  CHECK(Mentions(problems, "unknown module `qkv_proj`"));
+  CHECK(Mentions(problems, "`data.path` names a file that does not exist"));
+  CHECK(Mentions(problems, "`data.seq_len` is 4096, longer than the model allows"));
+  CHECK(Mentions(problems, "`optim.schedule`"));
+  CHECK(Mentions(problems, "`stream.ring_size`"));
+  try {
+    RequireValidJobSpec(s);
+    FAIL("accepted");
+  } catch (const Error& e) {
+    CHECK(e.code() == ErrorCode::kRefused);
+  }
+
+  testing::WriteJsonl(dir / "d.jsonl", 4, 8, 16, 512);
+  JobSpec ok = testing::TinyJob(dir / "model", dir / "d.jsonl", dir / "out");
+  CHECK(ValidateJobSpec(ok).empty());
+  ok.model.store = "also-a-store";
+  CHECK(Mentions(ValidateJobSpec(ok), "exactly one of"));
+  ok.model.store.clear();
+  ok.model.checkpoint = dir / "nowhere";
+  CHECK(Mentions(ValidateJobSpec(ok), "`model.checkpoint` names a folder that does not exist"));
+}

@@ -1,0 +1,89 @@
+// Helpers of the worker tests: tiny checkpoints (lorastream-synth's generator), data files
+// and job specs in a fresh temporary folder.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/job_spec.h"
+#include "store/synth.h"
+
+namespace lorastream::testing {
+
+// A fresh folder under the system temp dir, removed at scope exit.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& tag) {
+    std::random_device rd;
+    path_ = std::filesystem::temp_directory_path() /
+            ("lorastream-" + tag + "-" + std::to_string(rd()) + std::to_string(rd()));
+    std::filesystem::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+// Writes a checkpoint of configs/models/<preset>.toml (f32) into `dir`.
+inline std::string MakeCheckpoint(const std::string& dir, const std::string& preset,
+                                  uint64_t seed = 1) {
+  SynthOptions o;
+  o.preset = preset;
+  o.out_dir = dir;
+  o.presets_dir = std::string(LORASTREAM_SOURCE_DIR) + "/configs/models";
+  o.seed = seed;
+  o.dtype = "f32";
+  o.threads = 1;
+  RunSynth(o);
+  return dir;
+}
+
+// `docs` documents of random lengths in [min_len, max_len] with ids in [0, vocab).
+inline std::string WriteJsonl(const std::string& path, int docs, int min_len, int max_len,
+                              int64_t vocab, uint64_t seed = 7) {
+  std::mt19937_64 rng(seed);
+  std::ofstream out(path);
+  for (int d = 0; d < docs; ++d) {
+    int len = min_len + static_cast<int>(rng() % static_cast<uint64_t>(max_len - min_len + 1));
+    out << "{\"input_ids\": [";
+    for (int k = 0; k < len; ++k) out << (k ? ", " : "") << (rng() % static_cast<uint64_t>(vocab));
+    out << "]}\n";
+  }
+  return path;
+}
+
+inline JobSpec TinyJob(const std::string& checkpoint, const std::string& data,
+                       const std::string& out_dir) {
+  JobSpec s;
+  s.name = "test";
+  s.source = "test.toml";
+  s.model.checkpoint = checkpoint;
+  s.data.path = data;
+  s.data.format = "jsonl";
+  s.data.seq_len = 32;
+  s.lora.rank = 4;
+  s.lora.alpha = 8;
+  s.optim.lr = 1e-2;
+  s.train.steps = 4;
+  s.train.batch_size = 2;
+  s.train.seed = 3;
+  s.train.output_dir = out_dir;
+  return s;
+}
+
+inline std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+}  // namespace lorastream::testing

@@ -1,0 +1,104 @@
+// Per-block gradient checkpointing as a custom autograd function. The forward keeps only the
+// block's input; the backward re-acquires the block's weights from the provider (in the step's
+// order L-1..0, which is what the streaming engine plans for), recomputes the block with grad,
+// backpropagates the incoming gradient and releases the block.
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <ATen/ATen.h>
+
+#include "common/error.h"
+#include "worker/model.h"
+
+namespace lorastream {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// What the backward needs besides the saved tensors. Lives on the heap, owned by the node
+// (through saved_data) so that it is freed with the graph.
+struct CheckpointArgs {
+  int block = 0;
+  BlockProvider* provider = nullptr;
+  BlockCompute compute;
+  std::array<bool, kNumLoraTargets> targets{};
+};
+
+LoraBlock Unflatten(at::TensorList params, size_t first,
+                    const std::array<bool, kNumLoraTargets>& targets) {
+  LoraBlock blk;
+  size_t k = first;
+  for (int t = 0; t < kNumLoraTargets; ++t) {
+    if (!targets[t]) continue;
+    blk.a[t] = params[k++];
+    blk.b[t] = params[k++];
+  }
+  return blk;
+}
+
+class ArgsHolder : public torch::CustomClassHolder {
+ public:
+  explicit ArgsHolder(const CheckpointArgs& a) : args(a) {}
+  CheckpointArgs args;
+};
+
+struct CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
+  // inputs: x, then the block's LoRA tensors (A, B per targeted projection).
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, at::TensorList params,
+                               const CheckpointArgs* args) {
+    const BlockWeights& w = args->provider->Acquire(args->block);
+    at::Tensor y = BlockForward(x, w, Unflatten(params, 0, args->targets), args->compute);
+    args->provider->Release(args->block);
+    variable_list saved{x};
+    for (auto& p : params) saved.push_back(p);
+    ctx->save_for_backward(saved);
+    ctx->saved_data["args"] = c10::IValue::make_capsule(c10::make_intrusive<ArgsHolder>(*args));
+    return {y};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
+    auto holder = ctx->saved_data["args"].toCapsule();
+    const CheckpointArgs& args = static_cast<ArgsHolder*>(holder.get())->args;
+    variable_list saved = ctx->get_saved_variables();
+    const bool need_x = ctx->needs_input_grad(0);
+    const BlockWeights& w = args.provider->Acquire(args.block);
+    variable_list grads;
+    {
+      at::AutoGradMode enable_grad(true);
+      at::Tensor x = saved[0].detach();
+      if (need_x) x.requires_grad_(true);
+      variable_list leaves;
+      for (size_t i = 1; i < saved.size(); ++i) leaves.push_back(saved[i].detach().requires_grad_(true));
+      at::Tensor y = BlockForward(x, w, Unflatten(leaves, 0, args.targets), args.compute);
+      variable_list inputs;
+      if (need_x) inputs.push_back(x);
+      for (auto& l : leaves) inputs.push_back(l);
+      grads = torch::autograd::grad({y}, inputs, {grad_out[0]}, /*retain_graph=*/false,
+                                    /*create_graph=*/false, /*allow_unused=*/true);
+    }
+    args.provider->Release(args.block);
+    variable_list result;
+    result.push_back(need_x ? grads[0] : at::Tensor());
+    for (size_t i = need_x ? 1 : 0; i < grads.size(); ++i) result.push_back(grads[i]);
+    result.push_back(at::Tensor());  // the CheckpointArgs pointer
+    return result;
+  }
+};
+
+}  // namespace
+
+at::Tensor CheckpointedBlockForward(const at::Tensor& x, int block, const LoraAdapter& adapter,
+                                    BlockProvider& provider, const BlockCompute& c) {
+  CheckpointArgs args;
+  args.block = block;
+  args.provider = &provider;
+  args.compute = c;
+  args.targets = adapter.settings().targets;
+  // As a TensorList: custom functions track tensors inside an ArrayRef, not a std::vector.
+  const std::vector<at::Tensor> params = adapter.BlockParams(block);
+  return CheckpointedBlock::apply(x, at::TensorList(params), &args)[0];
+}
+
+}  // namespace lorastream

@@ -1,0 +1,130 @@
+#include "worker/lora.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include "common/error.h"
+#include "common/job_spec.h"
+
+namespace lorastream {
+
+const char* LoraTargetName(int t) {
+  static const char* kNames[] = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
+                                 "gate_proj", "up_proj", "down_proj"};
+  LS_CHECK(t >= 0 && t < kNumLoraTargets, "target index");
+  return kNames[t];
+}
+
+const char* LoraTargetModule(int t) { return t <= kOProj ? "self_attn" : "mlp"; }
+
+std::pair<int64_t, int64_t> LoraTargetShape(const ModelConfig& c, int t) {
+  const int64_t q = c.num_attention_heads * c.head_dim;
+  const int64_t kv = c.num_key_value_heads * c.head_dim;
+  switch (t) {
+    case kQProj: return {c.hidden_size, q};
+    case kKProj:
+    case kVProj: return {c.hidden_size, kv};
+    case kOProj: return {q, c.hidden_size};
+    case kGateProj:
+    case kUpProj: return {c.hidden_size, c.intermediate_size};
+    case kDownProj: return {c.intermediate_size, c.hidden_size};
+  }
+  LS_CHECK(false, "target index");
+  return {0, 0};
+}
+
+double LoraSettings::Scale() const {
+  return rslora ? alpha / std::sqrt(static_cast<double>(rank)) : alpha / static_cast<double>(rank);
+}
+
+std::vector<std::string> LoraSettings::TargetNames() const {
+  std::vector<std::string> names;
+  for (int t = 0; t < kNumLoraTargets; ++t)
+    if (targets[t]) names.push_back(LoraTargetName(t));
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+LoraSettings LoraSettingsFromSpec(const LoraSpec& spec) {
+  LoraSettings s;
+  s.rank = spec.rank;
+  s.alpha = spec.alpha;
+  s.dropout = spec.dropout;
+  s.rslora = spec.rslora;
+  for (const auto& name : spec.targets) {
+    bool found = false;
+    for (int t = 0; t < kNumLoraTargets; ++t)
+      if (name == LoraTargetName(t)) s.targets[t] = found = true;
+    if (!found)
+      throw Error(ErrorCode::kRefused, "lora.targets: unknown module `" + name + "`");
+  }
+  return s;
+}
+
+std::string LoraKey(int block, int target, bool is_b) {
+  return "base_model.model.model.layers." + std::to_string(block) + "." +
+         LoraTargetModule(target) + "." + LoraTargetName(target) +
+         (is_b ? ".lora_B.weight" : ".lora_A.weight");
+}
+
+LoraAdapter LoraAdapter::Init(const ModelConfig& config, const LoraSettings& settings,
+                              uint64_t seed, c10::Device device) {
+  if (settings.rank <= 0)
+    throw Error(ErrorCode::kRefused, "lora.rank must be > 0 (found " +
+                                         std::to_string(settings.rank) + ")");
+  LoraAdapter a;
+  a.config_ = config;
+  a.settings_ = settings;
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
+    LoraBlock blk;
+    for (int t = 0; t < kNumLoraTargets; ++t) {
+      if (!settings.targets[t]) continue;
+      auto [in, out] = LoraTargetShape(config, t);
+      // kaiming_uniform_(a=sqrt(5)): gain sqrt(2/(1+5)), bound sqrt(3)*gain/sqrt(fan_in).
+      const double gain = std::sqrt(2.0 / 6.0);
+      const double bound = std::sqrt(3.0) * (gain / std::sqrt(static_cast<double>(in)));
+      at::Tensor A = at::empty({settings.rank, in}, at::kFloat);
+      A.uniform_(-bound, bound, gen);
+      blk.a[t] = A.to(device).requires_grad_(true);
+      blk.b[t] = at::zeros({out, settings.rank}, at::TensorOptions().dtype(at::kFloat).device(device))
+                     .requires_grad_(true);
+    }
+    a.blocks_.push_back(std::move(blk));
+  }
+  return a;
+}
+
+std::vector<at::Tensor> LoraAdapter::BlockParams(int i) const {
+  std::vector<at::Tensor> p;
+  const LoraBlock& blk = blocks_.at(i);
+  for (int t = 0; t < kNumLoraTargets; ++t) {
+    if (!blk.a[t].defined()) continue;
+    p.push_back(blk.a[t]);
+    p.push_back(blk.b[t]);
+  }
+  return p;
+}
+
+std::vector<at::Tensor> LoraAdapter::Params() const {
+  std::vector<at::Tensor> p;
+  for (int i = 0; i < num_blocks(); ++i)
+    for (auto& t : BlockParams(i)) p.push_back(t);
+  return p;
+}
+
+std::vector<std::string> LoraAdapter::ParamNames() const {
+  std::vector<std::string> names;
+  for (int i = 0; i < num_blocks(); ++i)
+    for (int t = 0; t < kNumLoraTargets; ++t) {
+      if (!blocks_[i].a[t].defined()) continue;
+      names.push_back(LoraKey(i, t, false));
+      names.push_back(LoraKey(i, t, true));
+    }
+  return names;
+}
+
+}  // namespace lorastream

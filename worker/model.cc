@@ -1,0 +1,180 @@
+#include "worker/model.h"
+
+#include <cmath>
+#include <mutex>
+
+#include <ATen/ATen.h>
+#include <ATen/core/Reduction.h>
+
+#include "common/error.h"
+#include "worker/torch_compat.h"
+
+namespace lorastream {
+
+uint64_t MixSeed(uint64_t seed, uint64_t a, uint64_t b, uint64_t c) {
+  auto mix = [](uint64_t z) {
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  };
+  return mix(mix(mix(mix(seed) ^ a) ^ b) ^ c);
+}
+
+at::Tensor RotaryInvFreq(const ModelConfig& c) {
+  const int64_t dim = c.head_dim;
+  // transformers: 1.0 / (base ** (arange(0, dim, 2, int64).float() / dim)), in f32.
+  at::Tensor exponent = at::arange(0, dim, 2, at::kLong).to(at::kFloat) / static_cast<double>(dim);
+  at::Tensor inv_freq = at::reciprocal(at::pow(c.rope_theta, exponent)) * 1.0;
+  const RopeScaling& rs = c.rope_scaling;
+  if (rs.type == "linear") {
+    inv_freq = inv_freq / rs.factor;
+  } else if (rs.type == "llama3") {
+    // transformers' _compute_llama3_parameters.
+    const double old_len = static_cast<double>(rs.original_max_position_embeddings);
+    const double low_freq_wavelen = old_len / rs.low_freq_factor;
+    const double high_freq_wavelen = old_len / rs.high_freq_factor;
+    at::Tensor wavelen = 2 * M_PI / inv_freq;
+    at::Tensor llama = at::where(wavelen > low_freq_wavelen, inv_freq / rs.factor, inv_freq);
+    at::Tensor smooth = (old_len / wavelen - rs.low_freq_factor) /
+                        (rs.high_freq_factor - rs.low_freq_factor);
+    at::Tensor smoothed = (1 - smooth) * llama / rs.factor + smooth * llama;
+    at::Tensor medium = at::logical_not(wavelen < high_freq_wavelen)
+                            .logical_and(at::logical_not(wavelen > low_freq_wavelen));
+    inv_freq = at::where(medium, smoothed, llama);
+  }
+  return inv_freq;
+}
+
+RotaryTables BuildRotary(const ModelConfig& c, int64_t seq_len, c10::Device device,
+                         c10::ScalarType dtype) {
+  at::Tensor inv_freq = RotaryInvFreq(c).to(device);
+  at::Tensor pos = at::arange(seq_len, at::TensorOptions().dtype(at::kLong).device(device))
+                       .to(at::kFloat);
+  at::Tensor freqs = at::outer(pos, inv_freq);  // [S, D/2], each one product, as the matmul
+  at::Tensor emb = at::cat({freqs, freqs}, -1);
+  return RotaryTables{emb.cos().to(dtype), emb.sin().to(dtype)};
+}
+
+at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const auto input_dtype = x.scalar_type();
+  at::Tensor h = x.to(at::kFloat);
+  at::Tensor variance = h.pow(2).mean(-1, /*keepdim=*/true);
+  h = h * at::rsqrt(variance + eps);
+  return weight * h.to(input_dtype);
+}
+
+namespace {
+
+at::Tensor RotateHalf(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+// base(x) + B(A(dropout(x))) * scale, the adapter path in its own (f32) dtype, as peft.
+at::Tensor Project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
+                   const at::Tensor& a, const at::Tensor& b, const BlockCompute& c) {
+  at::Tensor y = bias.defined() ? at::linear(x, w, bias) : at::linear(x, w);
+  if (!a.defined()) return y;
+  at::Tensor xl = x.to(a.scalar_type());
+  if (c.training && c.dropout > 0) xl = at::dropout(xl, c.dropout, /*train=*/true);
+  at::Tensor lora = at::linear(at::linear(xl, a), b) * c.lora_scale;
+  return (y + lora).to(y.scalar_type());
+}
+
+}  // namespace
+
+at::Tensor BlockForward(const at::Tensor& x, const BlockWeights& w, const LoraBlock& lora,
+                        const BlockCompute& c) {
+  const ModelConfig& cfg = *c.config;
+  if (c.training && c.dropout > 0) {
+    at::Generator gen = at::globalContext().defaultGenerator(x.device());
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_current_seed(c.dropout_seed);
+  }
+  const int64_t batch = x.size(0), seq = x.size(1);
+  const int64_t hd = cfg.head_dim;
+  const double eps = cfg.rms_norm_eps;
+
+  at::Tensor h = RmsNorm(x, w.input_norm, eps);
+  at::Tensor q = Project(h, w.q_proj, w.q_bias, lora.a[kQProj], lora.b[kQProj], c);
+  at::Tensor k = Project(h, w.k_proj, w.k_bias, lora.a[kKProj], lora.b[kKProj], c);
+  at::Tensor v = Project(h, w.v_proj, w.v_bias, lora.a[kVProj], lora.b[kVProj], c);
+  q = q.view({batch, seq, -1, hd});
+  k = k.view({batch, seq, -1, hd});
+  v = v.view({batch, seq, -1, hd}).transpose(1, 2);
+  if (cfg.qk_norm) {
+    q = RmsNorm(q, w.q_norm, eps);
+    k = RmsNorm(k, w.k_norm, eps);
+  }
+  q = q.transpose(1, 2);
+  k = k.transpose(1, 2);
+  at::Tensor cos = c.rope->cos.narrow(0, 0, seq).view({1, 1, seq, hd});
+  at::Tensor sin = c.rope->sin.narrow(0, 0, seq).view({1, 1, seq, hd});
+  q = q * cos + RotateHalf(q) * sin;
+  k = k * cos + RotateHalf(k) * sin;
+  at::Tensor attn = CausalAttention(q, k, v);  // [B, H, S, D]
+  attn = attn.transpose(1, 2).reshape({batch, seq, -1});
+  at::Tensor out = x + Project(attn, w.o_proj, {}, lora.a[kOProj], lora.b[kOProj], c);
+
+  h = RmsNorm(out, w.post_norm, eps);
+  at::Tensor gate = Project(h, w.gate_proj, {}, lora.a[kGateProj], lora.b[kGateProj], c);
+  at::Tensor up = Project(h, w.up_proj, {}, lora.a[kUpProj], lora.b[kUpProj], c);
+  at::Tensor mlp =
+      Project(at::silu(gate) * up, w.down_proj, {}, lora.a[kDownProj], lora.b[kDownProj], c);
+  return out + mlp;
+}
+
+CausalLm::CausalLm(const ModelConfig& config, RestWeights rest, BlockProvider* provider,
+                   c10::Device device, c10::ScalarType dtype)
+    : config_(config), rest_(std::move(rest)), provider_(provider), device_(device),
+      dtype_(dtype) {
+  LS_CHECK(provider_ != nullptr, "CausalLm needs a block provider");
+  LS_CHECK(provider_->num_blocks() == config_.num_hidden_layers,
+           "the provider's block count differs from num_hidden_layers");
+}
+
+const RotaryTables& CausalLm::Rotary(int64_t seq_len) {
+  auto it = rope_.find(seq_len);
+  if (it == rope_.end()) it = rope_.emplace(seq_len, BuildRotary(config_, seq_len, device_, dtype_)).first;
+  return it->second;
+}
+
+at::Tensor CausalLm::Hidden(const at::Tensor& ids, const LoraAdapter& adapter, bool training,
+                            bool checkpointed, uint64_t dropout_seed) {
+  if (ids.dim() != 2) throw Error(ErrorCode::kInvalidArgument, "input ids must be [batch, seq]");
+  if (ids.size(1) > config_.max_position_embeddings)
+    throw Error(ErrorCode::kRefused, "sequence of " + std::to_string(ids.size(1)) +
+                                         " tokens is longer than max_position_embeddings");
+  BlockCompute c;
+  c.config = &config_;
+  c.rope = &Rotary(ids.size(1));
+  c.lora_scale = adapter.settings().Scale();
+  c.dropout = adapter.settings().dropout;
+  c.training = training;
+  at::Tensor h = at::embedding(rest_.embed_tokens, ids);
+  for (int i = 0; i < config_.num_hidden_layers; ++i) {
+    c.dropout_seed = MixSeed(dropout_seed, static_cast<uint64_t>(i));
+    if (checkpointed) {
+      h = CheckpointedBlockForward(h, i, adapter, *provider_, c);
+    } else {
+      const BlockWeights& w = provider_->Acquire(i);
+      h = BlockForward(h, w, adapter.block(i), c);
+      provider_->Release(i);
+    }
+  }
+  return h;
+}
+
+at::Tensor CausalLm::Logits(const at::Tensor& hidden) {
+  return at::linear(RmsNorm(hidden, rest_.norm, config_.rms_norm_eps), rest_.lm_head);
+}
+
+at::Tensor CausalLm::LossSum(const at::Tensor& logits, const at::Tensor& targets) {
+  const int64_t vocab = logits.size(-1);
+  return at::cross_entropy_loss(logits.to(at::kFloat).reshape({-1, vocab}), targets.reshape({-1}),
+                                /*weight=*/{}, at::Reduction::Sum, /*ignore_index=*/-100,
+                                /*label_smoothing=*/0.0);
+}
+
+}  // namespace lorastream

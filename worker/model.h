@@ -1,0 +1,91 @@
+// The Llama-family causal LM (llama, mistral, qwen2, qwen3) as transformers computes it:
+// embeddings, per block RMSNorm -> attention (GQA, rotary, qwen2 q/k/v bias, qwen3 q/k norm)
+// -> residual -> RMSNorm -> SwiGLU MLP -> residual, final RMSNorm, LM head (tied or not).
+// LoRA is applied inside the projections as peft does: y = base(x) + B(A(dropout(x))) * scale,
+// with the adapter path in f32 (x cast to the adapter's dtype), cast back to the base dtype.
+#pragma once
+
+#include <cstdint>
+#include <map>
+
+#include <ATen/core/Tensor.h>
+
+#include "common/model_config.h"
+#include "worker/base_weights.h"
+#include "worker/block_provider.h"
+#include "worker/lora.h"
+
+namespace lorastream {
+
+// cos and sin [S, head_dim] in the compute dtype (computed in f32 as transformers does).
+struct RotaryTables {
+  at::Tensor cos, sin;
+};
+RotaryTables BuildRotary(const ModelConfig& config, int64_t seq_len, c10::Device device,
+                         c10::ScalarType dtype);
+// inv_freq [head_dim / 2] in f32 on the CPU, with rope_scaling (llama3, linear) applied.
+at::Tensor RotaryInvFreq(const ModelConfig& config);
+
+// transformers' RMSNorm: in f32, weight * normed.to(input dtype).
+at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// What a block's forward needs besides its input, weights and adapter. Plain values and
+// pointers to objects the caller keeps alive until the step's backward has finished.
+struct BlockCompute {
+  const ModelConfig* config = nullptr;
+  const RotaryTables* rope = nullptr;
+  double lora_scale = 1.0;
+  double dropout = 0.0;
+  bool training = false;
+  uint64_t dropout_seed = 0;  // per block and micro-batch: the recompute draws the same masks
+};
+
+// One transformer block on x [B, S, hidden]. When dropout is active the device's default
+// generator is re-seeded with `c.dropout_seed` first, so that a recompute reproduces the masks.
+at::Tensor BlockForward(const at::Tensor& x, const BlockWeights& w, const LoraBlock& lora,
+                        const BlockCompute& c);
+
+// The same block as a checkpointed autograd function (worker/checkpointed_block.cc): its
+// forward runs without grad and keeps only x; its backward re-acquires the block from
+// `provider`, recomputes it with grad, and returns the gradients of x and of the adapter.
+at::Tensor CheckpointedBlockForward(const at::Tensor& x, int block, const LoraAdapter& adapter,
+                                    BlockProvider& provider, const BlockCompute& c);
+
+class CausalLm {
+ public:
+  // `rest` and the provider's blocks must be on `device` in `dtype` (the compute dtype).
+  CausalLm(const ModelConfig& config, RestWeights rest, BlockProvider* provider,
+           c10::Device device, c10::ScalarType dtype);
+
+  const ModelConfig& config() const { return config_; }
+  c10::Device device() const { return device_; }
+  c10::ScalarType dtype() const { return dtype_; }
+  BlockProvider& provider() { return *provider_; }
+
+  // Hidden states after the last block for ids [B, S] (int64 on the device). checkpointed:
+  // blocks run through CheckpointedBlockForward (training always does); otherwise plain
+  // autograd keeps every activation (tests and references). dropout_seed seeds each
+  // block's masks (mixed with the block index).
+  at::Tensor Hidden(const at::Tensor& ids, const LoraAdapter& adapter, bool training,
+                    bool checkpointed, uint64_t dropout_seed);
+  // Final norm and LM head: logits [B, S, vocab] in the compute dtype.
+  at::Tensor Logits(const at::Tensor& hidden);
+  // Sum over positions of the cross-entropy of logits.float() against `targets` [B, S]
+  // (already shifted: targets[s] = labels[s + 1]; -100 ignored), an f32 scalar.
+  static at::Tensor LossSum(const at::Tensor& logits, const at::Tensor& targets);
+
+ private:
+  const RotaryTables& Rotary(int64_t seq_len);
+
+  ModelConfig config_;
+  RestWeights rest_;
+  BlockProvider* provider_;
+  c10::Device device_;
+  c10::ScalarType dtype_;
+  std::map<int64_t, RotaryTables> rope_;
+};
+
+// Mixes a seed with up to three counters (splitmix64): independent streams per use.
+uint64_t MixSeed(uint64_t seed, uint64_t a, uint64_t b = 0, uint64_t c = 0);
+
+}  // namespace lorastream

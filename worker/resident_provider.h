@@ -1,0 +1,37 @@
+// The fully resident BlockProvider: every block converted once to the compute device and
+// dtype (on the CPU with a matching dtype these are the base's zero-copy views). Acquire and
+// Release only check that the trainer keeps the step's order.
+#pragma once
+
+#include <vector>
+
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include "worker/base_weights.h"
+#include "worker/block_provider.h"
+
+namespace lorastream {
+
+class ResidentProvider : public BlockProvider {
+ public:
+  ResidentProvider(const BaseWeights& base, c10::Device device, c10::ScalarType dtype);
+
+  int num_blocks() const override { return static_cast<int>(blocks_.size()); }
+  void BeginStep() override;
+  const BlockWeights& Acquire(int block) override;
+  void Release(int block) override;
+  void EndStep(StepStats& stats) override;
+
+  // Acquire calls since construction (tests check the step's order through it).
+  const std::vector<int>& acquire_log() const { return acquire_log_; }
+  void set_record_acquires(bool on) { record_ = on; }
+
+ private:
+  std::vector<BlockWeights> blocks_;
+  int held_ = -1;  // the block between Acquire and Release, -1 when none
+  bool record_ = false;
+  std::vector<int> acquire_log_;
+};
+
+}  // namespace lorastream

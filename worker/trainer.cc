@@ -1,0 +1,272 @@
+#include "worker/trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <nlohmann/json.hpp>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "worker/adamw.h"
+#include "worker/base_weights.h"
+#include "worker/data.h"
+#include "worker/lora.h"
+#include "worker/model.h"
+#include "worker/resident_provider.h"
+#include "worker/train_state.h"
+
+namespace lorastream {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The settings a resume must keep: changing any of them would silently train another job.
+std::string Fingerprint(const JobSpec& s) {
+  std::string f = "rank=" + std::to_string(s.lora.rank) + ";alpha=" + std::to_string(s.lora.alpha) +
+                  ";rslora=" + std::to_string(s.lora.rslora) + ";targets=";
+  for (const auto& t : s.lora.targets) f += t + ",";
+  f += ";seed=" + std::to_string(s.train.seed) + ";batch=" + std::to_string(s.train.batch_size) +
+       ";accum=" + std::to_string(s.train.grad_accum) + ";seq_len=" +
+       std::to_string(s.data.seq_len) + ";packing=" + std::to_string(s.data.packing) +
+       ";data=" + s.data.path;
+  return f;
+}
+
+at::Tensor ToDeviceLong(const std::vector<int64_t>& v, int64_t rows, int64_t cols,
+                        c10::Device device) {
+  return at::from_blob(const_cast<int64_t*>(v.data()), {rows, cols}, at::kLong).to(device).clone();
+}
+
+void AppendStats(const std::string& path, const StepStats& s) {
+  nlohmann::json j = {{"step", s.step},
+                      {"total_steps", s.total_steps},
+                      {"loss", s.loss},
+                      {"learning_rate", s.learning_rate},
+                      {"grad_norm", s.grad_norm},
+                      {"tokens", s.tokens},
+                      {"step_seconds", s.step_seconds},
+                      {"tokens_per_second", s.tokens_per_second},
+                      {"h2d_bytes", s.h2d_bytes},
+                      {"h2d_busy_seconds", s.h2d_busy_seconds},
+                      {"stall_seconds", s.stall_seconds},
+                      {"copies", s.copies},
+                      {"copies_saved", s.copies_saved},
+                      {"peak_device_bytes", s.peak_device_bytes}};
+  std::ofstream out(path, std::ios::app);
+  if (!out) ThrowErrno("cannot append to " + path);
+  out << j.dump() << "\n";
+}
+
+}  // namespace
+
+std::string FormatProgress(const StepStats& s, double eta) {
+  char buf[256];
+  const int64_t e = static_cast<int64_t>(std::max(0.0, eta) + 0.5);
+  char eta_text[32];
+  if (e >= 3600)
+    std::snprintf(eta_text, sizeof eta_text, "%lldh%02lldm", static_cast<long long>(e / 3600),
+                  static_cast<long long>(e / 60 % 60));
+  else
+    std::snprintf(eta_text, sizeof eta_text, "%lldm%02llds", static_cast<long long>(e / 60),
+                  static_cast<long long>(e % 60));
+  std::snprintf(buf, sizeof buf, "step %lld/%lld loss %.4f lr %.2e gnorm %.3f tok/s %.0f eta %s",
+                static_cast<long long>(s.step), static_cast<long long>(s.total_steps), s.loss,
+                s.learning_rate, s.grad_norm, s.tokens_per_second, eta_text);
+  std::string line = buf;
+  if (s.h2d_bytes > 0 || s.copies > 0) {
+    std::snprintf(buf, sizeof buf, " h2d %.2fGB stall %.1fms copies %lld (+%lld reused)",
+                  static_cast<double>(s.h2d_bytes) / 1e9, s.stall_seconds * 1e3,
+                  static_cast<long long>(s.copies), static_cast<long long>(s.copies_saved));
+    line += buf;
+  }
+  return line;
+}
+
+TrainResult RunTraining(const JobSpec& spec_in, const TrainOptions& options,
+                        const std::function<void(const StepStats&)>& on_step,
+                        const std::function<bool()>& should_stop) {
+  JobSpec spec = spec_in;
+  ResolveJobSpec(spec);
+  at::set_num_threads(options.threads > 0 ? options.threads
+                                          : static_cast<int>(std::thread::hardware_concurrency()));
+
+  // Device and dtype.
+  c10::Device device(c10::kCPU);
+  try {
+    device = c10::Device(options.device == "cuda" ? std::string("cuda:0") : options.device);
+  } catch (const std::exception&) {
+    throw Error(ErrorCode::kInvalidArgument, "--device `" + options.device +
+                                                 "` is not a device (cpu, cuda, cuda:N)");
+  }
+  if (device.is_cuda() && !at::hasCUDA())
+    throw Error(ErrorCode::kUnsupported, "--device " + options.device +
+                                             ": this build or machine has no CUDA");
+  std::string dtype_name = spec.train.dtype;
+  if (dtype_name == "auto") dtype_name = device.is_cuda() ? "bf16" : "f32";
+  const c10::ScalarType dtype = dtype_name == "bf16" ? at::kBFloat16 : at::kFloat;
+
+  // Refusals before any work: the spec against the model, then the data against the vocab.
+  BaseWeights base = BaseWeights::ForJob(spec);
+  RequireValidJobSpec(spec, &base.config());
+  const ModelConfig& config = base.config();
+  std::vector<Document> docs = LoadDocuments(spec.data.path, spec.data.format, config.vocab_size);
+  const SequenceSet sequences =
+      BuildSequences(docs, spec.data.seq_len, spec.data.packing, static_cast<int32_t>(spec.data.pad_id));
+  docs.clear();
+  LS_LOG_INFO("job {}: {} {} layers, {} sequences of {} tokens, device {}, dtype {}", spec.name,
+              config.model_type, config.num_hidden_layers, sequences.count, sequences.seq_len,
+              device.str(), dtype_name);
+
+  std::unique_ptr<BlockProvider> provider =
+      options.make_provider ? options.make_provider(spec, base, device.str(), dtype_name)
+                            : std::make_unique<ResidentProvider>(base, device, dtype);
+  RestWeights rest;
+  rest.embed_tokens = base.rest().embed_tokens.to(device, dtype);
+  rest.norm = base.rest().norm.to(device, dtype);
+  rest.lm_head = config.tie_word_embeddings ? rest.embed_tokens : base.rest().lm_head.to(device, dtype);
+  CausalLm model(config, rest, provider.get(), device, dtype);
+
+  // Adapter and optimizer: fresh, or from the latest checkpoint.
+  const std::string fingerprint = Fingerprint(spec);
+  const LoraSettings settings = LoraSettingsFromSpec(spec.lora);
+  std::string resume_dir = options.resume ? FindLatestCheckpoint(spec.train.output_dir) : "";
+  std::unique_ptr<LoraAdapter> adapter;
+  if (resume_dir.empty()) {
+    adapter = std::make_unique<LoraAdapter>(LoraAdapter::Init(config, settings, spec.train.seed, device));
+  } else {
+    adapter = std::make_unique<LoraAdapter>(LoraAdapter::Load(resume_dir, config, device));
+    // The adapter file carries its settings; the job must still ask for the same ones.
+    if (adapter->settings().TargetNames() != settings.TargetNames() ||
+        adapter->settings().rank != settings.rank)
+      throw Error(ErrorCode::kRefused, "resume: " + resume_dir +
+                                           " holds an adapter with other lora.rank/targets");
+  }
+  AdamWOptions adam_options{spec.optim.beta1, spec.optim.beta2, spec.optim.eps,
+                            spec.optim.weight_decay};
+  AdamW optimizer(adapter->Params(), adam_options);
+  TrainState state;
+  state.seed = spec.train.seed;
+  state.fingerprint = fingerprint;
+  if (!resume_dir.empty()) {
+    state = LoadTrainerState(resume_dir, *adapter, optimizer);
+    if (state.fingerprint != fingerprint)
+      throw Error(ErrorCode::kRefused,
+                  "resume: " + resume_dir + " was written by a job with other settings (" +
+                      state.fingerprint + "); now: " + fingerprint +
+                      ". Use another train.output_dir or restore the settings.");
+    LS_LOG_INFO("job {}: resuming from {} (step {})", spec.name, resume_dir, state.step);
+  }
+
+  TrainResult result;
+  result.start_step = state.step;
+  result.steps_done = state.step;
+  const int64_t total = spec.train.steps;
+  const int64_t rows = spec.train.batch_size, accum = spec.train.grad_accum;
+  const std::string stats_path = spec.train.stats_file.empty()
+                                     ? (fs::path(spec.train.output_dir) / "stats.jsonl").string()
+                                     : spec.train.stats_file;
+  std::error_code ec;
+  fs::create_directories(spec.train.output_dir, ec);
+  if (ec) throw Error(ErrorCode::kIo, "train.output_dir: cannot create " + spec.train.output_dir);
+  Sampler sampler(sequences.count, spec.train.seed);
+  const auto params = adapter->Params();
+  int64_t last_saved = resume_dir.empty() ? -1 : state.step;
+  auto save = [&]() {
+    result.checkpoint_dir = SaveCheckpoint(spec.train.output_dir, *adapter, optimizer, state,
+                                           base.name_or_path());
+    last_saved = state.step;
+  };
+
+  while (state.step < total) {
+    if (should_stop && should_stop()) {
+      if (last_saved != state.step) save();
+      result.stopped = true;
+      LS_LOG_INFO("job {}: stopped at step {} (checkpoint saved)", spec.name, state.step);
+      return result;
+    }
+    const auto t0 = Clock::now();
+    const double lr =
+        spec.optim.lr * ScheduleFactor(spec.optim.schedule, state.step, spec.optim.warmup_steps, total);
+    std::vector<Batch> batches;
+    int64_t n_targets = 0;
+    for (int64_t m = 0; m < accum; ++m) {
+      batches.push_back(MakeBatch(sequences, sampler, state.samples_seen + m * rows, rows));
+      n_targets += batches.back().n_targets;
+    }
+    StepStats stats;
+    provider->BeginStep();
+    double loss_value = 0.0;
+    for (int64_t m = 0; m < accum; ++m) {
+      const Batch& b = batches[m];
+      at::Tensor ids = ToDeviceLong(b.ids, b.rows, b.seq_len, device);
+      at::Tensor targets = ToDeviceLong(b.targets, b.rows, b.seq_len, device);
+      at::Tensor hidden = model.Hidden(ids, *adapter, /*training=*/true, /*checkpointed=*/true,
+                                       MixSeed(spec.train.seed, 0xd209, static_cast<uint64_t>(state.step),
+                                               static_cast<uint64_t>(m)));
+      at::Tensor loss = CausalLm::LossSum(model.Logits(hidden), targets) /
+                        static_cast<double>(std::max<int64_t>(1, n_targets));
+      loss.backward();
+      loss_value += loss.item<double>();
+    }
+    provider->EndStep(stats);
+    if (!std::isfinite(loss_value))
+      throw Error(ErrorCode::kInternal, "job " + spec.name + ": the loss is " +
+                                            std::to_string(loss_value) + " at step " +
+                                            std::to_string(state.step + 1) +
+                                            " (lower optim.lr or check the data)");
+    const double grad_norm = ClipGradNorm(params, spec.optim.grad_clip);
+    optimizer.Step(lr);
+    optimizer.ZeroGrad();
+    state.step += 1;
+    state.samples_seen += rows * accum;
+
+    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    stats.step = state.step;
+    stats.total_steps = total;
+    stats.loss = loss_value;
+    stats.learning_rate = lr;
+    stats.grad_norm = grad_norm;
+    stats.tokens = rows * accum * sequences.seq_len;
+    stats.step_seconds = seconds;
+    stats.tokens_per_second = seconds > 0 ? static_cast<double>(stats.tokens) / seconds : 0.0;
+    AppendStats(stats_path, stats);
+    result.steps_done = state.step;
+    result.final_loss = loss_value;
+    if (on_step) on_step(stats);
+    if (spec.train.checkpoint_every > 0 && state.step % spec.train.checkpoint_every == 0 &&
+        state.step < total)
+      save();
+  }
+  if (last_saved != state.step) save();
+  adapter->Save(spec.train.output_dir, base.name_or_path());
+  result.adapter_dir = spec.train.output_dir;
+  return result;
+}
+
+int RunTrainCommand(const std::string& job_path, const TrainOptions& options) {
+  JobSpec spec = LoadJobSpec(job_path);
+  const auto start = Clock::now();
+  int64_t first_step = -1;
+  auto on_step = [&](const StepStats& s) {
+    if (first_step < 0) first_step = s.step - 1;
+    const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+    const double per_step = elapsed / static_cast<double>(s.step - first_step);
+    std::printf("%s\n", FormatProgress(s, per_step * static_cast<double>(s.total_steps - s.step)).c_str());
+    std::fflush(stdout);
+  };
+  TrainResult r = RunTraining(spec, options, on_step);
+  std::printf("done: %lld steps, final loss %.4f, adapter in %s\n",
+              static_cast<long long>(r.steps_done), r.final_loss, r.adapter_dir.c_str());
+  return 0;
+}
+
+}  // namespace lorastream

@@ -1,0 +1,81 @@
+// lorastream-worker: `train JOB.toml` runs one job standalone; `parity` is the parity
+// harness's side (tools/parity/). Thin: parse options, call one Run function, map errors.
+#include <atomic>
+#include <csignal>
+#include <cstdio>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "worker/parity.h"
+#include "worker/serve.h"
+#include "worker/trainer.h"
+
+namespace {
+std::atomic<bool> g_stop_serving{false};
+void OnStopSignal(int) { g_stop_serving = true; }
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace lorastream;
+  CLI::App app{"lorastream-worker: trains LoRA adapters against a store's base weights"};
+  app.require_subcommand(1);
+
+  std::string job_path;
+  TrainOptions train;
+  bool no_resume = false;
+  auto* train_cmd = app.add_subcommand("train", "run one job file standalone");
+  train_cmd->add_option("job", job_path, "the job file (TOML)")->required();
+  train_cmd->add_option("--device", train.device, "cpu | cuda | cuda:N")->capture_default_str();
+  train_cmd->add_option("--threads", train.threads, "CPU threads (0 = every core)");
+  train_cmd->add_flag("--no-resume", no_resume, "start fresh even when output_dir has a checkpoint");
+
+  ParityOptions parity;
+  auto* parity_cmd = app.add_subcommand("parity", "logits, loss and LoRA gradients for tools/parity");
+  parity_cmd->add_option("--model", parity.model_dir, "Hugging Face checkpoint folder")->required();
+  parity_cmd->add_option("--tokens", parity.tokens_path, "safetensors with input_ids [B, S] (I64)")->required();
+  parity_cmd->add_option("--adapter", parity.adapter_dir, "peft adapter folder (absent: a fresh one)");
+  parity_cmd->add_option("--out", parity.out_dir, "output folder")->required();
+  parity_cmd->add_option("--dtype", parity.dtype, "f32 | bf16")->capture_default_str();
+  parity_cmd->add_option("--device", parity.device, "cpu | cuda:N")->capture_default_str();
+  parity_cmd->add_option("--repeat", parity.timing_repeats, "timed training steps (speed)");
+  parity_cmd->add_option("--rank", parity.rank, "rank of a fresh adapter when --adapter is absent");
+
+  // serve: take jobs from a coordinator (worker/serve.h; the coordinator engineer's part).
+  ServeOptions serve;
+  bool serve_resident = false;
+  auto* serve_cmd = app.add_subcommand("serve", "take jobs from a coordinator until SIGINT/SIGTERM");
+  serve_cmd->add_option("--coordinator", serve.coordinator, "coordinator endpoint, e.g. tcp://127.0.0.1:5757")
+      ->required()->envname("LORASTREAM_COORDINATOR");
+  serve_cmd->add_option("--device", serve.device, "cpu | cuda:N")->capture_default_str();
+  serve_cmd->add_option("--store", serve.stores, "store to offer (repeatable; default: every live store)");
+  serve_cmd->add_option("--curve-keys", serve.curve_keys, "CURVE keys folder from `lorastream keygen`")
+      ->envname("LORASTREAM_CURVE_KEYS");
+  serve_cmd->add_option("--threads", serve.threads, "CPU threads (0 = every core)");
+  serve_cmd->add_flag("--resident", serve_resident, "keep every block resident (no streaming engine)");
+
+  CLI11_PARSE(app, argc, argv);
+  InitLogging("worker");
+  try {
+    if (*train_cmd) {
+      train.resume = !no_resume;
+      return RunTrainCommand(job_path, train);
+    }
+    if (*serve_cmd) {
+      serve.stream = !serve_resident;
+      std::signal(SIGINT, OnStopSignal);
+      std::signal(SIGTERM, OnStopSignal);
+      return RunServe(serve, g_stop_serving);
+    }
+    RunParity(parity);
+    return 0;
+  } catch (const Error& e) {
+    std::fprintf(stderr, "lorastream-worker: %s: %s\n", ErrorCodeName(e.code()), e.what());
+    return ExitCodeFor(e.code());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "lorastream-worker: internal error: %s\n", e.what());
+    return ExitCodeFor(ErrorCode::kInternal);
+  }
+}
