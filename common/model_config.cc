@@ -82,6 +82,13 @@ ModelConfig ModelConfigFromJson(const Json& j, const std::string& source) {
   if (j.contains("torch_dtype") && j["torch_dtype"].is_string())
     c.torch_dtype = j["torch_dtype"].get<std::string>();
   auto rs = j.find("rope_scaling");
+  // transformers >= 5 writes "rope_parameters" (rope_type, rope_theta, scaling fields) instead
+  // of rope_theta + rope_scaling.
+  auto rp = j.find("rope_parameters");
+  if (rp != j.end() && rp->is_object()) {
+    if (!j.contains("rope_theta")) c.rope_theta = GetNumber(*rp, source, "rope_theta", 10000.0);
+    if (rs == j.end() || rs->is_null()) rs = rp;
+  }
   if (rs != j.end() && !rs->is_null()) {
     if (!rs->is_object()) Bad(source, "rope_scaling", "must be an object or null");
     std::string type;
