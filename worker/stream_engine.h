@@ -4,12 +4,13 @@
 // store), issued as soon as the slot's previous occupant has been released, overlapped with
 // compute; a block still in its slot is served again without a copy.
 //
-// Construction, as the trainer does it:
+// Construction: for a job, MakeStreamProvider (worker/stream_provider.h) does all of this.
+// By hand:
 //   ResidencyPlan plan = PlanResidency(job.stream.blocks_to_swap, job.stream.gpu_memory_budget,
-//                                      job.stream.ring_size, MemoryInputsFor(...));
+//                                      job.stream.ring_size, MemoryInputsFor(manifest, ...));
 //   RequireCheckpointingForStreaming(plan, /*gradient_checkpointing=*/true);
-//   auto engine = MakeStreamEngine(store.manifest, store.block_pointers, plan, device, {});
-//   model.set_block_provider(engine.get());  // BeginStep / Acquire / Release / EndStep
+//   auto engine = MakeStreamEngine(manifest, block_pointers, plan, device, {});
+//   // then, per step: BeginStep, Acquire/Release in the pass order, EndStep(stats)
 //
 // Order contract: within a pass, Acquire/Release alternate and follow 0..L-1, L-1..0; passes
 // repeat (gradient accumulation = several passes between BeginStep and EndStep). A BeginStep

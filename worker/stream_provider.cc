@@ -1,0 +1,173 @@
+#include "worker/stream_provider.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include <ATen/ATen.h>
+#include <torch/version.h>
+
+#include "common/error.h"
+#include "common/job_spec.h"
+#include "common/log.h"
+#include "worker/base_weights.h"
+
+namespace lorastream {
+
+namespace {
+
+DType DTypeOf(c10::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DType::kF32;
+    case at::kBFloat16: return DType::kBF16;
+    case at::kHalf: return DType::kF16;
+    case at::kDouble: return DType::kF64;
+    default:
+      throw Error(ErrorCode::kUnsupported,
+                  std::string("stream: compute dtype ") + c10::toString(t) + " is not supported");
+  }
+}
+
+const at::Tensor& Field(const BlockWeights& w, const std::string& name) {
+  static const std::pair<const char*, at::Tensor BlockWeights::*> kFields[] = {
+      {"input_layernorm.weight", &BlockWeights::input_norm},
+      {"self_attn.q_proj.weight", &BlockWeights::q_proj},
+      {"self_attn.k_proj.weight", &BlockWeights::k_proj},
+      {"self_attn.v_proj.weight", &BlockWeights::v_proj},
+      {"self_attn.o_proj.weight", &BlockWeights::o_proj},
+      {"self_attn.q_proj.bias", &BlockWeights::q_bias},
+      {"self_attn.k_proj.bias", &BlockWeights::k_bias},
+      {"self_attn.v_proj.bias", &BlockWeights::v_bias},
+      {"self_attn.q_norm.weight", &BlockWeights::q_norm},
+      {"self_attn.k_norm.weight", &BlockWeights::k_norm},
+      {"post_attention_layernorm.weight", &BlockWeights::post_norm},
+      {"mlp.gate_proj.weight", &BlockWeights::gate_proj},
+      {"mlp.up_proj.weight", &BlockWeights::up_proj},
+      {"mlp.down_proj.weight", &BlockWeights::down_proj},
+  };
+  for (const auto& [n, field] : kFields) {
+    if (name == n) return w.*field;
+  }
+  throw Error(ErrorCode::kInternal, "stream: no BlockWeights field for `" + name + "`");
+}
+
+// Blocks packed as a store packs them (canonical order, 256-byte aligned offsets), each in
+// its own page-aligned mapping, made read-only once filled, like the store's segments.
+class PackedBlocks {
+ public:
+  PackedBlocks(const BaseWeights& base, c10::ScalarType dtype) {
+    const ModelConfig& config = base.config();
+    manifest_.store_name = "packed:" + base.name_or_path();
+    manifest_.config = config;
+    manifest_.dtype = DTypeOf(dtype);
+    const uint64_t align = manifest_.alignment;
+    const size_t elem = DTypeSize(manifest_.dtype);
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    for (int i = 0; i < base.num_blocks(); ++i) {
+      SegmentInfo s;
+      s.shm_name = "block " + std::to_string(i);
+      uint64_t offset = 0;
+      for (const auto& [name, shape] : config.BlockTensorShapes()) {
+        TensorSlice t;
+        t.name = name;
+        t.dtype = manifest_.dtype;
+        t.shape = shape;
+        t.nbytes = elem;
+        for (int64_t d : shape) t.nbytes *= static_cast<uint64_t>(d);
+        t.offset = (offset + align - 1) / align * align;
+        offset = t.offset + t.nbytes;
+        s.tensors.push_back(t);
+      }
+      s.nbytes = offset;
+      const size_t mapped = (s.nbytes + page - 1) / page * page;
+      void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) ThrowErrno("stream: mapping " + std::to_string(mapped) + " bytes");
+      maps_.push_back({p, mapped});
+      auto* bytes = static_cast<uint8_t*>(p);
+      for (const TensorSlice& t : s.tensors) {
+        at::Tensor src = Field(base.block(i), t.name).to(at::kCPU, dtype).contiguous();
+        LS_CHECK(static_cast<uint64_t>(src.nbytes()) == t.nbytes, "packed tensor size");
+        std::memcpy(bytes + t.offset, src.data_ptr(), t.nbytes);
+      }
+      if (mprotect(p, mapped, PROT_READ) != 0) ThrowErrno("stream: mprotect of packed blocks");
+      pointers_.push_back(bytes);
+      manifest_.blocks.push_back(std::move(s));
+    }
+    // Only the size of the rest matters here (the memory estimate).
+    for (const auto& [name, shape] : config.RestTensorShapes()) {
+      uint64_t n = elem;
+      for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+      manifest_.rest.nbytes += (n + align - 1) / align * align;
+    }
+  }
+  ~PackedBlocks() {
+    for (auto& [p, n] : maps_) munmap(p, n);
+  }
+  PackedBlocks(const PackedBlocks&) = delete;
+  PackedBlocks& operator=(const PackedBlocks&) = delete;
+
+  const Manifest& manifest() const { return manifest_; }
+  const std::vector<const uint8_t*>& pointers() const { return pointers_; }
+
+ private:
+  Manifest manifest_;
+  std::vector<const uint8_t*> pointers_;
+  std::vector<std::pair<void*, size_t>> maps_;
+};
+
+// The engine plus, when the base had to be packed, the host buffers it streams from
+// (declared first: destroyed after the engine, whose copies read them).
+class StreamProvider : public BlockProvider {
+ public:
+  StreamProvider(std::unique_ptr<PackedBlocks> packed, std::unique_ptr<StreamEngine> engine)
+      : packed_(std::move(packed)), engine_(std::move(engine)) {}
+  int num_blocks() const override { return engine_->num_blocks(); }
+  void BeginStep() override { engine_->BeginStep(); }
+  const BlockWeights& Acquire(int block) override { return engine_->Acquire(block); }
+  void Release(int block) override { engine_->Release(block); }
+  void EndStep(StepStats& stats) override { engine_->EndStep(stats); }
+
+ private:
+  std::unique_ptr<PackedBlocks> packed_;
+  std::unique_ptr<StreamEngine> engine_;
+};
+
+}  // namespace
+
+std::unique_ptr<BlockProvider> MakeStreamProvider(const JobSpec& spec, const BaseWeights& base,
+                                                  const std::string& device_name,
+                                                  const std::string& dtype_name,
+                                                  const StreamEngineOptions& options) {
+  const c10::Device device(device_name == "cuda" ? std::string("cuda:0") : device_name);
+  const c10::ScalarType dtype = dtype_name == "bf16" ? at::kBFloat16 : at::kFloat;
+
+  std::unique_ptr<PackedBlocks> packed;
+  const Manifest* manifest = base.manifest();
+  std::vector<const uint8_t*> pointers = base.block_bytes();
+  if (manifest == nullptr || ScalarTypeOf(manifest->dtype, "the store") != dtype) {
+    // Streaming serves stored bytes as they are: bring them into the compute dtype once.
+    LS_LOG_INFO("stream: packing {} blocks of {} as {} into host buffers ({})", base.num_blocks(),
+                base.name_or_path(), dtype_name,
+                manifest == nullptr ? "the base is a checkpoint folder, not a store"
+                                    : "the store's dtype differs from the compute dtype");
+    packed = std::make_unique<PackedBlocks>(base, dtype);
+    manifest = &packed->manifest();
+    pointers = packed->pointers();
+  }
+
+  // Attention without a fused kernel (LibTorch 1.x, or the CPU) materialises its scores.
+  const bool materialized = !device.is_cuda() || TORCH_VERSION_MAJOR < 2;
+  const MemoryModelInputs inputs =
+      MemoryInputsFor(*manifest, spec.lora.rank, spec.lora.targets,
+                      spec.train.batch_size * spec.data.seq_len,
+                      static_cast<int>(c10::elementSize(dtype)), materialized);
+  const ResidencyPlan plan = PlanResidency(spec.stream.blocks_to_swap, spec.stream.gpu_memory_budget,
+                                           spec.stream.ring_size, inputs);
+  // The trainer always checkpoints every block (worker/checkpointed_block.cc).
+  RequireCheckpointingForStreaming(plan, /*gradient_checkpointing=*/true);
+  auto engine = MakeStreamEngine(*manifest, pointers, plan, device, options);
+  return std::make_unique<StreamProvider>(std::move(packed), std::move(engine));
+}
+
+}  // namespace lorastream
