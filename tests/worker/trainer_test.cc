@@ -24,7 +24,7 @@ std::string Adapter(const std::string& dir) {
 ErrorCode RefusalOf(const JobSpec& spec, std::string* message) {
   try {
     TrainOptions o;
-    o.threads = 2;
+    o.threads = 1;  // 2 cores shared with the rest of CI: more threads only spin
     RunTraining(spec, o);
   } catch (const Error& e) {
     *message = e.what();
@@ -47,7 +47,7 @@ TEST_CASE("training is bit-reproducible with a seed and the loss goes down", "[w
   spec.optim.schedule = "constant";
   std::vector<double> losses;
   TrainOptions o;
-  o.threads = 2;
+  o.threads = 1;  // 2 cores shared with the rest of CI: more threads only spin
   TrainResult r = RunTraining(spec, o, [&](const StepStats& s) { losses.push_back(s.loss); });
   CHECK(r.steps_done == 25);
   CHECK(!r.stopped);
@@ -82,7 +82,7 @@ TEST_CASE("a resumed run ends bit-identical to an uninterrupted one", "[worker]"
   spec.optim.weight_decay = 0.01;
   spec.optim.grad_clip = 0.5;
   TrainOptions o;
-  o.threads = 2;
+  o.threads = 1;  // 2 cores shared with the rest of CI: more threads only spin
   RunTraining(spec, o);
 
   spec.train.output_dir = dir / "split";
@@ -179,7 +179,7 @@ TEST_CASE("lorastream-worker train runs a job file and prints progress", "[worke
         << (dir / "out") << "\"\n";
   }
   const std::string bin = std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker";
-  const std::string cmd = bin + " train " + (dir / "job.toml") + " --threads 2 > " + (dir / "log") + " 2>&1";
+  const std::string cmd = bin + " train " + (dir / "job.toml") + " --threads 1 > " + (dir / "log") + " 2>&1";
   CHECK(std::system(cmd.c_str()) == 0);
   const std::string log = testing::ReadFile(dir / "log");
   INFO(log);
