@@ -205,9 +205,10 @@ int RunLorastreamCli(int argc, char** argv) {
       return RunSubmit(g, job_file, priority_opt->count() ? &priority : nullptr, json, quiet);
     if (keygen->parsed()) {
       WriteCurveKeys(key_dir, force);
-      std::cout << "CURVE keys written to " << key_dir
-                << " (coordinator: --curve-keys " << key_dir
-                << "; copy the folder to client hosts; *.key files are secret)\n";
+      std::cout << "CURVE keys written to " << key_dir << "\n  coordinator: lorastream "
+                << "coordinator --curve-keys " << key_dir << " --bind tcp://0.0.0.0:PORT\n"
+                << "  clients and workers: --curve-keys DIR, where DIR holds copies of "
+                   "coordinator.pub, client.pub and client.key (never coordinator.key)\n";
       return 0;
     }
     Client client = Connect(g);

@@ -3,7 +3,9 @@
 //   DIR/coordinator.pub  DIR/coordinator.key  DIR/client.pub  DIR/client.key
 //   DIR/authorized_clients   (public keys the coordinator accepts, one Z85 key a line)
 // Secret keys are written owner-only (0600). The coordinator loads coordinator.* and
-// authorized_clients; clients load coordinator.pub and client.*. Keys are Z85 text (40 chars).
+// authorized_clients; clients load coordinator.pub and client.* (so client hosts get copies of
+// those three files, never coordinator.key). Keys are Z85 text (40 chars). To admit another
+// client key pair, append its public key to authorized_clients.
 #pragma once
 
 #include <set>

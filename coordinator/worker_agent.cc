@@ -217,8 +217,12 @@ struct WorkerAgent::Impl {
     try {
       result = runner(ctx);
     } catch (const std::exception& e) {
+      // The whole message (LibTorch appends a backtrace) goes to this worker's log; the
+      // coordinator gets its first line, which is what `jobs` and `show` can display.
+      std::string what = e.what();
+      LS_LOG_ERROR("job {} attempt {} failed: {}", a.job_id, a.attempt, what);
       result.kind = JobResult::Kind::kFailed;
-      result.reason = e.what();
+      result.reason = what.substr(0, what.find('\n'));
     }
     {
       std::lock_guard<std::mutex> lock(queue_mu);

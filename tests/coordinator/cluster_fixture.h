@@ -62,7 +62,8 @@ class Cluster {
   void StartCoordinator(std::vector<std::string> extra = {}, const std::string& curve_keys = "") {
     std::vector<std::string> argv = {Bin("lorastream"), "coordinator", "--bind", endpoint_,
                                      "--db", (dir_ / "journal.db").string(),
-                                     "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1.5"};
+                                     "--heartbeat-interval", "0.2", "--heartbeat-timeout", "3",
+                                     "--reconcile-timeout", "10"};
     argv.insert(argv.end(), extra.begin(), extra.end());
     coordinator_ = Subprocess::Spawn(argv, SpawnOptions{(dir_ / "coordinator.log").string()});
     Client client = NewClient(500, curve_keys);
@@ -123,6 +124,13 @@ class Cluster {
   JobSummary Job(int64_t id) {
     Client client = NewClient();
     return client.Call(ShowJobRequest{id}).job;
+  }
+
+  int ListWorkersAlive() {
+    Client client = NewClient();
+    int alive = 0;
+    for (const WorkerSummary& w : client.Call(ListWorkersRequest{false}).workers) alive += w.alive;
+    return alive;
   }
 
   bool WaitState(int64_t id, JobState state, double timeout_s) {
