@@ -180,6 +180,7 @@ TrainResult RunTraining(const JobSpec& spec_in, const TrainOptions& options,
   Sampler sampler(sequences.count, spec.train.seed);
   const auto params = adapter->Params();
   int64_t last_saved = resume_dir.empty() ? -1 : state.step;
+  result.checkpoint_dir = resume_dir;
   auto save = [&]() {
     result.checkpoint_dir = SaveCheckpoint(spec.train.output_dir, *adapter, optimizer, state,
                                            base.name_or_path());

@@ -30,6 +30,13 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 F32_LIMIT = 1e-4
 
 
+
+def dtype_kwarg(dtype):
+    """transformers >= 4.56 calls it `dtype` (5.x drops `torch_dtype`)."""
+    import transformers
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
+
 def make_config(model_type):
     common = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
@@ -74,7 +81,7 @@ def run_worker(worker, args):
 
 
 def reference(model_dir, adapter_dir, tokens, dtype, device):
-    base = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=dtype,
+    base = AutoModelForCausalLM.from_pretrained(model_dir, **dtype_kwarg(dtype),
                                                 attn_implementation="sdpa").to(device)
     model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True).to(device)
     model.train()
@@ -88,7 +95,7 @@ def reference(model_dir, adapter_dir, tokens, dtype, device):
 
 
 def logits_only(model_dir, adapter_dir, tokens, device):
-    base = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32,
+    base = AutoModelForCausalLM.from_pretrained(model_dir, **dtype_kwarg(torch.float32),
                                                 attn_implementation="sdpa").to(device)
     model = PeftModel.from_pretrained(base, adapter_dir).to(device).eval()
     with torch.no_grad():
@@ -104,7 +111,7 @@ def one_model(model_type, worker, out_root, device, seed):
     tokens_path = os.path.join(root, "tokens.safetensors")
 
     config = make_config(model_type)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, **dtype_kwarg(torch.float32))
     with torch.no_grad():  # random norms and biases too, so that every weight matters
         for name, p in model.named_parameters():
             if "norm" in name:

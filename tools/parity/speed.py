@@ -20,6 +20,13 @@ import torch
 from safetensors.torch import save_file
 
 
+
+def dtype_kwarg(dtype):
+    """transformers >= 4.56 calls it `dtype` (5.x drops `torch_dtype`)."""
+    import transformers
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
+
 def ours(bin_dir, model_dir, tokens_path, out_dir, repeat, device):
     cmd = [os.path.join(bin_dir, "lorastream-worker"), "parity", "--model", model_dir,
            "--tokens", tokens_path, "--out", out_dir, "--dtype", "bf16", "--device", device,
@@ -33,7 +40,7 @@ def ours(bin_dir, model_dir, tokens_path, out_dir, repeat, device):
 def reference(model_dir, ids, repeat, device):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16,
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **dtype_kwarg(torch.bfloat16),
                                                  attn_implementation="sdpa").to(device)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
