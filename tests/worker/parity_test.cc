@@ -1,0 +1,70 @@
+// `lorastream-worker parity` (the harness's side, run against transformers + peft on the CUDA
+// machine) works on the CPU and writes what tools/parity/parity.py reads.
+#include "torch_catch.h"  // first: see there
+
+#include <cstdlib>
+
+#include "common/safetensors.h"
+#include "worker/base_weights.h"
+#include "worker/lora.h"
+#include "worker/model.h"
+#include "worker/resident_provider.h"
+#include "worker_test_util.h"
+
+using namespace lorastream;
+
+TEST_CASE("lorastream-worker parity writes logits, loss, every LoRA gradient and the adapter",
+          "[worker]") {
+  testing::TempDir dir("parity");
+  BaseWeights base = BaseWeights::FromCheckpoint(testing::MakeCheckpoint(dir / "m", "tiny"));
+  const ModelConfig& c = base.config();
+  at::Tensor ids = at::randint(0, c.vocab_size, {2, 16}, at::kLong);
+  at::Tensor labels = ids.clone();
+  labels.narrow(1, 0, 3).fill_(-100);
+  WriteSafetensors(dir / "tokens.safetensors",
+                   {{"input_ids", DType::kI64, {2, 16}, ids.data_ptr()},
+                    {"labels", DType::kI64, {2, 16}, labels.data_ptr()}});
+  LoraSettings s;
+  s.rank = 4;
+  s.alpha = 8;
+  s.targets.fill(true);
+  LoraAdapter adapter = LoraAdapter::Init(c, s, 3, at::kCPU);
+  {
+    at::NoGradGuard g;
+    for (auto& p : adapter.Params()) p.uniform_(-0.1, 0.1);
+  }
+  adapter.Save(dir / "adapter", dir / "m");
+
+  const std::string cmd = std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker parity --model " +
+                          (dir / "m") + " --tokens " + (dir / "tokens.safetensors") +
+                          " --adapter " + (dir / "adapter") + " --out " + (dir / "out") +
+                          " --repeat 1 > " + (dir / "log") + " 2>&1";
+  INFO(testing::ReadFile(dir / "log"));
+  REQUIRE(std::system(cmd.c_str()) == 0);
+  SafetensorsFile out = SafetensorsFile::Open(dir / "out/parity.safetensors");
+  auto tensor = [&](const std::string& name) {
+    const SafetensorsEntry* e = out.Find(name);
+    REQUIRE(e);
+    return at::from_blob(const_cast<uint8_t*>(out.Data(*e)), e->shape, at::kFloat).clone();
+  };
+  CHECK(tensor("logits").sizes() == at::IntArrayRef({2, 16, c.vocab_size}));
+
+  // The same computation in this process (plain autograd) agrees.
+  ResidentProvider provider(base, at::kCPU, at::kFloat);
+  CausalLm model(c, base.rest(), &provider, at::kCPU, at::kFloat);
+  at::Tensor targets = at::cat({labels.narrow(1, 1, 15), at::full({2, 1}, -100, at::kLong)}, 1);
+  at::Tensor logits = model.Logits(model.Hidden(ids, adapter, true, false, 0));
+  at::Tensor loss = CausalLm::LossSum(logits, targets) / 26.0;  // 2 * (16 - 3) targets
+  loss.backward();
+  CHECK(at::allclose(tensor("logits"), logits.detach(), 1e-5, 1e-5));
+  CHECK(tensor("loss").item<double>() == Approx(loss.item<double>()).epsilon(1e-6));
+  const auto names = adapter.ParamNames();
+  const auto params = adapter.Params();
+  REQUIRE(names.size() == 4 * 7 * 2);
+  for (size_t i = 0; i < names.size(); ++i) {
+    INFO(names[i]);
+    CHECK(at::allclose(tensor("grad." + names[i]), params[i].grad(), 1e-4, 1e-6));
+  }
+  CHECK(std::filesystem::exists(dir / "out/adapter/adapter_config.json"));
+  CHECK(std::filesystem::exists(dir / "out/speed.json"));
+}
