@@ -1,8 +1,10 @@
 #include "worker/adamw.h"
 
+#include <c10/core/GradMode.h>
 #include <cmath>
 
 #include <ATen/ATen.h>
+#include <torch/version.h>
 
 #include "common/error.h"
 
@@ -31,16 +33,30 @@ void AdamW::Step(double lr) {
   const double bias_correction2 = 1 - std::pow(b2, static_cast<double>(step_));
   const double step_size = lr / bias_correction1;
   const double bias_correction2_sqrt = std::sqrt(bias_correction2);
+  std::vector<at::Tensor> params, grads, exp_avg, exp_avg_sq;
   for (size_t i = 0; i < params_.size(); ++i) {
-    at::Tensor p = params_[i];
-    const at::Tensor& grad = p.grad();
-    if (!grad.defined()) continue;
-    p.mul_(1 - lr * options_.weight_decay);
-    exp_avg_[i].lerp_(grad, 1 - b1);
-    exp_avg_sq_[i].mul_(b2).addcmul_(grad, grad, 1 - b2);
-    at::Tensor denom = (exp_avg_sq_[i].sqrt() / bias_correction2_sqrt).add_(options_.eps);
-    p.addcdiv_(exp_avg_[i], denom, -step_size);
+    if (!params_[i].grad().defined()) continue;
+    params.push_back(params_[i]);
+    grads.push_back(params_[i].grad());
+    exp_avg.push_back(exp_avg_[i]);
+    exp_avg_sq.push_back(exp_avg_sq_[i]);
   }
+  if (params.empty()) return;
+  // torch's multi-tensor ("foreach") AdamW: the same arithmetic per element as the
+  // single-tensor path, in a few fused launches instead of ~8 per tensor (a model of 224
+  // LoRA tensors would otherwise spend milliseconds per step launching kernels on a GPU).
+  at::_foreach_mul_(params, 1 - lr * options_.weight_decay);
+#if TORCH_VERSION_MAJOR >= 2
+  at::_foreach_lerp_(exp_avg, grads, 1 - b1);
+#else
+  for (size_t i = 0; i < exp_avg.size(); ++i) exp_avg[i].lerp_(grads[i], 1 - b1);
+#endif
+  at::_foreach_mul_(exp_avg_sq, b2);
+  at::_foreach_addcmul_(exp_avg_sq, grads, grads, 1 - b2);
+  std::vector<at::Tensor> denom = at::_foreach_sqrt(exp_avg_sq);
+  at::_foreach_div_(denom, bias_correction2_sqrt);
+  at::_foreach_add_(denom, options_.eps);
+  at::_foreach_addcdiv_(params, exp_avg, denom, -step_size);
 }
 
 double ScheduleFactor(const std::string& schedule, int64_t step, int64_t warmup,
@@ -60,16 +76,17 @@ double ScheduleFactor(const std::string& schedule, int64_t step, int64_t warmup,
 
 double ClipGradNorm(const std::vector<at::Tensor>& params, double max_norm) {
   at::NoGradGuard no_grad;
-  std::vector<at::Tensor> norms;
+  std::vector<at::Tensor> grads;
   for (const auto& p : params)
-    if (p.grad().defined()) norms.push_back(at::linalg_vector_norm(p.grad(), 2.0));
-  if (norms.empty()) return 0.0;
+    if (p.grad().defined()) grads.push_back(p.grad());
+  if (grads.empty()) return 0.0;
+  std::vector<at::Tensor> norms = at::_foreach_norm(grads, 2.0);
   at::Tensor total = at::linalg_vector_norm(at::stack(norms), 2.0);
   if (max_norm > 0) {
-    // torch: max_norm / (norm + 1e-6), which Python evaluates as reciprocal() * max_norm.
+    // torch: max_norm / (norm + 1e-6), which Python evaluates as reciprocal() * max_norm,
+    // clamped to 1, in f32; the multiply takes it as a scalar of the gradients' dtype.
     at::Tensor coef = at::clamp_max(at::reciprocal(total + 1e-6) * max_norm, 1.0);
-    for (const auto& p : params)
-      if (p.grad().defined()) p.grad().mul_(coef.to(p.grad().device()));
+    at::_foreach_mul_(grads, coef.item<double>());
   }
   return total.item<double>();
 }
