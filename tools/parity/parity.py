@@ -37,28 +37,40 @@ def dtype_kwarg(dtype):
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
 
+def rope_kwargs(theta, scaling=None):
+    """transformers >= 5 takes rope_parameters (theta inside); older ones rope_theta/_scaling."""
+    import transformers
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        params = dict(scaling or {"rope_type": "default"})
+        params["rope_theta"] = theta
+        return {"rope_parameters": params}
+    kw = {"rope_theta": theta}
+    if scaling:
+        kw["rope_scaling"] = scaling
+    return kw
+
+
 def make_config(model_type):
     common = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
                   max_position_embeddings=512, rms_norm_eps=1e-5)
     if model_type == "llama":
         from transformers import LlamaConfig
-        return LlamaConfig(**common, rope_theta=500000.0, tie_word_embeddings=False,
-                           rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                         "original_max_position_embeddings": 64})
+        return LlamaConfig(**common, tie_word_embeddings=False, **rope_kwargs(
+            500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64}))
     if model_type == "mistral":
         from transformers import MistralConfig
-        return MistralConfig(**common, rope_theta=1000000.0, sliding_window=None,
-                             tie_word_embeddings=False)
+        return MistralConfig(**common, sliding_window=None, tie_word_embeddings=False,
+                             **rope_kwargs(1000000.0))
     if model_type == "qwen2":
         from transformers import Qwen2Config
-        return Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=True,
-                           use_sliding_window=False)
+        return Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False,
+                           **rope_kwargs(1000000.0))
     if model_type == "qwen3":
         from transformers import Qwen3Config
-        return Qwen3Config(**common, head_dim=48, rope_theta=1000000.0,
-                           tie_word_embeddings=False, use_sliding_window=False)
+        return Qwen3Config(**common, head_dim=48, tie_word_embeddings=False,
+                           use_sliding_window=False, **rope_kwargs(1000000.0))
     raise ValueError(model_type)
 
 
