@@ -237,7 +237,11 @@ def main():
         if "trained_adapter_in_peft_logits_rel" in r:
             lines.append(f"\ntrained adapter ({r['model_type']}) loaded by peft: logits rel "
                          f"{r['trained_adapter_in_peft_logits_rel']:.2e}")
-    lines.append(f"\nf32 target <= {F32_LIMIT:g}: {'PASS' if ok else 'FAIL'}")
+    import peft
+    import transformers
+    lines.append(f"\ntorch {torch.__version__}, transformers {transformers.__version__}, "
+                 f"peft {peft.__version__}, device {args.device}")
+    lines.append(f"f32 target <= {F32_LIMIT:g}: {'PASS' if ok else 'FAIL'}")
     table = "\n".join(lines)
     print(table)
     with open(os.path.join(args.out, "parity.md"), "w") as f:
