@@ -10,6 +10,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include "worker/block_provider.h"
@@ -63,7 +64,7 @@ inline ChainResult RunCheckpointedChain(
   std::vector<at::Tensor> inputs(n);
   at::Tensor x = x0;
   {
-    at::NoGradGuard no_grad;
+    c10::NoGradGuard no_grad;
     for (int i = 0; i < n; ++i) {
       const BlockWeights& w = provider.Acquire(i);
       inputs[i] = x;
