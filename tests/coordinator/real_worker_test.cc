@@ -1,10 +1,8 @@
 // The coordinator with REAL workers (`lorastream-worker serve` training the tiny model from a
 // `lorastream-store serve` store): a worker killed with SIGKILL mid-job, and the job finishes
-// on the other worker, resuming from its checkpoint. Needs the worker build (LibTorch); in a
+// on the other worker, resuming from its checkpoint; then the coordinator killed and restarted
+// mid-run, and the running job keeps its worker and finishes. Needs the worker build (LibTorch); in a
 // build without it (-DLORASTREAM_WORKER=OFF) the binary is absent and the case says so.
-// Hidden ([.]) until the trainer trains the tiny model in this tree: on 2026-11-29 15:00 the
-// uncommitted trainer failed with "element 0 of tensors does not require grad" in both
-// `lorastream-worker train` and `serve`. Run: coordinator_tests "[trainer]".
 #include <catch2/catch.hpp>
 
 #include <csignal>
@@ -15,8 +13,8 @@
 using namespace lorastream;
 using namespace lorastream::testing;
 
-TEST_CASE("cluster with real workers: SIGKILL mid-job -> resumed from its checkpoint elsewhere",
-          "[.][coordinator][cluster][trainer]") {
+TEST_CASE("cluster with real workers: SIGKILL a worker, then the coordinator, mid-job",
+          "[coordinator][cluster][trainer]") {
   std::string worker_bin = std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker";
   if (!fs::exists(worker_bin)) {
     WARN("lorastream-worker was not built (no LibTorch): skipped");
@@ -81,6 +79,23 @@ TEST_CASE("cluster with real workers: SIGKILL mid-job -> resumed from its checkp
   CHECK(fs::exists(c.dir() / "out-real" / "adapter_model.safetensors"));
   CHECK(after.checkpoint_step >= 10);
   CHECK(after.worker_id != before.worker_id);
+
+  // Then the coordinator is killed mid-run and restarted: the job is still there, its worker
+  // re-registers with it (same attempt) and it finishes.
+  std::ofstream(job) << "name = \"real2\"\n[model]\nstore = \"" << store
+                     << "\"\n[data]\npath = \"" << (c.dir() / "tokens.jsonl").string()
+                     << "\"\nseq_len = 64\n[lora]\nrank = 4\n[train]\nsteps = 200\n"
+                        "batch_size = 2\ncheckpoint_every = 10\noutput_dir = \""
+                     << (c.dir() / "out-real2").string() << "\"\n";
+  int64_t id2 = c.Submit(job.string());
+  if (!WaitFor([&] { return c.Job(id2).step >= 20; }, 120)) FAIL(logs());
+  c.coordinator().Signal(SIGKILL);
+  c.coordinator().Wait(10);
+  c.StartCoordinator();
+  if (!c.WaitState(id2, JobState::kSucceeded, 180)) FAIL(logs());
+  CHECK(c.Job(id2).attempt == 1);
+  CHECK(c.Job(id).state == JobState::kSucceeded);
+  CHECK(fs::exists(c.dir() / "out-real2" / "adapter_model.safetensors"));
   survivor.Stop(10);
   store_proc.Stop(10);
 }
