@@ -99,9 +99,9 @@ struct TensorToWrite {
   const void* data = nullptr;  // nbytes = numel * DTypeSize(dtype)
 };
 
-// Writes a .safetensors file (tensors in the given order, each start aligned to `alignment`
-// bytes of the data section, header padded with spaces). Writes to a temporary name and
-// renames, so a reader never sees half a file.
+// Writes a .safetensors file: tensors in the given order, contiguous (as the reference reader
+// requires), the header padded with spaces so that the data section starts on an `alignment`
+// boundary. Writes to a temporary name and renames, so a reader never sees half a file.
 void WriteSafetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
                       const std::map<std::string, std::string>& metadata = {},
                       size_t alignment = 64);

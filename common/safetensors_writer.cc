@@ -1,6 +1,8 @@
 // Writing .safetensors files: header padded with spaces so that the data section starts on
-// an `alignment` boundary, each tensor aligned within it; written under a temporary name and
-// renamed so that a reader never sees half a file.
+// an `alignment` boundary; tensors follow each other WITHOUT gaps, because the reference
+// reader (the `safetensors` Rust crate behind Python's safetensors, transformers and peft)
+// rejects data_offsets that are not contiguous ("invalid offset"). Written under a temporary
+// name and renamed so that a reader never sees half a file.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -85,7 +87,6 @@ void WriteSafetensorsStreamed(const std::string& path, const std::vector<TensorT
   for (const TensorToWrite& t : tensors) {
     if (t.name.empty() || t.name == "__metadata__" || header.contains(t.name))
       throw Error(ErrorCode::kInvalidArgument, path + ": bad or duplicate tensor name `" + t.name + "`");
-    offset = RoundUp(offset, alignment);
     const uint64_t n = TensorBytes(t);
     begins.push_back(offset);
     header[t.name] = {{"dtype", DTypeName(t.dtype)}, {"shape", t.shape},
@@ -101,8 +102,7 @@ void WriteSafetensorsStreamed(const std::string& path, const std::vector<TensorT
   TempFile file(path);
   PwriteAll(file.fd(), prefix.data(), prefix.size(), 0, file.temp());
   // Double buffering: the next chunk is generated while the previous one is written (pwrite
-  // at explicit offsets, so the two writes may finish in any order; the gaps between
-  // tensors stay holes, which read as zeros).
+  // at explicit offsets, so the two writes may finish in any order).
   std::vector<uint8_t> buffers[2];
   std::future<void> writes[2];  // declared after `file`: joined before it closes
   int current = 0;

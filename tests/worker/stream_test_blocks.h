@@ -55,7 +55,10 @@ inline SegmentInfo PackedLayout(const std::vector<std::pair<std::string, std::ve
 }
 
 // Page-aligned host memory holding every block's bytes (one region per block, as the store's
-// segments are), optionally made read-only after filling, as the store's mappings are.
+// segments are). Like the store, each block is a shared-memory object (memfd) filled through a
+// writable mapping; with `read_only` the block is then seen only through a PROT_READ
+// MAP_SHARED mapping, exactly what a worker's attach gives (and what cudaHostRegister with
+// the read-only flag is measured on in ../shared/GPU.md).
 class HostBlocks {
  public:
   HostBlocks(const ModelConfig& config, uint64_t seed, bool read_only) {
@@ -69,7 +72,9 @@ class HostBlocks {
       SegmentInfo s = PackedLayout(config.BlockTensorShapes(), "block" + std::to_string(i),
                                    DType::kF32, manifest_.alignment);
       const size_t mapped = (s.nbytes + page - 1) / page * page;
-      void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      const int fd = memfd_create(("lorastream-test-block" + std::to_string(i)).c_str(), MFD_CLOEXEC);
+      LS_CHECK(fd >= 0 && ftruncate(fd, static_cast<off_t>(mapped)) == 0, "memfd for test blocks");
+      void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
       LS_CHECK(p != MAP_FAILED, "mmap for test blocks");
       auto* bytes = static_cast<uint8_t*>(p);
       for (const TensorSlice& t : s.tensors) {
@@ -77,7 +82,14 @@ class HostBlocks {
         const bool norm = t.name.find("norm") != std::string::npos;
         for (uint64_t k = 0; k < t.nbytes / 4; ++k) f[k] = norm ? 1.0f + normal(rng) : normal(rng);
       }
-      if (read_only) LS_CHECK(mprotect(p, mapped, PROT_READ) == 0, "mprotect");
+      if (read_only) {
+        void* view = mmap(nullptr, mapped, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
+        LS_CHECK(view != MAP_FAILED, "read-only mmap for test blocks");
+        munmap(p, mapped);
+        p = view;
+        bytes = static_cast<uint8_t*>(p);
+      }
+      close(fd);
       maps_.push_back({p, mapped});
       pointers_.push_back(bytes);
       manifest_.blocks.push_back(s);

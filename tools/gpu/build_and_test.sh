@@ -43,7 +43,7 @@ cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$TORCH_PREFIX;$DEPS/usr" \
   -DCMAKE_EXE_LINKER_FLAGS="-Wl,-rpath-link,$DEPS/usr/lib/x86_64-linux-gnu" \
   -DCMAKE_SHARED_LINKER_FLAGS="-Wl,-rpath-link,$DEPS/usr/lib/x86_64-linux-gnu" || exit 1
-cmake --build "$BUILD" -j"$(nproc)" ${LORASTREAM_GPU_TARGETS:+--target $LORASTREAM_GPU_TARGETS} || exit 1
+cmake --build "$BUILD" -j"$(nproc)" ${LORASTREAM_GPU_TARGETS:+--target $LORASTREAM_GPU_TARGETS} -- -k 0 || exit 1
 echo "build: $(( $(date +%s) - start )) s on $(nproc) cores"
 export LORASTREAM_BUILD_DIR="$BUILD"
 
