@@ -1,9 +1,9 @@
 #include "worker/adamw.h"
 
-#include <c10/core/GradMode.h>
 #include <cmath>
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <torch/version.h>
 
 #include "common/error.h"
@@ -26,7 +26,7 @@ void AdamW::ZeroGrad() {
 }
 
 void AdamW::Step(double lr) {
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   ++step_;
   const double b1 = options_.beta1, b2 = options_.beta2;
   const double bias_correction1 = 1 - std::pow(b1, static_cast<double>(step_));
@@ -75,7 +75,7 @@ double ScheduleFactor(const std::string& schedule, int64_t step, int64_t warmup,
 }
 
 double ClipGradNorm(const std::vector<at::Tensor>& params, double max_norm) {
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   std::vector<at::Tensor> grads;
   for (const auto& p : params)
     if (p.grad().defined()) grads.push_back(p.grad());

@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 
 #include "common/error.h"
 #include "worker/model.h"
@@ -66,7 +67,7 @@ struct CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
     const BlockWeights& w = args.provider->Acquire(args.block);
     variable_list grads;
     {
-      at::AutoGradMode enable_grad(true);
+      c10::AutoGradMode enable_grad(true);
       at::Tensor x = saved[0].detach();
       if (need_x) x.requires_grad_(true);
       variable_list leaves;

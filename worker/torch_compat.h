@@ -3,6 +3,10 @@
 // compile).
 #pragma once
 
+#include <cmath>
+#include <limits>
+#include <optional>
+
 #include <ATen/ATen.h>
 #include <torch/version.h>
 
@@ -17,7 +21,7 @@ inline at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, cons
   const int64_t groups = heads / kv_heads;
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
   return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
-                                          /*is_causal=*/true, /*scale=*/c10::nullopt,
+                                          /*is_causal=*/true, /*scale=*/::std::nullopt,
                                           /*enable_gqa=*/groups > 1);
 #else
   auto repeat = [&](const at::Tensor& t) {

@@ -2,6 +2,7 @@
 
 #include "torch_catch.h"  // first: see there
 
+#include <c10/core/GradMode.h>
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
@@ -41,7 +42,7 @@ TEST_CASE("adapters are written as peft writes them and read back exactly", "[wo
   s.targets[kQProj] = s.targets[kVProj] = s.targets[kDownProj] = true;
   LoraAdapter a = LoraAdapter::Init(c, s, 1, at::kCPU);
   {
-    at::NoGradGuard g;
+    c10::NoGradGuard g;
     for (auto& p : a.Params()) p.add_(at::randn(p.sizes()));
   }
   a.Save(dir / "out", "/models/tiny");

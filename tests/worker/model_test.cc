@@ -4,6 +4,8 @@
 
 #include "torch_catch.h"  // first: see there
 
+#include <c10/core/GradMode.h>
+
 #include "common/error.h"
 #include "worker/base_weights.h"
 #include "worker/lora.h"
@@ -29,7 +31,7 @@ Grads RunOnce(const BaseWeights& base, const LoraSettings& settings, bool checkp
   LoraAdapter adapter = LoraAdapter::Init(base.config(), settings, 11, at::kCPU);
   {
     // Non-zero B so that every gradient path carries signal.
-    at::NoGradGuard no_grad;
+    c10::NoGradGuard no_grad;
     at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(5);
     for (auto& p : adapter.Params()) p.uniform_(-0.1, 0.1, gen);
   }

@@ -4,6 +4,8 @@
 
 #include <cstdlib>
 
+#include <c10/core/GradMode.h>
+
 #include "common/safetensors.h"
 #include "worker/base_weights.h"
 #include "worker/lora.h"
@@ -30,7 +32,7 @@ TEST_CASE("lorastream-worker parity writes logits, loss, every LoRA gradient and
   s.targets.fill(true);
   LoraAdapter adapter = LoraAdapter::Init(c, s, 3, at::kCPU);
   {
-    at::NoGradGuard g;
+    c10::NoGradGuard g;
     for (auto& p : adapter.Params()) p.uniform_(-0.1, 0.1);
   }
   adapter.Save(dir / "adapter", dir / "m");
