@@ -95,9 +95,12 @@ inline ChainResult RunCheckpointedChain(
   return r;
 }
 
+// Compared on the host: the tensors may live on the GPU (memcmp on device pointers faults).
 inline bool BitEqual(const at::Tensor& a, const at::Tensor& b) {
-  return a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() &&
-         std::memcmp(a.contiguous().data_ptr(), b.contiguous().data_ptr(), a.nbytes()) == 0;
+  if (a.sizes() != b.sizes() || a.scalar_type() != b.scalar_type()) return false;
+  const at::Tensor ha = a.cpu().contiguous();
+  const at::Tensor hb = b.cpu().contiguous();
+  return std::memcmp(ha.data_ptr(), hb.data_ptr(), ha.nbytes()) == 0;
 }
 
 inline bool BitEqual(const ChainResult& a, const ChainResult& b) {
