@@ -19,6 +19,7 @@
 #include "coordinator/client.h"
 #include "coordinator/coordinator_server.h"
 #include "coordinator/curve.h"
+#include "coordinator/up.h"
 #include "coordinator/watch_view.h"
 
 namespace lorastream {
@@ -193,6 +194,27 @@ int RunLorastreamCli(int argc, char** argv) {
   keygen->add_option("--out", key_dir, "folder to write the keys into")->required();
   keygen->add_flag("--force", force, "replace existing keys");
 
+  // up
+  UpOptions up_options;
+  bool no_watch = false;
+  CLI::App* up = app.add_subcommand(
+      "up", "start a store, workers (one per GPU, else CPU workers) and a coordinator, submit "
+            "the example jobs, watch them to the end, print the adapters, stop everything");
+  up->add_option("--model", up_options.model_dir,
+                 "Hugging Face checkpoint folder (default: synthesize --preset)");
+  up->add_option("--preset", up_options.preset, "configs/models preset to synthesize")
+      ->capture_default_str();
+  up->add_option("--job", up_options.jobs, "job file(s) to submit (default: configs/jobs/*.toml)");
+  up->add_option("--run-dir", up_options.run_dir,
+                 "folder for logs, model, jobs, adapters (default: runs/up-DATE-TIME)");
+  up->add_option("--device", up_options.devices, "worker device(s), e.g. cuda:0 or cpu "
+                                                 "(default: every GPU, else --cpu-workers)");
+  up->add_option("--cpu-workers", up_options.cpu_workers, "CPU workers when there is no GPU")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
+  up->add_flag("--keep", up_options.keep, "leave the cluster running at the end");
+  up->add_flag("--no-watch", no_watch, "no live view; wait quietly for the jobs");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -201,6 +223,10 @@ int RunLorastreamCli(int argc, char** argv) {
 
   try {
     if (coord->parsed()) return RunCoordinator(g, server, log_level, log_file);
+    if (up->parsed()) {
+      up_options.watch = !no_watch;
+      return RunUp(up_options);
+    }
     if (submit->parsed())
       return RunSubmit(g, job_file, priority_opt->count() ? &priority : nullptr, json, quiet);
     if (keygen->parsed()) {

@@ -1,0 +1,359 @@
+#include "coordinator/local_cluster.h"
+
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+#include <toml++/toml.h>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "store/attach.h"
+
+namespace lorastream {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// A loopback TCP port that is free now (the coordinator binds it right after).
+int FreeLoopbackPort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) ThrowErrno("socket");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof addr;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    close(fd);
+    ThrowErrno("bind a loopback port");
+  }
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+std::string Tail(const std::string& path, size_t max_lines = 15) {
+  std::ifstream in(path);
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  std::string out;
+  for (size_t i = lines.size() > max_lines ? lines.size() - max_lines : 0; i < lines.size(); ++i)
+    out += "    " + lines[i] + "\n";
+  return out;
+}
+
+[[noreturn]] void PartFailed(const std::string& part, const std::string& log) {
+  throw Error(ErrorCode::kIo, part + " failed to start; its log " + log + " ends with:\n" +
+                                  Tail(log));
+}
+
+}  // namespace
+
+std::vector<std::string> DetectGpus() {
+  int code = 0;
+  std::string out;
+  try {
+    out = RunAndCapture({"nvidia-smi", "-L"}, &code, 20, "/dev/null");
+  } catch (const Error&) {
+    return {};  // no nvidia-smi: no GPU
+  }
+  if (code != 0) return {};
+  int count = 0;
+  std::istringstream lines(out);
+  for (std::string line; std::getline(lines, line);)
+    if (line.rfind("GPU ", 0) == 0) ++count;
+  // CUDA_VISIBLE_DEVICES renumbers the visible GPUs from 0.
+  if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES")) {
+    std::string v = visible;
+    int n = v.empty() ? 0 : 1;
+    for (char c : v) n += c == ',';
+    if (v == "-1" || v == "none") n = 0;
+    count = std::min(count, n);
+  }
+  std::vector<std::string> devices;
+  for (int i = 0; i < count; ++i) devices.push_back("cuda:" + std::to_string(i));
+  return devices;
+}
+
+LocalCluster::LocalCluster(LocalClusterOptions options) : options_(std::move(options)) {
+  if (options_.run_dir.empty())
+    throw Error(ErrorCode::kInvalidArgument, "LocalCluster: run_dir is required");
+  fs::create_directories(log_dir());
+  fs::create_directories(options_.run_dir + "/jobs");
+  fs::create_directories(options_.run_dir + "/adapters");
+  store_name_ = options_.store_name.empty() ? "up-" + std::to_string(getpid())
+                                            : options_.store_name;
+  devices_ = options_.devices;
+  if (devices_.empty()) devices_ = DetectGpus();
+  if (devices_.empty()) devices_.assign(std::max(1, options_.cpu_workers), "cpu");
+  workers_.resize(devices_.size());
+  endpoint_ = "tcp://127.0.0.1:" + std::to_string(FreeLoopbackPort());
+}
+
+LocalCluster::~LocalCluster() {
+  try {
+    Stop();
+  } catch (...) {
+    // Destructors never throw; Stop() already sent the signals it could.
+  }
+}
+
+std::string LocalCluster::Bin(const std::string& name) const {
+  return options_.bin_dir.empty() ? name : options_.bin_dir + "/" + name;
+}
+
+void LocalCluster::Start() {
+  if (options_.model_dir.empty()) {
+    model_dir_ = options_.run_dir + "/model";
+    if (!fs::exists(model_dir_ + "/config.json")) {
+      std::string log = log_dir() + "/synth.log";
+      LS_LOG_INFO("writing a synthetic `{}` model to {}", options_.preset, model_dir_);
+      SpawnOptions so;
+      so.log_path = log;
+      Subprocess synth = Subprocess::Spawn(
+          {Bin("lorastream-synth"), "--preset", options_.preset, "--out", model_dir_}, so);
+      if (synth.Wait(600) != 0) PartFailed("lorastream-synth", log);
+    }
+  } else {
+    model_dir_ = fs::absolute(options_.model_dir).string();
+  }
+  StartStore();
+  StartCoordinator();
+  for (size_t i = 0; i < workers_.size(); ++i) StartWorker(i);
+  WaitForWorkers(120);
+}
+
+void LocalCluster::StartStore() {
+  std::string log = log_dir() + "/store.log";
+  SpawnOptions so;
+  so.log_path = log;
+  so.new_session = true;  // Ctrl-C reaches `up`, which stops the parts in order
+  store_ = Subprocess::Spawn(
+      {Bin("lorastream-store"), "serve", model_dir_, "--name", store_name_}, so);
+  WaitForStore(600);
+}
+
+void LocalCluster::WaitForStore(double timeout_s) {
+  std::string log = log_dir() + "/store.log";
+  double deadline = Now() + timeout_s;
+  for (;;) {
+    if (!store_.Running()) PartFailed("lorastream-store", log);
+    try {
+      AttachedStore probe = AttachedStore::Attach(store_name_);
+      return;
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::kNotFound) throw;  // published but broken: say so now
+    }
+    if (Now() > deadline) PartFailed("lorastream-store (timed out)", log);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+void LocalCluster::StopStore(int signal) {
+  if (!store_.valid()) return;
+  if (signal == SIGKILL) {
+    store_.Signal(SIGKILL);
+    store_.Wait(30);
+  } else {
+    store_.Stop(30);
+  }
+}
+
+void LocalCluster::StartCoordinator() {
+  std::string log = log_dir() + "/coordinator.log";
+  SpawnOptions so;
+  so.log_path = log;
+  so.new_session = true;
+  std::ostringstream timeout;
+  timeout << options_.heartbeat_timeout_s;
+  coordinator_ = Subprocess::Spawn(
+      {Bin("lorastream"), "coordinator", "--bind", endpoint_, "--db",
+       options_.run_dir + "/journal.db", "--heartbeat-timeout", timeout.str(), "--log-level",
+       options_.log_level},
+      so);
+  // Ready when it answers a listing request.
+  double deadline = Now() + 30;
+  for (;;) {
+    if (!coordinator_.Running()) PartFailed("lorastream coordinator", log);
+    int code = 0;
+    Client({"workers", "--json"}, &code, 5);
+    if (code == 0) return;
+    if (Now() > deadline) PartFailed("lorastream coordinator (not answering)", log);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+void LocalCluster::StopCoordinator(int signal) {
+  if (!coordinator_.valid()) return;
+  if (signal == SIGKILL) {
+    coordinator_.Signal(SIGKILL);
+    coordinator_.Wait(30);
+  } else {
+    coordinator_.Stop(30);
+  }
+}
+
+void LocalCluster::StartWorker(size_t index) {
+  LS_CHECK(index < workers_.size(), "worker index out of range");
+  std::string log = log_dir() + "/worker-" + std::to_string(index) + ".log";
+  SpawnOptions so;
+  so.log_path = log;
+  so.new_session = true;
+  workers_[index] = Subprocess::Spawn({Bin("lorastream-worker"), "serve", "--coordinator",
+                                       endpoint_, "--device", devices_[index]},
+                                      so);
+}
+
+void LocalCluster::StopWorker(size_t index, int signal) {
+  LS_CHECK(index < workers_.size(), "worker index out of range");
+  if (signal == SIGKILL) {
+    workers_[index].Signal(SIGKILL);
+    workers_[index].Wait(30);
+  } else {
+    workers_[index].Stop(30);
+  }
+}
+
+bool LocalCluster::WorkerRunning(size_t index) {
+  return index < workers_.size() && workers_[index].Running();
+}
+
+void LocalCluster::WaitForWorkers(double timeout_s) {
+  double deadline = Now() + timeout_s;
+  for (;;) {
+    for (size_t i = 0; i < workers_.size(); ++i)
+      if (!workers_[i].Running())
+        PartFailed("lorastream-worker " + devices_[i], log_dir() + "/worker-" +
+                                                           std::to_string(i) + ".log");
+    int code = 0;
+    std::string out = Client({"workers", "--json"}, &code, 5);
+    if (code == 0) {
+      nlohmann::json j = nlohmann::json::parse(out, nullptr, false);
+      size_t alive = 0;
+      if (j.is_array())
+        for (const auto& w : j)
+          if (!w.is_object() || !w.contains("alive") || w["alive"] == true) ++alive;
+      if (alive >= workers_.size()) return;
+    }
+    if (Now() > deadline)
+      throw Error(ErrorCode::kTimeout, "workers did not register within " +
+                                           std::to_string(int(timeout_s)) + " s; logs in " +
+                                           log_dir());
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+}
+
+std::string LocalCluster::Client(const std::vector<std::string>& args, int* exit_code,
+                                 double timeout_s) const {
+  // --coordinator is an option of the command itself, so it comes before the verb.
+  std::vector<std::string> argv = {Bin("lorastream"), "--coordinator", endpoint_};
+  argv.insert(argv.end(), args.begin(), args.end());
+  int code = 0;
+  std::string out = RunAndCapture(argv, &code, timeout_s, log_dir() + "/client.log");
+  if (exit_code) {
+    *exit_code = code;
+  } else if (code != 0) {
+    throw Error(ErrorCode::kIo, "`lorastream " + args.front() + "` exited with " +
+                                    std::to_string(code) + "; see " + log_dir() +
+                                    "/client.log");
+  }
+  return out;
+}
+
+int64_t LocalCluster::Submit(const std::string& job_path) {
+  toml::table job;
+  try {
+    job = toml::parse_file(job_path);
+  } catch (const toml::parse_error& e) {
+    throw Error(ErrorCode::kCorrupt, job_path + ": " + std::string(e.description()));
+  }
+  const std::string stem = fs::path(job_path).stem().string();
+  toml::table model;
+  model.insert("store", store_name_);
+  job.insert_or_assign("model", model);
+  if (!job["train"].as_table()) job.insert("train", toml::table{});
+  toml::table& train = *job["train"].as_table();
+  train.insert_or_assign("output_dir", options_.run_dir + "/adapters/" + stem);
+  std::string copy = options_.run_dir + "/jobs/" + fs::path(job_path).filename().string();
+  {
+    std::ofstream out(copy);
+    out << job << "\n";
+    if (!out) throw Error(ErrorCode::kIo, "cannot write " + copy);
+  }
+  std::string out = Client({"submit", copy, "--json"});
+  nlohmann::json j = nlohmann::json::parse(out, nullptr, false);
+  if (!j.is_object() || !j.contains("job_id") || !j["job_id"].is_number_integer())
+    throw Error(ErrorCode::kProtocol, "unexpected reply of `lorastream submit --json`: " + out);
+  return j["job_id"].get<int64_t>();
+}
+
+nlohmann::json LocalCluster::WaitForJobs(double timeout_s) {
+  double deadline = Now() + timeout_s;
+  for (;;) {
+    int code = 0;
+    std::string out = Client({"jobs", "--json"}, &code, 10);
+    if (code == 0) {
+      nlohmann::json jobs = nlohmann::json::parse(out, nullptr, false);
+      bool all_done = jobs.is_array();
+      if (all_done)
+        for (const auto& job : jobs) {
+          std::string state = job.value("state", "");
+          if (state != "succeeded" && state != "failed" && state != "cancelled") all_done = false;
+        }
+      if (all_done) return jobs;
+    }
+    if (Now() > deadline)
+      throw Error(ErrorCode::kTimeout, "jobs did not finish within " +
+                                           std::to_string(int(timeout_s)) + " s; logs in " +
+                                           log_dir());
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  }
+}
+
+nlohmann::json LocalCluster::ShowJob(int64_t id) const {
+  std::string out = Client({"show", std::to_string(id), "--json"});
+  nlohmann::json j = nlohmann::json::parse(out, nullptr, false);
+  if (!j.is_object())
+    throw Error(ErrorCode::kProtocol, "unexpected reply of `lorastream show --json`: " + out);
+  return j;
+}
+
+void LocalCluster::WritePidFile(const std::string& path) {
+  std::ofstream out(path);
+  for (size_t i = 0; i < workers_.size(); ++i)
+    if (workers_[i].Running()) out << workers_[i].pid() << "\n";
+  if (coordinator_.Running()) out << coordinator_.pid() << "\n";
+  if (store_.Running()) out << store_.pid() << "\n";
+  if (!out) throw Error(ErrorCode::kIo, "cannot write " + path);
+}
+
+void LocalCluster::Stop() {
+  for (size_t i = 0; i < workers_.size(); ++i)
+    if (workers_[i].valid()) workers_[i].Stop(30);
+  if (coordinator_.valid()) coordinator_.Stop(30);
+  if (store_.valid()) store_.Stop(30);
+}
+
+void LocalCluster::Detach() {
+  for (auto& w : workers_) w.Detach();
+  coordinator_.Detach();
+  store_.Detach();
+}
+
+}  // namespace lorastream

@@ -1,0 +1,147 @@
+#include "coordinator/up.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <filesystem>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "coordinator/local_cluster.h"
+
+#ifndef LORASTREAM_SOURCE_DIR
+#define LORASTREAM_SOURCE_DIR "."
+#endif
+
+namespace lorastream {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::atomic<int> g_stop_signal{0};
+void OnSignal(int sig) { g_stop_signal = sig; }
+
+std::string SelfDir() {
+  std::error_code ec;
+  fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  return ec ? std::string() : self.parent_path().string();
+}
+
+std::string DefaultRunDir() {
+  char stamp[32];
+  std::time_t t = std::time(nullptr);
+  std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", std::localtime(&t));
+  return (fs::current_path() / "runs" / (std::string("up-") + stamp)).string();
+}
+
+std::vector<std::string> ExampleJobs(const std::string& configs_dir) {
+  std::vector<std::string> jobs;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(configs_dir + "/jobs", ec))
+    if (entry.path().extension() == ".toml") jobs.push_back(entry.path().string());
+  std::sort(jobs.begin(), jobs.end());
+  if (jobs.empty())
+    throw Error(ErrorCode::kNotFound, "no job files in " + configs_dir + "/jobs; name some");
+  return jobs;
+}
+
+}  // namespace
+
+int RunUp(const UpOptions& options) {
+  LocalClusterOptions co;
+  co.bin_dir = options.bin_dir.empty() ? SelfDir() : options.bin_dir;
+  co.run_dir = fs::absolute(options.run_dir.empty() ? DefaultRunDir() : options.run_dir);
+  co.model_dir = options.model_dir;
+  co.preset = options.preset;
+  co.devices = options.devices;
+  co.cpu_workers = options.cpu_workers;
+  std::string configs =
+      options.configs_dir.empty() ? std::string(LORASTREAM_SOURCE_DIR) + "/configs"
+                                  : options.configs_dir;
+  std::vector<std::string> jobs = options.jobs.empty() ? ExampleJobs(configs) : options.jobs;
+
+  // The cluster's processes run in sessions of their own, so Ctrl-C reaches only `up` (and
+  // the watch view), which then stops them in order: workers, coordinator, store.
+  struct sigaction sa {};
+  sa.sa_handler = OnSignal;
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+
+  LocalCluster cluster(co);
+  std::printf("lorastream up: logs in %s\n", cluster.log_dir().c_str());
+  std::fflush(stdout);
+  cluster.Start();
+  std::printf("store `%s` (%s), coordinator %s, %zu worker(s):", cluster.store_name().c_str(),
+              cluster.model_dir().c_str(), cluster.endpoint().c_str(), cluster.num_workers());
+  for (const auto& d : cluster.devices()) std::printf(" %s", d.c_str());
+  std::printf("\n");
+  for (const auto& job : jobs) {
+    int64_t id = cluster.Submit(job);
+    std::printf("submitted %s as job %lld\n", job.c_str(), static_cast<long long>(id));
+  }
+  std::fflush(stdout);
+
+  Subprocess watch;
+  if (options.watch)
+    watch = Subprocess::Spawn({co.bin_dir + "/lorastream", "--coordinator", cluster.endpoint(),
+                               "watch"});
+  // Until every job ends (or Ctrl-C): the view exits by itself when the jobs end.
+  for (;;) {
+    if (g_stop_signal) break;
+    if (watch.valid() && !watch.Running()) break;
+    if (!watch.valid()) {
+      try {
+        cluster.WaitForJobs(0.5);
+        break;
+      } catch (const Error& e) {
+        if (e.code() != ErrorCode::kTimeout) throw;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  if (watch.valid()) watch.Stop(5);
+
+  int status = 0;
+  int code = 0;
+  nlohmann::json jobs_json =
+      nlohmann::json::parse(cluster.Client({"jobs", "--json"}, &code, 10), nullptr, false);
+  std::printf("\n");
+  if (!jobs_json.is_array()) status = 1;
+  for (const auto& job : jobs_json.is_array() ? jobs_json : nlohmann::json::array()) {
+    std::string state = job.value("state", "?");
+    if (state != "succeeded") status = 1;
+    std::string adapter = job.value("adapter_path", "");
+    if (adapter.empty()) adapter = job.value("output_dir", "");
+    std::printf("job %-4lld %-24s %-10s %s%s\n", static_cast<long long>(job.value("id", 0)),
+                job.value("name", "").c_str(), state.c_str(), adapter.c_str(),
+                job.value("reason", "").empty() ? "" : ("  (" + job.value("reason", "") + ")").c_str());
+  }
+  if (g_stop_signal) {
+    std::printf("interrupted: stopping the cluster\n");
+    status = 130;
+  }
+  if (options.keep && !g_stop_signal) {
+    std::string pids = cluster.run_dir() + "/pids";
+    cluster.WritePidFile(pids);
+    std::printf("--keep: the cluster stays up (coordinator %s, store `%s`).\n"
+                "  lorastream --coordinator %s submit JOB.toml   # more jobs\n"
+                "  kill $(cat %s)                                 # stop it\n",
+                cluster.endpoint().c_str(), cluster.store_name().c_str(),
+                cluster.endpoint().c_str(), pids.c_str());
+    cluster.Detach();
+  } else {
+    cluster.Stop();
+    std::printf("stopped; logs in %s\n", cluster.log_dir().c_str());
+  }
+  return status;
+}
+
+}  // namespace lorastream

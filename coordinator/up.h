@@ -1,0 +1,27 @@
+// `lorastream up`: one command that starts a local cluster (store, one worker per GPU or two
+// CPU workers, coordinator), submits the example jobs, shows the live view until they end,
+// prints where each adapter is and shuts everything down (unless --keep).
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace lorastream {
+
+struct UpOptions {
+  std::string model_dir;            // "" = synthesize `preset`
+  std::string preset = "tiny";      // configs/models/<preset>.toml
+  std::vector<std::string> jobs;    // job files; empty = configs/jobs/*.toml
+  std::string run_dir;              // "" = runs/up-<date>-<time> under the current folder
+  std::vector<std::string> devices; // empty = every visible GPU, else `cpu_workers` CPU workers
+  int cpu_workers = 2;
+  bool keep = false;                // leave the cluster running at the end
+  bool watch = true;                // show the live view
+  std::string bin_dir;              // "" = the folder of the running `lorastream`
+  std::string configs_dir;          // "" = the source tree's configs/
+};
+
+// Returns the exit status: 0 when every job succeeded.
+int RunUp(const UpOptions& options);
+
+}  // namespace lorastream

@@ -1,0 +1,276 @@
+// End-to-end tests: a real store, coordinator and CPU workers (separate processes, real
+// sockets, the tiny model), driven like a user drives them, with parts killed mid-run.
+#include <signal.h>
+#include <unistd.h>
+
+#include <cctype>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include <catch2/catch.hpp>
+
+#include "common/safetensors.h"
+#include "common/subprocess.h"
+#include "coordinator/local_cluster.h"
+#include "store/attach.h"
+
+using lorastream::LocalCluster;
+using lorastream::LocalClusterOptions;
+using lorastream::SafetensorsFile;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string NewRunDir(const std::string& name) {
+  fs::path dir = fs::temp_directory_path() /
+                 ("lorastream-e2e-" + name + "-" + std::to_string(getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir.string();
+}
+
+// Random documents of token ids below the tiny model's vocabulary (512).
+std::string WriteData(const std::string& dir, int documents, uint32_t seed) {
+  std::string path = dir + "/data-" + std::to_string(seed) + ".jsonl";
+  std::ofstream out(path);
+  std::mt19937 rng(seed);
+  for (int d = 0; d < documents; ++d) {
+    out << "{\"input_ids\": [";
+    int n = 20 + static_cast<int>(rng() % 60);
+    for (int i = 0; i < n; ++i) out << (i ? ", " : "") << rng() % 512;
+    out << "]}\n";
+  }
+  return path;
+}
+
+// A job file on `store`; output_dir is left out when empty (the cluster chooses one).
+std::string WriteJob(const std::string& dir, const std::string& name, const std::string& store,
+                     const std::string& data, int steps, int checkpoint_every, int seed,
+                     const std::string& output_dir = "") {
+  std::string path = dir + "/" + name + ".toml";
+  std::ofstream out(path);
+  out << "name = \"" << name << "\"\n"
+      << "[model]\nstore = \"" << store << "\"\n"
+      << "[data]\npath = \"" << data << "\"\nseq_len = 32\n"
+      << "[lora]\nrank = 4\nalpha = 8.0\n"
+      << "[optim]\nlr = 1e-3\n"
+      << "[train]\nsteps = " << steps << "\nbatch_size = 2\nseed = " << seed
+      << "\ncheckpoint_every = " << checkpoint_every << "\n";
+  if (!output_dir.empty()) out << "output_dir = \"" << output_dir << "\"\n";
+  return path;
+}
+
+// Trains the job standalone (`lorastream-worker train`) into `output_dir`.
+void TrainStandalone(const std::string& job, const std::string& log) {
+  int code = -1;
+  lorastream::RunAndCapture({std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker", "train",
+                             job, "--device", "cpu"},
+                            &code, 900, log);
+  INFO("standalone training log: " << log);
+  REQUIRE(code == 0);
+}
+
+// Every tensor of two adapters is bit-identical.
+void RequireSameAdapter(const std::string& a_dir, const std::string& b_dir) {
+  SafetensorsFile a = SafetensorsFile::Open(a_dir + "/adapter_model.safetensors");
+  SafetensorsFile b = SafetensorsFile::Open(b_dir + "/adapter_model.safetensors");
+  REQUIRE(a.tensors().size() == b.tensors().size());
+  REQUIRE(!a.tensors().empty());
+  for (const auto& ta : a.tensors()) {
+    const auto* tb = b.Find(ta.name);
+    INFO(ta.name);
+    REQUIRE(tb != nullptr);
+    REQUIRE(ta.shape == tb->shape);
+    REQUIRE(ta.nbytes() == tb->nbytes());
+    CHECK(std::memcmp(a.Data(ta), b.Data(*tb), ta.nbytes()) == 0);
+  }
+}
+
+LocalClusterOptions Options(const std::string& run_dir, int workers) {
+  LocalClusterOptions o;
+  o.bin_dir = LORASTREAM_BIN_DIR;
+  o.run_dir = run_dir;
+  o.preset = "tiny";
+  o.devices.assign(workers, "cpu");
+  o.heartbeat_timeout_s = 3;
+  o.store_name = "e2e-" + std::to_string(getpid()) + "-" + fs::path(run_dir).filename().string();
+  return o;
+}
+
+void WaitUntil(const std::function<bool()>& done, double timeout_s, const std::string& what) {
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  while (!done()) {
+    INFO("waiting for " << what);
+    REQUIRE(std::chrono::steady_clock::now() < deadline);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("three jobs on two workers succeed and equal their standalone runs", "[e2e]") {
+  std::string dir = NewRunDir("three");
+  LocalCluster cluster(Options(dir, 2));
+  cluster.Start();
+  std::vector<int64_t> ids;
+  for (int j = 0; j < 3; ++j) {
+    std::string data = WriteData(dir, 40, 100 + j);
+    ids.push_back(cluster.Submit(WriteJob(dir, "job" + std::to_string(j), cluster.store_name(),
+                                          data, 6, 3, j)));
+  }
+  nlohmann::json jobs = cluster.WaitForJobs(900);
+  REQUIRE(jobs.size() == 3);
+  for (const auto& job : jobs) {
+    INFO(job.dump());
+    CHECK(job["state"] == "succeeded");
+  }
+  // The same job files, trained standalone against the same store, give the same adapters.
+  for (int j = 0; j < 3; ++j) {
+    std::string name = "job" + std::to_string(j);
+    std::string alone = dir + "/standalone-" + name;
+    std::string data = dir + "/data-" + std::to_string(100 + j) + ".jsonl";
+    TrainStandalone(WriteJob(dir, name + "-alone", cluster.store_name(), data, 6, 3, j, alone),
+                    cluster.log_dir() + "/standalone-" + name + ".log");
+    RequireSameAdapter(cluster.ShowJob(ids[j])["output_dir"], alone);
+  }
+}
+
+TEST_CASE("a worker killed mid-job: the job resumes elsewhere and ends bit-identical",
+          "[e2e]") {
+  std::string dir = NewRunDir("killworker");
+  LocalCluster cluster(Options(dir, 2));
+  cluster.Start();
+  std::string data = WriteData(dir, 80, 7);
+  int64_t id = cluster.Submit(WriteJob(dir, "victim", cluster.store_name(), data, 24, 4, 7));
+  // Past its first checkpoint, kill the worker that runs it.
+  WaitUntil([&] { return cluster.ShowJob(id).value("checkpoint_step", 0) >= 4; }, 300,
+            "the first checkpoint");
+  nlohmann::json job = cluster.ShowJob(id);
+  REQUIRE(job["state"] == "running");
+  int victim = -1;
+  nlohmann::json workers = nlohmann::json::parse(cluster.Client({"workers", "--json"}));
+  for (const auto& w : workers)
+    if (w.value("job_id", 0) == id)
+      for (size_t i = 0; i < cluster.num_workers(); ++i)
+        if (cluster.WorkerPid(i) == w.value("pid", 0)) victim = static_cast<int>(i);
+  REQUIRE(victim >= 0);
+  cluster.StopWorker(victim, SIGKILL);
+  nlohmann::json jobs = cluster.WaitForJobs(900);
+  job = cluster.ShowJob(id);
+  INFO(job.dump());
+  REQUIRE(job["state"] == "succeeded");
+  CHECK(job.value("attempt", 0) >= 2);
+  CHECK(cluster.WorkerRunning(1 - victim));
+
+  std::string alone = dir + "/standalone";
+  TrainStandalone(WriteJob(dir, "victim-alone", cluster.store_name(), data, 24, 4, 7, alone),
+                  cluster.log_dir() + "/standalone.log");
+  RequireSameAdapter(job["output_dir"], alone);
+}
+
+TEST_CASE("the store killed: running jobs finish, a new store cleans up and serves", "[e2e]") {
+  std::string dir = NewRunDir("killstore");
+  LocalCluster cluster(Options(dir, 1));
+  cluster.Start();
+  std::string data = WriteData(dir, 40, 11);
+  int64_t first = cluster.Submit(WriteJob(dir, "during", cluster.store_name(), data, 12, 4, 1));
+  WaitUntil([&] { return cluster.ShowJob(first).value("step", 0) >= 2; }, 300, "training");
+  cluster.StopStore(SIGKILL);
+  nlohmann::json jobs = cluster.WaitForJobs(600);
+  INFO(jobs.dump());
+  CHECK(cluster.ShowJob(first)["state"] == "succeeded");
+
+  cluster.StartStore();  // finds the dead store's segments, removes them, publishes anew
+  int64_t second = cluster.Submit(WriteJob(dir, "after", cluster.store_name(), data, 4, 2, 2));
+  cluster.WaitForJobs(600);
+  CHECK(cluster.ShowJob(second)["state"] == "succeeded");
+}
+
+TEST_CASE("the coordinator restarted mid-run loses no job", "[e2e]") {
+  std::string dir = NewRunDir("restart");
+  LocalCluster cluster(Options(dir, 2));
+  cluster.Start();
+  std::vector<int64_t> ids;
+  for (int j = 0; j < 3; ++j)
+    ids.push_back(cluster.Submit(WriteJob(dir, "r" + std::to_string(j), cluster.store_name(),
+                                          WriteData(dir, 40, 200 + j), 10, 2, j)));
+  WaitUntil([&] { return cluster.ShowJob(ids[0]).value("step", 0) >= 2; }, 300, "training");
+  cluster.StopCoordinator(SIGKILL);
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  cluster.StartCoordinator();  // same journal, same endpoint
+  nlohmann::json jobs = cluster.WaitForJobs(900);
+  REQUIRE(jobs.size() == 3);
+  for (const auto& job : jobs) {
+    INFO(job.dump());
+    CHECK(job["state"] == "succeeded");
+  }
+}
+
+namespace {
+
+struct ShmUse {
+  uint64_t rss_kb = 0;
+  uint64_t pss_kb = 0;
+};
+
+// Rss and Pss of one process's mappings of the store's shared-memory objects.
+ShmUse StoreMappings(pid_t pid, const std::string& store_name) {
+  std::ifstream smaps("/proc/" + std::to_string(pid) + "/smaps");
+  const std::string marker = "/lorastream." + store_name + ".";
+  ShmUse use;
+  bool inside = false;
+  for (std::string line; std::getline(smaps, line);) {
+    // Mapping headers start with an address range "start-end perms ..."; fields follow.
+    const size_t dash = line.find('-');
+    const bool header = dash != std::string::npos && dash > 0 &&
+                        line.find_first_not_of("0123456789abcdef") == dash;
+    if (header) {
+      inside = line.find(marker) != std::string::npos;
+      continue;
+    }
+    if (!inside) continue;
+    if (line.rfind("Rss:", 0) == 0) use.rss_kb += std::stoull(line.substr(4));
+    if (line.rfind("Pss:", 0) == 0) use.pss_kb += std::stoull(line.substr(4));
+  }
+  return use;
+}
+
+}  // namespace
+
+TEST_CASE("the store and four training workers hold the base weights once", "[e2e]") {
+  std::string dir = NewRunDir("pss");
+  LocalCluster cluster(Options(dir, 4));
+  cluster.Start();
+  std::vector<int64_t> ids;
+  for (int j = 0; j < 4; ++j)
+    ids.push_back(cluster.Submit(WriteJob(dir, "m" + std::to_string(j), cluster.store_name(),
+                                          WriteData(dir, 40, 300 + j), 100000, 0, j)));
+  // Every job running and past a step: each worker has touched every block.
+  WaitUntil(
+      [&] {
+        for (int64_t id : ids)
+          if (cluster.ShowJob(id).value("step", 0) < 1) return false;
+        return true;
+      },
+      600, "four jobs training");
+  lorastream::AttachedStore store = lorastream::AttachedStore::Attach(cluster.store_name());
+  const double base_kb = static_cast<double>(store.manifest().total_bytes()) / 1024.0;
+  ShmUse total = StoreMappings(cluster.StorePid(), cluster.store_name());
+  for (size_t i = 0; i < cluster.num_workers(); ++i) {
+    ShmUse w = StoreMappings(cluster.WorkerPid(i), cluster.store_name());
+    INFO("worker " << i << " maps " << w.rss_kb << " KiB of the store's " << base_kb << " KiB");
+    CHECK(w.rss_kb >= 0.8 * base_kb);  // it really reads the shared copy
+    total.pss_kb += w.pss_kb;
+  }
+  // This test process attached too (mapped, not touched: no resident pages of its own).
+  INFO("total PSS " << total.pss_kb << " KiB for a base of " << base_kb << " KiB");
+  CHECK(total.pss_kb <= 1.05 * base_kb + 1024);
+  CHECK(total.pss_kb >= 0.9 * base_kb);
+  for (int64_t id : ids) cluster.Client({"cancel", std::to_string(id)});
+  cluster.WaitForJobs(300);
+}
