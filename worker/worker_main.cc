@@ -11,6 +11,7 @@
 #include "common/log.h"
 #include "worker/parity.h"
 #include "worker/serve.h"
+#include "worker/stream_provider.h"
 #include "worker/trainer.h"
 
 namespace {
@@ -31,6 +32,9 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--device", train.device, "cpu | cuda | cuda:N")->capture_default_str();
   train_cmd->add_option("--threads", train.threads, "CPU threads (0 = every core)");
   train_cmd->add_flag("--no-resume", no_resume, "start fresh even when output_dir has a checkpoint");
+  bool train_resident = false;
+  train_cmd->add_flag("--resident", train_resident,
+                      "keep every block resident, ignoring [stream] (no streaming engine)");
 
   ParityOptions parity;
   auto* parity_cmd = app.add_subcommand("parity", "logits, loss and LoRA gradients for tools/parity");
@@ -61,6 +65,12 @@ int main(int argc, char** argv) {
   try {
     if (*train_cmd) {
       train.resume = !no_resume;
+      // The job's [stream] section plans residency and streaming, as under `serve`.
+      if (!train_resident)
+        train.make_provider = [](const JobSpec& spec, const BaseWeights& base,
+                                 const std::string& device, const std::string& dtype) {
+          return MakeStreamProvider(spec, base, device, dtype);
+        };
       return RunTrainCommand(job_path, train);
     }
     if (*serve_cmd) {

@@ -65,7 +65,7 @@ for s in "${steps[@]}"; do
       "$ROOT/tools/parity/run_all.sh" "$OUT" || status=1 ;;
     store)
       step "store benchmark"
-      "$ROOT/tools/bench_store.sh" "$OUT" || status=1 ;;
+      "$ROOT/tools/bench_store.sh" "$BUILD" llama-3-8b 4 | tee "$OUT/bench_store_ratio.txt" || status=1 ;;
     *) echo "unknown step $s"; status=1 ;;
   esac
 done
