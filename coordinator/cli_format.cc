@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <sstream>
 
+#include "common/step_stats_json.h"
+
 namespace lorastream {
 namespace {
 
@@ -50,22 +52,7 @@ std::string FormatProgress(const JobSummary& job) {
   return s;
 }
 
-nlohmann::json ToJson(const StepStats& s) {
-  return {{"step", s.step},
-          {"total_steps", s.total_steps},
-          {"loss", s.loss},
-          {"learning_rate", s.learning_rate},
-          {"grad_norm", s.grad_norm},
-          {"tokens", s.tokens},
-          {"step_seconds", s.step_seconds},
-          {"tokens_per_second", s.tokens_per_second},
-          {"h2d_bytes", s.h2d_bytes},
-          {"h2d_busy_seconds", s.h2d_busy_seconds},
-          {"stall_seconds", s.stall_seconds},
-          {"copies", s.copies},
-          {"copies_saved", s.copies_saved},
-          {"peak_device_bytes", s.peak_device_bytes}};
-}
+nlohmann::json ToJson(const StepStats& s) { return StepStatsToJson(s); }
 
 nlohmann::json ToJson(const JobSummary& j) {
   nlohmann::json out = {{"id", j.id},

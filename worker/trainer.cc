@@ -13,6 +13,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "common/step_stats_json.h"
 #include "worker/adamw.h"
 #include "worker/base_weights.h"
 #include "worker/data.h"
@@ -47,23 +48,9 @@ at::Tensor ToDeviceLong(const std::vector<int64_t>& v, int64_t rows, int64_t col
 }
 
 void AppendStats(const std::string& path, const StepStats& s) {
-  nlohmann::json j = {{"step", s.step},
-                      {"total_steps", s.total_steps},
-                      {"loss", s.loss},
-                      {"learning_rate", s.learning_rate},
-                      {"grad_norm", s.grad_norm},
-                      {"tokens", s.tokens},
-                      {"step_seconds", s.step_seconds},
-                      {"tokens_per_second", s.tokens_per_second},
-                      {"h2d_bytes", s.h2d_bytes},
-                      {"h2d_busy_seconds", s.h2d_busy_seconds},
-                      {"stall_seconds", s.stall_seconds},
-                      {"copies", s.copies},
-                      {"copies_saved", s.copies_saved},
-                      {"peak_device_bytes", s.peak_device_bytes}};
   std::ofstream out(path, std::ios::app);
   if (!out) ThrowErrno("cannot append to " + path);
-  out << j.dump() << "\n";
+  out << StepStatsJson(s) << "\n";
 }
 
 }  // namespace
