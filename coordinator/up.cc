@@ -84,6 +84,7 @@ int RunUp(const UpOptions& options) {
   for (const auto& d : cluster.devices()) std::printf(" %s", d.c_str());
   std::printf("\n");
   for (const auto& job : jobs) {
+    if (g_stop_signal) break;  // Ctrl-C during start-up: submit nothing more
     int64_t id = cluster.Submit(job);
     std::printf("submitted %s as job %lld\n", job.c_str(), static_cast<long long>(id));
   }

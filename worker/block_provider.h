@@ -4,6 +4,8 @@
 // where each block's forward is recomputed just before its backward.
 #pragma once
 
+#include <string>
+
 #include <ATen/core/Tensor.h>
 
 #include "common/manifest.h"
@@ -22,6 +24,11 @@ struct BlockWeights {
 // Views at the manifest's offsets over `bytes` (a uint8 tensor holding one block's packed
 // bytes, on any device); no copy.
 BlockWeights BlockWeightsFromBytes(const at::Tensor& bytes, const SegmentInfo& layout);
+
+// The field holding the tensor of block-relative name `name` ("self_attn.q_proj.weight"), or
+// nullptr when BlockWeights has none of that name.
+at::Tensor* BlockWeightField(BlockWeights& weights, const std::string& name);
+const at::Tensor* BlockWeightField(const BlockWeights& weights, const std::string& name);
 
 class BlockProvider {
  public:

@@ -7,9 +7,7 @@
 
 namespace lorastream {
 
-namespace {
-
-at::Tensor* FieldFor(BlockWeights& w, const std::string& name) {
+at::Tensor* BlockWeightField(BlockWeights& w, const std::string& name) {
   static const std::pair<const char*, at::Tensor BlockWeights::*> kFields[] = {
       {"input_layernorm.weight", &BlockWeights::input_norm},
       {"self_attn.q_proj.weight", &BlockWeights::q_proj},
@@ -31,7 +29,9 @@ at::Tensor* FieldFor(BlockWeights& w, const std::string& name) {
   return nullptr;
 }
 
-}  // namespace
+const at::Tensor* BlockWeightField(const BlockWeights& w, const std::string& name) {
+  return BlockWeightField(const_cast<BlockWeights&>(w), name);
+}
 
 BlockWeights BlockWeightsFromBytes(const at::Tensor& bytes, const SegmentInfo& layout) {
   if (bytes.scalar_type() != at::kByte || bytes.dim() != 1 || !bytes.is_contiguous())
@@ -44,7 +44,7 @@ BlockWeights BlockWeightsFromBytes(const at::Tensor& bytes, const SegmentInfo& l
                     std::to_string(layout.nbytes) + " bytes");
   BlockWeights w;
   for (const auto& t : layout.tensors) {
-    at::Tensor* field = FieldFor(w, t.name);
+    at::Tensor* field = BlockWeightField(w, t.name);
     if (field == nullptr)
       throw Error(ErrorCode::kCorrupt, "segment " + layout.shm_name + ": unexpected tensor `" +
                                            t.name + "` in a block");

@@ -30,26 +30,10 @@ DType DTypeOf(c10::ScalarType t) {
 }
 
 const at::Tensor& Field(const BlockWeights& w, const std::string& name) {
-  static const std::pair<const char*, at::Tensor BlockWeights::*> kFields[] = {
-      {"input_layernorm.weight", &BlockWeights::input_norm},
-      {"self_attn.q_proj.weight", &BlockWeights::q_proj},
-      {"self_attn.k_proj.weight", &BlockWeights::k_proj},
-      {"self_attn.v_proj.weight", &BlockWeights::v_proj},
-      {"self_attn.o_proj.weight", &BlockWeights::o_proj},
-      {"self_attn.q_proj.bias", &BlockWeights::q_bias},
-      {"self_attn.k_proj.bias", &BlockWeights::k_bias},
-      {"self_attn.v_proj.bias", &BlockWeights::v_bias},
-      {"self_attn.q_norm.weight", &BlockWeights::q_norm},
-      {"self_attn.k_norm.weight", &BlockWeights::k_norm},
-      {"post_attention_layernorm.weight", &BlockWeights::post_norm},
-      {"mlp.gate_proj.weight", &BlockWeights::gate_proj},
-      {"mlp.up_proj.weight", &BlockWeights::up_proj},
-      {"mlp.down_proj.weight", &BlockWeights::down_proj},
-  };
-  for (const auto& [n, field] : kFields) {
-    if (name == n) return w.*field;
-  }
-  throw Error(ErrorCode::kInternal, "stream: no BlockWeights field for `" + name + "`");
+  const at::Tensor* field = BlockWeightField(w, name);
+  if (field == nullptr)
+    throw Error(ErrorCode::kInternal, "stream: no BlockWeights field for `" + name + "`");
+  return *field;
 }
 
 // Blocks packed as a store packs them (canonical order, 256-byte aligned offsets), each in
