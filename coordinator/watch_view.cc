@@ -92,6 +92,7 @@ int RunWatch(Client& client, const WatchOptions& options, std::ostream& out) {
   std::set<int64_t> seen;  // every job id present at the first reply or since
   bool first = true;
   std::map<int64_t, std::pair<JobState, double>> last_line;  // plain mode throttle
+  std::map<int64_t, std::string> last_text;                  // plain mode: no repeats
   std::string last_workers;
   double unreachable_since = -1;
   while (true) {
@@ -137,8 +138,11 @@ int RunWatch(Client& client, const WatchOptions& options, std::ostream& out) {
         bool due = it != last_line.end() && now - it->second.second >= options.line_interval_s &&
                    j.state == JobState::kRunning;
         if (changed || due) {
-          out << RenderLine(j) << "\n";
+          // A line identical to the job's previous one says nothing new (no step since).
+          std::string line = RenderLine(j);
+          if (changed || line != last_text[j.id]) out << line << "\n";
           last_line[j.id] = {j.state, now};
+          last_text[j.id] = std::move(line);
         }
       }
       std::ostringstream workers;
