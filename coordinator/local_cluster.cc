@@ -287,7 +287,9 @@ int64_t LocalCluster::Submit(const std::string& job_path) {
   toml::table model;
   model.insert("store", store_name_);
   job.insert_or_assign("model", model);
-  if (!job["train"].as_table()) job.insert("train", toml::table{});
+  if (!job.contains("train")) job.insert("train", toml::table{});
+  if (!job["train"].is_table())
+    throw Error(ErrorCode::kCorrupt, job_path + ": key `train` must be a table");
   toml::table& train = *job["train"].as_table();
   train.insert_or_assign("output_dir", options_.run_dir + "/adapters/" + stem);
   std::string copy = options_.run_dir + "/jobs/" + fs::path(job_path).filename().string();
@@ -296,11 +298,20 @@ int64_t LocalCluster::Submit(const std::string& job_path) {
     out << job << "\n";
     if (!out) throw Error(ErrorCode::kIo, "cannot write " + copy);
   }
-  std::string out = Client({"submit", copy, "--json"});
+  int code = 0;
+  std::string out = Client({"submit", copy, "--json"}, &code);
   nlohmann::json j = nlohmann::json::parse(out, nullptr, false);
-  if (!j.is_object() || !j.contains("job_id") || !j["job_id"].is_number_integer())
-    throw Error(ErrorCode::kProtocol, "unexpected reply of `lorastream submit --json`: " + out);
-  return j["job_id"].get<int64_t>();
+  if (j.is_object() && j.contains("job_id") && j["job_id"].is_number_integer())
+    return j["job_id"].get<int64_t>();
+  // Refused: say every problem the coordinator found, naming the job file the user gave.
+  if (j.is_object() && j.contains("problems") && j["problems"].is_array() &&
+      !j["problems"].empty()) {
+    std::string problems;
+    for (const auto& p : j["problems"]) problems += "\n  " + (p.is_string() ? p.get<std::string>() : p.dump());
+    throw Error(ErrorCode::kRefused, job_path + " was refused:" + problems);
+  }
+  throw Error(ErrorCode::kIo, "`lorastream submit` of " + job_path + " exited with " +
+                                  std::to_string(code) + "; see " + log_dir() + "/client.log");
 }
 
 nlohmann::json LocalCluster::WaitForJobs(double timeout_s) {
