@@ -7,7 +7,8 @@
 # Usage: tools/gpu/build_and_test.sh OUT_DIR
 #   LORASTREAM_GPU_STEPS  comma list of: test (gpu tests), cputest (every other test),
 #                         bench (tools/gpu/bench_stream.sh), parity (tools/parity/run_all.sh),
-#                         store (tools/bench_store.sh). Default: test
+#                         store (tools/bench_store.sh), multi (tools/gpu/bench_multi_gpu.py:
+#                         two GPUs, one store, two jobs). Default: test
 #   LORASTREAM_GPU_TARGETS  build only these targets (default: all)
 #   LORASTREAM_DEBS       the .deb folder (default: .debs in the repo)
 set -uo pipefail
@@ -66,6 +67,9 @@ for s in "${steps[@]}"; do
     store)
       step "store benchmark"
       "$ROOT/tools/bench_store.sh" "$BUILD" llama-3-8b 4 | tee "$OUT/bench_store_ratio.txt" || status=1 ;;
+    multi)
+      step "several GPUs, one store"
+      python3 "$ROOT/tools/gpu/bench_multi_gpu.py" "$OUT" || status=1 ;;
     *) echo "unknown step $s"; status=1 ;;
   esac
 done
