@@ -10,6 +10,7 @@
 #include <thread>
 #include <variant>
 
+#include "common/error.h"
 #include "common/log.h"
 
 namespace lorastream {
@@ -21,6 +22,24 @@ std::string HostName() {
   char buf[256] = {};
   if (gethostname(buf, sizeof(buf) - 1) != 0) return "localhost";
   return buf;
+}
+
+// "job refused:\n  problem 1\n  problem 2" -> "job refused: problem 1; problem 2".
+std::string JoinLines(const std::string& text) {
+  std::string out;
+  size_t start = 0;
+  while (start <= text.size()) {
+    size_t end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    size_t first = text.find_first_not_of(" \t\r", start);
+    if (first < end) {
+      std::string line = text.substr(first, end - first);
+      if (!out.empty()) out += out.back() == ':' ? " " : "; ";
+      out += line;
+    }
+    start = end + 1;
+  }
+  return out;
 }
 
 }  // namespace
@@ -216,9 +235,15 @@ struct WorkerAgent::Impl {
     JobResult result;
     try {
       result = runner(ctx);
+    } catch (const Error& e) {
+      // Our errors may list several problems, one per line: the coordinator gets all of them
+      // on one line, which is what `jobs` and `show` can display.
+      LS_LOG_ERROR("job {} attempt {} failed: {}", a.job_id, a.attempt, e.what());
+      result.kind = JobResult::Kind::kFailed;
+      result.reason = JoinLines(e.what());
     } catch (const std::exception& e) {
-      // The whole message (LibTorch appends a backtrace) goes to this worker's log; the
-      // coordinator gets its first line, which is what `jobs` and `show` can display.
+      // Anything else (LibTorch appends a backtrace): the whole message goes to this worker's
+      // log, the coordinator gets its first line.
       std::string what = e.what();
       LS_LOG_ERROR("job {} attempt {} failed: {}", a.job_id, a.attempt, what);
       result.kind = JobResult::Kind::kFailed;

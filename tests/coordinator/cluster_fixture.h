@@ -80,9 +80,10 @@ class Cluster {
 
   // A test-driver worker on "host" with the given stores ("name:fingerprint").
   Subprocess& StartWorker(const std::string& host, const std::vector<std::string>& stores,
-                          int step_ms = 30) {
+                          int step_ms = 30, const std::vector<std::string>& extra_args = {}) {
     std::vector<std::string> argv = {Bin("lorastream-test-worker"), "--coordinator", endpoint_,
                                      "--host", host, "--step-ms", std::to_string(step_ms)};
+    argv.insert(argv.end(), extra_args.begin(), extra_args.end());
     for (const std::string& s : stores) {
       argv.push_back("--store");
       argv.push_back(s);

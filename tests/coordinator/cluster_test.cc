@@ -87,6 +87,19 @@ TEST_CASE("cluster: cancel stops a running job at a step boundary with its adapt
   CHECK(c.WaitState(next, JobState::kSucceeded, 30));
 }
 
+TEST_CASE("cluster: a job that fails on its worker shows every problem of the error",
+          "[coordinator][cluster]") {
+  Cluster c("fail");
+  c.StartCoordinator();
+  c.StartWorker("hosta", {"tiny:"}, 5, {"--fail-at-step", "2"});
+  int64_t id = c.Submit(c.WriteJob("bad", 10));
+  REQUIRE(c.WaitState(id, JobState::kFailed, 30));
+  CHECK(c.Job(id).reason == "test failure at step 2: first problem; second problem");
+  int code = -1;
+  std::string shown = c.Cli({"show", std::to_string(id)}, &code);
+  CHECK_THAT(shown, Catch::Contains("first problem; second problem"));
+}
+
 TEST_CASE("cluster: a worker killed with SIGKILL mid-job -> the job finishes on another",
           "[coordinator][cluster]") {
   Cluster c("sigkill");

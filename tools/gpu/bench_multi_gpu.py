@@ -83,8 +83,8 @@ def shm_and_total_pss():
             if not exe.startswith("lorastream"):
                 continue
             role = exe + (" " + argv[1].decode(errors="replace") if len(argv) > 1 else "")
-            if "--device" in [a.decode(errors="replace") for a in argv]:
-                i = [a.decode(errors="replace") for a in argv].index("--device")
+            if exe == "lorastream-worker" and b"--device" in argv:
+                i = argv.index(b"--device")
                 role += " " + argv[i + 1].decode(errors="replace")
             total = shm = 0
             in_shm = False
@@ -105,20 +105,37 @@ def shm_and_total_pss():
 
 
 class Sampler(threading.Thread):
-    def __init__(self, period=1.0):
+    """Samples every second while the cluster runs. A sample reads one process after another,
+    so while a worker is still mapping the store the shares do not add up; the report takes the
+    median over the samples in which the store and every worker map it."""
+
+    def __init__(self, workers, period=1.0):
         super().__init__(daemon=True)
+        self.workers = workers
         self.period = period
         self.stop = threading.Event()
-        self.peak = {"shm_pss": 0, "pss": 0, "procs": {}}
+        self.samples = []
 
     def run(self):
         while not self.stop.is_set():
             procs = shm_and_total_pss()
-            shm = sum(p["shm_pss"] for p in procs.values())
-            if shm > self.peak["shm_pss"]:
-                self.peak = {"shm_pss": shm, "pss": sum(p["pss"] for p in procs.values()),
-                             "procs": procs, "shm_dir_used": shutil.disk_usage("/dev/shm").used}
+            mapping = [p for p in procs.values() if p["shm_pss"] > 0]
+            if len(mapping) >= 1 + self.workers:
+                self.samples.append({"shm_pss": sum(p["shm_pss"] for p in procs.values()),
+                                     "pss": sum(p["pss"] for p in procs.values()),
+                                     "procs": procs,
+                                     "shm_dir_used": shutil.disk_usage("/dev/shm").used})
             self.stop.wait(self.period)
+
+    def median(self):
+        if not self.samples:
+            return None
+        ordered = sorted(self.samples, key=lambda x: x["shm_pss"])
+        out = dict(ordered[len(ordered) // 2])
+        out["samples"] = len(ordered)
+        out["shm_pss_min"] = ordered[0]["shm_pss"]
+        out["shm_pss_max"] = ordered[-1]["shm_pss"]
+        return out
 
 
 def read_stats(path, warmup):
@@ -144,7 +161,7 @@ def run_up(args, run_dir, devices, jobs, sample):
     for j in jobs:
         cmd += ["--job", j]
     log("$ " + " ".join(cmd))
-    sampler = Sampler() if sample else None
+    sampler = Sampler(len(devices)) if sample else None
     if sampler:
         sampler.start()
     t0 = time.time()
@@ -168,7 +185,7 @@ def run_up(args, run_dir, devices, jobs, sample):
         subprocess.run("kill $(cat '%s'); sleep 3" % pids, shell=True)
     if out.returncode != 0:
         raise SystemExit(f"lorastream up failed ({out.returncode}); logs in {run_dir}/logs")
-    return {"wall_s": wall, "jobs": listing, "peak": sampler.peak if sampler else None}
+    return {"wall_s": wall, "jobs": listing, "memory": sampler.median() if sampler else None}
 
 
 def job_figures(run_dir, listing, warmup):
@@ -216,6 +233,20 @@ def main():
         topo = "(no nvidia-smi)"
     log(topo)
 
+    # A short dual run first, not reported: the first CUDA job on a fresh machine pays for
+    # loading kernels and warming the driver's caches, which would count against one side only.
+    warm_len = min(512, *[int(t) for t in args.tokens.split(",")])
+    warm_data = os.path.join(work, "data-warmup.jsonl")
+    write_data(warm_data, vocab, docs=4, doc_tokens=warm_len)
+    warm_jobs = []
+    for i, name in enumerate(["a", "b"]):
+        path = os.path.join(work, f"warmup_{name}.toml")
+        with open(path, "w") as f:
+            f.write(JOB.format(name=f"warmup-{name}", data=warm_data, seq_len=warm_len, steps=2,
+                               seed=i + 1, swap=args.swap, ring=args.ring))
+        warm_jobs.append(path)
+    run_up(args, os.path.join(work, "warmup"), devices, warm_jobs, sample=False)
+
     results = []
     for seq_len in [int(t) for t in args.tokens.split(",")]:
         data = os.path.join(work, f"data-{seq_len}.jsonl")
@@ -239,7 +270,7 @@ def main():
         wall_agg = sum(j["tokens"] for j in d) / (max(j["finished_at"] for j in d) -
                                                   min(j["started_at"] for j in d))
         results.append({"seq_len": seq_len, "single": s, "dual": d, "ratio_steady": agg / one,
-                        "ratio_wall": wall_agg / wall_one, "peak": dual["peak"],
+                        "ratio_wall": wall_agg / wall_one, "memory": dual["memory"],
                         "up_wall_s": {"single": single["wall_s"], "dual": dual["wall_s"]}})
         log(f"seq {seq_len}: steady {agg:.0f} / {one:.0f} tokens/s = {agg / one:.3f}x; "
             f"wall {wall_agg:.0f} / {wall_one:.0f} = {wall_agg / wall_one:.3f}x")
@@ -264,18 +295,26 @@ def main():
               "|---|---|---|"]
     for r in results:
         lines.append(f"| {r['seq_len']} | {r['ratio_steady']:.3f} | {r['ratio_wall']:.3f} |")
-    lines += ["", "Host RAM during the dual run (peak of the store's mapped share, sampled each "
-              "second; PSS counts a shared page once across the processes that map it):", "",
-              "| tokens/seq | base GB | /dev/shm used GB | PSS of shm mappings, all processes GB | "
-              "ratio to base | PSS of every lorastream process GB |", "|---|---|---|---|---|---|"]
+    lines += ["", "Host RAM during the dual run (PSS counts a shared page once across the "
+              "processes that map it; sampled each second, the median sample of those where the "
+              "store and both workers map the base, with the range):", "",
+              "| tokens/seq | base GB | /dev/shm used GB | PSS of shm mappings, all processes GB "
+              "(range) | ratio to base | PSS of every lorastream process GB |",
+              "|---|---|---|---|---|---|"]
     for r in results:
-        p = r["peak"]
-        lines.append(f"| {r['seq_len']} | {gb(base_bytes)} | {gb(p.get('shm_dir_used', 0))} | "
-                     f"{gb(p['shm_pss'])} | {p['shm_pss'] / base_bytes:.3f} | {gb(p['pss'])} |")
-    lines += ["", "Per process at that moment:", "", "| tokens/seq | process | PSS GB | "
+        p = r["memory"]
+        if not p:
+            lines.append(f"| {r['seq_len']} | {gb(base_bytes)} | no sample | | | |")
+            continue
+        lines.append(f"| {r['seq_len']} | {gb(base_bytes)} | {gb(p['shm_dir_used'])} | "
+                     f"{gb(p['shm_pss'])} ({gb(p['shm_pss_min'])}..{gb(p['shm_pss_max'])}, "
+                     f"{p['samples']} samples) | {p['shm_pss'] / base_bytes:.3f} | "
+                     f"{gb(p['pss'])} |")
+    lines += ["", "Per process in that sample:", "", "| tokens/seq | process | PSS GB | "
               "of which shm GB |", "|---|---|---|---|"]
     for r in results:
-        for pid, p in sorted(r["peak"]["procs"].items(), key=lambda kv: kv[1]["role"]):
+        procs = r["memory"]["procs"] if r["memory"] else {}
+        for pid, p in sorted(procs.items(), key=lambda kv: kv[1]["role"]):
             lines.append(f"| {r['seq_len']} | {p['role']} | {gb(p['pss'])} | {gb(p['shm_pss'])} |")
     with open(os.path.join(args.out, "multi_gpu.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

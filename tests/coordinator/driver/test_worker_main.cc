@@ -84,7 +84,10 @@ int main(int argc, char** argv) {
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(step_ms));
       ++step;
-      if (step == fail_at) throw Error(ErrorCode::kRefused, "test failure at step " + std::to_string(step));
+      // Several problems, one per line, as RequireValidJobSpec reports them.
+      if (step == fail_at)
+        throw Error(ErrorCode::kRefused, "test failure at step " + std::to_string(step) +
+                                             ":\n  first problem\n  second problem");
       log << ctx.assignment.attempt << " " << getpid() << " " << step << std::endl;
       StepStats s;
       s.step = step;
