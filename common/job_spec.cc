@@ -187,6 +187,11 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
     p.push_back(key("data.seq_len") + "is " + std::to_string(s.data.seq_len) +
                 ", longer than the model allows (max_position_embeddings = " +
                 std::to_string(model->max_position_embeddings) + ")");
+  else if (model && model->sliding_window > 0 && s.data.seq_len > model->sliding_window)
+    p.push_back(key("data.seq_len") + "is " + std::to_string(s.data.seq_len) +
+                ", longer than the model's attention window (sliding_window = " +
+                std::to_string(model->sliding_window) +
+                "); sliding-window attention is not implemented, so sequences must fit in it");
   if (s.data.pad_id < 0 || (model && s.data.pad_id >= model->vocab_size))
     p.push_back(key("data.pad_id") + "must be a token id in [0, vocab_size) (found " +
                 std::to_string(s.data.pad_id) + ")");

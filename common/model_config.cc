@@ -79,6 +79,21 @@ ModelConfig ModelConfigFromJson(const Json& j, const std::string& source) {
   c.tie_word_embeddings = GetBool(j, source, "tie_word_embeddings", false);
   c.attention_bias = c.model_type == "qwen2" || GetBool(j, source, "attention_bias", false);
   c.qk_norm = c.model_type == "qwen3";
+  auto sw = j.find("sliding_window");
+  if (sw != j.end() && !sw->is_null() && c.model_type != "llama") {
+    int64_t window = RequirePositiveInt(j, source, "sliding_window");
+    bool used = c.model_type == "mistral";
+    if (c.model_type == "qwen2" || c.model_type == "qwen3") {
+      int64_t first = j.contains("max_window_layers") && !j["max_window_layers"].is_null()
+                          ? static_cast<int64_t>(GetNumber(j, source, "max_window_layers", 0))
+                          : 0;
+      used = GetBool(j, source, "use_sliding_window", false) && first < c.num_hidden_layers;
+    }
+    auto lt = j.find("layer_types");
+    if (lt != j.end() && lt->is_array())
+      for (const auto& t : *lt) used = used || (t.is_string() && t == "sliding_attention");
+    if (used) c.sliding_window = window;
+  }
   if (j.contains("torch_dtype") && j["torch_dtype"].is_string())
     c.torch_dtype = j["torch_dtype"].get<std::string>();
   auto rs = j.find("rope_scaling");
@@ -146,6 +161,10 @@ void ToJson(Json& out, const ModelConfig& c) {
              {"attention_bias", c.attention_bias},
              {"hidden_act", "silu"},
              {"torch_dtype", c.torch_dtype.empty() ? "bfloat16" : c.torch_dtype}};
+  if (c.model_type != "llama")
+    out["sliding_window"] = c.sliding_window > 0 ? Json(c.sliding_window) : Json(nullptr);
+  if (c.model_type == "qwen2" || c.model_type == "qwen3")
+    out["use_sliding_window"] = c.sliding_window > 0;
   if (c.rope_scaling.type.empty()) {
     out["rope_scaling"] = nullptr;
   } else {

@@ -35,6 +35,12 @@ struct ModelConfig {
   bool tie_word_embeddings = false;
   bool attention_bias = false;  // q/k/v bias (qwen2: always true)
   bool qk_norm = false;         // q_norm / k_norm per head (qwen3)
+  // Sliding-window attention is not implemented: this is the window of the layers that use one
+  // (0 = none), so that a job whose sequences are longer than it is refused. Within the window
+  // full causal attention is the same computation. mistral uses `sliding_window` whenever it
+  // is set; qwen2/qwen3 only with `use_sliding_window` (and layers >= `max_window_layers`);
+  // transformers 5 may list "sliding_attention" in `layer_types`.
+  int64_t sliding_window = 0;
   std::string torch_dtype;      // as written in config.json ("bfloat16", ...)
 
   // The tensors of block `i` as (name relative to "model.layers.{i}.", shape), in the
