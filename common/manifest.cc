@@ -112,6 +112,26 @@ SegmentInfo SegmentFromJson(const Json& j, uint64_t alignment, const std::string
 
 }  // namespace
 
+SegmentInfo LayoutSegment(const std::vector<std::pair<std::string, std::vector<int64_t>>>& shapes,
+                          const std::string& shm_name, DType dtype, uint64_t alignment) {
+  if (alignment == 0 || (alignment & (alignment - 1)) != 0)
+    throw Error(ErrorCode::kInvalidArgument, "alignment must be a power of two");
+  SegmentInfo s;
+  s.shm_name = shm_name;
+  for (const auto& [name, shape] : shapes) {
+    TensorSlice t;
+    t.name = name;
+    t.dtype = dtype;
+    t.shape = shape;
+    t.nbytes = DTypeSize(dtype);
+    for (int64_t d : shape) t.nbytes *= static_cast<uint64_t>(d);
+    t.offset = (s.nbytes + alignment - 1) / alignment * alignment;
+    s.nbytes = t.offset + t.nbytes;
+    s.tensors.push_back(std::move(t));
+  }
+  return s;
+}
+
 const TensorSlice* SegmentInfo::Find(const std::string& name) const {
   for (const TensorSlice& t : tensors)
     if (t.name == name) return &t;

@@ -47,6 +47,13 @@ struct Manifest {
   uint64_t total_bytes() const;     // sum of every segment's nbytes
 };
 
+// The one packed layout of a segment, used by the store and by every other packer (the
+// worker packing a checkpoint for streaming, tests): `shapes` in their canonical order
+// (ModelConfig::BlockTensorShapes()/RestTensorShapes()), each tensor at the next multiple of
+// `alignment` (a power of two), all of `dtype`; nbytes ends at the last tensor's last byte.
+SegmentInfo LayoutSegment(const std::vector<std::pair<std::string, std::vector<int64_t>>>& shapes,
+                          const std::string& shm_name, DType dtype, uint64_t alignment);
+
 // The manifest as JSON text (uint64 values as 16-digit hex strings, so that every JSON reader
 // keeps them exact) and back. ManifestFromJson validates everything a reader relies on
 // (offsets aligned and inside their segment, sizes matching shapes) and throws

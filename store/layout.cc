@@ -28,16 +28,12 @@ std::pair<int64_t, std::string> SplitBlockName(const std::string& name) {
   return {std::stoll(name.substr(i, j - i)), name.substr(j + 1)};
 }
 
-uint64_t RoundUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
-
 }  // namespace
 
 PackPlan PlanPack(const Checkpoint& cp, const PackOptions& options) {
   const ModelConfig& config = cp.config();
   const std::string& dir = cp.dir();
   auto fail = [&](const std::string& what) { throw Error(ErrorCode::kCorrupt, dir + ": " + what); };
-  if (options.alignment == 0 || (options.alignment & (options.alignment - 1)) != 0)
-    throw Error(ErrorCode::kInvalidArgument, "alignment must be a power of two");
 
   const auto block_shapes = config.BlockTensorShapes();
   const auto rest_shapes = config.RestTensorShapes();
@@ -80,8 +76,10 @@ PackPlan PlanPack(const Checkpoint& cp, const PackOptions& options) {
   m.source_dir = dir;
   std::optional<DType> source_dtype;
   std::string first_tensor;
-  auto add = [&](SegmentInfo& seg, std::vector<Checkpoint::Ref>& sources, const std::string& full,
-                 const std::string& slice_name, const std::vector<int64_t>& shape) {
+  // Validates one tensor against config.json and records where its bytes come from; the
+  // layout itself is LayoutSegment's, the same for every packer.
+  auto add = [&](std::vector<Checkpoint::Ref>& sources, const std::string& full,
+                 const std::vector<int64_t>& shape) {
     if (!cp.Has(full)) fail("tensor `" + full + "` is missing");
     Checkpoint::Ref ref = cp.Get(full);
     if (ref.entry->shape != shape)
@@ -98,24 +96,17 @@ PackPlan PlanPack(const Checkpoint& cp, const PackOptions& options) {
       fail("tensor `" + full + "` is " + DTypeName(dt) + " but `" + first_tensor + "` is " +
            DTypeName(*source_dtype) + "; serve with --dtype bf16 to convert all to BF16");
     }
-    TensorSlice slice;
-    slice.name = slice_name;
-    slice.dtype = options.to_bf16 ? DType::kBF16 : dt;
-    slice.shape = shape;
-    slice.offset = RoundUp(seg.nbytes, options.alignment);
-    slice.nbytes = ref.entry->numel() * DTypeSize(slice.dtype);
-    seg.nbytes = slice.offset + slice.nbytes;
-    seg.tensors.push_back(slice);
     sources.push_back(ref);
   };
-  m.blocks.resize(config.num_hidden_layers);
   plan.block_sources.resize(config.num_hidden_layers);
   for (int64_t i = 0; i < config.num_hidden_layers; ++i)
     for (const auto& [rel, shape] : block_shapes)
-      add(m.blocks[i], plan.block_sources[i], "model.layers." + std::to_string(i) + "." + rel, rel,
-          shape);
-  for (const auto& [name, shape] : rest_shapes) add(m.rest, plan.rest_sources, name, name, shape);
+      add(plan.block_sources[i], "model.layers." + std::to_string(i) + "." + rel, shape);
+  for (const auto& [name, shape] : rest_shapes) add(plan.rest_sources, name, shape);
   m.dtype = options.to_bf16 ? DType::kBF16 : *source_dtype;
+  for (int64_t i = 0; i < config.num_hidden_layers; ++i)
+    m.blocks.push_back(LayoutSegment(block_shapes, "", m.dtype, options.alignment));
+  m.rest = LayoutSegment(rest_shapes, "", m.dtype, options.alignment);
   return plan;
 }
 

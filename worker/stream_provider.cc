@@ -46,24 +46,10 @@ class PackedBlocks {
     manifest_.config = config;
     manifest_.dtype = DTypeOf(dtype);
     const uint64_t align = manifest_.alignment;
-    const size_t elem = DTypeSize(manifest_.dtype);
     const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
     for (int i = 0; i < base.num_blocks(); ++i) {
-      SegmentInfo s;
-      s.shm_name = "block " + std::to_string(i);
-      uint64_t offset = 0;
-      for (const auto& [name, shape] : config.BlockTensorShapes()) {
-        TensorSlice t;
-        t.name = name;
-        t.dtype = manifest_.dtype;
-        t.shape = shape;
-        t.nbytes = elem;
-        for (int64_t d : shape) t.nbytes *= static_cast<uint64_t>(d);
-        t.offset = (offset + align - 1) / align * align;
-        offset = t.offset + t.nbytes;
-        s.tensors.push_back(t);
-      }
-      s.nbytes = offset;
+      SegmentInfo s = LayoutSegment(config.BlockTensorShapes(), "block " + std::to_string(i),
+                                    manifest_.dtype, align);
       const size_t mapped = (s.nbytes + page - 1) / page * page;
       void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
       if (p == MAP_FAILED) ThrowErrno("stream: mapping " + std::to_string(mapped) + " bytes");
@@ -79,11 +65,7 @@ class PackedBlocks {
       manifest_.blocks.push_back(std::move(s));
     }
     // Only the size of the rest matters here (the memory estimate).
-    for (const auto& [name, shape] : config.RestTensorShapes()) {
-      uint64_t n = elem;
-      for (int64_t d : shape) n *= static_cast<uint64_t>(d);
-      manifest_.rest.nbytes += (n + align - 1) / align * align;
-    }
+    manifest_.rest = LayoutSegment(config.RestTensorShapes(), "rest", manifest_.dtype, align);
   }
   ~PackedBlocks() {
     for (auto& [p, n] : maps_) munmap(p, n);

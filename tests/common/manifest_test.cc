@@ -99,3 +99,22 @@ TEST_CASE("a damaged manifest is refused naming the field", "[common]") {
   CHECK_THAT(with([](auto& j) { j["rest"]["tensors"][0]["dtype"] = "Q4"; }), Catch::Contains("`dtype` is not a known dtype"));
   CHECK_THAT(with([](auto& j) { j.erase("owner_pid"); }), Catch::Contains("`owner_pid` is missing"));
 }
+
+TEST_CASE("LayoutSegment: canonical order, aligned offsets, no gap beyond the alignment",
+          "[common]") {
+  const std::vector<std::pair<std::string, std::vector<int64_t>>> shapes = {
+      {"a", {3}}, {"b", {2, 5}}, {"c", {1}}};
+  SegmentInfo s = LayoutSegment(shapes, "seg", DType::kBF16, 16);
+  CHECK(s.shm_name == "seg");
+  REQUIRE(s.tensors.size() == 3);
+  CHECK(s.tensors[0].offset == 0);
+  CHECK(s.tensors[0].nbytes == 6);
+  CHECK(s.tensors[1].offset == 16);  // 6 rounded up to 16
+  CHECK(s.tensors[1].nbytes == 20);
+  CHECK(s.tensors[2].offset == 48);  // 36 rounded up to 48
+  CHECK(s.tensors[2].dtype == DType::kBF16);
+  CHECK(s.tensors[2].shape == std::vector<int64_t>{1});
+  CHECK(s.nbytes == 50);
+  CHECK(LayoutSegment(shapes, "", DType::kF32, 256).nbytes == 512 + 4);
+  CHECK_THROWS_WITH(LayoutSegment(shapes, "", DType::kBF16, 24), Catch::Contains("power of two"));
+}

@@ -33,27 +33,6 @@ inline ModelConfig TinyStreamConfig(int layers) {
   return c;
 }
 
-inline SegmentInfo PackedLayout(const std::vector<std::pair<std::string, std::vector<int64_t>>>& shapes,
-                                const std::string& name, DType dtype, uint64_t alignment) {
-  SegmentInfo s;
-  s.shm_name = name;
-  uint64_t offset = 0;
-  for (const auto& [tensor, shape] : shapes) {
-    TensorSlice t;
-    t.name = tensor;
-    t.dtype = dtype;
-    t.shape = shape;
-    uint64_t n = DTypeSize(dtype);
-    for (int64_t d : shape) n *= static_cast<uint64_t>(d);
-    t.offset = (offset + alignment - 1) / alignment * alignment;
-    t.nbytes = n;
-    offset = t.offset + n;
-    s.tensors.push_back(t);
-  }
-  s.nbytes = offset;
-  return s;
-}
-
 // Page-aligned host memory holding every block's bytes (one region per block, as the store's
 // segments are). Like the store, each block is a shared-memory object (memfd) filled through a
 // writable mapping; with `read_only` the block is then seen only through a PROT_READ
@@ -69,7 +48,7 @@ class HostBlocks {
     std::mt19937_64 rng(seed);
     std::normal_distribution<float> normal(0.0f, 0.2f);
     for (int i = 0; i < config.num_hidden_layers; ++i) {
-      SegmentInfo s = PackedLayout(config.BlockTensorShapes(), "block" + std::to_string(i),
+      SegmentInfo s = LayoutSegment(config.BlockTensorShapes(), "block" + std::to_string(i),
                                    DType::kF32, manifest_.alignment);
       const size_t mapped = (s.nbytes + page - 1) / page * page;
       const int fd = memfd_create(("lorastream-test-block" + std::to_string(i)).c_str(), MFD_CLOEXEC);
@@ -94,7 +73,7 @@ class HostBlocks {
       pointers_.push_back(bytes);
       manifest_.blocks.push_back(s);
     }
-    manifest_.rest = PackedLayout(config.RestTensorShapes(), "rest", DType::kF32,
+    manifest_.rest = LayoutSegment(config.RestTensorShapes(), "rest", DType::kF32,
                                   manifest_.alignment);
   }
   ~HostBlocks() {
