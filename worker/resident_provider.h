@@ -1,6 +1,7 @@
 // The fully resident BlockProvider: every block converted once to the compute device and
 // dtype (on the CPU with a matching dtype these are the base's zero-copy views). Acquire and
-// Release only check that the trainer keeps the step's order.
+// Release only check that the trainer keeps the step's order; on CUDA every step reports the
+// caching allocator's peak (peak_device_bytes), as the streaming engine does.
 #pragma once
 
 #include <vector>
@@ -29,6 +30,7 @@ class ResidentProvider : public BlockProvider {
 
  private:
   std::vector<BlockWeights> blocks_;
+  int cuda_index_ = -1;  // the CUDA device whose peak memory EndStep reports; -1: not CUDA
   int held_ = -1;  // the block between Acquire and Release, -1 when none
   bool record_ = false;
   std::vector<int> acquire_log_;

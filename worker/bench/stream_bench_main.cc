@@ -30,7 +30,6 @@
 #include "common/log.h"
 #include "store/attach.h"
 #include "worker/data.h"
-#include "worker/resident_provider.h"
 #include "worker/stream_budget.h"
 #include "worker/stream_engine.h"
 #include "worker/stream_provider.h"
@@ -38,7 +37,6 @@
 #include "worker/trainer.h"
 #ifdef LORASTREAM_HAVE_CUDA
 #include "worker/cuda/cuda_bandwidth.h"
-#include "worker/cuda/cuda_memory.h"
 #endif
 
 namespace fs = std::filesystem;
@@ -62,34 +60,6 @@ struct Row {
   double floor2_s = 0;  // with every streamed block crossing twice per step (no reuse)
   double copies = 0, saved = 0, max_loss_diff = 0;
   std::vector<StepStats> stats;
-};
-
-// Fills peak_device_bytes for providers that leave it 0 (the trainer's resident provider).
-class PeakMemoryProvider : public BlockProvider {
- public:
-  PeakMemoryProvider(std::unique_ptr<BlockProvider> inner, int device)
-      : inner_(std::move(inner)), device_(device) {}
-  int num_blocks() const override { return inner_->num_blocks(); }
-  void BeginStep() override {
-#ifdef LORASTREAM_HAVE_CUDA
-    if (device_ >= 0) CudaResetPeakAllocated(device_);
-#endif
-    inner_->BeginStep();
-  }
-  const BlockWeights& Acquire(int block) override { return inner_->Acquire(block); }
-  void Release(int block) override { inner_->Release(block); }
-  void EndStep(StepStats& stats) override {
-    inner_->EndStep(stats);
-#ifdef LORASTREAM_HAVE_CUDA
-    if (device_ >= 0 && stats.peak_device_bytes == 0) {
-      stats.peak_device_bytes = CudaPeakAllocatedBytes(device_);
-    }
-#endif
-  }
-
- private:
-  std::unique_ptr<BlockProvider> inner_;
-  int device_;
 };
 
 double Median(std::vector<double> v) {
@@ -131,19 +101,10 @@ Row RunOne(const BenchOptions& o, const JobSpec& spec, bool streamed, const std:
   TrainOptions t;
   t.device = o.device;
   t.resume = false;
-  t.make_provider = [streamed](const JobSpec& j, const BaseWeights& b, const std::string& d,
-                               const std::string& dt) -> std::unique_ptr<BlockProvider> {
-    const c10::Device device(d);
-    std::unique_ptr<BlockProvider> inner;
-    if (streamed) {
-      inner = MakeStreamProvider(j, b, d, dt);
-    } else {
-      inner = std::make_unique<ResidentProvider>(b, device, dt == "bf16" ? at::kBFloat16
-                                                                          : at::kFloat);
-    }
-    return std::make_unique<PeakMemoryProvider>(
-        std::move(inner), device.is_cuda() ? (device.has_index() ? device.index() : 0) : -1);
-  };
+  // Resident: the trainer's own ResidentProvider (it reports peak memory itself).
+  if (streamed)
+    t.make_provider = [](const JobSpec& j, const BaseWeights& b, const std::string& d,
+                          const std::string& dt) { return MakeStreamProvider(j, b, d, dt); };
   Row row;
   row.tokens = spec.data.seq_len;
   row.mode = mode;
