@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include "common/error.h"
+#include "common/remove_tree.h"
 #include "common/safetensors.h"
 #include "worker/base_weights.h"
 
@@ -36,7 +37,7 @@ std::string SaveCheckpoint(const std::string& output_dir, const LoraAdapter& ada
   const fs::path final_dir = fs::path(output_dir) / ("checkpoint-" + std::to_string(state.step));
   const fs::path tmp_dir = fs::path(output_dir) / (".checkpoint-" + std::to_string(state.step) + ".tmp");
   std::error_code ec;
-  fs::remove_all(tmp_dir, ec);
+  RemoveTree(tmp_dir.string());  // never std::filesystem::remove_all here: common/remove_tree.h
   adapter.Save(tmp_dir.string(), base_model);
 
   std::vector<at::Tensor> host;
@@ -62,13 +63,13 @@ std::string SaveCheckpoint(const std::string& output_dir, const LoraAdapter& ada
                     {"samples_seen", std::to_string(state.samples_seen)},
                     {"seed", std::to_string(state.seed)},
                     {"fingerprint", state.fingerprint}});
-  fs::remove_all(final_dir, ec);
+  RemoveTree(final_dir.string());
   fs::rename(tmp_dir, final_dir, ec);
   if (ec) throw Error(ErrorCode::kIo, "cannot rename " + tmp_dir.string() + ": " + ec.message());
   // Only now that the new one is complete: drop the older checkpoints.
   for (const auto& entry : fs::directory_iterator(output_dir, ec)) {
     const int64_t step = CheckpointStep(entry.path().filename().string());
-    if (step >= 0 && step != state.step) fs::remove_all(entry.path(), ec);
+    if (step >= 0 && step != state.step) RemoveTree(entry.path().string());
   }
   return final_dir.string();
 }

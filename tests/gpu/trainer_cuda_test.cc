@@ -1,7 +1,10 @@
 // A training job on CUDA through the trainer: fully resident and streamed, every step's
-// statistics carry the peak device memory (DESIGN.md: statistics per step), and the
-// streamed run's loss stays within bf16 rounding of the resident one.
+// statistics carry the peak device memory (DESIGN.md: statistics per step), the streamed
+// run's loss stays within bf16 rounding of the resident one, and checkpoints every step
+// replace the older ones (with the wheel's LibTorch, std::filesystem::remove_all crashed
+// there: common/remove_tree.h).
 #include <cmath>
+#include <filesystem>
 #include <vector>
 
 #include <catch2/catch.hpp>
@@ -24,6 +27,7 @@ TEST_CASE("CUDA training: every step reports peak device memory, resident and st
     JobSpec spec = TinyJob(model, data, dir / (streamed ? "streamed" : "resident"));
     spec.stream.blocks_to_swap = streamed ? 2 : 0;
     spec.stream.ring_size = 1;
+    spec.train.checkpoint_every = 1;
     TrainOptions o;
     o.device = "cuda:0";
     o.resume = false;
@@ -39,6 +43,10 @@ TEST_CASE("CUDA training: every step reports peak device memory, resident and st
       CHECK((s.h2d_bytes > 0) == (streamed == 1));
       losses[streamed].push_back(s.loss);
     }
+    int checkpoints = 0;
+    for (const auto& e : std::filesystem::directory_iterator(spec.train.output_dir))
+      checkpoints += e.path().filename().string().rfind("checkpoint-", 0) == 0;
+    CHECK(checkpoints == 1);  // only the newest is kept
   }
   for (size_t i = 0; i < losses[0].size(); ++i)
     CHECK(losses[1][i] == Approx(losses[0][i]).epsilon(2e-2));

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/job_spec.h"
+#include "common/remove_tree.h"
 #include "store/synth.h"
 
 namespace lorastream::testing {
@@ -23,10 +24,7 @@ class TempDir {
             ("lorastream-" + tag + "-" + std::to_string(rd()) + std::to_string(rd()));
     std::filesystem::create_directories(path_);
   }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
+  ~TempDir() { RemoveTree(path_.string()); }  // common/remove_tree.h says why
   std::string operator/(const std::string& name) const { return (path_ / name).string(); }
   const std::filesystem::path& path() const { return path_; }
 

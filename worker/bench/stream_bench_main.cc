@@ -28,6 +28,7 @@
 #include "common/error.h"
 #include "common/job_spec.h"
 #include "common/log.h"
+#include "common/remove_tree.h"
 #include "store/attach.h"
 #include "worker/data.h"
 #include "worker/stream_budget.h"
@@ -279,7 +280,6 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "lorastream-bench-stream: %s: %s\n", ErrorCodeName(e.code()), e.what());
     status = ExitCodeFor(e.code());
   }
-  std::error_code ec;
-  if (own_scratch) fs::remove_all(o.scratch, ec);
+  if (own_scratch) RemoveTree(o.scratch);
   return status;
 }
