@@ -185,10 +185,13 @@ def run_up(args, run_dir, devices, jobs, sample):
         subprocess.run("kill $(cat '%s'); sleep 3" % pids, shell=True)
     if out.returncode != 0:
         raise SystemExit(f"lorastream up failed ({out.returncode}); logs in {run_dir}/logs")
+    if len(listing) != len(jobs):
+        raise SystemExit(f"`lorastream jobs --json` listed {len(listing)} of {len(jobs)} jobs; "
+                         f"logs in {run_dir}/logs")
     return {"wall_s": wall, "jobs": listing, "memory": sampler.median() if sampler else None}
 
 
-def job_figures(run_dir, listing, warmup):
+def job_figures(listing, warmup):
     figures = []
     for job in listing:
         stats = read_stats(os.path.join(job["output_dir"], "stats.jsonl"), warmup)
@@ -262,8 +265,8 @@ def main():
         dual_dir = os.path.join(work, f"t{seq_len}-dual")
         single = run_up(args, single_dir, devices[:1], jobs[:1], sample=False)
         dual = run_up(args, dual_dir, devices, jobs, sample=True)
-        s = job_figures(single_dir, single["jobs"], args.warmup)
-        d = job_figures(dual_dir, dual["jobs"], args.warmup)
+        s = job_figures(single["jobs"], args.warmup)
+        d = job_figures(dual["jobs"], args.warmup)
         one = s[0]["tokens_per_s"]
         agg = sum(j["tokens_per_s"] for j in d)
         wall_one = s[0]["tokens"] / (s[0]["finished_at"] - s[0]["started_at"])
