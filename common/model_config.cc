@@ -1,5 +1,6 @@
 #include "common/model_config.h"
 
+#include <cmath>
 #include <fstream>
 #include <sstream>
 
@@ -31,6 +32,23 @@ double GetNumber(const Json& j, const std::string& source, const char* field, do
   if (it == j.end() || it->is_null()) return fallback;
   if (!it->is_number()) Bad(source, field, "must be a number");
   return it->get<double>();
+}
+
+double GetPositiveNumber(const Json& j, const std::string& source, const char* field,
+                         double fallback) {
+  const double v = GetNumber(j, source, field, fallback);
+  if (!(v > 0) || !std::isfinite(v)) Bad(source, field, "must be a positive number");
+  return v;
+}
+
+// An optional integer in [0, 2^40]; `fallback` when absent or null.
+int64_t GetCount(const Json& j, const std::string& source, const char* field, int64_t fallback) {
+  auto it = j.find(field);
+  if (it == j.end() || it->is_null()) return fallback;
+  if (!it->is_number_integer()) Bad(source, field, "must be an integer");
+  const int64_t v = it->get<int64_t>();
+  if (v < 0 || v > (int64_t{1} << 40)) Bad(source, field, "must be in [0, 2^40]");
+  return v;
 }
 
 bool GetBool(const Json& j, const std::string& source, const char* field, bool fallback) {
@@ -74,8 +92,8 @@ ModelConfig ModelConfigFromJson(const Json& j, const std::string& source) {
   c.max_position_embeddings = j.contains("max_position_embeddings")
                                   ? RequirePositiveInt(j, source, "max_position_embeddings")
                                   : 2048;
-  c.rms_norm_eps = GetNumber(j, source, "rms_norm_eps", 1e-6);
-  c.rope_theta = GetNumber(j, source, "rope_theta", 10000.0);
+  c.rms_norm_eps = GetPositiveNumber(j, source, "rms_norm_eps", 1e-6);
+  c.rope_theta = GetPositiveNumber(j, source, "rope_theta", 10000.0);
   c.tie_word_embeddings = GetBool(j, source, "tie_word_embeddings", false);
   c.attention_bias = c.model_type == "qwen2" || GetBool(j, source, "attention_bias", false);
   c.qk_norm = c.model_type == "qwen3";
@@ -84,9 +102,7 @@ ModelConfig ModelConfigFromJson(const Json& j, const std::string& source) {
     int64_t window = RequirePositiveInt(j, source, "sliding_window");
     bool used = c.model_type == "mistral";
     if (c.model_type == "qwen2" || c.model_type == "qwen3") {
-      int64_t first = j.contains("max_window_layers") && !j["max_window_layers"].is_null()
-                          ? static_cast<int64_t>(GetNumber(j, source, "max_window_layers", 0))
-                          : 0;
+      const int64_t first = GetCount(j, source, "max_window_layers", 0);
       used = GetBool(j, source, "use_sliding_window", false) && first < c.num_hidden_layers;
     }
     auto lt = j.find("layer_types");
@@ -101,7 +117,8 @@ ModelConfig ModelConfigFromJson(const Json& j, const std::string& source) {
   // of rope_theta + rope_scaling.
   auto rp = j.find("rope_parameters");
   if (rp != j.end() && rp->is_object()) {
-    if (!j.contains("rope_theta")) c.rope_theta = GetNumber(*rp, source, "rope_theta", 10000.0);
+    if (!j.contains("rope_theta"))
+      c.rope_theta = GetPositiveNumber(*rp, source, "rope_theta", 10000.0);
     if (rs == j.end() || rs->is_null()) rs = rp;
   }
   if (rs != j.end() && !rs->is_null()) {
@@ -116,11 +133,13 @@ ModelConfig ModelConfigFromJson(const Json& j, const std::string& source) {
                                                "` is not supported (llama3, linear, default)");
     if (type != "default") {
       c.rope_scaling.type = type;
-      c.rope_scaling.factor = GetNumber(*rs, source, "factor", 1.0);
-      c.rope_scaling.low_freq_factor = GetNumber(*rs, source, "low_freq_factor", 1.0);
-      c.rope_scaling.high_freq_factor = GetNumber(*rs, source, "high_freq_factor", 4.0);
-      c.rope_scaling.original_max_position_embeddings = static_cast<int64_t>(
-          GetNumber(*rs, source, "original_max_position_embeddings", 8192));
+      c.rope_scaling.factor = GetPositiveNumber(*rs, source, "factor", 1.0);
+      c.rope_scaling.low_freq_factor = GetPositiveNumber(*rs, source, "low_freq_factor", 1.0);
+      c.rope_scaling.high_freq_factor = GetPositiveNumber(*rs, source, "high_freq_factor", 4.0);
+      c.rope_scaling.original_max_position_embeddings =
+          GetCount(*rs, source, "original_max_position_embeddings", 8192);
+      if (c.rope_scaling.original_max_position_embeddings == 0)
+        Bad(source, "original_max_position_embeddings", "must be a positive integer");
     }
   }
   return c;

@@ -93,3 +93,27 @@ TEST_CASE("a job longer than the model's attention window is refused, one within
   CHECK_THAT(problems[0], Catch::Contains("`data.seq_len` is 257") &&
                               Catch::Contains("sliding_window = 256"));
 }
+
+TEST_CASE("numbers in config.json that would be undefined or meaningless are refused by name",
+          "[common]") {
+  auto with = [](const char* field, nlohmann::json value) {
+    auto j = Base("llama");
+    j[field] = std::move(value);
+    return j.dump();
+  };
+  CHECK_THROWS_WITH(ParseModelConfig(with("rope_theta", 0), "c"), Catch::Contains("rope_theta"));
+  CHECK_THROWS_WITH(ParseModelConfig(with("rms_norm_eps", -1e-6), "c"),
+                    Catch::Contains("rms_norm_eps"));
+  CHECK_THROWS_WITH(ParseModelConfig(with("rope_scaling", {{"rope_type", "llama3"},
+                                                           {"factor", 8.0},
+                                                           {"original_max_position_embeddings", 1e300}}),
+                                     "c"),
+                    Catch::Contains("original_max_position_embeddings"));
+  CHECK_THROWS_WITH(ParseModelConfig(with("rope_scaling", {{"rope_type", "linear"}, {"factor", 0}}), "c"),
+                    Catch::Contains("factor"));
+  auto qwen = Base("qwen2");
+  qwen["sliding_window"] = 64;
+  qwen["use_sliding_window"] = true;
+  qwen["max_window_layers"] = 2.5;
+  CHECK_THROWS_WITH(ParseModelConfig(qwen.dump(), "c"), Catch::Contains("max_window_layers"));
+}
