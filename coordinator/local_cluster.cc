@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -215,9 +216,16 @@ void LocalCluster::StartWorker(size_t index) {
   SpawnOptions so;
   so.log_path = log;
   so.new_session = true;
-  workers_[index] = Subprocess::Spawn({Bin("lorastream-worker"), "serve", "--coordinator",
-                                       endpoint_, "--device", devices_[index]},
-                                      so);
+  std::vector<std::string> argv = {Bin("lorastream-worker"), "serve", "--coordinator", endpoint_,
+                                   "--device", devices_[index]};
+  // CPU workers share this host's cores instead of each taking all of them (oversubscribed,
+  // two CPU workers trained slower together than one alone).
+  const auto cpu_workers = std::count(devices_.begin(), devices_.end(), std::string("cpu"));
+  if (devices_[index] == "cpu" && cpu_workers > 1) {
+    const long cores = std::max(1u, std::thread::hardware_concurrency());
+    argv.insert(argv.end(), {"--threads", std::to_string(std::max(1L, cores / cpu_workers))});
+  }
+  workers_[index] = Subprocess::Spawn(argv, so);
 }
 
 void LocalCluster::StopWorker(size_t index, int signal) {

@@ -3,10 +3,12 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <chrono>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -117,6 +119,14 @@ TEST_CASE("three jobs on two workers succeed and equal their standalone runs", "
   std::string dir = NewRunDir("three");
   LocalCluster cluster(Options(dir, 2));
   cluster.Start();
+  // The two CPU workers share the cores rather than each taking all of them.
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  for (size_t w = 0; w < cluster.num_workers(); ++w) {
+    std::ifstream in("/proc/" + std::to_string(cluster.WorkerPid(w)) + "/cmdline");
+    std::string cmdline((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::replace(cmdline.begin(), cmdline.end(), '\0', ' ');
+    CHECK_THAT(cmdline, Catch::Contains("--threads " + std::to_string(std::max(1u, cores / 2)) + " "));
+  }
   std::vector<int64_t> ids;
   for (int j = 0; j < 3; ++j) {
     std::string data = WriteData(dir, 40, 100 + j);
