@@ -53,6 +53,25 @@ std::vector<std::string> ExampleJobs(const std::string& configs_dir) {
   return jobs;
 }
 
+// "step 24/24, 9356 tok/s, stall 16%  " from a job's last step statistics ("" before any).
+std::string LastStepSummary(const nlohmann::json& job) {
+  const auto it = job.find("last_stats");
+  if (it == job.end() || !it->is_object()) return "";
+  const nlohmann::json& s = *it;
+  try {
+    const double step_s = s.value("step_seconds", 0.0);
+    char buf[128];
+    std::snprintf(buf, sizeof buf, "step %lld/%lld, %.0f tok/s, stall %.0f%%  ",
+                  static_cast<long long>(s.value("step", int64_t{0})),
+                  static_cast<long long>(s.value("total_steps", int64_t{0})),
+                  s.value("tokens_per_second", 0.0),
+                  step_s > 0 ? 100.0 * s.value("stall_seconds", 0.0) / step_s : 0.0);
+    return buf;
+  } catch (const nlohmann::json::exception&) {
+    return "";  // a field of an unexpected type: leave the summary out
+  }
+}
+
 }  // namespace
 
 int RunUp(const UpOptions& options) {
@@ -121,8 +140,9 @@ int RunUp(const UpOptions& options) {
     if (state != "succeeded") status = 1;
     std::string adapter = job.value("adapter_path", "");
     if (adapter.empty()) adapter = job.value("output_dir", "");
-    std::printf("job %-4lld %-24s %-10s %s%s\n", static_cast<long long>(job.value("id", 0)),
-                job.value("name", "").c_str(), state.c_str(), adapter.c_str(),
+    std::printf("job %-4lld %-24s %-10s %s%s%s\n", static_cast<long long>(job.value("id", 0)),
+                job.value("name", "").c_str(), state.c_str(), LastStepSummary(job).c_str(),
+                adapter.c_str(),
                 job.value("reason", "").empty() ? "" : ("  (" + job.value("reason", "") + ")").c_str());
   }
   if (g_stop_signal) {

@@ -17,6 +17,7 @@
 #include <catch2/catch.hpp>
 
 #include "common/safetensors.h"
+#include "common/shm_names.h"
 #include "common/subprocess.h"
 #include "coordinator/local_cluster.h"
 #include "store/attach.h"
@@ -283,4 +284,32 @@ TEST_CASE("the store and four training workers hold the base weights once", "[e2
   CHECK(total.pss_kb >= 0.9 * base_kb);
   for (int64_t id : ids) cluster.Client({"cancel", std::to_string(id)});
   cluster.WaitForJobs(300);
+}
+
+TEST_CASE("`lorastream up` trains a job end to end, says where the adapter is, leaves nothing",
+          "[e2e]") {
+  std::string dir = NewRunDir("up");
+  std::string data = WriteData(dir, 30, 11);
+  std::string job = WriteJob(dir, "upjob", "replaced-by-up", data, 6, 3, 1);
+  int code = -1;
+  std::string out = lorastream::RunAndCapture(
+      {std::string(LORASTREAM_BIN_DIR) + "/lorastream", "up", "--run-dir", dir + "/run",
+       "--no-watch", "--job", job, "--cpu-workers", "2"},
+      &code, 600, dir + "/up.stderr");
+  INFO(out);
+  REQUIRE(code == 0);
+  CHECK_THAT(out, Catch::Contains("2 worker(s): cpu cpu"));
+  CHECK_THAT(out, Catch::Contains("succeeded  step 6/6, "));
+  CHECK_THAT(out, Catch::Contains(" tok/s, stall "));
+  CHECK_THAT(out, Catch::Contains(dir + "/run/adapters/upjob"));
+  CHECK_THAT(out, Catch::Contains("stopped; logs in " + dir + "/run/logs"));
+  CHECK(fs::exists(dir + "/run/adapters/upjob/adapter_model.safetensors"));
+  CHECK(fs::exists(dir + "/run/model/config.json"));  // the synthesized tiny model
+  // The store it started is gone, and its segments with it.
+  const size_t at = out.find("store `");
+  REQUIRE(at != std::string::npos);
+  const std::string store = out.substr(at + 7, out.find('`', at + 7) - at - 7);
+  REQUIRE(!store.empty());
+  for (const auto& entry : fs::directory_iterator("/dev/shm"))
+    CHECK(entry.path().filename().string().rfind(lorastream::ShmPrefix(store), 0) != 0);
 }
