@@ -20,6 +20,13 @@ namespace lorastream::testing {
 
 namespace fs = std::filesystem;
 
+// Spawn options that only redirect the output to `path`.
+inline SpawnOptions LogTo(const std::string& path) {
+  SpawnOptions o;
+  o.log_path = path;
+  return o;
+}
+
 inline std::string Bin(const std::string& name) {
   std::string path = std::string(LORASTREAM_BIN_DIR) + "/" + name;
   if (!fs::exists(path))
@@ -65,7 +72,7 @@ class Cluster {
                                      "--heartbeat-interval", "0.2", "--heartbeat-timeout", "3",
                                      "--reconcile-timeout", "10"};
     argv.insert(argv.end(), extra.begin(), extra.end());
-    coordinator_ = Subprocess::Spawn(argv, SpawnOptions{(dir_ / "coordinator.log").string()});
+    coordinator_ = Subprocess::Spawn(argv, LogTo((dir_ / "coordinator.log").string()));
     Client client = NewClient(500, curve_keys);
     bool up = WaitFor([&] {
       try {
@@ -89,7 +96,7 @@ class Cluster {
       argv.push_back(s);
     }
     workers_.push_back(
-        Subprocess::Spawn(argv, SpawnOptions{(dir_ / ("worker-" + host + ".log")).string()}));
+        Subprocess::Spawn(argv, LogTo((dir_ / ("worker-" + host + ".log")).string())));
     return workers_.back();
   }
 

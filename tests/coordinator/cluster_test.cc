@@ -111,7 +111,7 @@ TEST_CASE("cluster: a worker killed with SIGKILL mid-job -> the job finishes on 
   c.StartWorker("hostb", {"tiny:fp"}, 40);
   Subprocess watch = Subprocess::Spawn(
       {Bin("lorastream"), "--coordinator", c.endpoint(), "watch", std::to_string(id)},
-      SpawnOptions{(c.dir() / "watch.log").string()});
+      LogTo((c.dir() / "watch.log").string()));
   JobSummary before = c.Job(id);
   CHECK(before.worker_host == "hosta");
   a.Signal(SIGKILL);
@@ -150,7 +150,7 @@ TEST_CASE("cluster: coordinator killed and restarted mid-run -> every job still 
   CHECK(c.Job(j3).state == JobState::kQueued);
   // A `watch` of every job rides through the restart.
   Subprocess watch = Subprocess::Spawn({Bin("lorastream"), "--coordinator", c.endpoint(), "watch"},
-                                       SpawnOptions{(c.dir() / "watch.log").string()});
+                                       LogTo((c.dir() / "watch.log").string()));
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   c.coordinator().Signal(SIGKILL);
   CHECK(c.coordinator().Wait(10) == 128 + SIGKILL);

@@ -31,7 +31,7 @@ TEST_CASE("cluster with real workers: SIGKILL a worker, then the coordinator, mi
   Subprocess store_proc =
       Subprocess::Spawn({Bin("lorastream-store"), "serve", (c.dir() / "tiny").string(), "--name",
                          store},
-                        SpawnOptions{(c.dir() / "store.log").string()});
+                        LogTo((c.dir() / "store.log").string()));
   {
     std::mt19937 rng(1);
     std::ofstream data(c.dir() / "tokens.jsonl");
@@ -45,7 +45,7 @@ TEST_CASE("cluster with real workers: SIGKILL a worker, then the coordinator, mi
   auto start_worker = [&](const std::string& name) {
     return Subprocess::Spawn({worker_bin, "serve", "--coordinator", c.endpoint(), "--device",
                               "cpu", "--store", store, "--threads", "1"},
-                             SpawnOptions{(c.dir() / (name + ".log")).string()});
+                             LogTo((c.dir() / (name + ".log")).string()));
   };
   Subprocess a = start_worker("worker-a");
   Subprocess b = start_worker("worker-b");

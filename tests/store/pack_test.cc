@@ -303,7 +303,7 @@ TEST_CASE("malformed checkpoints are refused before anything is published", "[st
   {
     ScopedDir d;
     fresh(d);
-    ::truncate((d.path + "/model.safetensors").c_str(), 5000);
+    REQUIRE(::truncate((d.path + "/model.safetensors").c_str(), 5000) == 0);
     CHECK_THAT(ServeError(d.path, name), Catch::Contains("model.safetensors: tensor `"));
   }
 }

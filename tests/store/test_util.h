@@ -10,6 +10,7 @@
 
 #include <catch2/catch.hpp>
 
+#include "common/remove_tree.h"
 #include "store/synth.h"
 
 namespace lorastream::testing {
@@ -23,7 +24,7 @@ inline std::string TempDir() {
 // Removes a folder tree when the test ends.
 struct ScopedDir {
   std::string path = TempDir();
-  ~ScopedDir() { std::system(("rm -rf '" + path + "'").c_str()); }
+  ~ScopedDir() { RemoveTree(path); }
 };
 
 inline std::string PresetsDir() { return std::string(LORASTREAM_SOURCE_DIR) + "/configs/models"; }
