@@ -179,7 +179,8 @@ Manifest ManifestFromJson(const std::string& text, const std::string& source) {
   m.alignment = GetUnsigned(j, "alignment", source);
   if (m.alignment == 0 || (m.alignment & (m.alignment - 1)) != 0)
     Bad(source, "`alignment` must be a power of two");
-  const Json& blocks = Field(j, "blocks", source, "");
+  const std::string top;  // a named "where" for top-level fields (no temporary behind a reference)
+  const Json& blocks = Field(j, "blocks", source, top);
   if (!blocks.is_array()) Bad(source, "`blocks` must be an array");
   for (size_t i = 0; i < blocks.size(); ++i)
     m.blocks.push_back(
@@ -188,7 +189,7 @@ Manifest ManifestFromJson(const std::string& text, const std::string& source) {
     Bad(source, "has " + std::to_string(m.blocks.size()) + " blocks but the config has " +
                     std::to_string(m.config.num_hidden_layers) + " layers");
   m.rest = SegmentFromJson(Field(j, "rest", source, ""), m.alignment, source, "rest: ");
-  const Json& pid = Field(j, "owner_pid", source, "");
+  const Json& pid = Field(j, "owner_pid", source, top);
   if (!pid.is_number_integer()) Bad(source, "`owner_pid` must be an integer");
   m.owner_pid = pid.get<int64_t>();
   m.owner_start_time = GetUnsigned(j, "owner_start_time", source);

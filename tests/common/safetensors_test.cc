@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "common/remove_tree.h"
 
 using namespace lorastream;
 
@@ -108,7 +109,7 @@ TEST_CASE("safetensors round trip of every dtype with metadata", "[common]") {
   // Move keeps the mapping valid.
   SafetensorsFile g = std::move(f);
   CHECK(g.Find("scalar")->nbytes() == 4);
-  std::system(("rm -rf " + dir).c_str());
+  RemoveTree(dir);
 }
 
 TEST_CASE("sharded checkpoint with an index is read and cross-checked", "[common]") {
@@ -162,7 +163,7 @@ TEST_CASE("sharded checkpoint with an index is read and cross-checked", "[common
   CHECK_THAT(open_error(), Catch::Contains("neither model.safetensors nor model.safetensors.index.json"));
   std::remove((dir + "/config.json").c_str());
   CHECK_THAT(open_error(), Catch::Contains("no config.json"));
-  std::system(("rm -rf " + dir).c_str());
+  RemoveTree(dir);
 }
 
 TEST_CASE("malformed safetensors files are each rejected with their own error", "[common]") {
@@ -221,7 +222,7 @@ TEST_CASE("SafetensorsFile::Open names the file for missing, empty and non-regul
   WriteBytes(dir + "/bad.safetensors", WithHeader(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 4));
   CHECK_THAT(OpenError(dir + "/bad.safetensors"),
              Catch::Contains("bad.safetensors: tensor `w`: data_offsets end 8 is past"));
-  std::system(("rm -rf " + dir).c_str());
+  RemoveTree(dir);
 }
 
 TEST_CASE("streamed writer fills tensors chunk by chunk", "[common]") {
@@ -239,5 +240,5 @@ TEST_CASE("streamed writer fills tensors chunk by chunk", "[common]") {
   for (int i = 0; i < 1000; ++i) REQUIRE(x[i] == static_cast<uint8_t>(i));
   const uint8_t* y = f.Data(*f.Find("y"));
   for (int i = 0; i < 400; ++i) REQUIRE(y[i] == static_cast<uint8_t>(100 + i));
-  std::system(("rm -rf " + dir).c_str());
+  RemoveTree(dir);
 }

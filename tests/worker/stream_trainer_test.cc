@@ -14,6 +14,7 @@
 #include <catch2/catch.hpp>
 
 #include "common/job_spec.h"
+#include "common/remove_tree.h"
 #include "store/synth.h"
 #include "worker/data.h"
 #include "worker/stream_provider.h"
@@ -30,7 +31,7 @@ struct TempDir {
     REQUIRE(mkdtemp(templ) != nullptr);
     path = templ;
   }
-  ~TempDir() { std::system(("rm -rf '" + path + "'").c_str()); }
+  ~TempDir() { RemoveTree(path); }
 };
 
 std::string ReadFile(const std::string& path) {
