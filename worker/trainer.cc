@@ -20,6 +20,7 @@
 #include "worker/lora.h"
 #include "worker/model.h"
 #include "worker/resident_provider.h"
+#include "worker/stream_budget.h"
 #include "worker/train_state.h"
 
 namespace lorastream {
@@ -75,6 +76,7 @@ std::string FormatProgress(const StepStats& s, double eta) {
                   static_cast<long long>(s.copies), static_cast<long long>(s.copies_saved));
     line += buf;
   }
+  if (s.peak_device_bytes > 0) line += " peak " + FormatBytes(s.peak_device_bytes);
   return line;
 }
 

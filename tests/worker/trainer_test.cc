@@ -198,3 +198,25 @@ TEST_CASE("lorastream-worker train runs a job file and prints progress", "[worke
   CHECK(std::system(bad.c_str()) != 0);
   CHECK(testing::ReadFile(dir / "log2").find("lora.rank") != std::string::npos);
 }
+
+TEST_CASE("the progress line shows streaming and peak memory only when there are some",
+          "[worker]") {
+  StepStats s;
+  s.step = 3;
+  s.total_steps = 10;
+  s.loss = 1.5;
+  s.tokens_per_second = 1234;
+  const std::string plain = FormatProgress(s, 65);
+  CHECK_THAT(plain, Catch::StartsWith("step 3/10 loss 1.5000 "));
+  CHECK_THAT(plain, Catch::Contains("tok/s 1234 eta 1m05s"));
+  CHECK_THAT(plain, !Catch::Contains("h2d") && !Catch::Contains("peak"));
+  s.h2d_bytes = 2500000000;
+  s.copies = 20;
+  s.copies_saved = 4;
+  s.stall_seconds = 0.0342;
+  s.peak_device_bytes = uint64_t{8} << 30;
+  const std::string streamed = FormatProgress(s, 3700);
+  CHECK_THAT(streamed, Catch::Contains("eta 1h01m"));
+  CHECK_THAT(streamed, Catch::Contains("h2d 2.50GB stall 34.2ms copies 20 (+4 reused)"));
+  CHECK_THAT(streamed, Catch::Contains("peak 8.00 GiB"));
+}
