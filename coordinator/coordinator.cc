@@ -303,7 +303,7 @@ void Coordinator::Requeue(JobRecord& job, const std::string& why, bool count_ret
   LS_LOG_WARN("job {} '{}': {}", s.id, s.name, s.reason);
 }
 
-SubmitReply Coordinator::Submit(const SubmitRequest& req) {
+SubmitReply Coordinator::Submit(const SubmitRequest& req, const std::string& client_key) {
   SubmitReply reply;
   reply.problems = options_.validator(req.spec);
   const JobSpec& spec = req.spec;
@@ -333,6 +333,7 @@ SubmitReply Coordinator::Submit(const SubmitRequest& req) {
   s.state = JobState::kQueued;
   job.spec = spec;
   job.spec_toml = req.spec_toml;
+  job.owner = client_key;
   Save(job);
   queue_.Push(s.id, s.priority);
   reply.job_id = s.id;
@@ -378,9 +379,13 @@ StatsReply Coordinator::Stats(const StatsRequest& req) const {
   return reply;
 }
 
-CancelReply Coordinator::Cancel(const CancelRequest& req) {
+CancelReply Coordinator::Cancel(const CancelRequest& req, const std::string& client_key) {
   JobRecord& job = FindJob(req.job_id);
   JobSummary& s = job.summary;
+  if (!job.owner.empty() && client_key != job.owner)
+    throw Error(ErrorCode::kRefused, "job " + std::to_string(s.id) +
+                                         " was submitted with another client key; only that "
+                                         "key can cancel it");
   CancelReply reply;
   if (IsTerminal(s.state))
     throw Error(ErrorCode::kInvalidArgument, "job " + std::to_string(s.id) + " already " +

@@ -48,11 +48,13 @@ class Coordinator {
   WorkerAck Checkpoint(const CheckpointReport& req, double now);
   WorkerAck Finished(const JobFinished& req, double now);
 
-  SubmitReply Submit(const SubmitRequest& req);
+  // `client_key`: the requesting client's CURVE public key (Z85), "" without CURVE. A job
+  // submitted with a key can be cancelled only with the same key (kRefused otherwise).
+  SubmitReply Submit(const SubmitRequest& req, const std::string& client_key = "");
   ListJobsReply ListJobs(const ListJobsRequest& req, double now) const;
   ShowJobReply ShowJob(const ShowJobRequest& req, double now) const;
   StatsReply Stats(const StatsRequest& req) const;
-  CancelReply Cancel(const CancelRequest& req);
+  CancelReply Cancel(const CancelRequest& req, const std::string& client_key = "");
   ListWorkersReply ListWorkers(const ListWorkersRequest& req, double now) const;
   WatchReply Watch(const WatchRequest& req, double now) const;
 

@@ -53,7 +53,8 @@ struct CoordinatorServer::Impl {
     Send(identity, EncodeMessage(e, request_id));
   }
   void HandleFrames(std::vector<zmq::message_t>& frames);
-  std::string Dispatch(const Envelope& env, const std::string& identity, double now);
+  std::string Dispatch(const Envelope& env, const std::string& identity,
+                       const std::string& client_key, double now);
   void HandleZap();
   void AnswerWatches(double now, bool all);
 };
@@ -108,21 +109,24 @@ void CoordinatorServer::Impl::HandleZap() {
   std::string mechanism = frames.size() > 5 ? frames[5].to_string() : "";
   std::string address = frames.size() > 3 ? frames[3].to_string() : "";
   bool ok = false;
+  char z85_key[41] = {};
   if (mechanism == "CURVE" && frames.size() > 6 && frames[6].size() == 32) {
-    char z85[41];
-    zmq_z85_encode(z85, static_cast<const uint8_t*>(frames[6].data()), 32);
-    ok = keys.authorized_clients.count(z85) > 0;
+    zmq_z85_encode(z85_key, static_cast<const uint8_t*>(frames[6].data()), 32);
+    ok = keys.authorized_clients.count(z85_key) > 0;
   }
   if (!ok) LS_LOG_WARN("refused a {} client from {}: key not authorized", mechanism, address);
+  // The user id (the client's public key) reaches every message of the connection as its
+  // "User-Id" property: the coordinator records who submitted a job.
   std::array<std::string, 6> reply = {version, request_id, ok ? "200" : "400",
-                                      ok ? "OK" : "client key not authorized", "", ""};
+                                      ok ? "OK" : "client key not authorized",
+                                      ok ? std::string(z85_key) : "", ""};
   for (size_t i = 0; i < reply.size(); ++i)
     zap.send(zmq::buffer(reply[i]),
              i + 1 < reply.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
 }
 
 std::string CoordinatorServer::Impl::Dispatch(const Envelope& env, const std::string& identity,
-                                              double now) {
+                                              const std::string& client_key, double now) {
   uint32_t rid = env.header.request_id;
   Coordinator& c = *core;
   switch (static_cast<MessageType>(env.header.type)) {
@@ -137,7 +141,7 @@ std::string CoordinatorServer::Impl::Dispatch(const Envelope& env, const std::st
     case MessageType::kJobFinished:
       return EncodeMessage(c.Finished(DecodeMessage<JobFinished>(env), now), rid);
     case MessageType::kSubmit:
-      return EncodeMessage(c.Submit(DecodeMessage<SubmitRequest>(env)), rid);
+      return EncodeMessage(c.Submit(DecodeMessage<SubmitRequest>(env), client_key), rid);
     case MessageType::kListJobs:
       return EncodeMessage(c.ListJobs(DecodeMessage<ListJobsRequest>(env), now), rid);
     case MessageType::kShowJob:
@@ -145,7 +149,7 @@ std::string CoordinatorServer::Impl::Dispatch(const Envelope& env, const std::st
     case MessageType::kStats:
       return EncodeMessage(c.Stats(DecodeMessage<StatsRequest>(env)), rid);
     case MessageType::kCancel:
-      return EncodeMessage(c.Cancel(DecodeMessage<CancelRequest>(env)), rid);
+      return EncodeMessage(c.Cancel(DecodeMessage<CancelRequest>(env), client_key), rid);
     case MessageType::kListWorkers:
       return EncodeMessage(c.ListWorkers(DecodeMessage<ListWorkersRequest>(env), now), rid);
     case MessageType::kWatch: {
@@ -180,7 +184,9 @@ void CoordinatorServer::Impl::HandleFrames(std::vector<zmq::message_t>& frames) 
     rid = PeekRequestId(frame.data(), frame.size()).value_or(0);
     try {
       Envelope env = DecodeEnvelope(frame.data(), frame.size());
-      std::string reply = Dispatch(env, identity, SteadySeconds());
+      // Set by our ZAP handler under CURVE; absent otherwise (zmq_msg_gets then fails).
+      const char* user = curve ? zmq_msg_gets(frame.handle(), "User-Id") : nullptr;
+      std::string reply = Dispatch(env, identity, user ? user : "", SteadySeconds());
       if (!reply.empty()) Send(identity, reply);
       return;
     } catch (const Error& e) {

@@ -59,7 +59,7 @@ CREATE TABLE IF NOT EXISTS jobs (
   adapter_path TEXT, worker_id TEXT, worker_host TEXT, worker_device TEXT, attempt INTEGER,
   retries INTEGER, step INTEGER, total_steps INTEGER, checkpoint_step INTEGER,
   checkpoint_path TEXT, cancel_requested INTEGER, submitted_at REAL, started_at REAL,
-  finished_at REAL);
+  finished_at REAL, owner TEXT);
 CREATE TABLE IF NOT EXISTS stats (
   job_id INTEGER, step INTEGER, attempt INTEGER, total_steps INTEGER, loss REAL,
   learning_rate REAL, grad_norm REAL, tokens INTEGER, step_seconds REAL,
@@ -84,6 +84,13 @@ Journal::Journal(const std::string& path) : path_(path) {
   Exec("PRAGMA journal_mode=WAL");
   Exec("PRAGMA synchronous=NORMAL");
   Exec(kSchema);
+  // Journals written before jobs had an owner: add the column (empty: anyone may cancel).
+  bool has_owner = false;
+  {
+    Statement st(db_, "SELECT name FROM pragma_table_info('jobs')", path_);
+    while (st.Step()) has_owner = has_owner || st.Text(0) == "owner";
+  }
+  if (!has_owner) Exec("ALTER TABLE jobs ADD COLUMN owner TEXT");
 }
 
 Journal::~Journal() {
@@ -116,7 +123,7 @@ void Journal::SaveJob(const JobRecord& job) {
   const JobSummary& s = job.summary;
   Statement st(db_,
                "INSERT OR REPLACE INTO jobs VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,"
-               "?,?,?)",
+               "?,?,?,?)",
                path_);
   st.Bind(1, s.id).Bind(2, s.name).Bind(3, static_cast<int64_t>(s.state)).Bind(4, s.reason);
   st.Bind(5, static_cast<int64_t>(s.priority)).Bind(6, s.store_name).Bind(7, s.fingerprint);
@@ -127,7 +134,7 @@ void Journal::SaveJob(const JobRecord& job) {
   st.Bind(17, static_cast<int64_t>(job.retries)).Bind(18, s.step).Bind(19, s.total_steps);
   st.Bind(20, s.checkpoint_step).Bind(21, s.checkpoint_path);
   st.Bind(22, static_cast<int64_t>(s.cancel_requested)).Bind(23, s.submitted_at);
-  st.Bind(24, s.started_at).Bind(25, s.finished_at);
+  st.Bind(24, s.started_at).Bind(25, s.finished_at).Bind(26, job.owner);
   st.Step();
 }
 
@@ -167,6 +174,7 @@ std::vector<JobRecord> Journal::LoadJobs() const {
     s.submitted_at = st.Real(22);
     s.started_at = st.Real(23);
     s.finished_at = st.Real(24);
+    job.owner = st.Text(25);
     jobs.push_back(std::move(job));
   }
   return jobs;

@@ -149,6 +149,29 @@ TEST_CASE("cancel: queued at once, running at the next step boundary", "[coordin
   CHECK_THROWS_AS(c.Cancel(CancelRequest{999}), Error);
 }
 
+TEST_CASE("a job submitted with a client key is cancelled only with that key, across restarts",
+          "[coordinator]") {
+  TempDb db;
+  int64_t owned = 0, open = 0;
+  {
+    Coordinator c(Options(), Journal(db.path()), 0);
+    owned = c.Submit(Job("owned", 0), "KEY-A").job_id;
+    open = c.Submit(Job("open", 0)).job_id;  // no CURVE: no owner
+  }
+  Coordinator c(Options(), Journal(db.path()), 0);  // the owner survives the journal
+  try {
+    c.Cancel(CancelRequest{owned}, "KEY-B");
+    FAIL("another key cancelled the job");
+  } catch (const Error& e) {
+    CHECK(e.code() == ErrorCode::kRefused);
+    CHECK_THAT(e.what(), Catch::Contains("another client key"));
+  }
+  CHECK_THROWS_AS(c.Cancel(CancelRequest{owned}), Error);  // nor without a key
+  CHECK(c.ShowJob(ShowJobRequest{owned}, 0).job.state == JobState::kQueued);
+  CHECK(c.Cancel(CancelRequest{owned}, "KEY-A").state == JobState::kCancelled);
+  CHECK(c.Cancel(CancelRequest{open}, "KEY-B").state == JobState::kCancelled);
+}
+
 TEST_CASE("dead workers requeue their job from its checkpoint, up to the retry limit",
           "[coordinator]") {
   TempDb db;

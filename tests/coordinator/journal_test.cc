@@ -4,6 +4,8 @@
 
 #include <filesystem>
 
+#include <sqlite3.h>
+
 #include "coordinator/journal.h"
 
 using namespace lorastream;
@@ -46,4 +48,45 @@ TEST_CASE("journal round-trips jobs and statistics across reopen", "[coordinator
   std::filesystem::remove(path.string() + "-wal");
   std::filesystem::remove(path.string() + "-shm");
   CHECK_THROWS_AS(Journal("/nonexistent-dir/x/j.db"), Error);
+}
+
+TEST_CASE("a journal from before job owners opens, keeps its jobs and gains the column",
+          "[coordinator]") {
+  auto path = std::filesystem::temp_directory_path() /
+              ("lorastream-journal-old-" + std::to_string(getpid()) + ".db");
+  std::filesystem::remove(path);
+  JobRecord r;
+  r.summary.id = 3;
+  r.summary.name = "old";
+  r.summary.state = JobState::kQueued;
+  {
+    Journal j(path.string());
+    j.SaveJob(r);
+  }
+  {  // Rebuild `jobs` without its last column, as the previous version wrote it.
+    sqlite3* db = nullptr;
+    REQUIRE(sqlite3_open(path.c_str(), &db) == SQLITE_OK);
+    const char* sql =
+        "CREATE TABLE old AS SELECT id, name, state, reason, priority, store_name, fingerprint,"
+        " spec_source, spec_toml, spec_blob, output_dir, adapter_path, worker_id, worker_host,"
+        " worker_device, attempt, retries, step, total_steps, checkpoint_step, checkpoint_path,"
+        " cancel_requested, submitted_at, started_at, finished_at FROM jobs;"
+        "DROP TABLE jobs; ALTER TABLE old RENAME TO jobs;";
+    REQUIRE(sqlite3_exec(db, sql, nullptr, nullptr, nullptr) == SQLITE_OK);
+    sqlite3_close(db);
+  }
+  Journal j(path.string());
+  std::vector<JobRecord> jobs = j.LoadJobs();
+  REQUIRE(jobs.size() == 1);
+  CHECK(jobs[0].summary.name == "old");
+  CHECK(jobs[0].owner.empty());
+  r.summary.id = 4;
+  r.owner = "KEY";
+  j.SaveJob(r);
+  jobs = j.LoadJobs();
+  REQUIRE(jobs.size() == 2);
+  CHECK(jobs[1].owner == "KEY");
+  std::filesystem::remove(path);
+  std::filesystem::remove(path.string() + "-wal");
+  std::filesystem::remove(path.string() + "-shm");
 }

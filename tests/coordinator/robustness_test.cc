@@ -191,3 +191,38 @@ TEST_CASE("CURVE: an unauthenticated client is refused; keys are required off lo
   std::string text((std::istreambuf_iterator<char>(err)), std::istreambuf_iterator<char>());
   CHECK_THAT(text, Catch::Contains("--curve-keys"));
 }
+
+TEST_CASE("CURVE: only the key that submitted a job can cancel it", "[coordinator][cluster]") {
+  Cluster c("owner");
+  const fs::path keys = c.dir() / "keys", second = c.dir() / "second";
+  int code = -1;
+  c.Cli({"keygen", "--out", keys.string()}, &code);
+  REQUIRE(code == 0);
+  c.Cli({"keygen", "--out", second.string()}, &code);
+  REQUIRE(code == 0);
+  // A second user: its own client key pair, admitted by the coordinator.
+  fs::copy_file(keys / "coordinator.pub", second / "coordinator.pub",
+                fs::copy_options::overwrite_existing);
+  std::ifstream pub(second / "client.pub");
+  std::string second_key;
+  std::getline(pub, second_key);
+  REQUIRE(second_key.size() == 40);
+  std::ofstream(keys / "authorized_clients", std::ios::app) << second_key << "\n";
+  c.StartCoordinator({"--curve-keys", keys.string()}, keys.string());
+
+  std::string out = c.Cli({"--curve-keys", keys.string(), "submit", "-q", c.WriteJob("mine", 5)},
+                          &code);
+  REQUIRE(code == 0);
+  const std::string id = out.substr(0, out.find_first_of(" \n"));
+  out = c.Cli({"--curve-keys", second.string(), "cancel", id}, &code);
+  CHECK(code == 5);  // refused
+  std::ifstream err(c.dir() / "cli.stderr");  // the command's stderr
+  std::string errors((std::istreambuf_iterator<char>(err)), std::istreambuf_iterator<char>());
+  CHECK_THAT(errors, Catch::Contains("another client key"));
+  out = c.Cli({"--curve-keys", second.string(), "show", id}, &code);
+  CHECK(code == 0);
+  CHECK_THAT(out, Catch::Contains("queued"));  // nobody cancelled it
+  out = c.Cli({"--curve-keys", keys.string(), "cancel", id}, &code);
+  CHECK(code == 0);
+  CHECK_THAT(out, Catch::Contains("cancel"));
+}
