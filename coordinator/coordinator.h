@@ -48,8 +48,9 @@ class Coordinator {
   WorkerAck Checkpoint(const CheckpointReport& req, double now);
   WorkerAck Finished(const JobFinished& req, double now);
 
-  // `client_key`: the requesting client's CURVE public key (Z85), "" without CURVE. A job
-  // submitted with a key can be cancelled only with the same key (kRefused otherwise).
+  // `client_key`: the requesting client's CURVE public key (Z85), "" without CURVE. Under
+  // CURVE a job submitted with a key can be cancelled only with the same key (kRefused
+  // otherwise); a coordinator without CURVE (loopback) lets anyone on the host cancel.
   SubmitReply Submit(const SubmitRequest& req, const std::string& client_key = "");
   ListJobsReply ListJobs(const ListJobsRequest& req, double now) const;
   ShowJobReply ShowJob(const ShowJobRequest& req, double now) const;
