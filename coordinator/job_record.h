@@ -13,8 +13,8 @@ struct JobRecord {
   JobSpec spec;           // as validated at submission; what workers run
   std::string spec_toml;  // the text as written
   int32_t retries = 0;  // requeues after a worker died
-  // The CURVE public key (Z85) of the client that submitted it; "" without CURVE. Only that
-  // key may cancel the job.
+  // The CURVE public key (Z85) of the client that submitted it; "" without CURVE. Under CURVE
+  // only that key may cancel the job (Coordinator::Cancel).
   std::string owner;
 };
 
