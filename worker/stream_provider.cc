@@ -11,6 +11,7 @@
 #include "common/error.h"
 #include "common/job_spec.h"
 #include "common/log.h"
+#include "store/shm_segment.h"
 #include "worker/base_weights.h"
 
 namespace lorastream {
@@ -46,11 +47,10 @@ class PackedBlocks {
     manifest_.config = config;
     manifest_.dtype = DTypeOf(dtype);
     const uint64_t align = manifest_.alignment;
-    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
     for (int i = 0; i < base.num_blocks(); ++i) {
       SegmentInfo s = LayoutSegment(config.BlockTensorShapes(), "block " + std::to_string(i),
                                     manifest_.dtype, align);
-      const size_t mapped = (s.nbytes + page - 1) / page * page;
+      const size_t mapped = RoundUpToPage(s.nbytes);
       void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
       if (p == MAP_FAILED) ThrowErrno("stream: mapping " + std::to_string(mapped) + " bytes");
       maps_.push_back({p, mapped});

@@ -15,6 +15,7 @@
 #include "common/error.h"
 #include "common/manifest.h"
 #include "common/model_config.h"
+#include "store/shm_segment.h"
 
 namespace lorastream::testing {
 
@@ -44,13 +45,12 @@ class HostBlocks {
     manifest_.store_name = "test";
     manifest_.config = config;
     manifest_.dtype = DType::kF32;
-    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
     std::mt19937_64 rng(seed);
     std::normal_distribution<float> normal(0.0f, 0.2f);
     for (int i = 0; i < config.num_hidden_layers; ++i) {
       SegmentInfo s = LayoutSegment(config.BlockTensorShapes(), "block" + std::to_string(i),
                                    DType::kF32, manifest_.alignment);
-      const size_t mapped = (s.nbytes + page - 1) / page * page;
+      const size_t mapped = RoundUpToPage(s.nbytes);
       const int fd = memfd_create(("lorastream-test-block" + std::to_string(i)).c_str(), MFD_CLOEXEC);
       LS_CHECK(fd >= 0 && ftruncate(fd, static_cast<off_t>(mapped)) == 0, "memfd for test blocks");
       void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
