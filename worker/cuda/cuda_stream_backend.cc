@@ -12,13 +12,13 @@
 #include <vector>
 
 #include <ATen/ops/empty.h>
-#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
 #include "common/error.h"
 #include "common/log.h"
 #include "worker/cuda/cuda_handles.h"
+#include "worker/cuda/cuda_memory.h"
 
 namespace lorastream {
 
@@ -189,15 +189,9 @@ class CudaStreamBackend : public StreamBackend {
     host_wait_seconds_ = 0;
   }
 
-  uint64_t PeakDeviceBytes() override {
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(
-        static_cast<c10::DeviceIndex>(device_index_));
-    return static_cast<uint64_t>(stats.allocated_bytes[0].peak);  // [0]: all pools
-  }
+  uint64_t PeakDeviceBytes() override { return CudaPeakAllocatedBytes(device_index_); }
 
-  void ResetPeak() override {
-    c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(device_index_));
-  }
+  void ResetPeak() override { CudaResetPeakAllocated(device_index_); }
 
  private:
   struct Job {
