@@ -5,18 +5,13 @@
 #include <cstdio>
 #include <thread>
 
+#include "common/format_bytes.h"
 #include "store/attach.h"
 #include "store/registry.h"
 
 namespace lorastream {
 
 namespace {
-
-std::string GiB(uint64_t n) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.3f GiB", n / double(1ull << 30));
-  return buf;
-}
 
 }  // namespace
 
@@ -35,7 +30,7 @@ void RunLs(std::ostream& out) {
                                                                         : "loading";
     out << s.name << ": " << state;
     if (s.record) out << ", owner pid " << s.record->owner_pid;
-    out << ", " << s.objects.size() << " shm objects, " << GiB(bytes) << "\n";
+    out << ", " << s.objects.size() << " shm objects, " << FormatGiB(bytes, 3) << "\n";
     std::vector<int64_t> attached;
     for (int64_t pid : s.mapping_pids)
       if (!s.record || pid != s.record->owner_pid) attached.push_back(pid);
@@ -59,7 +54,7 @@ void RunVerify(const std::string& name, int threads, std::ostream& out) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const Manifest& m = store.manifest();
   out << "store `" << name << "`: " << m.blocks.size() << " blocks + rest, "
-      << GiB(m.total_bytes()) << ", fingerprint " << m.fingerprint
+      << FormatGiB(m.total_bytes(), 3) << ", fingerprint " << m.fingerprint
       << ": every checksum matches (" << s << " s)\n";
 }
 
