@@ -18,6 +18,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "common/unique_fd.h"
 #include "store/attach.h"
 
 namespace lorastream {
@@ -33,19 +34,16 @@ double Now() {
 
 // A loopback TCP port that is free now (the coordinator binds it right after).
 int FreeLoopbackPort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) ThrowErrno("socket");
+  UniqueFd fd(socket(AF_INET, SOCK_STREAM, 0));
+  if (!fd.valid()) ThrowErrno("socket");
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   addr.sin_port = 0;
   socklen_t len = sizeof addr;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    close(fd);
+  if (bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+      getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len) != 0)
     ThrowErrno("bind a loopback port");
-  }
-  close(fd);
   return ntohs(addr.sin_port);
 }
 
