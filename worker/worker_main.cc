@@ -16,7 +16,10 @@
 
 namespace {
 std::atomic<bool> g_stop_serving{false};
+std::atomic<bool> g_hold_at_checkpoint{false};
 void OnStopSignal(int) { g_stop_serving = true; }
+void OnHoldSignal(int) { g_hold_at_checkpoint = true; }
+void OnResumeSignal(int) { g_hold_at_checkpoint = false; }
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -77,6 +80,9 @@ int main(int argc, char** argv) {
       serve.stream = !serve_resident;
       std::signal(SIGINT, OnStopSignal);
       std::signal(SIGTERM, OnStopSignal);
+      std::signal(SIGUSR1, OnHoldSignal);
+      std::signal(SIGUSR2, OnResumeSignal);
+      serve.hold_at_checkpoint = &g_hold_at_checkpoint;
       return RunServe(serve, g_stop_serving);
     }
     RunParity(parity);
