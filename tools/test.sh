@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The README's test command: installs what is missing, builds, runs every CPU test through
-# CTest, then builds the libFuzzer targets with clang and runs each for a bounded time.
+# The README's test command: installs what is missing, builds (tools/setup.sh), runs every CPU
+# test through CTest, the `gpu` tests too on a CUDA build with a GPU, then builds the
+# libFuzzer targets with clang and runs each for a bounded time.
 # Usage: tools/test.sh [ctest args...]     (LORASTREAM_FUZZ_SECONDS=0 skips fuzzing)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -11,10 +12,18 @@ start=$(date +%s)
 "$ROOT/tools/setup.sh"
 echo "test: built in $(( $(date +%s) - start )) s"
 
-# Tests that need a GPU carry the `gpu` label; tools/gpu/build_and_test.sh runs them.
+# Tests that need a GPU carry the `gpu` label: run after the CPU tests on a CUDA build on a
+# machine with a GPU (a CPU build has none).
 (cd "$BUILD_DIR" && ctest --output-on-failure -LE gpu -j1 "$@")
+if grep -q "LORASTREAM_BUILD_CUDA 1" "$BUILD_DIR/generated/lorastream_build_config.h" &&
+   { nvidia-smi -L 2>/dev/null | grep -q '^GPU '; }; then
+  echo "test: CUDA build and a GPU: running the gpu tests"
+  (cd "$BUILD_DIR" && ctest --output-on-failure -L gpu -j1 "$@")
+fi
 
-if [[ "$FUZZ_SECONDS" != "0" ]]; then
+if [[ "$FUZZ_SECONDS" != "0" ]] && ! command -v clang++ >/dev/null; then
+  echo "test: no clang++ here (setup installs it only with Debian's LibTorch): fuzzing skipped"
+elif [[ "$FUZZ_SECONDS" != "0" ]]; then
   FUZZ_DIR="$BUILD_DIR-fuzz"
   if [[ ! -f "$FUZZ_DIR/build.ninja" ]]; then
     CC=clang CXX=clang++ cmake -S "$ROOT" -B "$FUZZ_DIR" -G Ninja -DLORASTREAM_FUZZ=ON \
