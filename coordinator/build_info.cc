@@ -23,11 +23,12 @@ std::string CudaBuildProblem(const std::vector<std::string>& devices, size_t gpu
   for (const std::string& d : devices)
     if (d.rfind("cuda", 0) == 0) asked += (asked.empty() ? "" : ", ") + d;
   if (asked.empty()) return "";
-  const std::string host = gpus_on_host > 0 ? "this machine has " + std::to_string(gpus_on_host) +
-                                                  " NVIDIA GPU(s)"
-                                            : "this machine shows no NVIDIA GPU";
+  const std::string host =
+      gpus_on_host > 0 ? "this machine has " + std::to_string(gpus_on_host) + " NVIDIA GPU(s)"
+                       : "this machine shows no NVIDIA GPU";
   return "this build is CPU-only (" + BuildSummary(build) + ") and cannot use " + asked + "; " +
-         host + ": rebuild for CUDA with `tools/setup.sh` (it picks python3's CUDA torch, or "
+         host +
+         ": rebuild for CUDA with `tools/setup.sh` (it picks python3's CUDA torch, or "
          "set LORASTREAM_LIBTORCH=DIR), or use CPU workers (--device cpu)";
 }
 

@@ -117,7 +117,8 @@ int RunLorastreamCli(int argc, char** argv) {
                  "coordinator.*, clients load coordinator.pub + client.*)")
       ->envname("LORASTREAM_CURVE_KEYS");
   CLI::Option* timeout_opt =
-      app.add_option("--timeout", g.timeout_s, "seconds to wait for each reply")->capture_default_str();
+      app.add_option("--timeout", g.timeout_s, "seconds to wait for each reply")
+          ->capture_default_str();
 
   // coordinator
   ServerOptions server;
@@ -221,9 +222,10 @@ int RunLorastreamCli(int argc, char** argv) {
 
   // doctor
   CLI::App* doctor = app.add_subcommand(
-      "doctor", "what this machine and build can do (build, GPUs, memlock, /dev/shm, huge "
-                "pages, host registration, stores, coordinator), each problem with its fix; "
-                "exit 1 when it finds a problem");
+      "doctor",
+      "what this machine and build can do (build, GPUs, memlock, /dev/shm, huge "
+      "pages, host registration, stores, coordinator), each problem with its fix; "
+      "exit 1 when it finds a problem");
   doctor->add_flag("--json", json, "JSON object");
 
   try {

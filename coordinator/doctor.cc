@@ -46,10 +46,11 @@ nlohmann::json BuildCheck(nlohmann::json& report, size_t gpus) {
                    {"cuda_version", b.cuda_version},
                    {"summary", BuildSummary(b)}};
   if (!b.cuda && gpus > 0)
-    AddProblem(report, "build", "this build is CPU-only on a machine with " +
-                                    std::to_string(gpus) + " NVIDIA GPU(s)",
-               "rebuild with `tools/setup.sh` (it picks python3's CUDA torch, or set "
-               "LORASTREAM_LIBTORCH=DIR)");
+    AddProblem(
+        report, "build",
+        "this build is CPU-only on a machine with " + std::to_string(gpus) + " NVIDIA GPU(s)",
+        "rebuild with `tools/setup.sh` (it picks python3's CUDA torch, or set "
+        "LORASTREAM_LIBTORCH=DIR)");
   return j;
 }
 
@@ -71,7 +72,7 @@ nlohmann::json MemlockCheck(nlohmann::json& report) {
   nlohmann::json j{{"unlimited", unlimited}, {"root", geteuid() == 0}};
   j["soft_bytes"] = unlimited ? nlohmann::json(nullptr) : nlohmann::json(uint64_t(limit.rlim_cur));
   j["hard_bytes"] = limit.rlim_max == RLIM_INFINITY ? nlohmann::json(nullptr)
-                                                     : nlohmann::json(uint64_t(limit.rlim_max));
+                                                    : nlohmann::json(uint64_t(limit.rlim_max));
   // root holds CAP_IPC_LOCK (outside most containers): the limit does not apply to it.
   if (!unlimited && geteuid() != 0)
     AddProblem(report, "memlock",
@@ -93,9 +94,10 @@ nlohmann::json ShmCheck(nlohmann::json& report) {
   const uint64_t size = uint64_t(st.f_blocks) * st.f_frsize;
   const uint64_t free = uint64_t(st.f_bavail) * st.f_frsize;
   if (size < kGiB)
-    AddProblem(report, "dev_shm",
-               "/dev/shm holds only " + Bytes(size) + ": a store needs room for the whole base model",
-               "`mount -o remount,size=NG /dev/shm` (containers: docker run --shm-size=NG)");
+    AddProblem(
+        report, "dev_shm",
+        "/dev/shm holds only " + Bytes(size) + ": a store needs room for the whole base model",
+        "`mount -o remount,size=NG /dev/shm` (containers: docker run --shm-size=NG)");
   return {{"path", "/dev/shm"}, {"mounted", true}, {"size_bytes", size}, {"free_bytes", free}};
 }
 
@@ -112,8 +114,8 @@ nlohmann::json HugePagesCheck(nlohmann::json& report) {
                std::string("shared-memory huge pages are `") + setting +
                    "`: the store's segments use 4 KiB pages (slower registration and copies)",
                std::string("`echo advise > ") + kShmemHugeFile + "` as root");
-  return {{"file", kShmemHugeFile}, {"setting", setting.empty() ? nlohmann::json(nullptr)
-                                                                 : nlohmann::json(setting)}};
+  return {{"file", kShmemHugeFile},
+          {"setting", setting.empty() ? nlohmann::json(nullptr) : nlohmann::json(setting)}};
 }
 
 nlohmann::json HostRegisterCheck(nlohmann::json& report, const DoctorOptions& o, size_t gpus) {
@@ -130,17 +132,18 @@ nlohmann::json HostRegisterCheck(nlohmann::json& report, const DoctorOptions& o,
     code = -1;
   }
   nlohmann::json probe = nlohmann::json::parse(out, nullptr, false);
-  nlohmann::json j{{"applicable", true}, {"probe", probe.is_object() ? probe : nlohmann::json(out)}};
+  nlohmann::json j{{"applicable", true},
+                   {"probe", probe.is_object() ? probe : nlohmann::json(out)}};
   const bool ok = probe.is_object() && probe.value("ok", false) == true;
   j["ok"] = ok;
   if (!ok) {
-    const std::string why = probe.is_object() ? probe.value("step", std::string("?")) + ": " +
-                                                    probe.value("error", std::string("?"))
-                                              : "lorastream-worker probe-host-register exited " +
-                                                    std::to_string(code);
+    const std::string why =
+        probe.is_object()
+            ? probe.value("step", std::string("?")) + ": " + probe.value("error", std::string("?"))
+            : "lorastream-worker probe-host-register exited " + std::to_string(code);
     AddProblem(report, "host_register",
-               "read-only host registration of a shared-memory mapping failed on cuda:0 (" +
-                   why + "): workers fall back to staged copies",
+               "read-only host registration of a shared-memory mapping failed on cuda:0 (" + why +
+                   "): workers fall back to staged copies",
                "raise the memlock limit (`ulimit -l unlimited`) and use a driver with "
                "cudaHostRegisterReadOnly (CUDA 11.1 or later)");
   }
@@ -208,11 +211,14 @@ std::string DoctorText(const nlohmann::json& r) {
   };
   out << "lorastream doctor\n";
   const auto& build = r["build"];
-  row("build", build.value("summary", "") +
-                   (build.value("libtorch_dir", "").empty() ? "" : " (" + build.value("libtorch_dir", "") + ")"));
+  row("build", build.value("summary", "") + (build.value("libtorch_dir", "").empty()
+                                                 ? ""
+                                                 : " (" + build.value("libtorch_dir", "") + ")"));
   if (r["gpus"].empty()) row("GPUs", "none");
   for (const auto& g : r["gpus"]) {
-    std::string line = "cuda:" + std::to_string(g.value("index", 0)) + " " + g.value("name", "?");
+    const std::string name = g.value("name", "");
+    std::string line = "cuda:" + std::to_string(g.value("index", 0)) + " " +
+                       (name.empty() ? "(model unknown)" : name);
     if (g.value("memory_total_bytes", uint64_t{0}) > 0)
       line += ", " + Bytes(g.value("memory_total_bytes", uint64_t{0})) + " (" +
               Bytes(g.value("memory_used_bytes", uint64_t{0})) + " used)";
@@ -221,9 +227,10 @@ std::string DoctorText(const nlohmann::json& r) {
     row("GPU", line);
   }
   const auto& ml = r["memlock"];
-  row("memlock", ml.value("unlimited", false) ? "unlimited"
-                                              : Bytes(ml["soft_bytes"].get<uint64_t>()) +
-                                                    (ml.value("root", false) ? " (root: not applied)" : ""));
+  row("memlock", ml.value("unlimited", false)
+                     ? "unlimited"
+                     : Bytes(ml["soft_bytes"].get<uint64_t>()) +
+                           (ml.value("root", false) ? " (root: not applied)" : ""));
   const auto& shm = r["dev_shm"];
   row("/dev/shm", shm.value("mounted", false)
                       ? Bytes(shm.value("size_bytes", uint64_t{0})) + ", " +
@@ -233,8 +240,8 @@ std::string DoctorText(const nlohmann::json& r) {
   row("shmem THP", hp["setting"].is_string() ? hp["setting"].get<std::string>() : "unknown");
   const auto& hr = r["host_register"];
   row("host register", !hr.value("applicable", false) ? hr.value("detail", "")
-                       : hr.value("ok", false)         ? "read-only registration works on cuda:0"
-                                                       : "FAILS on cuda:0");
+                       : hr.value("ok", false)        ? "read-only registration works on cuda:0"
+                                                      : "FAILS on cuda:0");
   if (r["stores"].empty()) row("stores", "none published");
   for (const auto& s : r["stores"])
     row("store", s.value("name", "") + ": " + s.value("state", "") + ", " +

@@ -50,8 +50,7 @@ struct JobTree {
 
 }  // namespace
 
-TEST_CASE("job file paths resolve against the job file's folder, not the current one",
-          "[common]") {
+TEST_CASE("job file paths resolve against the job file's folder, not the current one", "[common]") {
   JobTree t;
   const fs::path project = fs::canonical(t.root / "project");
   // Loaded from a folder that is neither the job's nor the data's, through a relative path.
