@@ -75,8 +75,10 @@ int RunUp(const UpOptions& options) {
   co.devices = options.devices.empty() ? DetectGpus() : options.devices;
   co.cpu_workers = options.cpu_workers;
   // Before anything starts: a CPU-only build asked (or defaulting) to run CUDA workers.
-  if (std::string problem = CudaBuildProblem(co.devices, ListGpus().size()); !problem.empty())
-    throw Error(ErrorCode::kUnsupported, problem);
+  if (!ThisBuild().cuda) {
+    if (std::string problem = CudaBuildProblem(co.devices, ListGpus().size()); !problem.empty())
+      throw Error(ErrorCode::kUnsupported, problem);
+  }
   std::string configs = options.configs_dir.empty() ? ConfigsDir() : options.configs_dir;
   std::vector<std::string> jobs = options.jobs.empty() ? ExampleJobs(configs) : options.jobs;
   co.run_dir = fs::absolute(options.run_dir.empty() ? DefaultRunDir() : options.run_dir);

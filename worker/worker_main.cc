@@ -71,7 +71,8 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   // A CPU-only build asked for a GPU says so in one line before it starts anything.
   const std::string device = *train_cmd ? train.device : *serve_cmd ? serve.device : parity.device;
-  if (*train_cmd || *serve_cmd || *parity_cmd) {
+  // (Only a CPU-only build asks which GPUs the host has: nvidia-smi takes a moment.)
+  if (!ThisBuild().cuda && (*train_cmd || *serve_cmd || *parity_cmd)) {
     if (std::string problem = CudaBuildProblem({device}, ListGpus().size()); !problem.empty()) {
       std::fprintf(stderr, "lorastream-worker: unsupported: %s\n", problem.c_str());
       return ExitCodeFor(ErrorCode::kUnsupported);

@@ -28,7 +28,8 @@ nlohmann::json ProbeHostRegister(int device_index, size_t bytes) {
     r["error"] = error;
     return r;
   };
-  const std::string name = "/lorastream.doctor-probe-" + std::to_string(getpid());
+  // Not under the stores' "lorastream." prefix: `store ls` never mistakes it for a store.
+  const std::string name = "/lorastream-doctor-probe-" + std::to_string(getpid());
   try {
     // The owner writes, then only a read-only mapping of the object is registered (the
     // owner's writable one is gone by then, as a store's is MakeReadOnly()'d).
