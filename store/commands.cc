@@ -11,10 +11,6 @@
 
 namespace lorastream {
 
-namespace {
-
-}  // namespace
-
 void RunLs(std::ostream& out) {
   const std::vector<StoreListing> stores = ListStores();
   if (stores.empty()) {
@@ -22,18 +18,10 @@ void RunLs(std::ostream& out) {
     return;
   }
   for (const StoreListing& s : stores) {
-    uint64_t bytes = 0;
-    for (const ShmObject& o : s.objects) bytes += o.bytes;
-    std::string state = !s.record                                       ? "orphaned (no manifest)"
-                        : !s.alive                                      ? "stale (owner gone)"
-                        : s.record->state == ManifestState::kPublished ? "published"
-                                                                        : "loading";
-    out << s.name << ": " << state;
+    out << s.name << ": " << StoreStateName(s);
     if (s.record) out << ", owner pid " << s.record->owner_pid;
-    out << ", " << s.objects.size() << " shm objects, " << FormatGiB(bytes, 3) << "\n";
-    std::vector<int64_t> attached;
-    for (int64_t pid : s.mapping_pids)
-      if (!s.record || pid != s.record->owner_pid) attached.push_back(pid);
+    out << ", " << s.objects.size() << " shm objects, " << FormatGiB(StoreBytes(s), 3) << "\n";
+    const std::vector<int64_t> attached = AttachedPids(s);
     out << "  attached processes (" << attached.size() << "):";
     for (int64_t pid : attached) out << " " << pid;
     out << "\n";

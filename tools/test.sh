@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The README's test command: installs what is missing, builds, runs every CPU test through
-# CTest, then builds the libFuzzer targets with clang and runs each for a bounded time.
-# Then the torch-free tests (common, store, coordinator) again, built and run under
-# AddressSanitizer+UndefinedBehaviorSanitizer and under ThreadSanitizer (their own build
-# folders, no worker, so no LibTorch).
+# The README's test command: installs what is missing, builds (tools/setup.sh), runs every CPU
+# test through CTest, the `gpu` tests too on a CUDA build with a GPU, then the torch-free tests
+# (common, store, coordinator) again, built and run under AddressSanitizer+UndefinedBehavior-
+# Sanitizer and under ThreadSanitizer (their own build folders, no worker, so no LibTorch),
+# then builds the libFuzzer targets with clang and runs each for a bounded time.
 # Usage: tools/test.sh [ctest args...]     (LORASTREAM_FUZZ_SECONDS=0 skips fuzzing;
 #        LORASTREAM_SANITIZERS="asan tsan" by default, "" skips the sanitizer runs)
 set -euo pipefail
@@ -16,8 +16,14 @@ start=$(date +%s)
 "$ROOT/tools/setup.sh"
 echo "test: built in $(( $(date +%s) - start )) s"
 
-# Tests that need a GPU carry the `gpu` label; tools/gpu/build_and_test.sh runs them.
+# Tests that need a GPU carry the `gpu` label: run after the CPU tests on a CUDA build on a
+# machine with a GPU (a CPU build has none).
 (cd "$BUILD_DIR" && ctest --output-on-failure -LE gpu -j1 "$@")
+if grep -q "LORASTREAM_BUILD_CUDA 1" "$BUILD_DIR/generated/lorastream_build_config.h" &&
+   { nvidia-smi -L 2>/dev/null | grep -q '^GPU '; }; then
+  echo "test: CUDA build and a GPU: running the gpu tests"
+  (cd "$BUILD_DIR" && ctest --output-on-failure -L gpu -j1 "$@")
+fi
 
 # One sanitized build of the torch-free components and their tests, run through CTest.
 # -O1 keeps the build affordable on two cores; every finding fails the run.
@@ -25,7 +31,11 @@ sanitized_tests() {
   local name=$1 flags=$2 dir="$BUILD_DIR-$1" began
   began=$(date +%s)
   if [[ ! -f "$dir/build.ninja" ]]; then
+    # The main build's dependency prefixes (the .deb folder's, on a machine without apt).
+    local prefix
+    prefix=$(sed -n 's/^CMAKE_PREFIX_PATH:[A-Z]*=//p' "$BUILD_DIR/CMakeCache.txt" 2>/dev/null || true)
     cmake -S "$ROOT" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=None -DLORASTREAM_WORKER=OFF \
+      ${prefix:+-DCMAKE_PREFIX_PATH="$prefix"} \
       -DCMAKE_CXX_FLAGS="-O1 -g -fno-omit-frame-pointer $flags" \
       -DCMAKE_C_FLAGS="-O1 -g -fno-omit-frame-pointer $flags" \
       -DCMAKE_EXE_LINKER_FLAGS="$flags" -DCMAKE_SHARED_LINKER_FLAGS="$flags"
@@ -48,7 +58,9 @@ for sanitizer in $SANITIZERS; do
   esac
 done
 
-if [[ "$FUZZ_SECONDS" != "0" ]]; then
+if [[ "$FUZZ_SECONDS" != "0" ]] && ! command -v clang++ >/dev/null; then
+  echo "test: no clang++ here (setup installs it only with Debian's LibTorch): fuzzing skipped"
+elif [[ "$FUZZ_SECONDS" != "0" ]]; then
   FUZZ_DIR="$BUILD_DIR-fuzz"
   if [[ ! -f "$FUZZ_DIR/build.ninja" ]]; then
     CC=clang CXX=clang++ cmake -S "$ROOT" -B "$FUZZ_DIR" -G Ninja -DLORASTREAM_FUZZ=ON \
