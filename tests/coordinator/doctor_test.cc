@@ -38,7 +38,8 @@ TEST_CASE("doctor --json reports this machine and an unreachable coordinator wit
 
   CHECK(r["build"]["cuda"].get<bool>() == ThisBuild().cuda);
   CHECK(r["build"]["summary"] == BuildSummary());
-  CHECK_THAT(r["build"]["summary"].get<std::string>(), Catch::StartsWith("LibTorch "));
+  // A build without the worker (the sanitizer builds) has no LibTorch to name.
+  CHECK(r["build"]["libtorch_version"] == ThisBuild().libtorch_version);
   CHECK(r["gpus"].is_array());
   CHECK(r["gpus"].size() == ListGpus().size());
   CHECK(r["memlock"]["unlimited"].is_boolean());
