@@ -1,7 +1,5 @@
 // Relative paths inside a job file resolve against the job file's own folder; the job file's
 // path itself is relative to the current directory.
-#include <unistd.h>
-
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -9,6 +7,7 @@
 #include <catch2/catch.hpp>
 
 #include "common/job_paths.h"
+#include "tests/support/test_support.h"
 
 namespace fs = std::filesystem;
 using lorastream::JobSpec;
@@ -30,10 +29,9 @@ void InDirectory(const fs::path& dir, F body) {
 }
 
 struct JobTree {
-  fs::path root;
+  lorastream::testing::TempDir tmp{"jobpaths"};
+  fs::path root = tmp.path();
   JobTree() {
-    root = fs::temp_directory_path() / ("lorastream-jobpaths-" + std::to_string(getpid()));
-    fs::remove_all(root);
     fs::create_directories(root / "project/jobs");
     fs::create_directories(root / "project/data");
     fs::create_directories(root / "elsewhere");
@@ -41,10 +39,6 @@ struct JobTree {
     std::ofstream(root / "project/jobs/job.toml")
         << "[model]\nstore = \"s\"\n[data]\npath = \"../data/train.jsonl\"\n"
            "[train]\nsteps = 1\noutput_dir = \"out\"\nstats_file = \"/abs/stats.jsonl\"\n";
-  }
-  ~JobTree() {
-    std::error_code ec;
-    fs::remove_all(root, ec);
   }
 };
 

@@ -1,6 +1,5 @@
 // `lorastream up` works from any folder, in the build tree and installed by `cmake --install`,
 // and a CPU-only build refuses CUDA workers in one line before it starts anything.
-#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -12,18 +11,11 @@
 
 #include "common/subprocess.h"
 #include "coordinator/build_info.h"
+#include "tests/support/test_support.h"
 
 namespace fs = std::filesystem;
 
 namespace {
-
-fs::path FreshDir(const std::string& name) {
-  fs::path dir =
-      fs::temp_directory_path() / ("lorastream-anywhere-" + name + "-" + std::to_string(getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
 
 // Runs argv with `cwd` as its current directory (through sh: cd, then exec).
 std::string RunIn(const fs::path& cwd, std::vector<std::string> argv, int* code,
@@ -65,14 +57,14 @@ void UpTrainsTheExamples(const fs::path& cwd, const std::string& lorastream) {
 }  // namespace
 
 TEST_CASE("`lorastream up` from a temporary folder trains the example jobs", "[e2e][anywhere]") {
-  const fs::path dir = FreshDir("tmpcwd");
-  UpTrainsTheExamples(dir, std::string(LORASTREAM_BIN_DIR) + "/lorastream");
-  fs::remove_all(dir);
+  const lorastream::testing::TempDir dir("anywhere-tmpcwd");
+  UpTrainsTheExamples(dir.path(), std::string(LORASTREAM_BIN_DIR) + "/lorastream");
 }
 
 TEST_CASE("installed by `cmake --install`, `lorastream up` trains the examples from any folder",
           "[e2e][anywhere]") {
-  const fs::path dir = FreshDir("installed");
+  const lorastream::testing::TempDir tmp("anywhere-installed");
+  const fs::path& dir = tmp.path();
   int code = -1;
   const std::string log = (dir / "install.log").string();
   lorastream::RunAndCapture({LORASTREAM_CMAKE_COMMAND, "--install", LORASTREAM_BUILD_DIR,
@@ -87,7 +79,6 @@ TEST_CASE("installed by `cmake --install`, `lorastream up` trains the examples f
     CHECK(fs::exists(dir / "prefix" / f));
   fs::create_directories(dir / "elsewhere");
   UpTrainsTheExamples(dir / "elsewhere", (dir / "prefix/bin/lorastream").string());
-  fs::remove_all(dir);
 }
 
 TEST_CASE("a CPU-only build on a machine with GPUs refuses CUDA workers in one line",
@@ -96,7 +87,8 @@ TEST_CASE("a CPU-only build on a machine with GPUs refuses CUDA workers in one l
     WARN("a CUDA build: nothing to refuse");
     return;
   }
-  const fs::path dir = FreshDir("refuse");
+  const lorastream::testing::TempDir tmp("anywhere-refuse");
+  const fs::path& dir = tmp.path();
   // Two GPUs as the driver's /proc folder shows them.
   fs::create_directories(dir / "gpus/0000:19:00.0");
   fs::create_directories(dir / "gpus/0000:3b:00.0");
@@ -145,5 +137,4 @@ TEST_CASE("a CPU-only build on a machine with GPUs refuses CUDA workers in one l
                              (dir / "job.toml").string(), "--device", "cpu"},
                             &code, 60, (dir / "err-cpu").string());
   CHECK_THAT(ReadAll(dir / "err-cpu"), !Catch::Contains("CPU-only"));
-  fs::remove_all(dir);
 }
