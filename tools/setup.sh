@@ -12,6 +12,7 @@ PACKAGES=(
   libboost-dev libzmq3-dev cppzmq-dev libcereal-dev catch2 nlohmann-json3-dev
   libtomlplusplus-dev libcli11-dev libspdlog-dev libsqlite3-dev
   clang libclang-rt-14-dev procps
+  nodejs  # lorastream prepare (tools/prepare/prepare.mjs)
 )
 
 missing=()

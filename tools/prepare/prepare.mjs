@@ -406,13 +406,14 @@ function main(argv) {
   const count = (list) => list.reduce((s, d) => s + d.ids.length, 0);
   const trained = (list) => list.reduce((s, d) => s + d.labels.filter((l) => l !== kIgnore).length, 0);
   const n = (x) => x.toLocaleString("en-US");
-  console.log(`prepare: ${records} records from ${o.inputs.length} file(s) -> ${docs.length} documents, ` +
+  const docsOf = (k) => `${k} document${k === 1 ? "" : "s"}`;
+  console.log(`prepare: ${records} records from ${o.inputs.length} file(s) -> ${docsOf(docs.length)}, ` +
               `${n(count(docs))} tokens (${n(trained(docs))} trained), ${truncated} truncated` +
               (o.seqLen ? ` to ${o.seqLen} tokens` : "") +
               (untrained ? `, ${untrained} skipped (no token to train on)` : ""));
-  console.log(`  train:      ${o.out} (${train.length} documents, ${n(count(train))} tokens)`);
+  console.log(`  train:      ${o.out} (${docsOf(train.length)}, ${n(count(train))} tokens)`);
   if (held.length)
-    console.log(`  validation: ${validationPath(o.out)} (${held.length} documents, ${n(count(held))} tokens)`);
+    console.log(`  validation: ${validationPath(o.out)} (${docsOf(held.length)}, ${n(count(held))} tokens)`);
   console.log(`  tokenizer:  ${record.name}, vocabulary ${record.vocab_size}` +
               (record.fingerprint ? `, fingerprint ${record.fingerprint}` : ""));
   console.log(`example (document 1 of the training data; [masked]...[/masked] is not trained on):`);
