@@ -5,9 +5,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
-
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "common/error.h"
 
@@ -38,8 +37,9 @@ TokenizerId RecordFromJson(const Json& r, const std::string& where) {
   if (!r.is_object() || !r.contains("fingerprint") || !r["fingerprint"].is_string() ||
       !r.contains("vocab_size") || !r["vocab_size"].is_number_integer())
     throw Error(ErrorCode::kCorrupt,
-                where + ": the tokenizer record needs a string `fingerprint` and an integer "
-                        "`vocab_size`");
+                where +
+                    ": the tokenizer record needs a string `fingerprint` and an integer "
+                    "`vocab_size`");
   TokenizerId id;
   id.fingerprint = r["fingerprint"].get<std::string>();
   id.vocab_size = r["vocab_size"].get<int64_t>();
@@ -95,8 +95,8 @@ std::optional<TokenizerId> TokenFileRecord(const std::string& path) {
 }
 
 std::string Describe(const TokenizerId& id) {
-  return "tokenizer " + (id.name.empty() ? std::string("(unnamed)") : id.name) +
-         " (fingerprint " + id.fingerprint + ", vocabulary " + std::to_string(id.vocab_size) + ")";
+  return "tokenizer " + (id.name.empty() ? std::string("(unnamed)") : id.name) + " (fingerprint " +
+         id.fingerprint + ", vocabulary " + std::to_string(id.vocab_size) + ")";
 }
 
 }  // namespace
@@ -128,20 +128,23 @@ std::optional<TokenizerId> ModelTokenizerId(const std::string& model_dir) {
   return id;
 }
 
-std::optional<TokenizerId> DataTokenizerId(const std::string& data_path, const std::string& format) {
+std::optional<TokenizerId> DataTokenizerId(const std::string& data_path,
+                                           const std::string& format) {
   if (format == "jsonl") return JsonlRecord(data_path);
   if (format == "tokens") return TokenFileRecord(data_path);
   return std::nullopt;
 }
 
-std::string TokenizerMismatch(const std::optional<TokenizerId>& model, const std::string& model_what,
-                              int64_t model_vocab_size, const std::optional<TokenizerId>& data,
+std::string TokenizerMismatch(const std::optional<TokenizerId>& model,
+                              const std::string& model_what, int64_t model_vocab_size,
+                              const std::optional<TokenizerId>& data,
                               const std::string& data_path) {
   if (!data) return "";
   if (model && !model->fingerprint.empty()) {
     if (model->fingerprint == data->fingerprint) return "";
-    return data_path + " was prepared with " + Describe(*data) + ", but " + model_what +
-           " uses " + Describe(*model) + ": prepare the data again with `lorastream prepare "
+    return data_path + " was prepared with " + Describe(*data) + ", but " + model_what + " uses " +
+           Describe(*model) +
+           ": prepare the data again with `lorastream prepare "
            "--model` naming this model's folder";
   }
   if (model_vocab_size > 0 && data->vocab_size > model_vocab_size)

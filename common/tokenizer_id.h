@@ -31,9 +31,9 @@ std::optional<TokenizerId> DataTokenizerId(const std::string& data_path, const s
 // Data without a record is left to the vocabulary check of the loader; a model without a
 // tokenizer (a synthetic one) is checked by vocabulary size only. `model_what` names the model
 // (checkpoint folder or store) and `model_vocab_size` is its config.json's vocab_size.
-std::string TokenizerMismatch(const std::optional<TokenizerId>& model, const std::string& model_what,
-                              int64_t model_vocab_size, const std::optional<TokenizerId>& data,
-                              const std::string& data_path);
+std::string TokenizerMismatch(const std::optional<TokenizerId>& model,
+                              const std::string& model_what, int64_t model_vocab_size,
+                              const std::optional<TokenizerId>& data, const std::string& data_path);
 
 // The same for a job: reads `data_path`'s record (format "jsonl"/"tokens") and, only when it
 // has one, asks `model_tokenizer` for the model's (nullopt: the model has none). Errors reading

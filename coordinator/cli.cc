@@ -68,7 +68,8 @@ std::string ReadFile(const std::string& path) {
 std::string StoreTokenizerProblem(const JobSpec& spec) {
   if (spec.model.store.empty()) return "";
   std::optional<ManifestRecord> record = ReadManifestObject(spec.model.store);
-  if (!record || record->json.empty()) return "";  // not here or not yet published: the worker checks
+  if (!record || record->json.empty())
+    return "";  // not here or not yet published: the worker checks
   const Manifest m = ManifestFromJson(record->json, "store `" + spec.model.store + "`");
   return DataTokenizerProblem(
       spec.data.path, spec.data.format,
@@ -92,7 +93,9 @@ int RunSubmit(const GlobalOptions& g, const std::string& path, int64_t* priority
   // checkpoint's tokenizer is checked by ValidateJobSpec, in the coordinator).
   if (const std::string why = StoreTokenizerProblem(req.spec); !why.empty()) {
     if (json)
-      std::cout << nlohmann::json{{"job_id", nullptr}, {"problems", {why}}}.dump(2) << "\n";
+      std::cout
+          << nlohmann::json{{"job_id", nullptr}, {"problems", nlohmann::json::array({why})}}.dump(2)
+          << "\n";
     std::cerr << "lorastream submit: " << path << " was refused (1 problem):\n  " << why << "\n";
     return ExitCodeFor(ErrorCode::kRefused);
   }
@@ -216,32 +219,39 @@ int RunLorastreamCli(int argc, char** argv) {
   // prepare
   PrepareOptions prepare_options;
   CLI::App* prepare = app.add_subcommand(
-      "prepare", "a user's text or conversations -> training data, with the model folder's own "
-                 "tokenizer and chat template (ids as Python transformers makes them)");
-  prepare->add_option("--model", prepare_options.model_dir,
-                      "model folder with tokenizer.json, tokenizer_config.json (and its chat "
-                      "template)")
+      "prepare",
+      "a user's text or conversations -> training data, with the model folder's own "
+      "tokenizer and chat template (ids as Python transformers makes them)");
+  prepare
+      ->add_option("--model", prepare_options.model_dir,
+                   "model folder with tokenizer.json, tokenizer_config.json (and its chat "
+                   "template)")
       ->required();
-  prepare->add_option("--in", prepare_options.inputs,
-                      "input file(s): .jsonl (one record a line), .json (an array), .txt (text: "
-                      "one document a line)")
+  prepare
+      ->add_option("--in", prepare_options.inputs,
+                   "input file(s): .jsonl (one record a line), .json (an array), .txt (text: "
+                   "one document a line)")
       ->required();
-  prepare->add_option("--format", prepare_options.format,
-                      "text {\"text\"} | alpaca {\"instruction\", \"input\", \"output\"} | "
-                      "sharegpt {\"conversations\": [{\"from\", \"value\"}]} | messages "
-                      "{\"messages\": [{\"role\", \"content\"}]}")
+  prepare
+      ->add_option("--format", prepare_options.format,
+                   "text {\"text\"} | alpaca {\"instruction\", \"input\", \"output\"} | "
+                   "sharegpt {\"conversations\": [{\"from\", \"value\"}]} | messages "
+                   "{\"messages\": [{\"role\", \"content\"}]}")
       ->required()
       ->check(CLI::IsMember({"text", "alpaca", "sharegpt", "messages"}));
-  prepare->add_option("--out", prepare_options.out,
-                      "the data: .jsonl, or .tok/.bin (the compact token file)")
+  prepare
+      ->add_option("--out", prepare_options.out,
+                   "the data: .jsonl, or .tok/.bin (the compact token file)")
       ->required();
-  prepare->add_option("--val-split", prepare_options.val_split,
-                      "fraction of the documents held out into OUT with .val before the "
-                      "extension (e.g. 0.02)")
+  prepare
+      ->add_option("--val-split", prepare_options.val_split,
+                   "fraction of the documents held out into OUT with .val before the "
+                   "extension (e.g. 0.02)")
       ->capture_default_str()
       ->check(CLI::Range(0.0, 0.9));
-  prepare->add_option("--seq-len", prepare_options.seq_len,
-                      "truncate longer documents to this many tokens (0 = keep them whole)")
+  prepare
+      ->add_option("--seq-len", prepare_options.seq_len,
+                   "truncate longer documents to this many tokens (0 = keep them whole)")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 31));
   prepare->add_flag("--train-on-all", prepare_options.train_on_all,

@@ -49,7 +49,8 @@ std::string FindPrepareScript() {
   std::error_code ec;
   const fs::path self = fs::read_symlink("/proc/self/exe", ec);
   std::vector<fs::path> candidates;
-  if (!ec) candidates.push_back(self.parent_path().parent_path() / "share/lorastream/prepare/prepare.mjs");
+  if (!ec)
+    candidates.push_back(self.parent_path().parent_path() / "share/lorastream/prepare/prepare.mjs");
   candidates.push_back(fs::path(LORASTREAM_SOURCE_DIR) / "tools/prepare/prepare.mjs");
   for (const fs::path& p : candidates)
     if (fs::is_regular_file(p, ec)) return p.string();
@@ -67,17 +68,30 @@ int RunPrepare(const PrepareOptions& o) {
   std::optional<TokenizerId> tokenizer = ModelTokenizerId(o.model_dir);
   if (!tokenizer)
     throw Error(ErrorCode::kNotFound,
-                "--model " + o.model_dir + " has no tokenizer.json: prepare needs the model "
-                "folder's Hugging Face tokenizer (tokenizer.json and tokenizer_config.json)");
+                "--model " + o.model_dir +
+                    " has no tokenizer.json: prepare needs the model "
+                    "folder's Hugging Face tokenizer (tokenizer.json and tokenizer_config.json)");
   for (const std::string& in : o.inputs)
-    if (!fs::is_regular_file(in, ec)) throw Error(ErrorCode::kNotFound, "--in " + in + ": no such file");
-  std::vector<std::string> argv = {FindNode(), FindPrepareScript(), "--model", o.model_dir,
-                                   "--format", o.format, "--out", o.out,
-                                   "--val-split", Number(o.val_split),
-                                   "--seq-len", std::to_string(o.seq_len),
-                                   "--seed", std::to_string(o.seed),
-                                   "--fingerprint", tokenizer->fingerprint,
-                                   "--tokenizer-name", tokenizer->name};
+    if (!fs::is_regular_file(in, ec))
+      throw Error(ErrorCode::kNotFound, "--in " + in + ": no such file");
+  std::vector<std::string> argv = {FindNode(),
+                                   FindPrepareScript(),
+                                   "--model",
+                                   o.model_dir,
+                                   "--format",
+                                   o.format,
+                                   "--out",
+                                   o.out,
+                                   "--val-split",
+                                   Number(o.val_split),
+                                   "--seq-len",
+                                   std::to_string(o.seq_len),
+                                   "--seed",
+                                   std::to_string(o.seed),
+                                   "--fingerprint",
+                                   tokenizer->fingerprint,
+                                   "--tokenizer-name",
+                                   tokenizer->name};
   for (const std::string& in : o.inputs) {
     argv.push_back("--in");
     argv.push_back(in);

@@ -163,8 +163,9 @@ SynthResult RunSynth(const SynthOptions& options) {
   if (!options.tokenizer_dir.empty()) {  // a model that `lorastream prepare` can make data for
     std::optional<TokenizerId> tokenizer = ModelTokenizerId(options.tokenizer_dir);
     if (!tokenizer)
-      throw Error(ErrorCode::kNotFound, "--tokenizer " + options.tokenizer_dir +
-                                            " has no tokenizer.json (a Hugging Face tokenizer folder)");
+      throw Error(ErrorCode::kNotFound,
+                  "--tokenizer " + options.tokenizer_dir +
+                      " has no tokenizer.json (a Hugging Face tokenizer folder)");
     config.vocab_size = std::max(config.vocab_size, tokenizer->vocab_size);
   }
   const int threads = options.threads > 0

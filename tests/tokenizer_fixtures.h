@@ -7,9 +7,8 @@
 
 #include <filesystem>
 #include <fstream>
-#include <string>
-
 #include <nlohmann/json.hpp>
+#include <string>
 
 namespace lorastream::testing {
 

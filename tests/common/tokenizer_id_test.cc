@@ -2,13 +2,12 @@
 // data made for another tokenizer (common/tokenizer_id.h, ValidateJobSpec).
 #include "common/tokenizer_id.h"
 
+#include <catch2/catch.hpp>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <set>
-
-#include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "common/error.h"
 #include "common/job_spec.h"
@@ -24,8 +23,10 @@ namespace {
 void WriteJsonlWithRecord(const fs::path& p, const TokenizerId& id) {
   std::ofstream f(p);
   f << nlohmann::json{{"lorastream_tokenizer",
-                       {{"name", id.name}, {"fingerprint", id.fingerprint}, {"vocab_size", id.vocab_size}}}}
-              .dump()
+                       {{"name", id.name},
+                        {"fingerprint", id.fingerprint},
+                        {"vocab_size", id.vocab_size}}}}
+           .dump()
     << "\n{\"input_ids\": [1, 2, 3]}\n";
 }
 
@@ -55,12 +56,15 @@ TEST_CASE("each fixture tokenizer has its own fingerprint and transformers' voca
   std::set<std::string> seen;
   for (const char* kind : {"llama3", "qwen", "mistral", "llama2"}) {
     INFO(kind);
-    std::optional<TokenizerId> id = ModelTokenizerId((testing::TokenizerFixtures() / kind).string());
+    std::optional<TokenizerId> id =
+        ModelTokenizerId((testing::TokenizerFixtures() / kind).string());
     REQUIRE(id);
     CHECK(id->name == kind);
     CHECK(id->fingerprint.rfind("tok-", 0) == 0);
     CHECK(id->fingerprint.size() == 20);
-    CHECK(id->vocab_size == ReadJsonFile(testing::TokenizerFixtures() / kind / "expected.json")["vocab_size"].get<int64_t>());
+    CHECK(id->vocab_size ==
+          ReadJsonFile(testing::TokenizerFixtures() / kind / "expected.json")["vocab_size"]
+              .get<int64_t>());
     CHECK(seen.insert(id->fingerprint).second);
   }
   CHECK_FALSE(ModelTokenizerId(FreshDir("tokid-empty").string()));
@@ -70,7 +74,8 @@ TEST_CASE("the fingerprint survives re-saving and changes with what decides the 
           "[common][tokenizer]") {
   const fs::path dir = FreshDir("tokid-resave");
   nlohmann::json j = ReadJsonFile(testing::TokenizerFixtures() / "llama3/tokenizer.json");
-  const std::string original = ModelTokenizerId((testing::TokenizerFixtures() / "llama3").string())->fingerprint;
+  const std::string original =
+      ModelTokenizerId((testing::TokenizerFixtures() / "llama3").string())->fingerprint;
   std::ofstream(dir / "tokenizer.json") << j.dump(4);  // other whitespace, other key order
   CHECK(ModelTokenizerId(dir.string())->fingerprint == original);
   j["decoder"] = nullptr;  // decoding does not change ids
@@ -96,8 +101,8 @@ TEST_CASE("data records are read from JSONL and token files; none means hand-mad
   std::ofstream(dir / "plain.jsonl") << "{\"input_ids\": [1, 2, 3]}\n";
   CHECK_FALSE(DataTokenizerId((dir / "plain.jsonl").string(), "jsonl"));
 
-  WriteTokenFileWithRecord(dir / "a.tok",
-                           R"({"name":"qwen","fingerprint":"tok-fedcba9876543210","vocab_size":532})");
+  WriteTokenFileWithRecord(
+      dir / "a.tok", R"({"name":"qwen","fingerprint":"tok-fedcba9876543210","vocab_size":532})");
   got = DataTokenizerId((dir / "a.tok").string(), "tokens");
   REQUIRE(got);
   CHECK(got->fingerprint == "tok-fedcba9876543210");
@@ -111,10 +116,10 @@ TEST_CASE("a checkpoint job whose data was prepared for another tokenizer is ref
           "[common][tokenizer]") {
   const fs::path model = FreshDir("tokid-model");
   std::ofstream(model / "config.json")
-      << nlohmann::json{{"model_type", "llama"},       {"hidden_size", 64},
-                        {"intermediate_size", 128},    {"num_hidden_layers", 2},
-                        {"num_attention_heads", 4},    {"num_key_value_heads", 2},
-                        {"vocab_size", 768},           {"max_position_embeddings", 512}}
+      << nlohmann::json{{"model_type", "llama"},    {"hidden_size", 64},
+                        {"intermediate_size", 128}, {"num_hidden_layers", 2},
+                        {"num_attention_heads", 4}, {"num_key_value_heads", 2},
+                        {"vocab_size", 768},        {"max_position_embeddings", 512}}
              .dump();
   fs::copy_file(testing::TokenizerFixtures() / "llama3/tokenizer.json", model / "tokenizer.json");
   const TokenizerId llama3 = *ModelTokenizerId(model.string());

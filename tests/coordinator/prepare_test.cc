@@ -3,10 +3,9 @@
 // (tests/fixtures/tokenizers/) and the model folder's tokenizer fingerprint.
 #include "coordinator/prepare.h"
 
+#include <catch2/catch.hpp>
 #include <filesystem>
 #include <fstream>
-
-#include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
@@ -103,7 +102,8 @@ TEST_CASE("prepare refuses a model folder without tokenizer.json and bad records
   const fs::path dir = FreshDir("prepare-refusals");
   PrepareOptions o;
   o.model_dir = dir.string();
-  o.inputs = {WriteRecords(dir, "chats.jsonl", Json::array({{{"messages", Json::array()}}})).string()};
+  o.inputs = {
+      WriteRecords(dir, "chats.jsonl", Json::array({{{"messages", Json::array()}}})).string()};
   o.format = "messages";
   o.out = (dir / "out.jsonl").string();
   try {

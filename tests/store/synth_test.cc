@@ -144,7 +144,8 @@ TEST_CASE("synth --tokenizer copies a tokenizer in and the store's plan records 
 
   ScopedDir plain;  // no tokenizer: the manifest records none
   Synth("tiny", plain.path);
-  CHECK(PlanPack(Checkpoint::Open(plain.path), PackOptions{}).manifest.tokenizer.fingerprint.empty());
+  CHECK(
+      PlanPack(Checkpoint::Open(plain.path), PackOptions{}).manifest.tokenizer.fingerprint.empty());
   o.tokenizer_dir = plain.path;
   CHECK_THROWS_AS(RunSynth(o), Error);
 }

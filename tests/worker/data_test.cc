@@ -116,8 +116,8 @@ TEST_CASE("data written by `lorastream prepare` loads with its tokenizer record 
     INFO(out);
     int code = -1;
     RunAndCapture({"node", source + "/tools/prepare/prepare.mjs", "--model", model, "--in",
-                   dir / "chats.jsonl", "--format", "messages", "--out", dir / out,
-                   "--fingerprint", "tok-0000000000000001"},
+                   dir / "chats.jsonl", "--format", "messages", "--out", dir / out, "--fingerprint",
+                   "tok-0000000000000001"},
                   &code);
     REQUIRE(code == 0);
     auto docs = LoadDocuments(dir / out, out.size() > 5 ? "jsonl" : "tokens",
