@@ -13,6 +13,7 @@
 #include <CLI/CLI.hpp>
 
 #include "common/error.h"
+#include "common/job_paths.h"
 #include "common/job_spec.h"
 #include "common/log.h"
 #include "common/manifest.h"
@@ -21,6 +22,7 @@
 #include "coordinator/client.h"
 #include "coordinator/coordinator_server.h"
 #include "coordinator/curve.h"
+#include "coordinator/doctor.h"
 #include "coordinator/prepare.h"
 #include "coordinator/up.h"
 #include "coordinator/watch_view.h"
@@ -84,10 +86,11 @@ int RunSubmit(const GlobalOptions& g, const std::string& path, int64_t* priority
               bool quiet) {
   SubmitRequest req;
   req.spec_toml = ReadFile(path);
-  // Parsed and resolved here: relative paths mean what they mean where the user typed them.
+  // Parsed and resolved here: the file's path is relative to where the user typed it, the
+  // paths inside it to the file's own folder.
   std::string source = std::filesystem::absolute(path).lexically_normal().string();
   req.spec = ParseJobSpec(req.spec_toml, source);
-  ResolveJobSpec(req.spec);
+  ResolveJobSpecIn(req.spec, JobFileDir(source));
   if (priority) req.spec.priority = *priority;
   // Data prepared for another tokenizer than the store's, when the store is on this host (a
   // checkpoint's tokenizer is checked by ValidateJobSpec, in the coordinator).
@@ -142,7 +145,9 @@ int RunLorastreamCli(int argc, char** argv) {
                  "folder of CURVE keys from `lorastream keygen` (the daemon loads "
                  "coordinator.*, clients load coordinator.pub + client.*)")
       ->envname("LORASTREAM_CURVE_KEYS");
-  app.add_option("--timeout", g.timeout_s, "seconds to wait for each reply")->capture_default_str();
+  CLI::Option* timeout_opt =
+      app.add_option("--timeout", g.timeout_s, "seconds to wait for each reply")
+          ->capture_default_str();
 
   // coordinator
   ServerOptions server;
@@ -288,6 +293,14 @@ int RunLorastreamCli(int argc, char** argv) {
   up->add_flag("--keep", up_options.keep, "leave the cluster running at the end");
   up->add_flag("--no-watch", no_watch, "no live view; wait quietly for the jobs");
 
+  // doctor
+  CLI::App* doctor = app.add_subcommand(
+      "doctor",
+      "what this machine and build can do (build, GPUs, memlock, /dev/shm, huge "
+      "pages, host registration, stores, coordinator), each problem with its fix; "
+      "exit 1 when it finds a problem");
+  doctor->add_flag("--json", json, "JSON object");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -297,6 +310,12 @@ int RunLorastreamCli(int argc, char** argv) {
   try {
     if (coord->parsed()) return RunCoordinator(g, server, log_level, log_file);
     if (prepare->parsed()) return RunPrepare(prepare_options);
+    if (doctor->parsed()) {
+      // A short wait for the coordinator unless --timeout says otherwise: doctor reports,
+      // it does not wait.
+      DoctorOptions d{g.endpoint, g.curve_keys, timeout_opt->count() ? g.timeout_s : 2.0, ""};
+      return RunDoctor(d, json, std::cout);
+    }
     if (up->parsed()) {
       up_options.watch = !no_watch;
       return RunUp(up_options);

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "common/error.h"
+#include "common/install_paths.h"
 #include "common/subprocess.h"
 #include "common/tokenizer_id.h"
 
@@ -47,10 +48,10 @@ std::string Number(double v) {
 std::string FindPrepareScript() {
   if (const char* env = std::getenv("LORASTREAM_PREPARE_SCRIPT"); env && *env) return env;
   std::error_code ec;
-  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  const std::string self_dir = SelfExeDir();
   std::vector<fs::path> candidates;
-  if (!ec)
-    candidates.push_back(self.parent_path().parent_path() / "share/lorastream/prepare/prepare.mjs");
+  if (!self_dir.empty())
+    candidates.push_back(fs::path(self_dir).parent_path() / "share/lorastream/prepare/prepare.mjs");
   candidates.push_back(fs::path(LORASTREAM_SOURCE_DIR) / "tools/prepare/prepare.mjs");
   for (const fs::path& p : candidates)
     if (fs::is_regular_file(p, ec)) return p.string();

@@ -1,9 +1,7 @@
 // The tokenizer fixtures of tests/fixtures/tokenizers/ (made with Python transformers by
-// tools/fixtures/make_tokenizer_fixtures.py) and scratch folders, for the common and
-// coordinator tests of `lorastream prepare` and tokenizer fingerprints. Torch-free.
+// tools/fixtures/make_tokenizer_fixtures.py), for the common and coordinator tests of
+// `lorastream prepare` and tokenizer fingerprints. Torch-free.
 #pragma once
-
-#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -15,15 +13,6 @@ namespace lorastream::testing {
 inline const std::filesystem::path& TokenizerFixtures() {
   static const std::filesystem::path dir =
       std::filesystem::path(LORASTREAM_SOURCE_DIR) / "tests/fixtures/tokenizers";
-  return dir;
-}
-
-// An empty folder under the temp dir, named by `tag` and this process.
-inline std::filesystem::path FreshDir(const std::string& tag) {
-  std::filesystem::path dir = std::filesystem::temp_directory_path() /
-                              ("lorastream-" + tag + "-" + std::to_string(::getpid()));
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
   return dir;
 }
 

@@ -11,10 +11,10 @@
 
 #include "common/error.h"
 #include "common/job_spec.h"
+#include "tests/support/test_support.h"
 #include "tests/tokenizer_fixtures.h"
 
 using namespace lorastream;
-using testing::FreshDir;
 using testing::ReadJsonFile;
 namespace fs = std::filesystem;
 
@@ -67,12 +67,14 @@ TEST_CASE("each fixture tokenizer has its own fingerprint and transformers' voca
               .get<int64_t>());
     CHECK(seen.insert(id->fingerprint).second);
   }
-  CHECK_FALSE(ModelTokenizerId(FreshDir("tokid-empty").string()));
+  const testing::TempDir empty("tokid-empty");
+  CHECK_FALSE(ModelTokenizerId(empty.str()));
 }
 
 TEST_CASE("the fingerprint survives re-saving and changes with what decides the ids",
           "[common][tokenizer]") {
-  const fs::path dir = FreshDir("tokid-resave");
+  const testing::TempDir scratch_dir("tokid-resave");
+  const fs::path& dir = scratch_dir.path();
   nlohmann::json j = ReadJsonFile(testing::TokenizerFixtures() / "llama3/tokenizer.json");
   const std::string original =
       ModelTokenizerId((testing::TokenizerFixtures() / "llama3").string())->fingerprint;
@@ -90,7 +92,8 @@ TEST_CASE("the fingerprint survives re-saving and changes with what decides the 
 
 TEST_CASE("data records are read from JSONL and token files; none means hand-made ids",
           "[common][tokenizer]") {
-  const fs::path dir = FreshDir("tokid-records");
+  const testing::TempDir scratch_dir("tokid-records");
+  const fs::path& dir = scratch_dir.path();
   TokenizerId id{"llama3", "tok-0123456789abcdef", 700};
   WriteJsonlWithRecord(dir / "a.jsonl", id);
   std::optional<TokenizerId> got = DataTokenizerId((dir / "a.jsonl").string(), "jsonl");
@@ -114,7 +117,8 @@ TEST_CASE("data records are read from JSONL and token files; none means hand-mad
 
 TEST_CASE("a checkpoint job whose data was prepared for another tokenizer is refused, naming both",
           "[common][tokenizer]") {
-  const fs::path model = FreshDir("tokid-model");
+  const testing::TempDir scratch_model("tokid-model");
+  const fs::path& model = scratch_model.path();
   std::ofstream(model / "config.json")
       << nlohmann::json{{"model_type", "llama"},    {"hidden_size", 64},
                         {"intermediate_size", 128}, {"num_hidden_layers", 2},
@@ -157,5 +161,4 @@ TEST_CASE("a checkpoint job whose data was prepared for another tokenizer is ref
   problems = ValidateJobSpec(spec);
   REQUIRE(problems.size() == 1);
   CHECK_THAT(problems[0], Catch::Contains("vocab_size 768"));
-  fs::remove_all(model);
 }

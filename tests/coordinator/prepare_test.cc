@@ -10,10 +10,10 @@
 
 #include "common/error.h"
 #include "common/tokenizer_id.h"
+#include "tests/support/test_support.h"
 #include "tests/tokenizer_fixtures.h"
 
 using namespace lorastream;
-using testing::FreshDir;
 using testing::ReadJsonFile;
 namespace fs = std::filesystem;
 using Json = nlohmann::json;
@@ -38,7 +38,8 @@ fs::path WriteRecords(const fs::path& dir, const std::string& name, const Json& 
 
 TEST_CASE("prepare writes transformers' ids and assistant masks for every tokenizer and format",
           "[coordinator][prepare]") {
-  const fs::path dir = FreshDir("prepare-formats");
+  const testing::TempDir scratch_dir("prepare-formats");
+  const fs::path& dir = scratch_dir.path();
   for (const char* kind : {"llama3", "qwen", "mistral", "llama2"}) {
     const Json expected = ReadJsonFile(testing::TokenizerFixtures() / kind / "expected.json");
     const TokenizerId tokenizer = *ModelTokenizerId((testing::TokenizerFixtures() / kind).string());
@@ -63,12 +64,12 @@ TEST_CASE("prepare writes transformers' ids and assistant masks for every tokeni
       }
     }
   }
-  fs::remove_all(dir);
 }
 
 TEST_CASE("prepare splits off validation data and writes token files with the record",
           "[coordinator][prepare]") {
-  const fs::path dir = FreshDir("prepare-split");
+  const testing::TempDir scratch_dir("prepare-split");
+  const fs::path& dir = scratch_dir.path();
   const Json expected = ReadJsonFile(testing::TokenizerFixtures() / "mistral/expected.json");
   PrepareOptions o;
   o.model_dir = (testing::TokenizerFixtures() / "mistral").string();
@@ -94,12 +95,12 @@ TEST_CASE("prepare splits off validation data and writes token files with the re
   };
   CHECK(docs(o.out) == 9);
   CHECK(docs(dir / "train.val.tok") == 2);
-  fs::remove_all(dir);
 }
 
 TEST_CASE("prepare refuses a model folder without tokenizer.json and bad records clearly",
           "[coordinator][prepare]") {
-  const fs::path dir = FreshDir("prepare-refusals");
+  const testing::TempDir scratch_dir("prepare-refusals");
+  const fs::path& dir = scratch_dir.path();
   PrepareOptions o;
   o.model_dir = dir.string();
   o.inputs = {
@@ -120,5 +121,4 @@ TEST_CASE("prepare refuses a model folder without tokenizer.json and bad records
                   .string()};
   CHECK(RunPrepare(o) == 4);
   CHECK_FALSE(fs::exists(o.out));
-  fs::remove_all(dir);
 }
