@@ -10,6 +10,7 @@
 
 #include "common/error.h"
 #include "common/job_paths.h"
+#include "common/tokenizer_id.h"
 #include "common/toml_file.h"
 
 namespace lorastream {
@@ -204,6 +205,14 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
                 ", longer than the model's attention window (sliding_window = " +
                 std::to_string(model->sliding_window) +
                 "); sliding-window attention is not implemented, so sequences must fit in it");
+  // Data that `lorastream prepare` made for another tokenizer (a store's tokenizer is checked
+  // where its manifest is read: `submit` on the store's host and the worker).
+  if (!s.model.checkpoint.empty() && fs::is_regular_file(s.data.path, ec)) {
+    const std::string why = DataTokenizerProblem(
+        s.data.path, s.data.format, [&] { return ModelTokenizerId(s.model.checkpoint); },
+        "model.checkpoint " + s.model.checkpoint, model ? model->vocab_size : 0);
+    if (!why.empty()) p.push_back(key("data.path") + "is refused: " + why);
+  }
   if (s.data.pad_id < 0 || (model && s.data.pad_id >= model->vocab_size))
     p.push_back(key("data.pad_id") + "must be a token id in [0, vocab_size) (found " +
                 std::to_string(s.data.pad_id) + ")");

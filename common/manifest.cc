@@ -161,6 +161,10 @@ std::string ManifestToJson(const Manifest& m) {
             {"owner_pid", m.owner_pid},
             {"owner_start_time", m.owner_start_time},
             {"source_dir", m.source_dir}};
+  if (!m.tokenizer.fingerprint.empty())
+    j["tokenizer"] = {{"name", m.tokenizer.name},
+                      {"fingerprint", m.tokenizer.fingerprint},
+                      {"vocab_size", m.tokenizer.vocab_size}};
   return j.dump(1);
 }
 
@@ -194,6 +198,14 @@ Manifest ManifestFromJson(const std::string& text, const std::string& source) {
   m.owner_pid = pid.get<int64_t>();
   m.owner_start_time = GetUnsigned(j, "owner_start_time", source);
   m.source_dir = GetString(j, "source_dir", source);
+  if (j.contains("tokenizer")) {  // absent in manifests of folders without tokenizer.json
+    const Json& t = j["tokenizer"];
+    m.tokenizer.name = GetString(t, "name", source, "tokenizer: ");
+    m.tokenizer.fingerprint = GetString(t, "fingerprint", source, "tokenizer: ");
+    const Json& v = Field(t, "vocab_size", source, "tokenizer: ");
+    if (!v.is_number_integer()) Bad(source, "`tokenizer.vocab_size` must be an integer");
+    m.tokenizer.vocab_size = v.get<int64_t>();
+  }
   return m;
 }
 

@@ -8,6 +8,7 @@
 
 #include "common/dtype.h"
 #include "common/model_config.h"
+#include "common/tokenizer_id.h"
 
 namespace lorastream {
 
@@ -43,6 +44,7 @@ struct Manifest {
   int64_t owner_pid = 0;            // the serving store process
   uint64_t owner_start_time = 0;    // its start time (/proc/PID/stat field 22): pid reuse guard
   std::string source_dir;           // the checkpoint folder it was loaded from
+  TokenizerId tokenizer;            // its tokenizer.json's; empty fingerprint = the folder had none
 
   uint64_t total_bytes() const;     // sum of every segment's nbytes
 };

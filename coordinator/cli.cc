@@ -16,13 +16,17 @@
 #include "common/job_paths.h"
 #include "common/job_spec.h"
 #include "common/log.h"
+#include "common/manifest.h"
+#include "common/tokenizer_id.h"
 #include "coordinator/cli_format.h"
 #include "coordinator/client.h"
 #include "coordinator/coordinator_server.h"
 #include "coordinator/curve.h"
 #include "coordinator/doctor.h"
+#include "coordinator/prepare.h"
 #include "coordinator/up.h"
 #include "coordinator/watch_view.h"
+#include "store/manifest_object.h"
 
 namespace lorastream {
 namespace {
@@ -63,6 +67,21 @@ std::string ReadFile(const std::string& path) {
   return text.str();
 }
 
+std::string StoreTokenizerProblem(const JobSpec& spec) {
+  if (spec.model.store.empty()) return "";
+  std::optional<ManifestRecord> record = ReadManifestObject(spec.model.store);
+  if (!record || record->json.empty())
+    return "";  // not here or not yet published: the worker checks
+  const Manifest m = ManifestFromJson(record->json, "store `" + spec.model.store + "`");
+  return DataTokenizerProblem(
+      spec.data.path, spec.data.format,
+      [&]() -> std::optional<TokenizerId> {
+        if (m.tokenizer.fingerprint.empty()) return std::nullopt;
+        return m.tokenizer;
+      },
+      "store `" + spec.model.store + "`", m.config.vocab_size);
+}
+
 int RunSubmit(const GlobalOptions& g, const std::string& path, int64_t* priority, bool json,
               bool quiet) {
   SubmitRequest req;
@@ -73,6 +92,16 @@ int RunSubmit(const GlobalOptions& g, const std::string& path, int64_t* priority
   req.spec = ParseJobSpec(req.spec_toml, source);
   ResolveJobSpecIn(req.spec, JobFileDir(source));
   if (priority) req.spec.priority = *priority;
+  // Data prepared for another tokenizer than the store's, when the store is on this host (a
+  // checkpoint's tokenizer is checked by ValidateJobSpec, in the coordinator).
+  if (const std::string why = StoreTokenizerProblem(req.spec); !why.empty()) {
+    if (json)
+      std::cout
+          << nlohmann::json{{"job_id", nullptr}, {"problems", nlohmann::json::array({why})}}.dump(2)
+          << "\n";
+    std::cerr << "lorastream submit: " << path << " was refused (1 problem):\n  " << why << "\n";
+    return ExitCodeFor(ErrorCode::kRefused);
+  }
   Client client = Connect(g);
   SubmitReply reply = client.Call(req);
   if (!reply.problems.empty()) {
@@ -192,6 +221,50 @@ int RunLorastreamCli(int argc, char** argv) {
                     "plain mode: seconds between progress lines of one job")
       ->capture_default_str();
 
+  // prepare
+  PrepareOptions prepare_options;
+  CLI::App* prepare = app.add_subcommand(
+      "prepare",
+      "a user's text or conversations -> training data, with the model folder's own "
+      "tokenizer and chat template (ids as Python transformers makes them)");
+  prepare
+      ->add_option("--model", prepare_options.model_dir,
+                   "model folder with tokenizer.json, tokenizer_config.json (and its chat "
+                   "template)")
+      ->required();
+  prepare
+      ->add_option("--in", prepare_options.inputs,
+                   "input file(s): .jsonl (one record a line), .json (an array), .txt (text: "
+                   "one document a line)")
+      ->required();
+  prepare
+      ->add_option("--format", prepare_options.format,
+                   "text {\"text\"} | alpaca {\"instruction\", \"input\", \"output\"} | "
+                   "sharegpt {\"conversations\": [{\"from\", \"value\"}]} | messages "
+                   "{\"messages\": [{\"role\", \"content\"}]}")
+      ->required()
+      ->check(CLI::IsMember({"text", "alpaca", "sharegpt", "messages"}));
+  prepare
+      ->add_option("--out", prepare_options.out,
+                   "the data: .jsonl, or .tok/.bin (the compact token file)")
+      ->required();
+  prepare
+      ->add_option("--val-split", prepare_options.val_split,
+                   "fraction of the documents held out into OUT with .val before the "
+                   "extension (e.g. 0.02)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 0.9));
+  prepare
+      ->add_option("--seq-len", prepare_options.seq_len,
+                   "truncate longer documents to this many tokens (0 = keep them whole)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 31));
+  prepare->add_flag("--train-on-all", prepare_options.train_on_all,
+                    "train on every token (default: only the assistant turns of conversations)");
+  prepare->add_option("--seed", prepare_options.seed, "the validation split's draw")
+      ->capture_default_str()
+      ->check(CLI::Range(uint64_t{0}, uint64_t{4294967295}));
+
   // keygen
   std::string key_dir;
   bool force = false;
@@ -236,6 +309,7 @@ int RunLorastreamCli(int argc, char** argv) {
 
   try {
     if (coord->parsed()) return RunCoordinator(g, server, log_level, log_file);
+    if (prepare->parsed()) return RunPrepare(prepare_options);
     if (doctor->parsed()) {
       // A short wait for the coordinator unless --timeout says otherwise: doctor reports,
       // it does not wait.

@@ -6,6 +6,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "common/tokenizer_id.h"
 #include "store/convert.h"
 
 namespace lorastream {
@@ -68,6 +69,11 @@ PackPlan PlanPack(const Checkpoint& cp, const PackOptions& options) {
   m.config = config;
   m.alignment = options.alignment;
   m.source_dir = dir;
+  try {  // the tokenizer is recorded for `submit` and `train`; weights do not depend on it
+    if (std::optional<TokenizerId> tokenizer = ModelTokenizerId(dir)) m.tokenizer = *tokenizer;
+  } catch (const Error& e) {
+    LS_LOG_WARN("{} (the store records no tokenizer)", e.what());
+  }
   std::optional<DType> source_dtype;
   std::string first_tensor;
   // Validates one tensor against config.json and records where its bytes come from; the

@@ -4,11 +4,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <thread>
 
@@ -17,6 +19,7 @@
 #include "common/error.h"
 #include "common/install_paths.h"
 #include "common/safetensors.h"
+#include "common/tokenizer_id.h"
 #include "common/toml_file.h"
 #include "store/checksum.h"
 #include "store/convert.h"
@@ -154,6 +157,14 @@ SynthResult RunSynth(const SynthOptions& options) {
   if (options.layers > 0) config.num_hidden_layers = options.layers;
   const DType dtype = options.dtype.empty() ? preset.dtype : ParseSynthDType(options.dtype, "--dtype");
   config.torch_dtype = TorchDTypeName(dtype);
+  if (!options.tokenizer_dir.empty()) {  // a model that `lorastream prepare` can make data for
+    std::optional<TokenizerId> tokenizer = ModelTokenizerId(options.tokenizer_dir);
+    if (!tokenizer)
+      throw Error(ErrorCode::kNotFound,
+                  "--tokenizer " + options.tokenizer_dir +
+                      " has no tokenizer.json (a Hugging Face tokenizer folder)");
+    config.vocab_size = std::max(config.vocab_size, tokenizer->vocab_size);
+  }
   const int threads = options.threads > 0
                           ? options.threads
                           : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
@@ -231,6 +242,14 @@ SynthResult RunSynth(const SynthOptions& options) {
   nlohmann::json cj;
   ToJson(cj, config);
   WriteTextFile(options.out_dir + "/config.json", cj.dump(2));
+  if (!options.tokenizer_dir.empty())
+    for (const char* name : {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                             "special_tokens_map.json"}) {
+      const std::filesystem::path from = std::filesystem::path(options.tokenizer_dir) / name;
+      if (std::filesystem::exists(from))
+        std::filesystem::copy_file(from, std::filesystem::path(options.out_dir) / name,
+                                   std::filesystem::copy_options::overwrite_existing);
+    }
   SynthResult result;
   result.bytes = total;
   result.shards = static_cast<int>(shards.size());

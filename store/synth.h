@@ -33,6 +33,7 @@ struct SynthOptions {
   std::string dtype;               // "f32" | "f16" | "bf16"; "" -> the preset's
   uint64_t shard_bytes = 4ull << 30;  // start a new shard past this many bytes
   int threads = 0;                 // generator threads; 0: one per hardware thread
+  std::string tokenizer_dir;       // copy this folder's tokenizer files in; vocab_size grows to fit
 };
 
 struct SynthResult {

@@ -20,6 +20,8 @@ int main(int argc, char** argv) {
   app.add_option("--shard-bytes", o.shard_bytes, "start a new shard past this many bytes");
   app.add_option("--threads", o.threads, "generator threads (0: all cores)");
   app.add_option("--presets-dir", o.presets_dir, "where presets live");
+  app.add_option("--tokenizer", o.tokenizer_dir,
+                 "a Hugging Face tokenizer folder to copy in (vocab_size grows to fit it)");
   CLI11_PARSE(app, argc, argv);
   InitLogging("synth");
   try {

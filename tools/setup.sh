@@ -94,7 +94,8 @@ fi
 # --- the other dependencies ---------------------------------------------------------------
 # Tools are looked for as commands (a GPU machine may have them from elsewhere), libraries as
 # Debian packages.
-TOOLS=(g++:build-essential cmake:cmake ninja:ninja-build)
+# node runs `lorastream prepare`'s tools/prepare/prepare.mjs.
+TOOLS=(g++:build-essential cmake:cmake ninja:ninja-build node:nodejs)
 PACKAGES=(
   ccache pkg-config git procps
   libboost-dev libzmq3-dev cppzmq-dev libcereal-dev catch2 nlohmann-json3-dev

@@ -58,13 +58,18 @@ std::vector<Document> LoadJsonl(const std::string& path, int64_t vocab) {
   std::vector<Document> docs;
   std::string line;
   int64_t line_no = 0;
+  bool first = true;
   while (std::getline(in, line)) {
     ++line_no;
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const bool may_be_record = first;
+    first = false;
     const std::string where = path + ":" + std::to_string(line_no);
     Json j = Json::parse(line, nullptr, /*allow_exceptions=*/false);
     if (j.is_discarded() || !j.is_object())
       throw Error(ErrorCode::kCorrupt, where + ": not a JSON object");
+    // `lorastream prepare`'s record of the tokenizer (common/tokenizer_id.h), not a document.
+    if (may_be_record && j.contains("lorastream_tokenizer") && !j.contains("input_ids")) continue;
     if (!j.contains("input_ids"))
       throw Error(ErrorCode::kCorrupt, where + ": `input_ids` is missing");
     Document d;
@@ -115,12 +120,14 @@ std::vector<Document> LoadTokenFile(const std::string& path, int64_t vocab) {
   const uint32_t flags = ReadLe<uint32_t>(&buf[32]);
   if (version != 1) throw bad("version " + std::to_string(version) + " (this build reads 1)");
   if (token_bytes != 2 && token_bytes != 4) throw bad("token_bytes must be 2 or 4");
-  if (flags > 1) throw bad("unknown flags");
+  if (flags > 3) throw bad("unknown flags");
   const uint64_t size = buf.size();
   if (num_docs > size / 8 || num_tokens > size) throw bad("counts larger than the file");
   const uint64_t offsets_end = kHeaderBytes + (num_docs + 1) * 8;
   const uint64_t tokens_end = offsets_end + num_tokens * token_bytes;
-  const uint64_t expected = tokens_end + ((flags & 1) ? num_tokens : 0);
+  uint64_t expected = tokens_end + ((flags & 1) ? num_tokens : 0);
+  if ((flags & 2) && expected + 4 <= size)  // the tokenizer record: u32 byte count + JSON
+    expected += 4 + ReadLe<uint32_t>(&buf[expected]);
   if (expected != size)
     throw bad("size " + std::to_string(size) + " bytes, the header implies " +
               std::to_string(expected));

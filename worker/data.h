@@ -1,7 +1,7 @@
 // Training data: pre-tokenized documents, packed or padded into fixed-length sequences,
 // visited in a seeded order. Torch-free.
 //
-// Two input formats (tools/tokenize.py writes both from text):
+// Two input formats (`lorastream prepare` writes both from text and conversations):
 //
 // JSONL (.jsonl): one JSON object per line (blank lines skipped):
 //   {"input_ids": [1, 15043, 29892, ...],      required, token ids in [0, vocab_size)
@@ -11,7 +11,9 @@
 //                                              happens in the loss); -100 = not trained
 //    "loss_mask": [0, 0, 1, ...]}              optional (instead of labels): 1 = train on
 //                                              this token as a target, 0 = do not
-//   Without labels/loss_mask every token is a target.
+//   Without labels/loss_mask every token is a target. The first line may instead be
+//   {"lorastream_tokenizer": {"name", "fingerprint", "vocab_size"}}: the tokenizer that
+//   made the ids (common/tokenizer_id.h), written by `lorastream prepare`.
 //
 // Token file (.tok / .bin), little-endian, sizes exact (anything else is refused):
 //   offset 0   char[8]  magic "LSTOKEN\0"
@@ -19,7 +21,9 @@
 //          12  u32      token_bytes: 2 (u16 ids) or 4 (u32 ids)
 //          16  u64      num_docs
 //          24  u64      num_tokens
-//          32  u32      flags: bit 0 = a loss mask follows the tokens
+//          32  u32      flags: bit 0 = a loss mask follows the tokens; bit 1 = the file
+//                       ends with a tokenizer record: u32 byte count + that many bytes of
+//                       JSON {"name", "fingerprint", "vocab_size"} (common/tokenizer_id.h)
 //          36  u32      reserved, 0
 //          40  u64[num_docs + 1] offsets: document d is tokens [offsets[d], offsets[d+1]);
 //                       offsets[0] = 0, non-decreasing, offsets[num_docs] = num_tokens

@@ -15,6 +15,7 @@
 #include "common/format_bytes.h"
 #include "common/log.h"
 #include "common/step_stats_json.h"
+#include "common/tokenizer_id.h"
 #include "worker/adamw.h"
 #include "worker/base_weights.h"
 #include "worker/data.h"
@@ -108,6 +109,16 @@ TrainResult RunTraining(const JobSpec& spec_in, const TrainOptions& options,
   BaseWeights base = BaseWeights::ForJob(spec);
   RequireValidJobSpec(spec, &base.config());
   const ModelConfig& config = base.config();
+  if (const Manifest* manifest = base.manifest()) {  // a checkpoint's tokenizer: ValidateJobSpec
+    const std::string why = DataTokenizerProblem(
+        spec.data.path, spec.data.format,
+        [&]() -> std::optional<TokenizerId> {
+          if (manifest->tokenizer.fingerprint.empty()) return std::nullopt;
+          return manifest->tokenizer;
+        },
+        "store `" + manifest->store_name + "`", config.vocab_size);
+    if (!why.empty()) throw Error(ErrorCode::kRefused, why);
+  }
   std::vector<Document> docs = LoadDocuments(spec.data.path, spec.data.format, config.vocab_size);
   const SequenceSet sequences =
       BuildSequences(docs, spec.data.seq_len, spec.data.packing, static_cast<int32_t>(spec.data.pad_id));

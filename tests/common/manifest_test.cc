@@ -75,6 +75,16 @@ TEST_CASE("manifest JSON round trip keeps every field exactly", "[common]") {
   CHECK(r.owner_start_time == 99);
   CHECK(r.source_dir == "/models/llama");
   CHECK(r.total_bytes() == 400);
+  CHECK(r.tokenizer.fingerprint.empty());  // a folder without tokenizer.json records none
+}
+
+TEST_CASE("the manifest keeps the model folder's tokenizer", "[common][tokenizer]") {
+  Manifest m = Sample();
+  m.tokenizer = {"Llama-3.1-8B", "tok-0123456789abcdef", 128256};
+  const Manifest r = ManifestFromJson(ManifestToJson(m), "test");
+  CHECK(r.tokenizer.name == "Llama-3.1-8B");
+  CHECK(r.tokenizer.fingerprint == "tok-0123456789abcdef");
+  CHECK(r.tokenizer.vocab_size == 128256);
 }
 
 TEST_CASE("a damaged manifest is refused naming the field", "[common]") {

@@ -5,6 +5,7 @@
 
 #include "common/error.h"
 #include "common/safetensors.h"
+#include "common/tokenizer_id.h"
 #include "store/convert.h"
 #include "store/layout.h"
 #include "test_util.h"
@@ -124,4 +125,30 @@ TEST_CASE("synth shards with an index when asked and replaces an earlier run", "
   CHECK(Synth("tiny", dir.str(), 1).shards == 1);
   CHECK(Checkpoint::Open(dir.str()).AllTensors().size() == 39);
   CHECK_THROWS_WITH(Synth("tiny", dir.str(), 1, "f8"), Catch::Contains("must be f32, f16 or bf16"));
+}
+
+TEST_CASE("synth --tokenizer copies a tokenizer in and the store's plan records it",
+          "[store][tokenizer]") {
+  const std::string fixture =
+      std::string(LORASTREAM_SOURCE_DIR) + "/tests/fixtures/tokenizers/llama3";  // 700 ids
+  ScopedDir dir;
+  SynthOptions o;
+  o.preset = "tiny";  // vocab_size 512: grows to fit the tokenizer
+  o.out_dir = dir.path;
+  o.presets_dir = PresetsDir();
+  o.threads = 2;
+  o.tokenizer_dir = fixture;
+  RunSynth(o);
+  Checkpoint cp = Checkpoint::Open(dir.path);
+  CHECK(cp.config().vocab_size == 700);
+  const Manifest m = PlanPack(cp, PackOptions{}).manifest;
+  CHECK(m.tokenizer.fingerprint == ModelTokenizerId(fixture)->fingerprint);
+  CHECK(m.tokenizer.vocab_size == 700);
+
+  ScopedDir plain;  // no tokenizer: the manifest records none
+  Synth("tiny", plain.path);
+  CHECK(
+      PlanPack(Checkpoint::Open(plain.path), PackOptions{}).manifest.tokenizer.fingerprint.empty());
+  o.tokenizer_dir = plain.path;
+  CHECK_THROWS_AS(RunSynth(o), Error);
 }

@@ -5,7 +5,10 @@
 #include <fstream>
 #include <set>
 
+#include <nlohmann/json.hpp>
+
 #include "common/error.h"
+#include "common/subprocess.h"
 #include "worker_test_util.h"
 
 using namespace lorastream;
@@ -93,4 +96,36 @@ TEST_CASE("packing, padding, shifted targets and the seeded order", "[worker]") 
   }
   CHECK(epoch.size() == 100);  // a permutation per epoch
   CHECK(differs);
+}
+
+TEST_CASE("data written by `lorastream prepare` loads with its tokenizer record skipped",
+          "[worker][prepare]") {
+  // tools/prepare/prepare.mjs writes both formats; the ids and masks must come back as
+  // transformers made them (tests/fixtures/tokenizers/mistral/expected.json).
+  testing::TempDir dir("prepared");
+  const std::string source = LORASTREAM_SOURCE_DIR;
+  const std::string model = source + "/tests/fixtures/tokenizers/mistral";
+  nlohmann::json expected;
+  std::ifstream(model + "/expected.json") >> expected;
+  const nlohmann::json& chats = expected["formats"]["messages"];
+  {
+    std::ofstream f(dir / "chats.jsonl");
+    for (const auto& r : chats["records"]) f << r.dump() << "\n";
+  }
+  for (const std::string out : {"d.tok", "d.jsonl"}) {
+    INFO(out);
+    int code = -1;
+    RunAndCapture({"node", source + "/tools/prepare/prepare.mjs", "--model", model, "--in",
+                   dir / "chats.jsonl", "--format", "messages", "--out", dir / out, "--fingerprint",
+                   "tok-0000000000000001"},
+                  &code);
+    REQUIRE(code == 0);
+    auto docs = LoadDocuments(dir / out, out.size() > 5 ? "jsonl" : "tokens",
+                              expected["vocab_size"].get<int64_t>());
+    REQUIRE(docs.size() == chats["expected"].size());
+    for (size_t i = 0; i < docs.size(); ++i) {
+      CHECK(nlohmann::json(docs[i].ids) == chats["expected"][i]["input_ids"]);
+      CHECK(nlohmann::json(docs[i].labels) == chats["expected"][i]["labels"]);
+    }
+  }
 }
