@@ -21,18 +21,28 @@ std::string FormatBytes(uint64_t bytes) {
   return buf;
 }
 
-uint64_t MemoryEstimate::total() const {
-  return rest + resident_blocks + ring + adapter + checkpoints + block_working + attention +
-         lm_head + reserve;
+uint64_t MemoryEstimate::fixed() const {
+  return rest + resident_blocks + adapter + checkpoints + reserve;
 }
+uint64_t MemoryEstimate::forward() const {
+  return fixed() + forward_ring + forward_working + attention;
+}
+uint64_t MemoryEstimate::head() const { return fixed() + ring + lm_head; }
+uint64_t MemoryEstimate::backward() const {
+  return fixed() + backward_ring + block_working + attention;
+}
+uint64_t MemoryEstimate::total() const { return std::max({forward(), head(), backward()}); }
 
 std::string MemoryEstimate::Describe() const {
   return "rest " + FormatBytes(rest) + " + resident blocks " + FormatBytes(resident_blocks) +
-         " + ring " + FormatBytes(ring) + " + adapter&optimizer " + FormatBytes(adapter) +
-         " + checkpoints " + FormatBytes(checkpoints) + " + block working set " +
-         FormatBytes(block_working) + " + attention " + FormatBytes(attention) +
-         " + lm head " + FormatBytes(lm_head) + " + reserve " + FormatBytes(reserve) + " = " +
-         FormatBytes(total());
+         " + adapter&optimizer " + FormatBytes(adapter) + " + checkpoints " +
+         FormatBytes(checkpoints) + " + reserve " + FormatBytes(reserve) + ", then: forward " +
+         FormatBytes(forward()) + " (slots " + FormatBytes(forward_ring) + ", working " +
+         FormatBytes(forward_working) + ", attention " + FormatBytes(attention) +
+         "), LM head " + FormatBytes(head()) + " (ring " + FormatBytes(ring) + ", lm head " +
+         FormatBytes(lm_head) + "), backward " + FormatBytes(backward()) + " (slots " +
+         FormatBytes(backward_ring) + ", block working set " + FormatBytes(block_working) +
+         ", attention " + FormatBytes(attention) + "); peak " + FormatBytes(total());
 }
 
 int64_t LoraParameterCount(const ModelConfig& c, int64_t rank,
@@ -80,6 +90,9 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& 
     }
   }
   e.ring = static_cast<uint64_t>(plan.ring_size) * largest_streamed;
+  e.forward_ring = static_cast<uint64_t>(plan.forward_slots) * largest_streamed;
+  e.backward_ring = static_cast<uint64_t>(plan.backward_slots) * largest_streamed;
+  e.forward_working = t * b * (4 * h + q + 2 * kv + 3 * inter);
   e.adapter = static_cast<uint64_t>(LoraParameterCount(c, in.lora_rank, in.lora_targets)) * 16;
   e.checkpoints = static_cast<uint64_t>(plan.num_blocks()) * t * h * b;
   e.block_working = t * b * (8 * h + 4 * (q + 2 * kv) + 6 * inter) +
@@ -90,6 +103,24 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& 
   return e;
 }
 
+ResidencyPlan FillPhaseSlots(const MemoryModelInputs& in, ResidencyPlan plan,
+                             uint64_t peak_bytes) {
+  // Each phase's estimate grows with its own slots only.
+  while (plan.forward_slots < plan.num_streamed()) {
+    ResidencyPlan more = plan;
+    ++more.forward_slots;
+    if (EstimateMemory(in, more).forward() > peak_bytes) break;
+    plan = more;
+  }
+  while (plan.backward_slots < plan.num_streamed()) {
+    ResidencyPlan more = plan;
+    ++more.backward_slots;
+    if (EstimateMemory(in, more).backward() > peak_bytes) break;
+    plan = more;
+  }
+  return plan;
+}
+
 ResidencyPlan PlanFromBudget(const MemoryModelInputs& in, uint64_t budget_bytes,
                              int ring_size) {
   RequireValidRingSize(ring_size);
@@ -98,8 +129,10 @@ ResidencyPlan PlanFromBudget(const MemoryModelInputs& in, uint64_t budget_bytes,
   // walking down from all-resident; L is small (tens), so no bisection is needed.
   for (int resident = num_blocks; resident >= 0; --resident) {
     ResidencyPlan plan = PlanFromSwapCount(num_blocks, num_blocks - resident, ring_size);
-    const MemoryEstimate e = EstimateMemory(in, plan);
+    MemoryEstimate e = EstimateMemory(in, plan);
     if (e.total() <= budget_bytes) {
+      plan = FillPhaseSlots(in, plan, budget_bytes);
+      e = EstimateMemory(in, plan);
       LS_LOG_INFO("stream plan from gpu_memory_budget {}: {}; estimate {}",
                   FormatBytes(budget_bytes), plan.Describe(), e.Describe());
       return plan;

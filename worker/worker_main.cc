@@ -1,5 +1,5 @@
-// lorastream-worker: `train JOB.toml` runs one job standalone; `parity` is the parity
-// harness's side (tools/parity/). Thin: parse options, call one Run function, map errors.
+// lorastream-worker: `train JOB.toml` runs one job standalone; `plan JOB.toml` prints the
+// streaming plans the cost model weighs; `parity` is the parity harness's side (tools/parity/). Thin: parse options, call one Run function, map errors.
 #include <atomic>
 #include <csignal>
 #include <cstdio>
@@ -10,6 +10,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "worker/parity.h"
+#include "worker/plan_command.h"
 #include "worker/serve.h"
 #include "worker/stream_provider.h"
 #include "worker/trainer.h"
@@ -60,6 +61,15 @@ int main(int argc, char** argv) {
   serve_cmd->add_option("--threads", serve.threads, "CPU threads (0 = every core)");
   serve_cmd->add_flag("--resident", serve_resident, "keep every block resident (no streaming engine)");
 
+  std::string plan_job;
+  PlanCommandOptions plan;
+  auto* plan_cmd = app.add_subcommand(
+      "plan", "the candidate swap plans with predicted step time and peak memory, and the chosen one");
+  plan_cmd->add_option("job", plan_job, "the job file (TOML)")->required();
+  plan_cmd->add_option("--device", plan.device, "cpu | cuda | cuda:N")->capture_default_str();
+  plan_cmd->add_flag("--recalibrate", plan.recalibrate,
+                     "measure the device again even when cached figures exist");
+
   CLI11_PARSE(app, argc, argv);
   InitLogging("worker");
   try {
@@ -73,6 +83,7 @@ int main(int argc, char** argv) {
         };
       return RunTrainCommand(job_path, train);
     }
+    if (*plan_cmd) return RunPlanCommand(plan_job, plan);
     if (*serve_cmd) {
       serve.stream = !serve_resident;
       std::signal(SIGINT, OnStopSignal);
