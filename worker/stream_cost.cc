@@ -1,6 +1,7 @@
 #include "worker/stream_cost.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>

@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 
@@ -100,8 +101,14 @@ class StreamProvider : public BlockProvider {
     const auto now = std::chrono::steady_clock::now();
     if (predicted_ > 0 && steps_ > 0) {
       const double measured = std::chrono::duration<double>(now - last_begin_).count();
-      LS_LOG_INFO("stream: step {} took {:.1f} ms, predicted {:.1f} ms ({:+.1f}%)", steps_,
-                  measured * 1e3, predicted_ * 1e3, (measured / predicted_ - 1) * 100);
+      // The first steps (the first is cold) and then one in a hundred at info level.
+      if (steps_ <= 5 || steps_ % 100 == 0) {
+        LS_LOG_INFO("stream: step {} took {:.1f} ms, predicted {:.1f} ms ({:+.1f}%)", steps_,
+                    measured * 1e3, predicted_ * 1e3, (measured / predicted_ - 1) * 100);
+      } else {
+        LS_LOG_DEBUG("stream: step {} took {:.1f} ms, predicted {:.1f} ms", steps_,
+                     measured * 1e3, predicted_ * 1e3);
+      }
     }
     last_begin_ = now;
     ++steps_;
@@ -190,8 +197,12 @@ StreamPlanning PlanJobStream(const JobSpec& spec, const BaseWeights& base,
   const PlanChoice choice = ChoosePlan(inputs, costs, st.gpu_memory_budget);
   const CandidatePlan& chosen = choice.candidates[choice.chosen];
   LS_LOG_DEBUG("stream: candidate plans:\n{}", DescribeChoice(choice, st.gpu_memory_budget));
-  out.plan = ApplyPhaseSlots(inputs, chosen.plan, st.gpu_memory_budget, st.forward_slots,
-                             st.backward_slots);
+  // Phase slots the job asks for explicitly override the choice (never below its ring).
+  auto at_least_ring = [&](int64_t asked) {
+    return asked > 0 ? std::max<int64_t>(asked, chosen.plan.ring_size) : asked;
+  };
+  out.plan = ApplyPhaseSlots(inputs, chosen.plan, st.gpu_memory_budget,
+                             at_least_ring(st.forward_slots), at_least_ring(st.backward_slots));
   out.predicted_step_seconds = PredictStep(out.plan, inputs.block_bytes, costs).step_seconds;
   LS_LOG_INFO("stream plan from gpu_memory_budget {} by the cost model ({} candidates; {}): "
               "{}; predicted {:.1f} ms per step (resident {:.1f} ms); estimate {}",

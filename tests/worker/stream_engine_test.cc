@@ -344,7 +344,12 @@ TEST_CASE("phase slots: streamed equals resident bit for bit over several steps,
           if (step >= 2) REQUIRE(stats.copies == steady.copies());
         }
         REQUIRE(device->max_live_slots() <= plan.max_slots());
-        if (plan.max_slots() > plan.ring_size) REQUIRE(device->max_live_slots() > plan.ring_size);
+        // Where the plan copies into a phase slot, the device did allocate one.
+        const bool phase_copy = std::any_of(steady.uses.begin(), steady.uses.end(),
+                                            [&](const BlockUse& u) {
+                                              return u.copy && u.slot >= plan.ring_size;
+                                            });
+        if (phase_copy) REQUIRE(device->max_live_slots() > plan.ring_size);
       }
     }
   }
