@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
@@ -117,11 +118,12 @@ PlanChoice ChoosePlan(const MemoryModelInputs& inputs, const StepCosts& costs,
       choice.chosen = i;
       continue;
     }
+    // Ties (copies hidden entirely): fewer bytes over the link, then the lower peak.
     const CandidatePlan& best = choice.candidates[choice.chosen];
-    if (c.predicted.step_seconds < best.predicted.step_seconds ||
-        (c.predicted.step_seconds == best.predicted.step_seconds &&
-         c.peak_bytes < best.peak_bytes))
-      choice.chosen = i;
+    const auto key = [](const CandidatePlan& p) {
+      return std::make_tuple(p.predicted.step_seconds, p.predicted.h2d_bytes, p.peak_bytes);
+    };
+    if (key(c) < key(best)) choice.chosen = i;
   }
   if (choice.chosen < 0) {
     throw Error(ErrorCode::kRefused,

@@ -62,7 +62,8 @@ struct PlanChoice {
 // Candidates: every streamed-block count (resident blocks spread as PlanFromSwapCount
 // spreads them) with rings 1..max_ring, each both as it is (one ring for the whole step, the
 // hand-picked kind) and with its phases filled with slots up to the budget. Chosen: the
-// smallest predicted step among those that fit (ties: the lower peak). Error(kRefused) when
+// smallest predicted step among those that fit (ties: fewer bytes copied, then the lower
+// peak). Error(kRefused) when
 // none fits, naming the minimum.
 PlanChoice ChoosePlan(const MemoryModelInputs& inputs, const StepCosts& costs,
                       uint64_t budget_bytes, int max_ring = 4);
