@@ -5,6 +5,7 @@
 #include <ATen/Context.h>
 
 #include "common/error.h"
+#include "common/format_bytes.h"
 #include "common/job_spec.h"
 #include "worker/base_weights.h"
 #include "worker/stream_calibrate.h"

@@ -4,22 +4,10 @@
 #include <cstdio>
 
 #include "common/error.h"
+#include "common/format_bytes.h"
 #include "common/log.h"
 
 namespace lorastream {
-
-std::string FormatBytes(uint64_t bytes) {
-  char buf[64];
-  const double b = static_cast<double>(bytes);
-  if (b >= double(1ULL << 30)) {
-    std::snprintf(buf, sizeof buf, "%.2f GiB", b / double(1ULL << 30));
-  } else if (b >= double(1ULL << 20)) {
-    std::snprintf(buf, sizeof buf, "%.1f MiB", b / double(1ULL << 20));
-  } else {
-    std::snprintf(buf, sizeof buf, "%llu B", static_cast<unsigned long long>(bytes));
-  }
-  return buf;
-}
 
 uint64_t MemoryEstimate::fixed() const {
   return rest + resident_blocks + adapter + checkpoints + reserve;
@@ -34,15 +22,16 @@ uint64_t MemoryEstimate::backward() const {
 uint64_t MemoryEstimate::total() const { return std::max({forward(), head(), backward()}); }
 
 std::string MemoryEstimate::Describe() const {
-  return "rest " + FormatBytes(rest) + " + resident blocks " + FormatBytes(resident_blocks) +
-         " + adapter&optimizer " + FormatBytes(adapter) + " + checkpoints " +
-         FormatBytes(checkpoints) + " + reserve " + FormatBytes(reserve) + ", then: forward " +
-         FormatBytes(forward()) + " (slots " + FormatBytes(forward_ring) + ", working " +
-         FormatBytes(forward_working) + ", attention " + FormatBytes(attention) +
-         "), LM head " + FormatBytes(head()) + " (ring " + FormatBytes(ring) + ", lm head " +
-         FormatBytes(lm_head) + "), backward " + FormatBytes(backward()) + " (slots " +
-         FormatBytes(backward_ring) + ", block working set " + FormatBytes(block_working) +
-         ", attention " + FormatBytes(attention) + "); peak " + FormatBytes(total());
+  return "rest " + FormatBytes(rest, 2) + " + resident blocks " + FormatBytes(resident_blocks, 2) +
+         " + adapter&optimizer " + FormatBytes(adapter, 2) + " + checkpoints " +
+         FormatBytes(checkpoints, 2) + " + reserve " + FormatBytes(reserve, 2) +
+         ", then: forward " + FormatBytes(forward(), 2) + " (slots " +
+         FormatBytes(forward_ring, 2) + ", working " + FormatBytes(forward_working, 2) +
+         ", attention " + FormatBytes(attention, 2) + "), LM head " + FormatBytes(head(), 2) +
+         " (ring " + FormatBytes(ring, 2) + ", lm head " + FormatBytes(lm_head, 2) +
+         "), backward " + FormatBytes(backward(), 2) + " (slots " +
+         FormatBytes(backward_ring, 2) + ", block working set " + FormatBytes(block_working, 2) +
+         ", attention " + FormatBytes(attention, 2) + "); peak " + FormatBytes(total(), 2);
 }
 
 int64_t LoraParameterCount(const ModelConfig& c, int64_t rank,
@@ -134,14 +123,14 @@ ResidencyPlan PlanFromBudget(const MemoryModelInputs& in, uint64_t budget_bytes,
       plan = FillPhaseSlots(in, plan, budget_bytes);
       e = EstimateMemory(in, plan);
       LS_LOG_INFO("stream plan from gpu_memory_budget {}: {}; estimate {}",
-                  FormatBytes(budget_bytes), plan.Describe(), e.Describe());
+                  FormatBytes(budget_bytes, 2), plan.Describe(), e.Describe());
       return plan;
     }
     if (resident == 0) {
       throw Error(ErrorCode::kRefused,
                   "stream.gpu_memory_budget " + std::to_string(budget_bytes) + " bytes (" +
-                      FormatBytes(budget_bytes) + ") is below the minimum of " +
-                      std::to_string(e.total()) + " bytes (" + FormatBytes(e.total()) +
+                      FormatBytes(budget_bytes, 2) + ") is below the minimum of " +
+                      std::to_string(e.total()) + " bytes (" + FormatBytes(e.total(), 2) +
                       ") needed with every block streamed through " +
                       std::to_string(plan.ring_size) + " slots (" + e.Describe() +
                       "): raise gpu_memory_budget to at least " + std::to_string(e.total()) +

@@ -77,7 +77,4 @@ ResidencyPlan PlanFromBudget(const MemoryModelInputs& inputs, uint64_t budget_by
 ResidencyPlan FillPhaseSlots(const MemoryModelInputs& inputs, ResidencyPlan plan,
                              uint64_t peak_bytes);
 
-// "1.50 GiB" style.
-std::string FormatBytes(uint64_t bytes);
-
 }  // namespace lorastream

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "common/format_bytes.h"
 #include "common/log.h"
 
 namespace lorastream {

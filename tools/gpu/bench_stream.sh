@@ -13,7 +13,7 @@
 # tools/bench_stream_smoke.sh.
 #
 # Usage: tools/gpu/bench_stream.sh OUT_DIR [extra lorastream-bench-stream options]
-#   LORASTREAM_BUILD_DIR   the build (default /tmp/lorastream-build, build_and_test.sh's)
+#   LORASTREAM_BUILD_DIR   the build (default build/, tools/setup.sh's)
 #   LORASTREAM_BENCH_PRESET, _LAYERS, _DEVICE, _ARGS   the model (llama-3-8b, 16 layers), the
 #     device (cuda:0) and the benchmark's options in place of the defaults below (the CPU
 #     smoke test, tools/bench_stream_smoke.sh, sets them)
@@ -21,7 +21,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="${1:?usage: bench_stream.sh OUT_DIR [options]}"
 shift
-BIN="${LORASTREAM_BUILD_DIR:-/tmp/lorastream-build}/bin"
+BIN="${LORASTREAM_BUILD_DIR:-$ROOT/build}/bin"
 PRESET="${LORASTREAM_BENCH_PRESET:-llama-3-8b}"
 LAYERS="${LORASTREAM_BENCH_LAYERS:-16}"
 DEVICE="${LORASTREAM_BENCH_DEVICE:-cuda:0}"
