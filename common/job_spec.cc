@@ -107,9 +107,12 @@ JobSpec ParseJobSpec(const std::string& toml_text, const std::string& source) {
   s.train.stats_file = t.GetString("stats_file", "");
 
   TomlSection st = doc.Section("stream");
-  st.RejectUnknownKeys({"blocks_to_swap", "gpu_memory_budget", "ring_size"});
+  st.RejectUnknownKeys(
+      {"blocks_to_swap", "gpu_memory_budget", "ring_size", "forward_slots", "backward_slots"});
   s.stream.blocks_to_swap = st.GetInt("blocks_to_swap", s.stream.blocks_to_swap);
   s.stream.ring_size = st.GetInt("ring_size", s.stream.ring_size);
+  s.stream.forward_slots = st.GetInt("forward_slots", s.stream.forward_slots);
+  s.stream.backward_slots = st.GetInt("backward_slots", s.stream.backward_slots);
   if (st.Has("gpu_memory_budget")) {
     // An integer (bytes) or a string with a unit.
     try {
@@ -285,6 +288,13 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
   if (s.stream.ring_size < 1)
     p.push_back(key("stream.ring_size") + "must be >= 1 (found " +
                 std::to_string(s.stream.ring_size) + ")");
+  for (const auto& [name, slots] : {std::pair<const char*, int64_t>{"stream.forward_slots",
+                                                                    s.stream.forward_slots},
+                                    {"stream.backward_slots", s.stream.backward_slots}}) {
+    if (slots < -1 || (slots > 0 && slots < s.stream.ring_size))
+      p.push_back(key(name) + "must be 0 (= ring_size), -1 (as many as fit) or >= ring_size (found " +
+                  std::to_string(slots) + ")");
+  }
   return p;
 }
 

@@ -56,6 +56,9 @@
 //   gpu_memory_budget = 0         # bytes (integer, or a string "8GiB"/"500MB"); when > 0
 //                                 #   the engine plans the resident set from it instead
 //   ring_size = 2                 # GPU slots for streamed blocks (>= 1)
+//   forward_slots = 0             # slots during the forward pass: 0 = ring_size, -1 = as many
+//                                 #   as fit within the plan's peak, N >= ring_size
+//   backward_slots = 0            # the same for the backward pass (worker/stream_plan.h)
 //
 // Relative paths inside the file resolve against the file's own folder (common/job_paths.h;
 // LoadJobSpec makes them absolute, so a spec travelling to a worker stays valid).
@@ -126,7 +129,11 @@ struct StreamSpec {
   int64_t blocks_to_swap = 0;
   uint64_t gpu_memory_budget = 0;  // bytes; 0 = plan from blocks_to_swap
   int64_t ring_size = 2;
-  template <class A> void serialize(A& ar) { ar(blocks_to_swap, gpu_memory_budget, ring_size); }
+  int64_t forward_slots = 0;   // 0: ring_size; -1: as many as fit within the plan's peak
+  int64_t backward_slots = 0;  // 0: ring_size; -1: as many as fit within the plan's peak
+  template <class A> void serialize(A& ar) {
+    ar(blocks_to_swap, gpu_memory_budget, ring_size, forward_slots, backward_slots);
+  }
 };
 
 struct JobSpec {

@@ -4,7 +4,11 @@
 //   Copy(slot)        the copy starts only after the compute work recorded by the slot's last
 //                     ReleaseSlot has completed (invariant 2);
 //   AcquireSlot(slot) compute waits for the slot's last copy (invariant 1) — on CUDA the
-//                     compute stream waits on the copy's event, never the host.
+//                     compute stream waits on the copy's event, never the host;
+//   FreeSlot(slot)    a phase slot's memory goes back to the device's allocator after its
+//                     last release (compute may reuse it at once: the slot's readers are
+//                     ordered before it); the next Copy into it allocates it again, ordered
+//                     after the compute work enqueued so far.
 // Backends: CPU (worker/stream_cpu_backend.h, a copy thread; what CI tests) and CUDA
 // (worker/cuda/cuda_stream_backend.h).
 #pragma once
@@ -18,6 +22,9 @@ namespace lorastream {
 
 struct StreamBackendOptions {
   int num_slots = 0;
+  // Slots 0..permanent_slots-1 are allocated at construction and never freed; the others
+  // (phase slots) on their first Copy and again after each FreeSlot. -1: all of them.
+  int permanent_slots = -1;
   uint64_t slot_bytes = 0;  // the largest streamed block
   // Fill a slot with 0xFF bytes (NaN as bf16, f16 and f32) before each copy into it, so that
   // a read before the copy completed shows up as NaN in the results.
@@ -37,15 +44,20 @@ class StreamBackend {
  public:
   virtual ~StreamBackend() = default;
 
-  // A uint8 tensor of slot_bytes on the device: the ring slot `slot`.
+  // A uint8 tensor of slot_bytes on the device: the ring slot `slot` (undefined while a phase
+  // slot is freed).
   virtual const at::Tensor& slot(int slot) const = 0;
   // Prepares a streamed block's host range for copies (CUDA: prefault and register).
   virtual void AddSource(const uint8_t* src, uint64_t bytes) = 0;
   // A device tensor with the block's bytes, kept for the engine's life (CPU: a view, no copy).
   virtual at::Tensor MakeResident(const uint8_t* src, uint64_t bytes) = 0;
 
-  // Enqueues the copy of [src, src + bytes) into `slot` (bytes <= slot_bytes).
+  // Enqueues the copy of [src, src + bytes) into `slot` (bytes <= slot_bytes), allocating the
+  // slot first when it is freed.
   virtual void Copy(int slot, const uint8_t* src, uint64_t bytes) = 0;
+  // Releases a phase slot's memory; its last use has been released. Error(kInternal) for a
+  // slot still being read (CPU) or a permanent slot.
+  virtual void FreeSlot(int slot) = 0;
   // Compute is about to read `slot`: make it wait for the slot's last copy.
   virtual void AcquireSlot(int slot) = 0;
   // Every kernel reading `slot` for this use has been enqueued on the compute stream.

@@ -9,18 +9,29 @@
 
 namespace lorastream {
 
-uint64_t MemoryEstimate::total() const {
-  return rest + resident_blocks + ring + adapter + checkpoints + block_working + attention +
-         lm_head + reserve;
+uint64_t MemoryEstimate::fixed() const {
+  return rest + resident_blocks + adapter + checkpoints + reserve;
 }
+uint64_t MemoryEstimate::forward() const {
+  return fixed() + forward_ring + forward_working + attention;
+}
+uint64_t MemoryEstimate::head() const { return fixed() + ring + lm_head; }
+uint64_t MemoryEstimate::backward() const {
+  return fixed() + backward_ring + block_working + attention;
+}
+uint64_t MemoryEstimate::total() const { return std::max({forward(), head(), backward()}); }
 
 std::string MemoryEstimate::Describe() const {
   return "rest " + FormatBytes(rest, 2) + " + resident blocks " + FormatBytes(resident_blocks, 2) +
-         " + ring " + FormatBytes(ring, 2) + " + adapter&optimizer " + FormatBytes(adapter, 2) +
-         " + checkpoints " + FormatBytes(checkpoints, 2) + " + block working set " +
-         FormatBytes(block_working, 2) + " + attention " + FormatBytes(attention, 2) +
-         " + lm head " + FormatBytes(lm_head, 2) + " + reserve " + FormatBytes(reserve, 2) + " = " +
-         FormatBytes(total(), 2);
+         " + adapter&optimizer " + FormatBytes(adapter, 2) + " + checkpoints " +
+         FormatBytes(checkpoints, 2) + " + reserve " + FormatBytes(reserve, 2) +
+         ", then: forward " + FormatBytes(forward(), 2) + " (slots " +
+         FormatBytes(forward_ring, 2) + ", working " + FormatBytes(forward_working, 2) +
+         ", attention " + FormatBytes(attention, 2) + "), LM head " + FormatBytes(head(), 2) +
+         " (ring " + FormatBytes(ring, 2) + ", lm head " + FormatBytes(lm_head, 2) +
+         "), backward " + FormatBytes(backward(), 2) + " (slots " +
+         FormatBytes(backward_ring, 2) + ", block working set " + FormatBytes(block_working, 2) +
+         ", attention " + FormatBytes(attention, 2) + "); peak " + FormatBytes(total(), 2);
 }
 
 int64_t LoraParameterCount(const ModelConfig& c, int64_t rank,
@@ -68,6 +79,9 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& 
     }
   }
   e.ring = static_cast<uint64_t>(plan.ring_size) * largest_streamed;
+  e.forward_ring = static_cast<uint64_t>(plan.forward_slots) * largest_streamed;
+  e.backward_ring = static_cast<uint64_t>(plan.backward_slots) * largest_streamed;
+  e.forward_working = t * b * (4 * h + q + 2 * kv + 3 * inter);
   e.adapter = static_cast<uint64_t>(LoraParameterCount(c, in.lora_rank, in.lora_targets)) * 16;
   e.checkpoints = static_cast<uint64_t>(plan.num_blocks()) * t * h * b;
   e.block_working = t * b * (8 * h + 4 * (q + 2 * kv) + 6 * inter) +
@@ -78,6 +92,24 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& 
   return e;
 }
 
+ResidencyPlan FillPhaseSlots(const MemoryModelInputs& in, ResidencyPlan plan,
+                             uint64_t peak_bytes) {
+  // Each phase's estimate grows with its own slots only.
+  while (plan.forward_slots < plan.num_streamed()) {
+    ResidencyPlan more = plan;
+    ++more.forward_slots;
+    if (EstimateMemory(in, more).forward() > peak_bytes) break;
+    plan = more;
+  }
+  while (plan.backward_slots < plan.num_streamed()) {
+    ResidencyPlan more = plan;
+    ++more.backward_slots;
+    if (EstimateMemory(in, more).backward() > peak_bytes) break;
+    plan = more;
+  }
+  return plan;
+}
+
 ResidencyPlan PlanFromBudget(const MemoryModelInputs& in, uint64_t budget_bytes,
                              int ring_size) {
   RequireValidRingSize(ring_size);
@@ -86,8 +118,10 @@ ResidencyPlan PlanFromBudget(const MemoryModelInputs& in, uint64_t budget_bytes,
   // walking down from all-resident; L is small (tens), so no bisection is needed.
   for (int resident = num_blocks; resident >= 0; --resident) {
     ResidencyPlan plan = PlanFromSwapCount(num_blocks, num_blocks - resident, ring_size);
-    const MemoryEstimate e = EstimateMemory(in, plan);
+    MemoryEstimate e = EstimateMemory(in, plan);
     if (e.total() <= budget_bytes) {
+      plan = FillPhaseSlots(in, plan, budget_bytes);
+      e = EstimateMemory(in, plan);
       LS_LOG_INFO("stream plan from gpu_memory_budget {}: {}; estimate {}",
                   FormatBytes(budget_bytes, 2), plan.Describe(), e.Describe());
       return plan;

@@ -14,7 +14,13 @@
 //   attention      heads x T x T x b x 2 (scores and probabilities) where attention
 //                  materialises them (no fused kernel); else heads x T x 4 (logsumexp)
 //   lm head        T x V x (b + 8): logits, their fp32 copy and the fp32 gradient
+//   forward working  T x b x (4 H + Q + 2 KV + 3 I): one block's forward without grad
 //   reserve        fixed slack for allocator fragmentation and small tensors
+// The step's memory is a timeline of three phases, and the peak is the largest of them
+// (fixed = rest + resident blocks + adapter + checkpoints + reserve):
+//   forward    fixed + forward_slots x slot + forward working + attention
+//   LM head    fixed + ring_size x slot + lm head     (the forward's last blocks wait in the ring)
+//   backward   fixed + backward_slots x slot + block working + attention
 // It is an estimate: the benchmark prints the measured peak next to it.
 #pragma once
 
@@ -43,7 +49,12 @@ struct MemoryModelInputs {
 struct MemoryEstimate {
   uint64_t rest = 0, resident_blocks = 0, ring = 0, adapter = 0, checkpoints = 0,
            block_working = 0, attention = 0, lm_head = 0, reserve = 0;
-  uint64_t total() const;
+  uint64_t forward_ring = 0, backward_ring = 0, forward_working = 0;
+  uint64_t fixed() const;
+  uint64_t forward() const;
+  uint64_t head() const;
+  uint64_t backward() const;
+  uint64_t total() const;        // the peak: the largest phase
   std::string Describe() const;  // "rest 2.1 GB + resident 4 x 436 MB + ..."
 };
 
@@ -54,9 +65,16 @@ int64_t LoraParameterCount(const ModelConfig& config, int64_t rank,
 MemoryEstimate EstimateMemory(const MemoryModelInputs& inputs, const ResidencyPlan& plan);
 
 // The plan with the most resident blocks whose estimate fits `budget_bytes` (resident blocks
-// spread as PlanFromSwapCount spreads them). Refuses (kRefused) a budget below the minimum
+// spread as PlanFromSwapCount spreads them), its phases then filled with slots up to the
+// budget (FillPhaseSlots). Refuses (kRefused) a budget below the minimum
 // (every block streamed), saying how many bytes that minimum is. Logs the plan and estimate.
 ResidencyPlan PlanFromBudget(const MemoryModelInputs& inputs, uint64_t budget_bytes,
                              int ring_size);
+
+// `plan` with as many slots in the forward and in the backward as fit within `peak_bytes`
+// (at least ring_size, at most the streamed blocks): the memory timeline's headroom used as
+// extra slots.
+ResidencyPlan FillPhaseSlots(const MemoryModelInputs& inputs, ResidencyPlan plan,
+                             uint64_t peak_bytes);
 
 }  // namespace lorastream

@@ -1,5 +1,6 @@
 #include "worker/stream_cpu_backend.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 
@@ -20,10 +21,44 @@ CpuStreamBackend::CpuStreamBackend(const StreamBackendOptions& options)
       slot_last_copy_(options.num_slots, 0),
       reading_(options.num_slots, false) {
   LS_CHECK(options.num_slots >= 0, "negative slot count");
-  for (int s = 0; s < options.num_slots; ++s) {
-    slots_.push_back(at::empty({static_cast<int64_t>(options.slot_bytes)}, at::kByte));
-  }
+  slots_.resize(options.num_slots);
+  const int permanent =
+      options.permanent_slots < 0 ? options.num_slots : std::min(options.permanent_slots, options.num_slots);
+  for (int s = 0; s < permanent; ++s) Allocate(s);  // no thread yet: no lock needed
   thread_ = std::thread([this] { CopyLoop(); });
+}
+
+void CpuStreamBackend::Allocate(int slot) {
+  slots_[slot] = at::empty({static_cast<int64_t>(options_.slot_bytes)}, at::kByte);
+  max_live_slots_ = std::max(max_live_slots_, ++live_slots_);
+}
+
+int CpuStreamBackend::live_slots() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return live_slots_;
+}
+
+int CpuStreamBackend::max_live_slots() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return max_live_slots_;
+}
+
+void CpuStreamBackend::FreeSlot(int slot) {
+  LS_CHECK(slot >= 0 && slot < options_.num_slots, "slot out of range");
+  LS_CHECK(options_.permanent_slots >= 0 && slot >= options_.permanent_slots,
+           "FreeSlot of a permanent ring slot");
+  std::unique_lock<std::mutex> lock(mu_);
+  if (reading_[slot]) {
+    throw Error(ErrorCode::kInternal, "invariant 2 broken: ring slot " + std::to_string(slot) +
+                                          " freed while a block in it was still being read");
+  }
+  // A copy still writing the slot finishes first (the plan never frees a slot before its
+  // block's use, so this does not wait in practice).
+  const uint64_t wanted = slot_last_copy_[slot];
+  cv_.wait(lock, [&] { return completed_ >= wanted || copy_error_; });
+  if (!slots_[slot].defined()) return;
+  slots_[slot] = at::Tensor();
+  --live_slots_;
 }
 
 CpuStreamBackend::~CpuStreamBackend() {
@@ -46,6 +81,7 @@ void CpuStreamBackend::Copy(int slot, const uint8_t* src, uint64_t bytes) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     RethrowCopyError();
+    if (!slots_[slot].defined()) Allocate(slot);
     queue_.push_back(Job{slot, src, bytes, ++issued_});
     slot_last_copy_[slot] = issued_;
   }

@@ -31,12 +31,18 @@ class CpuStreamBackend : public StreamBackend {
   void AddSource(const uint8_t* src, uint64_t bytes) override {}
   at::Tensor MakeResident(const uint8_t* src, uint64_t bytes) override;
   void Copy(int slot, const uint8_t* src, uint64_t bytes) override;
+  void FreeSlot(int slot) override;
   void AcquireSlot(int slot) override;
   void ReleaseSlot(int slot) override;
   void Drain() override;
   void CollectTimes(double* h2d_busy_seconds, double* stall_seconds) override;
   uint64_t PeakDeviceBytes() override { return 0; }
   void ResetPeak() override {}
+
+  // Slots allocated now, and the most allocated at once since construction (tests check
+  // the memory timeline with them).
+  int live_slots();
+  int max_live_slots();
 
  private:
   struct Job {
@@ -47,9 +53,12 @@ class CpuStreamBackend : public StreamBackend {
   };
   void CopyLoop();
   void RethrowCopyError();  // requires mu_
+  void Allocate(int slot);  // requires mu_
 
   const StreamBackendOptions options_;
-  std::vector<at::Tensor> slots_;
+  std::vector<at::Tensor> slots_;        // written under mu_ (the copy thread reads them)
+  int live_slots_ = 0;                   // guarded by mu_
+  int max_live_slots_ = 0;               // guarded by mu_
 
   std::mutex mu_;
   std::condition_variable cv_;

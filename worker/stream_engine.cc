@@ -105,9 +105,9 @@ StreamEngine::StreamEngine(const Manifest& manifest, std::vector<const uint8_t*>
       RefuseTrainableBaseWeights(resident_weights_[i], i);
     }
   }
-  slot_weights_.resize(residency_.ring_size);
-  slot_weights_block_.assign(residency_.ring_size, -1);
-  slot_block_.assign(residency_.ring_size, -1);
+  slot_weights_.resize(residency_.max_slots());
+  slot_weights_block_.assign(residency_.max_slots(), -1);
+  slot_block_.assign(residency_.max_slots(), -1);
   if (log_plan) {
     const PassPlan steady = PlanSteadyPass(residency_);
     uint64_t steady_bytes = 0;
@@ -144,6 +144,14 @@ void StreamEngine::StartPass() {
   for (int u : pass_.issue_at_start) Issue(u);
 }
 
+void StreamEngine::FreePhaseSlot(int slot) {
+  // The views over the slot go first: they hold its memory.
+  slot_weights_[slot] = BlockWeights{};
+  slot_weights_block_[slot] = -1;
+  slot_block_[slot] = -1;
+  backend_->FreeSlot(slot);
+}
+
 void StreamEngine::Issue(int use) {
   const BlockUse& u = pass_.uses[use];
   const uint64_t bytes = layouts_[u.block].nbytes;
@@ -174,6 +182,10 @@ void StreamEngine::BeginStep() {
       backend_->ReleaseSlot(pass_.uses[cursor_].slot);
     }
     backend_->Drain();
+    // A fresh pass starts with the phase slots that outlive a pass boundary at most.
+    for (int s = residency_.pass_boundary_slots(); s < residency_.max_slots(); ++s) {
+      if (slot_block_[s] >= 0) FreePhaseSlot(s);
+    }
     StartPass();
   }
   // Statistics are not reset here: copies issued since the last EndStep (the first pass's
@@ -188,6 +200,8 @@ const BlockWeights& StreamEngine::Acquire(int block) {
                     std::to_string(pass_.uses[cursor_].block) + " is still acquired");
   }
   const BlockUse& use = Expect(block, "Acquire");
+  // Copies into phase slots wait for their phase to begin (worker/stream_plan.h).
+  for (int u : pass_.issue_at_acquire[cursor_]) Issue(u);
   if (use.slot < 0) {
     acquired_ = true;
     return resident_weights_[block];
@@ -214,6 +228,7 @@ void StreamEngine::Release(int block) {
   if (use.slot >= 0) backend_->ReleaseSlot(use.slot);
   acquired_ = false;
   const int released = cursor_++;
+  for (int s : pass_.free_after_release[released]) FreePhaseSlot(s);
   for (int u : pass_.issue_after_release[released]) Issue(u);
   if (cursor_ == static_cast<int>(pass_.uses.size())) StartPass();
 }
@@ -229,15 +244,45 @@ void StreamEngine::EndStep(StepStats& stats) {
   copies_saved_ = 0;
 }
 
+ResidencyPlan ApplyPhaseSlots(const MemoryModelInputs& inputs, ResidencyPlan plan,
+                              uint64_t gpu_memory_budget, int64_t forward_slots,
+                              int64_t backward_slots) {
+  const uint64_t peak =
+      gpu_memory_budget > 0 ? gpu_memory_budget : EstimateMemory(inputs, plan).total();
+  auto slots = [&](int64_t asked, int planned, bool forward) {
+    if (asked == 0) return planned;
+    if (asked > 0) return static_cast<int>(std::min<int64_t>(asked, 1 << 20));
+    ResidencyPlan one = plan;
+    one.forward_slots = one.backward_slots = one.ring_size;
+    one = FillPhaseSlots(inputs, one, peak);
+    return forward ? one.forward_slots : one.backward_slots;
+  };
+  if (forward_slots < -1 || backward_slots < -1) {
+    throw Error(ErrorCode::kRefused, "stream.forward_slots and stream.backward_slots must be "
+                                     ">= -1 (-1: as many as fit; 0: ring_size)");
+  }
+  const int f = slots(forward_slots, plan.forward_slots, true);
+  const int b = slots(backward_slots, plan.backward_slots, false);
+  return WithPhaseSlots(plan, f, b);
+}
+
 ResidencyPlan PlanResidency(int64_t blocks_to_swap, uint64_t gpu_memory_budget,
-                            int64_t ring_size, const MemoryModelInputs& inputs) {
+                            int64_t ring_size, const MemoryModelInputs& inputs,
+                            int64_t forward_slots, int64_t backward_slots) {
   const int num_blocks = static_cast<int>(inputs.block_bytes.size());
   const int ring = static_cast<int>(std::clamp<int64_t>(ring_size, -1, 1 << 20));
   RequireValidRingSize(ring);
-  if (gpu_memory_budget > 0) return PlanFromBudget(inputs, gpu_memory_budget, ring);
-  const int swap = static_cast<int>(std::clamp<int64_t>(blocks_to_swap, -1, num_blocks + 1));
-  ResidencyPlan plan = PlanFromSwapCount(num_blocks, swap, ring);
-  LS_LOG_INFO("stream plan from blocks_to_swap {}: {}", blocks_to_swap, plan.Describe());
+  ResidencyPlan plan;
+  if (gpu_memory_budget > 0) {
+    plan = PlanFromBudget(inputs, gpu_memory_budget, ring);
+  } else {
+    const int swap = static_cast<int>(std::clamp<int64_t>(blocks_to_swap, -1, num_blocks + 1));
+    plan = PlanFromSwapCount(num_blocks, swap, ring);
+  }
+  plan = ApplyPhaseSlots(inputs, plan, gpu_memory_budget, forward_slots, backward_slots);
+  if (gpu_memory_budget == 0)
+    LS_LOG_INFO("stream plan from blocks_to_swap {}: {}; estimate {}", blocks_to_swap,
+                plan.Describe(), EstimateMemory(inputs, plan).Describe());
   return plan;
 }
 
@@ -263,7 +308,8 @@ std::unique_ptr<StreamEngine> MakeStreamEngine(const Manifest& manifest,
                                                const c10::Device& device,
                                                const StreamEngineOptions& options) {
   StreamBackendOptions b;
-  b.num_slots = residency.ring_size;
+  b.num_slots = residency.max_slots();
+  b.permanent_slots = residency.ring_size;
   for (size_t i = 0; i < manifest.blocks.size() && i < residency.streamed.size(); ++i) {
     if (residency.streamed[i]) b.slot_bytes = std::max(b.slot_bytes, manifest.blocks[i].nbytes);
   }

@@ -2,7 +2,10 @@
 // streams the others Host->Device through a ring of R slots, following the pass plan
 // (worker/stream_plan.h). One H2D copy per block (a block's bytes are contiguous in the
 // store), issued as soon as the slot's previous occupant has been released, overlapped with
-// compute; a block still in its slot is served again without a copy.
+// compute; a block still in its slot is served again without a copy. The forward and the
+// backward may hold more slots than the ring (ResidencyPlan's phase slots): the engine frees
+// them after their last use in the phase and fills them again in the next one, so the next
+// pass's first blocks are fetched during the backward.
 //
 // Construction: for a job, MakeStreamProvider (worker/stream_provider.h) does all of this.
 // By hand:
@@ -63,6 +66,7 @@ class StreamEngine : public BlockProvider {
  private:
   void StartPass();  // plans the pass from the slots' contents and issues its first copies
   void Issue(int use);
+  void FreePhaseSlot(int slot);  // drops the views over a phase slot, then its memory
   const BlockUse& Expect(int block, const char* verb) const;
 
   const std::vector<SegmentInfo> layouts_;
@@ -93,9 +97,18 @@ void RefuseTrainableBaseWeights(const BlockWeights& weights, int block);
 void RefuseTrainableBaseWeight(const at::Tensor& weight, const std::string& name);
 
 // The resident/streamed split a job asks for: from the budget when gpu_memory_budget > 0,
-// else from blocks_to_swap. Logs the plan. Refusals name the field.
+// else from blocks_to_swap; then the phase slots: forward_slots / backward_slots of 0 keep
+// the budget's choice (ring_size without a budget), -1 fills the phase up to the plan's
+// estimated peak (the budget when there is one), N asks for N. Logs the plan. Refusals name
+// the field.
 ResidencyPlan PlanResidency(int64_t blocks_to_swap, uint64_t gpu_memory_budget,
-                            int64_t ring_size, const MemoryModelInputs& inputs);
+                            int64_t ring_size, const MemoryModelInputs& inputs,
+                            int64_t forward_slots = 0, int64_t backward_slots = 0);
+
+// The same phase-slot rule for a plan made elsewhere (the cost-model planner).
+ResidencyPlan ApplyPhaseSlots(const MemoryModelInputs& inputs, ResidencyPlan plan,
+                              uint64_t gpu_memory_budget, int64_t forward_slots,
+                              int64_t backward_slots);
 
 // Memory-model inputs from the manifest (block and rest sizes) and the job's numbers.
 MemoryModelInputs MemoryInputsFor(const Manifest& manifest, int64_t lora_rank,

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <sstream>
+#include <tuple>
 
 #include "common/error.h"
 
@@ -24,8 +25,10 @@ std::string ResidencyPlan::Describe() const {
       first_r = false;
     }
   }
-  s << "] through " << ring_size << " ring slot" << (ring_size == 1 ? "" : "s")
-    << "; resident [" << resident.str() << "]";
+  s << "] through " << ring_size << " ring slot" << (ring_size == 1 ? "" : "s");
+  if (forward_slots != ring_size || backward_slots != ring_size)
+    s << " (" << forward_slots << " in the forward, " << backward_slots << " in the backward)";
+  s << "; resident [" << resident.str() << "]";
   return s.str();
 }
 
@@ -71,6 +74,23 @@ ResidencyPlan PlanFromSwapCount(int num_blocks, int blocks_to_swap, int ring_siz
   }
   LS_CHECK(plan.num_streamed() == blocks_to_swap, "resident blocks collided");
   plan.ring_size = std::min(ring_size, blocks_to_swap);
+  plan.forward_slots = plan.backward_slots = plan.ring_size;
+  return plan;
+}
+
+ResidencyPlan WithPhaseSlots(ResidencyPlan plan, int forward_slots, int backward_slots) {
+  auto check = [&](int slots, const char* key) {
+    if (slots != 0 && slots < plan.ring_size) {
+      throw Error(ErrorCode::kRefused,
+                  std::string("stream.") + key + " must be 0 (= ring_size) or >= ring_size = " +
+                      std::to_string(plan.ring_size) + " (found " + std::to_string(slots) +
+                      "): the slots that carry blocks across the LM head belong to both "
+                      "phases; lower ring_size instead");
+    }
+    return std::min(slots == 0 ? plan.ring_size : slots, plan.num_streamed());
+  };
+  plan.forward_slots = check(forward_slots, "forward_slots");
+  plan.backward_slots = check(backward_slots, "backward_slots");
   return plan;
 }
 
@@ -107,6 +127,8 @@ std::string PassPlan::Describe() const {
     } else {
       s << " slot " << use.slot << " reused";
     }
+    if (use.at_acquire) s << " (at the acquire of #" << use.issue_after + 1 << ")";
+    for (int f : free_after_release[u]) s << "; frees slot " << f;
     s << "\n";
   }
   return s.str();
@@ -115,16 +137,29 @@ std::string PassPlan::Describe() const {
 PassPlan PlanPass(const ResidencyPlan& residency, const std::vector<int>& slots_at_start) {
   const int num_blocks = residency.num_blocks();
   const int ring = residency.ring_size;
-  LS_CHECK(static_cast<int>(slots_at_start.size()) == ring, "slot state of the wrong size");
+  const int slots = residency.max_slots();
+  LS_CHECK(static_cast<int>(slots_at_start.size()) == slots, "slot state of the wrong size");
   LS_CHECK(ring > 0 || residency.num_streamed() == 0, "streamed blocks without a ring");
+  LS_CHECK(residency.forward_slots >= ring && residency.backward_slots >= ring,
+           "a phase with fewer slots than the ring");
   const std::vector<int> order = PassBlockOrder(num_blocks);
   const int n = static_cast<int>(order.size());
 
   PassPlan plan;
   plan.slots_at_start = slots_at_start;
   plan.issue_after_release.assign(n, {});
+  plan.issue_at_acquire.assign(n, {});
+  plan.free_after_release.assign(n, {});
   std::vector<int> slot_block = slots_at_start;
-  std::vector<int> slot_last_use(ring, -1);  // last use in this pass of the slot's block
+  std::vector<int> slot_last_use(slots, -1);  // last use in this pass of the slot's block
+  // A slot is allocated while it holds a block (or one is being copied into it); the ring's
+  // own slots always are.
+  std::vector<bool> live(slots, false);
+  for (int s = 0; s < slots; ++s) {
+    LS_CHECK(slot_block[s] < 0 || s < residency.pass_boundary_slots(),
+             "a phase slot filled at the start of a pass");
+    live[s] = s < ring || slot_block[s] >= 0;
+  }
 
   // Position (in the cyclic sequence) of the next use of `block` strictly after use u.
   auto next_use = [&](int block, int u) {
@@ -135,45 +170,95 @@ PassPlan PlanPass(const ResidencyPlan& residency, const std::vector<int>& slots_
   };
 
   int last_issue = -1;
-  for (int u = 0; u < n; ++u) {
-    BlockUse use;
-    use.block = order[u];
-    use.backward = u >= num_blocks;
-    if (residency.streamed[use.block]) {
-      auto held = std::find(slot_block.begin(), slot_block.end(), use.block);
-      if (held != slot_block.end()) {
-        use.slot = static_cast<int>(held - slot_block.begin());
-      } else {
-        // Empty slot first; otherwise the block needed again furthest in the future.
-        int victim = -1, victim_next = -1;
-        for (int s = 0; s < ring; ++s) {
-          const int next = slot_block[s] < 0 ? n * 3 : next_use(slot_block[s], u);
-          if (next > victim_next) {
-            victim = s;
-            victim_next = next;
+  bool last_at_acquire = false;
+  for (int phase = 0; phase < 2; ++phase) {
+    const int begin = phase * num_blocks, end = begin + num_blocks;
+    const int cap = phase == 0 ? residency.forward_slots : residency.backward_slots;
+    // Slots that stay filled into the next phase: the ring across the LM head, then the
+    // slots both the backward and the next forward have.
+    const int keep = phase == 0 ? ring : residency.pass_boundary_slots();
+    // The phase's last `keep` streamed uses go into those slots.
+    std::vector<bool> survivor(n, false);
+    for (int u = end - 1, k = 0; u >= begin && k < keep; --u) {
+      if (!residency.streamed[order[u]]) continue;
+      survivor[u] = true;
+      ++k;
+    }
+    for (int u = begin; u < end; ++u) {
+      BlockUse use;
+      use.block = order[u];
+      use.backward = phase == 1;
+      if (residency.streamed[use.block]) {
+        auto held = std::find(slot_block.begin(), slot_block.end(), use.block);
+        if (held != slot_block.end()) {
+          use.slot = static_cast<int>(held - slot_block.begin());
+        } else {
+          // An empty slot first, then one whose block dies with the phase (of those, the one
+          // released earliest: its copy can be issued soonest), then the block needed again
+          // furthest in the future. Survivors take the low slots, the others the high ones.
+          const int limit = survivor[u] ? keep : cap;
+          int victim = -1;
+          std::tuple<int, int, int> victim_key(-1, 0, 0);
+          for (int s = 0; s < limit; ++s) {
+            std::tuple<int, int, int> key;
+            // Survivors: the lowest slot; the others: the highest phase slot, else the lowest.
+            const int order_pref =
+                survivor[u] || s < keep ? slots - 1 - s : slots + s;
+            if (slot_block[s] < 0) {
+              key = {4 * n, -slot_last_use[s], order_pref};
+            } else {
+              const int next = next_use(slot_block[s], u);
+              key = (s >= keep && next >= end)
+                        ? std::tuple<int, int, int>{3 * n, -slot_last_use[s], order_pref}
+                        : std::tuple<int, int, int>{next, 0, order_pref};
+            }
+            if (key > victim_key) {
+              victim = s;
+              victim_key = key;
+            }
+          }
+          use.slot = victim;
+          use.copy = true;
+          use.issue_after = std::max(slot_last_use[victim], last_issue);
+          if (!live[victim] && use.issue_after < begin) {
+            // The slot's memory belongs to this phase only: allocate it once the phase has
+            // begun (for the backward, after the LM head).
+            use.issue_after = begin - 1;
+            use.at_acquire = true;
+          } else if (use.issue_after == last_issue && last_at_acquire) {
+            use.at_acquire = true;  // after a deferred copy of the same point: keep the order
+          }
+          last_issue = use.issue_after;
+          last_at_acquire = use.at_acquire;
+          slot_block[victim] = use.block;
+          live[victim] = true;
+          if (use.at_acquire) {
+            plan.issue_at_acquire[use.issue_after + 1].push_back(u);
+          } else if (use.issue_after < 0) {
+            plan.issue_at_start.push_back(u);
+          } else {
+            plan.issue_after_release[use.issue_after].push_back(u);
           }
         }
-        use.slot = victim;
-        use.copy = true;
-        use.issue_after = std::max(slot_last_use[victim], last_issue);
-        last_issue = use.issue_after;
-        slot_block[victim] = use.block;
-        if (use.issue_after < 0) {
-          plan.issue_at_start.push_back(u);
-        } else {
-          plan.issue_after_release[use.issue_after].push_back(u);
-        }
+        slot_last_use[use.slot] = u;
       }
-      slot_last_use[use.slot] = u;
+      plan.uses.push_back(use);
     }
-    plan.uses.push_back(use);
+    // Slots the next phase does not have are freed after their last use in this one.
+    for (int s = keep; s < slots; ++s) {
+      if (!live[s] || s < ring) continue;
+      LS_CHECK(slot_last_use[s] >= begin, "a phase slot filled but unused in its phase");
+      plan.free_after_release[slot_last_use[s]].push_back(s);
+      slot_block[s] = -1;
+      live[s] = false;
+    }
   }
   plan.slots_at_end = slot_block;
   return plan;
 }
 
 PassPlan PlanSteadyPass(const ResidencyPlan& residency) {
-  PassPlan plan = PlanPass(residency, std::vector<int>(residency.ring_size, -1));
+  PassPlan plan = PlanPass(residency, std::vector<int>(residency.max_slots(), -1));
   // The slot contents at the end of a pass are the last R streamed blocks of the backward,
   // so the state converges after one or two passes; a few more iterations are a safety net.
   for (int i = 0; i < 4; ++i) {

@@ -8,18 +8,33 @@
 // last blocks are the next forward's first ones, so they stay in their slots across passes.
 #pragma once
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
 namespace lorastream {
 
-// Where each block's base weights live for the whole job.
+// Where each block's base weights live for the whole job, and how many ring slots each phase
+// of a pass may hold (the memory timeline). The forward pass runs without the backward's
+// recompute activations, the logits/loss buffers and the gradients, so it can hold more slots
+// than the moment of the LM head at the same peak; the backward runs after the LM head's
+// buffers are gone, so it too can hold more. Slots 0..ring_size-1 live for the whole job
+// (they carry the forward's last blocks across the LM head); slots ring_size.. exist only in
+// the phase that has them: the engine frees a phase slot after its last use in the phase
+// (its memory goes back to the allocator for the next phase's activations) and allocates it
+// again when a later phase copies into it.
 struct ResidencyPlan {
   std::vector<bool> streamed;  // streamed[i]: block i is copied into the ring when used
-  int ring_size = 0;           // slots; min(requested ring, streamed blocks); 0 = none stream
+  int ring_size = 0;           // slots kept through the whole step (across the LM head);
+                               // min(requested ring, streamed blocks); 0 = none stream
+  int forward_slots = 0;       // slots during the forward pass (ring_size..streamed blocks)
+  int backward_slots = 0;      // slots during the backward pass (ring_size..streamed blocks)
 
   int num_blocks() const { return static_cast<int>(streamed.size()); }
   int num_streamed() const;
+  int max_slots() const { return std::max(forward_slots, backward_slots); }
+  // Slots that may stay filled from the end of one pass into the next one's forward.
+  int pass_boundary_slots() const { return std::min(forward_slots, backward_slots); }
   // One line for the log: "12 of 16 blocks streamed [0 1 3 ...] through 2 slots; resident [2 ...]".
   std::string Describe() const;
 };
@@ -41,6 +56,12 @@ void RequireCheckpointingForStreaming(const ResidencyPlan& plan, bool gradient_c
 // at the pass boundary (the backward's last R serve the next forward's first uses).
 ResidencyPlan PlanFromSwapCount(int num_blocks, int blocks_to_swap, int ring_size);
 
+// `plan` with `forward_slots` and `backward_slots` slots in those phases (0: ring_size), each
+// clamped to [ring_size, streamed blocks]. Error(kRefused) naming stream.forward_slots or
+// stream.backward_slots when one is below ring_size (the slots across the LM head are part of
+// both phases).
+ResidencyPlan WithPhaseSlots(ResidencyPlan plan, int forward_slots, int backward_slots);
+
 // The step's block order: 0..L-1, L-1..0.
 std::vector<int> PassBlockOrder(int num_blocks);
 
@@ -55,6 +76,12 @@ struct BlockUse {
   // one the copy waits for: the slot's previous occupant's last use, invariant 2); -1: at the
   // start of the pass. Always < this use's index; non-decreasing over the pass's copies.
   int issue_after = -1;
+  // The copy goes into a phase slot that is not allocated at that point: it is issued at the
+  // Acquire of use issue_after + 1 instead (the next phase has begun: for the backward, the LM
+  // head's buffers are gone; for the forward, the previous pass's backward buffers are), the
+  // slot allocated first. Copies keep their order: once one copy is deferred, the following
+  // copies with the same issue_after are deferred too.
+  bool at_acquire = false;
 };
 
 struct PassPlan {
@@ -62,7 +89,11 @@ struct PassPlan {
   std::vector<int> slots_at_start;     // block held by each slot when the pass starts (-1 empty)
   std::vector<int> slots_at_end;       // ... and when it ends
   std::vector<std::vector<int>> issue_after_release;  // [u]: uses whose copies follow Release(u)
+  std::vector<std::vector<int>> issue_at_acquire;     // [u]: deferred copies issued at Acquire(u)
   std::vector<int> issue_at_start;     // uses whose copies are issued at the start of the pass
+  // [u]: phase slots freed right after Release(u) (after the last use in their phase; their
+  // blocks are gone).
+  std::vector<std::vector<int>> free_after_release;
 
   int copies() const;
   int copies_saved() const;  // streamed uses served by a block already in its slot
@@ -71,10 +102,15 @@ struct PassPlan {
 };
 
 // Plans one pass from the slots' contents at its start (all -1 for the first pass; the
-// previous pass's slots_at_end afterwards). A streamed block still in a slot is never copied
-// again; a copy evicts the slot whose block is needed again furthest in the future (the
-// cyclic order, so the next pass counts), which for this order is also the slot released
-// earliest, so copies are issued as early as the ring allows.
+// previous pass's slots_at_end afterwards; max_slots() entries, those at and above
+// pass_boundary_slots() empty). A streamed block still in a slot is never copied again; a
+// copy evicts the slot whose block is needed again furthest in the future (the cyclic order,
+// so the next pass counts), which for this order is also the slot released earliest, so
+// copies are issued as early as the ring allows. The last blocks of a phase that the next
+// phase can keep (ring_size of them into the backward, pass_boundary_slots() into the next
+// forward) go into slots that survive the phase change; the phase's other copies prefer its
+// phase slots, freed after their last use in the phase. So the next pass's first blocks are
+// fetched during the backward, into the slots the backward frees.
 PassPlan PlanPass(const ResidencyPlan& residency, const std::vector<int>& slots_at_start);
 
 // The steady state: the plan of a pass that follows other passes (slots as the previous pass

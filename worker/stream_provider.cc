@@ -3,17 +3,22 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
 
 #include <ATen/ATen.h>
 #include <torch/version.h>
 
 #include "common/error.h"
+#include "common/format_bytes.h"
 #include "common/job_spec.h"
 #include "common/log.h"
 #include "common/memory_mapping.h"
 #include "store/shm_segment.h"
 #include "worker/base_weights.h"
+#include "worker/stream_calibrate.h"
+#include "worker/stream_cost.h"
 
 namespace lorastream {
 
@@ -85,10 +90,30 @@ class PackedBlocks {
 // (declared first: destroyed after the engine, whose copies read them).
 class StreamProvider : public BlockProvider {
  public:
-  StreamProvider(std::unique_ptr<PackedBlocks> packed, std::unique_ptr<StreamEngine> engine)
-      : packed_(std::move(packed)), engine_(std::move(engine)) {}
+  StreamProvider(std::unique_ptr<PackedBlocks> packed, std::unique_ptr<StreamEngine> engine,
+                 double predicted_step_seconds)
+      : packed_(std::move(packed)), engine_(std::move(engine)),
+        predicted_(predicted_step_seconds) {}
   int num_blocks() const override { return engine_->num_blocks(); }
-  void BeginStep() override { engine_->BeginStep(); }
+  void BeginStep() override {
+    // A step runs from one BeginStep to the next (optimizer included): the planner's
+    // prediction is logged next to what it measured.
+    const auto now = std::chrono::steady_clock::now();
+    if (predicted_ > 0 && steps_ > 0) {
+      const double measured = std::chrono::duration<double>(now - last_begin_).count();
+      // The first steps (the first is cold) and then one in a hundred at info level.
+      if (steps_ <= 5 || steps_ % 100 == 0) {
+        LS_LOG_INFO("stream: step {} took {:.1f} ms, predicted {:.1f} ms ({:+.1f}%)", steps_,
+                    measured * 1e3, predicted_ * 1e3, (measured / predicted_ - 1) * 100);
+      } else {
+        LS_LOG_DEBUG("stream: step {} took {:.1f} ms, predicted {:.1f} ms", steps_,
+                     measured * 1e3, predicted_ * 1e3);
+      }
+    }
+    last_begin_ = now;
+    ++steps_;
+    engine_->BeginStep();
+  }
   const BlockWeights& Acquire(int block) override { return engine_->Acquire(block); }
   void Release(int block) override { engine_->Release(block); }
   void EndStep(StepStats& stats) override { engine_->EndStep(stats); }
@@ -96,6 +121,9 @@ class StreamProvider : public BlockProvider {
  private:
   std::unique_ptr<PackedBlocks> packed_;
   std::unique_ptr<StreamEngine> engine_;
+  const double predicted_;  // seconds per step; 0: no prediction
+  std::chrono::steady_clock::time_point last_begin_;
+  int64_t steps_ = 0;
 };
 
 }  // namespace
@@ -121,18 +149,68 @@ std::unique_ptr<BlockProvider> MakeStreamProvider(const JobSpec& spec, const Bas
     pointers = packed->pointers();
   }
 
+  const MemoryModelInputs inputs = JobMemoryInputs(spec, *manifest, device, dtype);
+  const StreamPlanning planning = PlanJobStream(spec, base, inputs, device, dtype);
+  // The trainer always checkpoints every block (worker/checkpointed_block.cc).
+  RequireCheckpointingForStreaming(planning.plan, /*gradient_checkpointing=*/true);
+  auto engine = MakeStreamEngine(*manifest, pointers, planning.plan, device, options);
+  return std::make_unique<StreamProvider>(std::move(packed), std::move(engine),
+                                          planning.predicted_step_seconds);
+}
+
+MemoryModelInputs JobMemoryInputs(const JobSpec& spec, const Manifest& manifest,
+                                  const c10::Device& device, c10::ScalarType dtype) {
   // Attention without a fused kernel (LibTorch 1.x, or the CPU) materialises its scores.
   const bool materialized = !device.is_cuda() || TORCH_VERSION_MAJOR < 2;
-  const MemoryModelInputs inputs =
-      MemoryInputsFor(*manifest, spec.lora.rank, spec.lora.targets,
-                      spec.train.batch_size * spec.data.seq_len,
-                      static_cast<int>(c10::elementSize(dtype)), materialized);
-  const ResidencyPlan plan = PlanResidency(spec.stream.blocks_to_swap, spec.stream.gpu_memory_budget,
-                                           spec.stream.ring_size, inputs);
-  // The trainer always checkpoints every block (worker/checkpointed_block.cc).
-  RequireCheckpointingForStreaming(plan, /*gradient_checkpointing=*/true);
-  auto engine = MakeStreamEngine(*manifest, pointers, plan, device, options);
-  return std::make_unique<StreamProvider>(std::move(packed), std::move(engine));
+  return MemoryInputsFor(manifest, spec.lora.rank, spec.lora.targets,
+                         spec.train.batch_size * spec.data.seq_len,
+                         static_cast<int>(c10::elementSize(dtype)), materialized);
+}
+
+Manifest ComputeLayout(const BaseWeights& base, c10::ScalarType dtype) {
+  const Manifest* stored = base.manifest();
+  if (stored != nullptr && ScalarTypeOf(stored->dtype, "the store") == dtype) return *stored;
+  Manifest m;
+  m.config = base.config();
+  m.dtype = DTypeOf(dtype);
+  for (int i = 0; i < base.num_blocks(); ++i) {
+    m.blocks.push_back(LayoutSegment(m.config.BlockTensorShapes(), "block " + std::to_string(i),
+                                     m.dtype, m.alignment));
+  }
+  m.rest = LayoutSegment(m.config.RestTensorShapes(), "rest", m.dtype, m.alignment);
+  return m;
+}
+
+StreamPlanning PlanJobStream(const JobSpec& spec, const BaseWeights& base,
+                             const MemoryModelInputs& inputs, const c10::Device& device,
+                             c10::ScalarType dtype) {
+  StreamPlanning out;
+  const StreamSpec& st = spec.stream;
+  if (st.gpu_memory_budget == 0) {
+    out.plan = PlanResidency(st.blocks_to_swap, 0, st.ring_size, inputs, st.forward_slots,
+                             st.backward_slots);
+    return out;
+  }
+  // A budget: the cost model chooses among every plan that fits, from figures measured on
+  // this device (cached per model, device and length).
+  const StepCosts costs = CalibratedStepCosts(spec, base, device, dtype);
+  const PlanChoice choice = ChoosePlan(inputs, costs, st.gpu_memory_budget);
+  const CandidatePlan& chosen = choice.candidates[choice.chosen];
+  LS_LOG_DEBUG("stream: candidate plans:\n{}", DescribeChoice(choice, st.gpu_memory_budget));
+  // Phase slots the job asks for explicitly override the choice (never below its ring).
+  auto at_least_ring = [&](int64_t asked) {
+    return asked > 0 ? std::max<int64_t>(asked, chosen.plan.ring_size) : asked;
+  };
+  out.plan = ApplyPhaseSlots(inputs, chosen.plan, st.gpu_memory_budget,
+                             at_least_ring(st.forward_slots), at_least_ring(st.backward_slots));
+  out.predicted_step_seconds = PredictStep(out.plan, inputs.block_bytes, costs).step_seconds;
+  LS_LOG_INFO("stream plan from gpu_memory_budget {} by the cost model ({} candidates; {}): "
+              "{}; predicted {:.1f} ms per step (resident {:.1f} ms); estimate {}",
+              FormatBytes(st.gpu_memory_budget), choice.candidates.size(), costs.Describe(),
+              out.plan.Describe(), out.predicted_step_seconds * 1e3,
+              costs.ResidentStepSeconds(out.plan.num_blocks()) * 1e3,
+              EstimateMemory(inputs, out.plan).Describe());
+  return out;
 }
 
 }  // namespace lorastream

@@ -16,6 +16,8 @@
 #include <memory>
 #include <string>
 
+#include <c10/core/ScalarType.h>
+
 #include "worker/block_provider.h"
 #include "worker/stream_engine.h"
 
@@ -26,6 +28,27 @@ class BaseWeights;
 
 // device: "cpu" | "cuda" | "cuda:N"; dtype: "f32" | "bf16" (the compute dtype). Refusals
 // (kRefused) name the [stream] field at fault; the plan is logged.
+// The memory-model inputs of a job on `device` in the compute dtype `dtype`, from the
+// layout its blocks are streamed in (ComputeLayout).
+MemoryModelInputs JobMemoryInputs(const JobSpec& spec, const Manifest& manifest,
+                                  const c10::Device& device, c10::ScalarType dtype);
+
+// The layout the engine streams the base's blocks in: the store's manifest when its dtype is
+// the compute dtype, else the layout of the packed copy (no packing done here).
+Manifest ComputeLayout(const BaseWeights& base, c10::ScalarType dtype);
+
+struct StreamPlanning {
+  ResidencyPlan plan;
+  double predicted_step_seconds = 0;  // the cost model's prediction; 0: none made
+};
+
+// The job's plan: from blocks_to_swap (and its phase slots) without a budget; with one, the
+// cost model's choice (calibrated on `device`, worker/stream_calibrate.h), the candidates
+// logged at debug level and the choice with its prediction at info level.
+StreamPlanning PlanJobStream(const JobSpec& spec, const BaseWeights& base,
+                             const MemoryModelInputs& inputs, const c10::Device& device,
+                             c10::ScalarType dtype);
+
 std::unique_ptr<BlockProvider> MakeStreamProvider(const JobSpec& spec, const BaseWeights& base,
                                                   const std::string& device,
                                                   const std::string& dtype,

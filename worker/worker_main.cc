@@ -1,5 +1,5 @@
-// lorastream-worker: `train JOB.toml` runs one job standalone; `parity` is the parity
-// harness's side (tools/parity/). Thin: parse options, call one Run function, map errors.
+// lorastream-worker: `train JOB.toml` runs one job standalone; `plan JOB.toml` prints the
+// streaming plans the cost model weighs; `parity` is the parity harness's side (tools/parity/). Thin: parse options, call one Run function, map errors.
 #include <atomic>
 #include <csignal>
 #include <cstdio>
@@ -13,6 +13,7 @@
 #include "coordinator/build_info.h"
 #include "worker/host_register_probe.h"
 #include "worker/parity.h"
+#include "worker/plan_command.h"
 #include "worker/serve.h"
 #include "worker/stream_provider.h"
 #include "worker/trainer.h"
@@ -66,6 +67,15 @@ int main(int argc, char** argv) {
   serve_cmd->add_option("--threads", serve.threads, "CPU threads (0 = every core)");
   serve_cmd->add_flag("--resident", serve_resident, "keep every block resident (no streaming engine)");
 
+  std::string plan_job;
+  PlanCommandOptions plan;
+  auto* plan_cmd = app.add_subcommand(
+      "plan", "the candidate swap plans with predicted step time and peak memory, and the chosen one");
+  plan_cmd->add_option("job", plan_job, "the job file (TOML)")->required();
+  plan_cmd->add_option("--device", plan.device, "cpu | cuda | cuda:N")->capture_default_str();
+  plan_cmd->add_flag("--recalibrate", plan.recalibrate,
+                     "measure the device again even when cached figures exist");
+
   // doctor's real test of read-only host registration (hidden: not a user command).
   int probe_device = 0;
   auto* probe_cmd = app.add_subcommand("probe-host-register", "")->group("");
@@ -73,9 +83,12 @@ int main(int argc, char** argv) {
 
   CLI11_PARSE(app, argc, argv);
   // A CPU-only build asked for a GPU says so in one line before it starts anything.
-  const std::string device = *train_cmd ? train.device : *serve_cmd ? serve.device : parity.device;
+  const std::string device = *train_cmd   ? train.device
+                             : *serve_cmd ? serve.device
+                             : *plan_cmd  ? plan.device
+                                          : parity.device;
   // (Only a CPU-only build asks which GPUs the host has: nvidia-smi takes a moment.)
-  if (!ThisBuild().cuda && (*train_cmd || *serve_cmd || *parity_cmd)) {
+  if (!ThisBuild().cuda && (*train_cmd || *serve_cmd || *parity_cmd || *plan_cmd)) {
     if (std::string problem = CudaBuildProblem({device}, ListGpus().size()); !problem.empty()) {
       std::fprintf(stderr, "lorastream-worker: unsupported: %s\n", problem.c_str());
       return ExitCodeFor(ErrorCode::kUnsupported);
@@ -102,6 +115,7 @@ int main(int argc, char** argv) {
         };
       return RunTrainCommand(job_path, train);
     }
+    if (*plan_cmd) return RunPlanCommand(plan_job, plan);
     if (*serve_cmd) {
       serve.stream = !serve_resident;
       std::signal(SIGINT, OnStopSignal);

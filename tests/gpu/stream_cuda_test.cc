@@ -4,6 +4,7 @@
 // read-only host memory and through the pinned staging fallback; statistics come from events;
 // GPU results match the CPU backend's within f32 rounding.
 #include <cmath>
+#include <tuple>
 
 #include <ATen/ATen.h>
 #include <catch2/catch.hpp>
@@ -110,5 +111,37 @@ TEST_CASE("CUDA results match the CPU backend's within f32 rounding", "[gpu]") {
   for (int i = 0; i < layers; ++i) {
     REQUIRE(at::allclose(c.grad_a[i], g.grad_a[i].cpu(), 1e-3, 1e-5));
     REQUIRE(at::allclose(c.grad_b[i], g.grad_b[i].cpu(), 1e-3, 1e-5));
+  }
+}
+
+TEST_CASE("CUDA: phase slots freed and allocated again between phases keep streamed equal to "
+          "resident, with poison and delayed copies",
+          "[gpu]") {
+  const int layers = 7;
+  HostBlocks host(TinyStreamConfig(layers), 23, /*read_only=*/true);
+  const int64_t hidden = host.manifest().config.hidden_size;
+  const ChainAdapter ad = MakeChainAdapter(layers, hidden, 4, 24, kCuda);
+  const at::Tensor x = Input(64, hidden, kCuda);
+  auto resident = Engine(host, 0, 2, kCuda);
+  const ChainResult want = Step(*resident, ad, x);
+
+  for (bool staging : {false, true}) {
+    StreamEngineOptions o;
+    o.debug_poison = true;
+    o.debug_copy_delay_us = 2000;
+    o.force_staging = staging;
+    o.log_plan = false;
+    for (auto [ring, f, b] : {std::tuple{1, 4, 2}, {2, 3, 5}, {2, 6, 6}}) {
+      CAPTURE(staging, ring, f, b);
+      const ResidencyPlan plan = WithPhaseSlots(PlanFromSwapCount(layers, 6, ring), f, b);
+      auto engine = MakeStreamEngine(host.manifest(), host.pointers(), plan, kCuda, o);
+      const PassPlan steady = PlanSteadyPass(plan);
+      for (int step = 0; step < 4; ++step) {
+        StepStats s;
+        const ChainResult got = Step(*engine, ad, x, &s);
+        REQUIRE(BitEqual(got, want));
+        if (step >= 2) REQUIRE(s.copies == steady.copies());
+      }
+    }
   }
 }

@@ -83,3 +83,23 @@ TEST_CASE("ValidateJobSpec returns every problem, each naming its field", "[work
   ok.model.checkpoint = dir / "nowhere";
   CHECK(Mentions(ValidateJobSpec(ok), "`model.checkpoint` names a folder that does not exist"));
 }
+
+TEST_CASE("stream.forward_slots and backward_slots: parsed, checked against the ring",
+          "[worker]") {
+  const JobSpec s =
+      ParseJobSpec("[stream]\nring_size = 2\nforward_slots = 6\nbackward_slots = -1\n", "j.toml");
+  CHECK(s.stream.forward_slots == 6);
+  CHECK(s.stream.backward_slots == -1);
+  const JobSpec d = ParseJobSpec("[stream]\nring_size = 1\n", "j.toml");
+  CHECK(d.stream.forward_slots == 0);
+  CHECK(d.stream.backward_slots == 0);
+  testing::TempDir dir("spec-slots");
+  testing::MakeCheckpoint(dir / "model", "tiny");
+  JobSpec bad = testing::TinyJob(dir / "model", dir / "missing.jsonl", dir / "out");
+  bad.stream.ring_size = 3;
+  bad.stream.forward_slots = 2;    // below the ring
+  bad.stream.backward_slots = -2;  // not a choice
+  auto problems = ValidateJobSpec(bad);
+  CHECK(Mentions(problems, "`stream.forward_slots` must be 0 (= ring_size), -1"));
+  CHECK(Mentions(problems, "`stream.backward_slots` must be 0 (= ring_size), -1"));
+}

@@ -1,45 +1,15 @@
 // Planning the resident set from a GPU memory budget: the estimate's terms, budgets that are
 // just enough and just too small, and the refusal's message.
+#include <algorithm>
+
 #include <catch2/catch.hpp>
 
 #include "common/error.h"
 #include "worker/stream_budget.h"
+#include "tests/worker/stream_test_shapes.h"
 
 using namespace lorastream;
-
-namespace {
-
-ModelConfig Llama3_8bShape(int layers) {
-  ModelConfig c;
-  c.model_type = "llama";
-  c.hidden_size = 4096;
-  c.intermediate_size = 14336;
-  c.num_hidden_layers = layers;
-  c.num_attention_heads = 32;
-  c.num_key_value_heads = 8;
-  c.head_dim = 128;
-  c.vocab_size = 128256;
-  return c;
-}
-
-MemoryModelInputs Inputs(int layers, int64_t tokens) {
-  MemoryModelInputs in;
-  in.config = Llama3_8bShape(layers);
-  // bf16 block: 2 x (4 x 4096 x 4096 / 4 x ... ) computed from the shapes.
-  uint64_t block = 0;
-  for (const auto& [name, shape] : in.config.BlockTensorShapes()) {
-    uint64_t n = 2;
-    for (int64_t d : shape) n *= d;
-    block += n;
-  }
-  in.block_bytes.assign(layers, block);
-  in.rest_bytes = 2ULL * 2 * 128256 * 4096 + 2 * 4096;
-  in.tokens = tokens;
-  in.compute_bytes = 2;
-  return in;
-}
-
-}  // namespace
+using namespace lorastream::testing;
 
 TEST_CASE("LoRA parameter count of a llama-3-8b-shaped block", "[worker]") {
   const ModelConfig c = Llama3_8bShape(16);
@@ -65,8 +35,22 @@ TEST_CASE("the memory estimate follows its documented formula", "[worker]") {
           2048ULL * 2 * (8 * 4096 + 4 * (4096 + 2 * 1024) + 6 * 14336) + 2048ULL * 2 * 16 * 2 * 7);
   REQUIRE(e.attention == 32ULL * 2048 * 4);
   REQUIRE(e.lm_head == 2048ULL * 128256 * 10);
-  REQUIRE(e.total() == e.rest + e.resident_blocks + e.ring + e.adapter + e.checkpoints +
-                           e.block_working + e.attention + e.lm_head + e.reserve);
+  REQUIRE(e.forward_working == 2048ULL * 2 * (4 * 4096 + 4096 + 2 * 1024 + 3 * 14336));
+  // The timeline: three phases, the peak the largest.
+  const uint64_t fixed = e.rest + e.resident_blocks + e.adapter + e.checkpoints + e.reserve;
+  REQUIRE(e.forward() == fixed + 2 * block + e.forward_working + e.attention);
+  REQUIRE(e.head() == fixed + e.ring + e.lm_head);
+  REQUIRE(e.backward() == fixed + 2 * block + e.block_working + e.attention);
+  REQUIRE(e.total() == std::max({e.forward(), e.head(), e.backward()}));
+  // At 2048 tokens the LM head's buffers are the peak: the forward and the backward have
+  // room for more slots.
+  REQUIRE(e.total() == e.head());
+  REQUIRE(e.forward() + 2 * block < e.head());
+  // Phase slots raise only their phase.
+  const MemoryEstimate more = EstimateMemory(in, WithPhaseSlots(plan, 5, 4));
+  REQUIRE(more.forward() == e.forward() + 3 * block);
+  REQUIRE(more.backward() == e.backward() + 2 * block);
+  REQUIRE(more.head() == e.head());
   MemoryModelInputs materialized = in;
   materialized.attention_materialized = true;
   REQUIRE(EstimateMemory(materialized, plan).attention == 32ULL * 2048 * 2048 * 2 * 2);
@@ -123,4 +107,28 @@ TEST_CASE("the 8 GiB benchmark budget at 2048 tokens", "[worker]") {
   REQUIRE(p.num_streamed() < 16);
   REQUIRE(p.num_streamed() > 8);
   REQUIRE(p.ring_size == 2);
+}
+
+TEST_CASE("the timeline at ring 2's peak: more slots in the forward than in the backward",
+          "[worker]") {
+  const MemoryModelInputs in = Inputs(16, 2048);
+  const ResidencyPlan ring2 = PlanFromSwapCount(16, 12, 2);
+  const uint64_t peak = EstimateMemory(in, ring2).total();
+  const ResidencyPlan timeline = FillPhaseSlots(in, ring2, peak);
+  // The forward lacks the recompute's working set that the backward has: it gets more.
+  REQUIRE(timeline.forward_slots > timeline.backward_slots);
+  REQUIRE(timeline.backward_slots > 2);
+  REQUIRE(timeline.ring_size == 2);
+  // The peak does not rise, and one more slot in either phase would raise it.
+  const MemoryEstimate e = EstimateMemory(in, timeline);
+  REQUIRE(e.total() == peak);
+  REQUIRE(EstimateMemory(in, WithPhaseSlots(timeline, timeline.forward_slots + 1, 0)).total() >
+          peak);
+  REQUIRE(EstimateMemory(in, WithPhaseSlots(timeline, 0, timeline.backward_slots + 1)).total() >
+          peak);
+  // A budget fills the phases the same way.
+  const ResidencyPlan b = PlanFromBudget(in, peak, 2);
+  REQUIRE(b.num_streamed() == 12);
+  REQUIRE(b.forward_slots == timeline.forward_slots);
+  REQUIRE(b.backward_slots == timeline.backward_slots);
 }

@@ -57,9 +57,12 @@ struct ChainResult {
 
 // `inspect` (optional) runs on every acquired block right before its Release, after the
 // block's compute: tests use it to check what the compute read.
+// `turnaround` (optional) runs between the forward and the backward, where the trainer
+// computes the LM head and the loss.
 inline ChainResult RunCheckpointedChain(
     BlockProvider& provider, const ChainAdapter& ad, const at::Tensor& x0,
-    const std::function<void(int block, const BlockWeights&)>& inspect = {}) {
+    const std::function<void(int block, const BlockWeights&)>& inspect = {},
+    const std::function<void()>& turnaround = {}) {
   const int n = provider.num_blocks();
   std::vector<at::Tensor> inputs(n);
   at::Tensor x = x0;
@@ -73,6 +76,7 @@ inline ChainResult RunCheckpointedChain(
       provider.Release(i);
     }
   }
+  if (turnaround) turnaround();
   ChainResult r;
   r.output = x.clone();
   at::Tensor out = x.detach().requires_grad_(true);

@@ -4,6 +4,7 @@
 // written (invariant 3: the host blocks are mapped read-only, so a write would fault), blocks
 // still in a slot are not copied again (invariant 5, by the copy statistics), and misuse is
 // refused.
+#include <algorithm>
 #include <chrono>
 #include <future>
 #include <thread>
@@ -296,4 +297,96 @@ TEST_CASE("residency from a job's stream settings", "[worker]") {
   REQUIRE_THROWS_AS(PlanResidency(2, 1000, 2, in), Error);                 // below minimum
   REQUIRE_THROWS_AS(PlanResidency(2, 0, 0, in), Error);                    // ring 0
   REQUIRE_THROWS_AS(PlanResidency(5, 0, 2, in), Error);                    // too many blocks
+}
+
+TEST_CASE("phase slots: streamed equals resident bit for bit over several steps, the "
+          "device never holds more slots than the phase has",
+          "[worker]") {
+  const int layers = 7;
+  HostBlocks host(TinyStreamConfig(layers), 15, /*read_only=*/true);
+  const int64_t hidden = host.manifest().config.hidden_size;
+  const ChainAdapter ad = MakeChainAdapter(layers, hidden, 3, 16);
+  const at::Tensor x0 = Input(hidden, 7);
+  auto resident = Engine(host, 0, 2);
+  const ChainResult want = RunCheckpointedChain(*resident, ad, x0);
+
+  StreamEngineOptions slow;
+  slow.debug_poison = true;
+  slow.debug_copy_delay_us = 1500;
+  for (int swap : {3, 5, 7}) {
+    for (int ring : {1, 2}) {
+      for (auto [f, b] : {std::pair{4, 2}, {2, 4}, {5, 5}, {3, 1}}) {
+        CAPTURE(swap, ring, f, b);
+        const ResidencyPlan plan =
+            WithPhaseSlots(PlanFromSwapCount(layers, swap, ring), std::max(f, ring),
+                           std::max(b, ring));
+        StreamBackendOptions bo;
+        bo.num_slots = plan.max_slots();
+        bo.permanent_slots = plan.ring_size;
+        bo.slot_bytes = host.manifest().blocks[0].nbytes;
+        bo.debug_poison = slow.debug_poison;
+        bo.debug_copy_delay_us = slow.debug_copy_delay_us;
+        auto backend = std::make_unique<CpuStreamBackend>(bo);
+        CpuStreamBackend* device = backend.get();
+        StreamEngine engine(host.manifest(), host.pointers(), plan, std::move(backend),
+                            /*log_plan=*/false);
+        int calls = 0;
+        auto inspect = [&](int block, const BlockWeights& w) {
+          // What the compute reads is the host's block (invariants 1 and 2), and the slots
+          // allocated now are within the phase's count.
+          REQUIRE(SameWeights(w, HostView(host, block)));
+          const bool backward = calls++ % (2 * layers) >= layers;
+          REQUIRE(device->live_slots() <=
+                  (backward ? plan.backward_slots : plan.forward_slots));
+        };
+        // At the LM head only the ring's slots exist.
+        auto turnaround = [&] { REQUIRE(device->live_slots() <= plan.ring_size); };
+        const PassPlan steady = PlanSteadyPass(plan);
+        for (int step = 0; step < 4; ++step) {
+          engine.BeginStep();
+          const ChainResult got = RunCheckpointedChain(engine, ad, x0, inspect, turnaround);
+          StepStats stats;
+          engine.EndStep(stats);
+          REQUIRE(BitEqual(got, want));
+          // From the second step on, the blocks the backward left in the slots serve the
+          // next forward without a copy (invariant 5): the steady plan's count.
+          if (step >= 2) REQUIRE(stats.copies == steady.copies());
+        }
+        REQUIRE(device->max_live_slots() <= plan.max_slots());
+        // Where the plan copies into a phase slot, the device did allocate one.
+        const bool phase_copy = std::any_of(steady.uses.begin(), steady.uses.end(),
+                                            [&](const BlockUse& u) {
+                                              return u.copy && u.slot >= plan.ring_size;
+                                            });
+        if (phase_copy) REQUIRE(device->max_live_slots() > plan.ring_size);
+      }
+    }
+  }
+}
+
+TEST_CASE("phase slots: more slots copy less, across the step boundary", "[worker]") {
+  const int layers = 8;
+  HostBlocks host(TinyStreamConfig(layers), 17, /*read_only=*/true);
+  const int64_t hidden = host.manifest().config.hidden_size;
+  const ChainAdapter ad = MakeChainAdapter(layers, hidden, 2, 18);
+  const at::Tensor x0 = Input(hidden, 8);
+  auto run_steady = [&](const ResidencyPlan& plan) {
+    StreamEngineOptions o;
+    o.log_plan = false;
+    auto engine = MakeStreamEngine(host.manifest(), host.pointers(), plan,
+                                   c10::Device(c10::kCPU), o);
+    StepStats s;
+    for (int step = 0; step < 3; ++step) {
+      engine->BeginStep();
+      RunCheckpointedChain(*engine, ad, x0);
+      engine->EndStep(s);
+    }
+    return s;
+  };
+  const StepStats ring2 = run_steady(PlanFromSwapCount(layers, 8, 2));
+  const StepStats timeline = run_steady(WithPhaseSlots(PlanFromSwapCount(layers, 8, 2), 4, 3));
+  REQUIRE(ring2.copies == 12);     // 2 x 8 - 2 (turnaround) - 2 (pass boundary)
+  REQUIRE(timeline.copies == 11);  // the pass boundary keeps 3
+  REQUIRE(timeline.copies_saved == 5);
+  REQUIRE(timeline.h2d_bytes < ring2.h2d_bytes);
 }

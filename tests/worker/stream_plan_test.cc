@@ -20,9 +20,11 @@ namespace {
 //  - resident blocks never touch a slot.
 void CheckPlan(const ResidencyPlan& r, const PassPlan& p) {
   const int n = 2 * r.num_blocks();
+  const int slots_n = r.max_slots();
   REQUIRE(static_cast<int>(p.uses.size()) == n);
+  REQUIRE(static_cast<int>(p.slots_at_start.size()) == slots_n);
   std::vector<int> slots = p.slots_at_start;
-  std::vector<int> last_use(r.ring_size, -1);
+  std::vector<int> last_use(slots_n, -1);
   int last_issue = -1;
   for (int u = 0; u < n; ++u) {
     const BlockUse& use = p.uses[u];
@@ -34,27 +36,58 @@ void CheckPlan(const ResidencyPlan& r, const PassPlan& p) {
       continue;
     }
     REQUIRE(use.slot >= 0);
-    REQUIRE(use.slot < r.ring_size);
+    REQUIRE(use.slot < (use.backward ? r.backward_slots : r.forward_slots));
     const bool present = std::count(slots.begin(), slots.end(), use.block) > 0;
     REQUIRE(use.copy == !present);
     if (use.copy) {
+      REQUIRE(use.issue_after + (use.at_acquire ? 1 : 0) <= u);
       REQUIRE(use.issue_after < u);
       REQUIRE(use.issue_after >= last_use[use.slot]);
       REQUIRE(use.issue_after >= last_issue);
       last_issue = use.issue_after;
-      const auto& list = use.issue_after < 0 ? p.issue_at_start
-                                             : p.issue_after_release[use.issue_after];
+      const auto& list = use.at_acquire          ? p.issue_at_acquire[use.issue_after + 1]
+                         : use.issue_after < 0 ? p.issue_at_start
+                                               : p.issue_after_release[use.issue_after];
       REQUIRE(std::count(list.begin(), list.end(), u) == 1);
       slots[use.slot] = use.block;
     }
     REQUIRE(slots[use.slot] == use.block);
     last_use[use.slot] = u;
+    for (int f : p.free_after_release[u]) slots[f] = -1;
   }
   REQUIRE(slots == p.slots_at_end);
   std::set<int> distinct(slots.begin(), slots.end());
   distinct.erase(-1);
   REQUIRE(distinct.size() == static_cast<size_t>(std::count_if(
                                  slots.begin(), slots.end(), [](int b) { return b >= 0; })));
+
+  // The memory timeline, replayed in the engine's order of events: a slot is allocated from
+  // its first copy to its free; never more than the phase's slots at once, and only the
+  // ring's slots across the LM head (between the forward's last release and the backward's
+  // first acquire) and at most pass_boundary_slots() across the pass boundary.
+  std::vector<bool> live(slots_n, false);
+  for (int s = 0; s < slots_n; ++s) live[s] = s < r.ring_size || p.slots_at_start[s] >= 0;
+  auto count = [&] { return static_cast<int>(std::count(live.begin(), live.end(), true)); };
+  REQUIRE(count() <= std::max(r.ring_size, r.pass_boundary_slots()));
+  for (int u : p.issue_at_start) REQUIRE(live[p.uses[u].slot]);  // no allocation at a boundary
+  for (int u = 0; u < n; ++u) {
+    const int cap = u < n / 2 ? r.forward_slots : r.backward_slots;
+    for (int c : p.issue_at_acquire[u]) live[p.uses[c].slot] = true;
+    REQUIRE(count() <= cap);
+    if (p.uses[u].slot >= 0) REQUIRE(live[p.uses[u].slot]);
+    for (int f : p.free_after_release[u]) {
+      REQUIRE(f >= r.ring_size);  // the ring itself is never freed
+      REQUIRE(live[f]);
+      live[f] = false;
+    }
+    for (int c : p.issue_after_release[u]) {
+      if (u == n / 2 - 1) REQUIRE(live[p.uses[c].slot]);  // the LM head allocates no slot
+      live[p.uses[c].slot] = true;
+    }
+    REQUIRE(count() <= cap);
+    if (u == n / 2 - 1) REQUIRE(count() <= r.ring_size);
+  }
+  REQUIRE(count() <= std::max(r.ring_size, r.pass_boundary_slots()));
 }
 
 }  // namespace
@@ -167,4 +200,89 @@ TEST_CASE("the benchmark's plan: 12 of 16 streamed through 2 slots", "[worker]")
   REQUIRE(steady.copies() == 20);
   REQUIRE(steady.copies_saved() == 4);
   REQUIRE(steady.issue_at_start.empty());  // nothing left to fetch when a pass starts
+}
+
+TEST_CASE("phase slots: every plan keeps the invariants and the memory timeline", "[worker]") {
+  for (int l = 1; l <= 8; ++l) {
+    for (int ring = 1; ring <= 3; ++ring) {
+      for (int n = 0; n <= l; ++n) {
+        for (int f = ring; f <= ring + 3; ++f) {
+          for (int b = ring; b <= ring + 3; ++b) {
+            CAPTURE(l, ring, n, f, b);
+            const ResidencyPlan base = PlanFromSwapCount(l, n, ring);
+            const ResidencyPlan r = WithPhaseSlots(base, f, b);
+            REQUIRE(r.forward_slots == std::min(f, n));
+            REQUIRE(r.backward_slots == std::min(b, n));
+            PassPlan p = PlanPass(r, std::vector<int>(r.max_slots(), -1));
+            CheckPlan(r, p);
+            for (int pass = 0; pass < 3; ++pass) {
+              p = PlanPass(r, p.slots_at_end);
+              CheckPlan(r, p);
+            }
+            // More slots in a phase never copy more than the ring alone.
+            const PassPlan steady = PlanSteadyPass(r);
+            CheckPlan(r, steady);
+            REQUIRE(steady.copies() <= PlanSteadyPass(base).copies());
+            // Long enough to reach the pattern: the turnaround keeps the ring's blocks, the
+            // pass boundary pass_boundary_slots() blocks, each saving a copy.
+            if (n >= r.max_slots() + r.ring_size)
+              REQUIRE(steady.copies() == 2 * n - r.ring_size - r.pass_boundary_slots());
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("phase slots: the next pass's first blocks stay from the backward, the forward's "
+          "extra slots fill at its start, the backward's after the LM head",
+          "[worker]") {
+  // 8 blocks, all streamed; ring 2 across the LM head, 4 slots in the forward, 3 in the
+  // backward.
+  const ResidencyPlan r = WithPhaseSlots(PlanFromSwapCount(8, 8, 2), 4, 3);
+  REQUIRE(r.Describe().find("(4 in the forward, 3 in the backward)") != std::string::npos);
+  const PassPlan p = PlanSteadyPass(r);
+  // The backward ended with blocks 2, 1, 0 in slots that the forward has too: no copies.
+  for (int u = 0; u < 3; ++u) REQUIRE_FALSE(p.uses[u].copy);
+  // Forward block 3 goes into the forward's own fourth slot, allocated at the forward's start.
+  REQUIRE(p.uses[3].copy);
+  REQUIRE(p.uses[3].slot == 3);
+  REQUIRE(p.uses[3].at_acquire);
+  REQUIRE(p.uses[3].issue_after == -1);
+  // The forward's last two blocks (6, 7) go into the ring, which carries them across the LM
+  // head to the backward's first uses.
+  REQUIRE(p.uses[6].slot < 2);
+  REQUIRE(p.uses[7].slot < 2);
+  REQUIRE_FALSE(p.uses[8].copy);
+  REQUIRE_FALSE(p.uses[9].copy);
+  // The forward's phase slots are freed after their last use in the forward.
+  int freed = 0;
+  for (int u = 0; u < 8; ++u) freed += static_cast<int>(p.free_after_release[u].size());
+  REQUIRE(freed == 2);
+  // The backward's third slot is allocated once the backward has begun (the LM head's
+  // buffers are gone): its first copy is issued at the acquire of use 8.
+  REQUIRE(p.uses[10].copy);
+  REQUIRE(p.uses[10].at_acquire);
+  REQUIRE(p.uses[10].issue_after == 7);
+  REQUIRE(std::count(p.issue_at_acquire[8].begin(), p.issue_at_acquire[8].end(), 10) == 1);
+  // Steady copies: 8 - 3 in the forward, 8 - 2 in the backward (ring 2 alone: 12).
+  REQUIRE(p.copies() == 11);
+  REQUIRE(PlanSteadyPass(PlanFromSwapCount(8, 8, 2)).copies() == 12);
+  REQUIRE(p.Describe().find("at the acquire of #8") != std::string::npos);
+}
+
+TEST_CASE("phase slots below the ring are refused naming the key", "[worker]") {
+  const ResidencyPlan r = PlanFromSwapCount(8, 6, 3);
+  try {
+    WithPhaseSlots(r, 2, 0);
+    FAIL("forward_slots below ring_size accepted");
+  } catch (const Error& e) {
+    REQUIRE(e.code() == ErrorCode::kRefused);
+    REQUIRE(std::string(e.what()).find("stream.forward_slots") != std::string::npos);
+  }
+  REQUIRE_THROWS_AS(WithPhaseSlots(r, 0, 1), Error);
+  const ResidencyPlan same = WithPhaseSlots(r, 0, 0);
+  REQUIRE(same.forward_slots == 3);
+  REQUIRE(same.backward_slots == 3);
+  REQUIRE(WithPhaseSlots(r, 100, 5).forward_slots == 6);  // no more than the streamed blocks
 }

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <functional>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -16,6 +17,7 @@
 #include "common/job_spec.h"
 #include "store/synth.h"
 #include "tests/support/test_support.h"
+#include "worker/base_weights.h"
 #include "worker/data.h"
 #include "worker/stream_provider.h"
 #include "worker/trainer.h"
@@ -54,7 +56,8 @@ class TinyJob {
     WriteTokenFile(dir_.str() + "/data.tok", docs, 2, false);
   }
 
-  RunRecord Run(int swap, int ring, bool streamed, const StreamEngineOptions& options = {}) {
+  RunRecord Run(int swap, int ring, bool streamed, const StreamEngineOptions& options = {},
+                const std::function<void(JobSpec&)>& tweak = {}) {
     JobSpec spec;
     spec.name = "stream-parity";
     spec.model.checkpoint = dir_.str() + "/model";
@@ -69,6 +72,7 @@ class TinyJob {
     spec.train.output_dir = dir_.str() + "/out-" + std::to_string(runs_++);
     spec.stream.blocks_to_swap = swap;
     spec.stream.ring_size = ring;
+    if (tweak) tweak(spec);
     ResolveJobSpec(spec);
     TrainOptions o;
     o.device = "cpu";
@@ -82,7 +86,7 @@ class TinyJob {
         return MakeStreamProvider(j, b, d, t, opt);
       };
     }
-    RunRecord r;
+      RunRecord r;
     RunTraining(spec, o, [&](const StepStats& s) {
       r.losses.push_back(s.loss);
       r.grad_norms.push_back(s.grad_norm);
@@ -91,6 +95,8 @@ class TinyJob {
     r.adapter = ReadFile(spec.train.output_dir + "/adapter_model.safetensors");
     return r;
   }
+
+  std::string dir() const { return dir_.str(); }
 
  private:
   testing::TempDir dir_{"stream"};
@@ -139,4 +145,36 @@ TEST_CASE("trainer: a slowed, poisoning copy thread still gives the resident res
     REQUIRE(got.adapter == want.adapter);
     REQUIRE(got.stats[1].h2d_busy_seconds >= got.stats[1].copies * 0.002);
   }
+}
+
+TEST_CASE("trainer: phase slots and the cost model's budget plan give the resident results",
+          "[worker]") {
+  TinyJob job;
+  const RunRecord want = job.Run(0, 2, /*streamed=*/false);
+  for (auto [f, b] : {std::pair<int64_t, int64_t>{3, 2}, {2, 4}, {-1, -1}}) {
+    CAPTURE(f, b);
+    const RunRecord got = job.Run(4, 1, /*streamed=*/true, {}, [&](JobSpec& s) {
+      s.stream.forward_slots = f;
+      s.stream.backward_slots = b;
+    });
+    REQUIRE(BitEqual(got.losses, want.losses));
+    REQUIRE(BitEqual(got.grad_norms, want.grad_norms));
+    REQUIRE(got.adapter == want.adapter);
+  }
+  // A budget that only the all-streamed plans fit: the cost model chooses (calibrating on
+  // this CPU, cached in the test's folder), and the run still equals the resident one.
+  REQUIRE(setenv("LORASTREAM_CACHE_DIR", (job.dir() + "/cache").c_str(), 1) == 0);
+  uint64_t budget = 0;
+  const RunRecord got = job.Run(0, 2, /*streamed=*/true, {}, [&](JobSpec& s) {
+    const BaseWeights base = BaseWeights::ForJob(s);
+    const MemoryModelInputs in =
+        JobMemoryInputs(s, ComputeLayout(base, at::kFloat), c10::Device(c10::kCPU), at::kFloat);
+    budget = EstimateMemory(in, PlanFromSwapCount(4, 4, 1)).total();
+    REQUIRE(EstimateMemory(in, PlanFromSwapCount(4, 3, 1)).total() > budget);
+    s.stream.gpu_memory_budget = budget;
+  });
+  unsetenv("LORASTREAM_CACHE_DIR");
+  REQUIRE(BitEqual(got.losses, want.losses));
+  REQUIRE(got.adapter == want.adapter);
+  REQUIRE(got.stats[1].copies > 0);  // everything streamed
 }

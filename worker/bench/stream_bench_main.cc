@@ -1,11 +1,17 @@
 // lorastream-bench-stream: the streaming engine against fully resident training, in one run,
 // through the trainer's real step (RunTraining). For each token count: a resident run, a run
-// with --swap blocks streamed through --ring slots, and (at --budget-tokens) a run planned
-// from --budget; plus the pinned H2D bandwidth of the store's blocks measured in the same run.
+// with --swap blocks streamed through --ring slots (one ring for the whole step), the same
+// swap on the memory timeline at that plan's estimated peak (as many forward and backward
+// slots as fit: stream.forward_slots = backward_slots = -1), and at --budget-tokens the cost
+// model's choice for --budget next to the best hand-picked (blocks_to_swap, ring_size) plan of
+// each ring that fits the budget; plus the pinned H2D bandwidth of the store's blocks measured
+// in the same run. Every streamed row shows the cost model's predicted step next to the
+// measured one (figures calibrated once per token count on this device).
 // Prints a table and writes OUT/bench_stream.md and OUT/bench_stream.jsonl.
 //
-//   lorastream-bench-stream --store NAME --out DIR [--device cuda:0] [--tokens 2048,8192]
+//   lorastream-bench-stream --store NAME --out DIR [--device cuda:0] [--tokens 512,2048,8192]
 //     [--swap 12] [--ring 2] [--budget 8GiB] [--budget-tokens 2048] [--steps 6] [--warmup 2]
+//     [--hand-rings 4]
 //
 // floor = max(resident step, H2D bytes per streamed step / measured bandwidth): what perfect
 // overlap of the copies with compute would give.
@@ -18,6 +24,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -30,8 +37,11 @@
 #include "common/log.h"
 #include "common/remove_tree.h"
 #include "store/attach.h"
+#include "worker/base_weights.h"
 #include "worker/data.h"
 #include "worker/stream_budget.h"
+#include "worker/stream_calibrate.h"
+#include "worker/stream_cost.h"
 #include "worker/stream_engine.h"
 #include "worker/stream_provider.h"
 #include "worker/stream_stats.h"
@@ -48,8 +58,9 @@ namespace {
 struct BenchOptions {
   std::string store, out, device = "cuda:0";
   std::string scratch;  // data and run folders (adapters, checkpoints); removed at the end
-  std::vector<int64_t> tokens = {2048, 8192};
+  std::vector<int64_t> tokens = {512, 2048, 8192};
   int64_t swap = 12, ring = 2, rank = 16, steps = 6, warmup = 2, budget_tokens = 2048;
+  int64_t hand_rings = 4;  // hand-picked plans at the budget: rings 1..hand_rings
   std::string budget = "8GiB";
 };
 
@@ -60,6 +71,9 @@ struct Row {
   double step_s = 0, h2d_gb = 0, busy_s = 0, stall_s = 0, peak_gib = 0, floor_s = 0;
   double floor2_s = 0;  // with every streamed block crossing twice per step (no reuse)
   double copies = 0, saved = 0, max_loss_diff = 0;
+  double predicted_s = 0;     // the cost model's step; 0: none
+  double estimate_gib = 0;    // the memory model's peak
+  std::string slots;          // "2" or "2/7/6" (ring/forward/backward)
   std::vector<StepStats> stats;
 };
 
@@ -160,6 +174,20 @@ double MeasureBandwidth(const BenchOptions& o, const AttachedStore& store) {
   return total / std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 1e9;
 }
 
+// The plan a streamed spec gets (the provider plans the same way), its cost-model prediction
+// and memory estimate, filled into the row.
+void Predict(const JobSpec& spec, const BaseWeights& base, const MemoryModelInputs& in,
+             const StepCosts& costs, const c10::Device& device, c10::ScalarType dtype, Row* row) {
+  const StreamPlanning p = PlanJobStream(spec, base, in, device, dtype);
+  row->predicted_s = PredictStep(p.plan, in.block_bytes, costs).step_seconds;
+  row->estimate_gib = EstimateMemory(in, p.plan).total() / double(1ULL << 30);
+  row->resident_blocks = p.plan.num_blocks() - p.plan.num_streamed();
+  row->slots = std::to_string(p.plan.ring_size);
+  if (p.plan.max_slots() != p.plan.ring_size)
+    row->slots += "/" + std::to_string(p.plan.forward_slots) + "/" +
+                  std::to_string(p.plan.backward_slots);
+}
+
 void Run(const BenchOptions& o, const std::string& command) {
   fs::create_directories(o.out);
   fs::create_directories(o.scratch);
@@ -169,43 +197,86 @@ void Run(const BenchOptions& o, const std::string& command) {
   const double gbps = MeasureBandwidth(o, store);
   std::fprintf(stderr, "bench: pinned H2D %.1f GB/s; block %.1f MB; %d blocks\n", gbps,
                m.blocks[0].nbytes / 1e6, L);
+  const c10::Device device(o.device == "cuda" ? std::string("cuda:0") : o.device);
+  const c10::ScalarType dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
 
   std::vector<Row> rows;
   for (int64_t tokens : o.tokens) {
     const std::string data = WriteData(o, tokens, m.config.vocab_size);
     JobSpec resident = Spec(o, data, tokens, "resident-" + std::to_string(tokens));
-    Row base = RunOne(o, resident, false, "resident", L, L);
-    base.floor_s = base.step_s;
-    base.floor2_s = base.step_s;
-    const double block_gb = m.blocks[0].nbytes / 1e9;
-    rows.push_back(base);
+    const BaseWeights base = BaseWeights::ForJob(resident);
+    const MemoryModelInputs in =
+        JobMemoryInputs(resident, ComputeLayout(base, dtype), device, dtype);
+    // Measured again for every bench run (not from the cache): the figures of this run.
+    const StepCosts costs = MeasureStepCosts(resident, base, device, dtype);
+    SaveStepCosts(CalibrationKey(resident, base, device, dtype), costs);
+    std::fprintf(stderr, "bench: %lld tokens: %s\n", static_cast<long long>(tokens),
+                 costs.Describe().c_str());
 
-    JobSpec streamed = Spec(o, data, tokens, "swap-" + std::to_string(tokens));
-    streamed.stream.blocks_to_swap = o.swap;
-    streamed.stream.ring_size = o.ring;
-    Row s = RunOne(o, streamed, true, "swap " + std::to_string(o.swap) + " ring " +
-                   std::to_string(o.ring), L - static_cast<int>(o.swap), L);
-    s.floor_s = std::max(base.step_s, s.h2d_gb / gbps);
-    s.floor2_s = std::max(base.step_s, 2 * o.swap * block_gb / gbps);
-    rows.push_back(s);
+    Row res = RunOne(o, resident, false, "resident", L, L);
+    res.floor_s = res.step_s;
+    res.floor2_s = res.step_s;
+    res.predicted_s = costs.ResidentStepSeconds(L);
+    res.slots = "-";
+    const double block_gb = m.blocks[0].nbytes / 1e9;
+    rows.push_back(res);
+
+    auto streamed_row = [&](const std::string& run, const std::string& mode,
+                            const std::function<void(JobSpec&)>& set) {
+      JobSpec spec = Spec(o, data, tokens, run + "-" + std::to_string(tokens));
+      set(spec);
+      Row probe;
+      Predict(spec, base, in, costs, device, dtype, &probe);
+      Row r = RunOne(o, spec, true, mode, probe.resident_blocks, L);
+      r.predicted_s = probe.predicted_s;
+      r.estimate_gib = probe.estimate_gib;
+      r.slots = probe.slots;
+      r.floor_s = std::max(res.step_s, r.h2d_gb / gbps);
+      r.floor2_s = std::max(res.step_s, 2 * (L - r.resident_blocks) * block_gb / gbps);
+      rows.push_back(r);
+    };
+    const std::string today = "swap " + std::to_string(o.swap) + " ring " + std::to_string(o.ring);
+    streamed_row("swap", today, [&](JobSpec& s) {
+      s.stream.blocks_to_swap = o.swap;
+      s.stream.ring_size = o.ring;
+    });
+    streamed_row("timeline", today + " timeline", [&](JobSpec& s) {
+      s.stream.blocks_to_swap = o.swap;
+      s.stream.ring_size = o.ring;
+      s.stream.forward_slots = -1;
+      s.stream.backward_slots = -1;
+    });
 
     if (tokens == o.budget_tokens && !o.budget.empty()) {
-      JobSpec b = Spec(o, data, tokens, "budget-" + std::to_string(tokens));
-      b.stream.gpu_memory_budget = ParseByteSize(o.budget, "--budget");
-      b.stream.ring_size = o.ring;
-      const bool cuda = o.device != "cpu";
-      const MemoryModelInputs in = MemoryInputsFor(
-          m, b.lora.rank, b.lora.targets, b.train.batch_size * tokens, cuda ? 2 : 4, !cuda);
-      const ResidencyPlan plan = PlanResidency(0, b.stream.gpu_memory_budget, o.ring, in);
-      Row r = RunOne(o, b, true, "budget " + o.budget, L - plan.num_streamed(), L);
-      r.floor_s = std::max(base.step_s, r.h2d_gb / gbps);
-      r.floor2_s = std::max(base.step_s, 2 * plan.num_streamed() * block_gb / gbps);
-      rows.push_back(r);
+      const uint64_t budget = ParseByteSize(o.budget, "--budget");
+      try {
+        streamed_row("budget", "budget " + o.budget + " (cost model)", [&](JobSpec& s) {
+          s.stream.gpu_memory_budget = budget;
+          s.stream.ring_size = o.ring;
+        });
+      } catch (const Error& e) {
+        std::fprintf(stderr, "bench: budget %s at %lld tokens: %s\n", o.budget.c_str(),
+                     static_cast<long long>(tokens), e.what());
+      }
+      // The best hand-picked plan of each ring: the fewest streamed blocks that fit.
+      for (int ring = 1; ring <= o.hand_rings; ++ring) {
+        for (int swap = 0; swap <= L; ++swap) {
+          if (EstimateMemory(in, PlanFromSwapCount(L, swap, ring)).total() > budget) continue;
+          if (swap > 0 && swap < ring) continue;  // the same as a smaller ring
+          streamed_row("hand-" + std::to_string(ring),
+                       "hand swap " + std::to_string(swap) + " ring " + std::to_string(ring),
+                       [&](JobSpec& s) {
+                         s.stream.blocks_to_swap = swap;
+                         s.stream.ring_size = ring;
+                       });
+          break;
+        }
+      }
     }
     for (Row& r : rows) {
       if (r.tokens != tokens || r.mode == "resident") continue;
-      for (size_t i = 0; i < r.stats.size() && i < base.stats.size(); ++i) {
-        r.max_loss_diff = std::max(r.max_loss_diff, std::abs(r.stats[i].loss - base.stats[i].loss));
+      for (size_t i = 0; i < r.stats.size() && i < res.stats.size(); ++i) {
+        r.max_loss_diff = std::max(r.max_loss_diff, std::abs(r.stats[i].loss - res.stats[i].loss));
       }
     }
   }
@@ -216,25 +287,30 @@ void Run(const BenchOptions& o, const std::string& command) {
     << m.blocks[0].nbytes / 1e6 << " MB, rank " << o.rank << " on all 7 projections, batch 1, "
     << "device " << o.device << "; median of " << o.steps << " steps after " << o.warmup
     << " warm-up steps; pinned H2D measured in this run: " << gbps << " GB/s\n\n"
-    << "| tokens | mode | resident | step ms | vs resident | H2D GB/step | H2D busy ms | stall ms "
-       "| copies (saved) | peak GiB | floor ms | vs floor | floor 2x ms | vs floor 2x "
+    << "| tokens | mode | resident | slots (ring/fwd/bwd) | step ms | vs resident | predicted ms "
+       "| measured / predicted | H2D GB/step | H2D busy ms | stall ms | copies (saved) "
+       "| peak GiB | estimate GiB | floor ms | vs floor | floor 2x ms | vs floor 2x "
        "| max loss diff |\n"
-    << "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+    << "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   double resident_step = 0;
   for (const Row& r : rows) {
     if (r.mode == "resident") resident_step = r.step_s;
-    char line[512];
+    char line[768];
     std::snprintf(line, sizeof line,
-                  "| %lld | %s | %d/%d | %.1f | %.3f | %.2f | %.1f | %.1f | %.0f (%.0f) | %.2f | "
-                  "%.1f | %.3f | %.1f | %.3f | %.3g |\n",
+                  "| %lld | %s | %d/%d | %s | %.1f | %.3f | %.1f | %.3f | %.2f | %.1f | %.1f "
+                  "| %.0f (%.0f) | %.2f | %.2f | %.1f | %.3f | %.1f | %.3f | %.3g |\n",
                   static_cast<long long>(r.tokens), r.mode.c_str(), r.resident_blocks,
-                  r.num_blocks, r.step_s * 1e3, r.step_s / resident_step, r.h2d_gb,
-                  r.busy_s * 1e3, r.stall_s * 1e3, r.copies, r.saved, r.peak_gib,
-                  r.floor_s * 1e3, r.step_s / r.floor_s, r.floor2_s * 1e3,
+                  r.num_blocks, r.slots.c_str(), r.step_s * 1e3, r.step_s / resident_step,
+                  r.predicted_s * 1e3, r.predicted_s > 0 ? r.step_s / r.predicted_s : 0.0,
+                  r.h2d_gb, r.busy_s * 1e3, r.stall_s * 1e3, r.copies, r.saved, r.peak_gib,
+                  r.estimate_gib, r.floor_s * 1e3, r.step_s / r.floor_s, r.floor2_s * 1e3,
                   r.step_s / r.floor2_s, r.max_loss_diff);
     t << line;
   }
-  t << "\nfloor = max(resident step, H2D bytes this step copied / bandwidth); floor 2x = "
+  t << "\nslots: ring (kept across the LM head) / forward / backward (the memory timeline). "
+       "predicted: the cost model (worker/stream_cost.h) from figures measured in this run. "
+       "estimate: the memory model's peak (worker/stream_budget.h); peak: measured.\n"
+       "floor = max(resident step, H2D bytes this step copied / bandwidth); floor 2x = "
        "max(resident step, 2 x streamed blocks x block bytes / bandwidth), i.e. without the "
        "engine's reuse of blocks still in a slot. max loss diff: against the resident run, "
        "step by step (bf16 on CUDA).\n";
@@ -263,6 +339,9 @@ int main(int argc, char** argv) {
   app.add_option("--rank", o.rank, "LoRA rank (all seven projections)")->capture_default_str();
   app.add_option("--budget", o.budget, "GPU memory budget of the budget run (\"\": none)");
   app.add_option("--budget-tokens", o.budget_tokens, "tokens of the budget run");
+  app.add_option("--hand-rings", o.hand_rings,
+                 "hand-picked plans at the budget: the best of each ring 1..N")
+      ->capture_default_str();
   app.add_option("--scratch", o.scratch, "folder for data and run outputs (default: a new one "
                  "in /tmp, removed at the end)");
   app.add_option("--steps", o.steps, "timed steps per run")->capture_default_str();

@@ -71,9 +71,15 @@ class CudaStreamBackend : public StreamBackend {
     const at::TensorOptions bytes_on_device =
         at::TensorOptions().dtype(at::kByte).device(c10::Device(c10::DeviceType::CUDA,
                                                                 static_cast<c10::DeviceIndex>(device_index_)));
+    const int permanent = options_.permanent_slots < 0
+                              ? options_.num_slots
+                              : std::min(options_.permanent_slots, options_.num_slots);
+    slots_.resize(options_.num_slots);
     for (int s = 0; s < options_.num_slots; ++s) {
       // Exact size through the caching allocator: peak-memory statistics include the ring.
-      slots_.push_back(at::empty({static_cast<int64_t>(options_.slot_bytes)}, bytes_on_device));
+      if (s < permanent) {
+        slots_[s] = at::empty({static_cast<int64_t>(options_.slot_bytes)}, bytes_on_device);
+      }
       copied_.emplace_back(false);
       released_.emplace_back(false);
     }
@@ -135,6 +141,14 @@ class CudaStreamBackend : public StreamBackend {
     LS_CHECK(bytes <= options_.slot_bytes, "copy larger than a slot");
     auto it = registered_.find(src);
     LS_CHECK(it != registered_.end(), "copy from a source that was never added");
+    if (!slots_[slot].defined()) {
+      // A phase slot: allocated on the compute stream (the caching allocator may hand out
+      // memory that compute work enqueued so far still uses), so the copy waits for that
+      // work through the slot's release event.
+      slots_[slot] = at::empty({static_cast<int64_t>(options_.slot_bytes)}, slots_options());
+      CudaCheck(cudaEventRecord(released_[slot].get(), ComputeStream()),
+                "cudaEventRecord (slot allocated)");
+    }
     TimedSpan* span = copy_spans_.Next();
     pending_wait_[slot] = true;
     if (it->second) {
@@ -170,6 +184,16 @@ class CudaStreamBackend : public StreamBackend {
               "cudaStreamWaitEvent (compute waits for copy)");
     CudaCheck(cudaEventRecord(span->end.get(), compute), "cudaEventRecord (stall end)");
     pending_wait_[slot] = false;
+  }
+
+  void FreeSlot(int slot) override {
+    LS_CHECK(slot >= 0 && slot < options_.num_slots, "slot out of range");
+    LS_CHECK(options_.permanent_slots >= 0 && slot >= options_.permanent_slots,
+             "FreeSlot of a permanent ring slot");
+    // The slot's readers were enqueued on the compute stream before this point, and they
+    // waited for its copy: compute-stream reuse of the memory is ordered after both. A
+    // staged copy's host thread still holding the slot cannot happen: compute acquired it.
+    slots_[slot] = at::Tensor();
   }
 
   void ReleaseSlot(int slot) override {

@@ -1,0 +1,173 @@
+// The streaming planner's cost model: the replayed timeline against hand-computed ones, the
+// planner's choice against every hand-picked plan that fits (synthetic figures shaped like
+// the H200 measurements in ../shared/GPU.md), and the calibration cache.
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <fstream>
+
+#include <catch2/catch.hpp>
+
+#include "common/error.h"
+#include "common/remove_tree.h"
+#include "worker/stream_cost.h"
+#include "tests/worker/stream_test_shapes.h"
+
+using namespace lorastream;
+using namespace lorastream::testing;
+
+namespace {
+
+// A llama-3-8b block (436 MB) at `tokens`, per block: forward, recompute+backward; the LM
+// head with loss, and the optimizer; 55.3 GB/s pinned H2D.
+StepCosts H200Like(int64_t tokens) {
+  StepCosts c;
+  const double scale = static_cast<double>(tokens) / 2048;
+  c.block_forward_seconds = 2.3e-3 * scale;
+  c.block_backward_seconds = 4.7e-3 * scale;
+  c.head_seconds = 50e-3 * scale;
+  c.tail_seconds = 13e-3;
+  c.h2d_bytes_per_second = 55.3e9;
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("cost model: a resident plan takes the compute's sum", "[worker]") {
+  const MemoryModelInputs in = Inputs(16, 2048);
+  const StepCosts c = H200Like(2048);
+  const PredictedStep p = PredictStep(PlanFromSwapCount(16, 0, 2), in.block_bytes, c);
+  REQUIRE(p.step_seconds == Approx(c.ResidentStepSeconds(16)));
+  REQUIRE(p.h2d_bytes == 0);
+  REQUIRE(p.stall_seconds == 0);
+}
+
+TEST_CASE("cost model: the replayed timeline of a hand-computed plan", "[worker]") {
+  // Two streamed blocks, one slot; forward 1 s, backward 2 s, copy 10 s, no head or tail.
+  // Steady pass: block 0 is in the slot from the previous backward; fwd 0 [0,1]; copy 1
+  // [1,11]; fwd 1 [11,12]; bwd 1 reuses the slot [12,14]; copy 0 [14,24]; bwd 0 [24,26].
+  StepCosts c;
+  c.block_forward_seconds = 1;
+  c.block_backward_seconds = 2;
+  c.h2d_bytes_per_second = 100;
+  const std::vector<uint64_t> bytes = {1000, 1000};
+  const PredictedStep p = PredictStep(PlanFromSwapCount(2, 2, 1), bytes, c);
+  REQUIRE(p.step_seconds == Approx(26));
+  REQUIRE(p.h2d_bytes == 2000);
+  REQUIRE(p.copy_busy_seconds == Approx(20));
+  REQUIRE(p.stall_seconds == Approx(20));  // waits for both copies
+  // With a head of 5 s the backward's copy still starts after bwd 1: 31 s.
+  c.head_seconds = 5;
+  REQUIRE(PredictStep(PlanFromSwapCount(2, 2, 1), bytes, c).step_seconds == Approx(31));
+  // Two slots: both blocks stay, nothing is copied in the steady step.
+  const PredictedStep two = PredictStep(PlanFromSwapCount(2, 2, 2), bytes, c);
+  REQUIRE(two.h2d_bytes == 0);
+  REQUIRE(two.step_seconds == Approx(2 * 1 + 5 + 2 * 2));
+}
+
+TEST_CASE("cost model: more bandwidth is never slower; a transfer-bound plan is the copies' "
+          "time", "[worker]") {
+  const MemoryModelInputs in = Inputs(16, 2048);
+  StepCosts c = H200Like(2048);
+  const ResidencyPlan all = PlanFromSwapCount(16, 16, 2);
+  double previous = 1e9;
+  for (double gbps : {5.0, 20.0, 55.3, 200.0}) {
+    c.h2d_bytes_per_second = gbps * 1e9;
+    const PredictedStep p = PredictStep(all, in.block_bytes, c);
+    REQUIRE(p.step_seconds <= previous);
+    REQUIRE(p.step_seconds >= c.ResidentStepSeconds(16) - 1e-12);
+    REQUIRE(p.step_seconds >= p.copy_busy_seconds);
+    previous = p.step_seconds;
+  }
+  c.h2d_bytes_per_second = 1e9;  // 0.44 s per block: copies dominate everything
+  const PredictedStep slow = PredictStep(all, in.block_bytes, c);
+  REQUIRE(slow.step_seconds == Approx(slow.copy_busy_seconds).epsilon(0.1));
+}
+
+TEST_CASE("the planner's choice is never slower than a hand-picked plan that fits, within "
+          "the budget", "[worker]") {
+  for (int64_t tokens : {512, 2048, 8192}) {
+    const MemoryModelInputs in = Inputs(16, tokens);
+    const StepCosts c = H200Like(tokens);
+    for (double gib : {6.0, 8.0, 10.0, 14.0}) {
+      CAPTURE(tokens, gib);
+      const uint64_t budget = static_cast<uint64_t>(gib * (1ULL << 30));
+      PlanChoice choice;
+      try {
+        choice = ChoosePlan(in, c, budget);
+      } catch (const Error& e) {
+        // Only a budget below every plan's minimum may be refused.
+        REQUIRE(e.code() == ErrorCode::kRefused);
+        REQUIRE(EstimateMemory(in, PlanFromSwapCount(16, 16, 1)).total() > budget);
+        continue;
+      }
+      const CandidatePlan& chosen = choice.candidates[choice.chosen];
+      REQUIRE(chosen.fits);
+      REQUIRE(EstimateMemory(in, chosen.plan).total() <= budget);
+      int hand_fitting = 0;
+      for (int swap = 0; swap <= 16; ++swap) {
+        for (int ring = 1; ring <= 4; ++ring) {
+          const ResidencyPlan hand = PlanFromSwapCount(16, swap, ring);
+          if (EstimateMemory(in, hand).total() > budget) continue;
+          ++hand_fitting;
+          REQUIRE(chosen.predicted.step_seconds <=
+                  PredictStep(hand, in.block_bytes, c).step_seconds);
+        }
+      }
+      REQUIRE(hand_fitting > 0);
+      REQUIRE(DescribeChoice(choice, budget).find("chosen: " + chosen.Label()) !=
+              std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("at 2048 tokens in 8 GiB the choice beats today's 12-streamed ring of 2 by using "
+          "the timeline", "[worker]") {
+  const MemoryModelInputs in = Inputs(16, 2048);
+  const StepCosts c = H200Like(2048);
+  const PlanChoice choice = ChoosePlan(in, c, 8ULL << 30);
+  const CandidatePlan& chosen = choice.candidates[choice.chosen];
+  const ResidencyPlan today = PlanFromSwapCount(16, 12, 2);
+  REQUIRE(EstimateMemory(in, today).total() <= (8ULL << 30));
+  const PredictedStep t = PredictStep(today, in.block_bytes, c);
+  REQUIRE(chosen.predicted.step_seconds < t.step_seconds);
+  REQUIRE(chosen.predicted.h2d_bytes < t.h2d_bytes);
+  REQUIRE(chosen.plan.max_slots() > chosen.plan.ring_size);
+}
+
+TEST_CASE("a budget below every plan is refused with the minimum", "[worker]") {
+  const MemoryModelInputs in = Inputs(16, 2048);
+  try {
+    ChoosePlan(in, H200Like(2048), 1ULL << 30);
+    FAIL("1 GiB accepted");
+  } catch (const Error& e) {
+    REQUIRE(e.code() == ErrorCode::kRefused);
+    REQUIRE(std::string(e.what()).find("gpu_memory_budget") != std::string::npos);
+  }
+}
+
+TEST_CASE("the calibration cache: round trip, damaged files and other keys are not trusted",
+          "[worker]") {
+  char templ[] = "/tmp/lorastream_cost_XXXXXX";
+  REQUIRE(mkdtemp(templ) != nullptr);
+  const std::string dir = templ;
+  REQUIRE(setenv("LORASTREAM_CACHE_DIR", dir.c_str(), 1) == 0);
+  const std::string key = "model/x-llama-L16-cuda:0-BFloat16-r16-T2048";
+  REQUIRE(CalibrationCachePath(key).rfind(dir + "/calibration/", 0) == 0);
+  REQUIRE(CalibrationCachePath(key).find('/', dir.size() + 13) == std::string::npos);
+  StepCosts got;
+  REQUIRE_FALSE(LoadStepCosts(key, &got));  // nothing cached yet
+  const StepCosts want = H200Like(2048);
+  SaveStepCosts(key, want);
+  REQUIRE(LoadStepCosts(key, &got));
+  REQUIRE(got.block_forward_seconds == want.block_forward_seconds);
+  REQUIRE(got.block_backward_seconds == want.block_backward_seconds);
+  REQUIRE(got.head_seconds == want.head_seconds);
+  REQUIRE(got.tail_seconds == want.tail_seconds);
+  REQUIRE(got.h2d_bytes_per_second == want.h2d_bytes_per_second);
+  REQUIRE_FALSE(LoadStepCosts(key + "-other", &got));
+  std::ofstream(CalibrationCachePath(key)) << "{\"key\": \"" << key << "\", \"head_sec";
+  REQUIRE_FALSE(LoadStepCosts(key, &got));  // damaged: measured again
+  unsetenv("LORASTREAM_CACHE_DIR");
+  RemoveTree(dir);
+}

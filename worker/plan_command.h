@@ -1,0 +1,20 @@
+// `lorastream-worker plan JOB.toml --device DEV`: the swap plans the cost model considers for
+// the job, each with its predicted step time, copied bytes and estimated peak, and the one it
+// chooses. The budget is the job's stream.gpu_memory_budget; without one, the estimated peak
+// of the job's own plan (blocks_to_swap, ring_size), so the table shows what the same memory
+// buys. Calibrates on DEV first (or reads the cached figures).
+#pragma once
+
+#include <string>
+
+namespace lorastream {
+
+struct PlanCommandOptions {
+  std::string device = "cpu";  // "cpu" | "cuda" | "cuda:N"
+  bool recalibrate = false;    // measure again even when cached figures exist
+};
+
+// Prints to stdout; returns the exit code (0). Errors are thrown (lorastream::Error).
+int RunPlanCommand(const std::string& job_path, const PlanCommandOptions& options);
+
+}  // namespace lorastream

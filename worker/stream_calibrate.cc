@@ -1,0 +1,186 @@
+#include "worker/stream_calibrate.h"
+
+#include <sys/mman.h>
+
+#include <chrono>
+#include <cstring>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include "common/error.h"
+#include "common/job_spec.h"
+#include "common/log.h"
+#include "worker/adamw.h"
+#include "worker/base_weights.h"
+#include "worker/lora.h"
+#include "worker/model.h"
+#ifdef LORASTREAM_HAVE_CUDA
+#include "worker/cuda/cuda_bandwidth.h"
+#endif
+
+namespace lorastream {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Waits for the device's work on `t` (a scalar read syncs the current stream) and returns
+// the seconds since `start`.
+double SecondsAfter(const at::Tensor& t, Clock::time_point start) {
+  (void)t.sum().item<double>();
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Median-free mean over `reps` runs after one warm-up run.
+template <class Fn>
+double TimeIt(int reps, Fn fn) {
+  SecondsAfter(fn(), Clock::now());  // warm-up: allocator, kernels, caches
+  const auto start = Clock::now();
+  at::Tensor last;
+  for (int i = 0; i < reps; ++i) last = fn();
+  return SecondsAfter(last, start) / reps;
+}
+
+BlockWeights BlockOnDevice(const BlockWeights& w, const c10::Device& device,
+                           c10::ScalarType dtype) {
+  BlockWeights out = w;
+  for (at::Tensor* t : {&out.input_norm, &out.q_proj, &out.k_proj, &out.v_proj, &out.o_proj,
+                        &out.q_bias, &out.k_bias, &out.v_bias, &out.q_norm, &out.k_norm,
+                        &out.post_norm, &out.gate_proj, &out.up_proj, &out.down_proj}) {
+    if (t->defined()) *t = t->to(device, dtype).contiguous();
+  }
+  return out;
+}
+
+// Page-aligned host memory of `bytes` (the engine copies from page-aligned segments).
+class HostBuffer {
+ public:
+  explicit HostBuffer(size_t bytes) : bytes_(bytes) {
+    p_ = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p_ == MAP_FAILED) ThrowErrno("calibration: mapping " + std::to_string(bytes_) + " bytes");
+    std::memset(p_, 1, bytes_);
+  }
+  ~HostBuffer() { munmap(p_, bytes_); }
+  HostBuffer(const HostBuffer&) = delete;
+  HostBuffer& operator=(const HostBuffer&) = delete;
+  const uint8_t* data() const { return static_cast<const uint8_t*>(p_); }
+
+ private:
+  size_t bytes_;
+  void* p_;
+};
+
+double MeasureBandwidth(uint64_t block_bytes, const c10::Device& device) {
+  HostBuffer src(block_bytes);
+#ifdef LORASTREAM_HAVE_CUDA
+  if (device.is_cuda()) {
+    return MeasurePinnedH2DBandwidth({{src.data(), block_bytes}},
+                                     device.has_index() ? device.index() : 0, 5) * 1e9;
+  }
+#endif
+  // The CPU backend's copy is a memcpy into a slot.
+  std::vector<uint8_t> dst(block_bytes);
+  std::memcpy(dst.data(), src.data(), block_bytes);
+  const auto start = Clock::now();
+  const int reps = 5;
+  for (int i = 0; i < reps; ++i) std::memcpy(dst.data(), src.data(), block_bytes);
+  const double s = std::chrono::duration<double>(Clock::now() - start).count();
+  return s > 0 ? reps * static_cast<double>(block_bytes) / s : 0.0;
+}
+
+}  // namespace
+
+std::string CalibrationKey(const JobSpec& spec, const BaseWeights& base, const c10::Device& device,
+                           c10::ScalarType dtype) {
+  const ModelConfig& c = base.config();
+  std::string targets;
+  for (const std::string& t : spec.lora.targets) targets += t.substr(0, 1);
+  return base.name_or_path() + "-" + c.model_type + "-L" + std::to_string(c.num_hidden_layers) +
+         "-H" + std::to_string(c.hidden_size) + "-I" + std::to_string(c.intermediate_size) +
+         "-V" + std::to_string(c.vocab_size) + "-" + device.str() + "-" +
+         c10::toString(dtype) + "-r" + std::to_string(spec.lora.rank) + "-" + targets + "-T" +
+         std::to_string(spec.train.batch_size * spec.data.seq_len);
+}
+
+StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c10::Device& device,
+                           c10::ScalarType dtype) {
+  const ModelConfig& config = base.config();
+  const int64_t rows = spec.train.batch_size, seq = spec.data.seq_len;
+  const int reps = 3;
+  const auto start = Clock::now();
+  const LoraSettings settings = LoraSettingsFromSpec(spec.lora);
+  const LoraAdapter adapter = LoraAdapter::Init(config, settings, spec.train.seed, device);
+  const BlockWeights w = BlockOnDevice(base.block(0), device, dtype);
+  const RotaryTables rope = BuildRotary(config, seq, device, dtype);
+  BlockCompute c;
+  c.config = &config;
+  c.rope = &rope;
+  c.lora_scale = settings.Scale();
+  c.dropout = settings.dropout;
+  c.training = true;
+  const auto opts = at::TensorOptions().device(device).dtype(dtype);
+  const at::Tensor x = at::randn({rows, seq, config.hidden_size}, opts) * 0.1;
+
+  StepCosts costs;
+  {
+    c10::NoGradGuard no_grad;
+    costs.block_forward_seconds = TimeIt(reps, [&] { return BlockForward(x, w, adapter.block(0), c); });
+  }
+  costs.block_backward_seconds = TimeIt(reps, [&] {
+    at::Tensor xi = x.detach().requires_grad_(true);
+    at::Tensor y = BlockForward(xi, w, adapter.block(0), c);
+    y.backward(at::ones_like(y));
+    return xi.grad();
+  });
+
+  // LM head and loss, forward and backward, from the last hidden state.
+  const at::Tensor norm = base.rest().norm.to(device, dtype);
+  const at::Tensor head = (config.tie_word_embeddings ? base.rest().embed_tokens
+                                                      : base.rest().lm_head).to(device, dtype);
+  const at::Tensor targets = at::randint(config.vocab_size, {rows, seq},
+                                         at::TensorOptions().device(device).dtype(at::kLong));
+  costs.head_seconds = TimeIt(reps, [&] {
+    at::Tensor h = x.detach().requires_grad_(true);
+    at::Tensor logits = at::linear(RmsNorm(h, norm, config.rms_norm_eps), head);
+    at::Tensor loss = CausalLm::LossSum(logits, targets);
+    loss.backward();
+    return h.grad();
+  });
+
+  // The optimizer over the whole adapter, every parameter with a gradient.
+  std::vector<at::Tensor> params = adapter.Params();
+  for (at::Tensor& p : params) p.mutable_grad() = at::zeros_like(p);
+  AdamW optimizer(params, AdamWOptions{});
+  costs.tail_seconds = TimeIt(reps, [&] {
+    optimizer.Step(1e-9);
+    return params.front();
+  });
+
+  uint64_t block_bytes = 0;
+  for (const at::Tensor* t : {&w.input_norm, &w.q_proj, &w.k_proj, &w.v_proj, &w.o_proj,
+                              &w.q_bias, &w.k_bias, &w.v_bias, &w.q_norm, &w.k_norm,
+                              &w.post_norm, &w.gate_proj, &w.up_proj, &w.down_proj}) {
+    if (t->defined()) block_bytes += t->nbytes();
+  }
+  costs.h2d_bytes_per_second = MeasureBandwidth(block_bytes, device);
+  LS_LOG_INFO("stream: calibrated on {} at {} tokens in {:.2f} s: {}", device.str(), rows * seq,
+              std::chrono::duration<double>(Clock::now() - start).count(), costs.Describe());
+  return costs;
+}
+
+StepCosts CalibratedStepCosts(const JobSpec& spec, const BaseWeights& base,
+                              const c10::Device& device, c10::ScalarType dtype) {
+  const std::string key = CalibrationKey(spec, base, device, dtype);
+  StepCosts costs;
+  if (LoadStepCosts(key, &costs)) {
+    LS_LOG_INFO("stream: calibration from {}: {}", CalibrationCachePath(key), costs.Describe());
+    return costs;
+  }
+  costs = MeasureStepCosts(spec, base, device, dtype);
+  SaveStepCosts(key, costs);
+  return costs;
+}
+
+}  // namespace lorastream

@@ -1,0 +1,231 @@
+#include "worker/stream_cost.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <tuple>
+
+#include <nlohmann/json.hpp>
+
+#include "common/error.h"
+#include "common/format_bytes.h"
+#include "common/log.h"
+
+namespace lorastream {
+
+namespace fs = std::filesystem;
+
+double StepCosts::ResidentStepSeconds(int num_blocks) const {
+  return num_blocks * (block_forward_seconds + block_backward_seconds) + head_seconds +
+         tail_seconds;
+}
+
+std::string StepCosts::Describe() const {
+  char buf[256];
+  std::snprintf(buf, sizeof buf,
+                "block forward %.2f ms, block recompute+backward %.2f ms, head %.2f ms, tail "
+                "%.2f ms, H2D %.1f GB/s",
+                block_forward_seconds * 1e3, block_backward_seconds * 1e3, head_seconds * 1e3,
+                tail_seconds * 1e3, h2d_bytes_per_second / 1e9);
+  return buf;
+}
+
+PredictedStep PredictStep(const ResidencyPlan& plan, const std::vector<uint64_t>& block_bytes,
+                          const StepCosts& costs) {
+  const int num_blocks = plan.num_blocks();
+  LS_CHECK(static_cast<int>(block_bytes.size()) == num_blocks, "block sizes and plan differ");
+  const double bandwidth = costs.h2d_bytes_per_second;
+  std::vector<int> slots(plan.max_slots(), -1);
+  std::vector<double> slot_ready(plan.max_slots(), 0.0);  // when the slot's last copy lands
+  double compute = 0, copy = 0, last_release = 0;
+  PredictedStep step;
+  // The first pass starts from an empty ring; the slots' contents converge within two
+  // passes (PlanSteadyPass), so the fourth pass is the steady step.
+  for (int pass = 0; pass < 4; ++pass) {
+    const PassPlan p = PlanPass(plan, slots);
+    PredictedStep now;
+    const double start = compute;
+    auto issue = [&](int u, double ready) {
+      const BlockUse& use = p.uses[u];
+      const uint64_t bytes = block_bytes[use.block];
+      const double seconds = bandwidth > 0 ? bytes / bandwidth : 0.0;
+      copy = std::max(copy, ready) + seconds;
+      slot_ready[use.slot] = copy;
+      now.copy_busy_seconds += seconds;
+      now.h2d_bytes += bytes;
+    };
+    for (int u : p.issue_at_start) issue(u, last_release);
+    for (int u = 0; u < static_cast<int>(p.uses.size()); ++u) {
+      if (u == num_blocks) compute += costs.head_seconds;
+      for (int d : p.issue_at_acquire[u]) issue(d, compute);
+      const BlockUse& use = p.uses[u];
+      double begin = compute;
+      if (use.slot >= 0) begin = std::max(begin, slot_ready[use.slot]);
+      now.stall_seconds += begin - compute;
+      compute = begin + (use.backward ? costs.block_backward_seconds
+                                      : costs.block_forward_seconds);
+      for (int r : p.issue_after_release[u]) issue(r, compute);
+    }
+    last_release = compute;
+    compute += costs.tail_seconds;
+    now.step_seconds = compute - start;
+    slots = p.slots_at_end;
+    step = now;
+  }
+  return step;
+}
+
+std::string CandidatePlan::Label() const {
+  std::ostringstream s;
+  s << "swap " << plan.num_streamed() << " ring " << plan.ring_size;
+  if (plan.forward_slots != plan.ring_size || plan.backward_slots != plan.ring_size)
+    s << " fwd " << plan.forward_slots << " bwd " << plan.backward_slots;
+  return s.str();
+}
+
+PlanChoice ChoosePlan(const MemoryModelInputs& inputs, const StepCosts& costs,
+                      uint64_t budget_bytes, int max_ring) {
+  const int num_blocks = static_cast<int>(inputs.block_bytes.size());
+  PlanChoice choice;
+  auto add = [&](const ResidencyPlan& plan) {
+    CandidatePlan c;
+    c.plan = plan;
+    c.peak_bytes = EstimateMemory(inputs, plan).total();
+    c.predicted = PredictStep(plan, inputs.block_bytes, costs);
+    c.fits = c.peak_bytes <= budget_bytes;
+    choice.candidates.push_back(std::move(c));
+  };
+  for (int swap = 0; swap <= num_blocks; ++swap) {
+    for (int ring = 1; ring <= std::max(1, max_ring); ++ring) {
+      if (ring > std::max(swap, 1)) break;  // the same plan again
+      const ResidencyPlan hand = PlanFromSwapCount(num_blocks, swap, ring);
+      add(hand);
+      const ResidencyPlan filled = FillPhaseSlots(inputs, hand, budget_bytes);
+      if (filled.forward_slots != hand.forward_slots ||
+          filled.backward_slots != hand.backward_slots)
+        add(filled);
+    }
+  }
+  uint64_t minimum = ~uint64_t{0};
+  for (int i = 0; i < static_cast<int>(choice.candidates.size()); ++i) {
+    const CandidatePlan& c = choice.candidates[i];
+    minimum = std::min(minimum, c.peak_bytes);
+    if (!c.fits) continue;
+    if (choice.chosen < 0) {
+      choice.chosen = i;
+      continue;
+    }
+    // Ties (copies hidden entirely): fewer bytes over the link, then the lower peak.
+    const CandidatePlan& best = choice.candidates[choice.chosen];
+    const auto key = [](const CandidatePlan& p) {
+      return std::make_tuple(p.predicted.step_seconds, p.predicted.h2d_bytes, p.peak_bytes);
+    };
+    if (key(c) < key(best)) choice.chosen = i;
+  }
+  if (choice.chosen < 0) {
+    throw Error(ErrorCode::kRefused,
+                "stream.gpu_memory_budget " + std::to_string(budget_bytes) + " bytes (" +
+                    FormatBytes(budget_bytes) + ") is below the minimum of " +
+                    std::to_string(minimum) + " bytes (" + FormatBytes(minimum) +
+                    ") of every plan considered: raise gpu_memory_budget to at least " +
+                    std::to_string(minimum) + ", or lower seq_len or batch_size");
+  }
+  return choice;
+}
+
+std::string DescribeChoice(const PlanChoice& choice, uint64_t budget_bytes) {
+  std::ostringstream s;
+  s << "budget " << FormatBytes(budget_bytes) << "\n"
+    << "  plan                          resident  predicted ms  copied GB  stall ms  peak GiB  fits\n";
+  for (int i = 0; i < static_cast<int>(choice.candidates.size()); ++i) {
+    const CandidatePlan& c = choice.candidates[i];
+    char line[256];
+    std::snprintf(line, sizeof line, "%s %-30s %8d  %12.1f  %9.2f  %8.1f  %8.2f  %s\n",
+                  i == choice.chosen ? "*" : " ", c.Label().c_str(),
+                  c.plan.num_blocks() - c.plan.num_streamed(),
+                  c.predicted.step_seconds * 1e3, c.predicted.h2d_bytes / 1e9,
+                  c.predicted.stall_seconds * 1e3, c.peak_bytes / double(1ULL << 30),
+                  c.fits ? "yes" : "no");
+    s << line;
+  }
+  if (choice.chosen >= 0) {
+    const CandidatePlan& c = choice.candidates[choice.chosen];
+    char line[256];
+    std::snprintf(line, sizeof line, "chosen: %s, predicted %.1f ms per step, peak %.2f GiB\n",
+                  c.Label().c_str(), c.predicted.step_seconds * 1e3,
+                  c.peak_bytes / double(1ULL << 30));
+    s << line;
+  }
+  return s.str();
+}
+
+std::string CalibrationCachePath(const std::string& key) {
+  std::string dir;
+  if (const char* d = std::getenv("LORASTREAM_CACHE_DIR"); d && *d) {
+    dir = d;
+  } else if (const char* x = std::getenv("XDG_CACHE_HOME"); x && *x) {
+    dir = std::string(x) + "/lorastream";
+  } else if (const char* h = std::getenv("HOME"); h && *h) {
+    dir = std::string(h) + "/.cache/lorastream";
+  } else {
+    dir = "/tmp/lorastream-cache";
+  }
+  std::string file;
+  for (char c : key) file += (std::isalnum(static_cast<unsigned char>(c)) || c == '-' ||
+                              c == '.' || c == '_') ? c : '_';
+  return dir + "/calibration/" + file + ".json";
+}
+
+bool LoadStepCosts(const std::string& key, StepCosts* costs) {
+  std::ifstream in(CalibrationCachePath(key));
+  if (!in) return false;
+  std::stringstream text;
+  text << in.rdbuf();
+  const nlohmann::json j = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  StepCosts c;
+  const std::pair<const char*, double*> fields[] = {
+      {"block_forward_seconds", &c.block_forward_seconds},
+      {"block_backward_seconds", &c.block_backward_seconds},
+      {"head_seconds", &c.head_seconds},
+      {"tail_seconds", &c.tail_seconds},
+      {"h2d_bytes_per_second", &c.h2d_bytes_per_second}};
+  if (!j.is_object() || j.value("key", std::string()) != key) return false;
+  for (const auto& [name, field] : fields) {
+    if (!j.contains(name) || !j[name].is_number() || j[name].get<double>() < 0) return false;
+    *field = j[name].get<double>();
+  }
+  *costs = c;
+  return true;
+}
+
+void SaveStepCosts(const std::string& key, const StepCosts& c) {
+  const fs::path path = CalibrationCachePath(key);
+  std::error_code ec;
+  fs::create_directories(path.parent_path(), ec);
+  nlohmann::json j = {{"key", key},
+                      {"block_forward_seconds", c.block_forward_seconds},
+                      {"block_backward_seconds", c.block_backward_seconds},
+                      {"head_seconds", c.head_seconds},
+                      {"tail_seconds", c.tail_seconds},
+                      {"h2d_bytes_per_second", c.h2d_bytes_per_second}};
+  // Written whole then renamed: a reader never sees half a file.
+  const fs::path tmp = path.string() + ".tmp";
+  {
+    std::ofstream out(tmp);
+    out << j.dump(2) << "\n";
+    if (!out) {
+      LS_LOG_WARN("stream: cannot write the calibration cache {} (measured again next time)",
+                  tmp.string());
+      return;
+    }
+  }
+  fs::rename(tmp, path, ec);
+  if (ec) LS_LOG_WARN("stream: cannot write the calibration cache {}: {}", path.string(),
+                      ec.message());
+}
+
+}  // namespace lorastream

@@ -1,0 +1,83 @@
+// The streaming planner's cost model (torch-free): predicts a plan's step time from figures
+// measured on the worker's own device (worker/stream_calibrate.h measures them), and chooses
+// from a memory budget the plan (resident set, ring, slots per phase) with the smallest
+// predicted step among those whose estimated peak fits.
+//
+// The prediction replays the engine's steady pass plan (PlanSteadyPass, then two more passes)
+// on two resources, as the device runs it: one compute stream and one copy engine (FIFO).
+//   - a use computes once the compute stream is free and its block's copy has landed;
+//   - a copy starts once the copy engine is free and its slot's last reader has finished
+//     (the release it is issued after; a deferred copy: the compute point of its acquire);
+//   - between the forward and the backward the compute stream runs the LM head and loss
+//     (head_seconds); after the backward, the optimizer and the rest of the step (tail).
+// Host-side launch time is taken as hidden behind the device's work.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "worker/stream_budget.h"
+#include "worker/stream_plan.h"
+
+namespace lorastream {
+
+// Per step at the job's token count (batch x sequence of one micro-batch).
+struct StepCosts {
+  double block_forward_seconds = 0;   // one block's forward without grad
+  double block_backward_seconds = 0;  // one block recomputed with grad and its backward
+  double head_seconds = 0;            // embedding, final norm, LM head, loss and their backward
+  double tail_seconds = 0;            // optimizer step and the rest of the step
+  double h2d_bytes_per_second = 0;    // measured Host->Device bandwidth of a block copy
+
+  double ResidentStepSeconds(int num_blocks) const;
+  std::string Describe() const;  // "fwd 2.31 ms, bwd 4.70 ms, head 30.1 ms, ... 55.3 GB/s"
+};
+
+struct PredictedStep {
+  double step_seconds = 0;
+  double copy_busy_seconds = 0;    // the copy engine's busy time in the step
+  double stall_seconds = 0;        // compute waiting for copies
+  uint64_t h2d_bytes = 0;          // bytes copied per step
+};
+
+// The steady-state step of `plan` (one pass per step) under `costs`; block_bytes[i]: the
+// bytes of block i's copy.
+PredictedStep PredictStep(const ResidencyPlan& plan, const std::vector<uint64_t>& block_bytes,
+                          const StepCosts& costs);
+
+struct CandidatePlan {
+  ResidencyPlan plan;
+  uint64_t peak_bytes = 0;  // EstimateMemory(...).total()
+  PredictedStep predicted;
+  bool fits = false;        // peak_bytes <= the budget
+  std::string Label() const;  // "swap 12 ring 2 fwd 7 bwd 6"
+};
+
+struct PlanChoice {
+  std::vector<CandidatePlan> candidates;  // every plan considered, fitting or not
+  int chosen = -1;                        // index into candidates
+};
+
+// Candidates: every streamed-block count (resident blocks spread as PlanFromSwapCount
+// spreads them) with rings 1..max_ring, each both as it is (one ring for the whole step, the
+// hand-picked kind) and with its phases filled with slots up to the budget. Chosen: the
+// smallest predicted step among those that fit (ties: fewer bytes copied, then the lower
+// peak). Error(kRefused) when
+// none fits, naming the minimum.
+PlanChoice ChoosePlan(const MemoryModelInputs& inputs, const StepCosts& costs,
+                      uint64_t budget_bytes, int max_ring = 4);
+
+// The candidates as a table (one line each: label, resident blocks, slots, predicted ms,
+// copied GB, peak GiB, fits), the chosen one marked.
+std::string DescribeChoice(const PlanChoice& choice, uint64_t budget_bytes);
+
+// The calibration cache: one JSON file per model, device and token count under
+// $LORASTREAM_CACHE_DIR, else $XDG_CACHE_HOME/lorastream, else ~/.cache/lorastream
+// (calibration/KEY.json). Load returns false when there is none (or it is unreadable: a
+// damaged cache file is measured again, never trusted).
+std::string CalibrationCachePath(const std::string& key);
+bool LoadStepCosts(const std::string& key, StepCosts* costs);
+void SaveStepCosts(const std::string& key, const StepCosts& costs);
+
+}  // namespace lorastream
