@@ -2,8 +2,10 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
 #include <optional>
+#include <thread>
 #include <vector>
 
 #include "common/error.h"
@@ -109,6 +111,15 @@ struct HandOver {
   }
 };
 
+// Holds the training thread after checkpoint `step` was reported while `hold` stays true.
+// The agent's own thread keeps sending heartbeats and the queued reports meanwhile.
+void HoldAtCheckpoint(const std::atomic<bool>& hold, const JobContext& ctx, int64_t step) {
+  LS_LOG_INFO("job {}: holding after checkpoint {} (SIGUSR1); SIGUSR2 resumes",
+              ctx.assignment.job_id, step);
+  while (hold && !ctx.should_stop()) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  LS_LOG_INFO("job {}: resumed after checkpoint {}", ctx.assignment.job_id, step);
+}
+
 }  // namespace
 
 int RunServe(const ServeOptions& options, const std::atomic<bool>& stop) {
@@ -130,7 +141,8 @@ int RunServe(const ServeOptions& options, const std::atomic<bool>& stop) {
       return MakeStreamProvider(spec, base, device, dtype);
     };
 
-  JobRunner runner = [&train](const JobContext& ctx) {
+  const std::atomic<bool>* hold = options.hold_at_checkpoint;
+  JobRunner runner = [&train, hold](const JobContext& ctx) {
     const JobSpec& spec = ctx.assignment.spec;
     const HandOver hand_over(SubmitterToServe(ctx.assignment), spec);
     TrainOptions job_train = train;
@@ -150,6 +162,7 @@ int RunServe(const ServeOptions& options, const std::atomic<bool>& stop) {
       if (every > 0 && previous > 0 && previous % every == 0) {
         hand_over.Now();
         ctx.report_checkpoint(previous, checkpoint_dir(previous));
+        if (hold != nullptr && *hold) HoldAtCheckpoint(*hold, ctx, previous);
       }
     };
     TrainResult r = RunTraining(spec, job_train, on_step, ctx.should_stop);

@@ -11,6 +11,8 @@
 
 #include <catch2/catch.hpp>
 
+#include "common/error.h"
+#include "common/shm_names.h"
 #include "common/subprocess.h"
 #include "store/attach.h"
 #include "store/manifest_object.h"
