@@ -104,8 +104,12 @@ struct JobAssignment {
   JobSpec spec;             // resolved (absolute paths) by the submitting command
   int64_t resume_step = 0;  // last checkpointed step (0: none); the trainer resumes from it
   std::string checkpoint_path;
+  // Who submitted the job (README: Trust model). A worker whose effective uid differs opens
+  // no path of the job that this user could not open, and gives the files it writes to them.
+  int64_t submitter_uid = -1;  // -1: unknown (refused by a worker running as another user)
+  std::string submitter;       // the user name on the coordinator's host
   template <class A> void serialize(A& ar) {
-    ar(job_id, attempt, spec, resume_step, checkpoint_path);
+    ar(job_id, attempt, spec, resume_step, checkpoint_path, submitter_uid, submitter);
   }
 };
 
@@ -193,13 +197,15 @@ struct JobSummary {
   bool has_stats = false;
   StepStats last_stats;
   double eta_seconds = -1;  // < 0: unknown
+  int64_t submitter_uid = -1;  // who submitted it (-1: unknown)
+  std::string submitter;       // their user name
   template <class A> void serialize(A& ar) {
     ar(id, name);
     SerializeEnum(ar, state, JobState::kCancelled);
     ar(reason, priority, store_name, fingerprint, spec_source, output_dir, adapter_path,
        worker_id, worker_host, worker_device, attempt, step, total_steps, checkpoint_step,
        checkpoint_path, cancel_requested, submitted_at, started_at, finished_at, has_stats,
-       last_stats, eta_seconds);
+       last_stats, eta_seconds, submitter_uid, submitter);
   }
 };
 

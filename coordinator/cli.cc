@@ -35,7 +35,7 @@ std::atomic<bool> g_stop{false};
 void OnSignal(int) { g_stop = true; }
 
 struct GlobalOptions {
-  std::string endpoint = kDefaultEndpoint;
+  std::string endpoint = DefaultEndpoint();
   std::string curve_keys;
   double timeout_s = 10;
 };
@@ -153,7 +153,7 @@ int RunLorastreamCli(int argc, char** argv) {
   ServerOptions server;
   std::string log_level = "info", log_file;
   CLI::App* coord = app.add_subcommand("coordinator", "run the coordinator daemon");
-  coord->add_option("--bind", server.bind, "endpoint to listen on (non-loopback needs "
+  coord->add_option("--bind", server.bind, "endpoint to listen on (tcp:// needs "
                                            "--curve-keys or --insecure)")
       ->capture_default_str();
   coord->add_option("--db", server.db, "SQLite journal (created when missing)")
@@ -171,7 +171,7 @@ int RunLorastreamCli(int argc, char** argv) {
                     "after a restart, seconds running jobs wait for their workers "
                     "(default: the heartbeat timeout)");
   coord->add_flag("--insecure", server.insecure,
-                  "allow a non-loopback bind without CURVE (anyone who can reach it controls it)");
+                  "allow a tcp:// bind without CURVE (anyone who can reach it acts as the operator)");
   coord->add_option("--log-level", log_level, "trace|debug|info|warn|error")->capture_default_str();
   coord->add_option("--log-file", log_file, "also log to this file");
 

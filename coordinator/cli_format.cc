@@ -52,6 +52,8 @@ nlohmann::json ToJson(const JobSummary& j) {
                         {"fingerprint", j.fingerprint},
                         {"spec_source", j.spec_source},
                         {"output_dir", j.output_dir},
+                        {"submitter", j.submitter},
+                        {"submitter_uid", j.submitter_uid},
                         {"adapter_path", j.adapter_path},
                         {"worker_id", j.worker_id},
                         {"worker_host", j.worker_host},
@@ -122,6 +124,7 @@ std::string JobDetails(const ShowJobReply& r) {
   if (!j.reason.empty()) out << " (" << j.reason << ")";
   out << "\n  progress:    " << FormatProgress(j) << ", ETA " << FormatDuration(j.eta_seconds)
       << "\n  priority:    " << j.priority
+      << "\n  submitter:   " << (j.submitter_uid < 0 ? "-" : j.submitter + " (uid " + std::to_string(j.submitter_uid) + ")")
       << "\n  base model:  " << (j.store_name.empty() ? "(checkpoint folder)" : "store " + j.store_name)
       << (j.fingerprint.empty() ? "" : " [" + j.fingerprint + "]")
       << "\n  worker:      " << (j.worker_id.empty() ? "-" : j.worker_id + " on " + j.worker_host + " " + j.worker_device)

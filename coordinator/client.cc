@@ -85,6 +85,9 @@ void Client::Reconnect() {
 std::string Client::Exchange(const std::string& frame, uint32_t request_id, int timeout_ms) {
   Impl& s = *impl_;
   if (timeout_ms < 0) timeout_ms = s.options.timeout_ms;
+  // ZeroMQ would retry an ipc connect refused by permissions forever: say so at once.
+  if (std::string why = IpcPermissionProblem(s.options.endpoint); !why.empty())
+    throw Error(ErrorCode::kRefused, why);
   if (!s.socket->send(zmq::buffer(frame), zmq::send_flags::dontwait))
     throw Error(ErrorCode::kResource, "cannot queue a request to " + s.options.endpoint);
   auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);

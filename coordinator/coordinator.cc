@@ -4,7 +4,10 @@
 #include <chrono>
 #include <limits>
 
+#include <unistd.h>
+
 #include "common/log.h"
+#include "common/user_access.h"
 
 namespace lorastream {
 namespace {
@@ -21,6 +24,17 @@ std::string Describe(const WorkerEntry& w) {
 
 }  // namespace
 
+Submitter CurrentSubmitter() {
+  Submitter me;
+  me.uid = ::geteuid();
+  try {
+    me.name = LookupUser(static_cast<uid_t>(me.uid)).name;
+  } catch (const Error&) {
+    me.name = "uid " + std::to_string(me.uid);
+  }
+  return me;
+}
+
 double WallSeconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
       .count();
@@ -35,6 +49,10 @@ Coordinator::Coordinator(CoordinatorOptions options, Journal journal, double now
   for (JobRecord& job : journal_.LoadJobs()) {
     int64_t id = job.summary.id;
     next_job_id_ = std::max(next_job_id_, id + 1);
+    if (job.summary.submitter_uid < 0) {  // from a journal older than submitters
+      job.summary.submitter_uid = options_.operator_user.uid;
+      job.summary.submitter = options_.operator_user.name;
+    }
     if (job.summary.state == JobState::kQueued) queue_.Push(id, job.summary.priority);
     if (job.summary.state == JobState::kRunning) ++running;
     jobs_.emplace(id, std::move(job));
@@ -117,12 +135,19 @@ JobAssignment Coordinator::Assign(JobRecord& job, WorkerEntry& worker) {
   Touch();
   LS_LOG_INFO("job {} '{}' attempt {} -> worker {} (resume from step {})", s.id, s.name,
               s.attempt, Describe(worker), s.checkpoint_step);
+  return AssignmentOf(job);
+}
+
+JobAssignment Coordinator::AssignmentOf(const JobRecord& job) {
+  const JobSummary& s = job.summary;
   JobAssignment a;
   a.job_id = s.id;
   a.attempt = s.attempt;
   a.spec = job.spec;
   a.resume_step = s.checkpoint_step;
   a.checkpoint_path = s.checkpoint_path;
+  a.submitter_uid = s.submitter_uid;
+  a.submitter = s.submitter;
   return a;
 }
 
@@ -149,11 +174,7 @@ HeartbeatReply Coordinator::Heartbeat(const HeartbeatRequest& req, double now) {
     if (job.summary.state == JobState::kRunning && job.summary.worker_id == w->id &&
         job.summary.attempt == w->attempt) {
       reply.has_assignment = true;
-      reply.assignment.job_id = job.summary.id;
-      reply.assignment.attempt = job.summary.attempt;
-      reply.assignment.spec = job.spec;
-      reply.assignment.resume_step = job.summary.checkpoint_step;
-      reply.assignment.checkpoint_path = job.summary.checkpoint_path;
+      reply.assignment = AssignmentOf(job);
       return reply;
     }
     w->job_id = 0;
@@ -303,7 +324,8 @@ void Coordinator::Requeue(JobRecord& job, const std::string& why, bool count_ret
   LS_LOG_WARN("job {} '{}': {}", s.id, s.name, s.reason);
 }
 
-SubmitReply Coordinator::Submit(const SubmitRequest& req, const std::string& client_key) {
+SubmitReply Coordinator::Submit(const SubmitRequest& req, const std::string& client_key,
+                                const Submitter& submitter) {
   SubmitReply reply;
   reply.problems = options_.validator(req.spec);
   const JobSpec& spec = req.spec;
@@ -311,14 +333,21 @@ SubmitReply Coordinator::Submit(const SubmitRequest& req, const std::string& cli
       spec.priority > std::numeric_limits<int32_t>::max())
     reply.problems.push_back(spec.source + ": key `priority` is out of range (found " +
                              std::to_string(spec.priority) + ")");
-  // Two live jobs writing one output folder would resume from each other's checkpoints.
-  for (const auto& [id, other] : jobs_)
-    if (!IsTerminal(other.summary.state) && !spec.train.output_dir.empty() &&
-        other.summary.output_dir == spec.train.output_dir)
-      reply.problems.push_back(spec.source + ": key `train.output_dir` (" +
-                               spec.train.output_dir + ") is already used by job " +
-                               std::to_string(id) + ", which is " +
-                               JobStateName(other.summary.state));
+  // Two live jobs writing one output folder would resume from each other's checkpoints and
+  // overwrite each other's adapter. Compared by canonical path, resolved now (a folder or
+  // link created since the other job's submission counts).
+  if (!spec.train.output_dir.empty()) {
+    const std::string mine = CanonicalPath(spec.train.output_dir);
+    for (const auto& [id, other] : jobs_)
+      if (!IsTerminal(other.summary.state) && !other.summary.output_dir.empty() &&
+          CanonicalPath(other.summary.output_dir) == mine)
+        reply.problems.push_back(spec.source + ": key `train.output_dir` (" +
+                                 spec.train.output_dir + (mine == spec.train.output_dir
+                                                              ? ""
+                                                              : ", which is " + mine) +
+                                 ") is already used by job " + std::to_string(id) +
+                                 ", which is " + JobStateName(other.summary.state));
+  }
   if (!reply.problems.empty()) return reply;
   JobRecord job;
   JobSummary& s = job.summary;
@@ -334,11 +363,14 @@ SubmitReply Coordinator::Submit(const SubmitRequest& req, const std::string& cli
   job.spec = spec;
   job.spec_toml = req.spec_toml;
   job.owner = client_key;
+  const Submitter& who = submitter.uid >= 0 ? submitter : options_.operator_user;
+  s.submitter_uid = who.uid;
+  s.submitter = who.name;
   Save(job);
   queue_.Push(s.id, s.priority);
   reply.job_id = s.id;
-  LS_LOG_INFO("job {} '{}' submitted (priority {}, store '{}')", s.id, s.name, s.priority,
-              s.store_name);
+  LS_LOG_INFO("job {} '{}' submitted by {} (uid {}; priority {}, store '{}')", s.id, s.name,
+              s.submitter, s.submitter_uid, s.priority, s.store_name);
   jobs_.emplace(reply.job_id, std::move(job));
   Touch();
   return reply;

@@ -35,6 +35,9 @@ struct CoordinatorOptions {
   double reconcile_timeout_s = -1;
   int stats_rows_per_job = 2000;  // downsampling target of the journal's statistics
   JobValidator validator;         // required
+  // Whom a job is attributed to when its submitter is unknown (journals written before jobs
+  // recorded one): the coordinator's own user.
+  Submitter operator_user = CurrentSubmitter();
 };
 
 class Coordinator {
@@ -51,7 +54,11 @@ class Coordinator {
   // `client_key`: the requesting client's CURVE public key (Z85), "" without CURVE. Under
   // CURVE a job submitted with a key can be cancelled only with the same key (kRefused
   // otherwise); a coordinator without CURVE (loopback) lets anyone on the host cancel.
-  SubmitReply Submit(const SubmitRequest& req, const std::string& client_key = "");
+  // `submitter`: the local user the request comes from (uid -1: options.operator_user). A
+  // job is refused when another live job writes the same output folder, compared by
+  // canonical path (CanonicalPath: "/x/dd", "/x/dd/", "/x/./dd" and a link to it are one).
+  SubmitReply Submit(const SubmitRequest& req, const std::string& client_key = "",
+                     const Submitter& submitter = {});
   ListJobsReply ListJobs(const ListJobsRequest& req, double now) const;
   ShowJobReply ShowJob(const ShowJobRequest& req, double now) const;
   StatsReply Stats(const StatsRequest& req) const;
@@ -73,6 +80,7 @@ class Coordinator {
   JobRecord& RequireOwner(const std::string& worker_id, int64_t job_id, int32_t attempt,
                           double now);
   JobAssignment Assign(JobRecord& job, WorkerEntry& worker);
+  static JobAssignment AssignmentOf(const JobRecord& job);
   void Requeue(JobRecord& job, const std::string& why, bool count_retry);
   void Finish(JobRecord& job, JobState state, const std::string& reason, double wall_now);
   void DetachWorker(const std::string& worker_id);

@@ -1,13 +1,19 @@
 #include "coordinator/coordinator_server.h"
 
-#include <chrono>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
 #include <array>
+#include <chrono>
+#include <cstring>
 #include <deque>
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
 #include "common/log.h"
 #include "common/messages.h"
+#include "common/user_access.h"
 #include "coordinator/curve.h"
 
 namespace lorastream {
@@ -21,6 +27,47 @@ double SteadySeconds() {
 // Frames above this are dropped by libzmq (the peer is disconnected) before they reach us;
 // between kMaxPayloadBytes and this they are received and answered with kProtocol.
 constexpr int64_t kTransportCapBytes = 4 * static_cast<int64_t>(kMaxPayloadBytes);
+
+// Whether something accepts connections on the unix socket `path` (a live coordinator:
+// binding over it would silently steal its clients).
+bool UnixSocketAnswers(const std::string& path) {
+  sockaddr_un addr{};
+  if (path.size() >= sizeof(addr.sun_path)) return false;
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  bool answers = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  ::close(fd);
+  return answers;
+}
+
+// The uid in an ipc peer's "Peer-Address" property: libzmq (built with SO_PEERCRED, as
+// Debian's is) appends ":uid:gid:pid" to the address of a unix-socket peer.
+int64_t PeerUid(const char* peer_address) {
+  if (!peer_address) return -1;
+  std::string text = peer_address;
+  size_t pid_colon = text.rfind(':');
+  if (pid_colon == std::string::npos || pid_colon == 0) return -1;
+  size_t gid_colon = text.rfind(':', pid_colon - 1);
+  if (gid_colon == std::string::npos || gid_colon == 0) return -1;
+  size_t uid_colon = text.rfind(':', gid_colon - 1);
+  if (uid_colon == std::string::npos) return -1;
+  std::string uid = text.substr(uid_colon + 1, gid_colon - uid_colon - 1);
+  if (uid.empty() || uid.find_first_not_of("0123456789") != std::string::npos) return -1;
+  return std::stoll(uid);
+}
+
+Submitter SubmitterOf(int64_t uid) {
+  Submitter who;
+  who.uid = uid;
+  try {
+    who.name = LookupUser(static_cast<uid_t>(uid)).name;
+  } catch (const Error&) {
+    who.name = "uid " + std::to_string(uid);
+  }
+  return who;
+}
 
 struct ParkedWatch {
   std::string identity;
@@ -37,6 +84,7 @@ struct CoordinatorServer::Impl {
   zmq::socket_t router{context, zmq::socket_type::router};
   zmq::socket_t zap{context, zmq::socket_type::rep};
   bool curve = false;
+  bool peer_credentials = false;  // ipc: the kernel tells each peer's uid
   CurveServerKeys keys;
   std::string endpoint;
   std::unique_ptr<Coordinator> core;
@@ -54,7 +102,8 @@ struct CoordinatorServer::Impl {
   }
   void HandleFrames(std::vector<zmq::message_t>& frames);
   std::string Dispatch(const Envelope& env, const std::string& identity,
-                       const std::string& client_key, double now);
+                       const std::string& client_key, const Submitter& who, double now);
+  Submitter WhoSent(const zmq::message_t& frame, const char* client_key) const;
   void HandleZap();
   void AnswerWatches(double now, bool all);
 };
@@ -63,11 +112,22 @@ CoordinatorServer::CoordinatorServer(ServerOptions options) : impl_(std::make_un
   Impl& s = *impl_;
   s.options = std::move(options);
   bool local = IsLocalEndpoint(s.options.bind);
-  if (!local && s.options.curve_keys_dir.empty() && !s.options.insecure)
+  if (!IsCredentialEndpoint(s.options.bind) && s.options.curve_keys_dir.empty() &&
+      !s.options.insecure)
     throw Error(ErrorCode::kInvalidArgument,
-                "binding " + s.options.bind +
-                    " exposes the coordinator beyond this host: pass --curve-keys DIR (keys "
-                    "from `lorastream keygen`) or, knowingly, --insecure");
+                "binding " + s.options.bind + " without CURVE lets " +
+                    (local ? "every user of this host" : "anyone who reaches it") +
+                    " act as the operator: use the default endpoint (" + DefaultEndpoint() +
+                    "), pass --curve-keys DIR (keys from `lorastream keygen`) or, knowingly, "
+                    "--insecure");
+  if (s.options.bind.rfind("ipc://", 0) == 0) {
+    s.peer_credentials = true;
+    const std::string path = s.options.bind.substr(6);
+    if (path.rfind(DefaultRuntimeDir() + "/", 0) == 0) EnsureOwnerOnlyDir(DefaultRuntimeDir());
+    if (UnixSocketAnswers(path))
+      throw Error(ErrorCode::kRefused, "another coordinator listens on " + s.options.bind +
+                                           "; stop it first or pass another --bind");
+  }
   if (!s.options.curve_keys_dir.empty()) {
     s.keys = LoadServerKeys(s.options.curve_keys_dir);
     s.curve = true;
@@ -93,7 +153,8 @@ CoordinatorServer::CoordinatorServer(ServerOptions options) : impl_(std::make_un
   LS_LOG_INFO("coordinator listening on {} ({}), journal {}", s.endpoint,
               s.curve ? "CURVE, " + std::to_string(s.keys.authorized_clients.size()) +
                             " authorized client keys"
-                      : (local ? "local only, no CURVE" : "INSECURE: no CURVE"),
+                      : (s.peer_credentials ? "peers identified by uid, no CURVE"
+                                            : "INSECURE: no CURVE, every client is the operator"),
               s.options.db);
 }
 
@@ -125,8 +186,29 @@ void CoordinatorServer::Impl::HandleZap() {
              i + 1 < reply.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
 }
 
+// The peer's uid on an ipc socket (the kernel's word); else the user its CURVE key maps to;
+// else uid -1, which the coordinator attributes to its operator.
+Submitter CoordinatorServer::Impl::WhoSent(const zmq::message_t& frame,
+                                           const char* client_key) const {
+  if (peer_credentials) {
+    int64_t uid = PeerUid(zmq_msg_gets(frame.handle(), "Peer-Address"));
+    if (uid >= 0) return SubmitterOf(uid);
+  }
+  if (client_key) {
+    auto it = keys.key_users.find(client_key);
+    if (it != keys.key_users.end()) {
+      Submitter who;
+      who.uid = LookupUser(it->second).uid;
+      who.name = it->second;
+      return who;
+    }
+  }
+  return Submitter{};
+}
+
 std::string CoordinatorServer::Impl::Dispatch(const Envelope& env, const std::string& identity,
-                                              const std::string& client_key, double now) {
+                                              const std::string& client_key,
+                                              const Submitter& who, double now) {
   uint32_t rid = env.header.request_id;
   Coordinator& c = *core;
   switch (static_cast<MessageType>(env.header.type)) {
@@ -141,7 +223,7 @@ std::string CoordinatorServer::Impl::Dispatch(const Envelope& env, const std::st
     case MessageType::kJobFinished:
       return EncodeMessage(c.Finished(DecodeMessage<JobFinished>(env), now), rid);
     case MessageType::kSubmit:
-      return EncodeMessage(c.Submit(DecodeMessage<SubmitRequest>(env), client_key), rid);
+      return EncodeMessage(c.Submit(DecodeMessage<SubmitRequest>(env), client_key, who), rid);
     case MessageType::kListJobs:
       return EncodeMessage(c.ListJobs(DecodeMessage<ListJobsRequest>(env), now), rid);
     case MessageType::kShowJob:
@@ -186,7 +268,8 @@ void CoordinatorServer::Impl::HandleFrames(std::vector<zmq::message_t>& frames) 
       Envelope env = DecodeEnvelope(frame.data(), frame.size());
       // Set by our ZAP handler under CURVE; absent otherwise (zmq_msg_gets then fails).
       const char* user = curve ? zmq_msg_gets(frame.handle(), "User-Id") : nullptr;
-      std::string reply = Dispatch(env, identity, user ? user : "", SteadySeconds());
+      std::string reply =
+          Dispatch(env, identity, user ? user : "", WhoSent(frame, user), SteadySeconds());
       if (!reply.empty()) Send(identity, reply);
       return;
     } catch (const Error& e) {

@@ -10,24 +10,29 @@
 #include <string>
 
 #include "coordinator/coordinator.h"
+#include "coordinator/curve.h"
 
 namespace lorastream {
 
-// Loopback by default; the port spells "LS" on a phone keypad, roughly.
-constexpr const char* kDefaultEndpoint = "tcp://127.0.0.1:5757";
-
+// Trust model (README): by default the coordinator listens on an ipc socket in an owner-only
+// folder (DefaultEndpoint), so only its own user reaches it; on an ipc socket each request's
+// user is the peer's uid, told by the kernel. Other local users and remote clients come in
+// over tcp:// with a CURVE key; authorized_clients maps a key to the local user it acts as
+// (an unmapped key acts as the operator). TCP without CURVE, even on loopback, needs
+// --insecure: every client then acts as the operator.
 struct ServerOptions {
-  std::string bind = kDefaultEndpoint;
+  std::string bind = DefaultEndpoint();
   std::string db = "lorastream.db";  // the SQLite journal
-  std::string curve_keys_dir;        // "": no CURVE (only allowed on local endpoints)
-  bool insecure = false;             // allow a non-local bind without CURVE
+  std::string curve_keys_dir;        // "": no CURVE (only allowed on ipc:// and inproc://)
+  bool insecure = false;             // allow a tcp:// bind without CURVE
   CoordinatorOptions coordinator;
 };
 
 class CoordinatorServer {
  public:
-  // Opens the journal and binds; throws Error (kInvalidArgument for a non-local bind without
-  // keys or --insecure, kIo when the endpoint cannot be bound).
+  // Opens the journal and binds; throws Error (kInvalidArgument for a tcp bind without keys
+  // or --insecure, kRefused when another coordinator holds the journal or listens on the
+  // ipc socket, kIo when the endpoint cannot be bound).
   explicit CoordinatorServer(ServerOptions options);
   ~CoordinatorServer();
   CoordinatorServer(const CoordinatorServer&) = delete;

@@ -1,13 +1,17 @@
 #include "coordinator/curve.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
 #include <zmq.h>
 
+#include <cerrno>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
 #include "common/error.h"
+#include "common/user_access.h"
 
 namespace lorastream {
 namespace fs = std::filesystem;
@@ -96,11 +100,19 @@ CurveServerKeys LoadServerKeys(const std::string& dir) {
     std::istringstream words(line);
     std::string key;
     if (!(words >> key) || key[0] == '#') continue;
+    const std::string where = (d / "authorized_clients").string() + ":" + std::to_string(number);
     if (!ValidZ85Key(key))
-      throw Error(ErrorCode::kCorrupt, (d / "authorized_clients").string() + ":" +
-                                           std::to_string(number) +
-                                           ": not a 40-character Z85 public key");
+      throw Error(ErrorCode::kCorrupt, where + ": not a 40-character Z85 public key");
     keys.authorized_clients.insert(key);
+    std::string user;
+    if (words >> user && user[0] != '#') {
+      try {
+        LookupUser(user);
+      } catch (const Error& e) {
+        throw Error(ErrorCode::kInvalidArgument, where + ": " + e.what());
+      }
+      keys.key_users[key] = user;
+    }
   }
   if (keys.authorized_clients.empty())
     throw Error(ErrorCode::kInvalidArgument,
@@ -137,6 +149,42 @@ bool IsLocalEndpoint(const std::string& endpoint) {
   char tail;
   return std::sscanf(host.c_str(), "%u.%u.%u.%u%c", &a, &b, &c, &d, &tail) == 4 && a == 127 &&
          b < 256 && c < 256 && d < 256;
+}
+
+bool IsCredentialEndpoint(const std::string& endpoint) {
+  return endpoint.rfind("ipc://", 0) == 0 || endpoint.rfind("inproc://", 0) == 0;
+}
+
+std::string DefaultRuntimeDir() {
+  const char* xdg = std::getenv("XDG_RUNTIME_DIR");
+  if (xdg && xdg[0] == '/') return std::string(xdg) + "/lorastream";
+  return "/tmp/lorastream-" + std::to_string(::geteuid());
+}
+
+std::string DefaultEndpoint() { return "ipc://" + DefaultRuntimeDir() + "/coordinator.sock"; }
+
+void EnsureOwnerOnlyDir(const std::string& dir) {
+  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) ThrowErrno("cannot create " + dir);
+  struct stat st {};
+  if (::lstat(dir.c_str(), &st) != 0) ThrowErrno("cannot inspect " + dir);
+  std::string fix = "; remove it (as its owner or root) and start again";
+  if (!S_ISDIR(st.st_mode))
+    throw Error(ErrorCode::kRefused, dir + " is not a folder (a link or a file)" + fix);
+  if (st.st_uid != ::geteuid())
+    throw Error(ErrorCode::kRefused, dir + " belongs to " + DescribeUser(st.st_uid) +
+                                         ", not to this user" + fix);
+  if ((st.st_mode & 077) && ::chmod(dir.c_str(), 0700) != 0)
+    ThrowErrno("cannot make " + dir + " owner-only");
+}
+
+std::string IpcPermissionProblem(const std::string& endpoint) {
+  if (endpoint.rfind("ipc://", 0) != 0) return "";
+  const std::string path = endpoint.substr(6);
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 || errno != EACCES) return "";
+  return "cannot reach the coordinator at " + endpoint + ": permission denied on its folder "
+         "(only the user it belongs to may connect there; other users need a CURVE key "
+         "authorized for them and the coordinator's tcp:// endpoint)";
 }
 
 }  // namespace lorastream

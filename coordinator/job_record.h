@@ -8,6 +8,16 @@
 
 namespace lorastream {
 
+// The local user a request comes from (README: Trust model): the peer's uid on an ipc
+// socket, the user a CURVE key maps to in authorized_clients, else the operator.
+struct Submitter {
+  int64_t uid = -1;  // -1: unknown
+  std::string name;
+};
+
+// The user this process runs as (its effective uid).
+Submitter CurrentSubmitter();
+
 struct JobRecord {
   JobSummary summary;
   JobSpec spec;           // as validated at submission; what workers run

@@ -1,6 +1,9 @@
 #include "coordinator/journal.h"
 
+#include <fcntl.h>
 #include <sqlite3.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <utility>
 
@@ -59,7 +62,7 @@ CREATE TABLE IF NOT EXISTS jobs (
   adapter_path TEXT, worker_id TEXT, worker_host TEXT, worker_device TEXT, attempt INTEGER,
   retries INTEGER, step INTEGER, total_steps INTEGER, checkpoint_step INTEGER,
   checkpoint_path TEXT, cancel_requested INTEGER, submitted_at REAL, started_at REAL,
-  finished_at REAL, owner TEXT);
+  finished_at REAL, owner TEXT, submitter_uid INTEGER, submitter TEXT);
 CREATE TABLE IF NOT EXISTS stats (
   job_id INTEGER, step INTEGER, attempt INTEGER, total_steps INTEGER, loss REAL,
   learning_rate REAL, grad_norm REAL, tokens INTEGER, step_seconds REAL,
@@ -68,9 +71,28 @@ CREATE TABLE IF NOT EXISTS stats (
   PRIMARY KEY (job_id, step));
 )sql";
 
+// Creates the journal owner-only before SQLite opens it (SQLite gives its -wal and -shm
+// files the database's permissions) and tightens files an older version left readable.
+void MakeOwnerOnly(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0) ThrowErrno("cannot open journal " + path);
+  ::close(fd);
+  for (const std::string& file : {path, path + "-wal", path + "-shm"}) {
+    struct stat st {};
+    if (::stat(file.c_str(), &st) == 0 && st.st_uid == ::geteuid() && (st.st_mode & 077) &&
+        ::chmod(file.c_str(), st.st_mode & 0700) != 0)
+      ThrowErrno("cannot make journal file " + file + " owner-only");
+  }
+}
+
 }  // namespace
 
 Journal::Journal(const std::string& path) : path_(path) {
+  if (path != ":memory:") {
+    lock_ = FileLock::Acquire(path + ".lock", "coordinator pid " + std::to_string(::getpid()),
+                              "journal " + path);
+    MakeOwnerOnly(path);
+  }
   if (sqlite3_open_v2(path.c_str(), &db_, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE,
                       nullptr) != SQLITE_OK) {
     std::string msg = db_ ? sqlite3_errmsg(db_) : "out of memory";
@@ -84,13 +106,22 @@ Journal::Journal(const std::string& path) : path_(path) {
   Exec("PRAGMA journal_mode=WAL");
   Exec("PRAGMA synchronous=NORMAL");
   Exec(kSchema);
-  // Journals written before jobs had an owner: add the column (empty: anyone may cancel).
-  bool has_owner = false;
+  // Journals written before jobs had an owner or a submitter: add the columns (owner empty:
+  // anyone may cancel; submitter uid -1: unknown, the coordinator attributes such jobs to its
+  // operator). New columns go last, in this order, as SaveJob writes them.
+  bool has_owner = false, has_submitter = false;
   {
     Statement st(db_, "SELECT name FROM pragma_table_info('jobs')", path_);
-    while (st.Step()) has_owner = has_owner || st.Text(0) == "owner";
+    while (st.Step()) {
+      has_owner = has_owner || st.Text(0) == "owner";
+      has_submitter = has_submitter || st.Text(0) == "submitter_uid";
+    }
   }
   if (!has_owner) Exec("ALTER TABLE jobs ADD COLUMN owner TEXT");
+  if (!has_submitter) {
+    Exec("ALTER TABLE jobs ADD COLUMN submitter_uid INTEGER DEFAULT -1");
+    Exec("ALTER TABLE jobs ADD COLUMN submitter TEXT DEFAULT ''");
+  }
 }
 
 Journal::~Journal() {
@@ -99,12 +130,15 @@ Journal::~Journal() {
 }
 
 Journal::Journal(Journal&& other) noexcept
-    : db_(std::exchange(other.db_, nullptr)), path_(std::move(other.path_)) {}
+    : lock_(std::move(other.lock_)),
+      db_(std::exchange(other.db_, nullptr)),
+      path_(std::move(other.path_)) {}
 
 Journal& Journal::operator=(Journal&& other) noexcept {
   if (this != &other) {
     if (db_) sqlite3_close(db_);
     db_ = std::exchange(other.db_, nullptr);
+    lock_ = std::move(other.lock_);
     path_ = std::move(other.path_);
   }
   return *this;
@@ -123,7 +157,7 @@ void Journal::SaveJob(const JobRecord& job) {
   const JobSummary& s = job.summary;
   Statement st(db_,
                "INSERT OR REPLACE INTO jobs VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,"
-               "?,?,?,?)",
+               "?,?,?,?,?,?)",
                path_);
   st.Bind(1, s.id).Bind(2, s.name).Bind(3, static_cast<int64_t>(s.state)).Bind(4, s.reason);
   st.Bind(5, static_cast<int64_t>(s.priority)).Bind(6, s.store_name).Bind(7, s.fingerprint);
@@ -135,6 +169,7 @@ void Journal::SaveJob(const JobRecord& job) {
   st.Bind(20, s.checkpoint_step).Bind(21, s.checkpoint_path);
   st.Bind(22, static_cast<int64_t>(s.cancel_requested)).Bind(23, s.submitted_at);
   st.Bind(24, s.started_at).Bind(25, s.finished_at).Bind(26, job.owner);
+  st.Bind(27, s.submitter_uid).Bind(28, s.submitter);
   st.Step();
 }
 
@@ -175,6 +210,8 @@ std::vector<JobRecord> Journal::LoadJobs() const {
     s.started_at = st.Real(23);
     s.finished_at = st.Real(24);
     job.owner = st.Text(25);
+    s.submitter_uid = st.Int(26);
+    s.submitter = st.Text(27);
     jobs.push_back(std::move(job));
   }
   return jobs;

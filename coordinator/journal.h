@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "common/file_lock.h"
 #include "common/step_stats.h"
 #include "coordinator/job_record.h"
 
@@ -16,7 +17,11 @@ namespace lorastream {
 class Journal {
  public:
   // Opens (creating when missing) the database at `path`; ":memory:" for tests.
-  // Throws Error(kIo) when it cannot be opened, kCorrupt when it is not a journal.
+  // Throws Error(kIo) when it cannot be opened, kCorrupt when it is not a journal, kRefused
+  // (naming the holder's pid) when another process holds it. A journal belongs to one
+  // process for that process's lifetime: an exclusive lock on PATH.lock, which records the
+  // holder's pid. The journal and its files are owner-only (0600): job specs name the
+  // users' files.
   explicit Journal(const std::string& path);
   ~Journal();
   Journal(const Journal&) = delete;
@@ -33,6 +38,7 @@ class Journal {
 
  private:
   void Exec(const char* sql) const;
+  FileLock lock_;  // declared first: released after the database is closed
   sqlite3* db_ = nullptr;
   std::string path_;
 };

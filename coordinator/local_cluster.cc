@@ -1,8 +1,6 @@
 #include "coordinator/local_cluster.h"
 
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -20,6 +18,7 @@
 #include "common/gpu_info.h"
 #include "common/job_paths.h"
 #include "common/log.h"
+#include "coordinator/curve.h"
 #include "common/unique_fd.h"
 #include "store/attach.h"
 
@@ -32,21 +31,6 @@ namespace {
 double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
-}
-
-// A loopback TCP port that is free now (the coordinator binds it right after).
-int FreeLoopbackPort() {
-  UniqueFd fd(socket(AF_INET, SOCK_STREAM, 0));
-  if (!fd.valid()) ThrowErrno("socket");
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof addr;
-  if (bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-      getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len) != 0)
-    ThrowErrno("bind a loopback port");
-  return ntohs(addr.sin_port);
 }
 
 std::string Tail(const std::string& path, size_t max_lines = 15) {
@@ -80,7 +64,8 @@ LocalCluster::LocalCluster(LocalClusterOptions options) : options_(std::move(opt
   if (devices_.empty()) devices_ = DetectGpus();
   if (devices_.empty()) devices_.assign(std::max(1, options_.cpu_workers), "cpu");
   workers_.resize(devices_.size());
-  endpoint_ = "tcp://127.0.0.1:" + std::to_string(FreeLoopbackPort());
+  // Beside the default endpoint, in the owner-only folder: only this user reaches the cluster.
+  endpoint_ = "ipc://" + DefaultRuntimeDir() + "/up-" + std::to_string(getpid()) + ".sock";
 }
 
 LocalCluster::~LocalCluster() {

@@ -1,5 +1,8 @@
 #include "store/attach.h"
 
+#include <unistd.h>
+
+#include <atomic>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
@@ -7,11 +10,23 @@
 
 #include "common/error.h"
 #include "common/shm_names.h"
+#include "common/user_access.h"
 #include "store/checksum.h"
 #include "store/manifest_object.h"
 #include "store/process.h"
 
 namespace lorastream {
+
+namespace {
+std::atomic<int64_t> g_trusted_owner{-1};  // -1: the effective uid
+}  // namespace
+
+void SetTrustedStoreOwner(uid_t uid) { g_trusted_owner = uid; }
+
+uid_t TrustedStoreOwner() {
+  int64_t uid = g_trusted_owner.load();
+  return uid < 0 ? ::geteuid() : static_cast<uid_t>(uid);
+}
 
 AttachedStore AttachedStore::Attach(const std::string& name, const std::string& expected_fingerprint,
                                     bool populate) {
@@ -22,6 +37,15 @@ AttachedStore AttachedStore::Attach(const std::string& name, const std::string& 
     throw Error(ErrorCode::kNotFound, "no store named `" + name + "` (" + shm +
                                           " does not exist); start one with "
                                           "`lorastream-store serve MODEL_DIR --name " + name + "`");
+  const uid_t trusted = TrustedStoreOwner();
+  if (record->owner_uid != trusted)
+    throw Error(ErrorCode::kRefused,
+                "store `" + name + "`: its manifest " + shm + " belongs to " +
+                    DescribeUser(record->owner_uid) + ", not to the expected store user " +
+                    DescribeUser(trusted) +
+                    " (another user could rewrite the weights under a running job); attach "
+                    "stores of your own user, or name the user that serves them with "
+                    "--store-user");
   if (!ProcessAlive(record->owner_pid, record->owner_start_time))
     throw Error(ErrorCode::kNotFound, "store `" + name + "` is stale: its owner pid " +
                                           std::to_string(record->owner_pid) +
@@ -35,9 +59,14 @@ AttachedStore AttachedStore::Attach(const std::string& name, const std::string& 
   if (!expected_fingerprint.empty() && m.fingerprint != expected_fingerprint)
     throw Error(ErrorCode::kRefused, "store `" + name + "` holds weights with fingerprint " +
                                          m.fingerprint + ", expected " + expected_fingerprint);
-  for (const SegmentInfo& b : m.blocks)
-    store.blocks_.push_back(ShmSegment::OpenReadOnly(b.shm_name, b.nbytes, populate));
-  store.rest_ = ShmSegment::OpenReadOnly(m.rest.shm_name, m.rest.nbytes, populate);
+  try {
+    for (const SegmentInfo& b : m.blocks)
+      store.blocks_.push_back(ShmSegment::OpenReadOnly(b.shm_name, b.nbytes, populate, trusted));
+    store.rest_ = ShmSegment::OpenReadOnly(m.rest.shm_name, m.rest.nbytes, populate, trusted);
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::kRefused) throw;
+    throw Error(e.code(), "store `" + name + "`: " + e.what());
+  }
   return store;
 }
 

@@ -11,6 +11,8 @@
 // stay valid while this object lives, even after the store exits or unlinks its segments.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -21,13 +23,22 @@
 
 namespace lorastream {
 
+// Stores are trusted only when they belong to the expected user: the user who serves a store
+// can rewrite its segments under every job that trains on them. The expected user is this
+// process's effective uid unless set here (the worker's `--store-user NAME`). Process-wide:
+// one worker trusts one store user.
+void SetTrustedStoreOwner(uid_t uid);
+uid_t TrustedStoreOwner();
+
 class AttachedStore {
  public:
   // Finds store `name`, checks it is published and its owner alive, checks the fingerprint
   // (when `expected_fingerprint` is not empty) and maps every segment read-only. `populate`
   // prefaults the page tables (faster first touch; no extra memory: the pages are shared).
-  // Errors: kNotFound (no such store / stale / still loading), kRefused (fingerprint
-  // mismatch), kCorrupt (manifest or segment inconsistent).
+  // The manifest and every segment must belong to TrustedStoreOwner() (fstat on the open
+  // object, before it is mapped). Errors: kNotFound (no such store / stale / still loading),
+  // kRefused (fingerprint mismatch; a manifest or segment of another user, named with its
+  // owner and the expected user), kCorrupt (manifest or segment inconsistent).
   static AttachedStore Attach(const std::string& name, const std::string& expected_fingerprint = "",
                               bool populate = false);
   // Like Attach, but retries kNotFound until `timeout_seconds` pass (a store still loading).

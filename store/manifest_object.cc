@@ -12,6 +12,7 @@
 
 #include "common/error.h"
 #include "common/shm_names.h"
+#include "common/user_access.h"
 #include "common/unique_fd.h"
 #include "store/process.h"
 
@@ -69,8 +70,9 @@ std::optional<ManifestRecord> ReadManifestObject(const std::string& store_name) 
   ManifestRecord record;
   Header h{};
   struct stat st {};
-  const bool have_header = ::fstat(fd.get(), &st) == 0 &&
-                           static_cast<size_t>(st.st_size) >= sizeof(Header) &&
+  const bool have_stat = ::fstat(fd.get(), &st) == 0;
+  record.owner_uid = st.st_uid;
+  const bool have_header = have_stat && static_cast<size_t>(st.st_size) >= sizeof(Header) &&
                            PreadAll(fd.get(), &h, sizeof(h), 0);
   if (have_header) {
     if (std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0)
@@ -95,9 +97,14 @@ ManifestClaim ManifestClaim::Claim(const std::string& store_name, mode_t mode) {
   claim.shm_name_ = ManifestShmName(store_name);
   claim.fd_.Reset(::shm_open(claim.shm_name_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, mode));
   if (!claim.fd_.valid()) {
-    if (errno == EEXIST)
-      throw Error(ErrorCode::kRefused, "store `" + store_name + "` is being served already (" +
-                                           claim.shm_name_ + " exists)");
+    if (errno == EEXIST) {
+      struct stat st {};
+      const std::string path = std::string(kShmDir) + claim.shm_name_;
+      std::string by = ::stat(path.c_str(), &st) == 0 ? " by " + DescribeUser(st.st_uid) : "";
+      throw Error(ErrorCode::kRefused, "store `" + store_name + "` is being served already" +
+                                           by + " (" + claim.shm_name_ +
+                                           " exists); choose another --name");
+    }
     ThrowErrno("shm_open(" + claim.shm_name_ + ")");
   }
   ::fchmod(claim.fd_.get(), mode);

@@ -23,6 +23,7 @@ struct ManifestRecord {
   ManifestState state = ManifestState::kLoading;
   int64_t owner_pid = 0;
   uint64_t owner_start_time = 0;
+  uid_t owner_uid = 0;  // the user the object belongs to (who serves the store)
   std::string json;  // empty unless published
 };
 

@@ -11,6 +11,7 @@
 #include "common/error.h"
 #include "common/format_bytes.h"
 #include "common/unique_fd.h"
+#include "common/user_access.h"
 
 namespace lorastream {
 
@@ -60,7 +61,8 @@ ShmSegment ShmSegment::Create(const std::string& name, size_t nbytes, mode_t mod
   return s;
 }
 
-ShmSegment ShmSegment::OpenReadOnly(const std::string& name, size_t min_bytes, bool populate) {
+ShmSegment ShmSegment::OpenReadOnly(const std::string& name, size_t min_bytes, bool populate,
+                                    int64_t required_owner) {
   UniqueFd fd(::shm_open(name.c_str(), O_RDONLY | O_CLOEXEC, 0));
   if (fd.get() < 0) {
     if (errno == ENOENT) throw Error(ErrorCode::kNotFound, "shared-memory object " + name + " does not exist");
@@ -68,6 +70,11 @@ ShmSegment ShmSegment::OpenReadOnly(const std::string& name, size_t min_bytes, b
   }
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) ThrowErrno("fstat(" + name + ")");
+  if (required_owner >= 0 && static_cast<int64_t>(st.st_uid) != required_owner)
+    throw Error(ErrorCode::kRefused,
+                "shared-memory object " + name + " belongs to " + DescribeUser(st.st_uid) +
+                    ", not to the expected store user " +
+                    DescribeUser(static_cast<uid_t>(required_owner)));
   if (static_cast<size_t>(st.st_size) < min_bytes)
     throw Error(ErrorCode::kCorrupt, "shared-memory object " + name + " holds " +
                                          std::to_string(st.st_size) + " bytes, expected " +

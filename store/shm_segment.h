@@ -25,8 +25,11 @@ class ShmSegment {
   static ShmSegment Create(const std::string& name, size_t nbytes, mode_t mode,
                            bool huge_pages = true);
   // Maps an existing object read-only. Error(kNotFound) when it does not exist, kCorrupt when
-  // it is smaller than `min_bytes`. `populate` prefaults the page tables.
-  static ShmSegment OpenReadOnly(const std::string& name, size_t min_bytes, bool populate = false);
+  // it is smaller than `min_bytes`, kRefused (naming its owner) when `required_owner` >= 0
+  // and the object belongs to another user: checked on the open descriptor, before mapping.
+  // `populate` prefaults the page tables.
+  static ShmSegment OpenReadOnly(const std::string& name, size_t min_bytes, bool populate = false,
+                                 int64_t required_owner = -1);
   static void Unlink(const std::string& name);  // ignores a name that does not exist
 
   ShmSegment() = default;

@@ -1,10 +1,15 @@
 #include "worker/serve.h"
 
+#include <unistd.h>
+
 #include <chrono>
 #include <filesystem>
+#include <optional>
 #include <thread>
+#include <vector>
 
 #include "common/error.h"
+#include "common/job_access.h"
 #include "common/log.h"
 #include "coordinator/worker_agent.h"
 #include "store/attach.h"
@@ -41,8 +46,15 @@ void DescribeDevice(const std::string& device, WorkerAgentOptions* out) {
 std::vector<StoreInfo> DiscoverStores(const ServeOptions& options) {
   std::vector<std::string> names = options.stores;
   if (names.empty())
-    for (const StoreListing& s : ListStores())
-      if (s.alive && s.record) names.push_back(s.name);
+    for (const StoreListing& s : ListStores()) {
+      if (!s.alive || !s.record) continue;
+      if (s.record->owner_uid != TrustedStoreOwner()) {
+        LS_LOG_WARN("not offering store '{}': it belongs to {}, not to the store user {}",
+                    s.name, DescribeUser(s.record->owner_uid), DescribeUser(TrustedStoreOwner()));
+        continue;
+      }
+      names.push_back(s.name);
+    }
   std::vector<StoreInfo> out;
   for (const std::string& name : names) {
     AttachedStore store = AttachedStore::AttachWhenReady(name, options.store_wait_s);
@@ -53,6 +65,51 @@ std::vector<StoreInfo> DiscoverStores(const ServeOptions& options) {
     LS_LOG_WARN("no store on this host: only jobs on checkpoint folders can run here");
   return out;
 }
+
+// The submitter of a job this worker runs as another user: checked before the job opens any
+// path (Error kRefused naming the path and the user), and given what the job writes.
+// nullopt when the worker runs as the submitter (nothing to check or hand over).
+std::optional<UserIdentity> SubmitterToServe(const JobAssignment& a) {
+  if (a.submitter_uid >= 0 && static_cast<uid_t>(a.submitter_uid) == ::geteuid())
+    return std::nullopt;
+  const std::string job = "job " + std::to_string(a.job_id);
+  if (a.submitter_uid < 0)
+    throw Error(ErrorCode::kRefused, job + " names no submitter; this worker runs as " +
+                                         DescribeUser(::geteuid()) +
+                                         " and runs other users' jobs only as them");
+  UserIdentity who;
+  try {
+    who = LookupUser(static_cast<uid_t>(a.submitter_uid));
+  } catch (const Error&) {
+    throw Error(ErrorCode::kRefused, job + ": its submitter " + a.submitter + " (uid " +
+                                         std::to_string(a.submitter_uid) +
+                                         ") has no account on this worker's host");
+  }
+  CheckJobPathsAs(a.spec, who);
+  return who;
+}
+
+// What a root worker writes for a job of another user is handed to that user: the output
+// folder (from the first folder the job creates) and the statistics file, as their
+// canonical paths when the job starts (a folder swapped for a link later is not followed).
+struct HandOver {
+  std::optional<UserIdentity> who;
+  std::vector<std::string> paths;
+  HandOver(std::optional<UserIdentity> submitter, const JobSpec& spec) : who(std::move(submitter)) {
+    if (!who || ::geteuid() != 0) return;
+    for (const std::string& path : {FirstMissingAncestor(spec.train.output_dir),
+                                    spec.train.output_dir, spec.train.stats_file})
+      if (!path.empty()) paths.push_back(CanonicalPath(path));
+  }
+  HandOver(const HandOver&) = delete;
+  HandOver& operator=(const HandOver&) = delete;
+  ~HandOver() { Now(); }  // also when the job fails
+  void Now() const {
+    std::string error;
+    for (const std::string& path : paths) ChownTreeOwnedByUs(path, who->uid, who->gid, &error);
+    if (!error.empty()) LS_LOG_WARN("cannot hand the job's files to {}: {}", who->name, error);
+  }
+};
 
 // Holds the training thread after checkpoint `step` was reported while `hold` stays true.
 // The agent's own thread keeps sending heartbeats and the queued reports meanwhile.
@@ -87,6 +144,11 @@ int RunServe(const ServeOptions& options, const std::atomic<bool>& stop) {
   const std::atomic<bool>* hold = options.hold_at_checkpoint;
   JobRunner runner = [&train, hold](const JobContext& ctx) {
     const JobSpec& spec = ctx.assignment.spec;
+    const HandOver hand_over(SubmitterToServe(ctx.assignment), spec);
+    TrainOptions job_train = train;
+    job_train.lock_holder = "job " + std::to_string(ctx.assignment.job_id) + " attempt " +
+                            std::to_string(ctx.assignment.attempt) + " (lorastream-worker pid " +
+                            std::to_string(::getpid()) + ")";
     const int64_t every = spec.train.checkpoint_every;
     auto checkpoint_dir = [&](int64_t step) {
       return (std::filesystem::path(spec.train.output_dir) / ("checkpoint-" + std::to_string(step)))
@@ -98,11 +160,12 @@ int RunServe(const ServeOptions& options, const std::atomic<bool>& stop) {
       ctx.report_step(stats);
       int64_t previous = stats.step - 1;
       if (every > 0 && previous > 0 && previous % every == 0) {
+        hand_over.Now();
         ctx.report_checkpoint(previous, checkpoint_dir(previous));
         if (hold != nullptr && *hold) HoldAtCheckpoint(*hold, ctx, previous);
       }
     };
-    TrainResult r = RunTraining(spec, train, on_step, ctx.should_stop);
+    TrainResult r = RunTraining(spec, job_train, on_step, ctx.should_stop);
     JobResult result;
     result.final_step = r.steps_done;
     if (!r.checkpoint_dir.empty()) ctx.report_checkpoint(r.steps_done, r.checkpoint_dir);

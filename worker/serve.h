@@ -10,7 +10,7 @@
 namespace lorastream {
 
 struct ServeOptions {
-  std::string coordinator;           // endpoint, e.g. tcp://127.0.0.1:5757
+  std::string coordinator;           // endpoint (default: the coordinator's ipc default)
   std::string curve_keys;            // folder from `lorastream keygen` ("" = no CURVE)
   std::string device = "cpu";        // "cpu" | "cuda:N"
   std::vector<std::string> stores;   // stores to offer; empty = every live store on this host

@@ -1,5 +1,7 @@
 #include "worker/trainer.h"
 
+#include <unistd.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -12,7 +14,9 @@
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "common/file_lock.h"
 #include "common/format_bytes.h"
+#include "common/job_access.h"
 #include "common/log.h"
 #include "common/step_stats_json.h"
 #include "common/tokenizer_id.h"
@@ -139,6 +143,18 @@ TrainResult RunTraining(const JobSpec& spec_in, const TrainOptions& options,
   // Adapter and optimizer: fresh, or from the latest checkpoint.
   const std::string fingerprint = Fingerprint(spec);
   const LoraSettings settings = LoraSettingsFromSpec(spec.lora);
+  // One job trains into a folder at a time, from before it looks for a checkpoint to resume
+  // until it returns (common/job_access.h).
+  std::error_code dir_error;
+  fs::create_directories(spec.train.output_dir, dir_error);
+  if (dir_error)
+    throw Error(ErrorCode::kIo, "train.output_dir: cannot create " + spec.train.output_dir +
+                                    ": " + dir_error.message());
+  FileLock dir_lock = FileLock::Acquire(
+      (fs::path(spec.train.output_dir) / kOutputDirLockName).string(),
+      options.lock_holder.empty() ? "lorastream-worker pid " + std::to_string(::getpid())
+                                  : options.lock_holder,
+      "train.output_dir " + spec.train.output_dir);
   std::string resume_dir = options.resume ? FindLatestCheckpoint(spec.train.output_dir) : "";
   std::unique_ptr<LoraAdapter> adapter;
   if (resume_dir.empty()) {

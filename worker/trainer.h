@@ -45,6 +45,9 @@ struct TrainOptions {
   bool resume = true;          // continue from output_dir's latest checkpoint when it has one
   int threads = 0;             // intra-op CPU threads; 0 = every core
   ProviderFactory make_provider;
+  // Who OUTPUT_DIR/.lorastream.lock says holds the folder while this job trains (a second job
+  // into it is refused naming this); "": "lorastream-worker pid N".
+  std::string lock_holder;
 };
 
 struct TrainResult {

@@ -10,7 +10,10 @@
 #include "common/error.h"
 #include "common/gpu_info.h"
 #include "common/log.h"
+#include "common/user_access.h"
 #include "coordinator/build_info.h"
+#include "coordinator/curve.h"
+#include "store/attach.h"
 #include "worker/host_register_probe.h"
 #include "worker/parity.h"
 #include "worker/plan_command.h"
@@ -58,8 +61,13 @@ int main(int argc, char** argv) {
   ServeOptions serve;
   bool serve_resident = false;
   auto* serve_cmd = app.add_subcommand("serve", "take jobs from a coordinator until SIGINT/SIGTERM");
-  serve_cmd->add_option("--coordinator", serve.coordinator, "coordinator endpoint, e.g. tcp://127.0.0.1:5757")
-      ->required()->envname("LORASTREAM_COORDINATOR");
+  serve.coordinator = DefaultEndpoint();
+  serve_cmd->add_option("--coordinator", serve.coordinator, "coordinator endpoint")
+      ->envname("LORASTREAM_COORDINATOR")->capture_default_str();
+  std::string store_user;
+  for (CLI::App* cmd : {train_cmd, serve_cmd})
+    cmd->add_option("--store-user", store_user,
+                    "trust stores served by this user (default: the worker's own user)");
   serve_cmd->add_option("--device", serve.device, "cpu | cuda:N")->capture_default_str();
   serve_cmd->add_option("--store", serve.stores, "store to offer (repeatable; default: every live store)");
   serve_cmd->add_option("--curve-keys", serve.curve_keys, "CURVE keys folder from `lorastream keygen`")
@@ -105,6 +113,7 @@ int main(int argc, char** argv) {
   }
   InitLogging("worker");
   try {
+    if (!store_user.empty()) SetTrustedStoreOwner(LookupUser(store_user).uid);
     if (*train_cmd) {
       train.resume = !no_resume;
       // The job's [stream] section plans residency and streaming, as under `serve`.

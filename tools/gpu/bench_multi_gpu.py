@@ -171,7 +171,7 @@ def run_up(args, run_dir, devices, jobs, sample):
         sampler.stop.set()
         sampler.join()
     log(out.stdout)
-    m = re.search(r"coordinator (tcp://\S+?),", out.stdout)
+    m = re.search(r"coordinator ((?:tcp|ipc)://\S+?),", out.stdout)
     listing = []
     if m:
         q = subprocess.run([os.path.join(args.bin, "lorastream"), "--coordinator", m.group(1),
