@@ -7,6 +7,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "common/cli_main.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "worker/parity.h"
@@ -17,6 +18,13 @@
 namespace {
 std::atomic<bool> g_stop_serving{false};
 void OnStopSignal(int) { g_stop_serving = true; }
+// `train`: the first SIGINT/SIGTERM asks for a checkpoint at the next step boundary; a second
+// one ends the process at once (the handler gives the signal its default action back).
+std::atomic<int> g_train_stop_signal{0};
+void OnTrainStopSignal(int signo) {
+  g_train_stop_signal = signo;
+  std::signal(signo, SIG_DFL);
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -60,9 +68,8 @@ int main(int argc, char** argv) {
   serve_cmd->add_option("--threads", serve.threads, "CPU threads (0 = every core)");
   serve_cmd->add_flag("--resident", serve_resident, "keep every block resident (no streaming engine)");
 
-  CLI11_PARSE(app, argc, argv);
-  InitLogging("worker");
-  try {
+  return RunMain("lorastream-worker", app, argc, argv, [&] {
+    InitLogging("worker");
     if (*train_cmd) {
       train.resume = !no_resume;
       // The job's [stream] section plans residency and streaming, as under `serve`.
@@ -71,7 +78,9 @@ int main(int argc, char** argv) {
                                  const std::string& device, const std::string& dtype) {
           return MakeStreamProvider(spec, base, device, dtype);
         };
-      return RunTrainCommand(job_path, train);
+      std::signal(SIGINT, OnTrainStopSignal);
+      std::signal(SIGTERM, OnTrainStopSignal);
+      return RunTrainCommand(job_path, train, &g_train_stop_signal);
     }
     if (*serve_cmd) {
       serve.stream = !serve_resident;
@@ -81,11 +90,5 @@ int main(int argc, char** argv) {
     }
     RunParity(parity);
     return 0;
-  } catch (const Error& e) {
-    std::fprintf(stderr, "lorastream-worker: %s: %s\n", ErrorCodeName(e.code()), e.what());
-    return ExitCodeFor(e.code());
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "lorastream-worker: internal error: %s\n", e.what());
-    return ExitCodeFor(ErrorCode::kInternal);
-  }
+  });
 }
