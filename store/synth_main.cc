@@ -4,6 +4,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "common/cli_main.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "store/synth.h"
@@ -20,16 +21,12 @@ int main(int argc, char** argv) {
   app.add_option("--shard-bytes", o.shard_bytes, "start a new shard past this many bytes");
   app.add_option("--threads", o.threads, "generator threads (0: all cores)");
   app.add_option("--presets-dir", o.presets_dir, "where presets live");
-  CLI11_PARSE(app, argc, argv);
-  InitLogging("synth");
-  try {
+  return RunMain("lorastream-synth", app, argc, argv, [&] {
+    InitLogging("synth");
     SynthResult r = RunSynth(o);
     std::printf("wrote %s: %llu bytes in %d shard(s), %.2f s (%.2f GB/s)\n", o.out_dir.c_str(),
                 static_cast<unsigned long long>(r.bytes), r.shards, r.seconds,
                 r.bytes / r.seconds / 1e9);
     return 0;
-  } catch (const Error& e) {
-    std::cerr << "error: " << e.what() << "\n";
-    return ExitCodeFor(e.code());
-  }
+  });
 }
