@@ -5,20 +5,13 @@
 #include <cstdio>
 #include <thread>
 
+#include "common/byte_format.h"
+#include "common/error.h"
+#include "common/finite_scan.h"
 #include "store/attach.h"
 #include "store/registry.h"
 
 namespace lorastream {
-
-namespace {
-
-std::string GiB(uint64_t n) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.3f GiB", n / double(1ull << 30));
-  return buf;
-}
-
-}  // namespace
 
 void RunLs(std::ostream& out) {
   const std::vector<StoreListing> stores = ListStores();
@@ -35,7 +28,7 @@ void RunLs(std::ostream& out) {
                                                                         : "loading";
     out << s.name << ": " << state;
     if (s.record) out << ", owner pid " << s.record->owner_pid;
-    out << ", " << s.objects.size() << " shm objects, " << GiB(bytes) << "\n";
+    out << ", " << s.objects.size() << " shm objects, " << FormatBytes(bytes) << "\n";
     std::vector<int64_t> attached;
     for (int64_t pid : s.mapping_pids)
       if (!s.record || pid != s.record->owner_pid) attached.push_back(pid);
@@ -55,11 +48,26 @@ void RunVerify(const std::string& name, int threads, std::ostream& out) {
   const auto start = std::chrono::steady_clock::now();
   AttachedStore store = AttachedStore::Attach(name);
   VerifyChecksums(store, threads);  // throws naming every bad segment
+  // Finite weights: serve refuses NaN/inf, but a store published before it did is caught here.
+  const Manifest& manifest = store.manifest();
+  auto scan = [&](const SegmentInfo& segment, const uint8_t* data, const std::string& prefix) {
+    for (const TensorSlice& t : segment.tensors) {
+      const int64_t bad =
+          FirstNonFinite(data + t.offset, t.nbytes / DTypeSize(t.dtype), t.dtype);
+      if (bad >= 0)
+        throw Error(ErrorCode::kCorrupt, "store `" + name + "`: tensor `" + prefix + t.name +
+                                             "` holds a NaN or infinite value (element " +
+                                             std::to_string(bad) + ")");
+    }
+  };
+  for (int i = 0; i < store.num_blocks(); ++i)
+    scan(manifest.blocks[i], store.block_data(i), "model.layers." + std::to_string(i) + ".");
+  scan(manifest.rest, store.rest_data(), "");
   const double s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const Manifest& m = store.manifest();
   out << "store `" << name << "`: " << m.blocks.size() << " blocks + rest, "
-      << GiB(m.total_bytes()) << ", fingerprint " << m.fingerprint
+      << FormatBytes(m.total_bytes()) << ", fingerprint " << m.fingerprint
       << ": every checksum matches (" << s << " s)\n";
 }
 

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <utility>
 
+#include "common/byte_format.h"
 #include "common/error.h"
 
 namespace lorastream {
@@ -26,7 +27,6 @@ class Fd {
   int fd_;
 };
 
-std::string GiB(size_t n) { return std::to_string(n / double(1ull << 30)).substr(0, 6) + " GiB"; }
 
 }  // namespace
 
@@ -55,7 +55,7 @@ ShmSegment ShmSegment::Create(const std::string& name, size_t nbytes, mode_t mod
   if (::fallocate(fd.get(), 0, 0, static_cast<off_t>(s.mapped_)) != 0 && errno != EOPNOTSUPP) {
     if (errno == ENOSPC)
       throw Error(ErrorCode::kResource, std::string("/dev/shm") + " is full: " + name +
-                                            " needs " + GiB(s.mapped_) +
+                                            " needs " + FormatBytes(s.mapped_) +
                                             "; free space or remount it larger "
                                             "(mount -o remount,size=NG /dev/shm)");
     ThrowErrno("fallocate(" + name + ")");

@@ -8,19 +8,6 @@
 
 namespace lorastream {
 
-std::string FormatBytes(uint64_t bytes) {
-  char buf[64];
-  const double b = static_cast<double>(bytes);
-  if (b >= double(1ULL << 30)) {
-    std::snprintf(buf, sizeof buf, "%.2f GiB", b / double(1ULL << 30));
-  } else if (b >= double(1ULL << 20)) {
-    std::snprintf(buf, sizeof buf, "%.1f MiB", b / double(1ULL << 20));
-  } else {
-    std::snprintf(buf, sizeof buf, "%llu B", static_cast<unsigned long long>(bytes));
-  }
-  return buf;
-}
-
 uint64_t MemoryEstimate::total() const {
   return rest + resident_blocks + ring + adapter + checkpoints + block_working + attention +
          lm_head + reserve;

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "common/byte_format.h"
 #include "common/model_config.h"
 #include "worker/stream_plan.h"
 
@@ -58,8 +59,5 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& inputs, const ResidencyPl
 // (every block streamed), saying how many bytes that minimum is. Logs the plan and estimate.
 ResidencyPlan PlanFromBudget(const MemoryModelInputs& inputs, uint64_t budget_bytes,
                              int ring_size);
-
-// "1.50 GiB" style.
-std::string FormatBytes(uint64_t bytes);
 
 }  // namespace lorastream
