@@ -42,7 +42,7 @@ TEST_CASE("sizes that reach an allocation are refused, naming the key, value and
                                           "limit of 1048576"));
   CHECK_THAT(Problems(Parse("steps = 2000000000\n")),
              Catch::Contains("`train.steps` is 2000000000, above the limit of 1073741824"));
-  CHECK_THAT(Problems(Parse("steps = 1073741824\nbatch_size = 1024\ngrad_accum = 65536\n")),
+  CHECK_THAT(Problems(Parse("steps = 1073741824\nbatch_size = 1048576\ngrad_accum = 65536\n")),
              Catch::Contains("sequences, above the limit of 2^62"));
   s = Parse("steps = 10\n");
   s.lora.rank = 100000;
