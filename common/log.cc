@@ -1,5 +1,7 @@
 #include "common/log.h"
 
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -11,6 +13,28 @@
 #include "common/terminal_text.h"
 
 namespace lorastream {
+namespace {
+
+// The level LORASTREAM_LOG asks for, or `fallback` when it is unset or names no level
+// (spdlog's from_str turns an unknown name into "off", which would silence a typo's author).
+spdlog::level::level_enum LevelFromEnvironment(spdlog::level::level_enum fallback) {
+  const char* env = std::getenv("LORASTREAM_LOG");
+  if (env == nullptr || *env == '\0') return fallback;
+  const std::string wanted = env;
+  for (int l = spdlog::level::trace; l < spdlog::level::n_levels; ++l) {
+    const auto level = static_cast<spdlog::level::level_enum>(l);
+    const auto& level_name = spdlog::level::to_string_view(level);
+    if (wanted == std::string(level_name.data(), level_name.size())) return level;
+  }
+  if (wanted == "warn") return spdlog::level::warn;
+  std::fprintf(stderr,
+               "lorastream: LORASTREAM_LOG=%s is not one of trace, debug, info, warn, error, "
+               "critical, off: ignored\n",
+               env);
+  return fallback;
+}
+
+}  // namespace
 
 namespace {
 
@@ -52,7 +76,7 @@ void InitLogging(const std::string& name, const std::string& level, const std::s
   auto safe = std::make_shared<TerminalSafeSink>(std::move(sinks));
   auto logger = std::make_shared<spdlog::logger>(name, safe);
   logger->set_pattern("%Y-%m-%d %H:%M:%S.%e [%n %P] %^%l%$ %v");
-  logger->set_level(spdlog::level::from_str(level));
+  logger->set_level(LevelFromEnvironment(spdlog::level::from_str(level)));
   logger->flush_on(spdlog::level::info);
   spdlog::set_default_logger(logger);
 }

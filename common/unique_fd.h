@@ -1,22 +1,16 @@
-// An owned POSIX file descriptor: closed exactly once, by the destructor. Move-only.
+// An owned POSIX file descriptor: closed when its owner dies, so no error path needs its own
+// close(). Move-only.
 #pragma once
-
-#include <unistd.h>
-
-#include <utility>
 
 namespace lorastream {
 
 class UniqueFd {
  public:
   UniqueFd() = default;
-  explicit UniqueFd(int fd) : fd_(fd) {}
-  UniqueFd(UniqueFd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+  explicit UniqueFd(int fd) noexcept : fd_(fd) {}  // takes ownership; -1 holds nothing
+  UniqueFd(UniqueFd&& other) noexcept : fd_(other.Release()) {}
   UniqueFd& operator=(UniqueFd&& other) noexcept {
-    if (this != &other) {
-      Reset();
-      fd_ = std::exchange(other.fd_, -1);
-    }
+    if (this != &other) Reset(other.Release());
     return *this;
   }
   UniqueFd(const UniqueFd&) = delete;
@@ -25,13 +19,25 @@ class UniqueFd {
 
   int get() const { return fd_; }
   bool valid() const { return fd_ >= 0; }
-  void Reset() {
-    if (fd_ >= 0) ::close(fd_);
+  // Gives the descriptor up without closing it.
+  int Release() noexcept {
+    const int fd = fd_;
     fd_ = -1;
+    return fd;
   }
+  // Closes the held descriptor (keeping errno: callers report the failure that led here) and
+  // holds `fd` instead.
+  void Reset(int fd = -1) noexcept;
 
  private:
   int fd_ = -1;
 };
+
+// pipe2(flags) as two owned ends; throws Error naming `what` when it fails.
+struct UniquePipe {
+  UniqueFd read_end;
+  UniqueFd write_end;
+};
+UniquePipe MakePipe(int flags, const char* what);
 
 }  // namespace lorastream

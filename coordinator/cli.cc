@@ -15,6 +15,7 @@
 
 #include "common/cli_main.h"
 #include "common/error.h"
+#include "common/job_paths.h"
 #include "common/job_spec.h"
 #include "common/log.h"
 #include "common/terminal_text.h"
@@ -22,6 +23,7 @@
 #include "coordinator/client.h"
 #include "coordinator/coordinator_server.h"
 #include "coordinator/curve.h"
+#include "coordinator/doctor.h"
 #include "coordinator/up.h"
 #include "coordinator/watch_view.h"
 
@@ -68,10 +70,11 @@ int RunSubmit(const GlobalOptions& g, const std::string& path, int64_t* priority
               bool quiet) {
   SubmitRequest req;
   req.spec_toml = ReadFile(path);
-  // Parsed and resolved here: relative paths mean what they mean where the user typed them.
+  // Parsed and resolved here: the file's path is relative to where the user typed it, the
+  // paths inside it to the file's own folder.
   std::string source = std::filesystem::absolute(path).lexically_normal().string();
   req.spec = ParseJobSpec(req.spec_toml, source);
-  ResolveJobSpec(req.spec);
+  ResolveJobSpecIn(req.spec, JobFileDir(source));
   if (priority) req.spec.priority = *priority;
   Client client = Connect(g);
   SubmitReply reply = client.Call(req);
@@ -116,7 +119,9 @@ int RunLorastreamCli(int argc, char** argv) {
                  "folder of CURVE keys from `lorastream keygen` (the daemon loads "
                  "coordinator.*, clients load coordinator.pub + client.*)")
       ->envname("LORASTREAM_CURVE_KEYS");
-  app.add_option("--timeout", g.timeout_s, "seconds to wait for each reply")->capture_default_str();
+  CLI::Option* timeout_opt =
+      app.add_option("--timeout", g.timeout_s, "seconds to wait for each reply")
+          ->capture_default_str();
 
   // coordinator
   ServerOptions server;
@@ -231,8 +236,22 @@ int RunLorastreamCli(int argc, char** argv) {
   up->add_flag("--keep", up_options.keep, "leave the cluster running at the end");
   up->add_flag("--no-watch", no_watch, "no live view; wait quietly for the jobs");
 
+  // doctor
+  CLI::App* doctor = app.add_subcommand(
+      "doctor",
+      "what this machine and build can do (build, GPUs, memlock, /dev/shm, huge "
+      "pages, host registration, stores, coordinator), each problem with its fix; "
+      "exit 1 when it finds a problem");
+  doctor->add_flag("--json", json, "JSON object");
+
   return RunMain("lorastream", app, argc, argv, [&]() -> int {
     if (coord->parsed()) return RunCoordinator(g, server, log_level, log_file);
+    if (doctor->parsed()) {
+      // A short wait for the coordinator unless --timeout says otherwise: doctor reports,
+      // it does not wait.
+      DoctorOptions d{g.endpoint, g.curve_keys, timeout_opt->count() ? g.timeout_s : 2.0, ""};
+      return RunDoctor(d, json, std::cout);
+    }
     if (up->parsed()) {
       up_options.watch = !no_watch;
       return RunUp(up_options);

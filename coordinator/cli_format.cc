@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <sstream>
 
+#include "common/format_bytes.h"
 #include "common/step_stats_json.h"
 #include "common/terminal_text.h"
 

@@ -7,7 +7,6 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/byte_format.h"
 #include "common/messages.h"
 
 namespace lorastream {

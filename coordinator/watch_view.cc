@@ -7,6 +7,7 @@
 #include <set>
 #include <sstream>
 
+#include "common/format_bytes.h"
 #include "common/terminal_text.h"
 #include "coordinator/cli_format.h"
 

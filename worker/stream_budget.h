@@ -22,7 +22,6 @@
 #include <string>
 #include <vector>
 
-#include "common/byte_format.h"
 #include "common/model_config.h"
 #include "worker/stream_plan.h"
 

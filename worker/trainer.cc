@@ -15,6 +15,7 @@
 
 #include "common/durable_file.h"
 #include "common/error.h"
+#include "common/format_bytes.h"
 #include "common/log.h"
 #include "common/step_stats_json.h"
 #include "common/unique_fd.h"
@@ -83,7 +84,7 @@ std::string FormatProgress(const StepStats& s, double eta) {
                   static_cast<long long>(s.copies), static_cast<long long>(s.copies_saved));
     line += buf;
   }
-  if (s.peak_device_bytes > 0) line += " peak " + FormatBytes(s.peak_device_bytes);
+  if (s.peak_device_bytes > 0) line += " peak " + FormatBytes(s.peak_device_bytes, 2);
   return line;
 }
 

@@ -9,7 +9,10 @@
 
 #include "common/cli_main.h"
 #include "common/error.h"
+#include "common/gpu_info.h"
 #include "common/log.h"
+#include "coordinator/build_info.h"
+#include "worker/host_register_probe.h"
 #include "worker/parity.h"
 #include "worker/serve.h"
 #include "worker/stream_provider.h"
@@ -17,6 +20,7 @@
 
 namespace {
 std::atomic<bool> g_stop_serving{false};
+std::atomic<bool> g_hold_at_checkpoint{false};
 void OnStopSignal(int) { g_stop_serving = true; }
 // `train`: the first SIGINT/SIGTERM asks for a checkpoint at the next step boundary; a second
 // one ends the process at once (the handler gives the signal its default action back).
@@ -25,6 +29,8 @@ void OnTrainStopSignal(int signo) {
   g_train_stop_signal = signo;
   std::signal(signo, SIG_DFL);
 }
+void OnHoldSignal(int) { g_hold_at_checkpoint = true; }
+void OnResumeSignal(int) { g_hold_at_checkpoint = false; }
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -68,7 +74,29 @@ int main(int argc, char** argv) {
   serve_cmd->add_option("--threads", serve.threads, "CPU threads (0 = every core)");
   serve_cmd->add_flag("--resident", serve_resident, "keep every block resident (no streaming engine)");
 
-  return RunMain("lorastream-worker", app, argc, argv, [&] {
+  // doctor's real test of read-only host registration (hidden: not a user command).
+  int probe_device = 0;
+  auto* probe_cmd = app.add_subcommand("probe-host-register", "")->group("");
+  probe_cmd->add_option("--device-index", probe_device, "CUDA device index");
+
+  return RunMain("lorastream-worker", app, argc, argv, [&]() -> int {
+    // A CPU-only build asked for a GPU says so in one line before it starts anything.
+    const std::string device =
+        *train_cmd ? train.device : *serve_cmd ? serve.device : parity.device;
+    // (Only a CPU-only build asks which GPUs the host has: nvidia-smi takes a moment.)
+    if (!ThisBuild().cuda && (*train_cmd || *serve_cmd || *parity_cmd)) {
+      if (std::string problem = CudaBuildProblem({device}, ListGpus().size()); !problem.empty())
+        throw Error(ErrorCode::kUnsupported, problem);
+    }
+    if (*probe_cmd) {
+#if LORASTREAM_HAVE_CUDA
+      const nlohmann::json r = ProbeHostRegister(probe_device);
+#else
+      const nlohmann::json r{{"ok", nullptr}, {"error", "not applicable: a CPU-only build"}};
+#endif
+      std::printf("%s\n", r.dump().c_str());
+      return 0;
+    }
     InitLogging("worker");
     if (*train_cmd) {
       train.resume = !no_resume;
@@ -86,6 +114,9 @@ int main(int argc, char** argv) {
       serve.stream = !serve_resident;
       std::signal(SIGINT, OnStopSignal);
       std::signal(SIGTERM, OnStopSignal);
+      std::signal(SIGUSR1, OnHoldSignal);
+      std::signal(SIGUSR2, OnResumeSignal);
+      serve.hold_at_checkpoint = &g_hold_at_checkpoint;
       return RunServe(serve, g_stop_serving);
     }
     RunParity(parity);

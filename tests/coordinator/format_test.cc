@@ -73,7 +73,7 @@ TEST_CASE("watch view: progress bar, ETA, loss, tokens/s, stall, H2D, workers", 
   CHECK_THAT(frame, Catch::Contains("15321 tok/s"));
   CHECK_THAT(frame, Catch::Contains("stall 10.0%"));
   CHECK_THAT(frame, Catch::Contains("H2D 12.00 GB/s"));
-  CHECK_THAT(frame, Catch::Contains("NVIDIA H200, 141.00 GiB"));
+  CHECK_THAT(frame, Catch::Contains("NVIDIA H200, 141.0 GiB"));
   std::string line = RenderLine(j);
   CHECK_THAT(line, Catch::StartsWith("job 3 tiny-a: running step 25/100 ETA 1:15"));
   CHECK(line.find('\n') == std::string::npos);
