@@ -60,8 +60,8 @@ std::string Run(const std::vector<std::string>& argv, int* code, const std::stri
 }  // namespace
 
 TEST_CASE("NaN or infinite base weights are refused by inspect, serve and PlanPack", "[store]") {
-  ScopedDir dir;
-  const std::string model = dir.path + "/m";
+  TempDir dir("ckval");
+  const std::string model = dir / "m";
   Synth("tiny", model, 1, "f32");
   CHECK_NOTHROW(PlanPack(Checkpoint::Open(model), PackOptions{}));
   PokeF32(model, "model.layers.1.mlp.up_proj.weight", 7, std::numeric_limits<float>::quiet_NaN());
@@ -77,7 +77,7 @@ TEST_CASE("NaN or infinite base weights are refused by inspect, serve and PlanPa
              Catch::Contains("tensor `model.norm.weight` holds a NaN or infinite value"));
 
   int code = -1;
-  const std::string err = dir.path + "/serve.err";
+  const std::string err = dir / "serve.err";
   Run({Bin("lorastream-store"), "serve", model, "--name", UniqueName("nan"), "--no-lock"}, &code,
       err);
   CHECK(code == 4);  // corrupt input
@@ -86,8 +86,8 @@ TEST_CASE("NaN or infinite base weights are refused by inspect, serve and PlanPa
 
 TEST_CASE("a config.json with fewer layers than the tensors is refused by the one validation",
           "[store]") {
-  ScopedDir dir;
-  const std::string model = dir.path + "/m";
+  TempDir dir("ckval");
+  const std::string model = dir / "m";
   Synth("tiny", model, 1, "f32", 4ull << 30, /*layers=*/4);
   // Say 2 layers while the file holds 4.
   std::string config = Slurp(model + "/config.json");
@@ -98,26 +98,26 @@ TEST_CASE("a config.json with fewer layers than the tensors is refused by the on
   CHECK_THAT(Refusal([&] { PlanPack(Checkpoint::Open(model), PackOptions{}); }),
              Catch::Contains("belongs to block 2 but config.json has num_hidden_layers = 2"));
   int code = -1;
-  Run({Bin("lorastream-store"), "inspect", model}, &code, dir.path + "/inspect.err");
+  Run({Bin("lorastream-store"), "inspect", model}, &code, dir / "inspect.err");
   CHECK(code == 4);
-  CHECK_THAT(Slurp(dir.path + "/inspect.err"), Catch::Contains("num_hidden_layers = 2"));
+  CHECK_THAT(Slurp(dir / "inspect.err"), Catch::Contains("num_hidden_layers = 2"));
 }
 
 TEST_CASE("lorastream-store and lorastream-synth exit with the documented codes", "[store]") {
-  ScopedDir dir;
+  TempDir dir("ckval");
   int code = -1;
-  const std::string err = dir.path + "/err";
+  const std::string err = dir / "err";
   Run({Bin("lorastream-store"), "--no-such-option"}, &code, err);
   CHECK(code == 2);  // bad argument (CLI11 alone would exit 109)
   Run({Bin("lorastream-store"), "inspect"}, &code, err);
   CHECK(code == 2);  // a required argument missing (CLI11: 106)
-  Run({Bin("lorastream-store"), "inspect", dir.path + "/nothing"}, &code, err);
+  Run({Bin("lorastream-store"), "inspect", dir / "nothing"}, &code, err);
   CHECK(code == 3);  // not found
   Run({Bin("lorastream-store"), "--help"}, &code, err);
   CHECK(code == 0);
   Run({Bin("lorastream-synth"), "--preset"}, &code, err);
   CHECK(code == 2);
-  Run({Bin("lorastream-synth"), "--preset", "no-such-preset", "--out", dir.path + "/o"}, &code,
+  Run({Bin("lorastream-synth"), "--preset", "no-such-preset", "--out", dir / "o"}, &code,
       err);
   CHECK(code == 3);
 }
