@@ -30,7 +30,6 @@ int ExitCodeFor(ErrorCode code) {
     case ErrorCode::kNotFound: return 3;
     case ErrorCode::kCorrupt: return 4;
     case ErrorCode::kRefused: return 5;
-    case ErrorCode::kInternal: return 70;
     default: return 1;
   }
 }

@@ -40,7 +40,8 @@ class Error : public std::runtime_error {
   ErrorCode code_;
 };
 
-// Exit status of an executable for an error code (0 only for kOk).
+// Exit status of an executable for an error code, as the README documents: 0 ok (kOk), 2 bad
+// argument, 3 not found, 4 corrupt input, 5 refused, 1 otherwise (kInternal included).
 int ExitCodeFor(ErrorCode code);
 
 [[noreturn]] void ThrowErrno(const std::string& what);  // kIo with strerror(errno)

@@ -92,7 +92,7 @@ JobSpec ParseJobSpec(const std::string& toml_text, const std::string& source) {
 
   TomlSection t = doc.Section("train");
   t.RejectUnknownKeys({"steps", "batch_size", "grad_accum", "seed", "checkpoint_every",
-                       "output_dir", "dtype", "stats_file"});
+                       "output_dir", "dtype", "stats_file", "keep_checkpoints", "keep_best"});
   s.train.steps = t.GetInt("steps", 0);
   s.train.batch_size = t.GetInt("batch_size", s.train.batch_size);
   s.train.grad_accum = t.GetInt("grad_accum", s.train.grad_accum);
@@ -105,6 +105,8 @@ JobSpec ParseJobSpec(const std::string& toml_text, const std::string& source) {
   s.train.output_dir = t.GetString("output_dir", "");
   s.train.dtype = t.GetString("dtype", s.train.dtype);
   s.train.stats_file = t.GetString("stats_file", "");
+  s.train.keep_checkpoints = t.GetInt("keep_checkpoints", s.train.keep_checkpoints);
+  s.train.keep_best = t.GetBool("keep_best", s.train.keep_best);
 
   TomlSection st = doc.Section("stream");
   st.RejectUnknownKeys(
@@ -164,6 +166,12 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
     o << v;
     return o.str();
   };
+  // Every size that reaches an allocation is bounded here, before any memory is taken:
+  // `above` names the key, the value and the limit.
+  auto above = [&](const std::string& k, int64_t value, int64_t limit) {
+    p.push_back(key(k) + "is " + std::to_string(value) + ", above the limit of " +
+                std::to_string(limit));
+  };
 
   // [model]
   ModelConfig loaded;
@@ -221,8 +229,13 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
                 std::to_string(s.data.pad_id) + ")");
 
   // [lora]
-  if (s.lora.rank <= 0 || s.lora.rank > 65536)
+  if (s.lora.rank <= 0)
     p.push_back(key("lora.rank") + "must be > 0 (found " + std::to_string(s.lora.rank) + ")");
+  else if (s.lora.rank > kMaxLoraRank)
+    above("lora.rank", s.lora.rank, kMaxLoraRank);
+  else if (model && model->hidden_size > 0 && s.lora.rank > model->hidden_size)
+    p.push_back(key("lora.rank") + "is " + std::to_string(s.lora.rank) +
+                ", above the model's hidden_size of " + std::to_string(model->hidden_size));
   if (!(s.lora.alpha > 0) || !std::isfinite(s.lora.alpha))
     p.push_back(key("lora.alpha") + "must be > 0 (found " + num(s.lora.alpha) + ")");
   if (!(s.lora.dropout >= 0 && s.lora.dropout < 1))
@@ -262,14 +275,48 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
                 num(s.optim.grad_clip) + ")");
 
   // [train]
-  if (s.train.steps <= 0)
+  if (s.train.steps == 0)
+    p.push_back(key("train.steps") + "is required (the number of optimizer steps, > 0)");
+  else if (s.train.steps < 0)
     p.push_back(key("train.steps") + "must be > 0 (found " + std::to_string(s.train.steps) + ")");
+  else if (s.train.steps > kMaxTrainSteps)
+    above("train.steps", s.train.steps, kMaxTrainSteps);
   if (s.train.batch_size <= 0)
     p.push_back(key("train.batch_size") + "must be > 0 (found " +
                 std::to_string(s.train.batch_size) + ")");
+  else if (s.train.batch_size > kMaxMicroBatchTokens)
+    above("train.batch_size", s.train.batch_size, kMaxMicroBatchTokens);
+  else if (s.data.seq_len >= 2 && s.data.seq_len <= (int64_t{1} << 22) &&
+           s.train.batch_size * s.data.seq_len > kMaxMicroBatchTokens)
+    p.push_back(key("train.batch_size") + "times `data.seq_len` is " +
+                std::to_string(s.train.batch_size) + " x " + std::to_string(s.data.seq_len) +
+                " = " + std::to_string(s.train.batch_size * s.data.seq_len) +
+                " tokens per micro-batch, above the limit of " +
+                std::to_string(kMaxMicroBatchTokens) + " (lower one of them)");
+  else if (model && model->vocab_size > 0 &&
+           s.train.batch_size * s.data.seq_len > kMaxLogitsPerMicroBatch / model->vocab_size)
+    p.push_back(key("train.batch_size") + "times `data.seq_len` is " +
+                std::to_string(s.train.batch_size * s.data.seq_len) +
+                " tokens per micro-batch: their logits over the model's vocabulary of " +
+                std::to_string(model->vocab_size) + " would exceed the limit of " +
+                std::to_string(kMaxLogitsPerMicroBatch) + " values (lower one of them)");
   if (s.train.grad_accum <= 0)
     p.push_back(key("train.grad_accum") + "must be > 0 (found " +
                 std::to_string(s.train.grad_accum) + ")");
+  else if (s.train.grad_accum > kMaxGradAccum)
+    above("train.grad_accum", s.train.grad_accum, kMaxGradAccum);
+  const double sequences = static_cast<double>(s.train.steps) *
+                           static_cast<double>(s.train.batch_size) *
+                           static_cast<double>(s.train.grad_accum);
+  if (s.train.steps > 0 && s.train.batch_size > 0 && s.train.grad_accum > 0 &&
+      sequences > static_cast<double>(int64_t{1} << 62))
+    p.push_back(key("train.steps") + "times `train.batch_size` times `train.grad_accum` is " +
+                num(sequences) + " sequences, above the limit of 2^62");
+  if (s.train.keep_checkpoints < 1)
+    p.push_back(key("train.keep_checkpoints") + "must be >= 1 (found " +
+                std::to_string(s.train.keep_checkpoints) + ")");
+  else if (s.train.keep_checkpoints > kMaxKeepCheckpoints)
+    above("train.keep_checkpoints", s.train.keep_checkpoints, kMaxKeepCheckpoints);
   if (s.train.checkpoint_every < 0)
     p.push_back(key("train.checkpoint_every") + "must be >= 0 (0 = only at the end; found " +
                 std::to_string(s.train.checkpoint_every) + ")");
@@ -288,6 +335,8 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
   if (s.stream.ring_size < 1)
     p.push_back(key("stream.ring_size") + "must be >= 1 (found " +
                 std::to_string(s.stream.ring_size) + ")");
+  else if (s.stream.ring_size > kMaxRingSize)
+    above("stream.ring_size", s.stream.ring_size, kMaxRingSize);
   for (const auto& [name, slots] : {std::pair<const char*, int64_t>{"stream.forward_slots",
                                                                     s.stream.forward_slots},
                                     {"stream.backward_slots", s.stream.backward_slots}}) {

@@ -50,6 +50,9 @@
 //   dtype = "auto"                # compute dtype: "auto" (bf16 on CUDA, f32 on CPU) |
 //                                 #   "bf16" | "f32"; LoRA master weights are always f32
 //   stats_file = ""               # per-step JSON lines; "" = OUTPUT_DIR/stats.jsonl
+//   keep_checkpoints = 2          # newest complete checkpoint-N/ folders kept (>= 1; 2 so that
+//                                 #   a damaged newest one has one to fall back on)
+//   keep_best = false             # also keep the checkpoint with the lowest eval loss
 //
 //   [stream]                      # used by the streaming engine (worker/stream*)
 //   blocks_to_swap = 0            # blocks streamed from host RAM (0 = all resident)
@@ -120,8 +123,11 @@ struct TrainSpec {
   std::string output_dir;
   std::string dtype = "auto";
   std::string stats_file;
+  int64_t keep_checkpoints = 2;
+  bool keep_best = false;
   template <class A> void serialize(A& ar) {
-    ar(steps, batch_size, grad_accum, seed, checkpoint_every, output_dir, dtype, stats_file);
+    ar(steps, batch_size, grad_accum, seed, checkpoint_every, output_dir, dtype, stats_file,
+       keep_checkpoints, keep_best);
   }
 };
 
@@ -150,6 +156,17 @@ struct JobSpec {
     ar(name, priority, model, data, lora, optim, train, stream, source);
   }
 };
+
+// Limits on the sizes that reach an allocation (ValidateJobSpec refuses larger values, naming
+// the key, the value and the limit). Far above any job that fits in a machine, far below a
+// value that would end in std::bad_alloc or an overflow.
+constexpr int64_t kMaxMicroBatchTokens = int64_t{1} << 20;  // batch_size * seq_len
+constexpr int64_t kMaxLogitsPerMicroBatch = int64_t{1} << 36;  // tokens * vocab_size
+constexpr int64_t kMaxGradAccum = int64_t{1} << 16;
+constexpr int64_t kMaxTrainSteps = int64_t{1} << 30;
+constexpr int64_t kMaxLoraRank = int64_t{1} << 16;  // and <= the model's hidden_size
+constexpr int64_t kMaxKeepCheckpoints = 1000;
+constexpr int64_t kMaxRingSize = 1024;
 
 // The names accepted in [lora] targets.
 const std::vector<std::string>& LoraTargetNames();

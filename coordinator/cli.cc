@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <charconv>
 #include <csignal>
 #include <filesystem>
 #include <fstream>
@@ -12,12 +13,14 @@
 
 #include <CLI/CLI.hpp>
 
+#include "common/cli_main.h"
 #include "common/error.h"
 #include "common/job_paths.h"
 #include "common/job_spec.h"
 #include "common/log.h"
 #include "common/manifest.h"
 #include "common/tokenizer_id.h"
+#include "common/terminal_text.h"
 #include "coordinator/cli_format.h"
 #include "coordinator/client.h"
 #include "coordinator/coordinator_server.h"
@@ -119,7 +122,7 @@ int RunSubmit(const GlobalOptions& g, const std::string& path, int64_t* priority
   else if (quiet)
     std::cout << reply.job_id << "\n";
   else
-    std::cout << "job " << reply.job_id << " submitted: " << req.spec.name << "\n";
+    std::cout << "job " << reply.job_id << " submitted: " << TerminalSafe(req.spec.name) << "\n";
   return 0;
 }
 
@@ -192,17 +195,29 @@ int RunLorastreamCli(int argc, char** argv) {
   jobs->add_flag("--json", json, "JSON array");
   jobs->add_flag("--active", active_only, "only queued and running jobs");
   int64_t job_id = 0;
+  // Checked as text, before CLI11 converts it: strtoll would saturate 2^64-1 to 2^63-1 and
+  // the command would then talk about a job the user never named.
+  const CLI::Validator job_id_check(
+      [](std::string& text) -> std::string {
+        int64_t id = 0;
+        const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), id);
+        if (text.empty() || ec != std::errc() || end != text.data() + text.size() || id < 1)
+          return "a job id is a whole number in [1, 9223372036854775807] (found " +
+                 TerminalSafe(text) + ")";
+        return "";
+      },
+      "JOB ID");
   CLI::App* show = app.add_subcommand("show", "a job's state, progress, worker and job file");
-  show->add_option("JOB", job_id, "job id")->required();
+  show->add_option("JOB", job_id, "job id")->required()->check(job_id_check);
   show->add_flag("--json", json, "JSON object");
   std::string format = "csv";
   CLI::App* stats = app.add_subcommand("stats", "a job's per-step statistics (downsampled)");
-  stats->add_option("JOB", job_id, "job id")->required();
+  stats->add_option("JOB", job_id, "job id")->required()->check(job_id_check);
   stats->add_option("--format", format, "csv or json")
       ->check(CLI::IsMember({"csv", "json"}))->capture_default_str();
   CLI::App* cancel = app.add_subcommand(
       "cancel", "cancel a job (a running one stops at its next step boundary, adapter saved)");
-  cancel->add_option("JOB", job_id, "job id")->required();
+  cancel->add_option("JOB", job_id, "job id")->required()->check(job_id_check);
   cancel->add_flag("--json", json, "JSON object");
   bool include_dead = false;
   CLI::App* workers = app.add_subcommand("workers", "list registered workers");
@@ -215,7 +230,8 @@ int RunLorastreamCli(int argc, char** argv) {
   bool plain = false;
   CLI::App* watch = app.add_subcommand(
       "watch", "live view until the watched jobs end (exit 1 if one failed or was cancelled)");
-  watch->add_option("JOB", watch_ids, "job ids (default: every job not yet ended)");
+  watch->add_option("JOB", watch_ids, "job ids (default: every job not yet ended)")
+      ->check(job_id_check);
   watch->add_flag("--plain", plain, "plain lines even on a terminal");
   watch->add_option("--line-interval", watch_options.line_interval_s,
                     "plain mode: seconds between progress lines of one job")
@@ -301,13 +317,7 @@ int RunLorastreamCli(int argc, char** argv) {
       "exit 1 when it finds a problem");
   doctor->add_flag("--json", json, "JSON object");
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
-
-  try {
+  return RunMain("lorastream", app, argc, argv, [&]() -> int {
     if (coord->parsed()) return RunCoordinator(g, server, log_level, log_file);
     if (prepare->parsed()) return RunPrepare(prepare_options);
     if (doctor->parsed()) {
@@ -385,14 +395,8 @@ int RunLorastreamCli(int argc, char** argv) {
         watch_options.width = size.ws_col;
       return RunWatch(client, watch_options, std::cout);
     }
-  } catch (const Error& e) {
-    std::cerr << "lorastream: " << ErrorCodeName(e.code()) << ": " << e.what() << "\n";
-    return ExitCodeFor(e.code());
-  } catch (const std::exception& e) {
-    std::cerr << "lorastream: internal error: " << e.what() << "\n";
-    return ExitCodeFor(ErrorCode::kInternal);
-  }
-  return 0;
+    return 0;
+  });
 }
 
 }  // namespace lorastream

@@ -6,6 +6,7 @@
 
 #include "common/format_bytes.h"
 #include "common/step_stats_json.h"
+#include "common/terminal_text.h"
 
 namespace lorastream {
 namespace {
@@ -94,9 +95,9 @@ std::string JobsTable(const std::vector<JobSummary>& jobs) {
       << Pad("PROGRESS", 18) << Pad("WORKER", 26) << "REASON\n";
   for (const JobSummary& j : jobs) {
     std::string where = j.worker_id.empty() ? "-" : j.worker_host + " " + j.worker_device;
-    out << Pad(std::to_string(j.id), 6) << Pad(j.name, 20) << Pad(JobStateName(j.state), 11)
-        << Pad(std::to_string(j.priority), 5) << Pad(FormatProgress(j), 18) << Pad(where, 26)
-        << j.reason << "\n";
+    out << Pad(std::to_string(j.id), 6) << Pad(TerminalSafe(j.name), 20) << Pad(JobStateName(j.state), 11)
+        << Pad(std::to_string(j.priority), 5) << Pad(FormatProgress(j), 18)
+        << Pad(TerminalSafe(where), 26) << TerminalSafe(j.reason) << "\n";
   }
   return out.str();
 }
@@ -109,9 +110,10 @@ std::string WorkersTable(const std::vector<WorkerSummary>& workers) {
     std::string gpu = w.gpu_name.empty() ? "-" : w.gpu_name + " " + FormatBytes(w.gpu_memory_bytes);
     std::string stores;
     for (const StoreInfo& s : w.stores) stores += (stores.empty() ? "" : ",") + s.name;
-    out << Pad(w.id, 27) << Pad(w.host, 16) << Pad(w.device, 9) << Pad(gpu, 28)
+    out << Pad(TerminalSafe(w.id), 27) << Pad(TerminalSafe(w.host), 16)
+        << Pad(TerminalSafe(w.device), 9) << Pad(TerminalSafe(gpu), 28)
         << Pad(w.alive ? (w.job_id ? "busy" : "idle") : "dead", 7)
-        << Pad(w.job_id ? std::to_string(w.job_id) : "-", 6) << (stores.empty() ? "-" : stores)
+        << Pad(w.job_id ? std::to_string(w.job_id) : "-", 6) << (stores.empty() ? "-" : TerminalSafe(stores))
         << "\n";
   }
   return out.str();
@@ -119,27 +121,28 @@ std::string WorkersTable(const std::vector<WorkerSummary>& workers) {
 
 std::string JobDetails(const ShowJobReply& r) {
   const JobSummary& j = r.job;
+  const auto safe = [](const std::string& text) { return TerminalSafe(text); };
   std::ostringstream out;
-  out << "job " << j.id << " '" << j.name << "': " << JobStateName(j.state);
-  if (!j.reason.empty()) out << " (" << j.reason << ")";
+  out << "job " << j.id << " '" << safe(j.name) << "': " << JobStateName(j.state);
+  if (!j.reason.empty()) out << " (" << safe(j.reason) << ")";
   out << "\n  progress:    " << FormatProgress(j) << ", ETA " << FormatDuration(j.eta_seconds)
       << "\n  priority:    " << j.priority
-      << "\n  submitter:   " << (j.submitter_uid < 0 ? "-" : j.submitter + " (uid " + std::to_string(j.submitter_uid) + ")")
-      << "\n  base model:  " << (j.store_name.empty() ? "(checkpoint folder)" : "store " + j.store_name)
-      << (j.fingerprint.empty() ? "" : " [" + j.fingerprint + "]")
-      << "\n  worker:      " << (j.worker_id.empty() ? "-" : j.worker_id + " on " + j.worker_host + " " + j.worker_device)
+      << "\n  submitter:   " << (j.submitter_uid < 0 ? "-" : safe(j.submitter) + " (uid " + std::to_string(j.submitter_uid) + ")")
+      << "\n  base model:  " << (j.store_name.empty() ? "(checkpoint folder)" : "store " + safe(j.store_name))
+      << (j.fingerprint.empty() ? "" : " [" + safe(j.fingerprint) + "]")
+      << "\n  worker:      " << (j.worker_id.empty() ? "-" : safe(j.worker_id + " on " + j.worker_host + " " + j.worker_device))
       << "\n  attempt:     " << j.attempt << " (" << r.retries << " retries after worker deaths)"
-      << "\n  checkpoint:  " << (j.checkpoint_step ? "step " + std::to_string(j.checkpoint_step) + " in " + j.checkpoint_path : "-")
-      << "\n  output:      " << j.output_dir
-      << "\n  adapter:     " << (j.adapter_path.empty() ? "-" : j.adapter_path)
-      << "\n  job file:    " << j.spec_source << "\n";
+      << "\n  checkpoint:  " << (j.checkpoint_step ? "step " + std::to_string(j.checkpoint_step) + " in " + safe(j.checkpoint_path) : "-")
+      << "\n  output:      " << safe(j.output_dir)
+      << "\n  adapter:     " << (j.adapter_path.empty() ? "-" : safe(j.adapter_path))
+      << "\n  job file:    " << safe(j.spec_source) << "\n";
   if (j.has_stats) {
     const StepStats& s = j.last_stats;
     out << "  last step:   loss " << Printf("%.4f", s.loss) << ", "
         << Printf("%.0f", s.tokens_per_second) << " tokens/s, step "
         << Printf("%.3f", s.step_seconds) << " s\n";
   }
-  out << "--- job file ---\n" << r.spec_toml;
+  out << "--- job file ---\n" << TerminalSafe(r.spec_toml, /*keep_newlines=*/true);
   if (!r.spec_toml.empty() && r.spec_toml.back() != '\n') out << "\n";
   return out.str();
 }

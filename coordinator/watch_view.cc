@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "common/format_bytes.h"
+#include "common/terminal_text.h"
 #include "coordinator/cli_format.h"
 
 namespace lorastream {
@@ -45,17 +46,17 @@ bool Watched(const std::vector<int64_t>& watched, int64_t id) {
 
 std::string RenderLine(const JobSummary& j) {
   std::ostringstream out;
-  out << "job " << j.id << " " << j.name << ": " << JobStateName(j.state) << " "
+  out << "job " << j.id << " " << TerminalSafe(j.name) << ": " << JobStateName(j.state) << " "
       << FormatProgress(j);
   if (j.state == JobState::kRunning) {
     out << " ETA " << FormatDuration(j.eta_seconds);
     std::string m = Metrics(j);
     if (!m.empty()) out << "  " << m;
-    out << "  on " << j.worker_host << " " << j.worker_device;
+    out << "  on " << TerminalSafe(j.worker_host + " " + j.worker_device);
   }
-  if (!j.reason.empty()) out << " (" << j.reason << ")";
+  if (!j.reason.empty()) out << " (" << TerminalSafe(j.reason) << ")";
   if (j.state == JobState::kSucceeded && !j.adapter_path.empty())
-    out << " adapter: " << j.adapter_path;
+    out << " adapter: " << TerminalSafe(j.adapter_path);
   return out.str();
 }
 
@@ -66,14 +67,14 @@ std::string RenderFrame(const WatchReply& reply, const std::vector<int64_t>& wat
   out << "lorastream watch   (Ctrl-C leaves; jobs keep running)\n\n";
   for (const JobSummary& j : reply.jobs) {
     if (!Watched(watched, j.id)) continue;
-    out << "job " << j.id << " " << j.name << "  " << JobStateName(j.state) << "  "
+    out << "job " << j.id << " " << TerminalSafe(j.name) << "  " << JobStateName(j.state) << "  "
         << Bar(j, bar) << "  " << FormatProgress(j);
     if (j.state == JobState::kRunning) out << "  ETA " << FormatDuration(j.eta_seconds);
     out << "\n";
     std::string m = Metrics(j);
     if (j.state == JobState::kRunning && !m.empty())
-      out << "    " << m << "  on " << j.worker_host << " " << j.worker_device << "\n";
-    if (!j.reason.empty()) out << "    " << j.reason << "\n";
+      out << "    " << m << "  on " << TerminalSafe(j.worker_host + " " + j.worker_device) << "\n";
+    if (!j.reason.empty()) out << "    " << TerminalSafe(j.reason) << "\n";
   }
   out << "\nworkers:\n";
   if (reply.workers.empty()) out << "  (none registered)\n";

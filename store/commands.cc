@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <thread>
 
+#include "common/error.h"
+#include "common/finite_scan.h"
 #include "common/format_bytes.h"
 #include "store/attach.h"
 #include "store/registry.h"
@@ -38,6 +40,21 @@ void RunVerify(const std::string& name, int threads, std::ostream& out) {
   const auto start = std::chrono::steady_clock::now();
   AttachedStore store = AttachedStore::Attach(name);
   VerifyChecksums(store, threads);  // throws naming every bad segment
+  // Finite weights: serve refuses NaN/inf, but a store published before it did is caught here.
+  const Manifest& manifest = store.manifest();
+  auto scan = [&](const SegmentInfo& segment, const uint8_t* data, const std::string& prefix) {
+    for (const TensorSlice& t : segment.tensors) {
+      const int64_t bad =
+          FirstNonFinite(data + t.offset, t.nbytes / DTypeSize(t.dtype), t.dtype);
+      if (bad >= 0)
+        throw Error(ErrorCode::kCorrupt, "store `" + name + "`: tensor `" + prefix + t.name +
+                                             "` holds a NaN or infinite value (element " +
+                                             std::to_string(bad) + ")");
+    }
+  };
+  for (int i = 0; i < store.num_blocks(); ++i)
+    scan(manifest.blocks[i], store.block_data(i), "model.layers." + std::to_string(i) + ".");
+  scan(manifest.rest, store.rest_data(), "");
   const double s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const Manifest& m = store.manifest();

@@ -5,6 +5,7 @@
 #include <set>
 
 #include "common/error.h"
+#include "common/finite_scan.h"
 #include "common/log.h"
 #include "common/tokenizer_id.h"
 #include "store/convert.h"
@@ -89,6 +90,10 @@ PackPlan PlanPack(const Checkpoint& cp, const PackOptions& options) {
     if (!ConvertibleToBF16(dt))
       fail("tensor `" + full + "` is " + DTypeName(dt) +
            "; the store holds floating-point weights (F32, F16, BF16)");
+    const int64_t bad = FirstNonFinite(ref.file->Data(*ref.entry), ref.entry->numel(), dt);
+    if (bad >= 0)
+      fail("tensor `" + full + "` holds a NaN or infinite value (element " +
+           std::to_string(bad) + "); the base weights must be finite");
     if (!source_dtype) {
       source_dtype = dt;
       first_tensor = full;

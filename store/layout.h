@@ -25,7 +25,8 @@ struct PackOptions {
 };
 
 // Throws Error(kCorrupt) naming the folder and the tensor for a missing block, a missing,
-// extra or misshapen tensor, or a dtype the store cannot hold.
+// extra or misshapen tensor, a dtype the store cannot hold, or a NaN/infinite value. The one
+// validation of a checkpoint folder: serve, inspect and the worker's direct load all use it.
 PackPlan PlanPack(const Checkpoint& checkpoint, const PackOptions& options);
 
 }  // namespace lorastream

@@ -9,27 +9,43 @@
 
 namespace lorastream {
 
-uint64_t ProcessStartTime(int64_t pid) {
+namespace {
+
+// Fields 3 (state) and 22 (start time) of /proc/PID/stat; false when there is no such process.
+bool ReadProcessStat(int64_t pid, char* state, uint64_t* start_time) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
   std::string text;
-  if (!in || !std::getline(in, text)) return 0;
+  if (!in || !std::getline(in, text)) return false;
   // Field 2 (comm) may hold spaces and parentheses: skip to the last ')'.
   const size_t close = text.rfind(')');
-  if (close == std::string::npos) return 0;
+  if (close == std::string::npos || close + 2 >= text.size()) return false;
   std::istringstream rest(text.substr(close + 2));
   std::string field;
-  for (int i = 3; i < 22 && rest >> field; ++i) {
+  rest >> field;  // field 3
+  *state = field.empty() ? '?' : field[0];
+  for (int i = 4; i < 22 && rest >> field; ++i) {
   }
+  *start_time = 0;
+  rest >> *start_time;
+  return true;
+}
+
+}  // namespace
+
+uint64_t ProcessStartTime(int64_t pid) {
+  char state = 0;
   uint64_t start = 0;
-  rest >> start;
-  return start;
+  return ReadProcessStat(pid, &state, &start) ? start : 0;
 }
 
 bool ProcessAlive(int64_t pid, uint64_t start_time) {
   if (pid <= 0) return false;
   if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return false;
-  const uint64_t now = ProcessStartTime(pid);
-  if (now == 0) return false;  // gone (or a zombie being reaped)
+  char state = 0;
+  uint64_t now = 0;
+  if (!ReadProcessStat(pid, &state, &now) || now == 0) return false;
+  // A zombie (Z) or a dying process (X) holds its pid but will never serve again.
+  if (state == 'Z' || state == 'X') return false;
   return start_time == 0 || now == start_time;
 }
 

@@ -12,7 +12,8 @@ namespace lorastream {
 // process does not exist.
 uint64_t ProcessStartTime(int64_t pid);
 
-// True while the process `pid` that started at `start_time` (0: any start time) is running.
+// True while the process `pid` that started at `start_time` (0: any start time) is running;
+// a zombie (exited, not yet reaped by its parent) counts as dead.
 bool ProcessAlive(int64_t pid, uint64_t start_time);
 
 // Pids whose /proc/PID/maps maps a /dev/shm object whose name starts with `shm_prefix`.

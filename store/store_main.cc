@@ -3,6 +3,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "common/cli_main.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "store/commands.h"
@@ -31,15 +32,17 @@ int main(int argc, char** argv) {
   auto* v = app.add_subcommand("verify", "re-check every checksum through a read-only attach");
   v->add_option("--name", name)->required();
   v->add_option("--threads", verify_threads, "hashing threads (0: all cores)");
-  CLI11_PARSE(app, argc, argv);
-
-  InitLogging("store", level);
-  try {
+  return RunMain("lorastream-store", app, argc, argv, [&] {
+    InitLogging("store", level);
     if (*s) {
       serve.to_bf16 = dtype == "bf16";
       size_t used = 0;
-      serve.mode = static_cast<mode_t>(std::stoul(mode, &used, 8));
-      if (used != mode.size() || serve.mode > 0777)
+      try {
+        serve.mode = static_cast<mode_t>(std::stoul(mode, &used, 8));
+      } catch (const std::logic_error&) {
+        used = 0;
+      }
+      if (used == 0 || used != mode.size() || serve.mode > 0777)
         throw Error(ErrorCode::kInvalidArgument, "--mode `" + mode + "` is not an octal mode");
       return RunServe(serve);
     }
@@ -47,11 +50,5 @@ int main(int argc, char** argv) {
     else if (app.got_subcommand("ls")) RunLs(std::cout);
     else if (*v) RunVerify(name, verify_threads, std::cout);
     return 0;
-  } catch (const Error& e) {
-    std::cerr << "error: " << e.what() << "\n";
-    return ExitCodeFor(e.code());
-  } catch (const std::exception& e) {  // std::stoul and friends
-    std::cerr << "error: " << e.what() << "\n";
-    return ExitCodeFor(ErrorCode::kInvalidArgument);
-  }
+  });
 }

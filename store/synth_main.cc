@@ -4,6 +4,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "common/cli_main.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "store/synth.h"
@@ -22,16 +23,12 @@ int main(int argc, char** argv) {
   app.add_option("--presets-dir", o.presets_dir, "where presets live");
   app.add_option("--tokenizer", o.tokenizer_dir,
                  "a Hugging Face tokenizer folder to copy in (vocab_size grows to fit it)");
-  CLI11_PARSE(app, argc, argv);
-  InitLogging("synth");
-  try {
+  return RunMain("lorastream-synth", app, argc, argv, [&] {
+    InitLogging("synth");
     SynthResult r = RunSynth(o);
     std::printf("wrote %s: %llu bytes in %d shard(s), %.2f s (%.2f GB/s)\n", o.out_dir.c_str(),
                 static_cast<unsigned long long>(r.bytes), r.shards, r.seconds,
                 r.bytes / r.seconds / 1e9);
     return 0;
-  } catch (const Error& e) {
-    std::cerr << "error: " << e.what() << "\n";
-    return ExitCodeFor(e.code());
-  }
+  });
 }

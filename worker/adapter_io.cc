@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include "common/durable_file.h"
 #include "common/error.h"
 #include "common/safetensors.h"
 #include "worker/base_weights.h"
@@ -19,25 +20,6 @@ namespace lorastream {
 
 namespace fs = std::filesystem;
 using Json = nlohmann::json;
-
-namespace {
-
-void WriteTextAtomically(const fs::path& path, const std::string& text) {
-  fs::path tmp = path;
-  tmp += ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) ThrowErrno("cannot write " + tmp.string());
-    out << text;
-    out.flush();
-    if (!out) ThrowErrno("cannot write " + tmp.string());
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) throw Error(ErrorCode::kIo, "cannot rename " + tmp.string() + ": " + ec.message());
-}
-
-}  // namespace
 
 void LoraAdapter::Save(const std::string& dir, const std::string& base_model) const {
   std::error_code ec;
@@ -88,7 +70,7 @@ void LoraAdapter::Save(const std::string& dir, const std::string& base_model) co
       {"use_dora", false},
       {"use_rslora", settings_.rslora},
   };
-  WriteTextAtomically(fs::path(dir) / "adapter_config.json", config.dump(2) + "\n");
+  WriteFileDurably((fs::path(dir) / "adapter_config.json").string(), config.dump(2) + "\n");
 }
 
 LoraAdapter LoraAdapter::Load(const std::string& dir, const ModelConfig& model,

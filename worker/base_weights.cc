@@ -5,6 +5,7 @@
 #include "common/error.h"
 #include "common/job_spec.h"
 #include "common/safetensors.h"
+#include "store/layout.h"
 
 namespace lorastream {
 
@@ -45,6 +46,13 @@ BlockWeights ConvertBlock(const BlockWeights& w, c10::Device device, c10::Scalar
 
 BaseWeights BaseWeights::FromCheckpoint(const std::string& dir) {
   auto ckpt = std::make_shared<Checkpoint>(Checkpoint::Open(dir));
+  // The store's own validation (as `lorastream-store serve` and `inspect`): every block of
+  // config.json present, no extra block or tensor, shapes, dtypes, finite values. Mixed
+  // floating dtypes are accepted, as `serve --dtype bf16` accepts them: the worker converts
+  // every tensor to its compute dtype.
+  PackOptions validation;
+  validation.to_bf16 = true;
+  PlanPack(*ckpt, validation);
   BaseWeights b;
   b.config_ = ckpt->config();
   b.name_or_path_ = dir;

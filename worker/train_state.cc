@@ -4,6 +4,9 @@
 
 #include <ATen/ATen.h>
 
+#include "common/checkpoint_dir.h"
+#include "common/checkpoint_manifest.h"
+#include "common/durable_file.h"
 #include "common/error.h"
 #include "common/remove_tree.h"
 #include "common/safetensors.h"
@@ -13,31 +16,14 @@ namespace lorastream {
 
 namespace fs = std::filesystem;
 
-namespace {
-
-constexpr const char* kStateFile = "trainer_state.safetensors";
-
-// checkpoint-<N> -> N, -1 for other names.
-int64_t CheckpointStep(const std::string& name) {
-  const std::string prefix = "checkpoint-";
-  if (name.rfind(prefix, 0) != 0 || name.size() == prefix.size()) return -1;
-  int64_t n = 0;
-  for (size_t i = prefix.size(); i < name.size(); ++i) {
-    if (name[i] < '0' || name[i] > '9' || n > (int64_t{1} << 50)) return -1;
-    n = n * 10 + (name[i] - '0');
-  }
-  return n;
-}
-
-}  // namespace
-
 std::string SaveCheckpoint(const std::string& output_dir, const LoraAdapter& adapter,
                            AdamW& optimizer, const TrainState& state,
-                           const std::string& base_model) {
-  const fs::path final_dir = fs::path(output_dir) / ("checkpoint-" + std::to_string(state.step));
-  const fs::path tmp_dir = fs::path(output_dir) / (".checkpoint-" + std::to_string(state.step) + ".tmp");
+                           const std::string& base_model, const CheckpointRetention& retention) {
+  const std::string name = CheckpointFolderName(state.step);
+  const fs::path final_dir = fs::path(output_dir) / name;
+  const fs::path tmp_dir = fs::path(output_dir) / ("." + name + ".tmp");
   std::error_code ec;
-  RemoveTree(tmp_dir.string());  // never std::filesystem::remove_all here: common/remove_tree.h
+  RemoveStaleCheckpointTemporaries(output_dir);
   adapter.Save(tmp_dir.string(), base_model);
 
   std::vector<at::Tensor> host;
@@ -56,62 +42,41 @@ std::string SaveCheckpoint(const std::string& output_dir, const LoraAdapter& ada
       tensors.push_back(t);
     }
   }
-  WriteSafetensors((tmp_dir / kStateFile).string(), tensors,
-                   {{"format", "lorastream-trainer-state"},
-                    {"version", "1"},
-                    {"step", std::to_string(state.step)},
-                    {"samples_seen", std::to_string(state.samples_seen)},
-                    {"seed", std::to_string(state.seed)},
-                    {"fingerprint", state.fingerprint}});
-  RemoveTree(final_dir.string());
+  TrainerStateMeta meta;
+  meta.step = state.step;
+  meta.samples_seen = state.samples_seen;
+  meta.seed = state.seed;
+  meta.fingerprint = state.fingerprint;
+  meta.eval_loss = state.eval_loss;
+  WriteSafetensors((tmp_dir / kTrainerStateFile).string(), tensors, TrainerStateMetadata(meta));
+  WriteCheckpointManifest(tmp_dir.string());  // last; fsyncs every file and the folder
+  RemoveTree(final_dir.string());  // never std::filesystem::remove_all here: common/remove_tree.h
   fs::rename(tmp_dir, final_dir, ec);
   if (ec) throw Error(ErrorCode::kIo, "cannot rename " + tmp_dir.string() + ": " + ec.message());
-  // Only now that the new one is complete: drop the older checkpoints.
-  for (const auto& entry : fs::directory_iterator(output_dir, ec)) {
-    const int64_t step = CheckpointStep(entry.path().filename().string());
-    if (step >= 0 && step != state.step) RemoveTree(entry.path().string());
-  }
+  FsyncPath(output_dir);  // the rename itself survives a power loss only now
+  // Only now that the new one is complete: drop the checkpoints retention does not keep.
+  PruneCheckpoints(output_dir, state.step, retention.keep, retention.keep_best);
   return final_dir.string();
 }
 
 std::string FindLatestCheckpoint(const std::string& output_dir) {
   std::error_code ec;
-  std::string best;
-  int64_t best_step = -1;
-  if (!fs::is_directory(output_dir, ec)) return best;
-  for (const auto& entry : fs::directory_iterator(output_dir, ec)) {
-    const int64_t step = CheckpointStep(entry.path().filename().string());
-    if (step > best_step && fs::is_regular_file(entry.path() / kStateFile, ec) &&
-        fs::is_regular_file(entry.path() / "adapter_model.safetensors", ec)) {
-      best_step = step;
-      best = entry.path().string();
-    }
-  }
-  return best;
+  if (!fs::is_directory(output_dir, ec)) return "";
+  RemoveStaleCheckpointTemporaries(output_dir);
+  return FindResumableCheckpoint(output_dir);
 }
 
 TrainState LoadTrainerState(const std::string& dir, const LoraAdapter& adapter,
                             AdamW& optimizer) {
-  const std::string path = (fs::path(dir) / kStateFile).string();
+  const std::string path = (fs::path(dir) / kTrainerStateFile).string();
   SafetensorsFile file = SafetensorsFile::Open(path);
-  const auto& meta = file.header().metadata;
-  auto field = [&](const char* key) -> std::string {
-    auto it = meta.find(key);
-    if (it == meta.end())
-      throw Error(ErrorCode::kCorrupt, path + ": metadata `" + key + "` is missing");
-    return it->second;
-  };
-  if (field("format") != "lorastream-trainer-state" || field("version") != "1")
-    throw Error(ErrorCode::kCorrupt, path + ": not a version 1 lorastream trainer state");
+  const TrainerStateMeta meta = ParseTrainerStateMetadata(file.header().metadata, path);
   TrainState s;
-  try {
-    s.step = std::stoll(field("step"));
-    s.samples_seen = std::stoll(field("samples_seen"));
-    s.seed = std::stoull(field("seed"));
-  } catch (const std::logic_error&) {
-    throw Error(ErrorCode::kCorrupt, path + ": step/samples_seen/seed are not numbers");
-  }
-  s.fingerprint = field("fingerprint");
+  s.step = meta.step;
+  s.samples_seen = meta.samples_seen;
+  s.seed = meta.seed;
+  s.fingerprint = meta.fingerprint;
+  s.eval_loss = meta.eval_loss;
   const auto names = adapter.ParamNames();
   for (int which = 0; which < 2; ++which) {
     auto& moments = which == 0 ? optimizer.exp_avg() : optimizer.exp_avg_sq();

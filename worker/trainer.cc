@@ -1,6 +1,7 @@
 #include "worker/trainer.h"
 
 #include <unistd.h>
+#include <fcntl.h>
 
 #include <chrono>
 #include <cmath>
@@ -13,6 +14,7 @@
 #include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>
 
+#include "common/durable_file.h"
 #include "common/error.h"
 #include "common/file_lock.h"
 #include "common/format_bytes.h"
@@ -20,6 +22,7 @@
 #include "common/log.h"
 #include "common/step_stats_json.h"
 #include "common/tokenizer_id.h"
+#include "common/unique_fd.h"
 #include "worker/adamw.h"
 #include "worker/base_weights.h"
 #include "worker/data.h"
@@ -54,10 +57,13 @@ at::Tensor ToDeviceLong(const std::vector<int64_t>& v, int64_t rows, int64_t col
   return at::from_blob(const_cast<int64_t*>(v.data()), {rows, cols}, at::kLong).to(device).clone();
 }
 
+// One write(2) per line, so that a full disk (or stats_file = "/dev/full") fails the job
+// naming the file instead of losing the statistics in a stream's buffer.
 void AppendStats(const std::string& path, const StepStats& s) {
-  std::ofstream out(path, std::ios::app);
-  if (!out) ThrowErrno("cannot append to " + path);
-  out << StepStatsJson(s) << "\n";
+  UniqueFd fd(::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644));
+  if (!fd.valid()) ThrowErrno("train.stats_file: cannot append to " + path);
+  const std::string line = StepStatsJson(s) + "\n";
+  WriteAll(fd.get(), line.data(), line.size(), "train.stats_file " + path);
 }
 
 }  // namespace
@@ -199,8 +205,9 @@ TrainResult RunTraining(const JobSpec& spec_in, const TrainOptions& options,
   int64_t last_saved = resume_dir.empty() ? -1 : state.step;
   result.checkpoint_dir = resume_dir;
   auto save = [&]() {
-    result.checkpoint_dir = SaveCheckpoint(spec.train.output_dir, *adapter, optimizer, state,
-                                           base.name_or_path());
+    result.checkpoint_dir =
+        SaveCheckpoint(spec.train.output_dir, *adapter, optimizer, state, base.name_or_path(),
+                       {spec.train.keep_checkpoints, spec.train.keep_best});
     last_saved = state.step;
   };
 
@@ -270,7 +277,8 @@ TrainResult RunTraining(const JobSpec& spec_in, const TrainOptions& options,
   return result;
 }
 
-int RunTrainCommand(const std::string& job_path, const TrainOptions& options) {
+int RunTrainCommand(const std::string& job_path, const TrainOptions& options,
+                    const std::atomic<int>* stop_signal) {
   JobSpec spec = LoadJobSpec(job_path);
   const auto start = Clock::now();
   int64_t first_step = -1;
@@ -281,7 +289,15 @@ int RunTrainCommand(const std::string& job_path, const TrainOptions& options) {
     std::printf("%s\n", FormatProgress(s, per_step * static_cast<double>(s.total_steps - s.step)).c_str());
     std::fflush(stdout);
   };
-  TrainResult r = RunTraining(spec, options, on_step);
+  auto should_stop = [stop_signal] { return stop_signal && stop_signal->load() != 0; };
+  TrainResult r = RunTraining(spec, options, on_step, should_stop);
+  if (r.stopped) {
+    std::printf("stopped by signal %d at step %lld/%lld: checkpoint in %s (run the same command "
+                "to resume)\n",
+                stop_signal->load(), static_cast<long long>(r.steps_done),
+                static_cast<long long>(spec.train.steps), r.checkpoint_dir.c_str());
+    return 128 + stop_signal->load();
+  }
   std::printf("done: %lld steps, final loss %.4f, adapter in %s\n",
               static_cast<long long>(r.steps_done), r.final_loss, r.adapter_dir.c_str());
   return 0;

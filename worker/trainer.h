@@ -8,18 +8,23 @@
 //
 // Output folder (train.output_dir):
 //   adapter_model.safetensors, adapter_config.json  the final adapter (peft format)
-//   checkpoint-N/                                  the latest checkpoint: the adapter as
-//                                                  above plus trainer_state.safetensors
-//                                                  (AdamW moments "exp_avg.<key>" /
-//                                                  "exp_avg_sq.<key>", metadata: step,
-//                                                  samples_seen, seed, job fingerprint)
+//   checkpoint-N/                                  the newest train.keep_checkpoints
+//                                                  checkpoints (and the best with keep_best):
+//                                                  the adapter as above plus
+//                                                  trainer_state.safetensors (AdamW moments
+//                                                  "exp_avg.<key>" / "exp_avg_sq.<key>",
+//                                                  metadata: step, samples_seen, seed, job
+//                                                  fingerprint, eval_loss) and
+//                                                  checkpoint_manifest.json (checksums)
 //   stats.jsonl                                    one StepStats JSON object per step
-// A checkpoint is written to a temporary folder and renamed, then older ones are removed.
+// A checkpoint is written to a temporary folder, fsynced and renamed, then the ones retention
+// does not keep are removed; a resume verifies the checksums (common/checkpoint_dir.h).
 // Randomness is counter-based: LoRA init from the seed, data order from (seed, epoch),
 // dropout masks from (seed, step, micro-batch, block); so step + samples_seen are the whole
 // RNG state, and a resumed CPU run ends bit-identical to an uninterrupted one.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -69,7 +74,11 @@ TrainResult RunTraining(const JobSpec& spec, const TrainOptions& options,
 
 // `lorastream-worker train JOB.toml`: loads the job file, prints a progress line per step
 // (step/total, loss, lr, grad norm, tokens/s, ETA) to stdout and returns the exit status.
-int RunTrainCommand(const std::string& job_path, const TrainOptions& options);
+// When *stop_signal becomes non-zero (a SIGTERM/SIGINT handler stores the signal number) the
+// run saves a checkpoint at the next step boundary and returns 128 + that number (130 for
+// SIGINT, 143 for SIGTERM), as a shell reports a process ended by the signal.
+int RunTrainCommand(const std::string& job_path, const TrainOptions& options,
+                    const std::atomic<int>* stop_signal = nullptr);
 
 // One progress line, e.g. "step 12/100 loss 2.3456 lr 2.00e-04 gnorm 0.812 tok/s 15321 eta 1m04s".
 std::string FormatProgress(const StepStats& stats, double eta_seconds);

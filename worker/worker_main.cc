@@ -7,6 +7,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "common/cli_main.h"
 #include "common/error.h"
 #include "common/gpu_info.h"
 #include "common/log.h"
@@ -25,6 +26,13 @@ namespace {
 std::atomic<bool> g_stop_serving{false};
 std::atomic<bool> g_hold_at_checkpoint{false};
 void OnStopSignal(int) { g_stop_serving = true; }
+// `train`: the first SIGINT/SIGTERM asks for a checkpoint at the next step boundary; a second
+// one ends the process at once (the handler gives the signal its default action back).
+std::atomic<int> g_train_stop_signal{0};
+void OnTrainStopSignal(int signo) {
+  g_train_stop_signal = signo;
+  std::signal(signo, SIG_DFL);
+}
 void OnHoldSignal(int) { g_hold_at_checkpoint = true; }
 void OnResumeSignal(int) { g_hold_at_checkpoint = false; }
 }  // namespace
@@ -89,30 +97,27 @@ int main(int argc, char** argv) {
   auto* probe_cmd = app.add_subcommand("probe-host-register", "")->group("");
   probe_cmd->add_option("--device-index", probe_device, "CUDA device index");
 
-  CLI11_PARSE(app, argc, argv);
-  // A CPU-only build asked for a GPU says so in one line before it starts anything.
-  const std::string device = *train_cmd   ? train.device
-                             : *serve_cmd ? serve.device
-                             : *plan_cmd  ? plan.device
-                                          : parity.device;
-  // (Only a CPU-only build asks which GPUs the host has: nvidia-smi takes a moment.)
-  if (!ThisBuild().cuda && (*train_cmd || *serve_cmd || *parity_cmd || *plan_cmd)) {
-    if (std::string problem = CudaBuildProblem({device}, ListGpus().size()); !problem.empty()) {
-      std::fprintf(stderr, "lorastream-worker: unsupported: %s\n", problem.c_str());
-      return ExitCodeFor(ErrorCode::kUnsupported);
+  return RunMain("lorastream-worker", app, argc, argv, [&]() -> int {
+    // A CPU-only build asked for a GPU says so in one line before it starts anything.
+    const std::string device = *train_cmd   ? train.device
+                               : *serve_cmd ? serve.device
+                               : *plan_cmd  ? plan.device
+                                            : parity.device;
+    // (Only a CPU-only build asks which GPUs the host has: nvidia-smi takes a moment.)
+    if (!ThisBuild().cuda && (*train_cmd || *serve_cmd || *parity_cmd || *plan_cmd)) {
+      if (std::string problem = CudaBuildProblem({device}, ListGpus().size()); !problem.empty())
+        throw Error(ErrorCode::kUnsupported, problem);
     }
-  }
-  if (*probe_cmd) {
+    if (*probe_cmd) {
 #if LORASTREAM_HAVE_CUDA
-    const nlohmann::json r = ProbeHostRegister(probe_device);
+      const nlohmann::json r = ProbeHostRegister(probe_device);
 #else
-    const nlohmann::json r{{"ok", nullptr}, {"error", "not applicable: a CPU-only build"}};
+      const nlohmann::json r{{"ok", nullptr}, {"error", "not applicable: a CPU-only build"}};
 #endif
-    std::printf("%s\n", r.dump().c_str());
-    return 0;
-  }
-  InitLogging("worker");
-  try {
+      std::printf("%s\n", r.dump().c_str());
+      return 0;
+    }
+    InitLogging("worker");
     if (!store_user.empty()) SetTrustedStoreOwner(LookupUser(store_user).uid);
     if (*train_cmd) {
       train.resume = !no_resume;
@@ -122,7 +127,9 @@ int main(int argc, char** argv) {
                                  const std::string& device, const std::string& dtype) {
           return MakeStreamProvider(spec, base, device, dtype);
         };
-      return RunTrainCommand(job_path, train);
+      std::signal(SIGINT, OnTrainStopSignal);
+      std::signal(SIGTERM, OnTrainStopSignal);
+      return RunTrainCommand(job_path, train, &g_train_stop_signal);
     }
     if (*plan_cmd) return RunPlanCommand(plan_job, plan);
     if (*serve_cmd) {
@@ -136,11 +143,5 @@ int main(int argc, char** argv) {
     }
     RunParity(parity);
     return 0;
-  } catch (const Error& e) {
-    std::fprintf(stderr, "lorastream-worker: %s: %s\n", ErrorCodeName(e.code()), e.what());
-    return ExitCodeFor(e.code());
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "lorastream-worker: internal error: %s\n", e.what());
-    return ExitCodeFor(ErrorCode::kInternal);
-  }
+  });
 }

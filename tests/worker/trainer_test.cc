@@ -5,11 +5,17 @@
 #include "worker/trainer.h"
 
 
+#include <csignal>
 #include <cstdio>
+#include <limits>
 #include <fstream>
+#include <thread>
 
 
+#include "common/checkpoint_dir.h"
 #include "common/error.h"
+#include "common/safetensors.h"
+#include "common/subprocess.h"
 #include "worker/adamw.h"
 #include "worker_test_util.h"
 
@@ -91,10 +97,12 @@ TEST_CASE("a resumed run ends bit-identical to an uninterrupted one", "[worker]"
   CHECK(first.stopped);
   CHECK(first.steps_done == 3);
   CHECK(std::filesystem::exists(dir / "split/checkpoint-3/trainer_state.safetensors"));
-  CHECK(!std::filesystem::exists(dir / "split/checkpoint-2"));  // older ones removed
+  CHECK(std::filesystem::exists(dir / "split/checkpoint-2"));  // keep_checkpoints = 2
   TrainResult second = RunTraining(spec, o);
   CHECK(second.start_step == 3);
   CHECK(second.steps_done == 6);
+  CHECK(!std::filesystem::exists(dir / "split/checkpoint-3"));  // beyond the newest two
+  CHECK(std::filesystem::exists(dir / "split/checkpoint-4"));
   CHECK(Adapter(dir / "full") == Adapter(dir / "split"));
   CHECK(testing::ReadFile(dir / "full/checkpoint-6/trainer_state.safetensors") ==
         testing::ReadFile(dir / "split/checkpoint-6/trainer_state.safetensors"));
@@ -105,6 +113,108 @@ TEST_CASE("a resumed run ends bit-identical to an uninterrupted one", "[worker]"
   std::string msg;
   CHECK(RefusalOf(spec, &msg) == ErrorCode::kRefused);
   CHECK(msg.find("other settings") != std::string::npos);
+}
+
+TEST_CASE("a damaged checkpoint is never resumed: the previous one is, or the resume fails",
+          "[worker]") {
+  testing::TempDir dir("damaged");
+  testing::MakeCheckpoint(dir / "m", "tiny");
+  testing::WriteJsonl(dir / "d.jsonl", 4, 10, 40, 512);
+  JobSpec spec = testing::TinyJob(dir / "m", dir / "d.jsonl", dir / "full");
+  spec.train.steps = 4;
+  spec.train.checkpoint_every = 1;
+  TrainOptions o;
+  o.threads = 1;  // 2 cores shared with the rest of CI: more threads only spin
+  RunTraining(spec, o);
+
+  spec.train.output_dir = dir / "split";
+  int polls = 0;
+  CHECK(RunTraining(spec, o, {}, [&] { return ++polls > 3; }).steps_done == 3);
+  // One low bit of the newest checkpoint's adapter (the last f32 weight's lowest byte).
+  {
+    std::fstream f(dir / "split/checkpoint-3/adapter_model.safetensors",
+                   std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-4, std::ios::end);
+    char c = 0;
+    f.get(c);
+    f.seekp(-4, std::ios::end);
+    f.put(static_cast<char>(c ^ 1));
+  }
+  TrainResult resumed = RunTraining(spec, o);
+  CHECK(resumed.start_step == 2);  // checkpoint-3 is damaged: checkpoint-2 is used
+  CHECK(Adapter(dir / "full") == Adapter(dir / "split"));
+
+  // The trainer state gone from the only checkpoint: an error, not a silent fresh start.
+  spec.train.output_dir = dir / "gone";
+  spec.train.keep_checkpoints = 1;
+  polls = 0;
+  RunTraining(spec, o, {}, [&] { return ++polls > 2; });
+  std::filesystem::remove(dir / "gone/checkpoint-2/trainer_state.safetensors");
+  std::string msg;
+  CHECK(RefusalOf(spec, &msg) == ErrorCode::kCorrupt);
+  CHECK_THAT(msg, Catch::Contains("no usable checkpoint"));
+  CHECK_THAT(msg, Catch::Contains("checkpoint-2/trainer_state.safetensors: missing"));
+  CHECK(std::filesystem::exists(dir / "gone/checkpoint-2/adapter_model.safetensors"));
+  CHECK(!std::filesystem::exists(dir / "gone/adapter_model.safetensors"));
+}
+
+TEST_CASE("a direct checkpoint load runs the store's validation: layers, NaN weights",
+          "[worker]") {
+  testing::TempDir dir("direct");
+  testing::MakeCheckpoint(dir / "m", "tiny");  // 4 layers
+  testing::WriteJsonl(dir / "d.jsonl", 2, 10, 20, 512);
+  // config.json says 2 layers while the file holds 4: refused, not trained on 2 of them.
+  std::string config = testing::ReadFile(dir / "m/config.json");
+  const size_t at = config.find("\"num_hidden_layers\": 4");
+  REQUIRE(at != std::string::npos);
+  config.replace(at, 22, "\"num_hidden_layers\": 2");
+  std::ofstream(dir / "m/config.json", std::ios::trunc) << config;
+  JobSpec spec = testing::TinyJob(dir / "m", dir / "d.jsonl", dir / "o");
+  std::string msg;
+  CHECK(RefusalOf(spec, &msg) == ErrorCode::kCorrupt);
+  CHECK_THAT(msg, Catch::Contains("config.json has num_hidden_layers = 2"));
+
+  // A NaN in a base weight: refused naming the tensor (not blamed on optim.lr after a step).
+  testing::MakeCheckpoint(dir / "n", "tiny");
+  {
+    SafetensorsFile f = SafetensorsFile::Open(dir / "n/model.safetensors");
+    const SafetensorsEntry* e = f.Find("model.layers.0.self_attn.q_proj.weight");
+    REQUIRE(e != nullptr);
+    const uint64_t offset = f.header().data_offset + e->begin + 4 * sizeof(float);
+    std::fstream out(dir / "n/model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    out.seekp(static_cast<std::streamoff>(offset));
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    out.write(reinterpret_cast<const char*>(&nan), sizeof nan);
+  }
+  spec = testing::TinyJob(dir / "n", dir / "d.jsonl", dir / "o2");
+  CHECK(RefusalOf(spec, &msg) == ErrorCode::kCorrupt);
+  CHECK_THAT(msg, Catch::Contains("model.layers.0.self_attn.q_proj.weight` holds a NaN"));
+}
+
+TEST_CASE("lorastream-worker exits 2 for a bad command line, 3 for a missing job file",
+          "[worker]") {
+  testing::TempDir dir("exit");
+  const std::string bin = std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker";
+  int code = -1;
+  RunAndCapture({bin, "train", "--no-such-flag", "x.toml"}, &code, 120, dir / "err");
+  CHECK(code == 2);
+  RunAndCapture({bin}, &code, 120, dir / "err");
+  CHECK(code == 2);  // a subcommand is required
+  RunAndCapture({bin, "train", dir / "missing.toml"}, &code, 120, dir / "err");
+  CHECK(code == 3);
+}
+
+TEST_CASE("a statistics file that cannot be written fails the job, naming it", "[worker]") {
+  if (!std::filesystem::exists("/dev/full")) return;
+  testing::TempDir dir("full");
+  testing::MakeCheckpoint(dir / "m", "tiny");
+  testing::WriteJsonl(dir / "d.jsonl", 2, 10, 20, 512);
+  JobSpec spec = testing::TinyJob(dir / "m", dir / "d.jsonl", dir / "o");
+  spec.train.steps = 1;
+  spec.train.stats_file = "/dev/full";
+  std::string msg;
+  CHECK(RefusalOf(spec, &msg) == ErrorCode::kIo);
+  CHECK_THAT(msg, Catch::Contains("train.stats_file /dev/full"));
 }
 
 TEST_CASE("jobs that cannot run are refused at start, naming the field", "[worker]") {
@@ -197,6 +307,35 @@ TEST_CASE("lorastream-worker train runs a job file and prints progress", "[worke
   const std::string bad = bin + " train " + (dir / "bad.toml") + " > " + (dir / "log2") + " 2>&1";
   CHECK(std::system(bad.c_str()) != 0);
   CHECK(testing::ReadFile(dir / "log2").find("lora.rank") != std::string::npos);
+}
+
+TEST_CASE("lorastream-worker train saves a checkpoint on SIGTERM and exits 143", "[worker]") {
+  testing::TempDir dir("sigterm");
+  testing::MakeCheckpoint(dir / "m", "tiny");
+  testing::WriteJsonl(dir / "d.jsonl", 3, 10, 30, 512);
+  {
+    std::ofstream job(dir / "job.toml");
+    job << "name = \"sig\"\n[model]\ncheckpoint = \"" << (dir / "m") << "\"\n[data]\npath = \""
+        << (dir / "d.jsonl") << "\"\nseq_len = 16\n[lora]\nrank = 2\n[train]\nsteps = 100000\n"
+        << "output_dir = \"" << (dir / "out") << "\"\n";
+  }
+  const std::string bin = std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker";
+  SpawnOptions so;
+  so.log_path = dir / "log";
+  Subprocess p = Subprocess::Spawn({bin, "train", dir / "job.toml", "--threads", "1"}, so);
+  // Wait (with a deadline) for training to be under way, then ask it to stop.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (testing::ReadFile(dir / "log").find("step 2/100000") == std::string::npos &&
+         std::chrono::steady_clock::now() < deadline && p.Running())
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  p.Signal(SIGTERM);
+  CHECK(p.Wait(120) == 143);
+  const std::string log = testing::ReadFile(dir / "log");
+  INFO(log);
+  CHECK_THAT(log, Catch::Contains("stopped by signal 15 at step"));
+  const std::string checkpoint = FindResumableCheckpoint(dir / "out");
+  CHECK(!checkpoint.empty());
+  CHECK(CheckpointStepOf(std::filesystem::path(checkpoint).filename().string()) >= 2);
 }
 
 TEST_CASE("the progress line shows streaming and peak memory only when there are some",

@@ -1,0 +1,155 @@
+#include "common/checkpoint_dir.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <optional>
+#include <set>
+
+#include "common/checkpoint_manifest.h"
+#include "common/error.h"
+#include "common/log.h"
+#include "common/remove_tree.h"
+#include "common/safetensors.h"
+
+namespace lorastream {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr const char* kPrefix = "checkpoint-";
+
+// A complete checkpoint's trainer-state metadata, without checksums; nullopt when the
+// folder has no usable manifest or trainer state.
+std::optional<TrainerStateMeta> ReadCompleteCheckpoint(const CheckpointEntry& c) {
+  try {
+    ReadCheckpointManifest(c.dir, CheckpointRequiredFiles());
+    const std::string state = (fs::path(c.dir) / kTrainerStateFile).string();
+    return ParseTrainerStateMetadata(SafetensorsFile::Open(state).header().metadata, state);
+  } catch (const Error&) {
+    return std::nullopt;
+  }
+}
+
+}  // namespace
+
+const std::vector<std::string>& CheckpointRequiredFiles() {
+  static const std::vector<std::string> names = {"adapter_model.safetensors", "adapter_config.json",
+                                                 kTrainerStateFile};
+  return names;
+}
+
+std::string CheckpointFolderName(int64_t step) { return kPrefix + std::to_string(step); }
+
+int64_t CheckpointStepOf(const std::string& name) {
+  const std::string prefix = kPrefix;
+  if (name.rfind(prefix, 0) != 0 || name.size() == prefix.size() ||
+      name.size() > prefix.size() + 18)
+    return -1;
+  int64_t n = 0;
+  for (size_t i = prefix.size(); i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9') return -1;
+    n = n * 10 + (name[i] - '0');
+  }
+  return CheckpointFolderName(n) == name ? n : -1;  // no leading zeros: one name per step
+}
+
+std::vector<CheckpointEntry> ListCheckpoints(const std::string& output_dir) {
+  std::vector<CheckpointEntry> out;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(output_dir, ec)) {
+    const int64_t step = CheckpointStepOf(entry.path().filename().string());
+    if (step >= 0 && entry.is_directory(ec) && !entry.is_symlink(ec))
+      out.push_back({step, entry.path().string()});
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.step > b.step; });
+  return out;
+}
+
+void RemoveStaleCheckpointTemporaries(const std::string& output_dir) {
+  std::error_code ec;
+  std::vector<fs::path> stale;
+  for (const auto& entry : fs::directory_iterator(output_dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.size() > 5 && name[0] == '.' && name.compare(name.size() - 4, 4, ".tmp") == 0 &&
+        CheckpointStepOf(name.substr(1, name.size() - 5)) >= 0)
+      stale.push_back(entry.path());
+  }
+  for (const auto& path : stale) {
+    LS_LOG_WARN("removing {}: an unfinished checkpoint left by an interrupted save", path.string());
+    RemoveTree(path.string());
+  }
+}
+
+TrainerStateMeta VerifyCheckpoint(const CheckpointEntry& c) {
+  VerifyCheckpointFiles(c.dir, CheckpointRequiredFiles());
+  const std::string state = (fs::path(c.dir) / kTrainerStateFile).string();
+  TrainerStateMeta meta =
+      ParseTrainerStateMetadata(SafetensorsFile::Open(state).header().metadata, state);
+  if (meta.step != c.step)
+    throw Error(ErrorCode::kCorrupt, state + ": records step " + std::to_string(meta.step) +
+                                         " in a folder named " + CheckpointFolderName(c.step));
+  return meta;
+}
+
+std::string FindResumableCheckpoint(const std::string& output_dir) {
+  const auto checkpoints = ListCheckpoints(output_dir);
+  std::string faults;
+  for (const auto& c : checkpoints) {
+    try {
+      VerifyCheckpoint(c);
+      if (!faults.empty())
+        LS_LOG_WARN("resuming from {}, the newest checkpoint that verifies", c.dir);
+      return c.dir;
+    } catch (const Error& e) {
+      LS_LOG_WARN("checkpoint {} is damaged and is not used: {}", c.dir, e.what());
+      faults += "\n  " + std::string(e.what());
+    }
+  }
+  if (!checkpoints.empty())
+    throw Error(ErrorCode::kCorrupt,
+                output_dir +
+                    ": no usable checkpoint to resume from (restore one, or use another "
+                    "train.output_dir to start afresh):" +
+                    faults);
+  return "";
+}
+
+std::string FindBestCheckpoint(const std::string& output_dir) {
+  std::string best;
+  double best_loss = 0;
+  for (const auto& c : ListCheckpoints(output_dir)) {
+    auto meta = ReadCompleteCheckpoint(c);
+    if (meta && std::isfinite(meta->eval_loss) && (best.empty() || meta->eval_loss < best_loss)) {
+      best = c.dir;
+      best_loss = meta->eval_loss;
+    }
+  }
+  return best;
+}
+
+void PruneCheckpoints(const std::string& output_dir, int64_t current_step, int64_t keep,
+                      bool keep_best) {
+  LS_CHECK(keep >= 1, "keep_checkpoints must be >= 1");
+  std::set<std::string> kept;
+  std::string best;
+  double best_loss = 0;
+  int64_t complete = 0;
+  const auto checkpoints = ListCheckpoints(output_dir);
+  for (const auto& c : checkpoints) {  // newest first
+    if (c.step > current_step) continue;
+    auto meta = ReadCompleteCheckpoint(c);
+    if (!meta) continue;
+    if (complete++ < keep) kept.insert(c.dir);
+    if (std::isfinite(meta->eval_loss) && (best.empty() || meta->eval_loss < best_loss)) {
+      best = c.dir;
+      best_loss = meta->eval_loss;
+    }
+  }
+  if (keep_best && !best.empty()) kept.insert(best);
+  for (const auto& c : checkpoints)
+    if (!kept.count(c.dir)) RemoveTree(c.dir);
+}
+
+}  // namespace lorastream

@@ -1,0 +1,16 @@
+// Text from users (job names, reasons, paths, job files) printed to a terminal or a log:
+// control characters are escaped, so an escape sequence in a job name cannot move the
+// cursor, recolour or retitle the operator's terminal.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+namespace lorastream {
+
+// C0 controls and DEL become \xNN (\n and \t too unless keep_newlines), C1 controls
+// (U+0080-U+009F) become \u00NN, bytes that are not valid UTF-8 become \xNN; everything
+// else, valid UTF-8 included, is unchanged. With keep_newlines, '\n' stays (multi-line text).
+std::string TerminalSafe(std::string_view text, bool keep_newlines = false);
+
+}  // namespace lorastream
