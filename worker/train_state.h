@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <string>
 
 #include <c10/core/Device.h>
@@ -20,6 +21,7 @@ struct TrainState {
   int64_t samples_seen = 0;  // sequences consumed (the data position)
   uint64_t seed = 0;
   std::string fingerprint;
+  double eval_loss = std::numeric_limits<double>::quiet_NaN();  // NaN: no eval at this step
 };
 
 // Writes OUTPUT_DIR/checkpoint-<step> (via a temporary folder renamed into place), then

@@ -16,7 +16,7 @@
 #include "common/job_spec.h"
 #include "common/remove_tree.h"
 #include "store/synth.h"
-#include "worker/data.h"
+#include "common/data.h"
 #include "worker/stream_provider.h"
 #include "worker/trainer.h"
 

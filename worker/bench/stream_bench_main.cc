@@ -30,7 +30,7 @@
 #include "common/log.h"
 #include "common/remove_tree.h"
 #include "store/attach.h"
-#include "worker/data.h"
+#include "common/data.h"
 #include "worker/stream_budget.h"
 #include "worker/stream_engine.h"
 #include "worker/stream_provider.h"
