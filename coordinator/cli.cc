@@ -8,17 +8,21 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
+#include <memory>
 #include <sstream>
 
 #include <CLI/CLI.hpp>
 
 #include "common/error.h"
+#include "common/job_data.h"
 #include "common/job_spec.h"
 #include "common/log.h"
 #include "coordinator/cli_format.h"
 #include "coordinator/client.h"
 #include "coordinator/coordinator_server.h"
 #include "coordinator/curve.h"
+#include "coordinator/tensorboard.h"
 #include "coordinator/up.h"
 #include "coordinator/watch_view.h"
 
@@ -39,12 +43,19 @@ Client Connect(const GlobalOptions& g) {
 }
 
 int RunCoordinator(const GlobalOptions& g, ServerOptions options, const std::string& log_level,
-                   const std::string& log_file) {
+                   const std::string& log_file, const std::string& tensorboard_dir) {
   InitLogging("coordinator", log_level, log_file);
   options.curve_keys_dir = g.curve_keys;
   options.coordinator.validator = [](const JobSpec& spec) {
     return ValidateJobSpec(spec, nullptr);
   };
+  if (!tensorboard_dir.empty()) {
+    auto writer = std::make_shared<TensorBoardWriter>(tensorboard_dir);
+    LS_LOG_INFO("tensorboard: one run per job under {}", writer->dir());
+    options.coordinator.on_stats = [writer](const JobSummary& job, const StepStats& stats) {
+      writer->Write(job, stats);
+    };
+  }
   CoordinatorServer server(options);
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
@@ -59,6 +70,33 @@ std::string ReadFile(const std::string& path) {
   std::ostringstream text;
   text << in.rdbuf();
   return text.str();
+}
+
+// For a job by epochs: the data's sequences and the steps they make, as the worker will
+// compute them ("" when the data cannot be read here; the worker then says it).
+std::string DescribeSteps(const JobSpec& spec) {
+  if (spec.train.epochs <= 0) return "";
+  try {
+    // The model's vocabulary is not known here: ids are checked by the worker.
+    return DescribeJobData(spec, LoadJobData(spec, std::numeric_limits<int32_t>::max()));
+  } catch (const std::exception& e) {
+    return std::string("steps: computed by the worker (the data is not readable here: ") +
+           e.what() + ")";
+  }
+}
+
+// OUTPUT_DIR/best_checkpoint, written by the trainer's checkpoint retention (train.keep_best),
+// names the checkpoint folder with the lowest eval loss; "" when there is none.
+std::string BestCheckpoint(const std::string& output_dir) {
+  if (output_dir.empty()) return "";
+  std::ifstream in(std::filesystem::path(output_dir) / "best_checkpoint");
+  std::string line;
+  if (!in || !std::getline(in, line)) return "";
+  while (!line.empty() && (line.back() == '\r' || line.back() == ' ')) line.pop_back();
+  if (line.empty()) return "";
+  std::filesystem::path p(line);
+  if (p.is_relative()) p = std::filesystem::path(output_dir) / p;
+  return p.lexically_normal().string();
 }
 
 int RunSubmit(const GlobalOptions& g, const std::string& path, int64_t* priority, bool json,
@@ -82,12 +120,15 @@ int RunSubmit(const GlobalOptions& g, const std::string& path, int64_t* priority
     for (const std::string& p : reply.problems) std::cerr << "  " << p << "\n";
     return ExitCodeFor(ErrorCode::kRefused);
   }
-  if (json)
+  if (json) {
     std::cout << nlohmann::json{{"job_id", reply.job_id}, {"problems", nlohmann::json::array()}}.dump(2) << "\n";
-  else if (quiet)
+  } else if (quiet) {
     std::cout << reply.job_id << "\n";
-  else
+  } else {
     std::cout << "job " << reply.job_id << " submitted: " << req.spec.name << "\n";
+    const std::string steps = DescribeSteps(req.spec);
+    if (!steps.empty()) std::cout << "  " << steps << "\n";
+  }
   return 0;
 }
 
@@ -140,6 +181,9 @@ int RunLorastreamCli(int argc, char** argv) {
                   "allow a non-loopback bind without CURVE (anyone who can reach it controls it)");
   coord->add_option("--log-level", log_level, "trace|debug|info|warn|error")->capture_default_str();
   coord->add_option("--log-file", log_file, "also log to this file");
+  std::string tensorboard_dir;
+  coord->add_option("--tensorboard", tensorboard_dir,
+                    "write TensorBoard event files here, one run per job (job-ID-NAME/)");
 
   // submit
   std::string job_file;
@@ -214,6 +258,8 @@ int RunLorastreamCli(int argc, char** argv) {
       ->check(CLI::Range(1, 64));
   up->add_flag("--keep", up_options.keep, "leave the cluster running at the end");
   up->add_flag("--no-watch", no_watch, "no live view; wait quietly for the jobs");
+  up->add_option("--tensorboard", up_options.tensorboard_dir,
+                 "the coordinator writes TensorBoard event files here, one run per job");
 
   try {
     app.parse(argc, argv);
@@ -222,7 +268,7 @@ int RunLorastreamCli(int argc, char** argv) {
   }
 
   try {
-    if (coord->parsed()) return RunCoordinator(g, server, log_level, log_file);
+    if (coord->parsed()) return RunCoordinator(g, server, log_level, log_file, tensorboard_dir);
     if (up->parsed()) {
       up_options.watch = !no_watch;
       return RunUp(up_options);
@@ -251,13 +297,15 @@ int RunLorastreamCli(int argc, char** argv) {
     }
     if (show->parsed()) {
       ShowJobReply reply = client.Call(ShowJobRequest{job_id});
+      const std::string best = BestCheckpoint(reply.job.output_dir);
       if (json) {
         nlohmann::json out = ToJson(reply.job);
         out["retries"] = reply.retries;
         out["spec_toml"] = reply.spec_toml;
+        out["best_checkpoint"] = best.empty() ? nlohmann::json(nullptr) : nlohmann::json(best);
         std::cout << out.dump(2) << "\n";
       } else {
-        std::cout << JobDetails(reply);
+        std::cout << JobDetails(reply, best);
       }
       return 0;
     }

@@ -35,6 +35,9 @@ struct CoordinatorOptions {
   double reconcile_timeout_s = -1;
   int stats_rows_per_job = 2000;  // downsampling target of the journal's statistics
   JobValidator validator;         // required
+  // Called with every step report as it arrives (after the job's summary took it): the
+  // TensorBoard writer hangs here. Exceptions it throws are logged, never answered.
+  std::function<void(const JobSummary& job, const StepStats& stats)> on_stats;
 };
 
 class Coordinator {
