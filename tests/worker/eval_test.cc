@@ -144,8 +144,8 @@ TEST_CASE("eval runs every N steps, at checkpoints and at the end; streamed equa
       const Run streamed = Train(with_eval, true, swap, ring);
       REQUIRE(streamed.stats.size() == 5);
       for (size_t i = 0; i < 5; ++i) {
-        CHECK(BitEqual(streamed.stats[i].eval_loss, resident.stats[i].eval_loss) ==
-              resident.stats[i].has_eval());
+        CHECK(streamed.stats[i].has_eval() == resident.stats[i].has_eval());
+        CHECK(BitEqual(streamed.stats[i].eval_loss, resident.stats[i].eval_loss));
         CHECK(BitEqual(streamed.losses[i], resident.losses[i]));
       }
       CHECK(streamed.adapter == resident.adapter);
