@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "common/error.h"
+#include "common/job_paths.h"
 #include "common/toml_file.h"
 
 namespace lorastream {
@@ -134,10 +135,21 @@ JobSpec ParseJobSpec(const std::string& toml_text, const std::string& source) {
   return s;
 }
 
-void ResolveJobSpec(JobSpec& s) {
-  auto absolute = [](std::string& p) {
-    if (!p.empty()) p = fs::absolute(fs::path(p)).lexically_normal().string();
-  };
+std::string ResolveJobPath(const std::string& path, const std::string& base_dir) {
+  if (path.empty()) return path;
+  fs::path p(path);
+  if (p.is_relative() && !base_dir.empty()) p = fs::path(base_dir) / p;
+  return fs::absolute(p).lexically_normal().string();
+}
+
+std::string JobFileDir(const std::string& job_path) {
+  return fs::absolute(fs::path(job_path)).parent_path().lexically_normal().string();
+}
+
+void ResolveJobSpec(JobSpec& s) { ResolveJobSpecIn(s, ""); }
+
+void ResolveJobSpecIn(JobSpec& s, const std::string& base_dir) {
+  auto absolute = [&base_dir](std::string& p) { p = ResolveJobPath(p, base_dir); };
   absolute(s.model.checkpoint);
   absolute(s.data.path);
   absolute(s.train.output_dir);
@@ -338,7 +350,7 @@ JobSpec LoadJobSpec(const std::string& path, const ModelConfig* model) {
   std::stringstream buffer;
   buffer << in.rdbuf();
   JobSpec spec = ParseJobSpec(buffer.str(), path);
-  ResolveJobSpec(spec);
+  ResolveJobSpecIn(spec, JobFileDir(path));
   RequireValidJobSpec(spec, model);
   return spec;
 }

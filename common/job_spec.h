@@ -72,8 +72,8 @@
 //                                 #   the engine plans the resident set from it instead
 //   ring_size = 2                 # GPU slots for streamed blocks (>= 1)
 //
-// Relative paths are resolved against the current directory of the process that loads the
-// file (LoadJobSpec makes them absolute, so a spec travelling to a worker stays valid).
+// Relative paths inside the file resolve against the file's own folder (common/job_paths.h;
+// LoadJobSpec makes them absolute, so a spec travelling to a worker stays valid).
 #pragma once
 
 #include <cstdint>
@@ -193,8 +193,8 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& spec, const ModelConfig*
 // every problem (one per line) when ValidateJobSpec finds any.
 JobSpec LoadJobSpec(const std::string& path, const ModelConfig* model = nullptr);
 
-// Makes the paths absolute against the current directory and fills data.format from the
-// extension when empty (LoadJobSpec calls it; exposed for specs built from text).
+// Makes the paths absolute against the current directory (job_paths.h: against a folder) and
+// fills data.format from the extension when empty (exposed for specs built from text).
 void ResolveJobSpec(JobSpec& spec);
 
 // Throws Error(kRefused) listing the problems when there are any.

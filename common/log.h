@@ -4,12 +4,21 @@
 
 #include <string>
 
+// LS_LOG_DEBUG compiles in (spdlog drops calls below SPDLOG_ACTIVE_LEVEL at compile time);
+// whether it prints is decided at run time by the logger's level (LORASTREAM_LOG=debug).
+#ifndef SPDLOG_ACTIVE_LEVEL
+#define SPDLOG_ACTIVE_LEVEL SPDLOG_LEVEL_DEBUG
+#endif
 #include <spdlog/spdlog.h>
+static_assert(SPDLOG_ACTIVE_LEVEL <= SPDLOG_LEVEL_DEBUG,
+              "spdlog was included before common/log.h: LS_LOG_DEBUG would be compiled out");
 
 namespace lorastream {
 
 // Sets up the process-wide logger: `name` prefixes each line; `file` (optional) gets a copy.
-// level: "trace", "debug", "info", "warn", "error".
+// level: "trace", "debug", "info", "warn", "error", "off". The environment variable
+// LORASTREAM_LOG, when set to one of these, overrides `level` (e.g. LORASTREAM_LOG=debug);
+// an unknown value there is reported on stderr and ignored.
 void InitLogging(const std::string& name, const std::string& level = "info",
                  const std::string& file = "");
 

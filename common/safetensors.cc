@@ -55,12 +55,6 @@ int MaxNesting(const char* text, size_t n) {
   return max_depth;
 }
 
-std::string ShapeString(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
 void ParseMetadata(const Json& value, const std::string& source,
                    std::map<std::string, std::string>* out) {
   if (!value.is_object()) Corrupt(source, "`__metadata__` must be an object of strings");
@@ -196,6 +190,12 @@ SafetensorsHeader ParseSafetensorsHeader(const uint8_t* data, size_t size,
     previous = &e;
   }
   return header;
+}
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
 }
 
 }  // namespace lorastream

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "common/memory_mapping.h"
 #include "common/model_config.h"
 
 namespace lorastream {
@@ -31,6 +32,9 @@ struct SafetensorsEntry {
   uint64_t nbytes() const { return end - begin; }
   uint64_t numel() const;
 };
+
+// "[32, 128]": a shape as every message about tensors writes it.
+std::string ShapeString(const std::vector<int64_t>& shape);
 
 struct SafetensorsHeader {
   std::vector<SafetensorsEntry> tensors;  // sorted by begin offset
@@ -63,8 +67,7 @@ class SafetensorsFile {
   SafetensorsFile() = default;
   std::string path_;
   SafetensorsHeader header_;
-  const uint8_t* map_ = nullptr;
-  size_t map_size_ = 0;
+  MemoryMapping mapping_;
 };
 
 // A Hugging Face checkpoint folder: config.json plus model.safetensors, or shards listed in

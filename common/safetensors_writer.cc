@@ -15,6 +15,7 @@
 
 #include "common/error.h"
 #include "common/safetensors.h"
+#include "common/unique_fd.h"
 
 namespace lorastream {
 
@@ -40,26 +41,25 @@ class TempFile {
  public:
   explicit TempFile(const std::string& path)
       : path_(path), temp_(path + ".tmp." + std::to_string(::getpid())) {
-    fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd_ < 0) ThrowErrno(temp_ + ": cannot create");
+    fd_.Reset(::open(temp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    if (!fd_.valid()) ThrowErrno(temp_ + ": cannot create");
   }
   ~TempFile() {
-    if (fd_ >= 0) ::close(fd_);
+    fd_.Reset();
     if (!committed_) ::unlink(temp_.c_str());
   }
-  int fd() const { return fd_; }
+  int fd() const { return fd_.get(); }
   const std::string& temp() const { return temp_; }
   void Commit() {
-    int fd = fd_;
-    fd_ = -1;
-    if (::close(fd) != 0) ThrowErrno(temp_ + ": close failed");
+    // close's own result matters here (a delayed write error), so it is not left to Reset.
+    if (::close(fd_.Release()) != 0) ThrowErrno(temp_ + ": close failed");
     if (::rename(temp_.c_str(), path_.c_str()) != 0) ThrowErrno(path_ + ": rename failed");
     committed_ = true;
   }
 
  private:
   std::string path_, temp_;
-  int fd_ = -1;
+  UniqueFd fd_;
   bool committed_ = false;
 };
 

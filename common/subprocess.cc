@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "common/error.h"
+#include "common/unique_fd.h"
 
 extern char** environ;
 
@@ -39,37 +40,37 @@ pid_t ForkExec(const std::vector<std::string>& argv, const SpawnOptions& options
   for (auto& e : env_strings) env.push_back(e.data());
   env.push_back(nullptr);
 
-  int log_fd = -1;
+  // Owned, so that a failing pipe2 or fork leaves no descriptor behind.
+  UniqueFd log_fd;
   if (!options.log_path.empty()) {
-    log_fd = open(options.log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-    if (log_fd < 0) ThrowErrno("cannot open log file " + options.log_path);
+    log_fd.Reset(open(options.log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
+    if (!log_fd.valid()) ThrowErrno("cannot open log file " + options.log_path);
   }
-  int report[2];
-  if (pipe2(report, O_CLOEXEC) != 0) ThrowErrno("pipe");
+  UniquePipe report = MakePipe(O_CLOEXEC, "pipe");
   pid_t pid = fork();
   if (pid < 0) ThrowErrno("fork");
   if (pid == 0) {
     if (options.new_session) setsid();
-    if (log_fd >= 0) {
-      dup2(log_fd, STDOUT_FILENO);
-      dup2(log_fd, STDERR_FILENO);
+    if (log_fd.valid()) {
+      dup2(log_fd.get(), STDOUT_FILENO);
+      dup2(log_fd.get(), STDERR_FILENO);
     }
     if (stdout_fd >= 0) dup2(stdout_fd, STDOUT_FILENO);
     signal(SIGPIPE, SIG_DFL);
     execvpe(args[0], args.data(), env.data());
     int err = errno;
-    ssize_t ignored = write(report[1], &err, sizeof err);
+    ssize_t ignored = write(report.write_end.get(), &err, sizeof err);
     (void)ignored;
     _exit(127);
   }
-  close(report[1]);
-  if (log_fd >= 0) close(log_fd);
+  report.write_end.Reset();  // now only the child's copy (closed by exec) keeps it open
+  log_fd.Reset();
   int child_errno = 0;
   ssize_t n;
   do {
-    n = read(report[0], &child_errno, sizeof child_errno);
+    n = read(report.read_end.get(), &child_errno, sizeof child_errno);
   } while (n < 0 && errno == EINTR);
-  close(report[0]);
+  report.read_end.Reset();
   if (n == sizeof child_errno) {
     waitpid(pid, nullptr, 0);
     throw Error(ErrorCode::kIo, "cannot start " + argv[0] + ": " + std::strerror(child_errno));
@@ -148,28 +149,19 @@ int Subprocess::Stop(double grace_s) {
 
 std::string RunAndCapture(const std::vector<std::string>& argv, int* exit_code,
                           double timeout_s, const std::string& stderr_path) {
-  int out[2];
-  if (pipe2(out, O_CLOEXEC) != 0) ThrowErrno("pipe");
+  UniquePipe out = MakePipe(O_CLOEXEC, "pipe");
   SpawnOptions options;
   options.log_path = stderr_path;
-  pid_t pid;
-  try {
-    pid = ForkExec(argv, options, out[1]);
-  } catch (...) {
-    close(out[0]);
-    close(out[1]);
-    throw;
-  }
-  close(out[1]);
-  Subprocess child(pid);
+  Subprocess child(ForkExec(argv, options, out.write_end.get()));
+  out.write_end.Reset();  // the child holds its own copy: EOF comes when it exits
   std::string output;
   auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
   char buffer[4096];
   for (;;) {
-    pollfd pfd{out[0], POLLIN, 0};
+    pollfd pfd{out.read_end.get(), POLLIN, 0};
     int ready = poll(&pfd, 1, 100);
     if (ready > 0) {
-      ssize_t n = read(out[0], buffer, sizeof buffer);
+      ssize_t n = read(out.read_end.get(), buffer, sizeof buffer);
       if (n > 0) {
         output.append(buffer, static_cast<size_t>(n));
         continue;
@@ -178,7 +170,7 @@ std::string RunAndCapture(const std::vector<std::string>& argv, int* exit_code,
     }
     if (std::chrono::steady_clock::now() >= deadline) break;
   }
-  close(out[0]);
+  out.read_end.Reset();
   double left = std::chrono::duration<double>(deadline - std::chrono::steady_clock::now()).count();
   int code = child.Wait(left > 0 ? left : 0);
   if (code == -1) code = child.Stop(1);  // ran past its time

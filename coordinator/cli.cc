@@ -16,12 +16,14 @@
 
 #include "common/error.h"
 #include "common/job_data.h"
+#include "common/job_paths.h"
 #include "common/job_spec.h"
 #include "common/log.h"
 #include "coordinator/cli_format.h"
 #include "coordinator/client.h"
 #include "coordinator/coordinator_server.h"
 #include "coordinator/curve.h"
+#include "coordinator/doctor.h"
 #include "coordinator/tensorboard.h"
 #include "coordinator/up.h"
 #include "coordinator/watch_view.h"
@@ -103,10 +105,11 @@ int RunSubmit(const GlobalOptions& g, const std::string& path, int64_t* priority
               bool quiet) {
   SubmitRequest req;
   req.spec_toml = ReadFile(path);
-  // Parsed and resolved here: relative paths mean what they mean where the user typed them.
+  // Parsed and resolved here: the file's path is relative to where the user typed it, the
+  // paths inside it to the file's own folder.
   std::string source = std::filesystem::absolute(path).lexically_normal().string();
   req.spec = ParseJobSpec(req.spec_toml, source);
-  ResolveJobSpec(req.spec);
+  ResolveJobSpecIn(req.spec, JobFileDir(source));
   if (priority) req.spec.priority = *priority;
   Client client = Connect(g);
   SubmitReply reply = client.Call(req);
@@ -154,7 +157,9 @@ int RunLorastreamCli(int argc, char** argv) {
                  "folder of CURVE keys from `lorastream keygen` (the daemon loads "
                  "coordinator.*, clients load coordinator.pub + client.*)")
       ->envname("LORASTREAM_CURVE_KEYS");
-  app.add_option("--timeout", g.timeout_s, "seconds to wait for each reply")->capture_default_str();
+  CLI::Option* timeout_opt =
+      app.add_option("--timeout", g.timeout_s, "seconds to wait for each reply")
+          ->capture_default_str();
 
   // coordinator
   ServerOptions server;
@@ -261,6 +266,14 @@ int RunLorastreamCli(int argc, char** argv) {
   up->add_option("--tensorboard", up_options.tensorboard_dir,
                  "the coordinator writes TensorBoard event files here, one run per job");
 
+  // doctor
+  CLI::App* doctor = app.add_subcommand(
+      "doctor",
+      "what this machine and build can do (build, GPUs, memlock, /dev/shm, huge "
+      "pages, host registration, stores, coordinator), each problem with its fix; "
+      "exit 1 when it finds a problem");
+  doctor->add_flag("--json", json, "JSON object");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -269,6 +282,12 @@ int RunLorastreamCli(int argc, char** argv) {
 
   try {
     if (coord->parsed()) return RunCoordinator(g, server, log_level, log_file, tensorboard_dir);
+    if (doctor->parsed()) {
+      // A short wait for the coordinator unless --timeout says otherwise: doctor reports,
+      // it does not wait.
+      DoctorOptions d{g.endpoint, g.curve_keys, timeout_opt->count() ? g.timeout_s : 2.0, ""};
+      return RunDoctor(d, json, std::cout);
+    }
     if (up->parsed()) {
       up_options.watch = !no_watch;
       return RunUp(up_options);

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <sstream>
 
+#include "common/format_bytes.h"
 #include "common/step_stats_json.h"
 
 namespace lorastream {
@@ -30,19 +31,6 @@ std::string FormatDuration(double seconds) {
     std::snprintf(buf, sizeof(buf), "%ld:%02ld:%02ld", total / 3600, (total / 60) % 60, total % 60);
   else
     std::snprintf(buf, sizeof(buf), "%ld:%02ld", total / 60, total % 60);
-  return buf;
-}
-
-std::string FormatBytes(uint64_t bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(bytes);
-  int u = 0;
-  while (v >= 1024 && u < 4) {
-    v /= 1024;
-    ++u;
-  }
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), u == 0 ? "%.0f %s" : "%.1f %s", v, units[u]);
   return buf;
 }
 

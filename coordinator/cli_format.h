@@ -26,7 +26,6 @@ std::string StatsJson(int64_t job_id, const std::vector<StepStats>& stats);
 
 // "1:02:03", "4:05", "-" for an unknown duration.
 std::string FormatDuration(double seconds);
-std::string FormatBytes(uint64_t bytes);  // "1.5 GiB"
 // "step 12/100", or "step 12" when the total is unknown.
 std::string FormatProgress(const JobSummary& job);
 

@@ -17,7 +17,10 @@
 #include <toml++/toml.h>
 
 #include "common/error.h"
+#include "common/gpu_info.h"
+#include "common/job_paths.h"
 #include "common/log.h"
+#include "common/unique_fd.h"
 #include "store/attach.h"
 
 namespace lorastream {
@@ -33,19 +36,16 @@ double Now() {
 
 // A loopback TCP port that is free now (the coordinator binds it right after).
 int FreeLoopbackPort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) ThrowErrno("socket");
+  UniqueFd fd(socket(AF_INET, SOCK_STREAM, 0));
+  if (!fd.valid()) ThrowErrno("socket");
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   addr.sin_port = 0;
   socklen_t len = sizeof addr;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    close(fd);
+  if (bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+      getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len) != 0)
     ThrowErrno("bind a loopback port");
-  }
-  close(fd);
   return ntohs(addr.sin_port);
 }
 
@@ -66,31 +66,7 @@ std::string Tail(const std::string& path, size_t max_lines = 15) {
 
 }  // namespace
 
-std::vector<std::string> DetectGpus() {
-  int code = 0;
-  std::string out;
-  try {
-    out = RunAndCapture({"nvidia-smi", "-L"}, &code, 20, "/dev/null");
-  } catch (const Error&) {
-    return {};  // no nvidia-smi: no GPU
-  }
-  if (code != 0) return {};
-  int count = 0;
-  std::istringstream lines(out);
-  for (std::string line; std::getline(lines, line);)
-    if (line.rfind("GPU ", 0) == 0) ++count;
-  // CUDA_VISIBLE_DEVICES renumbers the visible GPUs from 0.
-  if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES")) {
-    std::string v = visible;
-    int n = v.empty() ? 0 : 1;
-    for (char c : v) n += c == ',';
-    if (v == "-1" || v == "none") n = 0;
-    count = std::min(count, n);
-  }
-  std::vector<std::string> devices;
-  for (int i = 0; i < count; ++i) devices.push_back("cuda:" + std::to_string(i));
-  return devices;
-}
+std::vector<std::string> DetectGpus() { return VisibleCudaDevices(); }
 
 LocalCluster::LocalCluster(LocalClusterOptions options) : options_(std::move(options)) {
   if (options_.run_dir.empty())
@@ -304,6 +280,16 @@ int64_t LocalCluster::Submit(const std::string& job_path) {
     throw Error(ErrorCode::kCorrupt, job_path + ": key `train` must be a table");
   toml::table& train = *job["train"].as_table();
   train.insert_or_assign("output_dir", options_.run_dir + "/adapters/" + stem);
+  // The copy lives in another folder: the relative paths it holds are made absolute against
+  // the original's folder, where they pointed (ResolveJobPath, the rule LoadJobSpec follows).
+  const std::string job_dir = JobFileDir(job_path);
+  for (const char* key : {"data.path", "train.stats_file"}) {
+    toml::node* node = job.at_path(key).node();
+    if (node && node->is_string()) {
+      std::string& path = node->as_string()->get();
+      path = ResolveJobPath(path, job_dir);
+    }
+  }
   std::string copy = options_.run_dir + "/jobs/" + fs::path(job_path).filename().string();
   {
     std::ofstream out(copy);

@@ -27,8 +27,8 @@ struct LocalClusterOptions {
   std::string tensorboard_dir;       // the coordinator's --tensorboard ("" = none)
 };
 
-// Devices of this host: "cuda:i" for each GPU nvidia-smi lists (CUDA_VISIBLE_DEVICES
-// respected), none when there is no GPU or no nvidia-smi.
+// Devices of this host: "cuda:i" for each visible GPU (common/gpu_info.h: nvidia-smi or the
+// driver's /proc folder, CUDA_VISIBLE_DEVICES respected), none when there is no GPU.
 std::vector<std::string> DetectGpus();
 
 class LocalCluster {
@@ -59,7 +59,7 @@ class LocalCluster {
 
   // Copies a job file into run_dir/jobs/ with [model] store set to this cluster's store and
   // [train] output_dir set to run_dir/adapters/<file stem>, then submits it; returns the job
-  // id. Relative paths in the job (its data) stay relative to the current directory.
+  // id. Relative paths in the job (its data) are made absolute against the job file's folder.
   int64_t Submit(const std::string& job_path);
   // Runs `lorastream ARGS --coordinator ENDPOINT` and returns its stdout; *exit_code gets its
   // exit status (throws when null and the status is not 0).

@@ -12,13 +12,12 @@
 #include <thread>
 
 #include "common/error.h"
+#include "common/gpu_info.h"
+#include "common/install_paths.h"
 #include "common/log.h"
+#include "coordinator/build_info.h"
 #include "coordinator/local_cluster.h"
 #include "coordinator/tensorboard.h"
-
-#ifndef LORASTREAM_SOURCE_DIR
-#define LORASTREAM_SOURCE_DIR "."
-#endif
 
 namespace lorastream {
 
@@ -28,12 +27,6 @@ namespace {
 
 std::atomic<int> g_stop_signal{0};
 void OnSignal(int sig) { g_stop_signal = sig; }
-
-std::string SelfDir() {
-  std::error_code ec;
-  fs::path self = fs::read_symlink("/proc/self/exe", ec);
-  return ec ? std::string() : self.parent_path().string();
-}
 
 std::string DefaultRunDir() {
   char stamp[32];
@@ -83,20 +76,23 @@ std::string LastStepSummary(const nlohmann::json& job) {
 
 int RunUp(const UpOptions& options) {
   LocalClusterOptions co;
-  co.bin_dir = options.bin_dir.empty() ? SelfDir() : options.bin_dir;
-  co.run_dir = fs::absolute(options.run_dir.empty() ? DefaultRunDir() : options.run_dir);
+  co.bin_dir = options.bin_dir.empty() ? SelfExeDir() : options.bin_dir;
   co.model_dir = options.model_dir;
   co.preset = options.preset;
-  co.devices = options.devices;
+  co.devices = options.devices.empty() ? DetectGpus() : options.devices;
   co.cpu_workers = options.cpu_workers;
   if (!options.tensorboard_dir.empty()) {
     // Checked here, before anything starts: a bad folder is an error of this command.
     co.tensorboard_dir = TensorBoardWriter(options.tensorboard_dir).dir();
   }
-  std::string configs =
-      options.configs_dir.empty() ? std::string(LORASTREAM_SOURCE_DIR) + "/configs"
-                                  : options.configs_dir;
+  // Before anything starts: a CPU-only build asked (or defaulting) to run CUDA workers.
+  if (!ThisBuild().cuda) {
+    if (std::string problem = CudaBuildProblem(co.devices, ListGpus().size()); !problem.empty())
+      throw Error(ErrorCode::kUnsupported, problem);
+  }
+  std::string configs = options.configs_dir.empty() ? ConfigsDir() : options.configs_dir;
   std::vector<std::string> jobs = options.jobs.empty() ? ExampleJobs(configs) : options.jobs;
+  co.run_dir = fs::absolute(options.run_dir.empty() ? DefaultRunDir() : options.run_dir);
 
   // The cluster's processes run in sessions of their own, so Ctrl-C reaches only `up` (and
   // the watch view), which then stops them in order: workers, coordinator, store.

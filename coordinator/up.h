@@ -18,7 +18,7 @@ struct UpOptions {
   bool keep = false;                // leave the cluster running at the end
   bool watch = true;                // show the live view
   std::string bin_dir;              // "" = the folder of the running `lorastream`
-  std::string configs_dir;          // "" = the source tree's configs/
+  std::string configs_dir;          // "" = ConfigsDir(): installed share/, else the source tree
   std::string tensorboard_dir;      // the coordinator writes TensorBoard runs here ("" = none)
 };
 

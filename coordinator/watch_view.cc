@@ -7,6 +7,7 @@
 #include <set>
 #include <sstream>
 
+#include "common/format_bytes.h"
 #include "coordinator/cli_format.h"
 
 namespace lorastream {

@@ -5,20 +5,11 @@
 #include <cstdio>
 #include <thread>
 
+#include "common/format_bytes.h"
 #include "store/attach.h"
 #include "store/registry.h"
 
 namespace lorastream {
-
-namespace {
-
-std::string GiB(uint64_t n) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.3f GiB", n / double(1ull << 30));
-  return buf;
-}
-
-}  // namespace
 
 void RunLs(std::ostream& out) {
   const std::vector<StoreListing> stores = ListStores();
@@ -27,18 +18,10 @@ void RunLs(std::ostream& out) {
     return;
   }
   for (const StoreListing& s : stores) {
-    uint64_t bytes = 0;
-    for (const ShmObject& o : s.objects) bytes += o.bytes;
-    std::string state = !s.record                                       ? "orphaned (no manifest)"
-                        : !s.alive                                      ? "stale (owner gone)"
-                        : s.record->state == ManifestState::kPublished ? "published"
-                                                                        : "loading";
-    out << s.name << ": " << state;
+    out << s.name << ": " << StoreStateName(s);
     if (s.record) out << ", owner pid " << s.record->owner_pid;
-    out << ", " << s.objects.size() << " shm objects, " << GiB(bytes) << "\n";
-    std::vector<int64_t> attached;
-    for (int64_t pid : s.mapping_pids)
-      if (!s.record || pid != s.record->owner_pid) attached.push_back(pid);
+    out << ", " << s.objects.size() << " shm objects, " << FormatGiB(StoreBytes(s), 3) << "\n";
+    const std::vector<int64_t> attached = AttachedPids(s);
     out << "  attached processes (" << attached.size() << "):";
     for (int64_t pid : attached) out << " " << pid;
     out << "\n";
@@ -59,7 +42,7 @@ void RunVerify(const std::string& name, int threads, std::ostream& out) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const Manifest& m = store.manifest();
   out << "store `" << name << "`: " << m.blocks.size() << " blocks + rest, "
-      << GiB(m.total_bytes()) << ", fingerprint " << m.fingerprint
+      << FormatGiB(m.total_bytes(), 3) << ", fingerprint " << m.fingerprint
       << ": every checksum matches (" << s << " s)\n";
 }
 

@@ -5,26 +5,13 @@
 #include <cstdio>
 
 #include "common/error.h"
+#include "common/format_bytes.h"
 #include "common/safetensors.h"
 #include "store/layout.h"
 
 namespace lorastream {
 
 namespace {
-
-std::string Shape(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
-std::string Human(uint64_t n) {
-  char buf[32];
-  if (n >= (1ull << 30)) std::snprintf(buf, sizeof(buf), "%.2f GiB", n / double(1ull << 30));
-  else if (n >= (1ull << 20)) std::snprintf(buf, sizeof(buf), "%.2f MiB", n / double(1ull << 20));
-  else std::snprintf(buf, sizeof(buf), "%.1f KiB", n / 1024.0);
-  return buf;
-}
 
 void ListFile(const SafetensorsFile& file, std::ostream& out, uint64_t* total, size_t* count) {
   out << file.path() << ": " << file.tensors().size() << " tensors";
@@ -34,7 +21,7 @@ void ListFile(const SafetensorsFile& file, std::ostream& out, uint64_t* total, s
     char line[64];
     std::snprintf(line, sizeof(line), "  %-8s %14llu  ", DTypeName(e.dtype),
                   static_cast<unsigned long long>(e.nbytes()));
-    out << line << e.name << " " << Shape(e.shape) << "\n";
+    out << line << e.name << " " << ShapeString(e.shape) << "\n";
     *total += e.nbytes();
   }
   *count += file.tensors().size();
@@ -69,7 +56,7 @@ void RunInspect(const std::string& path, std::ostream& out) {
   } else {
     throw Error(ErrorCode::kInvalidArgument, path + ": neither a file nor a folder");
   }
-  out << count << " tensors, " << total << " bytes (" << Human(total) << ")\n";
+  out << count << " tensors, " << total << " bytes (" << FormatBytes(total, 2) << ")\n";
 }
 
 }  // namespace lorastream

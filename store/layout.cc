@@ -12,12 +12,6 @@ namespace lorastream {
 
 namespace {
 
-std::string ShapeString(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
 // "model.layers.12.mlp.up_proj.weight" -> (12, "mlp.up_proj.weight"); -1 for other names.
 std::pair<int64_t, std::string> SplitBlockName(const std::string& name) {
   static const std::string kPrefix = "model.layers.";

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "common/error.h"
+#include "common/unique_fd.h"
 #include "store/checksum.h"
 #include "store/convert.h"
 
@@ -45,20 +46,16 @@ void PreadExact(int fd, uint8_t* out, size_t n, uint64_t offset, const std::stri
 
 class Files {
  public:
-  ~Files() {
-    for (auto& [file, fd] : fds_) ::close(fd);
-  }
   int Get(const SafetensorsFile* file) {
     auto it = fds_.find(file);
-    if (it != fds_.end()) return it->second;
-    int fd = ::open(file->path().c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) ThrowErrno(file->path() + ": cannot open");
-    fds_[file] = fd;
-    return fd;
+    if (it != fds_.end()) return it->second.get();
+    UniqueFd fd(::open(file->path().c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd.valid()) ThrowErrno(file->path() + ": cannot open");
+    return fds_.emplace(file, std::move(fd)).first->second.get();
   }
 
  private:
-  std::map<const SafetensorsFile*, int> fds_;
+  std::map<const SafetensorsFile*, UniqueFd> fds_;
 };
 
 // Fills bytes [begin, end) of a segment from the tensors that overlap it.

@@ -12,6 +12,7 @@
 
 #include "common/error.h"
 #include "common/shm_names.h"
+#include "common/unique_fd.h"
 #include "store/process.h"
 
 namespace lorastream {
@@ -60,81 +61,73 @@ bool PreadAll(int fd, void* data, size_t n, off_t offset) {
 
 std::optional<ManifestRecord> ReadManifestObject(const std::string& store_name) {
   const std::string name = ManifestShmName(store_name);
-  int fd = ::shm_open(name.c_str(), O_RDONLY | O_CLOEXEC, 0);
-  if (fd < 0) {
+  UniqueFd fd(::shm_open(name.c_str(), O_RDONLY | O_CLOEXEC, 0));
+  if (!fd.valid()) {
     if (errno == ENOENT) return std::nullopt;
     ThrowErrno("shm_open(" + name + ")");
   }
   ManifestRecord record;
   Header h{};
   struct stat st {};
-  const bool have_header = ::fstat(fd, &st) == 0 &&
+  const bool have_header = ::fstat(fd.get(), &st) == 0 &&
                            static_cast<size_t>(st.st_size) >= sizeof(Header) &&
-                           PreadAll(fd, &h, sizeof(h), 0);
+                           PreadAll(fd.get(), &h, sizeof(h), 0);
   if (have_header) {
-    if (std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0) {
-      ::close(fd);
+    if (std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0)
       throw Error(ErrorCode::kCorrupt, name + ": not a lorastream manifest (bad magic)");
-    }
     record.owner_pid = h.owner_pid;
     record.owner_start_time = h.owner_start_time;
     if (h.state == static_cast<uint32_t>(ManifestState::kPublished)) {
       if (h.json_bytes > (256u << 20) ||
-          static_cast<uint64_t>(st.st_size) < sizeof(Header) + h.json_bytes) {
-        ::close(fd);
+          static_cast<uint64_t>(st.st_size) < sizeof(Header) + h.json_bytes)
         throw Error(ErrorCode::kCorrupt, name + ": manifest length runs past the object");
-      }
       record.json.resize(h.json_bytes);
-      if (!PreadAll(fd, record.json.data(), h.json_bytes, sizeof(Header))) {
-        ::close(fd);
+      if (!PreadAll(fd.get(), record.json.data(), h.json_bytes, sizeof(Header)))
         throw Error(ErrorCode::kIo, name + ": cannot read the manifest");
-      }
       record.state = ManifestState::kPublished;
     }
   }
-  ::close(fd);
   return record;
 }
 
 ManifestClaim ManifestClaim::Claim(const std::string& store_name, mode_t mode) {
   ManifestClaim claim;
   claim.shm_name_ = ManifestShmName(store_name);
-  claim.fd_ = ::shm_open(claim.shm_name_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, mode);
-  if (claim.fd_ < 0) {
+  claim.fd_.Reset(::shm_open(claim.shm_name_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, mode));
+  if (!claim.fd_.valid()) {
     if (errno == EEXIST)
       throw Error(ErrorCode::kRefused, "store `" + store_name + "` is being served already (" +
                                            claim.shm_name_ + " exists)");
     ThrowErrno("shm_open(" + claim.shm_name_ + ")");
   }
-  ::fchmod(claim.fd_, mode);
+  ::fchmod(claim.fd_.get(), mode);
   Header h{};
   std::memcpy(h.magic, kMagic, sizeof(kMagic));
   h.state = static_cast<uint32_t>(ManifestState::kLoading);
   h.owner_pid = ::getpid();
   h.owner_start_time = ProcessStartTime(::getpid());
-  PwriteAll(claim.fd_, &h, sizeof(h), 0, claim.shm_name_);
+  PwriteAll(claim.fd_.get(), &h, sizeof(h), 0, claim.shm_name_);
   return claim;
 }
 
 void ManifestClaim::Publish(const Manifest& manifest) {
   const std::string json = ManifestToJson(manifest);
-  PwriteAll(fd_, json.data(), json.size(), sizeof(Header), shm_name_);
+  PwriteAll(fd_.get(), json.data(), json.size(), sizeof(Header), shm_name_);
   const uint64_t n = json.size();
-  PwriteAll(fd_, &n, sizeof(n), offsetof(Header, json_bytes), shm_name_);
+  PwriteAll(fd_.get(), &n, sizeof(n), offsetof(Header, json_bytes), shm_name_);
   // The state flips last: a reader that sees kPublished finds the whole JSON before it.
   const uint32_t state = static_cast<uint32_t>(ManifestState::kPublished);
-  PwriteAll(fd_, &state, sizeof(state), offsetof(Header, state), shm_name_);
+  PwriteAll(fd_.get(), &state, sizeof(state), offsetof(Header, state), shm_name_);
 }
 
 ManifestClaim::ManifestClaim(ManifestClaim&& o) noexcept
-    : shm_name_(std::move(o.shm_name_)), fd_(std::exchange(o.fd_, -1)) {}
+    : shm_name_(std::move(o.shm_name_)), fd_(std::move(o.fd_)) {}
 
 ManifestClaim::~ManifestClaim() { Release(); }
 
 void ManifestClaim::Release() noexcept {
-  if (fd_ < 0) return;
-  ::close(fd_);
-  fd_ = -1;
+  if (!fd_.valid()) return;
+  fd_.Reset();
   ::shm_unlink(shm_name_.c_str());
 }
 

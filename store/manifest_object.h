@@ -12,6 +12,7 @@
 #include <string>
 
 #include "common/manifest.h"
+#include "common/unique_fd.h"
 
 namespace lorastream {
 
@@ -46,7 +47,7 @@ class ManifestClaim {
  private:
   ManifestClaim() = default;
   std::string shm_name_;
-  int fd_ = -1;
+  UniqueFd fd_;  // holding it is holding the claim: Release() unlinks the name
 };
 
 }  // namespace lorastream

@@ -85,4 +85,23 @@ int RemoveStaleStore(const std::string& store_name) {
   return static_cast<int>(objects.size());
 }
 
+std::string StoreStateName(const StoreListing& s) {
+  if (!s.record) return "orphaned (no manifest)";
+  if (!s.alive) return "stale (owner gone)";
+  return s.record->state == ManifestState::kPublished ? "published" : "loading";
+}
+
+uint64_t StoreBytes(const StoreListing& s) {
+  uint64_t bytes = 0;
+  for (const ShmObject& o : s.objects) bytes += o.bytes;
+  return bytes;
+}
+
+std::vector<int64_t> AttachedPids(const StoreListing& s) {
+  std::vector<int64_t> attached;
+  for (int64_t pid : s.mapping_pids)
+    if (!s.record || pid != s.record->owner_pid) attached.push_back(pid);
+  return attached;
+}
+
 }  // namespace lorastream

@@ -30,6 +30,15 @@ std::vector<ShmObject> ShmObjectsOf(const std::string& store_name);
 // All stores found in /dev/shm, sorted by name.
 std::vector<StoreListing> ListStores();
 
+// "published", "loading", "stale (owner gone)" or "orphaned (no manifest)".
+std::string StoreStateName(const StoreListing& store);
+
+// Total bytes of the store's shm objects.
+uint64_t StoreBytes(const StoreListing& store);
+
+// Processes mapping the store other than its owner.
+std::vector<int64_t> AttachedPids(const StoreListing& store);
+
 // Before a store of `store_name` starts: when a live store holds the name, throws
 // Error(kRefused) naming its pid; otherwise unlinks every object left by a dead one and
 // returns how many were removed.

@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "common/format_bytes.h"
 #include "common/log.h"
 #include "common/safetensors.h"
 #include "common/shm_names.h"
@@ -36,12 +37,6 @@ double Seconds(Clock::time_point since) {
   return std::chrono::duration<double>(Clock::now() - since).count();
 }
 
-std::string GiB(uint64_t n) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.2f GiB", n / double(1ull << 30));
-  return buf;
-}
-
 uint64_t NewGeneration() {
   std::random_device rd;
   const uint64_t random = (uint64_t{rd()} << 32) ^ rd();
@@ -57,8 +52,8 @@ void CheckShmSpace(uint64_t needed) {
   const uint64_t size = uint64_t{vfs.f_blocks} * vfs.f_frsize;
   if (needed > free_bytes)
     throw Error(ErrorCode::kResource,
-                "the store needs " + GiB(needed) + " of /dev/shm, which has " + GiB(free_bytes) +
-                    " free (of " + GiB(size) +
+                "the store needs " + FormatGiB(needed) + " of /dev/shm, which has " +
+                    FormatGiB(free_bytes) + " free (of " + FormatGiB(size) +
                     "); free space there or enlarge it: mount -o remount,size=<N>G /dev/shm");
 }
 
@@ -159,7 +154,7 @@ std::unique_ptr<PublishedStore> PublishedStore::Build(const ServeOptions& option
           "may be swapped. Fix: `ulimit -l unlimited` before starting, or LimitMEMLOCK=infinity "
           "in the systemd unit",
           limit.rlim_cur == RLIM_INFINITY ? -1 : static_cast<long long>(limit.rlim_cur / 1024),
-          GiB(needed));
+          FormatGiB(needed));
     }
   }
   const std::string thp = ShmemThpSetting();
@@ -213,8 +208,8 @@ int RunServe(const ServeOptions& options) {
   LS_LOG_INFO(
       "store `{}` published: {} blocks + rest, {} {}, fingerprint {}, generation {:016x}; "
       "loaded {} in {:.2f} s ({:.2f} GB/s, {} threads), prefault {:.2f} s, total {:.2f} s, {}",
-      m.store_name, m.blocks.size(), GiB(r.bytes), DTypeName(m.dtype), m.fingerprint,
-      m.generation, GiB(r.bytes), r.load_seconds, r.bytes / r.load_seconds / 1e9, r.threads,
+      m.store_name, m.blocks.size(), FormatGiB(r.bytes), DTypeName(m.dtype), m.fingerprint,
+      m.generation, FormatGiB(r.bytes), r.load_seconds, r.bytes / r.load_seconds / 1e9, r.threads,
       r.prefault_seconds, r.total_seconds, r.locked ? "locked in RAM" : "not locked");
   std::printf("published %s fingerprint=%s bytes=%llu load_s=%.4f load_gbps=%.3f prefault_s=%.4f\n",
               m.store_name.c_str(), m.fingerprint.c_str(),

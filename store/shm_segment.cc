@@ -9,26 +9,10 @@
 #include <utility>
 
 #include "common/error.h"
+#include "common/format_bytes.h"
+#include "common/unique_fd.h"
 
 namespace lorastream {
-
-namespace {
-
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
-
-std::string GiB(size_t n) { return std::to_string(n / double(1ull << 30)).substr(0, 6) + " GiB"; }
-
-}  // namespace
 
 size_t RoundUpToPage(size_t n) {
   const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
@@ -37,7 +21,7 @@ size_t RoundUpToPage(size_t n) {
 
 ShmSegment ShmSegment::Create(const std::string& name, size_t nbytes, mode_t mode,
                               bool huge_pages) {
-  Fd fd(::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, mode));
+  UniqueFd fd(::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, mode));
   if (fd.get() < 0) {
     if (errno == EEXIST)
       throw Error(ErrorCode::kRefused, "shared-memory object " + name + " already exists");
@@ -47,38 +31,37 @@ ShmSegment ShmSegment::Create(const std::string& name, size_t nbytes, mode_t mod
   s.name_ = name;
   s.owner_ = true;  // from here on, failures unlink the name
   s.size_ = nbytes;
-  s.mapped_ = RoundUpToPage(nbytes);
+  const size_t mapped = RoundUpToPage(nbytes);
   ::fchmod(fd.get(), mode);  // shm_open's mode is filtered by the umask; the store means it
-  if (::ftruncate(fd.get(), static_cast<off_t>(s.mapped_)) != 0) ThrowErrno("ftruncate(" + name + ")");
+  if (::ftruncate(fd.get(), static_cast<off_t>(mapped)) != 0) ThrowErrno("ftruncate(" + name + ")");
   // Reserve the memory now: a tmpfs that is too small fails here with ENOSPC instead of a
   // SIGBUS on first touch.
-  if (::fallocate(fd.get(), 0, 0, static_cast<off_t>(s.mapped_)) != 0 && errno != EOPNOTSUPP) {
+  if (::fallocate(fd.get(), 0, 0, static_cast<off_t>(mapped)) != 0 && errno != EOPNOTSUPP) {
     if (errno == ENOSPC)
-      throw Error(ErrorCode::kResource, std::string("/dev/shm") + " is full: " + name +
-                                            " needs " + GiB(s.mapped_) +
+      throw Error(ErrorCode::kResource, std::string("/dev/shm") + " is full: " + name + " needs " +
+                                            FormatGiB(mapped) +
                                             "; free space or remount it larger "
                                             "(mount -o remount,size=NG /dev/shm)");
     ThrowErrno("fallocate(" + name + ")");
   }
-  void* p = ::mmap(nullptr, s.mapped_, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
-  if (p == MAP_FAILED) ThrowErrno("mmap(" + name + ")");
-  s.data_ = static_cast<uint8_t*>(p);
+  s.mapping_ = MemoryMapping::Map(mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0,
+                                  "mmap(" + name + ")");
   s.writable_ = true;
 #ifdef MADV_HUGEPAGE
-  if (huge_pages) s.huge_advised_ = ::madvise(s.data_, s.mapped_, MADV_HUGEPAGE) == 0;
+  if (huge_pages) s.huge_advised_ = ::madvise(s.mapping_.data(), mapped, MADV_HUGEPAGE) == 0;
 #endif
   // Prefault: the loader then writes without taking a page fault per 4 KiB.
 #ifdef MADV_POPULATE_WRITE
-  if (::madvise(s.data_, s.mapped_, MADV_POPULATE_WRITE) == 0) return s;
+  if (::madvise(s.mapping_.data(), mapped, MADV_POPULATE_WRITE) == 0) return s;
 #endif
   const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
-  for (size_t off = 0; off < s.mapped_; off += page)
-    reinterpret_cast<volatile uint8_t*>(s.data_)[off] = 0;
+  for (size_t off = 0; off < mapped; off += page)
+    reinterpret_cast<volatile uint8_t*>(s.mapping_.bytes())[off] = 0;
   return s;
 }
 
 ShmSegment ShmSegment::OpenReadOnly(const std::string& name, size_t min_bytes, bool populate) {
-  Fd fd(::shm_open(name.c_str(), O_RDONLY | O_CLOEXEC, 0));
+  UniqueFd fd(::shm_open(name.c_str(), O_RDONLY | O_CLOEXEC, 0));
   if (fd.get() < 0) {
     if (errno == ENOENT) throw Error(ErrorCode::kNotFound, "shared-memory object " + name + " does not exist");
     ThrowErrno("shm_open(" + name + ")");
@@ -92,11 +75,9 @@ ShmSegment ShmSegment::OpenReadOnly(const std::string& name, size_t min_bytes, b
   ShmSegment s;
   s.name_ = name;
   s.size_ = min_bytes;
-  s.mapped_ = RoundUpToPage(min_bytes);
-  void* p = ::mmap(nullptr, s.mapped_, PROT_READ, MAP_SHARED | (populate ? MAP_POPULATE : 0),
-                   fd.get(), 0);
-  if (p == MAP_FAILED) ThrowErrno("mmap(" + name + ")");
-  s.data_ = static_cast<uint8_t*>(p);
+  s.mapping_ = MemoryMapping::Map(RoundUpToPage(min_bytes), PROT_READ,
+                                  MAP_SHARED | (populate ? MAP_POPULATE : 0), fd.get(), 0,
+                                  "mmap(" + name + ")");
   return s;
 }
 
@@ -104,21 +85,21 @@ void ShmSegment::Unlink(const std::string& name) { ::shm_unlink(name.c_str()); }
 
 ShmSegment::ShmSegment(ShmSegment&& o) noexcept
     : name_(std::move(o.name_)),
-      data_(std::exchange(o.data_, nullptr)),
-      size_(o.size_),
-      mapped_(o.mapped_),
+      mapping_(std::move(o.mapping_)),
+      size_(std::exchange(o.size_, 0)),
       owner_(std::exchange(o.owner_, false)),
-      writable_(o.writable_) {}
+      writable_(std::exchange(o.writable_, false)),
+      huge_advised_(std::exchange(o.huge_advised_, false)) {}
 
 ShmSegment& ShmSegment::operator=(ShmSegment&& o) noexcept {
   if (this != &o) {
     Reset();
     name_ = std::move(o.name_);
-    data_ = std::exchange(o.data_, nullptr);
-    size_ = o.size_;
-    mapped_ = o.mapped_;
+    mapping_ = std::move(o.mapping_);
+    size_ = std::exchange(o.size_, 0);
     owner_ = std::exchange(o.owner_, false);
-    writable_ = o.writable_;
+    writable_ = std::exchange(o.writable_, false);
+    huge_advised_ = std::exchange(o.huge_advised_, false);
   }
   return *this;
 }
@@ -126,21 +107,21 @@ ShmSegment& ShmSegment::operator=(ShmSegment&& o) noexcept {
 ShmSegment::~ShmSegment() { Reset(); }
 
 void ShmSegment::Reset() noexcept {
-  if (data_) ::munmap(data_, mapped_);
+  mapping_.Reset();
   if (owner_) ::shm_unlink(name_.c_str());
-  data_ = nullptr;
   owner_ = false;
 }
 
 uint8_t* ShmSegment::mutable_data() {
   LS_CHECK(writable_, "segment " + name_ + " is read-only");
-  return data_;
+  return mapping_.bytes();
 }
 
-bool ShmSegment::Lock() { return ::mlock(data_, mapped_) == 0; }
+bool ShmSegment::Lock() { return ::mlock(mapping_.data(), mapping_.size()) == 0; }
 
 void ShmSegment::MakeReadOnly() {
-  if (::mprotect(data_, mapped_, PROT_READ) != 0) ThrowErrno("mprotect(" + name_ + ")");
+  if (::mprotect(mapping_.data(), mapping_.size(), PROT_READ) != 0)
+    ThrowErrno("mprotect(" + name_ + ")");
   writable_ = false;
 }
 

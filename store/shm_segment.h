@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <string>
 
+#include "common/memory_mapping.h"
+
 namespace lorastream {
 
 class ShmSegment {
@@ -36,8 +38,8 @@ class ShmSegment {
 
   const std::string& name() const { return name_; }
   size_t size() const { return size_; }  // the requested bytes (mapping rounds up to a page)
-  size_t mapped_size() const { return mapped_; }  // page-rounded length of the mapping
-  const uint8_t* data() const { return data_; }
+  size_t mapped_size() const { return mapping_.size(); }  // page-rounded length of the mapping
+  const uint8_t* data() const { return mapping_.bytes(); }
   uint8_t* mutable_data();  // only on a created segment before MakeReadOnly()
 
   // Whether Create()'s huge-page request was accepted by madvise (the kernel may still
@@ -52,9 +54,8 @@ class ShmSegment {
  private:
   void Reset() noexcept;
   std::string name_;
-  uint8_t* data_ = nullptr;
+  MemoryMapping mapping_;
   size_t size_ = 0;
-  size_t mapped_ = 0;
   bool owner_ = false;
   bool writable_ = false;
   bool huge_advised_ = false;

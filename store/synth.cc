@@ -15,14 +15,11 @@
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "common/install_paths.h"
 #include "common/safetensors.h"
 #include "common/toml_file.h"
 #include "store/checksum.h"
 #include "store/convert.h"
-
-#ifndef LORASTREAM_PRESETS_DIR
-#define LORASTREAM_PRESETS_DIR "configs/models"
-#endif
 
 namespace lorastream {
 
@@ -99,7 +96,7 @@ float SynthValue(const std::string& name, size_t rank, uint64_t seed, uint64_t i
 
 std::string DefaultPresetsDir() {
   const char* env = std::getenv("LORASTREAM_PRESETS_DIR");
-  return env && *env ? env : LORASTREAM_PRESETS_DIR;
+  return env && *env ? std::string(env) : ConfigsDir() + "/models";
 }
 
 Preset LoadPreset(const std::string& name_or_path, const std::string& presets_dir) {

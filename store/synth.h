@@ -21,7 +21,7 @@ struct Preset {
 // Errors name the file and the key (TomlSection) or the config field.
 Preset LoadPreset(const std::string& name_or_path, const std::string& presets_dir);
 
-// $LORASTREAM_PRESETS_DIR, else the source tree's configs/models.
+// $LORASTREAM_PRESETS_DIR, else ConfigsDir()/models (installed, or the source tree's).
 std::string DefaultPresetsDir();
 
 struct SynthOptions {

@@ -6,5 +6,4 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD_DIR="${LORASTREAM_BUILD_DIR:-$ROOT/build}"
 "$ROOT/tools/setup.sh"
-cd "$ROOT"
 exec "$BUILD_DIR/bin/lorastream" up "$@"

@@ -1,6 +1,8 @@
 #include "worker/serve.h"
 
+#include <chrono>
 #include <filesystem>
+#include <thread>
 
 #include "common/error.h"
 #include "common/log.h"
@@ -52,6 +54,15 @@ std::vector<StoreInfo> DiscoverStores(const ServeOptions& options) {
   return out;
 }
 
+// Holds the training thread after checkpoint `step` was reported while `hold` stays true.
+// The agent's own thread keeps sending heartbeats and the queued reports meanwhile.
+void HoldAtCheckpoint(const std::atomic<bool>& hold, const JobContext& ctx, int64_t step) {
+  LS_LOG_INFO("job {}: holding after checkpoint {} (SIGUSR1); SIGUSR2 resumes",
+              ctx.assignment.job_id, step);
+  while (hold && !ctx.should_stop()) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  LS_LOG_INFO("job {}: resumed after checkpoint {}", ctx.assignment.job_id, step);
+}
+
 }  // namespace
 
 int RunServe(const ServeOptions& options, const std::atomic<bool>& stop) {
@@ -73,7 +84,8 @@ int RunServe(const ServeOptions& options, const std::atomic<bool>& stop) {
       return MakeStreamProvider(spec, base, device, dtype);
     };
 
-  JobRunner runner = [&train](const JobContext& ctx) {
+  const std::atomic<bool>* hold = options.hold_at_checkpoint;
+  JobRunner runner = [&train, hold](const JobContext& ctx) {
     const JobSpec& spec = ctx.assignment.spec;
     const int64_t every = spec.train.checkpoint_every;
     auto checkpoint_dir = [&](int64_t step) {
@@ -85,8 +97,10 @@ int RunServe(const ServeOptions& options, const std::atomic<bool>& stop) {
     auto on_step = [&](const StepStats& stats) {
       ctx.report_step(stats);
       int64_t previous = stats.step - 1;
-      if (every > 0 && previous > 0 && previous % every == 0)
+      if (every > 0 && previous > 0 && previous % every == 0) {
         ctx.report_checkpoint(previous, checkpoint_dir(previous));
+        if (hold != nullptr && *hold) HoldAtCheckpoint(*hold, ctx, previous);
+      }
     };
     TrainResult r = RunTraining(spec, train, on_step, ctx.should_stop);
     JobResult result;

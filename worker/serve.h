@@ -18,6 +18,11 @@ struct ServeOptions {
   int threads = 0;                   // CPU threads for training (0 = every core)
   bool stream = true;                // stream blocks through the engine (false: resident)
   double request_timeout_s = 5;      // per coordinator request
+  // While *hold_at_checkpoint is true (SIGUSR1 in the executable; SIGUSR2 clears it), a job
+  // that reports a checkpoint holds right after the report, heartbeats going on, until the
+  // flag clears, the job must stop, or the process is killed: a point at which a test or an
+  // operator knows the job is mid-run with a checkpoint to resume from. nullptr: never.
+  const std::atomic<bool>* hold_at_checkpoint = nullptr;
 };
 
 // Serves until `stop` (SIGINT/SIGTERM in the executable); a job running then is stopped at

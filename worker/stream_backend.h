@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 
 #include <ATen/core/Tensor.h>
 
@@ -23,6 +24,9 @@ struct StreamBackendOptions {
   bool debug_poison = false;
   // Delay each copy by this long (after the poison), to widen every race window in tests.
   int64_t debug_copy_delay_us = 0;
+  // CPU: called on the copy thread after the poison, before the bytes are copied, so that a
+  // test can hold a copy at that point and look at the slot (the poison's own test).
+  std::function<void(int slot)> debug_after_poison;
   // CUDA: copy through the pinned staging pool even when registration succeeds (tests).
   bool force_staging = false;
   uint64_t staging_buffer_bytes = uint64_t{64} << 20;  // CUDA staging: bytes per buffer

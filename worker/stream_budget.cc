@@ -4,22 +4,10 @@
 #include <cstdio>
 
 #include "common/error.h"
+#include "common/format_bytes.h"
 #include "common/log.h"
 
 namespace lorastream {
-
-std::string FormatBytes(uint64_t bytes) {
-  char buf[64];
-  const double b = static_cast<double>(bytes);
-  if (b >= double(1ULL << 30)) {
-    std::snprintf(buf, sizeof buf, "%.2f GiB", b / double(1ULL << 30));
-  } else if (b >= double(1ULL << 20)) {
-    std::snprintf(buf, sizeof buf, "%.1f MiB", b / double(1ULL << 20));
-  } else {
-    std::snprintf(buf, sizeof buf, "%llu B", static_cast<unsigned long long>(bytes));
-  }
-  return buf;
-}
 
 uint64_t MemoryEstimate::total() const {
   return rest + resident_blocks + ring + adapter + checkpoints + block_working + attention +
@@ -27,12 +15,12 @@ uint64_t MemoryEstimate::total() const {
 }
 
 std::string MemoryEstimate::Describe() const {
-  return "rest " + FormatBytes(rest) + " + resident blocks " + FormatBytes(resident_blocks) +
-         " + ring " + FormatBytes(ring) + " + adapter&optimizer " + FormatBytes(adapter) +
-         " + checkpoints " + FormatBytes(checkpoints) + " + block working set " +
-         FormatBytes(block_working) + " + attention " + FormatBytes(attention) +
-         " + lm head " + FormatBytes(lm_head) + " + reserve " + FormatBytes(reserve) + " = " +
-         FormatBytes(total());
+  return "rest " + FormatBytes(rest, 2) + " + resident blocks " + FormatBytes(resident_blocks, 2) +
+         " + ring " + FormatBytes(ring, 2) + " + adapter&optimizer " + FormatBytes(adapter, 2) +
+         " + checkpoints " + FormatBytes(checkpoints, 2) + " + block working set " +
+         FormatBytes(block_working, 2) + " + attention " + FormatBytes(attention, 2) +
+         " + lm head " + FormatBytes(lm_head, 2) + " + reserve " + FormatBytes(reserve, 2) + " = " +
+         FormatBytes(total(), 2);
 }
 
 int64_t LoraParameterCount(const ModelConfig& c, int64_t rank,
@@ -101,14 +89,14 @@ ResidencyPlan PlanFromBudget(const MemoryModelInputs& in, uint64_t budget_bytes,
     const MemoryEstimate e = EstimateMemory(in, plan);
     if (e.total() <= budget_bytes) {
       LS_LOG_INFO("stream plan from gpu_memory_budget {}: {}; estimate {}",
-                  FormatBytes(budget_bytes), plan.Describe(), e.Describe());
+                  FormatBytes(budget_bytes, 2), plan.Describe(), e.Describe());
       return plan;
     }
     if (resident == 0) {
       throw Error(ErrorCode::kRefused,
                   "stream.gpu_memory_budget " + std::to_string(budget_bytes) + " bytes (" +
-                      FormatBytes(budget_bytes) + ") is below the minimum of " +
-                      std::to_string(e.total()) + " bytes (" + FormatBytes(e.total()) +
+                      FormatBytes(budget_bytes, 2) + ") is below the minimum of " +
+                      std::to_string(e.total()) + " bytes (" + FormatBytes(e.total(), 2) +
                       ") needed with every block streamed through " +
                       std::to_string(plan.ring_size) + " slots (" + e.Describe() +
                       "): raise gpu_memory_budget to at least " + std::to_string(e.total()) +

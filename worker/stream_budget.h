@@ -59,7 +59,4 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& inputs, const ResidencyPl
 ResidencyPlan PlanFromBudget(const MemoryModelInputs& inputs, uint64_t budget_bytes,
                              int ring_size);
 
-// "1.50 GiB" style.
-std::string FormatBytes(uint64_t bytes);
-
 }  // namespace lorastream

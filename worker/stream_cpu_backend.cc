@@ -110,6 +110,7 @@ void CpuStreamBackend::CopyLoop() {
     lock.unlock();
     const auto start = Clock::now();
     if (options_.debug_poison) std::memset(dst, 0xFF, options_.slot_bytes);
+    if (options_.debug_after_poison) options_.debug_after_poison(job.slot);
     if (options_.debug_copy_delay_us > 0) {
       std::this_thread::sleep_for(std::chrono::microseconds(options_.debug_copy_delay_us));
     }

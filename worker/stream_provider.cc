@@ -11,6 +11,7 @@
 #include "common/error.h"
 #include "common/job_spec.h"
 #include "common/log.h"
+#include "common/memory_mapping.h"
 #include "store/shm_segment.h"
 #include "worker/base_weights.h"
 
@@ -51,24 +52,22 @@ class PackedBlocks {
       SegmentInfo s = LayoutSegment(config.BlockTensorShapes(), "block " + std::to_string(i),
                                     manifest_.dtype, align);
       const size_t mapped = RoundUpToPage(s.nbytes);
-      void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (p == MAP_FAILED) ThrowErrno("stream: mapping " + std::to_string(mapped) + " bytes");
-      maps_.push_back({p, mapped});
-      auto* bytes = static_cast<uint8_t*>(p);
+      // Owned from here on: a throw below unmaps what was mapped so far.
+      maps_.push_back(MemoryMapping::Map(mapped, PROT_READ | PROT_WRITE,
+                                         MAP_PRIVATE | MAP_ANONYMOUS, -1, 0,
+                                         "stream: mapping " + std::to_string(mapped) + " bytes"));
+      uint8_t* bytes = maps_.back().bytes();
       for (const TensorSlice& t : s.tensors) {
         at::Tensor src = Field(base.block(i), t.name).to(at::kCPU, dtype).contiguous();
         LS_CHECK(static_cast<uint64_t>(src.nbytes()) == t.nbytes, "packed tensor size");
         std::memcpy(bytes + t.offset, src.data_ptr(), t.nbytes);
       }
-      if (mprotect(p, mapped, PROT_READ) != 0) ThrowErrno("stream: mprotect of packed blocks");
+      if (mprotect(bytes, mapped, PROT_READ) != 0) ThrowErrno("stream: mprotect of packed blocks");
       pointers_.push_back(bytes);
       manifest_.blocks.push_back(std::move(s));
     }
     // Only the size of the rest matters here (the memory estimate).
     manifest_.rest = LayoutSegment(config.RestTensorShapes(), "rest", manifest_.dtype, align);
-  }
-  ~PackedBlocks() {
-    for (auto& [p, n] : maps_) munmap(p, n);
   }
   PackedBlocks(const PackedBlocks&) = delete;
   PackedBlocks& operator=(const PackedBlocks&) = delete;
@@ -79,7 +78,7 @@ class PackedBlocks {
  private:
   Manifest manifest_;
   std::vector<const uint8_t*> pointers_;
-  std::vector<std::pair<void*, size_t>> maps_;
+  std::vector<MemoryMapping> maps_;
 };
 
 // The engine plus, when the base had to be packed, the host buffers it streams from

@@ -2,6 +2,7 @@
 
 #include <cstdio>
 
+#include "common/format_bytes.h"
 #include "worker/stream_budget.h"
 
 namespace lorastream {
@@ -14,7 +15,7 @@ std::string FormatStreamStats(const StepStats& s) {
                 s.h2d_bytes / 1e9, s.h2d_busy_seconds * 1e3, gbps, s.stall_seconds * 1e3,
                 static_cast<long long>(s.copies), static_cast<long long>(s.copies_saved));
   std::string out = buf;
-  if (s.peak_device_bytes > 0) out += " peak " + FormatBytes(s.peak_device_bytes);
+  if (s.peak_device_bytes > 0) out += " peak " + FormatBytes(s.peak_device_bytes, 2);
   return out;
 }
 

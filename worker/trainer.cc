@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "common/format_bytes.h"
 #include "common/log.h"
 #include "common/job_data.h"
 #include "common/step_stats_json.h"
@@ -74,7 +75,7 @@ std::string FormatProgress(const StepStats& s, double eta) {
                   static_cast<long long>(s.copies), static_cast<long long>(s.copies_saved));
     line += buf;
   }
-  if (s.peak_device_bytes > 0) line += " peak " + FormatBytes(s.peak_device_bytes);
+  if (s.peak_device_bytes > 0) line += " peak " + FormatBytes(s.peak_device_bytes, 2);
   if (s.has_eval()) {
     std::snprintf(buf, sizeof buf, " eval %.4f", s.eval_loss);
     line += buf;

@@ -8,7 +8,10 @@
 #include <CLI/CLI.hpp>
 
 #include "common/error.h"
+#include "common/gpu_info.h"
 #include "common/log.h"
+#include "coordinator/build_info.h"
+#include "worker/host_register_probe.h"
 #include "worker/parity.h"
 #include "worker/serve.h"
 #include "worker/stream_provider.h"
@@ -16,7 +19,10 @@
 
 namespace {
 std::atomic<bool> g_stop_serving{false};
+std::atomic<bool> g_hold_at_checkpoint{false};
 void OnStopSignal(int) { g_stop_serving = true; }
+void OnHoldSignal(int) { g_hold_at_checkpoint = true; }
+void OnResumeSignal(int) { g_hold_at_checkpoint = false; }
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -60,7 +66,30 @@ int main(int argc, char** argv) {
   serve_cmd->add_option("--threads", serve.threads, "CPU threads (0 = every core)");
   serve_cmd->add_flag("--resident", serve_resident, "keep every block resident (no streaming engine)");
 
+  // doctor's real test of read-only host registration (hidden: not a user command).
+  int probe_device = 0;
+  auto* probe_cmd = app.add_subcommand("probe-host-register", "")->group("");
+  probe_cmd->add_option("--device-index", probe_device, "CUDA device index");
+
   CLI11_PARSE(app, argc, argv);
+  // A CPU-only build asked for a GPU says so in one line before it starts anything.
+  const std::string device = *train_cmd ? train.device : *serve_cmd ? serve.device : parity.device;
+  // (Only a CPU-only build asks which GPUs the host has: nvidia-smi takes a moment.)
+  if (!ThisBuild().cuda && (*train_cmd || *serve_cmd || *parity_cmd)) {
+    if (std::string problem = CudaBuildProblem({device}, ListGpus().size()); !problem.empty()) {
+      std::fprintf(stderr, "lorastream-worker: unsupported: %s\n", problem.c_str());
+      return ExitCodeFor(ErrorCode::kUnsupported);
+    }
+  }
+  if (*probe_cmd) {
+#if LORASTREAM_HAVE_CUDA
+    const nlohmann::json r = ProbeHostRegister(probe_device);
+#else
+    const nlohmann::json r{{"ok", nullptr}, {"error", "not applicable: a CPU-only build"}};
+#endif
+    std::printf("%s\n", r.dump().c_str());
+    return 0;
+  }
   InitLogging("worker");
   try {
     if (*train_cmd) {
@@ -77,6 +106,9 @@ int main(int argc, char** argv) {
       serve.stream = !serve_resident;
       std::signal(SIGINT, OnStopSignal);
       std::signal(SIGTERM, OnStopSignal);
+      std::signal(SIGUSR1, OnHoldSignal);
+      std::signal(SIGUSR2, OnResumeSignal);
+      serve.hold_at_checkpoint = &g_hold_at_checkpoint;
       return RunServe(serve, g_stop_serving);
     }
     RunParity(parity);

@@ -8,13 +8,16 @@
 
 #include <catch2/catch.hpp>
 
+#include "tests/support/test_support.h"
+
 using namespace lorastream;
 namespace fs = std::filesystem;
 
 TEST_CASE("RemoveTree removes nested trees, never follows links, accepts a missing path",
           "[common]") {
-  const fs::path root = fs::temp_directory_path() / ("lorastream-rmtree-" + std::to_string(getpid()));
-  const fs::path outside = root.string() + "-outside";
+  const testing::TempDir scratch("rmtree");
+  const fs::path root = scratch.path() / "tree";
+  const fs::path outside = scratch.path() / "outside";
   fs::create_directories(root / "a" / "b" / "c");
   fs::create_directories(outside);
   std::ofstream(outside / "keep.txt") << "keep";

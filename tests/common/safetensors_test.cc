@@ -11,17 +11,11 @@
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
-#include "common/remove_tree.h"
+#include "tests/support/test_support.h"
 
 using namespace lorastream;
 
 namespace {
-
-std::string TempDir() {
-  char templ[] = "/tmp/lorastream_st_XXXXXX";
-  REQUIRE(mkdtemp(templ) != nullptr);
-  return templ;
-}
 
 void WriteBytes(const std::string& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
@@ -58,7 +52,8 @@ std::string OpenError(const std::string& path) {
 }  // namespace
 
 TEST_CASE("safetensors round trip of every dtype with metadata", "[common]") {
-  const std::string dir = TempDir();
+  const testing::TempDir temp("st");
+  const std::string& dir = temp.str();
   const DType all[] = {DType::kBool, DType::kU8,  DType::kI8,   DType::kI16,    DType::kU16,
                        DType::kI32,  DType::kU32, DType::kI64,  DType::kU64,    DType::kF16,
                        DType::kBF16, DType::kF32, DType::kF64,  DType::kF8E4M3, DType::kF8E5M2};
@@ -109,11 +104,11 @@ TEST_CASE("safetensors round trip of every dtype with metadata", "[common]") {
   // Move keeps the mapping valid.
   SafetensorsFile g = std::move(f);
   CHECK(g.Find("scalar")->nbytes() == 4);
-  RemoveTree(dir);
 }
 
 TEST_CASE("sharded checkpoint with an index is read and cross-checked", "[common]") {
-  const std::string dir = TempDir();
+  const testing::TempDir temp("st");
+  const std::string& dir = temp.str();
   WriteBytes(dir + "/config.json",
              R"({"model_type":"llama","hidden_size":8,"intermediate_size":16,)"
              R"("num_hidden_layers":1,"num_attention_heads":2,"vocab_size":10})");
@@ -163,7 +158,6 @@ TEST_CASE("sharded checkpoint with an index is read and cross-checked", "[common
   CHECK_THAT(open_error(), Catch::Contains("neither model.safetensors nor model.safetensors.index.json"));
   std::remove((dir + "/config.json").c_str());
   CHECK_THAT(open_error(), Catch::Contains("no config.json"));
-  RemoveTree(dir);
 }
 
 TEST_CASE("malformed safetensors files are each rejected with their own error", "[common]") {
@@ -213,7 +207,8 @@ TEST_CASE("malformed safetensors files are each rejected with their own error", 
 
 TEST_CASE("SafetensorsFile::Open names the file for missing, empty and non-regular files",
           "[common]") {
-  const std::string dir = TempDir();
+  const testing::TempDir temp("st");
+  const std::string& dir = temp.str();
   CHECK_THAT(OpenError(dir + "/nope.safetensors"), Catch::Contains("nope.safetensors: no such file"));
   CHECK_THAT(OpenError(dir), Catch::Contains(": not a regular file"));
   WriteBytes(dir + "/empty.safetensors", "");
@@ -222,11 +217,11 @@ TEST_CASE("SafetensorsFile::Open names the file for missing, empty and non-regul
   WriteBytes(dir + "/bad.safetensors", WithHeader(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 4));
   CHECK_THAT(OpenError(dir + "/bad.safetensors"),
              Catch::Contains("bad.safetensors: tensor `w`: data_offsets end 8 is past"));
-  RemoveTree(dir);
 }
 
 TEST_CASE("streamed writer fills tensors chunk by chunk", "[common]") {
-  const std::string dir = TempDir();
+  const testing::TempDir temp("st");
+  const std::string& dir = temp.str();
   std::vector<TensorToWrite> specs = {{"x", DType::kU8, {1000}, nullptr},
                                       {"y", DType::kI32, {10, 10}, nullptr}};
   WriteSafetensorsStreamed(
@@ -240,5 +235,4 @@ TEST_CASE("streamed writer fills tensors chunk by chunk", "[common]") {
   for (int i = 0; i < 1000; ++i) REQUIRE(x[i] == static_cast<uint8_t>(i));
   const uint8_t* y = f.Data(*f.Find("y"));
   for (int i = 0; i < 400; ++i) REQUIRE(y[i] == static_cast<uint8_t>(100 + i));
-  RemoveTree(dir);
 }

@@ -15,6 +15,7 @@
 
 #include "common/subprocess.h"
 #include "coordinator/client.h"
+#include "tests/support/test_support.h"
 
 namespace lorastream::testing {
 
@@ -27,29 +28,9 @@ inline SpawnOptions LogTo(const std::string& path) {
   return o;
 }
 
-inline std::string Bin(const std::string& name) {
-  std::string path = std::string(LORASTREAM_BIN_DIR) + "/" + name;
-  if (!fs::exists(path))
-    throw Error(ErrorCode::kNotFound, path + " is missing: build the `" + name + "` target");
-  return path;
-}
-
-inline bool WaitFor(const std::function<bool()>& done, double timeout_s) {
-  auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
-  while (std::chrono::steady_clock::now() < until) {
-    if (done()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return done();
-}
-
 class Cluster {
  public:
-  explicit Cluster(const std::string& name)
-      : dir_(fs::temp_directory_path() /
-             ("lorastream-" + name + "-" + std::to_string(getpid()))) {
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+  explicit Cluster(const std::string& name) : temp_(name), dir_(temp_.path()) {
     std::ofstream(dir_ / "data.jsonl") << "{\"text\": \"hello\"}\n";
     endpoint_ = "ipc://" + (dir_ / "coordinator.sock").string();
   }
@@ -57,7 +38,6 @@ class Cluster {
     for (Subprocess& w : workers_)
       if (w.valid()) w.Stop(5);
     if (coordinator_.valid()) coordinator_.Stop(5);
-    fs::remove_all(dir_);
   }
 
   const fs::path& dir() const { return dir_; }
@@ -163,6 +143,7 @@ class Cluster {
   }
 
  private:
+  TempDir temp_;  // declared first: removed after the processes writing into it stopped
   fs::path dir_;
   std::string endpoint_;
   Subprocess coordinator_;

@@ -2,6 +2,7 @@
 // worker processes and the `lorastream` command.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <csignal>
 #include <map>
 #include <fstream>
@@ -151,10 +152,21 @@ TEST_CASE("cluster: coordinator killed and restarted mid-run -> every job still 
   // A `watch` of every job rides through the restart.
   Subprocess watch = Subprocess::Spawn({Bin("lorastream"), "--coordinator", c.endpoint(), "watch"},
                                        LogTo((c.dir() / "watch.log").string()));
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  REQUIRE(WaitFor([&] { return c.Log("watch").find("j1") != std::string::npos; }, 30));
+  // Steps the two running jobs have written (one line each in their steps.log).
+  auto steps_written = [&] {
+    size_t lines = 0;
+    for (const char* job : {"j1", "j2"}) {
+      const std::string log = c.ReadOutput(job, "steps.log");
+      lines += static_cast<size_t>(std::count(log.begin(), log.end(), '\n'));
+    }
+    return lines;
+  };
   c.coordinator().Signal(SIGKILL);
   CHECK(c.coordinator().Wait(10) == 128 + SIGKILL);
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  // The workers train on while the coordinator is down (unless both jobs were done already).
+  const size_t at_kill = steps_written();
+  REQUIRE(WaitFor([&] { return steps_written() > at_kill || at_kill == 80; }, 30));
   c.StartCoordinator();
   Client client = c.NewClient();
   ListJobsReply jobs = client.Call(ListJobsRequest{});

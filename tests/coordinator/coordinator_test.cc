@@ -7,6 +7,7 @@
 #include <filesystem>
 
 #include "coordinator/coordinator.h"
+#include "tests/support/test_support.h"
 
 using namespace lorastream;
 namespace fs = std::filesystem;
@@ -44,10 +45,8 @@ RegisterRequest Worker(const std::string& host, std::vector<StoreInfo> stores) {
 }
 
 struct TempDb {
-  fs::path dir = fs::temp_directory_path() / ("lorastream-coord-test-" + std::to_string(getpid()));
-  TempDb() { fs::create_directories(dir); fs::remove(dir / "j.db"); }
-  ~TempDb() { fs::remove_all(dir); }
-  std::string path() const { return (dir / "j.db").string(); }
+  testing::TempDir dir{"coord"};
+  std::string path() const { return dir / "j.db"; }
 };
 
 const JobSummary& FindJob(const ListJobsReply& r, int64_t id) {

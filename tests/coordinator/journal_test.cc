@@ -7,13 +7,13 @@
 #include <sqlite3.h>
 
 #include "coordinator/journal.h"
+#include "tests/support/test_support.h"
 
 using namespace lorastream;
 
 TEST_CASE("journal round-trips jobs and statistics across reopen", "[coordinator]") {
-  auto path = std::filesystem::temp_directory_path() /
-              ("lorastream-journal-" + std::to_string(getpid()) + ".db");
-  std::filesystem::remove(path);
+  const testing::TempDir dir("journal");
+  const std::filesystem::path path = dir.path() / "j.db";
   {
     Journal j(path.string());
     JobRecord r;
@@ -44,17 +44,13 @@ TEST_CASE("journal round-trips jobs and statistics across reopen", "[coordinator
   REQUIRE(stats.size() == 1);
   CHECK(stats[0].loss == 1.25);
   CHECK(stats[0].h2d_bytes == (1ull << 35));
-  std::filesystem::remove(path);
-  std::filesystem::remove(path.string() + "-wal");
-  std::filesystem::remove(path.string() + "-shm");
   CHECK_THROWS_AS(Journal("/nonexistent-dir/x/j.db"), Error);
 }
 
 TEST_CASE("a journal from before job owners opens, keeps its jobs and gains the column",
           "[coordinator]") {
-  auto path = std::filesystem::temp_directory_path() /
-              ("lorastream-journal-old-" + std::to_string(getpid()) + ".db");
-  std::filesystem::remove(path);
+  const testing::TempDir dir("journal-old");
+  const std::filesystem::path path = dir.path() / "j.db";
   JobRecord r;
   r.summary.id = 3;
   r.summary.name = "old";
@@ -86,7 +82,4 @@ TEST_CASE("a journal from before job owners opens, keeps its jobs and gains the 
   jobs = j.LoadJobs();
   REQUIRE(jobs.size() == 2);
   CHECK(jobs[1].owner == "KEY");
-  std::filesystem::remove(path);
-  std::filesystem::remove(path.string() + "-wal");
-  std::filesystem::remove(path.string() + "-shm");
 }

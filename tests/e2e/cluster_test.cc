@@ -21,6 +21,7 @@
 #include "common/subprocess.h"
 #include "coordinator/local_cluster.h"
 #include "store/attach.h"
+#include "tests/support/test_support.h"
 
 using lorastream::LocalCluster;
 using lorastream::LocalClusterOptions;
@@ -28,14 +29,6 @@ using lorastream::SafetensorsFile;
 namespace fs = std::filesystem;
 
 namespace {
-
-std::string NewRunDir(const std::string& name) {
-  fs::path dir = fs::temp_directory_path() /
-                 ("lorastream-e2e-" + name + "-" + std::to_string(getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir.string();
-}
 
 // Random documents of token ids below the tiny model's vocabulary (512).
 std::string WriteData(const std::string& dir, int documents, uint32_t seed) {
@@ -106,18 +99,26 @@ LocalClusterOptions Options(const std::string& run_dir, int workers) {
 }
 
 void WaitUntil(const std::function<bool()>& done, double timeout_s, const std::string& what) {
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
-  while (!done()) {
-    INFO("waiting for " << what);
-    REQUIRE(std::chrono::steady_clock::now() < deadline);
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  INFO("waiting for " << what);
+  REQUIRE(lorastream::testing::WaitFor(done, timeout_s, 100));
+}
+
+// Lines written so far into the stats.jsonl of every job (one per step trained).
+size_t StepsWritten(const nlohmann::json& jobs) {
+  size_t lines = 0;
+  for (const auto& job : jobs) {
+    std::ifstream in(job.value("output_dir", "") + "/stats.jsonl");
+    lines += static_cast<size_t>(
+        std::count(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>(), '\n'));
   }
+  return lines;
 }
 
 }  // namespace
 
 TEST_CASE("three jobs on two workers succeed and equal their standalone runs", "[e2e]") {
-  std::string dir = NewRunDir("three");
+  const lorastream::testing::TempDir run_dir("e2e-three");
+  const std::string& dir = run_dir.str();
   LocalCluster cluster(Options(dir, 2));
   cluster.Start();
   // The two CPU workers share the cores rather than each taking all of them.
@@ -153,16 +154,22 @@ TEST_CASE("three jobs on two workers succeed and equal their standalone runs", "
 
 TEST_CASE("a worker killed mid-job: the job resumes elsewhere and ends bit-identical",
           "[e2e]") {
-  std::string dir = NewRunDir("killworker");
+  const lorastream::testing::TempDir run_dir("e2e-killworker");
+  const std::string& dir = run_dir.str();
   LocalCluster cluster(Options(dir, 2));
   cluster.Start();
+  // Every worker holds the job it runs right after reporting its first checkpoint (SIGUSR1,
+  // `lorastream-worker serve`), so the job is mid-run when killed however fast it trains.
+  for (size_t i = 0; i < cluster.num_workers(); ++i)
+    REQUIRE(::kill(cluster.WorkerPid(i), SIGUSR1) == 0);
   std::string data = WriteData(dir, 80, 7);
   int64_t id = cluster.Submit(WriteJob(dir, "victim", cluster.store_name(), data, 24, 4, 7));
-  // Past its first checkpoint, kill the worker that runs it.
   WaitUntil([&] { return cluster.ShowJob(id).value("checkpoint_step", 0) >= 4; }, 300,
             "the first checkpoint");
   nlohmann::json job = cluster.ShowJob(id);
   REQUIRE(job["state"] == "running");
+  REQUIRE(job.value("checkpoint_step", 0) == 4);  // held there: it cannot have gone further
+  REQUIRE(job.value("step", 0) < 24);
   int victim = -1;
   nlohmann::json workers = nlohmann::json::parse(cluster.Client({"workers", "--json"}));
   for (const auto& w : workers)
@@ -170,6 +177,8 @@ TEST_CASE("a worker killed mid-job: the job resumes elsewhere and ends bit-ident
       for (size_t i = 0; i < cluster.num_workers(); ++i)
         if (cluster.WorkerPid(i) == w.value("pid", 0)) victim = static_cast<int>(i);
   REQUIRE(victim >= 0);
+  // The survivor must not hold the resumed job (SIGUSR2 clears the request), then the kill.
+  REQUIRE(::kill(cluster.WorkerPid(1 - victim), SIGUSR2) == 0);
   cluster.StopWorker(victim, SIGKILL);
   nlohmann::json jobs = cluster.WaitForJobs(900);
   job = cluster.ShowJob(id);
@@ -185,7 +194,8 @@ TEST_CASE("a worker killed mid-job: the job resumes elsewhere and ends bit-ident
 }
 
 TEST_CASE("the store killed: running jobs finish, a new store cleans up and serves", "[e2e]") {
-  std::string dir = NewRunDir("killstore");
+  const lorastream::testing::TempDir run_dir("e2e-killstore");
+  const std::string& dir = run_dir.str();
   LocalCluster cluster(Options(dir, 1));
   cluster.Start();
   std::string data = WriteData(dir, 40, 11);
@@ -203,7 +213,8 @@ TEST_CASE("the store killed: running jobs finish, a new store cleans up and serv
 }
 
 TEST_CASE("the coordinator restarted mid-run loses no job", "[e2e]") {
-  std::string dir = NewRunDir("restart");
+  const lorastream::testing::TempDir run_dir("e2e-restart");
+  const std::string& dir = run_dir.str();
   LocalCluster cluster(Options(dir, 2));
   cluster.Start();
   std::vector<int64_t> ids;
@@ -211,8 +222,12 @@ TEST_CASE("the coordinator restarted mid-run loses no job", "[e2e]") {
     ids.push_back(cluster.Submit(WriteJob(dir, "r" + std::to_string(j), cluster.store_name(),
                                           WriteData(dir, 40, 200 + j), 10, 2, j)));
   WaitUntil([&] { return cluster.ShowJob(ids[0]).value("step", 0) >= 2; }, 300, "training");
+  const nlohmann::json before = nlohmann::json::parse(cluster.Client({"jobs", "--json"}));
   cluster.StopCoordinator(SIGKILL);
-  std::this_thread::sleep_for(std::chrono::seconds(1));
+  // The workers train on while the coordinator is down (unless every job was done already).
+  const size_t at_kill = StepsWritten(before);
+  WaitUntil([&] { return StepsWritten(before) > at_kill || at_kill == 30; }, 300,
+            "a step trained while the coordinator is down");
   cluster.StartCoordinator();  // same journal, same endpoint
   nlohmann::json jobs = cluster.WaitForJobs(900);
   REQUIRE(jobs.size() == 3);
@@ -254,7 +269,8 @@ ShmUse StoreMappings(pid_t pid, const std::string& store_name) {
 }  // namespace
 
 TEST_CASE("the store and four training workers hold the base weights once", "[e2e]") {
-  std::string dir = NewRunDir("pss");
+  const lorastream::testing::TempDir run_dir("e2e-pss");
+  const std::string& dir = run_dir.str();
   LocalCluster cluster(Options(dir, 4));
   cluster.Start();
   std::vector<int64_t> ids;
@@ -288,7 +304,8 @@ TEST_CASE("the store and four training workers hold the base weights once", "[e2
 
 TEST_CASE("`lorastream up` trains a job end to end, says where the adapter is, leaves nothing",
           "[e2e]") {
-  std::string dir = NewRunDir("up");
+  const lorastream::testing::TempDir run_dir("e2e-up");
+  const std::string& dir = run_dir.str();
   std::string data = WriteData(dir, 30, 11);
   std::string job = WriteJob(dir, "upjob", "replaced-by-up", data, 6, 3, 1);
   int code = -1;

@@ -103,12 +103,12 @@ std::string ServeError(const std::string& dir, const std::string& name, bool to_
 TEST_CASE("pack/attach round trip is bit-exact for every tiny preset", "[store]") {
   for (const std::string preset : {"tiny", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"}) {
     INFO(preset);
-    ScopedDir dir;
-    Synth(preset, dir.path, 3, "", /*shard_bytes=*/preset == "tiny-qwen3" ? 200000 : 4ull << 30);
+    TempDir dir("store");
+    Synth(preset, dir.str(), 3, "", /*shard_bytes=*/preset == "tiny-qwen3" ? 200000 : 4ull << 30);
     const std::string name = UniqueName("rt");
-    auto published = Serve(dir.path, name);
+    auto published = Serve(dir.str(), name);
     AttachedStore store = AttachedStore::Attach(name, published->manifest().fingerprint);
-    Checkpoint cp = Checkpoint::Open(dir.path);
+    Checkpoint cp = Checkpoint::Open(dir.str());
     CheckAgainstSource(store, cp, false);
     CHECK(store.manifest().dtype == DType::kF32);
     CHECK_NOTHROW(VerifyChecksums(store, 2));
@@ -127,25 +127,26 @@ TEST_CASE("pack/attach round trip is bit-exact for every tiny preset", "[store]"
 TEST_CASE("F32 and F16 checkpoints convert to BF16 on request", "[store]") {
   for (const std::string dtype : {"f32", "f16"}) {
     INFO(dtype);
-    ScopedDir dir;
-    Synth("tiny", dir.path, 5, dtype);
+    TempDir dir("store");
+    Synth("tiny", dir.str(), 5, dtype);
     const std::string name = UniqueName("bf16");
-    auto published = Serve(dir.path, name, /*to_bf16=*/true);
+    auto published = Serve(dir.str(), name, /*to_bf16=*/true);
     AttachedStore store = AttachedStore::Attach(name);
     CHECK(store.manifest().dtype == DType::kBF16);
-    CheckAgainstSource(store, Checkpoint::Open(dir.path), true);
+    CheckAgainstSource(store, Checkpoint::Open(dir.str()), true);
   }
 }
 
 TEST_CASE("same weights give the same fingerprint, other weights another", "[store]") {
-  ScopedDir a, b;
-  Synth("tiny", a.path, 1);
-  Synth("tiny", b.path, 2);
-  auto s1 = Serve(a.path, UniqueName("fp"));
+  TempDir a("store");
+  TempDir b("store");
+  Synth("tiny", a.str(), 1);
+  Synth("tiny", b.str(), 2);
+  auto s1 = Serve(a.str(), UniqueName("fp"));
   const std::string f1 = s1->manifest().fingerprint;
   s1.reset();
-  auto s2 = Serve(a.path, UniqueName("fp"));
-  auto s3 = Serve(b.path, UniqueName("fp"));  // two stores side by side
+  auto s2 = Serve(a.str(), UniqueName("fp"));
+  auto s3 = Serve(b.str(), UniqueName("fp"));  // two stores side by side
   CHECK(s2->manifest().fingerprint == f1);
   CHECK(s3->manifest().fingerprint != f1);
   CHECK(s2->manifest().generation != s3->manifest().generation);
@@ -154,10 +155,10 @@ TEST_CASE("same weights give the same fingerprint, other weights another", "[sto
 }
 
 TEST_CASE("a write through an attached mapping faults in the writer only", "[store]") {
-  ScopedDir dir;
-  Synth("tiny", dir.path);
+  TempDir dir("store");
+  Synth("tiny", dir.str());
   const std::string name = UniqueName("ro");
-  auto published = Serve(dir.path, name);
+  auto published = Serve(dir.str(), name);
   const pid_t child = fork();
   REQUIRE(child >= 0);
   if (child == 0) {
@@ -178,133 +179,158 @@ TEST_CASE("a write through an attached mapping faults in the writer only", "[sto
 }
 
 TEST_CASE("a second store of a live name is refused and leaves the first intact", "[store]") {
-  ScopedDir dir;
-  Synth("tiny", dir.path);
+  TempDir dir("store");
+  Synth("tiny", dir.str());
   const std::string name = UniqueName("dup");
-  auto first = Serve(dir.path, name);
-  CHECK_THROWS_WITH(Serve(dir.path, name), Catch::Contains("is already served by pid " + std::to_string(getpid())));
+  auto first = Serve(dir.str(), name);
+  CHECK_THROWS_WITH(Serve(dir.str(), name),
+                    Catch::Contains("is already served by pid " + std::to_string(getpid())));
   CHECK_NOTHROW(VerifyChecksums(AttachedStore::Attach(name)));
   first.reset();
   CHECK(ShmObjectsOf(name).empty());
   CHECK_THROWS_WITH(AttachedStore::Attach(name), Catch::Contains("no store named"));
-  CHECK_THROWS_AS(Serve(dir.path, "bad.name"), Error);
+  CHECK_THROWS_AS(Serve(dir.str(), "bad.name"), Error);
 }
 
+namespace {
+
+// One way to damage a fresh tiny checkpoint, and what the refusal must say.
+struct Malformed {
+  const char* what;
+  bool sharded;  // written as shards with an index instead of one file
+  std::function<void(const std::string& dir)> damage;
+  std::vector<std::string> expected;  // each part of the refusal's message
+  bool to_bf16 = false;
+};
+
+void DropTensors(const std::string& dir, const std::function<bool(const std::string&)>& drop) {
+  Rewrite(dir, [&](auto& t) {
+    t.erase(std::remove_if(t.begin(), t.end(), [&](auto& x) { return drop(x.name); }), t.end());
+  });
+}
+
+void AddTensorLike(const std::string& dir, const std::string& name) {
+  Rewrite(dir, [&](auto& t) {
+    TensorToWrite x = t[1];
+    x.name = name;
+    t.push_back(x);
+  });
+}
+
+// Replaces model.norm.weight by 64 elements of `dtype` from `data` (kept alive by the caller).
+void RetypeNorm(const std::string& dir, DType dtype, const void* data) {
+  Rewrite(dir, [&](auto& t) {
+    for (auto& x : t)
+      if (x.name == "model.norm.weight") x = {x.name, dtype, {64}, data};
+  });
+}
+
+std::string ReadText(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+}  // namespace
+
 TEST_CASE("malformed checkpoints are refused before anything is published", "[store]") {
+  static const std::vector<int32_t> ints(64, 1);
+  static const std::vector<uint16_t> halves(64, 0x3C00);
+  const std::vector<Malformed> cases = {
+      {"a block tensor missing",
+       false,
+       [](const std::string& d) {
+         DropTensors(d,
+                     [](const std::string& n) { return n == "model.layers.1.mlp.up_proj.weight"; });
+       },
+       {"tensor `model.layers.1.mlp.up_proj.weight` is missing"}},
+      {"a whole block missing",
+       false,
+       [](const std::string& d) {
+         DropTensors(d, [](const std::string& n) { return n.rfind("model.layers.3.", 0) == 0; });
+       },
+       {"block 3 is missing (no tensor model.layers.3.*"}},
+      {"an unknown tensor inside a block",
+       false,
+       [](const std::string& d) { AddTensorLike(d, "model.layers.2.mlp.extra_proj.weight"); },
+       {"unexpected tensor `model.layers.2.mlp.extra_proj.weight` (not part of a llama block)"}},
+      {"an unknown tensor outside the blocks",
+       false,
+       [](const std::string& d) { AddTensorLike(d, "vision_tower.weight"); },
+       {"unexpected tensor `vision_tower.weight`"}},
+      {"a tensor of the wrong shape",
+       false,
+       [](const std::string& d) {
+         Rewrite(d, [](auto& t) {
+           for (auto& x : t)
+             if (x.name == "model.layers.0.self_attn.q_proj.weight") x.shape = {32, 128};
+         });
+       },
+       {"tensor `model.layers.0.self_attn.q_proj.weight` has shape [32, 128] but config.json "
+        "implies [64, 64]"}},
+      {"fewer layers in config.json than in the weights",
+       false,
+       [](const std::string& d) { EditConfig(d, [](auto& j) { j["num_hidden_layers"] = 3; }); },
+       {"belongs to block 3 but config.json has num_hidden_layers = 3"}},
+      {"a hidden size that does not match the weights",
+       false,
+       [](const std::string& d) { EditConfig(d, [](auto& j) { j["hidden_size"] = 128; }); },
+       {"config.json implies"}},
+      {"a config.json field missing",
+       false,
+       [](const std::string& d) { EditConfig(d, [](auto& j) { j.erase("vocab_size"); }); },
+       {"field `vocab_size` is missing"}},
+      {"a non-block tensor missing",
+       false,
+       [](const std::string& d) {
+         DropTensors(d, [](const std::string& n) { return n == "model.norm.weight"; });
+       },
+       {"tensor `model.norm.weight` is missing"}},
+      {"an integer weight",
+       false,
+       [](const std::string& d) { RetypeNorm(d, DType::kI32, ints.data()); },
+       {"tensor `model.norm.weight` is I32; the store holds floating-point weights"}},
+      {"mixed float dtypes",
+       false,
+       [](const std::string& d) { RetypeNorm(d, DType::kF16, halves.data()); },
+       {"serve with --dtype bf16 to convert"}},
+      {"mixed float dtypes, converted to bf16 (accepted)",
+       false,
+       [](const std::string& d) { RetypeNorm(d, DType::kF16, halves.data()); },
+       {"(accepted)"},
+       /*to_bf16=*/true},
+      {"an index that is not JSON",
+       true,
+       [](const std::string& d) {
+         std::ofstream(d + "/model.safetensors.index.json") << "{\"weight_map\": ";
+       },
+       {"model.safetensors.index.json: not valid JSON"}},
+      {"a shard the index names missing",
+       true,
+       [](const std::string& d) {
+         const std::string text = ReadText(d + "/model.safetensors.index.json");
+         const std::string of = text.find("of-00004") != std::string::npos ? "00004" : "00005";
+         std::remove((d + "/model-00002-of-" + of + ".safetensors").c_str());
+       },
+       {"model.safetensors.index.json: shard `model-00002-of-", "does not exist"}},
+      {"no config.json",
+       false,
+       [](const std::string& d) { std::remove((d + "/config.json").c_str()); },
+       {"no config.json"}},
+      {"a truncated safetensors file",
+       false,
+       [](const std::string& d) {
+         REQUIRE(::truncate((d + "/model.safetensors").c_str(), 5000) == 0);
+       },
+       {"model.safetensors: tensor `"}},
+  };
   const std::string name = UniqueName("bad");
-  auto fresh = [](ScopedDir& d) { Synth("tiny", d.path, 9); };
-  {
-    ScopedDir d;
-    fresh(d);
-    Rewrite(d.path, [](auto& t) {
-      t.erase(std::remove_if(t.begin(), t.end(), [](auto& x) { return x.name == "model.layers.1.mlp.up_proj.weight"; }), t.end());
-    });
-    CHECK_THAT(ServeError(d.path, name), Catch::Contains("tensor `model.layers.1.mlp.up_proj.weight` is missing"));
-  }
-  {
-    ScopedDir d;
-    fresh(d);
-    Rewrite(d.path, [](auto& t) {
-      t.erase(std::remove_if(t.begin(), t.end(), [](auto& x) { return x.name.rfind("model.layers.3.", 0) == 0; }), t.end());
-    });
-    CHECK_THAT(ServeError(d.path, name), Catch::Contains("block 3 is missing (no tensor model.layers.3.*"));
-  }
-  {
-    ScopedDir d;
-    fresh(d);
-    Rewrite(d.path, [](auto& t) {
-      TensorToWrite x = t[1];
-      x.name = "model.layers.2.mlp.extra_proj.weight";
-      t.push_back(x);
-    });
-    CHECK_THAT(ServeError(d.path, name), Catch::Contains("unexpected tensor `model.layers.2.mlp.extra_proj.weight` (not part of a llama block)"));
-  }
-  {
-    ScopedDir d;
-    fresh(d);
-    Rewrite(d.path, [](auto& t) {
-      TensorToWrite x = t[1];
-      x.name = "vision_tower.weight";
-      t.push_back(x);
-    });
-    CHECK_THAT(ServeError(d.path, name), Catch::Contains("unexpected tensor `vision_tower.weight`"));
-  }
-  {
-    ScopedDir d;
-    fresh(d);
-    Rewrite(d.path, [](auto& t) {
-      for (auto& x : t)
-        if (x.name == "model.layers.0.self_attn.q_proj.weight") x.shape = {32, 128};
-    });
-    CHECK_THAT(ServeError(d.path, name), Catch::Contains("tensor `model.layers.0.self_attn.q_proj.weight` has shape [32, 128] but config.json implies [64, 64]"));
-  }
-  {
-    ScopedDir d;
-    fresh(d);
-    EditConfig(d.path, [](auto& j) { j["num_hidden_layers"] = 3; });
-    CHECK_THAT(ServeError(d.path, name), Catch::Contains("belongs to block 3 but config.json has num_hidden_layers = 3"));
-    EditConfig(d.path, [](auto& j) { j["num_hidden_layers"] = 4; j["hidden_size"] = 128; });
-    CHECK_THAT(ServeError(d.path, name), Catch::Contains("config.json implies"));
-    EditConfig(d.path, [](auto& j) { j.erase("vocab_size"); });
-    CHECK_THAT(ServeError(d.path, name), Catch::Contains("field `vocab_size` is missing"));
-  }
-  {
-    ScopedDir d;
-    fresh(d);
-    Rewrite(d.path, [](auto& t) {
-      t.erase(std::remove_if(t.begin(), t.end(), [](auto& x) { return x.name == "model.norm.weight"; }), t.end());
-    });
-    CHECK_THAT(ServeError(d.path, name), Catch::Contains("tensor `model.norm.weight` is missing"));
-  }
-  {
-    ScopedDir d;
-    fresh(d);
-    std::vector<int32_t> ints(64, 1);
-    Rewrite(d.path, [&](auto& t) {
-      for (auto& x : t)
-        if (x.name == "model.norm.weight") x = {x.name, DType::kI32, {64}, ints.data()};
-    });
-    CHECK_THAT(ServeError(d.path, name), Catch::Contains("tensor `model.norm.weight` is I32; the store holds floating-point weights"));
-  }
-  {
-    ScopedDir d;
-    fresh(d);
-    std::vector<uint16_t> halves(64, 0x3C00);
-    Rewrite(d.path, [&](auto& t) {
-      for (auto& x : t)
-        if (x.name == "model.norm.weight") x = {x.name, DType::kF16, {64}, halves.data()};
-    });
-    CHECK_THAT(ServeError(d.path, name), Catch::Contains("serve with --dtype bf16 to convert"));
-    CHECK(ServeError(d.path, name, /*to_bf16=*/true) == "(accepted)");  // mixed is fine when converting
-  }
-  {
-    ScopedDir d;
-    Synth("tiny", d.path, 9, "", /*shard_bytes=*/250000);
-    const std::string index = d.path + "/model.safetensors.index.json";
-    std::string text;
-    {
-      std::ifstream in(index);
-      text.assign(std::istreambuf_iterator<char>(in), {});
-    }
-    std::ofstream(index) << "{\"weight_map\": ";
-    CHECK_THAT(ServeError(d.path, name), Catch::Contains("model.safetensors.index.json: not valid JSON"));
-    std::ofstream(index) << nlohmann::json::parse(text).dump();
-    std::remove((d.path + "/model-00002-of-" + std::string(text.find("of-00004") != std::string::npos ? "00004" : "00005") + ".safetensors").c_str());
-    const std::string missing = ServeError(d.path, name);
-    CHECK_THAT(missing, Catch::Contains("model.safetensors.index.json: shard `model-00002-of-"));
-    CHECK_THAT(missing, Catch::Contains("does not exist"));
-  }
-  {
-    ScopedDir d;
-    fresh(d);
-    std::remove((d.path + "/config.json").c_str());
-    CHECK_THAT(ServeError(d.path, name), Catch::Contains("no config.json"));
-  }
-  {
-    ScopedDir d;
-    fresh(d);
-    REQUIRE(::truncate((d.path + "/model.safetensors").c_str(), 5000) == 0);
-    CHECK_THAT(ServeError(d.path, name), Catch::Contains("model.safetensors: tensor `"));
+  for (const Malformed& c : cases) {
+    INFO(c.what);
+    const testing::TempDir dir("store");
+    Synth("tiny", dir.str(), 9, "", /*shard_bytes=*/c.sharded ? 250000 : 4ull << 30);
+    c.damage(dir.str());
+    const std::string refusal = ServeError(dir.str(), name, c.to_bf16);
+    for (const std::string& part : c.expected) CHECK_THAT(refusal, Catch::Contains(part));
   }
 }
 
@@ -315,7 +341,7 @@ TEST_CASE("a store larger than /dev/shm is refused with the size and the fix", "
     WARN("skipped: /dev/shm has room for 32 GB here");
     return;
   }
-  ScopedDir d;
+  TempDir d("store");
   ModelConfig c;
   c.model_type = "llama";
   c.hidden_size = 4096;
@@ -329,7 +355,7 @@ TEST_CASE("a store larger than /dev/shm is refused with the size and the fix", "
   c.torch_dtype = "float32";
   nlohmann::json cj;
   ToJson(cj, c);
-  std::ofstream(d.path + "/config.json") << cj.dump();
+  std::ofstream(d.str() + "/config.json") << cj.dump();
   nlohmann::json header = nlohmann::json::object();
   uint64_t offset = 0;
   auto add = [&](const std::string& name, const std::vector<int64_t>& shape) {
@@ -343,15 +369,16 @@ TEST_CASE("a store larger than /dev/shm is refused with the size and the fix", "
   for (const auto& [name, shape] : c.RestTensorShapes()) add(name, shape);
   const std::string text = header.dump();
   {
-    std::ofstream out(d.path + "/model.safetensors", std::ios::binary);
+    std::ofstream out(d.str() + "/model.safetensors", std::ios::binary);
     const uint64_t n = text.size();
     out.write(reinterpret_cast<const char*>(&n), 8);
     out << text;
   }
-  REQUIRE(::truncate((d.path + "/model.safetensors").c_str(), static_cast<off_t>(8 + text.size() + offset)) == 0);
+  REQUIRE(::truncate((d.str() + "/model.safetensors").c_str(),
+                     static_cast<off_t>(8 + text.size() + offset)) == 0);
   const std::string name = UniqueName("big");
   try {
-    Serve(d.path, name);
+    Serve(d.str(), name);
     FAIL("a 32 GB store was accepted");
   } catch (const Error& e) {
     CHECK(e.code() == ErrorCode::kResource);
@@ -362,11 +389,11 @@ TEST_CASE("a store larger than /dev/shm is refused with the size and the fix", "
 }
 
 TEST_CASE("a signal during loading cancels it and removes what was created", "[store]") {
-  ScopedDir d;
-  Synth("tiny", d.path);
+  TempDir d("store");
+  Synth("tiny", d.str());
   const std::string name = UniqueName("cancel");
   ServeOptions o;
-  o.model_dir = d.path;
+  o.model_dir = d.str();
   o.name = name;
   bool segments_existed = false;
   try {

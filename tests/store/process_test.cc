@@ -63,10 +63,10 @@ uint64_t SmapsKiB(int64_t pid, const std::string& store_name, const std::string&
 }  // namespace
 
 TEST_CASE("serve publishes, verify and ls see it, SIGTERM unlinks everything", "[store]") {
-  ScopedDir dir;
-  Synth("tiny-qwen2", dir.path, 4);
+  TempDir dir("store");
+  Synth("tiny-qwen2", dir.str(), 4);
   const std::string name = UniqueName("term");
-  Subprocess serve = StartServe(dir.path, name, dir.path + "/serve.log");
+  Subprocess serve = StartServe(dir.str(), name, dir.str() + "/serve.log");
   AttachedStore store = AttachedStore::AttachWhenReady(name, 30);
   CHECK(store.manifest().owner_pid == serve.pid());
 
@@ -85,21 +85,21 @@ TEST_CASE("serve publishes, verify and ls see it, SIGTERM unlinks everything", "
   CHECK(serve.Wait(30) == 0);
   CHECK(ShmObjectsOf(name).empty());
   CHECK_NOTHROW(VerifyChecksums(store));  // an attached reader keeps its mappings
-  CHECK_THAT(ReadFile(dir.path + "/serve.log"), Catch::Contains("SIGTERM received"));
+  CHECK_THAT(ReadFile(dir.str() + "/serve.log"), Catch::Contains("SIGTERM received"));
 }
 
 TEST_CASE("a store killed with SIGKILL is cleaned up by the next one of its name", "[store]") {
-  ScopedDir dir;
-  Synth("tiny", dir.path, 4);
+  TempDir dir("store");
+  Synth("tiny", dir.str(), 4);
   const std::string name = UniqueName("stale");
-  Subprocess first = StartServe(dir.path, name, dir.path + "/first.log");
+  Subprocess first = StartServe(dir.str(), name, dir.str() + "/first.log");
   const uint64_t old_generation = AttachedStore::AttachWhenReady(name, 30).manifest().generation;
   // A second store of the same live name is refused with a clear message.
   int code = -1;
-  RunAndCapture({Bin("lorastream-store"), "serve", dir.path, "--name", name}, &code, 60,
-                dir.path + "/second.err");
+  RunAndCapture({Bin("lorastream-store"), "serve", dir.str(), "--name", name}, &code, 60,
+                dir.str() + "/second.err");
   CHECK(code == ExitCodeFor(ErrorCode::kRefused));
-  CHECK_THAT(ReadFile(dir.path + "/second.err"), Catch::Contains("is already served by pid"));
+  CHECK_THAT(ReadFile(dir.str() + "/second.err"), Catch::Contains("is already served by pid"));
 
   first.Signal(SIGKILL);
   first.Wait(30);
@@ -109,7 +109,7 @@ TEST_CASE("a store killed with SIGKILL is cleaned up by the next one of its name
   CHECK_THAT(out, Catch::Contains(name + ": stale (owner gone)"));
   CHECK_THROWS_WITH(AttachedStore::Attach(name), Catch::Contains("is stale"));
 
-  Subprocess third = StartServe(dir.path, name, dir.path + "/third.log");
+  Subprocess third = StartServe(dir.str(), name, dir.str() + "/third.log");
   AttachedStore store = AttachedStore::AttachWhenReady(name, 30);
   CHECK(store.manifest().generation != old_generation);
   CHECK(ShmObjectsOf(name).size() == left);  // only the new generation's objects
@@ -120,7 +120,8 @@ TEST_CASE("a store killed with SIGKILL is cleaned up by the next one of its name
         std::snprintf(b, sizeof(b), "%016llx", static_cast<unsigned long long>(store.manifest().generation));
         return std::string(b);
       }()) != std::string::npos);
-  CHECK_THAT(ReadFile(dir.path + "/third.log"), Catch::Contains("removed 6 stale shared-memory objects"));
+  CHECK_THAT(ReadFile(dir.str() + "/third.log"),
+             Catch::Contains("removed 6 stale shared-memory objects"));
   CHECK(third.Stop() == 0);
 }
 
@@ -138,18 +139,18 @@ TEST_CASE("a memlock limit is reported once with the fix, and the store still se
     WARN("skipped: needs root and setpriv to drop CAP_IPC_LOCK");
     return;
   }
-  ScopedDir dir;
-  SynthMedium(dir.path);
+  TempDir dir("store");
+  SynthMedium(dir.str());
   const std::string name = UniqueName("memlock");
   SpawnOptions o;
-  o.log_path = dir.path + "/serve.log";
+  o.log_path = dir.str() + "/serve.log";
   Subprocess serve = Subprocess::Spawn(
       {"/bin/bash", "-c",
        "ulimit -l 8192 && exec /usr/bin/setpriv --inh-caps=-ipc_lock --bounding-set=-ipc_lock " +
-           Bin("lorastream-store") + " serve " + dir.path + "/ckpt --name " + name},
+           Bin("lorastream-store") + " serve " + dir.str() + "/ckpt --name " + name},
       o);
   CHECK_NOTHROW(VerifyChecksums(AttachedStore::AttachWhenReady(name, 60)));
-  const std::string log = ReadFile(dir.path + "/serve.log");
+  const std::string log = ReadFile(dir.str() + "/serve.log");
   size_t count = 0;
   for (size_t at = 0; (at = log.find("cannot lock the store in RAM", at)) != std::string::npos; ++at) ++count;
   CHECK(count == 1);
@@ -159,10 +160,10 @@ TEST_CASE("a memlock limit is reported once with the fix, and the store still se
 }
 
 TEST_CASE("PSS: the store and 1, 2, 4 readers hold one copy of the weights", "[store]") {
-  ScopedDir dir;
-  SynthMedium(dir.path);
+  TempDir dir("store");
+  SynthMedium(dir.str());
   const std::string name = UniqueName("pss");
-  Subprocess serve = StartServe(dir.path + "/ckpt", name, dir.path + "/serve.log");
+  Subprocess serve = StartServe(dir.str() + "/ckpt", name, dir.str() + "/serve.log");
   uint64_t one_copy_kib = 0;
   {
     AttachedStore probe = AttachedStore::AttachWhenReady(name, 60);
@@ -228,33 +229,35 @@ TEST_CASE("PSS: the store and 1, 2, 4 readers hold one copy of the weights", "[s
 }
 
 TEST_CASE("inspect lists good input and explains bad input without crashing", "[store]") {
-  ScopedDir dir;
-  Synth("tiny", dir.path + "/ckpt", 1);
+  TempDir dir("store");
+  Synth("tiny", dir.str() + "/ckpt", 1);
   int code = -1;
   auto inspect = [&](const std::string& path) {
     static int calls = 0;
-    const std::string err = dir.path + "/inspect" + std::to_string(calls++) + ".err";
+    const std::string err = dir.str() + "/inspect" + std::to_string(calls++) + ".err";
     const std::string out = RunAndCapture({Bin("lorastream-store"), "inspect", path}, &code, 60, err);
     return out + ReadFile(err);
   };
-  std::string out = inspect(dir.path + "/ckpt");
+  std::string out = inspect(dir.str() + "/ckpt");
   CHECK(code == 0);
   CHECK_THAT(out, Catch::Contains("total: 1 file(s), 39 tensors, 1001728 bytes"));
   CHECK_THAT(out, Catch::Contains("F32"));
-  out = inspect(dir.path + "/ckpt/model.safetensors");
+  out = inspect(dir.str() + "/ckpt/model.safetensors");
   CHECK(code == 0);
   CHECK_THAT(out, Catch::Contains("model.layers.0.self_attn.q_proj.weight [64, 64]"));
 
-  std::ofstream(dir.path + "/garbage.safetensors") << "\xff\xff\xff\xff this is not a header at all";
-  std::ofstream(dir.path + "/empty.safetensors");
-  std::ofstream(dir.path + "/json.safetensors") << std::string("\x0f\0\0\0\0\0\0\0", 8) << "{\"a\": {\"dtype\":";
-  ::mkdir((dir.path + "/noconfig").c_str(), 0755);
+  std::ofstream(dir.str() + "/garbage.safetensors")
+      << "\xff\xff\xff\xff this is not a header at all";
+  std::ofstream(dir.str() + "/empty.safetensors");
+  std::ofstream(dir.str() + "/json.safetensors")
+      << std::string("\x0f\0\0\0\0\0\0\0", 8) << "{\"a\": {\"dtype\":";
+  ::mkdir((dir.str() + "/noconfig").c_str(), 0755);
   const std::pair<std::string, std::string> bad[] = {
-      {dir.path + "/garbage.safetensors", "exceeds the cap"},
-      {dir.path + "/empty.safetensors", "file is 0 bytes"},
-      {dir.path + "/json.safetensors", "header is not valid JSON"},
-      {dir.path + "/noconfig", "no config.json"},
-      {dir.path + "/missing", "no such file or folder"},
+      {dir.str() + "/garbage.safetensors", "exceeds the cap"},
+      {dir.str() + "/empty.safetensors", "file is 0 bytes"},
+      {dir.str() + "/json.safetensors", "header is not valid JSON"},
+      {dir.str() + "/noconfig", "no config.json"},
+      {dir.str() + "/missing", "no such file or folder"},
       {"/dev/null", "neither a file nor a folder"},
   };
   for (const auto& [path, message] : bad) {

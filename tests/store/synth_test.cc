@@ -27,18 +27,18 @@ std::set<std::string> ExpectedNames(const ModelConfig& c) {
 TEST_CASE("synth writes exactly the tensors of each tiny preset", "[store]") {
   for (const std::string preset : {"tiny", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"}) {
     INFO(preset);
-    ScopedDir dir;
-    Synth(preset, dir.path, 7, "", /*shard_bytes=*/300000);
-    Checkpoint cp = Checkpoint::Open(dir.path);
+    TempDir dir("store");
+    Synth(preset, dir.str(), 7, "", /*shard_bytes=*/300000);
+    Checkpoint cp = Checkpoint::Open(dir.str());
     std::set<std::string> names;
     for (const auto& ref : cp.AllTensors()) names.insert(ref.entry->name);
     CHECK(names == ExpectedNames(cp.config()));
     CHECK_NOTHROW(PlanPack(cp, PackOptions{}));
     CHECK(cp.config().model_type == LoadPreset(preset, PresetsDir()).config.model_type);
   }
-  ScopedDir dir;
-  Synth("tiny", dir.path);
-  const ModelConfig c = Checkpoint::Open(dir.path).config();
+  TempDir dir("store");
+  Synth("tiny", dir.str());
+  const ModelConfig c = Checkpoint::Open(dir.str()).config();
   CHECK(c.hidden_size == 64);
   CHECK(c.num_key_value_heads == 2);
   CHECK(c.max_position_embeddings == 256);
@@ -77,14 +77,17 @@ TEST_CASE("full-size presets have the published shapes", "[store]") {
 
 TEST_CASE("synth is deterministic per seed, scaled like HF init, and honours --layers/--dtype",
           "[store]") {
-  ScopedDir a, b, c, d;
-  Synth("tiny", a.path, 42);
-  Synth("tiny", b.path, 42);
-  Synth("tiny", c.path, 43);
-  Synth("tiny", d.path, 42, "bf16", 4ull << 30, /*layers=*/2);
-  SafetensorsFile fa = SafetensorsFile::Open(a.path + "/model.safetensors");
-  SafetensorsFile fb = SafetensorsFile::Open(b.path + "/model.safetensors");
-  SafetensorsFile fc = SafetensorsFile::Open(c.path + "/model.safetensors");
+  TempDir a("store");
+  TempDir b("store");
+  TempDir c("store");
+  TempDir d("store");
+  Synth("tiny", a.str(), 42);
+  Synth("tiny", b.str(), 42);
+  Synth("tiny", c.str(), 43);
+  Synth("tiny", d.str(), 42, "bf16", 4ull << 30, /*layers=*/2);
+  SafetensorsFile fa = SafetensorsFile::Open(a.str() + "/model.safetensors");
+  SafetensorsFile fb = SafetensorsFile::Open(b.str() + "/model.safetensors");
+  SafetensorsFile fc = SafetensorsFile::Open(c.str() + "/model.safetensors");
   const auto* q = fa.Find("model.layers.1.self_attn.q_proj.weight");
   REQUIRE(q != nullptr);
   CHECK(std::memcmp(fa.Data(*q), fb.Data(*fb.Find(q->name)), q->nbytes()) == 0);
@@ -102,7 +105,7 @@ TEST_CASE("synth is deterministic per seed, scaled like HF init, and honours --l
   const float* norm = reinterpret_cast<const float*>(fa.Data(*fa.Find("model.norm.weight")));
   CHECK(norm[0] == Approx(1.0).margin(0.1));
 
-  Checkpoint cd = Checkpoint::Open(d.path);
+  Checkpoint cd = Checkpoint::Open(d.str());
   CHECK(cd.config().num_hidden_layers == 2);
   CHECK(cd.config().torch_dtype == "bfloat16");
   const auto ref = cd.Get("model.layers.1.self_attn.q_proj.weight");
@@ -112,13 +115,13 @@ TEST_CASE("synth is deterministic per seed, scaled like HF init, and honours --l
 }
 
 TEST_CASE("synth shards with an index when asked and replaces an earlier run", "[store]") {
-  ScopedDir dir;
-  SynthResult r = Synth("tiny", dir.path, 1, "", /*shard_bytes=*/250000);
+  TempDir dir("store");
+  SynthResult r = Synth("tiny", dir.str(), 1, "", /*shard_bytes=*/250000);
   CHECK(r.shards > 2);
-  Checkpoint cp = Checkpoint::Open(dir.path);
+  Checkpoint cp = Checkpoint::Open(dir.str());
   CHECK(cp.AllTensors().size() == 39);
-  Synth("tiny", dir.path, 1);  // single file now: the old index must be gone
-  CHECK(Synth("tiny", dir.path, 1).shards == 1);
-  CHECK(Checkpoint::Open(dir.path).AllTensors().size() == 39);
-  CHECK_THROWS_WITH(Synth("tiny", dir.path, 1, "f8"), Catch::Contains("must be f32, f16 or bf16"));
+  Synth("tiny", dir.str(), 1);  // single file now: the old index must be gone
+  CHECK(Synth("tiny", dir.str(), 1).shards == 1);
+  CHECK(Checkpoint::Open(dir.str()).AllTensors().size() == 39);
+  CHECK_THROWS_WITH(Synth("tiny", dir.str(), 1, "f8"), Catch::Contains("must be f32, f16 or bf16"));
 }

@@ -1,4 +1,4 @@
-// Helpers shared by the store tests: temporary folders, synthetic checkpoints, unique store
+// Helpers shared by the store tests: synthetic checkpoints, unique store
 // names (tests of several people and runs may share /dev/shm).
 #pragma once
 
@@ -10,25 +10,12 @@
 
 #include <catch2/catch.hpp>
 
-#include "common/remove_tree.h"
 #include "store/synth.h"
+#include "tests/support/test_support.h"
 
 namespace lorastream::testing {
 
-inline std::string TempDir() {
-  char templ[] = "/tmp/lorastream_store_XXXXXX";
-  REQUIRE(mkdtemp(templ) != nullptr);
-  return templ;
-}
-
-// Removes a folder tree when the test ends.
-struct ScopedDir {
-  std::string path = TempDir();
-  ~ScopedDir() { RemoveTree(path); }
-};
-
 inline std::string PresetsDir() { return std::string(LORASTREAM_SOURCE_DIR) + "/configs/models"; }
-inline std::string Bin(const std::string& name) { return std::string(LORASTREAM_BIN_DIR) + "/" + name; }
 
 inline std::string UniqueName(const std::string& tag) {
   static std::atomic<int> counter{0};

@@ -5,6 +5,7 @@
 // still in a slot are not copied again (invariant 5, by the copy statistics), and misuse is
 // refused.
 #include <chrono>
+#include <future>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -126,18 +127,26 @@ TEST_CASE("a slowed, poisoning copy thread changes nothing: compute waits for ev
 }
 
 TEST_CASE("the poison is visible: a slot read before its copy lands holds NaN", "[worker]") {
-  // The detector behind the test above: poison, then a slow copy.
+  // The detector behind the test above: the copy is held between poison and copy while the
+  // test reads the slot.
+  std::promise<void> poisoned, go_on;
+  std::shared_future<void> gate = go_on.get_future().share();
   StreamBackendOptions o;
   o.num_slots = 1;
   o.slot_bytes = 1024;
   o.debug_poison = true;
-  o.debug_copy_delay_us = 200000;
+  o.debug_after_poison = [&poisoned, gate](int) {
+    poisoned.set_value();
+    gate.wait();
+  };
   CpuStreamBackend backend(o);
   std::vector<float> src(256, 1.5f);
   backend.Copy(0, reinterpret_cast<const uint8_t*>(src.data()), 1024);
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  poisoned.get_future().wait();
   const at::Tensor early = backend.slot(0).view(at::kFloat);
-  REQUIRE(at::isnan(early).all().item<bool>());  // read without AcquireSlot: poison
+  const bool all_nan = at::isnan(early).all().item<bool>();
+  go_on.set_value();  // let the copy finish before any REQUIRE can leave this scope
+  REQUIRE(all_nan);   // read without AcquireSlot: poison
   backend.AcquireSlot(0);
   REQUIRE(at::equal(backend.slot(0).view(at::kFloat), at::full({256}, 1.5f)));
   backend.ReleaseSlot(0);

@@ -14,7 +14,9 @@
 
 #include "common/error.h"
 #include "common/manifest.h"
+#include "common/memory_mapping.h"
 #include "common/model_config.h"
+#include "common/unique_fd.h"
 #include "store/shm_segment.h"
 
 namespace lorastream::testing {
@@ -51,33 +53,28 @@ class HostBlocks {
       SegmentInfo s = LayoutSegment(config.BlockTensorShapes(), "block" + std::to_string(i),
                                    DType::kF32, manifest_.alignment);
       const size_t mapped = RoundUpToPage(s.nbytes);
-      const int fd = memfd_create(("lorastream-test-block" + std::to_string(i)).c_str(), MFD_CLOEXEC);
-      LS_CHECK(fd >= 0 && ftruncate(fd, static_cast<off_t>(mapped)) == 0, "memfd for test blocks");
-      void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-      LS_CHECK(p != MAP_FAILED, "mmap for test blocks");
-      auto* bytes = static_cast<uint8_t*>(p);
+      UniqueFd fd(memfd_create(("lorastream-test-block" + std::to_string(i)).c_str(), MFD_CLOEXEC));
+      LS_CHECK(fd.valid() && ftruncate(fd.get(), static_cast<off_t>(mapped)) == 0,
+               "memfd for test blocks");
+      MemoryMapping map = MemoryMapping::Map(mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(),
+                                             0, "mmap for test blocks");
+      uint8_t* bytes = map.bytes();
       for (const TensorSlice& t : s.tensors) {
         auto* f = reinterpret_cast<float*>(bytes + t.offset);
         const bool norm = t.name.find("norm") != std::string::npos;
         for (uint64_t k = 0; k < t.nbytes / 4; ++k) f[k] = norm ? 1.0f + normal(rng) : normal(rng);
       }
       if (read_only) {
-        void* view = mmap(nullptr, mapped, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
-        LS_CHECK(view != MAP_FAILED, "read-only mmap for test blocks");
-        munmap(p, mapped);
-        p = view;
-        bytes = static_cast<uint8_t*>(p);
+        map = MemoryMapping::Map(mapped, PROT_READ, MAP_SHARED | MAP_POPULATE, fd.get(), 0,
+                                 "read-only mmap for test blocks");
+        bytes = map.bytes();
       }
-      close(fd);
-      maps_.push_back({p, mapped});
+      maps_.push_back(std::move(map));
       pointers_.push_back(bytes);
       manifest_.blocks.push_back(s);
     }
     manifest_.rest = LayoutSegment(config.RestTensorShapes(), "rest", DType::kF32,
                                   manifest_.alignment);
-  }
-  ~HostBlocks() {
-    for (auto& [p, n] : maps_) munmap(p, n);
   }
   HostBlocks(const HostBlocks&) = delete;
   HostBlocks& operator=(const HostBlocks&) = delete;
@@ -88,7 +85,7 @@ class HostBlocks {
  private:
   Manifest manifest_;
   std::vector<const uint8_t*> pointers_;
-  std::vector<std::pair<void*, size_t>> maps_;
+  std::vector<MemoryMapping> maps_;
 };
 
 }  // namespace lorastream::testing

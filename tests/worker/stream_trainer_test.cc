@@ -14,25 +14,15 @@
 #include <catch2/catch.hpp>
 
 #include "common/job_spec.h"
-#include "common/remove_tree.h"
 #include "store/synth.h"
 #include "common/data.h"
+#include "tests/support/test_support.h"
 #include "worker/stream_provider.h"
 #include "worker/trainer.h"
 
 using namespace lorastream;
 
 namespace {
-
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char templ[] = "/tmp/lorastream_stream_XXXXXX";
-    REQUIRE(mkdtemp(templ) != nullptr);
-    path = templ;
-  }
-  ~TempDir() { RemoveTree(path); }
-};
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -52,7 +42,7 @@ class TinyJob {
     SynthOptions s;
     s.preset = "tiny";
     s.presets_dir = std::string(LORASTREAM_SOURCE_DIR) + "/configs/models";
-    s.out_dir = dir_.path + "/model";
+    s.out_dir = dir_.str() + "/model";
     s.seed = 3;
     s.threads = 1;
     RunSynth(s);
@@ -61,14 +51,14 @@ class TinyJob {
     for (auto& d : docs) {
       for (int i = 0; i < 40; ++i) d.ids.push_back(static_cast<int32_t>(rng() % 512));
     }
-    WriteTokenFile(dir_.path + "/data.tok", docs, 2, false);
+    WriteTokenFile(dir_.str() + "/data.tok", docs, 2, false);
   }
 
   RunRecord Run(int swap, int ring, bool streamed, const StreamEngineOptions& options = {}) {
     JobSpec spec;
     spec.name = "stream-parity";
-    spec.model.checkpoint = dir_.path + "/model";
-    spec.data.path = dir_.path + "/data.tok";
+    spec.model.checkpoint = dir_.str() + "/model";
+    spec.data.path = dir_.str() + "/data.tok";
     spec.data.seq_len = 16;
     spec.lora.rank = 4;
     spec.optim.lr = 1e-2;
@@ -76,7 +66,7 @@ class TinyJob {
     spec.train.batch_size = 2;
     spec.train.grad_accum = 2;  // two passes per step
     spec.train.seed = 9;
-    spec.train.output_dir = dir_.path + "/out-" + std::to_string(runs_++);
+    spec.train.output_dir = dir_.str() + "/out-" + std::to_string(runs_++);
     spec.stream.blocks_to_swap = swap;
     spec.stream.ring_size = ring;
     ResolveJobSpec(spec);
@@ -103,7 +93,7 @@ class TinyJob {
   }
 
  private:
-  TempDir dir_;
+  testing::TempDir dir_{"stream"};
   int runs_ = 0;
 };
 

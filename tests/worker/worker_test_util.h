@@ -10,27 +10,10 @@
 #include <vector>
 
 #include "common/job_spec.h"
-#include "common/remove_tree.h"
 #include "store/synth.h"
+#include "tests/support/test_support.h"
 
 namespace lorastream::testing {
-
-// A fresh folder under the system temp dir, removed at scope exit.
-class TempDir {
- public:
-  explicit TempDir(const std::string& tag) {
-    std::random_device rd;
-    path_ = std::filesystem::temp_directory_path() /
-            ("lorastream-" + tag + "-" + std::to_string(rd()) + std::to_string(rd()));
-    std::filesystem::create_directories(path_);
-  }
-  ~TempDir() { RemoveTree(path_.string()); }  // common/remove_tree.h says why
-  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
-  const std::filesystem::path& path() const { return path_; }
-
- private:
-  std::filesystem::path path_;
-};
 
 // Writes a checkpoint of configs/models/<preset>.toml (f32) into `dir`.
 inline std::string MakeCheckpoint(const std::string& dir, const std::string& preset,

@@ -205,8 +205,10 @@ def job_figures(listing, warmup):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     ap.add_argument("--bin", default=os.path.join(os.environ.get("LORASTREAM_BUILD_DIR",
-                                                                 "/tmp/lorastream-build"), "bin"))
+                                                                 os.path.join(root, "build")),
+                                                  "bin"))
     ap.add_argument("--model", default=os.path.join(os.environ.get("LORASTREAM_BENCH_DIR",
                                                                    "/tmp/lorastream-bench"),
                                                     "llama-3-8b-16"))

@@ -8,12 +8,12 @@
 # (every step's statistics), bench_stream.log, bench_store.log.
 #
 # Usage: tools/gpu/bench_stream.sh OUT_DIR [extra lorastream-bench-stream options]
-#   LORASTREAM_BUILD_DIR  the build (default /tmp/lorastream-build, build_and_test.sh's)
+#   LORASTREAM_BUILD_DIR  the build (default build/, tools/setup.sh's)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="${1:?usage: bench_stream.sh OUT_DIR [options]}"
 shift
-BIN="${LORASTREAM_BUILD_DIR:-/tmp/lorastream-build}/bin"
+BIN="${LORASTREAM_BUILD_DIR:-$ROOT/build}/bin"
 CKPT="${LORASTREAM_BENCH_DIR:-/tmp/lorastream-bench}/llama-3-8b-16"
 NAME="bench-stream-$$"
 mkdir -p "$OUT"

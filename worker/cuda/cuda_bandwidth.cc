@@ -10,21 +10,6 @@
 
 namespace lorastream {
 
-namespace {
-// cudaMalloc'd device memory of exactly `bytes`.
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(size_t bytes) { CudaCheck(cudaMalloc(&ptr_, bytes), "cudaMalloc"); }
-  ~DeviceBuffer() { cudaFree(ptr_); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  void* get() const { return ptr_; }
-
- private:
-  void* ptr_ = nullptr;
-};
-}  // namespace
-
 double MeasurePinnedH2DBandwidth(const std::vector<std::pair<const uint8_t*, uint64_t>>& ranges,
                                  int device_index, int repeats) {
   LS_CHECK(!ranges.empty() && repeats > 0, "nothing to measure");

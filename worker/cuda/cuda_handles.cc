@@ -110,4 +110,10 @@ PinnedBuffer::~PinnedBuffer() {
   if (ptr_ != nullptr) WarnIfFailed(cudaFreeHost(ptr_), "cudaFreeHost");
 }
 
+DeviceBuffer::DeviceBuffer(size_t bytes) { CudaCheck(cudaMalloc(&ptr_, bytes), "cudaMalloc"); }
+
+DeviceBuffer::~DeviceBuffer() {
+  if (ptr_ != nullptr) WarnIfFailed(cudaFree(ptr_), "cudaFree");
+}
+
 }  // namespace lorastream

@@ -84,4 +84,17 @@ class PinnedBuffer {
   size_t bytes_ = 0;
 };
 
+// cudaMalloc'd device memory of exactly `bytes` (the bandwidth probes' targets).
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t bytes);
+  ~DeviceBuffer();
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  void* get() const { return ptr_; }
+
+ private:
+  void* ptr_ = nullptr;
+};
+
 }  // namespace lorastream

@@ -1,0 +1,52 @@
+#include "tests/support/test_support.h"
+
+#include <stdlib.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <thread>
+#include <vector>
+
+#include "common/error.h"
+#include "common/remove_tree.h"
+
+namespace lorastream::testing {
+
+TempDir::TempDir(const std::string& tag) {
+  std::string pattern =
+      (std::filesystem::temp_directory_path() / ("lorastream-" + tag + "-XXXXXX")).string();
+  std::vector<char> buffer(pattern.begin(), pattern.end());
+  buffer.push_back('\0');
+  if (::mkdtemp(buffer.data()) == nullptr) ThrowErrno("mkdtemp(" + pattern + ")");
+  str_ = buffer.data();
+  path_ = str_;
+}
+
+TempDir::TempDir(TempDir&& other) noexcept
+    : path_(std::move(other.path_)), str_(std::move(other.str_)) {
+  other.path_.clear();
+  other.str_.clear();
+}
+
+TempDir::~TempDir() {
+  if (str_.empty() || std::getenv("LORASTREAM_KEEP_TEST_DIRS") != nullptr) return;
+  RemoveTree(str_);  // not std::filesystem::remove_all: common/remove_tree.h says why
+}
+
+bool WaitFor(const std::function<bool()>& done, double timeout_s, int poll_ms) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  while (std::chrono::steady_clock::now() < until) {
+    if (done()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(poll_ms));
+  }
+  return done();
+}
+
+std::string Bin(const std::string& name) {
+  const std::string path = std::string(LORASTREAM_BIN_DIR) + "/" + name;
+  if (!std::filesystem::exists(path))
+    throw Error(ErrorCode::kNotFound, path + " is missing: build the `" + name + "` target");
+  return path;
+}
+
+}  // namespace lorastream::testing
