@@ -51,7 +51,8 @@ uint64_t ParseByteSize(const std::string& text, const std::string& where) {
 
 JobSpec ParseJobSpec(const std::string& toml_text, const std::string& source) {
   TomlSection doc = TomlSection::Parse(toml_text, source);
-  doc.RejectUnknownKeys({"name", "priority", "model", "data", "lora", "optim", "train", "stream"});
+  doc.RejectUnknownKeys(
+      {"name", "priority", "model", "data", "lora", "optim", "train", "stream", "eval"});
   JobSpec s;
   s.source = source;
   s.name = doc.GetString("name", s.name);
@@ -91,9 +92,10 @@ JobSpec ParseJobSpec(const std::string& toml_text, const std::string& source) {
   s.optim.grad_clip = o.GetDouble("grad_clip", s.optim.grad_clip);
 
   TomlSection t = doc.Section("train");
-  t.RejectUnknownKeys({"steps", "batch_size", "grad_accum", "seed", "checkpoint_every",
+  t.RejectUnknownKeys({"steps", "epochs", "batch_size", "grad_accum", "seed", "checkpoint_every",
                        "output_dir", "dtype", "stats_file", "keep_checkpoints", "keep_best"});
   s.train.steps = t.GetInt("steps", 0);
+  s.train.epochs = t.GetDouble("epochs", 0.0);
   s.train.batch_size = t.GetInt("batch_size", s.train.batch_size);
   s.train.grad_accum = t.GetInt("grad_accum", s.train.grad_accum);
   int64_t seed = t.GetInt("seed", 0);
@@ -107,6 +109,14 @@ JobSpec ParseJobSpec(const std::string& toml_text, const std::string& source) {
   s.train.stats_file = t.GetString("stats_file", "");
   s.train.keep_checkpoints = t.GetInt("keep_checkpoints", s.train.keep_checkpoints);
   s.train.keep_best = t.GetBool("keep_best", s.train.keep_best);
+
+  TomlSection e = doc.Section("eval");
+  e.RejectUnknownKeys({"path", "format", "split", "every", "batches"});
+  s.eval.path = e.GetString("path", "");
+  s.eval.format = e.GetString("format", "");
+  s.eval.split = e.GetDouble("split", 0.0);
+  s.eval.every = e.GetInt("every", 0);
+  s.eval.batches = e.GetInt("batches", 0);
 
   TomlSection st = doc.Section("stream");
   st.RejectUnknownKeys(
@@ -150,11 +160,27 @@ void ResolveJobSpecIn(JobSpec& s, const std::string& base_dir) {
   absolute(s.data.path);
   absolute(s.train.output_dir);
   absolute(s.train.stats_file);
-  if (s.data.format.empty()) {
-    std::string ext = fs::path(s.data.path).extension().string();
-    if (ext == ".jsonl" || ext == ".json") s.data.format = "jsonl";
-    else if (ext == ".tok" || ext == ".bin" || ext == ".tokens") s.data.format = "tokens";
-  }
+  absolute(s.eval.path);
+  auto format_from_extension = [](const std::string& path, std::string& format) {
+    if (!format.empty()) return;
+    std::string ext = fs::path(path).extension().string();
+    if (ext == ".jsonl" || ext == ".json") format = "jsonl";
+    else if (ext == ".tok" || ext == ".bin" || ext == ".tokens") format = "tokens";
+  };
+  format_from_extension(s.data.path, s.data.format);
+  if (!s.eval.path.empty()) format_from_extension(s.eval.path, s.eval.format);
+}
+
+int64_t StepsForEpochs(double epochs, int64_t sequences, int64_t batch_size,
+                       int64_t grad_accum) {
+  const double per_step = static_cast<double>(std::max<int64_t>(1, batch_size)) *
+                          static_cast<double>(std::max<int64_t>(1, grad_accum));
+  const double steps = std::ceil(epochs * static_cast<double>(sequences) / per_step);
+  if (!(steps < 9.0e15))
+    throw Error(ErrorCode::kRefused, "train.epochs = " + std::to_string(epochs) + " over " +
+                                         std::to_string(sequences) +
+                                         " sequences gives too many steps");
+  return std::max<int64_t>(1, static_cast<int64_t>(steps));
 }
 
 std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* model) {
@@ -274,12 +300,19 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
     p.push_back(key("optim.grad_clip") + "must be >= 0 (0 = off; found " +
                 num(s.optim.grad_clip) + ")");
 
-  // [train]
-  if (s.train.steps == 0)
-    p.push_back(key("train.steps") + "is required (the number of optimizer steps, > 0)");
-  else if (s.train.steps < 0)
+  // [train]: exactly one of steps / epochs
+  const bool by_epochs = s.train.epochs != 0.0;
+  if (by_epochs && s.train.steps != 0)
+    p.push_back(key("train.epochs") + "and `train.steps` are both given: keep exactly one "
+                                      "(epochs computes the steps from the data)");
+  else if (by_epochs && !(s.train.epochs > 0 && s.train.epochs <= 1e6))
+    p.push_back(key("train.epochs") + "must be in (0, 1e6] (found " + num(s.train.epochs) + ")");
+  else if (!by_epochs && s.train.steps == 0)
+    p.push_back(key("train.steps") +
+                "is required (the number of optimizer steps, > 0), or give `train.epochs` instead");
+  else if (!by_epochs && s.train.steps < 0)
     p.push_back(key("train.steps") + "must be > 0 (found " + std::to_string(s.train.steps) + ")");
-  else if (s.train.steps > kMaxTrainSteps)
+  else if (!by_epochs && s.train.steps > kMaxTrainSteps)
     above("train.steps", s.train.steps, kMaxTrainSteps);
   if (s.train.batch_size <= 0)
     p.push_back(key("train.batch_size") + "must be > 0 (found " +
@@ -325,6 +358,30 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
   if (s.train.dtype != "auto" && s.train.dtype != "bf16" && s.train.dtype != "f32")
     p.push_back(key("train.dtype") + "must be \"auto\", \"bf16\" or \"f32\" (found \"" +
                 s.train.dtype + "\")");
+
+  // [eval]
+  if (!s.eval.path.empty() && s.eval.split != 0.0)
+    p.push_back(key("eval.path") + "and `eval.split` are both given: evaluate on a file or on a "
+                                   "held-out split of the training data, not both");
+  if (!(s.eval.split >= 0 && s.eval.split <= 0.5))
+    p.push_back(key("eval.split") + "must be in (0, 0.5] (a fraction of the training "
+                                    "documents; found " + num(s.eval.split) + ")");
+  if (!s.eval.path.empty()) {
+    if (!fs::is_regular_file(s.eval.path, ec))
+      p.push_back(key("eval.path") + "names a file that does not exist: " + s.eval.path);
+    if (s.eval.format != "jsonl" && s.eval.format != "tokens")
+      p.push_back(key("eval.format") + "must be \"jsonl\" or \"tokens\" (found \"" +
+                  s.eval.format + "\"; it is taken from the extension .jsonl/.tok/.bin when "
+                                  "absent)");
+  }
+  if (s.eval.every < 0)
+    p.push_back(key("eval.every") + "must be >= 0 (0 = only at checkpoints and the end; found " +
+                std::to_string(s.eval.every) + ")");
+  if (s.eval.batches < 0)
+    p.push_back(key("eval.batches") + "must be >= 0 (0 = the whole eval set; found " +
+                std::to_string(s.eval.batches) + ")");
+  if (!s.eval.enabled() && (s.eval.every != 0 || s.eval.batches != 0))
+    p.push_back(key("eval.every") + "needs an evaluation set: `eval.path` or `eval.split`");
 
   // [stream]
   if (s.stream.blocks_to_swap < 0 ||

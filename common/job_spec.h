@@ -14,7 +14,7 @@
 //   [data]
 //   path = (required)             # the training data
 //   format = ""                   # "jsonl" | "tokens"; "" = from the extension
-//                                 #   (.jsonl -> jsonl, .tok/.bin -> tokens); worker/data.h
+//                                 #   (.jsonl -> jsonl, .tok/.bin -> tokens); common/data.h
 //   seq_len = 512                 # tokens per sequence
 //   packing = true                # true: concatenate documents and cut seq_len chunks;
 //                                 #   false: one document per sequence, truncated/padded
@@ -40,7 +40,11 @@
 //   grad_clip = 1.0               # max global grad norm; 0 = no clipping
 //
 //   [train]
-//   steps = (required)            # optimizer steps
+//   steps = 0                     # optimizer steps; exactly one of steps / epochs
+//   epochs = 0.0                  # or passes over the training data (> 0, may be
+//                                 #   fractional): steps = ceil(epochs * sequences /
+//                                 #   (batch_size * grad_accum)), sequences counted after
+//                                 #   packing (and after the eval split); at least 1
 //   batch_size = 1                # sequences per micro-batch
 //   grad_accum = 1                # micro-batches per optimizer step
 //   seed = 0                      # LoRA init, data order, dropout: CPU runs are bit-exact
@@ -53,6 +57,17 @@
 //   keep_checkpoints = 2          # newest complete checkpoint-N/ folders kept (>= 1; 2 so that
 //                                 #   a damaged newest one has one to fall back on)
 //   keep_best = false             # also keep the checkpoint with the lowest eval loss
+//
+//   [eval]                        # optional: an evaluation loss (no gradients)
+//   path = ""                     # evaluation data, same formats as data.path, or
+//   format = ""                   #   ("" = from the extension)
+//   split = 0.0                   # a held-out fraction of the training documents, in
+//                                 #   (0, 0.5]: chosen from train.seed, never trained on
+//   every = 0                     # evaluate every N steps (0 = never between); always at
+//                                 #   the end and at every checkpoint step, so that each
+//                                 #   checkpoint records its eval loss (train.keep_best)
+//   batches = 0                   # batches of train.batch_size sequences per evaluation,
+//                                 #   always the same first ones (0 = the whole eval set)
 //
 //   [stream]                      # used by the streaming engine (worker/stream*)
 //   blocks_to_swap = 0            # blocks streamed from host RAM (0 = all resident)
@@ -116,6 +131,7 @@ struct OptimSpec {
 
 struct TrainSpec {
   int64_t steps = 0;
+  double epochs = 0.0;  // > 0: steps come from the data (ResolveStepsFromData)
   int64_t batch_size = 1;
   int64_t grad_accum = 1;
   uint64_t seed = 0;
@@ -127,8 +143,19 @@ struct TrainSpec {
   bool keep_best = false;
   template <class A> void serialize(A& ar) {
     ar(steps, batch_size, grad_accum, seed, checkpoint_every, output_dir, dtype, stats_file,
-       keep_checkpoints, keep_best);
+       keep_checkpoints, keep_best, epochs);
   }
+};
+
+// An evaluation set: a file of its own or a held-out split of the training data.
+struct EvalSpec {
+  std::string path;
+  std::string format;  // like DataSpec::format
+  double split = 0.0;
+  int64_t every = 0;
+  int64_t batches = 0;
+  bool enabled() const { return !path.empty() || split > 0; }
+  template <class A> void serialize(A& ar) { ar(path, format, split, every, batches); }
 };
 
 struct StreamSpec {
@@ -151,9 +178,10 @@ struct JobSpec {
   OptimSpec optim;
   TrainSpec train;
   StreamSpec stream;
+  EvalSpec eval;
   std::string source;  // the file it came from (for messages); "" when built in code
   template <class A> void serialize(A& ar) {
-    ar(name, priority, model, data, lora, optim, train, stream, source);
+    ar(name, priority, model, data, lora, optim, train, stream, source, eval);
   }
 };
 
@@ -194,6 +222,9 @@ void ResolveJobSpec(JobSpec& spec);
 
 // Throws Error(kRefused) listing the problems when there are any.
 void RequireValidJobSpec(const JobSpec& spec, const ModelConfig* model = nullptr);
+
+// Optimizer steps for `train.epochs` over `sequences` training sequences (see [train]).
+int64_t StepsForEpochs(double epochs, int64_t sequences, int64_t batch_size, int64_t grad_accum);
 
 // "8GiB", "500MB", "1024" -> bytes; throws Error(kCorrupt) naming `where` when malformed.
 uint64_t ParseByteSize(const std::string& text, const std::string& where);

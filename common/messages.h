@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -199,13 +200,29 @@ struct JobSummary {
   double eta_seconds = -1;  // < 0: unknown
   int64_t submitter_uid = -1;  // who submitted it (-1: unknown)
   std::string submitter;       // their user name
+  // The newest and the lowest evaluation loss reported (steps 0 / NaN: none yet).
+  int64_t last_eval_step = 0;
+  double last_eval_loss = std::numeric_limits<double>::quiet_NaN();
+  int64_t best_eval_step = 0;
+  double best_eval_loss = std::numeric_limits<double>::quiet_NaN();
   template <class A> void serialize(A& ar) {
     ar(id, name);
     SerializeEnum(ar, state, JobState::kCancelled);
     ar(reason, priority, store_name, fingerprint, spec_source, output_dir, adapter_path,
        worker_id, worker_host, worker_device, attempt, step, total_steps, checkpoint_step,
        checkpoint_path, cancel_requested, submitted_at, started_at, finished_at, has_stats,
-       last_stats, eta_seconds, submitter_uid, submitter);
+       last_stats, eta_seconds, submitter_uid, submitter, last_eval_step, last_eval_loss,
+       best_eval_step, best_eval_loss);
+  }
+  // Takes the evaluation of `stats` into last_eval_* and best_eval_* (none: no change).
+  void NoteEval(const StepStats& stats) {
+    if (!stats.has_eval()) return;
+    last_eval_step = stats.step;
+    last_eval_loss = stats.eval_loss;
+    if (best_eval_step == 0 || stats.eval_loss < best_eval_loss) {
+      best_eval_step = stats.step;
+      best_eval_loss = stats.eval_loss;
+    }
   }
 };
 

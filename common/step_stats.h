@@ -2,7 +2,9 @@
 // Torch-free; serialised with cereal inside the envelope and as JSON lines.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <limits>
 
 namespace lorastream {
 
@@ -21,12 +23,17 @@ struct StepStats {
   int64_t copies = 0;             // block copies made
   int64_t copies_saved = 0;       // block uses served by a block still in a slot
   uint64_t peak_device_bytes = 0;
+  // The evaluation run after this step (job key [eval]); NaN when there was none.
+  double eval_loss = std::numeric_limits<double>::quiet_NaN();  // token-weighted mean
+  int64_t eval_tokens = 0;                                      // target tokens evaluated
+
+  bool has_eval() const { return !std::isnan(eval_loss); }
 
   template <class Archive>
   void serialize(Archive& ar) {
     ar(step, total_steps, loss, learning_rate, grad_norm, tokens, step_seconds,
        tokens_per_second, h2d_bytes, h2d_busy_seconds, stall_seconds, copies, copies_saved,
-       peak_device_bytes);
+       peak_device_bytes, eval_loss, eval_tokens);
   }
 };
 

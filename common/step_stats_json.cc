@@ -3,7 +3,7 @@
 namespace lorastream {
 
 nlohmann::json StepStatsToJson(const StepStats& s) {
-  return {{"step", s.step},
+  nlohmann::json j = {{"step", s.step},
           {"total_steps", s.total_steps},
           {"loss", s.loss},
           {"learning_rate", s.learning_rate},
@@ -17,6 +17,12 @@ nlohmann::json StepStatsToJson(const StepStats& s) {
           {"copies", s.copies},
           {"copies_saved", s.copies_saved},
           {"peak_device_bytes", s.peak_device_bytes}};
+  // Only the steps that ran an evaluation carry it (JSON has no NaN).
+  if (s.has_eval()) {
+    j["eval_loss"] = s.eval_loss;
+    j["eval_tokens"] = s.eval_tokens;
+  }
+  return j;
 }
 
 std::string StepStatsJson(const StepStats& s) { return StepStatsToJson(s).dump(); }

@@ -10,6 +10,7 @@
 
 namespace lorastream {
 
+// eval_loss / eval_tokens appear only on steps that ran an evaluation.
 nlohmann::json StepStatsToJson(const StepStats& stats);
 // One line of JSON (no newline): a stats.jsonl record.
 std::string StepStatsJson(const StepStats& stats);

@@ -9,12 +9,16 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
+#include <memory>
 #include <sstream>
 
 #include <CLI/CLI.hpp>
 
+#include "common/checkpoint_dir.h"
 #include "common/cli_main.h"
 #include "common/error.h"
+#include "common/job_data.h"
 #include "common/job_paths.h"
 #include "common/job_spec.h"
 #include "common/log.h"
@@ -27,6 +31,7 @@
 #include "coordinator/curve.h"
 #include "coordinator/doctor.h"
 #include "coordinator/prepare.h"
+#include "coordinator/tensorboard.h"
 #include "coordinator/up.h"
 #include "coordinator/watch_view.h"
 #include "store/manifest_object.h"
@@ -48,12 +53,19 @@ Client Connect(const GlobalOptions& g) {
 }
 
 int RunCoordinator(const GlobalOptions& g, ServerOptions options, const std::string& log_level,
-                   const std::string& log_file) {
+                   const std::string& log_file, const std::string& tensorboard_dir) {
   InitLogging("coordinator", log_level, log_file);
   options.curve_keys_dir = g.curve_keys;
   options.coordinator.validator = [](const JobSpec& spec) {
     return ValidateJobSpec(spec, nullptr);
   };
+  if (!tensorboard_dir.empty()) {
+    auto writer = std::make_shared<TensorBoardWriter>(tensorboard_dir);
+    LS_LOG_INFO("tensorboard: one run per job under {}", writer->dir());
+    options.coordinator.on_stats = [writer](const JobSummary& job, const StepStats& stats) {
+      writer->Write(job, stats);
+    };
+  }
   CoordinatorServer server(options);
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
@@ -83,6 +95,31 @@ std::string StoreTokenizerProblem(const JobSpec& spec) {
         return m.tokenizer;
       },
       "store `" + spec.model.store + "`", m.config.vocab_size);
+}
+
+// For a job by epochs: the data's sequences and the steps they make, as the worker will
+// compute them ("" when the data cannot be read here; the worker then says it).
+std::string DescribeSteps(const JobSpec& spec) {
+  if (spec.train.epochs <= 0) return "";
+  try {
+    // The model's vocabulary is not known here: ids are checked by the worker.
+    return DescribeJobData(spec, LoadJobData(spec, std::numeric_limits<int32_t>::max()));
+  } catch (const std::exception& e) {
+    return std::string("steps: computed by the worker (the data is not readable here: ") +
+           e.what() + ")";
+  }
+}
+
+// The checkpoint with the lowest eval loss kept by the trainer's retention (train.keep_best),
+// read from the checkpoints' own trainer states; "" when there is none or it cannot be read
+// from this host.
+std::string BestCheckpoint(const std::string& output_dir) {
+  if (output_dir.empty()) return "";
+  try {
+    return FindBestCheckpoint(output_dir);
+  } catch (const std::exception&) {
+    return "";
+  }
 }
 
 int RunSubmit(const GlobalOptions& g, const std::string& path, int64_t* priority, bool json,
@@ -117,12 +154,15 @@ int RunSubmit(const GlobalOptions& g, const std::string& path, int64_t* priority
     for (const std::string& p : reply.problems) std::cerr << "  " << p << "\n";
     return ExitCodeFor(ErrorCode::kRefused);
   }
-  if (json)
+  if (json) {
     std::cout << nlohmann::json{{"job_id", reply.job_id}, {"problems", nlohmann::json::array()}}.dump(2) << "\n";
-  else if (quiet)
+  } else if (quiet) {
     std::cout << reply.job_id << "\n";
-  else
+  } else {
     std::cout << "job " << reply.job_id << " submitted: " << TerminalSafe(req.spec.name) << "\n";
+    const std::string steps = DescribeSteps(req.spec);
+    if (!steps.empty()) std::cout << "  " << steps << "\n";
+  }
   return 0;
 }
 
@@ -177,6 +217,9 @@ int RunLorastreamCli(int argc, char** argv) {
                   "allow a tcp:// bind without CURVE (anyone who can reach it acts as the operator)");
   coord->add_option("--log-level", log_level, "trace|debug|info|warn|error")->capture_default_str();
   coord->add_option("--log-file", log_file, "also log to this file");
+  std::string tensorboard_dir;
+  coord->add_option("--tensorboard", tensorboard_dir,
+                    "write TensorBoard event files here, one run per job (job-ID-NAME/)");
 
   // submit
   std::string job_file;
@@ -308,6 +351,8 @@ int RunLorastreamCli(int argc, char** argv) {
       ->check(CLI::Range(1, 64));
   up->add_flag("--keep", up_options.keep, "leave the cluster running at the end");
   up->add_flag("--no-watch", no_watch, "no live view; wait quietly for the jobs");
+  up->add_option("--tensorboard", up_options.tensorboard_dir,
+                 "the coordinator writes TensorBoard event files here, one run per job");
 
   // doctor
   CLI::App* doctor = app.add_subcommand(
@@ -318,7 +363,7 @@ int RunLorastreamCli(int argc, char** argv) {
   doctor->add_flag("--json", json, "JSON object");
 
   return RunMain("lorastream", app, argc, argv, [&]() -> int {
-    if (coord->parsed()) return RunCoordinator(g, server, log_level, log_file);
+    if (coord->parsed()) return RunCoordinator(g, server, log_level, log_file, tensorboard_dir);
     if (prepare->parsed()) return RunPrepare(prepare_options);
     if (doctor->parsed()) {
       // A short wait for the coordinator unless --timeout says otherwise: doctor reports,
@@ -354,13 +399,15 @@ int RunLorastreamCli(int argc, char** argv) {
     }
     if (show->parsed()) {
       ShowJobReply reply = client.Call(ShowJobRequest{job_id});
+      const std::string best = BestCheckpoint(reply.job.output_dir);
       if (json) {
         nlohmann::json out = ToJson(reply.job);
         out["retries"] = reply.retries;
         out["spec_toml"] = reply.spec_toml;
+        out["best_checkpoint"] = best.empty() ? nlohmann::json(nullptr) : nlohmann::json(best);
         std::cout << out.dump(2) << "\n";
       } else {
-        std::cout << JobDetails(reply);
+        std::cout << JobDetails(reply, best);
       }
       return 0;
     }

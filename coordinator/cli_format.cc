@@ -70,6 +70,11 @@ nlohmann::json ToJson(const JobSummary& j) {
                         {"finished_at", j.finished_at},
                         {"eta_seconds", j.eta_seconds}};
   out["last_stats"] = j.has_stats ? ToJson(j.last_stats) : nlohmann::json(nullptr);
+  const bool evaluated = j.last_eval_step > 0;
+  out["last_eval_step"] = evaluated ? nlohmann::json(j.last_eval_step) : nlohmann::json(nullptr);
+  out["last_eval_loss"] = evaluated ? nlohmann::json(j.last_eval_loss) : nlohmann::json(nullptr);
+  out["best_eval_step"] = evaluated ? nlohmann::json(j.best_eval_step) : nlohmann::json(nullptr);
+  out["best_eval_loss"] = evaluated ? nlohmann::json(j.best_eval_loss) : nlohmann::json(nullptr);
   return out;
 }
 
@@ -119,7 +124,7 @@ std::string WorkersTable(const std::vector<WorkerSummary>& workers) {
   return out.str();
 }
 
-std::string JobDetails(const ShowJobReply& r) {
+std::string JobDetails(const ShowJobReply& r, const std::string& best_checkpoint) {
   const JobSummary& j = r.job;
   const auto safe = [](const std::string& text) { return TerminalSafe(text); };
   std::ostringstream out;
@@ -134,8 +139,13 @@ std::string JobDetails(const ShowJobReply& r) {
       << "\n  attempt:     " << j.attempt << " (" << r.retries << " retries after worker deaths)"
       << "\n  checkpoint:  " << (j.checkpoint_step ? "step " + std::to_string(j.checkpoint_step) + " in " + safe(j.checkpoint_path) : "-")
       << "\n  output:      " << safe(j.output_dir)
-      << "\n  adapter:     " << (j.adapter_path.empty() ? "-" : safe(j.adapter_path))
-      << "\n  job file:    " << safe(j.spec_source) << "\n";
+      << "\n  adapter:     " << (j.adapter_path.empty() ? "-" : safe(j.adapter_path));
+  if (j.last_eval_step > 0)
+    out << "\n  eval loss:   " << Printf("%.4f", j.last_eval_loss) << " at step "
+        << j.last_eval_step << " (lowest " << Printf("%.4f", j.best_eval_loss) << " at step "
+        << j.best_eval_step << ")";
+  if (!best_checkpoint.empty()) out << "\n  best:        " << safe(best_checkpoint);
+  out << "\n  job file:    " << safe(j.spec_source) << "\n";
   if (j.has_stats) {
     const StepStats& s = j.last_stats;
     out << "  last step:   loss " << Printf("%.4f", s.loss) << ", "
@@ -150,14 +160,22 @@ std::string JobDetails(const ShowJobReply& r) {
 std::string StatsCsv(const std::vector<StepStats>& stats) {
   std::ostringstream out;
   out << "step,total_steps,loss,learning_rate,grad_norm,tokens,step_seconds,tokens_per_second,"
-         "h2d_bytes,h2d_busy_seconds,stall_seconds,copies,copies_saved,peak_device_bytes\n";
+         "h2d_bytes,h2d_busy_seconds,stall_seconds,copies,copies_saved,peak_device_bytes,"
+         "eval_loss,eval_tokens\n";
   out.precision(9);
-  for (const StepStats& s : stats)
+  for (const StepStats& s : stats) {
     out << s.step << ',' << s.total_steps << ',' << s.loss << ',' << s.learning_rate << ','
         << s.grad_norm << ',' << s.tokens << ',' << s.step_seconds << ','
         << s.tokens_per_second << ',' << s.h2d_bytes << ',' << s.h2d_busy_seconds << ','
         << s.stall_seconds << ',' << s.copies << ',' << s.copies_saved << ','
-        << s.peak_device_bytes << '\n';
+        << s.peak_device_bytes << ',';
+    // Empty cells on the steps without an evaluation.
+    if (s.has_eval())
+      out << s.eval_loss << ',' << s.eval_tokens;
+    else
+      out << ',';
+    out << '\n';
+  }
   return out.str();
 }
 

@@ -55,6 +55,8 @@ Coordinator::Coordinator(CoordinatorOptions options, Journal journal, double now
     }
     if (job.summary.state == JobState::kQueued) queue_.Push(id, job.summary.priority);
     if (job.summary.state == JobState::kRunning) ++running;
+    // The evaluations are not columns of the job: take them from its statistics.
+    for (const StepStats& x : journal_.LoadStats(id)) job.summary.NoteEval(x);
     jobs_.emplace(id, std::move(job));
   }
   if (!jobs_.empty())
@@ -216,15 +218,24 @@ WorkerAck Coordinator::Step(const StepReport& req, double now) {
   if (x.total_steps > 0) s.total_steps = x.total_steps;
   s.last_stats = x;
   s.has_stats = true;
+  s.NoteEval(x);
   if (x.step_seconds > 0) {
     auto [it, fresh] = step_seconds_ema_.emplace(s.id, x.step_seconds);
     if (!fresh) it->second = 0.8 * it->second + 0.2 * x.step_seconds;
   }
-  // Downsampling: about stats_rows_per_job rows per job, always the first and the last step.
+  // Downsampling: about stats_rows_per_job rows per job, always the first and the last step
+  // and every step that evaluated.
   int64_t stride = std::max<int64_t>(1, s.total_steps / std::max(1, options_.stats_rows_per_job));
-  if (x.step % stride == 0 || x.step == 1 || x.step == s.total_steps) {
+  if (x.step % stride == 0 || x.step == 1 || x.step == s.total_steps || x.has_eval()) {
     journal_.AppendStats(s.id, s.attempt, x);
     Save(job);
+  }
+  if (options_.on_stats) {
+    try {
+      options_.on_stats(s, x);
+    } catch (const std::exception& e) {
+      LS_LOG_WARN("job {}: statistics sink failed: {}", s.id, e.what());
+    }
   }
   Touch();
   WorkerAck ack;

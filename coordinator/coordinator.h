@@ -38,6 +38,9 @@ struct CoordinatorOptions {
   // Whom a job is attributed to when its submitter is unknown (journals written before jobs
   // recorded one): the coordinator's own user.
   Submitter operator_user = CurrentSubmitter();
+  // Called with every step report as it arrives (after the job's summary took it): the
+  // TensorBoard writer hangs here. Exceptions it throws are logged, never answered.
+  std::function<void(const JobSummary& job, const StepStats& stats)> on_stats;
 };
 
 class Coordinator {

@@ -5,6 +5,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cmath>
+#include <limits>
 #include <utility>
 
 #include "common/error.h"
@@ -26,6 +28,14 @@ class Statement {
 
   Statement& Bind(int i, int64_t v) { sqlite3_bind_int64(stmt_, i, v); return *this; }
   Statement& Bind(int i, double v) { sqlite3_bind_double(stmt_, i, v); return *this; }
+  // NaN ("none") as SQL NULL, and back.
+  Statement& BindOptional(int i, double v) {
+    if (std::isnan(v))
+      sqlite3_bind_null(stmt_, i);
+    else
+      sqlite3_bind_double(stmt_, i, v);
+    return *this;
+  }
   Statement& Bind(int i, const std::string& v) {
     sqlite3_bind_text(stmt_, i, v.data(), static_cast<int>(v.size()), SQLITE_TRANSIENT);
     return *this;
@@ -42,6 +52,10 @@ class Statement {
   }
   int64_t Int(int col) const { return sqlite3_column_int64(stmt_, col); }
   double Real(int col) const { return sqlite3_column_double(stmt_, col); }
+  double OptionalReal(int col) const {
+    return sqlite3_column_type(stmt_, col) == SQLITE_NULL ? std::numeric_limits<double>::quiet_NaN()
+                                                          : sqlite3_column_double(stmt_, col);
+  }
   std::string Text(int col) const {
     const unsigned char* p = sqlite3_column_text(stmt_, col);
     return p ? std::string(reinterpret_cast<const char*>(p),
@@ -67,8 +81,8 @@ CREATE TABLE IF NOT EXISTS stats (
   job_id INTEGER, step INTEGER, attempt INTEGER, total_steps INTEGER, loss REAL,
   learning_rate REAL, grad_norm REAL, tokens INTEGER, step_seconds REAL,
   tokens_per_second REAL, h2d_bytes INTEGER, h2d_busy_seconds REAL, stall_seconds REAL,
-  copies INTEGER, copies_saved INTEGER, peak_device_bytes INTEGER,
-  PRIMARY KEY (job_id, step));
+  copies INTEGER, copies_saved INTEGER, peak_device_bytes INTEGER, eval_loss REAL,
+  eval_tokens INTEGER, PRIMARY KEY (job_id, step));
 )sql";
 
 // Creates the journal owner-only before SQLite opens it (SQLite gives its -wal and -shm
@@ -121,6 +135,16 @@ Journal::Journal(const std::string& path) : path_(path) {
   if (!has_submitter) {
     Exec("ALTER TABLE jobs ADD COLUMN submitter_uid INTEGER DEFAULT -1");
     Exec("ALTER TABLE jobs ADD COLUMN submitter TEXT DEFAULT ''");
+  }
+  // Journals written before evaluation: statistics gain eval_loss (NULL: no eval that step).
+  bool has_eval = false;
+  {
+    Statement st(db_, "SELECT name FROM pragma_table_info('stats')", path_);
+    while (st.Step()) has_eval = has_eval || st.Text(0) == "eval_loss";
+  }
+  if (!has_eval) {
+    Exec("ALTER TABLE stats ADD COLUMN eval_loss REAL");
+    Exec("ALTER TABLE stats ADD COLUMN eval_tokens INTEGER");
   }
 }
 
@@ -218,7 +242,11 @@ std::vector<JobRecord> Journal::LoadJobs() const {
 }
 
 void Journal::AppendStats(int64_t job_id, int32_t attempt, const StepStats& x) {
-  Statement st(db_, "INSERT OR REPLACE INTO stats VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+  Statement st(db_,
+               "INSERT OR REPLACE INTO stats (job_id, step, attempt, total_steps, loss,"
+               " learning_rate, grad_norm, tokens, step_seconds, tokens_per_second, h2d_bytes,"
+               " h2d_busy_seconds, stall_seconds, copies, copies_saved, peak_device_bytes,"
+               " eval_loss, eval_tokens) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                path_);
   st.Bind(1, job_id).Bind(2, x.step).Bind(3, static_cast<int64_t>(attempt));
   st.Bind(4, x.total_steps).Bind(5, x.loss).Bind(6, x.learning_rate).Bind(7, x.grad_norm);
@@ -226,6 +254,7 @@ void Journal::AppendStats(int64_t job_id, int32_t attempt, const StepStats& x) {
   st.Bind(11, static_cast<int64_t>(x.h2d_bytes)).Bind(12, x.h2d_busy_seconds);
   st.Bind(13, x.stall_seconds).Bind(14, x.copies).Bind(15, x.copies_saved);
   st.Bind(16, static_cast<int64_t>(x.peak_device_bytes));
+  st.BindOptional(17, x.eval_loss).Bind(18, x.eval_tokens);
   st.Step();
 }
 
@@ -233,7 +262,8 @@ std::vector<StepStats> Journal::LoadStats(int64_t job_id) const {
   Statement st(db_,
                "SELECT step, total_steps, loss, learning_rate, grad_norm, tokens, step_seconds,"
                " tokens_per_second, h2d_bytes, h2d_busy_seconds, stall_seconds, copies,"
-               " copies_saved, peak_device_bytes FROM stats WHERE job_id = ? ORDER BY step",
+               " copies_saved, peak_device_bytes, eval_loss, eval_tokens FROM stats"
+               " WHERE job_id = ? ORDER BY step",
                path_);
   st.Bind(1, job_id);
   std::vector<StepStats> out;
@@ -253,6 +283,8 @@ std::vector<StepStats> Journal::LoadStats(int64_t job_id) const {
     x.copies = st.Int(11);
     x.copies_saved = st.Int(12);
     x.peak_device_bytes = static_cast<uint64_t>(st.Int(13));
+    x.eval_loss = st.OptionalReal(14);
+    x.eval_tokens = st.Int(15);
     out.push_back(x);
   }
   return out;

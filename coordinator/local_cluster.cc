@@ -144,11 +144,15 @@ void LocalCluster::StartCoordinator() {
   so.new_session = true;
   std::ostringstream timeout;
   timeout << options_.heartbeat_timeout_s;
-  coordinator_ = Subprocess::Spawn(
-      {Bin("lorastream"), "coordinator", "--bind", endpoint_, "--db",
-       options_.run_dir + "/journal.db", "--heartbeat-timeout", timeout.str(), "--log-level",
-       options_.log_level},
-      so);
+  std::vector<std::string> argv = {
+      Bin("lorastream"), "coordinator", "--bind", endpoint_, "--db",
+      options_.run_dir + "/journal.db", "--heartbeat-timeout", timeout.str(), "--log-level",
+      options_.log_level};
+  if (!options_.tensorboard_dir.empty()) {
+    argv.push_back("--tensorboard");
+    argv.push_back(options_.tensorboard_dir);
+  }
+  coordinator_ = Subprocess::Spawn(argv, so);
   // Ready when it answers a listing request.
   double deadline = Now() + 30;
   for (;;) {

@@ -24,6 +24,7 @@ struct LocalClusterOptions {
   int cpu_workers = 2;
   double heartbeat_timeout_s = 5.0;  // the coordinator's --heartbeat-timeout
   std::string log_level = "info";
+  std::string tensorboard_dir;       // the coordinator's --tensorboard ("" = none)
 };
 
 // Devices of this host: "cuda:i" for each visible GPU (common/gpu_info.h: nvidia-smi or the

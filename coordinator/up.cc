@@ -8,9 +8,8 @@
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
-#include <thread>
-
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "common/error.h"
 #include "common/gpu_info.h"
@@ -18,6 +17,7 @@
 #include "common/log.h"
 #include "coordinator/build_info.h"
 #include "coordinator/local_cluster.h"
+#include "coordinator/tensorboard.h"
 
 namespace lorastream {
 
@@ -46,7 +46,8 @@ std::vector<std::string> ExampleJobs(const std::string& configs_dir) {
   return jobs;
 }
 
-// "step 24/24, 9356 tok/s, stall 16%  " from a job's last step statistics ("" before any).
+// "step 24/24, 9356 tok/s, stall 16%  eval loss 2.1034  " from a job's last step statistics
+// and evaluation ("" before any).
 std::string LastStepSummary(const nlohmann::json& job) {
   const auto it = job.find("last_stats");
   if (it == job.end() || !it->is_object()) return "";
@@ -59,7 +60,13 @@ std::string LastStepSummary(const nlohmann::json& job) {
                   static_cast<long long>(s.value("total_steps", int64_t{0})),
                   s.value("tokens_per_second", 0.0),
                   step_s > 0 ? 100.0 * s.value("stall_seconds", 0.0) / step_s : 0.0);
-    return buf;
+    std::string text = buf;
+    const auto eval = job.find("last_eval_loss");
+    if (eval != job.end() && eval->is_number()) {
+      std::snprintf(buf, sizeof buf, "eval loss %.4f  ", eval->get<double>());
+      text += buf;
+    }
+    return text;
   } catch (const nlohmann::json::exception&) {
     return "";  // a field of an unexpected type: leave the summary out
   }
@@ -74,6 +81,10 @@ int RunUp(const UpOptions& options) {
   co.preset = options.preset;
   co.devices = options.devices.empty() ? DetectGpus() : options.devices;
   co.cpu_workers = options.cpu_workers;
+  if (!options.tensorboard_dir.empty()) {
+    // Checked here, before anything starts: a bad folder is an error of this command.
+    co.tensorboard_dir = TensorBoardWriter(options.tensorboard_dir).dir();
+  }
   // Before anything starts: a CPU-only build asked (or defaulting) to run CUDA workers.
   if (!ThisBuild().cuda) {
     if (std::string problem = CudaBuildProblem(co.devices, ListGpus().size()); !problem.empty())

@@ -19,6 +19,7 @@ struct UpOptions {
   bool watch = true;                // show the live view
   std::string bin_dir;              // "" = the folder of the running `lorastream`
   std::string configs_dir;          // "" = ConfigsDir(): installed share/, else the source tree
+  std::string tensorboard_dir;      // the coordinator writes TensorBoard runs here ("" = none)
 };
 
 // Returns the exit status: 0 when every job succeeded.

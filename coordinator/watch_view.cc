@@ -24,10 +24,16 @@ std::string Metrics(const JobSummary& j) {
   const StepStats& s = j.last_stats;
   double stall = s.step_seconds > 0 ? 100.0 * s.stall_seconds / s.step_seconds : 0.0;
   double h2d = s.h2d_busy_seconds > 0 ? s.h2d_bytes / s.h2d_busy_seconds / 1e9 : 0.0;
-  char buf[160];
+  char buf[200];
   std::snprintf(buf, sizeof(buf), "loss %.4f  %.0f tok/s  stall %.1f%%  H2D %.2f GB/s",
                 s.loss, s.tokens_per_second, stall, h2d);
-  return buf;
+  std::string text = buf;
+  if (j.last_eval_step > 0) {
+    std::snprintf(buf, sizeof(buf), "  eval %.4f @%lld", j.last_eval_loss,
+                  static_cast<long long>(j.last_eval_step));
+    text += buf;
+  }
+  return text;
 }
 
 std::string Bar(const JobSummary& j, int width) {

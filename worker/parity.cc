@@ -15,7 +15,7 @@
 #include "common/safetensors.h"
 #include "worker/adamw.h"
 #include "worker/base_weights.h"
-#include "worker/data.h"
+#include "common/data.h"
 #include "worker/lora.h"
 #include "worker/model.h"
 #include "worker/resident_provider.h"

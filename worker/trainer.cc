@@ -20,12 +20,13 @@
 #include "common/format_bytes.h"
 #include "common/job_access.h"
 #include "common/log.h"
+#include "common/job_data.h"
 #include "common/step_stats_json.h"
 #include "common/tokenizer_id.h"
 #include "common/unique_fd.h"
 #include "worker/adamw.h"
 #include "worker/base_weights.h"
-#include "worker/data.h"
+#include "worker/evaluate.h"
 #include "worker/lora.h"
 #include "worker/model.h"
 #include "worker/resident_provider.h"
@@ -49,12 +50,9 @@ std::string Fingerprint(const JobSpec& s) {
        ";accum=" + std::to_string(s.train.grad_accum) + ";seq_len=" +
        std::to_string(s.data.seq_len) + ";packing=" + std::to_string(s.data.packing) +
        ";data=" + s.data.path;
+  // A held-out split changes which documents are trained on (older fingerprints stay valid).
+  if (s.eval.split > 0) f += ";eval_split=" + std::to_string(s.eval.split);
   return f;
-}
-
-at::Tensor ToDeviceLong(const std::vector<int64_t>& v, int64_t rows, int64_t cols,
-                        c10::Device device) {
-  return at::from_blob(const_cast<int64_t*>(v.data()), {rows, cols}, at::kLong).to(device).clone();
 }
 
 // One write(2) per line, so that a full disk (or stats_file = "/dev/full") fails the job
@@ -89,6 +87,10 @@ std::string FormatProgress(const StepStats& s, double eta) {
     line += buf;
   }
   if (s.peak_device_bytes > 0) line += " peak " + FormatBytes(s.peak_device_bytes, 2);
+  if (s.has_eval()) {
+    std::snprintf(buf, sizeof buf, " eval %.4f", s.eval_loss);
+    line += buf;
+  }
   return line;
 }
 
@@ -129,13 +131,11 @@ TrainResult RunTraining(const JobSpec& spec_in, const TrainOptions& options,
         "store `" + manifest->store_name + "`", config.vocab_size);
     if (!why.empty()) throw Error(ErrorCode::kRefused, why);
   }
-  std::vector<Document> docs = LoadDocuments(spec.data.path, spec.data.format, config.vocab_size);
-  const SequenceSet sequences =
-      BuildSequences(docs, spec.data.seq_len, spec.data.packing, static_cast<int32_t>(spec.data.pad_id));
-  docs.clear();
-  LS_LOG_INFO("job {}: {} {} layers, {} sequences of {} tokens, device {}, dtype {}", spec.name,
-              config.model_type, config.num_hidden_layers, sequences.count, sequences.seq_len,
-              device.str(), dtype_name);
+  const JobData data = LoadJobData(spec, config.vocab_size);
+  const SequenceSet& sequences = data.train;
+  LS_LOG_INFO("job {}: {}", spec.name, DescribeJobData(spec, data));
+  LS_LOG_INFO("job {}: {} {} layers, device {}, dtype {}", spec.name, config.model_type,
+              config.num_hidden_layers, device.str(), dtype_name);
 
   std::unique_ptr<BlockProvider> provider =
       options.make_provider ? options.make_provider(spec, base, device.str(), dtype_name)
@@ -192,7 +192,7 @@ TrainResult RunTraining(const JobSpec& spec_in, const TrainOptions& options,
   TrainResult result;
   result.start_step = state.step;
   result.steps_done = state.step;
-  const int64_t total = spec.train.steps;
+  const int64_t total = data.steps;
   const int64_t rows = spec.train.batch_size, accum = spec.train.grad_accum;
   const std::string stats_path = spec.train.stats_file.empty()
                                      ? (fs::path(spec.train.output_dir) / "stats.jsonl").string()
@@ -263,13 +263,24 @@ TrainResult RunTraining(const JobSpec& spec_in, const TrainOptions& options,
     stats.tokens = rows * accum * sequences.seq_len;
     stats.step_seconds = seconds;
     stats.tokens_per_second = seconds > 0 ? static_cast<double>(stats.tokens) / seconds : 0.0;
+    // Evaluation: every eval.every steps, at every checkpoint step (so that each checkpoint
+    // records its eval loss for train.keep_best) and at the end.
+    const bool checkpoint_now = state.step == total || (spec.train.checkpoint_every > 0 &&
+                                                        state.step % spec.train.checkpoint_every == 0);
+    state.eval_loss = std::numeric_limits<double>::quiet_NaN();
+    if (data.eval.count > 0 &&
+        (checkpoint_now || (spec.eval.every > 0 && state.step % spec.eval.every == 0))) {
+      const EvalResult eval = Evaluate(model, *adapter, data.eval, rows, spec.eval.batches);
+      stats.eval_loss = eval.loss;
+      stats.eval_tokens = eval.tokens;
+      state.eval_loss = eval.loss;
+      result.final_eval_loss = eval.loss;
+    }
     AppendStats(stats_path, stats);
     result.steps_done = state.step;
     result.final_loss = loss_value;
     if (on_step) on_step(stats);
-    if (spec.train.checkpoint_every > 0 && state.step % spec.train.checkpoint_every == 0 &&
-        state.step < total)
-      save();
+    if (checkpoint_now && state.step < total) save();
   }
   if (last_saved != state.step) save();
   adapter->Save(spec.train.output_dir, base.name_or_path());
@@ -292,14 +303,16 @@ int RunTrainCommand(const std::string& job_path, const TrainOptions& options,
   auto should_stop = [stop_signal] { return stop_signal && stop_signal->load() != 0; };
   TrainResult r = RunTraining(spec, options, on_step, should_stop);
   if (r.stopped) {
-    std::printf("stopped by signal %d at step %lld/%lld: checkpoint in %s (run the same command "
+    std::printf("stopped by signal %d at step %lld: checkpoint in %s (run the same command "
                 "to resume)\n",
                 stop_signal->load(), static_cast<long long>(r.steps_done),
-                static_cast<long long>(spec.train.steps), r.checkpoint_dir.c_str());
+                r.checkpoint_dir.c_str());
     return 128 + stop_signal->load();
   }
-  std::printf("done: %lld steps, final loss %.4f, adapter in %s\n",
-              static_cast<long long>(r.steps_done), r.final_loss, r.adapter_dir.c_str());
+  std::printf("done: %lld steps, final loss %.4f", static_cast<long long>(r.steps_done),
+              r.final_loss);
+  if (!std::isnan(r.final_eval_loss)) std::printf(", eval loss %.4f", r.final_eval_loss);
+  std::printf(", adapter in %s\n", r.adapter_dir.c_str());
   return 0;
 }
 

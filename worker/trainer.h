@@ -27,6 +27,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 
@@ -60,10 +61,15 @@ struct TrainResult {
   int64_t steps_done = 0;  // the last completed step (== spec.train.steps when finished)
   bool stopped = false;    // should_stop() ended it early (after a checkpoint)
   double final_loss = 0.0;
+  double final_eval_loss = std::numeric_limits<double>::quiet_NaN();  // the last evaluation
   std::string adapter_dir;     // where the final adapter is (output_dir), when finished
   std::string checkpoint_dir;  // the last checkpoint written
 };
 
+// With an eval set ([eval]) the adapter is evaluated (worker/evaluate.h) after every
+// eval.every-th step, after every checkpoint step and after the last step; the loss lands in
+// that step's StepStats and in TrainState.eval_loss of its checkpoint.
+//
 // Runs (or resumes) the job to the end. Refusals (Error kRefused, naming the field) happen
 // before the first step: invalid spec, model missing, data missing or out of vocabulary,
 // sequence longer than the model allows. on_step is called after every step; should_stop is

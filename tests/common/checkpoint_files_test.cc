@@ -22,6 +22,7 @@
 #include "common/sha256.h"
 #include "common/trainer_state_meta.h"
 #include "common/unique_fd.h"
+#include "tests/support/test_support.h"
 
 using namespace lorastream;
 namespace fs = std::filesystem;
@@ -46,29 +47,9 @@ std::string Slurp(const fs::path& p) {
   return s.str();
 }
 
-// What the worker's SaveCheckpoint writes, minus torch: adapter files and a trainer state
-// with one moment tensor, then the manifest, then the rename.
 fs::path WriteCheckpoint(const fs::path& out, int64_t step, double eval_loss = NAN,
                          int64_t recorded_step = -1) {
-  const fs::path tmp = out / ("." + CheckpointFolderName(step) + ".tmp");
-  fs::create_directories(tmp);
-  std::ofstream(tmp / "adapter_config.json") << "{\"r\": 4}";
-  std::vector<float> weights(64, 0.5f + static_cast<float>(step));
-  WriteSafetensors((tmp / "adapter_model.safetensors").string(),
-                   {{"lora_A", DType::kF32, {8, 8}, weights.data()}}, {});
-  TrainerStateMeta meta;
-  meta.step = recorded_step >= 0 ? recorded_step : step;
-  meta.samples_seen = step * 4;
-  meta.seed = 3;
-  meta.fingerprint = "rank=4";
-  meta.eval_loss = eval_loss;
-  WriteSafetensors((tmp / kTrainerStateFile).string(),
-                   {{"exp_avg.lora_A", DType::kF32, {8, 8}, weights.data()}},
-                   TrainerStateMetadata(meta));
-  WriteCheckpointManifest(tmp.string());
-  const fs::path final_dir = out / CheckpointFolderName(step);
-  fs::rename(tmp, final_dir);
-  return final_dir;
+  return lorastream::testing::WriteTestCheckpoint(out, step, eval_loss, recorded_step);
 }
 
 void FlipLowBit(const fs::path& file, uint64_t offset_from_end) {

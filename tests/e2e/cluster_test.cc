@@ -330,3 +330,96 @@ TEST_CASE("`lorastream up` trains a job end to end, says where the adapter is, l
   for (const auto& entry : fs::directory_iterator("/dev/shm"))
     CHECK(entry.path().filename().string().rfind(lorastream::ShmPrefix(store), 0) != 0);
 }
+
+TEST_CASE(
+    "an eval split and epochs through a real cluster: eval loss in stats, show and "
+    "TensorBoard files an independent reader decodes",
+    "[e2e]") {
+  std::string dir = NewRunDir("eval");
+  LocalClusterOptions options = Options(dir, 1);
+  options.tensorboard_dir = dir + "/tb";
+  LocalCluster cluster(options);
+  cluster.Start();
+  std::string data = WriteData(dir, 30, 21);
+  std::string job = dir + "/evaljob.toml";
+  {
+    std::ofstream out(job);
+    out << "name = \"eval job\"\n[model]\nstore = \"" << cluster.store_name() << "\"\n"
+        << "[data]\npath = \"" << data << "\"\nseq_len = 32\n[lora]\nrank = 4\n"
+        << "[train]\nepochs = 0.25\nbatch_size = 2\noutput_dir = \"" << dir << "/out\"\n"
+        << "[eval]\nsplit = 0.2\nevery = 2\nbatches = 2\n";
+  }
+  // submit shows the steps the epochs make, as the worker will compute them.
+  std::string submitted = cluster.Client({"submit", job});
+  INFO(submitted);
+  CHECK_THAT(submitted,
+             Catch::Contains(" eval sequences from 6 held-out documents; 0.25 epochs = "));
+  nlohmann::json jobs = cluster.WaitForJobs(600);
+  REQUIRE(jobs.size() == 1);
+  INFO(jobs.dump());
+  REQUIRE(jobs[0]["state"] == "succeeded");
+  const int64_t steps = jobs[0]["total_steps"];
+  const int64_t id = jobs[0]["id"];
+  CHECK(steps > 2);
+  CHECK(jobs[0]["step"] == steps);
+  // The worker's first line about the job says the same.
+  std::ifstream log(cluster.log_dir() + "/worker-0.log");
+  std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  CHECK_THAT(text, Catch::Contains("0.25 epochs = " + std::to_string(steps) + " steps"));
+
+  // Evaluations at every second step and the last one, in stats.jsonl and through `stats`.
+  std::vector<int64_t> expected;
+  for (int64_t s = 1; s <= steps; ++s)
+    if (s % 2 == 0 || s == steps) expected.push_back(s);
+  std::vector<int64_t> in_file;
+  std::ifstream stats_file(dir + "/out/stats.jsonl");
+  for (std::string line; std::getline(stats_file, line);) {
+    nlohmann::json j = nlohmann::json::parse(line);
+    if (j.contains("eval_loss")) in_file.push_back(j["step"]);
+  }
+  CHECK(in_file == expected);
+  nlohmann::json exported =
+      nlohmann::json::parse(cluster.Client({"stats", std::to_string(id), "--format", "json"}));
+  std::vector<int64_t> exported_steps;
+  for (const auto& row : exported["stats"])
+    if (row.contains("eval_loss")) exported_steps.push_back(row["step"]);
+  CHECK(exported_steps == expected);
+  std::string shown = cluster.Client({"show", std::to_string(id)});
+  CHECK_THAT(shown, Catch::Contains("eval loss:   "));
+  CHECK_THAT(shown, Catch::Contains(" at step " + std::to_string(steps) + " (lowest "));
+  cluster.Stop();
+
+  // The TensorBoard run of the job, decoded by an independent reader (CRCs and protobuf).
+  int code = -1;
+  std::string decoded = lorastream::RunAndCapture(
+      {"python3", std::string(LORASTREAM_SOURCE_DIR) + "/tests/tools/read_tfevents.py",
+       dir + "/tb"},
+      &code, 60, dir + "/reader.stderr");
+  REQUIRE(code == 0);
+  nlohmann::json run =
+      nlohmann::json::parse(decoded)["runs"]["job-" + std::to_string(id) + "-eval_job"];
+  REQUIRE(run.is_object());
+  CHECK(run["file_version"] == "brain.Event:2");
+  CHECK(run["scalars"]["train/loss"].size() == static_cast<size_t>(steps));
+  CHECK(run["scalars"]["eval/loss"].size() == expected.size());
+  CHECK(run["scalars"]["eval/loss"].back()[0] == steps);
+  CHECK(run["scalars"]["perf/tokens_per_second"][0][1] > 0);
+  for (const char* tag : {"train/learning_rate", "train/grad_norm", "perf/stall_seconds",
+                          "perf/h2d_gb_per_s", "perf/peak_memory_gib"})
+    CHECK(run["scalars"][tag].size() == static_cast<size_t>(steps));
+}
+
+TEST_CASE("`lorastream up --tensorboard` refuses a folder it cannot write before starting",
+          "[e2e]") {
+  std::string dir = NewRunDir("tbbad");
+  std::ofstream(dir + "/file") << "x";
+  int code = -1;
+  lorastream::RunAndCapture({std::string(LORASTREAM_BIN_DIR) + "/lorastream", "up", "--run-dir",
+                             dir + "/run", "--no-watch", "--tensorboard", dir + "/file/tb"},
+                            &code, 120, dir + "/up.stderr");
+  CHECK(code == 2);
+  std::ifstream err(dir + "/up.stderr");
+  std::string text((std::istreambuf_iterator<char>(err)), std::istreambuf_iterator<char>());
+  CHECK_THAT(text, Catch::Contains(dir + "/file/tb"));
+  CHECK_FALSE(fs::exists(dir + "/run/logs"));  // nothing started
+}

@@ -4,11 +4,16 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <fstream>
 #include <thread>
 #include <vector>
 
+#include "common/checkpoint_dir.h"
+#include "common/checkpoint_manifest.h"
 #include "common/error.h"
 #include "common/remove_tree.h"
+#include "common/safetensors.h"
+#include "common/trainer_state_meta.h"
 
 namespace lorastream::testing {
 
@@ -47,6 +52,31 @@ std::string Bin(const std::string& name) {
   if (!std::filesystem::exists(path))
     throw Error(ErrorCode::kNotFound, path + " is missing: build the `" + name + "` target");
   return path;
+}
+
+
+std::filesystem::path WriteTestCheckpoint(const std::filesystem::path& out, int64_t step,
+                                          double eval_loss, int64_t recorded_step) {
+  namespace fs = std::filesystem;
+  const fs::path tmp = out / ("." + CheckpointFolderName(step) + ".tmp");
+  fs::create_directories(tmp);
+  std::ofstream(tmp / "adapter_config.json") << "{\"r\": 4}";
+  std::vector<float> weights(64, 0.5f + static_cast<float>(step));
+  WriteSafetensors((tmp / "adapter_model.safetensors").string(),
+                   {{"lora_A", DType::kF32, {8, 8}, weights.data()}}, {});
+  TrainerStateMeta meta;
+  meta.step = recorded_step >= 0 ? recorded_step : step;
+  meta.samples_seen = step * 4;
+  meta.seed = 3;
+  meta.fingerprint = "rank=4";
+  meta.eval_loss = eval_loss;
+  WriteSafetensors((tmp / kTrainerStateFile).string(),
+                   {{"exp_avg.lora_A", DType::kF32, {8, 8}, weights.data()}},
+                   TrainerStateMetadata(meta));
+  WriteCheckpointManifest(tmp.string());
+  const fs::path final_dir = out / CheckpointFolderName(step);
+  fs::rename(tmp, final_dir);
+  return final_dir;
 }
 
 }  // namespace lorastream::testing

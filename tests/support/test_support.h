@@ -3,6 +3,8 @@
 // holds or a deadline (a generous bound for a loaded machine, not an expected duration).
 #pragma once
 
+#include <cmath>
+#include <cstdint>
 #include <filesystem>
 #include <functional>
 #include <string>
@@ -37,5 +39,12 @@ bool WaitFor(const std::function<bool()>& done, double timeout_s, int poll_ms = 
 // The path of the built executable `name` (build/bin/); Error(kNotFound) naming the target
 // to build when it is missing.
 std::string Bin(const std::string& name);
+
+// A complete checkpoint-<step>/ in `out` as the worker's SaveCheckpoint writes it, minus torch:
+// adapter files, a trainer state with one moment tensor and `eval_loss`, the checksum
+// manifest, then the rename. `recorded_step` >= 0 writes another step into the trainer state
+// (a forged checkpoint). Returns the folder.
+std::filesystem::path WriteTestCheckpoint(const std::filesystem::path& out, int64_t step,
+                                          double eval_loss = NAN, int64_t recorded_step = -1);
 
 }  // namespace lorastream::testing

@@ -1,4 +1,4 @@
-#include "worker/data.h"
+#include "common/data.h"
 
 #include <catch2/catch.hpp>
 

@@ -16,9 +16,9 @@
 
 #include "common/job_spec.h"
 #include "store/synth.h"
+#include "common/data.h"
 #include "tests/support/test_support.h"
 #include "worker/base_weights.h"
-#include "worker/data.h"
 #include "worker/stream_provider.h"
 #include "worker/trainer.h"
 

@@ -358,4 +358,7 @@ TEST_CASE("the progress line shows streaming and peak memory only when there are
   CHECK_THAT(streamed, Catch::Contains("eta 1h01m"));
   CHECK_THAT(streamed, Catch::Contains("h2d 2.50GB stall 34.2ms copies 20 (+4 reused)"));
   CHECK_THAT(streamed, Catch::Contains("peak 8.00 GiB"));
+  CHECK_THAT(streamed, !Catch::Contains("eval"));
+  s.eval_loss = 2.25;
+  CHECK_THAT(FormatProgress(s, 1), Catch::EndsWith(" eval 2.2500"));
 }

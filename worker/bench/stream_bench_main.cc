@@ -32,13 +32,13 @@
 
 #include <CLI/CLI.hpp>
 
+#include "common/data.h"
 #include "common/error.h"
 #include "common/job_spec.h"
 #include "common/log.h"
 #include "common/remove_tree.h"
 #include "store/attach.h"
 #include "worker/base_weights.h"
-#include "worker/data.h"
 #include "worker/stream_budget.h"
 #include "worker/stream_calibrate.h"
 #include "worker/stream_cost.h"

@@ -93,5 +93,7 @@ struct Batch {
   int64_t n_targets = 0;
 };
 Batch MakeBatch(const SequenceSet& set, Sampler& sampler, int64_t position, int64_t rows);
+// The same from explicit sequence indices (evaluation visits its set in order).
+Batch MakeBatchOf(const SequenceSet& set, const std::vector<int64_t>& indices);
 
 }  // namespace lorastream

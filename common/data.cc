@@ -1,4 +1,4 @@
-#include "worker/data.h"
+#include "common/data.h"
 
 #include <cstring>
 #include <fstream>
@@ -264,13 +264,21 @@ int64_t Sampler::Index(int64_t position) {
 }
 
 Batch MakeBatch(const SequenceSet& set, Sampler& sampler, int64_t position, int64_t rows) {
+  std::vector<int64_t> indices(rows);
+  for (int64_t r = 0; r < rows; ++r) indices[r] = sampler.Index(position + r);
+  return MakeBatchOf(set, indices);
+}
+
+Batch MakeBatchOf(const SequenceSet& set, const std::vector<int64_t>& indices) {
+  const int64_t rows = static_cast<int64_t>(indices.size());
   Batch b;
   b.rows = rows;
   b.seq_len = set.seq_len;
   b.ids.resize(rows * set.seq_len);
   b.targets.resize(rows * set.seq_len);
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t idx = sampler.Index(position + r);
+    const int64_t idx = indices[r];
+    LS_CHECK(idx >= 0 && idx < set.count, "batch sequence index out of range");
     const int32_t* ids = &set.ids[idx * set.seq_len];
     const int32_t* labels = &set.labels[idx * set.seq_len];
     for (int64_t k = 0; k < set.seq_len; ++k) {
