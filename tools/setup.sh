@@ -175,11 +175,11 @@ if ((USE_DEPS)); then
   RPATH="$DEPS_LIB"
 fi
 if ((WANT_CUDA)); then
-  CC=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d ' ')
-  [[ "$CC" =~ ^[0-9]+\.[0-9]+$ ]] || CC=9.0
+  CUDA_CC=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d ' ')
+  [[ "$CUDA_CC" =~ ^[0-9]+\.[0-9]+$ ]] || CUDA_CC=9.0
   CUDA_ROOT="$(dirname "$(dirname "$NVCC")")"
   CMAKE_ARGS+=(-DCMAKE_CUDA_COMPILER="$NVCC" -DCUDAToolkit_ROOT="$CUDA_ROOT"
-               -DCMAKE_CUDA_ARCHITECTURES="${CC/./}" -DTORCH_CUDA_ARCH_LIST="$CC")
+               -DCMAKE_CUDA_ARCHITECTURES="${CUDA_CC/./}" -DTORCH_CUDA_ARCH_LIST="$CUDA_CC")
   export PATH="$CUDA_ROOT/bin:$PATH"
 fi
 [[ -n "$PREFIX_PATH" ]] && CMAKE_ARGS+=(-DCMAKE_PREFIX_PATH="$PREFIX_PATH")
