@@ -56,14 +56,14 @@ TEST_CASE("a store of another user is not attached and its name says who holds i
           "[store]") {
   TempUser user("st");
   SKIP_UNLESS_ROOT(user);
-  ScopedDir dir;
-  REQUIRE(::chmod(dir.path.c_str(), 0755) == 0);  // the user reads the model
-  const std::string model = dir.path + "/model";
+  TempDir dir("store");
+  REQUIRE(::chmod(dir.str().c_str(), 0755) == 0);  // the user reads the model
+  const std::string model = dir.str() + "/model";
   Synth("tiny", model);
   const std::string name = UniqueName("squat");
   Subprocess theirs = ServeStore(
       user.As({Bin("lorastream-store"), "serve", model, "--name", name, "--no-lock"}), name,
-      dir.path + "/theirs.log");
+      dir.str() + "/theirs.log");
 
   // Attaching it as root (the worker's user) is refused before anything is mapped.
   try {
@@ -77,7 +77,7 @@ TEST_CASE("a store of another user is not attached and its name says who holds i
   }
   // Serving the same name says who holds it and how to proceed.
   int code = -1;
-  const std::string err = dir.path + "/ours.err";
+  const std::string err = dir.str() + "/ours.err";
   RunAndCapture({Bin("lorastream-store"), "serve", model, "--name", name, "--no-lock"}, &code,
                 120, err);
   CHECK(code != 0);
@@ -93,13 +93,13 @@ TEST_CASE("a store of another user is not attached and its name says who holds i
 TEST_CASE("a segment of another user inside an own store is refused by name", "[store]") {
   TempUser user("sg");
   SKIP_UNLESS_ROOT(user);
-  ScopedDir dir;
-  const std::string model = dir.path + "/model";
+  TempDir dir("store");
+  const std::string model = dir.str() + "/model";
   Synth("tiny", model);
   const std::string name = UniqueName("seg");
   Subprocess store =
       ServeStore({Bin("lorastream-store"), "serve", model, "--name", name, "--no-lock"}, name,
-                 dir.path + "/store.log");
+                 dir.str() + "/store.log");
   std::string block;
   {
     AttachedStore attached = AttachedStore::Attach(name);  // all ours: fine

@@ -131,24 +131,24 @@ TEST_CASE("synth --tokenizer copies a tokenizer in and the store's plan records 
           "[store][tokenizer]") {
   const std::string fixture =
       std::string(LORASTREAM_SOURCE_DIR) + "/tests/fixtures/tokenizers/llama3";  // 700 ids
-  ScopedDir dir;
+  TempDir dir("store");
   SynthOptions o;
   o.preset = "tiny";  // vocab_size 512: grows to fit the tokenizer
-  o.out_dir = dir.path;
+  o.out_dir = dir.str();
   o.presets_dir = PresetsDir();
   o.threads = 2;
   o.tokenizer_dir = fixture;
   RunSynth(o);
-  Checkpoint cp = Checkpoint::Open(dir.path);
+  Checkpoint cp = Checkpoint::Open(dir.str());
   CHECK(cp.config().vocab_size == 700);
   const Manifest m = PlanPack(cp, PackOptions{}).manifest;
   CHECK(m.tokenizer.fingerprint == ModelTokenizerId(fixture)->fingerprint);
   CHECK(m.tokenizer.vocab_size == 700);
 
-  ScopedDir plain;  // no tokenizer: the manifest records none
-  Synth("tiny", plain.path);
+  TempDir plain("store");  // no tokenizer: the manifest records none
+  Synth("tiny", plain.str());
   CHECK(
-      PlanPack(Checkpoint::Open(plain.path), PackOptions{}).manifest.tokenizer.fingerprint.empty());
-  o.tokenizer_dir = plain.path;
+      PlanPack(Checkpoint::Open(plain.str()), PackOptions{}).manifest.tokenizer.fingerprint.empty());
+  o.tokenizer_dir = plain.str();
   CHECK_THROWS_AS(RunSynth(o), Error);
 }
