@@ -127,8 +127,8 @@ nlohmann::json HostRegisterCheck(nlohmann::json& report, const DoctorOptions& o,
   try {
     out = RunAndCapture({bin + "/lorastream-worker", "probe-host-register", "--device-index", "0"},
                         &code, std::max(30.0, o.timeout_s), "/dev/null");
-  } catch (const Error&) {
-    out.clear();
+  } catch (const Error& e) {
+    out = e.what();  // could not run it (missing executable): said below
     code = -1;
   }
   nlohmann::json probe = nlohmann::json::parse(out, nullptr, false);
@@ -140,7 +140,8 @@ nlohmann::json HostRegisterCheck(nlohmann::json& report, const DoctorOptions& o,
     const std::string why =
         probe.is_object()
             ? probe.value("step", std::string("?")) + ": " + probe.value("error", std::string("?"))
-            : "lorastream-worker probe-host-register exited " + std::to_string(code);
+            : "lorastream-worker probe-host-register exited " + std::to_string(code) +
+                  (out.empty() ? "" : ": " + out);
     AddProblem(report, "host_register",
                "read-only host registration of a shared-memory mapping failed on cuda:0 (" + why +
                    "): workers fall back to staged copies",

@@ -335,7 +335,8 @@ TEST_CASE(
     "an eval split and epochs through a real cluster: eval loss in stats, show and "
     "TensorBoard files an independent reader decodes",
     "[e2e]") {
-  std::string dir = NewRunDir("eval");
+  TempDir run_dir("e2e-eval");
+  const std::string dir = run_dir.str();
   LocalClusterOptions options = Options(dir, 1);
   options.tensorboard_dir = dir + "/tb";
   LocalCluster cluster(options);
@@ -411,7 +412,8 @@ TEST_CASE(
 
 TEST_CASE("`lorastream up --tensorboard` refuses a folder it cannot write before starting",
           "[e2e]") {
-  std::string dir = NewRunDir("tbbad");
+  TempDir run_dir("e2e-tbbad");
+  const std::string dir = run_dir.str();
   std::ofstream(dir + "/file") << "x";
   int code = -1;
   lorastream::RunAndCapture({std::string(LORASTREAM_BIN_DIR) + "/lorastream", "up", "--run-dir",
