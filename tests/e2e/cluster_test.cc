@@ -335,7 +335,7 @@ TEST_CASE(
     "an eval split and epochs through a real cluster: eval loss in stats, show and "
     "TensorBoard files an independent reader decodes",
     "[e2e]") {
-  TempDir run_dir("e2e-eval");
+  const lorastream::testing::TempDir run_dir("e2e-eval");
   const std::string dir = run_dir.str();
   LocalClusterOptions options = Options(dir, 1);
   options.tensorboard_dir = dir + "/tb";
@@ -412,7 +412,7 @@ TEST_CASE(
 
 TEST_CASE("`lorastream up --tensorboard` refuses a folder it cannot write before starting",
           "[e2e]") {
-  TempDir run_dir("e2e-tbbad");
+  const lorastream::testing::TempDir run_dir("e2e-tbbad");
   const std::string dir = run_dir.str();
   std::ofstream(dir + "/file") << "x";
   int code = -1;
