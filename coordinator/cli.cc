@@ -84,7 +84,12 @@ std::string ReadFile(const std::string& path) {
 
 std::string StoreTokenizerProblem(const JobSpec& spec) {
   if (spec.model.store.empty()) return "";
-  std::optional<ManifestRecord> record = ReadManifestObject(spec.model.store);
+  std::optional<ManifestRecord> record;
+  try {
+    record = ReadManifestObject(spec.model.store);
+  } catch (const Error&) {
+    return "";  // another user's store, unreadable to us: the worker checks
+  }
   if (!record || record->json.empty())
     return "";  // not here or not yet published: the worker checks
   const Manifest m = ManifestFromJson(record->json, "store `" + spec.model.store + "`");

@@ -38,6 +38,10 @@ fs::path WriteRecords(const fs::path& dir, const std::string& name, const Json& 
 
 TEST_CASE("prepare writes transformers' ids and assistant masks for every tokenizer and format",
           "[coordinator][prepare]") {
+  if (!testing::HaveNode()) {
+    WARN("no Node.js here (tools/setup.sh installs it): `lorastream prepare` not tested");
+    return;
+  }
   const testing::TempDir scratch_dir("prepare-formats");
   const fs::path& dir = scratch_dir.path();
   for (const char* kind : {"llama3", "qwen", "mistral", "llama2"}) {
@@ -68,6 +72,10 @@ TEST_CASE("prepare writes transformers' ids and assistant masks for every tokeni
 
 TEST_CASE("prepare splits off validation data and writes token files with the record",
           "[coordinator][prepare]") {
+  if (!testing::HaveNode()) {
+    WARN("no Node.js here (tools/setup.sh installs it): `lorastream prepare` not tested");
+    return;
+  }
   const testing::TempDir scratch_dir("prepare-split");
   const fs::path& dir = scratch_dir.path();
   const Json expected = ReadJsonFile(testing::TokenizerFixtures() / "mistral/expected.json");
@@ -99,6 +107,10 @@ TEST_CASE("prepare splits off validation data and writes token files with the re
 
 TEST_CASE("prepare refuses a model folder without tokenizer.json and bad records clearly",
           "[coordinator][prepare]") {
+  if (!testing::HaveNode()) {
+    WARN("no Node.js here (tools/setup.sh installs it): `lorastream prepare` not tested");
+    return;
+  }
   const testing::TempDir scratch_dir("prepare-refusals");
   const fs::path& dir = scratch_dir.path();
   PrepareOptions o;

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <functional>
 #include <iterator>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -309,10 +310,15 @@ TEST_CASE("`lorastream up` trains a job end to end, says where the adapter is, l
   std::string data = WriteData(dir, 30, 11);
   std::string job = WriteJob(dir, "upjob", "replaced-by-up", data, 6, 3, 1);
   int code = -1;
+  // CPU workers, whatever this machine has: an empty GPU folder hides its GPUs from `up`
+  // (common/gpu_info.h), so that the two CPU workers and their split of the cores are tested.
+  fs::create_directories(dir + "/no-gpus");
+  ::setenv("LORASTREAM_NVIDIA_GPUS_DIR", (dir + "/no-gpus").c_str(), 1);
   std::string out = lorastream::RunAndCapture(
       {std::string(LORASTREAM_BIN_DIR) + "/lorastream", "up", "--run-dir", dir + "/run",
        "--no-watch", "--job", job, "--cpu-workers", "2"},
       &code, 600, dir + "/up.stderr");
+  ::unsetenv("LORASTREAM_NVIDIA_GPUS_DIR");
   INFO(out);
   REQUIRE(code == 0);
   CHECK_THAT(out, Catch::Contains("2 worker(s): cpu cpu"));

@@ -79,4 +79,9 @@ std::filesystem::path WriteTestCheckpoint(const std::filesystem::path& out, int6
   return final_dir;
 }
 
+
+bool HaveNode() {
+  if (const char* env = std::getenv("LORASTREAM_NODE"); env && *env) return true;
+  return std::system("command -v node >/dev/null 2>&1 || command -v nodejs >/dev/null 2>&1") == 0;
+}
 }  // namespace lorastream::testing

@@ -47,4 +47,9 @@ std::string Bin(const std::string& name);
 std::filesystem::path WriteTestCheckpoint(const std::filesystem::path& out, int64_t step,
                                           double eval_loss = NAN, int64_t recorded_step = -1);
 
+// Whether Node.js is here (LORASTREAM_NODE, or node / nodejs on PATH): `lorastream prepare`
+// runs its tokenizer under node. tools/setup.sh installs it; a machine without a package
+// archive (the GPU machine) may lack it, and the tests that need it say so and stop.
+bool HaveNode();
+
 }  // namespace lorastream::testing
