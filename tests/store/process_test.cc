@@ -135,6 +135,12 @@ void SynthMedium(const std::string& dir) {
 }
 
 TEST_CASE("a memlock limit is reported once with the fix, and the store still serves", "[store]") {
+#if defined(__SANITIZE_ADDRESS__)
+  // AddressSanitizer intercepts mlock and ignores it (it always succeeds), so the limit
+  // cannot be hit: the plain build runs this case.
+  WARN("skipped under AddressSanitizer: it turns mlock into a no-op that succeeds");
+  return;
+#endif
   if (geteuid() != 0 || access("/usr/bin/setpriv", X_OK) != 0) {
     WARN("skipped: needs root and setpriv to drop CAP_IPC_LOCK");
     return;
