@@ -10,7 +10,6 @@
 #include <fstream>
 #include <functional>
 #include <limits>
-#include <random>
 #include <sstream>
 
 #include "common/checkpoint_dir.h"
@@ -28,17 +27,6 @@ using namespace lorastream;
 namespace fs = std::filesystem;
 
 namespace {
-
-struct Scratch {
-  fs::path path;
-  explicit Scratch(const std::string& tag) {
-    std::random_device rd;
-    path = fs::temp_directory_path() /
-           ("lorastream-" + tag + "-" + std::to_string(getpid()) + "-" + std::to_string(rd()));
-    fs::create_directories(path);
-  }
-  ~Scratch() { RemoveTree(path.string()); }
-};
 
 std::string Slurp(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
@@ -168,10 +156,10 @@ TEST_CASE("trainer state metadata parses strictly and carries the eval loss", "[
 
 TEST_CASE("a damaged newest checkpoint is skipped for the previous one; none usable is an error",
           "[common]") {
-  Scratch out("ckpt-verify");
-  const fs::path c2 = WriteCheckpoint(out.path, 2);
-  const fs::path c4 = WriteCheckpoint(out.path, 4);
-  CHECK(FindResumableCheckpoint(out.path.string()) == c4.string());
+  lorastream::testing::TempDir out("ckpt-verify");
+  const fs::path c2 = WriteCheckpoint(out.path(), 2);
+  const fs::path c4 = WriteCheckpoint(out.path(), 4);
+  CHECK(FindResumableCheckpoint(out.path().string()) == c4.string());
   CHECK(VerifyCheckpoint({4, c4.string()}).samples_seen == 16);
 
   // One low bit of the adapter's last weight.
@@ -180,11 +168,11 @@ TEST_CASE("a damaged newest checkpoint is skipped for the previous one; none usa
                VerifyCheckpoint({4, c4.string()});
              }),
              Catch::Contains("adapter_model.safetensors: contents differ from the SHA-256"));
-  CHECK(FindResumableCheckpoint(out.path.string()) == c2.string());
+  CHECK(FindResumableCheckpoint(out.path().string()) == c2.string());
 
   // The trainer state deleted: an error naming it, never a fresh start.
   fs::remove(c2 / kTrainerStateFile);
-  std::string all = FaultOf([&] { FindResumableCheckpoint(out.path.string()); });
+  std::string all = FaultOf([&] { FindResumableCheckpoint(out.path().string()); });
   CHECK_THAT(all, Catch::Contains("no usable checkpoint"));
   CHECK_THAT(all, Catch::Contains("checkpoint-2/trainer_state.safetensors: missing"));
   CHECK_THAT(all, Catch::Contains("checkpoint-4/adapter_model.safetensors"));
@@ -192,13 +180,13 @@ TEST_CASE("a damaged newest checkpoint is skipped for the previous one; none usa
   CHECK(fs::exists(c4));
 
   // An empty folder (or none) is a fresh start.
-  Scratch empty("ckpt-empty");
-  CHECK(FindResumableCheckpoint(empty.path.string()).empty());
+  lorastream::testing::TempDir empty("ckpt-empty");
+  CHECK(FindResumableCheckpoint(empty.path().string()).empty());
 }
 
 TEST_CASE("an edited step, a truncated file or a missing manifest is caught", "[common]") {
-  Scratch out("ckpt-edit");
-  const fs::path c3 = WriteCheckpoint(out.path, 3);
+  lorastream::testing::TempDir out("ckpt-edit");
+  const fs::path c3 = WriteCheckpoint(out.path(), 3);
   // Rewrite the trainer state with step 30 (same length as a crafted edit would keep).
   const std::string original = Slurp(c3 / kTrainerStateFile);
   std::string edited = original;
@@ -214,7 +202,7 @@ TEST_CASE("an edited step, a truncated file or a missing manifest is caught", "[
   CHECK_NOTHROW(VerifyCheckpoint({3, c3.string()}));
 
   // A checksum-consistent folder whose state names another step (a renamed folder).
-  const fs::path c5 = WriteCheckpoint(out.path, 5, NAN, /*recorded_step=*/7);
+  const fs::path c5 = WriteCheckpoint(out.path(), 5, NAN, /*recorded_step=*/7);
   CHECK_THAT(FaultOf([&] {
                VerifyCheckpoint({5, c5.string()});
              }),
@@ -233,43 +221,43 @@ TEST_CASE("an edited step, a truncated file or a missing manifest is caught", "[
 }
 
 TEST_CASE("retention keeps the newest K complete checkpoints and, asked, the best", "[common]") {
-  Scratch out("ckpt-keep");
-  WriteCheckpoint(out.path, 1, 2.5);
-  WriteCheckpoint(out.path, 2, 1.25);  // the best
-  WriteCheckpoint(out.path, 3, 1.5);
-  WriteCheckpoint(out.path, 4);                       // no eval at this step
-  fs::create_directories(out.path / "checkpoint-5");  // incomplete: no manifest
-  CHECK(FindBestCheckpoint(out.path.string()) == (out.path / "checkpoint-2").string());
+  lorastream::testing::TempDir out("ckpt-keep");
+  WriteCheckpoint(out.path(), 1, 2.5);
+  WriteCheckpoint(out.path(), 2, 1.25);  // the best
+  WriteCheckpoint(out.path(), 3, 1.5);
+  WriteCheckpoint(out.path(), 4);                       // no eval at this step
+  fs::create_directories(out.path() / "checkpoint-5");  // incomplete: no manifest
+  CHECK(FindBestCheckpoint(out.path().string()) == (out.path() / "checkpoint-2").string());
 
-  PruneCheckpoints(out.path.string(), 5, 2, /*keep_best=*/true);
+  PruneCheckpoints(out.path().string(), 5, 2, /*keep_best=*/true);
   std::vector<int64_t> left;
-  for (const auto& c : ListCheckpoints(out.path.string())) left.push_back(c.step);
+  for (const auto& c : ListCheckpoints(out.path().string())) left.push_back(c.step);
   CHECK(left == std::vector<int64_t>{4, 3, 2});
 
-  PruneCheckpoints(out.path.string(), 5, 1, /*keep_best=*/false);
+  PruneCheckpoints(out.path().string(), 5, 1, /*keep_best=*/false);
   left.clear();
-  for (const auto& c : ListCheckpoints(out.path.string())) left.push_back(c.step);
+  for (const auto& c : ListCheckpoints(out.path().string())) left.push_back(c.step);
   CHECK(left == std::vector<int64_t>{4});
-  CHECK(FindBestCheckpoint(out.path.string()).empty());
+  CHECK(FindBestCheckpoint(out.path().string()).empty());
 
   // A fresh run saving step 2 over the folder: the old run's later checkpoints go.
-  WriteCheckpoint(out.path, 2);
-  PruneCheckpoints(out.path.string(), 2, 2, /*keep_best=*/false);
+  WriteCheckpoint(out.path(), 2);
+  PruneCheckpoints(out.path().string(), 2, 2, /*keep_best=*/false);
   left.clear();
-  for (const auto& c : ListCheckpoints(out.path.string())) left.push_back(c.step);
+  for (const auto& c : ListCheckpoints(out.path().string())) left.push_back(c.step);
   CHECK(left == std::vector<int64_t>{2});
 }
 
 TEST_CASE("temporaries of an interrupted save are removed, nothing else", "[common]") {
-  Scratch out("ckpt-tmp");
-  fs::create_directories(out.path / ".checkpoint-7.tmp" / "sub");
-  std::ofstream(out.path / ".checkpoint-7.tmp" / "adapter_model.safetensors") << "half";
-  fs::create_directories(out.path / ".checkpoint-x.tmp");
-  std::ofstream(out.path / "notes.tmp") << "mine";
-  RemoveStaleCheckpointTemporaries(out.path.string());
-  CHECK(!fs::exists(out.path / ".checkpoint-7.tmp"));
-  CHECK(fs::exists(out.path / ".checkpoint-x.tmp"));
-  CHECK(fs::exists(out.path / "notes.tmp"));
+  lorastream::testing::TempDir out("ckpt-tmp");
+  fs::create_directories(out.path() / ".checkpoint-7.tmp" / "sub");
+  std::ofstream(out.path() / ".checkpoint-7.tmp" / "adapter_model.safetensors") << "half";
+  fs::create_directories(out.path() / ".checkpoint-x.tmp");
+  std::ofstream(out.path() / "notes.tmp") << "mine";
+  RemoveStaleCheckpointTemporaries(out.path().string());
+  CHECK(!fs::exists(out.path() / ".checkpoint-7.tmp"));
+  CHECK(fs::exists(out.path() / ".checkpoint-x.tmp"));
+  CHECK(fs::exists(out.path() / "notes.tmp"));
   CHECK(CheckpointStepOf("checkpoint-12") == 12);
   CHECK(CheckpointStepOf("checkpoint-012") == -1);
   CHECK(CheckpointStepOf("checkpoint-") == -1);
@@ -287,8 +275,8 @@ TEST_CASE("a failed write is reported, naming the file", "[common]") {
     CHECK(e.code() == ErrorCode::kIo);
     CHECK_THAT(e.what(), Catch::Contains("cannot write /dev/full"));
   }
-  Scratch out("durable");
-  WriteFileDurably((out.path / "f").string(), "hello");
-  CHECK(Slurp(out.path / "f") == "hello");
-  CHECK(!fs::exists(out.path / "f.tmp"));
+  lorastream::testing::TempDir out("durable");
+  WriteFileDurably((out.path() / "f").string(), "hello");
+  CHECK(Slurp(out.path() / "f") == "hello");
+  CHECK(!fs::exists(out.path() / "f.tmp"));
 }
