@@ -1,14 +1,14 @@
-// Per-block gradient checkpointing as a custom autograd function. The forward keeps only the
-// block's input; the backward re-acquires the block's weights from the provider (in the step's
-// order L-1..0, which is what the streaming engine plans for), recomputes the block with grad,
-// backpropagates the incoming gradient and releases the block.
-#include <torch/csrc/autograd/autograd.h>
+// Per-block gradient checkpointing as a custom autograd function: one node per block. The
+// forward keeps only the block's input; the backward re-acquires the block's weights from the
+// provider (in the step's order L-1..0, which is what the streaming engine plans for),
+// recomputes the block onto a tape, runs the hand-written BlockBackward (worker/block.h) and
+// releases the block.
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <ATen/ATen.h>
-#include <c10/core/GradMode.h>
 
 #include "common/error.h"
+#include "worker/block.h"
 #include "worker/model.h"
 
 namespace lorastream {
@@ -64,25 +64,23 @@ struct CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
     const CheckpointArgs& args = static_cast<ArgsHolder*>(holder.get())->args;
     variable_list saved = ctx->get_saved_variables();
     const bool need_x = ctx->needs_input_grad(0);
+    variable_list leaves(saved.begin() + 1, saved.end());
+    const LoraBlock lora = Unflatten(leaves, 0, args.targets);
     const BlockWeights& w = args.provider->Acquire(args.block);
-    variable_list grads;
+    LoraBlockGrads grads;
+    at::Tensor dx;
     {
-      c10::AutoGradMode enable_grad(true);
-      at::Tensor x = saved[0].detach();
-      if (need_x) x.requires_grad_(true);
-      variable_list leaves;
-      for (size_t i = 1; i < saved.size(); ++i) leaves.push_back(saved[i].detach().requires_grad_(true));
-      at::Tensor y = BlockForward(x, w, Unflatten(leaves, 0, args.targets), args.compute);
-      variable_list inputs;
-      if (need_x) inputs.push_back(x);
-      for (auto& l : leaves) inputs.push_back(l);
-      grads = torch::autograd::grad({y}, inputs, {grad_out[0]}, /*retain_graph=*/false,
-                                    /*create_graph=*/false, /*allow_unused=*/true);
+      BlockTape tape;
+      BlockForwardTaped(saved[0], w, lora, args.compute, tape);
+      dx = BlockBackward(tape, w, lora, args.compute, grad_out[0], need_x, grads);
     }
     args.provider->Release(args.block);
-    variable_list result;
-    result.push_back(need_x ? grads[0] : at::Tensor());
-    for (size_t i = need_x ? 1 : 0; i < grads.size(); ++i) result.push_back(grads[i]);
+    variable_list result{dx};
+    for (int t = 0; t < kNumLoraTargets; ++t) {
+      if (!args.targets[t]) continue;
+      result.push_back(grads.a[t]);
+      result.push_back(grads.b[t]);
+    }
     result.push_back(at::Tensor());  // the CheckpointArgs pointer
     return result;
   }
