@@ -211,7 +211,9 @@ at::Tensor Forward(const at::Tensor& x, const BlockWeights& w, const LoraBlock& 
     tape->up = up;
     tape->z = z;
   }
-  return (out + down).view({batch, seq, hidden});
+  // Summed as [B, S, H] views so that the result is a tensor of its own, not a view: a
+  // custom autograd function may not return a view created without grad.
+  return out.view({batch, seq, hidden}) + down.view({batch, seq, hidden});
 }
 
 }  // namespace
@@ -273,7 +275,8 @@ at::Tensor BlockBackward(BlockTape& tape, const BlockWeights& w, const LoraBlock
   at::Tensor dx;
   if (need_dx) {
     at::Tensor x2 = tape.x.reshape({-1, hidden});
-    dx = (dout + RmsNormBackward(dh1, x2, tape.rstd_in, w.input_norm)).view({batch, seq, hidden});
+    dx = dout.view({batch, seq, hidden}) +
+         RmsNormBackward(dh1, x2, tape.rstd_in, w.input_norm).view({batch, seq, hidden});
   }
   tape = BlockTape{};
   return dx;

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 
 #if LORASTREAM_HAVE_CUDA
 #include <c10/cuda/CUDAStream.h>
@@ -87,15 +88,17 @@ bool KernelDtypeOf(c10::ScalarType s, cuda::KernelDtype* t) {
   }
 }
 
-// Whether the fused kernel applies: CUDA tensors of one supported dtype; `dense` ones
-// contiguous.
+// Whether the fused kernel applies: CUDA tensors of one supported dtype, contiguous, and no
+// gradient to record (the kernels are invisible to autograd: where autograd differentiates
+// through them, as in the final norm and the reference forward, the ATen ops run).
 bool Fusable(std::initializer_list<const at::Tensor*> dense, cuda::KernelDtype* t) {
   if (!FusedKernelsEnabled()) return false;
   const at::Tensor& first = **dense.begin();
   if (!first.is_cuda() || !KernelDtypeOf(first.scalar_type(), t)) return false;
+  const bool recording = at::GradMode::is_enabled();
   for (const at::Tensor* x : dense)
     if (x->device() != first.device() || x->scalar_type() != first.scalar_type() ||
-        !x->is_contiguous())
+        !x->is_contiguous() || (recording && x->requires_grad()))
       return false;
   return true;
 }
@@ -179,6 +182,7 @@ bool FusedRope(bool backward, const at::Tensor& x, const at::Tensor& cos, const 
                at::Tensor& out) {
   cuda::KernelDtype t;
   if (x.dim() != 4 || x.stride(3) != 1 || x.size(3) % 2 != 0 ||
+      (at::GradMode::is_enabled() && x.requires_grad()) ||
       !Fusable({&cos, &sin}, &t) || !x.is_cuda() || x.device() != cos.device() ||
       x.scalar_type() != cos.scalar_type() || cos.dim() != 2 || cos.size(0) < x.size(2) ||
       cos.size(1) != x.size(3) || sin.sizes() != cos.sizes())

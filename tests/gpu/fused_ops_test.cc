@@ -13,28 +13,31 @@ namespace {
 
 const c10::Device kCuda(c10::kCUDA, 0);
 
-// Fraction of elements that differ, and the largest difference relative to |want| (+ a floor
-// of `tiny` for elements near zero).
+// Fraction of elements that differ, and the largest difference relative to the largest
+// |want| (element-wise ratios would blow up where a sum cancels to near zero).
 struct Agreement {
   double differing = 0, worst = 0;
 };
-Agreement Compare(const at::Tensor& got, const at::Tensor& want, double tiny) {
+Agreement Compare(const at::Tensor& got, const at::Tensor& want) {
   REQUIRE(got.sizes() == want.sizes());
   REQUIRE(got.scalar_type() == want.scalar_type());
   at::Tensor g = got.to(at::kCPU, at::kDouble), w = want.to(at::kCPU, at::kDouble);
   Agreement a;
   a.differing = g.ne(w).to(at::kDouble).mean().item<double>();
-  a.worst = ((g - w).abs() / (w.abs() + tiny)).max().item<double>();
+  a.worst = (g - w).abs().max().item<double>() / w.abs().max().item<double>();
   return a;
 }
 
 // One unit in the last place of the dtype, relative.
 double Ulp(c10::ScalarType t) { return t == at::kBFloat16 ? 1.0 / 128 : 1.2e-7; }
 
+// Within a few units in the last place; in bf16 (where both round at the same points) nearly
+// every element bit-equal. f32 sums taken in another order (and nvcc's fused multiply-adds)
+// make most f32 elements differ in their last bits.
 void CheckClose(const at::Tensor& got, const at::Tensor& want, c10::ScalarType t) {
-  Agreement a = Compare(got, want, 1e-3);
-  INFO("differing " << a.differing << ", worst relative " << a.worst);
-  CHECK(a.worst <= 2 * Ulp(t) + 1e-6);
+  Agreement a = Compare(got, want);
+  INFO("differing " << a.differing << ", worst relative to the largest " << a.worst);
+  CHECK(a.worst <= 4 * Ulp(t));
   if (t == at::kBFloat16) CHECK(a.differing < 0.02);
 }
 
@@ -52,7 +55,7 @@ TEST_CASE("fused RMSNorm forward and backward agree with the reference", "[gpu]"
         at::Tensor y_got = RmsNormRstd(x, w, 1e-6, &r_got);
         at::Tensor y_want = reference::RmsNormRstd(x, w, 1e-6, &r_want);
         CHECK(r_got.sizes() == r_want.sizes());
-        CHECK(Compare(r_got, r_want, 0).worst < 1e-5);
+        CHECK(Compare(r_got, r_want).worst < 1e-6);
         CheckClose(y_got, y_want, t);
         CheckClose(RmsNormBackward(dy, x, r_want, w), reference::RmsNormBackward(dy, x, r_want, w),
                    t);

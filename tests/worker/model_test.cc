@@ -1,6 +1,7 @@
 // The model and its checkpointed blocks: the hand-written block backward (worker/block.h)
-// equals autograd through the same forward (to f64 rounding at the block, f32 rounding
-// through the whole model), and blocks are acquired in the step's order.
+// equals autograd through the same forward (in f64 at the block: to the f32 rounding of
+// RMSNorm, which runs in f32 as transformers'; in f32 through the whole model), and blocks are
+// acquired in the step's order.
 
 
 #include "torch_catch.h"  // first: see there
@@ -125,7 +126,9 @@ TEST_CASE("the hand-written block backward equals autograd through the same forw
           at::Tensor dx = BlockBackward(tape, w, lora, c, dy, /*need_dx=*/true, grads);
           provider.Release(1);
           CHECK_FALSE(tape.x.defined());  // the tape is consumed
-          CHECK(RelativeDistance(dx, want[0]) < 1e-10);
+          // RMSNorm runs in f32 whatever the dtype (as transformers'), and the two sides
+          // take its sums in another order: f32 rounding, not f64's.
+          CHECK(RelativeDistance(dx, want[0]) < 1e-6);
           size_t k = 1;
           for (int t = 0; t < kNumLoraTargets; ++t) {
             if (!lora.a[t].defined()) {
