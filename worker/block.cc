@@ -25,6 +25,9 @@ struct Projection {
 
 bool DropoutActive(const BlockCompute& c) { return c.training && c.dropout > 0; }
 
+// The projection groups: the projections reading one input.
+enum Group { kQkvGroup = 0, kOGroup, kGateUpGroup, kDownGroup };
+
 // The projections of `ps` that carry an adapter, as indices into `ps`.
 template <size_t N>
 std::vector<size_t> Adapted(const std::array<Projection, N>& ps, const LoraBlock& lora) {
@@ -47,8 +50,8 @@ at::Tensor StackedA(const std::array<Projection, N>& ps, const std::vector<size_
 // Without dropout the A's share one GEMM; each low-rank term is added in addmm's epilogue.
 template <size_t N>
 std::array<at::Tensor, N> ProjectGroup(const at::Tensor& x, const std::array<Projection, N>& ps,
-                                       const LoraBlock& lora, const BlockCompute& c,
-                                       BlockTape* tape) {
+                                       const LoraBlock& lora, const at::Tensor& stacked,
+                                       const BlockCompute& c, BlockTape* tape) {
   std::array<at::Tensor, N> ys;
   for (size_t i = 0; i < N; ++i) {
     const Projection& p = ps[i];
@@ -61,7 +64,8 @@ std::array<at::Tensor, N> ProjectGroup(const at::Tensor& x, const std::array<Pro
   const double s = c.lora_scale;
   if (!DropoutActive(c)) {
     const int64_t r = lora.a[ps[adapted[0]].target].size(0);
-    at::Tensor u = at::mm(x, StackedA(ps, adapted, lora, dtype).t());  // [N, k * r]
+    const at::Tensor a = stacked.defined() ? stacked : StackedA(ps, adapted, lora, dtype);
+    at::Tensor u = at::mm(x, a.t());  // [N, k * r]
     for (size_t j = 0; j < adapted.size(); ++j) {
       const int t = ps[adapted[j]].target;
       at::Tensor uj = u.narrow(1, static_cast<int64_t>(j) * r, r);
@@ -86,8 +90,8 @@ std::array<at::Tensor, N> ProjectGroup(const at::Tensor& x, const std::array<Pro
 template <size_t N>
 at::Tensor BackpropGroup(const at::Tensor& x, const std::array<Projection, N>& ps,
                          const std::array<at::Tensor, N>& dys, const LoraBlock& lora,
-                         const BlockCompute& c, BlockTape& tape, LoraBlockGrads& grads,
-                         bool need_dx) {
+                         const at::Tensor& stacked, const BlockCompute& c, BlockTape& tape,
+                         LoraBlockGrads& grads, bool need_dx) {
   at::Tensor dx;
   if (need_dx) {
     dx = at::mm(dys[0], *ps[0].weight);
@@ -109,7 +113,7 @@ at::Tensor BackpropGroup(const at::Tensor& x, const std::array<Projection, N>& p
   if (!DropoutActive(c)) {
     const int64_t r = lora.a[ps[adapted[0]].target].size(0);
     at::Tensor g = gs.size() == 1 ? gs[0] : at::cat(gs, 1);  // [N, k * r]
-    if (need_dx) dx.addmm_(g, StackedA(ps, adapted, lora, dtype));
+    if (need_dx) dx.addmm_(g, stacked.defined() ? stacked : StackedA(ps, adapted, lora, dtype));
     at::Tensor da = at::mm(g.t(), x).to(at::kFloat);  // [k * r, in]
     for (size_t j = 0; j < adapted.size(); ++j)
       grads.a[ps[adapted[j]].target] = da.narrow(0, static_cast<int64_t>(j) * r, r);
@@ -142,7 +146,8 @@ std::array<Projection, 1> Down(const BlockWeights& w) {
 // The forward of BlockForward and BlockForwardTaped; `tape` null keeps nothing (and under
 // grad mode lets autograd differentiate everything: the reference path).
 at::Tensor Forward(const at::Tensor& x, const BlockWeights& w, const LoraBlock& lora,
-                   const BlockCompute& c, BlockTape* tape) {
+                   const std::array<at::Tensor, kNumGroups>& stacked, const BlockCompute& c,
+                   BlockTape* tape) {
   const ModelConfig& cfg = *c.config;
   if (DropoutActive(c)) {
     at::Generator gen = at::globalContext().defaultGenerator(x.device());
@@ -156,7 +161,7 @@ at::Tensor Forward(const at::Tensor& x, const BlockWeights& w, const LoraBlock& 
 
   at::Tensor x2 = x.reshape({-1, hidden});
   at::Tensor h1 = RmsNormRstd(x2, w.input_norm, eps, &rstd);
-  auto [q, k, v] = ProjectGroup(h1, Qkv(w), lora, c, tape);
+  auto [q, k, v] = ProjectGroup(h1, Qkv(w), lora, stacked[kQkvGroup], c, tape);
   if (tape) {
     tape->x = x;
     tape->rstd_in = rstd;
@@ -195,13 +200,13 @@ at::Tensor Forward(const at::Tensor& x, const BlockWeights& w, const LoraBlock& 
     attn = CausalAttention(q, k, v);  // [B, h, S, D]
   }
   at::Tensor attn_flat = attn.transpose(1, 2).reshape({batch * seq, -1});
-  auto [o] = ProjectGroup(attn_flat, OProj(w), lora, c, tape);
+  auto [o] = ProjectGroup(attn_flat, OProj(w), lora, stacked[kOGroup], c, tape);
   at::Tensor out = x2 + o;
 
   at::Tensor h2 = RmsNormRstd(out, w.post_norm, eps, &rstd);
-  auto [gate, up] = ProjectGroup(h2, GateUp(w), lora, c, tape);
+  auto [gate, up] = ProjectGroup(h2, GateUp(w), lora, stacked[kGateUpGroup], c, tape);
   at::Tensor z = SwiGlu(gate, up);
-  auto [down] = ProjectGroup(z, Down(w), lora, c, tape);
+  auto [down] = ProjectGroup(z, Down(w), lora, stacked[kDownGroup], c, tape);
   if (tape) {
     tape->attn_flat = attn_flat;
     tape->out = out;
@@ -220,17 +225,37 @@ at::Tensor Forward(const at::Tensor& x, const BlockWeights& w, const LoraBlock& 
 
 at::Tensor BlockForward(const at::Tensor& x, const BlockWeights& w, const LoraBlock& lora,
                         const BlockCompute& c) {
-  return Forward(x, w, lora, c, nullptr);
+  return Forward(x, w, lora, {}, c, nullptr);
 }
 
-at::Tensor BlockForwardTaped(const at::Tensor& x, const BlockWeights& w, const LoraBlock& lora,
-                             const BlockCompute& c, BlockTape& tape) {
-  LS_CHECK(!tape.x.defined(), "BlockForwardTaped needs an empty tape");
+LoraBlockCast CastLoraBlock(const LoraBlock& lora, c10::ScalarType dtype) {
   c10::NoGradGuard no_grad;
-  return Forward(x, w, lora, c, &tape);
+  LoraBlockCast cast;
+  for (int t = 0; t < kNumLoraTargets; ++t) {
+    if (!lora.a[t].defined()) continue;
+    cast.lora.a[t] = lora.a[t].to(dtype);
+    cast.lora.b[t] = lora.b[t].to(dtype);
+  }
+  auto stack = [&](auto ps) {
+    const std::vector<size_t> adapted = Adapted(ps, cast.lora);
+    return adapted.empty() ? at::Tensor() : StackedA(ps, adapted, cast.lora, dtype);
+  };
+  const BlockWeights none;
+  cast.stacked[kQkvGroup] = stack(Qkv(none));
+  cast.stacked[kOGroup] = stack(OProj(none));
+  cast.stacked[kGateUpGroup] = stack(GateUp(none));
+  cast.stacked[kDownGroup] = stack(Down(none));
+  return cast;
 }
 
-at::Tensor BlockBackward(BlockTape& tape, const BlockWeights& w, const LoraBlock& lora,
+at::Tensor BlockForwardTaped(const at::Tensor& x, const BlockWeights& w, const LoraBlockCast& cast,
+                             const BlockCompute& c, BlockTape* tape) {
+  LS_CHECK(!tape || !tape->x.defined(), "BlockForwardTaped needs an empty tape");
+  c10::NoGradGuard no_grad;
+  return Forward(x, w, cast.lora, cast.stacked, c, tape);
+}
+
+at::Tensor BlockBackward(BlockTape& tape, const BlockWeights& w, const LoraBlockCast& cast,
                          const BlockCompute& c, const at::Tensor& dy, bool need_dx,
                          LoraBlockGrads& grads) {
   LS_CHECK(tape.x.defined(), "BlockBackward needs the tape of a BlockForwardTaped");
@@ -241,17 +266,20 @@ at::Tensor BlockBackward(BlockTape& tape, const BlockWeights& w, const LoraBlock
   at::Tensor dy2 = dy.reshape({-1, hidden});
 
   // MLP: y = out + down(silu(gate) * up).
-  at::Tensor dz = BackpropGroup(tape.z, Down(w), {dy2}, lora, c, tape, grads, true);
+  at::Tensor dz = BackpropGroup(tape.z, Down(w), {dy2}, cast.lora, cast.stacked[kDownGroup], c, tape,
+                                grads, true);
   tape.z = at::Tensor();
   auto [dgate, dup] = SwiGluBackward(dz, tape.gate, tape.up);
   tape.gate = tape.up = at::Tensor();
-  at::Tensor dh2 = BackpropGroup(tape.h2, GateUp(w), {dgate, dup}, lora, c, tape, grads, true);
+  at::Tensor dh2 = BackpropGroup(tape.h2, GateUp(w), {dgate, dup}, cast.lora,
+                                 cast.stacked[kGateUpGroup], c, tape, grads, true);
   dgate = dup = dz = tape.h2 = at::Tensor();
   at::Tensor dout = dy2 + RmsNormBackward(dh2, tape.out, tape.rstd_post, w.post_norm);
   dh2 = tape.out = tape.rstd_post = at::Tensor();
 
   // Attention: out = x + o_proj(attention(rope(norm(q)), rope(norm(k)), v)).
-  at::Tensor dattn = BackpropGroup(tape.attn_flat, OProj(w), {dout}, lora, c, tape, grads, true);
+  at::Tensor dattn = BackpropGroup(tape.attn_flat, OProj(w), {dout}, cast.lora,
+                                   cast.stacked[kOGroup], c, tape, grads, true);
   tape.attn_flat = at::Tensor();
   dattn = dattn.view({batch, seq, -1, hd}).transpose(1, 2);  // [B, h, S, D]
   torch::autograd::variable_list g =
@@ -270,7 +298,7 @@ at::Tensor BlockBackward(BlockTape& tape, const BlockWeights& w, const LoraBlock
   const int64_t n = batch * seq;
   at::Tensor dh1 = BackpropGroup(tape.h1, Qkv(w), {dq.reshape({n, -1}), dk.reshape({n, -1}),
                                                     dv.reshape({n, -1})},
-                                 lora, c, tape, grads, need_dx);
+                                 cast.lora, cast.stacked[kQkvGroup], c, tape, grads, need_dx);
   dq = dk = dv = tape.h1 = at::Tensor();
   at::Tensor dx;
   if (need_dx) {

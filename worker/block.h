@@ -48,15 +48,26 @@ struct BlockTape {
   std::array<Adapter, kNumLoraTargets> lora;
 };
 
-// The block's forward, filling `tape` (which must be empty) for BlockBackward. Call without
-// grad mode: only the attention builds its one autograd node.
-at::Tensor BlockForwardTaped(const at::Tensor& x, const BlockWeights& w, const LoraBlock& lora,
-                             const BlockCompute& c, BlockTape& tape);
+// One block's adapter in the compute dtype, cast once per step by the forward and kept for
+// the recompute and the backward (three passes, one cast): A and B per target, and per
+// projection group (q/k/v, o, gate/up, down) the A's of its adapted projections stacked
+// [k * r, in] for their shared GEMM (undefined where the group has no adapter).
+constexpr int kNumGroups = 4;
+struct LoraBlockCast {
+  LoraBlock lora;
+  std::array<at::Tensor, kNumGroups> stacked;
+};
+LoraBlockCast CastLoraBlock(const LoraBlock& lora, c10::ScalarType dtype);
+
+// The block's forward without grad mode, filling `tape` (when given; it must be empty) for
+// BlockBackward. Only the attention builds its one autograd node.
+at::Tensor BlockForwardTaped(const at::Tensor& x, const BlockWeights& w, const LoraBlockCast& lora,
+                             const BlockCompute& c, BlockTape* tape);
 
 // The gradients of the block whose forward filled `tape`, for the output gradient dy
-// [B, S, H]: fills `grads` and returns dL/dx (undefined when !need_dx). Consumes the tape
-// (its tensors are released as soon as they are read, lowering the backward's peak).
-at::Tensor BlockBackward(BlockTape& tape, const BlockWeights& w, const LoraBlock& lora,
+// [B, S, H]: fills `grads` (f32) and returns dL/dx (undefined when !need_dx). Consumes the
+// tape (its tensors are released as soon as they are read, lowering the backward's peak).
+at::Tensor BlockBackward(BlockTape& tape, const BlockWeights& w, const LoraBlockCast& lora,
                          const BlockCompute& c, const at::Tensor& dy, bool need_dx,
                          LoraBlockGrads& grads);
 

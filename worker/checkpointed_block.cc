@@ -25,19 +25,8 @@ struct CheckpointArgs {
   BlockProvider* provider = nullptr;
   BlockCompute compute;
   std::array<bool, kNumLoraTargets> targets{};
+  LoraBlockCast lora;  // the adapter in the compute dtype, cast once for the three passes
 };
-
-LoraBlock Unflatten(at::TensorList params, size_t first,
-                    const std::array<bool, kNumLoraTargets>& targets) {
-  LoraBlock blk;
-  size_t k = first;
-  for (int t = 0; t < kNumLoraTargets; ++t) {
-    if (!targets[t]) continue;
-    blk.a[t] = params[k++];
-    blk.b[t] = params[k++];
-  }
-  return blk;
-}
 
 class ArgsHolder : public torch::CustomClassHolder {
  public:
@@ -50,7 +39,7 @@ struct CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, at::TensorList params,
                                const CheckpointArgs* args) {
     const BlockWeights& w = args->provider->Acquire(args->block);
-    at::Tensor y = BlockForward(x, w, Unflatten(params, 0, args->targets), args->compute);
+    at::Tensor y = BlockForwardTaped(x, w, args->lora, args->compute, /*tape=*/nullptr);
     args->provider->Release(args->block);
     variable_list saved{x};
     for (auto& p : params) saved.push_back(p);
@@ -64,15 +53,13 @@ struct CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
     const CheckpointArgs& args = static_cast<ArgsHolder*>(holder.get())->args;
     variable_list saved = ctx->get_saved_variables();
     const bool need_x = ctx->needs_input_grad(0);
-    variable_list leaves(saved.begin() + 1, saved.end());
-    const LoraBlock lora = Unflatten(leaves, 0, args.targets);
     const BlockWeights& w = args.provider->Acquire(args.block);
     LoraBlockGrads grads;
     at::Tensor dx;
     {
       BlockTape tape;
-      BlockForwardTaped(saved[0], w, lora, args.compute, tape);
-      dx = BlockBackward(tape, w, lora, args.compute, grad_out[0], need_x, grads);
+      BlockForwardTaped(saved[0], w, args.lora, args.compute, &tape);
+      dx = BlockBackward(tape, w, args.lora, args.compute, grad_out[0], need_x, grads);
     }
     args.provider->Release(args.block);
     variable_list result{dx};
@@ -95,6 +82,7 @@ at::Tensor CheckpointedBlockForward(const at::Tensor& x, int block, const LoraAd
   args.provider = &provider;
   args.compute = c;
   args.targets = adapter.settings().targets;
+  args.lora = CastLoraBlock(adapter.block(block), x.scalar_type());
   // As a TensorList: custom functions track tensors inside an ArrayRef, not a std::vector.
   const std::vector<at::Tensor> params = adapter.BlockParams(block);
   return CheckpointedBlock::apply(x, at::TensorList(params), &args)[0];

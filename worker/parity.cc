@@ -85,7 +85,7 @@ nlohmann::json ProfileStep(CausalLm& model, const LoraAdapter& adapter, const at
   });
   timed("backward (head + recompute + blocks)", [&] { loss.backward(); });
   StepStats stats;
-  model.provider().EndStep(stats);
+  model.provider().EndStep(stats);  // the step's peak device memory (CUDA)
   timed("optimizer (AdamW)", [&] { optimizer.Step(1e-5); });
   // The head's own forward and backward, from a detached last hidden state.
   at::Tensor h = hidden.detach().requires_grad_(true);
@@ -93,7 +93,8 @@ nlohmann::json ProfileStep(CausalLm& model, const LoraAdapter& adapter, const at
     (CausalLm::LossSum(model.Logits(h), targets) * scale).backward();
   });
   nlohmann::json j = {{"phases", phases},
-                      {"flops", StepFlops(model.config(), ids.size(0), ids.size(1))}};
+                      {"flops", StepFlops(model.config(), ids.size(0), ids.size(1))},
+                      {"peak_device_bytes", stats.peak_device_bytes}};
   if (model.device().is_cuda() && model.dtype() == at::kBFloat16) {
     // The GPU's bf16 matmul rate through LibTorch, measured here (8192^3, 5 times).
     at::Tensor a = at::randn({8192, 8192}, at::TensorOptions().device(model.device()).dtype(at::kBFloat16));
@@ -113,9 +114,10 @@ nlohmann::json ProfileStep(CausalLm& model, const LoraAdapter& adapter, const at
                 1e3 * p["wall_s"].get<double>(), 1e3 * p["host_s"].get<double>());
   if (j.contains("mfu"))
     LS_LOG_INFO("profile: {:.1f} TFLOP per step, GEMM rate {:.0f} TFLOP/s, floor {:.1f} ms, "
-                "median step {:.1f} ms, MFU {:.1f}%",
+                "median step {:.1f} ms, MFU {:.1f}%, peak {:.2f} GiB",
                 j["flops"].get<double>() / 1e12, j["gemm_flops_per_s"].get<double>() / 1e12,
-                1e3 * j["floor_s"].get<double>(), 1e3 * median_step, 100 * j["mfu"].get<double>());
+                1e3 * j["floor_s"].get<double>(), 1e3 * median_step, 100 * j["mfu"].get<double>(),
+                static_cast<double>(stats.peak_device_bytes) / (1ull << 30));
   return j;
 }
 
