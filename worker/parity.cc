@@ -198,6 +198,7 @@ void RunParity(const ParityOptions& o) {
     add("grad." + names[i], params[i].grad());
   }
   WriteSafetensors((fs::path(o.out_dir) / "parity.safetensors").string(), out);
+  logits = at::Tensor();  // written; the timed steps below must not carry it (peak memory)
   adapter.Save((fs::path(o.out_dir) / "adapter").string(), o.model_dir);
   LS_LOG_INFO("parity: loss {:.6f} over {} targets, {} LoRA tensors -> {}", loss.item<double>(),
               n_targets, params.size(), o.out_dir);
