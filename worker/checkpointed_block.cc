@@ -1,14 +1,14 @@
-// Per-block gradient checkpointing as a custom autograd function. The forward keeps only the
-// block's input; the backward re-acquires the block's weights from the provider (in the step's
-// order L-1..0, which is what the streaming engine plans for), recomputes the block with grad,
-// backpropagates the incoming gradient and releases the block.
-#include <torch/csrc/autograd/autograd.h>
+// Per-block gradient checkpointing as a custom autograd function: one node per block. The
+// forward keeps only the block's input; the backward re-acquires the block's weights from the
+// provider (in the step's order L-1..0, which is what the streaming engine plans for),
+// recomputes the block onto a tape, runs the hand-written BlockBackward (worker/block.h) and
+// releases the block.
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <ATen/ATen.h>
-#include <c10/core/GradMode.h>
 
 #include "common/error.h"
+#include "worker/block.h"
 #include "worker/model.h"
 
 namespace lorastream {
@@ -25,19 +25,8 @@ struct CheckpointArgs {
   BlockProvider* provider = nullptr;
   BlockCompute compute;
   std::array<bool, kNumLoraTargets> targets{};
+  LoraBlockCast lora;  // the adapter in the compute dtype, cast once for the three passes
 };
-
-LoraBlock Unflatten(at::TensorList params, size_t first,
-                    const std::array<bool, kNumLoraTargets>& targets) {
-  LoraBlock blk;
-  size_t k = first;
-  for (int t = 0; t < kNumLoraTargets; ++t) {
-    if (!targets[t]) continue;
-    blk.a[t] = params[k++];
-    blk.b[t] = params[k++];
-  }
-  return blk;
-}
 
 class ArgsHolder : public torch::CustomClassHolder {
  public:
@@ -50,7 +39,7 @@ struct CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, at::TensorList params,
                                const CheckpointArgs* args) {
     const BlockWeights& w = args->provider->Acquire(args->block);
-    at::Tensor y = BlockForward(x, w, Unflatten(params, 0, args->targets), args->compute);
+    at::Tensor y = BlockForwardTaped(x, w, args->lora, args->compute, /*tape=*/nullptr);
     args->provider->Release(args->block);
     variable_list saved{x};
     for (auto& p : params) saved.push_back(p);
@@ -65,24 +54,20 @@ struct CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
     variable_list saved = ctx->get_saved_variables();
     const bool need_x = ctx->needs_input_grad(0);
     const BlockWeights& w = args.provider->Acquire(args.block);
-    variable_list grads;
+    LoraBlockGrads grads;
+    at::Tensor dx;
     {
-      c10::AutoGradMode enable_grad(true);
-      at::Tensor x = saved[0].detach();
-      if (need_x) x.requires_grad_(true);
-      variable_list leaves;
-      for (size_t i = 1; i < saved.size(); ++i) leaves.push_back(saved[i].detach().requires_grad_(true));
-      at::Tensor y = BlockForward(x, w, Unflatten(leaves, 0, args.targets), args.compute);
-      variable_list inputs;
-      if (need_x) inputs.push_back(x);
-      for (auto& l : leaves) inputs.push_back(l);
-      grads = torch::autograd::grad({y}, inputs, {grad_out[0]}, /*retain_graph=*/false,
-                                    /*create_graph=*/false, /*allow_unused=*/true);
+      BlockTape tape;
+      BlockForwardTaped(saved[0], w, args.lora, args.compute, &tape);
+      dx = BlockBackward(tape, w, args.lora, args.compute, grad_out[0], need_x, grads);
     }
     args.provider->Release(args.block);
-    variable_list result;
-    result.push_back(need_x ? grads[0] : at::Tensor());
-    for (size_t i = need_x ? 1 : 0; i < grads.size(); ++i) result.push_back(grads[i]);
+    variable_list result{dx};
+    for (int t = 0; t < kNumLoraTargets; ++t) {
+      if (!args.targets[t]) continue;
+      result.push_back(grads.a[t]);
+      result.push_back(grads.b[t]);
+    }
     result.push_back(at::Tensor());  // the CheckpointArgs pointer
     return result;
   }
@@ -97,6 +82,7 @@ at::Tensor CheckpointedBlockForward(const at::Tensor& x, int block, const LoraAd
   args.provider = &provider;
   args.compute = c;
   args.targets = adapter.settings().targets;
+  args.lora = CastLoraBlock(adapter.block(block), x.scalar_type());
   // As a TensorList: custom functions track tensors inside an ArrayRef, not a std::vector.
   const std::vector<at::Tensor> params = adapter.BlockParams(block);
   return CheckpointedBlock::apply(x, at::TensorList(params), &args)[0];

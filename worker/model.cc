@@ -1,13 +1,12 @@
 #include "worker/model.h"
 
 #include <cmath>
-#include <mutex>
 
 #include <ATen/ATen.h>
 #include <ATen/core/Reduction.h>
 
 #include "common/error.h"
-#include "worker/torch_compat.h"
+#include "worker/fused_ops.h"
 
 namespace lorastream {
 
@@ -57,72 +56,7 @@ RotaryTables BuildRotary(const ModelConfig& c, int64_t seq_len, c10::Device devi
 }
 
 at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  const auto input_dtype = x.scalar_type();
-  at::Tensor h = x.to(at::kFloat);
-  at::Tensor variance = h.pow(2).mean(-1, /*keepdim=*/true);
-  h = h * at::rsqrt(variance + eps);
-  return weight * h.to(input_dtype);
-}
-
-namespace {
-
-at::Tensor RotateHalf(const at::Tensor& x) {
-  const int64_t half = x.size(-1) / 2;
-  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
-}
-
-// base(x) + B(A(dropout(x))) * scale, the adapter path in its own (f32) dtype, as peft.
-at::Tensor Project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
-                   const at::Tensor& a, const at::Tensor& b, const BlockCompute& c) {
-  at::Tensor y = bias.defined() ? at::linear(x, w, bias) : at::linear(x, w);
-  if (!a.defined()) return y;
-  at::Tensor xl = x.to(a.scalar_type());
-  if (c.training && c.dropout > 0) xl = at::dropout(xl, c.dropout, /*train=*/true);
-  at::Tensor lora = at::linear(at::linear(xl, a), b) * c.lora_scale;
-  return (y + lora).to(y.scalar_type());
-}
-
-}  // namespace
-
-at::Tensor BlockForward(const at::Tensor& x, const BlockWeights& w, const LoraBlock& lora,
-                        const BlockCompute& c) {
-  const ModelConfig& cfg = *c.config;
-  if (c.training && c.dropout > 0) {
-    at::Generator gen = at::globalContext().defaultGenerator(x.device());
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_current_seed(c.dropout_seed);
-  }
-  const int64_t batch = x.size(0), seq = x.size(1);
-  const int64_t hd = cfg.head_dim;
-  const double eps = cfg.rms_norm_eps;
-
-  at::Tensor h = RmsNorm(x, w.input_norm, eps);
-  at::Tensor q = Project(h, w.q_proj, w.q_bias, lora.a[kQProj], lora.b[kQProj], c);
-  at::Tensor k = Project(h, w.k_proj, w.k_bias, lora.a[kKProj], lora.b[kKProj], c);
-  at::Tensor v = Project(h, w.v_proj, w.v_bias, lora.a[kVProj], lora.b[kVProj], c);
-  q = q.view({batch, seq, -1, hd});
-  k = k.view({batch, seq, -1, hd});
-  v = v.view({batch, seq, -1, hd}).transpose(1, 2);
-  if (cfg.qk_norm) {
-    q = RmsNorm(q, w.q_norm, eps);
-    k = RmsNorm(k, w.k_norm, eps);
-  }
-  q = q.transpose(1, 2);
-  k = k.transpose(1, 2);
-  at::Tensor cos = c.rope->cos.narrow(0, 0, seq).view({1, 1, seq, hd});
-  at::Tensor sin = c.rope->sin.narrow(0, 0, seq).view({1, 1, seq, hd});
-  q = q * cos + RotateHalf(q) * sin;
-  k = k * cos + RotateHalf(k) * sin;
-  at::Tensor attn = CausalAttention(q, k, v);  // [B, H, S, D]
-  attn = attn.transpose(1, 2).reshape({batch, seq, -1});
-  at::Tensor out = x + Project(attn, w.o_proj, {}, lora.a[kOProj], lora.b[kOProj], c);
-
-  h = RmsNorm(out, w.post_norm, eps);
-  at::Tensor gate = Project(h, w.gate_proj, {}, lora.a[kGateProj], lora.b[kGateProj], c);
-  at::Tensor up = Project(h, w.up_proj, {}, lora.a[kUpProj], lora.b[kUpProj], c);
-  at::Tensor mlp =
-      Project(at::silu(gate) * up, w.down_proj, {}, lora.a[kDownProj], lora.b[kDownProj], c);
-  return out + mlp;
+  return RmsNormRstd(x, weight, eps, nullptr);
 }
 
 CausalLm::CausalLm(const ModelConfig& config, RestWeights rest, BlockProvider* provider,

@@ -2,7 +2,8 @@
 // embeddings, per block RMSNorm -> attention (GQA, rotary, qwen2 q/k/v bias, qwen3 q/k norm)
 // -> residual -> RMSNorm -> SwiGLU MLP -> residual, final RMSNorm, LM head (tied or not).
 // LoRA is applied inside the projections as peft does: y = base(x) + B(A(dropout(x))) * scale,
-// with the adapter path in f32 (x cast to the adapter's dtype), cast back to the base dtype.
+// in the compute dtype as under torch.autocast (the f32 master weights cast to it); an f32
+// model computes everything in f32. The block's arithmetic is in worker/block.h.
 #pragma once
 
 #include <cstdint>
@@ -47,7 +48,8 @@ at::Tensor BlockForward(const at::Tensor& x, const BlockWeights& w, const LoraBl
 
 // The same block as a checkpointed autograd function (worker/checkpointed_block.cc): its
 // forward runs without grad and keeps only x; its backward re-acquires the block from
-// `provider`, recomputes it with grad, and returns the gradients of x and of the adapter.
+// `provider`, recomputes it onto a tape and runs the hand-written BlockBackward
+// (worker/block.h): the gradients of x and of the adapter, one autograd node per block.
 at::Tensor CheckpointedBlockForward(const at::Tensor& x, int block, const LoraAdapter& adapter,
                                     BlockProvider& provider, const BlockCompute& c);
 

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -13,6 +14,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "common/safetensors.h"
+#include "common/step_stats.h"
 #include "worker/adamw.h"
 #include "worker/base_weights.h"
 #include "common/data.h"
@@ -32,6 +34,91 @@ at::Tensor ReadI64(const SafetensorsFile& file, const std::string& name) {
   if (e->dtype != DType::kI64 || e->shape.size() != 2)
     throw Error(ErrorCode::kCorrupt, file.path() + ": `" + name + "` must be I64 [batch, seq]");
   return at::from_blob(const_cast<uint8_t*>(file.Data(*e)), e->shape, at::kLong).clone();
+}
+
+// The arithmetic of one training step in matmul FLOPs (the convention behind MFU): the
+// frozen projections 6 per parameter per token (forward, recompute, input gradient), the LM
+// head 4 per parameter per token (forward, input gradient), causal attention 2 S^2 D per head
+// forward, counted twice for the forward and recompute and twice for the backward; the
+// rank-r adapter terms are left out (under 1% at r = 16).
+double StepFlops(const ModelConfig& c, int64_t batch, int64_t seq) {
+  const double h = static_cast<double>(c.hidden_size), d = static_cast<double>(c.head_dim);
+  const double q = static_cast<double>(c.num_attention_heads) * d;
+  const double kv = static_cast<double>(c.num_key_value_heads) * d;
+  const double block = h * q + 2 * h * kv + q * h + 3 * h * static_cast<double>(c.intermediate_size);
+  const double tokens = static_cast<double>(batch * seq), s = static_cast<double>(seq);
+  const double attention = 2.0 * s * s * q * static_cast<double>(batch);
+  return static_cast<double>(c.num_hidden_layers) * (6 * block * tokens + 4 * attention) +
+         4 * h * static_cast<double>(c.vocab_size) * tokens;
+}
+
+// Where one step's time goes. Each phase runs once between two waits for the device: its
+// wall time (GPU time, launch gaps included) and the host's time to issue it (until its
+// calls return). A host time close to the phase's wall time means the phase is bound by
+// launching kernels, not by the GPU.
+nlohmann::json ProfileStep(CausalLm& model, const LoraAdapter& adapter, const at::Tensor& ids,
+                           const at::Tensor& targets, int64_t n_targets, AdamW& optimizer,
+                           double median_step) {
+  using Clock = std::chrono::steady_clock;
+  const std::vector<at::Tensor> params = adapter.Params();
+  auto wait = [&] { (void)params.back().sum().item<double>(); };
+  nlohmann::json phases = nlohmann::json::array();
+  auto timed = [&](const char* name, const std::function<void()>& f) {
+    wait();
+    const auto t0 = Clock::now();
+    f();
+    const double host = std::chrono::duration<double>(Clock::now() - t0).count();
+    wait();
+    const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
+    phases.push_back({{"phase", name}, {"wall_s", wall}, {"host_s", host}});
+    return wall;
+  };
+  const double scale = 1.0 / static_cast<double>(std::max<int64_t>(1, n_targets));
+  for (auto& p : params) p.mutable_grad() = at::Tensor();
+  model.provider().BeginStep();
+  at::Tensor hidden, loss;
+  timed("forward (blocks)", [&] {
+    hidden = model.Hidden(ids, adapter, /*training=*/true, /*checkpointed=*/true, 0);
+  });
+  timed("LM head + loss forward", [&] {
+    loss = CausalLm::LossSum(model.Logits(hidden), targets) * scale;
+  });
+  timed("backward (head + recompute + blocks)", [&] { loss.backward(); });
+  StepStats stats;
+  model.provider().EndStep(stats);  // the step's peak device memory (CUDA)
+  timed("optimizer (AdamW)", [&] { optimizer.Step(1e-5); });
+  // The head's own forward and backward, from a detached last hidden state.
+  at::Tensor h = hidden.detach().requires_grad_(true);
+  timed("LM head + loss forward + backward (alone)", [&] {
+    (CausalLm::LossSum(model.Logits(h), targets) * scale).backward();
+  });
+  nlohmann::json j = {{"phases", phases},
+                      {"flops", StepFlops(model.config(), ids.size(0), ids.size(1))},
+                      {"peak_device_bytes", stats.peak_device_bytes}};
+  if (model.device().is_cuda() && model.dtype() == at::kBFloat16) {
+    // The GPU's bf16 matmul rate through LibTorch, measured here (8192^3, 5 times).
+    at::Tensor a = at::randn({8192, 8192}, at::TensorOptions().device(model.device()).dtype(at::kBFloat16));
+    (void)at::mm(a, a).sum().item<double>();
+    const auto t0 = Clock::now();
+    at::Tensor c;
+    for (int i = 0; i < 5; ++i) c = at::mm(a, a);
+    (void)c.sum().item<double>();
+    const double rate =
+        5 * 2.0 * 8192.0 * 8192.0 * 8192.0 / std::chrono::duration<double>(Clock::now() - t0).count();
+    j["gemm_flops_per_s"] = rate;
+    j["mfu"] = j["flops"].get<double>() / (median_step * rate);
+    j["floor_s"] = j["flops"].get<double>() / rate;
+  }
+  for (const auto& p : phases)
+    LS_LOG_INFO("profile: {:<42} wall {:8.2f} ms  host {:8.2f} ms", p["phase"].get<std::string>(),
+                1e3 * p["wall_s"].get<double>(), 1e3 * p["host_s"].get<double>());
+  if (j.contains("mfu"))
+    LS_LOG_INFO("profile: {:.1f} TFLOP per step, GEMM rate {:.0f} TFLOP/s, floor {:.1f} ms, "
+                "median step {:.1f} ms, MFU {:.1f}%, peak {:.2f} GiB",
+                j["flops"].get<double>() / 1e12, j["gemm_flops_per_s"].get<double>() / 1e12,
+                1e3 * j["floor_s"].get<double>(), 1e3 * median_step, 100 * j["mfu"].get<double>(),
+                static_cast<double>(stats.peak_device_bytes) / (1ull << 30));
+  return j;
 }
 
 }  // namespace
@@ -111,6 +198,7 @@ void RunParity(const ParityOptions& o) {
     add("grad." + names[i], params[i].grad());
   }
   WriteSafetensors((fs::path(o.out_dir) / "parity.safetensors").string(), out);
+  logits = at::Tensor();  // written; the timed steps below must not carry it (peak memory)
   adapter.Save((fs::path(o.out_dir) / "adapter").string(), o.model_dir);
   LS_LOG_INFO("parity: loss {:.6f} over {} targets, {} LoRA tensors -> {}", loss.item<double>(),
               n_targets, params.size(), o.out_dir);
@@ -135,10 +223,11 @@ void RunParity(const ParityOptions& o) {
                         {"tokens", ids.numel()},
                         {"dtype", o.dtype},
                         {"device", o.device}};
+    const double median = sorted[sorted.size() / 2];
+    j["profile"] = ProfileStep(model, adapter, ids, targets, n_targets, optimizer, median);
     std::ofstream f(fs::path(o.out_dir) / "speed.json");
     f << j.dump(2) << "\n";
-    LS_LOG_INFO("speed: median step {:.4f} s over {} steps", sorted[sorted.size() / 2],
-                seconds.size());
+    LS_LOG_INFO("speed: median step {:.4f} s over {} steps", median, seconds.size());
   }
 }
 

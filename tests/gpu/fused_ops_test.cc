@@ -1,0 +1,100 @@
+// The fused CUDA kernels of the block (worker/cuda/fused_kernels.cu) agree with their ATen
+// references (worker/fused_ops.h): they round at the same points, so in bf16 nearly every
+// element is bit-equal and the rest differ by one unit in the last place (an f32 sum taken in
+// another order), in f32 they agree to f32 rounding. Inputs in the layouts the block uses.
+#include <ATen/ATen.h>
+#include <catch2/catch.hpp>
+
+#include "worker/fused_ops.h"
+
+using namespace lorastream;
+
+namespace {
+
+const c10::Device kCuda(c10::kCUDA, 0);
+
+// Fraction of elements that differ, and the largest difference relative to the largest
+// |want| (element-wise ratios would blow up where a sum cancels to near zero).
+struct Agreement {
+  double differing = 0, worst = 0;
+};
+Agreement Compare(const at::Tensor& got, const at::Tensor& want) {
+  REQUIRE(got.sizes() == want.sizes());
+  REQUIRE(got.scalar_type() == want.scalar_type());
+  at::Tensor g = got.to(at::kCPU, at::kDouble), w = want.to(at::kCPU, at::kDouble);
+  Agreement a;
+  a.differing = g.ne(w).to(at::kDouble).mean().item<double>();
+  a.worst = (g - w).abs().max().item<double>() / w.abs().max().item<double>();
+  return a;
+}
+
+// One unit in the last place of the dtype, relative.
+double Ulp(c10::ScalarType t) { return t == at::kBFloat16 ? 1.0 / 128 : 1.2e-7; }
+
+// Within a few units in the last place; in bf16 (where both round at the same points) nearly
+// every element bit-equal. f32 sums taken in another order (and nvcc's fused multiply-adds)
+// make most f32 elements differ in their last bits.
+void CheckClose(const at::Tensor& got, const at::Tensor& want, c10::ScalarType t) {
+  Agreement a = Compare(got, want);
+  INFO("differing " << a.differing << ", worst relative to the largest " << a.worst);
+  CHECK(a.worst <= 4 * Ulp(t));
+  if (t == at::kBFloat16) CHECK(a.differing < 0.02);
+}
+
+}  // namespace
+
+TEST_CASE("fused RMSNorm forward and backward agree with the reference", "[gpu]") {
+  REQUIRE(FusedKernelsEnabled());
+  for (auto t : {at::kBFloat16, at::kFloat}) {
+    for (auto shape : {std::vector<int64_t>{300, 4096}, std::vector<int64_t>{2, 37, 8, 128}}) {
+      DYNAMIC_SECTION(c10::toString(t) << " rows of " << shape.back()) {
+        auto o = at::TensorOptions().device(kCuda).dtype(t);
+        at::Tensor x = at::randn(shape, o) * 3, w = at::rand({shape.back()}, o) + 0.5;
+        at::Tensor dy = at::randn(shape, o);
+        at::Tensor r_got, r_want;
+        at::Tensor y_got = RmsNormRstd(x, w, 1e-6, &r_got);
+        at::Tensor y_want = reference::RmsNormRstd(x, w, 1e-6, &r_want);
+        CHECK(r_got.sizes() == r_want.sizes());
+        CHECK(Compare(r_got, r_want).worst < 1e-6);
+        CheckClose(y_got, y_want, t);
+        CheckClose(RmsNormBackward(dy, x, r_want, w), reference::RmsNormBackward(dy, x, r_want, w),
+                   t);
+      }
+    }
+  }
+}
+
+TEST_CASE("fused SwiGLU forward and backward agree with the reference", "[gpu]") {
+  for (auto t : {at::kBFloat16, at::kFloat}) {
+    DYNAMIC_SECTION(c10::toString(t)) {
+      auto o = at::TensorOptions().device(kCuda).dtype(t);
+      at::Tensor gate = at::randn({517, 1408}, o) * 4, up = at::randn({517, 1408}, o);
+      at::Tensor dz = at::randn({517, 1408}, o);
+      CheckClose(SwiGlu(gate, up), reference::SwiGlu(gate, up), t);
+      auto [dg, du] = SwiGluBackward(dz, gate, up);
+      auto [dg_want, du_want] = reference::SwiGluBackward(dz, gate, up);
+      CheckClose(dg, dg_want, t);
+      CheckClose(du, du_want, t);
+    }
+  }
+}
+
+TEST_CASE("fused rotary forward and backward agree with the reference, strided input",
+          "[gpu]") {
+  for (auto t : {at::kBFloat16, at::kFloat}) {
+    DYNAMIC_SECTION(c10::toString(t)) {
+      auto o = at::TensorOptions().device(kCuda).dtype(t);
+      const int64_t b = 2, s = 45, h = 6, d = 64;
+      // As the block has them: [B, S, h, D] projections seen as [B, h, S, D]; tables of a
+      // longer sequence.
+      at::Tensor x = at::randn({b, s, h, d}, o).transpose(1, 2);
+      at::Tensor cos = at::randn({s + 7, d}, o), sin = at::randn({s + 7, d}, o);
+      at::Tensor y = RopeForward(x, cos, sin);
+      CheckClose(y, reference::RopeForward(x, cos.narrow(0, 0, s), sin.narrow(0, 0, s)), t);
+      at::Tensor g = at::randn({b, h, s, d}, o);
+      at::Tensor dx = RopeBackward(g, cos, sin);
+      CheckClose(dx, reference::RopeBackward(g, cos.narrow(0, 0, s), sin.narrow(0, 0, s)), t);
+      CHECK(dx.transpose(1, 2).is_contiguous());  // the projection's layout
+    }
+  }
+}
