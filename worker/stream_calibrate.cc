@@ -15,6 +15,7 @@
 #include "worker/adamw.h"
 #include "worker/base_weights.h"
 #include "worker/lora.h"
+#include "worker/block.h"
 #include "worker/model.h"
 #ifdef LORASTREAM_HAVE_CUDA
 #include "worker/cuda/cuda_bandwidth.h"
@@ -123,16 +124,18 @@ StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c
   const auto opts = at::TensorOptions().device(device).dtype(dtype);
   const at::Tensor x = at::randn({rows, seq, config.hidden_size}, opts) * 0.1;
 
+  // The block as training runs it (worker/block.h): the checkpointed forward, then the
+  // recompute onto a tape and the hand-written backward.
   StepCosts costs;
-  {
-    c10::NoGradGuard no_grad;
-    costs.block_forward_seconds = TimeIt(reps, [&] { return BlockForward(x, w, adapter.block(0), c); });
-  }
+  const LoraBlockCast lora = CastLoraBlock(adapter.block(0), dtype);
+  costs.block_forward_seconds =
+      TimeIt(reps, [&] { return BlockForwardTaped(x, w, lora, c, /*tape=*/nullptr); });
+  const at::Tensor dy = at::ones_like(x);
   costs.block_backward_seconds = TimeIt(reps, [&] {
-    at::Tensor xi = x.detach().requires_grad_(true);
-    at::Tensor y = BlockForward(xi, w, adapter.block(0), c);
-    y.backward(at::ones_like(y));
-    return xi.grad();
+    BlockTape tape;
+    LoraBlockGrads grads;
+    BlockForwardTaped(x, w, lora, c, &tape);
+    return BlockBackward(tape, w, lora, c, dy, /*need_dx=*/true, grads);
   });
 
   // LM head and loss, forward and backward, from the last hidden state.

@@ -7,7 +7,8 @@ GQA, qwen2 q/k/v bias + tied embeddings, qwen3 q/k norm with head_dim != hidden/
   2. peft wraps it with a LoRA on all seven projections whose B is random (non-zero), saved
      with save_pretrained; a token batch (with a masked prompt) is written as safetensors;
   3. `lorastream-worker parity` computes logits, loss and every LoRA gradient (f32 and bf16);
-  4. transformers + peft compute the same (TF32 off), and the relative errors are printed:
+  4. transformers + peft compute the same (TF32 off; bf16 under torch.autocast, the LoRA
+     matmuls in bf16 as ours), and the relative errors are printed:
      max|ours - ref| / max|ref| per tensor (for gradients: the worst tensor);
   5. peft loads OUR re-saved adapter (PeftModel.from_pretrained) and must reproduce our logits;
   6. (llama) `lorastream-worker train` trains a few steps on that model; peft loads the
@@ -16,6 +17,7 @@ Targets: logits f32 <= 1e-4, loss and gradients f32 <= 1e-4; bf16 is reported.
 Usage: parity.py --worker BIN/lorastream-worker --out DIR [--device cuda:0] [--models llama,...]
 """
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -99,7 +101,12 @@ def reference(model_dir, adapter_dir, tokens, dtype, device):
     model.train()
     ids = tokens["input_ids"].to(device)
     labels = tokens["labels"].to(device)
-    out = model(input_ids=ids, labels=labels)
+    # bf16 as torch.autocast runs it (Trainer's bf16=True): the LoRA matmuls in bf16 from the
+    # f32 adapter weights, which is lorastream's bf16 arithmetic. f32 runs plain.
+    autocast = (torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
+                if dtype == torch.bfloat16 else contextlib.nullcontext())
+    with autocast:
+        out = model(input_ids=ids, labels=labels)
     out.loss.backward()
     grads = {peft_key(n): p.grad.detach().float().cpu()
              for n, p in model.named_parameters() if "lora_" in n and p.grad is not None}
