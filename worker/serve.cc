@@ -22,7 +22,7 @@
 #include <cuda_runtime_api.h>
 #endif
 
-namespace lorastream {
+namespace lorastream::worker {
 namespace {
 
 // The GPU's name and memory for registration ("", 0 on CPU).
@@ -183,4 +183,4 @@ int RunServe(const ServeOptions& options, const std::atomic<bool>& stop) {
   return 0;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker
