@@ -23,11 +23,11 @@ int RunPlanCommand(const std::string& job_path, const PlanCommandOptions& option
   if (device.is_cuda() && !at::hasCUDA())
     throw Error(ErrorCode::kUnsupported,
                 "--device " + options.device + ": this build or machine has no CUDA");
+  const BaseWeights base = BaseWeights::ForJob(spec);
+  RequireValidJobSpec(spec, &base.config());  // train.dtype among the rest
   const DType compute = ComputeDType(spec.train.dtype, typed_device);
   const std::string dtype_name = ShortDTypeName(compute);
   const c10::ScalarType dtype = ScalarTypeOf(compute, "the compute dtype");
-  const BaseWeights base = BaseWeights::ForJob(spec);
-  RequireValidJobSpec(spec, &base.config());
 
   const Manifest layout = ComputeLayout(base, dtype);
   const MemoryModelInputs inputs = JobMemoryInputs(spec, layout, device, dtype);
