@@ -23,6 +23,23 @@ Device ParseDevice(const std::string& text, const std::string& what) {
               what + " `" + text + "` is not a device (cpu, cuda, cuda:N)");
 }
 
+std::optional<DType> ParseShortDType(const std::string& name) {
+  for (DType d : {DType::kF32, DType::kF16, DType::kBF16})
+    if (name == ShortDTypeName(d)) return d;
+  return std::nullopt;
+}
+
+const char* ShortDTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return "f32";
+    case DType::kF16: return "f16";
+    case DType::kBF16: return "bf16";
+    default: return "";
+  }
+}
+
+bool IsComputeDType(DType dtype) { return dtype == DType::kF32 || dtype == DType::kBF16; }
+
 std::optional<DType> ParseComputeDType(const std::string& text, const Device& device) {
   if (text == "auto") return device.is_cuda() ? DType::kBF16 : DType::kF32;
   if (const std::optional<DType> d = ParseShortDType(text); d && IsComputeDType(*d)) return d;

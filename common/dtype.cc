@@ -26,21 +26,4 @@ std::optional<DType> ParseDType(const std::string& name) {
   return std::nullopt;
 }
 
-std::optional<DType> ParseShortDType(const std::string& name) {
-  for (DType d : {DType::kF32, DType::kF16, DType::kBF16})
-    if (name == ShortDTypeName(d)) return d;
-  return std::nullopt;
-}
-
-const char* ShortDTypeName(DType dtype) {
-  switch (dtype) {
-    case DType::kF32: return "f32";
-    case DType::kF16: return "f16";
-    case DType::kBF16: return "bf16";
-    default: return "";
-  }
-}
-
-bool IsComputeDType(DType dtype) { return dtype == DType::kF32 || dtype == DType::kBF16; }
-
 }  // namespace lorastream

@@ -20,11 +20,4 @@ const char* DTypeName(DType dtype);
 // Parses a safetensors spelling; nullopt when unknown.
 std::optional<DType> ParseDType(const std::string& name);
 
-// The short spellings of job files and command lines: "f32", "f16", "bf16" (nullopt for any
-// other text, and "" from ShortDTypeName for the other dtypes).
-std::optional<DType> ParseShortDType(const std::string& name);
-const char* ShortDTypeName(DType dtype);
-// The dtypes the worker computes in: f32 and bf16.
-bool IsComputeDType(DType dtype);
-
 }  // namespace lorastream

@@ -132,11 +132,6 @@ SegmentInfo LayoutSegment(const std::vector<std::pair<std::string, std::vector<i
   return s;
 }
 
-std::optional<TokenizerId> ManifestTokenizer(const Manifest& manifest) {
-  if (manifest.tokenizer.fingerprint.empty()) return std::nullopt;
-  return manifest.tokenizer;
-}
-
 const TensorSlice* SegmentInfo::Find(const std::string& name) const {
   for (const TensorSlice& t : tensors)
     if (t.name == name) return &t;

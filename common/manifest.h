@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cstdint>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -49,10 +48,6 @@ struct Manifest {
 
   uint64_t total_bytes() const;     // sum of every segment's nbytes
 };
-
-// The store's tokenizer as DataTokenizerProblem asks for a model's (common/tokenizer_id.h):
-// nullopt when the checkpoint folder it was loaded from had none.
-std::optional<TokenizerId> ManifestTokenizer(const Manifest& manifest);
 
 // The one packed layout of a segment, used by the store and by every other packer (the
 // worker packing a checkpoint for streaming, tests): `shapes` in their canonical order

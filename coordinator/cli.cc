@@ -25,6 +25,7 @@
 #include "common/job_spec.h"
 #include "common/log.h"
 #include "common/manifest.h"
+#include "common/manifest_tokenizer.h"
 #include "common/tokenizer_id.h"
 #include "common/terminal_text.h"
 #include "coordinator/cli_format.h"

@@ -16,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/device.h"
 #include "common/error.h"
 #include "common/install_paths.h"
 #include "common/safetensors.h"

@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>
 
+#include "common/device.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/safetensors.h"
