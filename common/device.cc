@@ -31,10 +31,14 @@ std::optional<DType> ParseShortDType(const std::string& name) {
 
 const char* ShortDTypeName(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return "f32";
-    case DType::kF16: return "f16";
-    case DType::kBF16: return "bf16";
-    default: return "";
+    case DType::kF32:
+      return "f32";
+    case DType::kF16:
+      return "f16";
+    case DType::kBF16:
+      return "bf16";
+    default:
+      return "";
   }
 }
 

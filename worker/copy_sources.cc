@@ -20,13 +20,14 @@ CopyPath CopySources::Add(const uint8_t* src, uint64_t bytes) {
   }
   if (path == CopyPath::kStaged && staging_reason_.empty()) {
     const std::string pool = std::to_string(pool_.buffers) + " pinned staging buffers of " +
-                             std::to_string(pool_.buffer_bytes >> 20) + " MiB filled by a host thread";
-    staging_reason_ =
-        force_staging_
-            ? "stream engine: force_staging: every copy goes through " + pool
-            : "stream engine: cudaHostRegister of a " + std::to_string(bytes / 1000000) +
-                  " MB block failed: " + error + "; copies of unregistered blocks go through " +
-                  pool + " (slower; raise `ulimit -l` to stream at full speed)";
+                             std::to_string(pool_.buffer_bytes >> 20) +
+                             " MiB filled by a host thread";
+    staging_reason_ = force_staging_
+                          ? "stream engine: force_staging: every copy goes through " + pool
+                          : "stream engine: cudaHostRegister of a " +
+                                std::to_string(bytes / 1000000) + " MB block failed: " + error +
+                                "; copies of unregistered blocks go through " + pool +
+                                " (slower; raise `ulimit -l` to stream at full speed)";
     LS_LOG_WARN("{}", staging_reason_);
   }
   paths_.emplace(src, path);

@@ -19,7 +19,7 @@ namespace lorastream {
 enum class CopyPath { kDirect, kStaged };
 
 struct StagingPool {
-  int buffers = 3;                              // pinned buffers in the pool
+  int buffers = 3;                             // pinned buffers in the pool
   uint64_t buffer_bytes = uint64_t{64} << 20;  // bytes per buffer
 };
 

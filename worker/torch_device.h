@@ -10,9 +10,9 @@
 namespace lorastream {
 
 inline c10::Device TorchDevice(const Device& device) {
-  return device.is_cuda() ? c10::Device(c10::DeviceType::CUDA,
-                                        static_cast<c10::DeviceIndex>(device.index))
-                          : c10::Device(c10::DeviceType::CPU);
+  return device.is_cuda()
+             ? c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device.index))
+             : c10::Device(c10::DeviceType::CPU);
 }
 
 }  // namespace lorastream

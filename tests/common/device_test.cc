@@ -42,7 +42,8 @@ TEST_CASE("compute dtypes: f32, bf16 and auto by device; short spellings round-t
     CHECK_THROWS_WITH(ComputeDType(bad, Device{}, "train.dtype"),
                       Catch::Contains(std::string("train.dtype `") + bad + "`"));
   }
-  for (DType d : {DType::kF32, DType::kF16, DType::kBF16}) CHECK(ParseShortDType(ShortDTypeName(d)) == d);
+  for (DType d : {DType::kF32, DType::kF16, DType::kBF16})
+    CHECK(ParseShortDType(ShortDTypeName(d)) == d);
   CHECK_FALSE(ParseShortDType("F32"));
   CHECK(std::string(ShortDTypeName(DType::kI64)).empty());
 }

@@ -85,8 +85,8 @@ TEST_CASE("copy sources: force_staging stages every block without registering an
           "[worker][copy_sources]") {
   FakeRegistrar registrar;
   CopySources sources(&registrar, /*force_staging=*/true, StagingPool{});
-  CHECK(sources.Add(kBlocks[0], 64) == CopyPath::kStaged);
-  CHECK(sources.Add(kBlocks[1], 64) == CopyPath::kStaged);
+  for (const uint8_t* block : kBlocks)
+    CHECK(sources.Add(block, sizeof(kBlocks[0])) == CopyPath::kStaged);
   CHECK(registrar.calls == 0);
   CHECK_THAT(sources.staging_reason(), Catch::Contains("force_staging"));
 }
