@@ -1,5 +1,6 @@
 // The one main wrapper of every executable (lorastream, lorastream-store, lorastream-synth,
-// lorastream-worker), so that exit statuses are the README's: 0 ok, 2 bad argument
+// lorastream-worker, lorastream-bench-stream, lorastream-memcpy-bench), so that exit statuses
+// are the README's: 0 ok, 2 bad argument
 // (command-line errors included), 3 not found, 4 corrupt input, 5 refused, 1 otherwise
 // (internal errors included). Header-only: only mains, which link CLI11, include it.
 #pragma once

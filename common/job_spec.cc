@@ -8,6 +8,7 @@
 #include <set>
 #include <sstream>
 
+#include "common/device.h"
 #include "common/error.h"
 #include "common/job_paths.h"
 #include "common/tokenizer_id.h"
@@ -355,7 +356,7 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
                 std::to_string(s.train.checkpoint_every) + ")");
   if (s.train.output_dir.empty())
     p.push_back(key("train.output_dir") + "is required (where the adapter is written)");
-  if (s.train.dtype != "auto" && s.train.dtype != "bf16" && s.train.dtype != "f32")
+  if (!ParseComputeDType(s.train.dtype, Device{}))
     p.push_back(key("train.dtype") + "must be \"auto\", \"bf16\" or \"f32\" (found \"" +
                 s.train.dtype + "\")");
 

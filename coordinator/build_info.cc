@@ -1,5 +1,6 @@
 #include "coordinator/build_info.h"
 
+#include "common/device.h"
 #include "lorastream_build_config.h"  // generated into the build folder
 
 namespace lorastream {
@@ -21,7 +22,7 @@ std::string CudaBuildProblem(const std::vector<std::string>& devices, size_t gpu
   if (build.cuda) return "";
   std::string asked;
   for (const std::string& d : devices)
-    if (d.rfind("cuda", 0) == 0) asked += (asked.empty() ? "" : ", ") + d;
+    if (ParseDevice(d).is_cuda()) asked += (asked.empty() ? "" : ", ") + d;
   if (asked.empty()) return "";
   const std::string host =
       gpus_on_host > 0 ? "this machine has " + std::to_string(gpus_on_host) + " NVIDIA GPU(s)"

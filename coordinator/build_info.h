@@ -22,7 +22,8 @@ std::string BuildSummary(const BuildInfo& build = ThisBuild());
 
 // "" when `build` can serve `devices`; else one line saying that this CPU-only build cannot
 // use the CUDA devices asked for (naming how many GPUs the host has, `gpus_on_host`) and the
-// fix: rebuild with tools/setup.sh, or use CPU workers.
+// fix: rebuild with tools/setup.sh, or use CPU workers. On a CPU-only build, a device that is
+// none of cpu, cuda, cuda:N is an Error(kInvalidArgument) (ParseDevice, common/device.h).
 std::string CudaBuildProblem(const std::vector<std::string>& devices, size_t gpus_on_host,
                              const BuildInfo& build = ThisBuild());
 

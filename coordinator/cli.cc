@@ -8,10 +8,12 @@
 #include <csignal>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <limits>
 #include <memory>
 #include <sstream>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -23,6 +25,7 @@
 #include "common/job_spec.h"
 #include "common/log.h"
 #include "common/manifest.h"
+#include "common/manifest_tokenizer.h"
 #include "common/tokenizer_id.h"
 #include "common/terminal_text.h"
 #include "coordinator/cli_format.h"
@@ -46,6 +49,7 @@ struct GlobalOptions {
   std::string endpoint = DefaultEndpoint();
   std::string curve_keys;
   double timeout_s = 10;
+  CLI::Option* timeout_given = nullptr;  // count() > 0 when --timeout was given
 };
 
 Client Connect(const GlobalOptions& g) {
@@ -93,13 +97,9 @@ std::string StoreTokenizerProblem(const JobSpec& spec) {
   if (!record || record->json.empty())
     return "";  // not here or not yet published: the worker checks
   const Manifest m = ManifestFromJson(record->json, "store `" + spec.model.store + "`");
-  return DataTokenizerProblem(
-      spec.data.path, spec.data.format,
-      [&]() -> std::optional<TokenizerId> {
-        if (m.tokenizer.fingerprint.empty()) return std::nullopt;
-        return m.tokenizer;
-      },
-      "store `" + spec.model.store + "`", m.config.vocab_size);
+  return DataTokenizerProblem(spec.data.path, spec.data.format,
+                              [&] { return ManifestTokenizer(m); },
+                              "store `" + spec.model.store + "`", m.config.vocab_size);
 }
 
 // For a job by epochs: the data's sequences and the steps they make, as the worker will
@@ -178,6 +178,342 @@ int RunStats(const GlobalOptions& g, int64_t job, const std::string& format) {
   return 0;
 }
 
+// --- output of the verbs that only ask the coordinator --------------------------------------
+
+// A listing: its table, or with --json an array of each item's ToJson.
+template <class Item, class Table>
+void PrintList(const std::vector<Item>& items, bool json, const Table& table) {
+  if (!json) {
+    std::cout << table(items);
+    return;
+  }
+  nlohmann::json out = nlohmann::json::array();
+  for (const Item& item : items) out.push_back(ToJson(item));
+  std::cout << out.dump(2) << "\n";
+}
+
+void PrintJob(const ShowJobReply& reply, const std::string& best_checkpoint, bool json) {
+  if (!json) {
+    std::cout << JobDetails(reply, best_checkpoint);
+    return;
+  }
+  nlohmann::json out = ToJson(reply.job);
+  out["retries"] = reply.retries;
+  out["spec_toml"] = reply.spec_toml;
+  out["best_checkpoint"] =
+      best_checkpoint.empty() ? nlohmann::json(nullptr) : nlohmann::json(best_checkpoint);
+  std::cout << out.dump(2) << "\n";
+}
+
+void PrintCancel(int64_t job_id, const CancelReply& reply, bool json) {
+  if (json)
+    std::cout << nlohmann::json{{"job_id", job_id}, {"state", JobStateName(reply.state)}}.dump() << "\n";
+  else if (reply.state == JobState::kCancelled)
+    std::cout << "job " << job_id << " cancelled\n";
+  else
+    std::cout << "job " << job_id << ": cancel requested; it stops at its next step "
+                                      "boundary after saving its adapter\n";
+}
+
+// --- the verbs: each adds its subcommand with its flags and says what running it does --------
+
+// A verb's subcommand and its run, which reads the options the subcommand's flags were parsed
+// into (held by the run itself).
+struct Verb {
+  CLI::App* command = nullptr;
+  std::function<int()> run;
+};
+
+// Checked as text, before CLI11 converts it: strtoll would saturate 2^64-1 to 2^63-1 and the
+// command would then talk about a job the user never named.
+CLI::Validator JobIdCheck() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        int64_t id = 0;
+        const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), id);
+        if (text.empty() || ec != std::errc() || end != text.data() + text.size() || id < 1)
+          return "a job id is a whole number in [1, 9223372036854775807] (found " +
+                 TerminalSafe(text) + ")";
+        return "";
+      },
+      "JOB ID");
+}
+
+Verb CoordinatorVerb(CLI::App& app, const GlobalOptions& g) {
+  struct Options {
+    ServerOptions server;
+    std::string log_level = "info", log_file, tensorboard_dir;
+  };
+  auto o = std::make_shared<Options>();
+  CLI::App* coord = app.add_subcommand("coordinator", "run the coordinator daemon");
+  coord->add_option("--bind", o->server.bind, "endpoint to listen on (tcp:// needs "
+                                              "--curve-keys or --insecure)")
+      ->capture_default_str();
+  coord->add_option("--db", o->server.db, "SQLite journal (created when missing)")
+      ->capture_default_str();
+  coord->add_option("--heartbeat-timeout", o->server.coordinator.heartbeat_timeout_s,
+                    "seconds of silence after which a worker is dead")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  coord->add_option("--heartbeat-interval", o->server.coordinator.heartbeat_interval_s,
+                    "seconds between worker heartbeats (told to workers)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  coord->add_option("--max-retries", o->server.coordinator.max_retries,
+                    "requeues after worker deaths before a job fails")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  coord->add_option("--reconcile-timeout", o->server.coordinator.reconcile_timeout_s,
+                    "after a restart, seconds running jobs wait for their workers "
+                    "(default: the heartbeat timeout)");
+  coord->add_flag("--insecure", o->server.insecure,
+                  "allow a tcp:// bind without CURVE (anyone who can reach it acts as the operator)");
+  coord->add_option("--log-level", o->log_level, "trace|debug|info|warn|error")
+      ->capture_default_str();
+  coord->add_option("--log-file", o->log_file, "also log to this file");
+  coord->add_option("--tensorboard", o->tensorboard_dir,
+                    "write TensorBoard event files here, one run per job (job-ID-NAME/)");
+  return {coord, [o, &g] {
+            return RunCoordinator(g, o->server, o->log_level, o->log_file, o->tensorboard_dir);
+          }};
+}
+
+Verb SubmitVerb(CLI::App& app, const GlobalOptions& g) {
+  struct Options {
+    std::string job_file;
+    int64_t priority = 0;
+    CLI::Option* priority_given = nullptr;
+    bool json = false, quiet = false;
+  };
+  auto o = std::make_shared<Options>();
+  CLI::App* submit = app.add_subcommand("submit", "validate a job file and queue it");
+  submit->add_option("JOB_TOML", o->job_file, "the job file")->required();
+  o->priority_given =
+      submit->add_option("--priority", o->priority, "override the file's priority (higher first)");
+  submit->add_flag("--json", o->json, "print {job_id, problems} as JSON");
+  submit->add_flag("-q,--quiet", o->quiet, "print only the job id");
+  return {submit, [o, &g] {
+            return RunSubmit(g, o->job_file, o->priority_given->count() ? &o->priority : nullptr,
+                             o->json, o->quiet);
+          }};
+}
+
+Verb JobsVerb(CLI::App& app, const GlobalOptions& g) {
+  struct Options {
+    bool json = false, active_only = false;
+  };
+  auto o = std::make_shared<Options>();
+  CLI::App* jobs = app.add_subcommand("jobs", "list jobs");
+  jobs->add_flag("--json", o->json, "JSON array");
+  jobs->add_flag("--active", o->active_only, "only queued and running jobs");
+  return {jobs, [o, &g] {
+            Client client = Connect(g);
+            const ListJobsReply reply = client.Call(ListJobsRequest{!o->active_only});
+            PrintList(reply.jobs, o->json, JobsTable);
+            return 0;
+          }};
+}
+
+Verb ShowVerb(CLI::App& app, const GlobalOptions& g) {
+  struct Options {
+    int64_t job_id = 0;
+    bool json = false;
+  };
+  auto o = std::make_shared<Options>();
+  CLI::App* show = app.add_subcommand("show", "a job's state, progress, worker and job file");
+  show->add_option("JOB", o->job_id, "job id")->required()->check(JobIdCheck());
+  show->add_flag("--json", o->json, "JSON object");
+  return {show, [o, &g] {
+            Client client = Connect(g);
+            const ShowJobReply reply = client.Call(ShowJobRequest{o->job_id});
+            PrintJob(reply, BestCheckpoint(reply.job.output_dir), o->json);
+            return 0;
+          }};
+}
+
+Verb StatsVerb(CLI::App& app, const GlobalOptions& g) {
+  struct Options {
+    int64_t job_id = 0;
+    std::string format = "csv";
+  };
+  auto o = std::make_shared<Options>();
+  CLI::App* stats = app.add_subcommand("stats", "a job's per-step statistics (downsampled)");
+  stats->add_option("JOB", o->job_id, "job id")->required()->check(JobIdCheck());
+  stats->add_option("--format", o->format, "csv or json")
+      ->check(CLI::IsMember({"csv", "json"}))->capture_default_str();
+  return {stats, [o, &g] { return RunStats(g, o->job_id, o->format); }};
+}
+
+Verb CancelVerb(CLI::App& app, const GlobalOptions& g) {
+  struct Options {
+    int64_t job_id = 0;
+    bool json = false;
+  };
+  auto o = std::make_shared<Options>();
+  CLI::App* cancel = app.add_subcommand(
+      "cancel", "cancel a job (a running one stops at its next step boundary, adapter saved)");
+  cancel->add_option("JOB", o->job_id, "job id")->required()->check(JobIdCheck());
+  cancel->add_flag("--json", o->json, "JSON object");
+  return {cancel, [o, &g] {
+            Client client = Connect(g);
+            PrintCancel(o->job_id, client.Call(CancelRequest{o->job_id}), o->json);
+            return 0;
+          }};
+}
+
+Verb WorkersVerb(CLI::App& app, const GlobalOptions& g) {
+  struct Options {
+    bool json = false, include_dead = false;
+  };
+  auto o = std::make_shared<Options>();
+  CLI::App* workers = app.add_subcommand("workers", "list registered workers");
+  workers->add_flag("--json", o->json, "JSON array");
+  workers->add_flag("--all", o->include_dead, "include dead workers");
+  return {workers, [o, &g] {
+            Client client = Connect(g);
+            const ListWorkersReply reply = client.Call(ListWorkersRequest{o->include_dead});
+            PrintList(reply.workers, o->json, WorkersTable);
+            return 0;
+          }};
+}
+
+Verb WatchVerb(CLI::App& app, const GlobalOptions& g) {
+  struct Options {
+    WatchOptions watch;
+    bool plain = false;
+  };
+  auto o = std::make_shared<Options>();
+  CLI::App* watch = app.add_subcommand(
+      "watch", "live view until the watched jobs end (exit 1 if one failed or was cancelled)");
+  watch->add_option("JOB", o->watch.job_ids, "job ids (default: every job not yet ended)")
+      ->check(JobIdCheck());
+  watch->add_flag("--plain", o->plain, "plain lines even on a terminal");
+  watch->add_option("--line-interval", o->watch.line_interval_s,
+                    "plain mode: seconds between progress lines of one job")
+      ->capture_default_str();
+  return {watch, [o, &g] {
+            Client client = Connect(g);
+            WatchOptions options = o->watch;
+            options.tty = !o->plain && isatty(STDOUT_FILENO);
+            winsize size{};
+            if (options.tty && ioctl(STDOUT_FILENO, TIOCGWINSZ, &size) == 0 && size.ws_col > 0)
+              options.width = size.ws_col;
+            return RunWatch(client, options, std::cout);
+          }};
+}
+
+Verb PrepareVerb(CLI::App& app) {
+  auto o = std::make_shared<PrepareOptions>();
+  CLI::App* prepare = app.add_subcommand(
+      "prepare",
+      "a user's text or conversations -> training data, with the model folder's own "
+      "tokenizer and chat template (ids as Python transformers makes them)");
+  prepare
+      ->add_option("--model", o->model_dir,
+                   "model folder with tokenizer.json, tokenizer_config.json (and its chat "
+                   "template)")
+      ->required();
+  prepare
+      ->add_option("--in", o->inputs,
+                   "input file(s): .jsonl (one record a line), .json (an array), .txt (text: "
+                   "one document a line)")
+      ->required();
+  prepare
+      ->add_option("--format", o->format,
+                   "text {\"text\"} | alpaca {\"instruction\", \"input\", \"output\"} | "
+                   "sharegpt {\"conversations\": [{\"from\", \"value\"}]} | messages "
+                   "{\"messages\": [{\"role\", \"content\"}]}")
+      ->required()
+      ->check(CLI::IsMember({"text", "alpaca", "sharegpt", "messages"}));
+  prepare
+      ->add_option("--out", o->out, "the data: .jsonl, or .tok/.bin (the compact token file)")
+      ->required();
+  prepare
+      ->add_option("--val-split", o->val_split,
+                   "fraction of the documents held out into OUT with .val before the "
+                   "extension (e.g. 0.02)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 0.9));
+  prepare
+      ->add_option("--seq-len", o->seq_len,
+                   "truncate longer documents to this many tokens (0 = keep them whole)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 31));
+  prepare->add_flag("--train-on-all", o->train_on_all,
+                    "train on every token (default: only the assistant turns of conversations)");
+  prepare->add_option("--seed", o->seed, "the validation split's draw")
+      ->capture_default_str()
+      ->check(CLI::Range(uint64_t{0}, uint64_t{4294967295}));
+  return {prepare, [o] { return RunPrepare(*o); }};
+}
+
+Verb KeygenVerb(CLI::App& app) {
+  struct Options {
+    std::string key_dir;
+    bool force = false;
+  };
+  auto o = std::make_shared<Options>();
+  CLI::App* keygen =
+      app.add_subcommand("keygen", "write CURVE keys for the coordinator and its clients");
+  keygen->add_option("--out", o->key_dir, "folder to write the keys into")->required();
+  keygen->add_flag("--force", o->force, "replace existing keys");
+  return {keygen, [o] {
+            WriteCurveKeys(o->key_dir, o->force);
+            std::cout << "CURVE keys written to " << o->key_dir << "\n  coordinator: lorastream "
+                      << "coordinator --curve-keys " << o->key_dir
+                      << " --bind tcp://0.0.0.0:PORT\n"
+                      << "  clients and workers: --curve-keys DIR, where DIR holds copies of "
+                         "coordinator.pub, client.pub and client.key (never coordinator.key)\n";
+            return 0;
+          }};
+}
+
+Verb UpVerb(CLI::App& app) {
+  struct Options {
+    UpOptions up;
+    bool no_watch = false;
+  };
+  auto o = std::make_shared<Options>();
+  CLI::App* up = app.add_subcommand(
+      "up", "start a store, workers (one per GPU, else CPU workers) and a coordinator, submit "
+            "the example jobs, watch them to the end, print the adapters, stop everything");
+  up->add_option("--model", o->up.model_dir,
+                 "Hugging Face checkpoint folder (default: synthesize --preset)");
+  up->add_option("--preset", o->up.preset, "configs/models preset to synthesize")
+      ->capture_default_str();
+  up->add_option("--job", o->up.jobs, "job file(s) to submit (default: configs/jobs/*.toml)");
+  up->add_option("--run-dir", o->up.run_dir,
+                 "folder for logs, model, jobs, adapters (default: runs/up-DATE-TIME)");
+  up->add_option("--device", o->up.devices, "worker device(s), e.g. cuda:0 or cpu "
+                                            "(default: every GPU, else --cpu-workers)");
+  up->add_option("--cpu-workers", o->up.cpu_workers, "CPU workers when there is no GPU")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
+  up->add_flag("--keep", o->up.keep, "leave the cluster running at the end");
+  up->add_flag("--no-watch", o->no_watch, "no live view; wait quietly for the jobs");
+  up->add_option("--tensorboard", o->up.tensorboard_dir,
+                 "the coordinator writes TensorBoard event files here, one run per job");
+  return {up, [o] {
+            UpOptions options = o->up;
+            options.watch = !o->no_watch;
+            return RunUp(options);
+          }};
+}
+
+Verb DoctorVerb(CLI::App& app, const GlobalOptions& g) {
+  auto json = std::make_shared<bool>(false);
+  CLI::App* doctor = app.add_subcommand(
+      "doctor",
+      "what this machine and build can do (build, GPUs, memlock, /dev/shm, huge "
+      "pages, host registration, stores, coordinator), each problem with its fix; "
+      "exit 1 when it finds a problem");
+  doctor->add_flag("--json", *json, "JSON object");
+  return {doctor, [json, &g] {
+            // A short wait for the coordinator unless --timeout says otherwise: doctor
+            // reports, it does not wait.
+            DoctorOptions d{g.endpoint, g.curve_keys,
+                            g.timeout_given->count() ? g.timeout_s : 2.0, ""};
+            return RunDoctor(d, *json, std::cout);
+          }};
+}
+
 }  // namespace
 
 int RunLorastreamCli(int argc, char** argv) {
@@ -193,261 +529,19 @@ int RunLorastreamCli(int argc, char** argv) {
                  "folder of CURVE keys from `lorastream keygen` (the daemon loads "
                  "coordinator.*, clients load coordinator.pub + client.*)")
       ->envname("LORASTREAM_CURVE_KEYS");
-  CLI::Option* timeout_opt =
-      app.add_option("--timeout", g.timeout_s, "seconds to wait for each reply")
-          ->capture_default_str();
+  g.timeout_given = app.add_option("--timeout", g.timeout_s, "seconds to wait for each reply")
+                        ->capture_default_str();
 
-  // coordinator
-  ServerOptions server;
-  std::string log_level = "info", log_file;
-  CLI::App* coord = app.add_subcommand("coordinator", "run the coordinator daemon");
-  coord->add_option("--bind", server.bind, "endpoint to listen on (tcp:// needs "
-                                           "--curve-keys or --insecure)")
-      ->capture_default_str();
-  coord->add_option("--db", server.db, "SQLite journal (created when missing)")
-      ->capture_default_str();
-  coord->add_option("--heartbeat-timeout", server.coordinator.heartbeat_timeout_s,
-                    "seconds of silence after which a worker is dead")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  coord->add_option("--heartbeat-interval", server.coordinator.heartbeat_interval_s,
-                    "seconds between worker heartbeats (told to workers)")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  coord->add_option("--max-retries", server.coordinator.max_retries,
-                    "requeues after worker deaths before a job fails")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
-  coord->add_option("--reconcile-timeout", server.coordinator.reconcile_timeout_s,
-                    "after a restart, seconds running jobs wait for their workers "
-                    "(default: the heartbeat timeout)");
-  coord->add_flag("--insecure", server.insecure,
-                  "allow a tcp:// bind without CURVE (anyone who can reach it acts as the operator)");
-  coord->add_option("--log-level", log_level, "trace|debug|info|warn|error")->capture_default_str();
-  coord->add_option("--log-file", log_file, "also log to this file");
-  std::string tensorboard_dir;
-  coord->add_option("--tensorboard", tensorboard_dir,
-                    "write TensorBoard event files here, one run per job (job-ID-NAME/)");
-
-  // submit
-  std::string job_file;
-  int64_t priority = 0;
-  bool json = false, quiet = false;
-  CLI::App* submit = app.add_subcommand("submit", "validate a job file and queue it");
-  submit->add_option("JOB_TOML", job_file, "the job file")->required();
-  CLI::Option* priority_opt =
-      submit->add_option("--priority", priority, "override the file's priority (higher first)");
-  submit->add_flag("--json", json, "print {job_id, problems} as JSON");
-  submit->add_flag("-q,--quiet", quiet, "print only the job id");
-
-  // jobs, show, stats, cancel, workers
-  bool active_only = false;
-  CLI::App* jobs = app.add_subcommand("jobs", "list jobs");
-  jobs->add_flag("--json", json, "JSON array");
-  jobs->add_flag("--active", active_only, "only queued and running jobs");
-  int64_t job_id = 0;
-  // Checked as text, before CLI11 converts it: strtoll would saturate 2^64-1 to 2^63-1 and
-  // the command would then talk about a job the user never named.
-  const CLI::Validator job_id_check(
-      [](std::string& text) -> std::string {
-        int64_t id = 0;
-        const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), id);
-        if (text.empty() || ec != std::errc() || end != text.data() + text.size() || id < 1)
-          return "a job id is a whole number in [1, 9223372036854775807] (found " +
-                 TerminalSafe(text) + ")";
-        return "";
-      },
-      "JOB ID");
-  CLI::App* show = app.add_subcommand("show", "a job's state, progress, worker and job file");
-  show->add_option("JOB", job_id, "job id")->required()->check(job_id_check);
-  show->add_flag("--json", json, "JSON object");
-  std::string format = "csv";
-  CLI::App* stats = app.add_subcommand("stats", "a job's per-step statistics (downsampled)");
-  stats->add_option("JOB", job_id, "job id")->required()->check(job_id_check);
-  stats->add_option("--format", format, "csv or json")
-      ->check(CLI::IsMember({"csv", "json"}))->capture_default_str();
-  CLI::App* cancel = app.add_subcommand(
-      "cancel", "cancel a job (a running one stops at its next step boundary, adapter saved)");
-  cancel->add_option("JOB", job_id, "job id")->required()->check(job_id_check);
-  cancel->add_flag("--json", json, "JSON object");
-  bool include_dead = false;
-  CLI::App* workers = app.add_subcommand("workers", "list registered workers");
-  workers->add_flag("--json", json, "JSON array");
-  workers->add_flag("--all", include_dead, "include dead workers");
-
-  // watch
-  std::vector<int64_t> watch_ids;
-  WatchOptions watch_options;
-  bool plain = false;
-  CLI::App* watch = app.add_subcommand(
-      "watch", "live view until the watched jobs end (exit 1 if one failed or was cancelled)");
-  watch->add_option("JOB", watch_ids, "job ids (default: every job not yet ended)")
-      ->check(job_id_check);
-  watch->add_flag("--plain", plain, "plain lines even on a terminal");
-  watch->add_option("--line-interval", watch_options.line_interval_s,
-                    "plain mode: seconds between progress lines of one job")
-      ->capture_default_str();
-
-  // prepare
-  PrepareOptions prepare_options;
-  CLI::App* prepare = app.add_subcommand(
-      "prepare",
-      "a user's text or conversations -> training data, with the model folder's own "
-      "tokenizer and chat template (ids as Python transformers makes them)");
-  prepare
-      ->add_option("--model", prepare_options.model_dir,
-                   "model folder with tokenizer.json, tokenizer_config.json (and its chat "
-                   "template)")
-      ->required();
-  prepare
-      ->add_option("--in", prepare_options.inputs,
-                   "input file(s): .jsonl (one record a line), .json (an array), .txt (text: "
-                   "one document a line)")
-      ->required();
-  prepare
-      ->add_option("--format", prepare_options.format,
-                   "text {\"text\"} | alpaca {\"instruction\", \"input\", \"output\"} | "
-                   "sharegpt {\"conversations\": [{\"from\", \"value\"}]} | messages "
-                   "{\"messages\": [{\"role\", \"content\"}]}")
-      ->required()
-      ->check(CLI::IsMember({"text", "alpaca", "sharegpt", "messages"}));
-  prepare
-      ->add_option("--out", prepare_options.out,
-                   "the data: .jsonl, or .tok/.bin (the compact token file)")
-      ->required();
-  prepare
-      ->add_option("--val-split", prepare_options.val_split,
-                   "fraction of the documents held out into OUT with .val before the "
-                   "extension (e.g. 0.02)")
-      ->capture_default_str()
-      ->check(CLI::Range(0.0, 0.9));
-  prepare
-      ->add_option("--seq-len", prepare_options.seq_len,
-                   "truncate longer documents to this many tokens (0 = keep them whole)")
-      ->capture_default_str()
-      ->check(CLI::Range(int64_t{0}, int64_t{1} << 31));
-  prepare->add_flag("--train-on-all", prepare_options.train_on_all,
-                    "train on every token (default: only the assistant turns of conversations)");
-  prepare->add_option("--seed", prepare_options.seed, "the validation split's draw")
-      ->capture_default_str()
-      ->check(CLI::Range(uint64_t{0}, uint64_t{4294967295}));
-
-  // keygen
-  std::string key_dir;
-  bool force = false;
-  CLI::App* keygen = app.add_subcommand("keygen", "write CURVE keys for the coordinator and its clients");
-  keygen->add_option("--out", key_dir, "folder to write the keys into")->required();
-  keygen->add_flag("--force", force, "replace existing keys");
-
-  // up
-  UpOptions up_options;
-  bool no_watch = false;
-  CLI::App* up = app.add_subcommand(
-      "up", "start a store, workers (one per GPU, else CPU workers) and a coordinator, submit "
-            "the example jobs, watch them to the end, print the adapters, stop everything");
-  up->add_option("--model", up_options.model_dir,
-                 "Hugging Face checkpoint folder (default: synthesize --preset)");
-  up->add_option("--preset", up_options.preset, "configs/models preset to synthesize")
-      ->capture_default_str();
-  up->add_option("--job", up_options.jobs, "job file(s) to submit (default: configs/jobs/*.toml)");
-  up->add_option("--run-dir", up_options.run_dir,
-                 "folder for logs, model, jobs, adapters (default: runs/up-DATE-TIME)");
-  up->add_option("--device", up_options.devices, "worker device(s), e.g. cuda:0 or cpu "
-                                                 "(default: every GPU, else --cpu-workers)");
-  up->add_option("--cpu-workers", up_options.cpu_workers, "CPU workers when there is no GPU")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 64));
-  up->add_flag("--keep", up_options.keep, "leave the cluster running at the end");
-  up->add_flag("--no-watch", no_watch, "no live view; wait quietly for the jobs");
-  up->add_option("--tensorboard", up_options.tensorboard_dir,
-                 "the coordinator writes TensorBoard event files here, one run per job");
-
-  // doctor
-  CLI::App* doctor = app.add_subcommand(
-      "doctor",
-      "what this machine and build can do (build, GPUs, memlock, /dev/shm, huge "
-      "pages, host registration, stores, coordinator), each problem with its fix; "
-      "exit 1 when it finds a problem");
-  doctor->add_flag("--json", json, "JSON object");
-
+  const std::vector<Verb> verbs = {
+      CoordinatorVerb(app, g), SubmitVerb(app, g),  JobsVerb(app, g),
+      ShowVerb(app, g),        StatsVerb(app, g),   CancelVerb(app, g),
+      WorkersVerb(app, g),     WatchVerb(app, g),   PrepareVerb(app),
+      KeygenVerb(app),         UpVerb(app),         DoctorVerb(app, g),
+  };
   return RunMain("lorastream", app, argc, argv, [&]() -> int {
-    if (coord->parsed()) return RunCoordinator(g, server, log_level, log_file, tensorboard_dir);
-    if (prepare->parsed()) return RunPrepare(prepare_options);
-    if (doctor->parsed()) {
-      // A short wait for the coordinator unless --timeout says otherwise: doctor reports,
-      // it does not wait.
-      DoctorOptions d{g.endpoint, g.curve_keys, timeout_opt->count() ? g.timeout_s : 2.0, ""};
-      return RunDoctor(d, json, std::cout);
-    }
-    if (up->parsed()) {
-      up_options.watch = !no_watch;
-      return RunUp(up_options);
-    }
-    if (submit->parsed())
-      return RunSubmit(g, job_file, priority_opt->count() ? &priority : nullptr, json, quiet);
-    if (keygen->parsed()) {
-      WriteCurveKeys(key_dir, force);
-      std::cout << "CURVE keys written to " << key_dir << "\n  coordinator: lorastream "
-                << "coordinator --curve-keys " << key_dir << " --bind tcp://0.0.0.0:PORT\n"
-                << "  clients and workers: --curve-keys DIR, where DIR holds copies of "
-                   "coordinator.pub, client.pub and client.key (never coordinator.key)\n";
-      return 0;
-    }
-    Client client = Connect(g);
-    if (jobs->parsed()) {
-      ListJobsReply reply = client.Call(ListJobsRequest{!active_only});
-      if (json) {
-        nlohmann::json out = nlohmann::json::array();
-        for (const JobSummary& j : reply.jobs) out.push_back(ToJson(j));
-        std::cout << out.dump(2) << "\n";
-      } else {
-        std::cout << JobsTable(reply.jobs);
-      }
-      return 0;
-    }
-    if (show->parsed()) {
-      ShowJobReply reply = client.Call(ShowJobRequest{job_id});
-      const std::string best = BestCheckpoint(reply.job.output_dir);
-      if (json) {
-        nlohmann::json out = ToJson(reply.job);
-        out["retries"] = reply.retries;
-        out["spec_toml"] = reply.spec_toml;
-        out["best_checkpoint"] = best.empty() ? nlohmann::json(nullptr) : nlohmann::json(best);
-        std::cout << out.dump(2) << "\n";
-      } else {
-        std::cout << JobDetails(reply, best);
-      }
-      return 0;
-    }
-    if (stats->parsed()) return RunStats(g, job_id, format);
-    if (cancel->parsed()) {
-      CancelReply reply = client.Call(CancelRequest{job_id});
-      if (json)
-        std::cout << nlohmann::json{{"job_id", job_id}, {"state", JobStateName(reply.state)}}.dump() << "\n";
-      else if (reply.state == JobState::kCancelled)
-        std::cout << "job " << job_id << " cancelled\n";
-      else
-        std::cout << "job " << job_id << ": cancel requested; it stops at its next step "
-                                          "boundary after saving its adapter\n";
-      return 0;
-    }
-    if (workers->parsed()) {
-      ListWorkersReply reply = client.Call(ListWorkersRequest{include_dead});
-      if (json) {
-        nlohmann::json out = nlohmann::json::array();
-        for (const WorkerSummary& w : reply.workers) out.push_back(ToJson(w));
-        std::cout << out.dump(2) << "\n";
-      } else {
-        std::cout << WorkersTable(reply.workers);
-      }
-      return 0;
-    }
-    if (watch->parsed()) {
-      watch_options.job_ids = watch_ids;
-      watch_options.tty = !plain && isatty(STDOUT_FILENO);
-      winsize size{};
-      if (watch_options.tty && ioctl(STDOUT_FILENO, TIOCGWINSZ, &size) == 0 && size.ws_col > 0)
-        watch_options.width = size.ws_col;
-      return RunWatch(client, watch_options, std::cout);
-    }
-    return 0;
+    for (const Verb& verb : verbs)
+      if (verb.command->parsed()) return verb.run();
+    return 0;  // not reached: exactly one verb is required
   });
 }
 

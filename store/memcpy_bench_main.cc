@@ -5,21 +5,21 @@
 
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <thread>
 #include <vector>
 
-int main(int argc, char** argv) {
-  if (argc < 2) {
-    std::fprintf(stderr, "usage: lorastream-memcpy-bench BYTES [THREADS]\n");
-    return 2;
-  }
-  const size_t n = std::strtoull(argv[1], nullptr, 10);
-  const int threads = argc > 2 ? std::atoi(argv[2]) : 1;
+#include <CLI/CLI.hpp>
+
+#include "common/cli_main.h"
+#include "common/error.h"
+
+namespace {
+
+int RunMemcpyBench(size_t n, int threads) {
   auto alloc = [n] {
     void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-    if (p == MAP_FAILED) std::exit(1);
+    if (p == MAP_FAILED) lorastream::ThrowErrno("mmap of " + std::to_string(n) + " bytes");
     return static_cast<char*>(p);
   };
   char* src = alloc();
@@ -40,9 +40,9 @@ int main(int argc, char** argv) {
   }
   // Cold: into a fresh mapping, paying a page fault per 4 KiB page as the store's first
   // touch of its new segments does.
-  char* cold = static_cast<char*>(
-      mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
-  if (cold == MAP_FAILED) return 1;
+  void* cold_map = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (cold_map == MAP_FAILED) lorastream::ThrowErrno("mmap of " + std::to_string(n) + " bytes");
+  char* cold = static_cast<char*>(cold_map);
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<std::thread> pool;
   for (int t = 0; t < threads; ++t)
@@ -55,4 +55,17 @@ int main(int argc, char** argv) {
   std::printf("memcpy bytes=%zu threads=%d seconds=%.4f gbps=%.3f cold_seconds=%.4f cold_gbps=%.3f\n",
               n, threads, best, n / best / 1e9, cold_s, n / cold_s / 1e9);
   return dst[n / 2] == 1 && cold[n / 3] == 1 ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"lorastream-memcpy-bench: memcpy bandwidth, the store benchmark's baseline"};
+  size_t bytes = 0;
+  int threads = 1;
+  app.add_option("BYTES", bytes, "bytes to copy")->required()->check(CLI::PositiveNumber);
+  app.add_option("THREADS", threads, "copying threads")->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  return lorastream::RunMain("lorastream-memcpy-bench", app, argc, argv,
+                             [&] { return RunMemcpyBench(bytes, threads); });
 }

@@ -107,7 +107,7 @@ std::string ComputeFingerprint(const Manifest& m) {
   return buf;
 }
 
-std::unique_ptr<PublishedStore> PublishedStore::Build(const ServeOptions& options,
+std::unique_ptr<PublishedStore> PublishedStore::Build(const store::ServeOptions& options,
                                                       const std::function<bool()>& should_stop) {
   const auto start = Clock::now();
   ValidateStoreName(options.name);
@@ -189,7 +189,7 @@ PublishedStore::~PublishedStore() {
   claim_.reset();
 }
 
-int RunServe(const ServeOptions& options) {
+int store::RunServe(const store::ServeOptions& options) {
   // Signals are blocked in every thread and taken synchronously: the loader polls for them,
   // and the idle store sleeps in sigwait.
   sigset_t signals;

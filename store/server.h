@@ -14,6 +14,7 @@
 #include "store/shm_segment.h"
 
 namespace lorastream {
+namespace store {  // the worker has a `serve` of its own (lorastream::worker)
 
 struct ServeOptions {
   std::string model_dir;
@@ -24,6 +25,12 @@ struct ServeOptions {
   bool lock = true;         // mlock the segments (warns once with the fix when refused)
   bool huge_pages = true;   // madvise(MADV_HUGEPAGE) where the kernel offers shmem THP
 };
+
+// Blocks SIGTERM/SIGINT, builds and publishes, waits for one of them, tears down.
+// Returns the exit status (0).
+int RunServe(const ServeOptions& options);
+
+}  // namespace store
 
 struct LoadReport {
   uint64_t bytes = 0;
@@ -40,7 +47,7 @@ class PublishedStore {
  public:
   // Validates everything before creating any shm object; a failure leaves nothing behind.
   // `should_stop` is polled while loading (Error(kCancelled) when it returns true).
-  static std::unique_ptr<PublishedStore> Build(const ServeOptions& options,
+  static std::unique_ptr<PublishedStore> Build(const store::ServeOptions& options,
                                                const std::function<bool()>& should_stop = {});
   ~PublishedStore();
   const Manifest& manifest() const { return manifest_; }
@@ -57,9 +64,5 @@ class PublishedStore {
 // The fingerprint of a manifest's weights: config, dtype and every tensor's layout and
 // segment checksum (independent of store name, generation and owner).
 std::string ComputeFingerprint(const Manifest& manifest);
-
-// Blocks SIGTERM/SIGINT, builds and publishes, waits for one of them, tears down.
-// Returns the exit status (0).
-int RunServe(const ServeOptions& options);
 
 }  // namespace lorastream

@@ -14,7 +14,7 @@ int main(int argc, char** argv) {
   using namespace lorastream;
   CLI::App app{"lorastream-store: one shared, read-only copy of a model's base weights"};
   app.require_subcommand(1);
-  ServeOptions serve;
+  store::ServeOptions serve;
   std::string dtype = "keep", mode = "0600", path, name, level = "info";
   int verify_threads = 0;
   app.add_option("--log-level", level, "trace|debug|info|warn|error");
@@ -44,7 +44,7 @@ int main(int argc, char** argv) {
       }
       if (used == 0 || used != mode.size() || serve.mode > 0777)
         throw Error(ErrorCode::kInvalidArgument, "--mode `" + mode + "` is not an octal mode");
-      return RunServe(serve);
+      return store::RunServe(serve);
     }
     if (*i) RunInspect(path, std::cout);
     else if (app.got_subcommand("ls")) RunLs(std::cout);

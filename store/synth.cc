@@ -16,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/device.h"
 #include "common/error.h"
 #include "common/install_paths.h"
 #include "common/safetensors.h"
@@ -58,9 +59,7 @@ uint64_t TensorKey(const std::string& name, uint64_t seed) {
 }
 
 DType ParseSynthDType(const std::string& s, const std::string& where) {
-  if (s == "f32") return DType::kF32;
-  if (s == "f16") return DType::kF16;
-  if (s == "bf16") return DType::kBF16;
+  if (const std::optional<DType> d = ParseShortDType(s)) return *d;
   throw Error(ErrorCode::kInvalidArgument, where + ": dtype `" + s + "` must be f32, f16 or bf16");
 }
 

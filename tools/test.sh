@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The README's test command: installs what is missing, builds (tools/setup.sh), runs every CPU
 # test through CTest, the `gpu` tests too on a CUDA build with a GPU, then the torch-free tests
-# (common, store, coordinator) again, built and run under AddressSanitizer+UndefinedBehavior-
-# Sanitizer and under ThreadSanitizer (their own build folders, no worker, so no LibTorch),
+# (common, store, coordinator, the worker's torch-free core) again, built and run under
+# AddressSanitizer+UndefinedBehaviorSanitizer and under ThreadSanitizer (their own build
+# folders, -DLORASTREAM_WORKER=OFF, so no LibTorch),
 # then builds the libFuzzer targets with clang and runs each for a bounded time.
 # Usage: tools/test.sh [ctest args...]     (LORASTREAM_FUZZ_SECONDS=0 skips fuzzing;
 #        LORASTREAM_SANITIZERS="asan" by default, "asan tsan" adds ThreadSanitizer, "" skips.
@@ -46,7 +47,7 @@ sanitized_tests() {
   cmake --build "$dir" -j"$(nproc)"
   # setarch -R: ThreadSanitizer's shadow memory wants the address layout without ASLR
   # (newer kernels randomise more bits than it allows for); the children inherit it.
-  (cd "$dir" && setarch "$(uname -m)" -R ctest --output-on-failure -L 'common|store|coordinator' \
+  (cd "$dir" && setarch "$(uname -m)" -R ctest --output-on-failure -L 'common|store|coordinator|worker_core' \
     -j1 "$@")
   echo "test: $name build and run took $(( $(date +%s) - began )) s"
 }

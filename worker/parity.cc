@@ -5,12 +5,14 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <thread>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>
 
+#include "common/device.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/safetensors.h"
@@ -21,6 +23,7 @@
 #include "worker/lora.h"
 #include "worker/model.h"
 #include "worker/resident_provider.h"
+#include "worker/torch_device.h"
 
 namespace lorastream {
 
@@ -125,10 +128,12 @@ nlohmann::json ProfileStep(CausalLm& model, const LoraAdapter& adapter, const at
 
 void RunParity(const ParityOptions& o) {
   at::set_num_threads(static_cast<int>(std::thread::hardware_concurrency()));
-  const c10::Device device(o.device == "cuda" ? std::string("cuda:0") : o.device);
-  if (o.dtype != "f32" && o.dtype != "bf16")
+  const Device typed_device = ParseDevice(o.device);
+  const c10::Device device = TorchDevice(typed_device);
+  const std::optional<DType> compute = ParseShortDType(o.dtype);
+  if (!compute || !IsComputeDType(*compute))
     throw Error(ErrorCode::kInvalidArgument, "--dtype must be f32 or bf16");
-  const c10::ScalarType dtype = o.dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+  const c10::ScalarType dtype = ScalarTypeOf(*compute, "the compute dtype");
 
   BaseWeights base = BaseWeights::FromCheckpoint(o.model_dir);
   const ModelConfig& config = base.config();

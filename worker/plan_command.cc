@@ -12,26 +12,22 @@
 #include "worker/stream_cost.h"
 #include "worker/stream_engine.h"
 #include "worker/stream_provider.h"
+#include "worker/torch_device.h"
 
 namespace lorastream {
 
 int RunPlanCommand(const std::string& job_path, const PlanCommandOptions& options) {
   const JobSpec spec = LoadJobSpec(job_path);
-  c10::Device device(c10::kCPU);
-  try {
-    device = c10::Device(options.device == "cuda" ? std::string("cuda:0") : options.device);
-  } catch (const std::exception&) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "--device `" + options.device + "` is not a device (cpu, cuda, cuda:N)");
-  }
+  const Device typed_device = ParseDevice(options.device);
+  const c10::Device device = TorchDevice(typed_device);
   if (device.is_cuda() && !at::hasCUDA())
     throw Error(ErrorCode::kUnsupported,
                 "--device " + options.device + ": this build or machine has no CUDA");
-  const std::string dtype_name =
-      spec.train.dtype == "auto" ? (device.is_cuda() ? "bf16" : "f32") : spec.train.dtype;
-  const c10::ScalarType dtype = dtype_name == "bf16" ? at::kBFloat16 : at::kFloat;
   const BaseWeights base = BaseWeights::ForJob(spec);
-  RequireValidJobSpec(spec, &base.config());
+  RequireValidJobSpec(spec, &base.config());  // train.dtype among the rest
+  const DType compute = ComputeDType(spec.train.dtype, typed_device);
+  const std::string dtype_name = ShortDTypeName(compute);
+  const c10::ScalarType dtype = ScalarTypeOf(compute, "the compute dtype");
 
   const Manifest layout = ComputeLayout(base, dtype);
   const MemoryModelInputs inputs = JobMemoryInputs(spec, layout, device, dtype);

@@ -8,6 +8,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/device.h"
 #include "common/error.h"
 #include "common/job_access.h"
 #include "common/log.h"
@@ -21,20 +22,17 @@
 #include <cuda_runtime_api.h>
 #endif
 
-namespace lorastream {
+namespace lorastream::worker {
 namespace {
 
 // The GPU's name and memory for registration ("", 0 on CPU).
-void DescribeDevice(const std::string& device, WorkerAgentOptions* out) {
-  if (device == "cpu") return;
-  if (device.rfind("cuda", 0) != 0)
-    throw Error(ErrorCode::kInvalidArgument, "--device must be cpu or cuda:N (found '" + device + "')");
+void DescribeDevice(const std::string& name, WorkerAgentOptions* out) {
+  const Device device = ParseDevice(name);
+  if (!device.is_cuda()) return;
 #ifdef LORASTREAM_HAVE_CUDA
-  int index = 0;
-  if (device.size() > 5) index = std::stoi(device.substr(5));
   cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, index) != cudaSuccess)
-    throw Error(ErrorCode::kInvalidArgument, "no CUDA device " + device);
+  if (cudaGetDeviceProperties(&prop, device.index) != cudaSuccess)
+    throw Error(ErrorCode::kInvalidArgument, "no CUDA device " + name);
   out->gpu_name = prop.name;
   out->gpu_memory_bytes = prop.totalGlobalMem;
 #else
@@ -185,4 +183,4 @@ int RunServe(const ServeOptions& options, const std::atomic<bool>& stop) {
   return 0;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

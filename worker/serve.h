@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-namespace lorastream {
+namespace lorastream::worker {  // the store has a `serve` of its own (lorastream::store)
 
 struct ServeOptions {
   std::string coordinator;           // endpoint (default: the coordinator's ipc default)
@@ -30,4 +30,4 @@ struct ServeOptions {
 // exit status. Throws Error for a bad device or a store that cannot be attached.
 int RunServe(const ServeOptions& options, const std::atomic<bool>& stop);
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

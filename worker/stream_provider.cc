@@ -19,6 +19,7 @@
 #include "worker/base_weights.h"
 #include "worker/stream_calibrate.h"
 #include "worker/stream_cost.h"
+#include "worker/torch_device.h"
 
 namespace lorastream {
 
@@ -132,8 +133,10 @@ std::unique_ptr<BlockProvider> MakeStreamProvider(const JobSpec& spec, const Bas
                                                   const std::string& device_name,
                                                   const std::string& dtype_name,
                                                   const StreamEngineOptions& options) {
-  const c10::Device device(device_name == "cuda" ? std::string("cuda:0") : device_name);
-  const c10::ScalarType dtype = dtype_name == "bf16" ? at::kBFloat16 : at::kFloat;
+  const Device typed_device = ParseDevice(device_name);
+  const c10::Device device = TorchDevice(typed_device);
+  const c10::ScalarType dtype =
+      ScalarTypeOf(ComputeDType(dtype_name, typed_device), "the compute dtype");
 
   std::unique_ptr<PackedBlocks> packed;
   const Manifest* manifest = base.manifest();

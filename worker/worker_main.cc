@@ -66,7 +66,7 @@ int main(int argc, char** argv) {
   parity_cmd->add_option("--rank", parity.rank, "rank of a fresh adapter when --adapter is absent");
 
   // serve: take jobs from a coordinator (worker/serve.h; the coordinator engineer's part).
-  ServeOptions serve;
+  worker::ServeOptions serve;
   bool serve_resident = false;
   auto* serve_cmd = app.add_subcommand("serve", "take jobs from a coordinator until SIGINT/SIGTERM");
   serve.coordinator = DefaultEndpoint();
@@ -139,7 +139,7 @@ int main(int argc, char** argv) {
       std::signal(SIGUSR1, OnHoldSignal);
       std::signal(SIGUSR2, OnResumeSignal);
       serve.hold_at_checkpoint = &g_hold_at_checkpoint;
-      return RunServe(serve, g_stop_serving);
+      return worker::RunServe(serve, g_stop_serving);
     }
     RunParity(parity);
     return 0;

@@ -27,7 +27,7 @@ namespace {
 
 std::unique_ptr<PublishedStore> Serve(const std::string& dir, const std::string& name,
                                       bool to_bf16 = false) {
-  ServeOptions o;
+  store::ServeOptions o;
   o.model_dir = dir;
   o.name = name;
   o.to_bf16 = to_bf16;
@@ -392,7 +392,7 @@ TEST_CASE("a signal during loading cancels it and removes what was created", "[s
   TempDir d("store");
   Synth("tiny", d.str());
   const std::string name = UniqueName("cancel");
-  ServeOptions o;
+  store::ServeOptions o;
   o.model_dir = d.str();
   o.name = name;
   bool segments_existed = false;

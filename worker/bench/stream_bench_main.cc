@@ -32,7 +32,9 @@
 
 #include <CLI/CLI.hpp>
 
+#include "common/cli_main.h"
 #include "common/data.h"
+#include "common/device.h"
 #include "common/error.h"
 #include "common/job_spec.h"
 #include "common/log.h"
@@ -45,6 +47,7 @@
 #include "worker/stream_engine.h"
 #include "worker/stream_provider.h"
 #include "worker/stream_stats.h"
+#include "worker/torch_device.h"
 #include "worker/trainer.h"
 #ifdef LORASTREAM_HAVE_CUDA
 #include "worker/cuda/cuda_bandwidth.h"
@@ -57,6 +60,7 @@ namespace {
 
 struct BenchOptions {
   std::string store, out, device = "cuda:0";
+  Device typed_device;  // `device`, parsed
   std::string scratch;  // data and run folders (adapters, checkpoints); removed at the end
   std::vector<int64_t> tokens = {512, 2048, 8192};
   int64_t swap = 12, ring = 2, rank = 16, steps = 6, warmup = 2, budget_tokens = 2048;
@@ -106,7 +110,7 @@ JobSpec Spec(const BenchOptions& o, const std::string& data, int64_t tokens,
   spec.optim.lr = 1e-5;
   spec.train.steps = o.steps + o.warmup;
   spec.train.output_dir = o.scratch + "/run-" + run;
-  spec.train.dtype = o.device == "cpu" ? "f32" : "bf16";
+  spec.train.dtype = o.typed_device.is_cuda() ? "bf16" : "f32";
   ResolveJobSpec(spec);
   return spec;
 }
@@ -154,10 +158,9 @@ double MeasureBandwidth(const BenchOptions& o, const AttachedStore& store) {
   for (int i = 0; i < std::min(4, store.num_blocks()); ++i) {
     ranges.push_back({store.block_data(i), store.block_size(i)});
   }
-  if (o.device != "cpu") {
+  if (o.typed_device.is_cuda()) {
 #ifdef LORASTREAM_HAVE_CUDA
-    const c10::Device d(o.device == "cuda" ? std::string("cuda:0") : o.device);
-    return MeasurePinnedH2DBandwidth(ranges, d.has_index() ? d.index() : 0, 5);
+    return MeasurePinnedH2DBandwidth(ranges, o.typed_device.index, 5);
 #else
     throw Error(ErrorCode::kUnsupported, "this build has no CUDA");
 #endif
@@ -197,7 +200,7 @@ void Run(const BenchOptions& o, const std::string& command) {
   const double gbps = MeasureBandwidth(o, store);
   std::fprintf(stderr, "bench: pinned H2D %.1f GB/s; block %.1f MB; %d blocks\n", gbps,
                m.blocks[0].nbytes / 1e6, L);
-  const c10::Device device(o.device == "cuda" ? std::string("cuda:0") : o.device);
+  const c10::Device device = TorchDevice(o.typed_device);
   const c10::ScalarType dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
 
   std::vector<Row> rows;
@@ -346,19 +349,20 @@ int main(int argc, char** argv) {
                  "in /tmp, removed at the end)");
   app.add_option("--steps", o.steps, "timed steps per run")->capture_default_str();
   app.add_option("--warmup", o.warmup, "untimed steps per run")->capture_default_str();
-  CLI11_PARSE(app, argc, argv);
-  InitLogging("bench-stream");
-  std::string command;
-  for (int i = 0; i < argc; ++i) command += (i ? " " : "") + std::string(argv[i]);
-  const bool own_scratch = o.scratch.empty();
-  if (own_scratch) o.scratch = "/tmp/lorastream-bench-stream-" + std::to_string(::getpid());
-  int status = 0;
-  try {
-    Run(o, command);
-  } catch (const Error& e) {
-    std::fprintf(stderr, "lorastream-bench-stream: %s: %s\n", ErrorCodeName(e.code()), e.what());
-    status = ExitCodeFor(e.code());
-  }
-  if (own_scratch) RemoveTree(o.scratch);
-  return status;
+  return RunMain("lorastream-bench-stream", app, argc, argv, [&] {
+    InitLogging("bench-stream");
+    o.typed_device = ParseDevice(o.device);
+    std::string command;
+    for (int i = 0; i < argc; ++i) command += (i ? " " : "") + std::string(argv[i]);
+    const bool own_scratch = o.scratch.empty();
+    if (own_scratch) o.scratch = "/tmp/lorastream-bench-stream-" + std::to_string(::getpid());
+    try {
+      Run(o, command);
+    } catch (...) {
+      if (own_scratch) RemoveTree(o.scratch);  // a failed run leaves nothing behind either
+      throw;
+    }
+    if (own_scratch) RemoveTree(o.scratch);
+    return 0;
+  });
 }

@@ -102,6 +102,20 @@ HostRegistration::HostRegistration(HostRegistration&& other) noexcept : ptr_(oth
   other.ptr_ = nullptr;
 }
 
+namespace {
+class CudaRegisteredRange : public RegisteredRange {
+ public:
+  HostRegistration registration;
+};
+}  // namespace
+
+std::unique_ptr<RegisteredRange> CudaHostRegistrar::Register(const void* ptr, uint64_t bytes,
+                                                             std::string* error) {
+  auto range = std::make_unique<CudaRegisteredRange>();
+  if (!range->registration.Register(ptr, bytes, error)) return nullptr;
+  return range;
+}
+
 PinnedBuffer::PinnedBuffer(size_t bytes) : bytes_(bytes) {
   CudaCheck(cudaHostAlloc(&ptr_, bytes, cudaHostAllocPortable), "cudaHostAlloc (staging)");
 }

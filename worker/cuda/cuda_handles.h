@@ -4,9 +4,13 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <memory>
 #include <string>
 
 #include <cuda_runtime_api.h>
+
+#include "worker/host_registrar.h"
 
 namespace lorastream {
 
@@ -61,6 +65,14 @@ class HostRegistration {
 
  private:
   void* ptr_ = nullptr;  // non-null: this handle unregisters it
+};
+
+// HostRegistrar (worker/host_registrar.h) through HostRegistration: what the CUDA backend's
+// CopySources registers with.
+class CudaHostRegistrar : public HostRegistrar {
+ public:
+  std::unique_ptr<RegisteredRange> Register(const void* ptr, uint64_t bytes,
+                                            std::string* error) override;
 };
 
 // Reads one byte of every page of [ptr, ptr + bytes) (or asks the kernel to populate it).

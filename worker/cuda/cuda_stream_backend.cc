@@ -8,7 +8,6 @@
 #include <exception>
 #include <mutex>
 #include <thread>
-#include <unordered_map>
 #include <vector>
 
 #include <ATen/ops/empty.h>
@@ -16,7 +15,7 @@
 #include <cuda_runtime_api.h>
 
 #include "common/error.h"
-#include "common/log.h"
+#include "worker/copy_sources.h"
 #include "worker/cuda/cuda_handles.h"
 #include "worker/cuda/cuda_memory.h"
 
@@ -65,7 +64,10 @@ class SpanPool {
 class CudaStreamBackend : public StreamBackend {
  public:
   CudaStreamBackend(const StreamBackendOptions& options, int device_index)
-      : options_(options), device_index_(device_index) {
+      : options_(options),
+        device_index_(device_index),
+        sources_(&registrar_, options.force_staging,
+                 StagingPool{options.staging_buffers, options.staging_buffer_bytes}) {
     CudaCheck(cudaSetDevice(device_index_), "cudaSetDevice");
     copy_stream_ = std::make_unique<CudaStream>();
     const at::TensorOptions bytes_on_device =
@@ -103,30 +105,7 @@ class CudaStreamBackend : public StreamBackend {
   const at::Tensor& slot(int slot) const override { return slots_[slot]; }
 
   void AddSource(const uint8_t* src, uint64_t bytes) override {
-    if (registered_.count(src)) return;
-    bool ok = false;
-    if (!options_.force_staging) {
-      HostRegistration reg;
-      std::string error;
-      ok = reg.Register(src, bytes, &error);
-      if (ok) {
-        registrations_.push_back(std::move(reg));
-      } else if (!logged_staging_) {
-        logged_staging_ = true;
-        LS_LOG_WARN("stream engine: cudaHostRegister of a {} MB block failed: {}; copies of "
-                    "unregistered blocks go through {} pinned staging buffers of {} MiB filled "
-                    "by a host thread (slower; raise `ulimit -l` to stream at full speed)",
-                    bytes / 1000000, error, options_.staging_buffers,
-                    options_.staging_buffer_bytes >> 20);
-      }
-    } else if (!logged_staging_) {
-      logged_staging_ = true;
-      LS_LOG_WARN("stream engine: force_staging: every copy goes through {} pinned staging "
-                  "buffers of {} MiB filled by a host thread",
-                  options_.staging_buffers, options_.staging_buffer_bytes >> 20);
-    }
-    registered_[src] = ok;
-    if (!ok) StartStaging();
+    if (sources_.Add(src, bytes) == CopyPath::kStaged) StartStaging();
   }
 
   at::Tensor MakeResident(const uint8_t* src, uint64_t bytes) override {
@@ -139,8 +118,7 @@ class CudaStreamBackend : public StreamBackend {
   void Copy(int slot, const uint8_t* src, uint64_t bytes) override {
     LS_CHECK(slot >= 0 && slot < options_.num_slots, "slot out of range");
     LS_CHECK(bytes <= options_.slot_bytes, "copy larger than a slot");
-    auto it = registered_.find(src);
-    LS_CHECK(it != registered_.end(), "copy from a source that was never added");
+    const CopyPath path = sources_.PathOf(src);
     if (!slots_[slot].defined()) {
       // A phase slot: allocated on the compute stream (the caching allocator may hand out
       // memory that compute work enqueued so far still uses), so the copy waits for that
@@ -151,7 +129,7 @@ class CudaStreamBackend : public StreamBackend {
     }
     TimedSpan* span = copy_spans_.Next();
     pending_wait_[slot] = true;
-    if (it->second) {
+    if (path == CopyPath::kDirect) {
       EnqueueCopy(slot, span, [&] {
         CudaCheck(cudaMemcpyAsync(slots_[slot].data_ptr(), src, bytes, cudaMemcpyHostToDevice,
                                   copy_stream_->get()),
@@ -330,9 +308,8 @@ class CudaStreamBackend : public StreamBackend {
   std::vector<CudaEvent> released_;  // [slot] recorded on the compute stream at each release
   std::vector<bool> pending_wait_;   // [slot] a copy compute has not waited for yet
   std::vector<uint64_t> slot_job_;   // [slot] staged job of the last copy (0: direct)
-  std::unordered_map<const uint8_t*, bool> registered_;  // source -> registered
-  std::vector<HostRegistration> registrations_;
-  bool logged_staging_ = false;
+  CudaHostRegistrar registrar_;
+  CopySources sources_;  // after registrar_: its registrations are released first
   SpanPool copy_spans_, stall_spans_;
   double host_wait_seconds_ = 0;
 
