@@ -13,6 +13,8 @@
 
 namespace lorastream {
 
+class HeadProvider;
+
 // Views of one block's base weights (never requiring grad). Optional tensors are undefined
 // when the architecture has none (biases: qwen2; q_norm/k_norm: qwen3).
 struct BlockWeights {
@@ -44,6 +46,9 @@ class BlockProvider {
   virtual void Release(int block) = 0;
   // Ends the step; fills the streaming fields of `stats` (h2d_bytes, stall, copies...).
   virtual void EndStep(StepStats& stats) = 0;
+  // The LM head's weights when this provider's plan streams them (worker/lm_head.h); nullptr:
+  // the caller keeps the head resident itself.
+  virtual HeadProvider* lm_head() { return nullptr; }
 };
 
 }  // namespace lorastream

@@ -18,13 +18,15 @@ at::Tensor EvalLossSum(CausalLm& model, const LoraAdapter& adapter, const Batch&
   // Not InferenceMode: the model caches rotary tables, which training must be able to use.
   c10::NoGradGuard no_grad;
   model.provider().BeginStep();
-  at::Tensor ids = ToDeviceLong(batch.ids, batch.rows, batch.seq_len, model.device());
+  at::Tensor ids = ToDeviceLong(batch.ids, batch.rows, batch.seq_len, at::kCPU);
   at::Tensor targets = ToDeviceLong(batch.targets, batch.rows, batch.seq_len, model.device());
   // Plain (not checkpointed) blocks: without grad they keep nothing, and the provider sees
   // the forward half of a pass only.
   at::Tensor hidden = model.Hidden(ids, adapter, /*training=*/false, /*checkpointed=*/false,
                                    /*dropout_seed=*/0);
-  return CausalLm::LossSum(model.Logits(hidden), targets);
+  // The chunked head without grad: forward only, no gradient work, no logits of the whole
+  // sequence.
+  return model.HeadLossSum(hidden, targets);
 }
 
 EvalResult Evaluate(CausalLm& model, const LoraAdapter& adapter, const SequenceSet& set,

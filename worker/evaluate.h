@@ -23,7 +23,8 @@ at::Tensor ToDeviceLong(const std::vector<int64_t>& v, int64_t rows, int64_t col
                         c10::Device device);
 
 // The summed cross-entropy of one batch (an f32 scalar on the model's device), computed in a
-// forward-only pass under c10::NoGradGuard: the result has no grad_fn. The provider is told a
+// forward-only pass under c10::NoGradGuard (the chunked head: no gradient work, never the
+// whole sequence's logits): the result has no grad_fn. The provider is told a
 // new step begins first (the streaming engine restarts its pass plan for a forward-only pass).
 at::Tensor EvalLossSum(CausalLm& model, const LoraAdapter& adapter, const Batch& batch);
 

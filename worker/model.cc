@@ -7,6 +7,7 @@
 
 #include "common/error.h"
 #include "worker/fused_ops.h"
+#include "worker/stream_budget.h"
 
 namespace lorastream {
 
@@ -60,10 +61,15 @@ at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 CausalLm::CausalLm(const ModelConfig& config, RestWeights rest, BlockProvider* provider,
-                   c10::Device device, c10::ScalarType dtype)
-    : config_(config), rest_(std::move(rest)), provider_(provider), device_(device),
-      dtype_(dtype) {
+                   c10::Device device, c10::ScalarType dtype, HeadProvider* head)
+    : config_(config), rest_(std::move(rest)), provider_(provider), head_(head),
+      device_(device), dtype_(dtype) {
   LS_CHECK(provider_ != nullptr, "CausalLm needs a block provider");
+  if (head_ == nullptr) {
+    LS_CHECK(rest_.lm_head.defined(), "CausalLm needs rest.lm_head or a head provider");
+    own_head_ = MakeResidentHead(rest_.lm_head, device_, dtype_);
+    head_ = own_head_.get();
+  }
   LS_CHECK(provider_->num_blocks() == config_.num_hidden_layers,
            "the provider's block count differs from num_hidden_layers");
 }
@@ -86,7 +92,7 @@ at::Tensor CausalLm::Hidden(const at::Tensor& ids, const LoraAdapter& adapter, b
   c.lora_scale = adapter.settings().Scale();
   c.dropout = adapter.settings().dropout;
   c.training = training;
-  at::Tensor h = at::embedding(rest_.embed_tokens, ids);
+  at::Tensor h = Embed(ids);
   for (int i = 0; i < config_.num_hidden_layers; ++i) {
     c.dropout_seed = MixSeed(dropout_seed, static_cast<uint64_t>(i));
     if (checkpointed) {
@@ -100,8 +106,31 @@ at::Tensor CausalLm::Hidden(const at::Tensor& ids, const LoraAdapter& adapter, b
   return h;
 }
 
+at::Tensor CausalLm::Embed(const at::Tensor& ids) {
+  const at::Tensor& table = rest_.embed_tokens;
+  at::Tensor rows = at::embedding(table, ids.to(table.device())).to(dtype_);
+  if (rows.device() == device_) return rows;
+  // Only the batch's rows cross; from pinned memory the copy is asynchronous and at full
+  // speed (the caching host allocator keeps the buffer until the copy has completed).
+  if (device_.is_cuda()) rows = rows.pin_memory();
+  return rows.to(device_, dtype_, /*non_blocking=*/true);
+}
+
 at::Tensor CausalLm::Logits(const at::Tensor& hidden) {
-  return at::linear(RmsNorm(hidden, rest_.norm, config_.rms_norm_eps), rest_.lm_head);
+  const at::Tensor& head = head_->Acquire();
+  at::Tensor logits = at::linear(RmsNorm(hidden, rest_.norm, config_.rms_norm_eps), head);
+  head_->Release();
+  return logits;
+}
+
+int64_t CausalLm::head_chunk_rows(int64_t tokens) const {
+  if (head_chunk_rows_ > 0) return head_chunk_rows_;
+  return HeadChunkRows(tokens, config_.vocab_size, config_.hidden_size, kDefaultHeadChunkBytes);
+}
+
+at::Tensor CausalLm::HeadLossSum(const at::Tensor& hidden, const at::Tensor& targets) {
+  return ChunkedHeadLossSum(hidden, targets, rest_.norm, config_.rms_norm_eps, *head_,
+                            head_chunk_rows(targets.numel()));
 }
 
 at::Tensor CausalLm::LossSum(const at::Tensor& logits, const at::Tensor& targets) {

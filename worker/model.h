@@ -8,12 +8,14 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 
 #include <ATen/core/Tensor.h>
 
 #include "common/model_config.h"
 #include "worker/base_weights.h"
 #include "worker/block_provider.h"
+#include "worker/lm_head.h"
 #include "worker/lora.h"
 
 namespace lorastream {
@@ -55,9 +57,13 @@ at::Tensor CheckpointedBlockForward(const at::Tensor& x, int block, const LoraAd
 
 class CausalLm {
  public:
-  // `rest` and the provider's blocks must be on `device` in `dtype` (the compute dtype).
+  // The provider's blocks and rest.norm must be on `device` in `dtype` (the compute dtype).
+  // rest.embed_tokens may stay in host RAM (any dtype): the batch's rows are gathered there
+  // and only they are copied to the device (through pinned memory on CUDA). The LM head's
+  // weights come from `head` when given (resident or streamed; the caller keeps it alive),
+  // else from rest.lm_head, which must then be on `device` in `dtype`.
   CausalLm(const ModelConfig& config, RestWeights rest, BlockProvider* provider,
-           c10::Device device, c10::ScalarType dtype);
+           c10::Device device, c10::ScalarType dtype, HeadProvider* head = nullptr);
 
   const ModelConfig& config() const { return config_; }
   c10::Device device() const { return device_; }
@@ -70,18 +76,31 @@ class CausalLm {
   // block's masks (mixed with the block index).
   at::Tensor Hidden(const at::Tensor& ids, const LoraAdapter& adapter, bool training,
                     bool checkpointed, uint64_t dropout_seed);
-  // Final norm and LM head: logits [B, S, vocab] in the compute dtype.
+  // Final norm and LM head: logits [B, S, vocab] in the compute dtype (the whole sequence's:
+  // `lorastream-worker parity` writes them; training uses HeadLossSum).
   at::Tensor Logits(const at::Tensor& hidden);
   // Sum over positions of the cross-entropy of logits.float() against `targets` [B, S]
   // (already shifted: targets[s] = labels[s + 1]; -100 ignored), an f32 scalar.
   static at::Tensor LossSum(const at::Tensor& logits, const at::Tensor& targets);
+  // LossSum(Logits(hidden), targets) without the whole sequence's logits: the chunked head
+  // (worker/lm_head.h), in chunks of head_chunk_rows() rows; forward-only without grad.
+  at::Tensor HeadLossSum(const at::Tensor& hidden, const at::Tensor& targets);
+  // Rows per chunk of HeadLossSum for `tokens` positions: the one set, else as many as fit
+  // kDefaultHeadChunkBytes (worker/stream_budget.h), the bound the memory estimate assumes.
+  int64_t head_chunk_rows(int64_t tokens) const;
+  void set_head_chunk_rows(int64_t rows) { head_chunk_rows_ = rows; }
 
  private:
   const RotaryTables& Rotary(int64_t seq_len);
+  // The embeddings of `ids` on the device, gathered where the table is.
+  at::Tensor Embed(const at::Tensor& ids);
 
   ModelConfig config_;
   RestWeights rest_;
   BlockProvider* provider_;
+  std::unique_ptr<HeadProvider> own_head_;  // rest.lm_head when no head provider is given
+  HeadProvider* head_;
+  int64_t head_chunk_rows_ = 0;             // 0: from the default bound
   c10::Device device_;
   c10::ScalarType dtype_;
   std::map<int64_t, RotaryTables> rope_;

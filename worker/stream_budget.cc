@@ -10,28 +10,53 @@
 namespace lorastream {
 
 uint64_t MemoryEstimate::fixed() const {
-  return rest + resident_blocks + adapter + checkpoints + reserve;
+  return rest + (head_streamed ? 0 : head_weights) + resident_blocks + adapter + checkpoints +
+         reserve;
 }
 uint64_t MemoryEstimate::forward() const {
   return fixed() + forward_ring + forward_working + attention;
 }
-uint64_t MemoryEstimate::head() const { return fixed() + ring + lm_head; }
+uint64_t MemoryEstimate::head() const {
+  return fixed() + ring + (head_streamed ? head_weights : 0) + lm_head;
+}
 uint64_t MemoryEstimate::backward() const {
   return fixed() + backward_ring + block_working + attention;
 }
 uint64_t MemoryEstimate::total() const { return std::max({forward(), head(), backward()}); }
 
 std::string MemoryEstimate::Describe() const {
-  return "rest " + FormatBytes(rest, 2) + " + resident blocks " + FormatBytes(resident_blocks, 2) +
+  return "rest " + FormatBytes(rest, 2) + " + LM head weights " + FormatBytes(head_weights, 2) +
+         (head_streamed ? " (streamed: at the LM head only)" : " (resident)") +
+         " + resident blocks " + FormatBytes(resident_blocks, 2) +
          " + adapter&optimizer " + FormatBytes(adapter, 2) + " + checkpoints " +
          FormatBytes(checkpoints, 2) + " + reserve " + FormatBytes(reserve, 2) +
          ", then: forward " + FormatBytes(forward(), 2) + " (slots " +
          FormatBytes(forward_ring, 2) + ", working " + FormatBytes(forward_working, 2) +
          ", attention " + FormatBytes(attention, 2) + "), LM head " + FormatBytes(head(), 2) +
-         " (ring " + FormatBytes(ring, 2) + ", lm head " + FormatBytes(lm_head, 2) +
+         " (ring " + FormatBytes(ring, 2) + ", chunked lm head " + FormatBytes(lm_head, 2) +
+         " in chunks of " + std::to_string(head_chunk_rows) + " rows" +
          "), backward " + FormatBytes(backward(), 2) + " (slots " +
          FormatBytes(backward_ring, 2) + ", block working set " + FormatBytes(block_working, 2) +
          ", attention " + FormatBytes(attention, 2) + "); peak " + FormatBytes(total(), 2);
+}
+
+uint64_t HeadChunkRowBytes(int64_t vocab, int64_t hidden) {
+  return 8 * static_cast<uint64_t>(std::max<int64_t>(vocab, 0)) +
+         16 * static_cast<uint64_t>(std::max<int64_t>(hidden, 0));
+}
+
+int64_t HeadChunkRows(int64_t tokens, int64_t vocab, int64_t hidden, uint64_t bound_bytes) {
+  const uint64_t per_row = std::max<uint64_t>(1, HeadChunkRowBytes(vocab, hidden));
+  const uint64_t rows = std::max<uint64_t>(1, bound_bytes / per_row);
+  return static_cast<int64_t>(
+      std::min<uint64_t>(rows, static_cast<uint64_t>(std::max<int64_t>(tokens, 1))));
+}
+
+void SetNonBlockBytes(MemoryModelInputs* in) {
+  const uint64_t b = static_cast<uint64_t>(in->compute_bytes);
+  const uint64_t h = static_cast<uint64_t>(in->config.hidden_size);
+  in->rest_bytes = h * b;
+  in->head_bytes = static_cast<uint64_t>(in->config.vocab_size) * h * b;
 }
 
 int64_t LoraParameterCount(const ModelConfig& c, int64_t rank,
@@ -63,7 +88,7 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& 
            "block sizes and plan disagree on the number of blocks");
   const uint64_t t = static_cast<uint64_t>(std::max<int64_t>(in.tokens, 0));
   const uint64_t b = static_cast<uint64_t>(in.compute_bytes);
-  const uint64_t h = c.hidden_size, inter = c.intermediate_size, v = c.vocab_size;
+  const uint64_t h = c.hidden_size, inter = c.intermediate_size;
   const uint64_t q = c.num_attention_heads * c.head_dim;
   const uint64_t kv = c.num_key_value_heads * c.head_dim;
   const uint64_t heads = c.num_attention_heads;
@@ -87,7 +112,11 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& 
   e.block_working = t * b * (8 * h + 4 * (q + 2 * kv) + 6 * inter) +
                     t * b * static_cast<uint64_t>(in.lora_rank) * 2 * in.lora_targets.size();
   e.attention = in.attention_materialized ? heads * t * t * b * 2 : heads * t * 4;
-  e.lm_head = t * v * (b + 8);
+  e.head_weights = in.head_bytes;
+  e.head_streamed = plan.head_streamed;
+  e.head_chunk_rows = HeadChunkRows(in.tokens, c.vocab_size, c.hidden_size, in.head_chunk_bytes);
+  e.lm_head = static_cast<uint64_t>(e.head_chunk_rows) * HeadChunkRowBytes(c.vocab_size, c.hidden_size) +
+              2 * t * h * b;
   e.reserve = in.reserve_bytes;
   return e;
 }
@@ -115,26 +144,30 @@ ResidencyPlan PlanFromBudget(const MemoryModelInputs& in, uint64_t budget_bytes,
   RequireValidRingSize(ring_size);
   const int num_blocks = static_cast<int>(in.block_bytes.size());
   // The estimate grows with every resident block, so the largest fitting count is found by
-  // walking down from all-resident; L is small (tens), so no bisection is needed.
-  for (int resident = num_blocks; resident >= 0; --resident) {
-    ResidencyPlan plan = PlanFromSwapCount(num_blocks, num_blocks - resident, ring_size);
-    MemoryEstimate e = EstimateMemory(in, plan);
-    if (e.total() <= budget_bytes) {
-      plan = FillPhaseSlots(in, plan, budget_bytes);
-      e = EstimateMemory(in, plan);
-      LS_LOG_INFO("stream plan from gpu_memory_budget {}: {}; estimate {}",
-                  FormatBytes(budget_bytes, 2), plan.Describe(), e.Describe());
-      return plan;
-    }
-    if (resident == 0) {
-      throw Error(ErrorCode::kRefused,
-                  "stream.gpu_memory_budget " + std::to_string(budget_bytes) + " bytes (" +
-                      FormatBytes(budget_bytes, 2) + ") is below the minimum of " +
-                      std::to_string(e.total()) + " bytes (" + FormatBytes(e.total(), 2) +
-                      ") needed with every block streamed through " +
-                      std::to_string(plan.ring_size) + " slots (" + e.Describe() +
-                      "): raise gpu_memory_budget to at least " + std::to_string(e.total()) +
-                      ", or lower ring_size, seq_len or batch_size");
+  // walking down from all-resident; L is small (tens), so no bisection is needed. The LM
+  // head is streamed only when no plan fits with it resident.
+  for (bool head_streamed : {false, true}) {
+    for (int resident = num_blocks; resident >= 0; --resident) {
+      ResidencyPlan plan = PlanFromSwapCount(num_blocks, num_blocks - resident, ring_size);
+      plan.head_streamed = head_streamed;
+      MemoryEstimate e = EstimateMemory(in, plan);
+      if (e.total() <= budget_bytes) {
+        plan = FillPhaseSlots(in, plan, budget_bytes);
+        e = EstimateMemory(in, plan);
+        LS_LOG_INFO("stream plan from gpu_memory_budget {}: {}; estimate {}",
+                    FormatBytes(budget_bytes, 2), plan.Describe(), e.Describe());
+        return plan;
+      }
+      if (resident == 0 && head_streamed) {
+        throw Error(ErrorCode::kRefused,
+                    "stream.gpu_memory_budget " + std::to_string(budget_bytes) + " bytes (" +
+                        FormatBytes(budget_bytes, 2) + ") is below the minimum of " +
+                        std::to_string(e.total()) + " bytes (" + FormatBytes(e.total(), 2) +
+                        ") needed with every block streamed through " +
+                        std::to_string(plan.ring_size) + " slots and the LM head streamed (" +
+                        e.Describe() + "): raise gpu_memory_budget to at least " +
+                        std::to_string(e.total()) + ", or lower ring_size, seq_len or batch_size");
+      }
     }
   }
   LS_CHECK(false, "unreachable");

@@ -4,7 +4,10 @@
 //
 // The estimate, per micro-batch of T tokens (b = bytes per element of the compute dtype,
 // H = hidden, Q = heads x head_dim, KV = kv heads x head_dim, I = intermediate, V = vocab):
-//   weights        rest segment + resident blocks + R x (largest streamed block)
+//   weights        rest (the final norm) + LM head (V x H x b: resident, for the whole step;
+//                  streamed, during the LM head only) + resident blocks + R x (largest
+//                  streamed block). The embedding table stays in host RAM: only the batch's
+//                  rows (T x H x b) are copied to the device.
 //   adapter        P x 16 bytes: fp32 master weights, fp32 grads, two fp32 Adam moments
 //                  (P = rank x (in + out) summed over the targeted projections of all blocks)
 //   checkpoints    L x T x H x b: each block's input, kept by gradient checkpointing
@@ -13,13 +16,18 @@
 //                  and the gradients flowing through them), plus LoRA's T x rank pieces
 //   attention      heads x T x T x b x 2 (scores and probabilities) where attention
 //                  materialises them (no fused kernel); else heads x T x 4 (logsumexp)
-//   lm head        T x V x (b + 8): logits, their fp32 copy and the fp32 gradient
+//   lm head        the chunked head (worker/lm_head.h): one chunk of C rows at a time,
+//                  C x (8 V + 16 H) (its f32 logits and log-probabilities, the final norm's
+//                  saved tensors), C = HeadChunkRows(T, V, H, head_chunk_bytes); plus
+//                  2 x T x H x b (the last hidden state and its gradient, kept into the
+//                  backward). Never the whole sequence's T x V logits.
 //   forward working  T x b x (4 H + Q + 2 KV + 3 I): one block's forward without grad
 //   reserve        fixed slack for allocator fragmentation and small tensors
 // The step's memory is a timeline of three phases, and the peak is the largest of them
-// (fixed = rest + resident blocks + adapter + checkpoints + reserve):
+// (fixed = rest + resident LM head + resident blocks + adapter + checkpoints + reserve):
 //   forward    fixed + forward_slots x slot + forward working + attention
-//   LM head    fixed + ring_size x slot + lm head     (the forward's last blocks wait in the ring)
+//   LM head    fixed + ring_size x slot + streamed LM head + lm head
+//              (the forward's last blocks wait in the ring)
 //   backward   fixed + backward_slots x slot + block working + attention
 // It is an estimate: the benchmark prints the measured peak next to it.
 #pragma once
@@ -33,10 +41,24 @@
 
 namespace lorastream {
 
+// The default bound on one chunk of the chunked LM head and loss: 256 MiB (a few hundred rows
+// of a 150k vocabulary; each chunk's matmul is still large enough to run at full speed).
+inline constexpr uint64_t kDefaultHeadChunkBytes = uint64_t{256} << 20;
+
+// Bytes one row of a chunk of the chunked head holds at its peak: its logits and
+// log-probabilities in f32 (8 V) and the final norm's saved tensors (16 H).
+uint64_t HeadChunkRowBytes(int64_t vocab, int64_t hidden);
+// Rows per chunk: as many as fit `bound_bytes` (at least 1, at most `tokens`).
+int64_t HeadChunkRows(int64_t tokens, int64_t vocab, int64_t hidden, uint64_t bound_bytes);
+
 struct MemoryModelInputs {
   ModelConfig config;
   std::vector<uint64_t> block_bytes;  // bytes of each block as stored (and copied)
-  uint64_t rest_bytes = 0;            // non-block weights kept on the device
+  uint64_t rest_bytes = 0;            // non-block weights always on the device (final norm)
+  uint64_t head_bytes = 0;            // the LM head's weights on the device (V x H x b)
+  // The chunked head's bound on one chunk's working set (HeadChunkRows): lower = less memory
+  // at the LM head, more (smaller) matmuls.
+  uint64_t head_chunk_bytes = kDefaultHeadChunkBytes;
   int64_t lora_rank = 16;
   std::vector<std::string> lora_targets = {"q_proj", "k_proj",    "v_proj",  "o_proj",
                                            "gate_proj", "up_proj", "down_proj"};
@@ -50,6 +72,9 @@ struct MemoryEstimate {
   uint64_t rest = 0, resident_blocks = 0, ring = 0, adapter = 0, checkpoints = 0,
            block_working = 0, attention = 0, lm_head = 0, reserve = 0;
   uint64_t forward_ring = 0, backward_ring = 0, forward_working = 0;
+  uint64_t head_weights = 0;   // the LM head's weights (in fixed, or in head() when streamed)
+  bool head_streamed = false;
+  int64_t head_chunk_rows = 0;  // the chunked head's rows per chunk
   uint64_t fixed() const;
   uint64_t forward() const;
   uint64_t head() const;
@@ -57,6 +82,11 @@ struct MemoryEstimate {
   uint64_t total() const;        // the peak: the largest phase
   std::string Describe() const;  // "rest 2.1 GB + resident 4 x 436 MB + ..."
 };
+
+// rest_bytes and head_bytes of `in` from its config and compute_bytes: the final norm, and the
+// LM head (V x H in the compute dtype, tied or not: a tied head is the embedding table, which
+// otherwise stays in host RAM and is not counted).
+void SetNonBlockBytes(MemoryModelInputs* in);
 
 // The number of LoRA parameters (A and B of every targeted projection of every block).
 int64_t LoraParameterCount(const ModelConfig& config, int64_t rank,
@@ -66,8 +96,10 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& inputs, const ResidencyPl
 
 // The plan with the most resident blocks whose estimate fits `budget_bytes` (resident blocks
 // spread as PlanFromSwapCount spreads them), its phases then filled with slots up to the
-// budget (FillPhaseSlots). Refuses (kRefused) a budget below the minimum
-// (every block streamed), saying how many bytes that minimum is. Logs the plan and estimate.
+// budget (FillPhaseSlots). The LM head stays resident when some plan fits with it resident;
+// only otherwise is it streamed. Refuses (kRefused) a budget below the minimum (every block
+// and the LM head streamed), saying how many bytes that minimum is. Logs the plan and
+// estimate.
 ResidencyPlan PlanFromBudget(const MemoryModelInputs& inputs, uint64_t budget_bytes,
                              int ring_size);
 

@@ -14,9 +14,11 @@
 #include "common/log.h"
 #include "worker/adamw.h"
 #include "worker/base_weights.h"
+#include "worker/lm_head.h"
 #include "worker/lora.h"
 #include "worker/block.h"
 #include "worker/model.h"
+#include "worker/stream_budget.h"
 #ifdef LORASTREAM_HAVE_CUDA
 #include "worker/cuda/cuda_bandwidth.h"
 #endif
@@ -102,7 +104,8 @@ std::string CalibrationKey(const JobSpec& spec, const BaseWeights& base, const c
          "-H" + std::to_string(c.hidden_size) + "-I" + std::to_string(c.intermediate_size) +
          "-V" + std::to_string(c.vocab_size) + "-" + device.str() + "-" +
          c10::toString(dtype) + "-r" + std::to_string(spec.lora.rank) + "-" + targets + "-T" +
-         std::to_string(spec.train.batch_size * spec.data.seq_len);
+         std::to_string(spec.train.batch_size * spec.data.seq_len) +
+         "-chunked";  // the LM head's figure is the chunked head's (older entries: full logits)
 }
 
 StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c10::Device& device,
@@ -138,16 +141,17 @@ StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c
     return BlockBackward(tape, w, lora, c, dy, /*need_dx=*/true, grads);
   });
 
-  // LM head and loss, forward and backward, from the last hidden state.
+  // The chunked LM head and loss as training runs it, forward and backward, from the last
+  // hidden state (a streamed head's copy is the cost model's, from the bandwidth).
   const at::Tensor norm = base.rest().norm.to(device, dtype);
-  const at::Tensor head = (config.tie_word_embeddings ? base.rest().embed_tokens
-                                                      : base.rest().lm_head).to(device, dtype);
+  const std::unique_ptr<HeadProvider> head = MakeResidentHead(base.rest().lm_head, device, dtype);
   const at::Tensor targets = at::randint(config.vocab_size, {rows, seq},
                                          at::TensorOptions().device(device).dtype(at::kLong));
+  const int64_t chunk_rows = HeadChunkRows(rows * seq, config.vocab_size, config.hidden_size,
+                                           kDefaultHeadChunkBytes);
   costs.head_seconds = TimeIt(reps, [&] {
     at::Tensor h = x.detach().requires_grad_(true);
-    at::Tensor logits = at::linear(RmsNorm(h, norm, config.rms_norm_eps), head);
-    at::Tensor loss = CausalLm::LossSum(logits, targets);
+    at::Tensor loss = ChunkedHeadLossSum(h, targets, norm, config.rms_norm_eps, *head, chunk_rows);
     loss.backward();
     return h.grad();
   });

@@ -35,7 +35,7 @@ std::string StepCosts::Describe() const {
 }
 
 PredictedStep PredictStep(const ResidencyPlan& plan, const std::vector<uint64_t>& block_bytes,
-                          const StepCosts& costs) {
+                          const StepCosts& costs, uint64_t head_bytes) {
   const int num_blocks = plan.num_blocks();
   LS_CHECK(static_cast<int>(block_bytes.size()) == num_blocks, "block sizes and plan differ");
   const double bandwidth = costs.h2d_bytes_per_second;
@@ -49,18 +49,28 @@ PredictedStep PredictStep(const ResidencyPlan& plan, const std::vector<uint64_t>
     const PassPlan p = PlanPass(plan, slots);
     PredictedStep now;
     const double start = compute;
-    auto issue = [&](int u, double ready) {
-      const BlockUse& use = p.uses[u];
-      const uint64_t bytes = block_bytes[use.block];
+    // One copy on the FIFO copy engine, issued at `ready`; returns when it lands.
+    auto copy_bytes = [&](uint64_t bytes, double ready) {
       const double seconds = bandwidth > 0 ? bytes / bandwidth : 0.0;
       copy = std::max(copy, ready) + seconds;
-      slot_ready[use.slot] = copy;
       now.copy_busy_seconds += seconds;
       now.h2d_bytes += bytes;
+      return copy;
+    };
+    auto issue = [&](int u, double ready) {
+      const BlockUse& use = p.uses[u];
+      slot_ready[use.slot] = copy_bytes(block_bytes[use.block], ready);
     };
     for (int u : p.issue_at_start) issue(u, last_release);
     for (int u = 0; u < static_cast<int>(p.uses.size()); ++u) {
-      if (u == num_blocks) compute += costs.head_seconds;
+      if (u == num_blocks) {
+        if (plan.head_streamed) {
+          const double landed = copy_bytes(head_bytes, compute);
+          now.stall_seconds += std::max(0.0, landed - compute);
+          compute = std::max(compute, landed);
+        }
+        compute += costs.head_seconds;
+      }
       for (int d : p.issue_at_acquire[u]) issue(d, compute);
       const BlockUse& use = p.uses[u];
       double begin = compute;
@@ -84,6 +94,7 @@ std::string CandidatePlan::Label() const {
   s << "swap " << plan.num_streamed() << " ring " << plan.ring_size;
   if (plan.forward_slots != plan.ring_size || plan.backward_slots != plan.ring_size)
     s << " fwd " << plan.forward_slots << " bwd " << plan.backward_slots;
+  if (plan.head_streamed) s << " head streamed";
   return s.str();
 }
 
@@ -95,19 +106,23 @@ PlanChoice ChoosePlan(const MemoryModelInputs& inputs, const StepCosts& costs,
     CandidatePlan c;
     c.plan = plan;
     c.peak_bytes = EstimateMemory(inputs, plan).total();
-    c.predicted = PredictStep(plan, inputs.block_bytes, costs);
+    c.predicted = PredictStep(plan, inputs.block_bytes, costs, inputs.head_bytes);
     c.fits = c.peak_bytes <= budget_bytes;
     choice.candidates.push_back(std::move(c));
   };
-  for (int swap = 0; swap <= num_blocks; ++swap) {
-    for (int ring = 1; ring <= std::max(1, max_ring); ++ring) {
-      if (ring > std::max(swap, 1)) break;  // the same plan again
-      const ResidencyPlan hand = PlanFromSwapCount(num_blocks, swap, ring);
-      add(hand);
-      const ResidencyPlan filled = FillPhaseSlots(inputs, hand, budget_bytes);
-      if (filled.forward_slots != hand.forward_slots ||
-          filled.backward_slots != hand.backward_slots)
-        add(filled);
+  for (bool head_streamed : {false, true}) {
+    if (head_streamed && inputs.head_bytes == 0) break;  // nothing to stream
+    for (int swap = 0; swap <= num_blocks; ++swap) {
+      for (int ring = 1; ring <= std::max(1, max_ring); ++ring) {
+        if (ring > std::max(swap, 1)) break;  // the same plan again
+        ResidencyPlan hand = PlanFromSwapCount(num_blocks, swap, ring);
+        hand.head_streamed = head_streamed;
+        add(hand);
+        const ResidencyPlan filled = FillPhaseSlots(inputs, hand, budget_bytes);
+        if (filled.forward_slots != hand.forward_slots ||
+            filled.backward_slots != hand.backward_slots)
+          add(filled);
+      }
     }
   }
   uint64_t minimum = ~uint64_t{0};

@@ -9,7 +9,9 @@
 //   - a copy starts once the copy engine is free and its slot's last reader has finished
 //     (the release it is issued after; a deferred copy: the compute point of its acquire);
 //   - between the forward and the backward the compute stream runs the LM head and loss
-//     (head_seconds); after the backward, the optimizer and the rest of the step (tail).
+//     (head_seconds); a streamed LM head is copied first (issued when the forward's last
+//     block is done, behind the copies before it; the head waits for it); after the
+//     backward, the optimizer and the rest of the step (tail).
 // Host-side launch time is taken as hidden behind the device's work.
 #pragma once
 
@@ -42,9 +44,9 @@ struct PredictedStep {
 };
 
 // The steady-state step of `plan` (one pass per step) under `costs`; block_bytes[i]: the
-// bytes of block i's copy.
+// bytes of block i's copy; head_bytes: the LM head's copy when the plan streams it.
 PredictedStep PredictStep(const ResidencyPlan& plan, const std::vector<uint64_t>& block_bytes,
-                          const StepCosts& costs);
+                          const StepCosts& costs, uint64_t head_bytes = 0);
 
 struct CandidatePlan {
   ResidencyPlan plan;
@@ -61,7 +63,8 @@ struct PlanChoice {
 
 // Candidates: every streamed-block count (resident blocks spread as PlanFromSwapCount
 // spreads them) with rings 1..max_ring, each both as it is (one ring for the whole step, the
-// hand-picked kind) and with its phases filled with slots up to the budget. Chosen: the
+// hand-picked kind) and with its phases filled with slots up to the budget, each with the LM
+// head resident and (when inputs.head_bytes > 0) streamed. Chosen: the
 // smallest predicted step among those that fit (ties: fewer bytes copied, then the lower
 // peak). Error(kRefused) when
 // none fits, naming the minimum.

@@ -293,12 +293,12 @@ MemoryModelInputs MemoryInputsFor(const Manifest& manifest, int64_t lora_rank,
   MemoryModelInputs in;
   in.config = manifest.config;
   for (const SegmentInfo& b : manifest.blocks) in.block_bytes.push_back(b.nbytes);
-  in.rest_bytes = manifest.rest.nbytes;
   in.lora_rank = lora_rank;
   in.lora_targets = lora_targets;
   in.tokens = tokens_per_micro_batch;
   in.compute_bytes = compute_bytes;
   in.attention_materialized = attention_materialized;
+  SetNonBlockBytes(&in);  // the embedding table stays in host RAM
   return in;
 }
 
@@ -316,21 +316,22 @@ std::unique_ptr<StreamEngine> MakeStreamEngine(const Manifest& manifest,
   b.debug_poison = options.debug_poison;
   b.debug_copy_delay_us = options.debug_copy_delay_us;
   b.force_staging = options.force_staging;
-  std::unique_ptr<StreamBackend> backend;
-  if (device.is_cpu()) {
-    backend = std::make_unique<CpuStreamBackend>(b);
-  } else if (device.is_cuda()) {
+  return std::make_unique<StreamEngine>(manifest, std::move(block_bytes), residency,
+                                        MakeStreamBackend(b, device), options.log_plan);
+}
+
+std::unique_ptr<StreamBackend> MakeStreamBackend(const StreamBackendOptions& options,
+                                                 const c10::Device& device) {
+  if (device.is_cpu()) return std::make_unique<CpuStreamBackend>(options);
+  if (device.is_cuda()) {
 #ifdef LORASTREAM_HAVE_CUDA
-    backend = MakeCudaStreamBackend(b, device.has_index() ? device.index() : 0);
+    return MakeCudaStreamBackend(options, device.has_index() ? device.index() : 0);
 #else
     throw Error(ErrorCode::kUnsupported,
                 "device " + device.str() + ": this build of lorastream has no CUDA backend");
 #endif
-  } else {
-    throw Error(ErrorCode::kUnsupported, "device " + device.str() + " is not supported");
   }
-  return std::make_unique<StreamEngine>(manifest, std::move(block_bytes), residency,
-                                        std::move(backend), options.log_plan);
+  throw Error(ErrorCode::kUnsupported, "device " + device.str() + " is not supported");
 }
 
 }  // namespace lorastream

@@ -110,11 +110,17 @@ ResidencyPlan ApplyPhaseSlots(const MemoryModelInputs& inputs, ResidencyPlan pla
                               uint64_t gpu_memory_budget, int64_t forward_slots,
                               int64_t backward_slots);
 
-// Memory-model inputs from the manifest (block and rest sizes) and the job's numbers.
+// Memory-model inputs from the manifest (block sizes), the model's shape (the final norm and
+// the LM head on the device; the embedding table in host RAM) and the job's numbers.
 MemoryModelInputs MemoryInputsFor(const Manifest& manifest, int64_t lora_rank,
                                   const std::vector<std::string>& lora_targets,
                                   int64_t tokens_per_micro_batch, int compute_bytes,
                                   bool attention_materialized);
+
+// The backend for `device`: CUDA for a CUDA device (builds with CUDA), CPU for the CPU.
+// Error(kUnsupported) for a CUDA device in a build without CUDA.
+std::unique_ptr<StreamBackend> MakeStreamBackend(const StreamBackendOptions& options,
+                                                 const c10::Device& device);
 
 // The engine on `device`: the CUDA backend for a CUDA device (builds with CUDA), the CPU
 // backend for the CPU. Error(kUnsupported) for a CUDA device in a build without CUDA.

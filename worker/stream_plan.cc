@@ -29,6 +29,7 @@ std::string ResidencyPlan::Describe() const {
   if (forward_slots != ring_size || backward_slots != ring_size)
     s << " (" << forward_slots << " in the forward, " << backward_slots << " in the backward)";
   s << "; resident [" << resident.str() << "]";
+  if (head_streamed) s << "; LM head streamed";
   return s.str();
 }
 

@@ -29,13 +29,18 @@ struct ResidencyPlan {
                                // min(requested ring, streamed blocks); 0 = none stream
   int forward_slots = 0;       // slots during the forward pass (ring_size..streamed blocks)
   int backward_slots = 0;      // slots during the backward pass (ring_size..streamed blocks)
+  // The LM head's weights are copied to the device for the head only (into memory of their
+  // own, freed once the chunked head's forward, which also computes its gradient, is done),
+  // instead of staying resident for the whole job. The blocks' ring is not involved.
+  bool head_streamed = false;
 
   int num_blocks() const { return static_cast<int>(streamed.size()); }
   int num_streamed() const;
   int max_slots() const { return std::max(forward_slots, backward_slots); }
   // Slots that may stay filled from the end of one pass into the next one's forward.
   int pass_boundary_slots() const { return std::min(forward_slots, backward_slots); }
-  // One line for the log: "12 of 16 blocks streamed [0 1 3 ...] through 2 slots; resident [2 ...]".
+  // One line for the log: "12 of 16 blocks streamed [0 1 3 ...] through 2 slots; resident
+  // [2 ...]" (and "; LM head streamed" when it is).
   std::string Describe() const;
 };
 

@@ -17,6 +17,7 @@
 #include "common/memory_mapping.h"
 #include "store/shm_segment.h"
 #include "worker/base_weights.h"
+#include "worker/lm_head.h"
 #include "worker/stream_calibrate.h"
 #include "worker/stream_cost.h"
 #include "worker/torch_device.h"
@@ -88,12 +89,13 @@ class PackedBlocks {
 };
 
 // The engine plus, when the base had to be packed, the host buffers it streams from
-// (declared first: destroyed after the engine, whose copies read them).
+// (declared first: destroyed after the engine, whose copies read them), and the LM head
+// when the plan streams it.
 class StreamProvider : public BlockProvider {
  public:
   StreamProvider(std::unique_ptr<PackedBlocks> packed, std::unique_ptr<StreamEngine> engine,
-                 double predicted_step_seconds)
-      : packed_(std::move(packed)), engine_(std::move(engine)),
+                 std::unique_ptr<HeadProvider> head, double predicted_step_seconds)
+      : packed_(std::move(packed)), engine_(std::move(engine)), head_(std::move(head)),
         predicted_(predicted_step_seconds) {}
   int num_blocks() const override { return engine_->num_blocks(); }
   void BeginStep() override {
@@ -117,11 +119,16 @@ class StreamProvider : public BlockProvider {
   }
   const BlockWeights& Acquire(int block) override { return engine_->Acquire(block); }
   void Release(int block) override { engine_->Release(block); }
-  void EndStep(StepStats& stats) override { engine_->EndStep(stats); }
+  void EndStep(StepStats& stats) override {
+    engine_->EndStep(stats);
+    if (head_) head_->CollectStats(stats);  // the head's copy counts with the blocks'
+  }
+  HeadProvider* lm_head() override { return head_.get(); }
 
  private:
   std::unique_ptr<PackedBlocks> packed_;
   std::unique_ptr<StreamEngine> engine_;
+  std::unique_ptr<HeadProvider> head_;  // null: the head stays resident (the trainer's)
   const double predicted_;  // seconds per step; 0: no prediction
   std::chrono::steady_clock::time_point last_begin_;
   int64_t steps_ = 0;
@@ -157,7 +164,10 @@ std::unique_ptr<BlockProvider> MakeStreamProvider(const JobSpec& spec, const Bas
   // The trainer always checkpoints every block (worker/checkpointed_block.cc).
   RequireCheckpointingForStreaming(planning.plan, /*gradient_checkpointing=*/true);
   auto engine = MakeStreamEngine(*manifest, pointers, planning.plan, device, options);
-  return std::make_unique<StreamProvider>(std::move(packed), std::move(engine),
+  std::unique_ptr<HeadProvider> head;
+  // A tied model's head is its embedding table (BaseWeights::rest().lm_head is that view).
+  if (planning.plan.head_streamed) head = MakeStreamedHead(base.rest().lm_head, device, dtype, options);
+  return std::make_unique<StreamProvider>(std::move(packed), std::move(engine), std::move(head),
                                           planning.predicted_step_seconds);
 }
 
@@ -206,7 +216,8 @@ StreamPlanning PlanJobStream(const JobSpec& spec, const BaseWeights& base,
   };
   out.plan = ApplyPhaseSlots(inputs, chosen.plan, st.gpu_memory_budget,
                              at_least_ring(st.forward_slots), at_least_ring(st.backward_slots));
-  out.predicted_step_seconds = PredictStep(out.plan, inputs.block_bytes, costs).step_seconds;
+  out.predicted_step_seconds =
+      PredictStep(out.plan, inputs.block_bytes, costs, inputs.head_bytes).step_seconds;
   LS_LOG_INFO("stream plan from gpu_memory_budget {} by the cost model ({} candidates; {}): "
               "{}; predicted {:.1f} ms per step (resident {:.1f} ms); estimate {}",
               FormatBytes(st.gpu_memory_budget), choice.candidates.size(), costs.Describe(),

@@ -27,6 +27,7 @@
 #include "worker/adamw.h"
 #include "worker/base_weights.h"
 #include "worker/evaluate.h"
+#include "worker/lm_head.h"
 #include "worker/lora.h"
 #include "worker/model.h"
 #include "worker/resident_provider.h"
@@ -140,11 +141,19 @@ TrainResult RunTraining(const JobSpec& spec_in, const TrainOptions& options,
   std::unique_ptr<BlockProvider> provider =
       options.make_provider ? options.make_provider(spec, base, device.str(), dtype_name)
                             : std::make_unique<ResidentProvider>(base, device, dtype);
+  // The LM head: the provider's when its plan streams it, else resident on the device.
+  std::unique_ptr<HeadProvider> resident_head;
+  HeadProvider* head = provider->lm_head();
+  if (head == nullptr) {
+    resident_head = MakeResidentHead(base.rest().lm_head, device, dtype);
+    head = resident_head.get();
+  }
   RestWeights rest;
-  rest.embed_tokens = base.rest().embed_tokens.to(device, dtype);
+  // The embedding table stays in host RAM (the store's shared memory or the checkpoint's
+  // mapping): each micro-batch's rows are gathered there and only they are copied.
+  rest.embed_tokens = base.rest().embed_tokens;
   rest.norm = base.rest().norm.to(device, dtype);
-  rest.lm_head = config.tie_word_embeddings ? rest.embed_tokens : base.rest().lm_head.to(device, dtype);
-  CausalLm model(config, rest, provider.get(), device, dtype);
+  CausalLm model(config, rest, provider.get(), device, dtype, head);
 
   // Adapter and optimizer: fresh, or from the latest checkpoint.
   const std::string fingerprint = Fingerprint(spec);
@@ -232,12 +241,12 @@ TrainResult RunTraining(const JobSpec& spec_in, const TrainOptions& options,
     double loss_value = 0.0;
     for (int64_t m = 0; m < accum; ++m) {
       const Batch& b = batches[m];
-      at::Tensor ids = ToDeviceLong(b.ids, b.rows, b.seq_len, device);
+      at::Tensor ids = ToDeviceLong(b.ids, b.rows, b.seq_len, at::kCPU);  // gathered on the host
       at::Tensor targets = ToDeviceLong(b.targets, b.rows, b.seq_len, device);
       at::Tensor hidden = model.Hidden(ids, *adapter, /*training=*/true, /*checkpointed=*/true,
                                        MixSeed(spec.train.seed, 0xd209, static_cast<uint64_t>(state.step),
                                                static_cast<uint64_t>(m)));
-      at::Tensor loss = CausalLm::LossSum(model.Logits(hidden), targets) /
+      at::Tensor loss = model.HeadLossSum(hidden, targets) /
                         static_cast<double>(std::max<int64_t>(1, n_targets));
       loss.backward();
       loss_value += loss.item<double>();

@@ -55,7 +55,8 @@ bool BitEqual(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 
 }  // namespace
 
-TEST_CASE("evaluation builds no autograd graph; the same forward with grad would",
+TEST_CASE("evaluation builds no autograd graph and does no gradient work; the same forward "
+          "with grad would",
           "[worker]") {
   testing::TempDir dir("evalgraph");
   BaseWeights base = BaseWeights::FromCheckpoint(testing::MakeCheckpoint(dir / "m", "tiny"));
@@ -72,6 +73,7 @@ TEST_CASE("evaluation builds no autograd graph; the same forward with grad would
     set.labels.push_back(i * 7 % 500);
   }
   const Batch batch = MakeBatchOf(set, {0, 1});
+  model.set_head_chunk_rows(5);  // the chunked head in chunks that do not divide 32 rows
   at::Tensor loss = EvalLossSum(model, adapter, batch);
   CHECK_FALSE(loss.requires_grad());
   CHECK(loss.grad_fn() == nullptr);
@@ -81,8 +83,7 @@ TEST_CASE("evaluation builds no autograd graph; the same forward with grad would
   provider.BeginStep();
   at::Tensor ids = ToDeviceLong(batch.ids, batch.rows, batch.seq_len, at::kCPU);
   at::Tensor targets = ToDeviceLong(batch.targets, batch.rows, batch.seq_len, at::kCPU);
-  at::Tensor with_grad =
-      CausalLm::LossSum(model.Logits(model.Hidden(ids, adapter, false, false, 0)), targets);
+  at::Tensor with_grad = model.HeadLossSum(model.Hidden(ids, adapter, false, false, 0), targets);
   CHECK(with_grad.grad_fn() != nullptr);
   CHECK(BitEqual(with_grad.item<double>(), loss.item<double>()));
 

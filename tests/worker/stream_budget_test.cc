@@ -28,24 +28,42 @@ TEST_CASE("the memory estimate follows its documented formula", "[worker]") {
   REQUIRE(block == 436207616ULL + 4 * 4096);  // 218M bf16 parameters and two norms
   REQUIRE(e.resident_blocks == 4 * block);
   REQUIRE(e.ring == 2 * block);
-  REQUIRE(e.rest == in.rest_bytes);
+  // On the device: the final norm and the LM head; the embedding table stays in host RAM.
+  REQUIRE(e.rest == 4096ULL * 2);
+  REQUIRE(e.head_weights == 128256ULL * 4096 * 2);
+  REQUIRE_FALSE(e.head_streamed);
   REQUIRE(e.adapter == 16ULL * 1310720 * 16);
   REQUIRE(e.checkpoints == 16ULL * 2048 * 4096 * 2);
   REQUIRE(e.block_working ==
           2048ULL * 2 * (8 * 4096 + 4 * (4096 + 2 * 1024) + 6 * 14336) + 2048ULL * 2 * 16 * 2 * 7);
   REQUIRE(e.attention == 32ULL * 2048 * 4);
-  REQUIRE(e.lm_head == 2048ULL * 128256 * 10);
+  // The chunked head: 245 rows of f32 logits and log-probabilities plus the norm's saved
+  // tensors fit 256 MiB; the last hidden state and its gradient. Not 2048 x 128256 logits.
+  REQUIRE(HeadChunkRows(2048, 128256, 4096, kDefaultHeadChunkBytes) == 245);
+  REQUIRE(e.head_chunk_rows == 245);
+  REQUIRE(e.lm_head == 245ULL * (128256 * 8 + 4096 * 16) + 2 * 2048ULL * 4096 * 2);
   REQUIRE(e.forward_working == 2048ULL * 2 * (4 * 4096 + 4096 + 2 * 1024 + 3 * 14336));
   // The timeline: three phases, the peak the largest.
-  const uint64_t fixed = e.rest + e.resident_blocks + e.adapter + e.checkpoints + e.reserve;
+  const uint64_t fixed =
+      e.rest + e.head_weights + e.resident_blocks + e.adapter + e.checkpoints + e.reserve;
   REQUIRE(e.forward() == fixed + 2 * block + e.forward_working + e.attention);
   REQUIRE(e.head() == fixed + e.ring + e.lm_head);
   REQUIRE(e.backward() == fixed + 2 * block + e.block_working + e.attention);
   REQUIRE(e.total() == std::max({e.forward(), e.head(), e.backward()}));
-  // At 2048 tokens the LM head's buffers are the peak: the forward and the backward have
-  // room for more slots.
-  REQUIRE(e.total() == e.head());
-  REQUIRE(e.forward() + 2 * block < e.head());
+  // At 2048 tokens the chunked head's buffers are below the recomputed block's: the backward
+  // is the peak, and the forward and the LM head have room for more.
+  REQUIRE(e.total() == e.backward());
+  REQUIRE(e.head() < e.backward());
+  REQUIRE(e.forward() < e.backward());
+  // A streamed head is on the device during the LM head only.
+  ResidencyPlan streamed_head = plan;
+  streamed_head.head_streamed = true;
+  const MemoryEstimate s = EstimateMemory(in, streamed_head);
+  REQUIRE(s.fixed() == e.fixed() - e.head_weights);
+  REQUIRE(s.head() == e.head());
+  REQUIRE(s.forward() == e.forward() - e.head_weights);
+  REQUIRE(s.backward() == e.backward() - e.head_weights);
+  REQUIRE(s.Describe().find("streamed") != std::string::npos);
   // Phase slots raise only their phase.
   const MemoryEstimate more = EstimateMemory(in, WithPhaseSlots(plan, 5, 4));
   REQUIRE(more.forward() == e.forward() + 3 * block);
@@ -84,7 +102,13 @@ TEST_CASE("a budget plans the largest resident set that fits", "[worker]") {
 
 TEST_CASE("a budget below the minimum is refused with the bytes needed", "[worker]") {
   const MemoryModelInputs in = Inputs(16, 2048);
-  const uint64_t minimum = EstimateMemory(in, PlanFromSwapCount(16, 16, 2)).total();
+  // The minimum: every block streamed and the LM head too (a budget below the resident
+  // head's minimum streams the head rather than being refused).
+  ResidencyPlan all = PlanFromSwapCount(16, 16, 2);
+  REQUIRE_FALSE(PlanFromBudget(in, EstimateMemory(in, all).total(), 2).head_streamed);
+  REQUIRE(PlanFromBudget(in, EstimateMemory(in, all).total() - 1, 2).head_streamed);
+  all.head_streamed = true;
+  const uint64_t minimum = EstimateMemory(in, all).total();
   try {
     PlanFromBudget(in, minimum - 1, 2);
     FAIL("budget below the minimum accepted");
@@ -95,7 +119,9 @@ TEST_CASE("a budget below the minimum is refused with the bytes needed", "[worke
     REQUIRE(msg.find(std::to_string(minimum)) != std::string::npos);
   }
   // A ring of 1 lowers the minimum by one block.
-  const uint64_t minimum1 = EstimateMemory(in, PlanFromSwapCount(16, 16, 1)).total();
+  ResidencyPlan all1 = PlanFromSwapCount(16, 16, 1);
+  all1.head_streamed = true;
+  const uint64_t minimum1 = EstimateMemory(in, all1).total();
   REQUIRE(minimum1 == minimum - in.block_bytes[0]);
   REQUIRE(PlanFromBudget(in, minimum1, 1).num_streamed() == 16);
   REQUIRE_THROWS_AS(PlanFromBudget(in, minimum, 0), Error);
@@ -103,15 +129,20 @@ TEST_CASE("a budget below the minimum is refused with the bytes needed", "[worke
 
 TEST_CASE("the 8 GiB benchmark budget at 2048 tokens", "[worker]") {
   const ResidencyPlan p = PlanFromBudget(Inputs(16, 2048), 8ULL << 30, 2);
-  // Documented in the benchmark: the estimate leaves room for a few resident blocks.
-  REQUIRE(p.num_streamed() < 16);
-  REQUIRE(p.num_streamed() > 8);
+  // With the embedding table in host RAM and the LM head in chunks, 11 of 16 blocks stay
+  // (the full logits and both tables on the device left room for 4: 12 streamed).
+  REQUIRE(p.num_streamed() == 5);
+  REQUIRE_FALSE(p.head_streamed);
   REQUIRE(p.ring_size == 2);
 }
 
 TEST_CASE("the timeline at ring 2's peak: more slots in the forward than in the backward",
           "[worker]") {
-  const MemoryModelInputs in = Inputs(16, 2048);
+  // The LM head in one chunk of all 2048 rows (as the whole-sequence logits were): the head
+  // is the peak, the forward and the backward have headroom.
+  MemoryModelInputs in = Inputs(16, 2048);
+  in.head_chunk_bytes = uint64_t{8} << 30;
+  REQUIRE(EstimateMemory(in, PlanFromSwapCount(16, 12, 2)).head_chunk_rows == 2048);
   const ResidencyPlan ring2 = PlanFromSwapCount(16, 12, 2);
   const uint64_t peak = EstimateMemory(in, ring2).total();
   const ResidencyPlan timeline = FillPhaseSlots(in, ring2, peak);
@@ -131,4 +162,46 @@ TEST_CASE("the timeline at ring 2's peak: more slots in the forward than in the 
   REQUIRE(b.num_streamed() == 12);
   REQUIRE(b.forward_slots == timeline.forward_slots);
   REQUIRE(b.backward_slots == timeline.backward_slots);
+}
+
+TEST_CASE("issue 15: a Qwen3-8B-shaped model trains at 2048 tokens within 5 GiB", "[worker]") {
+  const MemoryModelInputs in = InputsFor(Qwen3_8bShape(), 2048);
+  const uint64_t gib = uint64_t{1} << 30;
+  REQUIRE(in.block_bytes[0] == 385892864ULL);  // 192.9M bf16 parameters per block
+  // Every block streamed through 2 slots, the head resident: 4.09 GiB, the backward's peak
+  // (the embedding table is not on the device; the chunked head's working set is 0.28 GiB:
+  // 209 rows of 1.28 MB, plus the last hidden state and its gradient).
+  const ResidencyPlan all = PlanFromSwapCount(36, 36, 2);
+  const MemoryEstimate e = EstimateMemory(in, all);
+  REQUIRE(e.head_chunk_rows == 209);
+  REQUIRE(e.lm_head == 209ULL * (151936 * 8 + 4096 * 16) + 2 * 2048ULL * 4096 * 2);
+  REQUIRE(e.lm_head < gib * 3 / 10);  // was 2.90 GiB of full logits
+  REQUIRE(e.total() == e.backward());
+  REQUIRE(e.total() == 4393706496ULL);
+  // The LM head streamed as well: the head's phase is the peak, 3.87 GiB.
+  ResidencyPlan all_head = all;
+  all_head.head_streamed = true;
+  REQUIRE(EstimateMemory(in, all_head).total() == 4156944384ULL);
+  // 5 GiB is accepted: the head stays resident and 2 blocks besides it.
+  const uint64_t budget = 5 * gib;
+  const ResidencyPlan p = PlanFromBudget(in, budget, 2);
+  REQUIRE(EstimateMemory(in, p).total() <= budget);
+  REQUIRE(p.num_streamed() == 34);
+  REQUIRE_FALSE(p.head_streamed);
+  REQUIRE(p.forward_slots > p.ring_size);  // the forward's headroom holds more slots
+  // Below the resident head's minimum the head is streamed rather than refused; below the
+  // streamed head's minimum the refusal names it.
+  const ResidencyPlan tight = PlanFromBudget(in, e.total() - 1, 2);
+  REQUIRE(tight.head_streamed);
+  REQUIRE(tight.num_streamed() == 36);
+  try {
+    PlanFromBudget(in, 4156944384ULL - 1, 2);
+    FAIL("a budget below the minimum accepted");
+  } catch (const Error& error) {
+    REQUIRE(error.code() == ErrorCode::kRefused);
+    REQUIRE(std::string(error.what()).find("4156944384") != std::string::npos);
+    REQUIRE(std::string(error.what()).find("LM head streamed") != std::string::npos);
+  }
+  // A ring of 1 lowers the minimum to 3.51 GiB.
+  REQUIRE(PlanFromBudget(in, 4156944384ULL - in.block_bytes[0], 1).head_streamed);
 }

@@ -121,18 +121,56 @@ TEST_CASE("the planner's choice is never slower than a hand-picked plan that fit
   }
 }
 
-TEST_CASE("at 2048 tokens in 8 GiB the choice beats today's 12-streamed ring of 2 by using "
-          "the timeline", "[worker]") {
-  const MemoryModelInputs in = Inputs(16, 2048);
+TEST_CASE("at 2048 tokens in 8 GiB the choice beats today's 12-streamed ring of 2, by "
+          "resident blocks and by the timeline", "[worker]") {
   const StepCosts c = H200Like(2048);
-  const PlanChoice choice = ChoosePlan(in, c, 8ULL << 30);
-  const CandidatePlan& chosen = choice.candidates[choice.chosen];
   const ResidencyPlan today = PlanFromSwapCount(16, 12, 2);
-  REQUIRE(EstimateMemory(in, today).total() <= (8ULL << 30));
-  const PredictedStep t = PredictStep(today, in.block_bytes, c);
-  REQUIRE(chosen.predicted.step_seconds < t.step_seconds);
-  REQUIRE(chosen.predicted.h2d_bytes < t.h2d_bytes);
-  REQUIRE(chosen.plan.max_slots() > chosen.plan.ring_size);
+  // The chunked head (and the embedding table in host RAM) leave room for more resident
+  // blocks; the LM head in one chunk of all 2048 rows (as the whole-sequence logits were)
+  // leaves room only for extra slots in the forward and the backward: the timeline.
+  for (uint64_t chunk_bytes : {kDefaultHeadChunkBytes, uint64_t{8} << 30}) {
+    CAPTURE(chunk_bytes);
+    MemoryModelInputs in = Inputs(16, 2048);
+    in.head_chunk_bytes = chunk_bytes;
+    const PlanChoice choice = ChoosePlan(in, c, 8ULL << 30);
+    const CandidatePlan& chosen = choice.candidates[choice.chosen];
+    REQUIRE(EstimateMemory(in, today).total() <= (8ULL << 30));
+    const PredictedStep t = PredictStep(today, in.block_bytes, c);
+    REQUIRE(chosen.predicted.step_seconds < t.step_seconds);
+    REQUIRE(chosen.predicted.h2d_bytes < t.h2d_bytes);
+    if (chunk_bytes == kDefaultHeadChunkBytes) {
+      REQUIRE(chosen.plan.num_streamed() < today.num_streamed());
+    } else {
+      REQUIRE(chosen.plan.max_slots() > chosen.plan.ring_size);
+    }
+  }
+}
+
+TEST_CASE("cost model: a streamed LM head's copy is waited for before the head", "[worker]") {
+  // Resident blocks: the copy engine is idle when the forward ends, so the head's copy
+  // (issued then) adds its whole time to the step, as a stall.
+  const MemoryModelInputs in = InputsFor(Qwen3_8bShape(), 2048);
+  const StepCosts c = H200Like(2048);
+  ResidencyPlan plan = PlanFromSwapCount(36, 0, 2);
+  const PredictedStep resident = PredictStep(plan, in.block_bytes, c, in.head_bytes);
+  plan.head_streamed = true;
+  const PredictedStep streamed = PredictStep(plan, in.block_bytes, c, in.head_bytes);
+  const double copy = in.head_bytes / c.h2d_bytes_per_second;
+  REQUIRE(streamed.step_seconds == Approx(resident.step_seconds + copy));
+  REQUIRE(streamed.stall_seconds == Approx(copy));
+  REQUIRE(streamed.h2d_bytes == in.head_bytes);
+  // At 5 GiB the Qwen3-8B shape is accepted; the choice fits and streams most blocks.
+  const PlanChoice choice = ChoosePlan(in, c, 5ULL << 30);
+  const CandidatePlan& chosen = choice.candidates[choice.chosen];
+  REQUIRE(chosen.fits);
+  REQUIRE(chosen.peak_bytes <= (5ULL << 30));
+  INFO(DescribeChoice(choice, 5ULL << 30));
+  // Never slower than the budget's plan without a cost model (the head resident, 34 blocks
+  // streamed), among whose alternatives it also weighs streaming the head.
+  const ResidencyPlan simple = PlanFromBudget(in, 5ULL << 30, 2);
+  REQUIRE(chosen.predicted.step_seconds <=
+          PredictStep(simple, in.block_bytes, c, in.head_bytes).step_seconds);
+  REQUIRE(DescribeChoice(choice, 5ULL << 30).find("head streamed") != std::string::npos);
 }
 
 TEST_CASE("a budget below every plan is refused with the minimum", "[worker]") {

@@ -1,5 +1,6 @@
-// The llama-3-8b block shape the streaming planner's tests reason about (the benchmark's
-// 16-layer checkpoint), as memory-model inputs: bf16 blocks sized from the shapes.
+// The shapes the streaming planner's tests reason about, as memory-model inputs: the
+// llama-3-8b block (the benchmark's 16-layer checkpoint) and the full Qwen3-8B (issue 15's
+// smallest-GPU target).
 #pragma once
 
 #include <cstdint>
@@ -22,21 +23,36 @@ inline ModelConfig Llama3_8bShape(int layers) {
   return c;
 }
 
-inline MemoryModelInputs Inputs(int layers, int64_t tokens) {
+// Qwen3-8B: 36 blocks of 386 MB in bf16, a 151,936-token vocabulary, untied LM head.
+inline ModelConfig Qwen3_8bShape() {
+  ModelConfig c = Llama3_8bShape(36);  // the same attention shape
+  c.model_type = "qwen3";
+  c.intermediate_size = 12288;
+  c.vocab_size = 151936;
+  c.qk_norm = true;
+  return c;
+}
+
+// bf16 blocks sized from the config's shapes; the final norm and the LM head on the device,
+// the embedding table in host RAM (SetNonBlockBytes).
+inline MemoryModelInputs InputsFor(const ModelConfig& config, int64_t tokens) {
   MemoryModelInputs in;
-  in.config = Llama3_8bShape(layers);
-  // bf16 block: 2 x (4 x 4096 x 4096 / 4 x ... ) computed from the shapes.
+  in.config = config;
   uint64_t block = 0;
   for (const auto& [name, shape] : in.config.BlockTensorShapes()) {
     uint64_t n = 2;
     for (int64_t d : shape) n *= d;
     block += n;
   }
-  in.block_bytes.assign(layers, block);
-  in.rest_bytes = 2ULL * 2 * 128256 * 4096 + 2 * 4096;
+  in.block_bytes.assign(config.num_hidden_layers, block);
   in.tokens = tokens;
   in.compute_bytes = 2;
+  SetNonBlockBytes(&in);
   return in;
+}
+
+inline MemoryModelInputs Inputs(int layers, int64_t tokens) {
+  return InputsFor(Llama3_8bShape(layers), tokens);
 }
 
 }  // namespace lorastream::testing

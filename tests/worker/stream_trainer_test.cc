@@ -178,3 +178,40 @@ TEST_CASE("trainer: phase slots and the cost model's budget plan give the reside
   REQUIRE(got.adapter == want.adapter);
   REQUIRE(got.stats[1].copies > 0);  // everything streamed
 }
+
+TEST_CASE("trainer: the LM head streamed and the embedding table in host RAM give the "
+          "resident results bit for bit", "[worker]") {
+  TinyJob job;
+  const RunRecord want = job.Run(0, 2, /*streamed=*/false);
+  REQUIRE(setenv("LORASTREAM_CACHE_DIR", (job.dir() + "/cache").c_str(), 1) == 0);
+  // A budget that only plans with the head streamed fit: every block streamed through one
+  // slot, the head on the device at the LM head only.
+  uint64_t head_bytes = 0, block_bytes = 0;
+  bool head_streamed = false;
+  const auto at_minimum = [&](JobSpec& s) {
+    const BaseWeights base = BaseWeights::ForJob(s);
+    const MemoryModelInputs in =
+        JobMemoryInputs(s, ComputeLayout(base, at::kFloat), c10::Device(c10::kCPU), at::kFloat);
+    ResidencyPlan plan = PlanFromSwapCount(4, 4, 1);
+    const uint64_t resident_head = EstimateMemory(in, plan).total();
+    plan.head_streamed = true;
+    s.stream.gpu_memory_budget = EstimateMemory(in, plan).total();
+    REQUIRE(resident_head > s.stream.gpu_memory_budget);
+    head_bytes = in.head_bytes;
+    block_bytes = in.block_bytes[0];
+    head_streamed = PlanJobStream(s, base, in, c10::Device(c10::kCPU), at::kFloat).plan.head_streamed;
+  };
+  StreamEngineOptions slow;
+  slow.debug_poison = true;
+  slow.debug_copy_delay_us = 1000;
+  const RunRecord got = job.Run(0, 1, /*streamed=*/true, slow, at_minimum);
+  unsetenv("LORASTREAM_CACHE_DIR");
+  REQUIRE(head_streamed);
+  REQUIRE(BitEqual(got.losses, want.losses));
+  REQUIRE(BitEqual(got.grad_norms, want.grad_norms));
+  REQUIRE(got.adapter == want.adapter);
+  // Each of the step's two passes copied the head once, besides its blocks.
+  const StepStats& s = got.stats[1];
+  REQUIRE(s.copies > 2);
+  REQUIRE(s.h2d_bytes == static_cast<uint64_t>(s.copies - 2) * block_bytes + 2 * head_bytes);
+}

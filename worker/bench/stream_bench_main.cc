@@ -182,7 +182,7 @@ double MeasureBandwidth(const BenchOptions& o, const AttachedStore& store) {
 void Predict(const JobSpec& spec, const BaseWeights& base, const MemoryModelInputs& in,
              const StepCosts& costs, const c10::Device& device, c10::ScalarType dtype, Row* row) {
   const StreamPlanning p = PlanJobStream(spec, base, in, device, dtype);
-  row->predicted_s = PredictStep(p.plan, in.block_bytes, costs).step_seconds;
+  row->predicted_s = PredictStep(p.plan, in.block_bytes, costs, in.head_bytes).step_seconds;
   row->estimate_gib = EstimateMemory(in, p.plan).total() / double(1ULL << 30);
   row->resident_blocks = p.plan.num_blocks() - p.plan.num_streamed();
   row->slots = std::to_string(p.plan.ring_size);
