@@ -90,10 +90,6 @@ PackPlan PlanPack(const Checkpoint& cp, const PackOptions& options) {
     if (!ConvertibleToBF16(dt))
       fail("tensor `" + full + "` is " + DTypeName(dt) +
            "; the store holds floating-point weights (F32, F16, BF16)");
-    const int64_t bad = FirstNonFinite(ref.file->Data(*ref.entry), ref.entry->numel(), dt);
-    if (bad >= 0)
-      fail("tensor `" + full + "` holds a NaN or infinite value (element " +
-           std::to_string(bad) + "); the base weights must be finite");
     if (!source_dtype) {
       source_dtype = dt;
       first_tensor = full;
@@ -112,7 +108,23 @@ PackPlan PlanPack(const Checkpoint& cp, const PackOptions& options) {
   for (int64_t i = 0; i < config.num_hidden_layers; ++i)
     m.blocks.push_back(LayoutSegment(block_shapes, "", m.dtype, options.alignment));
   m.rest = LayoutSegment(rest_shapes, "", m.dtype, options.alignment);
+  if (options.scan_weights) RefuseNonFiniteWeights(plan);
   return plan;
+}
+
+void RefuseNonFiniteWeights(const PackPlan& plan) {
+  auto scan = [&](const Checkpoint::Ref& ref) {
+    const int64_t bad =
+        FirstNonFinite(ref.file->Data(*ref.entry), ref.entry->numel(), ref.entry->dtype);
+    if (bad >= 0)
+      throw Error(ErrorCode::kCorrupt, plan.manifest.source_dir + ": tensor `" + ref.entry->name +
+                                           "` holds a NaN or infinite value (element " +
+                                           std::to_string(bad) +
+                                           "); the base weights must be finite");
+  };
+  for (const std::vector<Checkpoint::Ref>& block : plan.block_sources)
+    for (const Checkpoint::Ref& ref : block) scan(ref);
+  for (const Checkpoint::Ref& ref : plan.rest_sources) scan(ref);
 }
 
 }  // namespace lorastream

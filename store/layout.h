@@ -22,11 +22,19 @@ struct PackPlan {
 struct PackOptions {
   bool to_bf16 = false;      // convert F32/F16 tensors to BF16 (else keep the file's dtype)
   uint64_t alignment = 256;  // of every tensor's offset inside its segment (power of two)
+  // Scan every weight for NaN/infinity: reads the whole checkpoint (minutes for a large model
+  // on disk). Serve turns it off and calls RefuseNonFiniteWeights once the cheap checks have
+  // passed (the store fits /dev/shm), so that a refusal that needs no weight comes at once.
+  bool scan_weights = true;
 };
 
 // Throws Error(kCorrupt) naming the folder and the tensor for a missing block, a missing,
 // extra or misshapen tensor, a dtype the store cannot hold, or a NaN/infinite value. The one
 // validation of a checkpoint folder: serve, inspect and the worker's direct load all use it.
 PackPlan PlanPack(const Checkpoint& checkpoint, const PackOptions& options);
+
+// The NaN/infinity part of PlanPack on its own (for a plan made with scan_weights = false):
+// Error(kCorrupt) naming the folder, the tensor and the element.
+void RefuseNonFiniteWeights(const PackPlan& plan);
 
 }  // namespace lorastream

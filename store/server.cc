@@ -116,13 +116,17 @@ std::unique_ptr<PublishedStore> PublishedStore::Build(const store::ServeOptions&
                           : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   // Everything that can be wrong with the checkpoint is found here, before any shm object.
   Checkpoint checkpoint = Checkpoint::Open(options.model_dir);
-  PackPlan plan = PlanPack(checkpoint, PackOptions{options.to_bf16, 256});
+  PackOptions pack;
+  pack.to_bf16 = options.to_bf16;
+  pack.scan_weights = false;  // below, after the checks that need no weight read
+  PackPlan plan = PlanPack(checkpoint, pack);
   uint64_t needed = 0;
   for (const SegmentInfo& b : plan.manifest.blocks) needed += RoundUpToPage(b.nbytes);
   needed += RoundUpToPage(plan.manifest.rest.nbytes);
 
   RemoveStaleStore(options.name);  // refuses when a live store holds the name
   CheckShmSpace(needed);
+  RefuseNonFiniteWeights(plan);
   std::unique_ptr<PublishedStore> store(new PublishedStore());
   store->claim_ = std::make_unique<ManifestClaim>(ManifestClaim::Claim(options.name, options.mode));
   Manifest& m = plan.manifest;

@@ -302,11 +302,9 @@ MemoryModelInputs MemoryInputsFor(const Manifest& manifest, int64_t lora_rank,
   return in;
 }
 
-std::unique_ptr<StreamEngine> MakeStreamEngine(const Manifest& manifest,
-                                               std::vector<const uint8_t*> block_bytes,
-                                               const ResidencyPlan& residency,
-                                               const c10::Device& device,
-                                               const StreamEngineOptions& options) {
+StreamBackendOptions StreamBackendOptionsFor(const Manifest& manifest,
+                                             const ResidencyPlan& residency,
+                                             const StreamEngineOptions& options) {
   StreamBackendOptions b;
   b.num_slots = residency.max_slots();
   b.permanent_slots = residency.ring_size;
@@ -316,8 +314,18 @@ std::unique_ptr<StreamEngine> MakeStreamEngine(const Manifest& manifest,
   b.debug_poison = options.debug_poison;
   b.debug_copy_delay_us = options.debug_copy_delay_us;
   b.force_staging = options.force_staging;
-  return std::make_unique<StreamEngine>(manifest, std::move(block_bytes), residency,
-                                        MakeStreamBackend(b, device), options.log_plan);
+  return b;
+}
+
+std::unique_ptr<StreamEngine> MakeStreamEngine(const Manifest& manifest,
+                                               std::vector<const uint8_t*> block_bytes,
+                                               const ResidencyPlan& residency,
+                                               const c10::Device& device,
+                                               const StreamEngineOptions& options) {
+  return std::make_unique<StreamEngine>(
+      manifest, std::move(block_bytes), residency,
+      MakeStreamBackend(StreamBackendOptionsFor(manifest, residency, options), device),
+      options.log_plan);
 }
 
 std::unique_ptr<StreamBackend> MakeStreamBackend(const StreamBackendOptions& options,

@@ -122,6 +122,12 @@ MemoryModelInputs MemoryInputsFor(const Manifest& manifest, int64_t lora_rank,
 std::unique_ptr<StreamBackend> MakeStreamBackend(const StreamBackendOptions& options,
                                                  const c10::Device& device);
 
+// The backend a plan needs: a slot per ring and phase slot, the ring's slots permanent, each
+// as large as the largest streamed block; the debug options passed through.
+StreamBackendOptions StreamBackendOptionsFor(const Manifest& manifest,
+                                             const ResidencyPlan& residency,
+                                             const StreamEngineOptions& options);
+
 // The engine on `device`: the CUDA backend for a CUDA device (builds with CUDA), the CPU
 // backend for the CPU. Error(kUnsupported) for a CUDA device in a build without CUDA.
 std::unique_ptr<StreamEngine> MakeStreamEngine(const Manifest& manifest,

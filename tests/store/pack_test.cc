@@ -376,6 +376,15 @@ TEST_CASE("a store larger than /dev/shm is refused with the size and the fix", "
   }
   REQUIRE(::truncate((d.str() + "/model.safetensors").c_str(),
                      static_cast<off_t>(8 + text.size() + offset)) == 0);
+  {
+    // A NaN as the first weight: the space refusal must come first, before a scan that would
+    // read all 32 GB (minutes on a disk; under ThreadSanitizer, shadow memory for all of it).
+    std::fstream out(d.str() + "/model.safetensors", std::ios::binary | std::ios::in | std::ios::out);
+    out.seekp(static_cast<std::streamoff>(8 + text.size()));
+    const uint32_t nan_bits = 0x7fc00000;
+    out.write(reinterpret_cast<const char*>(&nan_bits), 4);
+    REQUIRE(out.good());
+  }
   const std::string name = UniqueName("big");
   try {
     Serve(d.str(), name);

@@ -5,9 +5,7 @@
 // still in a slot are not copied again (invariant 5, by the copy statistics), and misuse is
 // refused.
 #include <algorithm>
-#include <chrono>
 #include <future>
-#include <thread>
 
 #include <ATen/ATen.h>
 #include <catch2/catch.hpp>
@@ -32,6 +30,20 @@ std::unique_ptr<StreamEngine> Engine(const HostBlocks& host, int swap, int ring,
   return MakeStreamEngine(host.manifest(), host.pointers(),
                           PlanFromSwapCount(host.manifest().config.num_hidden_layers, swap, ring),
                           c10::Device(c10::kCPU), o);
+}
+
+// The same engine on a CPU backend the test keeps a handle on (`*backend`, owned by the
+// engine), to wait for the copy thread.
+std::unique_ptr<StreamEngine> EngineOnCpu(const HostBlocks& host, int swap, int ring,
+                                          const StreamEngineOptions& options,
+                                          CpuStreamBackend** backend) {
+  const ResidencyPlan plan =
+      PlanFromSwapCount(host.manifest().config.num_hidden_layers, swap, ring);
+  auto owned =
+      std::make_unique<CpuStreamBackend>(StreamBackendOptionsFor(host.manifest(), plan, options));
+  *backend = owned.get();
+  return std::make_unique<StreamEngine>(host.manifest(), host.pointers(), plan, std::move(owned),
+                                        /*log_plan=*/false);
 }
 
 at::Tensor Input(int64_t hidden, uint64_t seed) {
@@ -101,17 +113,23 @@ TEST_CASE("a slowed, poisoning copy thread changes nothing: compute waits for ev
   for (int ring = 1; ring <= 3; ++ring) {
     for (int swap : {1, 3, 4}) {
       CAPTURE(ring, swap);
-      auto engine = Engine(host, swap, ring, slow);
+      CpuStreamBackend* backend = nullptr;
+      auto engine = EngineOnCpu(host, swap, ring, slow, &backend);
       int inspected = 0;
-      // What the compute read is exactly the host's block, both when it acquired it and after
-      // it had held it a while (no copy overwrote the slot under it).
+      bool hold = false;
+      // What the compute read is exactly the host's block, both when it acquired it (with the
+      // slowed copies still in flight: invariant 1) and, on the second step, after holding it
+      // until the copy thread has run every copy issued so far (invariant 2: a copy into the
+      // held slot is refused, which Drain rethrows, or shows in the second comparison). The
+      // first step does not wait, so that its acquires meet copies in flight.
       auto inspect = [&](int block, const BlockWeights& w) {
         REQUIRE(SameWeights(w, HostView(host, block)));
-        std::this_thread::sleep_for(std::chrono::microseconds(500));
+        if (hold) backend->Drain();
         REQUIRE(SameWeights(w, HostView(host, block)));
         ++inspected;
       };
       for (int step = 0; step < 2; ++step) {
+        hold = step == 1;
         engine->BeginStep();
         const ChainResult got = RunCheckpointedChain(*engine, ad, x0, inspect);
         StepStats stats;
