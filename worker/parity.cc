@@ -83,9 +83,7 @@ nlohmann::json ProfileStep(CausalLm& model, const LoraAdapter& adapter, const at
   timed("forward (blocks)", [&] {
     hidden = model.Hidden(ids, adapter, /*training=*/true, /*checkpointed=*/true, 0);
   });
-  timed("LM head + loss forward", [&] {
-    loss = CausalLm::LossSum(model.Logits(hidden), targets) * scale;
-  });
+  timed("LM head + loss forward", [&] { loss = model.HeadLossSum(hidden, targets) * scale; });
   timed("backward (head + recompute + blocks)", [&] { loss.backward(); });
   StepStats stats;
   model.provider().EndStep(stats);  // the step's peak device memory (CUDA)
@@ -93,7 +91,7 @@ nlohmann::json ProfileStep(CausalLm& model, const LoraAdapter& adapter, const at
   // The head's own forward and backward, from a detached last hidden state.
   at::Tensor h = hidden.detach().requires_grad_(true);
   timed("LM head + loss forward + backward (alone)", [&] {
-    (CausalLm::LossSum(model.Logits(h), targets) * scale).backward();
+    (model.HeadLossSum(h, targets) * scale).backward();
   });
   nlohmann::json j = {{"phases", phases},
                       {"flops", StepFlops(model.config(), ids.size(0), ids.size(1))},
@@ -170,9 +168,16 @@ void RunParity(const ParityOptions& o) {
   auto step = [&](bool keep_logits, at::Tensor* logits_out) {
     provider.BeginStep();
     at::Tensor hidden = model.Hidden(ids, adapter, /*training=*/true, /*checkpointed=*/true, 0);
-    at::Tensor logits = model.Logits(hidden);
-    at::Tensor loss = CausalLm::LossSum(logits, targets) / static_cast<double>(std::max<int64_t>(1, n_targets));
-    if (keep_logits) *logits_out = logits.detach().to(at::kFloat);
+    const double scale = 1.0 / static_cast<double>(std::max<int64_t>(1, n_targets));
+    at::Tensor loss;
+    if (keep_logits) {
+      // The whole sequence's logits, written out for the harness.
+      at::Tensor logits = model.Logits(hidden);
+      loss = CausalLm::LossSum(logits, targets) * scale;
+      *logits_out = logits.detach().to(at::kFloat);
+    } else {
+      loss = model.HeadLossSum(hidden, targets) * scale;  // as training computes it
+    }
     loss.backward();
     StepStats stats;
     provider.EndStep(stats);

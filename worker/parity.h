@@ -4,7 +4,8 @@
 //   "logits" [B, S, vocab] f32, "loss" [1] f32 (mean over target tokens, as transformers),
 //   "grad.<peft key>" f32 for every LoRA A and B,
 // plus OUT/adapter/ (the adapter re-saved by our writer, for PeftModel.from_pretrained).
-// With --repeat N (speed) it also times N full training steps (forward, backward, AdamW)
+// With --repeat N (speed) it also times N full training steps as training runs them (the
+// chunked LM head and loss, forward, backward, AdamW)
 // after one warm-up and writes OUT/speed.json. Torch-free header.
 #pragma once
 
