@@ -21,8 +21,9 @@ struct LoadResult {
 };
 
 // segments[i] backs plan.manifest.blocks[i]; segments.back() backs the rest. Writes each
-// segment's checksum into plan.manifest. `should_stop` is polled between chunks; when it
-// returns true the load throws Error(kCancelled).
+// segment's checksum into plan.manifest. `should_stop` is polled between chunks, by every
+// loading thread at once (so it must be thread-safe); when it returns true the load throws
+// Error(kCancelled).
 LoadResult LoadSegments(PackPlan& plan, const std::vector<ShmSegment*>& segments, int threads,
                         const std::function<bool()>& should_stop);
 

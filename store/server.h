@@ -46,7 +46,8 @@ struct LoadReport {
 class PublishedStore {
  public:
   // Validates everything before creating any shm object; a failure leaves nothing behind.
-  // `should_stop` is polled while loading (Error(kCancelled) when it returns true).
+  // `should_stop` is polled while loading, from several threads at once (Error(kCancelled)
+  // when it returns true).
   static std::unique_ptr<PublishedStore> Build(const store::ServeOptions& options,
                                                const std::function<bool()>& should_stop = {});
   ~PublishedStore();

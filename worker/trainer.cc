@@ -20,6 +20,7 @@
 #include "common/format_bytes.h"
 #include "common/job_access.h"
 #include "common/log.h"
+#include "common/manifest_tokenizer.h"
 #include "common/job_data.h"
 #include "common/step_stats_json.h"
 #include "common/tokenizer_id.h"
@@ -125,10 +126,7 @@ TrainResult RunTraining(const JobSpec& spec_in, const TrainOptions& options,
   if (const Manifest* manifest = base.manifest()) {  // a checkpoint's tokenizer: ValidateJobSpec
     const std::string why = DataTokenizerProblem(
         spec.data.path, spec.data.format,
-        [&]() -> std::optional<TokenizerId> {
-          if (manifest->tokenizer.fingerprint.empty()) return std::nullopt;
-          return manifest->tokenizer;
-        },
+        [&] { return ManifestTokenizer(*manifest); },
         "store `" + manifest->store_name + "`", config.vocab_size);
     if (!why.empty()) throw Error(ErrorCode::kRefused, why);
   }

@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <csignal>
 #include <cstring>
 #include <fstream>
@@ -404,16 +405,16 @@ TEST_CASE("a signal during loading cancels it and removes what was created", "[s
   store::ServeOptions o;
   o.model_dir = d.str();
   o.name = name;
-  bool segments_existed = false;
+  std::atomic<bool> segments_existed{false};  // the loading threads poll at once
   try {
     PublishedStore::Build(o, [&] {
-      segments_existed = ShmObjectsOf(name).size() == 4 + 1 + 1;  // polled mid-load
+      if (ShmObjectsOf(name).size() == 4 + 1 + 1) segments_existed = true;  // polled mid-load
       return true;
     });
     FAIL("not cancelled");
   } catch (const Error& e) {
     CHECK(e.code() == ErrorCode::kCancelled);
   }
-  CHECK(segments_existed);
+  CHECK(segments_existed.load());
   CHECK(ShmObjectsOf(name).empty());
 }
