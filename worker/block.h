@@ -28,8 +28,10 @@ struct LoraBlockGrads {
   std::array<at::Tensor, kNumLoraTargets> a, b;
 };
 
-// What one recompute of a block keeps for its backward: about 4 x [tokens, hidden] plus
-// 3 x [tokens, intermediate] in the compute dtype (less than autograd would keep).
+// What one recompute of a block keeps for its backward, in the compute dtype: h1, the
+// attention output (twice: the kernel's and o_proj's layout), out and h2 ([tokens, hidden]
+// each), q, k, v, and gate, up and z ([tokens, intermediate] each); no f32 copies of
+// activations, which the autograd graph of the f32 adapter path used to hold.
 struct BlockTape {
   struct Adapter {
     at::Tensor u;     // [N, r] = dropout(x) A^T, the B gradient's right factor
