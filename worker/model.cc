@@ -133,6 +133,15 @@ at::Tensor CausalLm::HeadLossSum(const at::Tensor& hidden, const at::Tensor& tar
                             head_chunk_rows(targets.numel()));
 }
 
+at::Tensor CausalLm::TrainMicroBatch(const at::Tensor& ids, const at::Tensor& targets,
+                                     const LoraAdapter& adapter, double loss_divisor,
+                                     uint64_t dropout_seed) {
+  at::Tensor hidden = Hidden(ids, adapter, /*training=*/true, /*checkpointed=*/true, dropout_seed);
+  at::Tensor loss = HeadLossSum(hidden, targets) / loss_divisor;
+  loss.backward();
+  return loss;
+}
+
 at::Tensor CausalLm::LossSum(const at::Tensor& logits, const at::Tensor& targets) {
   const int64_t vocab = logits.size(-1);
   return at::cross_entropy_loss(logits.to(at::kFloat).reshape({-1, vocab}), targets.reshape({-1}),

@@ -2,6 +2,7 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <vector>
@@ -12,6 +13,7 @@
 #include "common/error.h"
 #include "common/job_spec.h"
 #include "common/log.h"
+#include "common/step_stats.h"
 #include "worker/adamw.h"
 #include "worker/base_weights.h"
 #include "worker/lm_head.h"
@@ -105,8 +107,70 @@ std::string CalibrationKey(const JobSpec& spec, const BaseWeights& base, const c
          "-V" + std::to_string(c.vocab_size) + "-" + device.str() + "-" +
          c10::toString(dtype) + "-r" + std::to_string(spec.lora.rank) + "-" + targets + "-T" +
          std::to_string(spec.train.batch_size * spec.data.seq_len) +
-         "-chunked";  // the LM head's figure is the chunked head's (older entries: full logits)
+         "-steps";  // blocks and tail from whole steps (older entries: from a block alone)
 }
+
+namespace {
+
+// One block's device weights served as each of `count` blocks: a short model of the job's
+// block shape, for timing whole training steps.
+class RepeatedBlockProvider : public BlockProvider {
+ public:
+  RepeatedBlockProvider(const BlockWeights& w, int count) : w_(w), count_(count) {}
+  int num_blocks() const override { return count_; }
+  void BeginStep() override {}
+  const BlockWeights& Acquire(int) override { return w_; }
+  void Release(int) override {}
+  void EndStep(StepStats&) override {}
+
+ private:
+  const BlockWeights& w_;
+  int count_;
+};
+
+// What a short model of the job's shape needs, on the device.
+struct ShortModelParts {
+  const ModelConfig* config;
+  const LoraSettings* settings;
+  const BlockWeights* block;
+  RestWeights rest;  // the embedding table in host RAM, as training keeps it
+  HeadProvider* head;
+  at::Tensor ids, targets;
+  c10::Device device;
+  c10::ScalarType dtype;
+};
+
+// The median time of a training step of a model of `blocks` copies of block 0, run as the
+// trainer runs one (worker/trainer.cc): the batch's embeddings gathered on the host, the
+// checkpointed blocks, the chunked head and loss, the backward, the loss read, gradient
+// clipping and AdamW. What the isolated timings miss (launches, autograd, allocations, the
+// host gather, the waits) is in it.
+double ShortModelStepSeconds(const ShortModelParts& p, int blocks, int reps) {
+  ModelConfig config = *p.config;
+  config.num_hidden_layers = blocks;
+  const LoraAdapter adapter = LoraAdapter::Init(config, *p.settings, 0, p.device);
+  RepeatedBlockProvider provider(*p.block, blocks);
+  CausalLm model(config, p.rest, &provider, p.device, p.dtype, p.head);
+  const std::vector<at::Tensor> params = adapter.Params();
+  AdamW optimizer(params, AdamWOptions{});
+  const double divisor = static_cast<double>(p.targets.numel());
+  std::vector<double> seconds;
+  for (int i = 0; i <= reps; ++i) {  // the first step warms up (allocator, kernels)
+    const auto start = Clock::now();
+    provider.BeginStep();
+    (void)model.TrainMicroBatch(p.ids, p.targets, adapter, divisor, 0).item<double>();
+    StepStats stats;
+    provider.EndStep(stats);
+    (void)ClipGradNorm(params, 1.0);
+    optimizer.Step(1e-9);
+    optimizer.ZeroGrad();
+    if (i > 0) seconds.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+  }
+  std::sort(seconds.begin(), seconds.end());
+  return seconds[seconds.size() / 2];
+}
+
+}  // namespace
 
 StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c10::Device& device,
                            c10::ScalarType dtype) {
@@ -127,14 +191,15 @@ StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c
   const auto opts = at::TensorOptions().device(device).dtype(dtype);
   const at::Tensor x = at::randn({rows, seq, config.hidden_size}, opts) * 0.1;
 
-  // The block as training runs it (worker/block.h): the checkpointed forward, then the
-  // recompute onto a tape and the hand-written backward.
+  // The block as training runs it (worker/block.h), alone: the checkpointed forward, then
+  // the recompute onto a tape and the hand-written backward. These give the split between a
+  // block's forward and its backward; the whole steps below give their sum.
   StepCosts costs;
   const LoraBlockCast lora = CastLoraBlock(adapter.block(0), dtype);
-  costs.block_forward_seconds =
+  const double forward_alone =
       TimeIt(reps, [&] { return BlockForwardTaped(x, w, lora, c, /*tape=*/nullptr); });
   const at::Tensor dy = at::ones_like(x);
-  costs.block_backward_seconds = TimeIt(reps, [&] {
+  const double backward_alone = TimeIt(reps, [&] {
     BlockTape tape;
     LoraBlockGrads grads;
     BlockForwardTaped(x, w, lora, c, &tape);
@@ -156,14 +221,22 @@ StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c
     return h.grad();
   });
 
-  // The optimizer over the whole adapter, every parameter with a gradient.
-  std::vector<at::Tensor> params = adapter.Params();
-  for (at::Tensor& p : params) p.mutable_grad() = at::zeros_like(p);
-  AdamW optimizer(params, AdamWOptions{});
-  costs.tail_seconds = TimeIt(reps, [&] {
-    optimizer.Step(1e-9);
-    return params.front();
-  });
+  // Whole training steps of two short models of this block (kShort and kLong copies of it):
+  // their difference is what one more block costs in a step, the rest of the shorter step
+  // (less its blocks and the head) is the step's tail.
+  constexpr int kShort = 2, kLong = 6;
+  ShortModelParts parts{&config, &settings, &w, RestWeights{}, head.get(), at::Tensor(), targets,
+                        device, dtype};
+  parts.rest.embed_tokens = base.rest().embed_tokens;
+  parts.rest.norm = norm;
+  parts.ids = at::randint(config.vocab_size, {rows, seq}, at::TensorOptions().dtype(at::kLong));
+  const double short_step = ShortModelStepSeconds(parts, kShort, reps);
+  const double long_step = ShortModelStepSeconds(parts, kLong, reps);
+  const double per_block = std::max(0.0, (long_step - short_step) / (kLong - kShort));
+  const double split = forward_alone + backward_alone;
+  costs.block_forward_seconds = split > 0 ? per_block * forward_alone / split : 0.0;
+  costs.block_backward_seconds = per_block - costs.block_forward_seconds;
+  costs.tail_seconds = std::max(0.0, short_step - kShort * per_block - costs.head_seconds);
 
   uint64_t block_bytes = 0;
   for (const at::Tensor* t : {&w.input_norm, &w.q_proj, &w.k_proj, &w.v_proj, &w.o_proj,
@@ -172,8 +245,13 @@ StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c
     if (t->defined()) block_bytes += t->nbytes();
   }
   costs.h2d_bytes_per_second = MeasureBandwidth(block_bytes, device);
-  LS_LOG_INFO("stream: calibrated on {} at {} tokens in {:.2f} s: {}", device.str(), rows * seq,
-              std::chrono::duration<double>(Clock::now() - start).count(), costs.Describe());
+  LS_LOG_INFO("stream: calibrated on {} at {} tokens in {:.2f} s: {} (a block alone: forward "
+              "{:.2f} ms, recompute+backward {:.2f} ms; steps of {} and {} blocks: {:.2f} and "
+              "{:.2f} ms)",
+              device.str(), rows * seq,
+              std::chrono::duration<double>(Clock::now() - start).count(), costs.Describe(),
+              forward_alone * 1e3, backward_alone * 1e3, kShort, kLong, short_step * 1e3,
+              long_step * 1e3);
   return costs;
 }
 

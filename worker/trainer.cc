@@ -241,12 +241,10 @@ TrainResult RunTraining(const JobSpec& spec_in, const TrainOptions& options,
       const Batch& b = batches[m];
       at::Tensor ids = ToDeviceLong(b.ids, b.rows, b.seq_len, at::kCPU);  // gathered on the host
       at::Tensor targets = ToDeviceLong(b.targets, b.rows, b.seq_len, device);
-      at::Tensor hidden = model.Hidden(ids, *adapter, /*training=*/true, /*checkpointed=*/true,
-                                       MixSeed(spec.train.seed, 0xd209, static_cast<uint64_t>(state.step),
-                                               static_cast<uint64_t>(m)));
-      at::Tensor loss = model.HeadLossSum(hidden, targets) /
-                        static_cast<double>(std::max<int64_t>(1, n_targets));
-      loss.backward();
+      const at::Tensor loss = model.TrainMicroBatch(
+          ids, targets, *adapter, static_cast<double>(std::max<int64_t>(1, n_targets)),
+          MixSeed(spec.train.seed, 0xd209, static_cast<uint64_t>(state.step),
+                  static_cast<uint64_t>(m)));
       loss_value += loss.item<double>();
     }
     provider->EndStep(stats);
