@@ -17,7 +17,7 @@ uint64_t MemoryEstimate::forward() const {
   return fixed() + forward_ring + forward_working + attention;
 }
 uint64_t MemoryEstimate::head() const {
-  return fixed() + ring + (head_streamed ? head_weights : 0) + lm_head;
+  return fixed() + std::max(ring, head_ring) + (head_streamed ? head_weights : 0) + lm_head;
 }
 uint64_t MemoryEstimate::backward() const {
   return fixed() + backward_ring + block_working + attention;
@@ -33,7 +33,7 @@ std::string MemoryEstimate::Describe() const {
          ", then: forward " + FormatBytes(forward(), 2) + " (slots " +
          FormatBytes(forward_ring, 2) + ", working " + FormatBytes(forward_working, 2) +
          ", attention " + FormatBytes(attention, 2) + "), LM head " + FormatBytes(head(), 2) +
-         " (ring " + FormatBytes(ring, 2) + ", chunked lm head " + FormatBytes(lm_head, 2) +
+         " (slots " + FormatBytes(std::max(ring, head_ring), 2) + ", chunked lm head " + FormatBytes(lm_head, 2) +
          " in chunks of " + std::to_string(head_chunk_rows) + " rows" +
          "), backward " + FormatBytes(backward(), 2) + " (slots " +
          FormatBytes(backward_ring, 2) + ", block working set " + FormatBytes(block_working, 2) +
@@ -106,6 +106,7 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& 
   e.ring = static_cast<uint64_t>(plan.ring_size) * largest_streamed;
   e.forward_ring = static_cast<uint64_t>(plan.forward_slots) * largest_streamed;
   e.backward_ring = static_cast<uint64_t>(plan.backward_slots) * largest_streamed;
+  e.head_ring = static_cast<uint64_t>(plan.head_slots) * largest_streamed;
   e.forward_working = t * b * (4 * h + q + 2 * kv + 3 * inter);
   e.adapter = static_cast<uint64_t>(LoraParameterCount(c, in.lora_rank, in.lora_targets)) * 16;
   e.checkpoints = static_cast<uint64_t>(plan.num_blocks()) * t * h * b;
@@ -134,6 +135,18 @@ ResidencyPlan FillPhaseSlots(const MemoryModelInputs& in, ResidencyPlan plan,
     ResidencyPlan more = plan;
     ++more.backward_slots;
     if (EstimateMemory(in, more).backward() > peak_bytes) break;
+    plan = more;
+  }
+  return FillHeadSlots(in, plan, peak_bytes);
+}
+
+ResidencyPlan FillHeadSlots(const MemoryModelInputs& in, ResidencyPlan plan,
+                            uint64_t peak_bytes) {
+  plan.head_slots = std::max(plan.head_slots, plan.ring_size);
+  while (plan.head_slots < plan.backward_slots) {
+    ResidencyPlan more = plan;
+    ++more.head_slots;
+    if (EstimateMemory(in, more).head() > peak_bytes) break;
     plan = more;
   }
   return plan;

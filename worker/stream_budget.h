@@ -26,8 +26,9 @@
 // The step's memory is a timeline of three phases, and the peak is the largest of them
 // (fixed = rest + resident LM head + resident blocks + adapter + checkpoints + reserve):
 //   forward    fixed + forward_slots x slot + forward working + attention
-//   LM head    fixed + ring_size x slot + streamed LM head + lm head
-//              (the forward's last blocks wait in the ring)
+//   LM head    fixed + head_slots x slot + streamed LM head + lm head
+//              (the forward's last blocks wait in their slots; the backward's first blocks
+//              are copied into the others)
 //   backward   fixed + backward_slots x slot + block working + attention
 // It is an estimate: the benchmark prints the measured peak next to it.
 #pragma once
@@ -71,7 +72,7 @@ struct MemoryModelInputs {
 struct MemoryEstimate {
   uint64_t rest = 0, resident_blocks = 0, ring = 0, adapter = 0, checkpoints = 0,
            block_working = 0, attention = 0, lm_head = 0, reserve = 0;
-  uint64_t forward_ring = 0, backward_ring = 0, forward_working = 0;
+  uint64_t forward_ring = 0, head_ring = 0, backward_ring = 0, forward_working = 0;
   uint64_t head_weights = 0;   // the LM head's weights (in fixed, or in head() when streamed)
   bool head_streamed = false;
   int64_t head_chunk_rows = 0;  // the chunked head's rows per chunk
@@ -104,9 +105,12 @@ ResidencyPlan PlanFromBudget(const MemoryModelInputs& inputs, uint64_t budget_by
                              int ring_size);
 
 // `plan` with as many slots in the forward and in the backward as fit within `peak_bytes`
-// (at least ring_size, at most the streamed blocks): the memory timeline's headroom used as
-// extra slots.
+// (at least ring_size, at most the streamed blocks), then as many of the backward's slots
+// across the LM head as fit there: the memory timeline's headroom used as extra slots.
 ResidencyPlan FillPhaseSlots(const MemoryModelInputs& inputs, ResidencyPlan plan,
                              uint64_t peak_bytes);
+// Only the last step of that: as many of the backward's slots across the LM head as fit.
+ResidencyPlan FillHeadSlots(const MemoryModelInputs& inputs, ResidencyPlan plan,
+                            uint64_t peak_bytes);
 
 }  // namespace lorastream

@@ -92,8 +92,10 @@ PredictedStep PredictStep(const ResidencyPlan& plan, const std::vector<uint64_t>
 std::string CandidatePlan::Label() const {
   std::ostringstream s;
   s << "swap " << plan.num_streamed() << " ring " << plan.ring_size;
-  if (plan.forward_slots != plan.ring_size || plan.backward_slots != plan.ring_size)
-    s << " fwd " << plan.forward_slots << " bwd " << plan.backward_slots;
+  if (plan.forward_slots != plan.ring_size || plan.backward_slots != plan.ring_size ||
+      plan.head_slots != plan.ring_size)
+    s << " fwd " << plan.forward_slots << " head " << plan.head_slots << " bwd "
+      << plan.backward_slots;
   if (plan.head_streamed) s << " head streamed";
   return s.str();
 }
@@ -120,26 +122,30 @@ PlanChoice ChoosePlan(const MemoryModelInputs& inputs, const StepCosts& costs,
         add(hand);
         const ResidencyPlan filled = FillPhaseSlots(inputs, hand, budget_bytes);
         if (filled.forward_slots != hand.forward_slots ||
-            filled.backward_slots != hand.backward_slots)
+            filled.backward_slots != hand.backward_slots || filled.head_slots != hand.head_slots)
           add(filled);
       }
     }
   }
   uint64_t minimum = ~uint64_t{0};
+  double fastest = -1;
+  for (const CandidatePlan& c : choice.candidates) {
+    minimum = std::min(minimum, c.peak_bytes);
+    if (c.fits && (fastest < 0 || c.predicted.step_seconds < fastest))
+      fastest = c.predicted.step_seconds;
+  }
+  // Of the plans predicted within kPlanTieFraction of the fastest (a difference the
+  // prediction cannot tell from noise): the fewest bytes over the link, then the fewest slots
+  // (a phase slot is memory handed back and forth with the allocator every step), then the
+  // lower peak, then the faster.
+  const auto key = [](const CandidatePlan& p) {
+    return std::make_tuple(p.predicted.h2d_bytes, p.plan.max_slots(), p.peak_bytes,
+                           p.predicted.step_seconds);
+  };
   for (int i = 0; i < static_cast<int>(choice.candidates.size()); ++i) {
     const CandidatePlan& c = choice.candidates[i];
-    minimum = std::min(minimum, c.peak_bytes);
-    if (!c.fits) continue;
-    if (choice.chosen < 0) {
-      choice.chosen = i;
-      continue;
-    }
-    // Ties (copies hidden entirely): fewer bytes over the link, then the lower peak.
-    const CandidatePlan& best = choice.candidates[choice.chosen];
-    const auto key = [](const CandidatePlan& p) {
-      return std::make_tuple(p.predicted.step_seconds, p.predicted.h2d_bytes, p.peak_bytes);
-    };
-    if (key(c) < key(best)) choice.chosen = i;
+    if (!c.fits || c.predicted.step_seconds > fastest * (1 + kPlanTieFraction)) continue;
+    if (choice.chosen < 0 || key(c) < key(choice.candidates[choice.chosen])) choice.chosen = i;
   }
   if (choice.chosen < 0) {
     throw Error(ErrorCode::kRefused,

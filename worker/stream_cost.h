@@ -56,6 +56,9 @@ struct CandidatePlan {
   std::string Label() const;  // "swap 12 ring 2 fwd 7 bwd 6"
 };
 
+// Predicted steps closer than this fraction are ties for the planner.
+inline constexpr double kPlanTieFraction = 0.01;
+
 struct PlanChoice {
   std::vector<CandidatePlan> candidates;  // every plan considered, fitting or not
   int chosen = -1;                        // index into candidates
@@ -64,10 +67,10 @@ struct PlanChoice {
 // Candidates: every streamed-block count (resident blocks spread as PlanFromSwapCount
 // spreads them) with rings 1..max_ring, each both as it is (one ring for the whole step, the
 // hand-picked kind) and with its phases filled with slots up to the budget, each with the LM
-// head resident and (when inputs.head_bytes > 0) streamed. Chosen: the
-// smallest predicted step among those that fit (ties: fewer bytes copied, then the lower
-// peak). Error(kRefused) when
-// none fits, naming the minimum.
+// head resident and (when inputs.head_bytes > 0) streamed. Chosen: of the plans that fit and
+// are predicted within kPlanTieFraction of the fastest of them, the one copying the fewest
+// bytes, then with the fewest slots, then the lowest peak. Error(kRefused) when none fits,
+// naming the minimum.
 PlanChoice ChoosePlan(const MemoryModelInputs& inputs, const StepCosts& costs,
                       uint64_t budget_bytes, int max_ring = 4);
 

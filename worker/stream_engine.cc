@@ -263,7 +263,8 @@ ResidencyPlan ApplyPhaseSlots(const MemoryModelInputs& inputs, ResidencyPlan pla
   }
   const int f = slots(forward_slots, plan.forward_slots, true);
   const int b = slots(backward_slots, plan.backward_slots, false);
-  return WithPhaseSlots(plan, f, b);
+  // The backward's slots that also fit across the LM head exist there already.
+  return FillHeadSlots(inputs, WithPhaseSlots(plan, f, b, plan.head_slots), peak);
 }
 
 ResidencyPlan PlanResidency(int64_t blocks_to_swap, uint64_t gpu_memory_budget,

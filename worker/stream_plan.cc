@@ -26,8 +26,9 @@ std::string ResidencyPlan::Describe() const {
     }
   }
   s << "] through " << ring_size << " ring slot" << (ring_size == 1 ? "" : "s");
-  if (forward_slots != ring_size || backward_slots != ring_size)
-    s << " (" << forward_slots << " in the forward, " << backward_slots << " in the backward)";
+  if (forward_slots != ring_size || backward_slots != ring_size || head_slots != ring_size)
+    s << " (" << forward_slots << " in the forward, " << head_slots << " across the LM head, "
+      << backward_slots << " in the backward)";
   s << "; resident [" << resident.str() << "]";
   if (head_streamed) s << "; LM head streamed";
   return s.str();
@@ -75,11 +76,12 @@ ResidencyPlan PlanFromSwapCount(int num_blocks, int blocks_to_swap, int ring_siz
   }
   LS_CHECK(plan.num_streamed() == blocks_to_swap, "resident blocks collided");
   plan.ring_size = std::min(ring_size, blocks_to_swap);
-  plan.forward_slots = plan.backward_slots = plan.ring_size;
+  plan.forward_slots = plan.backward_slots = plan.head_slots = plan.ring_size;
   return plan;
 }
 
-ResidencyPlan WithPhaseSlots(ResidencyPlan plan, int forward_slots, int backward_slots) {
+ResidencyPlan WithPhaseSlots(ResidencyPlan plan, int forward_slots, int backward_slots,
+                             int head_slots) {
   auto check = [&](int slots, const char* key) {
     if (slots != 0 && slots < plan.ring_size) {
       throw Error(ErrorCode::kRefused,
@@ -92,6 +94,7 @@ ResidencyPlan WithPhaseSlots(ResidencyPlan plan, int forward_slots, int backward
   };
   plan.forward_slots = check(forward_slots, "forward_slots");
   plan.backward_slots = check(backward_slots, "backward_slots");
+  plan.head_slots = std::clamp(head_slots, plan.ring_size, plan.backward_slots);
   return plan;
 }
 
@@ -141,8 +144,9 @@ PassPlan PlanPass(const ResidencyPlan& residency, const std::vector<int>& slots_
   const int slots = residency.max_slots();
   LS_CHECK(static_cast<int>(slots_at_start.size()) == slots, "slot state of the wrong size");
   LS_CHECK(ring > 0 || residency.num_streamed() == 0, "streamed blocks without a ring");
-  LS_CHECK(residency.forward_slots >= ring && residency.backward_slots >= ring,
-           "a phase with fewer slots than the ring");
+  LS_CHECK(residency.forward_slots >= ring && residency.backward_slots >= ring &&
+               residency.head_slots >= ring && residency.head_slots <= residency.backward_slots,
+           "a phase with fewer slots than the ring, or more across the LM head than after it");
   const std::vector<int> order = PassBlockOrder(num_blocks);
   const int n = static_cast<int>(order.size());
 
@@ -172,12 +176,16 @@ PassPlan PlanPass(const ResidencyPlan& residency, const std::vector<int>& slots_
 
   int last_issue = -1;
   bool last_at_acquire = false;
+  // The backward's slots that exist during the LM head without holding one of the forward's
+  // blocks: allocated when the forward ends, filled while the head computes.
+  const int head_keep = residency.head_boundary_slots();
+  auto head_prefetch = [&](int s) { return s >= head_keep && s < residency.head_slots; };
   for (int phase = 0; phase < 2; ++phase) {
     const int begin = phase * num_blocks, end = begin + num_blocks;
     const int cap = phase == 0 ? residency.forward_slots : residency.backward_slots;
-    // Slots that stay filled into the next phase: the ring across the LM head, then the
-    // slots both the backward and the next forward have.
-    const int keep = phase == 0 ? ring : residency.pass_boundary_slots();
+    // Slots that stay filled into the next phase: those the LM head has too, then the slots
+    // both the backward and the next forward have.
+    const int keep = phase == 0 ? head_keep : residency.pass_boundary_slots();
     // The phase's last `keep` streamed uses go into those slots.
     std::vector<bool> survivor(n, false);
     for (int u = end - 1, k = 0; u >= begin && k < keep; --u) {
@@ -199,19 +207,22 @@ PassPlan PlanPass(const ResidencyPlan& residency, const std::vector<int>& slots_
           // furthest in the future. Survivors take the low slots, the others the high ones.
           const int limit = survivor[u] ? keep : cap;
           int victim = -1;
-          std::tuple<int, int, int> victim_key(-1, 0, 0);
+          std::tuple<int, int, int, int> victim_key(-1, 0, 0, 0);
           for (int s = 0; s < limit; ++s) {
-            std::tuple<int, int, int> key;
+            std::tuple<int, int, int, int> key;
             // Survivors: the lowest slot; the others: the highest phase slot, else the lowest.
             const int order_pref =
                 survivor[u] || s < keep ? slots - 1 - s : slots + s;
             if (slot_block[s] < 0) {
-              key = {4 * n, -slot_last_use[s], order_pref};
+              // Of the empty slots, the backward fills the LM head's first: their copies run
+              // during the head.
+              const int during_head = phase == 1 && !live[s] && head_prefetch(s) ? 1 : 0;
+              key = {4 * n, during_head, -slot_last_use[s], order_pref};
             } else {
               const int next = next_use(slot_block[s], u);
               key = (s >= keep && next >= end)
-                        ? std::tuple<int, int, int>{3 * n, -slot_last_use[s], order_pref}
-                        : std::tuple<int, int, int>{next, 0, order_pref};
+                        ? std::tuple<int, int, int, int>{3 * n, 0, -slot_last_use[s], order_pref}
+                        : std::tuple<int, int, int, int>{next, 0, 0, order_pref};
             }
             if (key > victim_key) {
               victim = s;
@@ -221,12 +232,13 @@ PassPlan PlanPass(const ResidencyPlan& residency, const std::vector<int>& slots_
           use.slot = victim;
           use.copy = true;
           use.issue_after = std::max(slot_last_use[victim], last_issue);
-          if (!live[victim] && use.issue_after < begin) {
-            // The slot's memory belongs to this phase only: allocate it once the phase has
-            // begun (for the backward, after the LM head).
+          if (phase == 1 && !live[victim] && use.issue_after < begin) {
+            // The slot's memory belongs to the backward: allocated when the forward ends for
+            // a slot the LM head has, else once the backward has begun (after the head).
             use.issue_after = begin - 1;
-            use.at_acquire = true;
-          } else if (use.issue_after == last_issue && last_at_acquire) {
+            use.at_acquire = !head_prefetch(victim);
+          }
+          if (use.issue_after == last_issue && last_at_acquire) {
             use.at_acquire = true;  // after a deferred copy of the same point: keep the order
           }
           last_issue = use.issue_after;

@@ -29,6 +29,11 @@ struct ResidencyPlan {
                                // min(requested ring, streamed blocks); 0 = none stream
   int forward_slots = 0;       // slots during the forward pass (ring_size..streamed blocks)
   int backward_slots = 0;      // slots during the backward pass (ring_size..streamed blocks)
+  // Slots during the LM head (ring_size..backward_slots): the backward's slots that exist
+  // already while the head runs. Those the forward has too carry its last blocks across the
+  // head; the others are allocated when the forward ends and filled with the backward's
+  // first blocks while the head computes, so the copy engine does not wait for the head.
+  int head_slots = 0;
   // The LM head's weights are copied to the device for the head only (into memory of their
   // own, freed once the chunked head's forward, which also computes its gradient, is done),
   // instead of staying resident for the whole job. The blocks' ring is not involved.
@@ -37,7 +42,11 @@ struct ResidencyPlan {
   int num_blocks() const { return static_cast<int>(streamed.size()); }
   int num_streamed() const;
   int max_slots() const { return std::max(forward_slots, backward_slots); }
-  // Slots that may stay filled from the end of one pass into the next one's forward.
+  // Slots that stay filled from the forward into the backward (the forward's last blocks).
+  int head_boundary_slots() const { return std::min(forward_slots, head_slots); }
+  // Slots that stay filled from the end of one pass into the next one's forward; the
+  // forward's other slots are allocated when the pass starts and filled at once, so the
+  // next step's first blocks are copied during the optimizer step.
   int pass_boundary_slots() const { return std::min(forward_slots, backward_slots); }
   // One line for the log: "12 of 16 blocks streamed [0 1 3 ...] through 2 slots; resident
   // [2 ...]" (and "; LM head streamed" when it is).
@@ -62,10 +71,12 @@ void RequireCheckpointingForStreaming(const ResidencyPlan& plan, bool gradient_c
 ResidencyPlan PlanFromSwapCount(int num_blocks, int blocks_to_swap, int ring_size);
 
 // `plan` with `forward_slots` and `backward_slots` slots in those phases (0: ring_size), each
-// clamped to [ring_size, streamed blocks]. Error(kRefused) naming stream.forward_slots or
-// stream.backward_slots when one is below ring_size (the slots across the LM head are part of
-// both phases).
-ResidencyPlan WithPhaseSlots(ResidencyPlan plan, int forward_slots, int backward_slots);
+// clamped to [ring_size, streamed blocks], and `head_slots` across the LM head (0:
+// ring_size), clamped to [ring_size, backward_slots]. Error(kRefused) naming
+// stream.forward_slots or stream.backward_slots when one is below ring_size (the slots across
+// the LM head are part of both phases).
+ResidencyPlan WithPhaseSlots(ResidencyPlan plan, int forward_slots, int backward_slots,
+                             int head_slots = 0);
 
 // The step's block order: 0..L-1, L-1..0.
 std::vector<int> PassBlockOrder(int num_blocks);
@@ -81,11 +92,12 @@ struct BlockUse {
   // one the copy waits for: the slot's previous occupant's last use, invariant 2); -1: at the
   // start of the pass. Always < this use's index; non-decreasing over the pass's copies.
   int issue_after = -1;
-  // The copy goes into a phase slot that is not allocated at that point: it is issued at the
-  // Acquire of use issue_after + 1 instead (the next phase has begun: for the backward, the LM
-  // head's buffers are gone; for the forward, the previous pass's backward buffers are), the
-  // slot allocated first. Copies keep their order: once one copy is deferred, the following
-  // copies with the same issue_after are deferred too.
+  // The copy goes into a backward slot that the LM head does not have (beyond head_slots):
+  // it is issued at the Acquire of use issue_after + 1 instead (the backward has begun: the
+  // LM head's buffers are gone), the slot allocated first. Copies keep their order: once one
+  // copy is deferred, the following copies with the same issue_after are deferred too. (A
+  // forward slot is allocated when the pass starts, a head slot when the forward ends: the
+  // previous phase's buffers are gone by then, and neither is deferred.)
   bool at_acquire = false;
 };
 
@@ -112,10 +124,11 @@ struct PassPlan {
 // copy evicts the slot whose block is needed again furthest in the future (the cyclic order,
 // so the next pass counts), which for this order is also the slot released earliest, so
 // copies are issued as early as the ring allows. The last blocks of a phase that the next
-// phase can keep (ring_size of them into the backward, pass_boundary_slots() into the next
-// forward) go into slots that survive the phase change; the phase's other copies prefer its
-// phase slots, freed after their last use in the phase. So the next pass's first blocks are
-// fetched during the backward, into the slots the backward frees.
+// phase can keep (head_boundary_slots() of them into the backward, pass_boundary_slots()
+// into the next forward) go into slots that survive the phase change; the phase's other
+// copies prefer its phase slots, freed after their last use in the phase. So the next pass's
+// first blocks are fetched during the backward and the optimizer step, and the backward's
+// first blocks during the LM head, into the head slots the forward did not have.
 PassPlan PlanPass(const ResidencyPlan& residency, const std::vector<int>& slots_at_start);
 
 // The steady state: the plan of a pass that follows other passes (slots as the previous pass

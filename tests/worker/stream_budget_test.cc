@@ -72,7 +72,7 @@ TEST_CASE("the memory estimate follows its documented formula", "[worker]") {
   MemoryModelInputs materialized = in;
   materialized.attention_materialized = true;
   REQUIRE(EstimateMemory(materialized, plan).attention == 32ULL * 2048 * 2048 * 2 * 2);
-  REQUIRE(e.Describe().find("ring") != std::string::npos);
+  REQUIRE(e.Describe().find("slots") != std::string::npos);
 }
 
 TEST_CASE("a budget plans the largest resident set that fits", "[worker]") {

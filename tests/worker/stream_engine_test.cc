@@ -6,6 +6,7 @@
 // refused.
 #include <algorithm>
 #include <future>
+#include <tuple>
 
 #include <ATen/ATen.h>
 #include <catch2/catch.hpp>
@@ -333,11 +334,13 @@ TEST_CASE("phase slots: streamed equals resident bit for bit over several steps,
   slow.debug_copy_delay_us = 1500;
   for (int swap : {3, 5, 7}) {
     for (int ring : {1, 2}) {
-      for (auto [f, b] : {std::pair{4, 2}, {2, 4}, {5, 5}, {3, 1}}) {
-        CAPTURE(swap, ring, f, b);
+      // Slots in the forward, across the LM head (0: the ring) and in the backward.
+      for (auto [f, h, b] : {std::tuple{4, 0, 2}, {2, 0, 4}, {2, 3, 4}, {2, 4, 4}, {5, 5, 5},
+                             {3, 0, 1}}) {
+        CAPTURE(swap, ring, f, h, b);
         const ResidencyPlan plan =
             WithPhaseSlots(PlanFromSwapCount(layers, swap, ring), std::max(f, ring),
-                           std::max(b, ring));
+                           std::max(b, ring), h);
         StreamBackendOptions bo;
         bo.num_slots = plan.max_slots();
         bo.permanent_slots = plan.ring_size;
@@ -357,8 +360,8 @@ TEST_CASE("phase slots: streamed equals resident bit for bit over several steps,
           REQUIRE(device->live_slots() <=
                   (backward ? plan.backward_slots : plan.forward_slots));
         };
-        // At the LM head only the ring's slots exist.
-        auto turnaround = [&] { REQUIRE(device->live_slots() <= plan.ring_size); };
+        // At the LM head only its slots exist.
+        auto turnaround = [&] { REQUIRE(device->live_slots() <= plan.head_slots); };
         const PassPlan steady = PlanSteadyPass(plan);
         for (int step = 0; step < 4; ++step) {
           engine.BeginStep();

@@ -62,14 +62,16 @@ void CheckPlan(const ResidencyPlan& r, const PassPlan& p) {
                                  slots.begin(), slots.end(), [](int b) { return b >= 0; })));
 
   // The memory timeline, replayed in the engine's order of events: a slot is allocated from
-  // its first copy to its free; never more than the phase's slots at once, and only the
-  // ring's slots across the LM head (between the forward's last release and the backward's
-  // first acquire) and at most pass_boundary_slots() across the pass boundary.
+  // its first copy to its free; never more than the phase's slots at once, at most
+  // head_slots across the LM head (between the forward's last release and the backward's
+  // first acquire) and at most pass_boundary_slots() filled across the pass boundary (the
+  // forward's other slots are allocated when the pass starts).
   std::vector<bool> live(slots_n, false);
   for (int s = 0; s < slots_n; ++s) live[s] = s < r.ring_size || p.slots_at_start[s] >= 0;
   auto count = [&] { return static_cast<int>(std::count(live.begin(), live.end(), true)); };
   REQUIRE(count() <= std::max(r.ring_size, r.pass_boundary_slots()));
-  for (int u : p.issue_at_start) REQUIRE(live[p.uses[u].slot]);  // no allocation at a boundary
+  for (int u : p.issue_at_start) live[p.uses[u].slot] = true;
+  REQUIRE(count() <= r.forward_slots);
   for (int u = 0; u < n; ++u) {
     const int cap = u < n / 2 ? r.forward_slots : r.backward_slots;
     for (int c : p.issue_at_acquire[u]) live[p.uses[c].slot] = true;
@@ -80,12 +82,8 @@ void CheckPlan(const ResidencyPlan& r, const PassPlan& p) {
       REQUIRE(live[f]);
       live[f] = false;
     }
-    for (int c : p.issue_after_release[u]) {
-      if (u == n / 2 - 1) REQUIRE(live[p.uses[c].slot]);  // the LM head allocates no slot
-      live[p.uses[c].slot] = true;
-    }
-    REQUIRE(count() <= cap);
-    if (u == n / 2 - 1) REQUIRE(count() <= r.ring_size);
+    for (int c : p.issue_after_release[u]) live[p.uses[c].slot] = true;
+    REQUIRE(count() <= (u == n / 2 - 1 ? r.head_slots : cap));  // across the LM head
   }
   REQUIRE(count() <= std::max(r.ring_size, r.pass_boundary_slots()));
 }
@@ -208,11 +206,13 @@ TEST_CASE("phase slots: every plan keeps the invariants and the memory timeline"
       for (int n = 0; n <= l; ++n) {
         for (int f = ring; f <= ring + 3; ++f) {
           for (int b = ring; b <= ring + 3; ++b) {
-            CAPTURE(l, ring, n, f, b);
+           for (int h = ring; h <= b; ++h) {
+            CAPTURE(l, ring, n, f, b, h);
             const ResidencyPlan base = PlanFromSwapCount(l, n, ring);
-            const ResidencyPlan r = WithPhaseSlots(base, f, b);
+            const ResidencyPlan r = WithPhaseSlots(base, f, b, h);
             REQUIRE(r.forward_slots == std::min(f, n));
             REQUIRE(r.backward_slots == std::min(b, n));
+            REQUIRE(r.head_slots == std::clamp(h, r.ring_size, r.backward_slots));
             PassPlan p = PlanPass(r, std::vector<int>(r.max_slots(), -1));
             CheckPlan(r, p);
             for (int pass = 0; pass < 3; ++pass) {
@@ -223,10 +223,12 @@ TEST_CASE("phase slots: every plan keeps the invariants and the memory timeline"
             const PassPlan steady = PlanSteadyPass(r);
             CheckPlan(r, steady);
             REQUIRE(steady.copies() <= PlanSteadyPass(base).copies());
-            // Long enough to reach the pattern: the turnaround keeps the ring's blocks, the
-            // pass boundary pass_boundary_slots() blocks, each saving a copy.
+            // Long enough to reach the pattern: the turnaround keeps head_boundary_slots()
+            // blocks, the pass boundary pass_boundary_slots() blocks, each saving a copy.
             if (n >= r.max_slots() + r.ring_size)
-              REQUIRE(steady.copies() == 2 * n - r.ring_size - r.pass_boundary_slots());
+              REQUIRE(steady.copies() ==
+                      2 * n - r.head_boundary_slots() - r.pass_boundary_slots());
+           }
           }
         }
       }
@@ -240,15 +242,18 @@ TEST_CASE("phase slots: the next pass's first blocks stay from the backward, the
   // 8 blocks, all streamed; ring 2 across the LM head, 4 slots in the forward, 3 in the
   // backward.
   const ResidencyPlan r = WithPhaseSlots(PlanFromSwapCount(8, 8, 2), 4, 3);
-  REQUIRE(r.Describe().find("(4 in the forward, 3 in the backward)") != std::string::npos);
+  REQUIRE(r.Describe().find("(4 in the forward, 2 across the LM head, 3 in the backward)") !=
+          std::string::npos);
   const PassPlan p = PlanSteadyPass(r);
   // The backward ended with blocks 2, 1, 0 in slots that the forward has too: no copies.
   for (int u = 0; u < 3; ++u) REQUIRE_FALSE(p.uses[u].copy);
-  // Forward block 3 goes into the forward's own fourth slot, allocated at the forward's start.
+  // Forward block 3 goes into the forward's own fourth slot, allocated when the pass starts
+  // (the backward's buffers are gone): copied during the optimizer step.
   REQUIRE(p.uses[3].copy);
   REQUIRE(p.uses[3].slot == 3);
-  REQUIRE(p.uses[3].at_acquire);
+  REQUIRE_FALSE(p.uses[3].at_acquire);
   REQUIRE(p.uses[3].issue_after == -1);
+  REQUIRE(std::count(p.issue_at_start.begin(), p.issue_at_start.end(), 3) == 1);
   // The forward's last two blocks (6, 7) go into the ring, which carries them across the LM
   // head to the backward's first uses.
   REQUIRE(p.uses[6].slot < 2);
@@ -269,6 +274,37 @@ TEST_CASE("phase slots: the next pass's first blocks stay from the backward, the
   REQUIRE(p.copies() == 11);
   REQUIRE(PlanSteadyPass(PlanFromSwapCount(8, 8, 2)).copies() == 12);
   REQUIRE(p.Describe().find("at the acquire of #8") != std::string::npos);
+}
+
+TEST_CASE("head slots: the backward's first blocks are copied while the LM head computes",
+          "[worker]") {
+  // 8 blocks, all streamed; ring 2, 2 slots in the forward, 3 across the LM head and in the
+  // backward.
+  const ResidencyPlan r = WithPhaseSlots(PlanFromSwapCount(8, 8, 2), 2, 3, 3);
+  REQUIRE(r.head_slots == 3);
+  REQUIRE(r.head_boundary_slots() == 2);
+  const PassPlan p = PlanSteadyPass(r);
+  // The forward's last two blocks (6, 7) cross the LM head in the ring; backward block 5 goes
+  // into the third slot, allocated when the forward ends and copied during the head.
+  REQUIRE_FALSE(p.uses[8].copy);
+  REQUIRE_FALSE(p.uses[9].copy);
+  REQUIRE(p.uses[10].block == 5);
+  REQUIRE(p.uses[10].copy);
+  REQUIRE(p.uses[10].slot == 2);
+  REQUIRE_FALSE(p.uses[10].at_acquire);
+  REQUIRE(p.uses[10].issue_after == 7);
+  REQUIRE(std::count(p.issue_after_release[7].begin(), p.issue_after_release[7].end(), 10) == 1);
+  // The same copies as without the head slot: it moves a copy earlier, it saves none.
+  const PassPlan after_head = PlanSteadyPass(WithPhaseSlots(PlanFromSwapCount(8, 8, 2), 2, 3));
+  REQUIRE(after_head.uses[10].at_acquire);
+  REQUIRE(p.copies() == after_head.copies());
+  // With a third slot in the forward too, the forward's last three blocks cross the head
+  // (and the backward's last three the pass boundary): two copies fewer.
+  const ResidencyPlan wide = WithPhaseSlots(PlanFromSwapCount(8, 8, 2), 3, 3, 3);
+  REQUIRE(wide.head_boundary_slots() == 3);
+  const PassPlan q = PlanSteadyPass(wide);
+  for (int u = 8; u < 11; ++u) REQUIRE_FALSE(q.uses[u].copy);
+  REQUIRE(q.copies() == p.copies() - 2);
 }
 
 TEST_CASE("phase slots below the ring are refused naming the key", "[worker]") {

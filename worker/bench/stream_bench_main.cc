@@ -188,7 +188,7 @@ void Predict(const JobSpec& spec, const BaseWeights& base, const MemoryModelInpu
   row->slots = std::to_string(p.plan.ring_size);
   if (p.plan.max_slots() != p.plan.ring_size)
     row->slots += "/" + std::to_string(p.plan.forward_slots) + "/" +
-                  std::to_string(p.plan.backward_slots);
+                  std::to_string(p.plan.head_slots) + "/" + std::to_string(p.plan.backward_slots);
 }
 
 void Run(const BenchOptions& o, const std::string& command) {
@@ -290,7 +290,7 @@ void Run(const BenchOptions& o, const std::string& command) {
     << m.blocks[0].nbytes / 1e6 << " MB, rank " << o.rank << " on all 7 projections, batch 1, "
     << "device " << o.device << "; median of " << o.steps << " steps after " << o.warmup
     << " warm-up steps; pinned H2D measured in this run: " << gbps << " GB/s\n\n"
-    << "| tokens | mode | resident | slots (ring/fwd/bwd) | step ms | vs resident | predicted ms "
+    << "| tokens | mode | resident | slots (ring/fwd/head/bwd) | step ms | vs resident | predicted ms "
        "| measured / predicted | H2D GB/step | H2D busy ms | stall ms | copies (saved) "
        "| peak GiB | estimate GiB | floor ms | vs floor | floor 2x ms | vs floor 2x "
        "| max loss diff |\n"
@@ -310,7 +310,7 @@ void Run(const BenchOptions& o, const std::string& command) {
                   r.step_s / r.floor2_s, r.max_loss_diff);
     t << line;
   }
-  t << "\nslots: ring (kept across the LM head) / forward / backward (the memory timeline). "
+  t << "\nslots: ring (kept the whole step) / forward / across the LM head / backward (the memory timeline). "
        "predicted: the cost model (worker/stream_cost.h) from figures measured in this run. "
        "estimate: the memory model's peak (worker/stream_budget.h); peak: measured.\n"
        "floor = max(resident step, H2D bytes this step copied / bandwidth); floor 2x = "
