@@ -112,7 +112,7 @@ std::string CalibrationKey(const JobSpec& spec, const BaseWeights& base, const c
 
 namespace {
 
-// One block's device weights served as each of `count` blocks: a short model of the job's
+// One block's device weights served as each of `count` blocks: a model of the job's
 // block shape, for timing whole training steps.
 class RepeatedBlockProvider : public BlockProvider {
  public:
@@ -128,8 +128,8 @@ class RepeatedBlockProvider : public BlockProvider {
   int count_;
 };
 
-// What a short model of the job's shape needs, on the device.
-struct ShortModelParts {
+// What a model of repeated blocks of the job's shape needs, on the device.
+struct RepeatedModelParts {
   const ModelConfig* config;
   const LoraSettings* settings;
   const BlockWeights* block;
@@ -145,7 +145,7 @@ struct ShortModelParts {
 // checkpointed blocks, the chunked head and loss, the backward, the loss read, gradient
 // clipping and AdamW. What the isolated timings miss (launches, autograd, allocations, the
 // host gather, the waits) is in it.
-double ShortModelStepSeconds(const ShortModelParts& p, int blocks, int reps) {
+double RepeatedModelStepSeconds(const RepeatedModelParts& p, int blocks, int reps) {
   ModelConfig config = *p.config;
   config.num_hidden_layers = blocks;
   const LoraAdapter adapter = LoraAdapter::Init(config, *p.settings, 0, p.device);
@@ -155,7 +155,8 @@ double ShortModelStepSeconds(const ShortModelParts& p, int blocks, int reps) {
   AdamW optimizer(params, AdamWOptions{});
   const double divisor = static_cast<double>(p.targets.numel());
   std::vector<double> seconds;
-  for (int i = 0; i <= reps; ++i) {  // the first step warms up (allocator, kernels)
+  constexpr int kWarmup = 2;  // the allocator, kernels' first launches, clocks
+  for (int i = 0; i < kWarmup + reps; ++i) {
     const auto start = Clock::now();
     provider.BeginStep();
     (void)model.TrainMicroBatch(p.ids, p.targets, adapter, divisor, 0).item<double>();
@@ -164,7 +165,7 @@ double ShortModelStepSeconds(const ShortModelParts& p, int blocks, int reps) {
     (void)ClipGradNorm(params, 1.0);
     optimizer.Step(1e-9);
     optimizer.ZeroGrad();
-    if (i > 0) seconds.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+    if (i >= kWarmup) seconds.push_back(std::chrono::duration<double>(Clock::now() - start).count());
   }
   std::sort(seconds.begin(), seconds.end());
   return seconds[seconds.size() / 2];
@@ -221,17 +222,20 @@ StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c
     return h.grad();
   });
 
-  // Whole training steps of two short models of this block (kShort and kLong copies of it):
-  // their difference is what one more block costs in a step, the rest of the shorter step
-  // (less its blocks and the head) is the step's tail.
-  constexpr int kShort = 2, kLong = 6;
-  ShortModelParts parts{&config, &settings, &w, RestWeights{}, head.get(), at::Tensor(), targets,
+  // Whole training steps of two models of this block repeated, as deep as the job's model
+  // and half as deep (its weights on the device once): their difference is what one more
+  // block costs in a step, the rest of the shorter step (less its blocks and the head) is the
+  // step's tail. At full depth the resident step is measured as it runs (at short lengths it
+  // is bound by issuing kernels, and a short model issues them faster per block).
+  const int kLong = std::max(2, static_cast<int>(config.num_hidden_layers));
+  const int kShort = kLong / 2;
+  RepeatedModelParts parts{&config, &settings, &w, RestWeights{}, head.get(), at::Tensor(), targets,
                         device, dtype};
   parts.rest.embed_tokens = base.rest().embed_tokens;
   parts.rest.norm = norm;
   parts.ids = at::randint(config.vocab_size, {rows, seq}, at::TensorOptions().dtype(at::kLong));
-  const double short_step = ShortModelStepSeconds(parts, kShort, reps);
-  const double long_step = ShortModelStepSeconds(parts, kLong, reps);
+  const double long_step = RepeatedModelStepSeconds(parts, kLong, reps);
+  const double short_step = RepeatedModelStepSeconds(parts, kShort, reps);
   const double per_block = std::max(0.0, (long_step - short_step) / (kLong - kShort));
   const double split = forward_alone + backward_alone;
   costs.block_forward_seconds = split > 0 ? per_block * forward_alone / split : 0.0;

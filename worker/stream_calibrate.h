@@ -1,9 +1,10 @@
 // The cost model's figures (worker/stream_cost.h) measured on the job's own device at the
-// job's token count: whole training steps of two short models made of the job's block (2
-// and 6 copies of block 0, run as the trainer runs a step), whose difference is a block's
-// cost in a step and whose remainder is the step's tail; one block's forward and
+// job's token count: whole training steps of two models made of the job's block (block 0
+// repeated as many times as the model has blocks, and half as many; run as the trainer runs
+// a step), whose difference is a block's cost in a step and whose remainder is the step's
+// tail; one block's forward and
 // recompute+backward alone (their split); the LM head with its loss; and the Host->Device
-// bandwidth of a block copy. A few repetitions of each: a second or so on a GPU. The figures are
+// bandwidth of a block copy. A few repetitions of each: a few seconds on a GPU. The figures are
 // cached per model, device, dtype, LoRA and token count (CalibrationCachePath), so a job
 // calibrates once per shape.
 #pragma once
