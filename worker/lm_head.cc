@@ -76,13 +76,21 @@ class StreamedHead : public HeadProvider {
     }
   }
 
-  const at::Tensor& Acquire() override {
-    LS_CHECK(!acquired_, "LM head acquired twice without a release");
+  void Prefetch() override {
+    LS_CHECK(!acquired_, "LM head prefetched while acquired");
+    if (in_flight_) return;
     backend_->Copy(0, src_, bytes_);
-    backend_->AcquireSlot(0);
-    acquired_ = true;
+    in_flight_ = true;
     h2d_bytes_ += bytes_;
     ++copies_;
+  }
+
+  const at::Tensor& Acquire() override {
+    LS_CHECK(!acquired_, "LM head acquired twice without a release");
+    Prefetch();
+    backend_->AcquireSlot(0);
+    in_flight_ = false;
+    acquired_ = true;
     weight_ = backend_->slot(0).view(dtype_).view(shape_);
     return weight_;
   }
@@ -118,6 +126,7 @@ class StreamedHead : public HeadProvider {
   std::unique_ptr<StreamBackend> backend_;  // after the host memory: destroyed first
   at::Tensor weight_;
   bool acquired_ = false;
+  bool in_flight_ = false;  // a copy issued and not yet acquired
   uint64_t h2d_bytes_ = 0;
   int64_t copies_ = 0;
 };

@@ -29,6 +29,10 @@ class HeadProvider {
   // Every kernel that reads the weights has been enqueued: a streamed head's memory goes back
   // to the allocator (compute-stream ordered, as a freed ring slot's).
   virtual void Release() = 0;
+  // A streamed head's copy is issued now (its memory allocated, ordered after the compute
+  // work enqueued so far) rather than at the next Acquire, which then only waits for it. No
+  // effect on a resident head, or when a copy is already in flight.
+  virtual void Prefetch() {}
   // Adds the copies since the last call to `stats` (h2d_bytes, copies, H2D busy, stall).
   virtual void CollectStats(StepStats& stats) { (void)stats; }
   virtual bool streamed() const { return false; }

@@ -149,6 +149,16 @@ ResidencyPlan FillHeadSlots(const MemoryModelInputs& in, ResidencyPlan plan,
     if (EstimateMemory(in, more).head() > peak_bytes) break;
     plan = more;
   }
+  // A streamed head is copied into the forward's slots once the forward has freed enough of
+  // them (its phase estimate holds its slots; the head takes their place).
+  plan.head_prefetch_slots = 0;
+  uint64_t slot = 0;
+  for (int i = 0; i < plan.num_blocks(); ++i)
+    if (plan.streamed[i]) slot = std::max(slot, in.block_bytes[i]);
+  if (plan.head_streamed && slot > 0) {
+    const int need = static_cast<int>((in.head_bytes + slot - 1) / slot);
+    if (plan.forward_slots - plan.head_boundary_slots() >= need) plan.head_prefetch_slots = need;
+  }
   return plan;
 }
 

@@ -109,7 +109,9 @@ ResidencyPlan PlanFromBudget(const MemoryModelInputs& inputs, uint64_t budget_by
 // across the LM head as fit there: the memory timeline's headroom used as extra slots.
 ResidencyPlan FillPhaseSlots(const MemoryModelInputs& inputs, ResidencyPlan plan,
                              uint64_t peak_bytes);
-// Only the last step of that: as many of the backward's slots across the LM head as fit.
+// Only the last step of that: as many of the backward's slots across the LM head as fit;
+// and for a streamed head, head_prefetch_slots when the forward's slots beyond those it
+// carries across the head can hold the head's copy.
 ResidencyPlan FillHeadSlots(const MemoryModelInputs& inputs, ResidencyPlan plan,
                             uint64_t peak_bytes);
 

@@ -62,12 +62,13 @@ PredictedStep PredictStep(const ResidencyPlan& plan, const std::vector<uint64_t>
       slot_ready[use.slot] = copy_bytes(block_bytes[use.block], ready);
     };
     for (int u : p.issue_at_start) issue(u, last_release);
+    double head_landed = -1;  // when a streamed head's copy lands, once issued
     for (int u = 0; u < static_cast<int>(p.uses.size()); ++u) {
       if (u == num_blocks) {
         if (plan.head_streamed) {
-          const double landed = copy_bytes(head_bytes, compute);
-          now.stall_seconds += std::max(0.0, landed - compute);
-          compute = std::max(compute, landed);
+          if (head_landed < 0) head_landed = copy_bytes(head_bytes, compute);
+          now.stall_seconds += std::max(0.0, head_landed - compute);
+          compute = std::max(compute, head_landed);
         }
         compute += costs.head_seconds;
       }
@@ -79,6 +80,7 @@ PredictedStep PredictStep(const ResidencyPlan& plan, const std::vector<uint64_t>
       compute = begin + (use.backward ? costs.block_backward_seconds
                                       : costs.block_forward_seconds);
       for (int r : p.issue_after_release[u]) issue(r, compute);
+      if (u == p.head_copy_after && plan.head_streamed) head_landed = copy_bytes(head_bytes, compute);
     }
     last_release = compute;
     compute += costs.tail_seconds;

@@ -10,7 +10,8 @@
 //     (the release it is issued after; a deferred copy: the compute point of its acquire);
 //   - between the forward and the backward the compute stream runs the LM head and loss
 //     (head_seconds); a streamed LM head is copied first (issued when the forward's last
-//     block is done, behind the copies before it; the head waits for it); after the
+//     block is done, or at PassPlan::head_copy_after, behind the copies before it; the head
+//     waits for it); after the
 //     backward, the optimizer and the rest of the step (tail).
 // Host-side launch time is taken as hidden behind the device's work.
 #pragma once

@@ -62,6 +62,7 @@ class StreamEngine : public BlockProvider {
 
   const ResidencyPlan& residency() const { return residency_; }
   const PassPlan& pass_plan() const { return pass_; }  // the pass in progress
+  int next_use() const { return cursor_; }  // the index in pass_plan() of the next use
 
  private:
   void StartPass();  // plans the pass from the slots' contents and issues its first copies

@@ -133,10 +133,40 @@ std::string PassPlan::Describe() const {
     }
     if (use.at_acquire) s << " (at the acquire of #" << use.issue_after + 1 << ")";
     for (int f : free_after_release[u]) s << "; frees slot " << f;
+    if (static_cast<int>(u) == head_copy_after) s << "; then the LM head's copy";
     s << "\n";
   }
   return s.str();
 }
+
+namespace {
+
+// The earliest forward use after whose release at most forward_slots - head_prefetch_slots
+// slots are allocated until the forward ends (the head slots allocated at its last release
+// excepted: the LM head's phase counts them with the head's weights); -1 when there is none.
+int HeadCopyPoint(const ResidencyPlan& residency, const PassPlan& plan) {
+  const int num_blocks = residency.num_blocks();
+  if (!residency.head_streamed || residency.head_prefetch_slots <= 0 || num_blocks == 0)
+    return -1;
+  const int limit = residency.forward_slots - residency.head_prefetch_slots;
+  std::vector<bool> live(residency.max_slots(), false);
+  for (int s = 0; s < residency.max_slots(); ++s)
+    live[s] = s < residency.ring_size || plan.slots_at_start[s] >= 0;
+  for (int u : plan.issue_at_start) live[plan.uses[u].slot] = true;
+  std::vector<int> live_after(num_blocks);
+  for (int u = 0; u < num_blocks; ++u) {
+    for (int c : plan.issue_at_acquire[u]) live[plan.uses[c].slot] = true;
+    for (int f : plan.free_after_release[u]) live[f] = false;
+    if (u < num_blocks - 1)
+      for (int c : plan.issue_after_release[u]) live[plan.uses[c].slot] = true;
+    live_after[u] = static_cast<int>(std::count(live.begin(), live.end(), true));
+  }
+  int point = -1;
+  for (int u = num_blocks - 1; u >= 0 && live_after[u] <= limit; --u) point = u;
+  return point;
+}
+
+}  // namespace
 
 PassPlan PlanPass(const ResidencyPlan& residency, const std::vector<int>& slots_at_start) {
   const int num_blocks = residency.num_blocks();
@@ -267,6 +297,7 @@ PassPlan PlanPass(const ResidencyPlan& residency, const std::vector<int>& slots_
     }
   }
   plan.slots_at_end = slot_block;
+  plan.head_copy_after = HeadCopyPoint(residency, plan);
   return plan;
 }
 

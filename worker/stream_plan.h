@@ -38,6 +38,11 @@ struct ResidencyPlan {
   // own, freed once the chunked head's forward, which also computes its gradient, is done),
   // instead of staying resident for the whole job. The blocks' ring is not involved.
   bool head_streamed = false;
+  // A streamed LM head's copy needs this many slots' worth of memory (0: it is copied when
+  // the head starts). When the forward frees that many of its slots before it ends, the copy
+  // is issued at that point instead (PassPlan::head_copy_after), so it runs during the
+  // forward's last blocks; set by FillHeadSlots (worker/stream_budget.h).
+  int head_prefetch_slots = 0;
 
   int num_blocks() const { return static_cast<int>(streamed.size()); }
   int num_streamed() const;
@@ -111,6 +116,10 @@ struct PassPlan {
   // [u]: phase slots freed right after Release(u) (after the last use in their phase; their
   // blocks are gone).
   std::vector<std::vector<int>> free_after_release;
+  // A streamed LM head's copy is issued after Release(head_copy_after), a forward use from
+  // which on at most forward_slots - head_prefetch_slots slots are allocated; -1: when the
+  // head starts.
+  int head_copy_after = -1;
 
   int copies() const;
   int copies_saved() const;  // streamed uses served by a block already in its slot

@@ -118,7 +118,12 @@ class StreamProvider : public BlockProvider {
     engine_->BeginStep();
   }
   const BlockWeights& Acquire(int block) override { return engine_->Acquire(block); }
-  void Release(int block) override { engine_->Release(block); }
+  void Release(int block) override {
+    const int use = engine_->next_use();
+    engine_->Release(block);
+    // The plan's point for a streamed head's copy: the forward has freed room for it.
+    if (head_ && use == engine_->pass_plan().head_copy_after) head_->Prefetch();
+  }
   void EndStep(StepStats& stats) override {
     engine_->EndStep(stats);
     if (head_) head_->CollectStats(stats);  // the head's copy counts with the blocks'

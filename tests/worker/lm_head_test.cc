@@ -2,6 +2,9 @@
 // reference), and the streamed LM head against the resident one.
 #include "torch_catch.h"  // first: see there
 
+#include <utility>
+
+
 #include "common/error.h"
 #include "worker/base_weights.h"
 #include "worker/lm_head.h"
@@ -85,9 +88,11 @@ TEST_CASE("a streamed LM head gives the resident head's loss and gradients bit f
       StreamEngineOptions slow;
       slow.debug_poison = true;  // a read before the copy landed would be NaN
       slow.debug_copy_delay_us = 2000;
-      // The head from a bf16 copy of the table exercises the one-time conversion too.
-      for (bool convert : {false, true}) {
-        CAPTURE(convert);
+      // The head from a bf16 copy of the table exercises the one-time conversion too; a
+      // prefetched head (its copy issued before the head's use, twice: the second is a no-op)
+      // gives the same results from the same single copy.
+      for (auto [convert, prefetch] : {std::pair{false, false}, {true, false}, {false, true}}) {
+        CAPTURE(convert, prefetch);
         const at::Tensor host = convert ? base.rest().lm_head.to(at::kBFloat16)
                                         : base.rest().lm_head;
         std::unique_ptr<HeadProvider> head = MakeStreamedHead(host, at::kCPU, at::kFloat, slow);
@@ -95,7 +100,14 @@ TEST_CASE("a streamed LM head gives the resident head's loss and gradients bit f
         RestWeights rest = base.rest();
         rest.lm_head = at::Tensor();  // the head comes from the provider only
         CausalLm streamed(base.config(), rest, &provider, at::kCPU, at::kFloat, head.get());
+        auto maybe_prefetch = [&] {
+          if (!prefetch) return;
+          head->Prefetch();
+          head->Prefetch();
+        };
+        maybe_prefetch();
         const HeadRun got = RunHead(streamed, ids, 7);
+        maybe_prefetch();
         const HeadRun got_full = RunHead(streamed, ids, 0);
         if (!convert) {
           CHECK(at::equal(got.loss, want.loss));

@@ -72,10 +72,17 @@ void CheckPlan(const ResidencyPlan& r, const PassPlan& p) {
   REQUIRE(count() <= std::max(r.ring_size, r.pass_boundary_slots()));
   for (int u : p.issue_at_start) live[p.uses[u].slot] = true;
   REQUIRE(count() <= r.forward_slots);
+  // A streamed head copied during the forward takes head_prefetch_slots slots' room from the
+  // use after head_copy_after to the forward's end.
+  if (p.head_copy_after >= 0) {
+    REQUIRE(r.head_streamed);
+    REQUIRE(p.head_copy_after < n / 2);
+  }
   for (int u = 0; u < n; ++u) {
     const int cap = u < n / 2 ? r.forward_slots : r.backward_slots;
+    const bool head_copied = p.head_copy_after >= 0 && u > p.head_copy_after && u < n / 2;
     for (int c : p.issue_at_acquire[u]) live[p.uses[c].slot] = true;
-    REQUIRE(count() <= cap);
+    REQUIRE(count() + (head_copied ? r.head_prefetch_slots : 0) <= cap);
     if (p.uses[u].slot >= 0) REQUIRE(live[p.uses[u].slot]);
     for (int f : p.free_after_release[u]) {
       REQUIRE(f >= r.ring_size);  // the ring itself is never freed
@@ -209,7 +216,9 @@ TEST_CASE("phase slots: every plan keeps the invariants and the memory timeline"
            for (int h = ring; h <= b; ++h) {
             CAPTURE(l, ring, n, f, b, h);
             const ResidencyPlan base = PlanFromSwapCount(l, n, ring);
-            const ResidencyPlan r = WithPhaseSlots(base, f, b, h);
+            ResidencyPlan r = WithPhaseSlots(base, f, b, h);
+            // Every other plan streams the LM head, copied early when 2 slots are free.
+            r.head_streamed = r.head_prefetch_slots = (l + n + f + b + h) % 2 == 0 ? 2 : 0;
             REQUIRE(r.forward_slots == std::min(f, n));
             REQUIRE(r.backward_slots == std::min(b, n));
             REQUIRE(r.head_slots == std::clamp(h, r.ring_size, r.backward_slots));
@@ -305,6 +314,27 @@ TEST_CASE("head slots: the backward's first blocks are copied while the LM head 
   const PassPlan q = PlanSteadyPass(wide);
   for (int u = 8; u < 11; ++u) REQUIRE_FALSE(q.uses[u].copy);
   REQUIRE(q.copies() == p.copies() - 2);
+}
+
+TEST_CASE("a streamed LM head is copied once the forward has freed room for it",
+          "[worker]") {
+  // 8 blocks, all streamed; ring 2, 5 slots in the forward; the head needs 2 slots' room.
+  ResidencyPlan r = WithPhaseSlots(PlanFromSwapCount(8, 8, 2), 5, 2);
+  r.head_streamed = true;
+  r.head_prefetch_slots = 2;
+  const PassPlan p = PlanSteadyPass(r);
+  CheckPlan(r, p);
+  // The forward's three phase slots are freed after their last uses; the copy follows the
+  // release after which at most 5 - 2 slots are allocated until the forward ends.
+  REQUIRE(p.head_copy_after >= 0);
+  REQUIRE(p.head_copy_after < 8);
+  REQUIRE(p.Describe().find("then the LM head's copy") != std::string::npos);
+  // Without room (or with the head resident) it is copied when the head starts.
+  r.head_prefetch_slots = 4;
+  REQUIRE(PlanSteadyPass(r).head_copy_after == -1);
+  r.head_prefetch_slots = 2;
+  r.head_streamed = false;
+  REQUIRE(PlanSteadyPass(r).head_copy_after == -1);
 }
 
 TEST_CASE("phase slots below the ring are refused naming the key", "[worker]") {
