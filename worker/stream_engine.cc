@@ -263,8 +263,13 @@ ResidencyPlan ApplyPhaseSlots(const MemoryModelInputs& inputs, ResidencyPlan pla
   }
   const int f = slots(forward_slots, plan.forward_slots, true);
   const int b = slots(backward_slots, plan.backward_slots, false);
-  // The backward's slots that also fit across the LM head exist there already.
-  return FillHeadSlots(inputs, WithPhaseSlots(plan, f, b, plan.head_slots), peak);
+  // The backward's slots that also fit across the LM head (within the budget, else within
+  // the peak of the plan with these slots) exist there already.
+  const ResidencyPlan phased = WithPhaseSlots(plan, f, b, plan.head_slots);
+  const uint64_t head_peak = gpu_memory_budget > 0
+                                 ? gpu_memory_budget
+                                 : std::max(peak, EstimateMemory(inputs, phased).total());
+  return FillHeadSlots(inputs, phased, head_peak);
 }
 
 ResidencyPlan PlanResidency(int64_t blocks_to_swap, uint64_t gpu_memory_budget,

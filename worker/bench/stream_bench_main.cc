@@ -11,7 +11,7 @@
 //
 //   lorastream-bench-stream --store NAME --out DIR [--device cuda:0] [--tokens 512,2048,8192]
 //     [--swap 12] [--ring 2] [--budget 8GiB] [--budget-tokens 2048] [--steps 6] [--warmup 2]
-//     [--hand-rings 4]
+//     [--hand-rings 4] [--phase-slots 3,4]
 //
 // floor = max(resident step, H2D bytes per streamed step / measured bandwidth): what perfect
 // overlap of the copies with compute would give.
@@ -66,6 +66,10 @@ struct BenchOptions {
   int64_t swap = 12, ring = 2, rank = 16, steps = 6, warmup = 2, budget_tokens = 2048;
   int64_t hand_rings = 4;  // hand-picked plans at the budget: rings 1..hand_rings
   std::string budget = "8GiB";
+  // The same swap with N slots in the forward and the backward (and as many across the LM
+  // head as that plan's estimated peak holds), one row per N: bytes copied and the copy
+  // engine's idle time against memory.
+  std::vector<int64_t> phase_slots;
 };
 
 struct Row {
@@ -249,6 +253,14 @@ void Run(const BenchOptions& o, const std::string& command) {
       s.stream.forward_slots = -1;
       s.stream.backward_slots = -1;
     });
+    for (int64_t n : o.phase_slots) {
+      streamed_row("slots", today + " slots " + std::to_string(n), [&](JobSpec& s) {
+        s.stream.blocks_to_swap = o.swap;
+        s.stream.ring_size = o.ring;
+        s.stream.forward_slots = n;
+        s.stream.backward_slots = n;
+      });
+    }
 
     if (tokens == o.budget_tokens && !o.budget.empty()) {
       const uint64_t budget = ParseByteSize(o.budget, "--budget");
@@ -345,6 +357,9 @@ int main(int argc, char** argv) {
   app.add_option("--hand-rings", o.hand_rings,
                  "hand-picked plans at the budget: the best of each ring 1..N")
       ->capture_default_str();
+  app.add_option("--phase-slots", o.phase_slots,
+                 "extra rows: the same swap with N forward and backward slots, for each N")
+      ->delimiter(',');
   app.add_option("--scratch", o.scratch, "folder for data and run outputs (default: a new one "
                  "in /tmp, removed at the end)");
   app.add_option("--steps", o.steps, "timed steps per run")->capture_default_str();
