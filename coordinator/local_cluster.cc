@@ -22,7 +22,7 @@
 #include "common/unique_fd.h"
 #include "store/attach.h"
 
-namespace lorastream {
+namespace lorastream::cli {
 
 namespace fs = std::filesystem;
 
@@ -65,7 +65,7 @@ LocalCluster::LocalCluster(LocalClusterOptions options) : options_(std::move(opt
   if (devices_.empty()) devices_.assign(std::max(1, options_.cpu_workers), "cpu");
   workers_.resize(devices_.size());
   // Beside the default endpoint, in the owner-only folder: only this user reaches the cluster.
-  endpoint_ = "ipc://" + DefaultRuntimeDir() + "/up-" + std::to_string(getpid()) + ".sock";
+  endpoint_ = "ipc://" + client::DefaultRuntimeDir() + "/up-" + std::to_string(getpid()) + ".sock";
 }
 
 LocalCluster::~LocalCluster() {
@@ -117,7 +117,7 @@ void LocalCluster::WaitForStore(double timeout_s) {
   for (;;) {
     if (!store_.Running()) PartFailed("lorastream-store", log);
     try {
-      AttachedStore probe = AttachedStore::Attach(store_name_);
+      store::AttachedStore probe = store::AttachedStore::Attach(store_name_);
       return;
     } catch (const Error& e) {
       if (e.code() != ErrorCode::kNotFound) throw;  // published but broken: say so now
@@ -350,4 +350,4 @@ void LocalCluster::Detach() {
   store_.Detach();
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::cli

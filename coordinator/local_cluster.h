@@ -11,7 +11,7 @@
 
 #include "common/subprocess.h"
 
-namespace lorastream {
+namespace lorastream::cli {
 
 struct LocalClusterOptions {
   std::string bin_dir;         // where lorastream, lorastream-store, -worker, -synth live
@@ -94,4 +94,4 @@ class LocalCluster {
   std::vector<Subprocess> workers_;
 };
 
-}  // namespace lorastream
+}  // namespace lorastream::cli

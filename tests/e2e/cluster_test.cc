@@ -24,8 +24,8 @@
 #include "store/attach.h"
 #include "tests/support/test_support.h"
 
-using lorastream::LocalCluster;
-using lorastream::LocalClusterOptions;
+using lorastream::cli::LocalCluster;
+using lorastream::cli::LocalClusterOptions;
 using lorastream::SafetensorsFile;
 namespace fs = std::filesystem;
 
@@ -286,7 +286,7 @@ TEST_CASE("the store and four training workers hold the base weights once", "[e2
         return true;
       },
       600, "four jobs training");
-  lorastream::AttachedStore store = lorastream::AttachedStore::Attach(cluster.store_name());
+  lorastream::store::AttachedStore store = lorastream::store::AttachedStore::Attach(cluster.store_name());
   const double base_kb = static_cast<double>(store.manifest().total_bytes()) / 1024.0;
   ShmUse total = StoreMappings(cluster.StorePid(), cluster.store_name());
   for (size_t i = 0; i < cluster.num_workers(); ++i) {
