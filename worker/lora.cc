@@ -9,7 +9,7 @@
 #include "common/error.h"
 #include "common/job_spec.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 const char* LoraTargetName(int t) {
   static const char* kNames[] = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
@@ -127,4 +127,4 @@ std::vector<std::string> LoraAdapter::ParamNames() const {
   return names;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -14,8 +14,10 @@
 #include "common/model_config.h"
 
 namespace lorastream {
-
 struct LoraSpec;
+}  // namespace lorastream
+
+namespace lorastream::worker {
 
 // The seven projections of a block, in this fixed order.
 enum LoraTarget : int { kQProj = 0, kKProj, kVProj, kOProj, kGateProj, kUpProj, kDownProj };
@@ -74,4 +76,4 @@ class LoraAdapter {
 // "base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight".
 std::string LoraKey(int block, int target, bool is_b);
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -39,7 +39,7 @@
 #include "common/model_config.h"
 #include "worker/stream_plan.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 // The default bound on one chunk of the chunked LM head and loss: 256 MiB (a few hundred rows
 // of a 150k vocabulary; each chunk's matmul is still large enough to run at full speed).
@@ -109,4 +109,4 @@ ResidencyPlan PlanFromBudget(const MemoryModelInputs& inputs, uint64_t budget_by
 ResidencyPlan FillPhaseSlots(const MemoryModelInputs& inputs, ResidencyPlan plan,
                              uint64_t peak_bytes);
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -14,8 +14,11 @@
 #include "worker/stream_cost.h"
 
 namespace lorastream {
-
 struct JobSpec;
+}  // namespace lorastream
+
+namespace lorastream::worker {
+
 class BaseWeights;
 
 // The cache key: model (name and shape), device, dtype, rank, targets and tokens.
@@ -30,4 +33,4 @@ StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c
 StepCosts CalibratedStepCosts(const JobSpec& spec, const BaseWeights& base,
                               const c10::Device& device, c10::ScalarType dtype);
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -35,7 +35,7 @@
 #include "worker/stream_budget.h"
 #include "worker/train_state.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 namespace fs = std::filesystem;
 
@@ -323,4 +323,4 @@ int RunTrainCommand(const std::string& job_path, const TrainOptions& options,
   return 0;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

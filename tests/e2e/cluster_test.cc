@@ -286,7 +286,8 @@ TEST_CASE("the store and four training workers hold the base weights once", "[e2
         return true;
       },
       600, "four jobs training");
-  lorastream::store::AttachedStore store = lorastream::store::AttachedStore::Attach(cluster.store_name());
+  lorastream::store::AttachedStore store =
+      lorastream::store::AttachedStore::Attach(cluster.store_name());
   const double base_kb = static_cast<double>(store.manifest().total_bytes()) / 1024.0;
   ShmUse total = StoreMappings(cluster.StorePid(), cluster.store_name());
   for (size_t i = 0; i < cluster.num_workers(); ++i) {
