@@ -6,7 +6,7 @@
 
 #include <string>
 
-#include "worker/lora.h"
+#include "worker/lora_settings.h"
 
 namespace lorastream::worker {
 
