@@ -106,6 +106,7 @@ void LocalCluster::StartStore() {
   SpawnOptions so;
   so.log_path = log;
   so.new_session = true;  // Ctrl-C reaches `up`, which stops the parts in order
+  so.die_with_parent = !options_.outlive_parent;
   store_ = Subprocess::Spawn(
       {Bin("lorastream-store"), "serve", model_dir_, "--name", store_name_}, so);
   WaitForStore(600);
@@ -142,6 +143,7 @@ void LocalCluster::StartCoordinator() {
   SpawnOptions so;
   so.log_path = log;
   so.new_session = true;
+  so.die_with_parent = !options_.outlive_parent;
   std::ostringstream timeout;
   timeout << options_.heartbeat_timeout_s;
   std::vector<std::string> argv = {
@@ -181,6 +183,7 @@ void LocalCluster::StartWorker(size_t index) {
   SpawnOptions so;
   so.log_path = log;
   so.new_session = true;
+  so.die_with_parent = !options_.outlive_parent;
   std::vector<std::string> argv = {Bin("lorastream-worker"), "serve", "--coordinator", endpoint_,
                                    "--device", devices_[index]};
   // CPU workers share this host's cores instead of each taking all of them (oversubscribed,

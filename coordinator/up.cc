@@ -81,6 +81,7 @@ int RunUp(const UpOptions& options) {
   co.preset = options.preset;
   co.devices = options.devices.empty() ? DetectGpus() : options.devices;
   co.cpu_workers = options.cpu_workers;
+  co.outlive_parent = options.keep;  // --keep leaves the cluster running after `up` ends
   if (!options.tensorboard_dir.empty()) {
     // Checked here, before anything starts: a bad folder is an error of this command.
     co.tensorboard_dir = coordinator::TensorBoardWriter(options.tensorboard_dir).dir();
