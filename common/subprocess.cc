@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -47,9 +48,16 @@ pid_t ForkExec(const std::vector<std::string>& argv, const SpawnOptions& options
     if (!log_fd.valid()) ThrowErrno("cannot open log file " + options.log_path);
   }
   UniquePipe report = MakePipe(O_CLOEXEC, "pipe");
+  const pid_t parent = getpid();
   pid_t pid = fork();
   if (pid < 0) ThrowErrno("fork");
   if (pid == 0) {
+    if (options.die_with_parent) {
+      // The signal is armed only now: a parent that died since fork() (we were reparented)
+      // would never send it, so this child ends as it would have been ended.
+      prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (getppid() != parent) _exit(128 + SIGTERM);
+    }
     if (options.new_session) setsid();
     if (log_fd.valid()) {
       dup2(log_fd.get(), STDOUT_FILENO);

@@ -1,6 +1,12 @@
 // Child processes for `lorastream up` and the multi-process tests. RAII: a Subprocess that
 // is still running when destroyed is stopped (SIGTERM, then SIGKILL after a grace period)
 // unless it was detached. Move-only.
+//
+// A destructor does not run when its process is killed, so by default a child also gets
+// SIGTERM from the kernel when its parent dies (PR_SET_PDEATHSIG): a killed test or a killed
+// `lorastream up` leaves no store, coordinator or worker behind. SIGTERM rather than SIGKILL:
+// every lorastream process ends cleanly on it (the store unlinks its shared memory, a
+// training worker checkpoints), which SIGKILL would not let it do.
 #pragma once
 
 #include <sys/types.h>
@@ -14,6 +20,11 @@ struct SpawnOptions {
   std::string log_path;                  // stdout+stderr appended here ("" = inherit)
   std::vector<std::string> extra_env;    // "KEY=VALUE" added to the environment
   bool new_session = false;              // setsid(): not killed with our process group
+  // SIGTERM to the child when the parent dies. Linux sends it when the *thread* that called
+  // Spawn ends, not the process: spawn from a thread that outlives the child (the main
+  // thread), or set this to false. False for a child meant to outlive us (`lorastream up
+  // --keep`).
+  bool die_with_parent = true;
 };
 
 class Subprocess {

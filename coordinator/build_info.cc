@@ -3,7 +3,7 @@
 #include "common/device.h"
 #include "lorastream_build_config.h"  // generated into the build folder
 
-namespace lorastream {
+namespace lorastream::client {
 
 const BuildInfo& ThisBuild() {
   static const BuildInfo info{LORASTREAM_BUILD_CUDA != 0, LORASTREAM_BUILD_LIBTORCH_VERSION,
@@ -33,4 +33,4 @@ std::string CudaBuildProblem(const std::vector<std::string>& devices, size_t gpu
          "set LORASTREAM_LIBTORCH=DIR), or use CPU workers (--device cpu)";
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::client

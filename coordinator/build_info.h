@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-namespace lorastream {
+namespace lorastream::client {
 
 struct BuildInfo {
   bool cuda = false;             // the worker has its CUDA backend
@@ -27,4 +27,4 @@ std::string BuildSummary(const BuildInfo& build = ThisBuild());
 std::string CudaBuildProblem(const std::vector<std::string>& devices, size_t gpus_on_host,
                              const BuildInfo& build = ThisBuild());
 
-}  // namespace lorastream
+}  // namespace lorastream::client

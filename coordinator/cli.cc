@@ -39,38 +39,40 @@
 #include "coordinator/watch_view.h"
 #include "store/manifest_object.h"
 
-namespace lorastream {
+namespace lorastream::cli {
 namespace {
 
 std::atomic<bool> g_stop{false};
 void OnSignal(int) { g_stop = true; }
 
 struct GlobalOptions {
-  std::string endpoint = DefaultEndpoint();
+  std::string endpoint = client::DefaultEndpoint();
   std::string curve_keys;
   double timeout_s = 10;
   CLI::Option* timeout_given = nullptr;  // count() > 0 when --timeout was given
 };
 
-Client Connect(const GlobalOptions& g) {
-  return Client(ClientOptions{g.endpoint, g.curve_keys, static_cast<int>(g.timeout_s * 1000)});
+client::Client Connect(const GlobalOptions& g) {
+  return client::Client(
+      client::ClientOptions{g.endpoint, g.curve_keys, static_cast<int>(g.timeout_s * 1000)});
 }
 
-int RunCoordinator(const GlobalOptions& g, ServerOptions options, const std::string& log_level,
-                   const std::string& log_file, const std::string& tensorboard_dir) {
+int RunCoordinator(const GlobalOptions& g, coordinator::ServerOptions options,
+                   const std::string& log_level, const std::string& log_file,
+                   const std::string& tensorboard_dir) {
   InitLogging("coordinator", log_level, log_file);
   options.curve_keys_dir = g.curve_keys;
   options.coordinator.validator = [](const JobSpec& spec) {
     return ValidateJobSpec(spec, nullptr);
   };
   if (!tensorboard_dir.empty()) {
-    auto writer = std::make_shared<TensorBoardWriter>(tensorboard_dir);
+    auto writer = std::make_shared<coordinator::TensorBoardWriter>(tensorboard_dir);
     LS_LOG_INFO("tensorboard: one run per job under {}", writer->dir());
     options.coordinator.on_stats = [writer](const JobSummary& job, const StepStats& stats) {
       writer->Write(job, stats);
     };
   }
-  CoordinatorServer server(options);
+  coordinator::CoordinatorServer server(options);
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
   std::signal(SIGPIPE, SIG_IGN);
@@ -88,9 +90,9 @@ std::string ReadFile(const std::string& path) {
 
 std::string StoreTokenizerProblem(const JobSpec& spec) {
   if (spec.model.store.empty()) return "";
-  std::optional<ManifestRecord> record;
+  std::optional<store::ManifestRecord> record;
   try {
-    record = ReadManifestObject(spec.model.store);
+    record = store::ReadManifestObject(spec.model.store);
   } catch (const Error&) {
     return "";  // another user's store, unreadable to us: the worker checks
   }
@@ -147,7 +149,7 @@ int RunSubmit(const GlobalOptions& g, const std::string& path, int64_t* priority
     std::cerr << "lorastream submit: " << path << " was refused (1 problem):\n  " << why << "\n";
     return ExitCodeFor(ErrorCode::kRefused);
   }
-  Client client = Connect(g);
+  client::Client client = Connect(g);
   SubmitReply reply = client.Call(req);
   if (!reply.problems.empty()) {
     if (json) {
@@ -172,7 +174,7 @@ int RunSubmit(const GlobalOptions& g, const std::string& path, int64_t* priority
 }
 
 int RunStats(const GlobalOptions& g, int64_t job, const std::string& format) {
-  Client client = Connect(g);
+  client::Client client = Connect(g);
   StatsReply reply = client.Call(StatsRequest{job});
   std::cout << (format == "json" ? StatsJson(job, reply.stats) : StatsCsv(reply.stats));
   return 0;
@@ -241,7 +243,7 @@ CLI::Validator JobIdCheck() {
 
 Verb CoordinatorVerb(CLI::App& app, const GlobalOptions& g) {
   struct Options {
-    ServerOptions server;
+    coordinator::ServerOptions server;
     std::string log_level = "info", log_file, tensorboard_dir;
   };
   auto o = std::make_shared<Options>();
@@ -304,7 +306,7 @@ Verb JobsVerb(CLI::App& app, const GlobalOptions& g) {
   jobs->add_flag("--json", o->json, "JSON array");
   jobs->add_flag("--active", o->active_only, "only queued and running jobs");
   return {jobs, [o, &g] {
-            Client client = Connect(g);
+            client::Client client = Connect(g);
             const ListJobsReply reply = client.Call(ListJobsRequest{!o->active_only});
             PrintList(reply.jobs, o->json, JobsTable);
             return 0;
@@ -321,7 +323,7 @@ Verb ShowVerb(CLI::App& app, const GlobalOptions& g) {
   show->add_option("JOB", o->job_id, "job id")->required()->check(JobIdCheck());
   show->add_flag("--json", o->json, "JSON object");
   return {show, [o, &g] {
-            Client client = Connect(g);
+            client::Client client = Connect(g);
             const ShowJobReply reply = client.Call(ShowJobRequest{o->job_id});
             PrintJob(reply, BestCheckpoint(reply.job.output_dir), o->json);
             return 0;
@@ -352,7 +354,7 @@ Verb CancelVerb(CLI::App& app, const GlobalOptions& g) {
   cancel->add_option("JOB", o->job_id, "job id")->required()->check(JobIdCheck());
   cancel->add_flag("--json", o->json, "JSON object");
   return {cancel, [o, &g] {
-            Client client = Connect(g);
+            client::Client client = Connect(g);
             PrintCancel(o->job_id, client.Call(CancelRequest{o->job_id}), o->json);
             return 0;
           }};
@@ -367,7 +369,7 @@ Verb WorkersVerb(CLI::App& app, const GlobalOptions& g) {
   workers->add_flag("--json", o->json, "JSON array");
   workers->add_flag("--all", o->include_dead, "include dead workers");
   return {workers, [o, &g] {
-            Client client = Connect(g);
+            client::Client client = Connect(g);
             const ListWorkersReply reply = client.Call(ListWorkersRequest{o->include_dead});
             PrintList(reply.workers, o->json, WorkersTable);
             return 0;
@@ -389,7 +391,7 @@ Verb WatchVerb(CLI::App& app, const GlobalOptions& g) {
                     "plain mode: seconds between progress lines of one job")
       ->capture_default_str();
   return {watch, [o, &g] {
-            Client client = Connect(g);
+            client::Client client = Connect(g);
             WatchOptions options = o->watch;
             options.tty = !o->plain && isatty(STDOUT_FILENO);
             winsize size{};
@@ -455,7 +457,7 @@ Verb KeygenVerb(CLI::App& app) {
   keygen->add_option("--out", o->key_dir, "folder to write the keys into")->required();
   keygen->add_flag("--force", o->force, "replace existing keys");
   return {keygen, [o] {
-            WriteCurveKeys(o->key_dir, o->force);
+            client::WriteCurveKeys(o->key_dir, o->force);
             std::cout << "CURVE keys written to " << o->key_dir << "\n  coordinator: lorastream "
                       << "coordinator --curve-keys " << o->key_dir
                       << " --bind tcp://0.0.0.0:PORT\n"
@@ -545,4 +547,4 @@ int RunLorastreamCli(int argc, char** argv) {
   });
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::cli

@@ -5,8 +5,8 @@
 // job failed or was cancelled.
 #pragma once
 
-namespace lorastream {
+namespace lorastream::cli {
 
 int RunLorastreamCli(int argc, char** argv);
 
-}  // namespace lorastream
+}  // namespace lorastream::cli

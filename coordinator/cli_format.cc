@@ -8,7 +8,7 @@
 #include "common/step_stats_json.h"
 #include "common/terminal_text.h"
 
-namespace lorastream {
+namespace lorastream::cli {
 namespace {
 
 std::string Printf(const char* fmt, double value) {
@@ -185,4 +185,4 @@ std::string StatsJson(int64_t job_id, const std::vector<StepStats>& stats) {
   return nlohmann::json{{"job_id", job_id}, {"stats", rows}}.dump(2) + "\n";
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::cli

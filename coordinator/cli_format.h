@@ -9,7 +9,7 @@
 
 #include "common/messages.h"
 
-namespace lorastream {
+namespace lorastream::cli {
 
 nlohmann::json ToJson(const StepStats& s);
 nlohmann::json ToJson(const JobSummary& job);
@@ -29,4 +29,4 @@ std::string FormatDuration(double seconds);
 // "step 12/100", or "step 12" when the total is unknown.
 std::string FormatProgress(const JobSummary& job);
 
-}  // namespace lorastream
+}  // namespace lorastream::cli

@@ -5,7 +5,7 @@
 
 #include "coordinator/curve.h"
 
-namespace lorastream {
+namespace lorastream::client {
 
 struct Client::Impl {
   ClientOptions options;
@@ -127,4 +127,4 @@ void Client::RaiseIfError(const Envelope& env) {
   }
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::client

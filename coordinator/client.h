@@ -8,7 +8,7 @@
 
 #include "common/messages.h"
 
-namespace lorastream {
+namespace lorastream::client {
 
 struct ClientOptions {
   std::string endpoint;        // e.g. tcp://127.0.0.1:5757
@@ -53,4 +53,4 @@ class Client {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace lorastream
+}  // namespace lorastream::client

@@ -9,7 +9,7 @@
 #include "common/log.h"
 #include "common/user_access.h"
 
-namespace lorastream {
+namespace lorastream::coordinator {
 namespace {
 
 bool Fits(const JobRecord& job, const WorkerEntry& worker) {
@@ -497,4 +497,4 @@ void Coordinator::Tick(double now) {
   workers_.Prune(64);
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::coordinator

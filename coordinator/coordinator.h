@@ -20,7 +20,7 @@
 #include "coordinator/registry.h"
 #include "coordinator/scheduler.h"
 
-namespace lorastream {
+namespace lorastream::coordinator {
 
 // Every problem that stops a job from running (empty: it can run). The product uses
 // ValidateJobSpec (common/job_spec.h).
@@ -104,4 +104,4 @@ class Coordinator {
 
 double WallSeconds();
 
-}  // namespace lorastream
+}  // namespace lorastream::coordinator

@@ -16,7 +16,7 @@
 #include "common/user_access.h"
 #include "coordinator/curve.h"
 
-namespace lorastream {
+namespace lorastream::coordinator {
 namespace {
 
 double SteadySeconds() {
@@ -85,7 +85,7 @@ struct CoordinatorServer::Impl {
   zmq::socket_t zap{context, zmq::socket_type::rep};
   bool curve = false;
   bool peer_credentials = false;  // ipc: the kernel tells each peer's uid
-  CurveServerKeys keys;
+  client::CurveServerKeys keys;
   std::string endpoint;
   std::unique_ptr<Coordinator> core;
   std::deque<ParkedWatch> watches;
@@ -111,25 +111,27 @@ struct CoordinatorServer::Impl {
 CoordinatorServer::CoordinatorServer(ServerOptions options) : impl_(std::make_unique<Impl>()) {
   Impl& s = *impl_;
   s.options = std::move(options);
-  bool local = IsLocalEndpoint(s.options.bind);
-  if (!IsCredentialEndpoint(s.options.bind) && s.options.curve_keys_dir.empty() &&
+  bool local = client::IsLocalEndpoint(s.options.bind);
+  if (!client::IsCredentialEndpoint(s.options.bind) && s.options.curve_keys_dir.empty() &&
       !s.options.insecure)
     throw Error(ErrorCode::kInvalidArgument,
                 "binding " + s.options.bind + " without CURVE lets " +
                     (local ? "every user of this host" : "anyone who reaches it") +
-                    " act as the operator: use the default endpoint (" + DefaultEndpoint() +
+                    " act as the operator: use the default endpoint (" + client::DefaultEndpoint() +
                     "), pass --curve-keys DIR (keys from `lorastream keygen`) or, knowingly, "
                     "--insecure");
   if (s.options.bind.rfind("ipc://", 0) == 0) {
     s.peer_credentials = true;
     const std::string path = s.options.bind.substr(6);
-    if (path.rfind(DefaultRuntimeDir() + "/", 0) == 0) EnsureOwnerOnlyDir(DefaultRuntimeDir());
+    if (path.rfind(client::DefaultRuntimeDir() + "/", 0) == 0) {
+      client::EnsureOwnerOnlyDir(client::DefaultRuntimeDir());
+    }
     if (UnixSocketAnswers(path))
       throw Error(ErrorCode::kRefused, "another coordinator listens on " + s.options.bind +
                                            "; stop it first or pass another --bind");
   }
   if (!s.options.curve_keys_dir.empty()) {
-    s.keys = LoadServerKeys(s.options.curve_keys_dir);
+    s.keys = client::LoadServerKeys(s.options.curve_keys_dir);
     s.curve = true;
     // ZAP: libzmq asks this socket about every CURVE handshake; only listed keys pass.
     s.zap.bind("inproc://zeromq.zap.01");
@@ -343,4 +345,4 @@ void CoordinatorServer::Run(const std::atomic<bool>& stop) {
   LS_LOG_INFO("coordinator stopped");
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::coordinator

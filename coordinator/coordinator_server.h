@@ -12,7 +12,7 @@
 #include "coordinator/coordinator.h"
 #include "coordinator/curve.h"
 
-namespace lorastream {
+namespace lorastream::coordinator {
 
 // Trust model (README): by default the coordinator listens on an ipc socket in an owner-only
 // folder (DefaultEndpoint), so only its own user reaches it; on an ipc socket each request's
@@ -21,7 +21,7 @@ namespace lorastream {
 // (an unmapped key acts as the operator). TCP without CURVE, even on loopback, needs
 // --insecure: every client then acts as the operator.
 struct ServerOptions {
-  std::string bind = DefaultEndpoint();
+  std::string bind = client::DefaultEndpoint();
   std::string db = "lorastream.db";  // the SQLite journal
   std::string curve_keys_dir;        // "": no CURVE (only allowed on ipc:// and inproc://)
   bool insecure = false;             // allow a tcp:// bind without CURVE
@@ -48,4 +48,4 @@ class CoordinatorServer {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace lorastream
+}  // namespace lorastream::coordinator

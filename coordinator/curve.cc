@@ -13,7 +13,7 @@
 #include "common/error.h"
 #include "common/user_access.h"
 
-namespace lorastream {
+namespace lorastream::client {
 namespace fs = std::filesystem;
 namespace {
 
@@ -187,4 +187,4 @@ std::string IpcPermissionProblem(const std::string& endpoint) {
          "authorized for them and the coordinator's tcp:// endpoint)";
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::client

@@ -14,7 +14,7 @@
 #include <set>
 #include <string>
 
-namespace lorastream {
+namespace lorastream::client {
 
 struct CurveKeyPair {
   std::string public_key;  // Z85
@@ -63,4 +63,4 @@ void EnsureOwnerOnlyDir(const std::string& dir);
 // why, naming the path and the way in; "" otherwise (and for every other transport).
 std::string IpcPermissionProblem(const std::string& endpoint);
 
-}  // namespace lorastream
+}  // namespace lorastream::client

@@ -17,7 +17,7 @@
 #include "coordinator/client.h"
 #include "store/registry.h"
 
-namespace lorastream {
+namespace lorastream::cli {
 
 namespace {
 
@@ -39,12 +39,12 @@ std::string Bytes(uint64_t n) {
 }
 
 nlohmann::json BuildCheck(nlohmann::json& report, size_t gpus) {
-  const BuildInfo& b = ThisBuild();
+  const client::BuildInfo& b = client::ThisBuild();
   nlohmann::json j{{"cuda", b.cuda},
                    {"libtorch_version", b.libtorch_version},
                    {"libtorch_dir", b.libtorch_dir},
                    {"cuda_version", b.cuda_version},
-                   {"summary", BuildSummary(b)}};
+                   {"summary", client::BuildSummary(b)}};
   if (!b.cuda && gpus > 0)
     AddProblem(
         report, "build",
@@ -119,7 +119,9 @@ nlohmann::json HugePagesCheck(nlohmann::json& report) {
 }
 
 nlohmann::json HostRegisterCheck(nlohmann::json& report, const DoctorOptions& o, size_t gpus) {
-  if (!ThisBuild().cuda) return {{"applicable", false}, {"detail", "not applicable: CPU build"}};
+  if (!client::ThisBuild().cuda) {
+    return {{"applicable", false}, {"detail", "not applicable: CPU build"}};
+  }
   if (gpus == 0) return {{"applicable", false}, {"detail", "not applicable: no GPU"}};
   const std::string bin = o.bin_dir.empty() ? SelfExeDir() : o.bin_dir;
   int code = 0;
@@ -153,9 +155,9 @@ nlohmann::json HostRegisterCheck(nlohmann::json& report, const DoctorOptions& o,
 
 nlohmann::json StoresCheck(nlohmann::json& report) {
   nlohmann::json list = nlohmann::json::array();
-  for (const StoreListing& s : ListStores()) {
+  for (const store::StoreListing& s : store::ListStores()) {
     list.push_back({{"name", s.name},
-                    {"state", StoreStateName(s)},
+                    {"state", store::StoreStateName(s)},
                     {"alive", s.alive},
                     {"bytes", StoreBytes(s)},
                     {"segments", s.objects.size()},
@@ -173,7 +175,8 @@ nlohmann::json StoresCheck(nlohmann::json& report) {
 nlohmann::json CoordinatorCheck(nlohmann::json& report, const DoctorOptions& o) {
   nlohmann::json j{{"endpoint", o.endpoint}};
   try {
-    Client client(ClientOptions{o.endpoint, o.curve_keys, static_cast<int>(o.timeout_s * 1000)});
+    client::Client client(
+        client::ClientOptions{o.endpoint, o.curve_keys, static_cast<int>(o.timeout_s * 1000)});
     ListWorkersReply reply = client.Call(ListWorkersRequest{false});
     j["reachable"] = true;
     j["workers"] = reply.workers.size();
@@ -272,4 +275,4 @@ int RunDoctor(const DoctorOptions& options, bool json, std::ostream& out) {
   return report["problems"].empty() ? 0 : 1;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::cli

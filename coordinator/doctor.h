@@ -8,7 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
-namespace lorastream {
+namespace lorastream::cli {
 
 struct DoctorOptions {
   std::string endpoint;    // the coordinator to try
@@ -27,4 +27,4 @@ std::string DoctorText(const nlohmann::json& report);
 // Prints the report (JSON or text); returns 0 when it lists no problem, 1 otherwise.
 int RunDoctor(const DoctorOptions& options, bool json, std::ostream& out);
 
-}  // namespace lorastream
+}  // namespace lorastream::cli

@@ -6,7 +6,7 @@
 
 #include "common/messages.h"
 
-namespace lorastream {
+namespace lorastream::coordinator {
 
 // The local user a request comes from (README: Trust model): the peer's uid on an ipc
 // socket, the user a CURVE key maps to in authorized_clients, else the operator.
@@ -28,4 +28,4 @@ struct JobRecord {
   std::string owner;
 };
 
-}  // namespace lorastream
+}  // namespace lorastream::coordinator

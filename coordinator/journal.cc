@@ -12,7 +12,7 @@
 #include "common/error.h"
 #include "common/log.h"
 
-namespace lorastream {
+namespace lorastream::coordinator {
 namespace {
 
 // One prepared statement; finalized on every path out (RAII).
@@ -290,4 +290,4 @@ std::vector<StepStats> Journal::LoadStats(int64_t job_id) const {
   return out;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::coordinator

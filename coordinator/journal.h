@@ -12,7 +12,7 @@
 
 struct sqlite3;
 
-namespace lorastream {
+namespace lorastream::coordinator {
 
 class Journal {
  public:
@@ -43,4 +43,4 @@ class Journal {
   std::string path_;
 };
 
-}  // namespace lorastream
+}  // namespace lorastream::coordinator

@@ -22,7 +22,7 @@
 #include "common/unique_fd.h"
 #include "store/attach.h"
 
-namespace lorastream {
+namespace lorastream::cli {
 
 namespace fs = std::filesystem;
 
@@ -65,7 +65,7 @@ LocalCluster::LocalCluster(LocalClusterOptions options) : options_(std::move(opt
   if (devices_.empty()) devices_.assign(std::max(1, options_.cpu_workers), "cpu");
   workers_.resize(devices_.size());
   // Beside the default endpoint, in the owner-only folder: only this user reaches the cluster.
-  endpoint_ = "ipc://" + DefaultRuntimeDir() + "/up-" + std::to_string(getpid()) + ".sock";
+  endpoint_ = "ipc://" + client::DefaultRuntimeDir() + "/up-" + std::to_string(getpid()) + ".sock";
 }
 
 LocalCluster::~LocalCluster() {
@@ -106,6 +106,7 @@ void LocalCluster::StartStore() {
   SpawnOptions so;
   so.log_path = log;
   so.new_session = true;  // Ctrl-C reaches `up`, which stops the parts in order
+  so.die_with_parent = !options_.outlive_parent;
   store_ = Subprocess::Spawn(
       {Bin("lorastream-store"), "serve", model_dir_, "--name", store_name_}, so);
   WaitForStore(600);
@@ -117,7 +118,7 @@ void LocalCluster::WaitForStore(double timeout_s) {
   for (;;) {
     if (!store_.Running()) PartFailed("lorastream-store", log);
     try {
-      AttachedStore probe = AttachedStore::Attach(store_name_);
+      store::AttachedStore probe = store::AttachedStore::Attach(store_name_);
       return;
     } catch (const Error& e) {
       if (e.code() != ErrorCode::kNotFound) throw;  // published but broken: say so now
@@ -142,6 +143,7 @@ void LocalCluster::StartCoordinator() {
   SpawnOptions so;
   so.log_path = log;
   so.new_session = true;
+  so.die_with_parent = !options_.outlive_parent;
   std::ostringstream timeout;
   timeout << options_.heartbeat_timeout_s;
   std::vector<std::string> argv = {
@@ -181,6 +183,7 @@ void LocalCluster::StartWorker(size_t index) {
   SpawnOptions so;
   so.log_path = log;
   so.new_session = true;
+  so.die_with_parent = !options_.outlive_parent;
   std::vector<std::string> argv = {Bin("lorastream-worker"), "serve", "--coordinator", endpoint_,
                                    "--device", devices_[index]};
   // CPU workers share this host's cores instead of each taking all of them (oversubscribed,
@@ -350,4 +353,4 @@ void LocalCluster::Detach() {
   store_.Detach();
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::cli

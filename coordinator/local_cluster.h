@@ -11,7 +11,7 @@
 
 #include "common/subprocess.h"
 
-namespace lorastream {
+namespace lorastream::cli {
 
 struct LocalClusterOptions {
   std::string bin_dir;         // where lorastream, lorastream-store, -worker, -synth live
@@ -25,6 +25,9 @@ struct LocalClusterOptions {
   double heartbeat_timeout_s = 5.0;  // the coordinator's --heartbeat-timeout
   std::string log_level = "info";
   std::string tensorboard_dir;       // the coordinator's --tensorboard ("" = none)
+  // Store, coordinator and workers keep running when this process dies (`up --keep` hands
+  // them over with Detach()); else the kernel sends them SIGTERM then (common/subprocess.h).
+  bool outlive_parent = false;
 };
 
 // Devices of this host: "cuda:i" for each visible GPU (common/gpu_info.h: nvidia-smi or the
@@ -94,4 +97,4 @@ class LocalCluster {
   std::vector<Subprocess> workers_;
 };
 
-}  // namespace lorastream
+}  // namespace lorastream::cli

@@ -12,7 +12,7 @@
 #include "common/subprocess.h"
 #include "common/tokenizer_id.h"
 
-namespace lorastream {
+namespace lorastream::cli {
 
 namespace fs = std::filesystem;
 
@@ -102,4 +102,4 @@ int RunPrepare(const PrepareOptions& o) {
   return child.Wait();
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::cli

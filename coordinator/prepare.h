@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-namespace lorastream {
+namespace lorastream::cli {
 
 struct PrepareOptions {
   std::string model_dir;            // has tokenizer.json (+ tokenizer_config.json)
@@ -31,4 +31,4 @@ int RunPrepare(const PrepareOptions& options);
 // the running executable (an installed tree), else the source tree this build came from.
 std::string FindPrepareScript();
 
-}  // namespace lorastream
+}  // namespace lorastream::cli

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <random>
 
-namespace lorastream {
+namespace lorastream::coordinator {
 
 bool WorkerEntry::HasStore(const std::string& name, const std::string& fingerprint) const {
   for (const StoreInfo& s : info.stores)
@@ -86,4 +86,4 @@ std::string NewWorkerId() {
   return buf;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::coordinator

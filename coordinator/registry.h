@@ -9,7 +9,7 @@
 
 #include "common/messages.h"
 
-namespace lorastream {
+namespace lorastream::coordinator {
 
 struct WorkerEntry {
   std::string id;
@@ -43,4 +43,4 @@ class WorkerRegistry {
 // A fresh unguessable worker id: the token a worker proves its identity with.
 std::string NewWorkerId();
 
-}  // namespace lorastream
+}  // namespace lorastream::coordinator

@@ -1,6 +1,6 @@
 #include "coordinator/scheduler.h"
 
-namespace lorastream {
+namespace lorastream::coordinator {
 
 void JobQueue::Push(int64_t job_id, int32_t priority) {
   order_.emplace(-static_cast<int64_t>(priority), job_id);
@@ -16,4 +16,4 @@ int64_t JobQueue::PickFirst(const std::function<bool(int64_t job_id)>& fits) con
   return 0;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::coordinator

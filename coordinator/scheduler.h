@@ -9,7 +9,7 @@
 #include <set>
 #include <utility>
 
-namespace lorastream {
+namespace lorastream::coordinator {
 
 class JobQueue {
  public:
@@ -25,4 +25,4 @@ class JobQueue {
   std::set<std::pair<int64_t, int64_t>> order_;  // (-priority, job id)
 };
 
-}  // namespace lorastream
+}  // namespace lorastream::coordinator

@@ -11,7 +11,7 @@
 #include "common/error.h"
 #include "common/log.h"
 
-namespace lorastream {
+namespace lorastream::coordinator {
 
 namespace fs = std::filesystem;
 
@@ -188,4 +188,4 @@ void TensorBoardWriter::Write(const JobSummary& job, const StepStats& stats) {
   it->second->Write(EncodeScalarsEvent(UnixSeconds(), stats.step, StepScalars(stats)));
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::coordinator

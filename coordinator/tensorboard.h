@@ -27,7 +27,7 @@
 
 #include "common/messages.h"
 
-namespace lorastream {
+namespace lorastream::coordinator {
 
 uint32_t Crc32c(const void* data, size_t size);
 uint32_t MaskedCrc32c(const void* data, size_t size);
@@ -73,4 +73,4 @@ class TensorBoardWriter {
   std::map<int64_t, std::unique_ptr<EventFileWriter>> runs_;
 };
 
-}  // namespace lorastream
+}  // namespace lorastream::coordinator

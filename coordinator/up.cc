@@ -19,7 +19,7 @@
 #include "coordinator/local_cluster.h"
 #include "coordinator/tensorboard.h"
 
-namespace lorastream {
+namespace lorastream::cli {
 
 namespace fs = std::filesystem;
 
@@ -81,13 +81,15 @@ int RunUp(const UpOptions& options) {
   co.preset = options.preset;
   co.devices = options.devices.empty() ? DetectGpus() : options.devices;
   co.cpu_workers = options.cpu_workers;
+  co.outlive_parent = options.keep;  // --keep leaves the cluster running after `up` ends
   if (!options.tensorboard_dir.empty()) {
     // Checked here, before anything starts: a bad folder is an error of this command.
-    co.tensorboard_dir = TensorBoardWriter(options.tensorboard_dir).dir();
+    co.tensorboard_dir = coordinator::TensorBoardWriter(options.tensorboard_dir).dir();
   }
   // Before anything starts: a CPU-only build asked (or defaulting) to run CUDA workers.
-  if (!ThisBuild().cuda) {
-    if (std::string problem = CudaBuildProblem(co.devices, ListGpus().size()); !problem.empty())
+  if (!client::ThisBuild().cuda) {
+    std::string problem = client::CudaBuildProblem(co.devices, ListGpus().size());
+    if (!problem.empty())
       throw Error(ErrorCode::kUnsupported, problem);
   }
   std::string configs = options.configs_dir.empty() ? ConfigsDir() : options.configs_dir;
@@ -172,4 +174,4 @@ int RunUp(const UpOptions& options) {
   return status;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::cli

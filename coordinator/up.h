@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-namespace lorastream {
+namespace lorastream::cli {
 
 struct UpOptions {
   std::string model_dir;            // "" = synthesize `preset`
@@ -25,4 +25,4 @@ struct UpOptions {
 // Returns the exit status: 0 when every job succeeded.
 int RunUp(const UpOptions& options);
 
-}  // namespace lorastream
+}  // namespace lorastream::cli

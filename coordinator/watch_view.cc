@@ -11,7 +11,7 @@
 #include "common/terminal_text.h"
 #include "coordinator/cli_format.h"
 
-namespace lorastream {
+namespace lorastream::cli {
 namespace {
 
 double Now() {
@@ -92,7 +92,7 @@ std::string RenderFrame(const WatchReply& reply, const std::vector<int64_t>& wat
   return out.str();
 }
 
-int RunWatch(Client& client, const WatchOptions& options, std::ostream& out) {
+int RunWatch(client::Client& client, const WatchOptions& options, std::ostream& out) {
   WatchRequest req;
   req.job_ids = options.job_ids;
   req.wait_ms = options.poll_wait_ms;
@@ -177,4 +177,4 @@ int RunWatch(Client& client, const WatchOptions& options, std::ostream& out) {
   }
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::cli

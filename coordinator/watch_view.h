@@ -12,7 +12,7 @@
 #include "common/messages.h"
 #include "coordinator/client.h"
 
-namespace lorastream {
+namespace lorastream::cli {
 
 struct WatchOptions {
   std::vector<int64_t> job_ids;  // empty: every job not yet ended (and those submitted later)
@@ -26,11 +26,11 @@ struct WatchOptions {
 // Returns the exit status: 0 when every watched job succeeded, 1 when one failed or was
 // cancelled. Throws Error (kNotFound for an unknown job, kTimeout when the coordinator is
 // unreachable).
-int RunWatch(Client& client, const WatchOptions& options, std::ostream& out);
+int RunWatch(client::Client& client, const WatchOptions& options, std::ostream& out);
 
 // One terminal frame (exposed for tests).
 std::string RenderFrame(const WatchReply& reply, const std::vector<int64_t>& watched, int width);
 // One plain line for a job.
 std::string RenderLine(const JobSummary& job);
 
-}  // namespace lorastream
+}  // namespace lorastream::cli

@@ -13,7 +13,7 @@
 #include "common/error.h"
 #include "common/log.h"
 
-namespace lorastream {
+namespace lorastream::client {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -322,4 +322,4 @@ int WorkerAgent::Run(const std::atomic<bool>& stop) {
   return jobs;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::client

@@ -20,7 +20,7 @@
 #include "common/messages.h"
 #include "coordinator/client.h"
 
-namespace lorastream {
+namespace lorastream::client {
 
 struct WorkerAgentOptions {
   ClientOptions client;          // endpoint, CURVE keys, per-request timeout
@@ -71,4 +71,4 @@ class WorkerAgent {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace lorastream
+}  // namespace lorastream::client

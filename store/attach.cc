@@ -15,7 +15,7 @@
 #include "store/manifest_object.h"
 #include "store/process.h"
 
-namespace lorastream {
+namespace lorastream::store {
 
 namespace {
 std::atomic<int64_t> g_trusted_owner{-1};  // -1: the effective uid
@@ -125,4 +125,4 @@ void VerifyChecksums(const AttachedStore& store, int threads) {
     throw Error(ErrorCode::kCorrupt, "store `" + m.store_name + "`: checksum mismatch in " + bad);
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::store

@@ -21,7 +21,7 @@
 #include "common/manifest.h"
 #include "store/shm_segment.h"
 
-namespace lorastream {
+namespace lorastream::store {
 
 // Stores are trusted only when they belong to the expected user: the user who serves a store
 // can rewrite its segments under every job that trains on them. The expected user is this
@@ -75,4 +75,4 @@ class AttachedStore {
 // Throws Error(kCorrupt) naming every segment whose bytes do not match the manifest.
 void VerifyChecksums(const AttachedStore& store, int threads = 1);
 
-}  // namespace lorastream
+}  // namespace lorastream::store

@@ -9,7 +9,7 @@
 #include <emmintrin.h>
 #endif
 
-namespace lorastream {
+namespace lorastream::store {
 
 namespace {
 
@@ -108,4 +108,4 @@ uint64_t BulkHash64(const void* data, size_t n) {
   return h.Finish();
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::store

@@ -6,7 +6,7 @@
 #include <thread>
 #include <vector>
 
-namespace lorastream {
+namespace lorastream::store {
 
 namespace {
 
@@ -108,4 +108,4 @@ uint64_t CombineChunkHashes(const std::vector<uint64_t>& chunk_hashes, size_t n)
                static_cast<uint64_t>(n));
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::store

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <vector>
 
-namespace lorastream {
+namespace lorastream::store {
 
 // XXH64 of `n` bytes (the reference algorithm; XXH64("", 0) == 0xEF46DB3751D8E999).
 uint64_t Xxh64(const void* data, size_t n, uint64_t seed = 0);
@@ -45,4 +45,4 @@ uint64_t SegmentChecksum(const uint8_t* data, size_t n, int threads = 1);
 // that hash chunks themselves, e.g. the loader while each chunk is still in cache).
 uint64_t CombineChunkHashes(const std::vector<uint64_t>& chunk_hashes, size_t n);
 
-}  // namespace lorastream
+}  // namespace lorastream::store

@@ -11,7 +11,7 @@
 #include "store/attach.h"
 #include "store/registry.h"
 
-namespace lorastream {
+namespace lorastream::store {
 
 void RunLs(std::ostream& out) {
   const std::vector<StoreListing> stores = ListStores();
@@ -63,4 +63,4 @@ void RunVerify(const std::string& name, int threads, std::ostream& out) {
       << ": every checksum matches (" << s << " s)\n";
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::store

@@ -4,7 +4,7 @@
 #include <ostream>
 #include <string>
 
-namespace lorastream {
+namespace lorastream::store {
 
 // Lists every store in /dev/shm: state, owner, segments, bytes, attached processes.
 void RunLs(std::ostream& out);
@@ -12,4 +12,4 @@ void RunLs(std::ostream& out);
 // Attaches read-only and re-checks every checksum; throws Error(kCorrupt) on a mismatch.
 void RunVerify(const std::string& name, int threads, std::ostream& out);
 
-}  // namespace lorastream
+}  // namespace lorastream::store

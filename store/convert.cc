@@ -5,7 +5,7 @@
 
 #include "common/error.h"
 
-namespace lorastream {
+namespace lorastream::store {
 
 float BF16ToFloat(uint16_t b) {
   uint32_t bits = static_cast<uint32_t>(b) << 16;
@@ -78,4 +78,4 @@ void ConvertToBF16(DType src_dtype, const void* src, uint16_t* dst, size_t count
   }
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::store

@@ -8,7 +8,7 @@
 
 #include "common/dtype.h"
 
-namespace lorastream {
+namespace lorastream::store {
 
 inline uint16_t FloatToBF16(float value);  // defined below: inlined into hot loops
 float BF16ToFloat(uint16_t bits);
@@ -29,4 +29,4 @@ inline uint16_t FloatToBF16(float value) {
   return static_cast<uint16_t>((bits + rounding) >> 16);
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::store

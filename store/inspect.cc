@@ -9,7 +9,7 @@
 #include "common/safetensors.h"
 #include "store/layout.h"
 
-namespace lorastream {
+namespace lorastream::store {
 
 namespace {
 
@@ -59,4 +59,4 @@ void RunInspect(const std::string& path, std::ostream& out) {
   out << count << " tensors, " << total << " bytes (" << FormatBytes(total, 2) << ")\n";
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::store

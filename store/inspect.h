@@ -5,10 +5,10 @@
 #include <ostream>
 #include <string>
 
-namespace lorastream {
+namespace lorastream::store {
 
 // Prints the listing to `out`; throws Error for anything malformed or missing. A folder is
 // also checked against its config.json (the checks `serve` makes before loading).
 void RunInspect(const std::string& path, std::ostream& out);
 
-}  // namespace lorastream
+}  // namespace lorastream::store

@@ -10,7 +10,7 @@
 #include "common/tokenizer_id.h"
 #include "store/convert.h"
 
-namespace lorastream {
+namespace lorastream::store {
 
 namespace {
 
@@ -127,4 +127,4 @@ void RefuseNonFiniteWeights(const PackPlan& plan) {
   for (const Checkpoint::Ref& ref : plan.rest_sources) scan(ref);
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::store

@@ -9,7 +9,7 @@
 #include "common/manifest.h"
 #include "common/safetensors.h"
 
-namespace lorastream {
+namespace lorastream::store {
 
 struct PackPlan {
   // Layout only: shm names, checksums, fingerprint and generation are still empty.
@@ -37,4 +37,4 @@ PackPlan PlanPack(const Checkpoint& checkpoint, const PackOptions& options);
 // Error(kCorrupt) naming the folder, the tensor and the element.
 void RefuseNonFiniteWeights(const PackPlan& plan);
 
-}  // namespace lorastream
+}  // namespace lorastream::store

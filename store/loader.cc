@@ -16,7 +16,7 @@
 #include "store/checksum.h"
 #include "store/convert.h"
 
-namespace lorastream {
+namespace lorastream::store {
 
 namespace {
 
@@ -146,4 +146,4 @@ LoadResult LoadSegments(PackPlan& plan, const std::vector<ShmSegment*>& shm, int
   return result;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::store

@@ -13,7 +13,7 @@
 #include "store/layout.h"
 #include "store/shm_segment.h"
 
-namespace lorastream {
+namespace lorastream::store {
 
 struct LoadResult {
   uint64_t bytes = 0;    // bytes written into segments
@@ -27,4 +27,4 @@ struct LoadResult {
 LoadResult LoadSegments(PackPlan& plan, const std::vector<ShmSegment*>& segments, int threads,
                         const std::function<bool()>& should_stop);
 
-}  // namespace lorastream
+}  // namespace lorastream::store

@@ -16,7 +16,7 @@
 #include "common/unique_fd.h"
 #include "store/process.h"
 
-namespace lorastream {
+namespace lorastream::store {
 
 namespace {
 
@@ -138,4 +138,4 @@ void ManifestClaim::Release() noexcept {
   ::shm_unlink(shm_name_.c_str());
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::store

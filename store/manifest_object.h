@@ -14,7 +14,7 @@
 #include "common/manifest.h"
 #include "common/unique_fd.h"
 
-namespace lorastream {
+namespace lorastream::store {
 
 enum class ManifestState : uint32_t { kLoading = 0, kPublished = 1 };
 
@@ -51,4 +51,4 @@ class ManifestClaim {
   UniqueFd fd_;  // holding it is holding the claim: Release() unlinks the name
 };
 
-}  // namespace lorastream
+}  // namespace lorastream::store

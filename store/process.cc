@@ -7,7 +7,7 @@
 #include <fstream>
 #include <sstream>
 
-namespace lorastream {
+namespace lorastream::store {
 
 namespace {
 
@@ -71,4 +71,4 @@ std::vector<int64_t> PidsMapping(const std::string& shm_prefix) {
   return pids;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::store

@@ -6,7 +6,7 @@
 #include <vector>
 #include <string>
 
-namespace lorastream {
+namespace lorastream::store {
 
 // Start time of `pid` in clock ticks since boot (/proc/PID/stat field 22); 0 when the
 // process does not exist.
@@ -19,4 +19,4 @@ bool ProcessAlive(int64_t pid, uint64_t start_time);
 // Pids whose /proc/PID/maps maps a /dev/shm object whose name starts with `shm_prefix`.
 std::vector<int64_t> PidsMapping(const std::string& shm_prefix);
 
-}  // namespace lorastream
+}  // namespace lorastream::store

@@ -14,7 +14,7 @@
 #include "common/user_access.h"
 #include "store/process.h"
 
-namespace lorastream {
+namespace lorastream::store {
 
 namespace {
 
@@ -126,4 +126,4 @@ std::vector<int64_t> AttachedPids(const StoreListing& s) {
   return attached;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::store

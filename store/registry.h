@@ -9,7 +9,7 @@
 
 #include "store/manifest_object.h"
 
-namespace lorastream {
+namespace lorastream::store {
 
 struct ShmObject {
   std::string name;  // "/lorastream.NAME...."
@@ -44,4 +44,4 @@ std::vector<int64_t> AttachedPids(const StoreListing& store);
 // returns how many were removed.
 int RemoveStaleStore(const std::string& store_name);
 
-}  // namespace lorastream
+}  // namespace lorastream::store

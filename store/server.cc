@@ -27,7 +27,7 @@
 #include "store/loader.h"
 #include "store/registry.h"
 
-namespace lorastream {
+namespace lorastream::store {
 
 namespace {
 
@@ -107,7 +107,7 @@ std::string ComputeFingerprint(const Manifest& m) {
   return buf;
 }
 
-std::unique_ptr<PublishedStore> PublishedStore::Build(const store::ServeOptions& options,
+std::unique_ptr<PublishedStore> PublishedStore::Build(const ServeOptions& options,
                                                       const std::function<bool()>& should_stop) {
   const auto start = Clock::now();
   ValidateStoreName(options.name);
@@ -193,7 +193,7 @@ PublishedStore::~PublishedStore() {
   claim_.reset();
 }
 
-int store::RunServe(const store::ServeOptions& options) {
+int RunServe(const ServeOptions& options) {
   // Signals are blocked in every thread and taken synchronously: the loader polls for them,
   // and the idle store sleeps in sigwait.
   sigset_t signals;
@@ -228,4 +228,4 @@ int store::RunServe(const store::ServeOptions& options) {
   return 0;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::store

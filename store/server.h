@@ -13,8 +13,7 @@
 #include "store/manifest_object.h"
 #include "store/shm_segment.h"
 
-namespace lorastream {
-namespace store {  // the worker has a `serve` of its own (lorastream::worker)
+namespace lorastream::store {
 
 struct ServeOptions {
   std::string model_dir;
@@ -29,8 +28,6 @@ struct ServeOptions {
 // Blocks SIGTERM/SIGINT, builds and publishes, waits for one of them, tears down.
 // Returns the exit status (0).
 int RunServe(const ServeOptions& options);
-
-}  // namespace store
 
 struct LoadReport {
   uint64_t bytes = 0;
@@ -48,7 +45,7 @@ class PublishedStore {
   // Validates everything before creating any shm object; a failure leaves nothing behind.
   // `should_stop` is polled while loading, from several threads at once (Error(kCancelled)
   // when it returns true).
-  static std::unique_ptr<PublishedStore> Build(const store::ServeOptions& options,
+  static std::unique_ptr<PublishedStore> Build(const ServeOptions& options,
                                                const std::function<bool()>& should_stop = {});
   ~PublishedStore();
   const Manifest& manifest() const { return manifest_; }
@@ -66,4 +63,4 @@ class PublishedStore {
 // segment checksum (independent of store name, generation and owner).
 std::string ComputeFingerprint(const Manifest& manifest);
 
-}  // namespace lorastream
+}  // namespace lorastream::store

@@ -13,7 +13,7 @@
 #include "common/unique_fd.h"
 #include "common/user_access.h"
 
-namespace lorastream {
+namespace lorastream::store {
 
 size_t RoundUpToPage(size_t n) {
   const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
@@ -132,4 +132,4 @@ void ShmSegment::MakeReadOnly() {
   writable_ = false;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::store

@@ -14,7 +14,7 @@
 
 #include "common/memory_mapping.h"
 
-namespace lorastream {
+namespace lorastream::store {
 
 class ShmSegment {
  public:
@@ -67,4 +67,4 @@ class ShmSegment {
 // Page size rounding used by every mapping.
 size_t RoundUpToPage(size_t n);
 
-}  // namespace lorastream
+}  // namespace lorastream::store

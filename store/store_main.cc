@@ -12,6 +12,7 @@
 
 int main(int argc, char** argv) {
   using namespace lorastream;
+  using namespace lorastream::store;
   CLI::App app{"lorastream-store: one shared, read-only copy of a model's base weights"};
   app.require_subcommand(1);
   store::ServeOptions serve;

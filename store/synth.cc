@@ -25,7 +25,7 @@
 #include "store/checksum.h"
 #include "store/convert.h"
 
-namespace lorastream {
+namespace lorastream::store {
 
 namespace {
 
@@ -256,4 +256,4 @@ SynthResult RunSynth(const SynthOptions& options) {
   return result;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::store

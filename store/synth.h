@@ -10,7 +10,7 @@
 #include "common/dtype.h"
 #include "common/model_config.h"
 
-namespace lorastream {
+namespace lorastream::store {
 
 struct Preset {
   ModelConfig config;
@@ -48,4 +48,4 @@ SynthResult RunSynth(const SynthOptions& options);
 // the file's dtype); `rank` is the tensor's number of dimensions. Exposed for tests.
 float SynthValue(const std::string& name, size_t rank, uint64_t seed, uint64_t index);
 
-}  // namespace lorastream
+}  // namespace lorastream::store

@@ -11,6 +11,7 @@
 
 int main(int argc, char** argv) {
   using namespace lorastream;
+  using namespace lorastream::store;
   CLI::App app{"lorastream-synth: a checkpoint of a preset's shapes with deterministic weights"};
   SynthOptions o;
   app.add_option("--preset", o.preset, "preset name in configs/models (or a .toml path)")->required();

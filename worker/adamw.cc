@@ -8,7 +8,7 @@
 
 #include "common/error.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 AdamW::AdamW(std::vector<at::Tensor> params, AdamWOptions options)
     : params_(std::move(params)), options_(options) {
@@ -91,4 +91,4 @@ double ClipGradNorm(const std::vector<at::Tensor>& params, double max_norm) {
   return total.item<double>();
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

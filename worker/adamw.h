@@ -10,7 +10,7 @@
 
 #include <ATen/core/Tensor.h>
 
-namespace lorastream {
+namespace lorastream::worker {
 
 struct AdamWOptions {
   double beta1 = 0.9;
@@ -48,4 +48,4 @@ double ScheduleFactor(const std::string& schedule, int64_t step, int64_t warmup_
 // multiplies every gradient by min(1, max_norm / (norm + 1e-6)).
 double ClipGradNorm(const std::vector<at::Tensor>& params, double max_norm);
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -13,7 +13,7 @@
 #include "worker/lora.h"
 #include "worker/peft_config.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 namespace fs = std::filesystem;
 
@@ -84,4 +84,4 @@ LoraAdapter LoraAdapter::Load(const std::string& dir, const ModelConfig& model,
   return a;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -7,7 +7,7 @@
 #include "common/safetensors.h"
 #include "store/layout.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 c10::ScalarType ScalarTypeOf(DType dtype, const std::string& what) {
   switch (dtype) {
@@ -50,9 +50,9 @@ BaseWeights BaseWeights::FromCheckpoint(const std::string& dir) {
   // config.json present, no extra block or tensor, shapes, dtypes, finite values. Mixed
   // floating dtypes are accepted, as `serve --dtype bf16` accepts them: the worker converts
   // every tensor to its compute dtype.
-  PackOptions validation;
+  store::PackOptions validation;
   validation.to_bf16 = true;
-  PlanPack(*ckpt, validation);
+  store::PlanPack(*ckpt, validation);
   BaseWeights b;
   b.config_ = ckpt->config();
   b.name_or_path_ = dir;
@@ -109,4 +109,4 @@ BaseWeights BaseWeights::ForJob(const JobSpec& spec) {
   return FromStore(spec.model.store);
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -19,8 +19,10 @@
 #include "worker/block_provider.h"
 
 namespace lorastream {
-
 struct JobSpec;
+}  // namespace lorastream
+
+namespace lorastream::worker {
 
 // The non-block tensors. lm_head is the embedding when the model ties them.
 struct RestWeights {
@@ -65,4 +67,4 @@ c10::ScalarType ScalarTypeOf(DType dtype, const std::string& what);
 // already match, a single copy otherwise.
 BlockWeights ConvertBlock(const BlockWeights& w, c10::Device device, c10::ScalarType dtype);
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

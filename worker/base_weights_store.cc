@@ -5,10 +5,10 @@
 #include "store/attach.h"
 #include "worker/base_weights.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 BaseWeights BaseWeights::FromStore(const std::string& name) {
-  auto store = std::make_shared<AttachedStore>(AttachedStore::Attach(name));
+  auto store = std::make_shared<store::AttachedStore>(store::AttachedStore::Attach(name));
   const Manifest& m = store->manifest();
   BaseWeights b;
   b.config_ = m.config;
@@ -35,4 +35,4 @@ BaseWeights BaseWeights::FromStore(const std::string& name) {
   return b;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -12,7 +12,7 @@
 #include "worker/fused_ops.h"
 #include "worker/torch_compat.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 namespace {
 
@@ -310,4 +310,4 @@ at::Tensor BlockBackward(BlockTape& tape, const BlockWeights& w, const LoraBlock
   return dx;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

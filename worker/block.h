@@ -21,7 +21,7 @@
 #include "worker/lora.h"
 #include "worker/model.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 // The adapter gradients of one block (f32, undefined where the projection has no adapter).
 struct LoraBlockGrads {
@@ -73,4 +73,4 @@ at::Tensor BlockBackward(BlockTape& tape, const BlockWeights& w, const LoraBlock
                          const BlockCompute& c, const at::Tensor& dy, bool need_dx,
                          LoraBlockGrads& grads);
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

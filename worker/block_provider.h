@@ -11,7 +11,7 @@
 #include "common/manifest.h"
 #include "common/step_stats.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 class HeadProvider;
 
@@ -51,4 +51,4 @@ class BlockProvider {
   virtual HeadProvider* lm_head() { return nullptr; }
 };
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -5,7 +5,7 @@
 #include "worker/base_weights.h"
 #include "worker/block_provider.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 at::Tensor* BlockWeightField(BlockWeights& w, const std::string& name) {
   static const std::pair<const char*, at::Tensor BlockWeights::*> kFields[] = {
@@ -63,4 +63,4 @@ BlockWeights BlockWeightsFromBytes(const at::Tensor& bytes, const SegmentInfo& l
   return w;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -11,7 +11,7 @@
 #include "worker/block.h"
 #include "worker/model.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 namespace {
 
@@ -88,4 +88,4 @@ at::Tensor CheckpointedBlockForward(const at::Tensor& x, int block, const LoraAd
   return CheckpointedBlock::apply(x, at::TensorList(params), &args)[0];
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -19,7 +19,7 @@
 #include "worker/lm_head.h"
 #include "worker/model.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 namespace {
 
@@ -146,4 +146,4 @@ at::Tensor ChunkedHeadLossSum(const at::Tensor& hidden, const at::Tensor& target
   return ChunkedHead::apply(hidden, &args)[0];
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

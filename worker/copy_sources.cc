@@ -3,7 +3,7 @@
 #include "common/error.h"
 #include "common/log.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 CopySources::CopySources(HostRegistrar* registrar, bool force_staging, StagingPool pool)
     : registrar_(registrar), force_staging_(force_staging), pool_(pool) {}
@@ -40,4 +40,4 @@ CopyPath CopySources::PathOf(const uint8_t* src) const {
   return it->second;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -14,7 +14,7 @@
 
 #include "worker/host_registrar.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 enum class CopyPath { kDirect, kStaged };
 
@@ -48,4 +48,4 @@ class CopySources {
   std::string staging_reason_;
 };
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

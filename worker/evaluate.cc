@@ -7,7 +7,7 @@
 
 #include "common/error.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 at::Tensor ToDeviceLong(const std::vector<int64_t>& v, int64_t rows, int64_t cols,
                         c10::Device device) {
@@ -48,4 +48,4 @@ EvalResult Evaluate(CausalLm& model, const LoraAdapter& adapter, const SequenceS
   return result;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -11,7 +11,7 @@
 #include "common/data.h"
 #include "worker/model.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 struct EvalResult {
   double loss = std::numeric_limits<double>::quiet_NaN();  // token-weighted mean
@@ -35,4 +35,4 @@ at::Tensor EvalLossSum(CausalLm& model, const LoraAdapter& adapter, const Batch&
 EvalResult Evaluate(CausalLm& model, const LoraAdapter& adapter, const SequenceSet& set,
                     int64_t rows, int64_t batches);
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -12,7 +12,7 @@
 #include "worker/cuda/fused_kernels.h"
 #endif
 
-namespace lorastream {
+namespace lorastream::worker {
 
 namespace reference {
 
@@ -218,4 +218,4 @@ at::Tensor RopeBackward(const at::Tensor& g, const at::Tensor& cos, const at::Te
   return reference::RopeBackward(g, cos.narrow(0, 0, g.size(2)), sin.narrow(0, 0, g.size(2)));
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

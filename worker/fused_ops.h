@@ -11,7 +11,7 @@
 
 #include <ATen/core/Tensor.h>
 
-namespace lorastream {
+namespace lorastream::worker {
 
 // transformers' RMSNorm over the last dimension: in f32, weight * (x * rstd).to(x's dtype).
 // `rstd` (optional) receives 1/rms, f32, x's shape with a last dimension of 1.
@@ -49,4 +49,4 @@ at::Tensor RopeBackward(const at::Tensor& g, const at::Tensor& cos, const at::Te
 // Whether the fused kernels may run (a CUDA build, LORASTREAM_FUSED_KERNELS not "0").
 bool FusedKernelsEnabled();
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -10,9 +10,9 @@
 
 #include <nlohmann/json.hpp>
 
-namespace lorastream {
+namespace lorastream::worker {
 
 // {"device", "bytes", "ok", "error" (when !ok), "step" (which call failed)}.
 nlohmann::json ProbeHostRegister(int device_index, size_t bytes = 4u << 20);
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -9,7 +9,7 @@
 #include <memory>
 #include <string>
 
-namespace lorastream {
+namespace lorastream::worker {
 
 // One registered range; destroying it unregisters the range (when this owner registered it).
 class RegisteredRange {
@@ -27,4 +27,4 @@ class HostRegistrar {
                                                     std::string* error) = 0;
 };
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

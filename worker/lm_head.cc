@@ -17,7 +17,7 @@
 #include "worker/stream_backend.h"
 #include "worker/stream_engine.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 namespace {
 
@@ -47,7 +47,7 @@ class StreamedHead : public HeadProvider {
       // page-aligned memory made read-only once filled (as the packed blocks are).
       const at::Tensor converted = host_weight.to(dtype).contiguous();
       bytes_ = static_cast<uint64_t>(converted.nbytes());
-      const size_t mapped = RoundUpToPage(bytes_);
+      const size_t mapped = store::RoundUpToPage(bytes_);
       packed_ = MemoryMapping::Map(mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
                                    -1, 0, "LM head: mapping " + std::to_string(mapped) + " bytes");
       std::memcpy(packed_.bytes(), converted.data_ptr(), bytes_);
@@ -144,4 +144,4 @@ std::unique_ptr<HeadProvider> MakeStreamedHead(const at::Tensor& host_weight, c1
   return std::make_unique<StreamedHead>(host_weight, device, dtype, options);
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

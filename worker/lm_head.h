@@ -14,7 +14,7 @@
 
 #include "common/step_stats.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 struct StreamEngineOptions;
 
@@ -67,4 +67,4 @@ at::Tensor ChunkedHeadLossSum(const at::Tensor& hidden, const at::Tensor& target
                               const at::Tensor& norm_weight, double eps, HeadProvider& head,
                               int64_t chunk_rows);
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -9,7 +9,7 @@
 #include "worker/fused_ops.h"
 #include "worker/stream_budget.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 uint64_t MixSeed(uint64_t seed, uint64_t a, uint64_t b, uint64_t c) {
   auto mix = [](uint64_t z) {
@@ -149,4 +149,4 @@ at::Tensor CausalLm::LossSum(const at::Tensor& logits, const at::Tensor& targets
                                 /*label_smoothing=*/0.0);
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -18,7 +18,7 @@
 #include "worker/lm_head.h"
 #include "worker/lora.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 // cos and sin [S, head_dim] in the compute dtype (computed in f32 as transformers does).
 struct RotaryTables {
@@ -116,4 +116,4 @@ class CausalLm {
 // Mixes a seed with up to three counters (splitmix64): independent streams per use.
 uint64_t MixSeed(uint64_t seed, uint64_t a, uint64_t b = 0, uint64_t c = 0);
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -25,7 +25,7 @@
 #include "worker/resident_provider.h"
 #include "worker/torch_device.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 namespace fs = std::filesystem;
 
@@ -241,4 +241,4 @@ void RunParity(const ParityOptions& o) {
   }
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <string>
 
-namespace lorastream {
+namespace lorastream::worker {
 
 struct ParityOptions {
   std::string model_dir;
@@ -27,4 +27,4 @@ struct ParityOptions {
 
 void RunParity(const ParityOptions& options);
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -8,7 +8,7 @@
 
 #include "common/error.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 using Json = nlohmann::json;
 
@@ -110,4 +110,4 @@ LoraSettings ReadPeftConfig(const std::string& cfg_path) {
   return s;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

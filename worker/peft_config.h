@@ -6,9 +6,9 @@
 
 #include <string>
 
-#include "worker/lora.h"
+#include "worker/lora_settings.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 // The JSON text peft writes for `settings` (keys sorted, as peft's to_dict() gives them).
 std::string PeftConfigJson(const LoraSettings& settings, const std::string& base_model);
@@ -18,4 +18,4 @@ std::string PeftConfigJson(const LoraSettings& settings, const std::string& base
 // naming what peft feature (DoRA, rank_pattern, bias, a target module, ...) is not supported.
 LoraSettings ReadPeftConfig(const std::string& path);
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -14,7 +14,7 @@
 #include "worker/stream_provider.h"
 #include "worker/torch_device.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 int RunPlanCommand(const std::string& job_path, const PlanCommandOptions& options) {
   const JobSpec spec = LoadJobSpec(job_path);
@@ -59,4 +59,4 @@ int RunPlanCommand(const std::string& job_path, const PlanCommandOptions& option
   return 0;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -7,7 +7,7 @@
 
 #include <string>
 
-namespace lorastream {
+namespace lorastream::worker {
 
 struct PlanCommandOptions {
   std::string device = "cpu";  // "cpu" | "cuda" | "cuda:N"
@@ -17,4 +17,4 @@ struct PlanCommandOptions {
 // Prints to stdout; returns the exit code (0). Errors are thrown (lorastream::Error).
 int RunPlanCommand(const std::string& job_path, const PlanCommandOptions& options);
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

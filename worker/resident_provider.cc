@@ -7,7 +7,7 @@
 #include "worker/cuda/cuda_memory.h"
 #endif
 
-namespace lorastream {
+namespace lorastream::worker {
 
 ResidentProvider::ResidentProvider(const BaseWeights& base, c10::Device device,
                                    c10::ScalarType dtype) {
@@ -45,4 +45,4 @@ void ResidentProvider::EndStep(StepStats& stats) {
 #endif
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

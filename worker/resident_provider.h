@@ -12,7 +12,7 @@
 #include "worker/base_weights.h"
 #include "worker/block_provider.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 class ResidentProvider : public BlockProvider {
  public:
@@ -36,4 +36,4 @@ class ResidentProvider : public BlockProvider {
   std::vector<int> acquire_log_;
 };
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -26,7 +26,7 @@ namespace lorastream::worker {
 namespace {
 
 // The GPU's name and memory for registration ("", 0 on CPU).
-void DescribeDevice(const std::string& name, WorkerAgentOptions* out) {
+void DescribeDevice(const std::string& name, client::WorkerAgentOptions* out) {
   const Device device = ParseDevice(name);
   if (!device.is_cuda()) return;
 #ifdef LORASTREAM_HAVE_CUDA
@@ -44,18 +44,19 @@ void DescribeDevice(const std::string& name, WorkerAgentOptions* out) {
 std::vector<StoreInfo> DiscoverStores(const ServeOptions& options) {
   std::vector<std::string> names = options.stores;
   if (names.empty())
-    for (const StoreListing& s : ListStores()) {
+    for (const store::StoreListing& s : store::ListStores()) {
       if (!s.alive || !s.record) continue;
-      if (s.record->owner_uid != TrustedStoreOwner()) {
+      if (s.record->owner_uid != store::TrustedStoreOwner()) {
         LS_LOG_WARN("not offering store '{}': it belongs to {}, not to the store user {}",
-                    s.name, DescribeUser(s.record->owner_uid), DescribeUser(TrustedStoreOwner()));
+                    s.name, DescribeUser(s.record->owner_uid),
+                    DescribeUser(store::TrustedStoreOwner()));
         continue;
       }
       names.push_back(s.name);
     }
   std::vector<StoreInfo> out;
   for (const std::string& name : names) {
-    AttachedStore store = AttachedStore::AttachWhenReady(name, options.store_wait_s);
+    store::AttachedStore store = store::AttachedStore::AttachWhenReady(name, options.store_wait_s);
     out.push_back(StoreInfo{name, store.manifest().fingerprint});
     LS_LOG_INFO("offering store '{}' (fingerprint {})", name, store.manifest().fingerprint);
   }
@@ -111,7 +112,7 @@ struct HandOver {
 
 // Holds the training thread after checkpoint `step` was reported while `hold` stays true.
 // The agent's own thread keeps sending heartbeats and the queued reports meanwhile.
-void HoldAtCheckpoint(const std::atomic<bool>& hold, const JobContext& ctx, int64_t step) {
+void HoldAtCheckpoint(const std::atomic<bool>& hold, const client::JobContext& ctx, int64_t step) {
   LS_LOG_INFO("job {}: holding after checkpoint {} (SIGUSR1); SIGUSR2 resumes",
               ctx.assignment.job_id, step);
   while (hold && !ctx.should_stop()) std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -121,7 +122,7 @@ void HoldAtCheckpoint(const std::atomic<bool>& hold, const JobContext& ctx, int6
 }  // namespace
 
 int RunServe(const ServeOptions& options, const std::atomic<bool>& stop) {
-  WorkerAgentOptions agent_options;
+  client::WorkerAgentOptions agent_options;
   agent_options.client.endpoint = options.coordinator;
   agent_options.client.curve_keys_dir = options.curve_keys;
   agent_options.client.timeout_ms = static_cast<int>(options.request_timeout_s * 1000);
@@ -140,7 +141,7 @@ int RunServe(const ServeOptions& options, const std::atomic<bool>& stop) {
     };
 
   const std::atomic<bool>* hold = options.hold_at_checkpoint;
-  JobRunner runner = [&train, hold](const JobContext& ctx) {
+  client::JobRunner runner = [&train, hold](const client::JobContext& ctx) {
     const JobSpec& spec = ctx.assignment.spec;
     const HandOver hand_over(SubmitterToServe(ctx.assignment), spec);
     TrainOptions job_train = train;
@@ -164,20 +165,20 @@ int RunServe(const ServeOptions& options, const std::atomic<bool>& stop) {
       }
     };
     TrainResult r = RunTraining(spec, job_train, on_step, ctx.should_stop);
-    JobResult result;
+    client::JobResult result;
     result.final_step = r.steps_done;
     if (!r.checkpoint_dir.empty()) ctx.report_checkpoint(r.steps_done, r.checkpoint_dir);
     if (r.stopped) {
-      result.kind = JobResult::Kind::kStopped;
+      result.kind = client::JobResult::Kind::kStopped;
       result.adapter_path = r.checkpoint_dir;  // the adapter as of the stop, in its checkpoint
     } else {
-      result.kind = JobResult::Kind::kCompleted;
+      result.kind = client::JobResult::Kind::kCompleted;
       result.adapter_path = r.adapter_dir;
     }
     return result;
   };
 
-  WorkerAgent agent(agent_options, runner);
+  client::WorkerAgent agent(agent_options, runner);
   int jobs = agent.Run(stop);
   LS_LOG_INFO("worker stopping after {} jobs", jobs);
   return 0;

@@ -18,7 +18,7 @@
 
 #include <ATen/core/Tensor.h>
 
-namespace lorastream {
+namespace lorastream::worker {
 
 struct StreamBackendOptions {
   int num_slots = 0;
@@ -73,4 +73,4 @@ class StreamBackend {
   virtual void ResetPeak() = 0;
 };
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -7,7 +7,7 @@
 #include "common/format_bytes.h"
 #include "common/log.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 uint64_t MemoryEstimate::fixed() const {
   return rest + (head_streamed ? 0 : head_weights) + resident_blocks + adapter + checkpoints +
@@ -197,4 +197,4 @@ ResidencyPlan PlanFromBudget(const MemoryModelInputs& in, uint64_t budget_bytes,
   return {};
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

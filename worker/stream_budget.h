@@ -40,7 +40,7 @@
 #include "common/model_config.h"
 #include "worker/stream_plan.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 // The default bound on one chunk of the chunked LM head and loss: 256 MiB (a few hundred rows
 // of a 150k vocabulary; each chunk's matmul is still large enough to run at full speed).
@@ -115,4 +115,4 @@ ResidencyPlan FillPhaseSlots(const MemoryModelInputs& inputs, ResidencyPlan plan
 ResidencyPlan FillHeadSlots(const MemoryModelInputs& inputs, ResidencyPlan plan,
                             uint64_t peak_bytes);
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

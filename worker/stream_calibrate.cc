@@ -25,7 +25,7 @@
 #include "worker/cuda/cuda_bandwidth.h"
 #endif
 
-namespace lorastream {
+namespace lorastream::worker {
 
 namespace {
 
@@ -272,4 +272,4 @@ StepCosts CalibratedStepCosts(const JobSpec& spec, const BaseWeights& base,
   return costs;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

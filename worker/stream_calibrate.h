@@ -17,8 +17,11 @@
 #include "worker/stream_cost.h"
 
 namespace lorastream {
-
 struct JobSpec;
+}  // namespace lorastream
+
+namespace lorastream::worker {
+
 class BaseWeights;
 
 // The cache key: model (name and shape), device, dtype, rank, targets and tokens.
@@ -33,4 +36,4 @@ StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c
 StepCosts CalibratedStepCosts(const JobSpec& spec, const BaseWeights& base,
                               const c10::Device& device, c10::ScalarType dtype);
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -15,7 +15,7 @@
 #include "common/format_bytes.h"
 #include "common/log.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 namespace fs = std::filesystem;
 
@@ -251,4 +251,4 @@ void SaveStepCosts(const std::string& key, const StepCosts& c) {
                       ec.message());
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

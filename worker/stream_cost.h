@@ -23,7 +23,7 @@
 #include "worker/stream_budget.h"
 #include "worker/stream_plan.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 // Per step at the job's token count (batch x sequence of one micro-batch).
 struct StepCosts {
@@ -87,4 +87,4 @@ std::string CalibrationCachePath(const std::string& key);
 bool LoadStepCosts(const std::string& key, StepCosts* costs);
 void SaveStepCosts(const std::string& key, const StepCosts& costs);
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

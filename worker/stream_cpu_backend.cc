@@ -9,7 +9,7 @@
 
 #include "common/error.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 namespace {
 using Clock = std::chrono::steady_clock;
@@ -159,4 +159,4 @@ void CpuStreamBackend::CopyLoop() {
   }
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -18,7 +18,7 @@
 
 #include "worker/stream_backend.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 class CpuStreamBackend : public StreamBackend {
  public:
@@ -74,4 +74,4 @@ class CpuStreamBackend : public StreamBackend {
   std::thread thread_;
 };
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

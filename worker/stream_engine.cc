@@ -10,7 +10,7 @@
 #include "worker/cuda/cuda_stream_backend.h"
 #endif
 
-namespace lorastream {
+namespace lorastream::worker {
 
 namespace {
 
@@ -348,4 +348,4 @@ std::unique_ptr<StreamBackend> MakeStreamBackend(const StreamBackendOptions& opt
   throw Error(ErrorCode::kUnsupported, "device " + device.str() + " is not supported");
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -33,7 +33,7 @@
 #include "worker/stream_budget.h"
 #include "worker/stream_plan.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 struct StreamEngineOptions {
   bool debug_poison = false;          // see StreamBackendOptions
@@ -138,4 +138,4 @@ std::unique_ptr<StreamEngine> MakeStreamEngine(const Manifest& manifest,
                                                const c10::Device& device,
                                                const StreamEngineOptions& options = {});
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -6,7 +6,7 @@
 
 #include "common/error.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 int ResidencyPlan::num_streamed() const {
   return static_cast<int>(std::count(streamed.begin(), streamed.end(), true));
@@ -314,4 +314,4 @@ PassPlan PlanSteadyPass(const ResidencyPlan& residency) {
   return plan;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

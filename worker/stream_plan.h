@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-namespace lorastream {
+namespace lorastream::worker {
 
 // Where each block's base weights live for the whole job, and how many ring slots each phase
 // of a pass may hold (the memory timeline). The forward pass runs without the backward's
@@ -144,4 +144,4 @@ PassPlan PlanPass(const ResidencyPlan& residency, const std::vector<int>& slots_
 // left them, starting from an empty ring).
 PassPlan PlanSteadyPass(const ResidencyPlan& residency);
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -22,7 +22,7 @@
 #include "worker/stream_cost.h"
 #include "worker/torch_device.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 namespace {
 
@@ -58,7 +58,7 @@ class PackedBlocks {
     for (int i = 0; i < base.num_blocks(); ++i) {
       SegmentInfo s = LayoutSegment(config.BlockTensorShapes(), "block " + std::to_string(i),
                                     manifest_.dtype, align);
-      const size_t mapped = RoundUpToPage(s.nbytes);
+      const size_t mapped = store::RoundUpToPage(s.nbytes);
       // Owned from here on: a throw below unmaps what was mapped so far.
       maps_.push_back(MemoryMapping::Map(mapped, PROT_READ | PROT_WRITE,
                                          MAP_PRIVATE | MAP_ANONYMOUS, -1, 0,
@@ -232,4 +232,4 @@ StreamPlanning PlanJobStream(const JobSpec& spec, const BaseWeights& base,
   return out;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

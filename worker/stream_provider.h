@@ -22,8 +22,11 @@
 #include "worker/stream_engine.h"
 
 namespace lorastream {
-
 struct JobSpec;
+}  // namespace lorastream
+
+namespace lorastream::worker {
+
 class BaseWeights;
 
 // device: "cpu" | "cuda" | "cuda:N"; dtype: "f32" | "bf16" (the compute dtype). Refusals
@@ -54,4 +57,4 @@ std::unique_ptr<BlockProvider> MakeStreamProvider(const JobSpec& spec, const Bas
                                                   const std::string& dtype,
                                                   const StreamEngineOptions& options = {});
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

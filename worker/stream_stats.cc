@@ -5,7 +5,7 @@
 #include "common/format_bytes.h"
 #include "worker/stream_budget.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 std::string FormatStreamStats(const StepStats& s) {
   char buf[256];
@@ -19,4 +19,4 @@ std::string FormatStreamStats(const StepStats& s) {
   return out;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

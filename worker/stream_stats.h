@@ -7,10 +7,10 @@
 #include "common/step_stats.h"
 #include "common/step_stats_json.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 // The streaming fields for a progress line, e.g.
 // "h2d 8.38 GB (152.1 ms busy, 55.1 GB/s) stall 1.3 ms copies 20 saved 8 peak 31.20 GiB".
 std::string FormatStreamStats(const StepStats& stats);
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

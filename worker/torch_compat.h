@@ -10,7 +10,7 @@
 #include <ATen/ATen.h>
 #include <torch/version.h>
 
-namespace lorastream {
+namespace lorastream::worker {
 
 // Causal attention over q [B, H, S, D] and k, v [B, KV, S, D] (H a multiple of KV, grouped-
 // query attention), scale 1/sqrt(D), as transformers' sdpa path computes it. LibTorch >= 2
@@ -45,4 +45,4 @@ inline at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, cons
 #endif
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -7,7 +7,7 @@
 
 #include "common/device.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 inline c10::Device TorchDevice(const Device& device) {
   return device.is_cuda()
@@ -15,4 +15,4 @@ inline c10::Device TorchDevice(const Device& device) {
              : c10::Device(c10::DeviceType::CPU);
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

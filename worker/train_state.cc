@@ -12,7 +12,7 @@
 #include "common/safetensors.h"
 #include "worker/base_weights.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 namespace fs = std::filesystem;
 
@@ -95,4 +95,4 @@ TrainState LoadTrainerState(const std::string& dir, const LoraAdapter& adapter,
   return s;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -15,7 +15,7 @@
 #include "worker/adamw.h"
 #include "worker/lora.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 struct TrainState {
   int64_t step = 0;          // optimizer steps completed
@@ -50,4 +50,4 @@ std::string FindLatestCheckpoint(const std::string& output_dir);
 TrainState LoadTrainerState(const std::string& checkpoint_dir, const LoraAdapter& adapter,
                             AdamW& optimizer);
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -35,7 +35,7 @@
 #include "worker/stream_budget.h"
 #include "worker/train_state.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 namespace fs = std::filesystem;
 
@@ -64,6 +64,204 @@ void AppendStats(const std::string& path, const StepStats& s) {
   if (!fd.valid()) ThrowErrno("train.stats_file: cannot append to " + path);
   const std::string line = StepStatsJson(s) + "\n";
   WriteAll(fd.get(), line.data(), line.size(), "train.stats_file " + path);
+}
+
+// The device and the compute dtype a job runs on.
+struct ComputeTarget {
+  c10::Device device{c10::kCPU};
+  std::string dtype_name;  // "f32" | "bf16": train.dtype with "auto" resolved
+  c10::ScalarType dtype = at::kFloat;
+};
+
+// Parses --device, refusing a CUDA device this build or machine lacks, and resolves
+// train.dtype "auto" (bf16 on CUDA, f32 on the CPU).
+ComputeTarget ChooseComputeTarget(const JobSpec& spec, const std::string& device_option) {
+  ComputeTarget target;
+  try {
+    target.device = c10::Device(device_option == "cuda" ? std::string("cuda:0") : device_option);
+  } catch (const std::exception&) {
+    throw Error(ErrorCode::kInvalidArgument, "--device `" + device_option +
+                                                 "` is not a device (cpu, cuda, cuda:N)");
+  }
+  if (target.device.is_cuda() && !at::hasCUDA())
+    throw Error(ErrorCode::kUnsupported, "--device " + device_option +
+                                             ": this build or machine has no CUDA");
+  target.dtype_name = spec.train.dtype;
+  if (target.dtype_name == "auto") target.dtype_name = target.device.is_cuda() ? "bf16" : "f32";
+  target.dtype = target.dtype_name == "bf16" ? at::kBFloat16 : at::kFloat;
+  return target;
+}
+
+// Refusals before any work: the spec against the model, then the data against the tokenizer
+// of a store's checkpoint (LoadJobData checks the tokens against the vocabulary).
+void RefuseAgainstModel(const JobSpec& spec, const BaseWeights& base) {
+  RequireValidJobSpec(spec, &base.config());
+  if (const Manifest* manifest = base.manifest()) {  // a checkpoint's tokenizer: ValidateJobSpec
+    const std::string why = DataTokenizerProblem(
+        spec.data.path, spec.data.format,
+        [&] { return ManifestTokenizer(*manifest); },
+        "store `" + manifest->store_name + "`", base.config().vocab_size);
+    if (!why.empty()) throw Error(ErrorCode::kRefused, why);
+  }
+}
+
+// The model on its device. Members are destroyed in reverse order: the model before the
+// providers it points at.
+struct TrainModel {
+  std::unique_ptr<BlockProvider> provider;
+  std::unique_ptr<HeadProvider> resident_head;  // the head, when the provider does not stream it
+  std::unique_ptr<CausalLm> model;
+};
+
+TrainModel BuildModel(const JobSpec& spec, const TrainOptions& options, const BaseWeights& base,
+                      const ComputeTarget& target) {
+  const c10::Device device = target.device;
+  TrainModel m;
+  m.provider = options.make_provider
+                   ? options.make_provider(spec, base, device.str(), target.dtype_name)
+                   : std::make_unique<ResidentProvider>(base, device, target.dtype);
+  // The LM head: the provider's when its plan streams it, else resident on the device.
+  HeadProvider* head = m.provider->lm_head();
+  if (head == nullptr) {
+    m.resident_head = MakeResidentHead(base.rest().lm_head, device, target.dtype);
+    head = m.resident_head.get();
+  }
+  RestWeights rest;
+  // The embedding table stays in host RAM (the store's shared memory or the checkpoint's
+  // mapping): each micro-batch's rows are gathered there and only they are copied.
+  rest.embed_tokens = base.rest().embed_tokens;
+  rest.norm = base.rest().norm.to(device, target.dtype);
+  m.model = std::make_unique<CausalLm>(base.config(), rest, m.provider.get(), device,
+                                       target.dtype, head);
+  return m;
+}
+
+// One job trains into a folder at a time, from before it looks for a checkpoint to resume
+// until it returns (common/job_access.h).
+FileLock LockOutputDir(const JobSpec& spec, const TrainOptions& options) {
+  std::error_code dir_error;
+  fs::create_directories(spec.train.output_dir, dir_error);
+  if (dir_error)
+    throw Error(ErrorCode::kIo, "train.output_dir: cannot create " + spec.train.output_dir +
+                                    ": " + dir_error.message());
+  return FileLock::Acquire(
+      (fs::path(spec.train.output_dir) / kOutputDirLockName).string(),
+      options.lock_holder.empty() ? "lorastream-worker pid " + std::to_string(::getpid())
+                                  : options.lock_holder,
+      "train.output_dir " + spec.train.output_dir);
+}
+
+// Where training starts: a fresh adapter, or the latest checkpoint's adapter, AdamW moments
+// and trainer state, refused when that checkpoint was written with other settings.
+struct TrainStart {
+  std::string resume_dir;  // "" when fresh
+  std::unique_ptr<LoraAdapter> adapter;
+  std::unique_ptr<AdamW> optimizer;
+  TrainState state;
+};
+
+TrainStart StartOrResume(const JobSpec& spec, bool resume, const ModelConfig& config,
+                         c10::Device device, const LoraSettings& settings,
+                         const std::string& fingerprint) {
+  TrainStart start;
+  start.resume_dir = resume ? FindLatestCheckpoint(spec.train.output_dir) : "";
+  const std::string& resume_dir = start.resume_dir;
+  if (resume_dir.empty()) {
+    start.adapter = std::make_unique<LoraAdapter>(
+        LoraAdapter::Init(config, settings, spec.train.seed, device));
+  } else {
+    start.adapter = std::make_unique<LoraAdapter>(LoraAdapter::Load(resume_dir, config, device));
+    // The adapter file carries its settings; the job must still ask for the same ones.
+    if (start.adapter->settings().TargetNames() != settings.TargetNames() ||
+        start.adapter->settings().rank != settings.rank)
+      throw Error(ErrorCode::kRefused, "resume: " + resume_dir +
+                                           " holds an adapter with other lora.rank/targets");
+  }
+  AdamWOptions adam_options{spec.optim.beta1, spec.optim.beta2, spec.optim.eps,
+                            spec.optim.weight_decay};
+  start.optimizer = std::make_unique<AdamW>(start.adapter->Params(), adam_options);
+  start.state.seed = spec.train.seed;
+  start.state.fingerprint = fingerprint;
+  if (!resume_dir.empty()) {
+    start.state = LoadTrainerState(resume_dir, *start.adapter, *start.optimizer);
+    if (start.state.fingerprint != fingerprint)
+      throw Error(ErrorCode::kRefused,
+                  "resume: " + resume_dir + " was written by a job with other settings (" +
+                      start.state.fingerprint + "); now: " + fingerprint +
+                      ". Use another train.output_dir or restore the settings.");
+    LS_LOG_INFO("job {}: resuming from {} (step {})", spec.name, resume_dir, start.state.step);
+  }
+  return start;
+}
+
+// One optimizer step at learning rate `lr`: grad_accum micro-batches of batch_size sequences,
+// each a checkpointed forward and backward whose loss is divided by the step's target-token
+// count; then clipping and AdamW, and `state` advanced. Sets the step's loss, grad norm and the
+// provider's copy statistics in *stats.
+void TrainStep(const JobSpec& spec, const SequenceSet& sequences, Sampler& sampler,
+               CausalLm& model, BlockProvider& provider, LoraAdapter& adapter, AdamW& optimizer,
+               const std::vector<at::Tensor>& params, double lr, c10::Device device,
+               TrainState* state, StepStats* stats) {
+  const int64_t rows = spec.train.batch_size, accum = spec.train.grad_accum;
+  std::vector<Batch> batches;
+  int64_t n_targets = 0;
+  for (int64_t m = 0; m < accum; ++m) {
+    batches.push_back(MakeBatch(sequences, sampler, state->samples_seen + m * rows, rows));
+    n_targets += batches.back().n_targets;
+  }
+  provider.BeginStep();
+  double loss_value = 0.0;
+  for (int64_t m = 0; m < accum; ++m) {
+    const Batch& b = batches[m];
+    at::Tensor ids = ToDeviceLong(b.ids, b.rows, b.seq_len, at::kCPU);  // gathered on the host
+    at::Tensor targets = ToDeviceLong(b.targets, b.rows, b.seq_len, device);
+    const at::Tensor loss = model.TrainMicroBatch(
+        ids, targets, adapter, static_cast<double>(std::max<int64_t>(1, n_targets)),
+        MixSeed(spec.train.seed, 0xd209, static_cast<uint64_t>(state->step),
+                static_cast<uint64_t>(m)));
+    loss_value += loss.item<double>();
+  }
+  provider.EndStep(*stats);
+  if (!std::isfinite(loss_value))
+    throw Error(ErrorCode::kInternal, "job " + spec.name + ": the loss is " +
+                                          std::to_string(loss_value) + " at step " +
+                                          std::to_string(state->step + 1) +
+                                          " (lower optim.lr or check the data)");
+  stats->grad_norm = ClipGradNorm(params, spec.optim.grad_clip);
+  optimizer.Step(lr);
+  optimizer.ZeroGrad();
+  state->step += 1;
+  state->samples_seen += rows * accum;
+  stats->loss = loss_value;
+  stats->learning_rate = lr;
+}
+
+// The step's figures: its number, tokens and throughput.
+void SetStepFigures(int64_t step, int64_t total, int64_t tokens, double seconds,
+                    StepStats* stats) {
+  stats->step = step;
+  stats->total_steps = total;
+  stats->tokens = tokens;
+  stats->step_seconds = seconds;
+  stats->tokens_per_second = seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0;
+}
+
+// Evaluation: every eval.every steps, at every checkpoint step (so that each checkpoint
+// records its eval loss for train.keep_best) and at the end. Sets state->eval_loss (NaN when
+// this step does not evaluate) and the step's eval figures; returns whether it evaluated.
+bool EvaluateIfDue(const JobSpec& spec, const JobData& data, CausalLm& model,
+                   const LoraAdapter& adapter, bool checkpoint_now, TrainState* state,
+                   StepStats* stats) {
+  state->eval_loss = std::numeric_limits<double>::quiet_NaN();
+  if (!(data.eval.count > 0 &&
+        (checkpoint_now || (spec.eval.every > 0 && state->step % spec.eval.every == 0))))
+    return false;
+  const EvalResult eval =
+      Evaluate(model, adapter, data.eval, spec.train.batch_size, spec.eval.batches);
+  stats->eval_loss = eval.loss;
+  stats->eval_tokens = eval.tokens;
+  state->eval_loss = eval.loss;
+  return true;
 }
 
 }  // namespace
@@ -103,98 +301,28 @@ TrainResult RunTraining(const JobSpec& spec_in, const TrainOptions& options,
   ResolveJobSpec(spec);
   at::set_num_threads(options.threads > 0 ? options.threads
                                           : static_cast<int>(std::thread::hardware_concurrency()));
+  const ComputeTarget target = ChooseComputeTarget(spec, options.device);
+  const c10::Device device = target.device;
 
-  // Device and dtype.
-  c10::Device device(c10::kCPU);
-  try {
-    device = c10::Device(options.device == "cuda" ? std::string("cuda:0") : options.device);
-  } catch (const std::exception&) {
-    throw Error(ErrorCode::kInvalidArgument, "--device `" + options.device +
-                                                 "` is not a device (cpu, cuda, cuda:N)");
-  }
-  if (device.is_cuda() && !at::hasCUDA())
-    throw Error(ErrorCode::kUnsupported, "--device " + options.device +
-                                             ": this build or machine has no CUDA");
-  std::string dtype_name = spec.train.dtype;
-  if (dtype_name == "auto") dtype_name = device.is_cuda() ? "bf16" : "f32";
-  const c10::ScalarType dtype = dtype_name == "bf16" ? at::kBFloat16 : at::kFloat;
-
-  // Refusals before any work: the spec against the model, then the data against the vocab.
   BaseWeights base = BaseWeights::ForJob(spec);
-  RequireValidJobSpec(spec, &base.config());
+  RefuseAgainstModel(spec, base);
   const ModelConfig& config = base.config();
-  if (const Manifest* manifest = base.manifest()) {  // a checkpoint's tokenizer: ValidateJobSpec
-    const std::string why = DataTokenizerProblem(
-        spec.data.path, spec.data.format,
-        [&] { return ManifestTokenizer(*manifest); },
-        "store `" + manifest->store_name + "`", config.vocab_size);
-    if (!why.empty()) throw Error(ErrorCode::kRefused, why);
-  }
   const JobData data = LoadJobData(spec, config.vocab_size);
   const SequenceSet& sequences = data.train;
   LS_LOG_INFO("job {}: {}", spec.name, DescribeJobData(spec, data));
   LS_LOG_INFO("job {}: {} {} layers, device {}, dtype {}", spec.name, config.model_type,
-              config.num_hidden_layers, device.str(), dtype_name);
-
-  std::unique_ptr<BlockProvider> provider =
-      options.make_provider ? options.make_provider(spec, base, device.str(), dtype_name)
-                            : std::make_unique<ResidentProvider>(base, device, dtype);
-  // The LM head: the provider's when its plan streams it, else resident on the device.
-  std::unique_ptr<HeadProvider> resident_head;
-  HeadProvider* head = provider->lm_head();
-  if (head == nullptr) {
-    resident_head = MakeResidentHead(base.rest().lm_head, device, dtype);
-    head = resident_head.get();
-  }
-  RestWeights rest;
-  // The embedding table stays in host RAM (the store's shared memory or the checkpoint's
-  // mapping): each micro-batch's rows are gathered there and only they are copied.
-  rest.embed_tokens = base.rest().embed_tokens;
-  rest.norm = base.rest().norm.to(device, dtype);
-  CausalLm model(config, rest, provider.get(), device, dtype, head);
+              config.num_hidden_layers, device.str(), target.dtype_name);
+  TrainModel m = BuildModel(spec, options, base, target);
 
   // Adapter and optimizer: fresh, or from the latest checkpoint.
   const std::string fingerprint = Fingerprint(spec);
   const LoraSettings settings = LoraSettingsFromSpec(spec.lora);
-  // One job trains into a folder at a time, from before it looks for a checkpoint to resume
-  // until it returns (common/job_access.h).
-  std::error_code dir_error;
-  fs::create_directories(spec.train.output_dir, dir_error);
-  if (dir_error)
-    throw Error(ErrorCode::kIo, "train.output_dir: cannot create " + spec.train.output_dir +
-                                    ": " + dir_error.message());
-  FileLock dir_lock = FileLock::Acquire(
-      (fs::path(spec.train.output_dir) / kOutputDirLockName).string(),
-      options.lock_holder.empty() ? "lorastream-worker pid " + std::to_string(::getpid())
-                                  : options.lock_holder,
-      "train.output_dir " + spec.train.output_dir);
-  std::string resume_dir = options.resume ? FindLatestCheckpoint(spec.train.output_dir) : "";
-  std::unique_ptr<LoraAdapter> adapter;
-  if (resume_dir.empty()) {
-    adapter = std::make_unique<LoraAdapter>(LoraAdapter::Init(config, settings, spec.train.seed, device));
-  } else {
-    adapter = std::make_unique<LoraAdapter>(LoraAdapter::Load(resume_dir, config, device));
-    // The adapter file carries its settings; the job must still ask for the same ones.
-    if (adapter->settings().TargetNames() != settings.TargetNames() ||
-        adapter->settings().rank != settings.rank)
-      throw Error(ErrorCode::kRefused, "resume: " + resume_dir +
-                                           " holds an adapter with other lora.rank/targets");
-  }
-  AdamWOptions adam_options{spec.optim.beta1, spec.optim.beta2, spec.optim.eps,
-                            spec.optim.weight_decay};
-  AdamW optimizer(adapter->Params(), adam_options);
-  TrainState state;
-  state.seed = spec.train.seed;
-  state.fingerprint = fingerprint;
-  if (!resume_dir.empty()) {
-    state = LoadTrainerState(resume_dir, *adapter, optimizer);
-    if (state.fingerprint != fingerprint)
-      throw Error(ErrorCode::kRefused,
-                  "resume: " + resume_dir + " was written by a job with other settings (" +
-                      state.fingerprint + "); now: " + fingerprint +
-                      ". Use another train.output_dir or restore the settings.");
-    LS_LOG_INFO("job {}: resuming from {} (step {})", spec.name, resume_dir, state.step);
-  }
+  FileLock dir_lock = LockOutputDir(spec, options);
+  TrainStart start = StartOrResume(spec, options.resume, config, device, settings, fingerprint);
+  const std::string& resume_dir = start.resume_dir;
+  LoraAdapter& adapter = *start.adapter;
+  AdamW& optimizer = *start.optimizer;
+  TrainState& state = start.state;
 
   TrainResult result;
   result.start_step = state.step;
@@ -208,12 +336,12 @@ TrainResult RunTraining(const JobSpec& spec_in, const TrainOptions& options,
   fs::create_directories(spec.train.output_dir, ec);
   if (ec) throw Error(ErrorCode::kIo, "train.output_dir: cannot create " + spec.train.output_dir);
   Sampler sampler(sequences.count, spec.train.seed);
-  const auto params = adapter->Params();
+  const auto params = adapter.Params();
   int64_t last_saved = resume_dir.empty() ? -1 : state.step;
   result.checkpoint_dir = resume_dir;
   auto save = [&]() {
     result.checkpoint_dir =
-        SaveCheckpoint(spec.train.output_dir, *adapter, optimizer, state, base.name_or_path(),
+        SaveCheckpoint(spec.train.output_dir, adapter, optimizer, state, base.name_or_path(),
                        {spec.train.keep_checkpoints, spec.train.keep_best});
     last_saved = state.step;
   };
@@ -226,69 +354,26 @@ TrainResult RunTraining(const JobSpec& spec_in, const TrainOptions& options,
       return result;
     }
     const auto t0 = Clock::now();
-    const double lr =
-        spec.optim.lr * ScheduleFactor(spec.optim.schedule, state.step, spec.optim.warmup_steps, total);
-    std::vector<Batch> batches;
-    int64_t n_targets = 0;
-    for (int64_t m = 0; m < accum; ++m) {
-      batches.push_back(MakeBatch(sequences, sampler, state.samples_seen + m * rows, rows));
-      n_targets += batches.back().n_targets;
-    }
+    const double lr = spec.optim.lr * ScheduleFactor(spec.optim.schedule, state.step,
+                                                     spec.optim.warmup_steps, total);
     StepStats stats;
-    provider->BeginStep();
-    double loss_value = 0.0;
-    for (int64_t m = 0; m < accum; ++m) {
-      const Batch& b = batches[m];
-      at::Tensor ids = ToDeviceLong(b.ids, b.rows, b.seq_len, at::kCPU);  // gathered on the host
-      at::Tensor targets = ToDeviceLong(b.targets, b.rows, b.seq_len, device);
-      const at::Tensor loss = model.TrainMicroBatch(
-          ids, targets, *adapter, static_cast<double>(std::max<int64_t>(1, n_targets)),
-          MixSeed(spec.train.seed, 0xd209, static_cast<uint64_t>(state.step),
-                  static_cast<uint64_t>(m)));
-      loss_value += loss.item<double>();
-    }
-    provider->EndStep(stats);
-    if (!std::isfinite(loss_value))
-      throw Error(ErrorCode::kInternal, "job " + spec.name + ": the loss is " +
-                                            std::to_string(loss_value) + " at step " +
-                                            std::to_string(state.step + 1) +
-                                            " (lower optim.lr or check the data)");
-    const double grad_norm = ClipGradNorm(params, spec.optim.grad_clip);
-    optimizer.Step(lr);
-    optimizer.ZeroGrad();
-    state.step += 1;
-    state.samples_seen += rows * accum;
-
+    TrainStep(spec, sequences, sampler, *m.model, *m.provider, adapter, optimizer, params, lr,
+              device, &state, &stats);
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-    stats.step = state.step;
-    stats.total_steps = total;
-    stats.loss = loss_value;
-    stats.learning_rate = lr;
-    stats.grad_norm = grad_norm;
-    stats.tokens = rows * accum * sequences.seq_len;
-    stats.step_seconds = seconds;
-    stats.tokens_per_second = seconds > 0 ? static_cast<double>(stats.tokens) / seconds : 0.0;
-    // Evaluation: every eval.every steps, at every checkpoint step (so that each checkpoint
-    // records its eval loss for train.keep_best) and at the end.
-    const bool checkpoint_now = state.step == total || (spec.train.checkpoint_every > 0 &&
-                                                        state.step % spec.train.checkpoint_every == 0);
-    state.eval_loss = std::numeric_limits<double>::quiet_NaN();
-    if (data.eval.count > 0 &&
-        (checkpoint_now || (spec.eval.every > 0 && state.step % spec.eval.every == 0))) {
-      const EvalResult eval = Evaluate(model, *adapter, data.eval, rows, spec.eval.batches);
-      stats.eval_loss = eval.loss;
-      stats.eval_tokens = eval.tokens;
-      state.eval_loss = eval.loss;
-      result.final_eval_loss = eval.loss;
-    }
+    SetStepFigures(state.step, total, rows * accum * sequences.seq_len, seconds, &stats);
+    const bool checkpoint_now =
+        state.step == total ||
+        (spec.train.checkpoint_every > 0 && state.step % spec.train.checkpoint_every == 0);
+    if (EvaluateIfDue(spec, data, *m.model, adapter, checkpoint_now, &state, &stats))
+      result.final_eval_loss = stats.eval_loss;
     AppendStats(stats_path, stats);
     result.steps_done = state.step;
-    result.final_loss = loss_value;
+    result.final_loss = stats.loss;
     if (on_step) on_step(stats);
     if (checkpoint_now && state.step < total) save();
   }
   if (last_saved != state.step) save();
-  adapter->Save(spec.train.output_dir, base.name_or_path());
+  adapter.Save(spec.train.output_dir, base.name_or_path());
   result.adapter_dir = spec.train.output_dir;
   return result;
 }
@@ -321,4 +406,4 @@ int RunTrainCommand(const std::string& job_path, const TrainOptions& options,
   return 0;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

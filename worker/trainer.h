@@ -34,7 +34,7 @@
 #include "common/job_spec.h"
 #include "common/step_stats.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 class BaseWeights;
 class BlockProvider;
@@ -89,4 +89,4 @@ int RunTrainCommand(const std::string& job_path, const TrainOptions& options,
 // One progress line, e.g. "step 12/100 loss 2.3456 lr 2.00e-04 gnorm 0.812 tok/s 15321 eta 1m04s".
 std::string FormatProgress(const StepStats& stats, double eta_seconds);
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -39,6 +39,7 @@ void OnResumeSignal(int) { g_hold_at_checkpoint = false; }
 
 int main(int argc, char** argv) {
   using namespace lorastream;
+  using namespace lorastream::worker;
   CLI::App app{"lorastream-worker: trains LoRA adapters against a store's base weights"};
   app.require_subcommand(1);
 
@@ -69,7 +70,7 @@ int main(int argc, char** argv) {
   worker::ServeOptions serve;
   bool serve_resident = false;
   auto* serve_cmd = app.add_subcommand("serve", "take jobs from a coordinator until SIGINT/SIGTERM");
-  serve.coordinator = DefaultEndpoint();
+  serve.coordinator = client::DefaultEndpoint();
   serve_cmd->add_option("--coordinator", serve.coordinator, "coordinator endpoint")
       ->envname("LORASTREAM_COORDINATOR")->capture_default_str();
   std::string store_user;
@@ -104,8 +105,9 @@ int main(int argc, char** argv) {
                                : *plan_cmd  ? plan.device
                                             : parity.device;
     // (Only a CPU-only build asks which GPUs the host has: nvidia-smi takes a moment.)
-    if (!ThisBuild().cuda && (*train_cmd || *serve_cmd || *parity_cmd || *plan_cmd)) {
-      if (std::string problem = CudaBuildProblem({device}, ListGpus().size()); !problem.empty())
+    if (!client::ThisBuild().cuda && (*train_cmd || *serve_cmd || *parity_cmd || *plan_cmd)) {
+      std::string problem = client::CudaBuildProblem({device}, ListGpus().size());
+      if (!problem.empty())
         throw Error(ErrorCode::kUnsupported, problem);
     }
     if (*probe_cmd) {
@@ -118,7 +120,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     InitLogging("worker");
-    if (!store_user.empty()) SetTrustedStoreOwner(LookupUser(store_user).uid);
+    if (!store_user.empty()) store::SetTrustedStoreOwner(LookupUser(store_user).uid);
     if (*train_cmd) {
       train.resume = !no_resume;
       // The job's [stream] section plans residency and streaming, as under `serve`.

@@ -53,7 +53,7 @@ class Cluster {
                                      "--reconcile-timeout", "10"};
     argv.insert(argv.end(), extra.begin(), extra.end());
     coordinator_ = Subprocess::Spawn(argv, LogTo((dir_ / "coordinator.log").string()));
-    Client client = NewClient(500, curve_keys);
+    client::Client client = NewClient(500, curve_keys);
     bool up = WaitFor([&] {
       try {
         client.Call(ListJobsRequest{});
@@ -105,17 +105,17 @@ class Cluster {
     return std::stoll(out);
   }
 
-  Client NewClient(int timeout_ms = 5000, const std::string& curve_keys = "") const {
-    return Client(ClientOptions{endpoint_, curve_keys, timeout_ms});
+  client::Client NewClient(int timeout_ms = 5000, const std::string& curve_keys = "") const {
+    return client::Client(client::ClientOptions{endpoint_, curve_keys, timeout_ms});
   }
 
   JobSummary Job(int64_t id) {
-    Client client = NewClient();
+    client::Client client = NewClient();
     return client.Call(ShowJobRequest{id}).job;
   }
 
   int ListWorkersAlive() {
-    Client client = NewClient();
+    client::Client client = NewClient();
     int alive = 0;
     for (const WorkerSummary& w : client.Call(ListWorkersRequest{false}).workers) alive += w.alive;
     return alive;

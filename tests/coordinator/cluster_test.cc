@@ -13,6 +13,7 @@
 #include "tests/coordinator/cluster_fixture.h"
 
 using namespace lorastream;
+using namespace lorastream::client;
 using namespace lorastream::testing;
 
 namespace {

@@ -10,6 +10,7 @@
 #include "tests/support/test_support.h"
 
 using namespace lorastream;
+using namespace lorastream::coordinator;
 namespace fs = std::filesystem;
 
 namespace {

@@ -15,6 +15,8 @@
 #include "coordinator/doctor.h"
 
 using namespace lorastream;
+using namespace lorastream::client;
+using namespace lorastream::cli;
 using lorastream::testing::Cluster;
 
 namespace {

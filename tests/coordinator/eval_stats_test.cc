@@ -13,6 +13,8 @@
 #include "coordinator/watch_view.h"
 
 using namespace lorastream;
+using namespace lorastream::coordinator;
+using namespace lorastream::cli;
 namespace fs = std::filesystem;
 
 namespace {

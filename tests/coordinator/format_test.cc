@@ -10,6 +10,9 @@
 #include "coordinator/watch_view.h"
 
 using namespace lorastream;
+using namespace lorastream::client;
+using namespace lorastream::coordinator;
+using namespace lorastream::cli;
 
 TEST_CASE("only loopback and local endpoints count as local", "[coordinator]") {
   CHECK(IsLocalEndpoint("tcp://127.0.0.1:5757"));

@@ -10,6 +10,7 @@
 #include "tests/support/test_support.h"
 
 using namespace lorastream;
+using namespace lorastream::coordinator;
 
 TEST_CASE("journal round-trips jobs and statistics across reopen", "[coordinator]") {
   const testing::TempDir dir("journal");

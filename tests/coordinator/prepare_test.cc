@@ -14,6 +14,7 @@
 #include "tests/tokenizer_fixtures.h"
 
 using namespace lorastream;
+using namespace lorastream::cli;
 using testing::ReadJsonFile;
 namespace fs = std::filesystem;
 using Json = nlohmann::json;

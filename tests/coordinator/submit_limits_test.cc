@@ -7,6 +7,7 @@
 #include "tests/coordinator/cluster_fixture.h"
 
 using namespace lorastream;
+using namespace lorastream::client;
 using namespace lorastream::testing;
 namespace fs = std::filesystem;
 

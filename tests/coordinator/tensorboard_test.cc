@@ -16,6 +16,8 @@
 #include "tests/coordinator/cluster_fixture.h"
 
 using namespace lorastream;
+using namespace lorastream::coordinator;
+using namespace lorastream::client;
 using namespace lorastream::testing;
 
 namespace {

@@ -6,6 +6,7 @@
 #include "coordinator/watch_view.h"
 
 using namespace lorastream;
+using namespace lorastream::cli;
 
 TEST_CASE("jobs, show and watch escape control characters in user strings", "[coordinator]") {
   JobSummary j;

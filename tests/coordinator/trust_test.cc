@@ -19,6 +19,8 @@
 #include "coordinator/curve.h"
 
 using namespace lorastream;
+using namespace lorastream::client;
+using namespace lorastream::coordinator;
 namespace fs = std::filesystem;
 
 namespace {

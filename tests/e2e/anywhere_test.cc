@@ -83,7 +83,7 @@ TEST_CASE("installed by `cmake --install`, `lorastream up` trains the examples f
 
 TEST_CASE("a CPU-only build on a machine with GPUs refuses CUDA workers in one line",
           "[e2e][anywhere]") {
-  if (lorastream::ThisBuild().cuda) {
+  if (lorastream::client::ThisBuild().cuda) {
     WARN("a CUDA build: nothing to refuse");
     return;
   }

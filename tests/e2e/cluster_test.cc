@@ -24,8 +24,8 @@
 #include "store/attach.h"
 #include "tests/support/test_support.h"
 
-using lorastream::LocalCluster;
-using lorastream::LocalClusterOptions;
+using lorastream::cli::LocalCluster;
+using lorastream::cli::LocalClusterOptions;
 using lorastream::SafetensorsFile;
 namespace fs = std::filesystem;
 
@@ -199,13 +199,23 @@ TEST_CASE("the store killed: running jobs finish, a new store cleans up and serv
   const std::string& dir = run_dir.str();
   LocalCluster cluster(Options(dir, 1));
   cluster.Start();
+  // The worker holds its job right after reporting the first checkpoint (SIGUSR1, as in the
+  // worker-killed test), so the store dies while the job is mid-run however fast it trains.
+  REQUIRE(::kill(cluster.WorkerPid(0), SIGUSR1) == 0);
   std::string data = WriteData(dir, 40, 11);
   int64_t first = cluster.Submit(WriteJob(dir, "during", cluster.store_name(), data, 12, 4, 1));
-  WaitUntil([&] { return cluster.ShowJob(first).value("step", 0) >= 2; }, 300, "training");
+  WaitUntil([&] { return cluster.ShowJob(first).value("checkpoint_step", 0) >= 4; }, 300,
+            "the first checkpoint");
+  nlohmann::json job = cluster.ShowJob(first);
+  REQUIRE(job["state"] == "running");
+  REQUIRE(job.value("checkpoint_step", 0) == 4);  // held there: it cannot have gone further
   cluster.StopStore(SIGKILL);
+  REQUIRE(::kill(cluster.WorkerPid(0), SIGUSR2) == 0);  // trains on, on the mapped weights
   nlohmann::json jobs = cluster.WaitForJobs(600);
   INFO(jobs.dump());
-  CHECK(cluster.ShowJob(first)["state"] == "succeeded");
+  job = cluster.ShowJob(first);
+  CHECK(job["state"] == "succeeded");
+  CHECK(job.value("attempt", 0) == 1);  // finished by the run that was going when it died
 
   cluster.StartStore();  // finds the dead store's segments, removes them, publishes anew
   int64_t second = cluster.Submit(WriteJob(dir, "after", cluster.store_name(), data, 4, 2, 2));
@@ -286,7 +296,8 @@ TEST_CASE("the store and four training workers hold the base weights once", "[e2
         return true;
       },
       600, "four jobs training");
-  lorastream::AttachedStore store = lorastream::AttachedStore::Attach(cluster.store_name());
+  lorastream::store::AttachedStore store =
+      lorastream::store::AttachedStore::Attach(cluster.store_name());
   const double base_kb = static_cast<double>(store.manifest().total_bytes()) / 1024.0;
   ShmUse total = StoreMappings(cluster.StorePid(), cluster.store_name());
   for (size_t i = 0; i < cluster.num_workers(); ++i) {

@@ -26,6 +26,8 @@
 #include "tests/temp_user.h"
 
 using namespace lorastream;
+using namespace lorastream::client;
+using namespace lorastream::store;
 using lorastream::testing::Bin;
 using lorastream::testing::TempUser;
 namespace fs = std::filesystem;

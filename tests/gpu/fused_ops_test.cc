@@ -8,6 +8,7 @@
 #include "worker/fused_ops.h"
 
 using namespace lorastream;
+using namespace lorastream::worker;
 
 namespace {
 

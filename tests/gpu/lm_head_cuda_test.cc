@@ -16,6 +16,7 @@
 #include "tests/worker/worker_test_util.h"
 
 using namespace lorastream;
+using namespace lorastream::worker;
 using namespace lorastream::testing;
 
 namespace {

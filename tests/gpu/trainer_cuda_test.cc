@@ -14,6 +14,7 @@
 #include "tests/worker/worker_test_util.h"
 
 using namespace lorastream;
+using namespace lorastream::worker;
 using namespace lorastream::testing;
 
 TEST_CASE("CUDA training: every step reports peak device memory, resident and streamed",

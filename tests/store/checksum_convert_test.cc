@@ -9,6 +9,7 @@
 #include "store/convert.h"
 
 using namespace lorastream;
+using namespace lorastream::store;
 
 namespace {
 uint32_t Bits(float f) {

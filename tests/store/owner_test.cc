@@ -21,6 +21,7 @@
 #include "tests/temp_user.h"
 
 using namespace lorastream;
+using namespace lorastream::store;
 using namespace lorastream::testing;
 
 namespace {

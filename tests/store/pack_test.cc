@@ -22,6 +22,7 @@
 #include "test_util.h"
 
 using namespace lorastream;
+using namespace lorastream::store;
 using namespace lorastream::testing;
 
 namespace {

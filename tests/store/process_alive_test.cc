@@ -11,6 +11,7 @@
 #include "store/process.h"
 
 using namespace lorastream;
+using namespace lorastream::store;
 
 TEST_CASE("a zombie store process counts as dead", "[store]") {
   const pid_t child = ::fork();

@@ -10,6 +10,7 @@
 #include "test_util.h"
 
 using namespace lorastream;
+using namespace lorastream::store;
 
 TEST_CASE("a moved ShmSegment keeps its mapping, ownership and huge-page advice", "[store]") {
   const std::string name = "/lorastream-" + testing::UniqueName("move");

@@ -11,6 +11,7 @@
 #include "test_util.h"
 
 using namespace lorastream;
+using namespace lorastream::store;
 using namespace lorastream::testing;
 
 namespace {

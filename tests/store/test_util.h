@@ -22,10 +22,10 @@ inline std::string UniqueName(const std::string& tag) {
   return "test-" + tag + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
 }
 
-inline SynthResult Synth(const std::string& preset, const std::string& out, uint64_t seed = 1,
-                         const std::string& dtype = "", uint64_t shard_bytes = 4ull << 30,
-                         int64_t layers = 0) {
-  SynthOptions o;
+inline store::SynthResult Synth(const std::string& preset, const std::string& out,
+                                uint64_t seed = 1, const std::string& dtype = "",
+                                uint64_t shard_bytes = 4ull << 30, int64_t layers = 0) {
+  store::SynthOptions o;
   o.preset = preset;
   o.out_dir = out;
   o.presets_dir = PresetsDir();
@@ -34,7 +34,7 @@ inline SynthResult Synth(const std::string& preset, const std::string& out, uint
   o.shard_bytes = shard_bytes;
   o.layers = layers;
   o.threads = 2;
-  return RunSynth(o);
+  return store::RunSynth(o);
 }
 
 }  // namespace lorastream::testing

@@ -8,7 +8,7 @@
 
 #include "common/error.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 namespace {
 
 // Registers what is not in `refused` (failing those with the driver's words) and counts the
@@ -105,4 +105,4 @@ TEST_CASE("copy sources: a copy from a block never added is an internal error",
   }
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -19,6 +19,7 @@
 #include "worker_test_util.h"
 
 using namespace lorastream;
+using namespace lorastream::worker;
 
 namespace {
 

@@ -19,12 +19,12 @@ struct HeadRun {
 
 // Rank 4 on every projection with non-zero B (the same values on every call), so that every
 // gradient path carries signal.
-inline LoraAdapter RandomLora(const ModelConfig& config, c10::Device device) {
-  LoraSettings s;
+inline worker::LoraAdapter RandomLora(const ModelConfig& config, c10::Device device) {
+  worker::LoraSettings s;
   s.rank = 4;
   s.alpha = 8;
   s.targets.fill(true);
-  LoraAdapter adapter = LoraAdapter::Init(config, s, 11, device);
+  worker::LoraAdapter adapter = worker::LoraAdapter::Init(config, s, 11, device);
   c10::NoGradGuard no_grad;
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(5);
   for (auto& p : adapter.Params()) p.copy_(at::empty(p.sizes(), at::kFloat).uniform_(-0.1, 0.1, gen));
@@ -42,15 +42,15 @@ inline at::Tensor ShiftedTargets(const at::Tensor& ids) {
 
 // One step through checkpointed blocks; the loss is divided by 7 before the backward, so that
 // a gradient other than 1 reaches the head's backward. chunk_rows 0: the full-logits path.
-inline HeadRun RunHead(CausalLm& model, const at::Tensor& ids, int64_t chunk_rows) {
-  LoraAdapter adapter = RandomLora(model.config(), model.device());
+inline HeadRun RunHead(worker::CausalLm& model, const at::Tensor& ids, int64_t chunk_rows) {
+  worker::LoraAdapter adapter = RandomLora(model.config(), model.device());
   model.provider().BeginStep();
   at::Tensor hidden = model.Hidden(ids, adapter, true, /*checkpointed=*/true, 99);
   hidden.retain_grad();
   const at::Tensor targets = ShiftedTargets(ids.cpu());
   at::Tensor loss;
   if (chunk_rows == 0) {
-    loss = CausalLm::LossSum(model.Logits(hidden), targets.to(model.device()));
+    loss = worker::CausalLm::LossSum(model.Logits(hidden), targets.to(model.device()));
   } else {
     model.set_head_chunk_rows(chunk_rows);
     loss = model.HeadLossSum(hidden, targets);

@@ -16,6 +16,7 @@
 #include "worker_test_util.h"
 
 using namespace lorastream;
+using namespace lorastream::worker;
 
 using testing::HeadRun;
 using testing::RelativeError;

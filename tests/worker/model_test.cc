@@ -18,6 +18,7 @@
 #include "worker_test_util.h"
 
 using namespace lorastream;
+using namespace lorastream::worker;
 
 namespace {
 

@@ -14,6 +14,7 @@
 #include "worker_test_util.h"
 
 using namespace lorastream;
+using namespace lorastream::worker;
 
 TEST_CASE("lorastream-worker parity writes logits, loss, every LoRA gradient and the adapter",
           "[worker]") {

@@ -9,6 +9,7 @@
 #include "tests/worker/stream_test_shapes.h"
 
 using namespace lorastream;
+using namespace lorastream::worker;
 using namespace lorastream::testing;
 
 TEST_CASE("LoRA parameter count of a llama-3-8b-shaped block", "[worker]") {

@@ -36,8 +36,8 @@ inline ChainAdapter MakeChainAdapter(int blocks, int64_t hidden, int64_t rank, u
 }
 
 // One block: x [T, hidden] -> [T, hidden], reading every base weight of the block.
-inline at::Tensor ChainBlock(const at::Tensor& x, const BlockWeights& w, const at::Tensor& a,
-                             const at::Tensor& b) {
+inline at::Tensor ChainBlock(const at::Tensor& x, const worker::BlockWeights& w,
+                             const at::Tensor& a, const at::Tensor& b) {
   at::Tensor h = x * w.input_norm;
   at::Tensor q = at::matmul(h, w.q_proj.t());
   at::Tensor k = at::matmul(h, w.k_proj.t());
@@ -60,8 +60,8 @@ struct ChainResult {
 // `turnaround` (optional) runs between the forward and the backward, where the trainer
 // computes the LM head and the loss.
 inline ChainResult RunCheckpointedChain(
-    BlockProvider& provider, const ChainAdapter& ad, const at::Tensor& x0,
-    const std::function<void(int block, const BlockWeights&)>& inspect = {},
+    worker::BlockProvider& provider, const ChainAdapter& ad, const at::Tensor& x0,
+    const std::function<void(int block, const worker::BlockWeights&)>& inspect = {},
     const std::function<void()>& turnaround = {}) {
   const int n = provider.num_blocks();
   std::vector<at::Tensor> inputs(n);
@@ -69,7 +69,7 @@ inline ChainResult RunCheckpointedChain(
   {
     c10::NoGradGuard no_grad;
     for (int i = 0; i < n; ++i) {
-      const BlockWeights& w = provider.Acquire(i);
+      const worker::BlockWeights& w = provider.Acquire(i);
       inputs[i] = x;
       x = ChainBlock(x, w, ad.a[i], ad.b[i]);
       if (inspect) inspect(i, w);
@@ -86,7 +86,7 @@ inline ChainResult RunCheckpointedChain(
   r.grad_a.resize(n);
   r.grad_b.resize(n);
   for (int i = n - 1; i >= 0; --i) {
-    const BlockWeights& w = provider.Acquire(i);
+    const worker::BlockWeights& w = provider.Acquire(i);
     at::Tensor xi = inputs[i].detach().requires_grad_(true);
     at::Tensor y = ChainBlock(xi, w, ad.a[i], ad.b[i]);
     auto grads = torch::autograd::grad({y}, {xi, ad.a[i], ad.b[i]}, {g});

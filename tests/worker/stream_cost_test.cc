@@ -14,6 +14,7 @@
 #include "tests/worker/stream_test_shapes.h"
 
 using namespace lorastream;
+using namespace lorastream::worker;
 using namespace lorastream::testing;
 
 namespace {

@@ -18,6 +18,7 @@
 #include "tests/worker/stream_test_blocks.h"
 
 using namespace lorastream;
+using namespace lorastream::worker;
 using namespace lorastream::testing;
 
 namespace {

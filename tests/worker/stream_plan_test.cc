@@ -9,6 +9,7 @@
 #include "worker/stream_plan.h"
 
 using namespace lorastream;
+using namespace lorastream::worker;
 
 namespace {
 

@@ -5,6 +5,7 @@
 #include "worker/stream_stats.h"
 
 using namespace lorastream;
+using namespace lorastream::worker;
 
 TEST_CASE("StepStatsJson writes every field on one line", "[worker]") {
   StepStats s;

@@ -52,7 +52,7 @@ class HostBlocks {
     for (int i = 0; i < config.num_hidden_layers; ++i) {
       SegmentInfo s = LayoutSegment(config.BlockTensorShapes(), "block" + std::to_string(i),
                                    DType::kF32, manifest_.alignment);
-      const size_t mapped = RoundUpToPage(s.nbytes);
+      const size_t mapped = store::RoundUpToPage(s.nbytes);
       UniqueFd fd(memfd_create(("lorastream-test-block" + std::to_string(i)).c_str(), MFD_CLOEXEC));
       LS_CHECK(fd.valid() && ftruncate(fd.get(), static_cast<off_t>(mapped)) == 0,
                "memfd for test blocks");

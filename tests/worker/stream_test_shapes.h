@@ -35,8 +35,8 @@ inline ModelConfig Qwen3_8bShape() {
 
 // bf16 blocks sized from the config's shapes; the final norm and the LM head on the device,
 // the embedding table in host RAM (SetNonBlockBytes).
-inline MemoryModelInputs InputsFor(const ModelConfig& config, int64_t tokens) {
-  MemoryModelInputs in;
+inline worker::MemoryModelInputs InputsFor(const ModelConfig& config, int64_t tokens) {
+  worker::MemoryModelInputs in;
   in.config = config;
   uint64_t block = 0;
   for (const auto& [name, shape] : in.config.BlockTensorShapes()) {
@@ -47,11 +47,11 @@ inline MemoryModelInputs InputsFor(const ModelConfig& config, int64_t tokens) {
   in.block_bytes.assign(config.num_hidden_layers, block);
   in.tokens = tokens;
   in.compute_bytes = 2;
-  SetNonBlockBytes(&in);
+  worker::SetNonBlockBytes(&in);
   return in;
 }
 
-inline MemoryModelInputs Inputs(int layers, int64_t tokens) {
+inline worker::MemoryModelInputs Inputs(int layers, int64_t tokens) {
   return InputsFor(Llama3_8bShape(layers), tokens);
 }
 

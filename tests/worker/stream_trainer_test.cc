@@ -23,6 +23,8 @@
 #include "worker/trainer.h"
 
 using namespace lorastream;
+using namespace lorastream::worker;
+using namespace lorastream::store;
 
 namespace {
 

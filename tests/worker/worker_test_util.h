@@ -18,14 +18,14 @@ namespace lorastream::testing {
 // Writes a checkpoint of configs/models/<preset>.toml (f32) into `dir`.
 inline std::string MakeCheckpoint(const std::string& dir, const std::string& preset,
                                   uint64_t seed = 1) {
-  SynthOptions o;
+  store::SynthOptions o;
   o.preset = preset;
   o.out_dir = dir;
   o.presets_dir = std::string(LORASTREAM_SOURCE_DIR) + "/configs/models";
   o.seed = seed;
   o.dtype = "f32";
   o.threads = 1;
-  RunSynth(o);
+  store::RunSynth(o);
   return dir;
 }
 

@@ -55,6 +55,7 @@
 
 namespace fs = std::filesystem;
 using namespace lorastream;
+using namespace lorastream::worker;
 
 namespace {
 
@@ -157,7 +158,7 @@ Row RunOne(const BenchOptions& o, const JobSpec& spec, bool streamed, const std:
 }
 
 // GB/s of pinned H2D copies of the store's first blocks (CUDA), or of memcpy (CPU).
-double MeasureBandwidth(const BenchOptions& o, const AttachedStore& store) {
+double MeasureBandwidth(const BenchOptions& o, const store::AttachedStore& store) {
   std::vector<std::pair<const uint8_t*, uint64_t>> ranges;
   for (int i = 0; i < std::min(4, store.num_blocks()); ++i) {
     ranges.push_back({store.block_data(i), store.block_size(i)});
@@ -198,7 +199,7 @@ void Predict(const JobSpec& spec, const BaseWeights& base, const MemoryModelInpu
 void Run(const BenchOptions& o, const std::string& command) {
   fs::create_directories(o.out);
   fs::create_directories(o.scratch);
-  AttachedStore store = AttachedStore::Attach(o.store);
+  store::AttachedStore store = store::AttachedStore::Attach(o.store);
   const Manifest& m = store.manifest();
   const int L = store.num_blocks();
   const double gbps = MeasureBandwidth(o, store);

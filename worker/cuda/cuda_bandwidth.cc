@@ -8,7 +8,7 @@
 #include "common/error.h"
 #include "worker/cuda/cuda_handles.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 double MeasurePinnedH2DBandwidth(const std::vector<std::pair<const uint8_t*, uint64_t>>& ranges,
                                  int device_index, int repeats) {
@@ -46,4 +46,4 @@ double MeasurePinnedH2DBandwidth(const std::vector<std::pair<const uint8_t*, uin
   return static_cast<double>(total) / (ms / 1e3) / 1e9;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -7,11 +7,11 @@
 #include <utility>
 #include <vector>
 
-namespace lorastream {
+namespace lorastream::worker {
 
 // GB/s (1e9 bytes per second) over `repeats` passes across every range. Error(kResource)
 // when a range cannot be registered.
 double MeasurePinnedH2DBandwidth(const std::vector<std::pair<const uint8_t*, uint64_t>>& ranges,
                                  int device_index, int repeats);
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

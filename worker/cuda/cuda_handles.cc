@@ -8,7 +8,7 @@
 #include "common/error.h"
 #include "common/log.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 namespace {
 void WarnIfFailed(cudaError_t status, const char* what) {
@@ -130,4 +130,4 @@ DeviceBuffer::~DeviceBuffer() {
   if (ptr_ != nullptr) WarnIfFailed(cudaFree(ptr_), "cudaFree");
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

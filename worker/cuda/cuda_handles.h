@@ -12,7 +12,7 @@
 
 #include "worker/host_registrar.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 // Throws Error naming `what` when `status` is not cudaSuccess (kResource for out-of-memory
 // conditions, kInternal otherwise); clears the error.
@@ -109,4 +109,4 @@ class DeviceBuffer {
   void* ptr_ = nullptr;
 };
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

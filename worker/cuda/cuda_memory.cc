@@ -2,7 +2,7 @@
 
 #include <c10/cuda/CUDACachingAllocator.h>
 
-namespace lorastream {
+namespace lorastream::worker {
 
 uint64_t CudaPeakAllocatedBytes(int device_index) {
   const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(
@@ -14,4 +14,4 @@ void CudaResetPeakAllocated(int device_index) {
   c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(device_index));
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -4,9 +4,9 @@
 
 #include <cstdint>
 
-namespace lorastream {
+namespace lorastream::worker {
 
 uint64_t CudaPeakAllocatedBytes(int device_index);
 void CudaResetPeakAllocated(int device_index);
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -19,7 +19,7 @@
 #include "worker/cuda/cuda_handles.h"
 #include "worker/cuda/cuda_memory.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 namespace {
 
@@ -333,4 +333,4 @@ std::unique_ptr<StreamBackend> MakeCudaStreamBackend(const StreamBackendOptions&
   return std::make_unique<CudaStreamBackend>(options, device_index);
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

@@ -18,9 +18,9 @@
 
 #include "worker/stream_backend.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 std::unique_ptr<StreamBackend> MakeCudaStreamBackend(const StreamBackendOptions& options,
                                                      int device_index);
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

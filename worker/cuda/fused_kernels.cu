@@ -6,7 +6,7 @@
 #include <stdexcept>
 #include <string>
 
-namespace lorastream::cuda {
+namespace lorastream::worker::cuda {
 
 namespace {
 
@@ -206,4 +206,4 @@ void Rope(KernelDtype t, bool backward, const void* in, void* out, const void* c
   Check(cudaGetLastError(), "Rope");
 }
 
-}  // namespace lorastream::cuda
+}  // namespace lorastream::worker::cuda

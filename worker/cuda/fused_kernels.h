@@ -9,7 +9,7 @@
 
 #include <cuda_runtime_api.h>
 
-namespace lorastream::cuda {
+namespace lorastream::worker::cuda {
 
 enum class KernelDtype { kF32, kBF16, kF16 };
 
@@ -40,4 +40,4 @@ struct RopeShape {
 void Rope(KernelDtype t, bool backward, const void* in, void* out, const void* cos,
           const void* sin, const RopeShape& shape, cudaStream_t stream);
 
-}  // namespace lorastream::cuda
+}  // namespace lorastream::worker::cuda

@@ -12,7 +12,7 @@
 #include "store/shm_segment.h"
 #include "worker/cuda/cuda_handles.h"
 
-namespace lorastream {
+namespace lorastream::worker {
 
 namespace {
 
@@ -33,10 +33,11 @@ nlohmann::json ProbeHostRegister(int device_index, size_t bytes) {
   try {
     // The owner writes, then only a read-only mapping of the object is registered (the
     // owner's writable one is gone by then, as a store's is MakeReadOnly()'d).
-    ShmSegment owner = ShmSegment::Create(name, bytes, S_IRUSR | S_IWUSR, /*huge_pages=*/false);
+    store::ShmSegment owner =
+        store::ShmSegment::Create(name, bytes, S_IRUSR | S_IWUSR, /*huge_pages=*/false);
     for (size_t i = 0; i < bytes; ++i) owner.mutable_data()[i] = PatternByte(i);
     owner.MakeReadOnly();
-    ShmSegment view = ShmSegment::OpenReadOnly(name, bytes, /*populate=*/true);
+    store::ShmSegment view = store::ShmSegment::OpenReadOnly(name, bytes, /*populate=*/true);
 
     if (cudaError_t s = cudaSetDevice(device_index); s != cudaSuccess)
       return fail("cudaSetDevice", cudaGetErrorString(s));
@@ -61,4 +62,4 @@ nlohmann::json ProbeHostRegister(int device_index, size_t bytes) {
   return r;
 }
 
-}  // namespace lorastream
+}  // namespace lorastream::worker

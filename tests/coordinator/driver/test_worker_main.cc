@@ -43,6 +43,7 @@ int64_t ReadCheckpoint(const std::filesystem::path& dir) {
 
 int main(int argc, char** argv) {
   using namespace lorastream;
+  using namespace lorastream::client;
   CLI::App app{"lorastream test worker (test driver)"};
   WorkerAgentOptions options;
   std::vector<std::string> stores;
