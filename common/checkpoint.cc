@@ -99,10 +99,9 @@ Checkpoint Checkpoint::Open(const std::string& dir_in) {
           throw Error(ErrorCode::kCorrupt, index_path + ": tensor `" + e.name + "` of shard `" +
                                                shard + "` is not listed in weight_map");
         if (it->second != shard)
-          throw Error(ErrorCode::kCorrupt, index_path + ": tensor `" + e.name +
-                                               "` appears in shard `" + shard +
-                                               "` too, but weight_map assigns it to `" +
-                                               it->second + "`");
+          throw Error(ErrorCode::kCorrupt,
+                      index_path + ": tensor `" + e.name + "` appears in shard `" + shard +
+                          "` too, but weight_map assigns it to `" + it->second + "`");
       }
   } else if (IsFile(single_path)) {
     cp.files_.push_back(std::make_unique<SafetensorsFile>(SafetensorsFile::Open(single_path)));

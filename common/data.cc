@@ -33,8 +33,8 @@ std::vector<int32_t> IntArray(const Json& j, const char* field, const std::strin
   for (size_t k = 0; k < a.size(); ++k) {
     const Json& v = a[k];
     if (!v.is_number_integer())
-      throw Error(ErrorCode::kCorrupt, where + ": `" + field + "`[" + std::to_string(k) +
-                                           "] is not an integer");
+      throw Error(ErrorCode::kCorrupt,
+                  where + ": `" + field + "`[" + std::to_string(k) + "] is not an integer");
     int64_t x = v.get<int64_t>();
     if (allow_ignore && x == kIgnoreIndex) {
       out.push_back(kIgnoreIndex);
@@ -43,10 +43,10 @@ std::vector<int32_t> IntArray(const Json& j, const char* field, const std::strin
     if (x < lo || x >= hi)
       throw Error(ErrorCode::kRefused,
                   where + ": `" + field + "`[" + std::to_string(k) + "] = " + std::to_string(x) +
-                      " is outside [" + std::to_string(lo) + ", " + std::to_string(hi) +
-                      ")" + (hi > 1 ? " (the model's vocab_size is " + std::to_string(hi) +
-                                          "; data tokenized for another model?)"
-                                    : std::string()));
+                      " is outside [" + std::to_string(lo) + ", " + std::to_string(hi) + ")" +
+                      (hi > 1 ? " (the model's vocab_size is " + std::to_string(hi) +
+                                    "; data tokenized for another model?)"
+                              : std::string()));
     out.push_back(static_cast<int32_t>(x));
   }
   return out;
@@ -81,9 +81,9 @@ std::vector<Document> LoadJsonl(const std::string& path, int64_t vocab) {
     } else if (j.contains("loss_mask")) {
       auto mask = IntArray(j, "loss_mask", where, 0, 2, false);
       if (mask.size() != d.ids.size())
-        throw Error(ErrorCode::kCorrupt, where + ": `loss_mask` has " +
-                                             std::to_string(mask.size()) + " entries, `input_ids` " +
-                                             std::to_string(d.ids.size()));
+        throw Error(ErrorCode::kCorrupt,
+                    where + ": `loss_mask` has " + std::to_string(mask.size()) +
+                        " entries, `input_ids` " + std::to_string(d.ids.size()));
       d.labels.resize(d.ids.size());
       for (size_t k = 0; k < mask.size(); ++k) d.labels[k] = mask[k] ? d.ids[k] : kIgnoreIndex;
     } else {
@@ -143,11 +143,11 @@ std::vector<Document> LoadTokenFile(const std::string& path, int64_t vocab) {
       const uint8_t* p = &buf[offsets_end + k * token_bytes];
       const uint32_t id = token_bytes == 2 ? ReadLe<uint16_t>(p) : ReadLe<uint32_t>(p);
       if (static_cast<int64_t>(id) >= vocab)
-        throw Error(ErrorCode::kRefused,
-                    path + ": document " + std::to_string(d) + ", token " +
-                        std::to_string(k - prev) + " = " + std::to_string(id) +
-                        " is outside the model's vocabulary (vocab_size " +
-                        std::to_string(vocab) + "; data tokenized for another model?)");
+        throw Error(ErrorCode::kRefused, path + ": document " + std::to_string(d) + ", token " +
+                                             std::to_string(k - prev) + " = " + std::to_string(id) +
+                                             " is outside the model's vocabulary (vocab_size " +
+                                             std::to_string(vocab) +
+                                             "; data tokenized for another model?)");
       doc.ids.push_back(static_cast<int32_t>(id));
       const bool target = !(flags & 1) || buf[tokens_end + k] != 0;
       doc.labels.push_back(target ? static_cast<int32_t>(id) : kIgnoreIndex);
@@ -164,15 +164,18 @@ std::vector<Document> LoadTokenFile(const std::string& path, int64_t vocab) {
 std::vector<Document> LoadDocuments(const std::string& path, const std::string& format,
                                     int64_t vocab_size) {
   std::vector<Document> docs;
-  if (format == "jsonl") docs = LoadJsonl(path, vocab_size);
-  else if (format == "tokens") docs = LoadTokenFile(path, vocab_size);
-  else throw Error(ErrorCode::kRefused, "data.format must be \"jsonl\" or \"tokens\"");
+  if (format == "jsonl")
+    docs = LoadJsonl(path, vocab_size);
+  else if (format == "tokens")
+    docs = LoadTokenFile(path, vocab_size);
+  else
+    throw Error(ErrorCode::kRefused, "data.format must be \"jsonl\" or \"tokens\"");
   if (docs.empty()) throw Error(ErrorCode::kRefused, "data.path: " + path + " holds no tokens");
   return docs;
 }
 
-void WriteTokenFile(const std::string& path, const std::vector<Document>& docs,
-                    int token_bytes, bool with_mask) {
+void WriteTokenFile(const std::string& path, const std::vector<Document>& docs, int token_bytes,
+                    bool with_mask) {
   LS_CHECK(token_bytes == 2 || token_bytes == 4, "token_bytes must be 2 or 4");
   std::vector<uint8_t> out(kHeaderBytes, 0);
   std::memcpy(out.data(), kMagic, 8);

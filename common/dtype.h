@@ -9,8 +9,21 @@
 namespace lorastream {
 
 enum class DType : uint8_t {
-  kBool, kU8, kI8, kI16, kU16, kI32, kU32, kI64, kU64,
-  kF16, kBF16, kF32, kF64, kF8E4M3, kF8E5M2,
+  kBool,
+  kU8,
+  kI8,
+  kI16,
+  kU16,
+  kI32,
+  kU32,
+  kI64,
+  kU64,
+  kF16,
+  kBF16,
+  kF32,
+  kF64,
+  kF8E4M3,
+  kF8E5M2,
 };
 
 // Bytes per element.

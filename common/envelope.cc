@@ -55,9 +55,8 @@ Envelope DecodeEnvelope(const void* data, size_t size, size_t max_payload) {
   env.header.request_id = static_cast<uint32_t>(GetLe(p + 8, 4));
   env.header.payload_size = static_cast<uint32_t>(GetLe(p + 12, 4));
   if (env.header.magic != kEnvelopeMagic)
-    throw Error(ErrorCode::kCorrupt, "not a lorastream message: magic " +
-                                         Hex(env.header.magic) + ", expected " +
-                                         Hex(kEnvelopeMagic));
+    throw Error(ErrorCode::kCorrupt, "not a lorastream message: magic " + Hex(env.header.magic) +
+                                         ", expected " + Hex(kEnvelopeMagic));
   if (env.header.version != kProtocolVersion)
     throw Error(ErrorCode::kProtocol,
                 "message speaks protocol version " + std::to_string(env.header.version) +

@@ -7,30 +7,48 @@ namespace lorastream {
 
 const char* ErrorCodeName(ErrorCode code) {
   switch (code) {
-    case ErrorCode::kOk: return "ok";
-    case ErrorCode::kInvalidArgument: return "invalid argument";
-    case ErrorCode::kNotFound: return "not found";
-    case ErrorCode::kCorrupt: return "corrupt";
-    case ErrorCode::kIo: return "i/o error";
-    case ErrorCode::kUnsupported: return "unsupported";
-    case ErrorCode::kResource: return "resource exhausted";
-    case ErrorCode::kRefused: return "refused";
-    case ErrorCode::kProtocol: return "protocol error";
-    case ErrorCode::kCancelled: return "cancelled";
-    case ErrorCode::kTimeout: return "timeout";
-    case ErrorCode::kInternal: return "internal error";
+    case ErrorCode::kOk:
+      return "ok";
+    case ErrorCode::kInvalidArgument:
+      return "invalid argument";
+    case ErrorCode::kNotFound:
+      return "not found";
+    case ErrorCode::kCorrupt:
+      return "corrupt";
+    case ErrorCode::kIo:
+      return "i/o error";
+    case ErrorCode::kUnsupported:
+      return "unsupported";
+    case ErrorCode::kResource:
+      return "resource exhausted";
+    case ErrorCode::kRefused:
+      return "refused";
+    case ErrorCode::kProtocol:
+      return "protocol error";
+    case ErrorCode::kCancelled:
+      return "cancelled";
+    case ErrorCode::kTimeout:
+      return "timeout";
+    case ErrorCode::kInternal:
+      return "internal error";
   }
   return "unknown error";
 }
 
 int ExitCodeFor(ErrorCode code) {
   switch (code) {
-    case ErrorCode::kOk: return 0;
-    case ErrorCode::kInvalidArgument: return 2;
-    case ErrorCode::kNotFound: return 3;
-    case ErrorCode::kCorrupt: return 4;
-    case ErrorCode::kRefused: return 5;
-    default: return 1;
+    case ErrorCode::kOk:
+      return 0;
+    case ErrorCode::kInvalidArgument:
+      return 2;
+    case ErrorCode::kNotFound:
+      return 3;
+    case ErrorCode::kCorrupt:
+      return 4;
+    case ErrorCode::kRefused:
+      return 5;
+    default:
+      return 1;
   }
 }
 

@@ -25,15 +25,14 @@ enum class ErrorCode : int32_t {
   kProtocol = 8,         // wrong envelope version, unknown message type, oversized message
   kCancelled = 9,
   kTimeout = 10,
-  kInternal = 11,        // a broken invariant: a bug in lorastream
+  kInternal = 11,  // a broken invariant: a bug in lorastream
 };
 
 const char* ErrorCodeName(ErrorCode code);
 
 class Error : public std::runtime_error {
  public:
-  Error(ErrorCode code, const std::string& message)
-      : std::runtime_error(message), code_(code) {}
+  Error(ErrorCode code, const std::string& message) : std::runtime_error(message), code_(code) {}
   ErrorCode code() const { return code_; }
 
  private:
@@ -48,11 +47,10 @@ int ExitCodeFor(ErrorCode code);
 
 }  // namespace lorastream
 
-#define LS_CHECK(cond, msg)                                                              \
-  do {                                                                                   \
-    if (!(cond))                                                                         \
-      throw ::lorastream::Error(::lorastream::ErrorCode::kInternal,                      \
-                                std::string("invariant failed: ") + #cond + " at " +     \
-                                    __FILE__ + ":" + std::to_string(__LINE__) + ": " + \
-                                    (msg));                                              \
+#define LS_CHECK(cond, msg)                                                                     \
+  do {                                                                                          \
+    if (!(cond))                                                                                \
+      throw ::lorastream::Error(::lorastream::ErrorCode::kInternal,                             \
+                                std::string("invariant failed: ") + #cond + " at " + __FILE__ + \
+                                    ":" + std::to_string(__LINE__) + ": " + (msg));             \
   } while (0)

@@ -21,10 +21,12 @@ void CheckJobPathsAs(const JobSpec& spec, const UserIdentity& who) {
     std::string why = AccessProblem(item.path, who, item.access);
     if (!why.empty())
       throw Error(ErrorCode::kRefused,
-                  spec.source + ": key `" + item.key + "` (" + item.path + "): the job's "
-                  "submitter " + who.name + " (uid " + std::to_string(who.uid) + ") may not " +
-                  (item.access == PathAccess::kRead ? "read" : "write") + " it: " + why +
-                  "; the worker opens only what the submitter could");
+                  spec.source + ": key `" + item.key + "` (" + item.path +
+                      "): the job's "
+                      "submitter " +
+                      who.name + " (uid " + std::to_string(who.uid) + ") may not " +
+                      (item.access == PathAccess::kRead ? "read" : "write") + " it: " + why +
+                      "; the worker opens only what the submitter could");
   }
 }
 

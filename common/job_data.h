@@ -15,10 +15,10 @@ namespace lorastream {
 
 struct JobData {
   SequenceSet train;
-  SequenceSet eval;           // count == 0 without an eval set
+  SequenceSet eval;  // count == 0 without an eval set
   int64_t train_documents = 0;
   int64_t eval_documents = 0;
-  int64_t steps = 0;          // train.steps, or from train.epochs over train.count
+  int64_t steps = 0;            // train.steps, or from train.epochs over train.count
   int64_t steps_per_epoch = 0;  // ceil(train.count / (batch_size * grad_accum))
 };
 

@@ -34,10 +34,16 @@ uint64_t ParseByteSize(const std::string& text, const std::string& where) {
   while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i]))) ++i;
   std::string unit = text.substr(i);
   for (auto& c : unit) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  static const std::pair<const char*, double> kUnits[] = {
-      {"", 1.0},          {"b", 1.0},          {"kb", 1e3},          {"mb", 1e6},
-      {"gb", 1e9},        {"tb", 1e12},        {"kib", 1024.0},      {"mib", 1048576.0},
-      {"gib", 1073741824.0}, {"tib", 1099511627776.0}};
+  static const std::pair<const char*, double> kUnits[] = {{"", 1.0},
+                                                          {"b", 1.0},
+                                                          {"kb", 1e3},
+                                                          {"mb", 1e6},
+                                                          {"gb", 1e9},
+                                                          {"tb", 1e12},
+                                                          {"kib", 1024.0},
+                                                          {"mib", 1048576.0},
+                                                          {"gib", 1073741824.0},
+                                                          {"tib", 1099511627776.0}};
   double mult = -1;
   for (const auto& [name, m] : kUnits)
     if (unit == name) mult = m;
@@ -45,8 +51,10 @@ uint64_t ParseByteSize(const std::string& text, const std::string& where) {
   double value = number.empty() ? -1 : std::strtod(number.c_str(), &end);
   if (mult < 0 || number.empty() || end != number.c_str() + number.size() || value < 0 ||
       !std::isfinite(value * mult) || value * mult > 1.8e19)
-    throw Error(ErrorCode::kCorrupt, where + " must be a byte count like 8GiB, 500MB or 1024 "
-                                             "(found \"" + text + "\")");
+    throw Error(ErrorCode::kCorrupt, where +
+                                         " must be a byte count like 8GiB, 500MB or 1024 "
+                                         "(found \"" +
+                                         text + "\")");
   return static_cast<uint64_t>(value * mult);
 }
 
@@ -81,8 +89,8 @@ JobSpec ParseJobSpec(const std::string& toml_text, const std::string& source) {
   s.lora.rslora = l.GetBool("rslora", s.lora.rslora);
 
   TomlSection o = doc.Section("optim");
-  o.RejectUnknownKeys({"lr", "beta1", "beta2", "eps", "weight_decay", "schedule", "warmup_steps",
-                       "grad_clip"});
+  o.RejectUnknownKeys(
+      {"lr", "beta1", "beta2", "eps", "weight_decay", "schedule", "warmup_steps", "grad_clip"});
   s.optim.lr = o.GetDouble("lr", s.optim.lr);
   s.optim.beta1 = o.GetDouble("beta1", s.optim.beta1);
   s.optim.beta2 = o.GetDouble("beta2", s.optim.beta2);
@@ -101,8 +109,8 @@ JobSpec ParseJobSpec(const std::string& toml_text, const std::string& source) {
   s.train.grad_accum = t.GetInt("grad_accum", s.train.grad_accum);
   int64_t seed = t.GetInt("seed", 0);
   if (seed < 0)
-    throw Error(ErrorCode::kCorrupt, t.Where("seed") + " must be >= 0 (found " +
-                                         std::to_string(seed) + ")");
+    throw Error(ErrorCode::kCorrupt,
+                t.Where("seed") + " must be >= 0 (found " + std::to_string(seed) + ")");
   s.train.seed = static_cast<uint64_t>(seed);
   s.train.checkpoint_every = t.GetInt("checkpoint_every", s.train.checkpoint_every);
   s.train.output_dir = t.GetString("output_dir", "");
@@ -135,8 +143,8 @@ JobSpec ParseJobSpec(const std::string& toml_text, const std::string& source) {
       s.stream.gpu_memory_budget = static_cast<uint64_t>(bytes);
     } catch (const Error& e) {
       if (std::string(e.what()).find("must be an integer") == std::string::npos) throw;
-      s.stream.gpu_memory_budget = ParseByteSize(st.GetString("gpu_memory_budget", ""),
-                                                 st.Where("gpu_memory_budget"));
+      s.stream.gpu_memory_budget =
+          ParseByteSize(st.GetString("gpu_memory_budget", ""), st.Where("gpu_memory_budget"));
     }
   }
   return s;
@@ -165,15 +173,16 @@ void ResolveJobSpecIn(JobSpec& s, const std::string& base_dir) {
   auto format_from_extension = [](const std::string& path, std::string& format) {
     if (!format.empty()) return;
     std::string ext = fs::path(path).extension().string();
-    if (ext == ".jsonl" || ext == ".json") format = "jsonl";
-    else if (ext == ".tok" || ext == ".bin" || ext == ".tokens") format = "tokens";
+    if (ext == ".jsonl" || ext == ".json")
+      format = "jsonl";
+    else if (ext == ".tok" || ext == ".bin" || ext == ".tokens")
+      format = "tokens";
   };
   format_from_extension(s.data.path, s.data.format);
   if (!s.eval.path.empty()) format_from_extension(s.eval.path, s.eval.format);
 }
 
-int64_t StepsForEpochs(double epochs, int64_t sequences, int64_t batch_size,
-                       int64_t grad_accum) {
+int64_t StepsForEpochs(double epochs, int64_t sequences, int64_t batch_size, int64_t grad_accum) {
   const double per_step = static_cast<double>(std::max<int64_t>(1, batch_size)) *
                           static_cast<double>(std::max<int64_t>(1, grad_accum));
   const double steps = std::ceil(epochs * static_cast<double>(sequences) / per_step);
@@ -203,14 +212,15 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
   // [model]
   ModelConfig loaded;
   if (s.model.store.empty() == s.model.checkpoint.empty()) {
-    p.push_back(key("model") + "must name exactly one of `model.store` (a published store) or "
-                               "`model.checkpoint` (a Hugging Face folder)");
+    p.push_back(key("model") +
+                "must name exactly one of `model.store` (a published store) or "
+                "`model.checkpoint` (a Hugging Face folder)");
   } else if (!s.model.checkpoint.empty() && model == nullptr) {
     fs::path cfg = fs::path(s.model.checkpoint) / "config.json";
     std::error_code ec;
     if (!fs::is_directory(s.model.checkpoint, ec)) {
-      p.push_back(key("model.checkpoint") + "names a folder that does not exist: " +
-                  s.model.checkpoint);
+      p.push_back(key("model.checkpoint") +
+                  "names a folder that does not exist: " + s.model.checkpoint);
     } else {
       try {
         loaded = LoadModelConfig(cfg.string());
@@ -298,14 +308,15 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
     p.push_back(key("optim.warmup_steps") + "must be in [0, train.steps] (found " +
                 std::to_string(s.optim.warmup_steps) + ")");
   if (!(s.optim.grad_clip >= 0) || !std::isfinite(s.optim.grad_clip))
-    p.push_back(key("optim.grad_clip") + "must be >= 0 (0 = off; found " +
-                num(s.optim.grad_clip) + ")");
+    p.push_back(key("optim.grad_clip") + "must be >= 0 (0 = off; found " + num(s.optim.grad_clip) +
+                ")");
 
   // [train]: exactly one of steps / epochs
   const bool by_epochs = s.train.epochs != 0.0;
   if (by_epochs && s.train.steps != 0)
-    p.push_back(key("train.epochs") + "and `train.steps` are both given: keep exactly one "
-                                      "(epochs computes the steps from the data)");
+    p.push_back(key("train.epochs") +
+                "and `train.steps` are both given: keep exactly one "
+                "(epochs computes the steps from the data)");
   else if (by_epochs && !(s.train.epochs > 0 && s.train.epochs <= 1e6))
     p.push_back(key("train.epochs") + "must be in (0, 1e6] (found " + num(s.train.epochs) + ")");
   else if (!by_epochs && s.train.steps == 0)
@@ -362,18 +373,21 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
 
   // [eval]
   if (!s.eval.path.empty() && s.eval.split != 0.0)
-    p.push_back(key("eval.path") + "and `eval.split` are both given: evaluate on a file or on a "
-                                   "held-out split of the training data, not both");
+    p.push_back(key("eval.path") +
+                "and `eval.split` are both given: evaluate on a file or on a "
+                "held-out split of the training data, not both");
   if (!(s.eval.split >= 0 && s.eval.split <= 0.5))
-    p.push_back(key("eval.split") + "must be in (0, 0.5] (a fraction of the training "
-                                    "documents; found " + num(s.eval.split) + ")");
+    p.push_back(key("eval.split") +
+                "must be in (0, 0.5] (a fraction of the training "
+                "documents; found " +
+                num(s.eval.split) + ")");
   if (!s.eval.path.empty()) {
     if (!fs::is_regular_file(s.eval.path, ec))
       p.push_back(key("eval.path") + "names a file that does not exist: " + s.eval.path);
     if (s.eval.format != "jsonl" && s.eval.format != "tokens")
-      p.push_back(key("eval.format") + "must be \"jsonl\" or \"tokens\" (found \"" +
-                  s.eval.format + "\"; it is taken from the extension .jsonl/.tok/.bin when "
-                                  "absent)");
+      p.push_back(key("eval.format") + "must be \"jsonl\" or \"tokens\" (found \"" + s.eval.format +
+                  "\"; it is taken from the extension .jsonl/.tok/.bin when "
+                  "absent)");
   }
   if (s.eval.every < 0)
     p.push_back(key("eval.every") + "must be >= 0 (0 = only at checkpoints and the end; found " +
@@ -385,8 +399,7 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
     p.push_back(key("eval.every") + "needs an evaluation set: `eval.path` or `eval.split`");
 
   // [stream]
-  if (s.stream.blocks_to_swap < 0 ||
-      (model && s.stream.blocks_to_swap > model->num_hidden_layers))
+  if (s.stream.blocks_to_swap < 0 || (model && s.stream.blocks_to_swap > model->num_hidden_layers))
     p.push_back(key("stream.blocks_to_swap") + "must be in [0, num_hidden_layers" +
                 (model ? " = " + std::to_string(model->num_hidden_layers) : std::string()) +
                 "] (found " + std::to_string(s.stream.blocks_to_swap) + ")");
@@ -395,11 +408,12 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
                 std::to_string(s.stream.ring_size) + ")");
   else if (s.stream.ring_size > kMaxRingSize)
     above("stream.ring_size", s.stream.ring_size, kMaxRingSize);
-  for (const auto& [name, slots] : {std::pair<const char*, int64_t>{"stream.forward_slots",
-                                                                    s.stream.forward_slots},
-                                    {"stream.backward_slots", s.stream.backward_slots}}) {
+  for (const auto& [name, slots] :
+       {std::pair<const char*, int64_t>{"stream.forward_slots", s.stream.forward_slots},
+        {"stream.backward_slots", s.stream.backward_slots}}) {
     if (slots < -1 || (slots > 0 && slots < s.stream.ring_size))
-      p.push_back(key(name) + "must be 0 (= ring_size), -1 (as many as fit) or >= ring_size (found " +
+      p.push_back(key(name) +
+                  "must be 0 (= ring_size), -1 (as many as fit) or >= ring_size (found " +
                   std::to_string(slots) + ")");
   }
   return p;

@@ -93,7 +93,10 @@ namespace lorastream {
 struct ModelSource {
   std::string store;       // a published store's name, or
   std::string checkpoint;  // a Hugging Face checkpoint folder
-  template <class A> void serialize(A& ar) { ar(store, checkpoint); }
+  template <class A>
+  void serialize(A& ar) {
+    ar(store, checkpoint);
+  }
 };
 
 struct DataSpec {
@@ -102,17 +105,23 @@ struct DataSpec {
   int64_t seq_len = 512;
   bool packing = true;
   int64_t pad_id = 0;
-  template <class A> void serialize(A& ar) { ar(path, format, seq_len, packing, pad_id); }
+  template <class A>
+  void serialize(A& ar) {
+    ar(path, format, seq_len, packing, pad_id);
+  }
 };
 
 struct LoraSpec {
   int64_t rank = 16;
   double alpha = 32.0;
   double dropout = 0.0;
-  std::vector<std::string> targets = {"q_proj", "k_proj", "v_proj", "o_proj",
+  std::vector<std::string> targets = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
                                       "gate_proj", "up_proj", "down_proj"};
   bool rslora = false;
-  template <class A> void serialize(A& ar) { ar(rank, alpha, dropout, targets, rslora); }
+  template <class A>
+  void serialize(A& ar) {
+    ar(rank, alpha, dropout, targets, rslora);
+  }
 };
 
 struct OptimSpec {
@@ -124,7 +133,8 @@ struct OptimSpec {
   std::string schedule = "constant";
   int64_t warmup_steps = 0;
   double grad_clip = 1.0;
-  template <class A> void serialize(A& ar) {
+  template <class A>
+  void serialize(A& ar) {
     ar(lr, beta1, beta2, eps, weight_decay, schedule, warmup_steps, grad_clip);
   }
 };
@@ -141,7 +151,8 @@ struct TrainSpec {
   std::string stats_file;
   int64_t keep_checkpoints = 2;
   bool keep_best = false;
-  template <class A> void serialize(A& ar) {
+  template <class A>
+  void serialize(A& ar) {
     ar(steps, batch_size, grad_accum, seed, checkpoint_every, output_dir, dtype, stats_file,
        keep_checkpoints, keep_best, epochs);
   }
@@ -155,7 +166,10 @@ struct EvalSpec {
   int64_t every = 0;
   int64_t batches = 0;
   bool enabled() const { return !path.empty() || split > 0; }
-  template <class A> void serialize(A& ar) { ar(path, format, split, every, batches); }
+  template <class A>
+  void serialize(A& ar) {
+    ar(path, format, split, every, batches);
+  }
 };
 
 struct StreamSpec {
@@ -164,7 +178,8 @@ struct StreamSpec {
   int64_t ring_size = 2;
   int64_t forward_slots = 0;   // 0: ring_size; -1: as many as fit within the plan's peak
   int64_t backward_slots = 0;  // 0: ring_size; -1: as many as fit within the plan's peak
-  template <class A> void serialize(A& ar) {
+  template <class A>
+  void serialize(A& ar) {
     ar(blocks_to_swap, gpu_memory_budget, ring_size, forward_slots, backward_slots);
   }
 };
@@ -180,7 +195,8 @@ struct JobSpec {
   StreamSpec stream;
   EvalSpec eval;
   std::string source;  // the file it came from (for messages); "" when built in code
-  template <class A> void serialize(A& ar) {
+  template <class A>
+  void serialize(A& ar) {
     ar(name, priority, model, data, lora, optim, train, stream, source, eval);
   }
 };
@@ -188,7 +204,7 @@ struct JobSpec {
 // Limits on the sizes that reach an allocation (ValidateJobSpec refuses larger values, naming
 // the key, the value and the limit). Far above any job that fits in a machine, far below a
 // value that would end in std::bad_alloc or an overflow.
-constexpr int64_t kMaxMicroBatchTokens = int64_t{1} << 20;  // batch_size * seq_len
+constexpr int64_t kMaxMicroBatchTokens = int64_t{1} << 20;     // batch_size * seq_len
 constexpr int64_t kMaxLogitsPerMicroBatch = int64_t{1} << 36;  // tokens * vocab_size
 constexpr int64_t kMaxGradAccum = int64_t{1} << 16;
 constexpr int64_t kMaxTrainSteps = int64_t{1} << 30;

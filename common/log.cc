@@ -46,8 +46,7 @@ class TerminalSafeSink : public spdlog::sinks::base_sink<std::mutex> {
 
  protected:
   void sink_it_(const spdlog::details::log_msg& msg) override {
-    const std::string safe =
-        TerminalSafe(std::string_view(msg.payload.data(), msg.payload.size()));
+    const std::string safe = TerminalSafe(std::string_view(msg.payload.data(), msg.payload.size()));
     spdlog::details::log_msg copy = msg;
     copy.payload = spdlog::string_view_t(safe.data(), safe.size());
     for (auto& sink : sinks_)

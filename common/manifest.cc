@@ -64,9 +64,14 @@ DType GetDType(const Json& j, const char* key, const std::string& source,
 Json SegmentToJson(const SegmentInfo& s) {
   Json tensors = Json::array();
   for (const TensorSlice& t : s.tensors)
-    tensors.push_back({{"name", t.name}, {"dtype", DTypeName(t.dtype)}, {"shape", t.shape},
-                       {"offset", t.offset}, {"nbytes", t.nbytes}});
-  return {{"shm_name", s.shm_name}, {"nbytes", s.nbytes}, {"checksum", Hex(s.checksum)},
+    tensors.push_back({{"name", t.name},
+                       {"dtype", DTypeName(t.dtype)},
+                       {"shape", t.shape},
+                       {"offset", t.offset},
+                       {"nbytes", t.nbytes}});
+  return {{"shm_name", s.shm_name},
+          {"nbytes", s.nbytes},
+          {"checksum", Hex(s.checksum)},
           {"tensors", tensors}};
 }
 
@@ -75,8 +80,7 @@ SegmentInfo SegmentFromJson(const Json& j, uint64_t alignment, const std::string
   if (!j.is_object()) Bad(source, where + "is not an object");
   SegmentInfo s;
   s.shm_name = GetString(j, "shm_name", source, where);
-  if (s.shm_name.size() < 2 || s.shm_name[0] != '/' ||
-      s.shm_name.find('/', 1) != std::string::npos)
+  if (s.shm_name.size() < 2 || s.shm_name[0] != '/' || s.shm_name.find('/', 1) != std::string::npos)
     Bad(source, where + "`shm_name` must be `/name` without further slashes");
   s.nbytes = GetUnsigned(j, "nbytes", source, where);
   s.checksum = GetHex(j, "checksum", source, where);

@@ -23,9 +23,9 @@ struct TensorSlice {
 
 // One shared-memory segment: a transformer block, or the rest (embeddings, norm, lm_head).
 struct SegmentInfo {
-  std::string shm_name;  // the POSIX shm object's name
-  uint64_t nbytes = 0;   // the packed size (the mapping may be rounded up to a page)
-  uint64_t checksum = 0; // over [0, nbytes)
+  std::string shm_name;              // the POSIX shm object's name
+  uint64_t nbytes = 0;               // the packed size (the mapping may be rounded up to a page)
+  uint64_t checksum = 0;             // over [0, nbytes)
   std::vector<TensorSlice> tensors;  // in the canonical order of ModelConfig::*TensorShapes()
 
   // nullptr when the segment holds no tensor of that name.
@@ -34,19 +34,19 @@ struct SegmentInfo {
 
 struct Manifest {
   std::string store_name;
-  uint64_t generation = 0;   // unique per `serve` start
-  std::string fingerprint;   // identifies the weights (same checkpoint => same fingerprint)
+  uint64_t generation = 0;  // unique per `serve` start
+  std::string fingerprint;  // identifies the weights (same checkpoint => same fingerprint)
   ModelConfig config;
   DType dtype = DType::kBF16;  // of every floating-point tensor in the store
   uint64_t alignment = 256;
   std::vector<SegmentInfo> blocks;  // blocks[i] holds model.layers.{i}.*
   SegmentInfo rest;
-  int64_t owner_pid = 0;            // the serving store process
-  uint64_t owner_start_time = 0;    // its start time (/proc/PID/stat field 22): pid reuse guard
-  std::string source_dir;           // the checkpoint folder it was loaded from
-  TokenizerId tokenizer;            // its tokenizer.json's; empty fingerprint = the folder had none
+  int64_t owner_pid = 0;          // the serving store process
+  uint64_t owner_start_time = 0;  // its start time (/proc/PID/stat field 22): pid reuse guard
+  std::string source_dir;         // the checkpoint folder it was loaded from
+  TokenizerId tokenizer;          // its tokenizer.json's; empty fingerprint = the folder had none
 
-  uint64_t total_bytes() const;     // sum of every segment's nbytes
+  uint64_t total_bytes() const;  // sum of every segment's nbytes
 };
 
 // The one packed layout of a segment, used by the store and by every other packer (the

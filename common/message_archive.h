@@ -38,9 +38,8 @@ class MessageInputArchive
 
   void LoadBinary(void* out, size_t size) {
     if (size > remaining())
-      throw Error(ErrorCode::kCorrupt, "message payload truncated: needs " +
-                                           std::to_string(size) + " bytes at offset " +
-                                           std::to_string(pos_) + " of " +
+      throw Error(ErrorCode::kCorrupt, "message payload truncated: needs " + std::to_string(size) +
+                                           " bytes at offset " + std::to_string(pos_) + " of " +
                                            std::to_string(size_));
     std::memcpy(out, data_ + pos_, size);
     pos_ += size;
@@ -62,8 +61,8 @@ class MessageInputArchive
 };
 
 template <class T>
-std::enable_if_t<std::is_arithmetic<T>::value> CEREAL_SAVE_FUNCTION_NAME(
-    MessageOutputArchive& ar, const T& value) {
+std::enable_if_t<std::is_arithmetic<T>::value> CEREAL_SAVE_FUNCTION_NAME(MessageOutputArchive& ar,
+                                                                         const T& value) {
   ar.SaveBinary(&value, sizeof(value));
 }
 
@@ -77,8 +76,7 @@ inline void CEREAL_LOAD_FUNCTION_NAME(MessageInputArchive& ar, bool& value) {
   uint8_t byte = 0;
   ar.LoadBinary(&byte, 1);
   if (byte > 1)
-    throw Error(ErrorCode::kCorrupt, "message payload: bool field holds " +
-                                         std::to_string(byte));
+    throw Error(ErrorCode::kCorrupt, "message payload: bool field holds " + std::to_string(byte));
   value = byte == 1;
 }
 
@@ -124,8 +122,8 @@ void SerializeEnum(Archive& ar, E& value, E max_value) {
   int32_t raw = static_cast<int32_t>(value);
   ar(raw);
   if (raw < 0 || raw > static_cast<int32_t>(max_value))
-    throw Error(ErrorCode::kCorrupt, "message payload: enum value " + std::to_string(raw) +
-                                         " out of range");
+    throw Error(ErrorCode::kCorrupt,
+                "message payload: enum value " + std::to_string(raw) + " out of range");
   value = static_cast<E>(raw);
 }
 

@@ -58,7 +58,8 @@ bool IsTerminal(JobState state);
 struct ErrorReply {
   ErrorCode code = ErrorCode::kInternal;
   std::string message;
-  template <class A> void serialize(A& ar) {
+  template <class A>
+  void serialize(A& ar) {
     SerializeEnum(ar, code, ErrorCode::kInternal);
     ar(message);
   }
@@ -68,7 +69,10 @@ struct ErrorReply {
 struct StoreInfo {
   std::string name;
   std::string fingerprint;
-  template <class A> void serialize(A& ar) { ar(name, fingerprint); }
+  template <class A>
+  void serialize(A& ar) {
+    ar(name, fingerprint);
+  }
 };
 
 struct RegisterRequest {
@@ -84,9 +88,10 @@ struct RegisterRequest {
   std::string previous_worker_id;
   int64_t running_job_id = 0;
   int32_t running_attempt = 0;
-  template <class A> void serialize(A& ar) {
-    ar(host, device, gpu_name, gpu_memory_bytes, pid, stores, previous_worker_id,
-       running_job_id, running_attempt);
+  template <class A>
+  void serialize(A& ar) {
+    ar(host, device, gpu_name, gpu_memory_bytes, pid, stores, previous_worker_id, running_job_id,
+       running_attempt);
   }
 };
 
@@ -94,14 +99,15 @@ struct RegisterReply {
   std::string worker_id;  // the token every later message of this worker carries
   double heartbeat_interval_s = 1.0;
   bool keep_running_job = false;  // false: stop the job you are running, it went elsewhere
-  template <class A> void serialize(A& ar) {
+  template <class A>
+  void serialize(A& ar) {
     ar(worker_id, heartbeat_interval_s, keep_running_job);
   }
 };
 
 struct JobAssignment {
   int64_t job_id = 0;
-  int32_t attempt = 0;  // 1 for the first run; each requeue adds one
+  int32_t attempt = 0;      // 1 for the first run; each requeue adds one
   JobSpec spec;             // resolved (absolute paths) by the submitting command
   int64_t resume_step = 0;  // last checkpointed step (0: none); the trainer resumes from it
   std::string checkpoint_path;
@@ -109,7 +115,8 @@ struct JobAssignment {
   // no path of the job that this user could not open, and gives the files it writes to them.
   int64_t submitter_uid = -1;  // -1: unknown (refused by a worker running as another user)
   std::string submitter;       // the user name on the coordinator's host
-  template <class A> void serialize(A& ar) {
+  template <class A>
+  void serialize(A& ar) {
     ar(job_id, attempt, spec, resume_step, checkpoint_path, submitter_uid, submitter);
   }
 };
@@ -118,7 +125,10 @@ struct HeartbeatRequest {
   std::string worker_id;
   int64_t job_id = 0;  // the job it runs (0: idle)
   int32_t attempt = 0;
-  template <class A> void serialize(A& ar) { ar(worker_id, job_id, attempt); }
+  template <class A>
+  void serialize(A& ar) {
+    ar(worker_id, job_id, attempt);
+  }
 };
 
 struct HeartbeatReply {
@@ -126,7 +136,8 @@ struct HeartbeatReply {
   bool stop_job = false;     // cancel requested, or the job is no longer yours
   bool has_assignment = false;
   JobAssignment assignment;  // valid when has_assignment (only to an idle worker)
-  template <class A> void serialize(A& ar) {
+  template <class A>
+  void serialize(A& ar) {
     ar(known_worker, stop_job, has_assignment, assignment);
   }
 };
@@ -136,7 +147,10 @@ struct StepReport {
   int64_t job_id = 0;
   int32_t attempt = 0;
   StepStats stats;
-  template <class A> void serialize(A& ar) { ar(worker_id, job_id, attempt, stats); }
+  template <class A>
+  void serialize(A& ar) {
+    ar(worker_id, job_id, attempt, stats);
+  }
 };
 
 struct CheckpointReport {
@@ -145,7 +159,10 @@ struct CheckpointReport {
   int32_t attempt = 0;
   int64_t step = 0;
   std::string path;
-  template <class A> void serialize(A& ar) { ar(worker_id, job_id, attempt, step, path); }
+  template <class A>
+  void serialize(A& ar) {
+    ar(worker_id, job_id, attempt, step, path);
+  }
 };
 
 // kInterrupted: the worker itself is shutting down; the job is requeued without counting a
@@ -160,7 +177,8 @@ struct JobFinished {
   std::string reason;        // why it failed (or was stopped)
   std::string adapter_path;  // where the final adapter is
   int64_t final_step = 0;
-  template <class A> void serialize(A& ar) {
+  template <class A>
+  void serialize(A& ar) {
     ar(worker_id, job_id, attempt);
     SerializeEnum(ar, outcome, JobOutcome::kInterrupted);
     ar(reason, adapter_path, final_step);
@@ -169,7 +187,10 @@ struct JobFinished {
 
 struct WorkerAck {
   bool stop_job = false;  // stop at this step boundary (cancel, or the job is not yours)
-  template <class A> void serialize(A& ar) { ar(stop_job); }
+  template <class A>
+  void serialize(A& ar) {
+    ar(stop_job);
+  }
 };
 
 struct JobSummary {
@@ -197,7 +218,7 @@ struct JobSummary {
   double finished_at = 0;
   bool has_stats = false;
   StepStats last_stats;
-  double eta_seconds = -1;  // < 0: unknown
+  double eta_seconds = -1;     // < 0: unknown
   int64_t submitter_uid = -1;  // who submitted it (-1: unknown)
   std::string submitter;       // their user name
   // The newest and the lowest evaluation loss reported (steps 0 / NaN: none yet).
@@ -205,14 +226,14 @@ struct JobSummary {
   double last_eval_loss = std::numeric_limits<double>::quiet_NaN();
   int64_t best_eval_step = 0;
   double best_eval_loss = std::numeric_limits<double>::quiet_NaN();
-  template <class A> void serialize(A& ar) {
+  template <class A>
+  void serialize(A& ar) {
     ar(id, name);
     SerializeEnum(ar, state, JobState::kCancelled);
-    ar(reason, priority, store_name, fingerprint, spec_source, output_dir, adapter_path,
-       worker_id, worker_host, worker_device, attempt, step, total_steps, checkpoint_step,
-       checkpoint_path, cancel_requested, submitted_at, started_at, finished_at, has_stats,
-       last_stats, eta_seconds, submitter_uid, submitter, last_eval_step, last_eval_loss,
-       best_eval_step, best_eval_loss);
+    ar(reason, priority, store_name, fingerprint, spec_source, output_dir, adapter_path, worker_id,
+       worker_host, worker_device, attempt, step, total_steps, checkpoint_step, checkpoint_path,
+       cancel_requested, submitted_at, started_at, finished_at, has_stats, last_stats, eta_seconds,
+       submitter_uid, submitter, last_eval_step, last_eval_loss, best_eval_step, best_eval_loss);
   }
   // Takes the evaluation of `stats` into last_eval_* and best_eval_* (none: no change).
   void NoteEval(const StepStats& stats) {
@@ -237,7 +258,8 @@ struct WorkerSummary {
   bool alive = true;
   int64_t job_id = 0;
   double seconds_since_heartbeat = 0;
-  template <class A> void serialize(A& ar) {
+  template <class A>
+  void serialize(A& ar) {
     ar(id, host, device, gpu_name, gpu_memory_bytes, pid, stores, alive, job_id,
        seconds_since_heartbeat);
   }
@@ -248,61 +270,97 @@ struct WorkerSummary {
 struct SubmitRequest {
   JobSpec spec;           // spec.priority: higher runs first; ties in submission order
   std::string spec_toml;  // the text as written, for `show`
-  template <class A> void serialize(A& ar) { ar(spec, spec_toml); }
+  template <class A>
+  void serialize(A& ar) {
+    ar(spec, spec_toml);
+  }
 };
 
 struct SubmitReply {
   int64_t job_id = 0;                 // 0 when rejected
   std::vector<std::string> problems;  // every problem the validation found
-  template <class A> void serialize(A& ar) { ar(job_id, problems); }
+  template <class A>
+  void serialize(A& ar) {
+    ar(job_id, problems);
+  }
 };
 
 struct ListJobsRequest {
   bool include_finished = true;
-  template <class A> void serialize(A& ar) { ar(include_finished); }
+  template <class A>
+  void serialize(A& ar) {
+    ar(include_finished);
+  }
 };
 struct ListJobsReply {
   std::vector<JobSummary> jobs;
-  template <class A> void serialize(A& ar) { ar(jobs); }
+  template <class A>
+  void serialize(A& ar) {
+    ar(jobs);
+  }
 };
 
 struct ShowJobRequest {
   int64_t job_id = 0;
-  template <class A> void serialize(A& ar) { ar(job_id); }
+  template <class A>
+  void serialize(A& ar) {
+    ar(job_id);
+  }
 };
 struct ShowJobReply {
   JobSummary job;
   std::string spec_toml;
   int32_t retries = 0;
-  template <class A> void serialize(A& ar) { ar(job, spec_toml, retries); }
+  template <class A>
+  void serialize(A& ar) {
+    ar(job, spec_toml, retries);
+  }
 };
 
 struct StatsRequest {
   int64_t job_id = 0;
-  template <class A> void serialize(A& ar) { ar(job_id); }
+  template <class A>
+  void serialize(A& ar) {
+    ar(job_id);
+  }
 };
 struct StatsReply {
   int64_t job_id = 0;
   std::vector<StepStats> stats;  // downsampled, in step order
-  template <class A> void serialize(A& ar) { ar(job_id, stats); }
+  template <class A>
+  void serialize(A& ar) {
+    ar(job_id, stats);
+  }
 };
 
 struct CancelRequest {
   int64_t job_id = 0;
-  template <class A> void serialize(A& ar) { ar(job_id); }
+  template <class A>
+  void serialize(A& ar) {
+    ar(job_id);
+  }
 };
 struct CancelReply {
   JobState state = JobState::kQueued;  // kCancelled, or kRunning while it winds down
-  template <class A> void serialize(A& ar) { SerializeEnum(ar, state, JobState::kCancelled); }
+  template <class A>
+  void serialize(A& ar) {
+    SerializeEnum(ar, state, JobState::kCancelled);
+  }
 };
 
 struct ListWorkersRequest {
   bool include_dead = true;
-  template <class A> void serialize(A& ar) { ar(include_dead); }
+  template <class A>
+  void serialize(A& ar) {
+    ar(include_dead);
+  }
 };
 struct ListWorkersReply {
   std::vector<WorkerSummary> workers;
-  template <class A> void serialize(A& ar) { ar(workers); }
+  template <class A>
+  void serialize(A& ar) {
+    ar(workers);
+  }
 };
 
 // Long poll: answered as soon as the coordinator's state version exceeds since_version, or
@@ -311,20 +369,28 @@ struct WatchRequest {
   std::vector<int64_t> job_ids;  // empty: all jobs
   uint64_t since_version = 0;
   int32_t wait_ms = 1000;
-  template <class A> void serialize(A& ar) { ar(job_ids, since_version, wait_ms); }
+  template <class A>
+  void serialize(A& ar) {
+    ar(job_ids, since_version, wait_ms);
+  }
 };
 struct WatchReply {
   uint64_t version = 0;
   std::vector<JobSummary> jobs;
   std::vector<WorkerSummary> workers;
-  template <class A> void serialize(A& ar) { ar(version, jobs, workers); }
+  template <class A>
+  void serialize(A& ar) {
+    ar(version, jobs, workers);
+  }
 };
 
-template <class T> struct MessageTraits;
-#define LORASTREAM_MESSAGE(T, TYPE, REPLY)                 \
-  template <> struct MessageTraits<T> {                    \
+template <class T>
+struct MessageTraits;
+#define LORASTREAM_MESSAGE(T, TYPE, REPLY)                  \
+  template <>                                               \
+  struct MessageTraits<T> {                                 \
     static constexpr MessageType kType = MessageType::TYPE; \
-    using Reply = REPLY;                                   \
+    using Reply = REPLY;                                    \
   };
 LORASTREAM_MESSAGE(ErrorReply, kError, void)
 LORASTREAM_MESSAGE(RegisterRequest, kRegister, RegisterReply)
@@ -382,8 +448,8 @@ T DeserializePayload(std::string_view bytes, const std::string& what) {
     throw Error(ErrorCode::kCorrupt, what + ": " + e.what());
   }
   if (ar.remaining() != 0)
-    throw Error(ErrorCode::kCorrupt, what + ": " + std::to_string(ar.remaining()) +
-                                         " unexpected trailing bytes");
+    throw Error(ErrorCode::kCorrupt,
+                what + ": " + std::to_string(ar.remaining()) + " unexpected trailing bytes");
   return value;
 }
 
@@ -403,8 +469,8 @@ T DecodeMessage(const Envelope& envelope) {
     throw Error(ErrorCode::kCorrupt,
                 std::string("message ") + MessageTypeName(envelope.header.type) + ": " + e.what());
   } catch (const Error& e) {
-    throw Error(e.code(), std::string("message ") + MessageTypeName(envelope.header.type) +
-                              ": " + e.what());
+    throw Error(e.code(),
+                std::string("message ") + MessageTypeName(envelope.header.type) + ": " + e.what());
   }
   if (ar.remaining() != 0) ThrowTrailing(envelope, ar.remaining());
   return message;

@@ -187,12 +187,12 @@ void ToJson(Json& out, const ModelConfig& c) {
   if (c.rope_scaling.type.empty()) {
     out["rope_scaling"] = nullptr;
   } else {
-    out["rope_scaling"] = Json{
-        {"rope_type", c.rope_scaling.type},
-        {"factor", c.rope_scaling.factor},
-        {"low_freq_factor", c.rope_scaling.low_freq_factor},
-        {"high_freq_factor", c.rope_scaling.high_freq_factor},
-        {"original_max_position_embeddings", c.rope_scaling.original_max_position_embeddings}};
+    out["rope_scaling"] =
+        Json{{"rope_type", c.rope_scaling.type},
+             {"factor", c.rope_scaling.factor},
+             {"low_freq_factor", c.rope_scaling.low_freq_factor},
+             {"high_freq_factor", c.rope_scaling.high_freq_factor},
+             {"original_max_position_embeddings", c.rope_scaling.original_max_position_embeddings}};
   }
 }
 

@@ -41,7 +41,7 @@ struct ModelConfig {
   // is set; qwen2/qwen3 only with `use_sliding_window` (and layers >= `max_window_layers`);
   // transformers 5 may list "sliding_attention" in `layer_types`.
   int64_t sliding_window = 0;
-  std::string torch_dtype;      // as written in config.json ("bfloat16", ...)
+  std::string torch_dtype;  // as written in config.json ("bfloat16", ...)
 
   // The tensors of block `i` as (name relative to "model.layers.{i}.", shape), in the
   // canonical order in which the store packs them.

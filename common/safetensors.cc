@@ -42,8 +42,10 @@ int MaxNesting(const char* text, size_t n) {
   for (size_t i = 0; i < n; ++i) {
     char c = text[i];
     if (in_string) {
-      if (c == '\\') ++i;
-      else if (c == '"') in_string = false;
+      if (c == '\\')
+        ++i;
+      else if (c == '"')
+        in_string = false;
     } else if (c == '"') {
       in_string = true;
     } else if (c == '{' || c == '[') {
@@ -101,18 +103,19 @@ SafetensorsEntry ParseEntry(const std::string& name, const Json& value, uint64_t
   e.begin = (*offsets)[0].get<uint64_t>();
   e.end = (*offsets)[1].get<uint64_t>();
   if (e.begin > e.end)
-    CorruptTensor(source, name, "data_offsets begin " + std::to_string(e.begin) +
-                                    " is after end " + std::to_string(e.end));
+    CorruptTensor(
+        source, name,
+        "data_offsets begin " + std::to_string(e.begin) + " is after end " + std::to_string(e.end));
   if (e.end > data_size)
-    CorruptTensor(source, name, "data_offsets end " + std::to_string(e.end) +
-                                    " is past the data section (" + std::to_string(data_size) +
-                                    " bytes)");
+    CorruptTensor(source, name,
+                  "data_offsets end " + std::to_string(e.end) + " is past the data section (" +
+                      std::to_string(data_size) + " bytes)");
   const uint64_t expected = numel * DTypeSize(e.dtype);
   if (expected != e.nbytes())
-    CorruptTensor(source, name, "shape " + ShapeString(e.shape) + " of " + DTypeName(e.dtype) +
-                                    " needs " + std::to_string(expected) +
-                                    " bytes but data_offsets span " +
-                                    std::to_string(e.nbytes()));
+    CorruptTensor(source, name,
+                  "shape " + ShapeString(e.shape) + " of " + DTypeName(e.dtype) + " needs " +
+                      std::to_string(expected) + " bytes but data_offsets span " +
+                      std::to_string(e.nbytes()));
   return e;
 }
 
@@ -127,8 +130,8 @@ uint64_t SafetensorsEntry::numel() const {
 SafetensorsHeader ParseSafetensorsHeader(const uint8_t* data, size_t size,
                                          const std::string& source) {
   if (size < 8)
-    Corrupt(source, "file is " + std::to_string(size) +
-                        " bytes, too short for the 8-byte header length");
+    Corrupt(source,
+            "file is " + std::to_string(size) + " bytes, too short for the 8-byte header length");
   const uint64_t n = ReadLe64(data);
   if (n > kMaxSafetensorsHeaderBytes)
     Corrupt(source, "header length " + std::to_string(n) + " exceeds the cap of " +
@@ -139,16 +142,18 @@ SafetensorsHeader ParseSafetensorsHeader(const uint8_t* data, size_t size,
   if (n == 0) Corrupt(source, "header is empty (length 0)");
   const char* text = reinterpret_cast<const char*>(data + 8);
   if (MaxNesting(text, n) > kMaxHeaderNesting)
-    Corrupt(source, "header JSON nests deeper than " + std::to_string(kMaxHeaderNesting) +
-                        " levels");
+    Corrupt(source,
+            "header JSON nests deeper than " + std::to_string(kMaxHeaderNesting) + " levels");
 
   // Duplicate keys are silently merged by JSON parsers; a stack of key sets catches them.
   std::vector<std::set<std::string>> keys;
   std::string duplicate;
   int duplicate_depth = 0;
   auto on_event = [&](int depth, Json::parse_event_t event, Json& parsed) {
-    if (event == Json::parse_event_t::object_start) keys.emplace_back();
-    else if (event == Json::parse_event_t::object_end && !keys.empty()) keys.pop_back();
+    if (event == Json::parse_event_t::object_start)
+      keys.emplace_back();
+    else if (event == Json::parse_event_t::object_end && !keys.empty())
+      keys.pop_back();
     else if (event == Json::parse_event_t::key && !keys.empty() && duplicate.empty() &&
              parsed.is_string() && !keys.back().insert(parsed.get<std::string>()).second) {
       duplicate = parsed.get<std::string>();
@@ -159,7 +164,8 @@ SafetensorsHeader ParseSafetensorsHeader(const uint8_t* data, size_t size,
   Json j = Json::parse(text, text + n, on_event, /*allow_exceptions=*/false);
   if (j.is_discarded()) Corrupt(source, "header is not valid JSON");
   if (!duplicate.empty()) {
-    if (duplicate_depth <= 1) Corrupt(source, "tensor `" + duplicate + "` appears twice in the header");
+    if (duplicate_depth <= 1)
+      Corrupt(source, "tensor `" + duplicate + "` appears twice in the header");
     Corrupt(source, "key `" + duplicate + "` appears twice in one header entry");
   }
   if (!j.is_object()) Corrupt(source, "header JSON is not an object");

@@ -68,7 +68,8 @@ class TempFile {
 uint64_t TensorBytes(const TensorToWrite& t) {
   uint64_t n = DTypeSize(t.dtype);
   for (int64_t d : t.shape) {
-    if (d < 0) throw Error(ErrorCode::kInvalidArgument, "tensor `" + t.name + "`: negative dimension");
+    if (d < 0)
+      throw Error(ErrorCode::kInvalidArgument, "tensor `" + t.name + "`: negative dimension");
     n *= static_cast<uint64_t>(d);
   }
   return n;
@@ -76,8 +77,8 @@ uint64_t TensorBytes(const TensorToWrite& t) {
 
 void WriteSafetensorsStreamed(const std::string& path, const std::vector<TensorToWrite>& tensors,
                               const TensorFiller& fill,
-                              const std::map<std::string, std::string>& metadata,
-                              size_t alignment, size_t chunk_bytes) {
+                              const std::map<std::string, std::string>& metadata, size_t alignment,
+                              size_t chunk_bytes) {
   if (alignment == 0 || (alignment & (alignment - 1)) != 0 || alignment > 4096)
     throw Error(ErrorCode::kInvalidArgument, path + ": alignment must be a power of two <= 4096");
   nlohmann::json header = nlohmann::json::object();
@@ -86,11 +87,12 @@ void WriteSafetensorsStreamed(const std::string& path, const std::vector<TensorT
   uint64_t offset = 0;
   for (const TensorToWrite& t : tensors) {
     if (t.name.empty() || t.name == "__metadata__" || header.contains(t.name))
-      throw Error(ErrorCode::kInvalidArgument, path + ": bad or duplicate tensor name `" + t.name + "`");
+      throw Error(ErrorCode::kInvalidArgument,
+                  path + ": bad or duplicate tensor name `" + t.name + "`");
     const uint64_t n = TensorBytes(t);
     begins.push_back(offset);
-    header[t.name] = {{"dtype", DTypeName(t.dtype)}, {"shape", t.shape},
-                      {"data_offsets", {offset, offset + n}}};
+    header[t.name] = {
+        {"dtype", DTypeName(t.dtype)}, {"shape", t.shape}, {"data_offsets", {offset, offset + n}}};
     offset += n;
   }
   std::string text = header.dump();

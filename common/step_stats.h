@@ -9,12 +9,12 @@
 namespace lorastream {
 
 struct StepStats {
-  int64_t step = 0;               // 1-based optimizer step
+  int64_t step = 0;  // 1-based optimizer step
   int64_t total_steps = 0;
   double loss = 0.0;
   double learning_rate = 0.0;
   double grad_norm = 0.0;
-  int64_t tokens = 0;             // tokens processed in this step (all micro-batches)
+  int64_t tokens = 0;  // tokens processed in this step (all micro-batches)
   double step_seconds = 0.0;
   double tokens_per_second = 0.0;
   uint64_t h2d_bytes = 0;         // bytes copied host->device for base weights this step
@@ -31,9 +31,9 @@ struct StepStats {
 
   template <class Archive>
   void serialize(Archive& ar) {
-    ar(step, total_steps, loss, learning_rate, grad_norm, tokens, step_seconds,
-       tokens_per_second, h2d_bytes, h2d_busy_seconds, stall_seconds, copies, copies_saved,
-       peak_device_bytes, eval_loss, eval_tokens);
+    ar(step, total_steps, loss, learning_rate, grad_norm, tokens, step_seconds, tokens_per_second,
+       h2d_bytes, h2d_busy_seconds, stall_seconds, copies, copies_saved, peak_device_bytes,
+       eval_loss, eval_tokens);
   }
 };
 

@@ -4,19 +4,19 @@ namespace lorastream {
 
 nlohmann::json StepStatsToJson(const StepStats& s) {
   nlohmann::json j = {{"step", s.step},
-          {"total_steps", s.total_steps},
-          {"loss", s.loss},
-          {"learning_rate", s.learning_rate},
-          {"grad_norm", s.grad_norm},
-          {"tokens", s.tokens},
-          {"step_seconds", s.step_seconds},
-          {"tokens_per_second", s.tokens_per_second},
-          {"h2d_bytes", s.h2d_bytes},
-          {"h2d_busy_seconds", s.h2d_busy_seconds},
-          {"stall_seconds", s.stall_seconds},
-          {"copies", s.copies},
-          {"copies_saved", s.copies_saved},
-          {"peak_device_bytes", s.peak_device_bytes}};
+                      {"total_steps", s.total_steps},
+                      {"loss", s.loss},
+                      {"learning_rate", s.learning_rate},
+                      {"grad_norm", s.grad_norm},
+                      {"tokens", s.tokens},
+                      {"step_seconds", s.step_seconds},
+                      {"tokens_per_second", s.tokens_per_second},
+                      {"h2d_bytes", s.h2d_bytes},
+                      {"h2d_busy_seconds", s.h2d_busy_seconds},
+                      {"stall_seconds", s.stall_seconds},
+                      {"copies", s.copies},
+                      {"copies_saved", s.copies_saved},
+                      {"peak_device_bytes", s.peak_device_bytes}};
   // Only the steps that ran an evaluation carry it (JSON has no NaN).
   if (s.has_eval()) {
     j["eval_loss"] = s.eval_loss;

@@ -155,8 +155,8 @@ int Subprocess::Stop(double grace_s) {
   return code;
 }
 
-std::string RunAndCapture(const std::vector<std::string>& argv, int* exit_code,
-                          double timeout_s, const std::string& stderr_path) {
+std::string RunAndCapture(const std::vector<std::string>& argv, int* exit_code, double timeout_s,
+                          const std::string& stderr_path) {
   UniquePipe out = MakePipe(O_CLOEXEC, "pipe");
   SpawnOptions options;
   options.log_path = stderr_path;

@@ -17,9 +17,9 @@
 namespace lorastream {
 
 struct SpawnOptions {
-  std::string log_path;                  // stdout+stderr appended here ("" = inherit)
-  std::vector<std::string> extra_env;    // "KEY=VALUE" added to the environment
-  bool new_session = false;              // setsid(): not killed with our process group
+  std::string log_path;                // stdout+stderr appended here ("" = inherit)
+  std::vector<std::string> extra_env;  // "KEY=VALUE" added to the environment
+  bool new_session = false;            // setsid(): not killed with our process group
   // SIGTERM to the child when the parent dies. Linux sends it when the *thread* that called
   // Spawn ends, not the process: spawn from a thread that outlives the child (the main
   // thread), or set this to false. False for a child meant to outlive us (`lorastream up

@@ -12,13 +12,20 @@ namespace lorastream {
 namespace {
 const char* TypeName(const toml::node& node) {
   switch (node.type()) {
-    case toml::node_type::table: return "a table";
-    case toml::node_type::array: return "an array";
-    case toml::node_type::string: return "a string";
-    case toml::node_type::integer: return "an integer";
-    case toml::node_type::floating_point: return "a float";
-    case toml::node_type::boolean: return "a boolean";
-    default: return "a date/time";
+    case toml::node_type::table:
+      return "a table";
+    case toml::node_type::array:
+      return "an array";
+    case toml::node_type::string:
+      return "a string";
+    case toml::node_type::integer:
+      return "an integer";
+    case toml::node_type::floating_point:
+      return "a float";
+    case toml::node_type::boolean:
+      return "a boolean";
+    default:
+      return "a date/time";
   }
 }
 }  // namespace
@@ -58,8 +65,8 @@ std::string TomlSection::Where(const std::string& key) const {
 }
 
 void TomlSection::Mismatch(const std::string& key, const char* expected) const {
-  throw Error(ErrorCode::kCorrupt, Where(key) + " must be " + expected + ", found " +
-                                       TypeName(*table_->get(key)));
+  throw Error(ErrorCode::kCorrupt,
+              Where(key) + " must be " + expected + ", found " + TypeName(*table_->get(key)));
 }
 
 const toml::node* TomlSection::Find(const std::string& key) const {
@@ -122,8 +129,8 @@ std::vector<std::string> TomlSection::GetStrings(const std::string& key,
   std::vector<std::string> out;
   for (const toml::node& item : *node->as_array()) {
     if (!item.is_string())
-      throw Error(ErrorCode::kCorrupt, Where(key) + " must be an array of strings, found " +
-                                           TypeName(item) + " inside");
+      throw Error(ErrorCode::kCorrupt,
+                  Where(key) + " must be an array of strings, found " + TypeName(item) + " inside");
     out.push_back(item.as_string()->get());
   }
   return out;

@@ -68,7 +68,7 @@ bool InGroup(const UserIdentity& who, gid_t gid) {
 bool Allows(const struct stat& st, const UserIdentity& who, int mask) {
   if (who.uid == 0)  // root: everything, except executing a file nobody may execute
     return !(mask & kX) || S_ISDIR(st.st_mode) || (st.st_mode & 0111);
-  int bits = st.st_uid == who.uid ? (st.st_mode >> 6) & 7
+  int bits = st.st_uid == who.uid      ? (st.st_mode >> 6) & 7
              : InGroup(who, st.st_gid) ? (st.st_mode >> 3) & 7
                                        : st.st_mode & 7;
   return (bits & mask) == mask;
@@ -110,8 +110,7 @@ bool ChownBelow(int dir_fd, const std::string& path, uid_t uid, gid_t gid, uid_t
     struct stat st {};
     if (::fstatat(dir_fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
     const std::string child = path + "/" + name;
-    if (st.st_uid == ours &&
-        ::fchownat(dir_fd, name.c_str(), uid, gid, AT_SYMLINK_NOFOLLOW) != 0) {
+    if (st.st_uid == ours && ::fchownat(dir_fd, name.c_str(), uid, gid, AT_SYMLINK_NOFOLLOW) != 0) {
       if (error && error->empty()) *error = child + ": " + std::strerror(errno);
       ok = false;
     }
@@ -132,7 +131,8 @@ UserIdentity LookupUser(uid_t uid) {
   passwd pw{};
   passwd* found = nullptr;
   if (::getpwuid_r(uid, &pw, buf.data(), buf.size(), &found) != 0 || !found)
-    throw Error(ErrorCode::kNotFound, "uid " + std::to_string(uid) + " has no account on this host");
+    throw Error(ErrorCode::kNotFound,
+                "uid " + std::to_string(uid) + " has no account on this host");
   return FromPasswd(pw);
 }
 

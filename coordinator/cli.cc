@@ -26,8 +26,8 @@
 #include "common/log.h"
 #include "common/manifest.h"
 #include "common/manifest_tokenizer.h"
-#include "common/tokenizer_id.h"
 #include "common/terminal_text.h"
+#include "common/tokenizer_id.h"
 #include "coordinator/cli_format.h"
 #include "coordinator/client.h"
 #include "coordinator/coordinator_server.h"
@@ -99,9 +99,9 @@ std::string StoreTokenizerProblem(const JobSpec& spec) {
   if (!record || record->json.empty())
     return "";  // not here or not yet published: the worker checks
   const Manifest m = ManifestFromJson(record->json, "store `" + spec.model.store + "`");
-  return DataTokenizerProblem(spec.data.path, spec.data.format,
-                              [&] { return ManifestTokenizer(m); },
-                              "store `" + spec.model.store + "`", m.config.vocab_size);
+  return DataTokenizerProblem(
+      spec.data.path, spec.data.format, [&] { return ManifestTokenizer(m); },
+      "store `" + spec.model.store + "`", m.config.vocab_size);
 }
 
 // For a job by epochs: the data's sequences and the steps they make, as the worker will
@@ -162,7 +162,9 @@ int RunSubmit(const GlobalOptions& g, const std::string& path, int64_t* priority
     return ExitCodeFor(ErrorCode::kRefused);
   }
   if (json) {
-    std::cout << nlohmann::json{{"job_id", reply.job_id}, {"problems", nlohmann::json::array()}}.dump(2) << "\n";
+    std::cout
+        << nlohmann::json{{"job_id", reply.job_id}, {"problems", nlohmann::json::array()}}.dump(2)
+        << "\n";
   } else if (quiet) {
     std::cout << reply.job_id << "\n";
   } else {
@@ -209,12 +211,14 @@ void PrintJob(const ShowJobReply& reply, const std::string& best_checkpoint, boo
 
 void PrintCancel(int64_t job_id, const CancelReply& reply, bool json) {
   if (json)
-    std::cout << nlohmann::json{{"job_id", job_id}, {"state", JobStateName(reply.state)}}.dump() << "\n";
+    std::cout << nlohmann::json{{"job_id", job_id}, {"state", JobStateName(reply.state)}}.dump()
+              << "\n";
   else if (reply.state == JobState::kCancelled)
     std::cout << "job " << job_id << " cancelled\n";
   else
-    std::cout << "job " << job_id << ": cancel requested; it stops at its next step "
-                                      "boundary after saving its adapter\n";
+    std::cout << "job " << job_id
+              << ": cancel requested; it stops at its next step "
+                 "boundary after saving its adapter\n";
 }
 
 // --- the verbs: each adds its subcommand with its flags and says what running it does --------
@@ -248,25 +252,34 @@ Verb CoordinatorVerb(CLI::App& app, const GlobalOptions& g) {
   };
   auto o = std::make_shared<Options>();
   CLI::App* coord = app.add_subcommand("coordinator", "run the coordinator daemon");
-  coord->add_option("--bind", o->server.bind, "endpoint to listen on (tcp:// needs "
-                                              "--curve-keys or --insecure)")
+  coord
+      ->add_option("--bind", o->server.bind,
+                   "endpoint to listen on (tcp:// needs "
+                   "--curve-keys or --insecure)")
       ->capture_default_str();
   coord->add_option("--db", o->server.db, "SQLite journal (created when missing)")
       ->capture_default_str();
-  coord->add_option("--heartbeat-timeout", o->server.coordinator.heartbeat_timeout_s,
-                    "seconds of silence after which a worker is dead")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  coord->add_option("--heartbeat-interval", o->server.coordinator.heartbeat_interval_s,
-                    "seconds between worker heartbeats (told to workers)")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  coord->add_option("--max-retries", o->server.coordinator.max_retries,
-                    "requeues after worker deaths before a job fails")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  coord
+      ->add_option("--heartbeat-timeout", o->server.coordinator.heartbeat_timeout_s,
+                   "seconds of silence after which a worker is dead")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  coord
+      ->add_option("--heartbeat-interval", o->server.coordinator.heartbeat_interval_s,
+                   "seconds between worker heartbeats (told to workers)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  coord
+      ->add_option("--max-retries", o->server.coordinator.max_retries,
+                   "requeues after worker deaths before a job fails")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   coord->add_option("--reconcile-timeout", o->server.coordinator.reconcile_timeout_s,
                     "after a restart, seconds running jobs wait for their workers "
                     "(default: the heartbeat timeout)");
-  coord->add_flag("--insecure", o->server.insecure,
-                  "allow a tcp:// bind without CURVE (anyone who can reach it acts as the operator)");
+  coord->add_flag(
+      "--insecure", o->server.insecure,
+      "allow a tcp:// bind without CURVE (anyone who can reach it acts as the operator)");
   coord->add_option("--log-level", o->log_level, "trace|debug|info|warn|error")
       ->capture_default_str();
   coord->add_option("--log-file", o->log_file, "also log to this file");
@@ -339,7 +352,8 @@ Verb StatsVerb(CLI::App& app, const GlobalOptions& g) {
   CLI::App* stats = app.add_subcommand("stats", "a job's per-step statistics (downsampled)");
   stats->add_option("JOB", o->job_id, "job id")->required()->check(JobIdCheck());
   stats->add_option("--format", o->format, "csv or json")
-      ->check(CLI::IsMember({"csv", "json"}))->capture_default_str();
+      ->check(CLI::IsMember({"csv", "json"}))
+      ->capture_default_str();
   return {stats, [o, &g] { return RunStats(g, o->job_id, o->format); }};
 }
 
@@ -387,8 +401,9 @@ Verb WatchVerb(CLI::App& app, const GlobalOptions& g) {
   watch->add_option("JOB", o->watch.job_ids, "job ids (default: every job not yet ended)")
       ->check(JobIdCheck());
   watch->add_flag("--plain", o->plain, "plain lines even on a terminal");
-  watch->add_option("--line-interval", o->watch.line_interval_s,
-                    "plain mode: seconds between progress lines of one job")
+  watch
+      ->add_option("--line-interval", o->watch.line_interval_s,
+                   "plain mode: seconds between progress lines of one job")
       ->capture_default_str();
   return {watch, [o, &g] {
             client::Client client = Connect(g);
@@ -424,8 +439,7 @@ Verb PrepareVerb(CLI::App& app) {
                    "{\"messages\": [{\"role\", \"content\"}]}")
       ->required()
       ->check(CLI::IsMember({"text", "alpaca", "sharegpt", "messages"}));
-  prepare
-      ->add_option("--out", o->out, "the data: .jsonl, or .tok/.bin (the compact token file)")
+  prepare->add_option("--out", o->out, "the data: .jsonl, or .tok/.bin (the compact token file)")
       ->required();
   prepare
       ->add_option("--val-split", o->val_split,
@@ -459,8 +473,7 @@ Verb KeygenVerb(CLI::App& app) {
   return {keygen, [o] {
             client::WriteCurveKeys(o->key_dir, o->force);
             std::cout << "CURVE keys written to " << o->key_dir << "\n  coordinator: lorastream "
-                      << "coordinator --curve-keys " << o->key_dir
-                      << " --bind tcp://0.0.0.0:PORT\n"
+                      << "coordinator --curve-keys " << o->key_dir << " --bind tcp://0.0.0.0:PORT\n"
                       << "  clients and workers: --curve-keys DIR, where DIR holds copies of "
                          "coordinator.pub, client.pub and client.key (never coordinator.key)\n";
             return 0;
@@ -474,8 +487,9 @@ Verb UpVerb(CLI::App& app) {
   };
   auto o = std::make_shared<Options>();
   CLI::App* up = app.add_subcommand(
-      "up", "start a store, workers (one per GPU, else CPU workers) and a coordinator, submit "
-            "the example jobs, watch them to the end, print the adapters, stop everything");
+      "up",
+      "start a store, workers (one per GPU, else CPU workers) and a coordinator, submit "
+      "the example jobs, watch them to the end, print the adapters, stop everything");
   up->add_option("--model", o->up.model_dir,
                  "Hugging Face checkpoint folder (default: synthesize --preset)");
   up->add_option("--preset", o->up.preset, "configs/models preset to synthesize")
@@ -483,8 +497,9 @@ Verb UpVerb(CLI::App& app) {
   up->add_option("--job", o->up.jobs, "job file(s) to submit (default: configs/jobs/*.toml)");
   up->add_option("--run-dir", o->up.run_dir,
                  "folder for logs, model, jobs, adapters (default: runs/up-DATE-TIME)");
-  up->add_option("--device", o->up.devices, "worker device(s), e.g. cuda:0 or cpu "
-                                            "(default: every GPU, else --cpu-workers)");
+  up->add_option("--device", o->up.devices,
+                 "worker device(s), e.g. cuda:0 or cpu "
+                 "(default: every GPU, else --cpu-workers)");
   up->add_option("--cpu-workers", o->up.cpu_workers, "CPU workers when there is no GPU")
       ->capture_default_str()
       ->check(CLI::Range(1, 64));
@@ -507,20 +522,21 @@ Verb DoctorVerb(CLI::App& app, const GlobalOptions& g) {
       "pages, host registration, stores, coordinator), each problem with its fix; "
       "exit 1 when it finds a problem");
   doctor->add_flag("--json", *json, "JSON object");
-  return {doctor, [json, &g] {
-            // A short wait for the coordinator unless --timeout says otherwise: doctor
-            // reports, it does not wait.
-            DoctorOptions d{g.endpoint, g.curve_keys,
-                            g.timeout_given->count() ? g.timeout_s : 2.0, ""};
-            return RunDoctor(d, *json, std::cout);
-          }};
+  return {
+      doctor, [json, &g] {
+        // A short wait for the coordinator unless --timeout says otherwise: doctor
+        // reports, it does not wait.
+        DoctorOptions d{g.endpoint, g.curve_keys, g.timeout_given->count() ? g.timeout_s : 2.0, ""};
+        return RunDoctor(d, *json, std::cout);
+      }};
 }
 
 }  // namespace
 
 int RunLorastreamCli(int argc, char** argv) {
-  CLI::App app{"lorastream: many LoRA jobs against one RAM-resident base model.\n"
-               "The coordinator daemon and the commands that talk to it."};
+  CLI::App app{
+      "lorastream: many LoRA jobs against one RAM-resident base model.\n"
+      "The coordinator daemon and the commands that talk to it."};
   app.require_subcommand(1);
   app.fallthrough();  // global options may follow the verb: `lorastream jobs --coordinator X`
   GlobalOptions g;
@@ -535,10 +551,9 @@ int RunLorastreamCli(int argc, char** argv) {
                         ->capture_default_str();
 
   const std::vector<Verb> verbs = {
-      CoordinatorVerb(app, g), SubmitVerb(app, g),  JobsVerb(app, g),
-      ShowVerb(app, g),        StatsVerb(app, g),   CancelVerb(app, g),
-      WorkersVerb(app, g),     WatchVerb(app, g),   PrepareVerb(app),
-      KeygenVerb(app),         UpVerb(app),         DoctorVerb(app, g),
+      CoordinatorVerb(app, g), SubmitVerb(app, g), JobsVerb(app, g),    ShowVerb(app, g),
+      StatsVerb(app, g),       CancelVerb(app, g), WorkersVerb(app, g), WatchVerb(app, g),
+      PrepareVerb(app),        KeygenVerb(app),    UpVerb(app),         DoctorVerb(app, g),
   };
   return RunMain("lorastream", app, argc, argv, [&]() -> int {
     for (const Verb& verb : verbs)

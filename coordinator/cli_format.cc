@@ -96,21 +96,22 @@ nlohmann::json ToJson(const WorkerSummary& w) {
 
 std::string JobsTable(const std::vector<JobSummary>& jobs) {
   std::ostringstream out;
-  out << Pad("ID", 6) << Pad("NAME", 20) << Pad("STATE", 11) << Pad("PRI", 5)
-      << Pad("PROGRESS", 18) << Pad("WORKER", 26) << "REASON\n";
+  out << Pad("ID", 6) << Pad("NAME", 20) << Pad("STATE", 11) << Pad("PRI", 5) << Pad("PROGRESS", 18)
+      << Pad("WORKER", 26) << "REASON\n";
   for (const JobSummary& j : jobs) {
     std::string where = j.worker_id.empty() ? "-" : j.worker_host + " " + j.worker_device;
-    out << Pad(std::to_string(j.id), 6) << Pad(TerminalSafe(j.name), 20) << Pad(JobStateName(j.state), 11)
-        << Pad(std::to_string(j.priority), 5) << Pad(FormatProgress(j), 18)
-        << Pad(TerminalSafe(where), 26) << TerminalSafe(j.reason) << "\n";
+    out << Pad(std::to_string(j.id), 6) << Pad(TerminalSafe(j.name), 20)
+        << Pad(JobStateName(j.state), 11) << Pad(std::to_string(j.priority), 5)
+        << Pad(FormatProgress(j), 18) << Pad(TerminalSafe(where), 26) << TerminalSafe(j.reason)
+        << "\n";
   }
   return out.str();
 }
 
 std::string WorkersTable(const std::vector<WorkerSummary>& workers) {
   std::ostringstream out;
-  out << Pad("ID", 27) << Pad("HOST", 16) << Pad("DEVICE", 9) << Pad("GPU", 28)
-      << Pad("STATE", 7) << Pad("JOB", 6) << "STORES\n";
+  out << Pad("ID", 27) << Pad("HOST", 16) << Pad("DEVICE", 9) << Pad("GPU", 28) << Pad("STATE", 7)
+      << Pad("JOB", 6) << "STORES\n";
   for (const WorkerSummary& w : workers) {
     std::string gpu = w.gpu_name.empty() ? "-" : w.gpu_name + " " + FormatBytes(w.gpu_memory_bytes);
     std::string stores;
@@ -118,8 +119,8 @@ std::string WorkersTable(const std::vector<WorkerSummary>& workers) {
     out << Pad(TerminalSafe(w.id), 27) << Pad(TerminalSafe(w.host), 16)
         << Pad(TerminalSafe(w.device), 9) << Pad(TerminalSafe(gpu), 28)
         << Pad(w.alive ? (w.job_id ? "busy" : "idle") : "dead", 7)
-        << Pad(w.job_id ? std::to_string(w.job_id) : "-", 6) << (stores.empty() ? "-" : TerminalSafe(stores))
-        << "\n";
+        << Pad(w.job_id ? std::to_string(w.job_id) : "-", 6)
+        << (stores.empty() ? "-" : TerminalSafe(stores)) << "\n";
   }
   return out.str();
 }
@@ -131,13 +132,20 @@ std::string JobDetails(const ShowJobReply& r, const std::string& best_checkpoint
   out << "job " << j.id << " '" << safe(j.name) << "': " << JobStateName(j.state);
   if (!j.reason.empty()) out << " (" << safe(j.reason) << ")";
   out << "\n  progress:    " << FormatProgress(j) << ", ETA " << FormatDuration(j.eta_seconds)
-      << "\n  priority:    " << j.priority
-      << "\n  submitter:   " << (j.submitter_uid < 0 ? "-" : safe(j.submitter) + " (uid " + std::to_string(j.submitter_uid) + ")")
-      << "\n  base model:  " << (j.store_name.empty() ? "(checkpoint folder)" : "store " + safe(j.store_name))
-      << (j.fingerprint.empty() ? "" : " [" + safe(j.fingerprint) + "]")
-      << "\n  worker:      " << (j.worker_id.empty() ? "-" : safe(j.worker_id + " on " + j.worker_host + " " + j.worker_device))
+      << "\n  priority:    " << j.priority << "\n  submitter:   "
+      << (j.submitter_uid < 0
+              ? "-"
+              : safe(j.submitter) + " (uid " + std::to_string(j.submitter_uid) + ")")
+      << "\n  base model:  "
+      << (j.store_name.empty() ? "(checkpoint folder)" : "store " + safe(j.store_name))
+      << (j.fingerprint.empty() ? "" : " [" + safe(j.fingerprint) + "]") << "\n  worker:      "
+      << (j.worker_id.empty() ? "-"
+                              : safe(j.worker_id + " on " + j.worker_host + " " + j.worker_device))
       << "\n  attempt:     " << j.attempt << " (" << r.retries << " retries after worker deaths)"
-      << "\n  checkpoint:  " << (j.checkpoint_step ? "step " + std::to_string(j.checkpoint_step) + " in " + safe(j.checkpoint_path) : "-")
+      << "\n  checkpoint:  "
+      << (j.checkpoint_step
+              ? "step " + std::to_string(j.checkpoint_step) + " in " + safe(j.checkpoint_path)
+              : "-")
       << "\n  output:      " << safe(j.output_dir)
       << "\n  adapter:     " << (j.adapter_path.empty() ? "-" : safe(j.adapter_path));
   if (j.last_eval_step > 0)
@@ -165,10 +173,9 @@ std::string StatsCsv(const std::vector<StepStats>& stats) {
   out.precision(9);
   for (const StepStats& s : stats) {
     out << s.step << ',' << s.total_steps << ',' << s.loss << ',' << s.learning_rate << ','
-        << s.grad_norm << ',' << s.tokens << ',' << s.step_seconds << ','
-        << s.tokens_per_second << ',' << s.h2d_bytes << ',' << s.h2d_busy_seconds << ','
-        << s.stall_seconds << ',' << s.copies << ',' << s.copies_saved << ','
-        << s.peak_device_bytes << ',';
+        << s.grad_norm << ',' << s.tokens << ',' << s.step_seconds << ',' << s.tokens_per_second
+        << ',' << s.h2d_bytes << ',' << s.h2d_busy_seconds << ',' << s.stall_seconds << ','
+        << s.copies << ',' << s.copies_saved << ',' << s.peak_device_bytes << ',';
     // Empty cells on the steps without an evaluation.
     if (s.has_eval())
       out << s.eval_loss << ',' << s.eval_tokens;

@@ -36,8 +36,7 @@ Submitter CurrentSubmitter() {
 }
 
 double WallSeconds() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
 Coordinator::Coordinator(CoordinatorOptions options, Journal journal, double now)
@@ -135,8 +134,8 @@ JobAssignment Coordinator::Assign(JobRecord& job, WorkerEntry& worker) {
   worker.attempt = s.attempt;
   Save(job);
   Touch();
-  LS_LOG_INFO("job {} '{}' attempt {} -> worker {} (resume from step {})", s.id, s.name,
-              s.attempt, Describe(worker), s.checkpoint_step);
+  LS_LOG_INFO("job {} '{}' attempt {} -> worker {} (resume from step {})", s.id, s.name, s.attempt,
+              Describe(worker), s.checkpoint_step);
   return AssignmentOf(job);
 }
 
@@ -164,8 +163,7 @@ HeartbeatReply Coordinator::Heartbeat(const HeartbeatRequest& req, double now) {
   if (req.job_id != 0) {
     auto it = jobs_.find(req.job_id);
     bool owned = it != jobs_.end() && it->second.summary.state == JobState::kRunning &&
-                 it->second.summary.worker_id == w->id &&
-                 it->second.summary.attempt == req.attempt;
+                 it->second.summary.worker_id == w->id && it->second.summary.attempt == req.attempt;
     reply.stop_job = !owned || it->second.summary.cancel_requested;
     return reply;
   }
@@ -189,8 +187,8 @@ HeartbeatReply Coordinator::Heartbeat(const HeartbeatRequest& req, double now) {
   return reply;
 }
 
-JobRecord& Coordinator::RequireOwner(const std::string& worker_id, int64_t job_id,
-                                     int32_t attempt, double now) {
+JobRecord& Coordinator::RequireOwner(const std::string& worker_id, int64_t job_id, int32_t attempt,
+                                     double now) {
   WorkerEntry* w = workers_.FindAlive(worker_id);
   if (!w)
     throw Error(ErrorCode::kNotFound,  // the agent registers again on this code
@@ -306,8 +304,8 @@ void Coordinator::Finish(JobRecord& job, JobState state, const std::string& reas
   step_seconds_ema_.erase(s.id);
   Save(job);
   Touch();
-  LS_LOG_INFO("job {} '{}' {}{}{}", s.id, s.name, JobStateName(state),
-              reason.empty() ? "" : ": ", reason);
+  LS_LOG_INFO("job {} '{}' {}{}{}", s.id, s.name, JobStateName(state), reason.empty() ? "" : ": ",
+              reason);
 }
 
 void Coordinator::Requeue(JobRecord& job, const std::string& why, bool count_retry) {
@@ -353,11 +351,10 @@ SubmitReply Coordinator::Submit(const SubmitRequest& req, const std::string& cli
       if (!IsTerminal(other.summary.state) && !other.summary.output_dir.empty() &&
           CanonicalPath(other.summary.output_dir) == mine)
         reply.problems.push_back(spec.source + ": key `train.output_dir` (" +
-                                 spec.train.output_dir + (mine == spec.train.output_dir
-                                                              ? ""
-                                                              : ", which is " + mine) +
-                                 ") is already used by job " + std::to_string(id) +
-                                 ", which is " + JobStateName(other.summary.state));
+                                 spec.train.output_dir +
+                                 (mine == spec.train.output_dir ? "" : ", which is " + mine) +
+                                 ") is already used by job " + std::to_string(id) + ", which is " +
+                                 JobStateName(other.summary.state));
   }
   if (!reply.problems.empty()) return reply;
   JobRecord job;
@@ -433,12 +430,11 @@ CancelReply Coordinator::Cancel(const CancelRequest& req, const std::string& cli
                                          "key can cancel it");
   CancelReply reply;
   if (IsTerminal(s.state))
-    throw Error(ErrorCode::kInvalidArgument, "job " + std::to_string(s.id) + " already " +
-                                                 JobStateName(s.state));
+    throw Error(ErrorCode::kInvalidArgument,
+                "job " + std::to_string(s.id) + " already " + JobStateName(s.state));
   if (s.state == JobState::kQueued) {
     s.cancel_requested = true;
-    Finish(job, JobState::kCancelled, "cancelled while queued",
-           WallSeconds());
+    Finish(job, JobState::kCancelled, "cancelled while queued", WallSeconds());
   } else {
     // The worker hears it in its next step report or heartbeat reply, saves the adapter at
     // the step boundary and reports the job cancelled.
@@ -473,14 +469,14 @@ void Coordinator::Tick(double now) {
   for (WorkerEntry* w : workers_.Expired(now, options_.heartbeat_timeout_s)) {
     w->alive = false;
     Touch();
-    LS_LOG_WARN("worker {} missed heartbeats for {:.1f} s: dead", Describe(*w),
-                now - w->last_seen);
+    LS_LOG_WARN("worker {} missed heartbeats for {:.1f} s: dead", Describe(*w), now - w->last_seen);
     if (w->job_id != 0) {
       JobRecord& job = FindJob(w->job_id);
       w->job_id = 0;
       if (job.summary.state == JobState::kRunning && job.summary.worker_id == w->id)
-        Requeue(job, "worker " + Describe(*w) + " died (no heartbeat for " +
-                         std::to_string(static_cast<int>(options_.heartbeat_timeout_s)) + " s)",
+        Requeue(job,
+                "worker " + Describe(*w) + " died (no heartbeat for " +
+                    std::to_string(static_cast<int>(options_.heartbeat_timeout_s)) + " s)",
                 true);
     }
   }

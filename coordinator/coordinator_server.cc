@@ -20,8 +20,7 @@ namespace lorastream::coordinator {
 namespace {
 
 double SteadySeconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 // Frames above this are dropped by libzmq (the peer is disconnected) before they reach us;
@@ -144,8 +143,8 @@ CoordinatorServer::CoordinatorServer(ServerOptions options) : impl_(std::make_un
   s.router.set(zmq::sockopt::router_mandatory, 0);
   s.router.set(zmq::sockopt::sndhwm, 100000);
   s.router.set(zmq::sockopt::rcvhwm, 100000);
-  s.core = std::make_unique<Coordinator>(s.options.coordinator, Journal(s.options.db),
-                                         SteadySeconds());
+  s.core =
+      std::make_unique<Coordinator>(s.options.coordinator, Journal(s.options.db), SteadySeconds());
   try {
     s.router.bind(s.options.bind);
   } catch (const zmq::error_t& e) {
@@ -180,9 +179,12 @@ void CoordinatorServer::Impl::HandleZap() {
   if (!ok) LS_LOG_WARN("refused a {} client from {}: key not authorized", mechanism, address);
   // The user id (the client's public key) reaches every message of the connection as its
   // "User-Id" property: the coordinator records who submitted a job.
-  std::array<std::string, 6> reply = {version, request_id, ok ? "200" : "400",
+  std::array<std::string, 6> reply = {version,
+                                      request_id,
+                                      ok ? "200" : "400",
                                       ok ? "OK" : "client key not authorized",
-                                      ok ? std::string(z85_key) : "", ""};
+                                      ok ? std::string(z85_key) : "",
+                                      ""};
   for (size_t i = 0; i < reply.size(); ++i)
     zap.send(zmq::buffer(reply[i]),
              i + 1 < reply.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
@@ -209,8 +211,8 @@ Submitter CoordinatorServer::Impl::WhoSent(const zmq::message_t& frame,
 }
 
 std::string CoordinatorServer::Impl::Dispatch(const Envelope& env, const std::string& identity,
-                                              const std::string& client_key,
-                                              const Submitter& who, double now) {
+                                              const std::string& client_key, const Submitter& who,
+                                              double now) {
   uint32_t rid = env.header.request_id;
   Coordinator& c = *core;
   switch (static_cast<MessageType>(env.header.type)) {
@@ -239,8 +241,7 @@ std::string CoordinatorServer::Impl::Dispatch(const Envelope& env, const std::st
     case MessageType::kWatch: {
       WatchRequest req = DecodeMessage<WatchRequest>(env);
       WatchReply reply = c.Watch(req, now);  // validates the job ids before parking
-      if (reply.version > req.since_version || req.wait_ms <= 0)
-        return EncodeMessage(reply, rid);
+      if (reply.version > req.since_version || req.wait_ms <= 0) return EncodeMessage(reply, rid);
       double wait = std::min(req.wait_ms, 60000) / 1000.0;
       watches.push_back(ParkedWatch{identity, rid, std::move(req), now + wait});
       return "";

@@ -45,16 +45,16 @@ std::string ReadKey(const fs::path& path) {
   std::string key;
   in >> key;
   if (!ValidZ85Key(key))
-    throw Error(ErrorCode::kCorrupt, "CURVE key file " + path.string() +
-                                         " does not hold a 40-character Z85 key");
+    throw Error(ErrorCode::kCorrupt,
+                "CURVE key file " + path.string() + " does not hold a 40-character Z85 key");
   return key;
 }
 
 CurveKeyPair NewKeyPair() {
   char pub[41], sec[41];
   if (zmq_curve_keypair(pub, sec) != 0)
-    throw Error(ErrorCode::kUnsupported, "zmq_curve_keypair failed: " +
-                                             std::string(zmq_strerror(zmq_errno())));
+    throw Error(ErrorCode::kUnsupported,
+                "zmq_curve_keypair failed: " + std::string(zmq_strerror(zmq_errno())));
   return CurveKeyPair{pub, sec};
 }
 
@@ -73,8 +73,8 @@ void WriteCurveKeys(const std::string& dir, bool force) {
   if (ec) throw Error(ErrorCode::kIo, "cannot create " + dir + ": " + ec.message());
   for (const char* name : {"coordinator.key", "client.key"})
     if (!force && fs::exists(d / name))
-      throw Error(ErrorCode::kInvalidArgument, (d / name).string() +
-                                                   " exists; pass --force to replace the keys");
+      throw Error(ErrorCode::kInvalidArgument,
+                  (d / name).string() + " exists; pass --force to replace the keys");
   CurveKeyPair server = NewKeyPair();
   CurveKeyPair client = NewKeyPair();
   WriteKeyFile(d / "coordinator.pub", server.public_key, false);
@@ -91,8 +91,7 @@ CurveServerKeys LoadServerKeys(const std::string& dir) {
   keys.server.public_key = ReadKey(d / "coordinator.pub");
   keys.server.secret_key = ReadKey(d / "coordinator.key");
   std::ifstream in(d / "authorized_clients");
-  if (!in)
-    throw Error(ErrorCode::kNotFound, (d / "authorized_clients").string() + " is missing");
+  if (!in) throw Error(ErrorCode::kNotFound, (d / "authorized_clients").string() + " is missing");
   std::string line;
   int number = 0;
   while (std::getline(in, line)) {
@@ -171,8 +170,8 @@ void EnsureOwnerOnlyDir(const std::string& dir) {
   if (!S_ISDIR(st.st_mode))
     throw Error(ErrorCode::kRefused, dir + " is not a folder (a link or a file)" + fix);
   if (st.st_uid != ::geteuid())
-    throw Error(ErrorCode::kRefused, dir + " belongs to " + DescribeUser(st.st_uid) +
-                                         ", not to this user" + fix);
+    throw Error(ErrorCode::kRefused,
+                dir + " belongs to " + DescribeUser(st.st_uid) + ", not to this user" + fix);
   if ((st.st_mode & 077) && ::chmod(dir.c_str(), 0700) != 0)
     ThrowErrno("cannot make " + dir + " owner-only");
 }
@@ -182,7 +181,8 @@ std::string IpcPermissionProblem(const std::string& endpoint) {
   const std::string path = endpoint.substr(6);
   struct stat st {};
   if (::stat(path.c_str(), &st) == 0 || errno != EACCES) return "";
-  return "cannot reach the coordinator at " + endpoint + ": permission denied on its folder "
+  return "cannot reach the coordinator at " + endpoint +
+         ": permission denied on its folder "
          "(only the user it belongs to may connect there; other users need a CURVE key "
          "authorized for them and the coordinator's tcp:// endpoint)";
 }

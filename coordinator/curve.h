@@ -23,7 +23,7 @@ struct CurveKeyPair {
 
 struct CurveServerKeys {
   CurveKeyPair server;
-  std::set<std::string> authorized_clients;  // Z85 public keys
+  std::set<std::string> authorized_clients;      // Z85 public keys
   std::map<std::string, std::string> key_users;  // key -> local user name, when mapped
 };
 

@@ -26,8 +26,14 @@ class Statement {
   Statement(const Statement&) = delete;
   Statement& operator=(const Statement&) = delete;
 
-  Statement& Bind(int i, int64_t v) { sqlite3_bind_int64(stmt_, i, v); return *this; }
-  Statement& Bind(int i, double v) { sqlite3_bind_double(stmt_, i, v); return *this; }
+  Statement& Bind(int i, int64_t v) {
+    sqlite3_bind_int64(stmt_, i, v);
+    return *this;
+  }
+  Statement& Bind(int i, double v) {
+    sqlite3_bind_double(stmt_, i, v);
+    return *this;
+  }
   // NaN ("none") as SQL NULL, and back.
   Statement& BindOptional(int i, double v) {
     if (std::isnan(v))
@@ -107,8 +113,8 @@ Journal::Journal(const std::string& path) : path_(path) {
                               "journal " + path);
     MakeOwnerOnly(path);
   }
-  if (sqlite3_open_v2(path.c_str(), &db_, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE,
-                      nullptr) != SQLITE_OK) {
+  if (sqlite3_open_v2(path.c_str(), &db_, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, nullptr) !=
+      SQLITE_OK) {
     std::string msg = db_ ? sqlite3_errmsg(db_) : "out of memory";
     sqlite3_close(db_);
     db_ = nullptr;
@@ -216,8 +222,8 @@ std::vector<JobRecord> Journal::LoadJobs() const {
     s.fingerprint = st.Text(6);
     s.spec_source = st.Text(7);
     job.spec_toml = st.Text(8);
-    job.spec = DeserializePayload<JobSpec>(st.Text(9), "journal " + path_ + ": job " +
-                                                           std::to_string(s.id) + " spec");
+    job.spec = DeserializePayload<JobSpec>(
+        st.Text(9), "journal " + path_ + ": job " + std::to_string(s.id) + " spec");
     s.output_dir = st.Text(10);
     s.adapter_path = st.Text(11);
     s.worker_id = st.Text(12);

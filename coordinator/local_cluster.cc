@@ -11,15 +11,15 @@
 #include <sstream>
 #include <thread>
 
-#include <nlohmann/json.hpp>
 #include <toml++/toml.h>
+#include <nlohmann/json.hpp>
 
 #include "common/error.h"
 #include "common/gpu_info.h"
 #include "common/job_paths.h"
 #include "common/log.h"
-#include "coordinator/curve.h"
 #include "common/unique_fd.h"
+#include "coordinator/curve.h"
 #include "store/attach.h"
 
 namespace lorastream::cli {
@@ -29,8 +29,7 @@ namespace fs = std::filesystem;
 namespace {
 
 double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 std::string Tail(const std::string& path, size_t max_lines = 15) {
@@ -44,8 +43,8 @@ std::string Tail(const std::string& path, size_t max_lines = 15) {
 }
 
 [[noreturn]] void PartFailed(const std::string& part, const std::string& log) {
-  throw Error(ErrorCode::kIo, part + " failed to start; its log " + log + " ends with:\n" +
-                                  Tail(log));
+  throw Error(ErrorCode::kIo,
+              part + " failed to start; its log " + log + " ends with:\n" + Tail(log));
 }
 
 }  // namespace
@@ -58,8 +57,8 @@ LocalCluster::LocalCluster(LocalClusterOptions options) : options_(std::move(opt
   fs::create_directories(log_dir());
   fs::create_directories(options_.run_dir + "/jobs");
   fs::create_directories(options_.run_dir + "/adapters");
-  store_name_ = options_.store_name.empty() ? "up-" + std::to_string(getpid())
-                                            : options_.store_name;
+  store_name_ =
+      options_.store_name.empty() ? "up-" + std::to_string(getpid()) : options_.store_name;
   devices_ = options_.devices;
   if (devices_.empty()) devices_ = DetectGpus();
   if (devices_.empty()) devices_.assign(std::max(1, options_.cpu_workers), "cpu");
@@ -107,8 +106,8 @@ void LocalCluster::StartStore() {
   so.log_path = log;
   so.new_session = true;  // Ctrl-C reaches `up`, which stops the parts in order
   so.die_with_parent = !options_.outlive_parent;
-  store_ = Subprocess::Spawn(
-      {Bin("lorastream-store"), "serve", model_dir_, "--name", store_name_}, so);
+  store_ =
+      Subprocess::Spawn({Bin("lorastream-store"), "serve", model_dir_, "--name", store_name_}, so);
   WaitForStore(600);
 }
 
@@ -146,10 +145,16 @@ void LocalCluster::StartCoordinator() {
   so.die_with_parent = !options_.outlive_parent;
   std::ostringstream timeout;
   timeout << options_.heartbeat_timeout_s;
-  std::vector<std::string> argv = {
-      Bin("lorastream"), "coordinator", "--bind", endpoint_, "--db",
-      options_.run_dir + "/journal.db", "--heartbeat-timeout", timeout.str(), "--log-level",
-      options_.log_level};
+  std::vector<std::string> argv = {Bin("lorastream"),
+                                   "coordinator",
+                                   "--bind",
+                                   endpoint_,
+                                   "--db",
+                                   options_.run_dir + "/journal.db",
+                                   "--heartbeat-timeout",
+                                   timeout.str(),
+                                   "--log-level",
+                                   options_.log_level};
   if (!options_.tensorboard_dir.empty()) {
     argv.push_back("--tensorboard");
     argv.push_back(options_.tensorboard_dir);
@@ -184,8 +189,8 @@ void LocalCluster::StartWorker(size_t index) {
   so.log_path = log;
   so.new_session = true;
   so.die_with_parent = !options_.outlive_parent;
-  std::vector<std::string> argv = {Bin("lorastream-worker"), "serve", "--coordinator", endpoint_,
-                                   "--device", devices_[index]};
+  std::vector<std::string> argv = {
+      Bin("lorastream-worker"), "serve", "--coordinator", endpoint_, "--device", devices_[index]};
   // CPU workers share this host's cores instead of each taking all of them (oversubscribed,
   // two CPU workers trained slower together than one alone).
   const auto cpu_workers = std::count(devices_.begin(), devices_.end(), std::string("cpu"));
@@ -215,8 +220,8 @@ void LocalCluster::WaitForWorkers(double timeout_s) {
   for (;;) {
     for (size_t i = 0; i < workers_.size(); ++i)
       if (!workers_[i].Running())
-        PartFailed("lorastream-worker " + devices_[i], log_dir() + "/worker-" +
-                                                           std::to_string(i) + ".log");
+        PartFailed("lorastream-worker " + devices_[i],
+                   log_dir() + "/worker-" + std::to_string(i) + ".log");
     int code = 0;
     std::string out = Client({"workers", "--json"}, &code, 5);
     if (code == 0) {
@@ -246,8 +251,7 @@ std::string LocalCluster::Client(const std::vector<std::string>& args, int* exit
     *exit_code = code;
   } else if (code != 0) {
     throw Error(ErrorCode::kIo, "`lorastream " + args.front() + "` exited with " +
-                                    std::to_string(code) + "; see " + log_dir() +
-                                    "/client.log");
+                                    std::to_string(code) + "; see " + log_dir() + "/client.log");
   }
   return out;
 }
@@ -293,7 +297,8 @@ int64_t LocalCluster::Submit(const std::string& job_path) {
   if (j.is_object() && j.contains("problems") && j["problems"].is_array() &&
       !j["problems"].empty()) {
     std::string problems;
-    for (const auto& p : j["problems"]) problems += "\n  " + (p.is_string() ? p.get<std::string>() : p.dump());
+    for (const auto& p : j["problems"])
+      problems += "\n  " + (p.is_string() ? p.get<std::string>() : p.dump());
     throw Error(ErrorCode::kRefused, job_path + " was refused:" + problems);
   }
   throw Error(ErrorCode::kIo, "`lorastream submit` of " + job_path + " exited with " +

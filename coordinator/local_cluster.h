@@ -14,17 +14,17 @@
 namespace lorastream::cli {
 
 struct LocalClusterOptions {
-  std::string bin_dir;         // where lorastream, lorastream-store, -worker, -synth live
-  std::string run_dir;         // logs/, model/, jobs/, adapters/, journal.db (created)
-  std::string model_dir;       // a Hugging Face checkpoint; "" = synthesize `preset`
-  std::string preset = "tiny"; // configs/models/<preset>.toml, for a synthesized model
-  std::string store_name;      // "" = "up-<pid>"
+  std::string bin_dir;          // where lorastream, lorastream-store, -worker, -synth live
+  std::string run_dir;          // logs/, model/, jobs/, adapters/, journal.db (created)
+  std::string model_dir;        // a Hugging Face checkpoint; "" = synthesize `preset`
+  std::string preset = "tiny";  // configs/models/<preset>.toml, for a synthesized model
+  std::string store_name;       // "" = "up-<pid>"
   // One worker per entry ("cuda:0", "cpu"); empty = one per visible GPU, else `cpu_workers`.
   std::vector<std::string> devices;
   int cpu_workers = 2;
   double heartbeat_timeout_s = 5.0;  // the coordinator's --heartbeat-timeout
   std::string log_level = "info";
-  std::string tensorboard_dir;       // the coordinator's --tensorboard ("" = none)
+  std::string tensorboard_dir;  // the coordinator's --tensorboard ("" = none)
   // Store, coordinator and workers keep running when this process dies (`up --keep` hands
   // them over with Detach()); else the kernel sends them SIGTERM then (common/subprocess.h).
   bool outlive_parent = false;

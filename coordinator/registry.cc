@@ -32,8 +32,7 @@ WorkerSummary WorkerEntry::Summary(double now) const {
   return s;
 }
 
-WorkerEntry& WorkerRegistry::Add(const std::string& id, const RegisterRequest& info,
-                                 double now) {
+WorkerEntry& WorkerRegistry::Add(const std::string& id, const RegisterRequest& info, double now) {
   WorkerEntry& w = workers_[id];
   w.id = id;
   w.info = info;
@@ -80,8 +79,7 @@ void WorkerRegistry::Prune(size_t keep) {
 std::string NewWorkerId() {
   static thread_local std::mt19937_64 rng{std::random_device{}()};
   char buf[40];
-  std::snprintf(buf, sizeof(buf), "w-%016llx%08llx",
-                static_cast<unsigned long long>(rng()),
+  std::snprintf(buf, sizeof(buf), "w-%016llx%08llx", static_cast<unsigned long long>(rng()),
                 static_cast<unsigned long long>(rng() & 0xffffffffu));
   return buf;
 }

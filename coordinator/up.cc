@@ -89,8 +89,7 @@ int RunUp(const UpOptions& options) {
   // Before anything starts: a CPU-only build asked (or defaulting) to run CUDA workers.
   if (!client::ThisBuild().cuda) {
     std::string problem = client::CudaBuildProblem(co.devices, ListGpus().size());
-    if (!problem.empty())
-      throw Error(ErrorCode::kUnsupported, problem);
+    if (!problem.empty()) throw Error(ErrorCode::kUnsupported, problem);
   }
   std::string configs = options.configs_dir.empty() ? ConfigsDir() : options.configs_dir;
   std::vector<std::string> jobs = options.jobs.empty() ? ExampleJobs(configs) : options.jobs;
@@ -120,8 +119,8 @@ int RunUp(const UpOptions& options) {
 
   Subprocess watch;
   if (options.watch)
-    watch = Subprocess::Spawn({co.bin_dir + "/lorastream", "--coordinator", cluster.endpoint(),
-                               "watch"});
+    watch = Subprocess::Spawn(
+        {co.bin_dir + "/lorastream", "--coordinator", cluster.endpoint(), "watch"});
   // Until every job ends (or Ctrl-C): the view exits by itself when the jobs end.
   for (;;) {
     if (g_stop_signal) break;
@@ -149,10 +148,10 @@ int RunUp(const UpOptions& options) {
     if (state != "succeeded") status = 1;
     std::string adapter = job.value("adapter_path", "");
     if (adapter.empty()) adapter = job.value("output_dir", "");
-    std::printf("job %-4lld %-24s %-10s %s%s%s\n", static_cast<long long>(job.value("id", 0)),
-                job.value("name", "").c_str(), state.c_str(), LastStepSummary(job).c_str(),
-                adapter.c_str(),
-                job.value("reason", "").empty() ? "" : ("  (" + job.value("reason", "") + ")").c_str());
+    std::printf(
+        "job %-4lld %-24s %-10s %s%s%s\n", static_cast<long long>(job.value("id", 0)),
+        job.value("name", "").c_str(), state.c_str(), LastStepSummary(job).c_str(), adapter.c_str(),
+        job.value("reason", "").empty() ? "" : ("  (" + job.value("reason", "") + ")").c_str());
   }
   if (g_stop_signal) {
     std::printf("interrupted: stopping the cluster\n");
@@ -161,11 +160,12 @@ int RunUp(const UpOptions& options) {
   if (options.keep && !g_stop_signal) {
     std::string pids = cluster.run_dir() + "/pids";
     cluster.WritePidFile(pids);
-    std::printf("--keep: the cluster stays up (coordinator %s, store `%s`).\n"
-                "  lorastream --coordinator %s submit JOB.toml   # more jobs\n"
-                "  kill $(cat %s)                                 # stop it\n",
-                cluster.endpoint().c_str(), cluster.store_name().c_str(),
-                cluster.endpoint().c_str(), pids.c_str());
+    std::printf(
+        "--keep: the cluster stays up (coordinator %s, store `%s`).\n"
+        "  lorastream --coordinator %s submit JOB.toml   # more jobs\n"
+        "  kill $(cat %s)                                 # stop it\n",
+        cluster.endpoint().c_str(), cluster.store_name().c_str(), cluster.endpoint().c_str(),
+        pids.c_str());
     cluster.Detach();
   } else {
     cluster.Stop();

@@ -9,17 +9,17 @@
 namespace lorastream::cli {
 
 struct UpOptions {
-  std::string model_dir;            // "" = synthesize `preset`
-  std::string preset = "tiny";      // configs/models/<preset>.toml
-  std::vector<std::string> jobs;    // job files; empty = configs/jobs/*.toml
-  std::string run_dir;              // "" = runs/up-<date>-<time> under the current folder
-  std::vector<std::string> devices; // empty = every visible GPU, else `cpu_workers` CPU workers
+  std::string model_dir;             // "" = synthesize `preset`
+  std::string preset = "tiny";       // configs/models/<preset>.toml
+  std::vector<std::string> jobs;     // job files; empty = configs/jobs/*.toml
+  std::string run_dir;               // "" = runs/up-<date>-<time> under the current folder
+  std::vector<std::string> devices;  // empty = every visible GPU, else `cpu_workers` CPU workers
   int cpu_workers = 2;
-  bool keep = false;                // leave the cluster running at the end
-  bool watch = true;                // show the live view
-  std::string bin_dir;              // "" = the folder of the running `lorastream`
-  std::string configs_dir;          // "" = ConfigsDir(): installed share/, else the source tree
-  std::string tensorboard_dir;      // the coordinator writes TensorBoard runs here ("" = none)
+  bool keep = false;            // leave the cluster running at the end
+  bool watch = true;            // show the live view
+  std::string bin_dir;          // "" = the folder of the running `lorastream`
+  std::string configs_dir;      // "" = ConfigsDir(): installed share/, else the source tree
+  std::string tensorboard_dir;  // the coordinator writes TensorBoard runs here ("" = none)
 };
 
 // Returns the exit status: 0 when every job succeeded.

@@ -15,8 +15,7 @@ namespace lorastream::cli {
 namespace {
 
 double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 std::string Metrics(const JobSummary& j) {
@@ -25,8 +24,8 @@ std::string Metrics(const JobSummary& j) {
   double stall = s.step_seconds > 0 ? 100.0 * s.stall_seconds / s.step_seconds : 0.0;
   double h2d = s.h2d_busy_seconds > 0 ? s.h2d_bytes / s.h2d_busy_seconds / 1e9 : 0.0;
   char buf[200];
-  std::snprintf(buf, sizeof(buf), "loss %.4f  %.0f tok/s  stall %.1f%%  H2D %.2f GB/s",
-                s.loss, s.tokens_per_second, stall, h2d);
+  std::snprintf(buf, sizeof(buf), "loss %.4f  %.0f tok/s  stall %.1f%%  H2D %.2f GB/s", s.loss,
+                s.tokens_per_second, stall, h2d);
   std::string text = buf;
   if (j.last_eval_step > 0) {
     std::snprintf(buf, sizeof(buf), "  eval %.4f @%lld", j.last_eval_loss,
@@ -66,8 +65,7 @@ std::string RenderLine(const JobSummary& j) {
   return out.str();
 }
 
-std::string RenderFrame(const WatchReply& reply, const std::vector<int64_t>& watched,
-                        int width) {
+std::string RenderFrame(const WatchReply& reply, const std::vector<int64_t>& watched, int width) {
   std::ostringstream out;
   int bar = std::clamp(width - 60, 10, 40);
   out << "lorastream watch   (Ctrl-C leaves; jobs keep running)\n\n";
@@ -86,7 +84,8 @@ std::string RenderFrame(const WatchReply& reply, const std::vector<int64_t>& wat
   if (reply.workers.empty()) out << "  (none registered)\n";
   for (const WorkerSummary& w : reply.workers) {
     out << "  " << w.host << " " << w.device;
-    if (!w.gpu_name.empty()) out << " (" << w.gpu_name << ", " << FormatBytes(w.gpu_memory_bytes) << ")";
+    if (!w.gpu_name.empty())
+      out << " (" << w.gpu_name << ", " << FormatBytes(w.gpu_memory_bytes) << ")";
     out << "  " << (w.job_id ? "job " + std::to_string(w.job_id) : std::string("idle")) << "\n";
   }
   return out.str();

@@ -107,8 +107,7 @@ struct WorkerAgent::Impl {
       stop_job = true;
     }
     LS_LOG_INFO("registered with {} as {}{}", client.endpoint(), worker_id,
-                job_id.load() != 0 && reply->keep_running_job ? " (keeping the running job)"
-                                                               : "");
+                job_id.load() != 0 && reply->keep_running_job ? " (keeping the running job)" : "");
     return true;
   }
 
@@ -199,9 +198,8 @@ struct WorkerAgent::Impl {
       }
       if (Clock::now() >= next_heartbeat) {
         Heartbeat();
-        next_heartbeat =
-            Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                               std::chrono::duration<double>(heartbeat_interval_s));
+        next_heartbeat = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                            std::chrono::duration<double>(heartbeat_interval_s));
       }
     }
   }
@@ -222,16 +220,17 @@ struct WorkerAgent::Impl {
       queue.clear();
       job_done = false;
     }
-    LS_LOG_INFO("job {} '{}' attempt {}: starting (resume from step {})", a.job_id,
-                a.spec.name, a.attempt, a.resume_step);
+    LS_LOG_INFO("job {} '{}' attempt {}: starting (resume from step {})", a.job_id, a.spec.name,
+                a.attempt, a.resume_step);
     std::thread comm([this] { CommLoop(); });
-    JobContext ctx{
-        a,
-        [this, &a](const StepStats& s) { Enqueue(StepReport{"", a.job_id, a.attempt, s}); },
-        [this, &a](int64_t step, const std::string& path) {
-          Enqueue(CheckpointReport{"", a.job_id, a.attempt, step, path});
-        },
-        [this, &stop] { return stop_job.load() || stop.load(); }};
+    JobContext ctx{a,
+                   [this, &a](const StepStats& s) {
+                     Enqueue(StepReport{"", a.job_id, a.attempt, s});
+                   },
+                   [this, &a](int64_t step, const std::string& path) {
+                     Enqueue(CheckpointReport{"", a.job_id, a.attempt, step, path});
+                   },
+                   [this, &stop] { return stop_job.load() || stop.load(); }};
     JobResult result;
     try {
       result = runner(ctx);
@@ -263,8 +262,12 @@ struct WorkerAgent::Impl {
     done.adapter_path = result.adapter_path;
     done.final_step = result.final_step;
     switch (result.kind) {
-      case JobResult::Kind::kCompleted: done.outcome = JobOutcome::kSucceeded; break;
-      case JobResult::Kind::kFailed: done.outcome = JobOutcome::kFailed; break;
+      case JobResult::Kind::kCompleted:
+        done.outcome = JobOutcome::kSucceeded;
+        break;
+      case JobResult::Kind::kFailed:
+        done.outcome = JobOutcome::kFailed;
+        break;
       case JobResult::Kind::kStopped:
         done.outcome = stop_job.load() ? JobOutcome::kCancelled : JobOutcome::kInterrupted;
         break;

@@ -23,13 +23,13 @@
 namespace lorastream::client {
 
 struct WorkerAgentOptions {
-  ClientOptions client;          // endpoint, CURVE keys, per-request timeout
-  std::string host;              // "": gethostname()
-  std::string device = "cpu";    // "cuda:N" | "cpu"
-  std::string gpu_name;          // "" on CPU
+  ClientOptions client;        // endpoint, CURVE keys, per-request timeout
+  std::string host;            // "": gethostname()
+  std::string device = "cpu";  // "cuda:N" | "cpu"
+  std::string gpu_name;        // "" on CPU
   uint64_t gpu_memory_bytes = 0;
-  std::vector<StoreInfo> stores;  // stores this host can attach (name + fingerprint)
-  double retry_interval_s = 0.5;  // between attempts while the coordinator is unreachable
+  std::vector<StoreInfo> stores;       // stores this host can attach (name + fingerprint)
+  double retry_interval_s = 0.5;       // between attempts while the coordinator is unreachable
   size_t max_queued_reports = 100000;  // oldest step reports are dropped beyond this
 };
 

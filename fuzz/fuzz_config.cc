@@ -18,16 +18,14 @@ namespace {
 
 bool Same(const ModelConfig& a, const ModelConfig& b) {
   return a.model_type == b.model_type && a.hidden_size == b.hidden_size &&
-         a.intermediate_size == b.intermediate_size &&
-         a.num_hidden_layers == b.num_hidden_layers &&
+         a.intermediate_size == b.intermediate_size && a.num_hidden_layers == b.num_hidden_layers &&
          a.num_attention_heads == b.num_attention_heads &&
          a.num_key_value_heads == b.num_key_value_heads && a.head_dim == b.head_dim &&
          a.vocab_size == b.vocab_size && a.max_position_embeddings == b.max_position_embeddings &&
          a.rms_norm_eps == b.rms_norm_eps && a.rope_theta == b.rope_theta &&
          a.rope_scaling.type == b.rope_scaling.type &&
-         a.tie_word_embeddings == b.tie_word_embeddings &&
-         a.attention_bias == b.attention_bias && a.qk_norm == b.qk_norm &&
-         a.sliding_window == b.sliding_window;
+         a.tie_word_embeddings == b.tie_word_embeddings && a.attention_bias == b.attention_bias &&
+         a.qk_norm == b.qk_norm && a.sliding_window == b.sliding_window;
 }
 
 // The model a fuzzed job is validated against: small, with a sliding window.

@@ -28,15 +28,16 @@ uid_t TrustedStoreOwner() {
   return uid < 0 ? ::geteuid() : static_cast<uid_t>(uid);
 }
 
-AttachedStore AttachedStore::Attach(const std::string& name, const std::string& expected_fingerprint,
-                                    bool populate) {
+AttachedStore AttachedStore::Attach(const std::string& name,
+                                    const std::string& expected_fingerprint, bool populate) {
   ValidateStoreName(name);
   const std::string shm = ManifestShmName(name);
   std::optional<ManifestRecord> record = ReadManifestObject(name);
   if (!record)
     throw Error(ErrorCode::kNotFound, "no store named `" + name + "` (" + shm +
                                           " does not exist); start one with "
-                                          "`lorastream-store serve MODEL_DIR --name " + name + "`");
+                                          "`lorastream-store serve MODEL_DIR --name " +
+                                          name + "`");
   const uid_t trusted = TrustedStoreOwner();
   if (record->owner_uid != trusted)
     throw Error(ErrorCode::kRefused,
@@ -72,8 +73,8 @@ AttachedStore AttachedStore::Attach(const std::string& name, const std::string& 
 
 AttachedStore AttachedStore::AttachWhenReady(const std::string& name, double timeout_seconds,
                                              const std::string& expected_fingerprint) {
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration<double>(timeout_seconds);
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_seconds);
   while (true) {
     try {
       return Attach(name, expected_fingerprint);

@@ -78,7 +78,7 @@ void Scramble(uint64_t* acc, const uint64_t* secret) {
 
 BulkHasher::BulkHasher()
     : acc_{0xC2B2AE3D27D4EB4F, 0x9E3779B185EBCA87, 0x165667B19E3779F9, 0x85EBCA77C2B2AE63,
-           0x27D4EB2F165667C5, 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D} {}
+           0x27D4EB2F165667C5, 0x9E3779B1,         0x85EBCA77,         0xC2B2AE3D} {}
 
 void BulkHasher::Update(const void* data, size_t n) {
   // Stripe positions inside a block key the secret, so only whole blocks may precede this.

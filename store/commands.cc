@@ -44,8 +44,7 @@ void RunVerify(const std::string& name, int threads, std::ostream& out) {
   const Manifest& manifest = store.manifest();
   auto scan = [&](const SegmentInfo& segment, const uint8_t* data, const std::string& prefix) {
     for (const TensorSlice& t : segment.tensors) {
-      const int64_t bad =
-          FirstNonFinite(data + t.offset, t.nbytes / DTypeSize(t.dtype), t.dtype);
+      const int64_t bad = FirstNonFinite(data + t.offset, t.nbytes / DTypeSize(t.dtype), t.dtype);
       if (bad >= 0)
         throw Error(ErrorCode::kCorrupt, "store `" + name + "`: tensor `" + prefix + t.name +
                                              "` holds a NaN or infinite value (element " +
@@ -55,8 +54,7 @@ void RunVerify(const std::string& name, int threads, std::ostream& out) {
   for (int i = 0; i < store.num_blocks(); ++i)
     scan(manifest.blocks[i], store.block_data(i), "model.layers." + std::to_string(i) + ".");
   scan(manifest.rest, store.rest_data(), "");
-  const double s =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const Manifest& m = store.manifest();
   out << "store `" << name << "`: " << m.blocks.size() << " blocks + rest, "
       << FormatGiB(m.total_bytes(), 3) << ", fingerprint " << m.fingerprint

@@ -44,10 +44,12 @@ PackPlan PlanPack(const Checkpoint& cp, const PackOptions& options) {
     const std::string& name = ref.entry->name;
     auto [block, rel] = SplitBlockName(name);
     if (block >= 0) {
-      if (rel.size() >= 20 && rel.compare(rel.size() - 20, 20, "rotary_emb.inv_freq") == 0) continue;
+      if (rel.size() >= 20 && rel.compare(rel.size() - 20, 20, "rotary_emb.inv_freq") == 0)
+        continue;
       if (block >= config.num_hidden_layers)
-        fail("tensor `" + name + "` belongs to block " + std::to_string(block) +
-             " but config.json has num_hidden_layers = " + std::to_string(config.num_hidden_layers));
+        fail(
+            "tensor `" + name + "` belongs to block " + std::to_string(block) +
+            " but config.json has num_hidden_layers = " + std::to_string(config.num_hidden_layers));
       if (!block_names.count(rel))
         fail("unexpected tensor `" + name + "` (not part of a " + config.model_type + " block)");
       blocks_present.insert(block);

@@ -63,8 +63,9 @@ void FillChunk(Segment& seg, uint64_t begin, uint64_t end, Files& files,
                std::vector<uint8_t>& buffer) {
   const auto& tensors = seg.info->tensors;
   // First tensor that ends after `begin` (tensors are sorted by offset).
-  auto it = std::upper_bound(tensors.begin(), tensors.end(), begin,
-                             [](uint64_t b, const TensorSlice& t) { return b < t.offset + t.nbytes; });
+  auto it =
+      std::upper_bound(tensors.begin(), tensors.end(), begin,
+                       [](uint64_t b, const TensorSlice& t) { return b < t.offset + t.nbytes; });
   for (; it != tensors.end() && it->offset < end; ++it) {
     const uint64_t piece_begin = std::max(begin, it->offset);
     const uint64_t piece_end = std::min(end, it->offset + it->nbytes);
@@ -141,7 +142,8 @@ LoadResult LoadSegments(PackPlan& plan, const std::vector<ShmSegment*>& shm, int
   work();
   for (std::thread& t : pool) t.join();
   if (error) std::rethrow_exception(error);
-  for (Segment& seg : segs) seg.info->checksum = CombineChunkHashes(seg.chunk_hashes, seg.info->nbytes);
+  for (Segment& seg : segs)
+    seg.info->checksum = CombineChunkHashes(seg.chunk_hashes, seg.info->nbytes);
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return result;
 }

@@ -16,8 +16,8 @@
 namespace lorastream::store {
 
 struct LoadResult {
-  uint64_t bytes = 0;    // bytes written into segments
-  double seconds = 0;    // wall time of the load
+  uint64_t bytes = 0;  // bytes written into segments
+  double seconds = 0;  // wall time of the load
 };
 
 // segments[i] backs plan.manifest.blocks[i]; segments.back() backs the rest. Writes each

@@ -12,8 +12,8 @@
 
 #include "common/error.h"
 #include "common/shm_names.h"
-#include "common/user_access.h"
 #include "common/unique_fd.h"
+#include "common/user_access.h"
 #include "store/process.h"
 
 namespace lorastream::store {
@@ -101,8 +101,8 @@ ManifestClaim ManifestClaim::Claim(const std::string& store_name, mode_t mode) {
       struct stat st {};
       const std::string path = std::string(kShmDir) + claim.shm_name_;
       std::string by = ::stat(path.c_str(), &st) == 0 ? " by " + DescribeUser(st.st_uid) : "";
-      throw Error(ErrorCode::kRefused, "store `" + store_name + "` is being served already" +
-                                           by + " (" + claim.shm_name_ +
+      throw Error(ErrorCode::kRefused, "store `" + store_name + "` is being served already" + by +
+                                           " (" + claim.shm_name_ +
                                            " exists); choose another --name");
     }
     ThrowErrno("shm_open(" + claim.shm_name_ + ")");

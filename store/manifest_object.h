@@ -24,7 +24,7 @@ struct ManifestRecord {
   int64_t owner_pid = 0;
   uint64_t owner_start_time = 0;
   uid_t owner_uid = 0;  // the user the object belongs to (who serves the store)
-  std::string json;  // empty unless published
+  std::string json;     // empty unless published
 };
 
 // Reads the manifest object of `store_name`; nullopt when there is none. An object still

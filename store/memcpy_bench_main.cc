@@ -18,7 +18,8 @@ namespace {
 
 int RunMemcpyBench(size_t n, int threads) {
   auto alloc = [n] {
-    void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    void* p =
+        mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     if (p == MAP_FAILED) lorastream::ThrowErrno("mmap of " + std::to_string(n) + " bytes");
     return static_cast<char*>(p);
   };
@@ -36,7 +37,8 @@ int RunMemcpyBench(size_t n, int threads) {
         std::memcpy(dst + b, src + b, e - b);
       });
     for (auto& th : pool) th.join();
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    best = std::min(best,
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   // Cold: into a fresh mapping, paying a page fault per 4 KiB page as the store's first
   // touch of its new segments does.
@@ -51,9 +53,11 @@ int RunMemcpyBench(size_t n, int threads) {
       std::memcpy(cold + b, src + b, e - b);
     });
   for (auto& th : pool) th.join();
-  const double cold_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::printf("memcpy bytes=%zu threads=%d seconds=%.4f gbps=%.3f cold_seconds=%.4f cold_gbps=%.3f\n",
-              n, threads, best, n / best / 1e9, cold_s, n / cold_s / 1e9);
+  const double cold_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf(
+      "memcpy bytes=%zu threads=%d seconds=%.4f gbps=%.3f cold_seconds=%.4f cold_gbps=%.3f\n", n,
+      threads, best, n / best / 1e9, cold_s, n / cold_s / 1e9);
   return dst[n / 2] == 1 && cold[n / 3] == 1 ? 0 : 1;
 }
 
@@ -64,7 +68,8 @@ int main(int argc, char** argv) {
   size_t bytes = 0;
   int threads = 1;
   app.add_option("BYTES", bytes, "bytes to copy")->required()->check(CLI::PositiveNumber);
-  app.add_option("THREADS", threads, "copying threads")->capture_default_str()
+  app.add_option("THREADS", threads, "copying threads")
+      ->capture_default_str()
       ->check(CLI::PositiveNumber);
   return lorastream::RunMain("lorastream-memcpy-bench", app, argc, argv,
                              [&] { return RunMemcpyBench(bytes, threads); });

@@ -62,8 +62,8 @@ std::vector<StoreListing> ListStores() {
     } catch (const Error& e) {
       LS_LOG_WARN("store {}: {}", name, e.what());
     }
-    listing.alive = listing.record &&
-                    ProcessAlive(listing.record->owner_pid, listing.record->owner_start_time);
+    listing.alive =
+        listing.record && ProcessAlive(listing.record->owner_pid, listing.record->owner_start_time);
     listing.mapping_pids = PidsMapping(ShmPrefix(name));
     out.push_back(std::move(listing));
   }
@@ -73,7 +73,8 @@ std::vector<StoreListing> ListStores() {
 int RemoveStaleStore(const std::string& store_name) {
   ValidateStoreName(store_name);
   // A name held by another user's object that we cannot even read: say whose it is.
-  const std::string manifest_path = std::string(kShmDir) + "/" + ManifestShmName(store_name).substr(1);
+  const std::string manifest_path =
+      std::string(kShmDir) + "/" + ManifestShmName(store_name).substr(1);
   struct stat st {};
   const bool exists = ::stat(manifest_path.c_str(), &st) == 0;
   std::optional<ManifestRecord> record;
@@ -81,23 +82,24 @@ int RemoveStaleStore(const std::string& store_name) {
     record = ReadManifestObject(store_name);
   } catch (const Error& e) {
     if (!exists || st.st_uid == ::geteuid()) throw;
-    throw Error(ErrorCode::kRefused,
-                "store name `" + store_name + "` is held by " + DescribeUser(st.st_uid) + " (" +
-                    manifest_path + "): ask them to stop their store, or have root remove " +
-                    std::string(kShmDir) + "/" + ShmPrefix(store_name) +
-                    "* if it is stale; or choose another --name");
+    throw Error(ErrorCode::kRefused, "store name `" + store_name + "` is held by " +
+                                         DescribeUser(st.st_uid) + " (" + manifest_path +
+                                         "): ask them to stop their store, or have root remove " +
+                                         std::string(kShmDir) + "/" + ShmPrefix(store_name) +
+                                         "* if it is stale; or choose another --name");
   }
   if (record && ProcessAlive(record->owner_pid, record->owner_start_time)) {
     const std::string pid = std::to_string(record->owner_pid);
     if (record->owner_uid != ::geteuid())
       throw Error(ErrorCode::kRefused,
-                  "store name `" + store_name + "` is held by " +
-                      DescribeUser(record->owner_uid) + ", whose store pid " + pid +
+                  "store name `" + store_name + "` is held by " + DescribeUser(record->owner_uid) +
+                      ", whose store pid " + pid +
                       " serves it; workers of other users will not attach it. Ask them to "
-                      "stop it (or, as root, kill " + pid + "), or choose another --name");
-    throw Error(ErrorCode::kRefused,
-                "store `" + store_name + "` is already served by pid " + pid +
-                    "; stop it first (kill " + pid + ") or choose another --name");
+                      "stop it (or, as root, kill " +
+                      pid + "), or choose another --name");
+    throw Error(ErrorCode::kRefused, "store `" + store_name + "` is already served by pid " + pid +
+                                         "; stop it first (kill " + pid +
+                                         ") or choose another --name");
   }
   const std::vector<ShmObject> objects = ShmObjectsOf(store_name);
   for (const ShmObject& object : objects) ::shm_unlink(object.name.c_str());

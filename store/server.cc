@@ -8,10 +8,10 @@
 
 #include <atomic>
 #include <chrono>
-#include <mutex>
 #include <cinttypes>
 #include <cstdio>
 #include <fstream>
+#include <mutex>
 #include <random>
 #include <thread>
 
@@ -40,8 +40,8 @@ double Seconds(Clock::time_point since) {
 uint64_t NewGeneration() {
   std::random_device rd;
   const uint64_t random = (uint64_t{rd()} << 32) ^ rd();
-  const uint64_t now = static_cast<uint64_t>(
-      std::chrono::system_clock::now().time_since_epoch().count());
+  const uint64_t now =
+      static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count());
   return Xxh64(&now, sizeof(now), random) ^ (static_cast<uint64_t>(::getpid()) << 48);
 }
 
@@ -162,9 +162,12 @@ std::unique_ptr<PublishedStore> PublishedStore::Build(const ServeOptions& option
     }
   }
   const std::string thp = ShmemThpSetting();
-  if (options.huge_pages && (huge_refused || (thp != "always" && thp != "advise" && thp != "within_size")))
-    LS_LOG_INFO("shared memory is on 4 KiB pages: shmem transparent huge pages are `{}`; to "
-                "enable: echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled", thp);
+  if (options.huge_pages &&
+      (huge_refused || (thp != "always" && thp != "advise" && thp != "within_size")))
+    LS_LOG_INFO(
+        "shared memory is on 4 KiB pages: shmem transparent huge pages are `{}`; to "
+        "enable: echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled",
+        thp);
   store->report_.prefault_seconds = Seconds(prefault_start);
 
   std::vector<ShmSegment*> pointers;
@@ -216,14 +219,15 @@ int RunServe(const ServeOptions& options) {
       m.generation, FormatGiB(r.bytes), r.load_seconds, r.bytes / r.load_seconds / 1e9, r.threads,
       r.prefault_seconds, r.total_seconds, r.locked ? "locked in RAM" : "not locked");
   std::printf("published %s fingerprint=%s bytes=%llu load_s=%.4f load_gbps=%.3f prefault_s=%.4f\n",
-              m.store_name.c_str(), m.fingerprint.c_str(),
-              static_cast<unsigned long long>(r.bytes), r.load_seconds,
-              r.bytes / r.load_seconds / 1e9, r.prefault_seconds);
+              m.store_name.c_str(), m.fingerprint.c_str(), static_cast<unsigned long long>(r.bytes),
+              r.load_seconds, r.bytes / r.load_seconds / 1e9, r.prefault_seconds);
   std::fflush(stdout);
   int sig = 0;
   sigwait(&signals, &sig);
-  LS_LOG_INFO("store `{}`: {} received, unlinking its segments (attached workers keep their "
-              "mappings)", m.store_name, sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  LS_LOG_INFO(
+      "store `{}`: {} received, unlinking its segments (attached workers keep their "
+      "mappings)",
+      m.store_name, sig == SIGTERM ? "SIGTERM" : "SIGINT");
   store.reset();
   return 0;
 }

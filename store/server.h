@@ -18,11 +18,11 @@ namespace lorastream::store {
 struct ServeOptions {
   std::string model_dir;
   std::string name;
-  bool to_bf16 = false;     // --dtype bf16: convert F32/F16 to BF16 (keep: the file's dtype)
-  int threads = 0;          // loader threads; 0: one per hardware thread
-  mode_t mode = 0600;       // segment permissions: owner-only unless asked otherwise
-  bool lock = true;         // mlock the segments (warns once with the fix when refused)
-  bool huge_pages = true;   // madvise(MADV_HUGEPAGE) where the kernel offers shmem THP
+  bool to_bf16 = false;    // --dtype bf16: convert F32/F16 to BF16 (keep: the file's dtype)
+  int threads = 0;         // loader threads; 0: one per hardware thread
+  mode_t mode = 0600;      // segment permissions: owner-only unless asked otherwise
+  bool lock = true;        // mlock the segments (warns once with the fix when refused)
+  bool huge_pages = true;  // madvise(MADV_HUGEPAGE) where the kernel offers shmem THP
 };
 
 // Blocks SIGTERM/SIGINT, builds and publishes, waits for one of them, tears down.

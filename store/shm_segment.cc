@@ -51,7 +51,7 @@ ShmSegment ShmSegment::Create(const std::string& name, size_t nbytes, mode_t mod
 #ifdef MADV_HUGEPAGE
   if (huge_pages) s.huge_advised_ = ::madvise(s.mapping_.data(), mapped, MADV_HUGEPAGE) == 0;
 #endif
-  // Prefault: the loader then writes without taking a page fault per 4 KiB.
+    // Prefault: the loader then writes without taking a page fault per 4 KiB.
 #ifdef MADV_POPULATE_WRITE
   if (::madvise(s.mapping_.data(), mapped, MADV_POPULATE_WRITE) == 0) return s;
 #endif
@@ -65,16 +65,17 @@ ShmSegment ShmSegment::OpenReadOnly(const std::string& name, size_t min_bytes, b
                                     int64_t required_owner) {
   UniqueFd fd(::shm_open(name.c_str(), O_RDONLY | O_CLOEXEC, 0));
   if (fd.get() < 0) {
-    if (errno == ENOENT) throw Error(ErrorCode::kNotFound, "shared-memory object " + name + " does not exist");
+    if (errno == ENOENT)
+      throw Error(ErrorCode::kNotFound, "shared-memory object " + name + " does not exist");
     ThrowErrno("shm_open(" + name + ")");
   }
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) ThrowErrno("fstat(" + name + ")");
   if (required_owner >= 0 && static_cast<int64_t>(st.st_uid) != required_owner)
-    throw Error(ErrorCode::kRefused,
-                "shared-memory object " + name + " belongs to " + DescribeUser(st.st_uid) +
-                    ", not to the expected store user " +
-                    DescribeUser(static_cast<uid_t>(required_owner)));
+    throw Error(ErrorCode::kRefused, "shared-memory object " + name + " belongs to " +
+                                         DescribeUser(st.st_uid) +
+                                         ", not to the expected store user " +
+                                         DescribeUser(static_cast<uid_t>(required_owner)));
   if (static_cast<size_t>(st.st_size) < min_bytes)
     throw Error(ErrorCode::kCorrupt, "shared-memory object " + name + " holds " +
                                          std::to_string(st.st_size) + " bytes, expected " +

@@ -19,15 +19,18 @@ int main(int argc, char** argv) {
   std::string dtype = "keep", mode = "0600", path, name, level = "info";
   int verify_threads = 0;
   app.add_option("--log-level", level, "trace|debug|info|warn|error");
-  auto* s = app.add_subcommand("serve", "load, pack, lock and publish a checkpoint; stay up until SIGTERM/SIGINT");
+  auto* s = app.add_subcommand(
+      "serve", "load, pack, lock and publish a checkpoint; stay up until SIGTERM/SIGINT");
   s->add_option("model_dir", serve.model_dir, "Hugging Face checkpoint folder")->required();
   s->add_option("--name", serve.name, "store name ([A-Za-z0-9_-], at most 64)")->required();
-  s->add_option("--dtype", dtype, "keep | bf16 (convert F32/F16 to BF16)")->check(CLI::IsMember({"keep", "bf16"}));
+  s->add_option("--dtype", dtype, "keep | bf16 (convert F32/F16 to BF16)")
+      ->check(CLI::IsMember({"keep", "bf16"}));
   s->add_option("--threads", serve.threads, "loader threads (0: all cores)");
   s->add_option("--mode", mode, "segment permissions, octal (default owner-only 0600)");
   s->add_flag("!--no-lock", serve.lock, "do not mlock the segments");
   s->add_flag("!--no-huge-pages", serve.huge_pages, "do not ask for transparent huge pages");
-  auto* i = app.add_subcommand("inspect", "validate a .safetensors file or checkpoint folder and list its tensors");
+  auto* i = app.add_subcommand(
+      "inspect", "validate a .safetensors file or checkpoint folder and list its tensors");
   i->add_option("path", path)->required();
   app.add_subcommand("ls", "list stores, segments, bytes and attached processes");
   auto* v = app.add_subcommand("verify", "re-check every checksum through a read-only attach");
@@ -47,9 +50,12 @@ int main(int argc, char** argv) {
         throw Error(ErrorCode::kInvalidArgument, "--mode `" + mode + "` is not an octal mode");
       return store::RunServe(serve);
     }
-    if (*i) RunInspect(path, std::cout);
-    else if (app.got_subcommand("ls")) RunLs(std::cout);
-    else if (*v) RunVerify(name, verify_threads, std::cout);
+    if (*i)
+      RunInspect(path, std::cout);
+    else if (app.got_subcommand("ls"))
+      RunLs(std::cout);
+    else if (*v)
+      RunVerify(name, verify_threads, std::cout);
     return 0;
   });
 }

@@ -7,9 +7,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <cstring>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -102,9 +102,9 @@ std::string DefaultPresetsDir() {
 }
 
 Preset LoadPreset(const std::string& name_or_path, const std::string& presets_dir) {
-  const bool is_path = name_or_path.find('/') != std::string::npos ||
-                       (name_or_path.size() > 5 &&
-                        name_or_path.compare(name_or_path.size() - 5, 5, ".toml") == 0);
+  const bool is_path =
+      name_or_path.find('/') != std::string::npos ||
+      (name_or_path.size() > 5 && name_or_path.compare(name_or_path.size() - 5, 5, ".toml") == 0);
   const std::string path = is_path ? name_or_path : presets_dir + "/" + name_or_path + ".toml";
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0)
@@ -133,12 +133,12 @@ Preset LoadPreset(const std::string& name_or_path, const std::string& presets_di
     TomlSection rs = t.Section("rope_scaling");
     rs.RejectUnknownKeys({"rope_type", "factor", "low_freq_factor", "high_freq_factor",
                           "original_max_position_embeddings"});
-    j["rope_scaling"] = {{"rope_type", rs.RequireString("rope_type")},
-                         {"factor", rs.GetDouble("factor", 1.0)},
-                         {"low_freq_factor", rs.GetDouble("low_freq_factor", 1.0)},
-                         {"high_freq_factor", rs.GetDouble("high_freq_factor", 4.0)},
-                         {"original_max_position_embeddings",
-                          rs.GetInt("original_max_position_embeddings", 8192)}};
+    j["rope_scaling"] = {
+        {"rope_type", rs.RequireString("rope_type")},
+        {"factor", rs.GetDouble("factor", 1.0)},
+        {"low_freq_factor", rs.GetDouble("low_freq_factor", 1.0)},
+        {"high_freq_factor", rs.GetDouble("high_freq_factor", 4.0)},
+        {"original_max_position_embeddings", rs.GetInt("original_max_position_embeddings", 8192)}};
   }
   Preset preset;
   preset.config = ModelConfigFromJson(j, path);
@@ -149,12 +149,13 @@ Preset LoadPreset(const std::string& name_or_path, const std::string& presets_di
 SynthResult RunSynth(const SynthOptions& options) {
   const auto start = std::chrono::steady_clock::now();
   if (options.out_dir.empty()) throw Error(ErrorCode::kInvalidArgument, "--out is required");
-  Preset preset = LoadPreset(options.preset, options.presets_dir.empty() ? DefaultPresetsDir()
-                                                                         : options.presets_dir);
+  Preset preset = LoadPreset(
+      options.preset, options.presets_dir.empty() ? DefaultPresetsDir() : options.presets_dir);
   ModelConfig config = preset.config;
   if (options.layers < 0) throw Error(ErrorCode::kInvalidArgument, "--layers must be positive");
   if (options.layers > 0) config.num_hidden_layers = options.layers;
-  const DType dtype = options.dtype.empty() ? preset.dtype : ParseSynthDType(options.dtype, "--dtype");
+  const DType dtype =
+      options.dtype.empty() ? preset.dtype : ParseSynthDType(options.dtype, "--dtype");
   config.torch_dtype = TorchDTypeName(dtype);
   if (!options.tokenizer_dir.empty()) {  // a model that `lorastream prepare` can make data for
     std::optional<TokenizerId> tokenizer = ModelTokenizerId(options.tokenizer_dir);
@@ -175,7 +176,8 @@ SynthResult RunSynth(const SynthOptions& options) {
   for (int64_t i = 0; i < config.num_hidden_layers; ++i)
     for (const auto& [rel, shape] : config.BlockTensorShapes())
       tensors.push_back({"model.layers." + std::to_string(i) + "." + rel, dtype, shape, nullptr});
-  for (size_t k = 1; k < rest.size(); ++k) tensors.push_back({rest[k].first, dtype, rest[k].second, nullptr});
+  for (size_t k = 1; k < rest.size(); ++k)
+    tensors.push_back({rest[k].first, dtype, rest[k].second, nullptr});
 
   std::vector<std::vector<TensorToWrite>> shards(1);
   uint64_t shard_size = 0, total = 0;
@@ -227,7 +229,8 @@ SynthResult RunSynth(const SynthOptions& options) {
       };
       const int parts = count < (1u << 16) ? 1 : threads;
       std::vector<std::thread> pool;
-      for (int p = 1; p < parts; ++p) pool.emplace_back(work, count * p / parts, count * (p + 1) / parts);
+      for (int p = 1; p < parts; ++p)
+        pool.emplace_back(work, count * p / parts, count * (p + 1) / parts);
       work(0, count / parts);
       for (std::thread& th : pool) th.join();
     };

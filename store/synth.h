@@ -27,13 +27,13 @@ std::string DefaultPresetsDir();
 struct SynthOptions {
   std::string preset;
   std::string out_dir;
-  std::string presets_dir;         // "" -> DefaultPresetsDir()
-  int64_t layers = 0;              // > 0 overrides num_hidden_layers
+  std::string presets_dir;  // "" -> DefaultPresetsDir()
+  int64_t layers = 0;       // > 0 overrides num_hidden_layers
   uint64_t seed = 0;
-  std::string dtype;               // "f32" | "f16" | "bf16"; "" -> the preset's
+  std::string dtype;                  // "f32" | "f16" | "bf16"; "" -> the preset's
   uint64_t shard_bytes = 4ull << 30;  // start a new shard past this many bytes
-  int threads = 0;                 // generator threads; 0: one per hardware thread
-  std::string tokenizer_dir;       // copy this folder's tokenizer files in; vocab_size grows to fit
+  int threads = 0;                    // generator threads; 0: one per hardware thread
+  std::string tokenizer_dir;  // copy this folder's tokenizer files in; vocab_size grows to fit
 };
 
 struct SynthResult {

@@ -14,7 +14,8 @@ int main(int argc, char** argv) {
   using namespace lorastream::store;
   CLI::App app{"lorastream-synth: a checkpoint of a preset's shapes with deterministic weights"};
   SynthOptions o;
-  app.add_option("--preset", o.preset, "preset name in configs/models (or a .toml path)")->required();
+  app.add_option("--preset", o.preset, "preset name in configs/models (or a .toml path)")
+      ->required();
   app.add_option("--out", o.out_dir, "output folder")->required();
   app.add_option("--layers", o.layers, "override num_hidden_layers");
   app.add_option("--seed", o.seed, "weights seed");

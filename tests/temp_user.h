@@ -24,8 +24,8 @@ class TempUser {
     name_ = "ls" + tag + std::to_string(::getpid() % 100000);
     Quiet({"userdel", "-r", name_});  // a leftover of a killed run
     int code = -1;
-    RunAndCapture({"useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name_}, &code,
-                  60, "/dev/null");
+    RunAndCapture({"useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name_}, &code, 60,
+                  "/dev/null");
     REQUIRE(code == 0);
     created_ = true;
     identity_ = LookupUser(name_);
@@ -63,10 +63,10 @@ class TempUser {
 };
 
 // In a test body: `TempUser user("x"); SKIP_UNLESS_ROOT(user);`
-#define SKIP_UNLESS_ROOT(user)                                                          \
-  if (!(user).available()) {                                                            \
-    WARN("skipped: this multi-user test creates a temporary user and needs root");      \
-    return;                                                                             \
+#define SKIP_UNLESS_ROOT(user)                                                     \
+  if (!(user).available()) {                                                       \
+    WARN("skipped: this multi-user test creates a temporary user and needs root"); \
+    return;                                                                        \
   }
 
 }  // namespace lorastream::testing

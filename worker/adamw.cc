@@ -59,9 +59,9 @@ void AdamW::Step(double lr) {
   at::_foreach_addcdiv_(params, exp_avg, denom, -step_size);
 }
 
-double ScheduleFactor(const std::string& schedule, int64_t step, int64_t warmup,
-                      int64_t total) {
-  if (step < warmup) return static_cast<double>(step) / static_cast<double>(std::max<int64_t>(1, warmup));
+double ScheduleFactor(const std::string& schedule, int64_t step, int64_t warmup, int64_t total) {
+  if (step < warmup)
+    return static_cast<double>(step) / static_cast<double>(std::max<int64_t>(1, warmup));
   if (schedule == "constant") return 1.0;
   if (schedule == "linear")
     return std::max(0.0, static_cast<double>(total - step) /

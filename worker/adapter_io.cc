@@ -60,13 +60,14 @@ LoraAdapter LoraAdapter::Load(const std::string& dir, const ModelConfig& model,
         const std::string key = LoraKey(static_cast<int>(i), t, is_b);
         const SafetensorsEntry* e = file.Find(key);
         if (!e) throw Error(ErrorCode::kCorrupt, st_path + ": tensor `" + key + "` is missing");
-        std::vector<int64_t> want = is_b ? std::vector<int64_t>{fan_out, s.rank}
-                                         : std::vector<int64_t>{s.rank, fan_in};
+        std::vector<int64_t> want =
+            is_b ? std::vector<int64_t>{fan_out, s.rank} : std::vector<int64_t>{s.rank, fan_in};
         if (e->shape != want)
-          throw Error(ErrorCode::kCorrupt, st_path + ": tensor `" + key + "` has shape [" +
-                                               std::to_string(e->shape.size() > 0 ? e->shape[0] : -1) + ", ...] but [" +
-                                               std::to_string(want[0]) + ", " +
-                                               std::to_string(want[1]) + "] is expected");
+          throw Error(ErrorCode::kCorrupt,
+                      st_path + ": tensor `" + key + "` has shape [" +
+                          std::to_string(e->shape.size() > 0 ? e->shape[0] : -1) + ", ...] but [" +
+                          std::to_string(want[0]) + ", " + std::to_string(want[1]) +
+                          "] is expected");
         auto type = ScalarTypeOf(e->dtype, key);
         at::Tensor view = at::from_blob(const_cast<uint8_t*>(file.Data(*e)), want,
                                         at::TensorOptions().dtype(type));

@@ -11,10 +11,14 @@ namespace lorastream::worker {
 
 c10::ScalarType ScalarTypeOf(DType dtype, const std::string& what) {
   switch (dtype) {
-    case DType::kF32: return at::kFloat;
-    case DType::kBF16: return at::kBFloat16;
-    case DType::kF16: return at::kHalf;
-    case DType::kF64: return at::kDouble;
+    case DType::kF32:
+      return at::kFloat;
+    case DType::kBF16:
+      return at::kBFloat16;
+    case DType::kF16:
+      return at::kHalf;
+    case DType::kF64:
+      return at::kDouble;
     default:
       throw Error(ErrorCode::kUnsupported, std::string("tensor `") + what + "` has dtype " +
                                                DTypeName(dtype) +
@@ -23,9 +27,7 @@ c10::ScalarType ScalarTypeOf(DType dtype, const std::string& what) {
 }
 
 BlockWeights ConvertBlock(const BlockWeights& w, c10::Device device, c10::ScalarType dtype) {
-  auto conv = [&](const at::Tensor& t) {
-    return t.defined() ? t.to(device, dtype) : at::Tensor();
-  };
+  auto conv = [&](const at::Tensor& t) { return t.defined() ? t.to(device, dtype) : at::Tensor(); };
   BlockWeights o;
   o.input_norm = conv(w.input_norm);
   o.q_proj = conv(w.q_proj);
@@ -69,7 +71,8 @@ BaseWeights BaseWeights::FromCheckpoint(const std::string& dir) {
     }
     auto type = ScalarTypeOf(ref.entry->dtype, name);
     void* data = const_cast<uint8_t*>(ref.file->Data(*ref.entry));
-    return at::from_blob(data, shape, [keep = ckpt](void*) {}, at::TensorOptions().dtype(type));
+    return at::from_blob(
+        data, shape, [keep = ckpt](void*) {}, at::TensorOptions().dtype(type));
   };
   const auto block_shapes = b.config_.BlockTensorShapes();
   for (int64_t i = 0; i < b.config_.num_hidden_layers; ++i) {
@@ -77,21 +80,36 @@ BaseWeights BaseWeights::FromCheckpoint(const std::string& dir) {
     const std::string prefix = "model.layers." + std::to_string(i) + ".";
     for (const auto& [name, shape] : block_shapes) {
       at::Tensor t = view(prefix + name, shape);
-      if (name == "input_layernorm.weight") w.input_norm = t;
-      else if (name == "self_attn.q_proj.weight") w.q_proj = t;
-      else if (name == "self_attn.k_proj.weight") w.k_proj = t;
-      else if (name == "self_attn.v_proj.weight") w.v_proj = t;
-      else if (name == "self_attn.o_proj.weight") w.o_proj = t;
-      else if (name == "self_attn.q_proj.bias") w.q_bias = t;
-      else if (name == "self_attn.k_proj.bias") w.k_bias = t;
-      else if (name == "self_attn.v_proj.bias") w.v_bias = t;
-      else if (name == "self_attn.q_norm.weight") w.q_norm = t;
-      else if (name == "self_attn.k_norm.weight") w.k_norm = t;
-      else if (name == "post_attention_layernorm.weight") w.post_norm = t;
-      else if (name == "mlp.gate_proj.weight") w.gate_proj = t;
-      else if (name == "mlp.up_proj.weight") w.up_proj = t;
-      else if (name == "mlp.down_proj.weight") w.down_proj = t;
-      else LS_CHECK(false, "unknown block tensor " + name);
+      if (name == "input_layernorm.weight")
+        w.input_norm = t;
+      else if (name == "self_attn.q_proj.weight")
+        w.q_proj = t;
+      else if (name == "self_attn.k_proj.weight")
+        w.k_proj = t;
+      else if (name == "self_attn.v_proj.weight")
+        w.v_proj = t;
+      else if (name == "self_attn.o_proj.weight")
+        w.o_proj = t;
+      else if (name == "self_attn.q_proj.bias")
+        w.q_bias = t;
+      else if (name == "self_attn.k_proj.bias")
+        w.k_bias = t;
+      else if (name == "self_attn.v_proj.bias")
+        w.v_bias = t;
+      else if (name == "self_attn.q_norm.weight")
+        w.q_norm = t;
+      else if (name == "self_attn.k_norm.weight")
+        w.k_norm = t;
+      else if (name == "post_attention_layernorm.weight")
+        w.post_norm = t;
+      else if (name == "mlp.gate_proj.weight")
+        w.gate_proj = t;
+      else if (name == "mlp.up_proj.weight")
+        w.up_proj = t;
+      else if (name == "mlp.down_proj.weight")
+        w.down_proj = t;
+      else
+        LS_CHECK(false, "unknown block tensor " + name);
     }
     b.blocks_.push_back(std::move(w));
   }
@@ -99,8 +117,8 @@ BaseWeights BaseWeights::FromCheckpoint(const std::string& dir) {
   b.rest_.embed_tokens = view("model.embed_tokens.weight", {v, h});
   b.rest_.norm = view("model.norm.weight", {h});
   // Some tied checkpoints still carry lm_head.weight; transformers ignores it then.
-  b.rest_.lm_head = b.config_.tie_word_embeddings ? b.rest_.embed_tokens
-                                                  : view("lm_head.weight", {v, h});
+  b.rest_.lm_head =
+      b.config_.tie_word_embeddings ? b.rest_.embed_tokens : view("lm_head.weight", {v, h});
   return b;
 }
 

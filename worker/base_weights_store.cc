@@ -17,17 +17,20 @@ BaseWeights BaseWeights::FromStore(const std::string& name) {
   b.owner_ = store;
   for (int i = 0; i < store->num_blocks(); ++i) {
     void* data = const_cast<uint8_t*>(store->block_data(i));
-    at::Tensor bytes = at::from_blob(data, {static_cast<int64_t>(store->block_size(i))},
-                                     [keep = store](void*) {}, at::TensorOptions().dtype(at::kByte));
+    at::Tensor bytes = at::from_blob(
+        data, {static_cast<int64_t>(store->block_size(i))}, [keep = store](void*) {},
+        at::TensorOptions().dtype(at::kByte));
     b.blocks_.push_back(BlockWeightsFromBytes(bytes, m.blocks[i]));
     b.block_bytes_.push_back(store->block_data(i));
   }
   auto rest = [&](const std::string& tensor) {
     const TensorSlice* s = m.rest.Find(tensor);
-    if (!s) throw Error(ErrorCode::kCorrupt, "store " + name + ": tensor `" + tensor + "` is missing");
+    if (!s)
+      throw Error(ErrorCode::kCorrupt, "store " + name + ": tensor `" + tensor + "` is missing");
     void* data = const_cast<uint8_t*>(store->rest_data() + s->offset);
-    return at::from_blob(data, s->shape, [keep = store](void*) {},
-                         at::TensorOptions().dtype(ScalarTypeOf(s->dtype, tensor)));
+    return at::from_blob(
+        data, s->shape, [keep = store](void*) {},
+        at::TensorOptions().dtype(ScalarTypeOf(s->dtype, tensor)));
   };
   b.rest_.embed_tokens = rest("model.embed_tokens.weight");
   b.rest_.norm = rest("model.norm.weight");

@@ -132,7 +132,8 @@ at::Tensor BackpropGroup(const at::Tensor& x, const std::array<Projection, N>& p
 }
 
 std::array<Projection, 3> Qkv(const BlockWeights& w) {
-  return {{{kQProj, &w.q_proj, &w.q_bias}, {kKProj, &w.k_proj, &w.k_bias},
+  return {{{kQProj, &w.q_proj, &w.q_bias},
+           {kKProj, &w.k_proj, &w.k_bias},
            {kVProj, &w.v_proj, &w.v_bias}}};
 }
 std::array<Projection, 1> OProj(const BlockWeights& w) { return {{{kOProj, &w.o_proj, nullptr}}}; }
@@ -266,8 +267,8 @@ at::Tensor BlockBackward(BlockTape& tape, const BlockWeights& w, const LoraBlock
   at::Tensor dy2 = dy.reshape({-1, hidden});
 
   // MLP: y = out + down(silu(gate) * up).
-  at::Tensor dz = BackpropGroup(tape.z, Down(w), {dy2}, cast.lora, cast.stacked[kDownGroup], c, tape,
-                                grads, true);
+  at::Tensor dz = BackpropGroup(tape.z, Down(w), {dy2}, cast.lora, cast.stacked[kDownGroup], c,
+                                tape, grads, true);
   tape.z = at::Tensor();
   auto [dgate, dup] = SwiGluBackward(dz, tape.gate, tape.up);
   tape.gate = tape.up = at::Tensor();
@@ -296,8 +297,8 @@ at::Tensor BlockBackward(BlockTape& tape, const BlockWeights& w, const LoraBlock
     tape.q_pre = tape.k_pre = tape.rstd_q = tape.rstd_k = at::Tensor();
   }
   const int64_t n = batch * seq;
-  at::Tensor dh1 = BackpropGroup(tape.h1, Qkv(w), {dq.reshape({n, -1}), dk.reshape({n, -1}),
-                                                    dv.reshape({n, -1})},
+  at::Tensor dh1 = BackpropGroup(tape.h1, Qkv(w),
+                                 {dq.reshape({n, -1}), dk.reshape({n, -1}), dv.reshape({n, -1})},
                                  cast.lora, cast.stacked[kQkvGroup], c, tape, grads, need_dx);
   dq = dk = dv = tape.h1 = at::Tensor();
   at::Tensor dx;

@@ -38,15 +38,15 @@ struct BlockTape {
     at::Tensor xd;    // dropout(x) when dropout is active (else the group's input is used)
     at::Tensor mask;  // dropout's keep mask, when active
   };
-  at::Tensor x;                        // block input [B, S, H]
-  at::Tensor rstd_in, h1;              // input norm: 1/rms (f32 [N, 1]) and its output [N, H]
-  at::Tensor q_pre, k_pre;             // qwen3: q, k before their per-head norm [B, S, h, D]
-  at::Tensor rstd_q, rstd_k;           // qwen3: their 1/rms
-  at::Tensor q, k, v, attn;            // attention's inputs (leaves) and output [B, h, S, D]
-  at::Tensor attn_flat;                // o_proj's input [N, heads * D]
-  at::Tensor out;                      // x + o_proj(attention) [N, H]
-  at::Tensor rstd_post, h2;            // its norm: 1/rms and output [N, H]
-  at::Tensor gate, up, z;              // MLP [N, I]; z = silu(gate) * up, down_proj's input
+  at::Tensor x;               // block input [B, S, H]
+  at::Tensor rstd_in, h1;     // input norm: 1/rms (f32 [N, 1]) and its output [N, H]
+  at::Tensor q_pre, k_pre;    // qwen3: q, k before their per-head norm [B, S, h, D]
+  at::Tensor rstd_q, rstd_k;  // qwen3: their 1/rms
+  at::Tensor q, k, v, attn;   // attention's inputs (leaves) and output [B, h, S, D]
+  at::Tensor attn_flat;       // o_proj's input [N, heads * D]
+  at::Tensor out;             // x + o_proj(attention) [N, H]
+  at::Tensor rstd_post, h2;   // its norm: 1/rms and output [N, H]
+  at::Tensor gate, up, z;     // MLP [N, I]; z = silu(gate) * up, down_proj's input
   std::array<Adapter, kNumLoraTargets> lora;
 };
 

@@ -15,7 +15,7 @@ namespace lorastream::worker {
 
 struct EvalResult {
   double loss = std::numeric_limits<double>::quiet_NaN();  // token-weighted mean
-  int64_t tokens = 0;                                       // target tokens evaluated
+  int64_t tokens = 0;                                      // target tokens evaluated
 };
 
 // A [rows, cols] int64 tensor on `device` holding `v` (token ids or shifted targets).

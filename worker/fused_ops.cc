@@ -81,10 +81,17 @@ namespace {
 
 bool KernelDtypeOf(c10::ScalarType s, cuda::KernelDtype* t) {
   switch (s) {
-    case at::kFloat: *t = cuda::KernelDtype::kF32; return true;
-    case at::kBFloat16: *t = cuda::KernelDtype::kBF16; return true;
-    case at::kHalf: *t = cuda::KernelDtype::kF16; return true;
-    default: return false;
+    case at::kFloat:
+      *t = cuda::KernelDtype::kF32;
+      return true;
+    case at::kBFloat16:
+      *t = cuda::KernelDtype::kBF16;
+      return true;
+    case at::kHalf:
+      *t = cuda::KernelDtype::kF16;
+      return true;
+    default:
+      return false;
   }
 }
 
@@ -138,8 +145,8 @@ at::Tensor RmsNormBackward(const at::Tensor& dy, const at::Tensor& x, const at::
       rstd.numel() * x.size(-1) == x.numel()) {
     const int64_t cols = x.size(-1), rows = rstd.numel();
     at::Tensor dx = at::empty_like(x);
-    cuda::RmsNormBackward(t, dy.data_ptr(), x.data_ptr(), rstd.data_ptr<float>(),
-                          weight.data_ptr(), dx.data_ptr(), rows, cols, StreamOf(x));
+    cuda::RmsNormBackward(t, dy.data_ptr(), x.data_ptr(), rstd.data_ptr<float>(), weight.data_ptr(),
+                          dx.data_ptr(), rows, cols, StreamOf(x));
     return dx;
   }
 #endif
@@ -163,8 +170,7 @@ std::pair<at::Tensor, at::Tensor> SwiGluBackward(const at::Tensor& dz, const at:
                                                  const at::Tensor& up) {
 #if LORASTREAM_HAVE_CUDA
   cuda::KernelDtype t;
-  if (Fusable({&dz, &gate, &up}, &t) && gate.sizes() == up.sizes() &&
-      dz.sizes() == gate.sizes()) {
+  if (Fusable({&dz, &gate, &up}, &t) && gate.sizes() == up.sizes() && dz.sizes() == gate.sizes()) {
     at::Tensor dgate = at::empty_like(gate), dup = at::empty_like(gate);
     cuda::SwiGluBackward(t, dz.data_ptr(), gate.data_ptr(), up.data_ptr(), dgate.data_ptr(),
                          dup.data_ptr(), gate.numel(), StreamOf(gate));
@@ -182,17 +188,21 @@ bool FusedRope(bool backward, const at::Tensor& x, const at::Tensor& cos, const 
                at::Tensor& out) {
   cuda::KernelDtype t;
   if (x.dim() != 4 || x.stride(3) != 1 || x.size(3) % 2 != 0 ||
-      (at::GradMode::is_enabled() && x.requires_grad()) ||
-      !Fusable({&cos, &sin}, &t) || !x.is_cuda() || x.device() != cos.device() ||
-      x.scalar_type() != cos.scalar_type() || cos.dim() != 2 || cos.size(0) < x.size(2) ||
-      cos.size(1) != x.size(3) || sin.sizes() != cos.sizes())
+      (at::GradMode::is_enabled() && x.requires_grad()) || !Fusable({&cos, &sin}, &t) ||
+      !x.is_cuda() || x.device() != cos.device() || x.scalar_type() != cos.scalar_type() ||
+      cos.dim() != 2 || cos.size(0) < x.size(2) || cos.size(1) != x.size(3) ||
+      sin.sizes() != cos.sizes())
     return false;
   const int64_t b = x.size(0), h = x.size(1), s = x.size(2), d = x.size(3);
   // Forward: contiguous [B, h, S, D] (what attention reads best). Backward: laid out as
   // [B, S, h, D], the projection's layout.
   out = backward ? at::empty({b, s, h, d}, x.options()).transpose(1, 2)
                  : at::empty({b, h, s, d}, x.options());
-  cuda::RopeShape shape{b, h, s, d, {x.stride(0), x.stride(1), x.stride(2)},
+  cuda::RopeShape shape{b,
+                        h,
+                        s,
+                        d,
+                        {x.stride(0), x.stride(1), x.stride(2)},
                         {out.stride(0), out.stride(1), out.stride(2)}};
   cuda::Rope(t, backward, x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), shape,
              StreamOf(x));

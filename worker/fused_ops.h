@@ -15,8 +15,7 @@ namespace lorastream::worker {
 
 // transformers' RMSNorm over the last dimension: in f32, weight * (x * rstd).to(x's dtype).
 // `rstd` (optional) receives 1/rms, f32, x's shape with a last dimension of 1.
-at::Tensor RmsNormRstd(const at::Tensor& x, const at::Tensor& weight, double eps,
-                       at::Tensor* rstd);
+at::Tensor RmsNormRstd(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor* rstd);
 // Its input gradient for dy, from the saved input and rstd.
 at::Tensor RmsNormBackward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& rstd,
                            const at::Tensor& weight);
@@ -35,8 +34,7 @@ at::Tensor RopeBackward(const at::Tensor& g, const at::Tensor& cos, const at::Te
 
 // The ATen references, always (tests compare the fused kernels against these).
 namespace reference {
-at::Tensor RmsNormRstd(const at::Tensor& x, const at::Tensor& weight, double eps,
-                       at::Tensor* rstd);
+at::Tensor RmsNormRstd(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor* rstd);
 at::Tensor RmsNormBackward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& rstd,
                            const at::Tensor& weight);
 at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up);

@@ -48,8 +48,8 @@ class StreamedHead : public HeadProvider {
       const at::Tensor converted = host_weight.to(dtype).contiguous();
       bytes_ = static_cast<uint64_t>(converted.nbytes());
       const size_t mapped = store::RoundUpToPage(bytes_);
-      packed_ = MemoryMapping::Map(mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                                   -1, 0, "LM head: mapping " + std::to_string(mapped) + " bytes");
+      packed_ = MemoryMapping::Map(mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1,
+                                   0, "LM head: mapping " + std::to_string(mapped) + " bytes");
       std::memcpy(packed_.bytes(), converted.data_ptr(), bytes_);
       if (mprotect(packed_.data(), mapped, PROT_READ) != 0) ThrowErrno("LM head: mprotect");
       src_ = packed_.bytes();

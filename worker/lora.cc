@@ -12,8 +12,8 @@ namespace lorastream::worker {
 LoraAdapter LoraAdapter::Init(const ModelConfig& config, const LoraSettings& settings,
                               uint64_t seed, c10::Device device) {
   if (settings.rank <= 0)
-    throw Error(ErrorCode::kRefused, "lora.rank must be > 0 (found " +
-                                         std::to_string(settings.rank) + ")");
+    throw Error(ErrorCode::kRefused,
+                "lora.rank must be > 0 (found " + std::to_string(settings.rank) + ")");
   LoraAdapter a;
   a.config_ = config;
   a.settings_ = settings;
@@ -29,8 +29,9 @@ LoraAdapter LoraAdapter::Init(const ModelConfig& config, const LoraSettings& set
       at::Tensor A = at::empty({settings.rank, in}, at::kFloat);
       A.uniform_(-bound, bound, gen);
       blk.a[t] = A.to(device).requires_grad_(true);
-      blk.b[t] = at::zeros({out, settings.rank}, at::TensorOptions().dtype(at::kFloat).device(device))
-                     .requires_grad_(true);
+      blk.b[t] =
+          at::zeros({out, settings.rank}, at::TensorOptions().dtype(at::kFloat).device(device))
+              .requires_grad_(true);
     }
     a.blocks_.push_back(std::move(blk));
   }

@@ -21,13 +21,18 @@ std::pair<int64_t, int64_t> LoraTargetShape(const ModelConfig& c, int t) {
   const int64_t q = c.num_attention_heads * c.head_dim;
   const int64_t kv = c.num_key_value_heads * c.head_dim;
   switch (t) {
-    case kQProj: return {c.hidden_size, q};
+    case kQProj:
+      return {c.hidden_size, q};
     case kKProj:
-    case kVProj: return {c.hidden_size, kv};
-    case kOProj: return {q, c.hidden_size};
+    case kVProj:
+      return {c.hidden_size, kv};
+    case kOProj:
+      return {q, c.hidden_size};
     case kGateProj:
-    case kUpProj: return {c.hidden_size, c.intermediate_size};
-    case kDownProj: return {c.intermediate_size, c.hidden_size};
+    case kUpProj:
+      return {c.hidden_size, c.intermediate_size};
+    case kDownProj:
+      return {c.intermediate_size, c.hidden_size};
   }
   LS_CHECK(false, "target index");
   return {0, 0};
@@ -55,16 +60,14 @@ LoraSettings LoraSettingsFromSpec(const LoraSpec& spec) {
     bool found = false;
     for (int t = 0; t < kNumLoraTargets; ++t)
       if (name == LoraTargetName(t)) s.targets[t] = found = true;
-    if (!found)
-      throw Error(ErrorCode::kRefused, "lora.targets: unknown module `" + name + "`");
+    if (!found) throw Error(ErrorCode::kRefused, "lora.targets: unknown module `" + name + "`");
   }
   return s;
 }
 
 std::string LoraKey(int block, int target, bool is_b) {
-  return "base_model.model.model.layers." + std::to_string(block) + "." +
-         LoraTargetModule(target) + "." + LoraTargetName(target) +
-         (is_b ? ".lora_B.weight" : ".lora_A.weight");
+  return "base_model.model.model.layers." + std::to_string(block) + "." + LoraTargetModule(target) +
+         "." + LoraTargetName(target) + (is_b ? ".lora_B.weight" : ".lora_A.weight");
 }
 
 }  // namespace lorastream::worker

@@ -31,7 +31,7 @@ struct LoraSettings {
   double alpha = 32.0;
   double dropout = 0.0;
   bool rslora = false;
-  std::array<bool, kNumLoraTargets> targets{};  // which projections carry an adapter
+  std::array<bool, kNumLoraTargets> targets{};   // which projections carry an adapter
   double Scale() const;                          // alpha / r or alpha / sqrt(r)
   std::vector<std::string> TargetNames() const;  // sorted, as peft writes target_modules
 };

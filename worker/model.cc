@@ -36,8 +36,8 @@ at::Tensor RotaryInvFreq(const ModelConfig& c) {
     const double high_freq_wavelen = old_len / rs.high_freq_factor;
     at::Tensor wavelen = 2 * M_PI / inv_freq;
     at::Tensor llama = at::where(wavelen > low_freq_wavelen, inv_freq / rs.factor, inv_freq);
-    at::Tensor smooth = (old_len / wavelen - rs.low_freq_factor) /
-                        (rs.high_freq_factor - rs.low_freq_factor);
+    at::Tensor smooth =
+        (old_len / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor);
     at::Tensor smoothed = (1 - smooth) * llama / rs.factor + smooth * llama;
     at::Tensor medium = at::logical_not(wavelen < high_freq_wavelen)
                             .logical_and(at::logical_not(wavelen > low_freq_wavelen));
@@ -49,8 +49,8 @@ at::Tensor RotaryInvFreq(const ModelConfig& c) {
 RotaryTables BuildRotary(const ModelConfig& c, int64_t seq_len, c10::Device device,
                          c10::ScalarType dtype) {
   at::Tensor inv_freq = RotaryInvFreq(c).to(device);
-  at::Tensor pos = at::arange(seq_len, at::TensorOptions().dtype(at::kLong).device(device))
-                       .to(at::kFloat);
+  at::Tensor pos =
+      at::arange(seq_len, at::TensorOptions().dtype(at::kLong).device(device)).to(at::kFloat);
   at::Tensor freqs = at::outer(pos, inv_freq);  // [S, D/2], each one product, as the matmul
   at::Tensor emb = at::cat({freqs, freqs}, -1);
   return RotaryTables{emb.cos().to(dtype), emb.sin().to(dtype)};
@@ -62,8 +62,12 @@ at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 CausalLm::CausalLm(const ModelConfig& config, RestWeights rest, BlockProvider* provider,
                    c10::Device device, c10::ScalarType dtype, HeadProvider* head)
-    : config_(config), rest_(std::move(rest)), provider_(provider), head_(head),
-      device_(device), dtype_(dtype) {
+    : config_(config),
+      rest_(std::move(rest)),
+      provider_(provider),
+      head_(head),
+      device_(device),
+      dtype_(dtype) {
   LS_CHECK(provider_ != nullptr, "CausalLm needs a block provider");
   if (head_ == nullptr) {
     LS_CHECK(rest_.lm_head.defined(), "CausalLm needs rest.lm_head or a head provider");
@@ -76,7 +80,8 @@ CausalLm::CausalLm(const ModelConfig& config, RestWeights rest, BlockProvider* p
 
 const RotaryTables& CausalLm::Rotary(int64_t seq_len) {
   auto it = rope_.find(seq_len);
-  if (it == rope_.end()) it = rope_.emplace(seq_len, BuildRotary(config_, seq_len, device_, dtype_)).first;
+  if (it == rope_.end())
+    it = rope_.emplace(seq_len, BuildRotary(config_, seq_len, device_, dtype_)).first;
   return it->second;
 }
 

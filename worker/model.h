@@ -62,8 +62,8 @@ class CausalLm {
   // and only they are copied to the device (through pinned memory on CUDA). The LM head's
   // weights come from `head` when given (resident or streamed; the caller keeps it alive),
   // else from rest.lm_head, which must then be on `device` in `dtype`.
-  CausalLm(const ModelConfig& config, RestWeights rest, BlockProvider* provider,
-           c10::Device device, c10::ScalarType dtype, HeadProvider* head = nullptr);
+  CausalLm(const ModelConfig& config, RestWeights rest, BlockProvider* provider, c10::Device device,
+           c10::ScalarType dtype, HeadProvider* head = nullptr);
 
   const ModelConfig& config() const { return config_; }
   c10::Device device() const { return device_; }
@@ -107,7 +107,7 @@ class CausalLm {
   BlockProvider* provider_;
   std::unique_ptr<HeadProvider> own_head_;  // rest.lm_head when no head provider is given
   HeadProvider* head_;
-  int64_t head_chunk_rows_ = 0;             // 0: from the default bound
+  int64_t head_chunk_rows_ = 0;  // 0: from the default bound
   c10::Device device_;
   c10::ScalarType dtype_;
   std::map<int64_t, RotaryTables> rope_;

@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>
 
+#include "common/data.h"
 #include "common/device.h"
 #include "common/error.h"
 #include "common/log.h"
@@ -19,7 +20,6 @@
 #include "common/step_stats.h"
 #include "worker/adamw.h"
 #include "worker/base_weights.h"
-#include "common/data.h"
 #include "worker/lora.h"
 #include "worker/model.h"
 #include "worker/resident_provider.h"
@@ -48,7 +48,8 @@ double StepFlops(const ModelConfig& c, int64_t batch, int64_t seq) {
   const double h = static_cast<double>(c.hidden_size), d = static_cast<double>(c.head_dim);
   const double q = static_cast<double>(c.num_attention_heads) * d;
   const double kv = static_cast<double>(c.num_key_value_heads) * d;
-  const double block = h * q + 2 * h * kv + q * h + 3 * h * static_cast<double>(c.intermediate_size);
+  const double block =
+      h * q + 2 * h * kv + q * h + 3 * h * static_cast<double>(c.intermediate_size);
   const double tokens = static_cast<double>(batch * seq), s = static_cast<double>(seq);
   const double attention = 2.0 * s * s * q * static_cast<double>(batch);
   return static_cast<double>(c.num_hidden_layers) * (6 * block * tokens + 4 * attention) +
@@ -80,9 +81,8 @@ nlohmann::json ProfileStep(CausalLm& model, const LoraAdapter& adapter, const at
   for (auto& p : params) p.mutable_grad() = at::Tensor();
   model.provider().BeginStep();
   at::Tensor hidden, loss;
-  timed("forward (blocks)", [&] {
-    hidden = model.Hidden(ids, adapter, /*training=*/true, /*checkpointed=*/true, 0);
-  });
+  timed("forward (blocks)",
+        [&] { hidden = model.Hidden(ids, adapter, /*training=*/true, /*checkpointed=*/true, 0); });
   timed("LM head + loss forward", [&] { loss = model.HeadLossSum(hidden, targets) * scale; });
   timed("backward (head + recompute + blocks)", [&] { loss.backward(); });
   StepStats stats;
@@ -90,22 +90,22 @@ nlohmann::json ProfileStep(CausalLm& model, const LoraAdapter& adapter, const at
   timed("optimizer (AdamW)", [&] { optimizer.Step(1e-5); });
   // The head's own forward and backward, from a detached last hidden state.
   at::Tensor h = hidden.detach().requires_grad_(true);
-  timed("LM head + loss forward + backward (alone)", [&] {
-    (model.HeadLossSum(h, targets) * scale).backward();
-  });
+  timed("LM head + loss forward + backward (alone)",
+        [&] { (model.HeadLossSum(h, targets) * scale).backward(); });
   nlohmann::json j = {{"phases", phases},
                       {"flops", StepFlops(model.config(), ids.size(0), ids.size(1))},
                       {"peak_device_bytes", stats.peak_device_bytes}};
   if (model.device().is_cuda() && model.dtype() == at::kBFloat16) {
     // The GPU's bf16 matmul rate through LibTorch, measured here (8192^3, 5 times).
-    at::Tensor a = at::randn({8192, 8192}, at::TensorOptions().device(model.device()).dtype(at::kBFloat16));
+    at::Tensor a =
+        at::randn({8192, 8192}, at::TensorOptions().device(model.device()).dtype(at::kBFloat16));
     (void)at::mm(a, a).sum().item<double>();
     const auto t0 = Clock::now();
     at::Tensor c;
     for (int i = 0; i < 5; ++i) c = at::mm(a, a);
     (void)c.sum().item<double>();
-    const double rate =
-        5 * 2.0 * 8192.0 * 8192.0 * 8192.0 / std::chrono::duration<double>(Clock::now() - t0).count();
+    const double rate = 5 * 2.0 * 8192.0 * 8192.0 * 8192.0 /
+                        std::chrono::duration<double>(Clock::now() - t0).count();
     j["gemm_flops_per_s"] = rate;
     j["mfu"] = j["flops"].get<double>() / (median_step * rate);
     j["floor_s"] = j["flops"].get<double>() / rate;
@@ -114,11 +114,12 @@ nlohmann::json ProfileStep(CausalLm& model, const LoraAdapter& adapter, const at
     LS_LOG_INFO("profile: {:<42} wall {:8.2f} ms  host {:8.2f} ms", p["phase"].get<std::string>(),
                 1e3 * p["wall_s"].get<double>(), 1e3 * p["host_s"].get<double>());
   if (j.contains("mfu"))
-    LS_LOG_INFO("profile: {:.1f} TFLOP per step, GEMM rate {:.0f} TFLOP/s, floor {:.1f} ms, "
-                "median step {:.1f} ms, MFU {:.1f}%, peak {:.2f} GiB",
-                j["flops"].get<double>() / 1e12, j["gemm_flops_per_s"].get<double>() / 1e12,
-                1e3 * j["floor_s"].get<double>(), 1e3 * median_step, 100 * j["mfu"].get<double>(),
-                static_cast<double>(stats.peak_device_bytes) / (1ull << 30));
+    LS_LOG_INFO(
+        "profile: {:.1f} TFLOP per step, GEMM rate {:.0f} TFLOP/s, floor {:.1f} ms, "
+        "median step {:.1f} ms, MFU {:.1f}%, peak {:.2f} GiB",
+        j["flops"].get<double>() / 1e12, j["gemm_flops_per_s"].get<double>() / 1e12,
+        1e3 * j["floor_s"].get<double>(), 1e3 * median_step, 100 * j["mfu"].get<double>(),
+        static_cast<double>(stats.peak_device_bytes) / (1ull << 30));
   return j;
 }
 
@@ -139,7 +140,8 @@ void RunParity(const ParityOptions& o) {
   RestWeights rest;
   rest.embed_tokens = base.rest().embed_tokens.to(device, dtype);
   rest.norm = base.rest().norm.to(device, dtype);
-  rest.lm_head = config.tie_word_embeddings ? rest.embed_tokens : base.rest().lm_head.to(device, dtype);
+  rest.lm_head =
+      config.tie_word_embeddings ? rest.embed_tokens : base.rest().lm_head.to(device, dtype);
   CausalLm model(config, rest, &provider, device, dtype);
 
   SafetensorsFile tokens = SafetensorsFile::Open(o.tokens_path);
@@ -151,7 +153,8 @@ void RunParity(const ParityOptions& o) {
   if (!labels.defined()) labels = ids.clone();
   // transformers: pad labels with -100 on the right, shift left by one.
   at::Tensor targets = at::cat({labels.narrow(1, 1, labels.size(1) - 1),
-                                at::full({labels.size(0), 1}, kIgnoreIndex, at::kLong)}, 1);
+                                at::full({labels.size(0), 1}, kIgnoreIndex, at::kLong)},
+                               1);
   const int64_t n_targets = targets.ne(kIgnoreIndex).sum().item<int64_t>();
   ids = ids.to(device);
   targets = targets.to(device);

@@ -16,8 +16,8 @@ namespace lorastream::worker {
 
 struct ParityOptions {
   std::string model_dir;
-  std::string tokens_path;   // safetensors: "input_ids" I64 [B, S], optional "labels" I64 [B, S]
-  std::string adapter_dir;   // a peft adapter folder; "" = a fresh one of `rank` on all 7
+  std::string tokens_path;  // safetensors: "input_ids" I64 [B, S], optional "labels" I64 [B, S]
+  std::string adapter_dir;  // a peft adapter folder; "" = a fresh one of `rank` on all 7
   std::string out_dir;
   std::string dtype = "f32";   // f32 | bf16
   std::string device = "cpu";  // cpu | cuda:N

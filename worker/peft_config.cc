@@ -54,7 +54,8 @@ LoraSettings ReadPeftConfig(const std::string& cfg_path) {
   auto bad = [&](const std::string& field, const std::string& why) {
     return Error(ErrorCode::kCorrupt, cfg_path + ": field `" + field + "` " + why);
   };
-  if (j.is_discarded() || !j.is_object()) throw Error(ErrorCode::kCorrupt, cfg_path + ": not a JSON object");
+  if (j.is_discarded() || !j.is_object())
+    throw Error(ErrorCode::kCorrupt, cfg_path + ": not a JSON object");
   auto get = [&](const char* field) -> const Json* {
     auto it = j.find(field);
     return it == j.end() || it->is_null() ? nullptr : &*it;
@@ -91,13 +92,15 @@ LoraSettings ReadPeftConfig(const std::string& cfg_path) {
     throw Error(ErrorCode::kUnsupported, cfg_path + ": layers_to_transform is not supported");
   v = get("target_modules");
   std::vector<std::string> targets;
-  if (v && v->is_string()) targets.push_back(v->get<std::string>());
+  if (v && v->is_string())
+    targets.push_back(v->get<std::string>());
   else if (v && v->is_array())
     for (const auto& e : *v) {
       if (!e.is_string()) throw bad("target_modules", "must hold strings");
       targets.push_back(e.get<std::string>());
     }
-  else throw bad("target_modules", "must be a list of module names");
+  else
+    throw bad("target_modules", "must be a list of module names");
   for (const auto& name : targets) {
     bool found = false;
     for (int t = 0; t < kNumLoraTargets; ++t)

@@ -11,7 +11,8 @@ namespace lorastream::worker {
 
 ResidentProvider::ResidentProvider(const BaseWeights& base, c10::Device device,
                                    c10::ScalarType dtype) {
-  for (int i = 0; i < base.num_blocks(); ++i) blocks_.push_back(ConvertBlock(base.block(i), device, dtype));
+  for (int i = 0; i < base.num_blocks(); ++i)
+    blocks_.push_back(ConvertBlock(base.block(i), device, dtype));
   if (device.is_cuda()) cuda_index_ = device.has_index() ? device.index() : 0;
 }
 

@@ -31,7 +31,7 @@ class ResidentProvider : public BlockProvider {
  private:
   std::vector<BlockWeights> blocks_;
   int cuda_index_ = -1;  // the CUDA device whose peak memory EndStep reports; -1: not CUDA
-  int held_ = -1;  // the block between Acquire and Release, -1 when none
+  int held_ = -1;        // the block between Acquire and Release, -1 when none
   bool record_ = false;
   std::vector<int> acquire_log_;
 };

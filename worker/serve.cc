@@ -47,9 +47,8 @@ std::vector<StoreInfo> DiscoverStores(const ServeOptions& options) {
     for (const store::StoreListing& s : store::ListStores()) {
       if (!s.alive || !s.record) continue;
       if (s.record->owner_uid != store::TrustedStoreOwner()) {
-        LS_LOG_WARN("not offering store '{}': it belongs to {}, not to the store user {}",
-                    s.name, DescribeUser(s.record->owner_uid),
-                    DescribeUser(store::TrustedStoreOwner()));
+        LS_LOG_WARN("not offering store '{}': it belongs to {}, not to the store user {}", s.name,
+                    DescribeUser(s.record->owner_uid), DescribeUser(store::TrustedStoreOwner()));
         continue;
       }
       names.push_back(s.name);

@@ -10,14 +10,14 @@
 namespace lorastream::worker {  // the store has a `serve` of its own (lorastream::store)
 
 struct ServeOptions {
-  std::string coordinator;           // endpoint (default: the coordinator's ipc default)
-  std::string curve_keys;            // folder from `lorastream keygen` ("" = no CURVE)
-  std::string device = "cpu";        // "cpu" | "cuda:N"
-  std::vector<std::string> stores;   // stores to offer; empty = every live store on this host
-  double store_wait_s = 30;          // how long a named store may still be loading
-  int threads = 0;                   // CPU threads for training (0 = every core)
-  bool stream = true;                // stream blocks through the engine (false: resident)
-  double request_timeout_s = 5;      // per coordinator request
+  std::string coordinator;          // endpoint (default: the coordinator's ipc default)
+  std::string curve_keys;           // folder from `lorastream keygen` ("" = no CURVE)
+  std::string device = "cpu";       // "cpu" | "cuda:N"
+  std::vector<std::string> stores;  // stores to offer; empty = every live store on this host
+  double store_wait_s = 30;         // how long a named store may still be loading
+  int threads = 0;                  // CPU threads for training (0 = every core)
+  bool stream = true;               // stream blocks through the engine (false: resident)
+  double request_timeout_s = 5;     // per coordinator request
   // While *hold_at_checkpoint is true (SIGUSR1 in the executable; SIGUSR2 clears it), a job
   // that reports a checkpoint holds right after the report, heartbeats going on, until the
   // flag clears, the job must stop, or the process is killed: a point at which a test or an

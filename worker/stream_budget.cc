@@ -27,17 +27,16 @@ uint64_t MemoryEstimate::total() const { return std::max({forward(), head(), bac
 std::string MemoryEstimate::Describe() const {
   return "rest " + FormatBytes(rest, 2) + " + LM head weights " + FormatBytes(head_weights, 2) +
          (head_streamed ? " (streamed: at the LM head only)" : " (resident)") +
-         " + resident blocks " + FormatBytes(resident_blocks, 2) +
-         " + adapter&optimizer " + FormatBytes(adapter, 2) + " + checkpoints " +
-         FormatBytes(checkpoints, 2) + " + reserve " + FormatBytes(reserve, 2) +
-         ", then: forward " + FormatBytes(forward(), 2) + " (slots " +
+         " + resident blocks " + FormatBytes(resident_blocks, 2) + " + adapter&optimizer " +
+         FormatBytes(adapter, 2) + " + checkpoints " + FormatBytes(checkpoints, 2) + " + reserve " +
+         FormatBytes(reserve, 2) + ", then: forward " + FormatBytes(forward(), 2) + " (slots " +
          FormatBytes(forward_ring, 2) + ", working " + FormatBytes(forward_working, 2) +
          ", attention " + FormatBytes(attention, 2) + "), LM head " + FormatBytes(head(), 2) +
-         " (slots " + FormatBytes(std::max(ring, head_ring), 2) + ", chunked lm head " + FormatBytes(lm_head, 2) +
-         " in chunks of " + std::to_string(head_chunk_rows) + " rows" +
-         "), backward " + FormatBytes(backward(), 2) + " (slots " +
-         FormatBytes(backward_ring, 2) + ", block working set " + FormatBytes(block_working, 2) +
-         ", attention " + FormatBytes(attention, 2) + "); peak " + FormatBytes(total(), 2);
+         " (slots " + FormatBytes(std::max(ring, head_ring), 2) + ", chunked lm head " +
+         FormatBytes(lm_head, 2) + " in chunks of " + std::to_string(head_chunk_rows) + " rows" +
+         "), backward " + FormatBytes(backward(), 2) + " (slots " + FormatBytes(backward_ring, 2) +
+         ", block working set " + FormatBytes(block_working, 2) + ", attention " +
+         FormatBytes(attention, 2) + "); peak " + FormatBytes(total(), 2);
 }
 
 uint64_t HeadChunkRowBytes(int64_t vocab, int64_t hidden) {
@@ -67,12 +66,22 @@ int64_t LoraParameterCount(const ModelConfig& c, int64_t rank,
   int64_t per_block = 0;
   for (const std::string& t : targets) {
     int64_t in = 0, out = 0;
-    if (t == "q_proj") { in = h; out = q; }
-    else if (t == "k_proj" || t == "v_proj") { in = h; out = kv; }
-    else if (t == "o_proj") { in = q; out = h; }
-    else if (t == "gate_proj" || t == "up_proj") { in = h; out = inter; }
-    else if (t == "down_proj") { in = inter; out = h; }
-    else {
+    if (t == "q_proj") {
+      in = h;
+      out = q;
+    } else if (t == "k_proj" || t == "v_proj") {
+      in = h;
+      out = kv;
+    } else if (t == "o_proj") {
+      in = q;
+      out = h;
+    } else if (t == "gate_proj" || t == "up_proj") {
+      in = h;
+      out = inter;
+    } else if (t == "down_proj") {
+      in = inter;
+      out = h;
+    } else {
       throw Error(ErrorCode::kRefused, "lora.targets: unknown target module `" + t +
                                            "` (known: q_proj k_proj v_proj o_proj gate_proj "
                                            "up_proj down_proj)");
@@ -116,14 +125,14 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& 
   e.head_weights = in.head_bytes;
   e.head_streamed = plan.head_streamed;
   e.head_chunk_rows = HeadChunkRows(in.tokens, c.vocab_size, c.hidden_size, in.head_chunk_bytes);
-  e.lm_head = static_cast<uint64_t>(e.head_chunk_rows) * HeadChunkRowBytes(c.vocab_size, c.hidden_size) +
-              2 * t * h * b;
+  e.lm_head =
+      static_cast<uint64_t>(e.head_chunk_rows) * HeadChunkRowBytes(c.vocab_size, c.hidden_size) +
+      2 * t * h * b;
   e.reserve = in.reserve_bytes;
   return e;
 }
 
-ResidencyPlan FillPhaseSlots(const MemoryModelInputs& in, ResidencyPlan plan,
-                             uint64_t peak_bytes) {
+ResidencyPlan FillPhaseSlots(const MemoryModelInputs& in, ResidencyPlan plan, uint64_t peak_bytes) {
   // Each phase's estimate grows with its own slots only.
   while (plan.forward_slots < plan.num_streamed()) {
     ResidencyPlan more = plan;
@@ -140,8 +149,7 @@ ResidencyPlan FillPhaseSlots(const MemoryModelInputs& in, ResidencyPlan plan,
   return FillHeadSlots(in, plan, peak_bytes);
 }
 
-ResidencyPlan FillHeadSlots(const MemoryModelInputs& in, ResidencyPlan plan,
-                            uint64_t peak_bytes) {
+ResidencyPlan FillHeadSlots(const MemoryModelInputs& in, ResidencyPlan plan, uint64_t peak_bytes) {
   plan.head_slots = std::max(plan.head_slots, plan.ring_size);
   while (plan.head_slots < plan.backward_slots) {
     ResidencyPlan more = plan;
@@ -162,8 +170,7 @@ ResidencyPlan FillHeadSlots(const MemoryModelInputs& in, ResidencyPlan plan,
   return plan;
 }
 
-ResidencyPlan PlanFromBudget(const MemoryModelInputs& in, uint64_t budget_bytes,
-                             int ring_size) {
+ResidencyPlan PlanFromBudget(const MemoryModelInputs& in, uint64_t budget_bytes, int ring_size) {
   RequireValidRingSize(ring_size);
   const int num_blocks = static_cast<int>(in.block_bytes.size());
   // The estimate grows with every resident block, so the largest fitting count is found by

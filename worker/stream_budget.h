@@ -61,19 +61,19 @@ struct MemoryModelInputs {
   // at the LM head, more (smaller) matmuls.
   uint64_t head_chunk_bytes = kDefaultHeadChunkBytes;
   int64_t lora_rank = 16;
-  std::vector<std::string> lora_targets = {"q_proj", "k_proj",    "v_proj",  "o_proj",
+  std::vector<std::string> lora_targets = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
                                            "gate_proj", "up_proj", "down_proj"};
-  int64_t tokens = 0;                 // batch_size x seq_len of one micro-batch
-  int compute_bytes = 2;              // 2: bf16 compute; 4: f32
-  bool attention_materialized = false;  // true where attention has no fused kernel
+  int64_t tokens = 0;                            // batch_size x seq_len of one micro-batch
+  int compute_bytes = 2;                         // 2: bf16 compute; 4: f32
+  bool attention_materialized = false;           // true where attention has no fused kernel
   uint64_t reserve_bytes = uint64_t{512} << 20;  // allocator slack; lower = tighter plans
 };
 
 struct MemoryEstimate {
-  uint64_t rest = 0, resident_blocks = 0, ring = 0, adapter = 0, checkpoints = 0,
-           block_working = 0, attention = 0, lm_head = 0, reserve = 0;
+  uint64_t rest = 0, resident_blocks = 0, ring = 0, adapter = 0, checkpoints = 0, block_working = 0,
+           attention = 0, lm_head = 0, reserve = 0;
   uint64_t forward_ring = 0, head_ring = 0, backward_ring = 0, forward_working = 0;
-  uint64_t head_weights = 0;   // the LM head's weights (in fixed, or in head() when streamed)
+  uint64_t head_weights = 0;  // the LM head's weights (in fixed, or in head() when streamed)
   bool head_streamed = false;
   int64_t head_chunk_rows = 0;  // the chunked head's rows per chunk
   uint64_t fixed() const;
@@ -101,8 +101,7 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& inputs, const ResidencyPl
 // only otherwise is it streamed. Refuses (kRefused) a budget below the minimum (every block
 // and the LM head streamed), saying how many bytes that minimum is. Logs the plan and
 // estimate.
-ResidencyPlan PlanFromBudget(const MemoryModelInputs& inputs, uint64_t budget_bytes,
-                             int ring_size);
+ResidencyPlan PlanFromBudget(const MemoryModelInputs& inputs, uint64_t budget_bytes, int ring_size);
 
 // `plan` with as many slots in the forward and in the backward as fit within `peak_bytes`
 // (at least ring_size, at most the streamed blocks), then as many of the backward's slots

@@ -16,9 +16,9 @@
 #include "common/step_stats.h"
 #include "worker/adamw.h"
 #include "worker/base_weights.h"
+#include "worker/block.h"
 #include "worker/lm_head.h"
 #include "worker/lora.h"
-#include "worker/block.h"
 #include "worker/model.h"
 #include "worker/stream_budget.h"
 #ifdef LORASTREAM_HAVE_CUDA
@@ -82,7 +82,8 @@ double MeasureBandwidth(uint64_t block_bytes, const c10::Device& device) {
 #ifdef LORASTREAM_HAVE_CUDA
   if (device.is_cuda()) {
     return MeasurePinnedH2DBandwidth({{src.data(), block_bytes}},
-                                     device.has_index() ? device.index() : 0, 5) * 1e9;
+                                     device.has_index() ? device.index() : 0, 5) *
+           1e9;
   }
 #endif
   // The CPU backend's copy is a memcpy into a slot.
@@ -103,9 +104,9 @@ std::string CalibrationKey(const JobSpec& spec, const BaseWeights& base, const c
   std::string targets;
   for (const std::string& t : spec.lora.targets) targets += t.substr(0, 1);
   return base.name_or_path() + "-" + c.model_type + "-L" + std::to_string(c.num_hidden_layers) +
-         "-H" + std::to_string(c.hidden_size) + "-I" + std::to_string(c.intermediate_size) +
-         "-V" + std::to_string(c.vocab_size) + "-" + device.str() + "-" +
-         c10::toString(dtype) + "-r" + std::to_string(spec.lora.rank) + "-" + targets + "-T" +
+         "-H" + std::to_string(c.hidden_size) + "-I" + std::to_string(c.intermediate_size) + "-V" +
+         std::to_string(c.vocab_size) + "-" + device.str() + "-" + c10::toString(dtype) + "-r" +
+         std::to_string(spec.lora.rank) + "-" + targets + "-T" +
          std::to_string(spec.train.batch_size * spec.data.seq_len) +
          "-steps";  // blocks and tail from whole steps (older entries: from a block alone)
 }
@@ -165,7 +166,8 @@ double RepeatedModelStepSeconds(const RepeatedModelParts& p, int blocks, int rep
     (void)ClipGradNorm(params, 1.0);
     optimizer.Step(1e-9);
     optimizer.ZeroGrad();
-    if (i >= kWarmup) seconds.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+    if (i >= kWarmup)
+      seconds.push_back(std::chrono::duration<double>(Clock::now() - start).count());
   }
   std::sort(seconds.begin(), seconds.end());
   return seconds[seconds.size() / 2];
@@ -213,8 +215,8 @@ StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c
   const std::unique_ptr<HeadProvider> head = MakeResidentHead(base.rest().lm_head, device, dtype);
   const at::Tensor targets = at::randint(config.vocab_size, {rows, seq},
                                          at::TensorOptions().device(device).dtype(at::kLong));
-  const int64_t chunk_rows = HeadChunkRows(rows * seq, config.vocab_size, config.hidden_size,
-                                           kDefaultHeadChunkBytes);
+  const int64_t chunk_rows =
+      HeadChunkRows(rows * seq, config.vocab_size, config.hidden_size, kDefaultHeadChunkBytes);
   costs.head_seconds = TimeIt(reps, [&] {
     at::Tensor h = x.detach().requires_grad_(true);
     at::Tensor loss = ChunkedHeadLossSum(h, targets, norm, config.rms_norm_eps, *head, chunk_rows);
@@ -229,8 +231,8 @@ StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c
   // is bound by issuing kernels, and a short model issues them faster per block).
   const int kLong = std::max(2, static_cast<int>(config.num_hidden_layers));
   const int kShort = kLong / 2;
-  RepeatedModelParts parts{&config, &settings, &w, RestWeights{}, head.get(), at::Tensor(), targets,
-                        device, dtype};
+  RepeatedModelParts parts{&config,      &settings, &w,     RestWeights{}, head.get(),
+                           at::Tensor(), targets,   device, dtype};
   parts.rest.embed_tokens = base.rest().embed_tokens;
   parts.rest.norm = norm;
   parts.ids = at::randint(config.vocab_size, {rows, seq}, at::TensorOptions().dtype(at::kLong));
@@ -243,19 +245,19 @@ StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c
   costs.tail_seconds = std::max(0.0, short_step - kShort * per_block - costs.head_seconds);
 
   uint64_t block_bytes = 0;
-  for (const at::Tensor* t : {&w.input_norm, &w.q_proj, &w.k_proj, &w.v_proj, &w.o_proj,
-                              &w.q_bias, &w.k_bias, &w.v_bias, &w.q_norm, &w.k_norm,
-                              &w.post_norm, &w.gate_proj, &w.up_proj, &w.down_proj}) {
+  for (const at::Tensor* t :
+       {&w.input_norm, &w.q_proj, &w.k_proj, &w.v_proj, &w.o_proj, &w.q_bias, &w.k_bias, &w.v_bias,
+        &w.q_norm, &w.k_norm, &w.post_norm, &w.gate_proj, &w.up_proj, &w.down_proj}) {
     if (t->defined()) block_bytes += t->nbytes();
   }
   costs.h2d_bytes_per_second = MeasureBandwidth(block_bytes, device);
-  LS_LOG_INFO("stream: calibrated on {} at {} tokens in {:.2f} s: {} (a block alone: forward "
-              "{:.2f} ms, recompute+backward {:.2f} ms; steps of {} and {} blocks: {:.2f} and "
-              "{:.2f} ms)",
-              device.str(), rows * seq,
-              std::chrono::duration<double>(Clock::now() - start).count(), costs.Describe(),
-              forward_alone * 1e3, backward_alone * 1e3, kShort, kLong, short_step * 1e3,
-              long_step * 1e3);
+  LS_LOG_INFO(
+      "stream: calibrated on {} at {} tokens in {:.2f} s: {} (a block alone: forward "
+      "{:.2f} ms, recompute+backward {:.2f} ms; steps of {} and {} blocks: {:.2f} and "
+      "{:.2f} ms)",
+      device.str(), rows * seq, std::chrono::duration<double>(Clock::now() - start).count(),
+      costs.Describe(), forward_alone * 1e3, backward_alone * 1e3, kShort, kLong, short_step * 1e3,
+      long_step * 1e3);
   return costs;
 }
 

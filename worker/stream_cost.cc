@@ -77,10 +77,10 @@ PredictedStep PredictStep(const ResidencyPlan& plan, const std::vector<uint64_t>
       double begin = compute;
       if (use.slot >= 0) begin = std::max(begin, slot_ready[use.slot]);
       now.stall_seconds += begin - compute;
-      compute = begin + (use.backward ? costs.block_backward_seconds
-                                      : costs.block_forward_seconds);
+      compute = begin + (use.backward ? costs.block_backward_seconds : costs.block_forward_seconds);
       for (int r : p.issue_after_release[u]) issue(r, compute);
-      if (u == p.head_copy_after && plan.head_streamed) head_landed = copy_bytes(head_bytes, compute);
+      if (u == p.head_copy_after && plan.head_streamed)
+        head_landed = copy_bytes(head_bytes, compute);
     }
     last_release = compute;
     compute += costs.tail_seconds;
@@ -163,16 +163,16 @@ PlanChoice ChoosePlan(const MemoryModelInputs& inputs, const StepCosts& costs,
 std::string DescribeChoice(const PlanChoice& choice, uint64_t budget_bytes) {
   std::ostringstream s;
   s << "budget " << FormatBytes(budget_bytes) << "\n"
-    << "  plan                          resident  predicted ms  copied GB  stall ms  peak GiB  fits\n";
+    << "  plan                          resident  predicted ms  copied GB  stall ms  peak GiB  "
+       "fits\n";
   for (int i = 0; i < static_cast<int>(choice.candidates.size()); ++i) {
     const CandidatePlan& c = choice.candidates[i];
     char line[256];
     std::snprintf(line, sizeof line, "%s %-30s %8d  %12.1f  %9.2f  %8.1f  %8.2f  %s\n",
                   i == choice.chosen ? "*" : " ", c.Label().c_str(),
-                  c.plan.num_blocks() - c.plan.num_streamed(),
-                  c.predicted.step_seconds * 1e3, c.predicted.h2d_bytes / 1e9,
-                  c.predicted.stall_seconds * 1e3, c.peak_bytes / double(1ULL << 30),
-                  c.fits ? "yes" : "no");
+                  c.plan.num_blocks() - c.plan.num_streamed(), c.predicted.step_seconds * 1e3,
+                  c.predicted.h2d_bytes / 1e9, c.predicted.stall_seconds * 1e3,
+                  c.peak_bytes / double(1ULL << 30), c.fits ? "yes" : "no");
     s << line;
   }
   if (choice.chosen >= 0) {
@@ -198,8 +198,9 @@ std::string CalibrationCachePath(const std::string& key) {
     dir = "/tmp/lorastream-cache";
   }
   std::string file;
-  for (char c : key) file += (std::isalnum(static_cast<unsigned char>(c)) || c == '-' ||
-                              c == '.' || c == '_') ? c : '_';
+  for (char c : key)
+    file +=
+        (std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '.' || c == '_') ? c : '_';
   return dir + "/calibration/" + file + ".json";
 }
 
@@ -247,8 +248,8 @@ void SaveStepCosts(const std::string& key, const StepCosts& c) {
     }
   }
   fs::rename(tmp, path, ec);
-  if (ec) LS_LOG_WARN("stream: cannot write the calibration cache {}: {}", path.string(),
-                      ec.message());
+  if (ec)
+    LS_LOG_WARN("stream: cannot write the calibration cache {}: {}", path.string(), ec.message());
 }
 
 }  // namespace lorastream::worker

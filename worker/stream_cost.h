@@ -39,9 +39,9 @@ struct StepCosts {
 
 struct PredictedStep {
   double step_seconds = 0;
-  double copy_busy_seconds = 0;    // the copy engine's busy time in the step
-  double stall_seconds = 0;        // compute waiting for copies
-  uint64_t h2d_bytes = 0;          // bytes copied per step
+  double copy_busy_seconds = 0;  // the copy engine's busy time in the step
+  double stall_seconds = 0;      // compute waiting for copies
+  uint64_t h2d_bytes = 0;        // bytes copied per step
 };
 
 // The steady-state step of `plan` (one pass per step) under `costs`; block_bytes[i]: the
@@ -53,7 +53,7 @@ struct CandidatePlan {
   ResidencyPlan plan;
   uint64_t peak_bytes = 0;  // EstimateMemory(...).total()
   PredictedStep predicted;
-  bool fits = false;        // peak_bytes <= the budget
+  bool fits = false;          // peak_bytes <= the budget
   std::string Label() const;  // "swap 12 ring 2 fwd 7 bwd 6"
 };
 

@@ -17,13 +17,12 @@ double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 }  // namespace
 
 CpuStreamBackend::CpuStreamBackend(const StreamBackendOptions& options)
-    : options_(options),
-      slot_last_copy_(options.num_slots, 0),
-      reading_(options.num_slots, false) {
+    : options_(options), slot_last_copy_(options.num_slots, 0), reading_(options.num_slots, false) {
   LS_CHECK(options.num_slots >= 0, "negative slot count");
   slots_.resize(options.num_slots);
-  const int permanent =
-      options.permanent_slots < 0 ? options.num_slots : std::min(options.permanent_slots, options.num_slots);
+  const int permanent = options.permanent_slots < 0
+                            ? options.num_slots
+                            : std::min(options.permanent_slots, options.num_slots);
   for (int s = 0; s < permanent; ++s) Allocate(s);  // no thread yet: no lock needed
   thread_ = std::thread([this] { CopyLoop(); });
 }
@@ -134,10 +133,10 @@ void CpuStreamBackend::CopyLoop() {
       continue;
     }
     if (reading_[job.slot]) {
-      copy_error_ = std::make_exception_ptr(Error(
-          ErrorCode::kInternal,
-          "invariant 2 broken: a copy into ring slot " + std::to_string(job.slot) +
-              " was issued while a block in it was still being read"));
+      copy_error_ = std::make_exception_ptr(
+          Error(ErrorCode::kInternal, "invariant 2 broken: a copy into ring slot " +
+                                          std::to_string(job.slot) +
+                                          " was issued while a block in it was still being read"));
       completed_ = job.seq;
       cv_.notify_all();
       continue;

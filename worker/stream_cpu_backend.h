@@ -56,9 +56,9 @@ class CpuStreamBackend : public StreamBackend {
   void Allocate(int slot);  // requires mu_
 
   const StreamBackendOptions options_;
-  std::vector<at::Tensor> slots_;        // written under mu_ (the copy thread reads them)
-  int live_slots_ = 0;                   // guarded by mu_
-  int max_live_slots_ = 0;               // guarded by mu_
+  std::vector<at::Tensor> slots_;  // written under mu_ (the copy thread reads them)
+  int live_slots_ = 0;             // guarded by mu_
+  int max_live_slots_ = 0;         // guarded by mu_
 
   std::mutex mu_;
   std::condition_variable cv_;

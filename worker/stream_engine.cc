@@ -30,13 +30,12 @@ std::vector<SegmentInfo> CheckedLayouts(const Manifest& manifest,
                   "stream engine: no host address for block " + std::to_string(i));
     }
     for (const TensorSlice& t : manifest.blocks[i].tensors) {
-      if (t.offset > manifest.blocks[i].nbytes ||
-          t.nbytes > manifest.blocks[i].nbytes - t.offset) {
-        throw Error(ErrorCode::kCorrupt,
-                    "manifest: tensor model.layers." + std::to_string(i) + "." + t.name +
-                        " lies outside its segment (" + std::to_string(t.offset) + " + " +
-                        std::to_string(t.nbytes) + " > " +
-                        std::to_string(manifest.blocks[i].nbytes) + ")");
+      if (t.offset > manifest.blocks[i].nbytes || t.nbytes > manifest.blocks[i].nbytes - t.offset) {
+        throw Error(ErrorCode::kCorrupt, "manifest: tensor model.layers." + std::to_string(i) +
+                                             "." + t.name + " lies outside its segment (" +
+                                             std::to_string(t.offset) + " + " +
+                                             std::to_string(t.nbytes) + " > " +
+                                             std::to_string(manifest.blocks[i].nbytes) + ")");
       }
     }
   }
@@ -114,15 +113,16 @@ StreamEngine::StreamEngine(const Manifest& manifest, std::vector<const uint8_t*>
     for (const BlockUse& u : steady.uses) {
       if (u.copy) steady_bytes += layouts_[u.block].nbytes;
     }
-    LS_LOG_INFO("stream engine: {}; steady pass: {} copies ({:.2f} GB), {} uses served from "
-                "a slot",
-                residency_.Describe(), steady.copies(), steady_bytes / 1e9,
-                steady.copies_saved());
+    LS_LOG_INFO(
+        "stream engine: {}; steady pass: {} copies ({:.2f} GB), {} uses served from "
+        "a slot",
+        residency_.Describe(), steady.copies(), steady_bytes / 1e9, steady.copies_saved());
     if (streamed_bytes > 0)
-      LS_LOG_INFO("stream engine: prepared {} streamed bytes for copying in {:.3f} s "
-                  "({:.3f} s/GiB)",
-                  streamed_bytes, prepare_seconds,
-                  prepare_seconds / (static_cast<double>(streamed_bytes) / (1ull << 30)));
+      LS_LOG_INFO(
+          "stream engine: prepared {} streamed bytes for copying in {:.3f} s "
+          "({:.3f} s/GiB)",
+          streamed_bytes, prepare_seconds,
+          prepare_seconds / (static_cast<double>(streamed_bytes) / (1ull << 30)));
     if (residency_.num_streamed() > 0) LS_LOG_DEBUG("steady pass plan:\n{}", steady.Describe());
   }
   // Prefetch the first pass's blocks right away: the ring is empty, nothing to wait for.
@@ -258,8 +258,9 @@ ResidencyPlan ApplyPhaseSlots(const MemoryModelInputs& inputs, ResidencyPlan pla
     return forward ? one.forward_slots : one.backward_slots;
   };
   if (forward_slots < -1 || backward_slots < -1) {
-    throw Error(ErrorCode::kRefused, "stream.forward_slots and stream.backward_slots must be "
-                                     ">= -1 (-1: as many as fit; 0: ring_size)");
+    throw Error(ErrorCode::kRefused,
+                "stream.forward_slots and stream.backward_slots must be "
+                ">= -1 (-1: as many as fit; 0: ring_size)");
   }
   const int f = slots(forward_slots, plan.forward_slots, true);
   const int b = slots(backward_slots, plan.backward_slots, false);
@@ -272,9 +273,9 @@ ResidencyPlan ApplyPhaseSlots(const MemoryModelInputs& inputs, ResidencyPlan pla
   return FillHeadSlots(inputs, phased, head_peak);
 }
 
-ResidencyPlan PlanResidency(int64_t blocks_to_swap, uint64_t gpu_memory_budget,
-                            int64_t ring_size, const MemoryModelInputs& inputs,
-                            int64_t forward_slots, int64_t backward_slots) {
+ResidencyPlan PlanResidency(int64_t blocks_to_swap, uint64_t gpu_memory_budget, int64_t ring_size,
+                            const MemoryModelInputs& inputs, int64_t forward_slots,
+                            int64_t backward_slots) {
   const int num_blocks = static_cast<int>(inputs.block_bytes.size());
   const int ring = static_cast<int>(std::clamp<int64_t>(ring_size, -1, 1 << 20));
   RequireValidRingSize(ring);

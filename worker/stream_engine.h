@@ -36,10 +36,10 @@
 namespace lorastream::worker {
 
 struct StreamEngineOptions {
-  bool debug_poison = false;          // see StreamBackendOptions
-  int64_t debug_copy_delay_us = 0;    // see StreamBackendOptions
-  bool force_staging = false;         // CUDA: always copy through the pinned staging pool
-  bool log_plan = true;               // log the residency and the steady pass plan at start
+  bool debug_poison = false;        // see StreamBackendOptions
+  int64_t debug_copy_delay_us = 0;  // see StreamBackendOptions
+  bool force_staging = false;       // CUDA: always copy through the pinned staging pool
+  bool log_plan = true;             // log the residency and the steady pass plan at start
 };
 
 class StreamEngine : public BlockProvider {
@@ -62,7 +62,7 @@ class StreamEngine : public BlockProvider {
 
   const ResidencyPlan& residency() const { return residency_; }
   const PassPlan& pass_plan() const { return pass_; }  // the pass in progress
-  int next_use() const { return cursor_; }  // the index in pass_plan() of the next use
+  int next_use() const { return cursor_; }             // the index in pass_plan() of the next use
 
  private:
   void StartPass();  // plans the pass from the slots' contents and issues its first copies
@@ -75,14 +75,14 @@ class StreamEngine : public BlockProvider {
   const ResidencyPlan residency_;
   std::unique_ptr<StreamBackend> backend_;
 
-  std::vector<at::Tensor> resident_bytes_;     // [block], defined for resident blocks
-  std::vector<BlockWeights> resident_weights_; // [block]
-  std::vector<BlockWeights> slot_weights_;     // [slot]: views over the slot for ...
-  std::vector<int> slot_weights_block_;        // ... this block's layout (-1: none yet)
-  std::vector<int> slot_block_;                // block each slot holds once its copies land
+  std::vector<at::Tensor> resident_bytes_;      // [block], defined for resident blocks
+  std::vector<BlockWeights> resident_weights_;  // [block]
+  std::vector<BlockWeights> slot_weights_;      // [slot]: views over the slot for ...
+  std::vector<int> slot_weights_block_;         // ... this block's layout (-1: none yet)
+  std::vector<int> slot_block_;                 // block each slot holds once its copies land
 
   PassPlan pass_;
-  int cursor_ = 0;     // index of the next use to Acquire in pass_
+  int cursor_ = 0;         // index of the next use to Acquire in pass_
   bool acquired_ = false;  // use cursor_ is acquired and not yet released
 
   // Statistics since the last EndStep.
@@ -103,9 +103,9 @@ void RefuseTrainableBaseWeight(const at::Tensor& weight, const std::string& name
 // estimated peak (the budget when there is one), N asks for N; then as many of the
 // backward's slots as fit across the LM head within the budget, else within the estimated
 // peak of the plan with those slots. Logs the plan. Refusals name the field.
-ResidencyPlan PlanResidency(int64_t blocks_to_swap, uint64_t gpu_memory_budget,
-                            int64_t ring_size, const MemoryModelInputs& inputs,
-                            int64_t forward_slots = 0, int64_t backward_slots = 0);
+ResidencyPlan PlanResidency(int64_t blocks_to_swap, uint64_t gpu_memory_budget, int64_t ring_size,
+                            const MemoryModelInputs& inputs, int64_t forward_slots = 0,
+                            int64_t backward_slots = 0);
 
 // The same phase-slot rule for a plan made elsewhere (the cost-model planner).
 ResidencyPlan ApplyPhaseSlots(const MemoryModelInputs& inputs, ResidencyPlan plan,

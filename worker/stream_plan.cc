@@ -61,10 +61,10 @@ ResidencyPlan PlanFromSwapCount(int num_blocks, int blocks_to_swap, int ring_siz
                     std::to_string(num_blocks) + ")");
   }
   if (blocks_to_swap < 0 || blocks_to_swap > num_blocks) {
-    throw Error(ErrorCode::kRefused,
-                "stream.blocks_to_swap must be in [0, " + std::to_string(num_blocks) +
-                    "] for this " + std::to_string(num_blocks) + "-block model (found " +
-                    std::to_string(blocks_to_swap) + ")");
+    throw Error(ErrorCode::kRefused, "stream.blocks_to_swap must be in [0, " +
+                                         std::to_string(num_blocks) + "] for this " +
+                                         std::to_string(num_blocks) + "-block model (found " +
+                                         std::to_string(blocks_to_swap) + ")");
   }
   ResidencyPlan plan;
   plan.streamed.assign(num_blocks, true);
@@ -112,9 +112,8 @@ int PassPlan::copies() const {
 }
 
 int PassPlan::copies_saved() const {
-  return static_cast<int>(std::count_if(uses.begin(), uses.end(), [](const BlockUse& u) {
-    return u.slot >= 0 && !u.copy;
-  }));
+  return static_cast<int>(std::count_if(uses.begin(), uses.end(),
+                                        [](const BlockUse& u) { return u.slot >= 0 && !u.copy; }));
 }
 
 std::string PassPlan::Describe() const {
@@ -146,8 +145,7 @@ namespace {
 // excepted: the LM head's phase counts them with the head's weights); -1 when there is none.
 int HeadCopyPoint(const ResidencyPlan& residency, const PassPlan& plan) {
   const int num_blocks = residency.num_blocks();
-  if (!residency.head_streamed || residency.head_prefetch_slots <= 0 || num_blocks == 0)
-    return -1;
+  if (!residency.head_streamed || residency.head_prefetch_slots <= 0 || num_blocks == 0) return -1;
   const int limit = residency.forward_slots - residency.head_prefetch_slots;
   std::vector<bool> live(residency.max_slots(), false);
   for (int s = 0; s < residency.max_slots(); ++s)
@@ -241,8 +239,7 @@ PassPlan PlanPass(const ResidencyPlan& residency, const std::vector<int>& slots_
           for (int s = 0; s < limit; ++s) {
             std::tuple<int, int, int, int> key;
             // Survivors: the lowest slot; the others: the highest phase slot, else the lowest.
-            const int order_pref =
-                survivor[u] || s < keep ? slots - 1 - s : slots + s;
+            const int order_pref = survivor[u] || s < keep ? slots - 1 - s : slots + s;
             if (slot_block[s] < 0) {
               // Of the empty slots, the backward fills the LM head's first: their copies run
               // during the head.

@@ -107,12 +107,12 @@ struct BlockUse {
 };
 
 struct PassPlan {
-  std::vector<BlockUse> uses;          // 2L, in order
-  std::vector<int> slots_at_start;     // block held by each slot when the pass starts (-1 empty)
-  std::vector<int> slots_at_end;       // ... and when it ends
+  std::vector<BlockUse> uses;       // 2L, in order
+  std::vector<int> slots_at_start;  // block held by each slot when the pass starts (-1 empty)
+  std::vector<int> slots_at_end;    // ... and when it ends
   std::vector<std::vector<int>> issue_after_release;  // [u]: uses whose copies follow Release(u)
   std::vector<std::vector<int>> issue_at_acquire;     // [u]: deferred copies issued at Acquire(u)
-  std::vector<int> issue_at_start;     // uses whose copies are issued at the start of the pass
+  std::vector<int> issue_at_start;  // uses whose copies are issued at the start of the pass
   // [u]: phase slots freed right after Release(u) (after the last use in their phase; their
   // blocks are gone).
   std::vector<std::vector<int>> free_after_release;

@@ -28,10 +28,14 @@ namespace {
 
 DType DTypeOf(c10::ScalarType t) {
   switch (t) {
-    case at::kFloat: return DType::kF32;
-    case at::kBFloat16: return DType::kBF16;
-    case at::kHalf: return DType::kF16;
-    case at::kDouble: return DType::kF64;
+    case at::kFloat:
+      return DType::kF32;
+    case at::kBFloat16:
+      return DType::kBF16;
+    case at::kHalf:
+      return DType::kF16;
+    case at::kDouble:
+      return DType::kF64;
     default:
       throw Error(ErrorCode::kUnsupported,
                   std::string("stream: compute dtype ") + c10::toString(t) + " is not supported");
@@ -95,7 +99,9 @@ class StreamProvider : public BlockProvider {
  public:
   StreamProvider(std::unique_ptr<PackedBlocks> packed, std::unique_ptr<StreamEngine> engine,
                  std::unique_ptr<HeadProvider> head, double predicted_step_seconds)
-      : packed_(std::move(packed)), engine_(std::move(engine)), head_(std::move(head)),
+      : packed_(std::move(packed)),
+        engine_(std::move(engine)),
+        head_(std::move(head)),
         predicted_(predicted_step_seconds) {}
   int num_blocks() const override { return engine_->num_blocks(); }
   void BeginStep() override {
@@ -109,8 +115,8 @@ class StreamProvider : public BlockProvider {
         LS_LOG_INFO("stream: step {} took {:.1f} ms, predicted {:.1f} ms ({:+.1f}%)", steps_,
                     measured * 1e3, predicted_ * 1e3, (measured / predicted_ - 1) * 100);
       } else {
-        LS_LOG_DEBUG("stream: step {} took {:.1f} ms, predicted {:.1f} ms", steps_,
-                     measured * 1e3, predicted_ * 1e3);
+        LS_LOG_DEBUG("stream: step {} took {:.1f} ms, predicted {:.1f} ms", steps_, measured * 1e3,
+                     predicted_ * 1e3);
       }
     }
     last_begin_ = now;
@@ -134,7 +140,7 @@ class StreamProvider : public BlockProvider {
   std::unique_ptr<PackedBlocks> packed_;
   std::unique_ptr<StreamEngine> engine_;
   std::unique_ptr<HeadProvider> head_;  // null: the head stays resident (the trainer's)
-  const double predicted_;  // seconds per step; 0: no prediction
+  const double predicted_;              // seconds per step; 0: no prediction
   std::chrono::steady_clock::time_point last_begin_;
   int64_t steps_ = 0;
 };
@@ -171,7 +177,8 @@ std::unique_ptr<BlockProvider> MakeStreamProvider(const JobSpec& spec, const Bas
   auto engine = MakeStreamEngine(*manifest, pointers, planning.plan, device, options);
   std::unique_ptr<HeadProvider> head;
   // A tied model's head is its embedding table (BaseWeights::rest().lm_head is that view).
-  if (planning.plan.head_streamed) head = MakeStreamedHead(base.rest().lm_head, device, dtype, options);
+  if (planning.plan.head_streamed)
+    head = MakeStreamedHead(base.rest().lm_head, device, dtype, options);
   return std::make_unique<StreamProvider>(std::move(packed), std::move(engine), std::move(head),
                                           planning.predicted_step_seconds);
 }
@@ -223,12 +230,13 @@ StreamPlanning PlanJobStream(const JobSpec& spec, const BaseWeights& base,
                              at_least_ring(st.forward_slots), at_least_ring(st.backward_slots));
   out.predicted_step_seconds =
       PredictStep(out.plan, inputs.block_bytes, costs, inputs.head_bytes).step_seconds;
-  LS_LOG_INFO("stream plan from gpu_memory_budget {} by the cost model ({} candidates; {}): "
-              "{}; predicted {:.1f} ms per step (resident {:.1f} ms); estimate {}",
-              FormatBytes(st.gpu_memory_budget), choice.candidates.size(), costs.Describe(),
-              out.plan.Describe(), out.predicted_step_seconds * 1e3,
-              costs.ResidentStepSeconds(out.plan.num_blocks()) * 1e3,
-              EstimateMemory(inputs, out.plan).Describe());
+  LS_LOG_INFO(
+      "stream plan from gpu_memory_budget {} by the cost model ({} candidates; {}): "
+      "{}; predicted {:.1f} ms per step (resident {:.1f} ms); estimate {}",
+      FormatBytes(st.gpu_memory_budget), choice.candidates.size(), costs.Describe(),
+      out.plan.Describe(), out.predicted_step_seconds * 1e3,
+      costs.ResidentStepSeconds(out.plan.num_blocks()) * 1e3,
+      EstimateMemory(inputs, out.plan).Describe());
   return out;
 }
 

@@ -27,8 +27,9 @@ inline at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, cons
   auto repeat = [&](const at::Tensor& t) {
     if (groups == 1) return t;
     auto s = t.sizes();
-    return t.unsqueeze(2).expand({s[0], s[1], groups, s[2], s[3]}).reshape(
-        {s[0], s[1] * groups, s[2], s[3]});
+    return t.unsqueeze(2)
+        .expand({s[0], s[1], groups, s[2], s[3]})
+        .reshape({s[0], s[1] * groups, s[2], s[3]});
   };
   at::Tensor kk = repeat(k), vv = repeat(v);
 #if TORCH_VERSION_MAJOR >= 2

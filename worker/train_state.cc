@@ -17,8 +17,8 @@ namespace lorastream::worker {
 namespace fs = std::filesystem;
 
 std::string SaveCheckpoint(const std::string& output_dir, const LoraAdapter& adapter,
-                           AdamW& optimizer, const TrainState& state,
-                           const std::string& base_model, const CheckpointRetention& retention) {
+                           AdamW& optimizer, const TrainState& state, const std::string& base_model,
+                           const CheckpointRetention& retention) {
   const std::string name = CheckpointFolderName(state.step);
   const fs::path final_dir = fs::path(output_dir) / name;
   const fs::path tmp_dir = fs::path(output_dir) / ("." + name + ".tmp");
@@ -66,8 +66,7 @@ std::string FindLatestCheckpoint(const std::string& output_dir) {
   return FindResumableCheckpoint(output_dir);
 }
 
-TrainState LoadTrainerState(const std::string& dir, const LoraAdapter& adapter,
-                            AdamW& optimizer) {
+TrainState LoadTrainerState(const std::string& dir, const LoraAdapter& adapter, AdamW& optimizer) {
   const std::string path = (fs::path(dir) / kTrainerStateFile).string();
   SafetensorsFile file = SafetensorsFile::Open(path);
   const TrainerStateMeta meta = ParseTrainerStateMetadata(file.header().metadata, path);
@@ -84,8 +83,8 @@ TrainState LoadTrainerState(const std::string& dir, const LoraAdapter& adapter,
       const std::string key = (which == 0 ? "exp_avg." : "exp_avg_sq.") + names[i];
       const SafetensorsEntry* e = file.Find(key);
       if (!e || e->dtype != DType::kF32 || e->shape != moments[i].sizes().vec())
-        throw Error(ErrorCode::kCorrupt, path + ": tensor `" + key +
-                                             "` is missing or has the wrong dtype/shape");
+        throw Error(ErrorCode::kCorrupt,
+                    path + ": tensor `" + key + "` is missing or has the wrong dtype/shape");
       at::Tensor view = at::from_blob(const_cast<uint8_t*>(file.Data(*e)), e->shape,
                                       at::TensorOptions().dtype(at::kFloat));
       moments[i].copy_(view);

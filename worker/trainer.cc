@@ -1,7 +1,7 @@
 #include "worker/trainer.h"
 
-#include <unistd.h>
 #include <fcntl.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -19,9 +19,9 @@
 #include "common/file_lock.h"
 #include "common/format_bytes.h"
 #include "common/job_access.h"
+#include "common/job_data.h"
 #include "common/log.h"
 #include "common/manifest_tokenizer.h"
-#include "common/job_data.h"
 #include "common/step_stats_json.h"
 #include "common/tokenizer_id.h"
 #include "common/unique_fd.h"
@@ -49,8 +49,8 @@ std::string Fingerprint(const JobSpec& s) {
                   ";rslora=" + std::to_string(s.lora.rslora) + ";targets=";
   for (const auto& t : s.lora.targets) f += t + ",";
   f += ";seed=" + std::to_string(s.train.seed) + ";batch=" + std::to_string(s.train.batch_size) +
-       ";accum=" + std::to_string(s.train.grad_accum) + ";seq_len=" +
-       std::to_string(s.data.seq_len) + ";packing=" + std::to_string(s.data.packing) +
+       ";accum=" + std::to_string(s.train.grad_accum) +
+       ";seq_len=" + std::to_string(s.data.seq_len) + ";packing=" + std::to_string(s.data.packing) +
        ";data=" + s.data.path;
   // A held-out split changes which documents are trained on (older fingerprints stay valid).
   if (s.eval.split > 0) f += ";eval_split=" + std::to_string(s.eval.split);
@@ -80,12 +80,12 @@ ComputeTarget ChooseComputeTarget(const JobSpec& spec, const std::string& device
   try {
     target.device = c10::Device(device_option == "cuda" ? std::string("cuda:0") : device_option);
   } catch (const std::exception&) {
-    throw Error(ErrorCode::kInvalidArgument, "--device `" + device_option +
-                                                 "` is not a device (cpu, cuda, cuda:N)");
+    throw Error(ErrorCode::kInvalidArgument,
+                "--device `" + device_option + "` is not a device (cpu, cuda, cuda:N)");
   }
   if (target.device.is_cuda() && !at::hasCUDA())
-    throw Error(ErrorCode::kUnsupported, "--device " + device_option +
-                                             ": this build or machine has no CUDA");
+    throw Error(ErrorCode::kUnsupported,
+                "--device " + device_option + ": this build or machine has no CUDA");
   target.dtype_name = spec.train.dtype;
   if (target.dtype_name == "auto") target.dtype_name = target.device.is_cuda() ? "bf16" : "f32";
   target.dtype = target.dtype_name == "bf16" ? at::kBFloat16 : at::kFloat;
@@ -98,8 +98,7 @@ void RefuseAgainstModel(const JobSpec& spec, const BaseWeights& base) {
   RequireValidJobSpec(spec, &base.config());
   if (const Manifest* manifest = base.manifest()) {  // a checkpoint's tokenizer: ValidateJobSpec
     const std::string why = DataTokenizerProblem(
-        spec.data.path, spec.data.format,
-        [&] { return ManifestTokenizer(*manifest); },
+        spec.data.path, spec.data.format, [&] { return ManifestTokenizer(*manifest); },
         "store `" + manifest->store_name + "`", base.config().vocab_size);
     if (!why.empty()) throw Error(ErrorCode::kRefused, why);
   }
@@ -131,8 +130,8 @@ TrainModel BuildModel(const JobSpec& spec, const TrainOptions& options, const Ba
   // mapping): each micro-batch's rows are gathered there and only they are copied.
   rest.embed_tokens = base.rest().embed_tokens;
   rest.norm = base.rest().norm.to(device, target.dtype);
-  m.model = std::make_unique<CausalLm>(base.config(), rest, m.provider.get(), device,
-                                       target.dtype, head);
+  m.model =
+      std::make_unique<CausalLm>(base.config(), rest, m.provider.get(), device, target.dtype, head);
   return m;
 }
 
@@ -142,13 +141,13 @@ FileLock LockOutputDir(const JobSpec& spec, const TrainOptions& options) {
   std::error_code dir_error;
   fs::create_directories(spec.train.output_dir, dir_error);
   if (dir_error)
-    throw Error(ErrorCode::kIo, "train.output_dir: cannot create " + spec.train.output_dir +
-                                    ": " + dir_error.message());
-  return FileLock::Acquire(
-      (fs::path(spec.train.output_dir) / kOutputDirLockName).string(),
-      options.lock_holder.empty() ? "lorastream-worker pid " + std::to_string(::getpid())
-                                  : options.lock_holder,
-      "train.output_dir " + spec.train.output_dir);
+    throw Error(ErrorCode::kIo, "train.output_dir: cannot create " + spec.train.output_dir + ": " +
+                                    dir_error.message());
+  return FileLock::Acquire((fs::path(spec.train.output_dir) / kOutputDirLockName).string(),
+                           options.lock_holder.empty()
+                               ? "lorastream-worker pid " + std::to_string(::getpid())
+                               : options.lock_holder,
+                           "train.output_dir " + spec.train.output_dir);
 }
 
 // Where training starts: a fresh adapter, or the latest checkpoint's adapter, AdamW moments
@@ -167,15 +166,15 @@ TrainStart StartOrResume(const JobSpec& spec, bool resume, const ModelConfig& co
   start.resume_dir = resume ? FindLatestCheckpoint(spec.train.output_dir) : "";
   const std::string& resume_dir = start.resume_dir;
   if (resume_dir.empty()) {
-    start.adapter = std::make_unique<LoraAdapter>(
-        LoraAdapter::Init(config, settings, spec.train.seed, device));
+    start.adapter =
+        std::make_unique<LoraAdapter>(LoraAdapter::Init(config, settings, spec.train.seed, device));
   } else {
     start.adapter = std::make_unique<LoraAdapter>(LoraAdapter::Load(resume_dir, config, device));
     // The adapter file carries its settings; the job must still ask for the same ones.
     if (start.adapter->settings().TargetNames() != settings.TargetNames() ||
         start.adapter->settings().rank != settings.rank)
-      throw Error(ErrorCode::kRefused, "resume: " + resume_dir +
-                                           " holds an adapter with other lora.rank/targets");
+      throw Error(ErrorCode::kRefused,
+                  "resume: " + resume_dir + " holds an adapter with other lora.rank/targets");
   }
   AdamWOptions adam_options{spec.optim.beta1, spec.optim.beta2, spec.optim.eps,
                             spec.optim.weight_decay};
@@ -198,8 +197,8 @@ TrainStart StartOrResume(const JobSpec& spec, bool resume, const ModelConfig& co
 // each a checkpointed forward and backward whose loss is divided by the step's target-token
 // count; then clipping and AdamW, and `state` advanced. Sets the step's loss, grad norm and the
 // provider's copy statistics in *stats.
-void TrainStep(const JobSpec& spec, const SequenceSet& sequences, Sampler& sampler,
-               CausalLm& model, BlockProvider& provider, LoraAdapter& adapter, AdamW& optimizer,
+void TrainStep(const JobSpec& spec, const SequenceSet& sequences, Sampler& sampler, CausalLm& model,
+               BlockProvider& provider, LoraAdapter& adapter, AdamW& optimizer,
                const std::vector<at::Tensor>& params, double lr, c10::Device device,
                TrainState* state, StepStats* stats) {
   const int64_t rows = spec.train.batch_size, accum = spec.train.grad_accum;
@@ -223,10 +222,9 @@ void TrainStep(const JobSpec& spec, const SequenceSet& sequences, Sampler& sampl
   }
   provider.EndStep(*stats);
   if (!std::isfinite(loss_value))
-    throw Error(ErrorCode::kInternal, "job " + spec.name + ": the loss is " +
-                                          std::to_string(loss_value) + " at step " +
-                                          std::to_string(state->step + 1) +
-                                          " (lower optim.lr or check the data)");
+    throw Error(ErrorCode::kInternal,
+                "job " + spec.name + ": the loss is " + std::to_string(loss_value) + " at step " +
+                    std::to_string(state->step + 1) + " (lower optim.lr or check the data)");
   stats->grad_norm = ClipGradNorm(params, spec.optim.grad_clip);
   optimizer.Step(lr);
   optimizer.ZeroGrad();
@@ -237,8 +235,7 @@ void TrainStep(const JobSpec& spec, const SequenceSet& sequences, Sampler& sampl
 }
 
 // The step's figures: its number, tokens and throughput.
-void SetStepFigures(int64_t step, int64_t total, int64_t tokens, double seconds,
-                    StepStats* stats) {
+void SetStepFigures(int64_t step, int64_t total, int64_t tokens, double seconds, StepStats* stats) {
   stats->step = step;
   stats->total_steps = total;
   stats->tokens = tokens;
@@ -387,16 +384,17 @@ int RunTrainCommand(const std::string& job_path, const TrainOptions& options,
     if (first_step < 0) first_step = s.step - 1;
     const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
     const double per_step = elapsed / static_cast<double>(s.step - first_step);
-    std::printf("%s\n", FormatProgress(s, per_step * static_cast<double>(s.total_steps - s.step)).c_str());
+    std::printf("%s\n",
+                FormatProgress(s, per_step * static_cast<double>(s.total_steps - s.step)).c_str());
     std::fflush(stdout);
   };
   auto should_stop = [stop_signal] { return stop_signal && stop_signal->load() != 0; };
   TrainResult r = RunTraining(spec, options, on_step, should_stop);
   if (r.stopped) {
-    std::printf("stopped by signal %d at step %lld: checkpoint in %s (run the same command "
-                "to resume)\n",
-                stop_signal->load(), static_cast<long long>(r.steps_done),
-                r.checkpoint_dir.c_str());
+    std::printf(
+        "stopped by signal %d at step %lld: checkpoint in %s (run the same command "
+        "to resume)\n",
+        stop_signal->load(), static_cast<long long>(r.steps_done), r.checkpoint_dir.c_str());
     return 128 + stop_signal->load();
   }
   std::printf("done: %lld steps, final loss %.4f", static_cast<long long>(r.steps_done),

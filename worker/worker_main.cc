@@ -1,5 +1,6 @@
 // lorastream-worker: `train JOB.toml` runs one job standalone; `plan JOB.toml` prints the
-// streaming plans the cost model weighs; `parity` is the parity harness's side (tools/parity/). Thin: parse options, call one Run function, map errors.
+// streaming plans the cost model weighs; `parity` is the parity harness's side (tools/parity/).
+// Thin: parse options, call one Run function, map errors.
 #include <atomic>
 #include <csignal>
 #include <cstdio>
@@ -50,16 +51,20 @@ int main(int argc, char** argv) {
   train_cmd->add_option("job", job_path, "the job file (TOML)")->required();
   train_cmd->add_option("--device", train.device, "cpu | cuda | cuda:N")->capture_default_str();
   train_cmd->add_option("--threads", train.threads, "CPU threads (0 = every core)");
-  train_cmd->add_flag("--no-resume", no_resume, "start fresh even when output_dir has a checkpoint");
+  train_cmd->add_flag("--no-resume", no_resume,
+                      "start fresh even when output_dir has a checkpoint");
   bool train_resident = false;
   train_cmd->add_flag("--resident", train_resident,
                       "keep every block resident, ignoring [stream] (no streaming engine)");
 
   ParityOptions parity;
-  auto* parity_cmd = app.add_subcommand("parity", "logits, loss and LoRA gradients for tools/parity");
+  auto* parity_cmd =
+      app.add_subcommand("parity", "logits, loss and LoRA gradients for tools/parity");
   parity_cmd->add_option("--model", parity.model_dir, "Hugging Face checkpoint folder")->required();
-  parity_cmd->add_option("--tokens", parity.tokens_path, "safetensors with input_ids [B, S] (I64)")->required();
-  parity_cmd->add_option("--adapter", parity.adapter_dir, "peft adapter folder (absent: a fresh one)");
+  parity_cmd->add_option("--tokens", parity.tokens_path, "safetensors with input_ids [B, S] (I64)")
+      ->required();
+  parity_cmd->add_option("--adapter", parity.adapter_dir,
+                         "peft adapter folder (absent: a fresh one)");
   parity_cmd->add_option("--out", parity.out_dir, "output folder")->required();
   parity_cmd->add_option("--dtype", parity.dtype, "f32 | bf16")->capture_default_str();
   parity_cmd->add_option("--device", parity.device, "cpu | cuda:N")->capture_default_str();
@@ -69,25 +74,31 @@ int main(int argc, char** argv) {
   // serve: take jobs from a coordinator (worker/serve.h; the coordinator engineer's part).
   worker::ServeOptions serve;
   bool serve_resident = false;
-  auto* serve_cmd = app.add_subcommand("serve", "take jobs from a coordinator until SIGINT/SIGTERM");
+  auto* serve_cmd =
+      app.add_subcommand("serve", "take jobs from a coordinator until SIGINT/SIGTERM");
   serve.coordinator = client::DefaultEndpoint();
   serve_cmd->add_option("--coordinator", serve.coordinator, "coordinator endpoint")
-      ->envname("LORASTREAM_COORDINATOR")->capture_default_str();
+      ->envname("LORASTREAM_COORDINATOR")
+      ->capture_default_str();
   std::string store_user;
   for (CLI::App* cmd : {train_cmd, serve_cmd})
     cmd->add_option("--store-user", store_user,
                     "trust stores served by this user (default: the worker's own user)");
   serve_cmd->add_option("--device", serve.device, "cpu | cuda:N")->capture_default_str();
-  serve_cmd->add_option("--store", serve.stores, "store to offer (repeatable; default: every live store)");
-  serve_cmd->add_option("--curve-keys", serve.curve_keys, "CURVE keys folder from `lorastream keygen`")
+  serve_cmd->add_option("--store", serve.stores,
+                        "store to offer (repeatable; default: every live store)");
+  serve_cmd
+      ->add_option("--curve-keys", serve.curve_keys, "CURVE keys folder from `lorastream keygen`")
       ->envname("LORASTREAM_CURVE_KEYS");
   serve_cmd->add_option("--threads", serve.threads, "CPU threads (0 = every core)");
-  serve_cmd->add_flag("--resident", serve_resident, "keep every block resident (no streaming engine)");
+  serve_cmd->add_flag("--resident", serve_resident,
+                      "keep every block resident (no streaming engine)");
 
   std::string plan_job;
   PlanCommandOptions plan;
   auto* plan_cmd = app.add_subcommand(
-      "plan", "the candidate swap plans with predicted step time and peak memory, and the chosen one");
+      "plan",
+      "the candidate swap plans with predicted step time and peak memory, and the chosen one");
   plan_cmd->add_option("job", plan_job, "the job file (TOML)")->required();
   plan_cmd->add_option("--device", plan.device, "cpu | cuda | cuda:N")->capture_default_str();
   plan_cmd->add_flag("--recalibrate", plan.recalibrate,
@@ -107,8 +118,7 @@ int main(int argc, char** argv) {
     // (Only a CPU-only build asks which GPUs the host has: nvidia-smi takes a moment.)
     if (!client::ThisBuild().cuda && (*train_cmd || *serve_cmd || *parity_cmd || *plan_cmd)) {
       std::string problem = client::CudaBuildProblem({device}, ListGpus().size());
-      if (!problem.empty())
-        throw Error(ErrorCode::kUnsupported, problem);
+      if (!problem.empty()) throw Error(ErrorCode::kUnsupported, problem);
     }
     if (*probe_cmd) {
 #if LORASTREAM_HAVE_CUDA

@@ -96,18 +96,22 @@ TEST_CASE("a damaged manifest is refused naming the field", "[common]") {
   };
   CHECK_THAT(ParseFailure("{"), Catch::Contains("manifest is not valid JSON"));
   CHECK_THAT(with([](auto& j) { j["format"] = "v0"; }), Catch::Contains("unknown `format`"));
-  CHECK_THAT(with([](auto& j) { j["generation"] = "xyz"; }), Catch::Contains("`generation` must be a hex string"));
+  CHECK_THAT(with([](auto& j) { j["generation"] = "xyz"; }),
+             Catch::Contains("`generation` must be a hex string"));
   CHECK_THAT(with([](auto& j) { j["blocks"][0]["tensors"][1]["offset"] = 100; }),
              Catch::Contains("block 0: tensor `self_attn.q_proj.weight`: `offset` is not aligned"));
   CHECK_THAT(with([](auto& j) { j["blocks"][0]["tensors"][1]["nbytes"] = 4; }),
              Catch::Contains("`nbytes` does not match its shape and dtype"));
-  CHECK_THAT(with([](auto& j) { j["blocks"][0]["nbytes"] = 300; }), Catch::Contains("lies outside its segment"));
+  CHECK_THAT(with([](auto& j) { j["blocks"][0]["nbytes"] = 300; }),
+             Catch::Contains("lies outside its segment"));
   CHECK_THAT(with([](auto& j) { j["blocks"][0]["shm_name"] = "../etc/passwd"; }),
              Catch::Contains("`shm_name` must be `/name`"));
   CHECK_THAT(with([](auto& j) { j["blocks"] = nlohmann::json::array(); }),
              Catch::Contains("has 0 blocks but the config has 1 layers"));
-  CHECK_THAT(with([](auto& j) { j["rest"]["tensors"][0]["dtype"] = "Q4"; }), Catch::Contains("`dtype` is not a known dtype"));
-  CHECK_THAT(with([](auto& j) { j.erase("owner_pid"); }), Catch::Contains("`owner_pid` is missing"));
+  CHECK_THAT(with([](auto& j) { j["rest"]["tensors"][0]["dtype"] = "Q4"; }),
+             Catch::Contains("`dtype` is not a known dtype"));
+  CHECK_THAT(with([](auto& j) { j.erase("owner_pid"); }),
+             Catch::Contains("`owner_pid` is missing"));
 }
 
 TEST_CASE("LayoutSegment: canonical order, aligned offsets, no gap beyond the alignment",

@@ -14,12 +14,15 @@ using namespace lorastream;
 namespace {
 
 nlohmann::json Base(const std::string& type) {
-  return {{"model_type", type},          {"hidden_size", 64},   {"intermediate_size", 128},
-          {"num_hidden_layers", 4},      {"num_attention_heads", 4}, {"num_key_value_heads", 2},
-          {"vocab_size", 512},           {"max_position_embeddings", 4096}};
+  return {{"model_type", type},       {"hidden_size", 64},
+          {"intermediate_size", 128}, {"num_hidden_layers", 4},
+          {"num_attention_heads", 4}, {"num_key_value_heads", 2},
+          {"vocab_size", 512},        {"max_position_embeddings", 4096}};
 }
 
-int64_t Window(const nlohmann::json& j) { return ParseModelConfig(j.dump(), "config.json").sliding_window; }
+int64_t Window(const nlohmann::json& j) {
+  return ParseModelConfig(j.dump(), "config.json").sliding_window;
+}
 
 }  // namespace
 
@@ -90,8 +93,8 @@ TEST_CASE("a job longer than the model's attention window is refused, one within
   spec.data.seq_len = 257;
   auto problems = ValidateJobSpec(spec, &model);
   REQUIRE(problems.size() == 1);
-  CHECK_THAT(problems[0], Catch::Contains("`data.seq_len` is 257") &&
-                              Catch::Contains("sliding_window = 256"));
+  CHECK_THAT(problems[0],
+             Catch::Contains("`data.seq_len` is 257") && Catch::Contains("sliding_window = 256"));
 }
 
 TEST_CASE("numbers in config.json that would be undefined or meaningless are refused by name",
@@ -104,13 +107,15 @@ TEST_CASE("numbers in config.json that would be undefined or meaningless are ref
   CHECK_THROWS_WITH(ParseModelConfig(with("rope_theta", 0), "c"), Catch::Contains("rope_theta"));
   CHECK_THROWS_WITH(ParseModelConfig(with("rms_norm_eps", -1e-6), "c"),
                     Catch::Contains("rms_norm_eps"));
-  CHECK_THROWS_WITH(ParseModelConfig(with("rope_scaling", {{"rope_type", "llama3"},
-                                                           {"factor", 8.0},
-                                                           {"original_max_position_embeddings", 1e300}}),
-                                     "c"),
-                    Catch::Contains("original_max_position_embeddings"));
-  CHECK_THROWS_WITH(ParseModelConfig(with("rope_scaling", {{"rope_type", "linear"}, {"factor", 0}}), "c"),
-                    Catch::Contains("factor"));
+  CHECK_THROWS_WITH(
+      ParseModelConfig(with("rope_scaling", {{"rope_type", "llama3"},
+                                             {"factor", 8.0},
+                                             {"original_max_position_embeddings", 1e300}}),
+                       "c"),
+      Catch::Contains("original_max_position_embeddings"));
+  CHECK_THROWS_WITH(
+      ParseModelConfig(with("rope_scaling", {{"rope_type", "linear"}, {"factor", 0}}), "c"),
+      Catch::Contains("factor"));
   auto qwen = Base("qwen2");
   qwen["sliding_window"] = 64;
   qwen["use_sliding_window"] = true;

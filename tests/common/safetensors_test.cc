@@ -54,9 +54,9 @@ std::string OpenError(const std::string& path) {
 TEST_CASE("safetensors round trip of every dtype with metadata", "[common]") {
   const testing::TempDir temp("st");
   const std::string& dir = temp.str();
-  const DType all[] = {DType::kBool, DType::kU8,  DType::kI8,   DType::kI16,    DType::kU16,
-                       DType::kI32,  DType::kU32, DType::kI64,  DType::kU64,    DType::kF16,
-                       DType::kBF16, DType::kF32, DType::kF64,  DType::kF8E4M3, DType::kF8E5M2};
+  const DType all[] = {DType::kBool, DType::kU8,  DType::kI8,  DType::kI16,    DType::kU16,
+                       DType::kI32,  DType::kU32, DType::kI64, DType::kU64,    DType::kF16,
+                       DType::kBF16, DType::kF32, DType::kF64, DType::kF8E4M3, DType::kF8E5M2};
   std::vector<std::vector<uint8_t>> buffers;
   std::vector<TensorToWrite> tensors;
   int k = 0;
@@ -141,21 +141,26 @@ TEST_CASE("sharded checkpoint with an index is read and cross-checked", "[common
   index(R"({"weight_map":{"a":"s1.safetensors","b":"gone.safetensors"}})");
   CHECK_THAT(open_error(), Catch::Contains("shard `gone.safetensors` (tensor `b`) does not exist"));
   index(R"({"weight_map":{"a":"s1.safetensors","b":"s1.safetensors"}})");
-  CHECK_THAT(open_error(), Catch::Contains("tensor `b` is assigned to shard `s1.safetensors`, which does not hold it"));
+  CHECK_THAT(
+      open_error(),
+      Catch::Contains("tensor `b` is assigned to shard `s1.safetensors`, which does not hold it"));
   WriteSafetensors(dir + "/s3.safetensors",
                    {{"b", DType::kF32, {4, 4}, b.data()}, {"c", DType::kF32, {8}, a.data()}});
   index(R"({"weight_map":{"a":"s1.safetensors","b":"s3.safetensors"}})");
-  CHECK_THAT(open_error(), Catch::Contains("tensor `c` of shard `s3.safetensors` is not listed in weight_map"));
+  CHECK_THAT(open_error(),
+             Catch::Contains("tensor `c` of shard `s3.safetensors` is not listed in weight_map"));
   WriteSafetensors(dir + "/s4.safetensors",
                    {{"a", DType::kF32, {8}, a.data()}, {"d", DType::kF32, {8}, a.data()}});
   index(R"({"weight_map":{"a":"s1.safetensors","d":"s4.safetensors"}})");
-  CHECK_THAT(open_error(), Catch::Contains("tensor `a` appears in shard `s4.safetensors` too, but weight_map assigns it to `s1.safetensors`"));
+  CHECK_THAT(open_error(), Catch::Contains("tensor `a` appears in shard `s4.safetensors` too, but "
+                                           "weight_map assigns it to `s1.safetensors`"));
   index(R"({"weight_map":{"a":"../s1.safetensors"}})");
   CHECK_THAT(open_error(), Catch::Contains("not a file in the checkpoint folder"));
   index(R"({"weight_map":{"a":7}})");
   CHECK_THAT(open_error(), Catch::Contains("is not a file name"));
   std::remove((dir + "/model.safetensors.index.json").c_str());
-  CHECK_THAT(open_error(), Catch::Contains("neither model.safetensors nor model.safetensors.index.json"));
+  CHECK_THAT(open_error(),
+             Catch::Contains("neither model.safetensors nor model.safetensors.index.json"));
   std::remove((dir + "/config.json").c_str());
   CHECK_THAT(open_error(), Catch::Contains("no config.json"));
 }
@@ -175,25 +180,42 @@ TEST_CASE("malformed safetensors files are each rejected with their own error", 
       {WithHeader("{\"w\": {\"dtype\": \"F32\"", 0), "f.st: header is not valid JSON"},
       {WithHeader("[1, 2]", 0), "f.st: header JSON is not an object"},
       {WithHeader(std::string(100, '[') + std::string(100, ']'), 0), "nests deeper than 32 levels"},
-      {WithHeader(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"w":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8),
+      {WithHeader(
+           R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"w":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+           8),
        "f.st: tensor `w` appears twice in the header"},
       {WithHeader(R"({"w":{"dtype":"F32","dtype":"F16","shape":[1],"data_offsets":[0,4]}})", 4),
        "key `dtype` appears twice in one header entry"},
-      {WithHeader(R"({"__metadata__":[1]})", 0), "f.st: `__metadata__` must be an object of strings"},
-      {WithHeader(R"({"__metadata__":{"k":1}})", 0), "f.st: `__metadata__` key `k` is not a string"},
+      {WithHeader(R"({"__metadata__":[1]})", 0),
+       "f.st: `__metadata__` must be an object of strings"},
+      {WithHeader(R"({"__metadata__":{"k":1}})", 0),
+       "f.st: `__metadata__` key `k` is not a string"},
       {WithHeader(R"({"w":5})", 0), "f.st: tensor `w`: entry is not an object"},
-      {WithHeader(R"({"w":{"shape":[1],"data_offsets":[0,4]}})", 4), "tensor `w`: `dtype` is missing or not a string"},
-      {WithHeader(R"({"w":{"dtype":"Q4","shape":[1],"data_offsets":[0,4]}})", 4), "tensor `w`: unknown dtype `Q4`"},
-      {WithHeader(R"({"w":{"dtype":"F32","data_offsets":[0,4]}})", 4), "tensor `w`: `shape` is missing or not an array"},
-      {WithHeader(R"({"w":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", 4), "tensor `w`: `shape` must hold non-negative integers"},
-      {WithHeader(R"({"w":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,4]}})", 4), "tensor `w`: shape [4294967296, 4294967296] is too large"},
-      {WithHeader(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0]}})", 4), "tensor `w`: `data_offsets` must be [begin, end]"},
-      {WithHeader(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[8,4]}})", 8), "tensor `w`: data_offsets begin 8 is after end 4"},
-      {WithHeader(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 4), "tensor `w`: data_offsets end 8 is past the data section (4 bytes)"},
-      {WithHeader(R"({"w":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8), "tensor `w`: shape [3] of F32 needs 12 bytes but data_offsets span 8"},
-      {WithHeader(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", 12),
+      {WithHeader(R"({"w":{"shape":[1],"data_offsets":[0,4]}})", 4),
+       "tensor `w`: `dtype` is missing or not a string"},
+      {WithHeader(R"({"w":{"dtype":"Q4","shape":[1],"data_offsets":[0,4]}})", 4),
+       "tensor `w`: unknown dtype `Q4`"},
+      {WithHeader(R"({"w":{"dtype":"F32","data_offsets":[0,4]}})", 4),
+       "tensor `w`: `shape` is missing or not an array"},
+      {WithHeader(R"({"w":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", 4),
+       "tensor `w`: `shape` must hold non-negative integers"},
+      {WithHeader(R"({"w":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,4]}})",
+                  4),
+       "tensor `w`: shape [4294967296, 4294967296] is too large"},
+      {WithHeader(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0]}})", 4),
+       "tensor `w`: `data_offsets` must be [begin, end]"},
+      {WithHeader(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[8,4]}})", 8),
+       "tensor `w`: data_offsets begin 8 is after end 4"},
+      {WithHeader(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 4),
+       "tensor `w`: data_offsets end 8 is past the data section (4 bytes)"},
+      {WithHeader(R"({"w":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8),
+       "tensor `w`: shape [3] of F32 needs 12 bytes but data_offsets span 8"},
+      {WithHeader(
+           R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+           12),
        "f.st: tensors `a` [0, 8) and `b` [4, 12) overlap"},
-      {WithHeader(R"({"":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 4), "f.st: a tensor has an empty name"},
+      {WithHeader(R"({"":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 4),
+       "f.st: a tensor has an empty name"},
   };
   std::set<std::string> messages;
   for (const auto& [bytes, expected] : cases) {
@@ -209,12 +231,14 @@ TEST_CASE("SafetensorsFile::Open names the file for missing, empty and non-regul
           "[common]") {
   const testing::TempDir temp("st");
   const std::string& dir = temp.str();
-  CHECK_THAT(OpenError(dir + "/nope.safetensors"), Catch::Contains("nope.safetensors: no such file"));
+  CHECK_THAT(OpenError(dir + "/nope.safetensors"),
+             Catch::Contains("nope.safetensors: no such file"));
   CHECK_THAT(OpenError(dir), Catch::Contains(": not a regular file"));
   WriteBytes(dir + "/empty.safetensors", "");
   CHECK_THAT(OpenError(dir + "/empty.safetensors"),
              Catch::Contains("empty.safetensors: file is 0 bytes"));
-  WriteBytes(dir + "/bad.safetensors", WithHeader(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 4));
+  WriteBytes(dir + "/bad.safetensors",
+             WithHeader(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 4));
   CHECK_THAT(OpenError(dir + "/bad.safetensors"),
              Catch::Contains("bad.safetensors: tensor `w`: data_offsets end 8 is past"));
 }

@@ -2,7 +2,6 @@
 
 #include <catch2/catch.hpp>
 
-
 using namespace lorastream;
 
 TEST_CASE("TerminalSafe escapes C0, DEL, C1 and invalid UTF-8, keeps valid text", "[common]") {

@@ -8,9 +8,10 @@ using lorastream::Error;
 using lorastream::TomlSection;
 
 TEST_CASE("TOML values are read with their types", "[common]") {
-  auto doc = TomlSection::Parse("name = \"x\"\nsteps = 3\nlr = 1e-4\n[lora]\nrank = 8\n"
-                                "targets = [\"q_proj\", \"v_proj\"]\n",
-                                "job.toml");
+  auto doc = TomlSection::Parse(
+      "name = \"x\"\nsteps = 3\nlr = 1e-4\n[lora]\nrank = 8\n"
+      "targets = [\"q_proj\", \"v_proj\"]\n",
+      "job.toml");
   CHECK(doc.RequireString("name") == "x");
   CHECK(doc.GetInt("steps", 0) == 3);
   CHECK(doc.GetDouble("lr", 0) == Approx(1e-4));

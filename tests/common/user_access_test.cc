@@ -24,8 +24,9 @@ namespace {
 struct Sandbox {
   std::string dir;
   explicit Sandbox(const std::string& tag) {
-    dir = CanonicalPath((fs::temp_directory_path() /
-                         ("lorastream-" + tag + "-" + std::to_string(getpid()))).string());
+    dir = CanonicalPath(
+        (fs::temp_directory_path() / ("lorastream-" + tag + "-" + std::to_string(getpid())))
+            .string());
     RemoveTree(dir);
     fs::create_directories(dir);
     ::chmod(dir.c_str(), 0755);
@@ -126,9 +127,9 @@ TEST_CASE("AccessProblem walks every component with the user's ids and groups", 
   spec.train.output_dir = box.dir + "/mine/out";
   CHECK_NOTHROW(CheckJobPathsAs(spec, who));
   spec.train.stats_file = "/etc/lorastream-stats.jsonl";
-  CHECK_THROWS_WITH(CheckJobPathsAs(spec, who),
-                    Catch::Contains("`train.stats_file`") && Catch::Contains("stranger (uid 54321)") &&
-                        Catch::Contains("/etc"));
+  CHECK_THROWS_WITH(CheckJobPathsAs(spec, who), Catch::Contains("`train.stats_file`") &&
+                                                    Catch::Contains("stranger (uid 54321)") &&
+                                                    Catch::Contains("/etc"));
   spec.train.stats_file.clear();
   spec.data.path = secret_file;
   try {

@@ -59,7 +59,8 @@ TEST_CASE("bench: coordinator throughput and statistic-to-watch latency", "[.][b
   for (int t = 0; t < kClients; ++t)
     threads.emplace_back([&, t] {
       Client mine = c.NewClient();
-      for (int i = 0; i < kStatus / kClients; ++i) mine.Call(ShowJobRequest{1 + (i + t) % kSubmits});
+      for (int i = 0; i < kStatus / kClients; ++i)
+        mine.Call(ShowJobRequest{1 + (i + t) % kSubmits});
     });
   for (auto& th : threads) th.join();
   double par_s = Seconds(t0);

@@ -5,12 +5,12 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <string>
 #include <thread>
-#include <deque>
 #include <vector>
 
 #include "common/subprocess.h"
@@ -47,29 +47,41 @@ class Cluster {
   // `curve_keys`: the keys folder when the coordinator runs with --curve-keys (the probe
   // that waits for it to come up must authenticate).
   void StartCoordinator(std::vector<std::string> extra = {}, const std::string& curve_keys = "") {
-    std::vector<std::string> argv = {Bin("lorastream"), "coordinator", "--bind", endpoint_,
-                                     "--db", (dir_ / "journal.db").string(),
-                                     "--heartbeat-interval", "0.2", "--heartbeat-timeout", "3",
-                                     "--reconcile-timeout", "10"};
+    std::vector<std::string> argv = {Bin("lorastream"),
+                                     "coordinator",
+                                     "--bind",
+                                     endpoint_,
+                                     "--db",
+                                     (dir_ / "journal.db").string(),
+                                     "--heartbeat-interval",
+                                     "0.2",
+                                     "--heartbeat-timeout",
+                                     "3",
+                                     "--reconcile-timeout",
+                                     "10"};
     argv.insert(argv.end(), extra.begin(), extra.end());
     coordinator_ = Subprocess::Spawn(argv, LogTo((dir_ / "coordinator.log").string()));
     client::Client client = NewClient(500, curve_keys);
-    bool up = WaitFor([&] {
-      try {
-        client.Call(ListJobsRequest{});
-        return true;
-      } catch (const Error&) {
-        return false;
-      }
-    }, 20);
-    if (!up) throw Error(ErrorCode::kTimeout, "coordinator did not come up; see " + Log("coordinator"));
+    bool up = WaitFor(
+        [&] {
+          try {
+            client.Call(ListJobsRequest{});
+            return true;
+          } catch (const Error&) {
+            return false;
+          }
+        },
+        20);
+    if (!up)
+      throw Error(ErrorCode::kTimeout, "coordinator did not come up; see " + Log("coordinator"));
   }
 
   // A test-driver worker on "host" with the given stores ("name:fingerprint").
   Subprocess& StartWorker(const std::string& host, const std::vector<std::string>& stores,
                           int step_ms = 30, const std::vector<std::string>& extra_args = {}) {
-    std::vector<std::string> argv = {Bin("lorastream-test-worker"), "--coordinator", endpoint_,
-                                     "--host", host, "--step-ms", std::to_string(step_ms)};
+    std::vector<std::string> argv = {
+        Bin("lorastream-test-worker"), "--coordinator", endpoint_, "--host", host, "--step-ms",
+        std::to_string(step_ms)};
     argv.insert(argv.end(), extra_args.begin(), extra_args.end());
     for (const std::string& s : stores) {
       argv.push_back("--store");
@@ -101,7 +113,8 @@ class Cluster {
   int64_t Submit(const std::string& job_file) {
     int code = -1;
     std::string out = Cli({"submit", "-q", job_file}, &code);
-    if (code != 0) throw Error(ErrorCode::kRefused, "submit failed (" + std::to_string(code) + "): " + out);
+    if (code != 0)
+      throw Error(ErrorCode::kRefused, "submit failed (" + std::to_string(code) + "): " + out);
     return std::stoll(out);
   }
 
@@ -122,13 +135,15 @@ class Cluster {
   }
 
   bool WaitState(int64_t id, JobState state, double timeout_s) {
-    return WaitFor([&] {
-      try {
-        return Job(id).state == state;
-      } catch (const Error&) {
-        return false;
-      }
-    }, timeout_s);
+    return WaitFor(
+        [&] {
+          try {
+            return Job(id).state == state;
+          } catch (const Error&) {
+            return false;
+          }
+        },
+        timeout_s);
   }
 
   std::string Log(const std::string& name) const {

@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <csignal>
-#include <map>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -139,8 +139,10 @@ TEST_CASE("cluster: a worker killed with SIGKILL mid-job -> the job finishes on 
   CHECK_THAT(watch_log, Catch::Contains("requeued"));
 }
 
-TEST_CASE("cluster: coordinator killed and restarted mid-run -> every job still there and "
-          "finishing", "[coordinator][cluster]") {
+TEST_CASE(
+    "cluster: coordinator killed and restarted mid-run -> every job still there and "
+    "finishing",
+    "[coordinator][cluster]") {
   Cluster c("restart");
   c.StartCoordinator();
   c.StartWorker("hosta", {"tiny:fp"}, 40);
@@ -175,7 +177,7 @@ TEST_CASE("cluster: coordinator killed and restarted mid-run -> every job still 
   for (int64_t id : {j1, j2, j3}) CHECK(c.WaitState(id, JobState::kSucceeded, 60));
   // The two running jobs kept their workers (reconciled at re-registration, not requeued).
   INFO(c.Log("coordinator") << c.Log("worker-hosta") << c.Log("worker-hostb")
-       << c.ReadOutput("j2", "steps.log"));
+                            << c.ReadOutput("j2", "steps.log"));
   CHECK(c.Job(j1).attempt == 1);
   CHECK(c.Job(j2).attempt == 1);
   CHECK(c.ReadOutput("j1", "adapter") == "completed 40\n");

@@ -73,8 +73,8 @@ TEST_CASE("queue order is priority, then submission; only hosts with the model",
     HeartbeatReply hb = c.Heartbeat(HeartbeatRequest{w, 0, 0}, 1);
     REQUIRE(hb.has_assignment);
     order.push_back(hb.assignment.job_id);
-    c.Finished(JobFinished{w, hb.assignment.job_id, hb.assignment.attempt,
-                           JobOutcome::kSucceeded, "", "/a", 10},
+    c.Finished(JobFinished{w, hb.assignment.job_id, hb.assignment.attempt, JobOutcome::kSucceeded,
+                           "", "/a", 10},
                1);
   }
   CHECK(order == std::vector<int64_t>{high1, high2, low});
@@ -202,8 +202,7 @@ TEST_CASE("dead workers requeue their job from its checkpoint, up to the retry l
   CHECK_THAT(s.reason, Catch::Contains("gave up after 1 retries"));
 }
 
-TEST_CASE("a restarted coordinator keeps every job and reconciles running ones",
-          "[coordinator]") {
+TEST_CASE("a restarted coordinator keeps every job and reconciles running ones", "[coordinator]") {
   TempDb db;
   int64_t queued, running, orphan;
   std::string w1, w2;

@@ -1,8 +1,8 @@
 // The coordinator with REAL workers (`lorastream-worker serve` training the tiny model from a
 // `lorastream-store serve` store): a worker killed with SIGKILL mid-job, and the job finishes
 // on the other worker, resuming from its checkpoint; then the coordinator killed and restarted
-// mid-run, and the running job keeps its worker and finishes. Needs the worker build (LibTorch); in a
-// build without it (-DLORASTREAM_WORKER=OFF) the binary is absent and the case says so.
+// mid-run, and the running job keeps its worker and finishes. Needs the worker build (LibTorch); in
+// a build without it (-DLORASTREAM_WORKER=OFF) the binary is absent and the case says so.
 #include <catch2/catch.hpp>
 
 #include <csignal>
@@ -23,16 +23,14 @@ TEST_CASE("cluster with real workers: SIGKILL a worker, then the coordinator, mi
   }
   Cluster c("realworker");
   int code = -1;
-  RunAndCapture({Bin("lorastream-synth"), "--preset", "tiny", "--out",
-                 (c.dir() / "tiny").string(), "--presets-dir",
-                 std::string(LORASTREAM_SOURCE_DIR) + "/configs/models"},
+  RunAndCapture({Bin("lorastream-synth"), "--preset", "tiny", "--out", (c.dir() / "tiny").string(),
+                 "--presets-dir", std::string(LORASTREAM_SOURCE_DIR) + "/configs/models"},
                 &code, 120, (c.dir() / "synth.log").string());
   REQUIRE(code == 0);
   std::string store = "coordtest" + std::to_string(getpid());
-  Subprocess store_proc =
-      Subprocess::Spawn({Bin("lorastream-store"), "serve", (c.dir() / "tiny").string(), "--name",
-                         store},
-                        LogTo((c.dir() / "store.log").string()));
+  Subprocess store_proc = Subprocess::Spawn(
+      {Bin("lorastream-store"), "serve", (c.dir() / "tiny").string(), "--name", store},
+      LogTo((c.dir() / "store.log").string()));
   {
     std::mt19937 rng(1);
     std::ofstream data(c.dir() / "tokens.jsonl");
@@ -44,8 +42,8 @@ TEST_CASE("cluster with real workers: SIGKILL a worker, then the coordinator, mi
   }
   c.StartCoordinator();
   auto start_worker = [&](const std::string& name) {
-    return Subprocess::Spawn({worker_bin, "serve", "--coordinator", c.endpoint(), "--device",
-                              "cpu", "--store", store, "--threads", "1"},
+    return Subprocess::Spawn({worker_bin, "serve", "--coordinator", c.endpoint(), "--device", "cpu",
+                              "--store", store, "--threads", "1"},
                              LogTo((c.dir() / (name + ".log")).string()));
   };
   Subprocess a = start_worker("worker-a");
@@ -83,8 +81,8 @@ TEST_CASE("cluster with real workers: SIGKILL a worker, then the coordinator, mi
 
   // Then the coordinator is killed mid-run and restarted: the job is still there, its worker
   // re-registers with it (same attempt) and it finishes.
-  std::ofstream(job) << "name = \"real2\"\n[model]\nstore = \"" << store
-                     << "\"\n[data]\npath = \"" << (c.dir() / "tokens.jsonl").string()
+  std::ofstream(job) << "name = \"real2\"\n[model]\nstore = \"" << store << "\"\n[data]\npath = \""
+                     << (c.dir() / "tokens.jsonl").string()
                      << "\"\nseq_len = 64\n[lora]\nrank = 4\n[train]\nsteps = 200\n"
                         "batch_size = 2\ncheckpoint_every = 10\noutput_dir = \""
                      << (c.dir() / "out-real2").string() << "\"\n";

@@ -78,8 +78,10 @@ std::string Mutate(std::string f, std::mt19937& rng) {
 
 }  // namespace
 
-TEST_CASE("10,000 random and mutated messages against a live daemon: all answered, still "
-          "serving", "[coordinator][cluster]") {
+TEST_CASE(
+    "10,000 random and mutated messages against a live daemon: all answered, still "
+    "serving",
+    "[coordinator][cluster]") {
   Cluster c("fuzz");
   c.StartCoordinator();
   std::mt19937 rng(20261129);
@@ -211,12 +213,12 @@ TEST_CASE("CURVE: only the key that submitted a job can cancel it", "[coordinato
   std::ofstream(keys / "authorized_clients", std::ios::app) << second_key << "\n";
   c.StartCoordinator({"--curve-keys", keys.string()}, keys.string());
 
-  std::string out = c.Cli({"--curve-keys", keys.string(), "submit", "-q", c.WriteJob("mine", 5)},
-                          &code);
+  std::string out =
+      c.Cli({"--curve-keys", keys.string(), "submit", "-q", c.WriteJob("mine", 5)}, &code);
   REQUIRE(code == 0);
   const std::string id = out.substr(0, out.find_first_of(" \n"));
   out = c.Cli({"--curve-keys", second.string(), "cancel", id}, &code);
-  CHECK(code == 5);  // refused
+  CHECK(code == 5);                           // refused
   std::ifstream err(c.dir() / "cli.stderr");  // the command's stderr
   std::string errors((std::istreambuf_iterator<char>(err)), std::istreambuf_iterator<char>());
   CHECK_THAT(errors, Catch::Contains("another client key"));

@@ -67,7 +67,8 @@ TEST_CASE("a second coordinator on one journal is refused naming the pid; no job
   {
     Coordinator first(Options(), Journal(db), 0);
     for (int i = 0; i < 3; ++i)
-      ids.push_back(first.Submit(Job("a" + std::to_string(i), dir.path + "/o" + std::to_string(i))).job_id);
+      ids.push_back(
+          first.Submit(Job("a" + std::to_string(i), dir.path + "/o" + std::to_string(i))).job_id);
     try {
       Coordinator second(Options(), Journal(db), 0);
       FAIL("a second coordinator opened the journal");
@@ -158,8 +159,9 @@ TEST_CASE("a job records its submitter; show, the assignment and the journal car
   // A journal from before submitters: the columns are added, its jobs go to the operator.
   sqlite3* raw = nullptr;
   REQUIRE(sqlite3_open(db.c_str(), &raw) == SQLITE_OK);
-  REQUIRE(sqlite3_exec(raw, "ALTER TABLE jobs DROP COLUMN submitter; "
-                            "ALTER TABLE jobs DROP COLUMN submitter_uid;",
+  REQUIRE(sqlite3_exec(raw,
+                       "ALTER TABLE jobs DROP COLUMN submitter; "
+                       "ALTER TABLE jobs DROP COLUMN submitter_uid;",
                        nullptr, nullptr, nullptr) == SQLITE_OK);
   sqlite3_close(raw);
   Coordinator c(Options(), Journal(db), 0);
@@ -216,7 +218,7 @@ TEST_CASE("the default endpoint is an ipc socket in an owner-only folder", "[coo
     CHECK_THROWS_WITH(EnsureOwnerOnlyDir(dir.path + "/theirs"), Catch::Contains("uid 54321"));
   }
   ::unsetenv("XDG_RUNTIME_DIR");
-  CHECK(DefaultEndpoint() == "ipc:///tmp/lorastream-" + std::to_string(::geteuid()) +
-                                 "/coordinator.sock");
+  CHECK(DefaultEndpoint() ==
+        "ipc:///tmp/lorastream-" + std::to_string(::geteuid()) + "/coordinator.sock");
   if (saved) ::setenv("XDG_RUNTIME_DIR", saved_value.c_str(), 1);
 }

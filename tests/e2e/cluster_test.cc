@@ -6,12 +6,12 @@
 #include <algorithm>
 #include <cctype>
 #include <chrono>
-#include <cstring>
-#include <functional>
-#include <iterator>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <iterator>
 #include <random>
 #include <thread>
 
@@ -24,9 +24,9 @@
 #include "store/attach.h"
 #include "tests/support/test_support.h"
 
+using lorastream::SafetensorsFile;
 using lorastream::cli::LocalCluster;
 using lorastream::cli::LocalClusterOptions;
-using lorastream::SafetensorsFile;
 namespace fs = std::filesystem;
 
 namespace {
@@ -65,9 +65,9 @@ std::string WriteJob(const std::string& dir, const std::string& name, const std:
 // Trains the job standalone (`lorastream-worker train`) into `output_dir`.
 void TrainStandalone(const std::string& job, const std::string& log) {
   int code = -1;
-  lorastream::RunAndCapture({std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker", "train",
-                             job, "--device", "cpu"},
-                            &code, 900, log);
+  lorastream::RunAndCapture(
+      {std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker", "train", job, "--device", "cpu"},
+      &code, 900, log);
   INFO("standalone training log: " << log);
   REQUIRE(code == 0);
 }
@@ -128,13 +128,14 @@ TEST_CASE("three jobs on two workers succeed and equal their standalone runs", "
     std::ifstream in("/proc/" + std::to_string(cluster.WorkerPid(w)) + "/cmdline");
     std::string cmdline((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     std::replace(cmdline.begin(), cmdline.end(), '\0', ' ');
-    CHECK_THAT(cmdline, Catch::Contains("--threads " + std::to_string(std::max(1u, cores / 2)) + " "));
+    CHECK_THAT(cmdline,
+               Catch::Contains("--threads " + std::to_string(std::max(1u, cores / 2)) + " "));
   }
   std::vector<int64_t> ids;
   for (int j = 0; j < 3; ++j) {
     std::string data = WriteData(dir, 40, 100 + j);
-    ids.push_back(cluster.Submit(WriteJob(dir, "job" + std::to_string(j), cluster.store_name(),
-                                          data, 6, 3, j)));
+    ids.push_back(cluster.Submit(
+        WriteJob(dir, "job" + std::to_string(j), cluster.store_name(), data, 6, 3, j)));
   }
   nlohmann::json jobs = cluster.WaitForJobs(900);
   REQUIRE(jobs.size() == 3);
@@ -153,8 +154,7 @@ TEST_CASE("three jobs on two workers succeed and equal their standalone runs", "
   }
 }
 
-TEST_CASE("a worker killed mid-job: the job resumes elsewhere and ends bit-identical",
-          "[e2e]") {
+TEST_CASE("a worker killed mid-job: the job resumes elsewhere and ends bit-identical", "[e2e]") {
   const lorastream::testing::TempDir run_dir("e2e-killworker");
   const std::string& dir = run_dir.str();
   LocalCluster cluster(Options(dir, 2));
@@ -264,8 +264,8 @@ ShmUse StoreMappings(pid_t pid, const std::string& store_name) {
   for (std::string line; std::getline(smaps, line);) {
     // Mapping headers start with an address range "start-end perms ..."; fields follow.
     const size_t dash = line.find('-');
-    const bool header = dash != std::string::npos && dash > 0 &&
-                        line.find_first_not_of("0123456789abcdef") == dash;
+    const bool header =
+        dash != std::string::npos && dash > 0 && line.find_first_not_of("0123456789abcdef") == dash;
     if (header) {
       inside = line.find(marker) != std::string::npos;
       continue;
@@ -325,10 +325,10 @@ TEST_CASE("`lorastream up` trains a job end to end, says where the adapter is, l
   // (common/gpu_info.h), so that the two CPU workers and their split of the cores are tested.
   fs::create_directories(dir + "/no-gpus");
   ::setenv("LORASTREAM_NVIDIA_GPUS_DIR", (dir + "/no-gpus").c_str(), 1);
-  std::string out = lorastream::RunAndCapture(
-      {std::string(LORASTREAM_BIN_DIR) + "/lorastream", "up", "--run-dir", dir + "/run",
-       "--no-watch", "--job", job, "--cpu-workers", "2"},
-      &code, 600, dir + "/up.stderr");
+  std::string out =
+      lorastream::RunAndCapture({std::string(LORASTREAM_BIN_DIR) + "/lorastream", "up", "--run-dir",
+                                 dir + "/run", "--no-watch", "--job", job, "--cpu-workers", "2"},
+                                &code, 600, dir + "/up.stderr");
   ::unsetenv("LORASTREAM_NVIDIA_GPUS_DIR");
   INFO(out);
   REQUIRE(code == 0);

@@ -113,8 +113,7 @@ TEST_CASE("another local user's jobs open only its own paths and their files are
   int code = -1;
   RunAndCapture({Bin("lorastream"), "keygen", "--out", keys}, &code, 60, dir + "/logs/keygen");
   REQUIRE(code == 0);
-  RunAndCapture({Bin("lorastream"), "keygen", "--out", user_keys}, &code, 60,
-                dir + "/logs/keygen");
+  RunAndCapture({Bin("lorastream"), "keygen", "--out", user_keys}, &code, 60, dir + "/logs/keygen");
   REQUIRE(code == 0);
   fs::copy_file(keys + "/coordinator.pub", user_keys + "/coordinator.pub",
                 fs::copy_options::overwrite_existing);
@@ -129,7 +128,8 @@ TEST_CASE("another local user's jobs open only its own paths and their files are
   const std::string jobs_dir = home + "/jobs";
   fs::create_directories(jobs_dir);
   const std::string job_data = WriteJob(jobs_dir + "/data.toml", store, root_only, home + "/out1");
-  const std::string job_out = WriteJob(jobs_dir + "/out.toml", store, data, root_secret_dir + "/out");
+  const std::string job_out =
+      WriteJob(jobs_dir + "/out.toml", store, data, root_secret_dir + "/out");
   const std::string job_stats =
       WriteJob(jobs_dir + "/stats.toml", store, data, home + "/out3", etc_stats);
   const std::string job_ok = WriteJob(jobs_dir + "/ok.toml", store, data, home + "/out4");
@@ -141,40 +141,44 @@ TEST_CASE("another local user's jobs open only its own paths and their files are
   // Root's cluster: a store, a CURVE coordinator on loopback TCP, one CPU worker.
   SpawnOptions so;
   so.log_path = dir + "/logs/synth.log";
-  REQUIRE(Subprocess::Spawn({Bin("lorastream-synth"), "--preset", "tiny", "--out", dir + "/model"},
-                            so)
-              .Wait(300) == 0);
+  REQUIRE(
+      Subprocess::Spawn({Bin("lorastream-synth"), "--preset", "tiny", "--out", dir + "/model"}, so)
+          .Wait(300) == 0);
   so.log_path = dir + "/logs/store.log";
   Subprocess store_proc = Subprocess::Spawn(
       {Bin("lorastream-store"), "serve", dir + "/model", "--name", store, "--no-lock"}, so);
-  WaitUntil([&] {
-    try {
-      AttachedStore::Attach(store);
-      return true;
-    } catch (const Error&) {
-      REQUIRE(store_proc.Running());
-      return false;
-    }
-  }, 300, "the store");
+  WaitUntil(
+      [&] {
+        try {
+          AttachedStore::Attach(store);
+          return true;
+        } catch (const Error&) {
+          REQUIRE(store_proc.Running());
+          return false;
+        }
+      },
+      300, "the store");
   const std::string endpoint = "tcp://127.0.0.1:" + std::to_string(FreeLoopbackPort());
   so.log_path = dir + "/logs/coordinator.log";
-  Subprocess coordinator = Subprocess::Spawn(
-      {Bin("lorastream"), "--curve-keys", keys, "coordinator", "--bind", endpoint, "--db",
-       dir + "/journal.db"},
-      so);
+  Subprocess coordinator =
+      Subprocess::Spawn({Bin("lorastream"), "--curve-keys", keys, "coordinator", "--bind", endpoint,
+                         "--db", dir + "/journal.db"},
+                        so);
   so.log_path = dir + "/logs/worker.log";
-  Subprocess worker = Subprocess::Spawn({Bin("lorastream-worker"), "serve", "--coordinator",
-                                         endpoint, "--curve-keys", keys, "--device", "cpu",
-                                         "--threads", "1", "--store", store},
-                                        so);
+  Subprocess worker = Subprocess::Spawn(
+      {Bin("lorastream-worker"), "serve", "--coordinator", endpoint, "--curve-keys", keys,
+       "--device", "cpu", "--threads", "1", "--store", store},
+      so);
   Client client(ClientOptions{endpoint, keys, 5000});
-  WaitUntil([&] {
-    try {
-      return !client.Call(ListWorkersRequest{}).workers.empty();
-    } catch (const Error&) {
-      return false;
-    }
-  }, 300, "the worker (log " + dir + "/logs/worker.log)");
+  WaitUntil(
+      [&] {
+        try {
+          return !client.Call(ListWorkersRequest{}).workers.empty();
+        } catch (const Error&) {
+          return false;
+        }
+      },
+      300, "the worker (log " + dir + "/logs/worker.log)");
 
   auto submit = [&](const std::string& job) {
     const std::string err = dir + "/logs/submit.err";
@@ -187,10 +191,12 @@ TEST_CASE("another local user's jobs open only its own paths and their files are
   };
   auto finished = [&](int64_t id) {
     JobSummary j;
-    WaitUntil([&] {
-      j = client.Call(ShowJobRequest{id}).job;
-      return IsTerminal(j.state);
-    }, 600, "job " + std::to_string(id) + " (worker log " + dir + "/logs/worker.log)");
+    WaitUntil(
+        [&] {
+          j = client.Call(ShowJobRequest{id}).job;
+          return IsTerminal(j.state);
+        },
+        600, "job " + std::to_string(id) + " (worker log " + dir + "/logs/worker.log)");
     return j;
   };
 
@@ -202,8 +208,8 @@ TEST_CASE("another local user's jobs open only its own paths and their files are
     CHECK(j.state == JobState::kFailed);
     CHECK(j.submitter == user.name());
     CHECK(j.submitter_uid == static_cast<int64_t>(user.uid()));
-    CHECK_THAT(j.reason, Catch::Contains("`data.path` (" + root_only + ")") &&
-                             Catch::Contains(user.name()));
+    CHECK_THAT(j.reason,
+               Catch::Contains("`data.path` (" + root_only + ")") && Catch::Contains(user.name()));
     j = finished(bad_out);
     CHECK(j.state == JobState::kFailed);
     CHECK_THAT(j.reason, Catch::Contains("`train.output_dir`") &&
@@ -252,8 +258,8 @@ TEST_CASE("another local user's jobs open only its own paths and their files are
     so.log_path = dir + "/logs/ipc-coordinator.log";
     so.extra_env = {"XDG_RUNTIME_DIR=" + runtime};
     fs::create_directories(runtime);
-    Subprocess ipc = Subprocess::Spawn(
-        {Bin("lorastream"), "coordinator", "--db", dir + "/ipc.db"}, so);
+    Subprocess ipc =
+        Subprocess::Spawn({Bin("lorastream"), "coordinator", "--db", dir + "/ipc.db"}, so);
     const std::string ipc_endpoint = "ipc://" + runtime + "/lorastream/coordinator.sock";
     WaitUntil([&] { return fs::exists(runtime + "/lorastream/coordinator.sock"); }, 60,
               "the ipc coordinator");

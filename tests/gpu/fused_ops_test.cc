@@ -80,8 +80,7 @@ TEST_CASE("fused SwiGLU forward and backward agree with the reference", "[gpu]")
   }
 }
 
-TEST_CASE("fused rotary forward and backward agree with the reference, strided input",
-          "[gpu]") {
+TEST_CASE("fused rotary forward and backward agree with the reference, strided input", "[gpu]") {
   for (auto t : {at::kBFloat16, at::kFloat}) {
     DYNAMIC_SECTION(c10::toString(t)) {
       auto o = at::TensorOptions().device(kCuda).dtype(t);

@@ -36,8 +36,8 @@ struct ShmOwnerProcess {
       close(release[1]);
       int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
       if (fd < 0 || ftruncate(fd, static_cast<off_t>(bytes)) != 0) _exit(2);
-      auto* p = static_cast<uint8_t*>(
-          mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+      auto* p =
+          static_cast<uint8_t*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
       if (p == MAP_FAILED) _exit(3);
       for (size_t i = 0; i < bytes; ++i) p[i] = PatternByte(i);
       char c = 1;
@@ -63,8 +63,7 @@ struct ShmOwnerProcess {
 
 }  // namespace
 
-TEST_CASE("read-only shm from another process registers with CUDA and copies exactly",
-          "[gpu]") {
+TEST_CASE("read-only shm from another process registers with CUDA and copies exactly", "[gpu]") {
   const size_t bytes = size_t{256} << 20;
   const std::string name = "/lorastream-gpu-test-" + std::to_string(getpid());
   ShmOwnerProcess owner(name, bytes);
@@ -83,13 +82,14 @@ TEST_CASE("read-only shm from another process registers with CUDA and copies exa
   // Registering a PROT_READ mapping without the read-only flag fails on this driver; the
   // read-only flag is what lets workers pin memory they cannot write.
   auto t0 = std::chrono::steady_clock::now();
-  cudaError_t err = cudaHostRegister(map, bytes, cudaHostRegisterReadOnly | cudaHostRegisterPortable);
+  cudaError_t err =
+      cudaHostRegister(map, bytes, cudaHostRegisterReadOnly | cudaHostRegisterPortable);
   double reg_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   INFO("cudaHostRegister: " << cudaGetErrorString(err));
   REQUIRE(err == cudaSuccess);
 
-  at::Tensor host = at::from_blob(map, {static_cast<int64_t>(bytes)},
-                                  at::TensorOptions().dtype(at::kByte));
+  at::Tensor host =
+      at::from_blob(map, {static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte));
   at::Tensor device = at::empty({static_cast<int64_t>(bytes)},
                                 at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
   device.copy_(host, /*non_blocking=*/true);  // warm-up

@@ -6,14 +6,14 @@
 
 #include <cmath>
 
+#include "tests/worker/head_test_util.h"
+#include "tests/worker/worker_test_util.h"
 #include "worker/base_weights.h"
 #include "worker/lm_head.h"
 #include "worker/lora.h"
 #include "worker/model.h"
 #include "worker/resident_provider.h"
 #include "worker/stream_engine.h"
-#include "tests/worker/head_test_util.h"
-#include "tests/worker/worker_test_util.h"
 
 using namespace lorastream;
 using namespace lorastream::worker;
@@ -25,8 +25,10 @@ const c10::Device kCuda(c10::kCUDA, 0);
 
 }  // namespace
 
-TEST_CASE("CUDA: host embedding, streamed LM head and chunked loss agree with the resident, "
-          "full-logits path", "[gpu]") {
+TEST_CASE(
+    "CUDA: host embedding, streamed LM head and chunked loss agree with the resident, "
+    "full-logits path",
+    "[gpu]") {
   for (const char* preset : {"tiny", "tiny-qwen2"}) {  // untied and tied
     DYNAMIC_SECTION(preset) {
       TempDir dir("cuda-head");

@@ -9,9 +9,9 @@
 #include <ATen/ATen.h>
 #include <catch2/catch.hpp>
 
-#include "worker/stream_engine.h"
 #include "tests/worker/stream_chain.h"
 #include "tests/worker/stream_test_blocks.h"
+#include "worker/stream_engine.h"
 
 using namespace lorastream;
 using namespace lorastream::worker;
@@ -21,8 +21,8 @@ namespace {
 
 const c10::Device kCuda(c10::kCUDA, 0);
 
-std::unique_ptr<StreamEngine> Engine(const HostBlocks& host, int swap, int ring,
-                                     c10::Device device, StreamEngineOptions o = {}) {
+std::unique_ptr<StreamEngine> Engine(const HostBlocks& host, int swap, int ring, c10::Device device,
+                                     StreamEngineOptions o = {}) {
   o.log_plan = false;
   return MakeStreamEngine(host.manifest(), host.pointers(),
                           PlanFromSwapCount(host.manifest().config.num_hidden_layers, swap, ring),
@@ -46,8 +46,7 @@ at::Tensor Input(int64_t tokens, int64_t hidden, c10::Device device) {
 
 }  // namespace
 
-TEST_CASE("CUDA: streamed equals resident bit for bit, with poison and delayed copies",
-          "[gpu]") {
+TEST_CASE("CUDA: streamed equals resident bit for bit, with poison and delayed copies", "[gpu]") {
   const int layers = 6;
   HostBlocks host(TinyStreamConfig(layers), 21, /*read_only=*/true);
   const int64_t hidden = host.manifest().config.hidden_size;
@@ -70,7 +69,8 @@ TEST_CASE("CUDA: streamed equals resident bit for bit, with poison and delayed c
           StepStats s;
           const ChainResult got = Step(*engine, ad, x, &s);
           REQUIRE(BitEqual(got, want));
-          REQUIRE(s.h2d_bytes == static_cast<uint64_t>(s.copies) * host.manifest().blocks[0].nbytes);
+          REQUIRE(s.h2d_bytes ==
+                  static_cast<uint64_t>(s.copies) * host.manifest().blocks[0].nbytes);
           // Each copy holds the copy stream for the 2 ms delay.
           REQUIRE(s.h2d_busy_seconds >= s.copies * 0.0015);
           REQUIRE(s.peak_device_bytes > 0);
@@ -106,8 +106,10 @@ TEST_CASE("CUDA results match the CPU backend's within f32 rounding", "[gpu]") {
   const int64_t hidden = host.manifest().config.hidden_size;
   auto cpu = Engine(host, 3, 2, c10::Device(c10::kCPU));
   auto gpu = Engine(host, 3, 2, kCuda);
-  const ChainResult c = Step(*cpu, MakeChainAdapter(layers, hidden, 4, 26), Input(32, hidden, c10::Device(c10::kCPU)));
-  const ChainResult g = Step(*gpu, MakeChainAdapter(layers, hidden, 4, 26, kCuda), Input(32, hidden, kCuda));
+  const ChainResult c = Step(*cpu, MakeChainAdapter(layers, hidden, 4, 26),
+                             Input(32, hidden, c10::Device(c10::kCPU)));
+  const ChainResult g =
+      Step(*gpu, MakeChainAdapter(layers, hidden, 4, 26, kCuda), Input(32, hidden, kCuda));
   REQUIRE(std::abs(c.loss - g.loss) <= 1e-4 * std::abs(c.loss));
   for (int i = 0; i < layers; ++i) {
     REQUIRE(at::allclose(c.grad_a[i], g.grad_a[i].cpu(), 1e-3, 1e-5));
@@ -115,9 +117,10 @@ TEST_CASE("CUDA results match the CPU backend's within f32 rounding", "[gpu]") {
   }
 }
 
-TEST_CASE("CUDA: phase slots freed and allocated again between phases keep streamed equal to "
-          "resident, with poison and delayed copies",
-          "[gpu]") {
+TEST_CASE(
+    "CUDA: phase slots freed and allocated again between phases keep streamed equal to "
+    "resident, with poison and delayed copies",
+    "[gpu]") {
   const int layers = 7;
   HostBlocks host(TinyStreamConfig(layers), 23, /*read_only=*/true);
   const int64_t hidden = host.manifest().config.hidden_size;

@@ -9,16 +9,15 @@
 
 #include <catch2/catch.hpp>
 
+#include "tests/worker/worker_test_util.h"
 #include "worker/stream_provider.h"
 #include "worker/trainer.h"
-#include "tests/worker/worker_test_util.h"
 
 using namespace lorastream;
 using namespace lorastream::worker;
 using namespace lorastream::testing;
 
-TEST_CASE("CUDA training: every step reports peak device memory, resident and streamed",
-          "[gpu]") {
+TEST_CASE("CUDA training: every step reports peak device memory, resident and streamed", "[gpu]") {
   TempDir dir("cuda-trainer");
   const std::string model = MakeCheckpoint(dir / "model", "tiny");
   const std::string data = WriteJsonl(dir / "d.jsonl", 16, 40, 80, 512);
@@ -34,7 +33,7 @@ TEST_CASE("CUDA training: every step reports peak device memory, resident and st
     o.resume = false;
     if (streamed)
       o.make_provider = [](const JobSpec& j, const BaseWeights& b, const std::string& d,
-                            const std::string& dt) { return MakeStreamProvider(j, b, d, dt); };
+                           const std::string& dt) { return MakeStreamProvider(j, b, d, dt); };
     std::vector<StepStats> steps;
     RunTraining(spec, o, [&](const StepStats& s) { steps.push_back(s); });
     REQUIRE(steps.size() == static_cast<size_t>(spec.train.steps));

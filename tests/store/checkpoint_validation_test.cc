@@ -118,7 +118,6 @@ TEST_CASE("lorastream-store and lorastream-synth exit with the documented codes"
   CHECK(code == 0);
   Run({Bin("lorastream-synth"), "--preset"}, &code, err);
   CHECK(code == 2);
-  Run({Bin("lorastream-synth"), "--preset", "no-such-preset", "--out", dir / "o"}, &code,
-      err);
+  Run({Bin("lorastream-synth"), "--preset", "no-such-preset", "--out", dir / "o"}, &code, err);
   CHECK(code == 3);
 }

@@ -87,8 +87,8 @@ uint64_t ScalarBulkHash(const uint8_t* p, size_t n) {
       0x3f349ce33f76faa8, 0x1d4f0bc7c7bbdcf9, 0x3159b4cd4be0518a, 0x647378d9c97e9fc8,
       0xc3ebd33483acc5ea, 0xeb6313faffa081c5, 0x49daf0b751dd0d17, 0x9e68d429265516d3,
       0xfca1477d58be162b, 0xce31d07ad1b8f88f, 0x280416958f3acb45, 0x7e404bbbcafbd7af};
-  uint64_t acc[8] = {0xC2B2AE3D27D4EB4F, 0x9E3779B185EBCA87, 0x165667B19E3779F9,
-                     0x85EBCA77C2B2AE63, 0x27D4EB2F165667C5, 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D};
+  uint64_t acc[8] = {0xC2B2AE3D27D4EB4F, 0x9E3779B185EBCA87, 0x165667B19E3779F9, 0x85EBCA77C2B2AE63,
+                     0x27D4EB2F165667C5, 0x9E3779B1,         0x85EBCA77,         0xC2B2AE3D};
   const size_t stripes = n / 64;
   for (size_t s = 0; s < stripes; ++s) {
     for (int j = 0; j < 8; ++j) {

@@ -53,8 +53,7 @@ std::string ReadAll(const std::string& path) {
 
 }  // namespace
 
-TEST_CASE("a store of another user is not attached and its name says who holds it",
-          "[store]") {
+TEST_CASE("a store of another user is not attached and its name says who holds it", "[store]") {
   TempUser user("st");
   SKIP_UNLESS_ROOT(user);
   TempDir dir("store");
@@ -62,9 +61,9 @@ TEST_CASE("a store of another user is not attached and its name says who holds i
   const std::string model = dir.str() + "/model";
   Synth("tiny", model);
   const std::string name = UniqueName("squat");
-  Subprocess theirs = ServeStore(
-      user.As({Bin("lorastream-store"), "serve", model, "--name", name, "--no-lock"}), name,
-      dir.str() + "/theirs.log");
+  Subprocess theirs =
+      ServeStore(user.As({Bin("lorastream-store"), "serve", model, "--name", name, "--no-lock"}),
+                 name, dir.str() + "/theirs.log");
 
   // Attaching it as root (the worker's user) is refused before anything is mapped.
   try {
@@ -79,8 +78,8 @@ TEST_CASE("a store of another user is not attached and its name says who holds i
   // Serving the same name says who holds it and how to proceed.
   int code = -1;
   const std::string err = dir.str() + "/ours.err";
-  RunAndCapture({Bin("lorastream-store"), "serve", model, "--name", name, "--no-lock"}, &code,
-                120, err);
+  RunAndCapture({Bin("lorastream-store"), "serve", model, "--name", name, "--no-lock"}, &code, 120,
+                err);
   CHECK(code != 0);
   CHECK_THAT(ReadAll(err), Catch::Contains("is held by " + user.name()) &&
                                Catch::Contains("choose another --name"));

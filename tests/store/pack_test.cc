@@ -64,7 +64,9 @@ void CheckAgainstSource(const AttachedStore& store, const Checkpoint& cp, bool t
     for (size_t k = 0; k < canonical.size(); ++k) {
       const TensorSlice& slice = m.blocks[i].tensors[k];
       CHECK(slice.name == canonical[k].first);  // canonical order
-      if (k > 0) CHECK(slice.offset >= m.blocks[i].tensors[k - 1].offset + m.blocks[i].tensors[k - 1].nbytes);
+      if (k > 0)
+        CHECK(slice.offset >=
+              m.blocks[i].tensors[k - 1].offset + m.blocks[i].tensors[k - 1].nbytes);
       compare("model.layers." + std::to_string(i) + "." + slice.name, slice,
               store.tensor_data(i, slice.name));
     }
@@ -78,7 +80,8 @@ void CheckAgainstSource(const AttachedStore& store, const Checkpoint& cp, bool t
 void Rewrite(const std::string& dir, const std::function<void(std::vector<TensorToWrite>&)>& edit) {
   SafetensorsFile f = SafetensorsFile::Open(dir + "/model.safetensors");
   std::vector<TensorToWrite> tensors;
-  for (const SafetensorsEntry& e : f.tensors()) tensors.push_back({e.name, e.dtype, e.shape, f.Data(e)});
+  for (const SafetensorsEntry& e : f.tensors())
+    tensors.push_back({e.name, e.dtype, e.shape, f.Data(e)});
   edit(tensors);
   WriteSafetensors(dir + "/model.safetensors", tensors);  // temp + rename: `f` stays valid
 }
@@ -367,7 +370,8 @@ TEST_CASE("a store larger than /dev/shm is refused with the size and the fix", "
     offset += n;
   };
   for (int i = 0; i < c.num_hidden_layers; ++i)
-    for (const auto& [rel, shape] : c.BlockTensorShapes()) add("model.layers." + std::to_string(i) + "." + rel, shape);
+    for (const auto& [rel, shape] : c.BlockTensorShapes())
+      add("model.layers." + std::to_string(i) + "." + rel, shape);
   for (const auto& [name, shape] : c.RestTensorShapes()) add(name, shape);
   const std::string text = header.dump();
   {
@@ -381,7 +385,8 @@ TEST_CASE("a store larger than /dev/shm is refused with the size and the fix", "
   {
     // A NaN as the first weight: the space refusal must come first, before a scan that would
     // read all 32 GB (minutes on a disk; under ThreadSanitizer, shadow memory for all of it).
-    std::fstream out(d.str() + "/model.safetensors", std::ios::binary | std::ios::in | std::ios::out);
+    std::fstream out(d.str() + "/model.safetensors",
+                     std::ios::binary | std::ios::in | std::ios::out);
     out.seekp(static_cast<std::streamoff>(8 + text.size()));
     const uint32_t nan_bits = 0x7fc00000;
     out.write(reinterpret_cast<const char*>(&nan_bits), 4);
@@ -393,7 +398,8 @@ TEST_CASE("a store larger than /dev/shm is refused with the size and the fix", "
     FAIL("a 32 GB store was accepted");
   } catch (const Error& e) {
     CHECK(e.code() == ErrorCode::kResource);
-    CHECK_THAT(e.what(), Catch::Contains("the store needs 29.92 GiB") && Catch::Contains("of /dev/shm, which has"));
+    CHECK_THAT(e.what(), Catch::Contains("the store needs 29.92 GiB") &&
+                             Catch::Contains("of /dev/shm, which has"));
     CHECK_THAT(e.what(), Catch::Contains("mount -o remount,size="));
   }
   CHECK(ShmObjectsOf(name).empty());

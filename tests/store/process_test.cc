@@ -26,8 +26,8 @@ namespace {
 
 Subprocess StartServe(const std::string& dir, const std::string& name, const std::string& log,
                       const std::vector<std::string>& extra = {}) {
-  std::vector<std::string> argv = {Bin("lorastream-store"), "serve", dir, "--name", name,
-                                   "--threads", "2"};
+  std::vector<std::string> argv = {
+      Bin("lorastream-store"), "serve", dir, "--name", name, "--threads", "2"};
   argv.insert(argv.end(), extra.begin(), extra.end());
   SpawnOptions o;
   o.log_path = log;
@@ -79,7 +79,8 @@ TEST_CASE("serve publishes, verify and ls see it, SIGTERM unlinks everything", "
   CHECK(code == 0);
   CHECK_THAT(out, Catch::Contains(name + ": published, owner pid " + std::to_string(serve.pid())));
   CHECK_THAT(out, Catch::Contains(" " + std::to_string(getpid())));  // we are attached
-  RunAndCapture({Bin("lorastream-store"), "verify", "--name", name + "-none"}, &code, 60, "/dev/null");
+  RunAndCapture({Bin("lorastream-store"), "verify", "--name", name + "-none"}, &code, 60,
+                "/dev/null");
   CHECK(code == ExitCodeFor(ErrorCode::kNotFound));
 
   serve.Signal(SIGTERM);
@@ -118,7 +119,8 @@ TEST_CASE("a store killed with SIGKILL is cleaned up by the next one of its name
     if (o.name.find(".manifest") == std::string::npos)
       CHECK(o.name.find(ShmPrefix(name) + [&] {
         char b[24];
-        std::snprintf(b, sizeof(b), "%016llx", static_cast<unsigned long long>(store.manifest().generation));
+        std::snprintf(b, sizeof(b), "%016llx",
+                      static_cast<unsigned long long>(store.manifest().generation));
         return std::string(b);
       }()) != std::string::npos);
   CHECK_THAT(ReadFile(dir.str() + "/third.log"),
@@ -140,8 +142,9 @@ TEST_CASE("a memlock limit is reported once with the fix, and the store still se
   // The sanitizers' common runtime intercepts mlock and ignores it (it always succeeds: the
   // kernel can deadlock mlocking the terabytes of shadow they map), so the limit cannot be
   // hit: the plain build runs this case.
-  WARN("skipped under AddressSanitizer/ThreadSanitizer: they turn mlock into a no-op that "
-       "succeeds");
+  WARN(
+      "skipped under AddressSanitizer/ThreadSanitizer: they turn mlock into a no-op that "
+      "succeeds");
   return;
 #endif
   if (geteuid() != 0 || access("/usr/bin/setpriv", X_OK) != 0) {
@@ -161,7 +164,9 @@ TEST_CASE("a memlock limit is reported once with the fix, and the store still se
   CHECK_NOTHROW(VerifyChecksums(AttachedStore::AttachWhenReady(name, 60)));
   const std::string log = ReadFile(dir.str() + "/serve.log");
   size_t count = 0;
-  for (size_t at = 0; (at = log.find("cannot lock the store in RAM", at)) != std::string::npos; ++at) ++count;
+  for (size_t at = 0; (at = log.find("cannot lock the store in RAM", at)) != std::string::npos;
+       ++at)
+    ++count;
   CHECK(count == 1);
   CHECK_THAT(log, Catch::Contains("ulimit -l unlimited"));
   CHECK_THAT(log, Catch::Contains("LimitMEMLOCK=infinity"));
@@ -176,7 +181,8 @@ TEST_CASE("PSS: the store and 1, 2, 4 readers hold one copy of the weights", "[s
   uint64_t one_copy_kib = 0;
   {
     AttachedStore probe = AttachedStore::AttachWhenReady(name, 60);
-    for (const SegmentInfo& b : probe.manifest().blocks) one_copy_kib += RoundUpToPage(b.nbytes) / 1024;
+    for (const SegmentInfo& b : probe.manifest().blocks)
+      one_copy_kib += RoundUpToPage(b.nbytes) / 1024;
     one_copy_kib += RoundUpToPage(probe.manifest().rest.nbytes) / 1024;
   }  // the test process itself maps nothing while measuring
   REQUIRE(one_copy_kib > 40 * 1024);
@@ -197,7 +203,8 @@ TEST_CASE("PSS: the store and 1, 2, 4 readers hold one copy of the weights", "[s
           AttachedStore store = AttachedStore::Attach(name);
           volatile uint64_t sum = 0;
           for (int i = 0; i < store.num_blocks(); ++i)
-            for (size_t off = 0; off < store.block_size(i); off += 4096) sum += store.block_data(i)[off];
+            for (size_t off = 0; off < store.block_size(i); off += 4096)
+              sum += store.block_data(i)[off];
           for (size_t off = 0; off < store.rest_size(); off += 4096) sum += store.rest_data()[off];
           char c = 'r';
           if (write(ready[1], &c, 1) != 1) _exit(2);
@@ -244,7 +251,8 @@ TEST_CASE("inspect lists good input and explains bad input without crashing", "[
   auto inspect = [&](const std::string& path) {
     static int calls = 0;
     const std::string err = dir.str() + "/inspect" + std::to_string(calls++) + ".err";
-    const std::string out = RunAndCapture({Bin("lorastream-store"), "inspect", path}, &code, 60, err);
+    const std::string out =
+        RunAndCapture({Bin("lorastream-store"), "inspect", path}, &code, 60, err);
     return out + ReadFile(err);
   };
   std::string out = inspect(dir.str() + "/ckpt");

@@ -148,8 +148,8 @@ TEST_CASE("synth --tokenizer copies a tokenizer in and the store's plan records 
 
   TempDir plain("store");  // no tokenizer: the manifest records none
   Synth("tiny", plain.str());
-  CHECK(
-      PlanPack(Checkpoint::Open(plain.str()), PackOptions{}).manifest.tokenizer.fingerprint.empty());
+  CHECK(PlanPack(Checkpoint::Open(plain.str()), PackOptions{})
+            .manifest.tokenizer.fingerprint.empty());
   o.tokenizer_dir = plain.str();
   CHECK_THROWS_AS(RunSynth(o), Error);
 }

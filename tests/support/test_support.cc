@@ -54,7 +54,6 @@ std::string Bin(const std::string& name) {
   return path;
 }
 
-
 std::filesystem::path WriteTestCheckpoint(const std::filesystem::path& out, int64_t step,
                                           double eval_loss, int64_t recorded_step) {
   namespace fs = std::filesystem;
@@ -78,7 +77,6 @@ std::filesystem::path WriteTestCheckpoint(const std::filesystem::path& out, int6
   fs::rename(tmp, final_dir);
   return final_dir;
 }
-
 
 bool HaveNode() {
   if (const char* env = std::getenv("LORASTREAM_NODE"); env && *env) return true;

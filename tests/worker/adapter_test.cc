@@ -51,14 +51,17 @@ TEST_CASE("adapters are written as peft writes them and read back exactly", "[wo
   SafetensorsFile f = SafetensorsFile::Open(dir / "out/adapter_model.safetensors");
   CHECK(f.tensors().size() == 3 * 3 * 2);
   CHECK(f.header().metadata.at("format") == "pt");
-  const SafetensorsEntry* qa = f.Find("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight");
+  const SafetensorsEntry* qa =
+      f.Find("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight");
   REQUIRE(qa);
   CHECK(qa->dtype == DType::kF32);
   CHECK(qa->shape == std::vector<int64_t>{8, 64});
-  const SafetensorsEntry* vb = f.Find("base_model.model.model.layers.2.self_attn.v_proj.lora_B.weight");
+  const SafetensorsEntry* vb =
+      f.Find("base_model.model.model.layers.2.self_attn.v_proj.lora_B.weight");
   REQUIRE(vb);
   CHECK(vb->shape == std::vector<int64_t>{32, 8});  // 2 kv heads * 16
-  const SafetensorsEntry* da = f.Find("base_model.model.model.layers.1.mlp.down_proj.lora_A.weight");
+  const SafetensorsEntry* da =
+      f.Find("base_model.model.model.layers.1.mlp.down_proj.lora_A.weight");
   REQUIRE(da);
   CHECK(da->shape == std::vector<int64_t>{8, 176});
   CHECK(!f.Find("base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight"));

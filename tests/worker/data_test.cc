@@ -65,7 +65,8 @@ TEST_CASE("token files round-trip and malformed ones are refused", "[worker]") {
   }
   std::string bytes = testing::ReadFile(dir / "d.tok");
   for (size_t cut : {size_t{3}, size_t{41}, bytes.size() - 1}) {
-    std::ofstream(dir / "t.tok", std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(cut));
+    std::ofstream(dir / "t.tok", std::ios::binary)
+        .write(bytes.data(), static_cast<std::streamsize>(cut));
     CHECK_THROWS_AS(LoadDocuments(dir / "t.tok", "tokens", 1000), Error);
   }
 }
@@ -83,7 +84,9 @@ TEST_CASE("packing, padding, shifted targets and the seeded order", "[worker]") 
   // Whichever order: each row's targets are its labels shifted by one.
   for (int r = 0; r < 2; ++r) {
     CHECK(b.targets[r * 4 + 3] == -100);
-    if (b.ids[r * 4] == 1) CHECK(std::vector<int64_t>(b.targets.begin() + r * 4, b.targets.begin() + r * 4 + 3) == std::vector<int64_t>{2, 3, 4});
+    if (b.ids[r * 4] == 1)
+      CHECK(std::vector<int64_t>(b.targets.begin() + r * 4, b.targets.begin() + r * 4 + 3) ==
+            std::vector<int64_t>{2, 3, 4});
   }
   Sampler s1(100, 42), s2(100, 42), s3(100, 43);
   std::set<int64_t> epoch;

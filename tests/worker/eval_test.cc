@@ -56,9 +56,10 @@ bool BitEqual(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 
 }  // namespace
 
-TEST_CASE("evaluation builds no autograd graph and does no gradient work; the same forward "
-          "with grad would",
-          "[worker]") {
+TEST_CASE(
+    "evaluation builds no autograd graph and does no gradient work; the same forward "
+    "with grad would",
+    "[worker]") {
   testing::TempDir dir("evalgraph");
   BaseWeights base = BaseWeights::FromCheckpoint(testing::MakeCheckpoint(dir / "m", "tiny"));
   ResidentProvider provider(base, at::kCPU, at::kFloat);
@@ -101,9 +102,10 @@ TEST_CASE("evaluation builds no autograd graph and does no gradient work; the sa
   CHECK(first.loss != Approx(whole.loss).epsilon(1e-6));
 }
 
-TEST_CASE("eval runs every N steps, at checkpoints and at the end; streamed equals resident "
-          "bit for bit; training is unchanged by it",
-          "[worker]") {
+TEST_CASE(
+    "eval runs every N steps, at checkpoints and at the end; streamed equals resident "
+    "bit for bit; training is unchanged by it",
+    "[worker]") {
   testing::TempDir dir("evaltrain");
   testing::MakeCheckpoint(dir / "m", "tiny");
   testing::WriteJsonl(dir / "d.jsonl", 12, 20, 60, 512);
@@ -130,7 +132,8 @@ TEST_CASE("eval runs every N steps, at checkpoints and at the end; streamed equa
   CHECK(resident.stats[1].eval_tokens == 2 * 2 * 15);     // batches x rows x (seq_len - 1)
   CHECK(resident.stats[3].eval_loss < resident.stats[1].eval_loss);  // it learns the file
   // Evaluations do not disturb training: same losses, same adapter as without them.
-  for (size_t i = 0; i < plain.losses.size(); ++i) CHECK(BitEqual(resident.losses[i], plain.losses[i]));
+  for (size_t i = 0; i < plain.losses.size(); ++i)
+    CHECK(BitEqual(resident.losses[i], plain.losses[i]));
   CHECK(resident.adapter == plain.adapter);
   // stats.jsonl carries eval_loss on those steps only.
   std::ifstream lines(dir / "eval/stats.jsonl");
@@ -155,9 +158,10 @@ TEST_CASE("eval runs every N steps, at checkpoints and at the end; streamed equa
   }
 }
 
-TEST_CASE("train.epochs sets the steps from the data; eval.split trains without the held-out "
-          "documents",
-          "[worker]") {
+TEST_CASE(
+    "train.epochs sets the steps from the data; eval.split trains without the held-out "
+    "documents",
+    "[worker]") {
   testing::TempDir dir("epochs");
   testing::MakeCheckpoint(dir / "m", "tiny");
   testing::WriteJsonl(dir / "d.jsonl", 10, 16, 16, 512);  // 160 tokens
@@ -170,6 +174,6 @@ TEST_CASE("train.epochs sets the steps from the data; eval.split trains without 
   const Run r = Train(spec, false);
   CHECK(r.stats.size() == 4);  // ceil(0.5 * 16 / 2)
   CHECK(r.stats.back().total_steps == 4);
-  CHECK(r.stats.back().has_eval());  // at the end
+  CHECK(r.stats.back().has_eval());            // at the end
   CHECK(r.stats.back().eval_tokens == 4 * 7);  // 2 held-out documents = 4 sequences
 }

@@ -13,7 +13,7 @@
 namespace lorastream::testing {
 
 struct HeadRun {
-  at::Tensor loss, hidden_grad;  // on the CPU
+  at::Tensor loss, hidden_grad;   // on the CPU
   std::vector<at::Tensor> grads;  // every LoRA tensor's, on the CPU
 };
 
@@ -27,15 +27,16 @@ inline worker::LoraAdapter RandomLora(const ModelConfig& config, c10::Device dev
   worker::LoraAdapter adapter = worker::LoraAdapter::Init(config, s, 11, device);
   c10::NoGradGuard no_grad;
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(5);
-  for (auto& p : adapter.Params()) p.copy_(at::empty(p.sizes(), at::kFloat).uniform_(-0.1, 0.1, gen));
+  for (auto& p : adapter.Params())
+    p.copy_(at::empty(p.sizes(), at::kFloat).uniform_(-0.1, 0.1, gen));
   return adapter;
 }
 
 // The shifted targets of `ids` with every third position ignored (and the last, as a shift
 // leaves it).
 inline at::Tensor ShiftedTargets(const at::Tensor& ids) {
-  at::Tensor t = at::cat({ids.narrow(1, 1, ids.size(1) - 1),
-                          at::full({ids.size(0), 1}, kIgnoreIndex, at::kLong)}, 1);
+  at::Tensor t = at::cat(
+      {ids.narrow(1, 1, ids.size(1) - 1), at::full({ids.size(0), 1}, kIgnoreIndex, at::kLong)}, 1);
   t.view({-1}).index_put_({at::arange(0, t.numel(), 3)}, kIgnoreIndex);
   return t;
 }

@@ -18,9 +18,9 @@ bool Mentions(const std::vector<std::string>& problems, const std::string& text)
 }  // namespace
 
 TEST_CASE("the example job file parses with its documented defaults", "[worker]") {
-  JobSpec s = ParseJobSpec(testing::ReadFile(std::string(LORASTREAM_SOURCE_DIR) +
-                                             "/configs/jobs/tiny_llama.toml"),
-                           "tiny_llama.toml");
+  JobSpec s = ParseJobSpec(
+      testing::ReadFile(std::string(LORASTREAM_SOURCE_DIR) + "/configs/jobs/tiny_llama.toml"),
+      "tiny_llama.toml");
   CHECK(s.lora.rank == 8);
   CHECK(s.lora.targets.size() == 7);
   CHECK(s.optim.schedule == "cosine");
@@ -44,7 +44,8 @@ TEST_CASE("job specs: unknown keys and wrong types are errors naming the key", "
   CHECK_THROWS_AS(ParseJobSpec("[lora]\nrank = \"8\"\n", "j.toml"), Error);
   JobSpec s = ParseJobSpec("[stream]\ngpu_memory_budget = \"8GiB\"\n", "j.toml");
   CHECK(s.stream.gpu_memory_budget == 8ull << 30);
-  CHECK(ParseJobSpec("[stream]\ngpu_memory_budget = 1000\n", "j.toml").stream.gpu_memory_budget == 1000);
+  CHECK(ParseJobSpec("[stream]\ngpu_memory_budget = 1000\n", "j.toml").stream.gpu_memory_budget ==
+        1000);
   CHECK_THROWS_AS(ParseJobSpec("[stream]\ngpu_memory_budget = \"8 parsecs\"\n", "j.toml"), Error);
   CHECK(ParseByteSize("500MB", "x") == 500000000ull);
   CHECK(ParseByteSize("1.5 KiB", "x") == 1536ull);
@@ -84,8 +85,7 @@ TEST_CASE("ValidateJobSpec returns every problem, each naming its field", "[work
   CHECK(Mentions(ValidateJobSpec(ok), "`model.checkpoint` names a folder that does not exist"));
 }
 
-TEST_CASE("stream.forward_slots and backward_slots: parsed, checked against the ring",
-          "[worker]") {
+TEST_CASE("stream.forward_slots and backward_slots: parsed, checked against the ring", "[worker]") {
   const JobSpec s =
       ParseJobSpec("[stream]\nring_size = 2\nforward_slots = 6\nbackward_slots = -1\n", "j.toml");
   CHECK(s.stream.forward_slots == 6);

@@ -4,15 +4,14 @@
 
 #include <utility>
 
-
 #include "common/error.h"
+#include "head_test_util.h"
 #include "worker/base_weights.h"
 #include "worker/lm_head.h"
 #include "worker/lora.h"
 #include "worker/model.h"
 #include "worker/resident_provider.h"
 #include "worker/stream_engine.h"
-#include "head_test_util.h"
 #include "worker_test_util.h"
 
 using namespace lorastream;
@@ -34,8 +33,10 @@ void CheckClose(const at::Tensor& a, const at::Tensor& b) {
 
 }  // namespace
 
-TEST_CASE("the chunked LM head's loss and gradients equal the full-logits path within f32 "
-          "rounding, for chunks that do and do not divide the rows", "[worker]") {
+TEST_CASE(
+    "the chunked LM head's loss and gradients equal the full-logits path within f32 "
+    "rounding, for chunks that do and do not divide the rows",
+    "[worker]") {
   for (const char* preset : {"tiny", "tiny-qwen2"}) {  // untied and tied
     DYNAMIC_SECTION(preset) {
       testing::TempDir dir("chunked");
@@ -60,12 +61,12 @@ TEST_CASE("the chunked LM head's loss and gradients equal the full-logits path w
           CheckClose(got.grads[i], want.grads[i]);
         }
       }
-      REQUIRE_THROWS_AS(ChunkedHeadLossSum(at::zeros({1, 2, base.config().hidden_size}),
-                                           at::zeros({1, 2}, at::kLong), base.rest().norm, 1e-5,
-                                           *MakeResidentHead(base.rest().lm_head, at::kCPU,
-                                                             at::kFloat),
-                                           /*chunk_rows=*/0),
-                        Error);
+      REQUIRE_THROWS_AS(
+          ChunkedHeadLossSum(at::zeros({1, 2, base.config().hidden_size}),
+                             at::zeros({1, 2}, at::kLong), base.rest().norm, 1e-5,
+                             *MakeResidentHead(base.rest().lm_head, at::kCPU, at::kFloat),
+                             /*chunk_rows=*/0),
+          Error);
       // A wrong target is caught: the same check against another row's gradient fails.
       const HeadRun other = RunHead(model, at::roll(ids, 1, 1), 16);
       CHECK((other.hidden_grad - want.hidden_grad).abs().max().item<double>() >
@@ -74,8 +75,10 @@ TEST_CASE("the chunked LM head's loss and gradients equal the full-logits path w
   }
 }
 
-TEST_CASE("a streamed LM head gives the resident head's loss and gradients bit for bit, with "
-          "poisoned and delayed copies", "[worker]") {
+TEST_CASE(
+    "a streamed LM head gives the resident head's loss and gradients bit for bit, with "
+    "poisoned and delayed copies",
+    "[worker]") {
   for (const char* preset : {"tiny", "tiny-qwen2"}) {  // untied and tied (the embedding table)
     DYNAMIC_SECTION(preset) {
       testing::TempDir dir("streamed-head");
@@ -94,8 +97,8 @@ TEST_CASE("a streamed LM head gives the resident head's loss and gradients bit f
       // gives the same results from the same single copy.
       for (auto [convert, prefetch] : {std::pair{false, false}, {true, false}, {false, true}}) {
         CAPTURE(convert, prefetch);
-        const at::Tensor host = convert ? base.rest().lm_head.to(at::kBFloat16)
-                                        : base.rest().lm_head;
+        const at::Tensor host =
+            convert ? base.rest().lm_head.to(at::kBFloat16) : base.rest().lm_head;
         std::unique_ptr<HeadProvider> head = MakeStreamedHead(host, at::kCPU, at::kFloat, slow);
         REQUIRE(head->streamed());
         RestWeights rest = base.rest();
@@ -113,7 +116,8 @@ TEST_CASE("a streamed LM head gives the resident head's loss and gradients bit f
         if (!convert) {
           CHECK(at::equal(got.loss, want.loss));
           CHECK(at::equal(got.hidden_grad, want.hidden_grad));
-          for (size_t i = 0; i < got.grads.size(); ++i) CHECK(at::equal(got.grads[i], want.grads[i]));
+          for (size_t i = 0; i < got.grads.size(); ++i)
+            CHECK(at::equal(got.grads[i], want.grads[i]));
           CHECK(at::equal(got_full.loss, want_full.loss));
           for (size_t i = 0; i < got.grads.size(); ++i)
             CHECK(at::equal(got_full.grads[i], want_full.grads[i]));

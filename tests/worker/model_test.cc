@@ -3,7 +3,6 @@
 // RMSNorm, which runs in f32 as transformers'; in f32 through the whole model), and blocks are
 // acquired in the step's order.
 
-
 #include "torch_catch.h"  // first: see there
 
 #include <c10/core/GradMode.h>
@@ -40,8 +39,8 @@ Grads RunOnce(const BaseWeights& base, const LoraSettings& settings, bool checkp
     at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(5);
     for (auto& p : adapter.Params()) p.uniform_(-0.1, 0.1, gen);
   }
-  at::Tensor targets = at::cat({ids.narrow(1, 1, ids.size(1) - 1),
-                                at::full({ids.size(0), 1}, -100, at::kLong)}, 1);
+  at::Tensor targets =
+      at::cat({ids.narrow(1, 1, ids.size(1) - 1), at::full({ids.size(0), 1}, -100, at::kLong)}, 1);
   provider.BeginStep();
   at::Tensor hidden = model.Hidden(ids, adapter, true, checkpointed, 99);
   at::Tensor loss = CausalLm::LossSum(model.Logits(hidden), targets) / 10.0;
@@ -76,8 +75,8 @@ LoraSettings SettingsWith(std::initializer_list<int> targets, double dropout) {
 
 TEST_CASE("the hand-written block backward equals autograd through the same forward (f64)",
           "[worker]") {
-  const std::initializer_list<int> all = {kQProj, kKProj, kVProj, kOProj, kGateProj, kUpProj,
-                                          kDownProj};
+  const std::initializer_list<int> all = {kQProj,    kKProj,  kVProj,   kOProj,
+                                          kGateProj, kUpProj, kDownProj};
   const std::initializer_list<int> some = {kVProj, kUpProj, kDownProj};
   for (const char* preset : {"tiny", "tiny-qwen2", "tiny-qwen3"}) {
     for (double dropout : {0.0, 0.1}) {

@@ -92,9 +92,9 @@ TEST_CASE("peft config: fields this trainer cannot honour are refused by name", 
   CHECK(Mentions(Refusal(dir, with("bias", "all"), ErrorCode::kUnsupported), "bias"));
   CHECK(Mentions(Refusal(dir, with("layers_to_transform", {0, 1}), ErrorCode::kUnsupported),
                  "layers_to_transform"));
-  CHECK(Mentions(Refusal(dir, with("target_modules", {"q_proj", "lm_head"}),
-                         ErrorCode::kUnsupported),
-                 "lm_head"));
+  CHECK(
+      Mentions(Refusal(dir, with("target_modules", {"q_proj", "lm_head"}), ErrorCode::kUnsupported),
+               "lm_head"));
   CHECK(Mentions(Refusal(dir, with("r", 0), ErrorCode::kCorrupt), "`r`"));
   CHECK(Mentions(Refusal(dir, with("r", "8"), ErrorCode::kCorrupt), "`r`"));
   CHECK(Mentions(Refusal(dir, with("lora_alpha", "16"), ErrorCode::kCorrupt), "lora_alpha"));

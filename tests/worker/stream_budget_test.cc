@@ -5,8 +5,8 @@
 #include <catch2/catch.hpp>
 
 #include "common/error.h"
-#include "worker/stream_budget.h"
 #include "tests/worker/stream_test_shapes.h"
+#include "worker/stream_budget.h"
 
 using namespace lorastream;
 using namespace lorastream::worker;
@@ -15,8 +15,9 @@ using namespace lorastream::testing;
 TEST_CASE("LoRA parameter count of a llama-3-8b-shaped block", "[worker]") {
   const ModelConfig c = Llama3_8bShape(16);
   // q 16*(4096+4096) + k,v 2*16*(4096+1024) + o 16*(4096+4096) + gate,up,down 3*16*(4096+14336)
-  REQUIRE(LoraParameterCount(c, 16, {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                     "up_proj", "down_proj"}) == 16 * 1310720LL);
+  REQUIRE(LoraParameterCount(c, 16,
+                             {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                              "down_proj"}) == 16 * 1310720LL);
   REQUIRE(LoraParameterCount(c, 8, {"q_proj"}) == 16 * 8 * 8192LL);
   REQUIRE_THROWS_AS(LoraParameterCount(c, 8, {"lm_head"}), Error);
 }

@@ -51,7 +51,7 @@ inline at::Tensor ChainBlock(const at::Tensor& x, const worker::BlockWeights& w,
 
 struct ChainResult {
   double loss = 0;
-  at::Tensor output;                // the last block's output
+  at::Tensor output;  // the last block's output
   std::vector<at::Tensor> grad_a, grad_b;
 };
 

@@ -10,8 +10,8 @@
 
 #include "common/error.h"
 #include "common/remove_tree.h"
-#include "worker/stream_cost.h"
 #include "tests/worker/stream_test_shapes.h"
+#include "worker/stream_cost.h"
 
 using namespace lorastream;
 using namespace lorastream::worker;
@@ -66,8 +66,10 @@ TEST_CASE("cost model: the replayed timeline of a hand-computed plan", "[worker]
   REQUIRE(two.step_seconds == Approx(2 * 1 + 5 + 2 * 2));
 }
 
-TEST_CASE("cost model: more bandwidth is never slower; a transfer-bound plan is the copies' "
-          "time", "[worker]") {
+TEST_CASE(
+    "cost model: more bandwidth is never slower; a transfer-bound plan is the copies' "
+    "time",
+    "[worker]") {
   const MemoryModelInputs in = Inputs(16, 2048);
   StepCosts c = H200Like(2048);
   const ResidencyPlan all = PlanFromSwapCount(16, 16, 2);
@@ -85,8 +87,10 @@ TEST_CASE("cost model: more bandwidth is never slower; a transfer-bound plan is 
   REQUIRE(slow.step_seconds == Approx(slow.copy_busy_seconds).epsilon(0.1));
 }
 
-TEST_CASE("the planner's choice is never slower than a hand-picked plan that fits, within "
-          "the budget", "[worker]") {
+TEST_CASE(
+    "the planner's choice is never slower than a hand-picked plan that fits, within "
+    "the budget",
+    "[worker]") {
   for (int64_t tokens : {512, 2048, 8192}) {
     const MemoryModelInputs in = Inputs(16, tokens);
     const StepCosts c = H200Like(tokens);
@@ -125,8 +129,10 @@ TEST_CASE("the planner's choice is never slower than a hand-picked plan that fit
   }
 }
 
-TEST_CASE("at 2048 tokens in 8 GiB the choice beats today's 12-streamed ring of 2, by "
-          "resident blocks and by the timeline", "[worker]") {
+TEST_CASE(
+    "at 2048 tokens in 8 GiB the choice beats today's 12-streamed ring of 2, by "
+    "resident blocks and by the timeline",
+    "[worker]") {
   const StepCosts c = H200Like(2048);
   const ResidencyPlan today = PlanFromSwapCount(16, 12, 2);
   // The chunked head (and the embedding table in host RAM) leave room for more resident

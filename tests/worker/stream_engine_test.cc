@@ -12,10 +12,10 @@
 #include <catch2/catch.hpp>
 
 #include "common/error.h"
-#include "worker/stream_cpu_backend.h"
-#include "worker/stream_engine.h"
 #include "tests/worker/stream_chain.h"
 #include "tests/worker/stream_test_blocks.h"
+#include "worker/stream_cpu_backend.h"
+#include "worker/stream_engine.h"
 
 using namespace lorastream;
 using namespace lorastream::worker;
@@ -310,18 +310,19 @@ TEST_CASE("a trainable base weight is refused naming the tensor", "[worker]") {
 
 TEST_CASE("residency from a job's stream settings", "[worker]") {
   HostBlocks host(TinyStreamConfig(4), 14, /*read_only=*/false);
-  const MemoryModelInputs in = MemoryInputsFor(host.manifest(), 4, {"q_proj", "down_proj"},
-                                               kTokens, 4, /*attention_materialized=*/true);
+  const MemoryModelInputs in = MemoryInputsFor(host.manifest(), 4, {"q_proj", "down_proj"}, kTokens,
+                                               4, /*attention_materialized=*/true);
   REQUIRE(PlanResidency(2, 0, 2, in).num_streamed() == 2);
   REQUIRE(PlanResidency(2, ~uint64_t{0} >> 1, 2, in).num_streamed() == 0);  // budget wins
-  REQUIRE_THROWS_AS(PlanResidency(2, 1000, 2, in), Error);                 // below minimum
-  REQUIRE_THROWS_AS(PlanResidency(2, 0, 0, in), Error);                    // ring 0
-  REQUIRE_THROWS_AS(PlanResidency(5, 0, 2, in), Error);                    // too many blocks
+  REQUIRE_THROWS_AS(PlanResidency(2, 1000, 2, in), Error);                  // below minimum
+  REQUIRE_THROWS_AS(PlanResidency(2, 0, 0, in), Error);                     // ring 0
+  REQUIRE_THROWS_AS(PlanResidency(5, 0, 2, in), Error);                     // too many blocks
 }
 
-TEST_CASE("phase slots: streamed equals resident bit for bit over several steps, the "
-          "device never holds more slots than the phase has",
-          "[worker]") {
+TEST_CASE(
+    "phase slots: streamed equals resident bit for bit over several steps, the "
+    "device never holds more slots than the phase has",
+    "[worker]") {
   const int layers = 7;
   HostBlocks host(TinyStreamConfig(layers), 15, /*read_only=*/true);
   const int64_t hidden = host.manifest().config.hidden_size;
@@ -336,12 +337,11 @@ TEST_CASE("phase slots: streamed equals resident bit for bit over several steps,
   for (int swap : {3, 5, 7}) {
     for (int ring : {1, 2}) {
       // Slots in the forward, across the LM head (0: the ring) and in the backward.
-      for (auto [f, h, b] : {std::tuple{4, 0, 2}, {2, 0, 4}, {2, 3, 4}, {2, 4, 4}, {5, 5, 5},
-                             {3, 0, 1}}) {
+      for (auto [f, h, b] :
+           {std::tuple{4, 0, 2}, {2, 0, 4}, {2, 3, 4}, {2, 4, 4}, {5, 5, 5}, {3, 0, 1}}) {
         CAPTURE(swap, ring, f, h, b);
-        const ResidencyPlan plan =
-            WithPhaseSlots(PlanFromSwapCount(layers, swap, ring), std::max(f, ring),
-                           std::max(b, ring), h);
+        const ResidencyPlan plan = WithPhaseSlots(PlanFromSwapCount(layers, swap, ring),
+                                                  std::max(f, ring), std::max(b, ring), h);
         StreamBackendOptions bo;
         bo.num_slots = plan.max_slots();
         bo.permanent_slots = plan.ring_size;
@@ -358,8 +358,7 @@ TEST_CASE("phase slots: streamed equals resident bit for bit over several steps,
           // allocated now are within the phase's count.
           REQUIRE(SameWeights(w, HostView(host, block)));
           const bool backward = calls++ % (2 * layers) >= layers;
-          REQUIRE(device->live_slots() <=
-                  (backward ? plan.backward_slots : plan.forward_slots));
+          REQUIRE(device->live_slots() <= (backward ? plan.backward_slots : plan.forward_slots));
         };
         // At the LM head only its slots exist.
         auto turnaround = [&] { REQUIRE(device->live_slots() <= plan.head_slots); };
@@ -376,10 +375,9 @@ TEST_CASE("phase slots: streamed equals resident bit for bit over several steps,
         }
         REQUIRE(device->max_live_slots() <= plan.max_slots());
         // Where the plan copies into a phase slot, the device did allocate one.
-        const bool phase_copy = std::any_of(steady.uses.begin(), steady.uses.end(),
-                                            [&](const BlockUse& u) {
-                                              return u.copy && u.slot >= plan.ring_size;
-                                            });
+        const bool phase_copy =
+            std::any_of(steady.uses.begin(), steady.uses.end(),
+                        [&](const BlockUse& u) { return u.copy && u.slot >= plan.ring_size; });
         if (phase_copy) REQUIRE(device->max_live_slots() > plan.ring_size);
       }
     }
@@ -395,8 +393,8 @@ TEST_CASE("phase slots: more slots copy less, across the step boundary", "[worke
   auto run_steady = [&](const ResidencyPlan& plan) {
     StreamEngineOptions o;
     o.log_plan = false;
-    auto engine = MakeStreamEngine(host.manifest(), host.pointers(), plan,
-                                   c10::Device(c10::kCPU), o);
+    auto engine =
+        MakeStreamEngine(host.manifest(), host.pointers(), plan, c10::Device(c10::kCPU), o);
     StepStats s;
     for (int step = 0; step < 3; ++step) {
       engine->BeginStep();

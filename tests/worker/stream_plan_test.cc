@@ -46,7 +46,7 @@ void CheckPlan(const ResidencyPlan& r, const PassPlan& p) {
       REQUIRE(use.issue_after >= last_use[use.slot]);
       REQUIRE(use.issue_after >= last_issue);
       last_issue = use.issue_after;
-      const auto& list = use.at_acquire          ? p.issue_at_acquire[use.issue_after + 1]
+      const auto& list = use.at_acquire        ? p.issue_at_acquire[use.issue_after + 1]
                          : use.issue_after < 0 ? p.issue_at_start
                                                : p.issue_after_release[use.issue_after];
       REQUIRE(std::count(list.begin(), list.end(), u) == 1);
@@ -59,8 +59,8 @@ void CheckPlan(const ResidencyPlan& r, const PassPlan& p) {
   REQUIRE(slots == p.slots_at_end);
   std::set<int> distinct(slots.begin(), slots.end());
   distinct.erase(-1);
-  REQUIRE(distinct.size() == static_cast<size_t>(std::count_if(
-                                 slots.begin(), slots.end(), [](int b) { return b >= 0; })));
+  REQUIRE(distinct.size() == static_cast<size_t>(std::count_if(slots.begin(), slots.end(),
+                                                               [](int b) { return b >= 0; })));
 
   // The memory timeline, replayed in the engine's order of events: a slot is allocated from
   // its first copy to its free; never more than the phase's slots at once, at most
@@ -144,8 +144,7 @@ TEST_CASE("the planner refuses impossible requests naming the field", "[worker]"
   RequireCheckpointingForStreaming(PlanFromSwapCount(8, 2, 2), true);
 }
 
-TEST_CASE("every plan keeps the ring's invariants (all sizes, rings and swap counts)",
-          "[worker]") {
+TEST_CASE("every plan keeps the ring's invariants (all sizes, rings and swap counts)", "[worker]") {
   for (int l = 1; l <= 9; ++l) {
     for (int ring = 1; ring <= 4; ++ring) {
       for (int n = 0; n <= l; ++n) {
@@ -173,8 +172,7 @@ TEST_CASE("every plan keeps the ring's invariants (all sizes, rings and swap cou
   }
 }
 
-TEST_CASE("the forward's last blocks serve the first backward uses without a copy",
-          "[worker]") {
+TEST_CASE("the forward's last blocks serve the first backward uses without a copy", "[worker]") {
   const ResidencyPlan r = PlanFromSwapCount(6, 6, 2);
   const PassPlan p = PlanPass(r, {-1, -1});
   // Uses 6 and 7 are the backward of blocks 5 and 4, still in the ring.
@@ -214,31 +212,31 @@ TEST_CASE("phase slots: every plan keeps the invariants and the memory timeline"
       for (int n = 0; n <= l; ++n) {
         for (int f = ring; f <= ring + 3; ++f) {
           for (int b = ring; b <= ring + 3; ++b) {
-           for (int h = ring; h <= b; ++h) {
-            CAPTURE(l, ring, n, f, b, h);
-            const ResidencyPlan base = PlanFromSwapCount(l, n, ring);
-            ResidencyPlan r = WithPhaseSlots(base, f, b, h);
-            // Every other plan streams the LM head, copied early when 2 slots are free.
-            r.head_streamed = r.head_prefetch_slots = (l + n + f + b + h) % 2 == 0 ? 2 : 0;
-            REQUIRE(r.forward_slots == std::min(f, n));
-            REQUIRE(r.backward_slots == std::min(b, n));
-            REQUIRE(r.head_slots == std::clamp(h, r.ring_size, r.backward_slots));
-            PassPlan p = PlanPass(r, std::vector<int>(r.max_slots(), -1));
-            CheckPlan(r, p);
-            for (int pass = 0; pass < 3; ++pass) {
-              p = PlanPass(r, p.slots_at_end);
+            for (int h = ring; h <= b; ++h) {
+              CAPTURE(l, ring, n, f, b, h);
+              const ResidencyPlan base = PlanFromSwapCount(l, n, ring);
+              ResidencyPlan r = WithPhaseSlots(base, f, b, h);
+              // Every other plan streams the LM head, copied early when 2 slots are free.
+              r.head_streamed = r.head_prefetch_slots = (l + n + f + b + h) % 2 == 0 ? 2 : 0;
+              REQUIRE(r.forward_slots == std::min(f, n));
+              REQUIRE(r.backward_slots == std::min(b, n));
+              REQUIRE(r.head_slots == std::clamp(h, r.ring_size, r.backward_slots));
+              PassPlan p = PlanPass(r, std::vector<int>(r.max_slots(), -1));
               CheckPlan(r, p);
+              for (int pass = 0; pass < 3; ++pass) {
+                p = PlanPass(r, p.slots_at_end);
+                CheckPlan(r, p);
+              }
+              // More slots in a phase never copy more than the ring alone.
+              const PassPlan steady = PlanSteadyPass(r);
+              CheckPlan(r, steady);
+              REQUIRE(steady.copies() <= PlanSteadyPass(base).copies());
+              // Long enough to reach the pattern: the turnaround keeps head_boundary_slots()
+              // blocks, the pass boundary pass_boundary_slots() blocks, each saving a copy.
+              if (n >= r.max_slots() + r.ring_size)
+                REQUIRE(steady.copies() ==
+                        2 * n - r.head_boundary_slots() - r.pass_boundary_slots());
             }
-            // More slots in a phase never copy more than the ring alone.
-            const PassPlan steady = PlanSteadyPass(r);
-            CheckPlan(r, steady);
-            REQUIRE(steady.copies() <= PlanSteadyPass(base).copies());
-            // Long enough to reach the pattern: the turnaround keeps head_boundary_slots()
-            // blocks, the pass boundary pass_boundary_slots() blocks, each saving a copy.
-            if (n >= r.max_slots() + r.ring_size)
-              REQUIRE(steady.copies() ==
-                      2 * n - r.head_boundary_slots() - r.pass_boundary_slots());
-           }
           }
         }
       }
@@ -246,9 +244,10 @@ TEST_CASE("phase slots: every plan keeps the invariants and the memory timeline"
   }
 }
 
-TEST_CASE("phase slots: the next pass's first blocks stay from the backward, the forward's "
-          "extra slots fill at its start, the backward's after the LM head",
-          "[worker]") {
+TEST_CASE(
+    "phase slots: the next pass's first blocks stay from the backward, the forward's "
+    "extra slots fill at its start, the backward's after the LM head",
+    "[worker]") {
   // 8 blocks, all streamed; ring 2 across the LM head, 4 slots in the forward, 3 in the
   // backward.
   const ResidencyPlan r = WithPhaseSlots(PlanFromSwapCount(8, 8, 2), 4, 3);
@@ -317,8 +316,7 @@ TEST_CASE("head slots: the backward's first blocks are copied while the LM head 
   REQUIRE(q.copies() == p.copies() - 2);
 }
 
-TEST_CASE("a streamed LM head is copied once the forward has freed room for it",
-          "[worker]") {
+TEST_CASE("a streamed LM head is copied once the forward has freed room for it", "[worker]") {
   // 8 blocks, all streamed; ring 2, 5 slots in the forward; the head needs 2 slots' room.
   ResidencyPlan r = WithPhaseSlots(PlanFromSwapCount(8, 8, 2), 5, 2);
   r.head_streamed = true;

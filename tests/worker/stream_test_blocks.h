@@ -51,7 +51,7 @@ class HostBlocks {
     std::normal_distribution<float> normal(0.0f, 0.2f);
     for (int i = 0; i < config.num_hidden_layers; ++i) {
       SegmentInfo s = LayoutSegment(config.BlockTensorShapes(), "block" + std::to_string(i),
-                                   DType::kF32, manifest_.alignment);
+                                    DType::kF32, manifest_.alignment);
       const size_t mapped = store::RoundUpToPage(s.nbytes);
       UniqueFd fd(memfd_create(("lorastream-test-block" + std::to_string(i)).c_str(), MFD_CLOEXEC));
       LS_CHECK(fd.valid() && ftruncate(fd.get(), static_cast<off_t>(mapped)) == 0,
@@ -73,8 +73,8 @@ class HostBlocks {
       pointers_.push_back(bytes);
       manifest_.blocks.push_back(s);
     }
-    manifest_.rest = LayoutSegment(config.RestTensorShapes(), "rest", DType::kF32,
-                                  manifest_.alignment);
+    manifest_.rest =
+        LayoutSegment(config.RestTensorShapes(), "rest", DType::kF32, manifest_.alignment);
   }
   HostBlocks(const HostBlocks&) = delete;
   HostBlocks& operator=(const HostBlocks&) = delete;

@@ -6,17 +6,17 @@
 #include <unistd.h>
 
 #include <cstdlib>
-#include <functional>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <random>
 
 #include <catch2/catch.hpp>
 
+#include "common/data.h"
 #include "common/job_spec.h"
 #include "store/synth.h"
-#include "common/data.h"
 #include "tests/support/test_support.h"
 #include "worker/base_weights.h"
 #include "worker/stream_provider.h"
@@ -88,7 +88,7 @@ class TinyJob {
         return MakeStreamProvider(j, b, d, t, opt);
       };
     }
-      RunRecord r;
+    RunRecord r;
     RunTraining(spec, o, [&](const StepStats& s) {
       r.losses.push_back(s.loss);
       r.grad_norms.push_back(s.grad_norm);
@@ -133,8 +133,7 @@ TEST_CASE("trainer: streamed runs equal the resident run bit for bit", "[worker]
   }
 }
 
-TEST_CASE("trainer: a slowed, poisoning copy thread still gives the resident results",
-          "[worker]") {
+TEST_CASE("trainer: a slowed, poisoning copy thread still gives the resident results", "[worker]") {
   TinyJob job;
   const RunRecord want = job.Run(0, 2, /*streamed=*/false);
   StreamEngineOptions slow;
@@ -181,8 +180,10 @@ TEST_CASE("trainer: phase slots and the cost model's budget plan give the reside
   REQUIRE(got.stats[1].copies > 0);  // everything streamed
 }
 
-TEST_CASE("trainer: the LM head streamed and the embedding table in host RAM give the "
-          "resident results bit for bit", "[worker]") {
+TEST_CASE(
+    "trainer: the LM head streamed and the embedding table in host RAM give the "
+    "resident results bit for bit",
+    "[worker]") {
   TinyJob job;
   const RunRecord want = job.Run(0, 2, /*streamed=*/false);
   REQUIRE(setenv("LORASTREAM_CACHE_DIR", (job.dir() + "/cache").c_str(), 1) == 0);
@@ -201,7 +202,8 @@ TEST_CASE("trainer: the LM head streamed and the embedding table in host RAM giv
     REQUIRE(resident_head > s.stream.gpu_memory_budget);
     head_bytes = in.head_bytes;
     block_bytes = in.block_bytes[0];
-    head_streamed = PlanJobStream(s, base, in, c10::Device(c10::kCPU), at::kFloat).plan.head_streamed;
+    head_streamed =
+        PlanJobStream(s, base, in, c10::Device(c10::kCPU), at::kFloat).plan.head_streamed;
   };
   StreamEngineOptions slow;
   slow.debug_poison = true;

@@ -4,13 +4,11 @@
 
 #include "worker/trainer.h"
 
-
 #include <csignal>
 #include <cstdio>
-#include <limits>
 #include <fstream>
+#include <limits>
 #include <thread>
-
 
 #include "common/checkpoint_dir.h"
 #include "common/error.h"
@@ -159,8 +157,7 @@ TEST_CASE("a damaged checkpoint is never resumed: the previous one is, or the re
   CHECK(!std::filesystem::exists(dir / "gone/adapter_model.safetensors"));
 }
 
-TEST_CASE("a direct checkpoint load runs the store's validation: layers, NaN weights",
-          "[worker]") {
+TEST_CASE("a direct checkpoint load runs the store's validation: layers, NaN weights", "[worker]") {
   testing::TempDir dir("direct");
   testing::MakeCheckpoint(dir / "m", "tiny");  // 4 layers
   testing::WriteJsonl(dir / "d.jsonl", 2, 10, 20, 512);
@@ -254,7 +251,8 @@ TEST_CASE("AdamW, schedules and clipping follow torch and transformers", "[worke
   double m[2] = {0, 0}, v[2] = {0, 0}, x[2] = {1.0, -2.0};
   const double g[2][2] = {{0.5, -1.0}, {0.25, 2.0}};
   for (int step = 1; step <= 2; ++step) {
-    p.mutable_grad() = at::tensor({static_cast<float>(g[step - 1][0]), static_cast<float>(g[step - 1][1])});
+    p.mutable_grad() =
+        at::tensor({static_cast<float>(g[step - 1][0]), static_cast<float>(g[step - 1][1])});
     opt.Step(0.01);
     for (int i = 0; i < 2; ++i) {
       x[i] *= 1 - 0.01 * 0.1;
@@ -286,11 +284,13 @@ TEST_CASE("lorastream-worker train runs a job file and prints progress", "[worke
   {
     std::ofstream job(dir / "job.toml");
     job << "name = \"cli\"\n[model]\ncheckpoint = \"" << (dir / "m") << "\"\n[data]\npath = \""
-        << (dir / "d.jsonl") << "\"\nseq_len = 16\n[lora]\nrank = 2\n[train]\nsteps = 2\noutput_dir = \""
+        << (dir / "d.jsonl")
+        << "\"\nseq_len = 16\n[lora]\nrank = 2\n[train]\nsteps = 2\noutput_dir = \""
         << (dir / "out") << "\"\n";
   }
   const std::string bin = std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker";
-  const std::string cmd = bin + " train " + (dir / "job.toml") + " --threads 1 > " + (dir / "log") + " 2>&1";
+  const std::string cmd =
+      bin + " train " + (dir / "job.toml") + " --threads 1 > " + (dir / "log") + " 2>&1";
   CHECK(std::system(cmd.c_str()) == 0);
   const std::string log = testing::ReadFile(dir / "log");
   INFO(log);

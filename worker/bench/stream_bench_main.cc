@@ -80,9 +80,9 @@ struct Row {
   double step_s = 0, h2d_gb = 0, busy_s = 0, stall_s = 0, peak_gib = 0, floor_s = 0;
   double floor2_s = 0;  // with every streamed block crossing twice per step (no reuse)
   double copies = 0, saved = 0, max_loss_diff = 0;
-  double predicted_s = 0;     // the cost model's step; 0: none
-  double estimate_gib = 0;    // the memory model's peak
-  std::string slots;          // "2" or "2/7/6" (ring/forward/backward)
+  double predicted_s = 0;   // the cost model's step; 0: none
+  double estimate_gib = 0;  // the memory model's peak
+  std::string slots;        // "2" or "2/7/6" (ring/forward/backward)
   std::vector<StepStats> stats;
 };
 
@@ -128,7 +128,7 @@ Row RunOne(const BenchOptions& o, const JobSpec& spec, bool streamed, const std:
   // Resident: the trainer's own ResidentProvider (it reports peak memory itself).
   if (streamed)
     t.make_provider = [](const JobSpec& j, const BaseWeights& b, const std::string& d,
-                          const std::string& dt) { return MakeStreamProvider(j, b, d, dt); };
+                         const std::string& dt) { return MakeStreamProvider(j, b, d, dt); };
   Row row;
   row.tokens = spec.data.seq_len;
   row.mode = mode;
@@ -303,7 +303,8 @@ void Run(const BenchOptions& o, const std::string& command) {
     << m.blocks[0].nbytes / 1e6 << " MB, rank " << o.rank << " on all 7 projections, batch 1, "
     << "device " << o.device << "; median of " << o.steps << " steps after " << o.warmup
     << " warm-up steps; pinned H2D measured in this run: " << gbps << " GB/s\n\n"
-    << "| tokens | mode | resident | slots (ring/fwd/head/bwd) | step ms | vs resident | predicted ms "
+    << "| tokens | mode | resident | slots (ring/fwd/head/bwd) | step ms | vs resident | predicted "
+       "ms "
        "| measured / predicted | H2D GB/step | H2D busy ms | stall ms | copies (saved) "
        "| peak GiB | estimate GiB | floor ms | vs floor | floor 2x ms | vs floor 2x "
        "| max loss diff |\n"
@@ -315,15 +316,15 @@ void Run(const BenchOptions& o, const std::string& command) {
     std::snprintf(line, sizeof line,
                   "| %lld | %s | %d/%d | %s | %.1f | %.3f | %.1f | %.3f | %.2f | %.1f | %.1f "
                   "| %.0f (%.0f) | %.2f | %.2f | %.1f | %.3f | %.1f | %.3f | %.3g |\n",
-                  static_cast<long long>(r.tokens), r.mode.c_str(), r.resident_blocks,
-                  r.num_blocks, r.slots.c_str(), r.step_s * 1e3, r.step_s / resident_step,
-                  r.predicted_s * 1e3, r.predicted_s > 0 ? r.step_s / r.predicted_s : 0.0,
-                  r.h2d_gb, r.busy_s * 1e3, r.stall_s * 1e3, r.copies, r.saved, r.peak_gib,
-                  r.estimate_gib, r.floor_s * 1e3, r.step_s / r.floor_s, r.floor2_s * 1e3,
-                  r.step_s / r.floor2_s, r.max_loss_diff);
+                  static_cast<long long>(r.tokens), r.mode.c_str(), r.resident_blocks, r.num_blocks,
+                  r.slots.c_str(), r.step_s * 1e3, r.step_s / resident_step, r.predicted_s * 1e3,
+                  r.predicted_s > 0 ? r.step_s / r.predicted_s : 0.0, r.h2d_gb, r.busy_s * 1e3,
+                  r.stall_s * 1e3, r.copies, r.saved, r.peak_gib, r.estimate_gib, r.floor_s * 1e3,
+                  r.step_s / r.floor_s, r.floor2_s * 1e3, r.step_s / r.floor2_s, r.max_loss_diff);
     t << line;
   }
-  t << "\nslots: ring (kept the whole step) / forward / across the LM head / backward (the memory timeline). "
+  t << "\nslots: ring (kept the whole step) / forward / across the LM head / backward (the memory "
+       "timeline). "
        "predicted: the cost model (worker/stream_cost.h) from figures measured in this run. "
        "estimate: the memory model's peak (worker/stream_budget.h); peak: measured.\n"
        "floor = max(resident step, H2D bytes this step copied / bandwidth); floor 2x = "
@@ -361,7 +362,8 @@ int main(int argc, char** argv) {
   app.add_option("--phase-slots", o.phase_slots,
                  "extra rows: the same swap with N forward and backward slots, for each N")
       ->delimiter(',');
-  app.add_option("--scratch", o.scratch, "folder for data and run outputs (default: a new one "
+  app.add_option("--scratch", o.scratch,
+                 "folder for data and run outputs (default: a new one "
                  "in /tmp, removed at the end)");
   app.add_option("--steps", o.steps, "timed steps per run")->capture_default_str();
   app.add_option("--warmup", o.warmup, "untimed steps per run")->capture_default_str();

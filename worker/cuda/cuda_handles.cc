@@ -22,10 +22,10 @@ void WarnIfFailed(cudaError_t status, const char* what) {
 void CudaCheck(cudaError_t status, const char* what) {
   if (status == cudaSuccess) return;
   cudaGetLastError();  // clear a non-sticky error so that later calls do not see it
-  const ErrorCode code = status == cudaErrorMemoryAllocation ? ErrorCode::kResource
-                                                             : ErrorCode::kInternal;
-  throw Error(code, std::string("CUDA: ") + what + " failed: " + cudaGetErrorName(status) +
-                        " (" + cudaGetErrorString(status) + ")");
+  const ErrorCode code =
+      status == cudaErrorMemoryAllocation ? ErrorCode::kResource : ErrorCode::kInternal;
+  throw Error(code, std::string("CUDA: ") + what + " failed: " + cudaGetErrorName(status) + " (" +
+                        cudaGetErrorString(status) + ")");
 }
 
 CudaEvent::CudaEvent(bool timing) {
@@ -82,8 +82,8 @@ bool HostRegistration::Register(const void* ptr, size_t bytes, std::string* erro
   const uintptr_t begin = reinterpret_cast<uintptr_t>(ptr) & ~(page - 1);
   const uintptr_t end = (reinterpret_cast<uintptr_t>(ptr) + bytes + page - 1) & ~(page - 1);
   void* p = reinterpret_cast<void*>(begin);  // read-only registration: the GPU only reads it
-  const cudaError_t status = cudaHostRegister(
-      p, end - begin, cudaHostRegisterReadOnly | cudaHostRegisterPortable);
+  const cudaError_t status =
+      cudaHostRegister(p, end - begin, cudaHostRegisterReadOnly | cudaHostRegisterPortable);
   if (status == cudaSuccess) {
     ptr_ = p;
     return true;

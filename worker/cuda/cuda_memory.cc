@@ -5,8 +5,8 @@
 namespace lorastream::worker {
 
 uint64_t CudaPeakAllocatedBytes(int device_index) {
-  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(
-      static_cast<c10::DeviceIndex>(device_index));
+  const auto stats =
+      c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(device_index));
   return static_cast<uint64_t>(stats.allocated_bytes[0].peak);  // [0]: all pools
 }
 

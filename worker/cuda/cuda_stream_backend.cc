@@ -70,9 +70,8 @@ class CudaStreamBackend : public StreamBackend {
                  StagingPool{options.staging_buffers, options.staging_buffer_bytes}) {
     CudaCheck(cudaSetDevice(device_index_), "cudaSetDevice");
     copy_stream_ = std::make_unique<CudaStream>();
-    const at::TensorOptions bytes_on_device =
-        at::TensorOptions().dtype(at::kByte).device(c10::Device(c10::DeviceType::CUDA,
-                                                                static_cast<c10::DeviceIndex>(device_index_)));
+    const at::TensorOptions bytes_on_device = at::TensorOptions().dtype(at::kByte).device(
+        c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_index_)));
     const int permanent = options_.permanent_slots < 0
                               ? options_.num_slots
                               : std::min(options_.permanent_slots, options_.num_slots);
@@ -228,9 +227,9 @@ class CudaStreamBackend : public StreamBackend {
                 "cudaMemsetAsync (poison)");
     }
     if (options_.debug_copy_delay_us > 0) {
-      CudaCheck(cudaLaunchHostFunc(s, SleepHostFunc,
-                                   const_cast<int64_t*>(&options_.debug_copy_delay_us)),
-                "cudaLaunchHostFunc (delay)");
+      CudaCheck(
+          cudaLaunchHostFunc(s, SleepHostFunc, const_cast<int64_t*>(&options_.debug_copy_delay_us)),
+          "cudaLaunchHostFunc (delay)");
     }
     copy();
     CudaCheck(cudaEventRecord(span->end.get(), s), "cudaEventRecord (copy end)");
@@ -272,8 +271,7 @@ class CudaStreamBackend : public StreamBackend {
               CudaCheck(cudaEventSynchronize(free), "cudaEventSynchronize (staging)");
               std::memcpy(buf.data(), job.src + off, n);
               CudaCheck(cudaMemcpyAsync(static_cast<uint8_t*>(slots_[job.slot].data_ptr()) + off,
-                                        buf.data(), n, cudaMemcpyHostToDevice,
-                                        copy_stream_->get()),
+                                        buf.data(), n, cudaMemcpyHostToDevice, copy_stream_->get()),
                         "cudaMemcpyAsync (staged)");
               CudaCheck(cudaEventRecord(free, copy_stream_->get()), "cudaEventRecord (staging)");
               off += n;

@@ -14,14 +14,25 @@ namespace {
 __device__ __forceinline__ float ToF(float v) { return v; }
 __device__ __forceinline__ float ToF(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float ToF(__half v) { return __half2float(v); }
-template <typename T> __device__ __forceinline__ T FromF(float v);
-template <> __device__ __forceinline__ float FromF<float>(float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float v) {
+template <typename T>
+__device__ __forceinline__ T FromF(float v);
+template <>
+__device__ __forceinline__ float FromF<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float v) {
   return __float2bfloat16(v);
 }
-template <> __device__ __forceinline__ __half FromF<__half>(float v) { return __float2half(v); }
+template <>
+__device__ __forceinline__ __half FromF<__half>(float v) {
+  return __float2half(v);
+}
 // One rounding to T, as an ATen op writing a T tensor does.
-template <typename T> __device__ __forceinline__ float Round(float v) { return ToF(FromF<T>(v)); }
+template <typename T>
+__device__ __forceinline__ float Round(float v) {
+  return ToF(FromF<T>(v));
+}
 
 constexpr int kRowThreads = 256;
 
@@ -55,8 +66,8 @@ __global__ void RmsNormForwardKernel(const T* x, const T* w, T* y, float* rstd, 
 }
 
 template <typename T>
-__global__ void RmsNormBackwardKernel(const T* dy, const T* x, const float* rstd, const T* w,
-                                      T* dx, int64_t cols) {
+__global__ void RmsNormBackwardKernel(const T* dy, const T* x, const float* rstd, const T* w, T* dx,
+                                      int64_t cols) {
   __shared__ float shared[32];
   const int64_t base = blockIdx.x * cols;
   const float r = rstd[blockIdx.x];
@@ -127,8 +138,7 @@ __global__ void RopeKernel(bool backward, const T* in, T* out, const T* cos, con
 }
 
 void Check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess)
-    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
 }
 
 unsigned ElementwiseBlocks(int64_t n, int threads) {
@@ -139,16 +149,22 @@ unsigned ElementwiseBlocks(int64_t n, int threads) {
 template <typename F>
 void Dispatch(KernelDtype t, F&& f) {
   switch (t) {
-    case KernelDtype::kF32: f(float{}); return;
-    case KernelDtype::kBF16: f(__nv_bfloat16{}); return;
-    case KernelDtype::kF16: f(__half{}); return;
+    case KernelDtype::kF32:
+      f(float{});
+      return;
+    case KernelDtype::kBF16:
+      f(__nv_bfloat16{});
+      return;
+    case KernelDtype::kF16:
+      f(__half{});
+      return;
   }
 }
 
 }  // namespace
 
-void RmsNormForward(KernelDtype t, const void* x, const void* w, void* y, float* rstd,
-                    int64_t rows, int64_t cols, float eps, cudaStream_t stream) {
+void RmsNormForward(KernelDtype t, const void* x, const void* w, void* y, float* rstd, int64_t rows,
+                    int64_t cols, float eps, cudaStream_t stream) {
   if (rows == 0) return;
   Dispatch(t, [&](auto v) {
     using T = decltype(v);
@@ -158,8 +174,8 @@ void RmsNormForward(KernelDtype t, const void* x, const void* w, void* y, float*
   Check(cudaGetLastError(), "RmsNormForward");
 }
 
-void RmsNormBackward(KernelDtype t, const void* dy, const void* x, const float* rstd,
-                     const void* w, void* dx, int64_t rows, int64_t cols, cudaStream_t stream) {
+void RmsNormBackward(KernelDtype t, const void* dy, const void* x, const float* rstd, const void* w,
+                     void* dx, int64_t rows, int64_t cols, cudaStream_t stream) {
   if (rows == 0) return;
   Dispatch(t, [&](auto v) {
     using T = decltype(v);
@@ -181,8 +197,8 @@ void SwiGluForward(KernelDtype t, const void* gate, const void* up, void* z, int
   Check(cudaGetLastError(), "SwiGluForward");
 }
 
-void SwiGluBackward(KernelDtype t, const void* dz, const void* gate, const void* up,
-                    void* dgate, void* dup, int64_t n, cudaStream_t stream) {
+void SwiGluBackward(KernelDtype t, const void* dz, const void* gate, const void* up, void* dgate,
+                    void* dup, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
   Dispatch(t, [&](auto v) {
     using T = decltype(v);
@@ -193,8 +209,8 @@ void SwiGluBackward(KernelDtype t, const void* dz, const void* gate, const void*
   Check(cudaGetLastError(), "SwiGluBackward");
 }
 
-void Rope(KernelDtype t, bool backward, const void* in, void* out, const void* cos,
-          const void* sin, const RopeShape& shape, cudaStream_t stream) {
+void Rope(KernelDtype t, bool backward, const void* in, void* out, const void* cos, const void* sin,
+          const RopeShape& shape, cudaStream_t stream) {
   const int64_t n = shape.batch * shape.heads * shape.seq * (shape.dim / 2);
   if (n == 0) return;
   Dispatch(t, [&](auto v) {

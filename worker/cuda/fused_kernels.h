@@ -15,18 +15,18 @@ enum class KernelDtype { kF32, kBF16, kF16 };
 
 // y[r, :] = w * (x[r, :] * rstd[r]).to(T), rstd[r] = 1 / sqrt(mean(x[r, :]^2) + eps) in f32.
 // x, y: [rows, cols] contiguous; rstd: f32 [rows].
-void RmsNormForward(KernelDtype t, const void* x, const void* w, void* y, float* rstd,
-                    int64_t rows, int64_t cols, float eps, cudaStream_t stream);
+void RmsNormForward(KernelDtype t, const void* x, const void* w, void* y, float* rstd, int64_t rows,
+                    int64_t cols, float eps, cudaStream_t stream);
 // dx = rstd * (dn - n * mean(dn * n)), dn = (dy * w).to(T) in f32, n = x * rstd.
-void RmsNormBackward(KernelDtype t, const void* dy, const void* x, const float* rstd,
-                     const void* w, void* dx, int64_t rows, int64_t cols, cudaStream_t stream);
+void RmsNormBackward(KernelDtype t, const void* dy, const void* x, const float* rstd, const void* w,
+                     void* dx, int64_t rows, int64_t cols, cudaStream_t stream);
 
 // z = silu(gate) * up, n elements.
 void SwiGluForward(KernelDtype t, const void* gate, const void* up, void* z, int64_t n,
                    cudaStream_t stream);
 // dgate = silu'(gate) * (dz * up), dup = dz * silu(gate); dup may alias dz.
-void SwiGluBackward(KernelDtype t, const void* dz, const void* gate, const void* up,
-                    void* dgate, void* dup, int64_t n, cudaStream_t stream);
+void SwiGluBackward(KernelDtype t, const void* dz, const void* gate, const void* up, void* dgate,
+                    void* dup, int64_t n, cudaStream_t stream);
 
 // Rotary embedding over [B, H, S, D] with D even: out = x * cos + rotate_half(x) * sin
 // (backward: g * cos + rotate_half^T(g * sin)). The input is read through its strides (in
@@ -37,7 +37,7 @@ struct RopeShape {
   int64_t in_stride[3];   // of dimensions B, H, S
   int64_t out_stride[3];  // of dimensions B, H, S
 };
-void Rope(KernelDtype t, bool backward, const void* in, void* out, const void* cos,
-          const void* sin, const RopeShape& shape, cudaStream_t stream);
+void Rope(KernelDtype t, bool backward, const void* in, void* out, const void* cos, const void* sin,
+          const RopeShape& shape, cudaStream_t stream);
 
 }  // namespace lorastream::worker::cuda

@@ -59,8 +59,8 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   for (const std::string& s : stores) {
     size_t colon = s.find(':');
-    options.stores.push_back(StoreInfo{s.substr(0, colon),
-                                       colon == std::string::npos ? "" : s.substr(colon + 1)});
+    options.stores.push_back(
+        StoreInfo{s.substr(0, colon), colon == std::string::npos ? "" : s.substr(colon + 1)});
   }
   options.client.timeout_ms = 2000;
   options.retry_interval_s = 0.2;
