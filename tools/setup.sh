@@ -102,8 +102,9 @@ PACKAGES=(
   libtomlplusplus-dev libcli11-dev libspdlog-dev libsqlite3-dev
 )
 # Debian's LibTorch (and the BLAS it needs) only when it is the one chosen; clang and its
-# sanitizer runtime for tools/test.sh's fuzzers.
-[[ "$TORCH_KIND" == debian ]] && PACKAGES+=(libtorch-dev libopenblas0 clang libclang-rt-14-dev)
+# sanitizer runtime for tools/test.sh's fuzzers, clang-format for its format check.
+[[ "$TORCH_KIND" == debian ]] &&
+  PACKAGES+=(libtorch-dev libopenblas0 clang libclang-rt-14-dev clang-format)
 
 missing=()
 for t in "${TOOLS[@]}"; do command -v "${t%%:*}" >/dev/null || missing+=("${t#*:}"); done

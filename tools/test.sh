@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The README's test command: installs what is missing, builds (tools/setup.sh), runs every CPU
+# The README's test command: installs what is missing, builds (tools/setup.sh), checks that
+# every C++ and CUDA file follows .clang-format (tools/format.sh --check), runs every CPU
 # test through CTest, the `gpu` tests too on a CUDA build with a GPU, then the torch-free tests
 # (common, store, coordinator, the worker's torch-free core) again, built and run under
 # AddressSanitizer+UndefinedBehaviorSanitizer and under ThreadSanitizer (their own build
@@ -17,6 +18,16 @@ SANITIZERS="${LORASTREAM_SANITIZERS-asan tsan}"
 start=$(date +%s)
 "$ROOT/tools/setup.sh"
 echo "test: built in $(( $(date +%s) - start )) s"
+
+# One format everywhere: every C++ and CUDA file as .clang-format writes it (tools/format.sh
+# rewrites them). Setup installs clang-format with Debian's LibTorch; elsewhere it may be absent.
+if command -v clang-format >/dev/null && git -C "$ROOT" rev-parse --git-dir >/dev/null 2>&1; then
+  "$ROOT/tools/format.sh" --check ||
+    { echo "test: the files above differ from .clang-format: run tools/format.sh" >&2; exit 1; }
+  echo "test: every C++ and CUDA file follows .clang-format"
+else
+  echo "test: no clang-format (or not a git checkout) here: the format check is skipped"
+fi
 
 # Tests that need a GPU carry the `gpu` label: run after the CPU tests on a CUDA build on a
 # machine with a GPU (a CPU build has none).
