@@ -229,20 +229,20 @@ StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c
   // block costs in a step, the rest of the shorter step (less its blocks and the head) is the
   // step's tail. At full depth the resident step is measured as it runs (at short lengths it
   // is bound by issuing kernels, and a short model issues them faster per block).
-  const int kLong = std::max(2, static_cast<int>(config.num_hidden_layers));
-  const int kShort = kLong / 2;
+  const int deep = std::max(2, static_cast<int>(config.num_hidden_layers));
+  const int half = deep / 2;
   RepeatedModelParts parts{&config,      &settings, &w,     RestWeights{}, head.get(),
                            at::Tensor(), targets,   device, dtype};
   parts.rest.embed_tokens = base.rest().embed_tokens;
   parts.rest.norm = norm;
   parts.ids = at::randint(config.vocab_size, {rows, seq}, at::TensorOptions().dtype(at::kLong));
-  const double long_step = RepeatedModelStepSeconds(parts, kLong, reps);
-  const double short_step = RepeatedModelStepSeconds(parts, kShort, reps);
-  const double per_block = std::max(0.0, (long_step - short_step) / (kLong - kShort));
+  const double long_step = RepeatedModelStepSeconds(parts, deep, reps);
+  const double short_step = RepeatedModelStepSeconds(parts, half, reps);
+  const double per_block = std::max(0.0, (long_step - short_step) / (deep - half));
   const double split = forward_alone + backward_alone;
   costs.block_forward_seconds = split > 0 ? per_block * forward_alone / split : 0.0;
   costs.block_backward_seconds = per_block - costs.block_forward_seconds;
-  costs.tail_seconds = std::max(0.0, short_step - kShort * per_block - costs.head_seconds);
+  costs.tail_seconds = std::max(0.0, short_step - half * per_block - costs.head_seconds);
 
   uint64_t block_bytes = 0;
   for (const at::Tensor* t :
@@ -256,7 +256,7 @@ StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c
       "{:.2f} ms, recompute+backward {:.2f} ms; steps of {} and {} blocks: {:.2f} and "
       "{:.2f} ms)",
       device.str(), rows * seq, std::chrono::duration<double>(Clock::now() - start).count(),
-      costs.Describe(), forward_alone * 1e3, backward_alone * 1e3, kShort, kLong, short_step * 1e3,
+      costs.Describe(), forward_alone * 1e3, backward_alone * 1e3, half, deep, short_step * 1e3,
       long_step * 1e3);
   return costs;
 }
