@@ -112,6 +112,7 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& 
       e.resident_blocks += in.block_bytes[i];
     }
   }
+  e.slot = largest_streamed;
   e.ring = static_cast<uint64_t>(plan.ring_size) * largest_streamed;
   e.forward_ring = static_cast<uint64_t>(plan.forward_slots) * largest_streamed;
   e.backward_ring = static_cast<uint64_t>(plan.backward_slots) * largest_streamed;
@@ -160,9 +161,7 @@ ResidencyPlan FillHeadSlots(const MemoryModelInputs& in, ResidencyPlan plan, uin
   // A streamed head is copied into the forward's slots once the forward has freed enough of
   // them (its phase estimate holds its slots; the head takes their place).
   plan.head_prefetch_slots = 0;
-  uint64_t slot = 0;
-  for (int i = 0; i < plan.num_blocks(); ++i)
-    if (plan.streamed[i]) slot = std::max(slot, in.block_bytes[i]);
+  const uint64_t slot = EstimateMemory(in, plan).slot;
   if (plan.head_streamed && slot > 0) {
     const int need = static_cast<int>((in.head_bytes + slot - 1) / slot);
     if (plan.forward_slots - plan.head_boundary_slots() >= need) plan.head_prefetch_slots = need;

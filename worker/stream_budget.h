@@ -73,6 +73,7 @@ struct MemoryEstimate {
   uint64_t rest = 0, resident_blocks = 0, ring = 0, adapter = 0, checkpoints = 0, block_working = 0,
            attention = 0, lm_head = 0, reserve = 0;
   uint64_t forward_ring = 0, head_ring = 0, backward_ring = 0, forward_working = 0;
+  uint64_t slot = 0;          // one slot: the largest streamed block (0: none streams)
   uint64_t head_weights = 0;  // the LM head's weights (in fixed, or in head() when streamed)
   bool head_streamed = false;
   int64_t head_chunk_rows = 0;  // the chunked head's rows per chunk
