@@ -230,9 +230,13 @@ PassPlan PlanPass(const ResidencyPlan& residency, const std::vector<int>& slots_
         if (held != slot_block.end()) {
           use.slot = static_cast<int>(held - slot_block.begin());
         } else {
-          // An empty slot first, then one whose block dies with the phase (of those, the one
-          // released earliest: its copy can be issued soonest), then the block needed again
-          // furthest in the future. Survivors take the low slots, the others the high ones.
+          // An empty slot first, then one whose block is not used again in the phase (of
+          // those, the one released earliest: its copy can be issued soonest), then the block
+          // needed again furthest in the future. A block the next phase uses is no reason to
+          // spare its slot: the blocks that stay into the next phase are the survivors, copied
+          // later into the slots that survive. (Sparing the surviving slots' blocks until then
+          // funnelled every other copy of the phase through its one extra slot, one at a time.)
+          // Survivors take the low slots, the others the high ones.
           const int limit = survivor[u] ? keep : cap;
           int victim = -1;
           std::tuple<int, int, int, int> victim_key(-1, 0, 0, 0);
@@ -247,7 +251,7 @@ PassPlan PlanPass(const ResidencyPlan& residency, const std::vector<int>& slots_
               key = {4 * n, during_head, -slot_last_use[s], order_pref};
             } else {
               const int next = next_use(slot_block[s], u);
-              key = (s >= keep && next >= end)
+              key = next >= end
                         ? std::tuple<int, int, int, int>{3 * n, 0, -slot_last_use[s], order_pref}
                         : std::tuple<int, int, int, int>{next, 0, 0, order_pref};
             }
