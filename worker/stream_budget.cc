@@ -16,19 +16,13 @@ uint64_t MemoryEstimate::fixed() const {
 uint64_t MemoryEstimate::forward() const {
   return fixed() + forward_ring + forward_working + attention;
 }
-uint64_t MemoryEstimate::early_forward() const {
-  if (early_ring == 0) return 0;
-  return fixed() - checkpoints + early_checkpoints + early_ring + forward_working + attention;
-}
 uint64_t MemoryEstimate::head() const {
   return fixed() + std::max(ring, head_ring) + (head_streamed ? head_weights : 0) + lm_head;
 }
 uint64_t MemoryEstimate::backward() const {
   return fixed() + backward_ring + block_working + attention;
 }
-uint64_t MemoryEstimate::total() const {
-  return std::max({forward(), early_forward(), head(), backward()});
-}
+uint64_t MemoryEstimate::total() const { return std::max({forward(), head(), backward()}); }
 
 std::string MemoryEstimate::Describe() const {
   return "rest " + FormatBytes(rest, 2) + " + LM head weights " + FormatBytes(head_weights, 2) +
@@ -37,13 +31,8 @@ std::string MemoryEstimate::Describe() const {
          FormatBytes(adapter, 2) + " + checkpoints " + FormatBytes(checkpoints, 2) + " + reserve " +
          FormatBytes(reserve, 2) + ", then: forward " + FormatBytes(forward(), 2) + " (slots " +
          FormatBytes(forward_ring, 2) + ", working " + FormatBytes(forward_working, 2) +
-         ", attention " + FormatBytes(attention, 2) + ")" +
-         (early_ring > 0 ? ", its start " + FormatBytes(early_forward(), 2) + " (slots " +
-                               FormatBytes(early_ring, 2) + ", checkpoints " +
-                               FormatBytes(early_checkpoints, 2) + ")"
-                         : std::string()) +
-         ", LM head " + FormatBytes(head(), 2) + " (slots " +
-         FormatBytes(std::max(ring, head_ring), 2) + ", chunked lm head " +
+         ", attention " + FormatBytes(attention, 2) + "), LM head " + FormatBytes(head(), 2) +
+         " (slots " + FormatBytes(std::max(ring, head_ring), 2) + ", chunked lm head " +
          FormatBytes(lm_head, 2) + " in chunks of " + std::to_string(head_chunk_rows) + " rows" +
          "), backward " + FormatBytes(backward(), 2) + " (slots " + FormatBytes(backward_ring, 2) +
          ", block working set " + FormatBytes(block_working, 2) + ", attention " +
@@ -131,11 +120,6 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& 
   e.forward_working = t * b * (4 * h + q + 2 * kv + 3 * inter);
   e.adapter = static_cast<uint64_t>(LoraParameterCount(c, in.lora_rank, in.lora_targets)) * 16;
   e.checkpoints = static_cast<uint64_t>(plan.num_blocks()) * t * h * b;
-  if (plan.early_slots > 0) {
-    e.early_ring = static_cast<uint64_t>(plan.forward_slots + plan.early_slots) * largest_streamed;
-    e.early_checkpoints =
-        static_cast<uint64_t>(std::clamp(plan.early_uses, 0, plan.num_blocks())) * t * h * b;
-  }
   e.block_working = t * b * (8 * h + 4 * (q + 2 * kv) + 6 * inter) +
                     t * b * static_cast<uint64_t>(in.lora_rank) * 2 * in.lora_targets.size();
   e.attention = in.attention_materialized ? heads * t * t * b * 2 : heads * t * 4;
@@ -163,26 +147,7 @@ ResidencyPlan FillPhaseSlots(const MemoryModelInputs& in, ResidencyPlan plan, ui
     if (EstimateMemory(in, more).backward() > peak_bytes) break;
     plan = more;
   }
-  return FillHeadSlots(in, FillEarlySlots(in, plan, peak_bytes), peak_bytes);
-}
-
-ResidencyPlan FillEarlySlots(const MemoryModelInputs& in, ResidencyPlan plan, uint64_t peak_bytes) {
-  plan.early_slots = plan.early_uses = 0;
-  for (int k = 1; plan.forward_slots + k <= plan.num_streamed(); ++k) {
-    ResidencyPlan more = plan;
-    more.early_slots = k;
-    // The longest window at whose end the forward, with k more slots, fits.
-    for (more.early_uses = plan.num_blocks() - 1; more.early_uses > 0; --more.early_uses) {
-      if (EstimateMemory(in, more).early_forward() <= peak_bytes) break;
-    }
-    // Each slot must have a block of its own to hold: the window's streamed blocks number
-    // more than the slots the forward has anyway.
-    const int streamed = static_cast<int>(
-        std::count(plan.streamed.begin(), plan.streamed.begin() + more.early_uses, true));
-    if (more.early_uses == 0 || streamed < plan.forward_slots + k) break;
-    plan = more;
-  }
-  return plan;
+  return FillHeadSlots(in, plan, peak_bytes);
 }
 
 ResidencyPlan FillHeadSlots(const MemoryModelInputs& in, ResidencyPlan plan, uint64_t peak_bytes) {

@@ -26,9 +26,6 @@
 // The step's memory is a timeline of three phases, and the peak is the largest of them
 // (fixed = rest + resident LM head + resident blocks + adapter + checkpoints + reserve):
 //   forward    fixed + forward_slots x slot + forward working + attention
-//   its start  the same with the checkpoints of its first early_uses blocks only, and
-//              early_slots more slots (the forward's early slots; the optimizer step
-//              before it holds less: no working set, no checkpoints)
 //   LM head    fixed + head_slots x slot + streamed LM head + lm head
 //              (the forward's last blocks wait in their slots; the backward's first blocks
 //              are copied into the others)
@@ -76,15 +73,12 @@ struct MemoryEstimate {
   uint64_t rest = 0, resident_blocks = 0, ring = 0, adapter = 0, checkpoints = 0, block_working = 0,
            attention = 0, lm_head = 0, reserve = 0;
   uint64_t forward_ring = 0, head_ring = 0, backward_ring = 0, forward_working = 0;
-  uint64_t early_ring = 0;         // the forward's slots at its start, the early ones included
-  uint64_t early_checkpoints = 0;  // the checkpoints kept until the early slots are freed
-  uint64_t slot = 0;               // one slot: the largest streamed block (0: none streams)
-  uint64_t head_weights = 0;       // the LM head's weights (in fixed, or in head() when streamed)
+  uint64_t slot = 0;          // one slot: the largest streamed block (0: none streams)
+  uint64_t head_weights = 0;  // the LM head's weights (in fixed, or in head() when streamed)
   bool head_streamed = false;
   int64_t head_chunk_rows = 0;  // the chunked head's rows per chunk
   uint64_t fixed() const;
   uint64_t forward() const;
-  uint64_t early_forward() const;  // the forward's start with its early slots (0: none)
   uint64_t head() const;
   uint64_t backward() const;
   uint64_t total() const;        // the peak: the largest phase
@@ -111,14 +105,9 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& inputs, const ResidencyPl
 ResidencyPlan PlanFromBudget(const MemoryModelInputs& inputs, uint64_t budget_bytes, int ring_size);
 
 // `plan` with as many slots in the forward and in the backward as fit within `peak_bytes`
-// (at least ring_size, at most the streamed blocks), then early slots at the forward's start
-// (as many as fit while the window they fit in has a streamed block for each, each window as
-// long as fits), then as many of the backward's slots across the LM head as fit there: the
-// memory timeline's headroom used as extra slots.
+// (at least ring_size, at most the streamed blocks), then as many of the backward's slots
+// across the LM head as fit there: the memory timeline's headroom used as extra slots.
 ResidencyPlan FillPhaseSlots(const MemoryModelInputs& inputs, ResidencyPlan plan,
-                             uint64_t peak_bytes);
-// Only the early slots of that (replacing the plan's).
-ResidencyPlan FillEarlySlots(const MemoryModelInputs& inputs, ResidencyPlan plan,
                              uint64_t peak_bytes);
 // Only the last step of that: as many of the backward's slots across the LM head as fit;
 // and for a streamed head, head_prefetch_slots when the forward's slots beyond those it

@@ -95,11 +95,9 @@ std::string CandidatePlan::Label() const {
   std::ostringstream s;
   s << "swap " << plan.num_streamed() << " ring " << plan.ring_size;
   if (plan.forward_slots != plan.ring_size || plan.backward_slots != plan.ring_size ||
-      plan.head_slots != plan.ring_size || plan.early_slots > 0) {
-    s << " fwd " << plan.forward_slots;
-    if (plan.early_slots > 0) s << "+" << plan.early_slots << "x" << plan.early_uses;
-    s << " head " << plan.head_slots << " bwd " << plan.backward_slots;
-  }
+      plan.head_slots != plan.ring_size)
+    s << " fwd " << plan.forward_slots << " head " << plan.head_slots << " bwd "
+      << plan.backward_slots;
   if (plan.head_streamed) s << " head streamed";
   return s.str();
 }
@@ -126,8 +124,7 @@ PlanChoice ChoosePlan(const MemoryModelInputs& inputs, const StepCosts& costs,
         add(hand);
         const ResidencyPlan filled = FillPhaseSlots(inputs, hand, budget_bytes);
         if (filled.forward_slots != hand.forward_slots ||
-            filled.backward_slots != hand.backward_slots || filled.head_slots != hand.head_slots ||
-            filled.early_slots != hand.early_slots)
+            filled.backward_slots != hand.backward_slots || filled.head_slots != hand.head_slots)
           add(filled);
       }
     }

@@ -54,7 +54,7 @@ struct CandidatePlan {
   uint64_t peak_bytes = 0;  // EstimateMemory(...).total()
   PredictedStep predicted;
   bool fits = false;          // peak_bytes <= the budget
-  std::string Label() const;  // "swap 12 ring 2 fwd 2+1x9 head 2 bwd 2" (+ early slots x uses)
+  std::string Label() const;  // "swap 12 ring 2 fwd 7 bwd 6"
 };
 
 // Predicted steps closer than this fraction are ties for the planner.

@@ -249,13 +249,13 @@ ResidencyPlan ApplyPhaseSlots(const MemoryModelInputs& inputs, ResidencyPlan pla
                               int64_t backward_slots) {
   const uint64_t peak =
       gpu_memory_budget > 0 ? gpu_memory_budget : EstimateMemory(inputs, plan).total();
-  ResidencyPlan filled = plan;  // every phase filled up to the peak
-  filled.forward_slots = filled.backward_slots = filled.ring_size;
-  filled = FillPhaseSlots(inputs, filled, peak);
   auto slots = [&](int64_t asked, int planned, bool forward) {
     if (asked == 0) return planned;
     if (asked > 0) return static_cast<int>(std::min<int64_t>(asked, 1 << 20));
-    return forward ? filled.forward_slots : filled.backward_slots;
+    ResidencyPlan one = plan;
+    one.forward_slots = one.backward_slots = one.ring_size;
+    one = FillPhaseSlots(inputs, one, peak);
+    return forward ? one.forward_slots : one.backward_slots;
   };
   if (forward_slots < -1 || backward_slots < -1) {
     throw Error(ErrorCode::kRefused,
@@ -264,12 +264,6 @@ ResidencyPlan ApplyPhaseSlots(const MemoryModelInputs& inputs, ResidencyPlan pla
   }
   const int f = slots(forward_slots, plan.forward_slots, true);
   const int b = slots(backward_slots, plan.backward_slots, false);
-  // The forward's early slots come with its slots: those of the filled plan for -1, none
-  // for an explicit count, the plan's own for 0.
-  if (forward_slots != 0) {
-    plan.early_slots = forward_slots < 0 ? filled.early_slots : 0;
-    plan.early_uses = forward_slots < 0 ? filled.early_uses : 0;
-  }
   // The backward's slots that also fit across the LM head (within the budget, else within
   // the peak of the plan with these slots) exist there already.
   const ResidencyPlan phased = WithPhaseSlots(plan, f, b, plan.head_slots);

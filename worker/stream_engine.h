@@ -100,8 +100,7 @@ void RefuseTrainableBaseWeight(const at::Tensor& weight, const std::string& name
 // The resident/streamed split a job asks for: from the budget when gpu_memory_budget > 0,
 // else from blocks_to_swap; then the phase slots: forward_slots / backward_slots of 0 keep
 // the budget's choice (ring_size without a budget), -1 fills the phase up to the plan's
-// estimated peak (the budget when there is one; the forward with its early slots), N asks
-// for N (and no early slots); then as many of the
+// estimated peak (the budget when there is one), N asks for N; then as many of the
 // backward's slots as fit across the LM head within the budget, else within the estimated
 // peak of the plan with those slots. Logs the plan. Refusals name the field.
 ResidencyPlan PlanResidency(int64_t blocks_to_swap, uint64_t gpu_memory_budget, int64_t ring_size,

@@ -26,13 +26,9 @@ std::string ResidencyPlan::Describe() const {
     }
   }
   s << "] through " << ring_size << " ring slot" << (ring_size == 1 ? "" : "s");
-  if (forward_slots != ring_size || backward_slots != ring_size || head_slots != ring_size ||
-      early_slots > 0) {
-    s << " (" << forward_slots << " in the forward";
-    if (early_slots > 0)
-      s << " and " << early_slots << " more in its first " << early_uses << " blocks";
-    s << ", " << head_slots << " across the LM head, " << backward_slots << " in the backward)";
-  }
+  if (forward_slots != ring_size || backward_slots != ring_size || head_slots != ring_size)
+    s << " (" << forward_slots << " in the forward, " << head_slots << " across the LM head, "
+      << backward_slots << " in the backward)";
   s << "; resident [" << resident.str() << "]";
   if (head_streamed) s << "; LM head streamed";
   return s.str();
@@ -99,9 +95,6 @@ ResidencyPlan WithPhaseSlots(ResidencyPlan plan, int forward_slots, int backward
   plan.forward_slots = check(forward_slots, "forward_slots");
   plan.backward_slots = check(backward_slots, "backward_slots");
   plan.head_slots = std::clamp(head_slots, plan.ring_size, plan.backward_slots);
-  plan.early_slots =
-      std::clamp(plan.early_slots, 0, std::max(0, plan.num_streamed() - plan.forward_slots));
-  if (plan.early_slots == 0) plan.early_uses = 0;
   return plan;
 }
 
@@ -217,10 +210,7 @@ PassPlan PlanPass(const ResidencyPlan& residency, const std::vector<int>& slots_
   auto head_prefetch = [&](int s) { return s >= head_keep && s < residency.head_slots; };
   for (int phase = 0; phase < 2; ++phase) {
     const int begin = phase * num_blocks, end = begin + num_blocks;
-    // The slots use u may take: the backward's, or the forward's at that point.
-    auto cap = [&](int u) {
-      return phase == 0 ? residency.forward_slots_at(u) : residency.backward_slots;
-    };
+    const int cap = phase == 0 ? residency.forward_slots : residency.backward_slots;
     // Slots that stay filled into the next phase: those the LM head has too, then the slots
     // both the backward and the next forward have.
     const int keep = phase == 0 ? head_keep : residency.pass_boundary_slots();
@@ -247,7 +237,7 @@ PassPlan PlanPass(const ResidencyPlan& residency, const std::vector<int>& slots_
           // later into the slots that survive. (Sparing the surviving slots' blocks until then
           // funnelled every other copy of the phase through its one extra slot, one at a time.)
           // Survivors take the low slots, the others the high ones.
-          const int limit = survivor[u] ? keep : cap(u);
+          const int limit = survivor[u] ? keep : cap;
           int victim = -1;
           std::tuple<int, int, int, int> victim_key(-1, 0, 0, 0);
           for (int s = 0; s < limit; ++s) {

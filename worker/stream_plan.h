@@ -43,23 +43,10 @@ struct ResidencyPlan {
   // is issued at that point instead (PassPlan::head_copy_after), so it runs during the
   // forward's last blocks; set by FillHeadSlots (worker/stream_budget.h).
   int head_prefetch_slots = 0;
-  // The forward's early slots: slots on top of forward_slots for the forward's first
-  // early_uses uses only. Gradient checkpointing keeps each block's input until the backward,
-  // so the forward's memory grows block by block; at its start (and during the optimizer step
-  // before it, once the backward's working set is gone) the room of the checkpoints not yet
-  // kept holds more slots. They are allocated when the pass starts, filled with the forward's
-  // first blocks during the optimizer step, and freed after their last use, within the first
-  // early_uses blocks of the forward. Set by FillPhaseSlots (worker/stream_budget.h).
-  int early_slots = 0;
-  int early_uses = 0;
 
   int num_blocks() const { return static_cast<int>(streamed.size()); }
   int num_streamed() const;
-  int max_slots() const { return std::max(forward_slots + early_slots, backward_slots); }
-  // Slots forward use `use` may read from: the forward's, and the early ones at its start.
-  int forward_slots_at(int use) const {
-    return forward_slots + (use < early_uses ? early_slots : 0);
-  }
+  int max_slots() const { return std::max(forward_slots, backward_slots); }
   // Slots that stay filled from the forward into the backward (the forward's last blocks).
   int head_boundary_slots() const { return std::min(forward_slots, head_slots); }
   // Slots that stay filled from the end of one pass into the next one's forward; the
@@ -90,8 +77,7 @@ ResidencyPlan PlanFromSwapCount(int num_blocks, int blocks_to_swap, int ring_siz
 
 // `plan` with `forward_slots` and `backward_slots` slots in those phases (0: ring_size), each
 // clamped to [ring_size, streamed blocks], and `head_slots` across the LM head (0:
-// ring_size), clamped to [ring_size, backward_slots]; its early slots clamped to the streamed
-// blocks beyond forward_slots (none when the forward has them all). Error(kRefused) naming
+// ring_size), clamped to [ring_size, backward_slots]. Error(kRefused) naming
 // stream.forward_slots or stream.backward_slots when one is below ring_size (the slots across
 // the LM head are part of both phases).
 ResidencyPlan WithPhaseSlots(ResidencyPlan plan, int forward_slots, int backward_slots,

@@ -166,53 +166,6 @@ TEST_CASE("the timeline at ring 2's peak: more slots in the forward than in the 
   REQUIRE(b.backward_slots == timeline.backward_slots);
 }
 
-TEST_CASE(
-    "the timeline at ring 2's peak, 2048 tokens: an early slot in the room of the "
-    "checkpoints the forward has not kept yet",
-    "[worker]") {
-  const MemoryModelInputs in = Inputs(16, 2048);
-  const ResidencyPlan ring2 = PlanFromSwapCount(16, 12, 2);
-  const MemoryEstimate e = EstimateMemory(in, ring2);
-  const uint64_t peak = e.total();  // the backward's
-  const uint64_t block = in.block_bytes[0];
-  const uint64_t checkpoint = 2048ULL * 4096 * 2;
-  // No phase has room for a whole slot (the backward is the peak; the forward and the LM
-  // head are less than a block below it) ...
-  REQUIRE(e.forward() + block > peak);
-  REQUIRE(e.head() + block > peak);
-  // ... but the forward's first blocks have: 16 - 7 = 9 checkpoints not kept yet.
-  const ResidencyPlan timeline = FillPhaseSlots(in, ring2, peak);
-  REQUIRE(timeline.forward_slots == 2);
-  REQUIRE(timeline.backward_slots == 2);
-  REQUIRE(timeline.early_slots == 1);
-  REQUIRE(timeline.early_uses == 9);
-  REQUIRE(timeline.Describe().find("2 in the forward and 1 more in its first 9 blocks") !=
-          std::string::npos);
-  const MemoryEstimate t = EstimateMemory(in, timeline);
-  REQUIRE(t.early_ring == 3 * block);
-  REQUIRE(t.early_checkpoints == 9 * checkpoint);
-  REQUIRE(t.early_forward() ==
-          t.fixed() - t.checkpoints + 9 * checkpoint + 3 * block + t.forward_working + t.attention);
-  REQUIRE(t.early_forward() <= peak);
-  REQUIRE(t.total() == peak);  // the peak does not rise
-  REQUIRE(t.forward() == e.forward());
-  // One use longer, or a second slot, would raise it.
-  ResidencyPlan longer = timeline;
-  ++longer.early_uses;
-  REQUIRE(EstimateMemory(in, longer).total() > peak);
-  ResidencyPlan two = timeline;
-  two.early_slots = 2;
-  REQUIRE(EstimateMemory(in, two).total() > peak);
-  REQUIRE(t.Describe().find("its start") != std::string::npos);
-  // A budget plans the same.
-  const ResidencyPlan b = PlanFromBudget(in, peak, 2);
-  REQUIRE(b.num_streamed() == 12);
-  REQUIRE(b.early_slots == 1);
-  REQUIRE(b.early_uses == 9);
-  // Without early slots nothing changes: the estimate has no such phase.
-  REQUIRE(e.early_forward() == 0);
-}
-
 TEST_CASE("issue 15: a Qwen3-8B-shaped model trains at 2048 tokens within 5 GiB", "[worker]") {
   const MemoryModelInputs in = InputsFor(Qwen3_8bShape(), 2048);
   const uint64_t gib = uint64_t{1} << 30;

@@ -14,7 +14,6 @@
 #include "common/error.h"
 #include "tests/worker/stream_chain.h"
 #include "tests/worker/stream_test_blocks.h"
-#include "tests/worker/stream_test_shapes.h"
 #include "worker/stream_cpu_backend.h"
 #include "worker/stream_engine.h"
 
@@ -318,17 +317,6 @@ TEST_CASE("residency from a job's stream settings", "[worker]") {
   REQUIRE_THROWS_AS(PlanResidency(2, 1000, 2, in), Error);                  // below minimum
   REQUIRE_THROWS_AS(PlanResidency(2, 0, 0, in), Error);                     // ring 0
   REQUIRE_THROWS_AS(PlanResidency(5, 0, 2, in), Error);                     // too many blocks
-  // forward_slots = -1 fills the forward with its early slots too (llama-3-8b's blocks at
-  // 2048 tokens: one more slot for the first 9 blocks); an explicit count has none.
-  const MemoryModelInputs big = Inputs(16, 2048);
-  const ResidencyPlan timeline = PlanResidency(12, 0, 2, big, -1, -1);
-  REQUIRE(timeline.forward_slots == 2);
-  REQUIRE(timeline.early_slots == 1);
-  REQUIRE(timeline.early_uses == 9);
-  REQUIRE(EstimateMemory(big, timeline).total() ==
-          EstimateMemory(big, PlanFromSwapCount(16, 12, 2)).total());
-  REQUIRE(PlanResidency(12, 0, 2, big, 3, -1).early_slots == 0);
-  REQUIRE(PlanResidency(12, 0, 2, big).early_slots == 0);
 }
 
 TEST_CASE(
@@ -348,22 +336,12 @@ TEST_CASE(
   slow.debug_copy_delay_us = 1500;
   for (int swap : {3, 5, 7}) {
     for (int ring : {1, 2}) {
-      // Slots in the forward, across the LM head (0: the ring) and in the backward; early
-      // slots for the forward's first uses.
-      for (auto [f, h, b, early, early_uses] : {std::tuple{4, 0, 2, 0, 0},
-                                                {2, 0, 4, 0, 0},
-                                                {2, 3, 4, 0, 0},
-                                                {2, 4, 4, 0, 0},
-                                                {5, 5, 5, 0, 0},
-                                                {3, 0, 1, 0, 0},
-                                                {2, 0, 2, 1, 3},
-                                                {2, 3, 4, 2, 4},
-                                                {1, 0, 1, 2, 5}}) {
-        CAPTURE(swap, ring, f, h, b, early, early_uses);
-        ResidencyPlan plan = PlanFromSwapCount(layers, swap, ring);
-        plan.early_slots = early;
-        plan.early_uses = early_uses;
-        plan = WithPhaseSlots(plan, std::max(f, ring), std::max(b, ring), h);
+      // Slots in the forward, across the LM head (0: the ring) and in the backward.
+      for (auto [f, h, b] :
+           {std::tuple{4, 0, 2}, {2, 0, 4}, {2, 3, 4}, {2, 4, 4}, {5, 5, 5}, {3, 0, 1}}) {
+        CAPTURE(swap, ring, f, h, b);
+        const ResidencyPlan plan = WithPhaseSlots(PlanFromSwapCount(layers, swap, ring),
+                                                  std::max(f, ring), std::max(b, ring), h);
         StreamBackendOptions bo;
         bo.num_slots = plan.max_slots();
         bo.permanent_slots = plan.ring_size;
@@ -379,9 +357,8 @@ TEST_CASE(
           // What the compute reads is the host's block (invariants 1 and 2), and the slots
           // allocated now are within the phase's count.
           REQUIRE(SameWeights(w, HostView(host, block)));
-          const int use = calls++ % (2 * layers);
-          REQUIRE(device->live_slots() <=
-                  (use >= layers ? plan.backward_slots : plan.forward_slots_at(use)));
+          const bool backward = calls++ % (2 * layers) >= layers;
+          REQUIRE(device->live_slots() <= (backward ? plan.backward_slots : plan.forward_slots));
         };
         // At the LM head only its slots exist.
         auto turnaround = [&] { REQUIRE(device->live_slots() <= plan.head_slots); };

@@ -37,8 +37,7 @@ void CheckPlan(const ResidencyPlan& r, const PassPlan& p) {
       continue;
     }
     REQUIRE(use.slot >= 0);
-    // The forward's early slots serve its first early_uses uses only.
-    REQUIRE(use.slot < (use.backward ? r.backward_slots : r.forward_slots_at(u)));
+    REQUIRE(use.slot < (use.backward ? r.backward_slots : r.forward_slots));
     const bool present = std::count(slots.begin(), slots.end(), use.block) > 0;
     REQUIRE(use.copy == !present);
     if (use.copy) {
@@ -66,15 +65,14 @@ void CheckPlan(const ResidencyPlan& r, const PassPlan& p) {
   // The memory timeline, replayed in the engine's order of events: a slot is allocated from
   // its first copy to its free; never more than the phase's slots at once, at most
   // head_slots across the LM head (between the forward's last release and the backward's
-  // first acquire), at most pass_boundary_slots() filled across the pass boundary (the
-  // forward's other slots are allocated when the pass starts) and the early slots gone once
-  // the forward's first early_uses uses are done.
+  // first acquire) and at most pass_boundary_slots() filled across the pass boundary (the
+  // forward's other slots are allocated when the pass starts).
   std::vector<bool> live(slots_n, false);
   for (int s = 0; s < slots_n; ++s) live[s] = s < r.ring_size || p.slots_at_start[s] >= 0;
   auto count = [&] { return static_cast<int>(std::count(live.begin(), live.end(), true)); };
   REQUIRE(count() <= std::max(r.ring_size, r.pass_boundary_slots()));
   for (int u : p.issue_at_start) live[p.uses[u].slot] = true;
-  REQUIRE(count() <= r.forward_slots_at(0));
+  REQUIRE(count() <= r.forward_slots);
   // A streamed head copied during the forward takes head_prefetch_slots slots' room from the
   // use after head_copy_after to the forward's end.
   if (p.head_copy_after >= 0) {
@@ -82,7 +80,7 @@ void CheckPlan(const ResidencyPlan& r, const PassPlan& p) {
     REQUIRE(p.head_copy_after < n / 2);
   }
   for (int u = 0; u < n; ++u) {
-    const int cap = u < n / 2 ? r.forward_slots_at(u) : r.backward_slots;
+    const int cap = u < n / 2 ? r.forward_slots : r.backward_slots;
     const bool head_copied = p.head_copy_after >= 0 && u > p.head_copy_after && u < n / 2;
     for (int c : p.issue_at_acquire[u]) live[p.uses[c].slot] = true;
     REQUIRE(count() + (head_copied ? r.head_prefetch_slots : 0) <= cap);
@@ -94,8 +92,6 @@ void CheckPlan(const ResidencyPlan& r, const PassPlan& p) {
     }
     for (int c : p.issue_after_release[u]) live[p.uses[c].slot] = true;
     REQUIRE(count() <= (u == n / 2 - 1 ? r.head_slots : cap));  // across the LM head
-    // After the forward's use u, the slots live are those of its next use.
-    if (u + 1 < n / 2) REQUIRE(count() <= r.forward_slots_at(u + 1));
   }
   REQUIRE(count() <= std::max(r.ring_size, r.pass_boundary_slots()));
 }
@@ -219,11 +215,7 @@ TEST_CASE("phase slots: every plan keeps the invariants and the memory timeline"
             for (int h = ring; h <= b; ++h) {
               CAPTURE(l, ring, n, f, b, h);
               const ResidencyPlan base = PlanFromSwapCount(l, n, ring);
-              ResidencyPlan r = base;
-              // Early slots (1 or 2 more for the forward's first blocks) in every third plan.
-              r.early_slots = (l + n + f + b) % 3;
-              r.early_uses = (l + f) % std::max(1, l) + 1;
-              r = WithPhaseSlots(r, f, b, h);
+              ResidencyPlan r = WithPhaseSlots(base, f, b, h);
               // Every other plan streams the LM head, copied early when 2 slots are free.
               r.head_streamed = r.head_prefetch_slots = (l + n + f + b + h) % 2 == 0 ? 2 : 0;
               REQUIRE(r.forward_slots == std::min(f, n));

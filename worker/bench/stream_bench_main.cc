@@ -191,15 +191,9 @@ void Predict(const JobSpec& spec, const BaseWeights& base, const MemoryModelInpu
   row->estimate_gib = EstimateMemory(in, p.plan).total() / double(1ULL << 30);
   row->resident_blocks = p.plan.num_blocks() - p.plan.num_streamed();
   row->slots = std::to_string(p.plan.ring_size);
-  if (p.plan.max_slots() != p.plan.ring_size) {
-    row->slots += "/" + std::to_string(p.plan.forward_slots);
-    // The forward's early slots: "+1x9", one more for its first 9 blocks.
-    if (p.plan.early_slots > 0)
-      row->slots +=
-          "+" + std::to_string(p.plan.early_slots) + "x" + std::to_string(p.plan.early_uses);
-    row->slots +=
-        "/" + std::to_string(p.plan.head_slots) + "/" + std::to_string(p.plan.backward_slots);
-  }
+  if (p.plan.max_slots() != p.plan.ring_size)
+    row->slots += "/" + std::to_string(p.plan.forward_slots) + "/" +
+                  std::to_string(p.plan.head_slots) + "/" + std::to_string(p.plan.backward_slots);
 }
 
 void Run(const BenchOptions& o, const std::string& command) {
@@ -329,8 +323,8 @@ void Run(const BenchOptions& o, const std::string& command) {
                   r.step_s / r.floor_s, r.floor2_s * 1e3, r.step_s / r.floor2_s, r.max_loss_diff);
     t << line;
   }
-  t << "\nslots: ring (kept the whole step) / forward (+E x U: E early slots for its first U "
-       "blocks) / across the LM head / backward (the memory timeline). "
+  t << "\nslots: ring (kept the whole step) / forward / across the LM head / backward (the memory "
+       "timeline). "
        "predicted: the cost model (worker/stream_cost.h) from figures measured in this run. "
        "estimate: the memory model's peak (worker/stream_budget.h); peak: measured.\n"
        "floor = max(resident step, H2D bytes this step copied / bandwidth); floor 2x = "
