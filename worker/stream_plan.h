@@ -50,8 +50,8 @@ struct ResidencyPlan {
   // Slots that stay filled from the forward into the backward (the forward's last blocks).
   int head_boundary_slots() const { return std::min(forward_slots, head_slots); }
   // Slots that stay filled from the end of one pass into the next one's forward; the
-  // forward's other slots are allocated when the pass starts and filled at once, so the
-  // next step's first blocks are copied during the optimizer step.
+  // forward's other slots are allocated and filled at its first acquire (after the host's
+  // reads of the loss and the gradient norm, which copies in flight would delay).
   int pass_boundary_slots() const { return std::min(forward_slots, backward_slots); }
   // One line for the log: "12 of 16 blocks streamed [0 1 3 ...] through 2 slots; resident
   // [2 ...]" (and "; LM head streamed" when it is).
@@ -97,12 +97,13 @@ struct BlockUse {
   // one the copy waits for: the slot's previous occupant's last use, invariant 2); -1: at the
   // start of the pass. Always < this use's index; non-decreasing over the pass's copies.
   int issue_after = -1;
-  // The copy goes into a backward slot that the LM head does not have (beyond head_slots):
-  // it is issued at the Acquire of use issue_after + 1 instead (the backward has begun: the
-  // LM head's buffers are gone), the slot allocated first. Copies keep their order: once one
+  // The copy goes into a slot allocated for it and is issued at the Acquire of use
+  // issue_after + 1 instead, the slot allocated first: a backward slot that the LM head does
+  // not have (beyond head_slots; the backward has begun: the LM head's buffers are gone), or
+  // a forward slot the previous backward did not keep (issue_after = -1: at the forward's
+  // first acquire, after the step boundary's host reads). Copies keep their order: once one
   // copy is deferred, the following copies with the same issue_after are deferred too. (A
-  // forward slot is allocated when the pass starts, a head slot when the forward ends: the
-  // previous phase's buffers are gone by then, and neither is deferred.)
+  // head slot is allocated when the forward ends and is not deferred.)
   bool at_acquire = false;
 };
 
@@ -136,8 +137,8 @@ struct PassPlan {
 // phase can keep (head_boundary_slots() of them into the backward, pass_boundary_slots()
 // into the next forward) go into slots that survive the phase change; the phase's other
 // copies prefer its phase slots, freed after their last use in the phase. So the next pass's
-// first blocks are fetched during the backward and the optimizer step, and the backward's
-// first blocks during the LM head, into the head slots the forward did not have.
+// first blocks are fetched during the backward and from the forward's first acquire, and the
+// backward's first blocks during the LM head, into the head slots the forward did not have.
 PassPlan PlanPass(const ResidencyPlan& residency, const std::vector<int>& slots_at_start);
 
 // The steady state: the plan of a pass that follows other passes (slots as the previous pass

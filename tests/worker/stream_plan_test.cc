@@ -246,7 +246,7 @@ TEST_CASE("phase slots: every plan keeps the invariants and the memory timeline"
 
 TEST_CASE(
     "phase slots: the next pass's first blocks stay from the backward, the forward's "
-    "extra slots fill at its start, the backward's after the LM head",
+    "extra slots fill at its first acquire, the backward's after the LM head",
     "[worker]") {
   // 8 blocks, all streamed; ring 2 across the LM head, 4 slots in the forward, 3 in the
   // backward.
@@ -256,13 +256,15 @@ TEST_CASE(
   const PassPlan p = PlanSteadyPass(r);
   // The backward ended with blocks 2, 1, 0 in slots that the forward has too: no copies.
   for (int u = 0; u < 3; ++u) REQUIRE_FALSE(p.uses[u].copy);
-  // Forward block 3 goes into the forward's own fourth slot, allocated when the pass starts
-  // (the backward's buffers are gone): copied during the optimizer step.
+  // Forward block 3 goes into the forward's own fourth slot, allocated at the forward's first
+  // acquire (after the step boundary's host reads of the loss and the gradient norm, which a
+  // copy in flight would delay): nothing is copied when the pass starts.
   REQUIRE(p.uses[3].copy);
   REQUIRE(p.uses[3].slot == 3);
-  REQUIRE_FALSE(p.uses[3].at_acquire);
+  REQUIRE(p.uses[3].at_acquire);
   REQUIRE(p.uses[3].issue_after == -1);
-  REQUIRE(std::count(p.issue_at_start.begin(), p.issue_at_start.end(), 3) == 1);
+  REQUIRE(std::count(p.issue_at_acquire[0].begin(), p.issue_at_acquire[0].end(), 3) == 1);
+  REQUIRE(p.issue_at_start.empty());
   // The forward's last two blocks (6, 7) go into the ring, which carries them across the LM
   // head to the backward's first uses.
   REQUIRE(p.uses[6].slot < 2);

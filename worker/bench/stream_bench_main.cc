@@ -51,6 +51,7 @@
 #include "worker/trainer.h"
 #ifdef LORASTREAM_HAVE_CUDA
 #include "worker/cuda/cuda_bandwidth.h"
+#include "worker/cuda/cuda_memory.h"
 #endif
 
 namespace fs = std::filesystem;
@@ -136,7 +137,37 @@ Row RunOne(const BenchOptions& o, const JobSpec& spec, bool streamed, const std:
   row.num_blocks = num_blocks;
   std::fprintf(stderr, "bench: %s, %lld tokens ...\n", mode.c_str(),
                static_cast<long long>(row.tokens));
-  RunTraining(spec, t, [&](const StepStats& s) { row.stats.push_back(s); });
+#ifdef LORASTREAM_HAVE_CUDA
+  // The allocator's driver calls during the row's steps (after the first, which allocates
+  // everything once): a plan whose slots are freed and allocated again within a step should
+  // find them in the cache, not call cudaMalloc.
+  CudaAllocatorCounters before;
+  int counted_from = -1;
+  const int device_index = o.typed_device.is_cuda() ? o.typed_device.index : -1;
+#endif
+  RunTraining(spec, t, [&](const StepStats& s) {
+    row.stats.push_back(s);
+#ifdef LORASTREAM_HAVE_CUDA
+    if (device_index >= 0 && counted_from < 0) {
+      before = CudaAllocatorCountersNow(device_index);
+      counted_from = static_cast<int>(row.stats.size());
+    }
+#endif
+  });
+#ifdef LORASTREAM_HAVE_CUDA
+  if (device_index >= 0) {
+    const CudaAllocatorCounters after = CudaAllocatorCountersNow(device_index);
+    std::fprintf(
+        stderr,
+        "bench: %s, %lld tokens: in steps %d-%zu the allocator called cudaMalloc %lld "
+        "times, cudaFree %lld, retried %lld, synced all streams %lld; %lld segments\n",
+        mode.c_str(), static_cast<long long>(row.tokens), counted_from + 1, row.stats.size(),
+        static_cast<long long>(after.device_allocs - before.device_allocs),
+        static_cast<long long>(after.device_frees - before.device_frees),
+        static_cast<long long>(after.retries - before.retries),
+        static_cast<long long>(after.syncs - before.syncs), static_cast<long long>(after.segments));
+  }
+#endif
   std::vector<double> step, gb, busy, stall, copies, saved;
   for (size_t i = o.warmup; i < row.stats.size(); ++i) {
     const StepStats& s = row.stats[i];

@@ -10,6 +10,18 @@ uint64_t CudaPeakAllocatedBytes(int device_index) {
   return static_cast<uint64_t>(stats.allocated_bytes[0].peak);  // [0]: all pools
 }
 
+CudaAllocatorCounters CudaAllocatorCountersNow(int device_index) {
+  const auto stats =
+      c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(device_index));
+  CudaAllocatorCounters c;
+  c.device_allocs = stats.num_device_alloc;
+  c.device_frees = stats.num_device_free;
+  c.retries = stats.num_alloc_retries;
+  c.syncs = stats.num_sync_all_streams;
+  c.segments = stats.segment[0].current;
+  return c;
+}
+
 void CudaResetPeakAllocated(int device_index) {
   c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(device_index));
 }

@@ -9,4 +9,13 @@ namespace lorastream::worker {
 uint64_t CudaPeakAllocatedBytes(int device_index);
 void CudaResetPeakAllocated(int device_index);
 
+// The caching allocator's own calls to the driver since the process started: cudaMalloc and
+// cudaFree of segments, retries after a failed cudaMalloc (each frees the cache, syncing the
+// device), and synchronisations of every stream. (A cudaMalloc serialises the device's
+// streams: copies stop overlapping compute for it.)
+struct CudaAllocatorCounters {
+  int64_t device_allocs = 0, device_frees = 0, retries = 0, syncs = 0, segments = 0;
+};
+CudaAllocatorCounters CudaAllocatorCountersNow(int device_index);
+
 }  // namespace lorastream::worker
