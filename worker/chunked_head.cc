@@ -1,7 +1,8 @@
 // The final norm, LM head and cross entropy in chunks of rows, as one custom autograd
 // function (as worker/checkpointed_block.cc is for a block). Per chunk: logits = norm(h) W^T
-// in the compute dtype, log-softmax and the loss in f32; when a gradient is wanted, the
-// chunk's (softmax - onehot), cast to the compute dtype, times W, back through the norm (a
+// in the compute dtype, log-softmax and the loss in f32 (on CUDA in bf16/f16 one fused kernel
+// that writes the gradient over the logits: worker/fused_ops.h); when a gradient is wanted,
+// the chunk's (softmax - onehot), in the compute dtype, times W, back through the norm (a
 // small local autograd graph over the chunk's rows only), written into the kept gradient of
 // the hidden states. These are the operations autograd runs through the unchunked path
 // (cross_entropy = nll_loss(log_softmax); log_softmax's backward of nll's -onehot is
@@ -11,11 +12,11 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <ATen/ATen.h>
-#include <ATen/core/Reduction.h>
 #include <c10/core/GradMode.h>
 
 #include "common/error.h"
 #include "common/log.h"
+#include "worker/fused_ops.h"
 #include "worker/lm_head.h"
 #include "worker/model.h"
 
@@ -25,8 +26,6 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-constexpr int64_t kIgnore = -100;
 
 struct HeadArgs {
   at::Tensor targets;  // [B x S] int64 on hidden's device
@@ -76,19 +75,12 @@ at::Tensor LossInChunks(const at::Tensor& hidden, const HeadArgs& a, at::Tensor*
     } else {
       normed = RmsNorm(x, a.norm, a.eps);
     }
-    // The logits exist only in f32 from here on (the compute-dtype ones are dropped at once).
-    at::Tensor logp = at::log_softmax(at::linear(normed.detach(), w).to(at::kFloat), 1);
-    loss.add_(at::nll_loss(logp, t, /*weight=*/{}, at::Reduction::Sum, kIgnore));
+    // The loss, and in place of the logits their gradient (worker/fused_ops.h).
+    at::Tensor logits = at::linear(normed.detach(), w);
+    loss.add_(CrossEntropySum(&logits, t, grad != nullptr));
     if (grad == nullptr) continue;
-    // d(sum of -logp[target]) / d(logits) = softmax - onehot on the rows with a target, 0 on
-    // ignored rows; in place over logp.
-    const at::Tensor valid = t.ne(kIgnore);
-    at::Tensor g = logp.exp_();
-    g.scatter_add_(1, t.clamp_min(0).unsqueeze(1), valid.to(at::kFloat).neg().unsqueeze(1));
-    g.mul_(valid.unsqueeze(1));
-    at::Tensor grad_normed = at::mm(g.to(w.scalar_type()), w);
-    g = at::Tensor();
-    logp = at::Tensor();
+    at::Tensor grad_normed = at::mm(logits, w);
+    logits = at::Tensor();
     grad->narrow(0, start, rows)
         .copy_(torch::autograd::grad({normed}, {x}, {grad_normed}, /*retain_graph=*/false,
                                      /*create_graph=*/false)[0]);

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include <ATen/ATen.h>
+#include <ATen/core/Reduction.h>
 #include <c10/core/GradMode.h>
 
 #if LORASTREAM_HAVE_CUDA
@@ -33,6 +34,26 @@ at::Tensor RmsNormBackward(const at::Tensor& dy, const at::Tensor& x, const at::
   at::Tensor n = x.to(at::kFloat) * rstd;
   at::Tensor dh = (dn - n * (dn * n).mean(-1, /*keepdim=*/true)) * rstd;
   return dh.to(x.scalar_type());
+}
+
+at::Tensor CrossEntropySum(at::Tensor* logits, const at::Tensor& targets, bool want_grad) {
+  constexpr int64_t kIgnore = -100;
+  const c10::ScalarType dtype = logits->scalar_type();
+  // The compute-dtype logits are dropped once their f32 copy exists.
+  at::Tensor logp = at::log_softmax(logits->to(at::kFloat), 1);
+  *logits = at::Tensor();
+  at::Tensor loss = at::nll_loss(logp, targets, /*weight=*/{}, at::Reduction::Sum, kIgnore);
+  if (want_grad) {
+    // d(sum of -logp[target]) / d(logits) = softmax - onehot on the rows with a target, 0 on
+    // ignored rows; in place over logp (cross_entropy = nll_loss(log_softmax); log_softmax's
+    // backward of nll's -onehot is exp(log_softmax) - onehot).
+    const at::Tensor valid = targets.ne(kIgnore);
+    at::Tensor g = logp.exp_();
+    g.scatter_add_(1, targets.clamp_min(0).unsqueeze(1), valid.to(at::kFloat).neg().unsqueeze(1));
+    g.mul_(valid.unsqueeze(1));
+    *logits = g.to(dtype);
+  }
+  return loss;
 }
 
 at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up) { return at::silu(gate) * up; }
@@ -178,6 +199,27 @@ std::pair<at::Tensor, at::Tensor> SwiGluBackward(const at::Tensor& dz, const at:
   }
 #endif
   return reference::SwiGluBackward(dz, gate, up);
+}
+
+at::Tensor CrossEntropySum(at::Tensor* logits, const at::Tensor& targets, bool want_grad) {
+#if LORASTREAM_HAVE_CUDA
+  // In bf16 and f16 only: f32 compute is what parity with transformers is checked in, and
+  // there the reference's op order is transformers' own.
+  cuda::KernelDtype t;
+  if (logits->dim() == 2 && Fusable({logits}, &t) && t != cuda::KernelDtype::kF32 &&
+      targets.is_cuda() && targets.device() == logits->device() &&
+      targets.scalar_type() == at::kLong && targets.is_contiguous() && targets.dim() == 1 &&
+      targets.size(0) == logits->size(0)) {
+    const int64_t rows = logits->size(0);
+    at::Tensor row_loss = at::empty({rows}, logits->options().dtype(at::kFloat));
+    cuda::CrossEntropyRows(t, logits->data_ptr(), targets.data_ptr<int64_t>(),
+                           row_loss.data_ptr<float>(), rows, logits->size(1), want_grad,
+                           StreamOf(*logits));
+    if (!want_grad) *logits = at::Tensor();
+    return row_loss.sum();
+  }
+#endif
+  return reference::CrossEntropySum(logits, targets, want_grad);
 }
 
 #if LORASTREAM_HAVE_CUDA

@@ -32,8 +32,18 @@ std::pair<at::Tensor, at::Tensor> SwiGluBackward(const at::Tensor& dz, const at:
 at::Tensor RopeForward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor RopeBackward(const at::Tensor& g, const at::Tensor& cos, const at::Tensor& sin);
 
+// The chunked LM head's cross entropy over one chunk: logits [rows, V] (contiguous, the
+// compute dtype) against targets [rows] (int64 on the logits' device; -100: ignored).
+// Returns the sum of the rows' losses, f32 scalar: log-softmax in f32 and the negative
+// log-likelihood of each target. With `want_grad`, *logits becomes d(that sum)/d(logits),
+// softmax - onehot on the rows with a target and 0 on the others, rounded to the logits'
+// dtype: the fused kernel overwrites the logits in place (in bf16 and f16); the reference
+// replaces them with a new tensor (their f32 copy and its log-softmax exist meanwhile).
+at::Tensor CrossEntropySum(at::Tensor* logits, const at::Tensor& targets, bool want_grad);
+
 // The ATen references, always (tests compare the fused kernels against these).
 namespace reference {
+at::Tensor CrossEntropySum(at::Tensor* logits, const at::Tensor& targets, bool want_grad);
 at::Tensor RmsNormRstd(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor* rstd);
 at::Tensor RmsNormBackward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& rstd,
                            const at::Tensor& weight);

@@ -3,6 +3,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cmath>
+
 #include <stdexcept>
 #include <string>
 
@@ -137,6 +139,61 @@ __global__ void RopeKernel(bool backward, const T* in, T* out, const T* cos, con
   }
 }
 
+constexpr int kCrossEntropyThreads = 1024;
+
+// (max, sum of exp(x - max)) pairs, merged: the online softmax's reduction.
+struct MaxSum {
+  float m, s;
+};
+__device__ __forceinline__ MaxSum Merge(MaxSum a, MaxSum b) {
+  const float m = fmaxf(a.m, b.m);
+  if (m == -INFINITY) return {m, 0.f};
+  return {m, a.s * expf(a.m - m) + b.s * expf(b.m - m)};
+}
+
+// The block's merged pair (every thread gets it); `shared` holds one pair per warp.
+__device__ MaxSum BlockMaxSum(MaxSum v, MaxSum* shared) {
+  for (int o = 16; o > 0; o >>= 1)
+    v = Merge(v, {__shfl_xor_sync(0xffffffffu, v.m, o), __shfl_xor_sync(0xffffffffu, v.s, o)});
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  v = lane < blockDim.x / 32 ? shared[lane] : MaxSum{-INFINITY, 0.f};
+  for (int o = 16; o > 0; o >>= 1)
+    v = Merge(v, {__shfl_xor_sync(0xffffffffu, v.m, o), __shfl_xor_sync(0xffffffffu, v.s, o)});
+  __syncthreads();
+  return v;
+}
+
+template <typename T>
+__global__ void CrossEntropyKernel(T* logits, const int64_t* targets, float* row_loss,
+                                   int64_t vocab, bool grad) {
+  __shared__ MaxSum shared[32];
+  T* row = logits + blockIdx.x * vocab;
+  const int64_t target = targets[blockIdx.x];
+  const bool valid = target >= 0 && target < vocab;
+  // Read before any thread overwrites the row (the writes follow the reduction's barriers).
+  const float x_target = valid && threadIdx.x == 0 ? ToF(row[target]) : 0.f;
+  MaxSum acc{-INFINITY, 0.f};
+  for (int64_t c = threadIdx.x; c < vocab; c += blockDim.x) {
+    const float x = ToF(row[c]);
+    if (x > acc.m) {
+      acc.s = acc.s * expf(acc.m - x) + 1.f;
+      acc.m = x;
+    } else if (acc.m != -INFINITY) {
+      acc.s += expf(x - acc.m);
+    }
+  }
+  const MaxSum all = BlockMaxSum(acc, shared);
+  if (threadIdx.x == 0) row_loss[blockIdx.x] = valid ? all.m + logf(all.s) - x_target : 0.f;
+  if (!grad) return;
+  const float inv = 1.f / all.s;
+  for (int64_t c = threadIdx.x; c < vocab; c += blockDim.x) {
+    const float g = valid ? expf(ToF(row[c]) - all.m) * inv - (c == target ? 1.f : 0.f) : 0.f;
+    row[c] = FromF<T>(g);
+  }
+}
+
 void Check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
 }
@@ -220,6 +277,17 @@ void Rope(KernelDtype t, bool backward, const void* in, void* out, const void* c
         static_cast<const T*>(sin), shape);
   });
   Check(cudaGetLastError(), "Rope");
+}
+
+void CrossEntropyRows(KernelDtype t, void* logits, const int64_t* targets, float* row_loss,
+                      int64_t rows, int64_t vocab, bool grad_in_place, cudaStream_t stream) {
+  if (rows == 0) return;
+  Dispatch(t, [&](auto v) {
+    using T = decltype(v);
+    CrossEntropyKernel<T><<<static_cast<unsigned>(rows), kCrossEntropyThreads, 0, stream>>>(
+        static_cast<T*>(logits), targets, row_loss, vocab, grad_in_place);
+  });
+  Check(cudaGetLastError(), "CrossEntropyRows");
 }
 
 }  // namespace lorastream::worker::cuda

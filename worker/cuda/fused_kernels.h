@@ -40,4 +40,12 @@ struct RopeShape {
 void Rope(KernelDtype t, bool backward, const void* in, void* out, const void* cos, const void* sin,
           const RopeShape& shape, cudaStream_t stream);
 
+// The chunked LM head's cross entropy, one row of logits [rows, vocab] (contiguous) per
+// block: row_loss[r] = logsumexp(x[r, :]) - x[r, t[r]] in f32 (0 for a target outside
+// [0, vocab): -100, the ignored positions). With `grad_in_place`, row r of the logits is
+// overwritten with softmax(x[r, :]) - onehot(t[r]) rounded to T (zeros for an ignored row):
+// d(sum of row_loss)/d(logits). Two reads and one write of the logits, nothing else.
+void CrossEntropyRows(KernelDtype t, void* logits, const int64_t* targets, float* row_loss,
+                      int64_t rows, int64_t vocab, bool grad_in_place, cudaStream_t stream);
+
 }  // namespace lorastream::worker::cuda
