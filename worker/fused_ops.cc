@@ -201,6 +201,10 @@ std::pair<at::Tensor, at::Tensor> SwiGluBackward(const at::Tensor& dz, const at:
   return reference::SwiGluBackward(dz, gate, up);
 }
 
+bool FusedCrossEntropyApplies(bool cuda, c10::ScalarType dtype) {
+  return cuda && FusedKernelsEnabled() && (dtype == at::kBFloat16 || dtype == at::kHalf);
+}
+
 at::Tensor CrossEntropySum(at::Tensor* logits, const at::Tensor& targets, bool want_grad) {
 #if LORASTREAM_HAVE_CUDA
   // In bf16 and f16 only: f32 compute is what parity with transformers is checked in, and

@@ -40,6 +40,9 @@ at::Tensor RopeBackward(const at::Tensor& g, const at::Tensor& cos, const at::Te
 // dtype: the fused kernel overwrites the logits in place (in bf16 and f16); the reference
 // replaces them with a new tensor (their f32 copy and its log-softmax exist meanwhile).
 at::Tensor CrossEntropySum(at::Tensor* logits, const at::Tensor& targets, bool want_grad);
+// Whether CrossEntropySum runs the fused kernel for logits of `dtype` on a CUDA device
+// (`cuda`): what the head's chunk size and the memory estimate count on.
+bool FusedCrossEntropyApplies(bool cuda, c10::ScalarType dtype);
 
 // The ATen references, always (tests compare the fused kernels against these).
 namespace reference {

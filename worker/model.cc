@@ -130,7 +130,8 @@ at::Tensor CausalLm::Logits(const at::Tensor& hidden) {
 
 int64_t CausalLm::head_chunk_rows(int64_t tokens) const {
   if (head_chunk_rows_ > 0) return head_chunk_rows_;
-  return HeadChunkRows(tokens, config_.vocab_size, config_.hidden_size, kDefaultHeadChunkBytes);
+  return HeadChunkRows(tokens, config_.vocab_size, config_.hidden_size, kDefaultHeadChunkBytes,
+                       FusedCrossEntropyApplies(device_.is_cuda(), dtype_));
 }
 
 at::Tensor CausalLm::HeadLossSum(const at::Tensor& hidden, const at::Tensor& targets) {

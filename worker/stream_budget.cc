@@ -39,13 +39,16 @@ std::string MemoryEstimate::Describe() const {
          FormatBytes(attention, 2) + "); peak " + FormatBytes(total(), 2);
 }
 
-uint64_t HeadChunkRowBytes(int64_t vocab, int64_t hidden) {
-  return 8 * static_cast<uint64_t>(std::max<int64_t>(vocab, 0)) +
+uint64_t HeadChunkRowBytes(int64_t vocab, int64_t hidden, bool fused_cross_entropy) {
+  const uint64_t v = static_cast<uint64_t>(std::max<int64_t>(vocab, 0));
+  return (fused_cross_entropy ? 2 * v + 4 : 8 * v) +
          16 * static_cast<uint64_t>(std::max<int64_t>(hidden, 0));
 }
 
-int64_t HeadChunkRows(int64_t tokens, int64_t vocab, int64_t hidden, uint64_t bound_bytes) {
-  const uint64_t per_row = std::max<uint64_t>(1, HeadChunkRowBytes(vocab, hidden));
+int64_t HeadChunkRows(int64_t tokens, int64_t vocab, int64_t hidden, uint64_t bound_bytes,
+                      bool fused_cross_entropy) {
+  const uint64_t per_row =
+      std::max<uint64_t>(1, HeadChunkRowBytes(vocab, hidden, fused_cross_entropy));
   const uint64_t rows = std::max<uint64_t>(1, bound_bytes / per_row);
   return static_cast<int64_t>(
       std::min<uint64_t>(rows, static_cast<uint64_t>(std::max<int64_t>(tokens, 1))));
@@ -125,10 +128,11 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& 
   e.attention = in.attention_materialized ? heads * t * t * b * 2 : heads * t * 4;
   e.head_weights = in.head_bytes;
   e.head_streamed = plan.head_streamed;
-  e.head_chunk_rows = HeadChunkRows(in.tokens, c.vocab_size, c.hidden_size, in.head_chunk_bytes);
-  e.lm_head =
-      static_cast<uint64_t>(e.head_chunk_rows) * HeadChunkRowBytes(c.vocab_size, c.hidden_size) +
-      2 * t * h * b;
+  e.head_chunk_rows = HeadChunkRows(in.tokens, c.vocab_size, c.hidden_size, in.head_chunk_bytes,
+                                    in.fused_cross_entropy);
+  e.lm_head = static_cast<uint64_t>(e.head_chunk_rows) *
+                  HeadChunkRowBytes(c.vocab_size, c.hidden_size, in.fused_cross_entropy) +
+              2 * t * h * b;
   e.reserve = in.reserve_bytes;
   return e;
 }

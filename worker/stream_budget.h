@@ -18,7 +18,9 @@
 //                  materialises them (no fused kernel); else heads x T x 4 (logsumexp)
 //   lm head        the chunked head (worker/lm_head.h): one chunk of C rows at a time,
 //                  C x (8 V + 16 H) (its f32 logits and log-probabilities, the final norm's
-//                  saved tensors), C = HeadChunkRows(T, V, H, head_chunk_bytes); plus
+//                  saved tensors; with the fused cross entropy C x (2 V + 16 H + 4): the
+//                  compute-dtype logits, overwritten by their gradient, and a loss per
+//                  row), C = HeadChunkRows(T, V, H, head_chunk_bytes); plus
 //                  2 x T x H x b (the last hidden state and its gradient, kept into the
 //                  backward). Never the whole sequence's T x V logits.
 //   forward working  T x b x (4 H + Q + 2 KV + 3 I): one block's forward without grad
@@ -47,10 +49,13 @@ namespace lorastream::worker {
 inline constexpr uint64_t kDefaultHeadChunkBytes = uint64_t{256} << 20;
 
 // Bytes one row of a chunk of the chunked head holds at its peak: its logits and
-// log-probabilities in f32 (8 V) and the final norm's saved tensors (16 H).
-uint64_t HeadChunkRowBytes(int64_t vocab, int64_t hidden);
+// log-probabilities in f32 (8 V) and the final norm's saved tensors (16 H); with the fused
+// cross entropy (worker/fused_ops.h: CUDA, bf16 or f16) its logits in the compute dtype,
+// which their gradient overwrites, and its loss (2 V + 4) instead of the f32 pair.
+uint64_t HeadChunkRowBytes(int64_t vocab, int64_t hidden, bool fused_cross_entropy = false);
 // Rows per chunk: as many as fit `bound_bytes` (at least 1, at most `tokens`).
-int64_t HeadChunkRows(int64_t tokens, int64_t vocab, int64_t hidden, uint64_t bound_bytes);
+int64_t HeadChunkRows(int64_t tokens, int64_t vocab, int64_t hidden, uint64_t bound_bytes,
+                      bool fused_cross_entropy = false);
 
 struct MemoryModelInputs {
   ModelConfig config;
@@ -60,6 +65,8 @@ struct MemoryModelInputs {
   // The chunked head's bound on one chunk's working set (HeadChunkRows): lower = less memory
   // at the LM head, more (smaller) matmuls.
   uint64_t head_chunk_bytes = kDefaultHeadChunkBytes;
+  // The head's loss runs as the fused kernel (FusedCrossEntropyApplies): rows are smaller.
+  bool fused_cross_entropy = false;
   int64_t lora_rank = 16;
   std::vector<std::string> lora_targets = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
                                            "gate_proj", "up_proj", "down_proj"};

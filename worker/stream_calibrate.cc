@@ -17,6 +17,7 @@
 #include "worker/adamw.h"
 #include "worker/base_weights.h"
 #include "worker/block.h"
+#include "worker/fused_ops.h"
 #include "worker/lm_head.h"
 #include "worker/lora.h"
 #include "worker/model.h"
@@ -216,7 +217,8 @@ StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c
   const at::Tensor targets = at::randint(config.vocab_size, {rows, seq},
                                          at::TensorOptions().device(device).dtype(at::kLong));
   const int64_t chunk_rows =
-      HeadChunkRows(rows * seq, config.vocab_size, config.hidden_size, kDefaultHeadChunkBytes);
+      HeadChunkRows(rows * seq, config.vocab_size, config.hidden_size, kDefaultHeadChunkBytes,
+                    FusedCrossEntropyApplies(device.is_cuda(), dtype));
   costs.head_seconds = TimeIt(reps, [&] {
     at::Tensor h = x.detach().requires_grad_(true);
     at::Tensor loss = ChunkedHeadLossSum(h, targets, norm, config.rms_norm_eps, *head, chunk_rows);

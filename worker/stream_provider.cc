@@ -17,6 +17,7 @@
 #include "common/memory_mapping.h"
 #include "store/shm_segment.h"
 #include "worker/base_weights.h"
+#include "worker/fused_ops.h"
 #include "worker/lm_head.h"
 #include "worker/stream_calibrate.h"
 #include "worker/stream_cost.h"
@@ -187,9 +188,11 @@ MemoryModelInputs JobMemoryInputs(const JobSpec& spec, const Manifest& manifest,
                                   const c10::Device& device, c10::ScalarType dtype) {
   // Attention without a fused kernel (LibTorch 1.x, or the CPU) materialises its scores.
   const bool materialized = !device.is_cuda() || TORCH_VERSION_MAJOR < 2;
-  return MemoryInputsFor(manifest, spec.lora.rank, spec.lora.targets,
-                         spec.train.batch_size * spec.data.seq_len,
-                         static_cast<int>(c10::elementSize(dtype)), materialized);
+  MemoryModelInputs in = MemoryInputsFor(manifest, spec.lora.rank, spec.lora.targets,
+                                         spec.train.batch_size * spec.data.seq_len,
+                                         static_cast<int>(c10::elementSize(dtype)), materialized);
+  in.fused_cross_entropy = FusedCrossEntropyApplies(device.is_cuda(), dtype);
+  return in;
 }
 
 Manifest ComputeLayout(const BaseWeights& base, c10::ScalarType dtype) {

@@ -101,6 +101,11 @@ TEST_CASE("fused rotary forward and backward agree with the reference, strided i
 
 TEST_CASE("fused cross entropy: the loss and the gradient over the logits agree with the reference",
           "[gpu]") {
+  // What the head's chunk size and the memory estimate count on.
+  REQUIRE(FusedCrossEntropyApplies(true, at::kBFloat16));
+  REQUIRE(FusedCrossEntropyApplies(true, at::kHalf));
+  REQUIRE_FALSE(FusedCrossEntropyApplies(true, at::kFloat));
+  REQUIRE_FALSE(FusedCrossEntropyApplies(false, at::kBFloat16));
   for (auto t : {at::kBFloat16, at::kHalf}) {
     DYNAMIC_SECTION(c10::toString(t)) {
       // A llama-3 vocabulary, rows as in a chunk of the LM head; every 7th row ignored and

@@ -44,6 +44,17 @@ TEST_CASE("the memory estimate follows its documented formula", "[worker]") {
   REQUIRE(HeadChunkRows(2048, 128256, 4096, kDefaultHeadChunkBytes) == 245);
   REQUIRE(e.head_chunk_rows == 245);
   REQUIRE(e.lm_head == 245ULL * (128256 * 8 + 4096 * 16) + 2 * 2048ULL * 4096 * 2);
+  // With the fused cross entropy (CUDA, bf16) a row holds its bf16 logits, which their
+  // gradient overwrites, and its loss: 833 rows fit the same bound, three chunks at 2048
+  // tokens instead of nine (each chunk reads the LM head's weights twice).
+  REQUIRE(HeadChunkRowBytes(128256, 4096, true) == 2 * 128256 + 4 + 16 * 4096);
+  REQUIRE(HeadChunkRows(2048, 128256, 4096, kDefaultHeadChunkBytes, true) == 833);
+  MemoryModelInputs fused = in;
+  fused.fused_cross_entropy = true;
+  const MemoryEstimate f = EstimateMemory(fused, plan);
+  REQUIRE(f.head_chunk_rows == 833);
+  REQUIRE(f.lm_head == 833ULL * (2 * 128256 + 4 + 16 * 4096) + 2 * 2048ULL * 4096 * 2);
+  REQUIRE(f.lm_head <= kDefaultHeadChunkBytes + 2 * 2048ULL * 4096 * 2);
   REQUIRE(e.forward_working == 2048ULL * 2 * (4 * 4096 + 4096 + 2 * 1024 + 3 * 14336));
   // The timeline: three phases, the peak the largest.
   const uint64_t fixed =
