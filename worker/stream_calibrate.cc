@@ -240,11 +240,9 @@ StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c
   parts.ids = at::randint(config.vocab_size, {rows, seq}, at::TensorOptions().dtype(at::kLong));
   const double long_step = RepeatedModelStepSeconds(parts, deep, reps);
   const double short_step = RepeatedModelStepSeconds(parts, half, reps);
-  const double per_block = std::max(0.0, (long_step - short_step) / (deep - half));
   const double split = forward_alone + backward_alone;
-  costs.block_forward_seconds = split > 0 ? per_block * forward_alone / split : 0.0;
-  costs.block_backward_seconds = per_block - costs.block_forward_seconds;
-  costs.tail_seconds = std::max(0.0, short_step - half * per_block - costs.head_seconds);
+  SplitMeasuredSteps(long_step, deep, short_step, half, split > 0 ? forward_alone / split : 0.0,
+                     &costs);
 
   uint64_t block_bytes = 0;
   for (const at::Tensor* t :

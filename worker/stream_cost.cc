@@ -34,6 +34,21 @@ std::string StepCosts::Describe() const {
   return buf;
 }
 
+void SplitMeasuredSteps(double deep_step, int deep, double short_step, int half,
+                        double forward_share, StepCosts* costs) {
+  LS_CHECK(deep > half && half >= 0, "the calibration's two depths");
+  double per_block = std::max(0.0, (deep_step - short_step) / (deep - half));
+  double tail = short_step - half * per_block - costs->head_seconds;
+  if (tail < 0) {
+    tail = 0;
+    per_block = std::max(0.0, (deep_step - costs->head_seconds) / deep);
+  }
+  const double share = std::clamp(forward_share, 0.0, 1.0);
+  costs->block_forward_seconds = per_block * share;
+  costs->block_backward_seconds = per_block - costs->block_forward_seconds;
+  costs->tail_seconds = tail;
+}
+
 PredictedStep PredictStep(const ResidencyPlan& plan, const std::vector<uint64_t>& block_bytes,
                           const StepCosts& costs, uint64_t head_bytes) {
   const int num_blocks = plan.num_blocks();

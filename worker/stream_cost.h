@@ -37,6 +37,16 @@ struct StepCosts {
   std::string Describe() const;  // "fwd 2.31 ms, bwd 4.70 ms, head 30.1 ms, ... 55.3 GB/s"
 };
 
+// The block and tail costs of `costs` from two measured resident steps, of `deep` and of
+// `half` < deep blocks, and its head_seconds: a block costs the steps' difference per block
+// (split between its forward and its recompute+backward by `forward_share`), the tail is
+// what the short step leaves. The deep step is reproduced exactly (deep x block + head +
+// tail). Where the short step is faster per block than that difference (steps bound by
+// issuing kernels, at short lengths) the tail would be negative: then there is none, and a
+// block costs the deep step's share.
+void SplitMeasuredSteps(double deep_step, int deep, double short_step, int half,
+                        double forward_share, StepCosts* costs);
+
 struct PredictedStep {
   double step_seconds = 0;
   double copy_busy_seconds = 0;  // the copy engine's busy time in the step

@@ -34,6 +34,29 @@ StepCosts H200Like(int64_t tokens) {
 
 }  // namespace
 
+TEST_CASE("calibration: two measured steps split into block, head and tail costs", "[worker]") {
+  StepCosts c;
+  c.head_seconds = 10e-3;
+  // 16 blocks 110 ms, 8 blocks 60 ms: 6.25 ms a block, 0.25 of it the forward; tail 0.
+  SplitMeasuredSteps(110e-3, 16, 60e-3, 8, 0.25, &c);
+  REQUIRE(c.block_forward_seconds + c.block_backward_seconds == Approx(6.25e-3));
+  REQUIRE(c.block_forward_seconds == Approx(0.25 * 6.25e-3));
+  REQUIRE(c.tail_seconds == Approx(0).margin(1e-12));
+  REQUIRE(c.ResidentStepSeconds(16) == Approx(110e-3));
+  // A tail: 16 blocks 115 ms, 8 blocks 65 ms.
+  SplitMeasuredSteps(115e-3, 16, 65e-3, 8, 0.25, &c);
+  REQUIRE(c.tail_seconds == Approx(5e-3));
+  REQUIRE(c.ResidentStepSeconds(16) == Approx(115e-3));
+  // Bound by issuing kernels (an H200 at 512 tokens: 17.9 and 43.0 ms, head 2.0 ms): the short
+  // step is faster per block than the difference. The deep step is still what is predicted
+  // (the tail was clamped at 0 before, and the prediction came out at 52.0 ms).
+  c.head_seconds = 1.97e-3;
+  SplitMeasuredSteps(42.95e-3, 16, 17.93e-3, 8, 0.26, &c);
+  REQUIRE(c.tail_seconds == 0);
+  REQUIRE(c.ResidentStepSeconds(16) == Approx(42.95e-3));
+  REQUIRE(c.block_forward_seconds > 0);
+}
+
 TEST_CASE("cost model: a resident plan takes the compute's sum", "[worker]") {
   const MemoryModelInputs in = Inputs(16, 2048);
   const StepCosts c = H200Like(2048);
