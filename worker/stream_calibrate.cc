@@ -104,11 +104,17 @@ std::string CalibrationKey(const JobSpec& spec, const BaseWeights& base, const c
   const ModelConfig& c = base.config();
   std::string targets;
   for (const std::string& t : spec.lora.targets) targets += t.substr(0, 1);
+  const int64_t tokens = spec.train.batch_size * spec.data.seq_len;
+  // The LM head's rows per chunk: its time depends on them (and on the fused cross entropy,
+  // which sets them; LORASTREAM_FUSED_KERNELS=0 turns it off).
+  const int64_t chunk_rows =
+      HeadChunkRows(tokens, c.vocab_size, c.hidden_size, kDefaultHeadChunkBytes,
+                    FusedCrossEntropyApplies(device.is_cuda(), dtype));
   return base.name_or_path() + "-" + c.model_type + "-L" + std::to_string(c.num_hidden_layers) +
          "-H" + std::to_string(c.hidden_size) + "-I" + std::to_string(c.intermediate_size) + "-V" +
          std::to_string(c.vocab_size) + "-" + device.str() + "-" + c10::toString(dtype) + "-r" +
-         std::to_string(spec.lora.rank) + "-" + targets + "-T" +
-         std::to_string(spec.train.batch_size * spec.data.seq_len) +
+         std::to_string(spec.lora.rank) + "-" + targets + "-T" + std::to_string(tokens) + "-C" +
+         std::to_string(chunk_rows) +
          "-steps";  // blocks and tail from whole steps (older entries: from a block alone)
 }
 

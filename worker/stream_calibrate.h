@@ -24,7 +24,8 @@ namespace lorastream::worker {
 
 class BaseWeights;
 
-// The cache key: model (name and shape), device, dtype, rank, targets and tokens.
+// The cache key: model (name and shape), device, dtype, rank, targets, tokens and the LM
+// head's rows per chunk.
 std::string CalibrationKey(const JobSpec& spec, const BaseWeights& base, const c10::Device& device,
                            c10::ScalarType dtype);
 
