@@ -50,8 +50,8 @@ struct ResidencyPlan {
   // Slots that stay filled from the forward into the backward (the forward's last blocks).
   int head_boundary_slots() const { return std::min(forward_slots, head_slots); }
   // Slots that stay filled from the end of one pass into the next one's forward; the
-  // forward's other slots are allocated and filled at its first acquire (after the host's
-  // reads of the loss and the gradient norm, which copies in flight would delay).
+  // forward's other slots are allocated and filled at its first acquire (copies issued when
+  // the backward ends slowed the step boundary by about their own time, measured).
   int pass_boundary_slots() const { return std::min(forward_slots, backward_slots); }
   // One line for the log: "12 of 16 blocks streamed [0 1 3 ...] through 2 slots; resident
   // [2 ...]" (and "; LM head streamed" when it is).
