@@ -263,18 +263,15 @@ PassPlan PlanPass(const ResidencyPlan& residency, const std::vector<int>& slots_
           use.slot = victim;
           use.copy = true;
           use.issue_after = std::max(slot_last_use[victim], last_issue);
-          if (phase == 1 && !live[victim] && use.issue_after < begin) {
-            // The slot's memory belongs to the backward: allocated when the forward ends for
-            // a slot the LM head has, else once the backward has begun (after the head).
+          if (!live[victim] && use.issue_after < begin) {
+            // A slot allocated for this copy belongs to the phase: it is allocated and filled
+            // at the phase's first acquire (the forward's: the previous backward did not keep
+            // it; the backward's: the LM head's buffers are gone), except a head slot, which
+            // the forward's end allocates and the LM head's time fills. (A forward slot filled
+            // when the pass started cost an H200 about its copy's 8 ms per step, with no stall
+            // counted; between the two points the host reads the loss and the gradient norm.)
             use.issue_after = begin - 1;
-            use.at_acquire = !head_prefetch(victim);
-          }
-          if (phase == 0 && !live[victim] && use.issue_after < 0) {
-            // A forward slot the backward did not keep: allocated and filled at the forward's
-            // first acquire, not when the pass starts. Measured on an H200, each 436 MB copy
-            // issued at the pass start added about its own 8 ms to the step, with no stall
-            // counted; between the two points the host reads the loss and the gradient norm.
-            use.at_acquire = true;
+            use.at_acquire = phase == 0 || !head_prefetch(victim);
           }
           if (use.issue_after == last_issue && last_at_acquire) {
             use.at_acquire = true;  // after a deferred copy of the same point: keep the order
