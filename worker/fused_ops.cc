@@ -7,6 +7,8 @@
 #include <ATen/core/Reduction.h>
 #include <c10/core/GradMode.h>
 
+#include "common/data.h"
+
 #if LORASTREAM_HAVE_CUDA
 #include <c10/cuda/CUDAStream.h>
 
@@ -37,17 +39,16 @@ at::Tensor RmsNormBackward(const at::Tensor& dy, const at::Tensor& x, const at::
 }
 
 at::Tensor CrossEntropySum(at::Tensor* logits, const at::Tensor& targets, bool want_grad) {
-  constexpr int64_t kIgnore = -100;
   const c10::ScalarType dtype = logits->scalar_type();
   // The compute-dtype logits are dropped once their f32 copy exists.
   at::Tensor logp = at::log_softmax(logits->to(at::kFloat), 1);
   *logits = at::Tensor();
-  at::Tensor loss = at::nll_loss(logp, targets, /*weight=*/{}, at::Reduction::Sum, kIgnore);
+  at::Tensor loss = at::nll_loss(logp, targets, /*weight=*/{}, at::Reduction::Sum, kIgnoreIndex);
   if (want_grad) {
     // d(sum of -logp[target]) / d(logits) = softmax - onehot on the rows with a target, 0 on
     // ignored rows; in place over logp (cross_entropy = nll_loss(log_softmax); log_softmax's
     // backward of nll's -onehot is exp(log_softmax) - onehot).
-    const at::Tensor valid = targets.ne(kIgnore);
+    const at::Tensor valid = targets.ne(kIgnoreIndex);
     at::Tensor g = logp.exp_();
     g.scatter_add_(1, targets.clamp_min(0).unsqueeze(1), valid.to(at::kFloat).neg().unsqueeze(1));
     g.mul_(valid.unsqueeze(1));
@@ -207,11 +208,11 @@ bool FusedCrossEntropyApplies(bool cuda, c10::ScalarType dtype) {
 
 at::Tensor CrossEntropySum(at::Tensor* logits, const at::Tensor& targets, bool want_grad) {
 #if LORASTREAM_HAVE_CUDA
-  // In bf16 and f16 only: f32 compute is what parity with transformers is checked in, and
-  // there the reference's op order is transformers' own.
+  // In bf16 and f16 only (FusedCrossEntropyApplies): f32 compute is what parity with
+  // transformers is checked in, and there the reference's op order is transformers' own.
   cuda::KernelDtype t;
-  if (logits->dim() == 2 && Fusable({logits}, &t) && t != cuda::KernelDtype::kF32 &&
-      targets.is_cuda() && targets.device() == logits->device() &&
+  if (FusedCrossEntropyApplies(logits->is_cuda(), logits->scalar_type()) && logits->dim() == 2 &&
+      Fusable({logits}, &t) && targets.is_cuda() && targets.device() == logits->device() &&
       targets.scalar_type() == at::kLong && targets.is_contiguous() && targets.dim() == 1 &&
       targets.size(0) == logits->size(0)) {
     const int64_t rows = logits->size(0);

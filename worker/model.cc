@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/Reduction.h>
 
+#include "common/data.h"
 #include "common/error.h"
 #include "worker/fused_ops.h"
 #include "worker/stream_budget.h"
@@ -130,8 +131,13 @@ at::Tensor CausalLm::Logits(const at::Tensor& hidden) {
 
 int64_t CausalLm::head_chunk_rows(int64_t tokens) const {
   if (head_chunk_rows_ > 0) return head_chunk_rows_;
-  return HeadChunkRows(tokens, config_.vocab_size, config_.hidden_size, kDefaultHeadChunkBytes,
-                       FusedCrossEntropyApplies(device_.is_cuda(), dtype_));
+  return DefaultHeadChunkRows(config_, tokens, device_.is_cuda(), dtype_);
+}
+
+int64_t DefaultHeadChunkRows(const ModelConfig& config, int64_t tokens, bool cuda,
+                             c10::ScalarType dtype) {
+  return HeadChunkRows(tokens, config.vocab_size, config.hidden_size, kDefaultHeadChunkBytes,
+                       FusedCrossEntropyApplies(cuda, dtype));
 }
 
 at::Tensor CausalLm::HeadLossSum(const at::Tensor& hidden, const at::Tensor& targets) {
@@ -151,7 +157,7 @@ at::Tensor CausalLm::TrainMicroBatch(const at::Tensor& ids, const at::Tensor& ta
 at::Tensor CausalLm::LossSum(const at::Tensor& logits, const at::Tensor& targets) {
   const int64_t vocab = logits.size(-1);
   return at::cross_entropy_loss(logits.to(at::kFloat).reshape({-1, vocab}), targets.reshape({-1}),
-                                /*weight=*/{}, at::Reduction::Sum, /*ignore_index=*/-100,
+                                /*weight=*/{}, at::Reduction::Sum, /*ignore_index=*/kIgnoreIndex,
                                 /*label_smoothing=*/0.0);
 }
 

@@ -113,6 +113,13 @@ class CausalLm {
   std::map<int64_t, RotaryTables> rope_;
 };
 
+// The LM head's rows per chunk for `tokens` positions of `config` computed in `dtype` on a
+// CUDA device or not (`cuda`): as many as kDefaultHeadChunkBytes holds, sized for the fused
+// cross entropy where it runs. The model, its calibration and the memory estimate's inputs
+// (MemoryModelInputs::fused_cross_entropy) agree through it.
+int64_t DefaultHeadChunkRows(const ModelConfig& config, int64_t tokens, bool cuda,
+                             c10::ScalarType dtype);
+
 // Mixes a seed with up to three counters (splitmix64): independent streams per use.
 uint64_t MixSeed(uint64_t seed, uint64_t a, uint64_t b = 0, uint64_t c = 0);
 

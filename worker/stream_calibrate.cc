@@ -17,11 +17,9 @@
 #include "worker/adamw.h"
 #include "worker/base_weights.h"
 #include "worker/block.h"
-#include "worker/fused_ops.h"
 #include "worker/lm_head.h"
 #include "worker/lora.h"
 #include "worker/model.h"
-#include "worker/stream_budget.h"
 #ifdef LORASTREAM_HAVE_CUDA
 #include "worker/cuda/cuda_bandwidth.h"
 #endif
@@ -107,9 +105,7 @@ std::string CalibrationKey(const JobSpec& spec, const BaseWeights& base, const c
   const int64_t tokens = spec.train.batch_size * spec.data.seq_len;
   // The LM head's rows per chunk: its time depends on them (and on the fused cross entropy,
   // which sets them; LORASTREAM_FUSED_KERNELS=0 turns it off).
-  const int64_t chunk_rows =
-      HeadChunkRows(tokens, c.vocab_size, c.hidden_size, kDefaultHeadChunkBytes,
-                    FusedCrossEntropyApplies(device.is_cuda(), dtype));
+  const int64_t chunk_rows = DefaultHeadChunkRows(c, tokens, device.is_cuda(), dtype);
   return base.name_or_path() + "-" + c.model_type + "-L" + std::to_string(c.num_hidden_layers) +
          "-H" + std::to_string(c.hidden_size) + "-I" + std::to_string(c.intermediate_size) + "-V" +
          std::to_string(c.vocab_size) + "-" + device.str() + "-" + c10::toString(dtype) + "-r" +
@@ -222,9 +218,7 @@ StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c
   const std::unique_ptr<HeadProvider> head = MakeResidentHead(base.rest().lm_head, device, dtype);
   const at::Tensor targets = at::randint(config.vocab_size, {rows, seq},
                                          at::TensorOptions().device(device).dtype(at::kLong));
-  const int64_t chunk_rows =
-      HeadChunkRows(rows * seq, config.vocab_size, config.hidden_size, kDefaultHeadChunkBytes,
-                    FusedCrossEntropyApplies(device.is_cuda(), dtype));
+  const int64_t chunk_rows = DefaultHeadChunkRows(config, rows * seq, device.is_cuda(), dtype);
   costs.head_seconds = TimeIt(reps, [&] {
     at::Tensor h = x.detach().requires_grad_(true);
     at::Tensor loss = ChunkedHeadLossSum(h, targets, norm, config.rms_norm_eps, *head, chunk_rows);
