@@ -1,5 +1,7 @@
 #include "worker/base_weights.h"
 
+#include <utility>
+
 #include <ATen/ATen.h>
 
 #include "common/error.h"
@@ -9,21 +11,27 @@
 
 namespace lorastream::worker {
 
+namespace {
+// The dtypes weights and compute may have, in both spellings.
+constexpr std::pair<DType, c10::ScalarType> kDTypes[] = {{DType::kF32, at::kFloat},
+                                                         {DType::kBF16, at::kBFloat16},
+                                                         {DType::kF16, at::kHalf},
+                                                         {DType::kF64, at::kDouble}};
+}  // namespace
+
 c10::ScalarType ScalarTypeOf(DType dtype, const std::string& what) {
-  switch (dtype) {
-    case DType::kF32:
-      return at::kFloat;
-    case DType::kBF16:
-      return at::kBFloat16;
-    case DType::kF16:
-      return at::kHalf;
-    case DType::kF64:
-      return at::kDouble;
-    default:
-      throw Error(ErrorCode::kUnsupported, std::string("tensor `") + what + "` has dtype " +
-                                               DTypeName(dtype) +
-                                               "; base weights must be F32, BF16, F16 or F64");
-  }
+  for (const auto& [d, s] : kDTypes)
+    if (d == dtype) return s;
+  throw Error(ErrorCode::kUnsupported, std::string("tensor `") + what + "` has dtype " +
+                                           DTypeName(dtype) +
+                                           "; base weights must be F32, BF16, F16 or F64");
+}
+
+DType DTypeOf(c10::ScalarType type) {
+  for (const auto& [d, s] : kDTypes)
+    if (s == type) return d;
+  throw Error(ErrorCode::kUnsupported,
+              std::string("stream: compute dtype ") + c10::toString(type) + " is not supported");
 }
 
 BlockWeights ConvertBlock(const BlockWeights& w, c10::Device device, c10::ScalarType dtype) {

@@ -62,6 +62,8 @@ class BaseWeights {
 
 // at::ScalarType of a stored dtype (f32, bf16, f16, f64); Error(kUnsupported) otherwise.
 c10::ScalarType ScalarTypeOf(DType dtype, const std::string& what);
+// The stored dtype of a compute dtype (the same four); Error(kUnsupported) otherwise.
+DType DTypeOf(c10::ScalarType type);
 
 // Every tensor of `w` converted with `to(device, dtype)`: a no-op (same views) when they
 // already match, a single copy otherwise.

@@ -27,22 +27,6 @@ namespace lorastream::worker {
 
 namespace {
 
-DType DTypeOf(c10::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-      return DType::kF32;
-    case at::kBFloat16:
-      return DType::kBF16;
-    case at::kHalf:
-      return DType::kF16;
-    case at::kDouble:
-      return DType::kF64;
-    default:
-      throw Error(ErrorCode::kUnsupported,
-                  std::string("stream: compute dtype ") + c10::toString(t) + " is not supported");
-  }
-}
-
 const at::Tensor& Field(const BlockWeights& w, const std::string& name) {
   const at::Tensor* field = BlockWeightField(w, name);
   if (field == nullptr)
