@@ -74,21 +74,30 @@ double ScheduleFactor(const std::string& schedule, int64_t step, int64_t warmup,
   throw Error(ErrorCode::kRefused, "optim.schedule: unknown schedule `" + schedule + "`");
 }
 
-double ClipGradNorm(const std::vector<at::Tensor>& params, double max_norm) {
+at::Tensor ClipGradNormAsync(const std::vector<at::Tensor>& params, double max_norm) {
   c10::NoGradGuard no_grad;
   std::vector<at::Tensor> grads;
   for (const auto& p : params)
     if (p.grad().defined()) grads.push_back(p.grad());
-  if (grads.empty()) return 0.0;
+  if (grads.empty()) return at::Tensor();
   std::vector<at::Tensor> norms = at::_foreach_norm(grads, 2.0);
   at::Tensor total = at::linalg_vector_norm(at::stack(norms), 2.0);
   if (max_norm > 0) {
     // torch: max_norm / (norm + 1e-6), which Python evaluates as reciprocal() * max_norm,
-    // clamped to 1, in f32; the multiply takes it as a scalar of the gradients' dtype.
+    // clamped to 1, in f32, and multiplied into the gradients as a tensor: no host read.
     at::Tensor coef = at::clamp_max(at::reciprocal(total + 1e-6) * max_norm, 1.0);
-    at::_foreach_mul_(grads, coef.item<double>());
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+    at::_foreach_mul_(grads, coef);
+#else
+    for (auto& g : grads) g.mul_(coef);  // LibTorch < 2.1 has no foreach multiply by a tensor
+#endif
   }
-  return total.item<double>();
+  return total;
+}
+
+double ClipGradNorm(const std::vector<at::Tensor>& params, double max_norm) {
+  const at::Tensor total = ClipGradNormAsync(params, max_norm);
+  return total.defined() ? total.item<double>() : 0.0;
 }
 
 }  // namespace lorastream::worker

@@ -44,8 +44,13 @@ class AdamW {
 double ScheduleFactor(const std::string& schedule, int64_t step, int64_t warmup_steps,
                       int64_t total_steps);
 
-// torch.nn.utils.clip_grad_norm_: returns the global 2-norm before clipping; when max_norm > 0
-// multiplies every gradient by min(1, max_norm / (norm + 1e-6)).
+// torch.nn.utils.clip_grad_norm_: returns the global 2-norm before clipping, an f32 scalar on
+// the gradients' device; when max_norm > 0 multiplies every gradient by
+// min(1, max_norm / (norm + 1e-6)), that factor staying on the device as torch 2 keeps it. Nothing
+// waits for the device: the step reads the norm with its loss, once (worker/trainer.cc).
+// Undefined when no parameter has a gradient.
+at::Tensor ClipGradNormAsync(const std::vector<at::Tensor>& params, double max_norm);
+// ClipGradNormAsync, the norm read on the host (0 without gradients).
 double ClipGradNorm(const std::vector<at::Tensor>& params, double max_norm);
 
 }  // namespace lorastream::worker

@@ -88,17 +88,22 @@ const RotaryTables& CausalLm::Rotary(int64_t seq_len) {
 
 at::Tensor CausalLm::Hidden(const at::Tensor& ids, const LoraAdapter& adapter, bool training,
                             bool checkpointed, uint64_t dropout_seed) {
-  if (ids.dim() != 2) throw Error(ErrorCode::kInvalidArgument, "input ids must be [batch, seq]");
-  if (ids.size(1) > config_.max_position_embeddings)
-    throw Error(ErrorCode::kRefused, "sequence of " + std::to_string(ids.size(1)) +
-                                         " tokens is longer than max_position_embeddings");
+  return HiddenFromEmbeddings(Embed(ids), adapter, training, checkpointed, dropout_seed);
+}
+
+at::Tensor CausalLm::HiddenFromEmbeddings(const at::Tensor& embeddings, const LoraAdapter& adapter,
+                                          bool training, bool checkpointed, uint64_t dropout_seed) {
+  if (embeddings.dim() != 3 || embeddings.size(2) != config_.hidden_size ||
+      embeddings.device() != device_)
+    throw Error(ErrorCode::kInvalidArgument,
+                "embeddings must be [batch, seq, hidden_size] on the model's device");
   BlockCompute c;
   c.config = &config_;
-  c.rope = &Rotary(ids.size(1));
+  c.rope = &Rotary(embeddings.size(1));
   c.lora_scale = adapter.settings().Scale();
   c.dropout = adapter.settings().dropout;
   c.training = training;
-  at::Tensor h = Embed(ids);
+  at::Tensor h = embeddings;
   for (int i = 0; i < config_.num_hidden_layers; ++i) {
     c.dropout_seed = MixSeed(dropout_seed, static_cast<uint64_t>(i));
     if (checkpointed) {
@@ -113,6 +118,10 @@ at::Tensor CausalLm::Hidden(const at::Tensor& ids, const LoraAdapter& adapter, b
 }
 
 at::Tensor CausalLm::Embed(const at::Tensor& ids) {
+  if (ids.dim() != 2) throw Error(ErrorCode::kInvalidArgument, "input ids must be [batch, seq]");
+  if (ids.size(1) > config_.max_position_embeddings)
+    throw Error(ErrorCode::kRefused, "sequence of " + std::to_string(ids.size(1)) +
+                                         " tokens is longer than max_position_embeddings");
   const at::Tensor& table = rest_.embed_tokens;
   at::Tensor rows = at::embedding(table, ids.to(table.device())).to(dtype_);
   if (rows.device() == device_) return rows;
@@ -145,10 +154,11 @@ at::Tensor CausalLm::HeadLossSum(const at::Tensor& hidden, const at::Tensor& tar
                             head_chunk_rows(targets.numel()));
 }
 
-at::Tensor CausalLm::TrainMicroBatch(const at::Tensor& ids, const at::Tensor& targets,
+at::Tensor CausalLm::TrainMicroBatch(const at::Tensor& embeddings, const at::Tensor& targets,
                                      const LoraAdapter& adapter, double loss_divisor,
                                      uint64_t dropout_seed) {
-  at::Tensor hidden = Hidden(ids, adapter, /*training=*/true, /*checkpointed=*/true, dropout_seed);
+  at::Tensor hidden = HiddenFromEmbeddings(embeddings, adapter, /*training=*/true,
+                                           /*checkpointed=*/true, dropout_seed);
   at::Tensor loss = HeadLossSum(hidden, targets) / loss_divisor;
   loss.backward();
   return loss;

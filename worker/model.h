@@ -76,6 +76,13 @@ class CausalLm {
   // block's masks (mixed with the block index).
   at::Tensor Hidden(const at::Tensor& ids, const LoraAdapter& adapter, bool training,
                     bool checkpointed, uint64_t dropout_seed);
+  // Hidden from the batch's embeddings (Embed's): the blocks alone.
+  at::Tensor HiddenFromEmbeddings(const at::Tensor& embeddings, const LoraAdapter& adapter,
+                                  bool training, bool checkpointed, uint64_t dropout_seed);
+  // The embeddings of ids [B, S] (int64, on the host when the table is) on the device,
+  // gathered where the table is; on CUDA the copy is issued without waiting, so a trainer can
+  // prepare its next batch while the device still runs the step before (worker/trainer.cc).
+  at::Tensor Embed(const at::Tensor& ids);
   // Final norm and LM head: logits [B, S, vocab] in the compute dtype (the whole sequence's:
   // `lorastream-worker parity` writes them; training uses HeadLossSum).
   at::Tensor Logits(const at::Tensor& hidden);
@@ -87,9 +94,9 @@ class CausalLm {
   at::Tensor HeadLossSum(const at::Tensor& hidden, const at::Tensor& targets);
   // One micro-batch of a training step, as training runs it: the checkpointed forward of
   // every block, HeadLossSum divided by `loss_divisor` (the step's target count) and its
-  // backward (the adapter's gradients accumulate). Returns the divided loss, a device scalar
-  // (reading it waits for the device).
-  at::Tensor TrainMicroBatch(const at::Tensor& ids, const at::Tensor& targets,
+  // backward (the adapter's gradients accumulate), from the micro-batch's embeddings (Embed).
+  // Returns the divided loss, a device scalar (reading it waits for the device).
+  at::Tensor TrainMicroBatch(const at::Tensor& embeddings, const at::Tensor& targets,
                              const LoraAdapter& adapter, double loss_divisor,
                              uint64_t dropout_seed);
   // Rows per chunk of HeadLossSum for `tokens` positions: the one set, else as many as fit
@@ -99,8 +106,6 @@ class CausalLm {
 
  private:
   const RotaryTables& Rotary(int64_t seq_len);
-  // The embeddings of `ids` on the device, gathered where the table is.
-  at::Tensor Embed(const at::Tensor& ids);
 
   ModelConfig config_;
   RestWeights rest_;

@@ -193,43 +193,91 @@ TrainStart StartOrResume(const JobSpec& spec, bool resume, const ModelConfig& co
   return start;
 }
 
+// A step's micro-batches, the first one's embeddings and targets already issued to the
+// device: the trainer makes step n+1's while the device still runs step n's tail, so that
+// the host's gather does not leave the device idle between steps.
+struct StepInput {
+  int64_t position = -1;  // the sample position it was made for (-1: none)
+  std::vector<Batch> batches;
+  int64_t n_targets = 0;
+  at::Tensor embeddings, targets;  // micro-batch 0's, on the device
+};
+
+// A micro-batch's targets on the device; on CUDA through pinned memory, so that issuing the
+// copy does not wait for the device's queue (a copy from pageable memory would).
+at::Tensor TargetsOnDevice(const Batch& b, c10::Device device) {
+  at::Tensor t = ToDeviceLong(b.targets, b.rows, b.seq_len, at::kCPU);
+  if (!device.is_cuda()) return t.to(device);
+  return t.pin_memory().to(at::TensorOptions().device(device), /*non_blocking=*/true);
+}
+
+StepInput PrepareStep(const JobSpec& spec, const SequenceSet& sequences, Sampler& sampler,
+                      CausalLm& model, int64_t position, c10::Device device) {
+  const int64_t rows = spec.train.batch_size, accum = spec.train.grad_accum;
+  StepInput in;
+  in.position = position;
+  for (int64_t m = 0; m < accum; ++m) {
+    in.batches.push_back(MakeBatch(sequences, sampler, position + m * rows, rows));
+    in.n_targets += in.batches.back().n_targets;
+  }
+  const Batch& b = in.batches.front();
+  in.embeddings = model.Embed(ToDeviceLong(b.ids, b.rows, b.seq_len, at::kCPU));
+  in.targets = TargetsOnDevice(b, device);
+  return in;
+}
+
 // One optimizer step at learning rate `lr`: grad_accum micro-batches of batch_size sequences,
 // each a checkpointed forward and backward whose loss is divided by the step's target-token
-// count; then clipping and AdamW, and `state` advanced. Sets the step's loss, grad norm and the
-// provider's copy statistics in *stats.
+// count; then clipping and AdamW, and `state` advanced. `input` holds the step's input when it
+// was prepared for it; when `prepare_next`, it receives the next step's, issued before the
+// step's one wait for the device (its loss and gradient norm). Sets the step's loss, grad
+// norm and the provider's copy statistics in *stats. A non-finite loss fails the step after
+// the update (the adapter in memory is then lost; checkpoints are written only after a
+// step's loss is read).
 void TrainStep(const JobSpec& spec, const SequenceSet& sequences, Sampler& sampler, CausalLm& model,
                BlockProvider& provider, LoraAdapter& adapter, AdamW& optimizer,
                const std::vector<at::Tensor>& params, double lr, c10::Device device,
-               TrainState* state, StepStats* stats) {
+               bool prepare_next, StepInput* input, TrainState* state, StepStats* stats) {
   const int64_t rows = spec.train.batch_size, accum = spec.train.grad_accum;
-  std::vector<Batch> batches;
-  int64_t n_targets = 0;
-  for (int64_t m = 0; m < accum; ++m) {
-    batches.push_back(MakeBatch(sequences, sampler, state->samples_seen + m * rows, rows));
-    n_targets += batches.back().n_targets;
-  }
+  if (input->position != state->samples_seen)
+    *input = PrepareStep(spec, sequences, sampler, model, state->samples_seen, device);
+  const double divisor = static_cast<double>(std::max<int64_t>(1, input->n_targets));
   provider.BeginStep();
-  double loss_value = 0.0;
+  std::vector<at::Tensor> figures;  // each micro-batch's loss, then the gradient norm
   for (int64_t m = 0; m < accum; ++m) {
-    const Batch& b = batches[m];
-    at::Tensor ids = ToDeviceLong(b.ids, b.rows, b.seq_len, at::kCPU);  // gathered on the host
-    at::Tensor targets = ToDeviceLong(b.targets, b.rows, b.seq_len, device);
-    const at::Tensor loss = model.TrainMicroBatch(
-        ids, targets, adapter, static_cast<double>(std::max<int64_t>(1, n_targets)),
-        MixSeed(spec.train.seed, 0xd209, static_cast<uint64_t>(state->step),
-                static_cast<uint64_t>(m)));
-    loss_value += loss.item<double>();
+    const Batch& b = input->batches[m];
+    const at::Tensor embeddings =
+        m == 0 ? input->embeddings : model.Embed(ToDeviceLong(b.ids, b.rows, b.seq_len, at::kCPU));
+    const at::Tensor targets = m == 0 ? input->targets : TargetsOnDevice(b, device);
+    figures.push_back(
+        model
+            .TrainMicroBatch(embeddings, targets, adapter, divisor,
+                             MixSeed(spec.train.seed, 0xd209, static_cast<uint64_t>(state->step),
+                                     static_cast<uint64_t>(m)))
+            .detach()
+            .to(at::kFloat)
+            .reshape({}));
   }
+  const at::Tensor norm = ClipGradNormAsync(params, spec.optim.grad_clip);
+  figures.push_back(norm.defined() ? norm.to(at::kFloat).reshape({})
+                                   : at::zeros({}, figures.front().options()));
+  optimizer.Step(lr);
+  optimizer.ZeroGrad();
+  const int64_t next = state->samples_seen + rows * accum;
+  *input = prepare_next ? PrepareStep(spec, sequences, sampler, model, next, device) : StepInput{};
+  // The step's one wait for the device.
+  const at::Tensor host = at::stack(figures).to(at::kCPU).to(at::kDouble).contiguous();
+  const double* v = host.data_ptr<double>();
+  double loss_value = 0.0;
+  for (int64_t m = 0; m < accum; ++m) loss_value += v[m];
   provider.EndStep(*stats);
   if (!std::isfinite(loss_value))
     throw Error(ErrorCode::kInternal,
                 "job " + spec.name + ": the loss is " + std::to_string(loss_value) + " at step " +
                     std::to_string(state->step + 1) + " (lower optim.lr or check the data)");
-  stats->grad_norm = ClipGradNorm(params, spec.optim.grad_clip);
-  optimizer.Step(lr);
-  optimizer.ZeroGrad();
+  stats->grad_norm = v[accum];
   state->step += 1;
-  state->samples_seen += rows * accum;
+  state->samples_seen = next;
   stats->loss = loss_value;
   stats->learning_rate = lr;
 }
@@ -343,6 +391,7 @@ TrainResult RunTraining(const JobSpec& spec_in, const TrainOptions& options,
     last_saved = state.step;
   };
 
+  StepInput input;  // the next step's, made while the device runs the step before
   while (state.step < total) {
     if (should_stop && should_stop()) {
       if (last_saved != state.step) save();
@@ -355,7 +404,7 @@ TrainResult RunTraining(const JobSpec& spec_in, const TrainOptions& options,
                                                      spec.optim.warmup_steps, total);
     StepStats stats;
     TrainStep(spec, sequences, sampler, *m.model, *m.provider, adapter, optimizer, params, lr,
-              device, &state, &stats);
+              device, /*prepare_next=*/state.step + 1 < total, &input, &state, &stats);
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     SetStepFigures(state.step, total, rows * accum * sequences.seq_len, seconds, &stats);
     const bool checkpoint_now =

@@ -215,6 +215,37 @@ TEST_CASE("a statistics file that cannot be written fails the job, naming it", "
   CHECK_THAT(msg, Catch::Contains("train.stats_file /dev/full"));
 }
 
+TEST_CASE("a diverging run fails at the step whose loss is not finite, keeping what it saved",
+          "[worker]") {
+  testing::TempDir dir("nan");
+  testing::MakeCheckpoint(dir / "m", "tiny");
+  testing::WriteJsonl(dir / "d.jsonl", 4, 10, 20, 512);
+  JobSpec spec = testing::TinyJob(dir / "m", dir / "d.jsonl", dir / "o");
+  spec.train.steps = 4;
+  spec.train.checkpoint_every = 1;
+  spec.optim.lr = 1e30;  // the first update overflows the adapter's output
+  spec.optim.grad_clip = 0;
+  spec.optim.schedule = "constant";
+  std::vector<double> losses;
+  std::string msg;
+  try {
+    TrainOptions o;
+    o.threads = 1;
+    RunTraining(spec, o, [&](const StepStats& s) { losses.push_back(s.loss); });
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  INFO(msg);
+  REQUIRE(losses.size() == 1);  // step 1's loss was read from the base alone: finite
+  CHECK(std::isfinite(losses[0]));
+  CHECK_THAT(msg, Catch::Contains("the loss is") && Catch::Contains("at step 2") &&
+                      Catch::Contains("optim.lr"));
+  // The checkpoint of step 1 is whole; none holds the diverged step.
+  CHECK(std::filesystem::exists(dir / "o/checkpoint-1/trainer_state.safetensors"));
+  CHECK(!std::filesystem::exists(dir / "o/checkpoint-2"));
+  CHECK(!std::filesystem::exists(dir / "o/adapter_model.safetensors"));
+}
+
 TEST_CASE("jobs that cannot run are refused at start, naming the field", "[worker]") {
   testing::TempDir dir("refuse");
   testing::MakeCheckpoint(dir / "m", "tiny");
@@ -275,6 +306,21 @@ TEST_CASE("AdamW, schedules and clipping follow torch and transformers", "[worke
   b.mutable_grad() = at::tensor({4.0f});
   CHECK(ClipGradNorm({a, b}, 1.0) == Approx(5.0));
   CHECK(b.grad()[0].item<double>() == Approx(0.8).epsilon(1e-5));
+  // The device-side clip: the same factor, the norm left as an f32 scalar where the gradients
+  // are; below max_norm nothing changes, and without gradients there is no norm.
+  a.mutable_grad() = at::tensor({3.0f, 0.0f});
+  b.mutable_grad() = at::tensor({4.0f});
+  const at::Tensor norm = ClipGradNormAsync({a, b}, 1.0);
+  REQUIRE(norm.defined());
+  CHECK(norm.dim() == 0);
+  CHECK(norm.scalar_type() == at::kFloat);
+  CHECK(norm.item<double>() == Approx(5.0));
+  CHECK(at::equal(a.grad(), at::tensor({3.0f, 0.0f}) * (at::reciprocal(at::tensor(5.0f) + 1e-6))));
+  CHECK(ClipGradNormAsync({a, b}, 10.0).item<double>() == Approx(1.0).epsilon(1e-5));
+  CHECK(b.grad()[0].item<double>() == Approx(0.8).epsilon(1e-5));
+  at::Tensor c = at::zeros({1}).requires_grad_(true);
+  CHECK(!ClipGradNormAsync({c}, 1.0).defined());
+  CHECK(ClipGradNorm({c}, 1.0) == 0.0);
 }
 
 TEST_CASE("lorastream-worker train runs a job file and prints progress", "[worker]") {
