@@ -37,10 +37,26 @@ double SecondsAfter(const at::Tensor& t, Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// Median-free mean over `reps` runs after one warm-up run.
+// Warm-ups before a measurement: the allocator, the kernels' first launches, caches, and on a
+// GPU its clocks, which rise under sustained load (on an H200 at 512 tokens the first training
+// steps took 50 and 40 ms, the steady ones 31 ms): `run` (one run that waits for the device)
+// is repeated at least `runs` times and, on CUDA, until kCudaWarmupSeconds have passed.
+constexpr double kCudaWarmupSeconds = 0.3;
+
+template <class Run>
+void WarmUp(const c10::Device& device, int runs, Run run) {
+  const auto start = Clock::now();
+  for (int i = 0;; ++i) {
+    const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+    if (i >= runs && (!device.is_cuda() || elapsed >= kCudaWarmupSeconds)) return;
+    run();
+  }
+}
+
+// Median-free mean over `reps` runs after the warm-up.
 template <class Fn>
-double TimeIt(int reps, Fn fn) {
-  SecondsAfter(fn(), Clock::now());  // warm-up: allocator, kernels, caches
+double TimeIt(const c10::Device& device, int reps, Fn fn) {
+  WarmUp(device, 1, [&] { SecondsAfter(fn(), Clock::now()); });
   const auto start = Clock::now();
   at::Tensor last;
   for (int i = 0; i < reps; ++i) last = fn();
@@ -111,7 +127,9 @@ std::string CalibrationKey(const JobSpec& spec, const BaseWeights& base, const c
          std::to_string(c.vocab_size) + "-" + device.str() + "-" + c10::toString(dtype) + "-r" +
          std::to_string(spec.lora.rank) + "-" + targets + "-T" + std::to_string(tokens) + "-C" +
          std::to_string(chunk_rows) +
-         "-steps";  // blocks and tail from whole steps (older entries: from a block alone)
+         // From whole steps, each ending in its one wait, after warm-ups that raise the
+         // clocks (older entries: a block alone, or steps that waited twice, measured cold).
+         "-steps2";
 }
 
 namespace {
@@ -158,10 +176,8 @@ double RepeatedModelStepSeconds(const RepeatedModelParts& p, int blocks, int rep
   const std::vector<at::Tensor> params = adapter.Params();
   AdamW optimizer(params, AdamWOptions{});
   const double divisor = static_cast<double>(p.targets.numel());
-  std::vector<double> seconds;
-  constexpr int kWarmup = 2;  // the allocator, kernels' first launches, clocks
   at::Tensor embeddings = model.Embed(p.ids);
-  for (int i = 0; i < kWarmup + reps; ++i) {
+  auto step = [&] {
     const auto start = Clock::now();
     provider.BeginStep();
     const at::Tensor loss = model.TrainMicroBatch(embeddings, p.targets, adapter, divisor, 0);
@@ -172,9 +188,11 @@ double RepeatedModelStepSeconds(const RepeatedModelParts& p, int blocks, int rep
     (void)at::stack({loss.detach().to(at::kFloat), norm}).sum().item<double>();
     StepStats stats;
     provider.EndStep(stats);
-    if (i >= kWarmup)
-      seconds.push_back(std::chrono::duration<double>(Clock::now() - start).count());
-  }
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  };
+  WarmUp(p.device, 2, step);
+  std::vector<double> seconds;
+  for (int i = 0; i < reps; ++i) seconds.push_back(step());
   std::sort(seconds.begin(), seconds.end());
   return seconds[seconds.size() / 2];
 }
@@ -206,9 +224,9 @@ StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c
   StepCosts costs;
   const LoraBlockCast lora = CastLoraBlock(adapter.block(0), dtype);
   const double forward_alone =
-      TimeIt(reps, [&] { return BlockForwardTaped(x, w, lora, c, /*tape=*/nullptr); });
+      TimeIt(device, reps, [&] { return BlockForwardTaped(x, w, lora, c, /*tape=*/nullptr); });
   const at::Tensor dy = at::ones_like(x);
-  const double backward_alone = TimeIt(reps, [&] {
+  const double backward_alone = TimeIt(device, reps, [&] {
     BlockTape tape;
     LoraBlockGrads grads;
     BlockForwardTaped(x, w, lora, c, &tape);
@@ -222,7 +240,7 @@ StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c
   const at::Tensor targets = at::randint(config.vocab_size, {rows, seq},
                                          at::TensorOptions().device(device).dtype(at::kLong));
   const int64_t chunk_rows = DefaultHeadChunkRows(config, rows * seq, device.is_cuda(), dtype);
-  costs.head_seconds = TimeIt(reps, [&] {
+  costs.head_seconds = TimeIt(device, reps, [&] {
     at::Tensor h = x.detach().requires_grad_(true);
     at::Tensor loss = ChunkedHeadLossSum(h, targets, norm, config.rms_norm_eps, *head, chunk_rows);
     loss.backward();
