@@ -42,6 +42,7 @@ double SecondsAfter(const at::Tensor& t, Clock::time_point start) {
 // steps took 50 and 40 ms, the steady ones 31 ms): `run` (one run that waits for the device)
 // is repeated at least `runs` times and, on CUDA, until kCudaWarmupSeconds have passed.
 constexpr double kCudaWarmupSeconds = 0.3;
+constexpr double kCudaMeasureSeconds = 0.5;
 
 template <class Run>
 void WarmUp(const c10::Device& device, int runs, Run run) {
@@ -191,8 +192,15 @@ double RepeatedModelStepSeconds(const RepeatedModelParts& p, int blocks, int rep
     return std::chrono::duration<double>(Clock::now() - start).count();
   };
   WarmUp(p.device, 2, step);
+  // The median of `reps` steps at least and, on CUDA, of kCudaMeasureSeconds of them: a short
+  // step is bound by the host's launches, and a few of them vary by a third on a busy host.
   std::vector<double> seconds;
-  for (int i = 0; i < reps; ++i) seconds.push_back(step());
+  double total = 0;
+  while (static_cast<int>(seconds.size()) < reps ||
+         (p.device.is_cuda() && total < kCudaMeasureSeconds)) {
+    seconds.push_back(step());
+    total += seconds.back();
+  }
   std::sort(seconds.begin(), seconds.end());
   return seconds[seconds.size() / 2];
 }
