@@ -128,12 +128,13 @@ JobSpec ParseJobSpec(const std::string& toml_text, const std::string& source) {
   s.eval.batches = e.GetInt("batches", 0);
 
   TomlSection st = doc.Section("stream");
-  st.RejectUnknownKeys(
-      {"blocks_to_swap", "gpu_memory_budget", "ring_size", "forward_slots", "backward_slots"});
+  st.RejectUnknownKeys({"blocks_to_swap", "gpu_memory_budget", "ring_size", "forward_slots",
+                        "backward_slots", "taped_blocks"});
   s.stream.blocks_to_swap = st.GetInt("blocks_to_swap", s.stream.blocks_to_swap);
   s.stream.ring_size = st.GetInt("ring_size", s.stream.ring_size);
   s.stream.forward_slots = st.GetInt("forward_slots", s.stream.forward_slots);
   s.stream.backward_slots = st.GetInt("backward_slots", s.stream.backward_slots);
+  s.stream.taped_blocks = st.GetInt("taped_blocks", s.stream.taped_blocks);
   if (st.Has("gpu_memory_budget")) {
     // An integer (bytes) or a string with a unit.
     try {
@@ -416,6 +417,12 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
                   "must be 0 (= ring_size), -1 (as many as fit) or >= ring_size (found " +
                   std::to_string(slots) + ")");
   }
+  if (s.stream.taped_blocks < -1 || (model && s.stream.taped_blocks > model->num_hidden_layers))
+    p.push_back(key("stream.taped_blocks") +
+                "must be 0 (none, or the budget planner's choice), -1 (as many as fit) or a "
+                "count up to num_hidden_layers" +
+                (model ? " = " + std::to_string(model->num_hidden_layers) : std::string()) +
+                " (found " + std::to_string(s.stream.taped_blocks) + ")");
   return p;
 }
 

@@ -77,6 +77,9 @@
 //   forward_slots = 0             # slots during the forward pass: 0 = ring_size, -1 = as many
 //                                 #   as fit within the plan's peak, N >= ring_size
 //   backward_slots = 0            # the same for the backward pass (worker/stream_plan.h)
+//   taped_blocks = 0              # the last N blocks keep their activations into the
+//                                 #   backward instead of being recomputed: 0 = none (with a
+//                                 #   budget: the cost model's choice), -1 = as many as fit
 //
 // Relative paths inside the file resolve against the file's own folder (common/job_paths.h;
 // LoadJobSpec makes them absolute, so a spec travelling to a worker stays valid).
@@ -178,9 +181,10 @@ struct StreamSpec {
   int64_t ring_size = 2;
   int64_t forward_slots = 0;   // 0: ring_size; -1: as many as fit within the plan's peak
   int64_t backward_slots = 0;  // 0: ring_size; -1: as many as fit within the plan's peak
+  int64_t taped_blocks = 0;    // 0: none (a budget: the cost model's); -1: as many as fit
   template <class A>
   void serialize(A& ar) {
-    ar(blocks_to_swap, gpu_memory_budget, ring_size, forward_slots, backward_slots);
+    ar(blocks_to_swap, gpu_memory_budget, ring_size, forward_slots, backward_slots, taped_blocks);
   }
 };
 

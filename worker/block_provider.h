@@ -49,6 +49,10 @@ class BlockProvider {
   // The LM head's weights when this provider's plan streams them (worker/lm_head.h); nullptr:
   // the caller keeps the head resident itself.
   virtual HeadProvider* lm_head() { return nullptr; }
+  // Training keeps the forward's activations of the last taped_blocks() blocks into their
+  // backward instead of recomputing them (ResidencyPlan::taped_blocks: the plan's memory
+  // counts them); 0: every block is recomputed.
+  virtual int taped_blocks() const { return 0; }
 };
 
 }  // namespace lorastream::worker

@@ -104,10 +104,17 @@ at::Tensor CausalLm::HiddenFromEmbeddings(const at::Tensor& embeddings, const Lo
   c.dropout = adapter.settings().dropout;
   c.training = training;
   at::Tensor h = embeddings;
+  // The provider's last taped blocks keep their activations when there is a backward to keep
+  // them for.
+  const int first_taped =
+      training && c10::GradMode::is_enabled()
+          ? config_.num_hidden_layers - std::clamp(provider_->taped_blocks(), 0,
+                                                   static_cast<int>(config_.num_hidden_layers))
+          : config_.num_hidden_layers;
   for (int i = 0; i < config_.num_hidden_layers; ++i) {
     c.dropout_seed = MixSeed(dropout_seed, static_cast<uint64_t>(i));
     if (checkpointed) {
-      h = CheckpointedBlockForward(h, i, adapter, *provider_, c);
+      h = CheckpointedBlockForward(h, i, adapter, *provider_, c, /*keep_tape=*/i >= first_taped);
     } else {
       const BlockWeights& w = provider_->Acquire(i);
       h = BlockForward(h, w, adapter.block(i), c);

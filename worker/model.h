@@ -52,8 +52,11 @@ at::Tensor BlockForward(const at::Tensor& x, const BlockWeights& w, const LoraBl
 // forward runs without grad and keeps only x; its backward re-acquires the block from
 // `provider`, recomputes it onto a tape and runs the hand-written BlockBackward
 // (worker/block.h): the gradients of x and of the adapter, one autograd node per block.
+// keep_tape: the forward fills the tape and the node keeps it, so that the backward runs
+// without the recompute (the same tensors: bit for bit the same gradients).
 at::Tensor CheckpointedBlockForward(const at::Tensor& x, int block, const LoraAdapter& adapter,
-                                    BlockProvider& provider, const BlockCompute& c);
+                                    BlockProvider& provider, const BlockCompute& c,
+                                    bool keep_tape = false);
 
 class CausalLm {
  public:

@@ -41,9 +41,9 @@ int RunPlanCommand(const std::string& job_path, const PlanCommandOptions& option
   uint64_t budget = spec.stream.gpu_memory_budget;
   std::string budget_from = "stream.gpu_memory_budget";
   if (budget == 0) {
-    const ResidencyPlan own =
-        PlanResidency(spec.stream.blocks_to_swap, 0, spec.stream.ring_size, inputs,
-                      spec.stream.forward_slots, spec.stream.backward_slots);
+    const ResidencyPlan own = PlanResidency(spec.stream.blocks_to_swap, 0, spec.stream.ring_size,
+                                            inputs, spec.stream.forward_slots,
+                                            spec.stream.backward_slots, spec.stream.taped_blocks);
     budget = EstimateMemory(inputs, own).total();
     budget_from = "the estimated peak of the job's own plan (" + own.Describe() + ")";
   }

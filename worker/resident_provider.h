@@ -27,12 +27,16 @@ class ResidentProvider : public BlockProvider {
   // Acquire calls since construction (tests check the step's order through it).
   const std::vector<int>& acquire_log() const { return acquire_log_; }
   void set_record_acquires(bool on) { record_ = on; }
+  // Resident blocks can keep their activations too (BlockProvider::taped_blocks).
+  int taped_blocks() const override { return taped_blocks_; }
+  void set_taped_blocks(int k) { taped_blocks_ = k; }
 
  private:
   std::vector<BlockWeights> blocks_;
   int cuda_index_ = -1;  // the CUDA device whose peak memory EndStep reports; -1: not CUDA
   int held_ = -1;        // the block between Acquire and Release, -1 when none
   bool record_ = false;
+  int taped_blocks_ = 0;
   std::vector<int> acquire_log_;
 };
 

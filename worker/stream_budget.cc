@@ -14,13 +14,15 @@ uint64_t MemoryEstimate::fixed() const {
          reserve;
 }
 uint64_t MemoryEstimate::forward() const {
-  return fixed() + forward_ring + forward_working + attention;
+  return fixed() + forward_ring + forward_working + attention + taped_blocks * tape;
 }
 uint64_t MemoryEstimate::head() const {
-  return fixed() + std::max(ring, head_ring) + (head_streamed ? head_weights : 0) + lm_head;
+  return fixed() + std::max(ring, head_ring) + (head_streamed ? head_weights : 0) + lm_head +
+         taped_blocks * tape;
 }
 uint64_t MemoryEstimate::backward() const {
-  return fixed() + backward_ring + block_working + attention;
+  return fixed() + backward_ring + block_working + attention +
+         static_cast<uint64_t>(std::max(taped_blocks - 1, 0)) * tape;
 }
 uint64_t MemoryEstimate::total() const { return std::max({forward(), head(), backward()}); }
 
@@ -36,7 +38,11 @@ std::string MemoryEstimate::Describe() const {
          FormatBytes(lm_head, 2) + " in chunks of " + std::to_string(head_chunk_rows) + " rows" +
          "), backward " + FormatBytes(backward(), 2) + " (slots " + FormatBytes(backward_ring, 2) +
          ", block working set " + FormatBytes(block_working, 2) + ", attention " +
-         FormatBytes(attention, 2) + "); peak " + FormatBytes(total(), 2);
+         FormatBytes(attention, 2) + ")" +
+         (taped_blocks > 0
+              ? ", " + std::to_string(taped_blocks) + " taped blocks of " + FormatBytes(tape, 2)
+              : std::string()) +
+         "; peak " + FormatBytes(total(), 2);
 }
 
 uint64_t HeadChunkRowBytes(int64_t vocab, int64_t hidden, bool fused_cross_entropy) {
@@ -123,8 +129,19 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& 
   e.forward_working = t * b * (4 * h + q + 2 * kv + 3 * inter);
   e.adapter = static_cast<uint64_t>(LoraParameterCount(c, in.lora_rank, in.lora_targets)) * 16;
   e.checkpoints = static_cast<uint64_t>(plan.num_blocks()) * t * h * b;
-  e.block_working = t * b * (8 * h + 4 * (q + 2 * kv) + 6 * inter) +
-                    t * b * static_cast<uint64_t>(in.lora_rank) * 2 * in.lora_targets.size();
+  // LoRA dropout keeps each adapted projection's dropped input and its mask.
+  uint64_t dropout = 0;
+  if (in.lora_dropout > 0) {
+    for (const std::string& target : in.lora_targets)
+      dropout += t * (b + 1) * (target == "o_proj" ? q : target == "down_proj" ? inter : h);
+  }
+  const uint64_t lora_pieces = t * b * static_cast<uint64_t>(in.lora_rank) * in.lora_targets.size();
+  e.block_working = t * b * (8 * h + 4 * (q + 2 * kv) + 6 * inter) + 2 * lora_pieces + dropout;
+  // attention's saved probabilities where it materialises them, else its logsumexp.
+  e.tape = t * b * (3 * h + 4 * q + 3 * kv + 3 * inter) + lora_pieces +
+           (in.attention_materialized ? heads * t * t * b : heads * t * 4) +
+           (2 + heads + static_cast<uint64_t>(c.num_key_value_heads)) * t * 4 + dropout;
+  e.taped_blocks = plan.taped_blocks;
   e.attention = in.attention_materialized ? heads * t * t * b * 2 : heads * t * 4;
   e.head_weights = in.head_bytes;
   e.head_streamed = plan.head_streamed;
@@ -135,6 +152,17 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& 
               2 * t * h * b;
   e.reserve = in.reserve_bytes;
   return e;
+}
+
+ResidencyPlan FillTapedBlocks(const MemoryModelInputs& in, ResidencyPlan plan,
+                              uint64_t peak_bytes) {
+  while (plan.taped_blocks < plan.num_blocks()) {
+    ResidencyPlan more = plan;
+    ++more.taped_blocks;
+    if (EstimateMemory(in, more).total() > peak_bytes) break;
+    plan = more;
+  }
+  return plan;
 }
 
 ResidencyPlan FillPhaseSlots(const MemoryModelInputs& in, ResidencyPlan plan, uint64_t peak_bytes) {

@@ -24,14 +24,25 @@
 //                  2 x T x H x b (the last hidden state and its gradient, kept into the
 //                  backward). Never the whole sequence's T x V logits.
 //   forward working  T x b x (4 H + Q + 2 KV + 3 I): one block's forward without grad
+//   tape           T x b x (3 H + 4 Q + 3 KV + 3 I + rank x targets) + T x 4 x (2 + heads +
+//                  kv heads) + heads x T x 4 (heads x T x T x b where attention
+//                  materialises its probabilities): the
+//                  activations a taped block keeps from its forward into its backward (norm
+//                  outputs and their 1/rms, q/k/v and, where the model normalises them, q/k
+//                  before that, attention's output and what its backward saves, o_proj's
+//                  input, gate/up/product, LoRA's T x rank pieces)
+//   dropout        with LoRA dropout, T x (b + 1) x (sum of the targets' input widths): each
+//                  adapted projection's dropped input and its mask, in the block working set
+//                  and in a tape
 //   reserve        fixed slack for allocator fragmentation and small tensors
 // The step's memory is a timeline of three phases, and the peak is the largest of them
 // (fixed = rest + resident LM head + resident blocks + adapter + checkpoints + reserve):
-//   forward    fixed + forward_slots x slot + forward working + attention
-//   LM head    fixed + head_slots x slot + streamed LM head + lm head
+//   forward    fixed + forward_slots x slot + forward working + attention + K tapes
+//   LM head    fixed + head_slots x slot + streamed LM head + lm head + K tapes
 //              (the forward's last blocks wait in their slots; the backward's first blocks
 //              are copied into the others)
-//   backward   fixed + backward_slots x slot + block working + attention
+//   backward   fixed + backward_slots x slot + block working + attention + (K - 1) tapes
+// where K = taped_blocks (the first backward block's tape is part of its working set).
 // It is an estimate: the benchmark prints the measured peak next to it.
 #pragma once
 
@@ -68,6 +79,7 @@ struct MemoryModelInputs {
   // The head's loss runs as the fused kernel (FusedCrossEntropyApplies): rows are smaller.
   bool fused_cross_entropy = false;
   int64_t lora_rank = 16;
+  double lora_dropout = 0;  // > 0: each adapted projection keeps its dropped input and mask
   std::vector<std::string> lora_targets = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
                                            "gate_proj", "up_proj", "down_proj"};
   int64_t tokens = 0;                            // batch_size x seq_len of one micro-batch
@@ -80,6 +92,8 @@ struct MemoryEstimate {
   uint64_t rest = 0, resident_blocks = 0, ring = 0, adapter = 0, checkpoints = 0, block_working = 0,
            attention = 0, lm_head = 0, reserve = 0;
   uint64_t forward_ring = 0, head_ring = 0, backward_ring = 0, forward_working = 0;
+  uint64_t tape = 0;  // one taped block's activations
+  int taped_blocks = 0;
   uint64_t slot = 0;          // one slot: the largest streamed block (0: none streams)
   uint64_t head_weights = 0;  // the LM head's weights (in fixed, or in head() when streamed)
   bool head_streamed = false;
@@ -110,6 +124,11 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& inputs, const ResidencyPl
 // and the LM head streamed), saying how many bytes that minimum is. Logs the plan and
 // estimate.
 ResidencyPlan PlanFromBudget(const MemoryModelInputs& inputs, uint64_t budget_bytes, int ring_size);
+
+// `plan` with as many of its last blocks taped (ResidencyPlan::taped_blocks) as fit within
+// `peak_bytes`, never fewer than it has.
+ResidencyPlan FillTapedBlocks(const MemoryModelInputs& inputs, ResidencyPlan plan,
+                              uint64_t peak_bytes);
 
 // `plan` with as many slots in the forward and in the backward as fit within `peak_bytes`
 // (at least ring_size, at most the streamed blocks), then as many of the backward's slots

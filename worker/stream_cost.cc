@@ -92,7 +92,12 @@ PredictedStep PredictStep(const ResidencyPlan& plan, const std::vector<uint64_t>
       double begin = compute;
       if (use.slot >= 0) begin = std::max(begin, slot_ready[use.slot]);
       now.stall_seconds += begin - compute;
-      compute = begin + (use.backward ? costs.block_backward_seconds : costs.block_forward_seconds);
+      // A taped block's backward runs without its recompute.
+      const bool taped = use.block >= num_blocks - plan.taped_blocks;
+      compute = begin +
+                (!use.backward ? costs.block_forward_seconds
+                 : taped ? std::max(0.0, costs.block_backward_seconds - costs.block_forward_seconds)
+                         : costs.block_backward_seconds);
       for (int r : p.issue_after_release[u]) issue(r, compute);
       if (u == p.head_copy_after && plan.head_streamed)
         head_landed = copy_bytes(head_bytes, compute);
@@ -114,8 +119,20 @@ std::string CandidatePlan::Label() const {
     s << " fwd " << plan.forward_slots << " head " << plan.head_slots << " bwd "
       << plan.backward_slots;
   if (plan.head_streamed) s << " head streamed";
+  if (plan.taped_blocks > 0) s << " taped " << plan.taped_blocks;
   return s.str();
 }
+
+namespace {
+
+// Same slots per phase and taped blocks (the residency of two plans from one hand plan is the
+// same).
+bool SameMemoryPlan(const ResidencyPlan& a, const ResidencyPlan& b) {
+  return a.forward_slots == b.forward_slots && a.backward_slots == b.backward_slots &&
+         a.head_slots == b.head_slots && a.taped_blocks == b.taped_blocks;
+}
+
+}  // namespace
 
 PlanChoice ChoosePlan(const MemoryModelInputs& inputs, const StepCosts& costs,
                       uint64_t budget_bytes, int max_ring) {
@@ -137,10 +154,18 @@ PlanChoice ChoosePlan(const MemoryModelInputs& inputs, const StepCosts& costs,
         ResidencyPlan hand = PlanFromSwapCount(num_blocks, swap, ring);
         hand.head_streamed = head_streamed;
         add(hand);
+        // The budget's headroom as phase slots, as taped blocks, or both (either first).
         const ResidencyPlan filled = FillPhaseSlots(inputs, hand, budget_bytes);
-        if (filled.forward_slots != hand.forward_slots ||
-            filled.backward_slots != hand.backward_slots || filled.head_slots != hand.head_slots)
-          add(filled);
+        const ResidencyPlan taped = FillTapedBlocks(inputs, hand, budget_bytes);
+        if (!SameMemoryPlan(filled, hand)) add(filled);
+        if (!SameMemoryPlan(taped, hand)) add(taped);
+        const ResidencyPlan slots_then_tapes = FillTapedBlocks(inputs, filled, budget_bytes);
+        const ResidencyPlan tapes_then_slots = FillPhaseSlots(inputs, taped, budget_bytes);
+        if (!SameMemoryPlan(slots_then_tapes, filled) && !SameMemoryPlan(slots_then_tapes, taped))
+          add(slots_then_tapes);
+        if (!SameMemoryPlan(tapes_then_slots, taped) && !SameMemoryPlan(tapes_then_slots, filled) &&
+            !SameMemoryPlan(tapes_then_slots, slots_then_tapes))
+          add(tapes_then_slots);
       }
     }
   }

@@ -5,7 +5,8 @@
 //
 // The prediction replays the engine's steady pass plan (PlanSteadyPass, then two more passes)
 // on two resources, as the device runs it: one compute stream and one copy engine (FIFO).
-//   - a use computes once the compute stream is free and its block's copy has landed;
+//   - a use computes once the compute stream is free and its block's copy has landed; a
+//     taped block's backward takes its recompute+backward less its forward;
 //   - a copy starts once the copy engine is free and its slot's last reader has finished
 //     (the release it is issued after; a deferred copy: the compute point of its acquire);
 //   - between the forward and the backward the compute stream runs the LM head and loss
@@ -77,8 +78,9 @@ struct PlanChoice {
 
 // Candidates: every streamed-block count (resident blocks spread as PlanFromSwapCount
 // spreads them) with rings 1..max_ring, each both as it is (one ring for the whole step, the
-// hand-picked kind) and with its phases filled with slots up to the budget, each with the LM
-// head resident and (when inputs.head_bytes > 0) streamed. Chosen: of the plans that fit and
+// hand-picked kind) and with the budget's headroom filled with phase slots, with taped blocks
+// (FillTapedBlocks), or with both in either order, each with the LM head resident and (when
+// inputs.head_bytes > 0) streamed. Chosen: of the plans that fit and
 // are predicted within kPlanTieFraction of the fastest of them, the one copying the fewest
 // bytes, then with the fewest slots, then the lowest peak. Error(kRefused) when none fits,
 // naming the minimum.

@@ -275,7 +275,7 @@ ResidencyPlan ApplyPhaseSlots(const MemoryModelInputs& inputs, ResidencyPlan pla
 
 ResidencyPlan PlanResidency(int64_t blocks_to_swap, uint64_t gpu_memory_budget, int64_t ring_size,
                             const MemoryModelInputs& inputs, int64_t forward_slots,
-                            int64_t backward_slots) {
+                            int64_t backward_slots, int64_t taped_blocks) {
   const int num_blocks = static_cast<int>(inputs.block_bytes.size());
   const int ring = static_cast<int>(std::clamp<int64_t>(ring_size, -1, 1 << 20));
   RequireValidRingSize(ring);
@@ -287,9 +287,27 @@ ResidencyPlan PlanResidency(int64_t blocks_to_swap, uint64_t gpu_memory_budget, 
     plan = PlanFromSwapCount(num_blocks, swap, ring);
   }
   plan = ApplyPhaseSlots(inputs, plan, gpu_memory_budget, forward_slots, backward_slots);
+  plan = ApplyTapedBlocks(inputs, plan, gpu_memory_budget, taped_blocks);
   if (gpu_memory_budget == 0)
     LS_LOG_INFO("stream plan from blocks_to_swap {}: {}; estimate {}", blocks_to_swap,
                 plan.Describe(), EstimateMemory(inputs, plan).Describe());
+  return plan;
+}
+
+ResidencyPlan ApplyTapedBlocks(const MemoryModelInputs& inputs, ResidencyPlan plan,
+                               uint64_t gpu_memory_budget, int64_t taped_blocks) {
+  if (taped_blocks < -1)
+    throw Error(ErrorCode::kRefused,
+                "stream.taped_blocks must be 0 (the plan's), -1 (as many as fit) or a count "
+                "(found " +
+                    std::to_string(taped_blocks) + ")");
+  if (taped_blocks > 0) {
+    plan.taped_blocks = static_cast<int>(std::min<int64_t>(taped_blocks, plan.num_blocks()));
+  } else if (taped_blocks == -1) {
+    const uint64_t peak =
+        gpu_memory_budget > 0 ? gpu_memory_budget : EstimateMemory(inputs, plan).total();
+    plan = FillTapedBlocks(inputs, plan, peak);
+  }
   return plan;
 }
 

@@ -102,10 +102,17 @@ void RefuseTrainableBaseWeight(const at::Tensor& weight, const std::string& name
 // the budget's choice (ring_size without a budget), -1 fills the phase up to the plan's
 // estimated peak (the budget when there is one), N asks for N; then as many of the
 // backward's slots as fit across the LM head within the budget, else within the estimated
-// peak of the plan with those slots. Logs the plan. Refusals name the field.
+// peak of the plan with those slots; then the taped blocks (ApplyTapedBlocks). Logs the plan.
+// Refusals name the field.
 ResidencyPlan PlanResidency(int64_t blocks_to_swap, uint64_t gpu_memory_budget, int64_t ring_size,
                             const MemoryModelInputs& inputs, int64_t forward_slots = 0,
-                            int64_t backward_slots = 0);
+                            int64_t backward_slots = 0, int64_t taped_blocks = 0);
+
+// stream.taped_blocks for a plan: 0 keeps the plan's (none without a budget, the cost model's
+// with one), -1 tapes as many of the last blocks as fit within `gpu_memory_budget` (or, without
+// one, within the plan's estimated peak), N tapes the last N (at most every block).
+ResidencyPlan ApplyTapedBlocks(const MemoryModelInputs& inputs, ResidencyPlan plan,
+                               uint64_t gpu_memory_budget, int64_t taped_blocks);
 
 // The same phase-slot rule for a plan made elsewhere (the cost-model planner).
 ResidencyPlan ApplyPhaseSlots(const MemoryModelInputs& inputs, ResidencyPlan plan,

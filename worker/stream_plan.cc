@@ -31,6 +31,9 @@ std::string ResidencyPlan::Describe() const {
       << backward_slots << " in the backward)";
   s << "; resident [" << resident.str() << "]";
   if (head_streamed) s << "; LM head streamed";
+  if (taped_blocks > 0)
+    s << "; the last " << taped_blocks << " block"
+      << (taped_blocks == 1 ? " keeps its" : "s keep their") << " activations";
   return s.str();
 }
 

@@ -43,6 +43,11 @@ struct ResidencyPlan {
   // is issued at that point instead (PassPlan::head_copy_after), so it runs during the
   // forward's last blocks; set by FillHeadSlots (worker/stream_budget.h).
   int head_prefetch_slots = 0;
+  // The last taped_blocks blocks keep their forward's activations (its tape, worker/block.h)
+  // into their backward instead of recomputing them there: each costs a tape's memory from
+  // its forward through the LM head and saves a block's forward per step (the cost model
+  // weighs that against slots and resident blocks). 0: every block is recomputed.
+  int taped_blocks = 0;
 
   int num_blocks() const { return static_cast<int>(streamed.size()); }
   int num_streamed() const;

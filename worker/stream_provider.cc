@@ -120,6 +120,7 @@ class StreamProvider : public BlockProvider {
     if (head_) head_->CollectStats(stats);  // the head's copy counts with the blocks'
   }
   HeadProvider* lm_head() override { return head_.get(); }
+  int taped_blocks() const override { return engine_->residency().taped_blocks; }
 
  private:
   std::unique_ptr<PackedBlocks> packed_;
@@ -176,6 +177,7 @@ MemoryModelInputs JobMemoryInputs(const JobSpec& spec, const Manifest& manifest,
                                          spec.train.batch_size * spec.data.seq_len,
                                          static_cast<int>(c10::elementSize(dtype)), materialized);
   in.fused_cross_entropy = FusedCrossEntropyApplies(device.is_cuda(), dtype);
+  in.lora_dropout = spec.lora.dropout;
   return in;
 }
 
@@ -200,7 +202,7 @@ StreamPlanning PlanJobStream(const JobSpec& spec, const BaseWeights& base,
   const StreamSpec& st = spec.stream;
   if (st.gpu_memory_budget == 0) {
     out.plan = PlanResidency(st.blocks_to_swap, 0, st.ring_size, inputs, st.forward_slots,
-                             st.backward_slots);
+                             st.backward_slots, st.taped_blocks);
     return out;
   }
   // A budget: the cost model chooses among every plan that fits, from figures measured on
@@ -215,6 +217,7 @@ StreamPlanning PlanJobStream(const JobSpec& spec, const BaseWeights& base,
   };
   out.plan = ApplyPhaseSlots(inputs, chosen.plan, st.gpu_memory_budget,
                              at_least_ring(st.forward_slots), at_least_ring(st.backward_slots));
+  out.plan = ApplyTapedBlocks(inputs, out.plan, st.gpu_memory_budget, st.taped_blocks);
   out.predicted_step_seconds =
       PredictStep(out.plan, inputs.block_bytes, costs, inputs.head_bytes).step_seconds;
   LS_LOG_INFO(

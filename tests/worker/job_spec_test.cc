@@ -103,3 +103,22 @@ TEST_CASE("stream.forward_slots and backward_slots: parsed, checked against the 
   CHECK(Mentions(problems, "`stream.forward_slots` must be 0 (= ring_size), -1"));
   CHECK(Mentions(problems, "`stream.backward_slots` must be 0 (= ring_size), -1"));
 }
+
+TEST_CASE("stream.taped_blocks: parsed, checked against the model's depth", "[worker]") {
+  CHECK(ParseJobSpec("[stream]\ntaped_blocks = -1\n", "j.toml").stream.taped_blocks == -1);
+  CHECK(ParseJobSpec("[stream]\ntaped_blocks = 3\n", "j.toml").stream.taped_blocks == 3);
+  CHECK(ParseJobSpec("[stream]\n", "j.toml").stream.taped_blocks == 0);
+  testing::TempDir dir("spec-taped");
+  testing::MakeCheckpoint(dir / "model", "tiny");
+  JobSpec bad = testing::TinyJob(dir / "model", dir / "missing.jsonl", dir / "out");
+  ModelConfig config;
+  config.num_hidden_layers = 4;
+  for (int64_t taped : {-2, 5}) {
+    CAPTURE(taped);
+    bad.stream.taped_blocks = taped;
+    CHECK(Mentions(ValidateJobSpec(bad, &config),
+                   "`stream.taped_blocks` must be 0 (none, or the budget planner's choice), -1"));
+  }
+  bad.stream.taped_blocks = 4;
+  CHECK_FALSE(Mentions(ValidateJobSpec(bad, &config), "taped_blocks"));
+}

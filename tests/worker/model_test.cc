@@ -5,6 +5,8 @@
 
 #include "torch_catch.h"  // first: see there
 
+#include <set>
+
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
 
@@ -14,6 +16,7 @@
 #include "worker/lora.h"
 #include "worker/model.h"
 #include "worker/resident_provider.h"
+#include "worker/stream_budget.h"
 #include "worker_test_util.h"
 
 using namespace lorastream;
@@ -28,9 +31,10 @@ struct Grads {
 };
 
 Grads RunOnce(const BaseWeights& base, const LoraSettings& settings, bool checkpointed,
-              const at::Tensor& ids) {
+              const at::Tensor& ids, int taped_blocks = 0) {
   ResidentProvider provider(base, at::kCPU, at::kFloat);
   provider.set_record_acquires(true);
+  provider.set_taped_blocks(taped_blocks);
   CausalLm model(base.config(), base.rest(), &provider, at::kCPU, at::kFloat);
   LoraAdapter adapter = LoraAdapter::Init(base.config(), settings, 11, at::kCPU);
   {
@@ -177,6 +181,92 @@ TEST_CASE("checkpointed blocks give the loss of plain autograd and its gradients
         for (int i = 0; i < L; ++i) want.push_back(i);
         for (int i = L - 1; i >= 0; --i) want.push_back(i);
         CHECK(ckpt.order == want);
+      }
+    }
+  }
+}
+
+TEST_CASE("taped blocks skip their recompute and give the same loss and gradients, bit for bit",
+          "[worker]") {
+  for (const char* preset : {"tiny", "tiny-qwen3"}) {
+    for (double dropout : {0.0, 0.1}) {
+      DYNAMIC_SECTION(preset << " dropout " << dropout) {
+        testing::TempDir dir("taped");
+        BaseWeights base = BaseWeights::FromCheckpoint(testing::MakeCheckpoint(dir / "m", preset));
+        LoraSettings s;
+        s.rank = 4;
+        s.alpha = 8;
+        s.dropout = dropout;
+        s.targets.fill(true);
+        at::Tensor ids = at::randint(0, base.config().vocab_size, {2, 24}, at::kLong);
+        const Grads recomputed = RunOnce(base, s, true, ids);
+        const int L = base.num_blocks();
+        for (int taped : {1, 2, L}) {
+          INFO(taped << " taped blocks");
+          const Grads g = RunOnce(base, s, true, ids, taped);
+          CHECK(at::equal(g.loss, recomputed.loss));
+          REQUIRE(g.grads.size() == recomputed.grads.size());
+          for (size_t i = 0; i < g.grads.size(); ++i)
+            CHECK(at::equal(g.grads[i], recomputed.grads[i]));
+          // The backward still acquires every block (its weights are read), in the step's order.
+          CHECK(g.order == recomputed.order);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("the memory estimate's tape covers what a taped block keeps", "[worker]") {
+  for (const char* preset : {"tiny", "tiny-qwen3"}) {
+    for (double dropout : {0.0, 0.1}) {
+      DYNAMIC_SECTION(preset << " dropout " << dropout) {
+        testing::TempDir dir("tape");
+        BaseWeights base = BaseWeights::FromCheckpoint(testing::MakeCheckpoint(dir / "m", preset));
+        const ModelConfig& cfg = base.config();
+        ResidentProvider provider(base, at::kCPU, at::kFloat);
+        LoraAdapter adapter = LoraAdapter::Init(
+            cfg,
+            SettingsWith({kQProj, kKProj, kVProj, kOProj, kGateProj, kUpProj, kDownProj}, dropout),
+            11, at::kCPU);
+        const int64_t batch = 2, seq = 24;
+        RotaryTables rope = BuildRotary(cfg, seq, at::kCPU, at::kFloat);
+        BlockCompute c;
+        c.config = &cfg;
+        c.rope = &rope;
+        c.lora_scale = 2.0;
+        c.dropout = dropout;
+        c.training = true;
+        at::Tensor x = at::randn({batch, seq, cfg.hidden_size});
+        provider.BeginStep();
+        BlockTape tape;
+        BlockForwardTaped(x, provider.Acquire(0), CastLoraBlock(adapter.block(0), at::kFloat), c,
+                          &tape);
+        provider.Release(0);
+        // The tape's own storages (the input is the checkpoint, counted apart).
+        std::set<const void*> seen{x.storage().data()};
+        uint64_t kept = 0;
+        std::vector<at::Tensor> tensors = {
+            tape.rstd_in,   tape.h1, tape.q_pre, tape.k_pre, tape.rstd_q,    tape.rstd_k,
+            tape.q,         tape.k,  tape.v,     tape.attn,  tape.attn_flat, tape.out,
+            tape.rstd_post, tape.h2, tape.gate,  tape.up,    tape.z};
+        for (const auto& a : tape.lora) tensors.insert(tensors.end(), {a.u, a.xd, a.mask});
+        for (const at::Tensor& t : tensors) {
+          if (t.defined() && seen.insert(t.storage().data()).second) kept += t.storage().nbytes();
+        }
+        MemoryModelInputs in;
+        in.config = cfg;
+        in.block_bytes.assign(cfg.num_hidden_layers, 0);
+        in.tokens = batch * seq;
+        in.compute_bytes = 4;
+        in.lora_rank = 4;
+        in.lora_dropout = dropout;
+        in.attention_materialized = true;  // the CPU's attention keeps its probabilities
+        const MemoryEstimate e = EstimateMemory(in, PlanFromSwapCount(cfg.num_hidden_layers, 0, 1));
+        const uint64_t probabilities = cfg.num_attention_heads * in.tokens * seq * 4;
+        INFO("kept " << kept << " bytes, estimate " << e.tape);
+        CHECK(kept > 0);
+        CHECK(kept + probabilities <= e.tape);
+        CHECK(e.tape <= 2 * (kept + probabilities));
       }
     }
   }

@@ -86,6 +86,48 @@ TEST_CASE("the memory estimate follows its documented formula", "[worker]") {
   materialized.attention_materialized = true;
   REQUIRE(EstimateMemory(materialized, plan).attention == 32ULL * 2048 * 2048 * 2 * 2);
   REQUIRE(e.Describe().find("slots") != std::string::npos);
+  // Taped blocks: each tape is held through the forward and the LM head; the backward's
+  // first block's tape is part of its working set.
+  REQUIRE(e.tape == 2048ULL * 2 * (3 * 4096 + 4 * 4096 + 3 * 1024 + 3 * 14336) +
+                        2048ULL * 2 * 16 * 7 + 32ULL * 2048 * 4 + 2048ULL * 4 * (2 + 32 + 8));
+  ResidencyPlan taped = plan;
+  taped.taped_blocks = 3;
+  const MemoryEstimate t3 = EstimateMemory(in, taped);
+  REQUIRE(t3.forward() == e.forward() + 3 * e.tape);
+  REQUIRE(t3.head() == e.head() + 3 * e.tape);
+  REQUIRE(t3.backward() == e.backward() + 2 * e.tape);
+  REQUIRE(t3.Describe().find("3 taped blocks") != std::string::npos);
+  taped.taped_blocks = 1;
+  REQUIRE(EstimateMemory(in, taped).backward() == e.backward());
+  // LoRA dropout: each adapted projection's dropped input and its mask (q, k, v, gate, up
+  // read the hidden width, o the attention's, down the intermediate's).
+  MemoryModelInputs dropout = in;
+  dropout.lora_dropout = 0.05;
+  const MemoryEstimate d = EstimateMemory(dropout, plan);
+  const uint64_t dropped = 2048ULL * 3 * (5 * 4096 + 4096 + 14336);
+  REQUIRE(d.block_working == e.block_working + dropped);
+  REQUIRE(d.tape == e.tape + dropped);
+}
+
+TEST_CASE("a budget's headroom becomes taped blocks, within the budget", "[worker]") {
+  const MemoryModelInputs in = Inputs(16, 2048);
+  const ResidencyPlan plan = PlanFromSwapCount(16, 12, 2);
+  const MemoryEstimate e = EstimateMemory(in, plan);
+  const int at_peak = FillTapedBlocks(in, plan, e.total()).taped_blocks;
+  int last = at_peak;
+  for (uint64_t budget : {e.total() + e.tape, e.total() + 5 * e.tape, uint64_t{1} << 40}) {
+    const ResidencyPlan got = FillTapedBlocks(in, plan, budget);
+    CAPTURE(budget, got.taped_blocks);
+    REQUIRE(got.taped_blocks >= last);
+    last = got.taped_blocks;
+    REQUIRE(EstimateMemory(in, got).total() <= budget);
+    if (got.taped_blocks < 16) {
+      ResidencyPlan more = got;
+      ++more.taped_blocks;
+      REQUIRE(EstimateMemory(in, more).total() > budget);
+    }
+  }
+  REQUIRE(last == 16);
 }
 
 TEST_CASE("a budget plans the largest resident set that fits", "[worker]") {

@@ -64,6 +64,40 @@ TEST_CASE("cost model: a resident plan takes the compute's sum", "[worker]") {
   REQUIRE(p.step_seconds == Approx(c.ResidentStepSeconds(16)));
   REQUIRE(p.h2d_bytes == 0);
   REQUIRE(p.stall_seconds == 0);
+  // A taped block's backward runs without its recompute: a forward less per taped block.
+  for (int taped : {1, 5, 16}) {
+    ResidencyPlan plan = PlanFromSwapCount(16, 0, 2);
+    plan.taped_blocks = taped;
+    REQUIRE(PredictStep(plan, in.block_bytes, c).step_seconds ==
+            Approx(c.ResidentStepSeconds(16) - taped * c.block_forward_seconds));
+  }
+}
+
+TEST_CASE("cost model: taped blocks never slow a streamed plan; a budget with room tapes all",
+          "[worker]") {
+  const MemoryModelInputs in = Inputs(16, 2048);
+  const StepCosts c = H200Like(2048);
+  for (int swap : {4, 12, 16}) {
+    for (int ring : {1, 2}) {
+      ResidencyPlan plan = PlanFromSwapCount(16, swap, ring);
+      double previous = PredictStep(plan, in.block_bytes, c).step_seconds;
+      for (int taped = 1; taped <= 16; ++taped) {
+        CAPTURE(swap, ring, taped);
+        plan.taped_blocks = taped;
+        const double now = PredictStep(plan, in.block_bytes, c).step_seconds;
+        REQUIRE(now <= previous + 1e-12);
+        previous = now;
+      }
+    }
+  }
+  // Memory for everything: every block resident and taped, the fastest plan there is.
+  const PlanChoice roomy = ChoosePlan(in, c, uint64_t{1} << 40);
+  const CandidatePlan& chosen = roomy.candidates[roomy.chosen];
+  REQUIRE(chosen.plan.num_streamed() == 0);
+  REQUIRE(chosen.plan.taped_blocks == 16);
+  REQUIRE(chosen.Label().find("taped 16") != std::string::npos);
+  REQUIRE(chosen.predicted.step_seconds ==
+          Approx(c.ResidentStepSeconds(16) - 16 * c.block_forward_seconds));
 }
 
 TEST_CASE("cost model: the replayed timeline of a hand-computed plan", "[worker]") {

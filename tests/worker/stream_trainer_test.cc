@@ -162,6 +162,16 @@ TEST_CASE("trainer: phase slots and the cost model's budget plan give the reside
     REQUIRE(BitEqual(got.grad_norms, want.grad_norms));
     REQUIRE(got.adapter == want.adapter);
   }
+  // Taped blocks, streamed or resident: the last blocks skip their recompute, nothing else
+  // changes.
+  for (auto [swap, taped] : {std::pair<int, int64_t>{4, 2}, {2, -1}, {0, 4}}) {
+    CAPTURE(swap, taped);
+    const RunRecord t =
+        job.Run(swap, 1, /*streamed=*/true, {}, [&](JobSpec& s) { s.stream.taped_blocks = taped; });
+    REQUIRE(BitEqual(t.losses, want.losses));
+    REQUIRE(BitEqual(t.grad_norms, want.grad_norms));
+    REQUIRE(t.adapter == want.adapter);
+  }
   // A budget that only the all-streamed plans fit: the cost model chooses (calibrating on
   // this CPU, cached in the test's folder), and the run still equals the resident one.
   REQUIRE(setenv("LORASTREAM_CACHE_DIR", (job.dir() + "/cache").c_str(), 1) == 0);

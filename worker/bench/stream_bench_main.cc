@@ -1,8 +1,10 @@
 // lorastream-bench-stream: the streaming engine against fully resident training, in one run,
 // through the trainer's real step (RunTraining). For each token count: a resident run, a run
-// with --swap blocks streamed through --ring slots (one ring for the whole step), the same
+// with every block resident and taped (stream.taped_blocks: no recompute in the backward), a
+// run with --swap blocks streamed through --ring slots (one ring for the whole step), the same
 // swap on the memory timeline at that plan's estimated peak (as many forward and backward
-// slots as fit: stream.forward_slots = backward_slots = -1), and at --budget-tokens the cost
+// slots and taped blocks as fit: stream.forward_slots = backward_slots = taped_blocks = -1),
+// and at --budget-tokens the cost
 // model's choice for --budget next to the best hand-picked (blocks_to_swap, ring_size) plan of
 // each ring that fits the budget; plus the pinned H2D bandwidth of the store's blocks measured
 // in the same run. Every streamed row shows the cost model's predicted step next to the
@@ -225,6 +227,7 @@ void Predict(const JobSpec& spec, const BaseWeights& base, const MemoryModelInpu
   if (p.plan.max_slots() != p.plan.ring_size)
     row->slots += "/" + std::to_string(p.plan.forward_slots) + "/" +
                   std::to_string(p.plan.head_slots) + "/" + std::to_string(p.plan.backward_slots);
+  if (p.plan.taped_blocks > 0) row->slots += ", " + std::to_string(p.plan.taped_blocks) + " taped";
 }
 
 void Run(const BenchOptions& o, const std::string& command) {
@@ -274,6 +277,12 @@ void Run(const BenchOptions& o, const std::string& command) {
       r.floor2_s = std::max(res.step_s, 2 * (L - r.resident_blocks) * block_gb / gbps);
       rows.push_back(r);
     };
+    // Every block resident and taped: no recompute in the backward (what the checkpoints
+    // cost), at the memory of every block's activations.
+    streamed_row("taped", "resident, " + std::to_string(L) + " taped", [&](JobSpec& s) {
+      s.stream.blocks_to_swap = 0;
+      s.stream.taped_blocks = L;
+    });
     const std::string today = "swap " + std::to_string(o.swap) + " ring " + std::to_string(o.ring);
     streamed_row("swap", today, [&](JobSpec& s) {
       s.stream.blocks_to_swap = o.swap;
@@ -284,6 +293,7 @@ void Run(const BenchOptions& o, const std::string& command) {
       s.stream.ring_size = o.ring;
       s.stream.forward_slots = -1;
       s.stream.backward_slots = -1;
+      s.stream.taped_blocks = -1;
     });
     for (int64_t n : o.phase_slots) {
       streamed_row("slots", today + " slots " + std::to_string(n), [&](JobSpec& s) {
