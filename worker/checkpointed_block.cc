@@ -5,6 +5,8 @@
 // releases the block. A taped block (the plan's last ones) keeps the forward's tape in its
 // node instead, and its backward skips the recompute; the weights are still acquired (the
 // backward reads them) and no base weight is in the tape.
+#include <memory>
+
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <ATen/ATen.h>

@@ -1,9 +1,11 @@
 #include "worker/model.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include <ATen/ATen.h>
 #include <ATen/core/Reduction.h>
+#include <c10/core/GradMode.h>
 
 #include "common/data.h"
 #include "common/error.h"
