@@ -157,15 +157,15 @@ PlanChoice ChoosePlan(const MemoryModelInputs& inputs, const StepCosts& costs,
         // The budget's headroom as phase slots, as taped blocks, or both (either first).
         const ResidencyPlan filled = FillPhaseSlots(inputs, hand, budget_bytes);
         const ResidencyPlan taped = FillTapedBlocks(inputs, hand, budget_bytes);
-        if (!SameMemoryPlan(filled, hand)) add(filled);
-        if (!SameMemoryPlan(taped, hand)) add(taped);
-        const ResidencyPlan slots_then_tapes = FillTapedBlocks(inputs, filled, budget_bytes);
-        const ResidencyPlan tapes_then_slots = FillPhaseSlots(inputs, taped, budget_bytes);
-        if (!SameMemoryPlan(slots_then_tapes, filled) && !SameMemoryPlan(slots_then_tapes, taped))
-          add(slots_then_tapes);
-        if (!SameMemoryPlan(tapes_then_slots, taped) && !SameMemoryPlan(tapes_then_slots, filled) &&
-            !SameMemoryPlan(tapes_then_slots, slots_then_tapes))
-          add(tapes_then_slots);
+        std::vector<ResidencyPlan> from_hand = {hand};
+        for (const ResidencyPlan& p : {filled, taped, FillTapedBlocks(inputs, filled, budget_bytes),
+                                       FillPhaseSlots(inputs, taped, budget_bytes)}) {
+          const auto same = [&](const ResidencyPlan& q) { return SameMemoryPlan(p, q); };
+          if (std::none_of(from_hand.begin(), from_hand.end(), same)) {
+            from_hand.push_back(p);
+            add(p);
+          }
+        }
       }
     }
   }
