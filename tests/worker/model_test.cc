@@ -75,6 +75,10 @@ LoraSettings SettingsWith(std::initializer_list<int> targets, double dropout) {
   return s;
 }
 
+LoraSettings AllTargets(double dropout) {
+  return SettingsWith({kQProj, kKProj, kVProj, kOProj, kGateProj, kUpProj, kDownProj}, dropout);
+}
+
 }  // namespace
 
 TEST_CASE("the hand-written block backward equals autograd through the same forward (f64)",
@@ -161,11 +165,7 @@ TEST_CASE("checkpointed blocks give the loss of plain autograd and its gradients
       DYNAMIC_SECTION(preset << " dropout " << dropout) {
         testing::TempDir dir("ckpt");
         BaseWeights base = BaseWeights::FromCheckpoint(testing::MakeCheckpoint(dir / "m", preset));
-        LoraSettings s;
-        s.rank = 4;
-        s.alpha = 8;
-        s.dropout = dropout;
-        s.targets.fill(true);
+        const LoraSettings s = AllTargets(dropout);
         at::Tensor ids = at::randint(0, base.config().vocab_size, {2, 24}, at::kLong);
         Grads plain = RunOnce(base, s, false, ids);
         Grads ckpt = RunOnce(base, s, true, ids);
@@ -193,11 +193,7 @@ TEST_CASE("taped blocks skip their recompute and give the same loss and gradient
       DYNAMIC_SECTION(preset << " dropout " << dropout) {
         testing::TempDir dir("taped");
         BaseWeights base = BaseWeights::FromCheckpoint(testing::MakeCheckpoint(dir / "m", preset));
-        LoraSettings s;
-        s.rank = 4;
-        s.alpha = 8;
-        s.dropout = dropout;
-        s.targets.fill(true);
+        const LoraSettings s = AllTargets(dropout);
         at::Tensor ids = at::randint(0, base.config().vocab_size, {2, 24}, at::kLong);
         const Grads recomputed = RunOnce(base, s, true, ids);
         const int L = base.num_blocks();
@@ -224,10 +220,7 @@ TEST_CASE("the memory estimate's tape covers what a taped block keeps", "[worker
         BaseWeights base = BaseWeights::FromCheckpoint(testing::MakeCheckpoint(dir / "m", preset));
         const ModelConfig& cfg = base.config();
         ResidentProvider provider(base, at::kCPU, at::kFloat);
-        LoraAdapter adapter = LoraAdapter::Init(
-            cfg,
-            SettingsWith({kQProj, kKProj, kVProj, kOProj, kGateProj, kUpProj, kDownProj}, dropout),
-            11, at::kCPU);
+        LoraAdapter adapter = LoraAdapter::Init(cfg, AllTargets(dropout), 11, at::kCPU);
         const int64_t batch = 2, seq = 24;
         RotaryTables rope = BuildRotary(cfg, seq, at::kCPU, at::kFloat);
         BlockCompute c;

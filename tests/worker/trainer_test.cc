@@ -7,6 +7,7 @@
 #include <csignal>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <thread>
 
@@ -26,11 +27,12 @@ std::string Adapter(const std::string& dir) {
   return testing::ReadFile(dir + "/adapter_model.safetensors");
 }
 
-ErrorCode RefusalOf(const JobSpec& spec, std::string* message) {
+ErrorCode RefusalOf(const JobSpec& spec, std::string* message,
+                    const std::function<void(const StepStats&)>& on_step = {}) {
   try {
     TrainOptions o;
     o.threads = 1;  // 2 cores shared with the rest of CI: more threads only spin
-    RunTraining(spec, o);
+    RunTraining(spec, o, on_step);
   } catch (const Error& e) {
     *message = e.what();
     return e.code();
@@ -228,13 +230,8 @@ TEST_CASE("a diverging run fails at the step whose loss is not finite, keeping w
   spec.optim.schedule = "constant";
   std::vector<double> losses;
   std::string msg;
-  try {
-    TrainOptions o;
-    o.threads = 1;
-    RunTraining(spec, o, [&](const StepStats& s) { losses.push_back(s.loss); });
-  } catch (const Error& e) {
-    msg = e.what();
-  }
+  CHECK(RefusalOf(spec, &msg, [&](const StepStats& s) { losses.push_back(s.loss); }) ==
+        ErrorCode::kInternal);
   INFO(msg);
   REQUIRE(losses.size() == 1);  // step 1's loss was read from the base alone: finite
   CHECK(std::isfinite(losses[0]));
