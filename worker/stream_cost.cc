@@ -203,12 +203,12 @@ PlanChoice ChoosePlan(const MemoryModelInputs& inputs, const StepCosts& costs,
 std::string DescribeChoice(const PlanChoice& choice, uint64_t budget_bytes) {
   std::ostringstream s;
   s << "budget " << FormatBytes(budget_bytes) << "\n"
-    << "  plan                          resident  predicted ms  copied GB  stall ms  peak GiB  "
-       "fits\n";
+    << "  plan                                                 resident  predicted ms  copied GB  "
+       "stall ms  peak GiB  fits\n";
   for (int i = 0; i < static_cast<int>(choice.candidates.size()); ++i) {
     const CandidatePlan& c = choice.candidates[i];
     char line[256];
-    std::snprintf(line, sizeof line, "%s %-30s %8d  %12.1f  %9.2f  %8.1f  %8.2f  %s\n",
+    std::snprintf(line, sizeof line, "%s %-52s %8d  %12.1f  %9.2f  %8.1f  %8.2f  %s\n",
                   i == choice.chosen ? "*" : " ", c.Label().c_str(),
                   c.plan.num_blocks() - c.plan.num_streamed(), c.predicted.step_seconds * 1e3,
                   c.predicted.h2d_bytes / 1e9, c.predicted.stall_seconds * 1e3,
