@@ -14,6 +14,7 @@
 //   block working  T x b x (8 H + 4 (Q + 2 KV) + 6 I): one block recomputed with grad and
 //                  its backward (norm outputs, q/k/v, attention output, gate/up/act/product,
 //                  and the gradients flowing through them), plus LoRA's T x rank pieces
+//                  (and LoRA dropout's, below)
 //   attention      heads x T x T x b x 2 (scores and probabilities) where attention
 //                  materialises them (no fused kernel); else heads x T x 4 (logsumexp)
 //   lm head        the chunked head (worker/lm_head.h): one chunk of C rows at a time,
@@ -26,11 +27,11 @@
 //   forward working  T x b x (4 H + Q + 2 KV + 3 I): one block's forward without grad
 //   tape           T x b x (3 H + 4 Q + 3 KV + 3 I + rank x targets) + T x 4 x (2 + heads +
 //                  kv heads) + heads x T x 4 (heads x T x T x b where attention
-//                  materialises its probabilities): the
-//                  activations a taped block keeps from its forward into its backward (norm
-//                  outputs and their 1/rms, q/k/v and, where the model normalises them, q/k
-//                  before that, attention's output and what its backward saves, o_proj's
-//                  input, gate/up/product, LoRA's T x rank pieces)
+//                  materialises its probabilities): the activations a taped block keeps
+//                  from its forward into its backward (norm outputs and their 1/rms, q/k/v
+//                  and, where the model normalises them, q/k before that, attention's output
+//                  and what its backward saves, o_proj's input, gate/up/product, LoRA's
+//                  T x rank pieces)
 //   dropout        with LoRA dropout, T x (b + 1) x (sum of the targets' input widths): each
 //                  adapted projection's dropped input and its mask, in the block working set
 //                  and in a tape
