@@ -40,16 +40,17 @@ double SecondsAfter(const at::Tensor& t, Clock::time_point start) {
 // Warm-ups before a measurement: the allocator, the kernels' first launches, caches, and on a
 // GPU its clocks, which rise under sustained load (on an H200 at 512 tokens the first training
 // steps took 50 and 40 ms, the steady ones 31 ms): `run` (one run that waits for the device)
-// is repeated at least `runs` times and, on CUDA, until kCudaWarmupSeconds have passed.
-constexpr double kCudaWarmupSeconds = 0.3;
+// is repeated at least `runs` times and, on CUDA, until `cuda_seconds` have passed.
+constexpr double kCudaWarmupSeconds = 0.3;      // before a block or the head alone
+constexpr double kCudaStepWarmupSeconds = 1.0;  // before whole steps
 constexpr double kCudaMeasureSeconds = 0.5;
 
 template <class Run>
-void WarmUp(const c10::Device& device, int runs, Run run) {
+void WarmUp(const c10::Device& device, int runs, double cuda_seconds, Run run) {
   const auto start = Clock::now();
   for (int i = 0;; ++i) {
     const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
-    if (i >= runs && (!device.is_cuda() || elapsed >= kCudaWarmupSeconds)) return;
+    if (i >= runs && (!device.is_cuda() || elapsed >= cuda_seconds)) return;
     run();
   }
 }
@@ -57,7 +58,7 @@ void WarmUp(const c10::Device& device, int runs, Run run) {
 // Median-free mean over `reps` runs after the warm-up.
 template <class Fn>
 double TimeIt(const c10::Device& device, int reps, Fn fn) {
-  WarmUp(device, 1, [&] { SecondsAfter(fn(), Clock::now()); });
+  WarmUp(device, 1, kCudaWarmupSeconds, [&] { SecondsAfter(fn(), Clock::now()); });
   const auto start = Clock::now();
   at::Tensor last;
   for (int i = 0; i < reps; ++i) last = fn();
@@ -191,7 +192,7 @@ double RepeatedModelStepSeconds(const RepeatedModelParts& p, int blocks, int rep
     provider.EndStep(stats);
     return std::chrono::duration<double>(Clock::now() - start).count();
   };
-  WarmUp(p.device, 2, step);
+  WarmUp(p.device, 2, kCudaStepWarmupSeconds, step);
   // The median of `reps` steps at least and, on CUDA, of kCudaMeasureSeconds of them: a short
   // step is bound by the host's launches, and a few of them vary by a third on a busy host.
   std::vector<double> seconds;
