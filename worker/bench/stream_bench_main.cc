@@ -4,10 +4,10 @@
 // run with --swap blocks streamed through --ring slots (one ring for the whole step), the same
 // swap on the memory timeline at that plan's estimated peak (as many forward and backward
 // slots and taped blocks as fit: stream.forward_slots = backward_slots = taped_blocks = -1),
-// and at --budget-tokens the cost
-// model's choice for --budget next to the best hand-picked (blocks_to_swap, ring_size) plan of
-// each ring that fits the budget; plus the pinned H2D bandwidth of the store's blocks measured
-// in the same run. Every streamed row shows the cost model's predicted step next to the
+// the cost model's choice with that plan's estimated peak as its budget, and at
+// --budget-tokens the cost model's choice for --budget next to the best hand-picked
+// (blocks_to_swap, ring_size) plan of each ring that fits the budget; plus the pinned H2D
+// bandwidth of the store's blocks measured in the same run. Every streamed row shows the cost model's predicted step next to the
 // measured one (figures calibrated once per token count on this device).
 // Prints a table and writes OUT/bench_stream.md and OUT/bench_stream.jsonl.
 //
@@ -295,6 +295,18 @@ void Run(const BenchOptions& o, const std::string& command) {
       s.stream.backward_slots = -1;
       s.stream.taped_blocks = -1;
     });
+    // The cost model's choice within the same estimated peak: any resident set, ring, slots,
+    // tapes and LM head placement that fits where this plan does.
+    const uint64_t today_peak = EstimateMemory(in, PlanFromSwapCount(L, o.swap, o.ring)).total();
+    try {
+      streamed_row("peak", "cost model within " + today + "'s peak", [&](JobSpec& s) {
+        s.stream.gpu_memory_budget = today_peak;
+        s.stream.ring_size = o.ring;
+      });
+    } catch (const Error& e) {
+      std::fprintf(stderr, "bench: the cost model within %s's peak at %lld tokens: %s\n",
+                   today.c_str(), static_cast<long long>(tokens), e.what());
+    }
     for (int64_t n : o.phase_slots) {
       streamed_row("slots", today + " slots " + std::to_string(n), [&](JobSpec& s) {
         s.stream.blocks_to_swap = o.swap;
