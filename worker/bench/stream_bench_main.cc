@@ -7,9 +7,9 @@
 // the cost model's choice with that plan's estimated peak as its budget, and at
 // --budget-tokens the cost model's choice for --budget next to the best hand-picked
 // (blocks_to_swap, ring_size) plan of each ring that fits the budget; plus the pinned H2D
-// bandwidth of the store's blocks measured in the same run. Every streamed row shows the cost model's predicted step next to the
-// measured one (figures calibrated once per token count on this device).
-// Prints a table and writes OUT/bench_stream.md and OUT/bench_stream.jsonl.
+// bandwidth of the store's blocks measured in the same run. Every streamed row shows the cost
+// model's predicted step next to the measured one (figures calibrated once per token count on this
+// device). Prints a table and writes OUT/bench_stream.md and OUT/bench_stream.jsonl.
 //
 //   lorastream-bench-stream --store NAME --out DIR [--device cuda:0] [--tokens 512,2048,8192]
 //     [--swap 12] [--ring 2] [--budget 8GiB] [--budget-tokens 2048] [--steps 6] [--warmup 2]
