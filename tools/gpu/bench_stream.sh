@@ -3,8 +3,10 @@
 # the step `bench`): synthesises a 16-layer llama-3-8b-shaped checkpoint (bf16, ~9 GB; kept in
 # $LORASTREAM_BENCH_DIR between runs), serves it as a store, and runs lorastream-bench-stream:
 # batch 1 at 512, 2048 and 8192 tokens, rank 16 on all seven projections: fully resident;
-# 12 of 16 blocks streamed through a ring of 2 (one ring for the whole step); the same on the
-# memory timeline at that plan's estimated peak (more slots in the forward and backward); and
+# fully resident with every block taped (no recompute); 12 of 16 blocks streamed through a
+# ring of 2 (one ring for the whole step); the same on the memory timeline at that plan's
+# estimated peak (more slots in the forward and backward, taped blocks); the cost model's
+# choice within that peak; and
 # at 2048 tokens the cost model's choice for an 8 GiB budget next to the best hand-picked
 # (blocks_to_swap, ring_size) plan of rings 1-4 that fits 8 GiB. Every row: measured and
 # predicted step, bytes copied per step, measured and estimated peak, floor.
