@@ -193,6 +193,23 @@ TrainStart StartOrResume(const JobSpec& spec, bool resume, const ModelConfig& co
   return start;
 }
 
+// A micro-batch on the device: its embeddings (gathered where the table is) and its targets,
+// on CUDA through pinned memory, so that issuing the copies does not wait for the device's
+// queue (a copy from pageable memory would).
+struct MicroBatchInput {
+  at::Tensor embeddings, targets;
+};
+
+MicroBatchInput MicroBatchOnDevice(CausalLm& model, const Batch& b, c10::Device device) {
+  MicroBatchInput in;
+  in.embeddings = model.Embed(ToDeviceLong(b.ids, b.rows, b.seq_len, at::kCPU));
+  const at::Tensor t = ToDeviceLong(b.targets, b.rows, b.seq_len, at::kCPU);
+  in.targets = device.is_cuda()
+                   ? t.pin_memory().to(at::TensorOptions().device(device), /*non_blocking=*/true)
+                   : t.to(device);
+  return in;
+}
+
 // A step's micro-batches, the first one's embeddings and targets already issued to the
 // device: the trainer makes step n+1's while the device still runs step n's tail, so that
 // the host's gather does not leave the device idle between steps.
@@ -200,16 +217,8 @@ struct StepInput {
   int64_t position = -1;  // the sample position it was made for (-1: none)
   std::vector<Batch> batches;
   int64_t n_targets = 0;
-  at::Tensor embeddings, targets;  // micro-batch 0's, on the device
+  MicroBatchInput first;  // micro-batch 0's, on the device
 };
-
-// A micro-batch's targets on the device; on CUDA through pinned memory, so that issuing the
-// copy does not wait for the device's queue (a copy from pageable memory would).
-at::Tensor TargetsOnDevice(const Batch& b, c10::Device device) {
-  at::Tensor t = ToDeviceLong(b.targets, b.rows, b.seq_len, at::kCPU);
-  if (!device.is_cuda()) return t.to(device);
-  return t.pin_memory().to(at::TensorOptions().device(device), /*non_blocking=*/true);
-}
 
 StepInput PrepareStep(const JobSpec& spec, const SequenceSet& sequences, Sampler& sampler,
                       CausalLm& model, int64_t position, c10::Device device) {
@@ -220,9 +229,7 @@ StepInput PrepareStep(const JobSpec& spec, const SequenceSet& sequences, Sampler
     in.batches.push_back(MakeBatch(sequences, sampler, position + m * rows, rows));
     in.n_targets += in.batches.back().n_targets;
   }
-  const Batch& b = in.batches.front();
-  in.embeddings = model.Embed(ToDeviceLong(b.ids, b.rows, b.seq_len, at::kCPU));
-  in.targets = TargetsOnDevice(b, device);
+  in.first = MicroBatchOnDevice(model, in.batches.front(), device);
   return in;
 }
 
@@ -245,13 +252,11 @@ void TrainStep(const JobSpec& spec, const SequenceSet& sequences, Sampler& sampl
   provider.BeginStep();
   std::vector<at::Tensor> figures;  // each micro-batch's loss, then the gradient norm
   for (int64_t m = 0; m < accum; ++m) {
-    const Batch& b = input->batches[m];
-    const at::Tensor embeddings =
-        m == 0 ? input->embeddings : model.Embed(ToDeviceLong(b.ids, b.rows, b.seq_len, at::kCPU));
-    const at::Tensor targets = m == 0 ? input->targets : TargetsOnDevice(b, device);
+    const MicroBatchInput mb =
+        m == 0 ? input->first : MicroBatchOnDevice(model, input->batches[m], device);
     figures.push_back(
         model
-            .TrainMicroBatch(embeddings, targets, adapter, divisor,
+            .TrainMicroBatch(mb.embeddings, mb.targets, adapter, divisor,
                              MixSeed(spec.train.seed, 0xd209, static_cast<uint64_t>(state->step),
                                      static_cast<uint64_t>(m)))
             .detach()
