@@ -244,11 +244,20 @@ void StreamEngine::EndStep(StepStats& stats) {
   copies_saved_ = 0;
 }
 
+namespace {
+
+// What "as many as fit" fills up to: the budget, else the plan's own estimated peak.
+uint64_t FillBound(const MemoryModelInputs& inputs, const ResidencyPlan& plan,
+                   uint64_t gpu_memory_budget) {
+  return gpu_memory_budget > 0 ? gpu_memory_budget : EstimateMemory(inputs, plan).total();
+}
+
+}  // namespace
+
 ResidencyPlan ApplyPhaseSlots(const MemoryModelInputs& inputs, ResidencyPlan plan,
                               uint64_t gpu_memory_budget, int64_t forward_slots,
                               int64_t backward_slots) {
-  const uint64_t peak =
-      gpu_memory_budget > 0 ? gpu_memory_budget : EstimateMemory(inputs, plan).total();
+  const uint64_t peak = FillBound(inputs, plan, gpu_memory_budget);
   auto slots = [&](int64_t asked, int planned, bool forward) {
     if (asked == 0) return planned;
     if (asked > 0) return static_cast<int>(std::min<int64_t>(asked, 1 << 20));
@@ -267,9 +276,7 @@ ResidencyPlan ApplyPhaseSlots(const MemoryModelInputs& inputs, ResidencyPlan pla
   // The backward's slots that also fit across the LM head (within the budget, else within
   // the peak of the plan with these slots) exist there already.
   const ResidencyPlan phased = WithPhaseSlots(plan, f, b, plan.head_slots);
-  const uint64_t head_peak = gpu_memory_budget > 0
-                                 ? gpu_memory_budget
-                                 : std::max(peak, EstimateMemory(inputs, phased).total());
+  const uint64_t head_peak = std::max(peak, FillBound(inputs, phased, gpu_memory_budget));
   return FillHeadSlots(inputs, phased, head_peak);
 }
 
@@ -304,9 +311,7 @@ ResidencyPlan ApplyTapedBlocks(const MemoryModelInputs& inputs, ResidencyPlan pl
   if (taped_blocks > 0) {
     plan.taped_blocks = static_cast<int>(std::min<int64_t>(taped_blocks, plan.num_blocks()));
   } else if (taped_blocks == -1) {
-    const uint64_t peak =
-        gpu_memory_budget > 0 ? gpu_memory_budget : EstimateMemory(inputs, plan).total();
-    plan = FillTapedBlocks(inputs, plan, peak);
+    plan = FillTapedBlocks(inputs, plan, FillBound(inputs, plan, gpu_memory_budget));
   }
   return plan;
 }
