@@ -136,7 +136,7 @@ JobSpec ParseJobSpec(const std::string& toml_text, const std::string& source) {
   s.stream.backward_slots = st.GetInt("backward_slots", s.stream.backward_slots);
   s.stream.taped_blocks = st.GetInt("taped_blocks", s.stream.taped_blocks);
   if (st.Has("gpu_memory_budget")) {
-    // An integer (bytes) or a string with a unit.
+    // An integer (bytes), a string with a unit, or "auto".
     try {
       int64_t bytes = st.GetInt("gpu_memory_budget", 0);
       if (bytes < 0)
@@ -144,9 +144,25 @@ JobSpec ParseJobSpec(const std::string& toml_text, const std::string& source) {
       s.stream.gpu_memory_budget = static_cast<uint64_t>(bytes);
     } catch (const Error& e) {
       if (std::string(e.what()).find("must be an integer") == std::string::npos) throw;
-      s.stream.gpu_memory_budget =
-          ParseByteSize(st.GetString("gpu_memory_budget", ""), st.Where("gpu_memory_budget"));
+      const std::string text = st.GetString("gpu_memory_budget", "");
+      if (text == "auto")
+        s.stream.budget_auto = true;
+      else if (!text.empty() && std::isalpha(static_cast<unsigned char>(text.front())))
+        throw Error(ErrorCode::kCorrupt,
+                    st.Where("gpu_memory_budget") +
+                        " must be \"auto\" (the memory free on the GPU at job start) or a byte "
+                        "count like 8GiB, 500MB or 1024 (found \"" +
+                        text + "\")");
+      else
+        s.stream.gpu_memory_budget = ParseByteSize(text, st.Where("gpu_memory_budget"));
     }
+  } else {
+    // No plan named: the planner chooses within the GPU's free memory.
+    bool hand_plan = false;
+    for (const char* k :
+         {"blocks_to_swap", "ring_size", "forward_slots", "backward_slots", "taped_blocks"})
+      hand_plan = hand_plan || st.Has(k);
+    s.stream.budget_auto = !hand_plan;
   }
   return s;
 }

@@ -177,14 +177,21 @@ struct EvalSpec {
 
 struct StreamSpec {
   int64_t blocks_to_swap = 0;
-  uint64_t gpu_memory_budget = 0;  // bytes; 0 = plan from blocks_to_swap
+  uint64_t gpu_memory_budget = 0;  // bytes; 0 = plan from blocks_to_swap (unless budget_auto)
+  // The budget is the memory free on the job's GPU when it starts (AutoMemoryBudget): a job
+  // file's `gpu_memory_budget = "auto"`, and its default when its [stream] section names no
+  // plan of its own (none of blocks_to_swap, ring_size, forward_slots, backward_slots,
+  // taped_blocks, gpu_memory_budget). On the CPU it means no budget. Specs built in code
+  // default to no budget.
+  bool budget_auto = false;
   int64_t ring_size = 2;
   int64_t forward_slots = 0;   // 0: ring_size; -1: as many as fit within the plan's peak
   int64_t backward_slots = 0;  // 0: ring_size; -1: as many as fit within the plan's peak
   int64_t taped_blocks = 0;    // 0: none (a budget: the cost model's); -1: as many as fit
   template <class A>
   void serialize(A& ar) {
-    ar(blocks_to_swap, gpu_memory_budget, ring_size, forward_slots, backward_slots, taped_blocks);
+    ar(blocks_to_swap, gpu_memory_budget, budget_auto, ring_size, forward_slots, backward_slots,
+       taped_blocks);
   }
 };
 

@@ -38,8 +38,12 @@ int RunPlanCommand(const std::string& job_path, const PlanCommandOptions& option
   } else {
     costs = CalibratedStepCosts(spec, base, device, dtype);
   }
-  uint64_t budget = spec.stream.gpu_memory_budget;
-  std::string budget_from = "stream.gpu_memory_budget";
+  uint64_t budget = JobMemoryBudget(spec.stream, device);
+  std::string budget_from = spec.stream.budget_auto
+                                ? "stream.gpu_memory_budget = \"auto\" (" +
+                                      std::to_string(static_cast<int>(kAutoBudgetFraction * 100)) +
+                                      "% of the memory free on " + device.str() + ")"
+                                : "stream.gpu_memory_budget";
   if (budget == 0) {
     const ResidencyPlan own = PlanResidency(spec.stream.blocks_to_swap, 0, spec.stream.ring_size,
                                             inputs, spec.stream.forward_slots,

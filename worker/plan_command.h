@@ -1,6 +1,7 @@
 // `lorastream-worker plan JOB.toml --device DEV`: the swap plans the cost model considers for
 // the job, each with its predicted step time, copied bytes and estimated peak, and the one it
-// chooses. The budget is the job's stream.gpu_memory_budget; without one, the estimated peak
+// chooses. The budget is the job's stream.gpu_memory_budget ("auto" on a GPU: the share of
+// its free memory JobMemoryBudget takes); without one, the estimated peak
 // of the job's own plan (blocks_to_swap, ring_size), so the table shows what the same memory
 // buys. Calibrates on DEV first (or reads the cached figures).
 #pragma once

@@ -60,6 +60,10 @@ int64_t HeadChunkRows(int64_t tokens, int64_t vocab, int64_t hidden, uint64_t bo
       std::min<uint64_t>(rows, static_cast<uint64_t>(std::max<int64_t>(tokens, 1))));
 }
 
+uint64_t AutoMemoryBudget(uint64_t free_bytes) {
+  return static_cast<uint64_t>(static_cast<double>(free_bytes) * kAutoBudgetFraction);
+}
+
 void SetNonBlockBytes(MemoryModelInputs* in) {
   const uint64_t b = static_cast<uint64_t>(in->compute_bytes);
   const uint64_t h = static_cast<uint64_t>(in->config.hidden_size);

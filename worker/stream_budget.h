@@ -107,6 +107,12 @@ struct MemoryEstimate {
   std::string Describe() const;  // "rest 2.1 GB + resident 4 x 436 MB + ..."
 };
 
+// `gpu_memory_budget = "auto"` on a GPU: this fraction of the bytes free on it when the job
+// starts (AutoMemoryBudget). The rest is left for what the estimate's reserve does not cover
+// (another process's growth, the CUDA libraries' own allocations).
+inline constexpr double kAutoBudgetFraction = 0.9;
+uint64_t AutoMemoryBudget(uint64_t free_bytes);
+
 // rest_bytes and head_bytes of `in` from its config and compute_bytes: the final norm, and the
 // LM head (V x H in the compute dtype, tied or not: a tied head is the embedding table, which
 // otherwise stays in host RAM and is not counted).

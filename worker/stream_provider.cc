@@ -22,6 +22,9 @@
 #include "worker/stream_calibrate.h"
 #include "worker/stream_cost.h"
 #include "worker/torch_device.h"
+#ifdef LORASTREAM_HAVE_CUDA
+#include "worker/cuda/cuda_memory.h"
+#endif
 
 namespace lorastream::worker {
 
@@ -195,12 +198,27 @@ Manifest ComputeLayout(const BaseWeights& base, c10::ScalarType dtype) {
   return m;
 }
 
+uint64_t JobMemoryBudget(const StreamSpec& st, const c10::Device& device) {
+  if (!st.budget_auto || !device.is_cuda()) return st.gpu_memory_budget;
+#ifdef LORASTREAM_HAVE_CUDA
+  const uint64_t free_bytes = CudaFreeBytes(device.has_index() ? device.index() : 0);
+  const uint64_t budget = AutoMemoryBudget(free_bytes);
+  LS_LOG_INFO("stream: gpu_memory_budget auto: {:.0f}% of the {} free on {}: {}",
+              kAutoBudgetFraction * 100, FormatBytes(free_bytes), device.str(),
+              FormatBytes(budget));
+  return budget;
+#else
+  throw Error(ErrorCode::kUnsupported, "stream: " + device.str() + " in a build without CUDA");
+#endif
+}
+
 StreamPlanning PlanJobStream(const JobSpec& spec, const BaseWeights& base,
                              const MemoryModelInputs& inputs, const c10::Device& device,
                              c10::ScalarType dtype) {
   StreamPlanning out;
   const StreamSpec& st = spec.stream;
-  if (st.gpu_memory_budget == 0) {
+  const uint64_t budget = JobMemoryBudget(st, device);
+  if (budget == 0) {
     out.plan = PlanResidency(st.blocks_to_swap, 0, st.ring_size, inputs, st.forward_slots,
                              st.backward_slots, st.taped_blocks);
     return out;
@@ -208,24 +226,33 @@ StreamPlanning PlanJobStream(const JobSpec& spec, const BaseWeights& base,
   // A budget: the cost model chooses among every plan that fits, from figures measured on
   // this device (cached per model, device and length).
   const StepCosts costs = CalibratedStepCosts(spec, base, device, dtype);
-  const PlanChoice choice = ChoosePlan(inputs, costs, st.gpu_memory_budget);
+  PlanChoice choice;
+  try {
+    choice = ChoosePlan(inputs, costs, budget);
+  } catch (const Error& e) {
+    if (!st.budget_auto || e.code() != ErrorCode::kRefused) throw;
+    throw Error(ErrorCode::kRefused,
+                "stream.gpu_memory_budget = \"auto\" is " + FormatBytes(budget) + " on " +
+                    device.str() + " (" +
+                    std::to_string(static_cast<int>(kAutoBudgetFraction * 100)) +
+                    "% of its free memory), too little: " + e.what());
+  }
   const CandidatePlan& chosen = choice.candidates[choice.chosen];
-  LS_LOG_DEBUG("stream: candidate plans:\n{}", DescribeChoice(choice, st.gpu_memory_budget));
+  LS_LOG_DEBUG("stream: candidate plans:\n{}", DescribeChoice(choice, budget));
   // Phase slots the job asks for explicitly override the choice (never below its ring).
   auto at_least_ring = [&](int64_t asked) {
     return asked > 0 ? std::max<int64_t>(asked, chosen.plan.ring_size) : asked;
   };
-  out.plan = ApplyPhaseSlots(inputs, chosen.plan, st.gpu_memory_budget,
-                             at_least_ring(st.forward_slots), at_least_ring(st.backward_slots));
-  out.plan = ApplyTapedBlocks(inputs, out.plan, st.gpu_memory_budget, st.taped_blocks);
+  out.plan = ApplyPhaseSlots(inputs, chosen.plan, budget, at_least_ring(st.forward_slots),
+                             at_least_ring(st.backward_slots));
+  out.plan = ApplyTapedBlocks(inputs, out.plan, budget, st.taped_blocks);
   out.predicted_step_seconds =
       PredictStep(out.plan, inputs.block_bytes, costs, inputs.head_bytes).step_seconds;
   LS_LOG_INFO(
       "stream plan from gpu_memory_budget {} by the cost model ({} candidates; {}): "
       "{}; predicted {:.1f} ms per step (resident {:.1f} ms); estimate {}",
-      FormatBytes(st.gpu_memory_budget), choice.candidates.size(), costs.Describe(),
-      out.plan.Describe(), out.predicted_step_seconds * 1e3,
-      costs.ResidentStepSeconds(out.plan.num_blocks()) * 1e3,
+      FormatBytes(budget), choice.candidates.size(), costs.Describe(), out.plan.Describe(),
+      out.predicted_step_seconds * 1e3, costs.ResidentStepSeconds(out.plan.num_blocks()) * 1e3,
       EstimateMemory(inputs, out.plan).Describe());
   return out;
 }

@@ -23,6 +23,7 @@
 
 namespace lorastream {
 struct JobSpec;
+struct StreamSpec;
 }  // namespace lorastream
 
 namespace lorastream::worker {
@@ -45,7 +46,13 @@ struct StreamPlanning {
   double predicted_step_seconds = 0;  // the cost model's prediction; 0: none made
 };
 
-// The job's plan: from blocks_to_swap (and its phase slots) without a budget; with one, the
+// The job's memory budget in bytes (0: none, plan from blocks_to_swap):
+// stream.gpu_memory_budget, or with stream.budget_auto on a GPU AutoMemoryBudget of the
+// memory free on `device` now (logged); on the CPU auto means none.
+uint64_t JobMemoryBudget(const StreamSpec& stream, const c10::Device& device);
+
+// The job's plan: from blocks_to_swap (and its phase slots) without a budget
+// (JobMemoryBudget); with one, the
 // cost model's choice (calibrated on `device`, worker/stream_calibrate.h), the candidates
 // logged at debug level and the choice with its prediction at info level.
 StreamPlanning PlanJobStream(const JobSpec& spec, const BaseWeights& base,

@@ -70,11 +70,13 @@ TEST_CASE("every message type round-trips through the envelope", "[common][envel
   hb.assignment.spec.lora.targets = {"q_proj"};
   hb.assignment.spec.stream.gpu_memory_budget = 8ull << 30;
   hb.assignment.spec.stream.taped_blocks = -1;
+  hb.assignment.spec.stream.budget_auto = true;
   HeartbeatReply hb2 = RoundTrip(hb);
   CHECK(hb2.has_assignment);
   CHECK(hb2.assignment.spec.lora.targets == std::vector<std::string>{"q_proj"});
   CHECK(hb2.assignment.spec.stream.gpu_memory_budget == (8ull << 30));
   CHECK(hb2.assignment.spec.stream.taped_blocks == -1);  // the coordinator passes it on
+  CHECK(hb2.assignment.spec.stream.budget_auto);
 
   StepReport step;
   step.stats.step = 5;

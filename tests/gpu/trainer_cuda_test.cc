@@ -10,6 +10,7 @@
 #include <catch2/catch.hpp>
 
 #include "tests/worker/worker_test_util.h"
+#include "worker/cuda/cuda_memory.h"
 #include "worker/stream_provider.h"
 #include "worker/trainer.h"
 
@@ -50,4 +51,29 @@ TEST_CASE("CUDA training: every step reports peak device memory, resident and st
   }
   for (size_t i = 0; i < losses[0].size(); ++i)
     CHECK(losses[1][i] == Approx(losses[0][i]).epsilon(2e-2));
+}
+
+TEST_CASE("CUDA: a job naming no plan plans within the device's free memory and trains", "[gpu]") {
+  TempDir dir("cuda-auto-budget");
+  const std::string model = MakeCheckpoint(dir / "model", "tiny");
+  const std::string data = WriteJsonl(dir / "d.jsonl", 16, 40, 80, 512);
+  JobSpec spec = TinyJob(model, data, dir / "out");
+  spec.stream.budget_auto = true;  // what a job file without a plan of its own asks for
+  const uint64_t free_before = CudaFreeBytes(0);
+  const uint64_t budget = JobMemoryBudget(spec.stream, c10::Device("cuda:0"));
+  CHECK(budget > free_before / 2);
+  CHECK(budget < free_before);
+  TrainOptions o;
+  o.device = "cuda:0";
+  o.resume = false;
+  o.make_provider = [](const JobSpec& j, const BaseWeights& b, const std::string& d,
+                       const std::string& dt) { return MakeStreamProvider(j, b, d, dt); };
+  std::vector<StepStats> steps;
+  RunTraining(spec, o, [&](const StepStats& s) { steps.push_back(s); });
+  REQUIRE(steps.size() == static_cast<size_t>(spec.train.steps));
+  for (const StepStats& s : steps) {
+    CHECK(std::isfinite(s.loss));
+    CHECK(s.h2d_bytes == 0);  // the tiny model fits: nothing streams
+    CHECK(s.peak_device_bytes < budget);
+  }
 }

@@ -51,6 +51,34 @@ TEST_CASE("job specs: unknown keys and wrong types are errors naming the key", "
   CHECK(ParseByteSize("1.5 KiB", "x") == 1536ull);
 }
 
+TEST_CASE("job specs: a [stream] section naming no plan plans within the GPU's free memory",
+          "[worker]") {
+  // No plan named: "auto" (the worker resolves it on its device; on the CPU it means none).
+  CHECK(ParseJobSpec("", "j.toml").stream.budget_auto);
+  CHECK(ParseJobSpec("[stream]\n", "j.toml").stream.budget_auto);
+  CHECK(ParseJobSpec("[stream]\ngpu_memory_budget = \"auto\"\n", "j.toml").stream.budget_auto);
+  // Any plan of the job's own, or a budget in bytes (0 included), is kept as it is.
+  for (const char* own : {"blocks_to_swap = 0", "blocks_to_swap = 3", "ring_size = 1",
+                          "forward_slots = -1", "backward_slots = 2", "taped_blocks = -1",
+                          "gpu_memory_budget = 0", "gpu_memory_budget = \"8GiB\""}) {
+    CAPTURE(own);
+    const JobSpec s = ParseJobSpec(std::string("[stream]\n") + own + "\n", "j.toml");
+    CHECK_FALSE(s.stream.budget_auto);
+  }
+  // A word that is not "auto" names the key and both forms.
+  try {
+    ParseJobSpec("[stream]\ngpu_memory_budget = \"automatic\"\n", "j.toml");
+    FAIL("accepted");
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    CHECK(what.find("gpu_memory_budget") != std::string::npos);
+    CHECK(what.find("\"auto\"") != std::string::npos);
+    CHECK(what.find("automatic") != std::string::npos);
+  }
+  // Specs built in code keep their plan.
+  CHECK_FALSE(JobSpec{}.stream.budget_auto);
+}
+
 TEST_CASE("ValidateJobSpec returns every problem, each naming its field", "[worker]") {
   testing::TempDir dir("spec");
   testing::MakeCheckpoint(dir / "model", "tiny");

@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iterator>
@@ -188,6 +189,27 @@ TEST_CASE("trainer: phase slots and the cost model's budget plan give the reside
   REQUIRE(BitEqual(got.losses, want.losses));
   REQUIRE(got.adapter == want.adapter);
   REQUIRE(got.stats[1].copies > 0);  // everything streamed
+}
+
+TEST_CASE("trainer: gpu_memory_budget \"auto\" on the CPU is no budget: the job's own plan",
+          "[worker]") {
+  StreamSpec st;
+  st.budget_auto = true;
+  CHECK(JobMemoryBudget(st, c10::Device(c10::kCPU)) == 0);
+  st.budget_auto = false;
+  st.gpu_memory_budget = 12345;
+  CHECK(JobMemoryBudget(st, c10::Device(c10::kCPU)) == 12345);
+  TinyJob job;
+  const RunRecord want = job.Run(0, 2, /*streamed=*/false);
+  // No calibration (it would write into this folder's cache), the swap plan as given.
+  REQUIRE(setenv("LORASTREAM_CACHE_DIR", (job.dir() + "/cache").c_str(), 1) == 0);
+  const RunRecord got =
+      job.Run(4, 1, /*streamed=*/true, {}, [](JobSpec& s) { s.stream.budget_auto = true; });
+  unsetenv("LORASTREAM_CACHE_DIR");
+  CHECK_FALSE(std::filesystem::exists(job.dir() + "/cache"));
+  REQUIRE(got.stats[1].copies > 0);  // 4 streamed through one slot
+  REQUIRE(BitEqual(got.losses, want.losses));
+  REQUIRE(got.adapter == want.adapter);
 }
 
 TEST_CASE(

@@ -1,6 +1,13 @@
 #include "worker/cuda/cuda_memory.h"
 
+#include <cuda_runtime_api.h>
+
+#include <string>
+
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "common/error.h"
 
 namespace lorastream::worker {
 
@@ -20,6 +27,17 @@ CudaAllocatorCounters CudaAllocatorCountersNow(int device_index) {
   c.syncs = stats.num_sync_all_streams;
   c.segments = stats.segment[0].current;
   return c;
+}
+
+uint64_t CudaFreeBytes(int device_index) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  size_t free_bytes = 0, total_bytes = 0;
+  const cudaError_t e = cudaMemGetInfo(&free_bytes, &total_bytes);
+  if (e != cudaSuccess)
+    throw Error(ErrorCode::kUnsupported, "cudaMemGetInfo on cuda:" + std::to_string(device_index) +
+                                             ": " + cudaGetErrorString(e));
+  return free_bytes;
 }
 
 void CudaResetPeakAllocated(int device_index) {

@@ -9,6 +9,11 @@ namespace lorastream::worker {
 uint64_t CudaPeakAllocatedBytes(int device_index);
 void CudaResetPeakAllocated(int device_index);
 
+// The bytes the driver reports free on the device (cudaMemGetInfo) after the caching
+// allocator has returned its unused cache to it: what a new job of this process could
+// allocate, less what other processes hold.
+uint64_t CudaFreeBytes(int device_index);
+
 // The caching allocator's own calls to the driver since the process started: cudaMalloc and
 // cudaFree of segments, retries after a failed cudaMalloc (each frees the cache, syncing the
 // device), and synchronisations of every stream. (A cudaMalloc serialises the device's
