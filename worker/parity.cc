@@ -43,8 +43,9 @@ at::Tensor ReadI64(const SafetensorsFile& file, const std::string& name) {
 // frozen projections 6 per parameter per token (forward, recompute, input gradient), the LM
 // head 4 per parameter per token (forward, input gradient), causal attention 2 S^2 D per head
 // forward, counted twice for the forward and recompute and twice for the backward; the
-// rank-r adapter terms are left out (under 1% at r = 16).
-double StepFlops(const ModelConfig& c, int64_t batch, int64_t seq) {
+// rank-r adapter terms are left out (under 1% at r = 16). A taped block skips the recompute:
+// 4 per parameter per token, and attention's forward counted once.
+double StepFlops(const ModelConfig& c, int64_t batch, int64_t seq, int taped_blocks) {
   const double h = static_cast<double>(c.hidden_size), d = static_cast<double>(c.head_dim);
   const double q = static_cast<double>(c.num_attention_heads) * d;
   const double kv = static_cast<double>(c.num_key_value_heads) * d;
@@ -52,7 +53,9 @@ double StepFlops(const ModelConfig& c, int64_t batch, int64_t seq) {
       h * q + 2 * h * kv + q * h + 3 * h * static_cast<double>(c.intermediate_size);
   const double tokens = static_cast<double>(batch * seq), s = static_cast<double>(seq);
   const double attention = 2.0 * s * s * q * static_cast<double>(batch);
-  return static_cast<double>(c.num_hidden_layers) * (6 * block * tokens + 4 * attention) +
+  const double taped = static_cast<double>(taped_blocks);
+  return (static_cast<double>(c.num_hidden_layers) - taped) * (6 * block * tokens + 4 * attention) +
+         taped * (4 * block * tokens + 3 * attention) +
          4 * h * static_cast<double>(c.vocab_size) * tokens;
 }
 
@@ -93,7 +96,9 @@ nlohmann::json ProfileStep(CausalLm& model, const LoraAdapter& adapter, const at
   timed("LM head + loss forward + backward (alone)",
         [&] { (model.HeadLossSum(h, targets) * scale).backward(); });
   nlohmann::json j = {{"phases", phases},
-                      {"flops", StepFlops(model.config(), ids.size(0), ids.size(1))},
+                      {"flops", StepFlops(model.config(), ids.size(0), ids.size(1),
+                                          model.provider().taped_blocks())},
+                      {"taped_blocks", model.provider().taped_blocks()},
                       {"peak_device_bytes", stats.peak_device_bytes}};
   if (model.device().is_cuda() && model.dtype() == at::kBFloat16) {
     // The GPU's bf16 matmul rate through LibTorch, measured here (8192^3, 5 times).
@@ -217,6 +222,12 @@ void RunParity(const ParityOptions& o) {
               n_targets, params.size(), o.out_dir);
 
   if (o.timing_repeats > 0) {
+    if (o.taped_blocks < -1 || o.taped_blocks > provider.num_blocks())
+      throw Error(ErrorCode::kInvalidArgument,
+                  "--taped must be -1 (all), 0 or a block count up to " +
+                      std::to_string(provider.num_blocks()) + " (found " +
+                      std::to_string(o.taped_blocks) + ")");
+    provider.set_taped_blocks(o.taped_blocks < 0 ? provider.num_blocks() : o.taped_blocks);
     AdamW optimizer(params, AdamWOptions{});
     std::vector<double> seconds;
     for (int r = 0; r <= o.timing_repeats; ++r) {

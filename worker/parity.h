@@ -23,6 +23,9 @@ struct ParityOptions {
   std::string device = "cpu";  // cpu | cuda:N
   int64_t rank = 16;           // for a fresh adapter (alpha = 2 * rank)
   int timing_repeats = 0;
+  // Blocks that keep their forward's activations into their backward in the timed steps
+  // (BlockProvider::taped_blocks): 0 none (every block recomputed), -1 all, N the last N.
+  int taped_blocks = 0;
 };
 
 void RunParity(const ParityOptions& options);

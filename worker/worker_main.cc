@@ -70,6 +70,9 @@ int main(int argc, char** argv) {
   parity_cmd->add_option("--device", parity.device, "cpu | cuda:N")->capture_default_str();
   parity_cmd->add_option("--repeat", parity.timing_repeats, "timed training steps (speed)");
   parity_cmd->add_option("--rank", parity.rank, "rank of a fresh adapter when --adapter is absent");
+  parity_cmd->add_option("--taped", parity.taped_blocks,
+                         "timed steps: the last N blocks keep their activations, no recompute "
+                         "(-1: all)");
 
   // serve: take jobs from a coordinator (worker/serve.h; the coordinator engineer's part).
   worker::ServeOptions serve;

@@ -5,6 +5,7 @@
 #include <cstdlib>
 
 #include <c10/core/GradMode.h>
+#include <nlohmann/json.hpp>
 
 #include "common/safetensors.h"
 #include "worker/base_weights.h"
@@ -41,7 +42,7 @@ TEST_CASE("lorastream-worker parity writes logits, loss, every LoRA gradient and
   const std::string cmd = std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker parity --model " +
                           (dir / "m") + " --tokens " + (dir / "tokens.safetensors") +
                           " --adapter " + (dir / "adapter") + " --out " + (dir / "out") +
-                          " --repeat 1 > " + (dir / "log") + " 2>&1";
+                          " --repeat 1 --taped -1 > " + (dir / "log") + " 2>&1";
   INFO(testing::ReadFile(dir / "log"));
   REQUIRE(std::system(cmd.c_str()) == 0);
   SafetensorsFile out = SafetensorsFile::Open(dir / "out/parity.safetensors");
@@ -69,5 +70,13 @@ TEST_CASE("lorastream-worker parity writes logits, loss, every LoRA gradient and
     CHECK(at::allclose(tensor("grad." + names[i]), params[i].grad(), 1e-4, 1e-6));
   }
   CHECK(std::filesystem::exists(dir / "out/adapter/adapter_config.json"));
-  CHECK(std::filesystem::exists(dir / "out/speed.json"));
+  // The timed steps ran with every block taped, and their arithmetic counts no recompute.
+  const nlohmann::json speed = nlohmann::json::parse(testing::ReadFile(dir / "out/speed.json"));
+  CHECK(speed["profile"]["taped_blocks"] == 4);
+  // A count beyond the model's blocks is refused, naming the option.
+  const std::string bad = std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker parity --model " +
+                          (dir / "m") + " --tokens " + (dir / "tokens.safetensors") + " --out " +
+                          (dir / "out2") + " --repeat 1 --taped 5 > " + (dir / "log2") + " 2>&1";
+  CHECK(std::system(bad.c_str()) != 0);
+  CHECK(testing::ReadFile(dir / "log2").find("--taped") != std::string::npos);
 }

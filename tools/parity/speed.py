@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Training-step speed: lorastream (fully resident) against transformers + peft with gradient
-checkpointing at its best configuration, same GPU, same run.
+"""Training-step speed: lorastream (fully resident) against transformers + peft at its best
+configuration, same GPU, same run, with and without recomputation.
 
 Model: a 16-layer Llama-3-8B-shaped checkpoint written by lorastream-synth (bf16), rank-16
 LoRA on all seven projections, batch 1, 2048 and 8192 tokens. A step is forward + backward +
@@ -8,14 +8,23 @@ AdamW on the LoRA weights, timed between two device synchronisations; median ove
 steps (>= 5) after --warmup steps (>= 2). Ours first (its own process: the parity pass and one
 untimed step warm it up), then transformers + peft in this process.
 
+Two pairs are compared, each like with like:
+- recomputing: ours with every block gradient-checkpointed (the least memory) against peft with
+  non-reentrant gradient checkpointing;
+- keeping activations: ours with every block taped (`--taped -1`: each block keeps its
+  forward's activations into its backward, what `gpu_memory_budget` chooses when memory
+  allows) against peft without gradient checkpointing.
+The last column puts our faster mode against their faster one.
+
 The reference is timed in the configuration its documentation recommends and a separate
 harness measured (174-188 ms at 2048 tokens where this script used to report 236 ms):
-non-reentrant gradient checkpointing, use_cache off, SDPA attention (flash kernels on bf16),
-torch's default matmul precision, at least two warm-up steps (one left the allocator and the
-kernels' first-use costs inside the timed steps), peak memory reset per measurement. peft
-keeps its LoRA weights in f32 (as ours does); without autocast it runs every LoRA matmul in
-f32 and casts activations to f32 and back; under torch.autocast(bf16) (what Trainer's
-bf16=True does) they run in bf16. Both variants are measured; the faster one is "theirs".
+use_cache off, SDPA attention (flash kernels on bf16), torch's default matmul precision, at
+least two warm-up steps (one left the allocator and the kernels' first-use costs inside the
+timed steps), peak memory reset per measurement. peft keeps its LoRA weights in f32 (as ours
+does); without autocast it runs every LoRA matmul in f32 and casts activations to f32 and
+back; under torch.autocast(bf16) (what Trainer's bf16=True does) they run in bf16. Both are
+measured, with and without checkpointing; the faster of each pair is "theirs". A variant that
+runs out of memory is reported as such.
 Usage: speed.py --bin BUILD/bin --out DIR [--lengths 2048,8192] [--repeat 7] [--warmup 3]
 """
 import argparse
@@ -38,27 +47,32 @@ def dtype_kwarg(dtype):
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
 
-def ours(bin_dir, model_dir, tokens_path, out_dir, repeat, device):
+def ours(bin_dir, model_dir, tokens_path, out_dir, repeat, device, taped):
     cmd = [os.path.join(bin_dir, "lorastream-worker"), "parity", "--model", model_dir,
            "--tokens", tokens_path, "--out", out_dir, "--dtype", "bf16", "--device", device,
-           "--rank", "16", "--repeat", str(repeat)]
+           "--rank", "16", "--repeat", str(repeat), "--taped", "-1" if taped else "0"]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     with open(os.path.join(out_dir, "speed.json")) as f:
-        return json.load(f)["median_step_seconds"]
+        j = json.load(f)
+        return j["median_step_seconds"], j.get("profile", {}).get("peak_device_bytes", 0)
 
 
-# The reference's variants: name -> whether the step runs under torch.autocast(bf16).
-VARIANTS = {"f32 LoRA": False, "autocast bf16": True}
+# The reference's variants: name -> (torch.autocast(bf16) on, gradient checkpointing on).
+VARIANTS = {"f32 LoRA, checkpointed": (False, True), "autocast bf16, checkpointed": (True, True),
+            "f32 LoRA, no checkpointing": (False, False),
+            "autocast bf16, no checkpointing": (True, False)}
 
 
-def reference(model_dir, ids, repeat, warmup, device, autocast):
+def reference(model_dir, ids, repeat, warmup, device, autocast, checkpointing):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, **dtype_kwarg(torch.bfloat16),
                                                  attn_implementation="sdpa").to(device)
     model.config.use_cache = False
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing:
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
     model = get_peft_model(model, LoraConfig(
         r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -71,22 +85,34 @@ def reference(model_dir, ids, repeat, warmup, device, autocast):
         else contextlib.nullcontext
     times = []
     torch.cuda.reset_peak_memory_stats(device)
-    for r in range(warmup + repeat):
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        with ctx():
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize(device)
-        if r >= warmup:
-            times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated(device)
+    try:
+        for r in range(warmup + repeat):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            with ctx():
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize(device)
+            if r >= warmup:
+                times.append(time.perf_counter() - t0)
+        peak = torch.cuda.max_memory_allocated(device)
+        result = (statistics.median(times), times, peak)
+    except torch.cuda.OutOfMemoryError:
+        result = (None, times, None)
+    loss = None
     del model, opt, params, loss
     gc.collect()
     torch.cuda.empty_cache()
-    return statistics.median(times), times, peak
+    return result
+
+
+def fastest(variants, checkpointing=None):
+    """The name of the fastest variant that ran (of one checkpointing setting), or None."""
+    ran = [k for k, v in variants.items() if v["median_s"] is not None and
+           (checkpointing is None or VARIANTS[k][1] == checkpointing)]
+    return min(ran, key=lambda k: variants[k]["median_s"]) if ran else None
 
 
 def main():
@@ -118,29 +144,70 @@ def main():
         ids = torch.randint(0, vocab, (1, n), dtype=torch.int64)
         tokens_path = os.path.join(args.out, f"tokens_{n}.safetensors")
         save_file({"input_ids": ids}, tokens_path)
-        t_ours = ours(args.bin, model_dir, tokens_path, os.path.join(args.out, f"ours_{n}"),
-                      args.repeat, args.device)
+        ours_s, ours_peak = {}, {}
+        for mode, taped in (("checkpointed", False), ("taped", True)):
+            ours_s[mode], ours_peak[mode] = ours(
+                args.bin, model_dir, tokens_path, os.path.join(args.out, f"ours_{mode}_{n}"),
+                args.repeat, args.device, taped)
         variants = {}
-        for name, autocast in VARIANTS.items():
+        for name, (autocast, checkpointing) in VARIANTS.items():
             median, times, peak = reference(model_dir, ids, args.repeat, args.warmup,
-                                            args.device, autocast)
+                                            args.device, autocast, checkpointing)
             variants[name] = {"median_s": median, "step_seconds": times, "peak_bytes": peak}
-            print(f"transformers+peft ({name}), {n} tokens: median {median:.4f} s", flush=True)
-        best = min(variants, key=lambda k: variants[k]["median_s"])
-        t_ref = variants[best]["median_s"]
-        rows.append({"tokens": n, "ours_s": t_ours, "hf_peft_s": t_ref, "hf_peft_best": best,
-                     "ratio_ours_over_hf": t_ours / t_ref,
-                     "hf_peak_bytes": variants[best]["peak_bytes"], "hf_peft_variants": variants,
-                     "warmup": args.warmup, "repeat": args.repeat})
+            print(f"transformers+peft ({name}), {n} tokens: " +
+                  (f"median {median:.4f} s" if median is not None else "out of memory"),
+                  flush=True)
+        best_ckpt, best_kept, best = (fastest(variants, True), fastest(variants, False),
+                                      fastest(variants))
+
+        def t(k):
+            return variants[k]["median_s"] if k else None
+
+        def ratio(a, b):
+            return a / b if a and b else None
+
+        rows.append({"tokens": n, "ours_s": ours_s["checkpointed"],
+                     "ours_taped_s": ours_s["taped"],
+                     "ours_peak_bytes": ours_peak["checkpointed"],
+                     "ours_taped_peak_bytes": ours_peak["taped"],
+                     "hf_peft_s": t(best_ckpt), "hf_peft_best": best_ckpt,
+                     "hf_peft_no_ckpt_s": t(best_kept), "hf_peft_no_ckpt_best": best_kept,
+                     "ratio_ours_over_hf": ratio(ours_s["checkpointed"], t(best_ckpt)),
+                     "ratio_taped_over_hf_no_ckpt": ratio(ours_s["taped"], t(best_kept)),
+                     "ratio_fastest": ratio(min(ours_s.values()), t(best)),
+                     "hf_peft_variants": variants, "warmup": args.warmup,
+                     "repeat": args.repeat})
         print({k: v for k, v in rows[-1].items() if k != "hf_peft_variants"}, flush=True)
 
-    lines = ["| tokens | ours (s/step) | transformers+peft, best (s/step) | their variant "
-             "| ours / theirs |", "| --- | --- | --- | --- | --- |"]
+    def cell(seconds, variant=None):
+        if seconds is None:
+            return "out of memory"
+        return f"{seconds * 1e3:.1f}" + (f" ({variant})" if variant else "")
+
+    def gib(b):
+        return f"{b / 2**30:.2f}" if b else "-"
+
+    def r3(x):
+        return f"**{x:.3f}**" if x is not None else "-"
+
+    lines = ["| tokens | ours, checkpointed (ms) | theirs, checkpointed (ms, best) | ratio "
+             "| ours, every block taped (ms) | theirs, no checkpointing (ms, best) | ratio "
+             "| our fastest / their fastest | peak GiB: ours ckpt / taped, theirs ckpt / none |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['tokens']} | {r['ours_s']:.4f} | {r['hf_peft_s']:.4f} "
-                     f"| {r['hf_peft_best']} | {r['ratio_ours_over_hf']:.3f} |")
+        def peak(k):
+            return gib(r["hf_peft_variants"][k]["peak_bytes"]) if k else "-"
+
+        lines.append(
+            f"| {r['tokens']} | {cell(r['ours_s'])} "
+            f"| {cell(r['hf_peft_s'], r['hf_peft_best'])} | {r3(r['ratio_ours_over_hf'])} "
+            f"| {cell(r['ours_taped_s'])} "
+            f"| {cell(r['hf_peft_no_ckpt_s'], r['hf_peft_no_ckpt_best'])} "
+            f"| {r3(r['ratio_taped_over_hf_no_ckpt'])} | {r3(r['ratio_fastest'])} "
+            f"| {gib(r['ours_peak_bytes'])} / {gib(r['ours_taped_peak_bytes'])}, "
+            f"{peak(r['hf_peft_best'])} / {peak(r['hf_peft_no_ckpt_best'])} |")
     lines.append(f"(median of {args.repeat} steps; reference after {args.warmup} warm-up steps, "
-                 "non-reentrant checkpointing, SDPA, use_cache off)")
+                 "SDPA, use_cache off; checkpointing non-reentrant)")
     table = "\n".join(lines)
     print(table)
     with open(os.path.join(args.out, "speed.md"), "w") as f:
