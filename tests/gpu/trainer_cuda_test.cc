@@ -18,6 +18,22 @@ using namespace lorastream;
 using namespace lorastream::worker;
 using namespace lorastream::testing;
 
+namespace {
+
+// Training on cuda:0 from scratch; with `streamed`, the streaming engine as the provider (the
+// job's [stream] plan), as lorastream-worker train runs it.
+TrainOptions CudaTrainOptions(bool streamed) {
+  TrainOptions o;
+  o.device = "cuda:0";
+  o.resume = false;
+  if (streamed)
+    o.make_provider = [](const JobSpec& j, const BaseWeights& b, const std::string& d,
+                         const std::string& dt) { return MakeStreamProvider(j, b, d, dt); };
+  return o;
+}
+
+}  // namespace
+
 TEST_CASE("CUDA training: every step reports peak device memory, resident and streamed", "[gpu]") {
   TempDir dir("cuda-trainer");
   const std::string model = MakeCheckpoint(dir / "model", "tiny");
@@ -29,14 +45,9 @@ TEST_CASE("CUDA training: every step reports peak device memory, resident and st
     spec.stream.blocks_to_swap = streamed ? 2 : 0;
     spec.stream.ring_size = 1;
     spec.train.checkpoint_every = 1;
-    TrainOptions o;
-    o.device = "cuda:0";
-    o.resume = false;
-    if (streamed)
-      o.make_provider = [](const JobSpec& j, const BaseWeights& b, const std::string& d,
-                           const std::string& dt) { return MakeStreamProvider(j, b, d, dt); };
     std::vector<StepStats> steps;
-    RunTraining(spec, o, [&](const StepStats& s) { steps.push_back(s); });
+    RunTraining(spec, CudaTrainOptions(streamed == 1),
+                [&](const StepStats& s) { steps.push_back(s); });
     REQUIRE(steps.size() == static_cast<size_t>(spec.train.steps));
     for (const StepStats& s : steps) {
       CHECK(s.peak_device_bytes > 0);
@@ -63,13 +74,9 @@ TEST_CASE("CUDA: a job naming no plan plans within the device's free memory and 
   const uint64_t budget = JobMemoryBudget(spec.stream, c10::Device("cuda:0"));
   CHECK(budget > free_before / 2);
   CHECK(budget < free_before);
-  TrainOptions o;
-  o.device = "cuda:0";
-  o.resume = false;
-  o.make_provider = [](const JobSpec& j, const BaseWeights& b, const std::string& d,
-                       const std::string& dt) { return MakeStreamProvider(j, b, d, dt); };
   std::vector<StepStats> steps;
-  RunTraining(spec, o, [&](const StepStats& s) { steps.push_back(s); });
+  RunTraining(spec, CudaTrainOptions(/*streamed=*/true),
+              [&](const StepStats& s) { steps.push_back(s); });
   REQUIRE(steps.size() == static_cast<size_t>(spec.train.steps));
   for (const StepStats& s : steps) {
     CHECK(std::isfinite(s.loss));
