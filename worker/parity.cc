@@ -141,6 +141,10 @@ void RunParity(const ParityOptions& o) {
 
   BaseWeights base = BaseWeights::FromCheckpoint(o.model_dir);
   const ModelConfig& config = base.config();
+  if (o.taped_blocks < -1 || o.taped_blocks > config.num_hidden_layers)
+    throw Error(ErrorCode::kInvalidArgument, "--taped must be -1 (all), 0 or a block count up to " +
+                                                 std::to_string(config.num_hidden_layers) +
+                                                 " (found " + std::to_string(o.taped_blocks) + ")");
   ResidentProvider provider(base, device, dtype);
   RestWeights rest;
   rest.embed_tokens = base.rest().embed_tokens.to(device, dtype);
@@ -222,11 +226,6 @@ void RunParity(const ParityOptions& o) {
               n_targets, params.size(), o.out_dir);
 
   if (o.timing_repeats > 0) {
-    if (o.taped_blocks < -1 || o.taped_blocks > provider.num_blocks())
-      throw Error(ErrorCode::kInvalidArgument,
-                  "--taped must be -1 (all), 0 or a block count up to " +
-                      std::to_string(provider.num_blocks()) + " (found " +
-                      std::to_string(o.taped_blocks) + ")");
     provider.set_taped_blocks(o.taped_blocks < 0 ? provider.num_blocks() : o.taped_blocks);
     AdamW optimizer(params, AdamWOptions{});
     std::vector<double> seconds;
