@@ -7,7 +7,6 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
-#include <torch/version.h>
 
 #include "common/error.h"
 #include "worker/fused_ops.h"
@@ -248,93 +247,6 @@ LoraBlockCast CastLoraBlock(const LoraBlock& lora, c10::ScalarType dtype) {
   cast.stacked[kGateUpGroup] = stack(GateUp(none));
   cast.stacked[kDownGroup] = stack(Down(none));
   return cast;
-}
-
-const LoraBlockCast& LoraCastCache::Block(const LoraAdapter& adapter, int block,
-                                          c10::ScalarType dtype) {
-  LS_CHECK(block >= 0 && block < adapter.num_blocks(), "LoraCastCache: block " +
-                                                           std::to_string(block) + " of " +
-                                                           std::to_string(adapter.num_blocks()));
-  bool same = dtype == dtype_ && static_cast<int>(blocks_.size()) == adapter.num_blocks();
-  if (same) {
-    const LoraBlock& lora = adapter.block(block);
-    size_t i = ranges_[block].first;
-    for (int t = 0; t < kNumLoraTargets && same; ++t) {
-      if (!lora.a[t].defined()) continue;
-      for (const at::Tensor* m : {&lora.a[t], &lora.b[t]})
-        same = same && i < ranges_[block].second &&
-               masters_[i++].unsafeGetTensorImpl() == m->unsafeGetTensorImpl();
-    }
-    same = same && i == ranges_[block].second;
-  }
-  if (!same) {
-    Build(adapter, dtype);
-  } else {
-    for (size_t i = ranges_[block].first; i < ranges_[block].second; ++i) {
-      if (masters_[i]._version() != versions_[i]) {
-        Refresh();
-        break;
-      }
-    }
-  }
-  return blocks_[block];
-}
-
-void LoraCastCache::Build(const LoraAdapter& adapter, c10::ScalarType dtype) {
-  blocks_.assign(adapter.num_blocks(), LoraBlockCast{});
-  masters_.clear();
-  copies_.clear();
-  ranges_.clear();
-  dtype_ = dtype;
-  const BlockWeights none;
-  for (int b = 0; b < adapter.num_blocks(); ++b) {
-    const LoraBlock& lora = adapter.block(b);
-    LoraBlockCast& cast = blocks_[b];
-    const size_t first = masters_.size();
-    // Each group's A's as row ranges of one buffer: the group's stacked A.
-    auto group = [&](auto ps, Group g) {
-      const std::vector<size_t> adapted = Adapted(ps, lora);
-      if (adapted.empty()) return;
-      int64_t rows = 0;
-      for (size_t i : adapted) rows += lora.a[ps[i].target].size(0);
-      const at::Tensor& a0 = lora.a[ps[adapted[0]].target];
-      cast.stacked[g] = at::empty({rows, a0.size(1)}, a0.options().dtype(dtype));
-      int64_t row = 0;
-      for (size_t i : adapted) {
-        const int t = ps[i].target;
-        cast.lora.a[t] = cast.stacked[g].narrow(0, row, lora.a[t].size(0));
-        row += lora.a[t].size(0);
-        cast.lora.b[t] = at::empty_like(lora.b[t], lora.b[t].options().dtype(dtype));
-      }
-    };
-    group(Qkv(none), kQkvGroup);
-    group(OProj(none), kOGroup);
-    group(GateUp(none), kGateUpGroup);
-    group(Down(none), kDownGroup);
-    // In LoraTarget order, as the hit test in Block() reads them.
-    for (int t = 0; t < kNumLoraTargets; ++t) {
-      if (!lora.a[t].defined()) continue;
-      masters_.push_back(lora.a[t]);
-      copies_.push_back(cast.lora.a[t]);
-      masters_.push_back(lora.b[t]);
-      copies_.push_back(cast.lora.b[t]);
-    }
-    ranges_.emplace_back(first, masters_.size());
-  }
-  Refresh();
-}
-
-void LoraCastCache::Refresh() {
-  c10::NoGradGuard no_grad;
-  if (!masters_.empty()) {
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
-    at::_foreach_copy_(copies_, masters_);  // f32 -> compute dtype in a few launches
-#else
-    for (size_t i = 0; i < masters_.size(); ++i) copies_[i].copy_(masters_[i]);
-#endif
-  }
-  versions_.clear();
-  for (const at::Tensor& m : masters_) versions_.push_back(m._version());
 }
 
 at::Tensor BlockForwardTaped(const at::Tensor& x, const BlockWeights& w, const LoraBlockCast& cast,

@@ -15,8 +15,6 @@
 #pragma once
 
 #include <array>
-#include <utility>
-#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -62,27 +60,6 @@ struct LoraBlockCast {
   std::array<at::Tensor, kNumGroups> stacked;
 };
 LoraBlockCast CastLoraBlock(const LoraBlock& lora, c10::ScalarType dtype);
-
-// Every block's LoraBlockCast for a whole step, kept in buffers of its own: what CastLoraBlock
-// gives, bit for bit, without its 14 casts and 2 concatenations per block per step (on a GPU
-// at short lengths the step is bound by issuing kernels). The copies are refreshed from the
-// f32 masters by one multi-tensor copy when a block asks after any master changed: AdamW
-// updates them in place, which advances their version counters; masters that are other
-// tensors (another adapter, or a block's tensors replaced) rebuild the buffers.
-class LoraCastCache {
- public:
-  const LoraBlockCast& Block(const LoraAdapter& adapter, int block, c10::ScalarType dtype);
-
- private:
-  void Build(const LoraAdapter& adapter, c10::ScalarType dtype);
-  void Refresh();
-
-  std::vector<LoraBlockCast> blocks_;
-  std::vector<at::Tensor> masters_, copies_;       // copies_[i] is masters_[i] in the compute dtype
-  std::vector<int64_t> versions_;                  // masters_' versions when copied
-  std::vector<std::pair<size_t, size_t>> ranges_;  // block b's masters: [first, second)
-  c10::ScalarType dtype_ = c10::ScalarType::Undefined;
-};
 
 // The block's forward without grad mode, filling `tape` (when given; it must be empty) for
 // BlockBackward. Only the attention builds its one autograd node.

@@ -89,14 +89,14 @@ struct CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
 }  // namespace
 
 at::Tensor CheckpointedBlockForward(const at::Tensor& x, int block, const LoraAdapter& adapter,
-                                    BlockProvider& provider, const BlockCompute& c, bool keep_tape,
-                                    const LoraBlockCast* cast) {
+                                    BlockProvider& provider, const BlockCompute& c,
+                                    bool keep_tape) {
   CheckpointArgs args;
   args.block = block;
   args.provider = &provider;
   args.compute = c;
   args.targets = adapter.settings().targets;
-  args.lora = cast ? *cast : CastLoraBlock(adapter.block(block), x.scalar_type());
+  args.lora = CastLoraBlock(adapter.block(block), x.scalar_type());
   // As a TensorList: custom functions track tensors inside an ArrayRef, not a std::vector.
   const std::vector<at::Tensor> params = adapter.BlockParams(block);
   return CheckpointedBlock::apply(x, at::TensorList(params), &args, keep_tape)[0];

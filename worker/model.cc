@@ -9,7 +9,6 @@
 
 #include "common/data.h"
 #include "common/error.h"
-#include "worker/block.h"
 #include "worker/fused_ops.h"
 #include "worker/stream_budget.h"
 
@@ -71,8 +70,7 @@ CausalLm::CausalLm(const ModelConfig& config, RestWeights rest, BlockProvider* p
       provider_(provider),
       head_(head),
       device_(device),
-      dtype_(dtype),
-      lora_casts_(std::make_shared<LoraCastCache>()) {
+      dtype_(dtype) {
   LS_CHECK(provider_ != nullptr, "CausalLm needs a block provider");
   if (head_ == nullptr) {
     LS_CHECK(rest_.lm_head.defined(), "CausalLm needs rest.lm_head or a head provider");
@@ -118,8 +116,7 @@ at::Tensor CausalLm::HiddenFromEmbeddings(const at::Tensor& embeddings, const Lo
   for (int i = 0; i < config_.num_hidden_layers; ++i) {
     c.dropout_seed = MixSeed(dropout_seed, static_cast<uint64_t>(i));
     if (checkpointed) {
-      h = CheckpointedBlockForward(h, i, adapter, *provider_, c, /*keep_tape=*/i >= first_taped,
-                                   &lora_casts_->Block(adapter, i, h.scalar_type()));
+      h = CheckpointedBlockForward(h, i, adapter, *provider_, c, /*keep_tape=*/i >= first_taped);
     } else {
       const BlockWeights& w = provider_->Acquire(i);
       h = BlockForward(h, w, adapter.block(i), c);

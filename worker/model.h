@@ -20,9 +20,6 @@
 
 namespace lorastream::worker {
 
-struct LoraBlockCast;  // worker/block.h
-class LoraCastCache;
-
 // cos and sin [S, head_dim] in the compute dtype (computed in f32 as transformers does).
 struct RotaryTables {
   at::Tensor cos, sin;
@@ -57,10 +54,9 @@ at::Tensor BlockForward(const at::Tensor& x, const BlockWeights& w, const LoraBl
 // (worker/block.h): the gradients of x and of the adapter, one autograd node per block.
 // keep_tape: the forward fills the tape and the node keeps it, so that the backward runs
 // without the recompute (the same tensors: bit for bit the same gradients).
-// cast: the block's adapter in the compute dtype (LoraCastCache's); null: cast here.
 at::Tensor CheckpointedBlockForward(const at::Tensor& x, int block, const LoraAdapter& adapter,
                                     BlockProvider& provider, const BlockCompute& c,
-                                    bool keep_tape = false, const LoraBlockCast* cast = nullptr);
+                                    bool keep_tape = false);
 
 class CausalLm {
  public:
@@ -123,8 +119,6 @@ class CausalLm {
   c10::Device device_;
   c10::ScalarType dtype_;
   std::map<int64_t, RotaryTables> rope_;
-  // The adapter in the compute dtype for the checkpointed blocks, cast once per step.
-  std::shared_ptr<LoraCastCache> lora_casts_;
 };
 
 // The LM head's rows per chunk for `tokens` positions of `config` computed in `dtype` on a

@@ -3,13 +3,12 @@
 // run's loss stays within bf16 rounding of the resident one, and checkpoints every step
 // replace the older ones (with the wheel's LibTorch, std::filesystem::remove_all crashed
 // there: common/remove_tree.h).
-#include "tests/worker/torch_catch.h"  // first: see there
-
 #include <cmath>
 #include <filesystem>
 #include <vector>
 
-#include "tests/worker/lora_cast_check.h"
+#include <catch2/catch.hpp>
+
 #include "tests/worker/worker_test_util.h"
 #include "worker/cuda/cuda_memory.h"
 #include "worker/stream_provider.h"
@@ -84,13 +83,4 @@ TEST_CASE("CUDA: a job naming no plan plans within the device's free memory and 
     CHECK(s.h2d_bytes == 0);  // the tiny model fits: nothing streams
     CHECK(s.peak_device_bytes < budget);
   }
-}
-
-TEST_CASE("CUDA: the step's adapter casts equal CastLoraBlock bit for bit and follow every update",
-          "[gpu]") {
-  TempDir dir("cuda-casts");
-  const BaseWeights base = BaseWeights::FromCheckpoint(MakeCheckpoint(dir / "model", "tiny"));
-  LoraSettings settings;
-  settings.targets.fill(true);
-  RequireCastsFollowUpdates(base.config(), settings, at::kBFloat16, c10::Device("cuda:0"));
 }

@@ -11,7 +11,6 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include "common/error.h"
-#include "lora_cast_check.h"
 #include "worker/base_weights.h"
 #include "worker/block.h"
 #include "worker/lora.h"
@@ -261,22 +260,6 @@ TEST_CASE("the memory estimate's tape covers what a taped block keeps", "[worker
         CHECK(kept > 0);
         CHECK(kept + probabilities <= e.tape);
         CHECK(e.tape <= 2 * (kept + probabilities));
-      }
-    }
-  }
-}
-
-TEST_CASE("the step's adapter casts equal CastLoraBlock bit for bit and follow every update",
-          "[worker]") {
-  testing::TempDir dir("casts");
-  const BaseWeights base = BaseWeights::FromCheckpoint(testing::MakeCheckpoint(dir / "m", "tiny"));
-  for (bool subset : {false, true}) {
-    for (c10::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
-      DYNAMIC_SECTION((subset ? "some targets " : "all targets ") << c10::toString(dtype)) {
-        testing::RequireCastsFollowUpdates(
-            base.config(),
-            subset ? SettingsWith({kQProj, kVProj, kDownProj}, 0.0) : AllTargets(0.0), dtype,
-            at::kCPU);
       }
     }
   }
