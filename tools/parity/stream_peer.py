@@ -80,8 +80,6 @@ def peer_step_times(offloading, model_dir, tokens, swap, ring, repeat, warmup, d
     offloader.prepare_block_devices_before_forward(layers)
     params = [p for p in model.parameters() if p.requires_grad]
     assert params and all(p.device == dev for p in params), "LoRA weights not on the device"
-    streamed_on_host = sum(1 for i in offloader.stream_idx
-                           if layers[i].self_attn.q_proj.base_layer.weight.device.type == "cpu")
     model.train()
     opt = torch.optim.AdamW(params, lr=1e-5)
     ids = torch.randint(0, hf.config.vocab_size, (1, tokens), dtype=torch.int64,
@@ -100,9 +98,13 @@ def peer_step_times(offloading, model_dir, tokens, swap, ring, repeat, warmup, d
         if r >= warmup:
             times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated(dev)
+    # Between steps the ring holds its slots' blocks; every other streamed block's weights
+    # are the host masters (a check that the peer streams at all).
+    streamed_on_host = sum(1 for i in offloader.stream_idx
+                           if layers[i].self_attn.q_proj.base_layer.weight.device.type == "cpu")
     result = {"tokens": tokens, "swap": swap, "ring": ring, "median_s": statistics.median(times),
               "step_seconds": times, "peak_bytes": peak, "streamed": offloader.S,
-              "streamed_between_steps_on_host": streamed_on_host, "loss": float(loss)}
+              "streamed_between_steps_on_host": streamed_on_host, "loss": loss.item()}
     del model, opt, params, loss, offloader, hf, layers
     gc.collect()
     torch.cuda.empty_cache()
