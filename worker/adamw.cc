@@ -95,9 +95,4 @@ at::Tensor ClipGradNormAsync(const std::vector<at::Tensor>& params, double max_n
   return total;
 }
 
-double ClipGradNorm(const std::vector<at::Tensor>& params, double max_norm) {
-  const at::Tensor total = ClipGradNormAsync(params, max_norm);
-  return total.defined() ? total.item<double>() : 0.0;
-}
-
 }  // namespace lorastream::worker

@@ -50,7 +50,5 @@ double ScheduleFactor(const std::string& schedule, int64_t step, int64_t warmup_
 // waits for the device: the step reads the norm with its loss, once (worker/trainer.cc).
 // Undefined when no parameter has a gradient.
 at::Tensor ClipGradNormAsync(const std::vector<at::Tensor>& params, double max_norm);
-// ClipGradNormAsync, the norm read on the host (0 without gradients).
-double ClipGradNorm(const std::vector<at::Tensor>& params, double max_norm);
 
 }  // namespace lorastream::worker
