@@ -64,8 +64,39 @@ VARIANTS = {"f32 LoRA, checkpointed": (False, True), "autocast bf16, checkpointe
             "autocast bf16, no checkpointing": (True, False)}
 
 
-def reference(model_dir, ids, repeat, warmup, device, autocast, checkpointing):
+def peft_lora(model):
+    """The LoRA both peer harnesses train: rank 16, alpha 32 on all seven projections."""
     from peft import LoraConfig, get_peft_model
+    return get_peft_model(model, LoraConfig(
+        r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                        "down_proj"]))
+
+
+def timed_steps(model, params, ids, repeat, warmup, device, autocast, times):
+    """The peer's training step (forward and loss, backward, AdamW) between two device
+    synchronisations, `warmup` + `repeat` times, the timed steps' seconds appended to `times`
+    (those done stay there if a step runs out of memory): the peak device memory and the last
+    loss."""
+    opt = torch.optim.AdamW(params, lr=1e-5)
+    ctx = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if autocast \
+        else contextlib.nullcontext
+    torch.cuda.reset_peak_memory_stats(device)
+    for r in range(warmup + repeat):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        with ctx():
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(device)
+        if r >= warmup:
+            times.append(time.perf_counter() - t0)
+    return torch.cuda.max_memory_allocated(device), loss.item()
+
+
+def reference(model_dir, ids, repeat, warmup, device, autocast, checkpointing):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, **dtype_kwarg(torch.bfloat16),
                                                  attn_implementation="sdpa").to(device)
@@ -73,36 +104,17 @@ def reference(model_dir, ids, repeat, warmup, device, autocast, checkpointing):
     if checkpointing:
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = get_peft_model(model, LoraConfig(
-        r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                        "down_proj"]))
+    model = peft_lora(model)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-5)
-    ids = ids.to(device)
-    ctx = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if autocast \
-        else contextlib.nullcontext
     times = []
-    torch.cuda.reset_peak_memory_stats(device)
     try:
-        for r in range(warmup + repeat):
-            torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            with ctx():
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            torch.cuda.synchronize(device)
-            if r >= warmup:
-                times.append(time.perf_counter() - t0)
-        peak = torch.cuda.max_memory_allocated(device)
+        peak, _ = timed_steps(model, params, ids.to(device), repeat, warmup, device, autocast,
+                              times)
         result = (statistics.median(times), times, peak)
     except torch.cuda.OutOfMemoryError:
         result = (None, times, None)
-    loss = None
-    del model, opt, params, loss
+    del model, params
     gc.collect()
     torch.cuda.empty_cache()
     return result

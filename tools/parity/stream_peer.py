@@ -30,10 +30,12 @@ import importlib.util
 import json
 import os
 import statistics
-import time
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+# tools/parity/speed.py: the peer's model loading, LoRA and timed step, shared.
+from speed import dtype_kwarg, peft_lora, timed_steps
 
 
 def load_module(path):
@@ -48,10 +50,9 @@ def checkpointed(forward, *args, **kwargs):
 
 
 def peer_step_times(offloading, model_dir, tokens, swap, ring, repeat, warmup, device):
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
     dev = torch.device(device)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, **dtype_kwarg(torch.bfloat16),
                                               attn_implementation="sdpa")
     hf.config.use_cache = False
     for p in hf.parameters():
@@ -68,10 +69,7 @@ def peer_step_times(offloading, model_dir, tokens, swap, ring, repeat, warmup, d
     # base layers) before peft wraps them, so that the offloader streams what musubi's would.
     for i in offloader.stream_idx:
         offloader._modules(i)
-    model = get_peft_model(hf, LoraConfig(
-        r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                        "down_proj"]))
+    model = peft_lora(hf)
     for i, layer in enumerate(layers):
         layer.forward = functools.partial(checkpointed, layer.forward)
         layer.register_forward_pre_hook(lambda m, a, i=i: offloader.wait_for_block(i))
@@ -81,31 +79,18 @@ def peer_step_times(offloading, model_dir, tokens, swap, ring, repeat, warmup, d
     params = [p for p in model.parameters() if p.requires_grad]
     assert params and all(p.device == dev for p in params), "LoRA weights not on the device"
     model.train()
-    opt = torch.optim.AdamW(params, lr=1e-5)
     ids = torch.randint(0, hf.config.vocab_size, (1, tokens), dtype=torch.int64,
                         generator=torch.Generator().manual_seed(tokens)).to(dev)
     times = []
-    torch.cuda.reset_peak_memory_stats(dev)
-    for r in range(warmup + repeat):
-        torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize(dev)
-        if r >= warmup:
-            times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated(dev)
+    peak, loss = timed_steps(model, params, ids, repeat, warmup, dev, autocast=True, times=times)
     # Between steps the ring holds its slots' blocks; every other streamed block's weights
     # are the host masters (a check that the peer streams at all).
     streamed_on_host = sum(1 for i in offloader.stream_idx
                            if layers[i].self_attn.q_proj.base_layer.weight.device.type == "cpu")
     result = {"tokens": tokens, "swap": swap, "ring": ring, "median_s": statistics.median(times),
               "step_seconds": times, "peak_bytes": peak, "streamed": offloader.S,
-              "streamed_between_steps_on_host": streamed_on_host, "loss": loss.item()}
-    del model, opt, params, loss, offloader, hf, layers
+              "streamed_between_steps_on_host": streamed_on_host, "loss": loss}
+    del model, params, offloader, hf, layers
     gc.collect()
     torch.cuda.empty_cache()
     return result
