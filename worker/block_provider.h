@@ -53,6 +53,10 @@ class BlockProvider {
   // backward instead of recomputing them (ResidencyPlan::taped_blocks: the plan's memory
   // counts them); 0: every block is recomputed.
   virtual int taped_blocks() const { return 0; }
+  // Acquire and Release enqueue no device work and wait for nothing: every block and the LM
+  // head are resident, so a training micro-batch's device work is the same at every step and
+  // may be captured once as a CUDA graph and replayed (worker/micro_batch_runner.h).
+  virtual bool step_is_host_only() const { return false; }
 };
 
 }  // namespace lorastream::worker

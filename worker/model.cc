@@ -164,7 +164,7 @@ at::Tensor CausalLm::HeadLossSum(const at::Tensor& hidden, const at::Tensor& tar
 }
 
 at::Tensor CausalLm::TrainMicroBatch(const at::Tensor& embeddings, const at::Tensor& targets,
-                                     const LoraAdapter& adapter, double loss_divisor,
+                                     const LoraAdapter& adapter, const at::Tensor& loss_divisor,
                                      uint64_t dropout_seed) {
   at::Tensor hidden = HiddenFromEmbeddings(embeddings, adapter, /*training=*/true,
                                            /*checkpointed=*/true, dropout_seed);

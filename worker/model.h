@@ -96,11 +96,12 @@ class CausalLm {
   // (worker/lm_head.h), in chunks of head_chunk_rows() rows; forward-only without grad.
   at::Tensor HeadLossSum(const at::Tensor& hidden, const at::Tensor& targets);
   // One micro-batch of a training step, as training runs it: the checkpointed forward of
-  // every block, HeadLossSum divided by `loss_divisor` (the step's target count) and its
-  // backward (the adapter's gradients accumulate), from the micro-batch's embeddings (Embed).
-  // Returns the divided loss, a device scalar (reading it waits for the device).
+  // every block, HeadLossSum divided by `loss_divisor` (the step's target count, an f32
+  // scalar on the device: a CUDA graph of this reads it from there) and its backward (the
+  // adapter's gradients accumulate), from the micro-batch's embeddings (Embed). Returns the
+  // divided loss, a device scalar (reading it waits for the device).
   at::Tensor TrainMicroBatch(const at::Tensor& embeddings, const at::Tensor& targets,
-                             const LoraAdapter& adapter, double loss_divisor,
+                             const LoraAdapter& adapter, const at::Tensor& loss_divisor,
                              uint64_t dropout_seed);
   // Rows per chunk of HeadLossSum for `tokens` positions: the one set, else as many as fit
   // kDefaultHeadChunkBytes (worker/stream_budget.h), the bound the memory estimate assumes.

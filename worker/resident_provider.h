@@ -30,6 +30,7 @@ class ResidentProvider : public BlockProvider {
   // Resident blocks can keep their activations too (BlockProvider::taped_blocks).
   int taped_blocks() const override { return taped_blocks_; }
   void set_taped_blocks(int k) { taped_blocks_ = k; }
+  bool step_is_host_only() const override { return true; }
 
  private:
   std::vector<BlockWeights> blocks_;

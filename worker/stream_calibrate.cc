@@ -19,6 +19,7 @@
 #include "worker/block.h"
 #include "worker/lm_head.h"
 #include "worker/lora.h"
+#include "worker/micro_batch_runner.h"
 #include "worker/model.h"
 #ifdef LORASTREAM_HAVE_CUDA
 #include "worker/cuda/cuda_bandwidth.h"
@@ -115,6 +116,16 @@ double MeasureBandwidth(uint64_t block_bytes, const c10::Device& device) {
 
 }  // namespace
 
+namespace {
+
+// Whether a job's steps that stream nothing run as CUDA graphs (MicroBatchRunner's rule):
+// then the calibration measures them so too.
+bool CalibratesGraphs(const JobSpec& spec, const c10::Device& device) {
+  return device.is_cuda() && CudaGraphsEnabled() && spec.lora.dropout == 0;
+}
+
+}  // namespace
+
 std::string CalibrationKey(const JobSpec& spec, const BaseWeights& base, const c10::Device& device,
                            c10::ScalarType dtype) {
   const ModelConfig& c = base.config();
@@ -130,8 +141,9 @@ std::string CalibrationKey(const JobSpec& spec, const BaseWeights& base, const c
          std::to_string(spec.lora.rank) + "-" + targets + "-T" + std::to_string(tokens) + "-C" +
          std::to_string(chunk_rows) +
          // From whole steps, each ending in its one wait, after warm-ups that raise the
-         // clocks (older entries: a block alone, or steps that waited twice, measured cold).
-         "-steps2";
+         // clocks (older entries: a block alone, or steps that waited twice, measured cold);
+         // with the steps that stream nothing measured as CUDA graphs where they run so.
+         "-steps2" + (CalibratesGraphs(spec, device) ? "-graphs" : "");
 }
 
 namespace {
@@ -146,6 +158,7 @@ class RepeatedBlockProvider : public BlockProvider {
   const BlockWeights& Acquire(int) override { return w_; }
   void Release(int) override {}
   void EndStep(StepStats&) override {}
+  bool step_is_host_only() const override { return true; }
 
  private:
   const BlockWeights& w_;
@@ -169,7 +182,8 @@ struct RepeatedModelParts {
 // the backward, gradient clipping and AdamW, the next step's embeddings gathered on the host,
 // then the one read of the loss and the norm. What the isolated timings miss (launches, autograd,
 // allocations, the host gather, the waits) is in it.
-double RepeatedModelStepSeconds(const RepeatedModelParts& p, int blocks, int reps) {
+double RepeatedModelStepSeconds(const RepeatedModelParts& p, int blocks, int reps,
+                                bool allow_graphs) {
   ModelConfig config = *p.config;
   config.num_hidden_layers = blocks;
   const LoraAdapter adapter = LoraAdapter::Init(config, *p.settings, 0, p.device);
@@ -177,15 +191,17 @@ double RepeatedModelStepSeconds(const RepeatedModelParts& p, int blocks, int rep
   CausalLm model(config, p.rest, &provider, p.device, p.dtype, p.head);
   const std::vector<at::Tensor> params = adapter.Params();
   AdamW optimizer(params, AdamWOptions{});
-  const double divisor = static_cast<double>(p.targets.numel());
+  MicroBatchRunner runner(model, adapter, allow_graphs);
+  const at::Tensor divisor = at::full({}, static_cast<double>(p.targets.numel()),
+                                      at::TensorOptions().dtype(at::kFloat).device(p.device));
   at::Tensor embeddings = model.Embed(p.ids);
   auto step = [&] {
     const auto start = Clock::now();
     provider.BeginStep();
-    const at::Tensor loss = model.TrainMicroBatch(embeddings, p.targets, adapter, divisor, 0);
+    const at::Tensor loss = runner.Run(embeddings, p.targets, divisor, 0);
     const at::Tensor norm = ClipGradNormAsync(params, 1.0);
     optimizer.Step(1e-9);
-    optimizer.ZeroGrad();
+    runner.ZeroGrad(optimizer);
     embeddings = model.Embed(p.ids);  // the next step's, before the step's one wait
     (void)at::stack({loss.detach().to(at::kFloat), norm}).sum().item<double>();
     StepStats stats;
@@ -268,11 +284,18 @@ StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c
   parts.rest.embed_tokens = base.rest().embed_tokens;
   parts.rest.norm = norm;
   parts.ids = at::randint(config.vocab_size, {rows, seq}, at::TensorOptions().dtype(at::kLong));
-  const double long_step = RepeatedModelStepSeconds(parts, deep, reps);
-  const double short_step = RepeatedModelStepSeconds(parts, half, reps);
+  const double long_step = RepeatedModelStepSeconds(parts, deep, reps, /*allow_graphs=*/false);
+  const double short_step = RepeatedModelStepSeconds(parts, half, reps, /*allow_graphs=*/false);
   const double split = forward_alone + backward_alone;
   SplitMeasuredSteps(long_step, deep, short_step, half, split > 0 ? forward_alone / split : 0.0,
                      &costs);
+  // A plan that streams nothing trains from a CUDA graph (worker/micro_batch_runner.h): its
+  // full-depth step measured so, against the eager one.
+  double graphed_step = 0;
+  if (CalibratesGraphs(spec, device)) {
+    graphed_step = RepeatedModelStepSeconds(parts, deep, reps, /*allow_graphs=*/true);
+    if (long_step > 0) costs.graph_factor = graphed_step / long_step;
+  }
 
   uint64_t block_bytes = 0;
   for (const at::Tensor* t :
@@ -284,10 +307,10 @@ StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c
   LS_LOG_INFO(
       "stream: calibrated on {} at {} tokens in {:.2f} s: {} (a block alone: forward "
       "{:.2f} ms, recompute+backward {:.2f} ms; steps of {} and {} blocks: {:.2f} and "
-      "{:.2f} ms)",
+      "{:.2f} ms; as a CUDA graph {:.2f} ms)",
       device.str(), rows * seq, std::chrono::duration<double>(Clock::now() - start).count(),
       costs.Describe(), forward_alone * 1e3, backward_alone * 1e3, half, deep, short_step * 1e3,
-      long_step * 1e3);
+      long_step * 1e3, graphed_step * 1e3);
   return costs;
 }
 

@@ -20,8 +20,9 @@ namespace lorastream::worker {
 namespace fs = std::filesystem;
 
 double StepCosts::ResidentStepSeconds(int num_blocks) const {
-  return num_blocks * (block_forward_seconds + block_backward_seconds) + head_seconds +
-         tail_seconds;
+  return (num_blocks * (block_forward_seconds + block_backward_seconds) + head_seconds +
+          tail_seconds) *
+         graph_factor;
 }
 
 std::string StepCosts::Describe() const {
@@ -31,7 +32,13 @@ std::string StepCosts::Describe() const {
                 "%.2f ms, H2D %.1f GB/s",
                 block_forward_seconds * 1e3, block_backward_seconds * 1e3, head_seconds * 1e3,
                 tail_seconds * 1e3, h2d_bytes_per_second / 1e9);
-  return buf;
+  std::string out = buf;
+  if (graph_factor != 1) {
+    std::snprintf(buf, sizeof buf, ", a step streaming nothing as a CUDA graph x%.3f",
+                  graph_factor);
+    out += buf;
+  }
+  return out;
 }
 
 void SplitMeasuredSteps(double deep_step, int deep, double short_step, int half,
@@ -108,6 +115,7 @@ PredictedStep PredictStep(const ResidencyPlan& plan, const std::vector<uint64_t>
     slots = p.slots_at_end;
     step = now;
   }
+  if (plan.num_streamed() == 0 && !plan.head_streamed) step.step_seconds *= costs.graph_factor;
   return step;
 }
 
@@ -262,6 +270,10 @@ bool LoadStepCosts(const std::string& key, StepCosts* costs) {
     if (!j.contains(name) || !j[name].is_number() || j[name].get<double>() < 0) return false;
     *field = j[name].get<double>();
   }
+  if (j.contains("graph_factor")) {
+    if (!j["graph_factor"].is_number() || !(j["graph_factor"].get<double>() > 0)) return false;
+    c.graph_factor = j["graph_factor"].get<double>();
+  }
   *costs = c;
   return true;
 }
@@ -275,7 +287,8 @@ void SaveStepCosts(const std::string& key, const StepCosts& c) {
                       {"block_backward_seconds", c.block_backward_seconds},
                       {"head_seconds", c.head_seconds},
                       {"tail_seconds", c.tail_seconds},
-                      {"h2d_bytes_per_second", c.h2d_bytes_per_second}};
+                      {"h2d_bytes_per_second", c.h2d_bytes_per_second},
+                      {"graph_factor", c.graph_factor}};
   // Written whole then renamed: a reader never sees half a file.
   const fs::path tmp = path.string() + ".tmp";
   {

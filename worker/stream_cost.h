@@ -33,6 +33,9 @@ struct StepCosts {
   double head_seconds = 0;            // embedding, final norm, LM head, loss and their backward
   double tail_seconds = 0;            // optimizer step and the rest of the step
   double h2d_bytes_per_second = 0;    // measured Host->Device bandwidth of a block copy
+  // A step that streams nothing replays a CUDA graph (worker/micro_batch_runner.h) in this
+  // fraction of the eager step the figures above add up to: measured, 1 without graphs.
+  double graph_factor = 1;
 
   double ResidentStepSeconds(int num_blocks) const;
   std::string Describe() const;  // "fwd 2.31 ms, bwd 4.70 ms, head 30.1 ms, ... 55.3 GB/s"
@@ -56,7 +59,8 @@ struct PredictedStep {
 };
 
 // The steady-state step of `plan` (one pass per step) under `costs`; block_bytes[i]: the
-// bytes of block i's copy; head_bytes: the LM head's copy when the plan streams it.
+// bytes of block i's copy; head_bytes: the LM head's copy when the plan streams it. A plan
+// that streams nothing takes costs.graph_factor of it.
 PredictedStep PredictStep(const ResidencyPlan& plan, const std::vector<uint64_t>& block_bytes,
                           const StepCosts& costs, uint64_t head_bytes = 0);
 

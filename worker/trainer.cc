@@ -30,6 +30,7 @@
 #include "worker/evaluate.h"
 #include "worker/lm_head.h"
 #include "worker/lora.h"
+#include "worker/micro_batch_runner.h"
 #include "worker/model.h"
 #include "worker/resident_provider.h"
 #include "worker/stream_budget.h"
@@ -242,32 +243,33 @@ StepInput PrepareStep(const JobSpec& spec, const SequenceSet& sequences, Sampler
 // the update (the adapter in memory is then lost; checkpoints are written only after a
 // step's loss is read).
 void TrainStep(const JobSpec& spec, const SequenceSet& sequences, Sampler& sampler, CausalLm& model,
-               BlockProvider& provider, LoraAdapter& adapter, AdamW& optimizer,
+               BlockProvider& provider, MicroBatchRunner& runner, AdamW& optimizer,
                const std::vector<at::Tensor>& params, double lr, c10::Device device,
                bool prepare_next, StepInput* input, TrainState* state, StepStats* stats) {
   const int64_t rows = spec.train.batch_size, accum = spec.train.grad_accum;
   if (input->position != state->samples_seen)
     *input = PrepareStep(spec, sequences, sampler, model, state->samples_seen, device);
-  const double divisor = static_cast<double>(std::max<int64_t>(1, input->n_targets));
+  // An f32 scalar on the device (issued without a wait), as a graphed micro-batch reads it.
+  const at::Tensor divisor =
+      at::full({}, static_cast<double>(std::max<int64_t>(1, input->n_targets)),
+               at::TensorOptions().dtype(at::kFloat).device(device));
   provider.BeginStep();
   std::vector<at::Tensor> figures;  // each micro-batch's loss, then the gradient norm
   for (int64_t m = 0; m < accum; ++m) {
     const MicroBatchInput mb =
         m == 0 ? input->first : MicroBatchOnDevice(model, input->batches[m], device);
-    figures.push_back(
-        model
-            .TrainMicroBatch(mb.embeddings, mb.targets, adapter, divisor,
-                             MixSeed(spec.train.seed, 0xd209, static_cast<uint64_t>(state->step),
-                                     static_cast<uint64_t>(m)))
-            .detach()
-            .to(at::kFloat)
-            .reshape({}));
+    figures.push_back(runner
+                          .Run(mb.embeddings, mb.targets, divisor,
+                               MixSeed(spec.train.seed, 0xd209, static_cast<uint64_t>(state->step),
+                                       static_cast<uint64_t>(m)))
+                          .to(at::kFloat)
+                          .reshape({}));
   }
   const at::Tensor norm = ClipGradNormAsync(params, spec.optim.grad_clip);
   figures.push_back(norm.defined() ? norm.to(at::kFloat).reshape({})
                                    : at::zeros({}, figures.front().options()));
   optimizer.Step(lr);
-  optimizer.ZeroGrad();
+  runner.ZeroGrad(optimizer);
   const int64_t next = state->samples_seen + rows * accum;
   *input = prepare_next ? PrepareStep(spec, sequences, sampler, model, next, device) : StepInput{};
   // The step's one wait for the device.
@@ -276,6 +278,8 @@ void TrainStep(const JobSpec& spec, const SequenceSet& sequences, Sampler& sampl
   double loss_value = 0.0;
   for (int64_t m = 0; m < accum; ++m) loss_value += v[m];
   provider.EndStep(*stats);
+  // A replay allocates nothing: its memory is what the captured micro-batch allocated.
+  stats->peak_device_bytes = std::max(stats->peak_device_bytes, runner.captured_peak_bytes());
   if (!std::isfinite(loss_value))
     throw Error(ErrorCode::kInternal,
                 "job " + spec.name + ": the loss is " + std::to_string(loss_value) + " at step " +
@@ -387,6 +391,7 @@ TrainResult RunTraining(const JobSpec& spec_in, const TrainOptions& options,
   if (ec) throw Error(ErrorCode::kIo, "train.output_dir: cannot create " + spec.train.output_dir);
   Sampler sampler(sequences.count, spec.train.seed);
   const auto params = adapter.Params();
+  MicroBatchRunner runner(*m.model, adapter, CudaGraphsEnabled());
   int64_t last_saved = resume_dir.empty() ? -1 : state.step;
   result.checkpoint_dir = resume_dir;
   auto save = [&]() {
@@ -408,7 +413,7 @@ TrainResult RunTraining(const JobSpec& spec_in, const TrainOptions& options,
     const double lr = spec.optim.lr * ScheduleFactor(spec.optim.schedule, state.step,
                                                      spec.optim.warmup_steps, total);
     StepStats stats;
-    TrainStep(spec, sequences, sampler, *m.model, *m.provider, adapter, optimizer, params, lr,
+    TrainStep(spec, sequences, sampler, *m.model, *m.provider, runner, optimizer, params, lr,
               device, /*prepare_next=*/state.step + 1 < total, &input, &state, &stats);
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     SetStepFigures(state.step, total, rows * accum * sequences.seq_len, seconds, &stats);
@@ -420,6 +425,7 @@ TrainResult RunTraining(const JobSpec& spec_in, const TrainOptions& options,
     AppendStats(stats_path, stats);
     result.steps_done = state.step;
     result.final_loss = stats.loss;
+    result.graphed_micro_batches = runner.replays();
     if (on_step) on_step(stats);
     if (checkpoint_now && state.step < total) save();
   }

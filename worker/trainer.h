@@ -64,6 +64,8 @@ struct TrainResult {
   double final_eval_loss = std::numeric_limits<double>::quiet_NaN();  // the last evaluation
   std::string adapter_dir;     // where the final adapter is (output_dir), when finished
   std::string checkpoint_dir;  // the last checkpoint written
+  // Micro-batches replayed from a CUDA graph (worker/micro_batch_runner.h); 0 on the CPU.
+  int64_t graphed_micro_batches = 0;
 };
 
 // With an eval set ([eval]) the adapter is evaluated (worker/evaluate.h) after every

@@ -5,8 +5,10 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <sstream>
 
 #include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
 
 #include "common/error.h"
 #include "common/remove_tree.h"
@@ -71,6 +73,28 @@ TEST_CASE("cost model: a resident plan takes the compute's sum", "[worker]") {
     REQUIRE(PredictStep(plan, in.block_bytes, c).step_seconds ==
             Approx(c.ResidentStepSeconds(16) - taped * c.block_forward_seconds));
   }
+}
+
+TEST_CASE("cost model: a plan that streams nothing takes the CUDA graph's factor, no other",
+          "[worker]") {
+  const MemoryModelInputs in = Inputs(16, 512);
+  StepCosts eager = H200Like(512);
+  StepCosts graphed = eager;
+  graphed.graph_factor = 0.6;
+  ResidencyPlan resident = PlanFromSwapCount(16, 0, 2);
+  resident.taped_blocks = 16;
+  REQUIRE(PredictStep(resident, in.block_bytes, graphed).step_seconds ==
+          Approx(0.6 * PredictStep(resident, in.block_bytes, eager).step_seconds));
+  REQUIRE(graphed.ResidentStepSeconds(16) == Approx(0.6 * eager.ResidentStepSeconds(16)));
+  // Streamed blocks or a streamed head run eagerly (the engine's copies and waits are per step).
+  ResidencyPlan head_streamed = PlanFromSwapCount(16, 0, 2);
+  head_streamed.head_streamed = true;
+  for (const ResidencyPlan& plan : {PlanFromSwapCount(16, 4, 2), head_streamed}) {
+    REQUIRE(PredictStep(plan, in.block_bytes, graphed, in.head_bytes).step_seconds ==
+            PredictStep(plan, in.block_bytes, eager, in.head_bytes).step_seconds);
+  }
+  REQUIRE(graphed.Describe().find("CUDA graph x0.600") != std::string::npos);
+  REQUIRE(eager.Describe().find("graph") == std::string::npos);
 }
 
 TEST_CASE("cost model: taped blocks never slow a streamed plan; a budget with room tapes all",
@@ -309,7 +333,8 @@ TEST_CASE("the calibration cache: round trip, damaged files and other keys are n
   REQUIRE(CalibrationCachePath(key).find('/', dir.size() + 13) == std::string::npos);
   StepCosts got;
   REQUIRE_FALSE(LoadStepCosts(key, &got));  // nothing cached yet
-  const StepCosts want = H200Like(2048);
+  StepCosts want = H200Like(2048);
+  want.graph_factor = 0.625;
   SaveStepCosts(key, want);
   REQUIRE(LoadStepCosts(key, &got));
   REQUIRE(got.block_forward_seconds == want.block_forward_seconds);
@@ -317,6 +342,19 @@ TEST_CASE("the calibration cache: round trip, damaged files and other keys are n
   REQUIRE(got.head_seconds == want.head_seconds);
   REQUIRE(got.tail_seconds == want.tail_seconds);
   REQUIRE(got.h2d_bytes_per_second == want.h2d_bytes_per_second);
+  REQUIRE(got.graph_factor == want.graph_factor);
+  // An entry without graph_factor (measured without CUDA graphs) reads as 1; a factor that
+  // is not positive is not trusted.
+  std::stringstream text;
+  text << std::ifstream(CalibrationCachePath(key)).rdbuf();
+  nlohmann::json j = nlohmann::json::parse(text.str());
+  j.erase("graph_factor");
+  std::ofstream(CalibrationCachePath(key)) << j.dump();
+  REQUIRE(LoadStepCosts(key, &got));
+  REQUIRE(got.graph_factor == 1);
+  j["graph_factor"] = 0;
+  std::ofstream(CalibrationCachePath(key)) << j.dump();
+  REQUIRE_FALSE(LoadStepCosts(key, &got));
   REQUIRE_FALSE(LoadStepCosts(key + "-other", &got));
   std::ofstream(CalibrationCachePath(key)) << "{\"key\": \"" << key << "\", \"head_sec";
   REQUIRE_FALSE(LoadStepCosts(key, &got));  // damaged: measured again
