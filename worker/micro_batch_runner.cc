@@ -3,6 +3,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <map>
+#include <mutex>
 
 #include <ATen/ATen.h>
 
@@ -31,10 +33,27 @@ bool CudaGraphsEnabled() {
 
 #ifdef LORASTREAM_HAVE_CUDA
 
+namespace {
+
+// One capture stream per device for the process. cuBLAS keeps a workspace per handle and
+// stream for the process's life (LibTorch's cache): a stream of the pool's round robin per
+// runner would add one (32 MiB per thread that runs GEMMs) for every job a worker trains.
+c10::cuda::CUDAStream CaptureStream(c10::DeviceIndex index) {
+  static std::mutex mutex;
+  static std::map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = streams.find(index);
+  if (it == streams.end())
+    it =
+        streams.emplace(index, c10::cuda::getStreamFromPool(/*isHighPriority=*/false, index)).first;
+  return it->second;
+}
+
+}  // namespace
+
 // The capture stream, the graph and the tensors it reads and writes.
 struct MicroBatchRunner::Graph {
-  explicit Graph(c10::DeviceIndex index)
-      : stream(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, index)) {}
+  explicit Graph(c10::DeviceIndex index) : stream(CaptureStream(index)) {}
   c10::cuda::CUDAStream stream;
   std::unique_ptr<at::cuda::CUDAGraph> graph;  // set once captured
   at::Tensor embeddings, targets, divisor;     // the inputs, copied in before each replay

@@ -169,3 +169,20 @@ TEST_CASE("CUDA: streamed jobs and jobs with LoRA dropout run their micro-batche
   CHECK(Train(resident, /*streamed=*/true).result.graphed_micro_batches ==
         resident.train.steps - 1);
 }
+
+TEST_CASE("CUDA: graphed jobs one after another in one process leave no memory behind", "[gpu]") {
+  // A worker trains job after job in one process: each job's graph, its pool and its capture
+  // stream's state must not accumulate (cuBLAS keeps a workspace per stream for the process).
+  TempDir dir("cuda-graphs-repeat");
+  const std::string model = MakeCheckpoint(dir / "model", "tiny");
+  const std::string data = WriteJsonl(dir / "d.jsonl", 16, 40, 80, 512);
+  std::vector<uint64_t> after;
+  for (int job = 0; job < 3; ++job) {
+    JobSpec spec = TinyJob(model, data, dir / ("out" + std::to_string(job)));
+    CHECK(Train(spec, /*streamed=*/false).result.graphed_micro_batches == spec.train.steps - 1);
+    after.push_back(CudaAllocatedBytes(0));
+  }
+  CAPTURE(after);
+  CHECK(after[1] == after[0]);
+  CHECK(after[2] == after[0]);
+}

@@ -6,7 +6,9 @@ Model: a 16-layer Llama-3-8B-shaped checkpoint written by lorastream-synth (bf16
 LoRA on all seven projections, batch 1, 2048 and 8192 tokens. A step is forward + backward +
 AdamW on the LoRA weights, timed between two device synchronisations; median over --repeat
 steps (>= 5) after --warmup steps (>= 2). Ours first (its own process: the parity pass and one
-untimed step warm it up), then transformers + peft in this process.
+untimed step warm it up), then transformers + peft in this process. Ours is timed as training
+runs it: on CUDA its micro-batch replays a CUDA graph (worker/micro_batch_runner.h; the second
+untimed step captures it; LORASTREAM_CUDA_GRAPHS=0 in the environment times it eagerly).
 
 Two pairs are compared, each like with like:
 - recomputing: ours with every block gradient-checkpointed (the least memory) against peft with
@@ -55,7 +57,8 @@ def ours(bin_dir, model_dir, tokens_path, out_dir, repeat, device, taped):
     subprocess.run(cmd, check=True)
     with open(os.path.join(out_dir, "speed.json")) as f:
         j = json.load(f)
-        return j["median_step_seconds"], j.get("profile", {}).get("peak_device_bytes", 0)
+        return (j["median_step_seconds"], j.get("profile", {}).get("peak_device_bytes", 0),
+                bool(j.get("cuda_graph")))
 
 
 # The reference's variants: name -> (torch.autocast(bf16) on, gradient checkpointing on).
@@ -156,9 +159,9 @@ def main():
         ids = torch.randint(0, vocab, (1, n), dtype=torch.int64)
         tokens_path = os.path.join(args.out, f"tokens_{n}.safetensors")
         save_file({"input_ids": ids}, tokens_path)
-        ours_s, ours_peak = {}, {}
+        ours_s, ours_peak, ours_graph = {}, {}, {}
         for mode, taped in (("checkpointed", False), ("taped", True)):
-            ours_s[mode], ours_peak[mode] = ours(
+            ours_s[mode], ours_peak[mode], ours_graph[mode] = ours(
                 args.bin, model_dir, tokens_path, os.path.join(args.out, f"ours_{mode}_{n}"),
                 args.repeat, args.device, taped)
         variants = {}
@@ -182,6 +185,7 @@ def main():
                      "ours_taped_s": ours_s["taped"],
                      "ours_peak_bytes": ours_peak["checkpointed"],
                      "ours_taped_peak_bytes": ours_peak["taped"],
+                     "ours_cuda_graph": ours_graph["checkpointed"] and ours_graph["taped"],
                      "hf_peft_s": t(best_ckpt), "hf_peft_best": best_ckpt,
                      "hf_peft_no_ckpt_s": t(best_kept), "hf_peft_no_ckpt_best": best_kept,
                      "ratio_ours_over_hf": ratio(ours_s["checkpointed"], t(best_ckpt)),
@@ -218,8 +222,10 @@ def main():
             f"| {r3(r['ratio_taped_over_hf_no_ckpt'])} | {r3(r['ratio_fastest'])} "
             f"| {gib(r['ours_peak_bytes'])} / {gib(r['ours_taped_peak_bytes'])}, "
             f"{peak(r['hf_peft_best'])} / {peak(r['hf_peft_no_ckpt_best'])} |")
-    lines.append(f"(median of {args.repeat} steps; reference after {args.warmup} warm-up steps, "
-                 "SDPA, use_cache off; checkpointing non-reentrant)")
+    graphed = all(r["ours_cuda_graph"] for r in rows)
+    lines.append(f"(median of {args.repeat} steps; ours "
+                 f"{'replayed from a CUDA graph' if graphed else 'eager'}; reference after "
+                 f"{args.warmup} warm-up steps, SDPA, use_cache off; checkpointing non-reentrant)")
     table = "\n".join(lines)
     print(table)
     with open(os.path.join(args.out, "speed.md"), "w") as f:

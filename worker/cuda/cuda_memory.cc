@@ -17,6 +17,12 @@ uint64_t CudaPeakAllocatedBytes(int device_index) {
   return static_cast<uint64_t>(stats.allocated_bytes[0].peak);  // [0]: all pools
 }
 
+uint64_t CudaAllocatedBytes(int device_index) {
+  const auto stats =
+      c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(device_index));
+  return static_cast<uint64_t>(stats.allocated_bytes[0].current);
+}
+
 CudaAllocatorCounters CudaAllocatorCountersNow(int device_index) {
   const auto stats =
       c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(device_index));

@@ -7,6 +7,8 @@
 namespace lorastream::worker {
 
 uint64_t CudaPeakAllocatedBytes(int device_index);
+// The bytes the caching allocator has handed out and not taken back now.
+uint64_t CudaAllocatedBytes(int device_index);
 void CudaResetPeakAllocated(int device_index);
 
 // The bytes the driver reports free on the device (cudaMemGetInfo) after the caching
