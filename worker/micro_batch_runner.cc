@@ -31,6 +31,10 @@ bool CudaGraphsEnabled() {
 #endif
 }
 
+bool CudaGraphsApply(const c10::Device& device, double lora_dropout) {
+  return device.is_cuda() && CudaGraphsEnabled() && lora_dropout == 0;
+}
+
 #ifdef LORASTREAM_HAVE_CUDA
 
 namespace {
@@ -101,7 +105,7 @@ bool MicroBatchRunner::graphed() const {
 }
 
 bool MicroBatchRunner::Eligible(const at::Tensor& embeddings, const at::Tensor& targets) const {
-  if (!allow_graphs_ || !model_.device().is_cuda() || adapter_.settings().dropout > 0 ||
+  if (!allow_graphs_ || !CudaGraphsApply(model_.device(), adapter_.settings().dropout) ||
       !model_.provider().step_is_host_only())
     return false;
 #ifdef LORASTREAM_HAVE_CUDA

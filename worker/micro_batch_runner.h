@@ -27,6 +27,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 namespace lorastream::worker {
 
@@ -36,10 +37,14 @@ class LoraAdapter;
 
 // Whether CUDA graphs may be used: a CUDA build, LORASTREAM_CUDA_GRAPHS not "0".
 bool CudaGraphsEnabled();
+// Whether a micro-batch on `device` with LoRA dropout `lora_dropout` may be graphed when
+// nothing streams: CUDA, CudaGraphsEnabled(), no dropout (the calibration asks the same).
+bool CudaGraphsApply(const c10::Device& device, double lora_dropout);
 
 class MicroBatchRunner {
  public:
-  // `model` and `adapter` outlive the runner; allow_graphs: CudaGraphsEnabled() for training.
+  // `model` and `adapter` outlive the runner; allow_graphs false: every micro-batch eagerly
+  // (the calibration's eager steps).
   MicroBatchRunner(CausalLm& model, const LoraAdapter& adapter, bool allow_graphs);
   ~MicroBatchRunner();
   MicroBatchRunner(const MicroBatchRunner&) = delete;

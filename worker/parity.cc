@@ -231,7 +231,7 @@ void RunParity(const ParityOptions& o) {
     AdamW optimizer(params, AdamWOptions{});
     // The micro-batch as training runs it (worker/micro_batch_runner.h: a CUDA graph where
     // training would replay one).
-    MicroBatchRunner runner(model, adapter, CudaGraphsEnabled());
+    MicroBatchRunner runner(model, adapter, /*allow_graphs=*/true);
     optimizer.ZeroGrad();
     const at::Tensor divisor = at::full({}, static_cast<double>(std::max<int64_t>(1, n_targets)),
                                         at::TensorOptions().dtype(at::kFloat).device(device));

@@ -114,14 +114,10 @@ double MeasureBandwidth(uint64_t block_bytes, const c10::Device& device) {
   return s > 0 ? reps * static_cast<double>(block_bytes) / s : 0.0;
 }
 
-}  // namespace
-
-namespace {
-
 // Whether a job's steps that stream nothing run as CUDA graphs (MicroBatchRunner's rule):
 // then the calibration measures them so too.
 bool CalibratesGraphs(const JobSpec& spec, const c10::Device& device) {
-  return device.is_cuda() && CudaGraphsEnabled() && spec.lora.dropout == 0;
+  return CudaGraphsApply(device, spec.lora.dropout);
 }
 
 }  // namespace

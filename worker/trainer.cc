@@ -391,7 +391,7 @@ TrainResult RunTraining(const JobSpec& spec_in, const TrainOptions& options,
   if (ec) throw Error(ErrorCode::kIo, "train.output_dir: cannot create " + spec.train.output_dir);
   Sampler sampler(sequences.count, spec.train.seed);
   const auto params = adapter.Params();
-  MicroBatchRunner runner(*m.model, adapter, CudaGraphsEnabled());
+  MicroBatchRunner runner(*m.model, adapter, /*allow_graphs=*/true);
   int64_t last_saved = resume_dir.empty() ? -1 : state.step;
   result.checkpoint_dir = resume_dir;
   auto save = [&]() {
