@@ -119,6 +119,12 @@ PredictedStep PredictStep(const ResidencyPlan& plan, const std::vector<uint64_t>
   return step;
 }
 
+double OptimizerStepSeconds(double pass_seconds, const StepCosts& costs, int64_t grad_accum) {
+  const int64_t passes = std::max<int64_t>(1, grad_accum);
+  return static_cast<double>(passes) * pass_seconds -
+         static_cast<double>(passes - 1) * costs.tail_seconds;
+}
+
 std::string CandidatePlan::Label() const {
   std::ostringstream s;
   s << "swap " << plan.num_streamed() << " ring " << plan.ring_size;

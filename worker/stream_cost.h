@@ -64,6 +64,10 @@ struct PredictedStep {
 PredictedStep PredictStep(const ResidencyPlan& plan, const std::vector<uint64_t>& block_bytes,
                           const StepCosts& costs, uint64_t head_bytes = 0);
 
+// An optimizer step of `grad_accum` micro-batches, each one pass of `pass_seconds`
+// (PredictStep's step_seconds), with the step's tail (the optimizer) once.
+double OptimizerStepSeconds(double pass_seconds, const StepCosts& costs, int64_t grad_accum);
+
 struct CandidatePlan {
   ResidencyPlan plan;
   uint64_t peak_bytes = 0;  // EstimateMemory(...).total()

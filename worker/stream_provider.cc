@@ -249,13 +249,18 @@ StreamPlanning PlanJobStream(const JobSpec& spec, const BaseWeights& base,
   out.plan = ApplyPhaseSlots(inputs, chosen.plan, budget, at_least_ring(st.forward_slots),
                              at_least_ring(st.backward_slots));
   out.plan = ApplyTapedBlocks(inputs, out.plan, budget, st.taped_blocks);
-  out.predicted_step_seconds =
-      PredictStep(out.plan, inputs.block_bytes, costs, inputs.head_bytes).step_seconds;
+  // Per optimizer step, as the provider measures it (BeginStep to BeginStep).
+  out.predicted_step_seconds = OptimizerStepSeconds(
+      PredictStep(out.plan, inputs.block_bytes, costs, inputs.head_bytes).step_seconds, costs,
+      spec.train.grad_accum);
   LS_LOG_INFO(
       "stream plan from gpu_memory_budget {} by the cost model ({} candidates; {}): "
       "{}; predicted {:.1f} ms per step (resident {:.1f} ms); estimate {}",
       FormatBytes(budget), choice.candidates.size(), costs.Describe(), out.plan.Describe(),
-      out.predicted_step_seconds * 1e3, costs.ResidentStepSeconds(out.plan.num_blocks()) * 1e3,
+      out.predicted_step_seconds * 1e3,
+      OptimizerStepSeconds(costs.ResidentStepSeconds(out.plan.num_blocks()), costs,
+                           spec.train.grad_accum) *
+          1e3,
       EstimateMemory(inputs, out.plan).Describe());
   return out;
 }

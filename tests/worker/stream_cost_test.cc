@@ -97,6 +97,17 @@ TEST_CASE("cost model: a plan that streams nothing takes the CUDA graph's factor
   REQUIRE(eager.Describe().find("graph") == std::string::npos);
 }
 
+TEST_CASE("cost model: an optimizer step of N micro-batches is N passes, its tail once",
+          "[worker]") {
+  const MemoryModelInputs in = Inputs(16, 2048);
+  StepCosts c = H200Like(2048);
+  c.tail_seconds = 2e-3;
+  const double pass = PredictStep(PlanFromSwapCount(16, 12, 2), in.block_bytes, c).step_seconds;
+  REQUIRE(OptimizerStepSeconds(pass, c, 1) == pass);
+  REQUIRE(OptimizerStepSeconds(pass, c, 0) == pass);  // no accumulation: one pass
+  REQUIRE(OptimizerStepSeconds(pass, c, 4) == Approx(4 * pass - 3 * 2e-3));
+}
+
 TEST_CASE("cost model: taped blocks never slow a streamed plan; a budget with room tapes all",
           "[worker]") {
   const MemoryModelInputs in = Inputs(16, 2048);
