@@ -16,6 +16,7 @@
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -128,7 +129,8 @@ at::Tensor MicroBatchRunner::Run(const at::Tensor& embeddings, const at::Tensor&
                                  const at::Tensor& loss_divisor, uint64_t dropout_seed) {
   if (!Eligible(embeddings, targets)) return Eager(embeddings, targets, loss_divisor, dropout_seed);
 #ifdef LORASTREAM_HAVE_CUDA
-  const c10::DeviceIndex index = embeddings.device().index();
+  const c10::DeviceIndex index =
+      embeddings.device().has_index() ? embeddings.device().index() : c10::cuda::current_device();
   if (graph_ == nullptr) graph_ = std::make_unique<Graph>(index);
   Graph& g = *graph_;
   ++calls_;
