@@ -105,6 +105,17 @@ struct TrainedRun {
   std::vector<StepStats> steps;
 };
 
+// A tiny checkpoint and `documents` JSONL documents in a fresh temporary folder.
+struct TinyModelAndData {
+  TinyModelAndData(const std::string& name, int documents)
+      : dir(name),
+        model(MakeCheckpoint(dir / "model", "tiny")),
+        data(WriteJsonl(dir / "d.jsonl", documents, 40, 80, 512)) {}
+  JobSpec Job(const std::string& out) const { return TinyJob(model, data, dir / out); }
+  TempDir dir;
+  std::string model, data;
+};
+
 TrainedRun Train(const JobSpec& spec, bool streamed) {
   TrainedRun r;
   r.result = RunTraining(spec, CudaTrainOptions(streamed),
@@ -116,10 +127,8 @@ TrainedRun Train(const JobSpec& spec, bool streamed) {
 
 TEST_CASE("CUDA: a resident job replays its micro-batches from a CUDA graph, equal to eager",
           "[gpu]") {
-  TempDir dir("cuda-graphs");
-  const std::string model = MakeCheckpoint(dir / "model", "tiny");
-  const std::string data = WriteJsonl(dir / "d.jsonl", 24, 40, 80, 512);
-  JobSpec spec = TinyJob(model, data, dir / "graphed");
+  const TinyModelAndData tiny("cuda-graphs", 24);
+  JobSpec spec = tiny.Job("graphed");
   spec.train.steps = 5;
   spec.train.grad_accum = 2;  // replays accumulate into the gradients, zeroed in place
   spec.train.checkpoint_every = 2;
@@ -129,7 +138,7 @@ TEST_CASE("CUDA: a resident job replays its micro-batches from a CUDA graph, equ
   CHECK(graphed.result.graphed_micro_batches == spec.train.steps * spec.train.grad_accum - 1);
 
   JobSpec eager_spec = spec;
-  eager_spec.train.output_dir = dir / "eager";
+  eager_spec.train.output_dir = tiny.dir / "eager";
   TrainedRun eager;
   {
     EagerOnly off;
@@ -145,7 +154,7 @@ TEST_CASE("CUDA: a resident job replays its micro-batches from a CUDA graph, equ
     CHECK(graphed.steps[i].peak_device_bytes > 0);
   }
   const c10::Device cuda("cuda:0");
-  const ModelConfig config = LoadModelConfig(model + "/config.json");
+  const ModelConfig config = LoadModelConfig(tiny.model + "/config.json");
   const LoraAdapter a = LoraAdapter::Load(spec.train.output_dir, config, cuda);
   const LoraAdapter b = LoraAdapter::Load(eager_spec.train.output_dir, config, cuda);
   const auto pa = a.Params(), pb = b.Params();
@@ -155,17 +164,15 @@ TEST_CASE("CUDA: a resident job replays its micro-batches from a CUDA graph, equ
 
 TEST_CASE("CUDA: streamed jobs and jobs with LoRA dropout run their micro-batches eagerly",
           "[gpu]") {
-  TempDir dir("cuda-graphs-eager");
-  const std::string model = MakeCheckpoint(dir / "model", "tiny");
-  const std::string data = WriteJsonl(dir / "d.jsonl", 16, 40, 80, 512);
-  JobSpec streamed = TinyJob(model, data, dir / "streamed");
+  const TinyModelAndData tiny("cuda-graphs-eager", 16);
+  JobSpec streamed = tiny.Job("streamed");
   streamed.stream.blocks_to_swap = 1;
   CHECK(Train(streamed, /*streamed=*/true).result.graphed_micro_batches == 0);
-  JobSpec dropout = TinyJob(model, data, dir / "dropout");
+  JobSpec dropout = tiny.Job("dropout");
   dropout.lora.dropout = 0.1;  // its masks are seeded from the host at every micro-batch
   CHECK(Train(dropout, /*streamed=*/false).result.graphed_micro_batches == 0);
   // The same job through the stream provider with nothing streamed is graphed.
-  JobSpec resident = TinyJob(model, data, dir / "resident");
+  JobSpec resident = tiny.Job("resident");
   CHECK(Train(resident, /*streamed=*/true).result.graphed_micro_batches ==
         resident.train.steps - 1);
 }
@@ -173,12 +180,10 @@ TEST_CASE("CUDA: streamed jobs and jobs with LoRA dropout run their micro-batche
 TEST_CASE("CUDA: graphed jobs one after another in one process leave no memory behind", "[gpu]") {
   // A worker trains job after job in one process: each job's graph, its pool and its capture
   // stream's state must not accumulate (cuBLAS keeps a workspace per stream for the process).
-  TempDir dir("cuda-graphs-repeat");
-  const std::string model = MakeCheckpoint(dir / "model", "tiny");
-  const std::string data = WriteJsonl(dir / "d.jsonl", 16, 40, 80, 512);
+  const TinyModelAndData tiny("cuda-graphs-repeat", 16);
   std::vector<uint64_t> after;
   for (int job = 0; job < 3; ++job) {
-    JobSpec spec = TinyJob(model, data, dir / ("out" + std::to_string(job)));
+    JobSpec spec = tiny.Job("out" + std::to_string(job));
     CHECK(Train(spec, /*streamed=*/false).result.graphed_micro_batches == spec.train.steps - 1);
     after.push_back(CudaAllocatedBytes(0));
   }
