@@ -17,14 +17,13 @@
 //
 // Gradients: the graph writes into the adapter's .grad tensors as they were when it was
 // captured (accumulating, as autograd does into an existing gradient), so ZeroGrad zeroes
-// them in place once a graph may exist; setting them to none would cut them off from it.
+// them in place once a graph exists; setting them to none would cut them off from it.
 // The peak device memory of a replay is not seen by the allocator's counters (a replay
 // allocates nothing): captured_peak_bytes() is what the captured call allocated at most.
 #pragma once
 
 #include <cstdint>
 #include <memory>
-#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
@@ -54,8 +53,8 @@ class MicroBatchRunner {
   // is copied: the next replay overwrites the graph's).
   at::Tensor Run(const at::Tensor& embeddings, const at::Tensor& targets,
                  const at::Tensor& loss_divisor, uint64_t dropout_seed);
-  // The optimizer's gradients cleared for the next step: set to none while no graph can
-  // exist, else zeroed in place.
+  // The optimizer's gradients cleared for the next step: set to none while no graph exists
+  // (the capture gives every parameter a gradient first), else zeroed in place.
   void ZeroGrad(AdamW& optimizer);
 
   bool graphed() const;                         // a graph was captured and is replayed
