@@ -173,6 +173,11 @@ at::Tensor CausalLm::TrainMicroBatch(const at::Tensor& embeddings, const at::Ten
   return loss;
 }
 
+at::Tensor CausalLm::LossDivisor(int64_t targets) const {
+  return at::full({}, static_cast<double>(std::max<int64_t>(1, targets)),
+                  at::TensorOptions().dtype(at::kFloat).device(device_));
+}
+
 at::Tensor CausalLm::LossSum(const at::Tensor& logits, const at::Tensor& targets) {
   const int64_t vocab = logits.size(-1);
   return at::cross_entropy_loss(logits.to(at::kFloat).reshape({-1, vocab}), targets.reshape({-1}),

@@ -103,6 +103,9 @@ class CausalLm {
   at::Tensor TrainMicroBatch(const at::Tensor& embeddings, const at::Tensor& targets,
                              const LoraAdapter& adapter, const at::Tensor& loss_divisor,
                              uint64_t dropout_seed);
+  // TrainMicroBatch's loss_divisor for a step of `targets` target tokens (at least 1), on the
+  // model's device; filled without waiting for it.
+  at::Tensor LossDivisor(int64_t targets) const;
   // Rows per chunk of HeadLossSum for `tokens` positions: the one set, else as many as fit
   // kDefaultHeadChunkBytes (worker/stream_budget.h), the bound the memory estimate assumes.
   int64_t head_chunk_rows(int64_t tokens) const;

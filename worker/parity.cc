@@ -178,28 +178,22 @@ void RunParity(const ParityOptions& o) {
     return LoraAdapter::Init(config, s, 0, device);
   }();
 
-  auto step = [&](bool keep_logits, at::Tensor* logits_out) {
+  // The parity pass: the whole sequence's logits, written out for the harness, and the
+  // gradients of their mean cross entropy.
+  fs::create_directories(o.out_dir);
+  at::Tensor logits, loss;
+  {
     provider.BeginStep();
     at::Tensor hidden = model.Hidden(ids, adapter, /*training=*/true, /*checkpointed=*/true, 0);
     const double scale = 1.0 / static_cast<double>(std::max<int64_t>(1, n_targets));
-    at::Tensor loss;
-    if (keep_logits) {
-      // The whole sequence's logits, written out for the harness.
-      at::Tensor logits = model.Logits(hidden);
-      loss = CausalLm::LossSum(logits, targets) * scale;
-      *logits_out = logits.detach().to(at::kFloat);
-    } else {
-      loss = model.HeadLossSum(hidden, targets) * scale;  // as training computes it
-    }
+    at::Tensor full_logits = model.Logits(hidden);
+    loss = CausalLm::LossSum(full_logits, targets) * scale;
+    logits = full_logits.detach().to(at::kFloat);
     loss.backward();
+    loss = loss.detach();
     StepStats stats;
     provider.EndStep(stats);
-    return loss.detach();
-  };
-
-  fs::create_directories(o.out_dir);
-  at::Tensor logits;
-  at::Tensor loss = step(true, &logits);
+  }
   std::vector<at::Tensor> keep;
   std::vector<TensorToWrite> out;
   auto add = [&](const std::string& name, const at::Tensor& t) {
@@ -233,8 +227,7 @@ void RunParity(const ParityOptions& o) {
     // training would replay one).
     MicroBatchRunner runner(model, adapter, /*allow_graphs=*/true);
     optimizer.ZeroGrad();
-    const at::Tensor divisor = at::full({}, static_cast<double>(std::max<int64_t>(1, n_targets)),
-                                        at::TensorOptions().dtype(at::kFloat).device(device));
+    const at::Tensor divisor = model.LossDivisor(n_targets);
     std::vector<double> seconds;
     // Two warm-ups: the first runs eagerly, the second captures the graph where there is one.
     const int warmups = 2;

@@ -188,8 +188,7 @@ double RepeatedModelStepSeconds(const RepeatedModelParts& p, int blocks, int rep
   const std::vector<at::Tensor> params = adapter.Params();
   AdamW optimizer(params, AdamWOptions{});
   MicroBatchRunner runner(model, adapter, allow_graphs);
-  const at::Tensor divisor = at::full({}, static_cast<double>(p.targets.numel()),
-                                      at::TensorOptions().dtype(at::kFloat).device(p.device));
+  const at::Tensor divisor = model.LossDivisor(p.targets.numel());
   at::Tensor embeddings = model.Embed(p.ids);
   auto step = [&] {
     const auto start = Clock::now();

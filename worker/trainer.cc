@@ -249,10 +249,7 @@ void TrainStep(const JobSpec& spec, const SequenceSet& sequences, Sampler& sampl
   const int64_t rows = spec.train.batch_size, accum = spec.train.grad_accum;
   if (input->position != state->samples_seen)
     *input = PrepareStep(spec, sequences, sampler, model, state->samples_seen, device);
-  // An f32 scalar on the device (issued without a wait), as a graphed micro-batch reads it.
-  const at::Tensor divisor =
-      at::full({}, static_cast<double>(std::max<int64_t>(1, input->n_targets)),
-               at::TensorOptions().dtype(at::kFloat).device(device));
+  const at::Tensor divisor = model.LossDivisor(input->n_targets);
   provider.BeginStep();
   std::vector<at::Tensor> figures;  // each micro-batch's loss, then the gradient norm
   for (int64_t m = 0; m < accum; ++m) {
