@@ -123,6 +123,14 @@ def reference(model_dir, ids, repeat, warmup, device, autocast, checkpointing):
     return result
 
 
+def write_table(lines, path):
+    """Prints a markdown table's lines and writes them to `path`."""
+    table = "\n".join(lines)
+    print(table)
+    with open(path, "w") as f:
+        f.write(table + "\n")
+
+
 def fastest(variants, checkpointing=None):
     """The name of the fastest variant that ran (of one checkpointing setting), or None."""
     ran = [k for k, v in variants.items() if v["median_s"] is not None and
@@ -226,10 +234,7 @@ def main():
     lines.append(f"(median of {args.repeat} steps; ours "
                  f"{'replayed from a CUDA graph' if graphed else 'eager'}; reference after "
                  f"{args.warmup} warm-up steps, SDPA, use_cache off; checkpointing non-reentrant)")
-    table = "\n".join(lines)
-    print(table)
-    with open(os.path.join(args.out, "speed.md"), "w") as f:
-        f.write(table + "\n")
+    write_table(lines, os.path.join(args.out, "speed.md"))
     with open(os.path.join(args.out, "speed.json"), "w") as f:
         json.dump(rows, f, indent=2)
 

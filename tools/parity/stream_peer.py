@@ -35,7 +35,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 # tools/parity/speed.py: the peer's model loading, LoRA and timed step, shared.
-from speed import dtype_kwarg, peft_lora, timed_steps
+from speed import dtype_kwarg, peft_lora, timed_steps, write_table
 
 
 def load_module(path):
@@ -155,10 +155,7 @@ def main():
         lines.append(f"| {r['tokens']} | {args.swap} of the blocks streamed, ring {args.ring} "
                      f"| {ours_cell} | {r['median_s'] * 1e3:.1f} ({r['peak_bytes'] / 2**30:.2f}) "
                      f"| {ratio} |")
-    table = "\n".join(lines)
-    print(table)
-    with open(os.path.join(args.out, "stream_peer.md"), "w") as f:
-        f.write(table + "\n")
+    write_table(lines, os.path.join(args.out, "stream_peer.md"))
 
 
 if __name__ == "__main__":
