@@ -93,7 +93,11 @@ struct MicroBatchRunner::Graph {};
 #endif
 
 MicroBatchRunner::MicroBatchRunner(CausalLm& model, const LoraAdapter& adapter, bool allow_graphs)
-    : model_(model), adapter_(adapter), allow_graphs_(allow_graphs) {}
+    : model_(model),
+      adapter_(adapter),
+      // What does not change during a job: the device, the dropout, whether anything streams.
+      may_graph_(allow_graphs && CudaGraphsApply(model.device(), adapter.settings().dropout) &&
+                 model.provider().step_is_host_only()) {}
 
 MicroBatchRunner::~MicroBatchRunner() = default;
 
@@ -106,9 +110,7 @@ bool MicroBatchRunner::graphed() const {
 }
 
 bool MicroBatchRunner::Eligible(const at::Tensor& embeddings, const at::Tensor& targets) const {
-  if (!allow_graphs_ || !CudaGraphsApply(model_.device(), adapter_.settings().dropout) ||
-      !model_.provider().step_is_host_only())
-    return false;
+  if (!may_graph_) return false;
 #ifdef LORASTREAM_HAVE_CUDA
   if (graph_ != nullptr && graph_->failed) return false;
   return !graphed() || (graph_->embeddings.sizes().equals(embeddings.sizes()) &&

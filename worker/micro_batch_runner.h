@@ -69,7 +69,7 @@ class MicroBatchRunner {
 
   CausalLm& model_;
   const LoraAdapter& adapter_;
-  bool allow_graphs_;
+  bool may_graph_;     // allowed, CudaGraphsApply and nothing streams: fixed for the runner's life
   int64_t calls_ = 0;  // eligible calls so far
   int64_t replays_ = 0;
   uint64_t captured_peak_bytes_ = 0;
