@@ -219,7 +219,7 @@ TEST_CASE("the timeline at ring 2's peak: more slots in the forward than in the 
   REQUIRE(b.backward_slots == timeline.backward_slots);
 }
 
-TEST_CASE("issue 15: a Qwen3-8B-shaped model trains at 2048 tokens within 5 GiB", "[worker]") {
+TEST_CASE("a Qwen3-8B-shaped model trains at 2048 tokens within 5 GiB", "[worker]") {
   const MemoryModelInputs in = InputsFor(Qwen3_8bShape(), 2048);
   const uint64_t gib = uint64_t{1} << 30;
   REQUIRE(in.block_bytes[0] == 385892864ULL);  // 192.9M bf16 parameters per block

@@ -1,6 +1,6 @@
 // The shapes the streaming planner's tests reason about, as memory-model inputs: the
-// llama-3-8b block (the benchmark's 16-layer checkpoint) and the full Qwen3-8B (issue 15's
-// smallest-GPU target).
+// llama-3-8b block (the benchmark's 16-layer checkpoint) and the full Qwen3-8B (the
+// smallest-GPU target: it trains at 2048 tokens within 5 GiB).
 #pragma once
 
 #include <cstdint>
