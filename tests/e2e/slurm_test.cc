@@ -217,32 +217,13 @@ TEST_CASE("a Slurm pilot on two nodes trains four jobs; a node lost mid-run chan
 
   // The pilot: two nodes of two CPU workers, a coordinator on the first node.
   const std::string keys = dir + "/keys", run = dir + "/run";
-  const std::string said = RunAndCapture({Bin("lorastream"),
-                                          "slurm",
-                                          "--model",
-                                          dir + "/model",
-                                          "--store",
-                                          store,
-                                          "--nodes",
-                                          "2",
-                                          "--cpu-workers-per-node",
-                                          "2",
-                                          "--threads",
-                                          "1",
-                                          "--keys",
-                                          keys,
-                                          "--run-dir",
-                                          run,
-                                          "--port",
-                                          std::to_string(FreeLoopbackPort()),
-                                          "--heartbeat-timeout",
-                                          "3",
-                                          "--partition",
-                                          "main",
-                                          "--time",
-                                          "15",
-                                          "--submit"},
-                                         &code, 60);
+  std::vector<std::string> pilot = {Bin("lorastream")};
+  std::istringstream words("slurm --model " + dir + "/model --store " + store +
+                           " --nodes 2 --cpu-workers-per-node 2 --threads 1 --keys " + keys +
+                           " --run-dir " + run + " --port " + std::to_string(FreeLoopbackPort()) +
+                           " --heartbeat-timeout 3 --partition main --time 15 --requeue --submit");
+  for (std::string word; words >> word;) pilot.push_back(word);
+  const std::string said = RunAndCapture(pilot, &code, 60);
   INFO(said);
   REQUIRE(code == 0);
   std::smatch match;
