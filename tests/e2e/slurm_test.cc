@@ -99,7 +99,8 @@ class LocalSlurm {
  public:
   LocalSlurm(const std::string& dir, const std::vector<std::string>& nodes, int cpus_per_node)
       : dir_(dir), conf_(dir + "/slurm.conf"), nodes_(nodes) {
-    for (const std::string& sub : {"state", "log"}) fs::create_directories(dir_ + "/" + sub);
+    for (const std::string& sub : {"state", "log", "spool"})
+      fs::create_directories(dir_ + "/" + sub);
     std::ofstream conf(conf_);
     conf << "ClusterName=lorastream\n"
          << "SlurmctldHost=localhost(127.0.0.1)\n"
