@@ -73,28 +73,29 @@ TEST_CASE("slurm: a GPU pilot's script, every step and setting in it, valid bash
   const std::string script = ReadAll(dir / "run/pilot.sbatch");
   INFO(script);
   CHECK(!std::regex_search(script, std::regex("@[A-Z_]+@")));  // every placeholder filled
-  for (const std::string& line : {"#SBATCH --nodes=2",
-                                  "#SBATCH --ntasks-per-node=8",
-                                  "#SBATCH --gpus-per-node=8",
-                                  "#SBATCH --no-kill",
-                                  "#SBATCH --no-requeue",
-                                  "#SBATCH --partition=gpu",
-                                  "#SBATCH --time=1-00:00:00",
-                                  "#SBATCH --account=lab",
-                                  "#SBATCH --constraint=h200",
-                                  "#SBATCH --exclusive",
-                                  "#SBATCH --output=" + dir / "run/logs/pilot-%j.out",
-                                  "MODEL=" + dir / "models/Qwen3-8B",
-                                  "STORE=Qwen3-8B",
-                                  "COORDINATOR=\"\"",
-                                  "BIN=/opt/lorastream/bin",
-                                  "WORKER_STEP=(--gpus-per-task=1)",
-                                  "WORKER_DEVICE=cuda:0",
-                                  "WORKER_KEYS=" + dir / "keys/workers/run",
-                                  "COORDINATOR_KEYS=" + dir / "keys/coordinator",
-                                  "srun --overlap --ntasks-per-node=1 -n\"$SLURM_NNODES\"",
-                                  "--db \"$RUN_DIR/journal.db\""})
-    CHECK(script.find(line) != std::string::npos);
+  const std::vector<std::string> expected = {
+      "#SBATCH --nodes=2",
+      "#SBATCH --ntasks-per-node=8",
+      "#SBATCH --gpus-per-node=8",
+      "#SBATCH --no-kill",
+      "#SBATCH --no-requeue",
+      "#SBATCH --partition=gpu",
+      "#SBATCH --time=1-00:00:00",
+      "#SBATCH --account=lab",
+      "#SBATCH --constraint=h200",
+      "#SBATCH --exclusive",
+      "#SBATCH --output=" + dir / "run/logs/pilot-%j.out",
+      "MODEL=" + dir / "models/Qwen3-8B",
+      "STORE=Qwen3-8B",
+      "COORDINATOR=\"\"",
+      "BIN=/opt/lorastream/bin",
+      "WORKER_STEP=(--gpus-per-task=1)",
+      "WORKER_DEVICE=cuda:0",
+      "WORKER_KEYS=" + dir / "keys/workers/run",
+      "COORDINATOR_KEYS=" + dir / "keys/coordinator",
+      "srun --overlap --ntasks-per-node=1 -n\"$SLURM_NNODES\"",
+      "--db \"$RUN_DIR/journal.db\""};
+  for (const std::string& line : expected) CHECK(script.find(line) != std::string::npos);
   // The #SBATCH lines come before the first command (sbatch reads no further).
   CHECK(script.find("#SBATCH") < script.find("\nset -euo pipefail"));
   CHECK(script.rfind("#SBATCH") < script.find("\nset -euo pipefail"));
@@ -104,10 +105,10 @@ TEST_CASE("slurm: a GPU pilot's script, every step and setting in it, valid bash
   CHECK(said.str().find("[model] store = \"Qwen3-8B\"") != std::string::npos);
 
   // Keys: files in owner-only folders, never inside the script.
-  for (const std::string& sub : {"keys", "keys/coordinator", "keys/client", "keys/workers/run"})
+  for (const char* sub : {"keys", "keys/coordinator", "keys/client", "keys/workers/run"})
     CHECK(ModeOf(dir / sub) == 0700);
-  for (const std::string& key : {"keys/coordinator/coordinator.key", "keys/client/client.key",
-                                 "keys/workers/run/client.key"}) {
+  for (const char* key : {"keys/coordinator/coordinator.key", "keys/client/client.key",
+                          "keys/workers/run/client.key"}) {
     CHECK(ModeOf(dir / key) == 0600);
     const std::string secret = ReadAll(dir / key).substr(0, 40);
     CHECK(script.find(secret) == std::string::npos);
@@ -137,7 +138,7 @@ TEST_CASE("slurm: a second pilot reuses the coordinator's and the user's keys, i
   CHECK(ReadAll(dir / "keys/client/client.key") == client_key);
   const client::CurveServerKeys server = client::LoadServerKeys(dir / "keys/coordinator");
   CHECK(server.authorized_clients.size() == 3);  // the user's and two pilots' workers' keys
-  for (const std::string& run : {"run", "second"})
+  for (const std::string run : {"run", "second"})
     CHECK(server.authorized_clients.count(
               client::LoadClientKeys(dir / ("keys/workers/" + run)).client.public_key) == 1);
   // An existing coordinator's keys must be in --keys already.
@@ -161,10 +162,10 @@ TEST_CASE("slurm: a CPU pilot on an existing store; a path with a quote stays on
   o.requeue = true;
   const std::string script = Render(o);
   INFO(script);
-  for (const std::string& line :
-       {"#SBATCH --ntasks-per-node=2", "#SBATCH --cpus-per-task=3", "#SBATCH --requeue",
-        "MODEL=\"\"", "STORE=base", "WORKER_STEP=(--cpus-per-task=3)", "WORKER_DEVICE=cpu",
-        "WORKER_THREADS=3", "BIN='" + dir / "it'\\''s here/bin'"})
+  for (const std::string& line : std::vector<std::string>{
+           "#SBATCH --ntasks-per-node=2", "#SBATCH --cpus-per-task=3", "#SBATCH --requeue",
+           "MODEL=\"\"", "STORE=base", "WORKER_STEP=(--cpus-per-task=3)", "WORKER_DEVICE=cpu",
+           "WORKER_THREADS=3", "BIN='" + dir / "it'\\''s here/bin'"})
     CHECK(script.find(line) != std::string::npos);
   CHECK(script.find("--gpus") == std::string::npos);
   // bash reads the settings back as they were given.
