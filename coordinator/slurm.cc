@@ -42,8 +42,11 @@ void MakePrivateDir(const fs::path& dir) {
 }
 
 // Writes `dir`/STEM.pub and STEM.key (0600) from a fresh key pair; returns the public key.
+// A line of authorized_clients that starts with '#' is a comment, and '#' is a Z85 digit: a
+// public key that starts with it could never be admitted, so such a pair is drawn again.
 std::string WriteKeyPair(const fs::path& dir, const std::string& stem) {
-  const client::CurveKeyPair pair = client::NewCurveKeyPair();
+  client::CurveKeyPair pair = client::NewCurveKeyPair();
+  while (pair.public_key[0] == '#') pair = client::NewCurveKeyPair();
   client::WriteCurveKeyFile((dir / (stem + ".pub")).string(), pair.public_key, false);
   client::WriteCurveKeyFile((dir / (stem + ".key")).string(), pair.secret_key, true);
   return pair.public_key;
