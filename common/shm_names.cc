@@ -35,4 +35,20 @@ std::string RestShmName(const std::string& store_name, uint64_t generation) {
   return "/" + ShmPrefix(store_name) + buf;
 }
 
+StoreOffer ParseStoreOffer(const std::string& text) {
+  const size_t eq = text.find('=');
+  StoreOffer offer;
+  offer.name = eq == std::string::npos ? text : text.substr(eq + 1);
+  offer.offered_as = eq == std::string::npos ? text : text.substr(0, eq);
+  try {
+    ValidateStoreName(offer.offered_as);
+    ValidateStoreName(offer.name);
+  } catch (const Error& e) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "--store `" + text +
+                    "` (NAME, or AS=NAME to offer store NAME to jobs naming AS): " + e.what());
+  }
+  return offer;
+}
+
 }  // namespace lorastream

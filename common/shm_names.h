@@ -22,4 +22,15 @@ std::string ManifestShmName(const std::string& store_name);
 std::string BlockShmName(const std::string& store_name, uint64_t generation, int block);
 std::string RestShmName(const std::string& store_name, uint64_t generation);
 
+// A store a worker offers, as `lorastream-worker serve --store [AS=]NAME` names it: the store
+// NAME of this host, offered to the jobs whose model.store is AS (NAME itself without AS).
+// A Slurm pilot's stores carry their node and job in NAME, so that two of them never collide
+// on one host, while every node offers its own under the one name the jobs give.
+struct StoreOffer {
+  std::string name;        // the store attached here
+  std::string offered_as;  // what jobs call it
+};
+// Throws Error(kInvalidArgument) naming the text when either name is not a valid store name.
+StoreOffer ParseStoreOffer(const std::string& text);
+
 }  // namespace lorastream

@@ -34,6 +34,7 @@
 #include "coordinator/curve.h"
 #include "coordinator/doctor.h"
 #include "coordinator/prepare.h"
+#include "coordinator/slurm.h"
 #include "coordinator/tensorboard.h"
 #include "coordinator/up.h"
 #include "coordinator/watch_view.h"
@@ -514,6 +515,61 @@ Verb UpVerb(CLI::App& app) {
           }};
 }
 
+Verb SlurmVerb(CLI::App& app) {
+  auto o = std::make_shared<SlurmOptions>();
+  CLI::App* slurm = app.add_subcommand(
+      "slurm",
+      "write (and with --submit submit) the sbatch script of a pilot job that adds Slurm "
+      "nodes to a coordinator: a store per node, a worker per GPU, and a coordinator on the "
+      "first node unless --coordinator names one. The script, its logs and the journal go "
+      "into --run-dir, the CURVE keys into --keys (both on storage every node sees)");
+  slurm->add_option("--model", o->model_dir,
+                    "model folder each node's store loads (the same path on every node)");
+  slurm->add_option("--store", o->store,
+                    "the store name jobs give (model.store; default: the model folder's name); "
+                    "without --model, a store of that name already runs on every node");
+  slurm->add_option("--nodes,-N", o->nodes, "nodes")->capture_default_str();
+  slurm->add_option("--gpus-per-node", o->gpus_per_node, "GPUs per node: one worker each");
+  slurm->add_option("--cpu-workers-per-node", o->cpu_workers_per_node,
+                    "or CPU workers per node (no GPUs)");
+  slurm->add_option("--threads", o->worker_threads, "CPU threads per worker (0: every core)")
+      ->capture_default_str();
+  slurm->add_option("--partition,-p", o->partition, "Slurm partition");
+  slurm->add_option("--time,-t", o->time, "Slurm time limit, e.g. 2-00:00:00");
+  slurm->add_option("--account,-A", o->account, "Slurm account");
+  slurm->add_option("--job-name", o->job_name, "Slurm job name")->capture_default_str();
+  slurm->add_option("--sbatch", o->sbatch_lines,
+                    "one more #SBATCH line, e.g. --sbatch=--constraint=h200 (repeatable)");
+  slurm->add_flag("--requeue", o->requeue,
+                  "let Slurm restart the pilot when its first node (the coordinator's) is lost");
+  slurm->add_option("--coordinator", o->coordinator,
+                    "an existing coordinator's tcp:// endpoint (default: the pilot starts one "
+                    "on its first node)");
+  slurm->add_option("--port", o->port, "where the pilot's coordinator listens")
+      ->capture_default_str();
+  slurm->add_option("--heartbeat-timeout", o->heartbeat_timeout_s,
+                    "the pilot's coordinator: seconds of silence before a worker's job is "
+                    "requeued (default: the coordinator's)");
+  slurm
+      ->add_option("--store-wait", o->store_wait_s,
+                   "seconds a worker waits for its node's store to load")
+      ->capture_default_str();
+  slurm
+      ->add_option("--keys", o->keys_dir,
+                   "folder of the CURVE keys (created 0700 when missing; on shared storage): "
+                   "coordinator/ (made when missing), client/ (yours), workers/RUN/ (this "
+                   "pilot's)")
+      ->required();
+  slurm->add_option("--run-dir", o->run_dir,
+                    "folder of the script, its logs and the journal (default: "
+                    "runs/slurm-DATE-TIME; on shared storage)");
+  slurm->add_option("--bin", o->bin_dir,
+                    "folder of the lorastream executables on the nodes (default: this one's)");
+  slurm->add_flag("--print", o->print, "print the script");
+  slurm->add_flag("--submit", o->submit, "submit it with sbatch");
+  return {slurm, [o] { return RunSlurm(*o, std::cout); }};
+}
+
 Verb DoctorVerb(CLI::App& app, const GlobalOptions& g) {
   auto json = std::make_shared<bool>(false);
   CLI::App* doctor = app.add_subcommand(
@@ -554,6 +610,7 @@ int RunLorastreamCli(int argc, char** argv) {
       CoordinatorVerb(app, g), SubmitVerb(app, g), JobsVerb(app, g),    ShowVerb(app, g),
       StatsVerb(app, g),       CancelVerb(app, g), WorkersVerb(app, g), WatchVerb(app, g),
       PrepareVerb(app),        KeygenVerb(app),    UpVerb(app),         DoctorVerb(app, g),
+      SlurmVerb(app),
   };
   return RunMain("lorastream", app, argc, argv, [&]() -> int {
     for (const Verb& verb : verbs)

@@ -129,6 +129,17 @@ CurveClientKeys LoadClientKeys(const std::string& dir) {
   return keys;
 }
 
+CurveKeyPair NewCurveKeyPair() {
+  RequireCurveSupport();
+  return NewKeyPair();
+}
+
+void WriteCurveKeyFile(const std::string& path, const std::string& key, bool secret) {
+  WriteKeyFile(path, key, secret);
+}
+
+std::string ReadCurveKeyFile(const std::string& path) { return ReadKey(path); }
+
 bool IsLocalEndpoint(const std::string& endpoint) {
   if (endpoint.rfind("ipc://", 0) == 0 || endpoint.rfind("inproc://", 0) == 0) return true;
   if (endpoint.rfind("tcp://", 0) != 0) return false;

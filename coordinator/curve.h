@@ -38,6 +38,12 @@ void RequireCurveSupport();
 // existing keys unless `force` (kInvalidArgument).
 void WriteCurveKeys(const std::string& dir, bool force);
 CurveServerKeys LoadServerKeys(const std::string& dir);
+// The pieces of the above, for commands that lay keys out themselves (`lorastream slurm`): a
+// fresh key pair; one Z85 key written into `path` through a temporary file, 0600 when
+// `secret` (else 0644); one read back (kNotFound, kCorrupt naming the file).
+CurveKeyPair NewCurveKeyPair();
+void WriteCurveKeyFile(const std::string& path, const std::string& key, bool secret);
+std::string ReadCurveKeyFile(const std::string& path);
 CurveClientKeys LoadClientKeys(const std::string& dir);
 
 // True for endpoints that only this host can reach: ipc://, inproc://, and tcp:// on

@@ -23,17 +23,17 @@ namespace lorastream::cli {
 
 namespace fs = std::filesystem;
 
+std::string DefaultRunDir(const std::string& kind) {
+  char stamp[32];
+  std::time_t t = std::time(nullptr);
+  std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", std::localtime(&t));
+  return (fs::current_path() / "runs" / (kind + "-" + stamp)).string();
+}
+
 namespace {
 
 std::atomic<int> g_stop_signal{0};
 void OnSignal(int sig) { g_stop_signal = sig; }
-
-std::string DefaultRunDir() {
-  char stamp[32];
-  std::time_t t = std::time(nullptr);
-  std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", std::localtime(&t));
-  return (fs::current_path() / "runs" / (std::string("up-") + stamp)).string();
-}
 
 std::vector<std::string> ExampleJobs(const std::string& configs_dir) {
   std::vector<std::string> jobs;
@@ -93,7 +93,7 @@ int RunUp(const UpOptions& options) {
   }
   std::string configs = options.configs_dir.empty() ? ConfigsDir() : options.configs_dir;
   std::vector<std::string> jobs = options.jobs.empty() ? ExampleJobs(configs) : options.jobs;
-  co.run_dir = fs::absolute(options.run_dir.empty() ? DefaultRunDir() : options.run_dir);
+  co.run_dir = fs::absolute(options.run_dir.empty() ? DefaultRunDir("up") : options.run_dir);
 
   // The cluster's processes run in sessions of their own, so Ctrl-C reaches only `up` (and
   // the watch view), which then stops them in order: workers, coordinator, store.

@@ -22,6 +22,9 @@ struct UpOptions {
   std::string tensorboard_dir;  // the coordinator writes TensorBoard runs here ("" = none)
 };
 
+// runs/KIND-DATE-TIME under the current folder: where a command keeps what one run makes.
+std::string DefaultRunDir(const std::string& kind);
+
 // Returns the exit status: 0 when every job succeeded.
 int RunUp(const UpOptions& options);
 

@@ -145,6 +145,18 @@ if ((${#missing[@]})); then
   fi
 fi
 
+# Optional, for two tests, and only where apt-get works (elsewhere those tests are not
+# registered): Debian's Slurm (a real slurmctld and two slurmd on this machine run the `slurm`
+# test) and python3-yaml (the Kubernetes example's syntax check).
+missing=()
+for p in slurmctld slurmd slurm-client python3-yaml; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})) && ! ((USE_DEPS)); then
+  try_apt || echo "setup: ${missing[*]} not installed: the slurm and Kubernetes example tests" \
+    "are left out"
+fi
+
 # --- the one line ---------------------------------------------------------------------------
 case "$TORCH_KIND" in
   debian)

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <thread>
 #include <vector>
@@ -12,6 +13,7 @@
 #include "common/error.h"
 #include "common/job_access.h"
 #include "common/log.h"
+#include "common/shm_names.h"
 #include "coordinator/worker_agent.h"
 #include "store/attach.h"
 #include "store/registry.h"
@@ -40,10 +42,23 @@ void DescribeDevice(const std::string& name, client::WorkerAgentOptions* out) {
 #endif
 }
 
-// Stores offered at registration, each with the fingerprint of its weights.
-std::vector<StoreInfo> DiscoverStores(const ServeOptions& options) {
-  std::vector<std::string> names = options.stores;
-  if (names.empty())
+// The stores offered at registration: what jobs call each (StoreInfo's name, with the
+// fingerprint of its weights) and the store of this host it stands for.
+struct OfferedStores {
+  std::vector<StoreInfo> infos;
+  std::map<std::string, std::string> local_name;  // offered as -> attached here
+
+  // The store of this host that a job naming `store` attaches ("" stays "").
+  std::string Local(const std::string& store) const {
+    auto it = local_name.find(store);
+    return it == local_name.end() ? store : it->second;
+  }
+};
+
+OfferedStores DiscoverStores(const ServeOptions& options) {
+  std::vector<StoreOffer> offers;
+  for (const std::string& text : options.stores) offers.push_back(ParseStoreOffer(text));
+  if (offers.empty())
     for (const store::StoreListing& s : store::ListStores()) {
       if (!s.alive || !s.record) continue;
       if (s.record->owner_uid != store::TrustedStoreOwner()) {
@@ -51,15 +66,23 @@ std::vector<StoreInfo> DiscoverStores(const ServeOptions& options) {
                     DescribeUser(s.record->owner_uid), DescribeUser(store::TrustedStoreOwner()));
         continue;
       }
-      names.push_back(s.name);
+      offers.push_back(StoreOffer{s.name, s.name});
     }
-  std::vector<StoreInfo> out;
-  for (const std::string& name : names) {
-    store::AttachedStore store = store::AttachedStore::AttachWhenReady(name, options.store_wait_s);
-    out.push_back(StoreInfo{name, store.manifest().fingerprint});
-    LS_LOG_INFO("offering store '{}' (fingerprint {})", name, store.manifest().fingerprint);
+  OfferedStores out;
+  for (const StoreOffer& offer : offers) {
+    if (!out.local_name.emplace(offer.offered_as, offer.name).second)
+      throw Error(ErrorCode::kInvalidArgument,
+                  "two stores are offered as '" + offer.offered_as + "' (--store)");
+    store::AttachedStore store =
+        store::AttachedStore::AttachWhenReady(offer.name, options.store_wait_s);
+    out.infos.push_back(StoreInfo{offer.offered_as, store.manifest().fingerprint});
+    if (offer.name == offer.offered_as)
+      LS_LOG_INFO("offering store '{}' (fingerprint {})", offer.name, store.manifest().fingerprint);
+    else
+      LS_LOG_INFO("offering store '{}' as '{}' (fingerprint {})", offer.name, offer.offered_as,
+                  store.manifest().fingerprint);
   }
-  if (out.empty())
+  if (out.infos.empty())
     LS_LOG_WARN("no store on this host: only jobs on checkpoint folders can run here");
   return out;
 }
@@ -127,7 +150,8 @@ int RunServe(const ServeOptions& options, const std::atomic<bool>& stop) {
   agent_options.client.timeout_ms = static_cast<int>(options.request_timeout_s * 1000);
   agent_options.device = options.device;
   DescribeDevice(options.device, &agent_options);
-  agent_options.stores = DiscoverStores(options);
+  const OfferedStores stores = DiscoverStores(options);
+  agent_options.stores = stores.infos;
 
   TrainOptions train;
   train.device = options.device;
@@ -140,8 +164,9 @@ int RunServe(const ServeOptions& options, const std::atomic<bool>& stop) {
     };
 
   const std::atomic<bool>* hold = options.hold_at_checkpoint;
-  client::JobRunner runner = [&train, hold](const client::JobContext& ctx) {
-    const JobSpec& spec = ctx.assignment.spec;
+  client::JobRunner runner = [&train, &stores, hold](const client::JobContext& ctx) {
+    JobSpec spec = ctx.assignment.spec;
+    spec.model.store = stores.Local(spec.model.store);
     const HandOver hand_over(SubmitterToServe(ctx.assignment), spec);
     TrainOptions job_train = train;
     job_train.lock_holder = "job " + std::to_string(ctx.assignment.job_id) + " attempt " +

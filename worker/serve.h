@@ -13,7 +13,7 @@ struct ServeOptions {
   std::string coordinator;          // endpoint (default: the coordinator's ipc default)
   std::string curve_keys;           // folder from `lorastream keygen` ("" = no CURVE)
   std::string device = "cpu";       // "cpu" | "cuda:N"
-  std::vector<std::string> stores;  // stores to offer; empty = every live store on this host
+  std::vector<std::string> stores;  // NAME or AS=NAME (StoreOffer); empty = every live store
   double store_wait_s = 30;         // how long a named store may still be loading
   int threads = 0;                  // CPU threads for training (0 = every core)
   bool stream = true;               // stream blocks through the engine (false: resident)

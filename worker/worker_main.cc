@@ -89,7 +89,14 @@ int main(int argc, char** argv) {
                     "trust stores served by this user (default: the worker's own user)");
   serve_cmd->add_option("--device", serve.device, "cpu | cuda:N")->capture_default_str();
   serve_cmd->add_option("--store", serve.stores,
-                        "store to offer (repeatable; default: every live store)");
+                        "store to offer, NAME or AS=NAME: the store NAME of this host for jobs "
+                        "whose model.store is AS (repeatable; default: every live store)");
+  serve_cmd
+      ->add_option("--store-wait", serve.store_wait_s,
+                   "seconds a named store may take to be published (a large model loads for "
+                   "minutes)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   serve_cmd
       ->add_option("--curve-keys", serve.curve_keys, "CURVE keys folder from `lorastream keygen`")
       ->envname("LORASTREAM_CURVE_KEYS");

@@ -22,71 +22,19 @@
 #include "common/subprocess.h"
 #include "coordinator/local_cluster.h"
 #include "store/attach.h"
+#include "tests/e2e/e2e_jobs.h"
 #include "tests/support/test_support.h"
 
-using lorastream::SafetensorsFile;
 using lorastream::cli::LocalCluster;
 using lorastream::cli::LocalClusterOptions;
+using lorastream::testing::RequireSameAdapter;
+using lorastream::testing::TrainStandalone;
+using lorastream::testing::WaitUntil;
+using lorastream::testing::WriteData;
+using lorastream::testing::WriteJob;
 namespace fs = std::filesystem;
 
 namespace {
-
-// Random documents of token ids below the tiny model's vocabulary (512).
-std::string WriteData(const std::string& dir, int documents, uint32_t seed) {
-  std::string path = dir + "/data-" + std::to_string(seed) + ".jsonl";
-  std::ofstream out(path);
-  std::mt19937 rng(seed);
-  for (int d = 0; d < documents; ++d) {
-    out << "{\"input_ids\": [";
-    int n = 20 + static_cast<int>(rng() % 60);
-    for (int i = 0; i < n; ++i) out << (i ? ", " : "") << rng() % 512;
-    out << "]}\n";
-  }
-  return path;
-}
-
-// A job file on `store`; output_dir is left out when empty (the cluster chooses one).
-std::string WriteJob(const std::string& dir, const std::string& name, const std::string& store,
-                     const std::string& data, int steps, int checkpoint_every, int seed,
-                     const std::string& output_dir = "") {
-  std::string path = dir + "/" + name + ".toml";
-  std::ofstream out(path);
-  out << "name = \"" << name << "\"\n"
-      << "[model]\nstore = \"" << store << "\"\n"
-      << "[data]\npath = \"" << data << "\"\nseq_len = 32\n"
-      << "[lora]\nrank = 4\nalpha = 8.0\n"
-      << "[optim]\nlr = 1e-3\n"
-      << "[train]\nsteps = " << steps << "\nbatch_size = 2\nseed = " << seed
-      << "\ncheckpoint_every = " << checkpoint_every << "\n";
-  if (!output_dir.empty()) out << "output_dir = \"" << output_dir << "\"\n";
-  return path;
-}
-
-// Trains the job standalone (`lorastream-worker train`) into `output_dir`.
-void TrainStandalone(const std::string& job, const std::string& log) {
-  int code = -1;
-  lorastream::RunAndCapture(
-      {std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker", "train", job, "--device", "cpu"},
-      &code, 900, log);
-  INFO("standalone training log: " << log);
-  REQUIRE(code == 0);
-}
-
-// Every tensor of two adapters is bit-identical.
-void RequireSameAdapter(const std::string& a_dir, const std::string& b_dir) {
-  SafetensorsFile a = SafetensorsFile::Open(a_dir + "/adapter_model.safetensors");
-  SafetensorsFile b = SafetensorsFile::Open(b_dir + "/adapter_model.safetensors");
-  REQUIRE(a.tensors().size() == b.tensors().size());
-  REQUIRE(!a.tensors().empty());
-  for (const auto& ta : a.tensors()) {
-    const auto* tb = b.Find(ta.name);
-    INFO(ta.name);
-    REQUIRE(tb != nullptr);
-    REQUIRE(ta.shape == tb->shape);
-    REQUIRE(ta.nbytes() == tb->nbytes());
-    CHECK(std::memcmp(a.Data(ta), b.Data(*tb), ta.nbytes()) == 0);
-  }
-}
 
 LocalClusterOptions Options(const std::string& run_dir, int workers) {
   LocalClusterOptions o;
@@ -97,11 +45,6 @@ LocalClusterOptions Options(const std::string& run_dir, int workers) {
   o.heartbeat_timeout_s = 3;
   o.store_name = "e2e-" + std::to_string(getpid()) + "-" + fs::path(run_dir).filename().string();
   return o;
-}
-
-void WaitUntil(const std::function<bool()>& done, double timeout_s, const std::string& what) {
-  INFO("waiting for " << what);
-  REQUIRE(lorastream::testing::WaitFor(done, timeout_s, 100));
 }
 
 // Lines written so far into the stats.jsonl of every job (one per step trained).

@@ -2,8 +2,6 @@
 // reaches a root coordinator only with a CURVE key mapped to it, its jobs run on a root
 // worker only over paths it could open itself, what they write belongs to it, and the
 // coordinator's owner-only ipc folder keeps it out.
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -23,41 +21,20 @@
 #include "coordinator/client.h"
 #include "store/attach.h"
 #include "tests/coordinator/cluster_fixture.h"
+#include "tests/e2e/e2e_jobs.h"
 #include "tests/temp_user.h"
 
 using namespace lorastream;
 using namespace lorastream::client;
 using namespace lorastream::store;
 using lorastream::testing::Bin;
+using lorastream::testing::FreeLoopbackPort;
+using lorastream::testing::ReadAll;
 using lorastream::testing::TempUser;
+using lorastream::testing::WaitUntil;
 namespace fs = std::filesystem;
 
 namespace {
-
-int FreeLoopbackPort() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  REQUIRE(fd >= 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
-  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
-std::string ReadAll(const std::string& path) {
-  std::ifstream in(path);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-void WaitUntil(const std::function<bool()>& done, double timeout_s, const std::string& what) {
-  INFO("waiting for " << what);
-  REQUIRE(testing::WaitFor(done, timeout_s));
-}
 
 void WriteData(const std::string& path) {
   std::ofstream out(path);
