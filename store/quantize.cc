@@ -166,27 +166,29 @@ void DoubleQuantizeAbsmax(const float* absmax, int64_t blocks, int64_t nested_bl
 
 void ExpandFp8(const Fp8Weight& w, int64_t begin, int64_t end, uint16_t* out) {
   const int64_t tiles_per_row = (w.cols + w.block_cols - 1) / w.block_cols;
-  for (int64_t i = begin; i < end; ++i) {
+  // Row by row, tile by tile: one scale per run of at most block_cols elements.
+  for (int64_t i = begin; i < end;) {
     const int64_t r = i / w.cols, c = i % w.cols;
+    const int64_t run_end =
+        std::min({end, r * w.cols + (c / w.block_cols + 1) * w.block_cols, (r + 1) * w.cols});
     const float s = w.scale_inv[(r / w.block_rows) * tiles_per_row + c / w.block_cols];
-    out[i - begin] = FloatToBF16(E4M3ToFloat(w.q[i]) * s);
+    for (; i < run_end; ++i) out[i - begin] = FloatToBF16(E4M3ToFloat(w.q[i]) * s);
   }
 }
 
 void ExpandNf4(const Nf4Weight& w, int64_t begin, int64_t end, uint16_t* out) {
-  int64_t cached_block = -1;
-  float absmax = 0;
-  for (int64_t i = begin; i < end; ++i) {
+  // Block by block: one absmax per run of at most blocksize elements.
+  for (int64_t i = begin; i < end;) {
     const int64_t block = i / w.blocksize;
-    if (block != cached_block) {
-      const float scaled =
-          w.nested_quant_map[w.absmax[block]] * w.nested_absmax[block / w.nested_blocksize];
-      absmax = scaled + w.nested_offset;
-      cached_block = block;
+    const int64_t run_end = std::min(end, (block + 1) * w.blocksize);
+    const float scaled =
+        w.nested_quant_map[w.absmax[block]] * w.nested_absmax[block / w.nested_blocksize];
+    const float absmax = scaled + w.nested_offset;
+    for (; i < run_end; ++i) {
+      const uint8_t byte = w.packed[i / 2];
+      const uint8_t code = (i % 2 == 0) ? byte >> 4 : byte & 0xf;
+      out[i - begin] = FloatToBF16(w.quant_map[code] * absmax);
     }
-    const uint8_t byte = w.packed[i / 2];
-    const uint8_t code = (i % 2 == 0) ? byte >> 4 : byte & 0xf;
-    out[i - begin] = FloatToBF16(w.quant_map[code] * absmax);
   }
 }
 
