@@ -62,7 +62,7 @@ Nf4State ReadNf4State(const Checkpoint& cp, const std::string& full,
     Fail(cp.dir(), "tensor `" + name + "`: " + why);
   };
   if (!j.is_object()) bad("not a JSON object");
-  if (j.value("quant_type", "") != "nf4") bad("quant_type is not nf4");
+  if (!j.contains("quant_type") || j["quant_type"] != "nf4") bad("quant_type is not nf4");
   Nf4State st;
   for (auto [key, out] : {std::pair{"blocksize", &st.blocksize},
                           std::pair{"nested_blocksize", &st.nested_blocksize}}) {
