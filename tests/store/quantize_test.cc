@@ -7,6 +7,7 @@
 #include <fstream>
 #include <functional>
 #include <random>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
@@ -16,6 +17,7 @@
 #include "common/manifest.h"
 #include "common/safetensors.h"
 #include "store/attach.h"
+#include "store/commands.h"
 #include "store/convert.h"
 #include "store/quantize.h"
 #include "store/registry.h"
@@ -227,6 +229,13 @@ TEST_CASE("serve --quantize: compressed blocks, checksums over them, the manifes
     CHECK(m.rest.nbytes == plain->manifest().rest.nbytes);  // embedding and head unchanged
     AttachedStore store = AttachedStore::Attach(name, m.fingerprint);
     CHECK_NOTHROW(VerifyChecksums(store, 2));
+    // ls and verify say the format.
+    std::ostringstream ls, verify;
+    RunLs(ls);
+    RunVerify(name, 2, verify);
+    const std::string format = "blocks " + DescribeQuant(StoreQuantFormat(method));
+    CHECK_THAT(ls.str(), Catch::Contains(name + ": published") && Catch::Contains(format));
+    CHECK_THAT(verify.str(), Catch::Contains(format) && Catch::Contains("every checksum matches"));
     // The manifest's round trip keeps every format.
     const Manifest back = ManifestFromJson(ManifestToJson(m), "test");
     for (size_t k = 0; k < m.blocks[1].tensors.size(); ++k)
