@@ -4,6 +4,7 @@
 
 #include <cinttypes>
 #include <cstdio>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 
@@ -63,16 +64,52 @@ DType GetDType(const Json& j, const char* key, const std::string& source,
 
 Json SegmentToJson(const SegmentInfo& s) {
   Json tensors = Json::array();
-  for (const TensorSlice& t : s.tensors)
-    tensors.push_back({{"name", t.name},
-                       {"dtype", DTypeName(t.dtype)},
-                       {"shape", t.shape},
-                       {"offset", t.offset},
-                       {"nbytes", t.nbytes}});
+  for (const TensorSlice& t : s.tensors) {
+    Json tensor = {{"name", t.name},
+                   {"dtype", DTypeName(t.dtype)},
+                   {"shape", t.shape},
+                   {"offset", t.offset},
+                   {"nbytes", t.nbytes}};
+    // Absent for a plain tensor: manifests from before compression read the same.
+    if (t.quant.method == QuantMethod::kFp8)
+      tensor["quant"] = {{"method", "fp8"}, {"block", {t.quant.block_rows, t.quant.block_cols}}};
+    if (t.quant.method == QuantMethod::kNf4)
+      tensor["quant"] = {{"method", "nf4"},
+                         {"blocksize", t.quant.blocksize},
+                         {"nested_blocksize", t.quant.nested_blocksize}};
+    tensors.push_back(std::move(tensor));
+  }
   return {{"shm_name", s.shm_name},
           {"nbytes", s.nbytes},
           {"checksum", Hex(s.checksum)},
           {"tensors", tensors}};
+}
+
+QuantInfo QuantFromJson(const Json& j, const std::string& source, const std::string& at) {
+  if (!j.is_object()) Bad(source, at + "`quant` must be an object");
+  QuantInfo q;
+  const std::string method = GetString(j, "method", source, at + "quant: ");
+  const std::optional<QuantMethod> m = ParseQuantMethod(method);
+  if (!m || *m == QuantMethod::kNone)
+    Bad(source, at + "`quant.method` `" + method + "` is not a known format (fp8, nf4)");
+  q.method = *m;
+  auto positive = [&](const Json& v, const char* what) {
+    if (!v.is_number_unsigned() || v.get<uint64_t>() == 0 || v.get<uint64_t>() > (1u << 20))
+      Bad(source, at + "`quant." + what + "` must be a positive integer");
+    return v.get<int64_t>();
+  };
+  if (q.method == QuantMethod::kFp8) {
+    const Json& block = Field(j, "block", source, at + "quant: ");
+    if (!block.is_array() || block.size() != 2)
+      Bad(source, at + "`quant.block` must be [rows, cols]");
+    q.block_rows = positive(block[0], "block");
+    q.block_cols = positive(block[1], "block");
+  } else {
+    q.blocksize = positive(Field(j, "blocksize", source, at + "quant: "), "blocksize");
+    q.nested_blocksize =
+        positive(Field(j, "nested_blocksize", source, at + "quant: "), "nested_blocksize");
+  }
+  return q;
 }
 
 SegmentInfo SegmentFromJson(const Json& j, uint64_t alignment, const std::string& source,
@@ -104,34 +141,54 @@ SegmentInfo SegmentFromJson(const Json& j, uint64_t alignment, const std::string
       numel *= d.get<uint64_t>();
       if (numel > (uint64_t{1} << 48)) Bad(source, at + "`shape` is too large");
     }
-    if (numel * DTypeSize(slice.dtype) != slice.nbytes)
-      Bad(source, at + "`nbytes` does not match its shape and dtype");
+    if (t.contains("quant")) slice.quant = QuantFromJson(t["quant"], source, at);
+    const uint64_t want = slice.quant.compressed() ? QuantizedWeightBytes(slice.shape, slice.quant)
+                                                   : numel * DTypeSize(slice.dtype);
+    if (want != slice.nbytes) Bad(source, at + "`nbytes` does not match its shape and dtype");
     if (slice.offset % alignment != 0) Bad(source, at + "`offset` is not aligned");
     if (slice.offset > s.nbytes || slice.nbytes > s.nbytes - slice.offset)
       Bad(source, at + "lies outside its segment");
     s.tensors.push_back(std::move(slice));
   }
+  const std::string problem = QuantLayoutProblem(s);
+  if (!problem.empty()) Bad(source, where + problem);
   return s;
 }
 
 }  // namespace
 
 SegmentInfo LayoutSegment(const std::vector<std::pair<std::string, std::vector<int64_t>>>& shapes,
-                          const std::string& shm_name, DType dtype, uint64_t alignment) {
+                          const std::string& shm_name, DType dtype, uint64_t alignment,
+                          const QuantInfo& projections) {
   if (alignment == 0 || (alignment & (alignment - 1)) != 0)
     throw Error(ErrorCode::kInvalidArgument, "alignment must be a power of two");
   SegmentInfo s;
   s.shm_name = shm_name;
-  for (const auto& [name, shape] : shapes) {
-    TensorSlice t;
-    t.name = name;
-    t.dtype = dtype;
-    t.shape = shape;
-    t.nbytes = DTypeSize(dtype);
-    for (int64_t d : shape) t.nbytes *= static_cast<uint64_t>(d);
+  auto place = [&](TensorSlice t) {
     t.offset = (s.nbytes + alignment - 1) / alignment * alignment;
     s.nbytes = t.offset + t.nbytes;
     s.tensors.push_back(std::move(t));
+  };
+  auto plain = [&](const std::string& name, DType type, const std::vector<int64_t>& shape) {
+    TensorSlice t;
+    t.name = name;
+    t.dtype = type;
+    t.shape = shape;
+    t.nbytes = DTypeSize(type);
+    for (int64_t d : shape) t.nbytes *= static_cast<uint64_t>(d);
+    return t;
+  };
+  for (const auto& [name, shape] : shapes) {
+    if (!projections.compressed() || !IsProjectionWeight(name)) {
+      place(plain(name, dtype, shape));
+      continue;
+    }
+    TensorSlice w = plain(name, QuantizedWeightDType(projections), shape);
+    w.quant = projections;
+    w.nbytes = QuantizedWeightBytes(shape, projections);
+    place(std::move(w));
+    for (const QuantAuxTensor& aux : QuantAuxTensors(name, shape, projections))
+      place(plain(aux.name, aux.dtype, aux.shape));
   }
   return s;
 }
@@ -146,6 +203,10 @@ uint64_t Manifest::total_bytes() const {
   uint64_t total = rest.nbytes;
   for (const SegmentInfo& b : blocks) total += b.nbytes;
   return total;
+}
+
+QuantInfo Manifest::quant() const {
+  return blocks.empty() ? QuantInfo{} : SegmentQuant(blocks.front());
 }
 
 std::string ManifestToJson(const Manifest& m) {

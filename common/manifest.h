@@ -8,6 +8,7 @@
 
 #include "common/dtype.h"
 #include "common/model_config.h"
+#include "common/quant_format.h"
 #include "common/tokenizer_id.h"
 
 namespace lorastream {
@@ -19,6 +20,9 @@ struct TensorSlice {
   std::vector<int64_t> shape;
   uint64_t offset = 0;  // a multiple of Manifest::alignment
   uint64_t nbytes = 0;
+  // A compressed projection weight (common/quant_format.h): `dtype` is then the stored element
+  // type, `shape` the weight's own, and its scales are the slices QuantAuxTensors names.
+  QuantInfo quant;
 };
 
 // One shared-memory segment: a transformer block, or the rest (embeddings, norm, lm_head).
@@ -47,14 +51,18 @@ struct Manifest {
   TokenizerId tokenizer;          // its tokenizer.json's; empty fingerprint = the folder had none
 
   uint64_t total_bytes() const;  // sum of every segment's nbytes
+  QuantInfo quant() const;       // the blocks' compression (none when uncompressed)
 };
 
 // The one packed layout of a segment, used by the store and by every other packer (the
 // worker packing a checkpoint for streaming, tests): `shapes` in their canonical order
 // (ModelConfig::BlockTensorShapes()/RestTensorShapes()), each tensor at the next multiple of
 // `alignment` (a power of two), all of `dtype`; nbytes ends at the last tensor's last byte.
+// With a compressed `projections` format, each projection weight (IsProjectionWeight) is
+// stored in it and followed by its auxiliary tensors (QuantAuxTensors).
 SegmentInfo LayoutSegment(const std::vector<std::pair<std::string, std::vector<int64_t>>>& shapes,
-                          const std::string& shm_name, DType dtype, uint64_t alignment);
+                          const std::string& shm_name, DType dtype, uint64_t alignment,
+                          const QuantInfo& projections = {});
 
 // The manifest as JSON text (uint64 values as 16-digit hex strings, so that every JSON reader
 // keeps them exact) and back. ManifestFromJson validates everything a reader relies on

@@ -60,6 +60,59 @@ bool GetBool(const Json& j, const std::string& source, const char* field, bool f
 
 }  // namespace
 
+// quantization_config of a pre-quantised checkpoint (ModelConfig::checkpoint_quant).
+QuantInfo ParseQuantizationConfig(const Json& q, const std::string& source) {
+  const std::string at = "quantization_config.";
+  if (!q.is_object()) Bad(source, "quantization_config", "must be an object");
+  auto method = q.find("quant_method");
+  if (method == q.end() || !method->is_string())
+    Bad(source, at + "quant_method", "is missing or not a string");
+  const std::string name = method->get<std::string>();
+  QuantInfo info;
+  if (name == "fp8") {
+    auto fmt = q.find("fmt");
+    if (fmt != q.end() && !(fmt->is_string() && fmt->get<std::string>() == "e4m3"))
+      throw Error(ErrorCode::kUnsupported,
+                  source + ": " + at + "fmt `" + fmt->dump() + "` is not supported (e4m3)");
+    auto block = q.find("weight_block_size");
+    if (block == q.end() || !block->is_array() || block->size() != 2 ||
+        !(*block)[0].is_number_integer() || !(*block)[1].is_number_integer() ||
+        (*block)[0].get<int64_t>() <= 0 || (*block)[1].get<int64_t>() <= 0 ||
+        (*block)[0].get<int64_t>() > (1 << 20) || (*block)[1].get<int64_t>() > (1 << 20))
+      throw Error(ErrorCode::kUnsupported,
+                  source + ": " + at +
+                      "weight_block_size must be [rows, cols]: only block-scaled fp8 "
+                      "checkpoints are read (per-tensor or per-channel scales are not)");
+    info.method = QuantMethod::kFp8;
+    info.block_rows = (*block)[0].get<int64_t>();
+    info.block_cols = (*block)[1].get<int64_t>();
+    return info;
+  }
+  if (name == "bitsandbytes") {
+    if (!GetBool(q, source, "load_in_4bit", false))
+      throw Error(ErrorCode::kUnsupported,
+                  source + ": " + at +
+                      "load_in_4bit is not true: only bitsandbytes 4-bit nf4 checkpoints are read "
+                      "(not LLM.int8)");
+    auto type = q.find("bnb_4bit_quant_type");
+    const std::string t = type != q.end() && type->is_string() ? type->get<std::string>() : "fp4";
+    if (t != "nf4")
+      throw Error(ErrorCode::kUnsupported,
+                  source + ": " + at + "bnb_4bit_quant_type `" + t + "` is not supported (nf4)");
+    if (!GetBool(q, source, "bnb_4bit_use_double_quant", false))
+      throw Error(ErrorCode::kUnsupported,
+                  source + ": " + at +
+                      "bnb_4bit_use_double_quant is not true: only double-quantised nf4 is read");
+    info.method = QuantMethod::kNf4;
+    info.blocksize = 64;  // the defaults; each tensor's quant_state says its own
+    info.nested_blocksize = 256;
+    return info;
+  }
+  throw Error(ErrorCode::kUnsupported,
+              source + ": " + at + "quant_method `" + name +
+                  "` is not supported (fp8 with weight_block_size; bitsandbytes 4-bit nf4)");
+}
+
 ModelConfig ModelConfigFromJson(const Json& j, const std::string& source) {
   if (!j.is_object()) throw Error(ErrorCode::kCorrupt, source + ": not a JSON object");
   ModelConfig c;
@@ -110,6 +163,8 @@ ModelConfig ModelConfigFromJson(const Json& j, const std::string& source) {
       for (const auto& t : *lt) used = used || (t.is_string() && t == "sliding_attention");
     if (used) c.sliding_window = window;
   }
+  auto qc = j.find("quantization_config");
+  if (qc != j.end() && !qc->is_null()) c.checkpoint_quant = ParseQuantizationConfig(*qc, source);
   if (j.contains("torch_dtype") && j["torch_dtype"].is_string())
     c.torch_dtype = j["torch_dtype"].get<std::string>();
   auto rs = j.find("rope_scaling");

@@ -9,6 +9,8 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "common/quant_format.h"
+
 namespace lorastream {
 
 struct RopeScaling {
@@ -42,6 +44,11 @@ struct ModelConfig {
   // transformers 5 may list "sliding_attention" in `layer_types`.
   int64_t sliding_window = 0;
   std::string torch_dtype;  // as written in config.json ("bfloat16", ...)
+  // config.json's quantization_config: how a pre-quantised checkpoint stores its projection
+  // weights (quant_method "fp8" with weight_block_size; "bitsandbytes" 4-bit nf4 with double
+  // quantisation, its block sizes per tensor in quant_state). Anything else is refused by
+  // name. Not part of ToJson: a store records each tensor's format in its manifest instead.
+  QuantInfo checkpoint_quant;
 
   // The tensors of block `i` as (name relative to "model.layers.{i}.", shape), in the
   // canonical order in which the store packs them.

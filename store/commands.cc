@@ -22,7 +22,17 @@ void RunLs(std::ostream& out) {
   for (const StoreListing& s : stores) {
     out << s.name << ": " << StoreStateName(s);
     if (s.record) out << ", owner pid " << s.record->owner_pid;
-    out << ", " << s.objects.size() << " shm objects, " << FormatGiB(StoreBytes(s), 3) << "\n";
+    out << ", " << s.objects.size() << " shm objects, " << FormatGiB(StoreBytes(s), 3);
+    if (s.record && !s.record->json.empty()) {
+      try {
+        const Manifest m = ManifestFromJson(s.record->json, "store `" + s.name + "`");
+        out << ", " << DTypeName(m.dtype)
+            << (m.quant().compressed() ? ", blocks " + DescribeQuant(m.quant()) : "");
+      } catch (const Error& e) {
+        out << ", unreadable manifest (" << e.what() << ")";
+      }
+    }
+    out << "\n";
     const std::vector<int64_t> attached = AttachedPids(s);
     out << "  attached processes (" << attached.size() << "):";
     for (int64_t pid : attached) out << " " << pid;
@@ -57,8 +67,9 @@ void RunVerify(const std::string& name, int threads, std::ostream& out) {
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const Manifest& m = store.manifest();
   out << "store `" << name << "`: " << m.blocks.size() << " blocks + rest, "
-      << FormatGiB(m.total_bytes(), 3) << ", fingerprint " << m.fingerprint
-      << ": every checksum matches (" << s << " s)\n";
+      << FormatGiB(m.total_bytes(), 3) << ", " << DTypeName(m.dtype)
+      << (m.quant().compressed() ? ", blocks " + DescribeQuant(m.quant()) : "") << ", fingerprint "
+      << m.fingerprint << ": every checksum matches (" << s << " s)\n";
 }
 
 }  // namespace lorastream::store

@@ -78,4 +78,24 @@ void ConvertToBF16(DType src_dtype, const void* src, uint16_t* dst, size_t count
   }
 }
 
+void ConvertToFloat(DType src_dtype, const void* src, float* dst, size_t count) {
+  const auto* s = static_cast<const uint8_t*>(src);
+  switch (src_dtype) {
+    case DType::kF32:
+      std::memcpy(dst, src, count * 4);
+      return;
+    case DType::kBF16:
+    case DType::kF16:
+      for (size_t i = 0; i < count; ++i) {
+        uint16_t bits;
+        std::memcpy(&bits, s + 2 * i, 2);
+        dst[i] = src_dtype == DType::kBF16 ? BF16ToFloat(bits) : HalfToFloat(bits);
+      }
+      return;
+    default:
+      throw Error(ErrorCode::kUnsupported,
+                  std::string("cannot convert ") + DTypeName(src_dtype) + " to F32");
+  }
+}
+
 }  // namespace lorastream::store

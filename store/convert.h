@@ -18,6 +18,9 @@ uint16_t FloatToHalf(float value);  // round to nearest even; overflow -> inf
 // Converts `count` elements of `src_dtype` (F32, F16 or BF16) to BF16.
 void ConvertToBF16(DType src_dtype, const void* src, uint16_t* dst, size_t count);
 
+// Converts `count` elements of `src_dtype` (F32, F16 or BF16) to F32 (exactly).
+void ConvertToFloat(DType src_dtype, const void* src, float* dst, size_t count);
+
 // True for the dtypes ConvertToBF16 accepts.
 bool ConvertibleToBF16(DType dtype);
 

@@ -42,11 +42,15 @@ void RunInspect(const std::string& path, std::ostream& out) {
     for (const Checkpoint::Ref& ref : cp.AllTensors())
       if (files.empty() || files.back() != ref.file) files.push_back(ref.file);
     for (const SafetensorsFile* f : files) ListFile(*f, out, &total, &count);
-    PlanPack(cp, PackOptions{});  // the store's own checks against config.json
+    const PackPlan plan =
+        PlanPack(cp, PackOptions{});  // the store's own checks against config.json
     out << "config: " << c.model_type << ", " << c.num_hidden_layers << " layers, hidden "
         << c.hidden_size << ", intermediate " << c.intermediate_size << ", heads "
         << c.num_attention_heads << "/" << c.num_key_value_heads << " (head_dim " << c.head_dim
         << "), vocab " << c.vocab_size << (c.tie_word_embeddings ? ", tied embeddings" : "")
+        << (c.checkpoint_quant.compressed()
+                ? ", projections pre-quantised " + DescribeQuant(plan.manifest.quant())
+                : "")
         << "; every tensor matches it\n";
     out << "total: " << files.size() << " file(s), ";
   } else if (S_ISREG(st.st_mode)) {

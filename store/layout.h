@@ -4,6 +4,7 @@
 // allocated here, so a bad checkpoint is refused before anything exists in /dev/shm.
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 #include "common/manifest.h"
@@ -14,9 +15,25 @@ namespace lorastream::store {
 struct PackPlan {
   // Layout only: shm names, checksums, fingerprint and generation are still empty.
   Manifest manifest;
-  // Sources parallel to manifest.blocks[i].tensors and manifest.rest.tensors.
+  // Sources parallel to manifest.blocks[i].tensors and manifest.rest.tensors; {nullptr,
+  // nullptr} for the slices the loader computes (a quantised weight and its scales).
   std::vector<std::vector<Checkpoint::Ref>> block_sources;
   std::vector<Checkpoint::Ref> rest_sources;
+  // The weights to quantise: slice `slice` of block `block` (with its auxiliary slices after
+  // it) from `source`.
+  struct Quantize {
+    size_t block = 0;
+    size_t slice = 0;
+    Checkpoint::Ref source{};
+  };
+  std::vector<Quantize> quantize;
+  // Slices whose bytes are given here (nf4's nested_offset from a checkpoint's quant_state).
+  struct Literal {
+    size_t block = 0;
+    size_t slice = 0;
+    std::vector<uint8_t> bytes;
+  };
+  std::vector<Literal> literals;
 };
 
 struct PackOptions {
@@ -26,6 +43,8 @@ struct PackOptions {
   // on disk). Serve turns it off and calls RefuseNonFiniteWeights once the cheap checks have
   // passed (the store fits /dev/shm), so that a refusal that needs no weight comes at once.
   bool scan_weights = true;
+  // Store each block's projection weights compressed (common/quant_format.h); kNone: as they are.
+  QuantMethod quantize = QuantMethod::kNone;
 };
 
 // Throws Error(kCorrupt) naming the folder and the tensor for a missing block, a missing,

@@ -71,6 +71,7 @@ void FillChunk(Segment& seg, uint64_t begin, uint64_t end, Files& files,
     const uint64_t piece_end = std::min(end, it->offset + it->nbytes);
     if (piece_begin >= piece_end) continue;
     const Checkpoint::Ref& src = (*seg.sources)[it - tensors.begin()];
+    if (src.file == nullptr) continue;  // computed before the load (QuantizeSegments)
     const uint64_t src_base = src.file->header().data_offset + src.entry->begin;
     const uint64_t rel = piece_begin - it->offset;
     const int fd = files.Get(src.file);

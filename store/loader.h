@@ -24,6 +24,13 @@ struct LoadResult {
 // segment's checksum into plan.manifest. `should_stop` is polled between chunks, by every
 // loading thread at once (so it must be thread-safe); when it returns true the load throws
 // Error(kCancelled).
+// The pieces of the plan whose bytes are computed rather than copied: each weight of
+// plan.quantize quantised (with its scales) into its block's segment, in parallel over tiles
+// of every weight, and plan.literals; to be called before LoadSegments, which hashes them
+// with the rest. Returns the source bytes quantised and the time it took.
+LoadResult QuantizeSegments(const PackPlan& plan, const std::vector<ShmSegment*>& segments,
+                            int threads, const std::function<bool()>& should_stop);
+
 LoadResult LoadSegments(PackPlan& plan, const std::vector<ShmSegment*>& segments, int threads,
                         const std::function<bool()>& should_stop);
 

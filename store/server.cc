@@ -6,12 +6,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
 #include <fstream>
-#include <mutex>
 #include <random>
 #include <thread>
 
@@ -25,6 +23,7 @@
 #include "store/checksum.h"
 #include "store/layout.h"
 #include "store/loader.h"
+#include "store/parallel.h"
 #include "store/registry.h"
 
 namespace lorastream::store {
@@ -57,28 +56,6 @@ void CheckShmSpace(uint64_t needed) {
                     "); free space there or enlarge it: mount -o remount,size=<N>G /dev/shm");
 }
 
-// Runs fn(0..n-1) on `threads` threads; rethrows the first exception after all joined.
-void RunParallel(size_t n, int threads, const std::function<void(size_t)>& fn) {
-  std::atomic<size_t> next{0};
-  std::mutex mutex;
-  std::exception_ptr error;
-  auto work = [&] {
-    for (size_t i; (i = next.fetch_add(1)) < n;) {
-      try {
-        fn(i);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mutex);
-        if (!error) error = std::current_exception();
-      }
-    }
-  };
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads && static_cast<size_t>(t) < n; ++t) pool.emplace_back(work);
-  work();
-  for (std::thread& t : pool) t.join();
-  if (error) std::rethrow_exception(error);
-}
-
 std::string ShmemThpSetting() {
   std::ifstream in("/sys/kernel/mm/transparent_hugepage/shmem_enabled");
   std::string line;
@@ -97,6 +74,7 @@ std::string ComputeFingerprint(const Manifest& m) {
     text += "|" + std::to_string(s.nbytes) + ":" + std::to_string(s.checksum);
     for (const TensorSlice& t : s.tensors) {
       text += ";" + t.name + "," + DTypeName(t.dtype) + "," + std::to_string(t.offset);
+      if (t.quant.compressed()) text += "," + DescribeQuant(t.quant);
       for (int64_t d : t.shape) text += "x" + std::to_string(d);
     }
   };
@@ -119,6 +97,7 @@ std::unique_ptr<PublishedStore> PublishedStore::Build(const ServeOptions& option
   PackOptions pack;
   pack.to_bf16 = options.to_bf16;
   pack.scan_weights = false;  // below, after the checks that need no weight read
+  pack.quantize = options.quantize;
   PackPlan plan = PlanPack(checkpoint, pack);
   uint64_t needed = 0;
   for (const SegmentInfo& b : plan.manifest.blocks) needed += RoundUpToPage(b.nbytes);
@@ -172,6 +151,11 @@ std::unique_ptr<PublishedStore> PublishedStore::Build(const ServeOptions& option
 
   std::vector<ShmSegment*> pointers;
   for (ShmSegment& s : store->segments_) pointers.push_back(&s);
+  const LoadResult quantized = QuantizeSegments(plan, pointers, threads, should_stop);
+  if (quantized.bytes > 0)
+    LS_LOG_INFO("quantised {} projection weights ({}) to {} in {:.2f} s ({:.2f} GB/s, {} threads)",
+                plan.quantize.size(), FormatGiB(quantized.bytes), DescribeQuant(m.quant()),
+                quantized.seconds, quantized.bytes / quantized.seconds / 1e9, threads);
   LoadResult load = LoadSegments(plan, pointers, threads, should_stop);
   for (ShmSegment& s : store->segments_) s.MakeReadOnly();  // never written after publishing
 
@@ -185,6 +169,8 @@ std::unique_ptr<PublishedStore> PublishedStore::Build(const ServeOptions& option
   store->manifest_ = m;
   store->report_.bytes = load.bytes;
   store->report_.load_seconds = load.seconds;
+  store->report_.quantized_source_bytes = quantized.bytes;
+  store->report_.quantize_seconds = quantized.seconds;
   store->report_.threads = threads;
   store->report_.locked = options.lock && !lock_refused;
   store->report_.total_seconds = Seconds(start);
@@ -213,14 +199,18 @@ int RunServe(const ServeOptions& options) {
   const Manifest& m = store->manifest();
   const LoadReport& r = store->report();
   LS_LOG_INFO(
-      "store `{}` published: {} blocks + rest, {} {}, fingerprint {}, generation {:016x}; "
+      "store `{}` published: {} blocks + rest, {} {}{}, fingerprint {}, generation {:016x}; "
       "loaded {} in {:.2f} s ({:.2f} GB/s, {} threads), prefault {:.2f} s, total {:.2f} s, {}",
-      m.store_name, m.blocks.size(), FormatGiB(r.bytes), DTypeName(m.dtype), m.fingerprint,
+      m.store_name, m.blocks.size(), FormatGiB(r.bytes), DTypeName(m.dtype),
+      m.quant().compressed() ? ", blocks " + DescribeQuant(m.quant()) : "", m.fingerprint,
       m.generation, FormatGiB(r.bytes), r.load_seconds, r.bytes / r.load_seconds / 1e9, r.threads,
       r.prefault_seconds, r.total_seconds, r.locked ? "locked in RAM" : "not locked");
-  std::printf("published %s fingerprint=%s bytes=%llu load_s=%.4f load_gbps=%.3f prefault_s=%.4f\n",
-              m.store_name.c_str(), m.fingerprint.c_str(), static_cast<unsigned long long>(r.bytes),
-              r.load_seconds, r.bytes / r.load_seconds / 1e9, r.prefault_seconds);
+  std::printf(
+      "published %s fingerprint=%s bytes=%llu load_s=%.4f load_gbps=%.3f prefault_s=%.4f "
+      "quantize=%s quantize_s=%.4f\n",
+      m.store_name.c_str(), m.fingerprint.c_str(), static_cast<unsigned long long>(r.bytes),
+      r.load_seconds, r.bytes / r.load_seconds / 1e9, r.prefault_seconds,
+      QuantMethodName(m.quant().method), r.quantize_seconds);
   std::fflush(stdout);
   int sig = 0;
   sigwait(&signals, &sig);

@@ -23,6 +23,9 @@ struct ServeOptions {
   mode_t mode = 0600;      // segment permissions: owner-only unless asked otherwise
   bool lock = true;        // mlock the segments (warns once with the fix when refused)
   bool huge_pages = true;  // madvise(MADV_HUGEPAGE) where the kernel offers shmem THP
+  // --quantize fp8|nf4: the blocks' projection weights stored compressed (quantised at load,
+  // on every loader thread); kNone: as the checkpoint holds them.
+  QuantMethod quantize = QuantMethod::kNone;
 };
 
 // Blocks SIGTERM/SIGINT, builds and publishes, waits for one of them, tears down.
@@ -31,9 +34,11 @@ int RunServe(const ServeOptions& options);
 
 struct LoadReport {
   uint64_t bytes = 0;
-  double prefault_seconds = 0;  // creating, reserving and prefaulting the segments
-  double load_seconds = 0;      // copying (and converting) from the page cache + checksums
-  double total_seconds = 0;     // from the first file opened to the manifest published
+  double prefault_seconds = 0;          // creating, reserving and prefaulting the segments
+  double load_seconds = 0;              // copying (and converting) from the page cache + checksums
+  uint64_t quantized_source_bytes = 0;  // of the weights quantised (0: none)
+  double quantize_seconds = 0;          // quantising them into the segments
+  double total_seconds = 0;             // from the first file opened to the manifest published
   int threads = 0;
   bool locked = false;
 };

@@ -16,7 +16,7 @@ int main(int argc, char** argv) {
   CLI::App app{"lorastream-store: one shared, read-only copy of a model's base weights"};
   app.require_subcommand(1);
   store::ServeOptions serve;
-  std::string dtype = "keep", mode = "0600", path, name, level = "info";
+  std::string dtype = "keep", quantize = "none", mode = "0600", path, name, level = "info";
   int verify_threads = 0;
   app.add_option("--log-level", level, "trace|debug|info|warn|error");
   auto* s = app.add_subcommand(
@@ -27,6 +27,10 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"keep", "bf16"}));
   s->add_option("--threads", serve.threads, "loader threads (0: all cores)");
   s->add_option("--mode", mode, "segment permissions, octal (default owner-only 0600)");
+  s->add_option("--quantize", quantize,
+                "none | fp8 (e4m3, 128x128 block scales) | nf4 (bitsandbytes NF4): the blocks' "
+                "projection weights stored compressed")
+      ->check(CLI::IsMember({"none", "fp8", "nf4"}));
   s->add_flag("!--no-lock", serve.lock, "do not mlock the segments");
   s->add_flag("!--no-huge-pages", serve.huge_pages, "do not ask for transparent huge pages");
   auto* i = app.add_subcommand(
@@ -40,6 +44,7 @@ int main(int argc, char** argv) {
     InitLogging("store", level);
     if (*s) {
       serve.to_bf16 = dtype == "bf16";
+      serve.quantize = *ParseQuantMethod(quantize);
       size_t used = 0;
       try {
         serve.mode = static_cast<mode_t>(std::stoul(mode, &used, 8));

@@ -24,6 +24,7 @@
 #include "common/toml_file.h"
 #include "store/checksum.h"
 #include "store/convert.h"
+#include "store/quantize.h"
 
 namespace lorastream::store {
 
@@ -252,11 +253,105 @@ SynthResult RunSynth(const SynthOptions& options) {
         std::filesystem::copy_file(from, std::filesystem::path(options.out_dir) / name,
                                    std::filesystem::copy_options::overwrite_existing);
     }
+  if (!options.prequantized.empty()) WritePrequantized(options.out_dir, options.prequantized);
   SynthResult result;
   result.bytes = total;
   result.shards = static_cast<int>(shards.size());
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return result;
+}
+
+void WritePrequantized(const std::string& dir, const std::string& format) {
+  if (format != "fp8" && format != "bnb-nf4")
+    throw Error(ErrorCode::kInvalidArgument,
+                "prequantized format `" + format + "` is not one of fp8, bnb-nf4");
+  const bool fp8 = format == "fp8";
+  const QuantInfo q = StoreQuantFormat(fp8 ? QuantMethod::kFp8 : QuantMethod::kNf4);
+  std::vector<TensorToWrite> out;
+  std::vector<std::vector<uint8_t>> owned;  // the new tensors' bytes
+  auto emit = [&](const std::string& name, DType dtype, std::vector<int64_t> shape,
+                  std::vector<uint8_t> bytes) {
+    owned.push_back(std::move(bytes));
+    out.push_back({name, dtype, std::move(shape), nullptr});
+  };
+  {
+    const Checkpoint cp = Checkpoint::Open(dir);
+    for (const Checkpoint::Ref& ref : cp.AllTensors()) {
+      const SafetensorsEntry& e = *ref.entry;
+      const size_t dot = e.name.find('.', std::string("model.layers.").size());
+      const bool projection = e.name.rfind("model.layers.", 0) == 0 && dot != std::string::npos &&
+                              IsProjectionWeight(e.name.substr(dot + 1));
+      if (!projection) {
+        const uint8_t* d = ref.file->Data(e);
+        emit(e.name, e.dtype, e.shape, std::vector<uint8_t>(d, d + e.nbytes()));
+        continue;
+      }
+      const int64_t rows = e.shape[0], cols = e.shape[1], n = rows * cols;
+      std::vector<float> w(static_cast<size_t>(n));
+      ConvertToFloat(e.dtype, ref.file->Data(e), w.data(), w.size());
+      if (fp8) {
+        const int64_t tr = (rows + 127) / 128, tc = (cols + 127) / 128;
+        std::vector<uint8_t> qw(static_cast<size_t>(n)), scales(static_cast<size_t>(tr * tc) * 4);
+        for (int64_t r = 0; r < rows; r += 128)
+          QuantizeFp8Band(w.data() + r * cols, std::min<int64_t>(128, rows - r), cols, 128,
+                          qw.data() + r * cols,
+                          reinterpret_cast<float*>(scales.data()) + r / 128 * tc);
+        emit(e.name, DType::kF8E4M3, e.shape, std::move(qw));
+        emit(e.name + "_scale_inv", DType::kF32, {tr, tc}, std::move(scales));
+        continue;
+      }
+      const int64_t blocks = (n + q.blocksize - 1) / q.blocksize;
+      const int64_t groups = (blocks + q.nested_blocksize - 1) / q.nested_blocksize;
+      std::vector<uint8_t> packed(static_cast<size_t>((n + 1) / 2)), absmax_q(blocks);
+      std::vector<float> absmax(blocks), nested(groups);
+      float offset = 0;
+      QuantizeNf4(w.data(), n, q.blocksize, packed.data(), absmax.data());
+      DoubleQuantizeAbsmax(absmax.data(), blocks, q.nested_blocksize, absmax_q.data(),
+                           nested.data(), &offset);
+      auto floats = [](const float* f, size_t count) {
+        const auto* b = reinterpret_cast<const uint8_t*>(f);
+        return std::vector<uint8_t>(b, b + count * 4);
+      };
+      const int64_t packed_rows = static_cast<int64_t>(packed.size());
+      emit(e.name, DType::kU8, {packed_rows, 1}, std::move(packed));
+      emit(e.name + ".absmax", DType::kU8, {blocks}, std::move(absmax_q));
+      emit(e.name + ".nested_absmax", DType::kF32, {groups}, floats(nested.data(), nested.size()));
+      emit(e.name + ".quant_map", DType::kF32, {16}, floats(kNf4Code.data(), 16));
+      emit(e.name + ".nested_quant_map", DType::kF32, {256}, floats(DynamicMap8Bit().data(), 256));
+      const std::string state = nlohmann::json{
+          {"quant_type", "nf4"},
+          {"blocksize", q.blocksize},
+          {"dtype", "bfloat16"},
+          {"shape", e.shape},
+          {"nested_blocksize", q.nested_blocksize},
+          {"nested_dtype", "float32"},
+          {"nested_offset", offset}}.dump();
+      emit(e.name + ".quant_state.bitsandbytes__nf4", DType::kU8,
+           {static_cast<int64_t>(state.size())}, std::vector<uint8_t>(state.begin(), state.end()));
+    }
+    for (size_t i = 0; i < out.size(); ++i) out[i].data = owned[i].data();
+    WriteSafetensors(dir + "/model.safetensors.tmp-quant", out, {{"format", "pt"}});
+  }  // the old files' mappings are gone before they are removed
+  for (const auto& entry : std::filesystem::directory_iterator(dir))
+    if (entry.path().extension() == ".safetensors") std::filesystem::remove(entry.path());
+  std::filesystem::remove(std::filesystem::path(dir) / "model.safetensors.index.json");
+  std::filesystem::rename(dir + "/model.safetensors.tmp-quant", dir + "/model.safetensors");
+  std::ifstream in(dir + "/config.json");
+  nlohmann::json cj = nlohmann::json::parse(in);
+  if (fp8)
+    cj["quantization_config"] = {{"quant_method", "fp8"},
+                                 {"fmt", "e4m3"},
+                                 {"activation_scheme", "dynamic"},
+                                 {"weight_block_size", {128, 128}}};
+  else
+    cj["quantization_config"] = {{"quant_method", "bitsandbytes"},
+                                 {"load_in_4bit", true},
+                                 {"load_in_8bit", false},
+                                 {"bnb_4bit_quant_type", "nf4"},
+                                 {"bnb_4bit_use_double_quant", true},
+                                 {"bnb_4bit_compute_dtype", "bfloat16"},
+                                 {"bnb_4bit_quant_storage", "uint8"}};
+  WriteTextFile(dir + "/config.json", cj.dump(2));
 }
 
 }  // namespace lorastream::store

@@ -34,6 +34,9 @@ struct SynthOptions {
   uint64_t shard_bytes = 4ull << 30;  // start a new shard past this many bytes
   int threads = 0;                    // generator threads; 0: one per hardware thread
   std::string tokenizer_dir;  // copy this folder's tokenizer files in; vocab_size grows to fit
+  // "fp8" | "bnb-nf4": then rewrite the checkpoint as a pre-quantised one is published
+  // (WritePrequantized); "": plain.
+  std::string prequantized;
 };
 
 struct SynthResult {
@@ -43,6 +46,15 @@ struct SynthResult {
 };
 
 SynthResult RunSynth(const SynthOptions& options);
+
+// Rewrites the checkpoint in `dir` as a pre-quantised upload stores it, with the store's own
+// quantisation (store/quantize.h): "fp8" (quant_method "fp8", weight_block_size [128, 128]:
+// F8_E4M3 weights, F32 `weight_scale_inv`) or "bnb-nf4" (quant_method "bitsandbytes", 4-bit
+// nf4, double-quantised: U8 [n/2, 1] weights, absmax, quant_map, nested_absmax,
+// nested_quant_map and quant_state.bitsandbytes__nf4). Only the blocks' projection weights
+// change; the result is one model.safetensors (the whole model passes through memory: meant
+// for test models).
+void WritePrequantized(const std::string& dir, const std::string& format);
 
 // The value synth writes at element `index` of tensor `name` (as float, before rounding to
 // the file's dtype); `rank` is the tensor's number of dimensions. Exposed for tests.

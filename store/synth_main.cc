@@ -23,6 +23,10 @@ int main(int argc, char** argv) {
   app.add_option("--shard-bytes", o.shard_bytes, "start a new shard past this many bytes");
   app.add_option("--threads", o.threads, "generator threads (0: all cores)");
   app.add_option("--presets-dir", o.presets_dir, "where presets live");
+  app.add_option("--prequantized", o.prequantized,
+                 "write a pre-quantised checkpoint: fp8 (block-scaled e4m3, as the official FP8 "
+                 "uploads) | bnb-nf4 (bitsandbytes 4-bit nf4, as the -bnb-4bit uploads)")
+      ->check(CLI::IsMember({"fp8", "bnb-nf4"}));
   app.add_option("--tokenizer", o.tokenizer_dir,
                  "a Hugging Face tokenizer folder to copy in (vocab_size grows to fit it)");
   return RunMain("lorastream-synth", app, argc, argv, [&] {

@@ -41,8 +41,11 @@ class BaseWeights {
   // What adapter_config.json's base_model_name_or_path says: the checkpoint folder, or the
   // folder the store was loaded from (or its name).
   const std::string& name_or_path() const { return name_or_path_; }
-  int num_blocks() const { return static_cast<int>(blocks_.size()); }
-  const BlockWeights& block(int i) const { return blocks_.at(i); }
+  int num_blocks() const { return static_cast<int>(config_.num_hidden_layers); }
+  // A compressed store's block is expanded (on the host, in the store's dtype) on its first
+  // request and kept: streaming never asks for it, so the host holds no expanded copy of what
+  // it streams.
+  const BlockWeights& block(int i) const;
   const RestWeights& rest() const { return rest_; }
 
   // Store source only (nullptr / empty otherwise): the manifest and each block's packed bytes
@@ -58,6 +61,8 @@ class BaseWeights {
   std::shared_ptr<const Manifest> manifest_;
   std::vector<const uint8_t*> block_bytes_;
   std::shared_ptr<void> owner_;  // the checkpoint mapping / store attachment
+  struct Expansions;             // a compressed store's blocks, expanded on first use (thread-safe)
+  std::shared_ptr<Expansions> expansions_;
 };
 
 // at::ScalarType of a stored dtype (f32, bf16, f16, f64); Error(kUnsupported) otherwise.

@@ -119,10 +119,12 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& 
   e.rest = in.rest_bytes;
   uint64_t largest_streamed = 0;
   for (int i = 0; i < plan.num_blocks(); ++i) {
+    const uint64_t held =
+        in.block_bytes[i] + (in.expanded_bytes.empty() ? 0 : in.expanded_bytes[i]);
     if (plan.streamed[i]) {
-      largest_streamed = std::max(largest_streamed, in.block_bytes[i]);
+      largest_streamed = std::max(largest_streamed, held);
     } else {
-      e.resident_blocks += in.block_bytes[i];
+      e.resident_blocks += held;
     }
   }
   e.slot = largest_streamed;

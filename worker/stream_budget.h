@@ -72,8 +72,12 @@ int64_t HeadChunkRows(int64_t tokens, int64_t vocab, int64_t hidden, uint64_t bo
 struct MemoryModelInputs {
   ModelConfig config;
   std::vector<uint64_t> block_bytes;  // bytes of each block as stored (and copied)
-  uint64_t rest_bytes = 0;            // non-block weights always on the device (final norm)
-  uint64_t head_bytes = 0;            // the LM head's weights on the device (V x H x b)
+  // Of a compressed store: bytes of each block's expanded projections in the compute dtype
+  // (worker/quant_expand.h), held beside the compressed bytes by every slot and resident
+  // block; empty: nothing is compressed.
+  std::vector<uint64_t> expanded_bytes;
+  uint64_t rest_bytes = 0;  // non-block weights always on the device (final norm)
+  uint64_t head_bytes = 0;  // the LM head's weights on the device (V x H x b)
   // The chunked head's bound on one chunk's working set (HeadChunkRows): lower = less memory
   // at the LM head, more (smaller) matmuls.
   uint64_t head_chunk_bytes = kDefaultHeadChunkBytes;

@@ -5,6 +5,8 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "worker/base_weights.h"
+#include "worker/quant_expand.h"
 #include "worker/stream_cpu_backend.h"
 #ifdef LORASTREAM_HAVE_CUDA
 #include "worker/cuda/cuda_stream_backend.h"
@@ -81,12 +83,14 @@ StreamEngine::StreamEngine(const Manifest& manifest, std::vector<const uint8_t*>
                            ResidencyPlan residency, std::unique_ptr<StreamBackend> backend,
                            bool log_plan)
     : layouts_(CheckedLayouts(manifest, block_bytes, residency)),
+      dtype_(ScalarTypeOf(manifest.dtype, "the stream's weights")),
       sources_(std::move(block_bytes)),
       residency_(std::move(residency)),
       backend_(std::move(backend)) {
   const int n = num_blocks();
   resident_bytes_.resize(n);
   resident_weights_.resize(n);
+  resident_expanded_.resize(n);
   // Preparing the streamed sources is where the CUDA backend prefaults and registers them
   // (read-only, page-locked); its cost per GiB is worth a line in the log.
   double prepare_seconds = 0;
@@ -100,13 +104,14 @@ StreamEngine::StreamEngine(const Manifest& manifest, std::vector<const uint8_t*>
       streamed_bytes += layouts_[i].nbytes;
     } else {
       resident_bytes_[i] = backend_->MakeResident(sources_[i], layouts_[i].nbytes);
-      resident_weights_[i] = BlockWeightsFromBytes(resident_bytes_[i], layouts_[i]);
+      resident_weights_[i] = WeightsOf(resident_bytes_[i], i, &resident_expanded_[i]);
       RefuseTrainableBaseWeights(resident_weights_[i], i);
     }
   }
   slot_weights_.resize(residency_.max_slots());
   slot_weights_block_.assign(residency_.max_slots(), -1);
   slot_block_.assign(residency_.max_slots(), -1);
+  slot_expanded_.resize(residency_.max_slots());
   if (log_plan) {
     const PassPlan steady = PlanSteadyPass(residency_);
     uint64_t steady_bytes = 0;
@@ -149,6 +154,7 @@ void StreamEngine::FreePhaseSlot(int slot) {
   slot_weights_[slot] = BlockWeights{};
   slot_weights_block_[slot] = -1;
   slot_block_[slot] = -1;
+  slot_expanded_[slot] = at::Tensor();
   backend_->FreeSlot(slot);
 }
 
@@ -210,11 +216,18 @@ const BlockWeights& StreamEngine::Acquire(int block) {
   acquired_ = true;
   if (!use.copy) ++copies_saved_;
   if (slot_weights_block_[use.slot] != block) {
-    slot_weights_[use.slot] = BlockWeightsFromBytes(backend_->slot(use.slot), layouts_[block]);
+    // A compressed block expands here, on the compute stream after the copy's event.
+    slot_weights_[use.slot] = WeightsOf(backend_->slot(use.slot), block, &slot_expanded_[use.slot]);
     RefuseTrainableBaseWeights(slot_weights_[use.slot], block);
     slot_weights_block_[use.slot] = block;
   }
   return slot_weights_[use.slot];
+}
+
+BlockWeights StreamEngine::WeightsOf(const at::Tensor& bytes, int block,
+                                     at::Tensor* expanded) const {
+  if (!HasCompressedWeights(layouts_[block])) return BlockWeightsFromBytes(bytes, layouts_[block]);
+  return ExpandBlock(bytes, layouts_[block], dtype_, expanded);
 }
 
 void StreamEngine::Release(int block) {
@@ -323,6 +336,9 @@ MemoryModelInputs MemoryInputsFor(const Manifest& manifest, int64_t lora_rank,
   MemoryModelInputs in;
   in.config = manifest.config;
   for (const SegmentInfo& b : manifest.blocks) in.block_bytes.push_back(b.nbytes);
+  if (manifest.quant().compressed())
+    for (const SegmentInfo& b : manifest.blocks)
+      in.expanded_bytes.push_back(static_cast<uint64_t>(ExpandedElements(b)) * compute_bytes);
   in.lora_rank = lora_rank;
   in.lora_targets = lora_targets;
   in.tokens = tokens_per_micro_batch;

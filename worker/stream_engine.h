@@ -70,7 +70,12 @@ class StreamEngine : public BlockProvider {
   void FreePhaseSlot(int slot);  // drops the views over a phase slot, then its memory
   const BlockUse& Expect(int block, const char* verb) const;
 
+  // The views of a block's bytes; a compressed block's projections expanded into `*expanded`
+  // (worker/quant_expand.h) in the manifest's dtype.
+  BlockWeights WeightsOf(const at::Tensor& bytes, int block, at::Tensor* expanded) const;
+
   const std::vector<SegmentInfo> layouts_;
+  const c10::ScalarType dtype_;  // of the weights served (a compressed block's expansion)
   const std::vector<const uint8_t*> sources_;
   const ResidencyPlan residency_;
   std::unique_ptr<StreamBackend> backend_;
@@ -80,6 +85,8 @@ class StreamEngine : public BlockProvider {
   std::vector<BlockWeights> slot_weights_;      // [slot]: views over the slot for ...
   std::vector<int> slot_weights_block_;         // ... this block's layout (-1: none yet)
   std::vector<int> slot_block_;                 // block each slot holds once its copies land
+  std::vector<at::Tensor> resident_expanded_;   // [block]: compressed blocks' expansion
+  std::vector<at::Tensor> slot_expanded_;       // [slot]: expansion of slot_weights_block_
 
   PassPlan pass_;
   int cursor_ = 0;         // index of the next use to Acquire in pass_

@@ -151,7 +151,12 @@ std::unique_ptr<BlockProvider> MakeStreamProvider(const JobSpec& spec, const Bas
   std::unique_ptr<PackedBlocks> packed;
   const Manifest* manifest = base.manifest();
   std::vector<const uint8_t*> pointers = base.block_bytes();
-  if (manifest == nullptr || ScalarTypeOf(manifest->dtype, "the store") != dtype) {
+  Manifest compressed;
+  if (manifest != nullptr && manifest->quant().compressed()) {
+    // Compressed blocks stream as stored and expand on the device, into the compute dtype.
+    compressed = ComputeLayout(base, dtype);
+    manifest = &compressed;
+  } else if (manifest == nullptr || ScalarTypeOf(manifest->dtype, "the store") != dtype) {
     // Streaming serves stored bytes as they are: bring them into the compute dtype once.
     LS_LOG_INFO("stream: packing {} blocks of {} as {} into host buffers ({})", base.num_blocks(),
                 base.name_or_path(), dtype_name,
@@ -190,6 +195,11 @@ MemoryModelInputs JobMemoryInputs(const JobSpec& spec, const Manifest& manifest,
 Manifest ComputeLayout(const BaseWeights& base, c10::ScalarType dtype) {
   const Manifest* stored = base.manifest();
   if (stored != nullptr && ScalarTypeOf(stored->dtype, "the store") == dtype) return *stored;
+  if (stored != nullptr && stored->quant().compressed()) {
+    Manifest m = *stored;  // streamed as stored; the engine expands into m.dtype
+    m.dtype = DTypeOf(dtype);
+    return m;
+  }
   Manifest m;
   m.config = base.config();
   m.dtype = DTypeOf(dtype);

@@ -38,7 +38,8 @@ MemoryModelInputs JobMemoryInputs(const JobSpec& spec, const Manifest& manifest,
                                   const c10::Device& device, c10::ScalarType dtype);
 
 // The layout the engine streams the base's blocks in: the store's manifest when its dtype is
-// the compute dtype, else the layout of the packed copy (no packing done here).
+// the compute dtype or its blocks are compressed (with the compute dtype, which they expand
+// into), else the layout of the packed copy (no packing done here).
 Manifest ComputeLayout(const BaseWeights& base, c10::ScalarType dtype);
 
 struct StreamPlanning {

@@ -16,6 +16,7 @@
 #
 # Usage: tools/gpu/bench_stream.sh OUT_DIR [extra lorastream-bench-stream options]
 #   LORASTREAM_BUILD_DIR   the build (default build/, tools/setup.sh's)
+#   LORASTREAM_BENCH_QUANTIZE  none (default) | fp8 | nf4: the store's --quantize
 #   LORASTREAM_BENCH_PRESET, _LAYERS, _DEVICE, _ARGS   the model (llama-3-8b, 16 layers), the
 #     device (cuda:0) and the benchmark's options in place of the defaults below (the CPU
 #     smoke test, tools/bench_stream_smoke.sh, sets them)
@@ -35,7 +36,8 @@ mkdir -p "$OUT"
 if [[ ! -f "$CKPT/config.json" ]]; then
   "$BIN/lorastream-synth" --preset "$PRESET" --layers "$LAYERS" --out "$CKPT" --presets-dir "$ROOT/configs/models"
 fi
-"$BIN/lorastream-store" serve "$CKPT" --name "$NAME" > "$OUT/bench_store.log" 2>&1 &
+QUANTIZE="${LORASTREAM_BENCH_QUANTIZE:-none}"
+"$BIN/lorastream-store" serve "$CKPT" --name "$NAME" --quantize "$QUANTIZE" > "$OUT/bench_store.log" 2>&1 &
 STORE_PID=$!
 trap 'kill -TERM $STORE_PID 2>/dev/null; wait $STORE_PID 2>/dev/null || true' EXIT
 for _ in $(seq 3000); do

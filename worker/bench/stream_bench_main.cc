@@ -74,6 +74,9 @@ struct BenchOptions {
   // head as that plan's estimated peak holds), one row per N: bytes copied and the copy
   // engine's idle time against memory.
   std::vector<int64_t> phase_slots;
+  // Only the resident row and the --swap/--ring row, without the cost model's calibration
+  // (no predictions): the step ratios of several stores within little device time.
+  bool quick = false;
 };
 
 struct Row {
@@ -250,15 +253,18 @@ void Run(const BenchOptions& o, const std::string& command) {
     const MemoryModelInputs in =
         JobMemoryInputs(resident, ComputeLayout(base, dtype), device, dtype);
     // Measured again for every bench run (not from the cache): the figures of this run.
-    const StepCosts costs = MeasureStepCosts(resident, base, device, dtype);
-    SaveStepCosts(CalibrationKey(resident, base, device, dtype), costs);
-    std::fprintf(stderr, "bench: %lld tokens: %s\n", static_cast<long long>(tokens),
-                 costs.Describe().c_str());
+    StepCosts costs;
+    if (!o.quick) {
+      costs = MeasureStepCosts(resident, base, device, dtype);
+      SaveStepCosts(CalibrationKey(resident, base, device, dtype), costs);
+      std::fprintf(stderr, "bench: %lld tokens: %s\n", static_cast<long long>(tokens),
+                   costs.Describe().c_str());
+    }
 
     Row res = RunOne(o, resident, false, "resident", L, L);
     res.floor_s = res.step_s;
     res.floor2_s = res.step_s;
-    res.predicted_s = costs.ResidentStepSeconds(L);
+    res.predicted_s = o.quick ? 0.0 : costs.ResidentStepSeconds(L);
     res.slots = "-";
     const double block_gb = m.blocks[0].nbytes / 1e9;
     rows.push_back(res);
@@ -268,7 +274,16 @@ void Run(const BenchOptions& o, const std::string& command) {
       JobSpec spec = Spec(o, data, tokens, run + "-" + std::to_string(tokens));
       set(spec);
       Row probe;
-      Predict(spec, base, in, costs, device, dtype, &probe);
+      if (o.quick) {
+        const ResidencyPlan plan =
+            PlanFromSwapCount(L, static_cast<int>(spec.stream.blocks_to_swap),
+                              static_cast<int>(spec.stream.ring_size));
+        probe.resident_blocks = L - plan.num_streamed();
+        probe.estimate_gib = EstimateMemory(in, plan).total() / double(1ull << 30);
+        probe.slots = std::to_string(spec.stream.ring_size);
+      } else {
+        Predict(spec, base, in, costs, device, dtype, &probe);
+      }
       Row r = RunOne(o, spec, true, mode, probe.resident_blocks, L);
       r.predicted_s = probe.predicted_s;
       r.estimate_gib = probe.estimate_gib;
@@ -277,13 +292,30 @@ void Run(const BenchOptions& o, const std::string& command) {
       r.floor2_s = std::max(res.step_s, 2 * (L - r.resident_blocks) * block_gb / gbps);
       rows.push_back(r);
     };
+    // Each row's largest loss difference against the resident run, step by step.
+    auto loss_diffs = [&] {
+      for (Row& r : rows) {
+        if (r.tokens != tokens || r.mode == "resident") continue;
+        for (size_t i = 0; i < r.stats.size() && i < res.stats.size(); ++i)
+          r.max_loss_diff =
+              std::max(r.max_loss_diff, std::abs(r.stats[i].loss - res.stats[i].loss));
+      }
+    };
+    const std::string today = "swap " + std::to_string(o.swap) + " ring " + std::to_string(o.ring);
+    if (o.quick) {
+      streamed_row("swap", today, [&](JobSpec& s) {
+        s.stream.blocks_to_swap = o.swap;
+        s.stream.ring_size = o.ring;
+      });
+      loss_diffs();
+      continue;
+    }
     // Every block resident and taped: no recompute in the backward (what the checkpoints
     // cost), at the memory of every block's activations.
     streamed_row("taped", "resident, " + std::to_string(L) + " taped", [&](JobSpec& s) {
       s.stream.blocks_to_swap = 0;
       s.stream.taped_blocks = L;
     });
-    const std::string today = "swap " + std::to_string(o.swap) + " ring " + std::to_string(o.ring);
     streamed_row("swap", today, [&](JobSpec& s) {
       s.stream.blocks_to_swap = o.swap;
       s.stream.ring_size = o.ring;
@@ -342,12 +374,7 @@ void Run(const BenchOptions& o, const std::string& command) {
         }
       }
     }
-    for (Row& r : rows) {
-      if (r.tokens != tokens || r.mode == "resident") continue;
-      for (size_t i = 0; i < r.stats.size() && i < res.stats.size(); ++i) {
-        r.max_loss_diff = std::max(r.max_loss_diff, std::abs(r.stats[i].loss - res.stats[i].loss));
-      }
-    }
+    loss_diffs();
   }
 
   std::ostringstream t;
@@ -418,6 +445,8 @@ int main(int argc, char** argv) {
   app.add_option("--scratch", o.scratch,
                  "folder for data and run outputs (default: a new one "
                  "in /tmp, removed at the end)");
+  app.add_flag("--quick", o.quick,
+               "only the resident and the --swap/--ring rows, without calibration");
   app.add_option("--steps", o.steps, "timed steps per run")->capture_default_str();
   app.add_option("--warmup", o.warmup, "untimed steps per run")->capture_default_str();
   return RunMain("lorastream-bench-stream", app, argc, argv, [&] {

@@ -1,0 +1,196 @@
+// Training against a compressed store (fp8, nf4) on the CPU: a block's expanded weights
+// equal a plain reference dequantisation written here with ATen ops (invariant 7), streamed
+// runs equal the resident run bit for bit (invariant 4), and a resumed run ends where an
+// uninterrupted one does.
+#include "tests/worker/torch_catch.h"  // first: see there
+
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <vector>
+
+#include "common/error.h"
+#include "store/server.h"
+#include "tests/worker/worker_test_util.h"
+#include "worker/base_weights.h"
+#include "worker/quant_expand.h"
+#include "worker/stream_provider.h"
+#include "worker/trainer.h"
+
+using namespace lorastream;
+using namespace lorastream::worker;
+
+namespace {
+
+std::string UniqueStoreName(const std::string& tag) {
+  static int counter = 0;
+  return "test-" + tag + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
+}
+
+at::Tensor SliceOf(const at::Tensor& bytes, const SegmentInfo& layout, const std::string& name,
+                   at::ScalarType type) {
+  const TensorSlice* s = layout.Find(name);
+  REQUIRE(s != nullptr);
+  return bytes.narrow(0, static_cast<int64_t>(s->offset), static_cast<int64_t>(s->nbytes))
+      .view(type);
+}
+
+// The reference: each format's definition in f32 ATen ops, rounded once to bf16.
+at::Tensor ReferenceDequant(const at::Tensor& bytes, const SegmentInfo& layout,
+                            const TensorSlice& w) {
+  const int64_t rows = w.shape[0], cols = w.shape[1];
+  if (w.quant.method == QuantMethod::kFp8) {
+    // e4m3 by its definition: sign, 4-bit exponent (bias 7), 3-bit mantissa; a table of the
+    // 256 codes (NaN never occurs in a finite store).
+    std::vector<float> table(256);
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 15, m = b & 7;
+      const double v = e == 0 ? std::ldexp(m / 8.0, -6) : std::ldexp(1 + m / 8.0, e - 7);
+      table[b] = static_cast<float>(b & 128 ? -v : v);
+    }
+    const at::Tensor q = SliceOf(bytes, layout, w.name, at::kByte).to(at::kLong);
+    const at::Tensor v =
+        at::from_blob(table.data(), {256}, at::kFloat).index({q}).view({rows, cols});
+    const at::Tensor s = SliceOf(bytes, layout, w.name + "_scale_inv", at::kFloat)
+                             .view({(rows + 127) / 128, (cols + 127) / 128})
+                             .repeat_interleave(128, 0)
+                             .repeat_interleave(128, 1)
+                             .narrow(0, 0, rows)
+                             .narrow(1, 0, cols);
+    return (v * s).to(at::kBFloat16);
+  }
+  const at::Tensor packed = SliceOf(bytes, layout, w.name, at::kByte).to(at::kLong);
+  const at::Tensor codes = at::stack({packed.__rshift__(4), packed.bitwise_and(15)}, 1).view(-1);
+  const at::Tensor qmap = SliceOf(bytes, layout, w.name + ".quant_map", at::kFloat);
+  const at::Tensor nmap = SliceOf(bytes, layout, w.name + ".nested_quant_map", at::kFloat);
+  const at::Tensor qabs = SliceOf(bytes, layout, w.name + ".absmax", at::kByte).to(at::kLong);
+  const at::Tensor nabs = SliceOf(bytes, layout, w.name + ".nested_absmax", at::kFloat);
+  const float offset = SliceOf(bytes, layout, w.name + ".nested_offset", at::kFloat).item<float>();
+  const int64_t blocks = qabs.numel();
+  const at::Tensor absmax =
+      nmap.index({qabs}) * nabs.repeat_interleave(256).narrow(0, 0, blocks) + offset;
+  const at::Tensor a = absmax.repeat_interleave(64).narrow(0, 0, rows * cols);
+  return (qmap.index({codes}) * a).to(at::kBFloat16).view({rows, cols});
+}
+
+struct QuantStore {
+  testing::TempDir dir{"quant-train"};
+  std::unique_ptr<store::PublishedStore> store;
+  QuantStore(const std::string& preset, QuantMethod method) {
+    testing::MakeCheckpoint(dir / "m", preset);
+    store::ServeOptions o;
+    o.model_dir = dir / "m";
+    o.name = UniqueStoreName(QuantMethodName(method));
+    o.threads = 2;
+    o.quantize = method;
+    store = store::PublishedStore::Build(o);
+    testing::WriteJsonl(dir / "d.jsonl", 6, 10, 40, 320);
+  }
+  JobSpec Job(const std::string& out) const {
+    JobSpec spec = testing::TinyJob("", dir / "d.jsonl", dir / out);
+    spec.model.checkpoint.clear();
+    spec.model.store = store->manifest().store_name;
+    spec.train.steps = 4;
+    spec.train.grad_accum = 2;
+    spec.train.checkpoint_every = 2;
+    return spec;
+  }
+};
+
+TrainOptions Streamed(bool streamed) {
+  TrainOptions o;
+  o.threads = 1;
+  o.device = "cpu";
+  if (streamed)
+    o.make_provider = [](const JobSpec& j, const BaseWeights& b, const std::string& d,
+                         const std::string& t) {
+      StreamEngineOptions opt;
+      opt.log_plan = false;
+      opt.debug_poison = true;  // a read before the copy landed would be NaN
+      return MakeStreamProvider(j, b, d, t, opt);
+    };
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("a compressed block expands to its reference dequantisation bit for bit", "[worker]") {
+  for (QuantMethod method : {QuantMethod::kFp8, QuantMethod::kNf4}) {
+    INFO(QuantMethodName(method));
+    QuantStore q("tiny-qwen2", method);
+    const BaseWeights base = BaseWeights::FromStore(q.store->manifest().store_name);
+    const Manifest& m = *base.manifest();
+    const SegmentInfo& layout = m.blocks[1];
+    const at::Tensor bytes =
+        at::from_blob(const_cast<uint8_t*>(base.block_bytes()[1]),
+                      {static_cast<int64_t>(layout.nbytes)}, at::TensorOptions().dtype(at::kByte));
+    for (at::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
+      at::Tensor buffer;
+      const BlockWeights w = ExpandBlock(bytes, layout, dtype, &buffer);
+      for (const TensorSlice& t : layout.tensors) {
+        const at::Tensor* field = BlockWeightField(w, t.name);
+        if (!t.quant.compressed()) {
+          if (field != nullptr) CHECK(field->scalar_type() == dtype);  // biases, norms
+          continue;
+        }
+        INFO(t.name);
+        const at::Tensor ref = ReferenceDequant(bytes, layout, t);
+        REQUIRE(field->scalar_type() == dtype);
+        CHECK(at::equal(field->to(at::kBFloat16), ref));  // bf16 exactly, f32 its widening
+        CHECK(at::equal(*field, ref.to(dtype)));
+      }
+      CHECK(buffer.numel() == ExpandedElements(layout));
+    }
+    // The base's own view of the block (the resident path) is the same expansion.
+    CHECK(at::equal(base.block(1).down_proj.to(at::kBFloat16),
+                    ReferenceDequant(bytes, layout, *layout.Find("mlp.down_proj.weight"))));
+    CHECK(base.block(1).input_norm.scalar_type() == ScalarTypeOf(m.dtype, "the store"));
+  }
+}
+
+TEST_CASE("training on a compressed store: streamed equals resident bit for bit, resume works",
+          "[worker]") {
+  for (QuantMethod method : {QuantMethod::kFp8, QuantMethod::kNf4}) {
+    INFO(QuantMethodName(method));
+    QuantStore q("tiny", method);
+    std::vector<double> resident_losses;
+    JobSpec spec = q.Job("resident");
+    RunTraining(spec, Streamed(false),
+                [&](const StepStats& s) { resident_losses.push_back(s.loss); });
+    REQUIRE(resident_losses.size() == 4);
+    REQUIRE(std::isfinite(resident_losses.back()));
+    const std::string want =
+        testing::ReadFile(spec.train.output_dir + "/adapter_model.safetensors");
+    for (int swap : {0, 3, 4}) {
+      for (int ring : {1, 2}) {
+        INFO("swap " << swap << " ring " << ring);
+        spec = q.Job("s" + std::to_string(swap) + "r" + std::to_string(ring));
+        spec.stream.blocks_to_swap = swap;
+        spec.stream.ring_size = ring;
+        std::vector<double> losses;
+        StepStats last;
+        RunTraining(spec, Streamed(true), [&](const StepStats& s) {
+          losses.push_back(s.loss);
+          last = s;
+        });
+        CHECK(losses == resident_losses);
+        CHECK(testing::ReadFile(spec.train.output_dir + "/adapter_model.safetensors") == want);
+        // The bytes copied per step are the compressed blocks'.
+        CHECK(last.h2d_bytes ==
+              static_cast<uint64_t>(last.copies) * q.store->manifest().blocks[0].nbytes);
+        CHECK((swap > ring) == (last.copies > 0));
+      }
+    }
+    // Stopped after step 3 and resumed: the same adapter as the uninterrupted run.
+    spec = q.Job("split");
+    spec.stream.blocks_to_swap = 3;
+    int polls = 0;
+    TrainResult first = RunTraining(spec, Streamed(true), {}, [&] { return ++polls > 3; });
+    CHECK(first.stopped);
+    TrainResult second = RunTraining(spec, Streamed(true));
+    CHECK(second.start_step == first.steps_done);
+    CHECK(second.steps_done == 4);
+    CHECK(testing::ReadFile(spec.train.output_dir + "/adapter_model.safetensors") == want);
+  }
+}
