@@ -34,6 +34,7 @@ struct SynthOptions {
   uint64_t shard_bytes = 4ull << 30;  // start a new shard past this many bytes
   int threads = 0;                    // generator threads; 0: one per hardware thread
   std::string tokenizer_dir;  // copy this folder's tokenizer files in; vocab_size grows to fit
+  bool force = false;  // write into an out_dir that holds files (else Error kInvalidArgument)
 };
 
 struct SynthResult {

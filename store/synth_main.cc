@@ -25,6 +25,8 @@ int main(int argc, char** argv) {
   app.add_option("--presets-dir", o.presets_dir, "where presets live");
   app.add_option("--tokenizer", o.tokenizer_dir,
                  "a Hugging Face tokenizer folder to copy in (vocab_size grows to fit it)");
+  app.add_flag("--force", o.force,
+               "write into an --out folder that is not empty, replacing its checkpoint files");
   return RunMain("lorastream-synth", app, argc, argv, [&] {
     InitLogging("synth");
     SynthResult r = RunSynth(o);
