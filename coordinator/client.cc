@@ -45,19 +45,29 @@ struct Client::Impl {
     }
   }
 
-  // A handshake failure event, if the monitor saw one.
-  std::string HandshakeFailure() {
-    if (!monitor) return "";
+  // A handshake failure the monitor saw, as an error to throw ("" message: none). Only a
+  // refused key or a mechanism mismatch is about CURVE; without CURVE, a connection that
+  // closes before the handshake completes is a coordinator going away (stopping, restarting)
+  // or a socket that is not a coordinator's.
+  Error HandshakeFailure() {
+    if (!monitor) return Error(ErrorCode::kOk, "");
     zmq::message_t event;
-    if (!monitor->recv(event, zmq::recv_flags::dontwait)) return "";
+    if (!monitor->recv(event, zmq::recv_flags::dontwait)) return Error(ErrorCode::kOk, "");
     zmq::message_t address;
     (void)monitor->recv(address, zmq::recv_flags::dontwait);
     uint16_t id = 0;
     if (event.size() >= 2) std::memcpy(&id, event.data(), 2);
+    const std::string& ep = options.endpoint;
     if (id == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
-      return "the coordinator refused this client's CURVE key";
-    return "the security handshake with the coordinator failed (CURVE keys required, or "
-           "mismatched)";
+      return Error(ErrorCode::kRefused, ep + ": the coordinator refused this client's CURVE key");
+    if (id == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL && !curve)
+      return Error(ErrorCode::kIo,
+                   "cannot reach the coordinator at " + ep +
+                       ": the connection closed before the coordinator answered (it is "
+                       "stopping or restarting, or this is not a coordinator's socket); nothing "
+                       "was done: try again once `lorastream jobs` answers");
+    return Error(ErrorCode::kRefused, ep + ": the security handshake with the coordinator failed "
+                                           "(CURVE keys required, or mismatched)");
   }
 };
 
@@ -99,10 +109,10 @@ std::string Client::Exchange(const std::string& frame, uint32_t request_id, int 
                                {s.monitor ? s.monitor->handle() : nullptr, 0, ZMQ_POLLIN, 0}};
     zmq::poll(items, s.monitor ? 2 : 1, std::min(left, std::chrono::milliseconds(200)));
     if (s.monitor && (items[1].revents & ZMQ_POLLIN)) {
-      std::string why = s.HandshakeFailure();
-      if (!why.empty()) {
+      Error failure = s.HandshakeFailure();
+      if (failure.code() != ErrorCode::kOk) {
         Reconnect();
-        throw Error(ErrorCode::kRefused, s.options.endpoint + ": " + why);
+        throw failure;
       }
     }
     if (!(items[0].revents & ZMQ_POLLIN)) continue;
