@@ -1,5 +1,6 @@
 #include "common/step_stats_json.h"
 
+#include <filesystem>
 #include <fstream>
 
 #include "common/durable_file.h"
@@ -33,8 +34,10 @@ nlohmann::json StepStatsToJson(const StepStats& s) {
 std::string StepStatsJson(const StepStats& s) { return StepStatsToJson(s).dump(); }
 
 void DropStatsAfter(const std::string& path, int64_t step) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) return;  // none yet, or a device (/dev/null)
   std::ifstream in(path, std::ios::binary);
-  if (!in) return;
+  if (!in) throw Error(ErrorCode::kIo, "train.stats_file: cannot read " + path);
   std::string kept, line;
   bool dropped = false;
   while (std::getline(in, line)) {

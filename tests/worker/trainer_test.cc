@@ -412,7 +412,7 @@ TEST_CASE("lorastream-worker train over a checkpoint past the job's steps says i
   testing::WriteJsonl(dir / "d.jsonl", 3, 10, 30, 512);
   const auto write_job = [&](int steps) {
     std::ofstream job(dir / "job.toml", std::ios::trunc);
-    job << "name = \"done\"\n[model]\ncheckpoint = \"" << (dir / "m") << "\"\n[data]\npath = \""
+    job << "name = \"again\"\n[model]\ncheckpoint = \"" << (dir / "m") << "\"\n[data]\npath = \""
         << (dir / "d.jsonl") << "\"\nseq_len = 16\n[lora]\nrank = 2\n[train]\nsteps = " << steps
         << "\noutput_dir = \"" << (dir / "out") << "\"\n";
   };
