@@ -65,6 +65,7 @@ std::vector<Document> LoadJsonl(const std::string& path, int64_t vocab) {
     const bool may_be_record = first;
     first = false;
     const std::string where = path + ":" + std::to_string(line_no);
+    RequireNoNul(line, where);
     Json j = Json::parse(line, nullptr, /*allow_exceptions=*/false);
     if (j.is_discarded() || !j.is_object())
       throw Error(ErrorCode::kCorrupt, where + ": not a JSON object");
@@ -160,6 +161,12 @@ std::vector<Document> LoadTokenFile(const std::string& path, int64_t vocab) {
 }
 
 }  // namespace
+
+void RequireNoNul(std::string_view line, const std::string& where) {
+  if (const size_t at = line.find('\0'); at != std::string_view::npos)
+    throw Error(ErrorCode::kCorrupt, where + ": a NUL byte at column " + std::to_string(at + 1) +
+                                         " (a JSONL line holds one JSON object and nothing else)");
+}
 
 std::vector<Document> LoadDocuments(const std::string& path, const std::string& format,
                                     int64_t vocab_size) {

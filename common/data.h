@@ -40,6 +40,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace lorastream {
@@ -56,6 +57,10 @@ struct Document {
 // document (token file); malformed files are Error kCorrupt with the same detail.
 std::vector<Document> LoadDocuments(const std::string& path, const std::string& format,
                                     int64_t vocab_size);
+
+// Refuses (Error kCorrupt naming `where` and the column) a JSONL line holding a NUL byte: the
+// JSON parser stops at NUL, so whatever follows it would be dropped without a word.
+void RequireNoNul(std::string_view line, const std::string& where);
 
 // Writes a token file (token_bytes 2 or 4; with_mask writes labels != -100 as the mask;
 // labels must then equal ids or -100).

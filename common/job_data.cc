@@ -28,6 +28,20 @@ void SplitDocuments(std::vector<Document> docs, double fraction, uint64_t seed,
   for (int64_t i = 0; i < n; ++i) (held[i] ? eval : train)->push_back(std::move(docs[i]));
 }
 
+namespace {
+
+// A sequence's first label is never a target (the loss predicts token s + 1 from s): data
+// without any other unmasked label would train to "done" at loss 0 having learnt nothing.
+void RequireTargets(const SequenceSet& set, const std::string& path) {
+  for (size_t i = 0; i < set.labels.size(); ++i)
+    if (set.labels[i] != kIgnoreIndex && static_cast<int64_t>(i) % set.seq_len != 0) return;
+  throw Error(ErrorCode::kRefused, "data.path " + path +
+                                       ": no token to train on: every label of its " +
+                                       std::to_string(set.count) + " sequences is masked (-100)");
+}
+
+}  // namespace
+
 JobData LoadJobData(const JobSpec& spec, int64_t vocab_size) {
   JobData out;
   const int32_t pad = static_cast<int32_t>(spec.data.pad_id);
@@ -44,6 +58,7 @@ JobData LoadJobData(const JobSpec& spec, int64_t vocab_size) {
   out.eval_documents = static_cast<int64_t>(eval_docs.size());
   out.train = BuildSequences(docs, spec.data.seq_len, spec.data.packing, pad);
   docs.clear();
+  RequireTargets(out.train, spec.data.path);
   if (!eval_docs.empty())
     out.eval = BuildSequences(eval_docs, spec.data.seq_len, spec.data.packing, pad);
   else

@@ -167,6 +167,68 @@ JobSpec ParseJobSpec(const std::string& toml_text, const std::string& source) {
   return s;
 }
 
+std::string JobSpecToToml(const JobSpec& s) {
+  const auto strings = [](const std::vector<std::string>& list) {
+    toml::array a;
+    for (const std::string& x : list) a.push_back(x);
+    return a;
+  };
+  // Integers TOML cannot hold (above INT64_MAX) are written as they wrap: ParseJobSpec then
+  // refuses them, and the coordinator refuses a spec that does not read back (Submit).
+  const auto integer = [](uint64_t v) { return static_cast<int64_t>(v); };
+  toml::table stream{{"blocks_to_swap", s.stream.blocks_to_swap},
+                     {"ring_size", s.stream.ring_size},
+                     {"forward_slots", s.stream.forward_slots},
+                     {"backward_slots", s.stream.backward_slots},
+                     {"taped_blocks", s.stream.taped_blocks}};
+  if (s.stream.budget_auto)
+    stream.insert("gpu_memory_budget", "auto");
+  else
+    stream.insert("gpu_memory_budget", integer(s.stream.gpu_memory_budget));
+  const toml::table doc{
+      {"name", s.name},
+      {"priority", s.priority},
+      {"model", toml::table{{"store", s.model.store}, {"checkpoint", s.model.checkpoint}}},
+      {"data", toml::table{{"path", s.data.path},
+                           {"format", s.data.format},
+                           {"seq_len", s.data.seq_len},
+                           {"packing", s.data.packing},
+                           {"pad_id", s.data.pad_id}}},
+      {"lora", toml::table{{"rank", s.lora.rank},
+                           {"alpha", s.lora.alpha},
+                           {"dropout", s.lora.dropout},
+                           {"targets", strings(s.lora.targets)},
+                           {"rslora", s.lora.rslora}}},
+      {"optim", toml::table{{"lr", s.optim.lr},
+                            {"beta1", s.optim.beta1},
+                            {"beta2", s.optim.beta2},
+                            {"eps", s.optim.eps},
+                            {"weight_decay", s.optim.weight_decay},
+                            {"schedule", s.optim.schedule},
+                            {"warmup_steps", s.optim.warmup_steps},
+                            {"grad_clip", s.optim.grad_clip}}},
+      {"train", toml::table{{"steps", s.train.steps},
+                            {"epochs", s.train.epochs},
+                            {"batch_size", s.train.batch_size},
+                            {"grad_accum", s.train.grad_accum},
+                            {"seed", integer(s.train.seed)},
+                            {"checkpoint_every", s.train.checkpoint_every},
+                            {"output_dir", s.train.output_dir},
+                            {"dtype", s.train.dtype},
+                            {"stats_file", s.train.stats_file},
+                            {"keep_checkpoints", s.train.keep_checkpoints},
+                            {"keep_best", s.train.keep_best}}},
+      {"eval", toml::table{{"path", s.eval.path},
+                           {"format", s.eval.format},
+                           {"split", s.eval.split},
+                           {"every", s.eval.every},
+                           {"batches", s.eval.batches}}},
+      {"stream", std::move(stream)}};
+  std::ostringstream out;
+  out << doc << "\n";
+  return out.str();
+}
+
 std::string ResolveJobPath(const std::string& path, const std::string& base_dir) {
   if (path.empty()) return path;
   fs::path p(path);
@@ -210,8 +272,16 @@ int64_t StepsForEpochs(double epochs, int64_t sequences, int64_t batch_size, int
   return std::max<int64_t>(1, static_cast<int64_t>(steps));
 }
 
+std::string JobNameProblem(const JobSpec& s) {
+  if (s.name.size() <= kMaxJobNameBytes) return "";
+  return (s.source.empty() ? std::string("job") : s.source) + ": key `name` is " +
+         std::to_string(s.name.size()) + " bytes long, above the limit of " +
+         std::to_string(kMaxJobNameBytes) + " bytes";
+}
+
 std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* model) {
   std::vector<std::string> p;
+  if (std::string why = JobNameProblem(s); !why.empty()) p.push_back(std::move(why));
   const std::string src = s.source.empty() ? std::string("job") : s.source;
   auto key = [&](const std::string& k) { return src + ": key `" + k + "` "; };
   auto num = [](double v) {

@@ -222,6 +222,8 @@ constexpr int64_t kMaxTrainSteps = int64_t{1} << 30;
 constexpr int64_t kMaxLoraRank = int64_t{1} << 16;  // and <= the model's hidden_size
 constexpr int64_t kMaxKeepCheckpoints = 1000;
 constexpr int64_t kMaxRingSize = 1024;
+constexpr size_t kMaxJobNameBytes = 256;              // shown in listings, logs and every status
+constexpr size_t kMaxJobFileBytes = size_t{1} << 20;  // a job file, as `submit` sends it
 
 // The names accepted in [lora] targets.
 const std::vector<std::string>& LoraTargetNames();
@@ -229,6 +231,17 @@ const std::vector<std::string>& LoraTargetNames();
 // Parses TOML text. Throws Error(kCorrupt) for TOML syntax, unknown keys and wrong value
 // types (naming file and key). Does not check values: see ValidateJobSpec.
 JobSpec ParseJobSpec(const std::string& toml_text, const std::string& source);
+
+// The spec as a job file with every key written out (paths as they are, resolved or not;
+// `source` is not part of it): ParseJobSpec(JobSpecToToml(s), s.source) gives `s` back. The
+// coordinator's journal keeps jobs in this form, so a later build reads them as it reads a
+// job file, a key it added taking its default.
+std::string JobSpecToToml(const JobSpec& spec);
+
+// The problem with the job's name ("" when none): longer than kMaxJobNameBytes, naming the
+// limit. Part of ValidateJobSpec; `submit` asks before sending, as a name too long for a
+// message would otherwise be refused as a protocol error.
+std::string JobNameProblem(const JobSpec& spec);
 
 // Every problem that stops the job from running, each naming the field, e.g.
 // "job.toml: key `lora.rank` must be > 0 (found 0)". Empty when the job can run.

@@ -1,5 +1,11 @@
 #include "common/step_stats_json.h"
 
+#include <filesystem>
+#include <fstream>
+
+#include "common/durable_file.h"
+#include "common/error.h"
+
 namespace lorastream {
 
 nlohmann::json StepStatsToJson(const StepStats& s) {
@@ -26,5 +32,25 @@ nlohmann::json StepStatsToJson(const StepStats& s) {
 }
 
 std::string StepStatsJson(const StepStats& s) { return StepStatsToJson(s).dump(); }
+
+void DropStatsAfter(const std::string& path, int64_t step) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) return;  // none yet, or a device (/dev/null)
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(ErrorCode::kIo, "train.stats_file: cannot read " + path);
+  std::string kept, line;
+  bool dropped = false;
+  while (std::getline(in, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
+        j["step"].get<int64_t>() > step) {
+      dropped = true;
+      continue;
+    }
+    kept += line + "\n";
+  }
+  if (in.bad()) throw Error(ErrorCode::kIo, "train.stats_file: cannot read " + path);
+  if (dropped) WriteFileDurably(path, kept);
+}
 
 }  // namespace lorastream

@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <vector>
 
 namespace lorastream {
 
@@ -31,12 +32,19 @@ size_t Utf8Sequence(std::string_view s, size_t i, uint32_t* cp) {
   return n;
 }
 
+// Unicode's bidirectional formatting characters: U+202E (RIGHT-TO-LEFT OVERRIDE) in a job name
+// makes a terminal draw the rest of the line backwards, so a listing would show another name.
+bool IsBidiControl(uint32_t cp) {
+  return cp == 0x061C || cp == 0x200E || cp == 0x200F || (cp >= 0x202A && cp <= 0x202E) ||
+         (cp >= 0x2066 && cp <= 0x2069);
+}
+
 }  // namespace
 
 std::string TerminalSafe(std::string_view text, bool keep_newlines) {
   std::string out;
   out.reserve(text.size());
-  char buf[8];
+  char buf[12];
   for (size_t i = 0; i < text.size();) {
     const uint8_t c = static_cast<uint8_t>(text[i]);
     if (c < 0x80) {
@@ -55,7 +63,7 @@ std::string TerminalSafe(std::string_view text, bool keep_newlines) {
       std::snprintf(buf, sizeof buf, "\\x%02x", c);
       out += buf;
       ++i;
-    } else if (cp <= 0x9F) {
+    } else if (cp <= 0x9F || IsBidiControl(cp)) {
       std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(cp));
       out += buf;
       i += n;
@@ -65,6 +73,17 @@ std::string TerminalSafe(std::string_view text, bool keep_newlines) {
     }
   }
   return out;
+}
+
+std::string TerminalColumn(std::string_view text, size_t width) {
+  const std::string safe = TerminalSafe(text);
+  // Characters (code points: TerminalSafe leaves only valid UTF-8) and where each starts.
+  std::vector<size_t> starts;
+  for (size_t i = 0; i < safe.size(); ++i)
+    if ((static_cast<uint8_t>(safe[i]) & 0xC0) != 0x80) starts.push_back(i);
+  if (width < 2) return std::string(width, ' ');
+  if (starts.size() < width) return safe + std::string(width - starts.size(), ' ');
+  return safe.substr(0, starts[width - 2]) + "\u2026 ";
 }
 
 }  // namespace lorastream

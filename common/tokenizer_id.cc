@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "common/data.h"
 #include "common/error.h"
 
 namespace lorastream {
@@ -43,6 +44,10 @@ TokenizerId RecordFromJson(const Json& r, const std::string& where) {
   TokenizerId id;
   id.fingerprint = r["fingerprint"].get<std::string>();
   id.vocab_size = r["vocab_size"].get<int64_t>();
+  if (id.vocab_size <= 0)
+    throw Error(ErrorCode::kCorrupt,
+                where + ": the tokenizer record's `vocab_size` must be > 0 (found " +
+                    std::to_string(id.vocab_size) + ")");
   if (r.contains("name") && r["name"].is_string()) id.name = r["name"].get<std::string>();
   return id;
 }
@@ -51,11 +56,13 @@ std::optional<TokenizerId> JsonlRecord(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error(ErrorCode::kNotFound, "data.path: cannot open " + path);
   std::string line;
-  while (std::getline(in, line)) {
+  for (int64_t line_no = 1; std::getline(in, line); ++line_no) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = path + ":" + std::to_string(line_no);
+    RequireNoNul(line, where);
     Json j = Json::parse(line, nullptr, /*allow_exceptions=*/false);
     if (j.is_object() && j.contains("lorastream_tokenizer"))
-      return RecordFromJson(j["lorastream_tokenizer"], path + ":1");
+      return RecordFromJson(j["lorastream_tokenizer"], where);
     return std::nullopt;  // only the first line may hold the record
   }
   return std::nullopt;

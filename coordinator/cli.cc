@@ -140,9 +140,16 @@ int RunSubmit(const GlobalOptions& g, const std::string& path, int64_t* priority
   req.spec = ParseJobSpec(req.spec_toml, source);
   ResolveJobSpecIn(req.spec, JobFileDir(source));
   if (priority) req.spec.priority = *priority;
-  // Data prepared for another tokenizer than the store's, when the store is on this host (a
-  // checkpoint's tokenizer is checked by ValidateJobSpec, in the coordinator).
-  if (const std::string why = StoreTokenizerProblem(req.spec); !why.empty()) {
+  // A name or a file too long to send (refused here, before a request over the message size
+  // limit would hide why); data prepared for another tokenizer than the store's, when the
+  // store is on this host (a checkpoint's tokenizer is checked by ValidateJobSpec, in the
+  // coordinator).
+  std::string why = JobNameProblem(req.spec);
+  if (why.empty() && req.spec_toml.size() > kMaxJobFileBytes)
+    why = path + " is " + std::to_string(req.spec_toml.size()) + " bytes, above the limit of " +
+          std::to_string(kMaxJobFileBytes) + " bytes for a job file";
+  if (why.empty()) why = StoreTokenizerProblem(req.spec);
+  if (!why.empty()) {
     if (json)
       std::cout
           << nlohmann::json{{"job_id", nullptr}, {"problems", nlohmann::json::array({why})}}.dump(2)
@@ -458,6 +465,8 @@ Verb PrepareVerb(CLI::App& app) {
   prepare->add_option("--seed", o->seed, "the validation split's draw")
       ->capture_default_str()
       ->check(CLI::Range(uint64_t{0}, uint64_t{4294967295}));
+  prepare->add_flag("--force", o->force,
+                    "replace OUT (and its .val file) when it exists or is one of the inputs");
   return {prepare, [o] { return RunPrepare(*o); }};
 }
 

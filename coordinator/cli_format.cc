@@ -17,6 +17,7 @@ std::string Printf(const char* fmt, double value) {
   return buf;
 }
 
+// A column of plain text (numbers, states): padded to `width`.
 std::string Pad(std::string s, size_t width) {
   if (s.size() < width) s.append(width - s.size(), ' ');
   return s;
@@ -100,9 +101,9 @@ std::string JobsTable(const std::vector<JobSummary>& jobs) {
       << Pad("WORKER", 26) << "REASON\n";
   for (const JobSummary& j : jobs) {
     std::string where = j.worker_id.empty() ? "-" : j.worker_host + " " + j.worker_device;
-    out << Pad(std::to_string(j.id), 6) << Pad(TerminalSafe(j.name), 20)
+    out << Pad(std::to_string(j.id), 6) << TerminalColumn(j.name, 20)
         << Pad(JobStateName(j.state), 11) << Pad(std::to_string(j.priority), 5)
-        << Pad(FormatProgress(j), 18) << Pad(TerminalSafe(where), 26) << TerminalSafe(j.reason)
+        << Pad(FormatProgress(j), 18) << TerminalColumn(where, 26) << TerminalSafe(j.reason)
         << "\n";
   }
   return out.str();
@@ -116,9 +117,8 @@ std::string WorkersTable(const std::vector<WorkerSummary>& workers) {
     std::string gpu = w.gpu_name.empty() ? "-" : w.gpu_name + " " + FormatBytes(w.gpu_memory_bytes);
     std::string stores;
     for (const StoreInfo& s : w.stores) stores += (stores.empty() ? "" : ",") + s.name;
-    out << Pad(TerminalSafe(w.id), 27) << Pad(TerminalSafe(w.host), 16)
-        << Pad(TerminalSafe(w.device), 9) << Pad(TerminalSafe(gpu), 28)
-        << Pad(w.alive ? (w.job_id ? "busy" : "idle") : "dead", 7)
+    out << TerminalColumn(w.id, 27) << TerminalColumn(w.host, 16) << TerminalColumn(w.device, 9)
+        << TerminalColumn(gpu, 28) << Pad(w.alive ? (w.job_id ? "busy" : "idle") : "dead", 7)
         << Pad(w.job_id ? std::to_string(w.job_id) : "-", 6)
         << (stores.empty() ? "-" : TerminalSafe(stores)) << "\n";
   }

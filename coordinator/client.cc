@@ -45,19 +45,22 @@ struct Client::Impl {
     }
   }
 
-  // A handshake failure event, if the monitor saw one.
-  std::string HandshakeFailure() {
-    if (!monitor) return "";
+  // What the monitor saw of a handshake. Without CURVE a connection that closes before the
+  // handshake completes says little: the coordinator is stopping or restarting (ZeroMQ
+  // reconnects, and the request goes out once one is there), or it requires CURVE and closed
+  // on seeing none (which ZeroMQ reports as a mismatch only when the coordinator's greeting
+  // arrived first). Only a refused key or a mismatch it saw is surely about CURVE.
+  enum class Handshake { kNone, kClosed, kKeyRefused, kFailed };
+  Handshake HandshakeEvent() {
     zmq::message_t event;
-    if (!monitor->recv(event, zmq::recv_flags::dontwait)) return "";
+    if (!monitor || !monitor->recv(event, zmq::recv_flags::dontwait)) return Handshake::kNone;
     zmq::message_t address;
     (void)monitor->recv(address, zmq::recv_flags::dontwait);
     uint16_t id = 0;
     if (event.size() >= 2) std::memcpy(&id, event.data(), 2);
-    if (id == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
-      return "the coordinator refused this client's CURVE key";
-    return "the security handshake with the coordinator failed (CURVE keys required, or "
-           "mismatched)";
+    if (id == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) return Handshake::kKeyRefused;
+    if (id == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL && !curve) return Handshake::kClosed;
+    return Handshake::kFailed;
   }
 };
 
@@ -91,6 +94,7 @@ std::string Client::Exchange(const std::string& frame, uint32_t request_id, int 
   if (!s.socket->send(zmq::buffer(frame), zmq::send_flags::dontwait))
     throw Error(ErrorCode::kResource, "cannot queue a request to " + s.options.endpoint);
   auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  bool closed = false;  // a connection closed before its handshake completed
   while (true) {
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
         deadline - std::chrono::steady_clock::now());
@@ -99,10 +103,15 @@ std::string Client::Exchange(const std::string& frame, uint32_t request_id, int 
                                {s.monitor ? s.monitor->handle() : nullptr, 0, ZMQ_POLLIN, 0}};
     zmq::poll(items, s.monitor ? 2 : 1, std::min(left, std::chrono::milliseconds(200)));
     if (s.monitor && (items[1].revents & ZMQ_POLLIN)) {
-      std::string why = s.HandshakeFailure();
-      if (!why.empty()) {
+      const Impl::Handshake event = s.HandshakeEvent();
+      if (event == Impl::Handshake::kClosed) closed = true;
+      if (event == Impl::Handshake::kKeyRefused || event == Impl::Handshake::kFailed) {
         Reconnect();
-        throw Error(ErrorCode::kRefused, s.options.endpoint + ": " + why);
+        throw Error(ErrorCode::kRefused,
+                    s.options.endpoint + (event == Impl::Handshake::kKeyRefused
+                                              ? ": the coordinator refused this client's CURVE key"
+                                              : ": the security handshake with the coordinator "
+                                                "failed (CURVE keys required, or mismatched)"));
       }
     }
     if (!(items[0].revents & ZMQ_POLLIN)) continue;
@@ -113,6 +122,13 @@ std::string Client::Exchange(const std::string& frame, uint32_t request_id, int 
     // A late reply to an earlier request that timed out: drop it.
   }
   Reconnect();  // forget the unanswered request so it is not delivered later
+  if (closed)
+    throw Error(ErrorCode::kTimeout,
+                "cannot reach the coordinator at " + s.options.endpoint + " within " +
+                    std::to_string(timeout_ms) +
+                    " ms: it closed each connection before answering (it is stopping or "
+                    "restarting; or it was started with --curve-keys and this client has no "
+                    "keys)");
   throw Error(ErrorCode::kTimeout,
               "no reply from the coordinator at " + s.options.endpoint + " within " +
                   std::to_string(timeout_ms) +

@@ -356,6 +356,8 @@ SubmitReply Coordinator::Submit(const SubmitRequest& req, const std::string& cli
                                  ") is already used by job " + std::to_string(id) + ", which is " +
                                  JobStateName(other.summary.state));
   }
+  if (const std::string why = Journal::RecordProblem(spec); !why.empty())
+    reply.problems.push_back(spec.source + ": the job cannot be kept as it was sent: " + why);
   if (!reply.problems.empty()) return reply;
   JobRecord job;
   JobSummary& s = job.summary;

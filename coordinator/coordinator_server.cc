@@ -284,11 +284,12 @@ void CoordinatorServer::Impl::HandleFrames(std::vector<zmq::message_t>& frames) 
     }
   }
   // Refused reports are part of normal operation (a worker that lost its job); malformed
-  // frames are not, but a flood of them must not flood the log either.
+  // frames are not, but a flood of them must not flood the log either. A failure of the
+  // coordinator's own I/O (its journal on a full disk) is the operator's to fix: logged.
   bool malformed = code == ErrorCode::kProtocol || code == ErrorCode::kCorrupt;
   if (malformed && (++bad_messages <= 20 || bad_messages % 1000 == 0))
     LS_LOG_WARN("bad message #{}: {}", bad_messages, message);
-  else if (code == ErrorCode::kInternal)
+  else if (code == ErrorCode::kInternal || code == ErrorCode::kIo || code == ErrorCode::kResource)
     LS_LOG_ERROR("request failed: {}", message);
   else
     LS_LOG_DEBUG("request refused: {}", message);

@@ -10,7 +10,9 @@
 #include <utility>
 
 #include "common/error.h"
+#include "common/job_paths.h"
 #include "common/log.h"
+#include "common/message_archive.h"
 
 namespace lorastream::coordinator {
 namespace {
@@ -75,21 +77,124 @@ class Statement {
   const std::string& path_;
 };
 
+// The journal's layout, in SQLite's user_version (0 in a journal written before there was one):
+//   0  a job's spec is a cereal blob of JobSpec (column spec_blob), which a build whose JobSpec
+//      has other fields cannot read;
+//   1  a job's spec is a job file with every key written out (column spec, JobSpecToToml),
+//      read back with ParseJobSpec: a key added later takes its default.
+// A build opens every version up to its own, upgrading the file in one transaction, and
+// refuses a newer one.
+constexpr int64_t kJournalVersion = 1;
+
 constexpr const char* kSchema = R"sql(
-CREATE TABLE IF NOT EXISTS jobs (
+CREATE TABLE jobs (
   id INTEGER PRIMARY KEY, name TEXT, state INTEGER, reason TEXT, priority INTEGER,
-  store_name TEXT, fingerprint TEXT, spec_source TEXT, spec_toml TEXT, spec_blob BLOB, output_dir TEXT,
+  store_name TEXT, fingerprint TEXT, spec_source TEXT, spec_toml TEXT, spec TEXT, output_dir TEXT,
   adapter_path TEXT, worker_id TEXT, worker_host TEXT, worker_device TEXT, attempt INTEGER,
   retries INTEGER, step INTEGER, total_steps INTEGER, checkpoint_step INTEGER,
   checkpoint_path TEXT, cancel_requested INTEGER, submitted_at REAL, started_at REAL,
   finished_at REAL, owner TEXT, submitter_uid INTEGER, submitter TEXT);
-CREATE TABLE IF NOT EXISTS stats (
+CREATE TABLE stats (
   job_id INTEGER, step INTEGER, attempt INTEGER, total_steps INTEGER, loss REAL,
   learning_rate REAL, grad_norm REAL, tokens INTEGER, step_seconds REAL,
   tokens_per_second REAL, h2d_bytes INTEGER, h2d_busy_seconds REAL, stall_seconds REAL,
   copies INTEGER, copies_saved INTEGER, peak_device_bytes INTEGER, eval_loss REAL,
   eval_tokens INTEGER, PRIMARY KEY (job_id, step));
 )sql";
+
+// The columns of a job row, in the order SaveJob binds and LoadJobs reads them (a journal
+// upgraded from version 0 holds them in another order: always named).
+constexpr const char* kJobColumns =
+    "id, name, state, reason, priority, store_name, fingerprint, spec_source, spec_toml, spec,"
+    " output_dir, adapter_path, worker_id, worker_host, worker_device, attempt, retries, step,"
+    " total_steps, checkpoint_step, checkpoint_path, cancel_requested, submitted_at, started_at,"
+    " finished_at, owner, submitter_uid, submitter";
+
+template <class Frozen, class Field>
+void ReadAs(MessageInputArchive& ar, Field& field) {
+  Frozen value{};
+  ar(value);
+  field = static_cast<Field>(value);
+}
+
+// A version-0 row's spec_blob: JobSpec's cereal fields in the order and with the types that
+// version wrote, spelled out here so that a later JobSpec cannot change how they read.
+JobSpec DecodeVersion0Spec(std::string_view blob) {
+  using Strings = std::vector<std::string>;
+  JobSpec s;
+  MessageInputArchive ar(blob.data(), blob.size());
+  ReadAs<std::string>(ar, s.name);
+  ReadAs<int64_t>(ar, s.priority);
+  ReadAs<std::string>(ar, s.model.store);
+  ReadAs<std::string>(ar, s.model.checkpoint);
+  ReadAs<std::string>(ar, s.data.path);
+  ReadAs<std::string>(ar, s.data.format);
+  ReadAs<int64_t>(ar, s.data.seq_len);
+  ReadAs<bool>(ar, s.data.packing);
+  ReadAs<int64_t>(ar, s.data.pad_id);
+  ReadAs<int64_t>(ar, s.lora.rank);
+  ReadAs<double>(ar, s.lora.alpha);
+  ReadAs<double>(ar, s.lora.dropout);
+  ReadAs<Strings>(ar, s.lora.targets);
+  ReadAs<bool>(ar, s.lora.rslora);
+  ReadAs<double>(ar, s.optim.lr);
+  ReadAs<double>(ar, s.optim.beta1);
+  ReadAs<double>(ar, s.optim.beta2);
+  ReadAs<double>(ar, s.optim.eps);
+  ReadAs<double>(ar, s.optim.weight_decay);
+  ReadAs<std::string>(ar, s.optim.schedule);
+  ReadAs<int64_t>(ar, s.optim.warmup_steps);
+  ReadAs<double>(ar, s.optim.grad_clip);
+  ReadAs<int64_t>(ar, s.train.steps);
+  ReadAs<int64_t>(ar, s.train.batch_size);
+  ReadAs<int64_t>(ar, s.train.grad_accum);
+  ReadAs<uint64_t>(ar, s.train.seed);
+  ReadAs<int64_t>(ar, s.train.checkpoint_every);
+  ReadAs<std::string>(ar, s.train.output_dir);
+  ReadAs<std::string>(ar, s.train.dtype);
+  ReadAs<std::string>(ar, s.train.stats_file);
+  ReadAs<int64_t>(ar, s.train.keep_checkpoints);
+  ReadAs<bool>(ar, s.train.keep_best);
+  ReadAs<double>(ar, s.train.epochs);
+  ReadAs<int64_t>(ar, s.stream.blocks_to_swap);
+  ReadAs<uint64_t>(ar, s.stream.gpu_memory_budget);
+  ReadAs<bool>(ar, s.stream.budget_auto);
+  ReadAs<int64_t>(ar, s.stream.ring_size);
+  ReadAs<int64_t>(ar, s.stream.forward_slots);
+  ReadAs<int64_t>(ar, s.stream.backward_slots);
+  ReadAs<int64_t>(ar, s.stream.taped_blocks);
+  ReadAs<std::string>(ar, s.source);
+  ReadAs<std::string>(ar, s.eval.path);
+  ReadAs<std::string>(ar, s.eval.format);
+  ReadAs<double>(ar, s.eval.split);
+  ReadAs<int64_t>(ar, s.eval.every);
+  ReadAs<int64_t>(ar, s.eval.batches);
+  if (ar.remaining() != 0)
+    throw Error(ErrorCode::kCorrupt, std::to_string(ar.remaining()) + " bytes left over");
+  return s;
+}
+
+// A version-0 row's spec: its blob, else (a blob of an older JobSpec, without the keys added
+// since) the job file's text as submitted, parsed and resolved as `submit` did then.
+JobSpec Version0Spec(std::string_view blob, const std::string& toml, const std::string& source,
+                     int64_t priority, const std::string& what) {
+  std::string blob_problem;
+  try {
+    return DecodeVersion0Spec(blob);
+  } catch (const std::exception& e) {
+    blob_problem = e.what();
+  }
+  try {
+    JobSpec s = ParseJobSpec(toml, source);
+    ResolveJobSpecIn(s, source.empty() ? "" : JobFileDir(source));
+    s.priority = priority;
+    return s;
+  } catch (const std::exception& e) {
+    throw Error(ErrorCode::kCorrupt, what + " can be read neither from its record (" +
+                                         blob_problem + ") nor from its job file's text (" +
+                                         e.what() + ")");
+  }
+}
 
 // Creates the journal owner-only before SQLite opens it (SQLite gives its -wal and -shm
 // files the database's permissions) and tightens files an older version left readable.
@@ -107,6 +212,28 @@ void MakeOwnerOnly(const std::string& path) {
 
 }  // namespace
 
+// One transaction: a crash or an error leaves the journal as it was before (Rollback on
+// destruction unless committed).
+class Journal::Transaction {
+ public:
+  explicit Transaction(const Journal& journal) : journal_(journal) {
+    journal_.Exec("BEGIN IMMEDIATE");
+  }
+  ~Transaction() {
+    if (!committed_) sqlite3_exec(journal_.db_, "ROLLBACK", nullptr, nullptr, nullptr);
+  }
+  Transaction(const Transaction&) = delete;
+  Transaction& operator=(const Transaction&) = delete;
+  void Commit() {
+    journal_.Exec("COMMIT");
+    committed_ = true;
+  }
+
+ private:
+  const Journal& journal_;
+  bool committed_ = false;
+};
+
 Journal::Journal(const std::string& path) : path_(path) {
   if (path != ":memory:") {
     lock_ = FileLock::Acquire(path + ".lock", "coordinator pid " + std::to_string(::getpid()),
@@ -121,36 +248,85 @@ Journal::Journal(const std::string& path) : path_(path) {
     throw Error(ErrorCode::kIo, "cannot open journal " + path + ": " + msg);
   }
   sqlite3_busy_timeout(db_, 5000);
-  // WAL + synchronous=NORMAL: a committed transaction survives a crash of the coordinator
-  // process (the WAL is in the OS page cache); only a power loss may drop the last ones.
-  Exec("PRAGMA journal_mode=WAL");
-  Exec("PRAGMA synchronous=NORMAL");
-  Exec(kSchema);
-  // Journals written before jobs had an owner or a submitter: add the columns (owner empty:
-  // anyone may cancel; submitter uid -1: unknown, the coordinator attributes such jobs to its
-  // operator). New columns go last, in this order, as SaveJob writes them.
-  bool has_owner = false, has_submitter = false;
-  {
-    Statement st(db_, "SELECT name FROM pragma_table_info('jobs')", path_);
-    while (st.Step()) {
-      has_owner = has_owner || st.Text(0) == "owner";
-      has_submitter = has_submitter || st.Text(0) == "submitter_uid";
+  try {
+    const int64_t version = Int("PRAGMA user_version");
+    if (version > kJournalVersion)
+      throw Error(ErrorCode::kUnsupported,
+                  "journal " + path + " has version " + std::to_string(version) +
+                      ", written by a newer lorastream; this build reads versions up to " +
+                      std::to_string(kJournalVersion) +
+                      ": run the newer lorastream (this one leaves the journal as it is)");
+    // WAL + synchronous=NORMAL: a committed transaction survives a crash of the coordinator
+    // process (the WAL is in the OS page cache); only a power loss may drop the last ones.
+    Exec("PRAGMA journal_mode=WAL");
+    Exec("PRAGMA synchronous=NORMAL");
+    if (Int("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'jobs'") == 0) {
+      Transaction create(*this);
+      Exec(kSchema);
+      Exec(("PRAGMA user_version = " + std::to_string(kJournalVersion)).c_str());
+      create.Commit();
+    } else if (version < 1) {
+      UpgradeToVersion1();
     }
+  } catch (...) {
+    sqlite3_close(db_);
+    db_ = nullptr;
+    throw;
   }
-  if (!has_owner) Exec("ALTER TABLE jobs ADD COLUMN owner TEXT");
-  if (!has_submitter) {
+}
+
+bool Journal::HasColumn(const char* table, const char* column) const {
+  Statement st(db_, "SELECT count(*) FROM pragma_table_info(?) WHERE name = ?", path_);
+  st.Bind(1, std::string(table)).Bind(2, std::string(column));
+  return st.Step() && st.Int(0) > 0;
+}
+
+int64_t Journal::Int(const char* sql) const {
+  Statement st(db_, sql, path_);
+  return st.Step() ? st.Int(0) : 0;
+}
+
+void Journal::UpgradeToVersion1() {
+  Transaction upgrade(*this);
+  // Journals from before jobs had an owner or a submitter (owner empty: anyone may cancel;
+  // submitter uid -1: unknown, the coordinator attributes such jobs to its operator), and
+  // statistics from before evaluation (eval_loss NULL: no eval that step).
+  if (!HasColumn("jobs", "owner")) Exec("ALTER TABLE jobs ADD COLUMN owner TEXT");
+  if (!HasColumn("jobs", "submitter_uid")) {
     Exec("ALTER TABLE jobs ADD COLUMN submitter_uid INTEGER DEFAULT -1");
     Exec("ALTER TABLE jobs ADD COLUMN submitter TEXT DEFAULT ''");
   }
-  // Journals written before evaluation: statistics gain eval_loss (NULL: no eval that step).
-  bool has_eval = false;
-  {
-    Statement st(db_, "SELECT name FROM pragma_table_info('stats')", path_);
-    while (st.Step()) has_eval = has_eval || st.Text(0) == "eval_loss";
-  }
-  if (!has_eval) {
+  if (!HasColumn("stats", "eval_loss")) {
     Exec("ALTER TABLE stats ADD COLUMN eval_loss REAL");
     Exec("ALTER TABLE stats ADD COLUMN eval_tokens INTEGER");
+  }
+  Exec("ALTER TABLE jobs ADD COLUMN spec TEXT");
+  {
+    Statement rows(db_, "SELECT id, spec_blob, spec_toml, spec_source, priority FROM jobs", path_);
+    while (rows.Step()) {
+      const int64_t id = rows.Int(0);
+      const JobSpec spec =
+          Version0Spec(rows.Text(1), rows.Text(2), rows.Text(3), rows.Int(4),
+                       "journal " + path_ + " (version 0): job " + std::to_string(id));
+      Statement update(db_, "UPDATE jobs SET spec = ? WHERE id = ?", path_);
+      update.Bind(1, JobSpecToToml(spec)).Bind(2, id);
+      update.Step();
+    }
+  }
+  Exec("ALTER TABLE jobs DROP COLUMN spec_blob");
+  Exec("PRAGMA user_version = 1");
+  upgrade.Commit();
+  LS_LOG_INFO("journal {}: upgraded from version 0 to 1", path_);
+}
+
+std::string Journal::RecordProblem(const JobSpec& spec) {
+  try {
+    if (SerializePayload(ParseJobSpec(JobSpecToToml(spec), spec.source)) == SerializePayload(spec))
+      return "";
+    return "it holds a value that a job file cannot (a seed or a memory budget over 2^63, or a "
+           "memory budget together with \"auto\")";
+  } catch (const std::exception& e) {
+    return e.what();
   }
 }
 
@@ -186,12 +362,13 @@ void Journal::Exec(const char* sql) const {
 void Journal::SaveJob(const JobRecord& job) {
   const JobSummary& s = job.summary;
   Statement st(db_,
-               "INSERT OR REPLACE INTO jobs VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,"
-               "?,?,?,?,?,?)",
+               (std::string("INSERT OR REPLACE INTO jobs (") + kJobColumns +
+                ") VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)")
+                   .c_str(),
                path_);
   st.Bind(1, s.id).Bind(2, s.name).Bind(3, static_cast<int64_t>(s.state)).Bind(4, s.reason);
   st.Bind(5, static_cast<int64_t>(s.priority)).Bind(6, s.store_name).Bind(7, s.fingerprint);
-  st.Bind(8, s.spec_source).Bind(9, job.spec_toml).BindBlob(10, SerializePayload(job.spec));
+  st.Bind(8, s.spec_source).Bind(9, job.spec_toml).Bind(10, JobSpecToToml(job.spec));
   st.Bind(11, s.output_dir);
   st.Bind(12, s.adapter_path).Bind(13, s.worker_id).Bind(14, s.worker_host);
   st.Bind(15, s.worker_device).Bind(16, static_cast<int64_t>(s.attempt));
@@ -204,7 +381,8 @@ void Journal::SaveJob(const JobRecord& job) {
 }
 
 std::vector<JobRecord> Journal::LoadJobs() const {
-  Statement st(db_, "SELECT * FROM jobs ORDER BY id", path_);
+  Statement st(db_, (std::string("SELECT ") + kJobColumns + " FROM jobs ORDER BY id").c_str(),
+               path_);
   std::vector<JobRecord> jobs;
   while (st.Step()) {
     JobRecord job;
@@ -222,8 +400,12 @@ std::vector<JobRecord> Journal::LoadJobs() const {
     s.fingerprint = st.Text(6);
     s.spec_source = st.Text(7);
     job.spec_toml = st.Text(8);
-    job.spec = DeserializePayload<JobSpec>(
-        st.Text(9), "journal " + path_ + ": job " + std::to_string(s.id) + " spec");
+    try {
+      job.spec = ParseJobSpec(st.Text(9), s.spec_source);
+    } catch (const Error& e) {
+      throw Error(ErrorCode::kCorrupt,
+                  "journal " + path_ + ": job " + std::to_string(s.id) + "'s spec: " + e.what());
+    }
     s.output_dir = st.Text(10);
     s.adapter_path = st.Text(11);
     s.worker_id = st.Text(12);

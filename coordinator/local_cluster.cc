@@ -88,7 +88,8 @@ void LocalCluster::Start() {
       SpawnOptions so;
       so.log_path = log;
       Subprocess synth = Subprocess::Spawn(
-          {Bin("lorastream-synth"), "--preset", options_.preset, "--out", model_dir_}, so);
+          {Bin("lorastream-synth"), "--preset", options_.preset, "--out", model_dir_, "--force"},
+          so);
       if (synth.Wait(600) != 0) PartFailed("lorastream-synth", log);
     }
   } else {

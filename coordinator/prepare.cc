@@ -98,8 +98,19 @@ int RunPrepare(const PrepareOptions& o) {
     argv.push_back(in);
   }
   if (o.train_on_all) argv.push_back("--train-on-all");
+  if (o.force) argv.push_back("--force");
   Subprocess child = Subprocess::Spawn(argv);
-  return child.Wait();
+  const int status = child.Wait();
+  // The script ends with one of lorastream's statuses, having said why; anything else is node
+  // itself failing (out of memory, a fatal error, a signal), whose own words may be a stack
+  // trace: say what happened in lorastream's.
+  if (status >= 0 && status <= 5) return status;
+  throw Error(ErrorCode::kInternal,
+              "lorastream prepare: node (" + argv[0] + ") ended " +
+                  (status > 128 ? "by signal " + std::to_string(status - 128)
+                                : "with status " + std::to_string(status)) +
+                  " while tokenizing " + o.inputs.front() + (o.inputs.size() > 1 ? " ..." : "") +
+                  " (a chat template or an input too large for node's memory ends this way)");
 }
 
 }  // namespace lorastream::cli

@@ -20,11 +20,14 @@ struct PrepareOptions {
   int64_t seq_len = 0;              // truncate longer documents (0 = keep whole)
   bool train_on_all = false;        // train on every token, not only assistant turns
   uint64_t seed = 0;                // the validation split's draw
+  bool force = false;               // replace an OUT that exists or is an input (else refused)
 };
 
-// Runs the script and returns its exit status (lorastream's: 0 ok, 2 bad argument, 3 not
-// found, 4 corrupt input, 5 refused). Throws Error(kNotFound) for a model folder without
-// tokenizer.json, Error(kUnsupported) when Node.js or the script cannot be found.
+// Runs the script and returns its exit status (lorastream's: 0 ok, 1 failed write, 2 bad
+// argument or an OUT it would not replace, 3 not found, 4 corrupt input, 5 refused). Throws
+// Error(kNotFound) for a model folder without tokenizer.json, Error(kUnsupported) when Node.js
+// or the script cannot be found, Error(kInternal) when node ends otherwise (killed, or its own
+// fatal error), saying so.
 int RunPrepare(const PrepareOptions& options);
 
 // Where prepare.mjs is: $LORASTREAM_PREPARE_SCRIPT, else ../share/lorastream/prepare/ beside

@@ -78,6 +78,26 @@ void WriteTextFile(const std::string& path, const std::string& text) {
   if (::rename(temp.c_str(), path.c_str()) != 0) ThrowErrno(path + ": rename failed");
 }
 
+// A folder that holds anything is refused: synth would replace or mix with what is there (a
+// user's checkpoint shards, say) without a word. --force replaces the checkpoint files.
+void RefuseNonEmpty(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::directory_iterator it(dir, ec);
+  if (ec || it == std::filesystem::directory_iterator()) return;  // missing or empty
+  throw Error(ErrorCode::kInvalidArgument,
+              "--out " + dir + " is not empty (it holds " + it->path().filename().string() +
+                  "): choose a new or empty folder, or pass --force to replace its checkpoint "
+                  "files");
+}
+
+// `from` copied to `to` under a temporary name, renamed once complete.
+void CopyFileThroughTemp(const std::filesystem::path& from, const std::filesystem::path& to) {
+  std::ifstream in(from, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) throw Error(ErrorCode::kIo, from.string() + ": read failed");
+  WriteTextFile(to.string(), bytes);
+}
+
 // Removes the checkpoint files of an earlier run so that a stale index never survives.
 void RemoveOldCheckpoint(const std::string& dir) {
   DIR* d = ::opendir(dir.c_str());
@@ -193,6 +213,7 @@ SynthResult RunSynth(const SynthOptions& options) {
     total += n;
   }
 
+  if (!options.force) RefuseNonEmpty(options.out_dir);
   for (size_t pos = 1; pos != std::string::npos;) {  // mkdir -p
     pos = options.out_dir.find('/', pos + 1);
     const std::string part = options.out_dir.substr(0, pos);
@@ -250,8 +271,7 @@ SynthResult RunSynth(const SynthOptions& options) {
                              "special_tokens_map.json"}) {
       const std::filesystem::path from = std::filesystem::path(options.tokenizer_dir) / name;
       if (std::filesystem::exists(from))
-        std::filesystem::copy_file(from, std::filesystem::path(options.out_dir) / name,
-                                   std::filesystem::copy_options::overwrite_existing);
+        CopyFileThroughTemp(from, std::filesystem::path(options.out_dir) / name);
     }
   if (!options.prequantized.empty()) WritePrequantized(options.out_dir, options.prequantized);
   SynthResult result;

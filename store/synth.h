@@ -37,6 +37,7 @@ struct SynthOptions {
   // "fp8" | "bnb-nf4": then rewrite the checkpoint as a pre-quantised one is published
   // (WritePrequantized); "": plain.
   std::string prequantized;
+  bool force = false;  // write into an out_dir that holds files (else Error kInvalidArgument)
 };
 
 struct SynthResult {

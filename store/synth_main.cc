@@ -29,6 +29,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"fp8", "bnb-nf4"}));
   app.add_option("--tokenizer", o.tokenizer_dir,
                  "a Hugging Face tokenizer folder to copy in (vocab_size grows to fit it)");
+  app.add_flag("--force", o.force,
+               "write into an --out folder that is not empty, replacing its checkpoint files");
   return RunMain("lorastream-synth", app, argc, argv, [&] {
     InitLogging("synth");
     SynthResult r = RunSynth(o);

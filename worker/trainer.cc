@@ -386,6 +386,7 @@ TrainResult RunTraining(const JobSpec& spec_in, const TrainOptions& options,
   std::error_code ec;
   fs::create_directories(spec.train.output_dir, ec);
   if (ec) throw Error(ErrorCode::kIo, "train.output_dir: cannot create " + spec.train.output_dir);
+  DropStatsAfter(stats_path, state.step);  // steps an interrupted run wrote after its checkpoint
   Sampler sampler(sequences.count, spec.train.seed);
   const auto params = adapter.Params();
   MicroBatchRunner runner(*m.model, adapter, /*allow_graphs=*/true);
@@ -453,6 +454,14 @@ int RunTrainCommand(const std::string& job_path, const TrainOptions& options,
         "to resume)\n",
         stop_signal->load(), static_cast<long long>(r.steps_done), r.checkpoint_dir.c_str());
     return 128 + stop_signal->load();
+  }
+  if (r.start_step > 0 && r.steps_done == r.start_step) {  // nothing left to train
+    std::printf("already complete: %s is at step %lld, at or past the job's last step",
+                r.checkpoint_dir.c_str(), static_cast<long long>(r.start_step));
+    if (spec.train.steps > 0)
+      std::printf(" (train.steps = %lld)", static_cast<long long>(spec.train.steps));
+    std::printf("; nothing trained, adapter in %s\n", r.adapter_dir.c_str());
+    return 0;
   }
   std::printf("done: %lld steps, final loss %.4f", static_cast<long long>(r.steps_done),
               r.final_loss);

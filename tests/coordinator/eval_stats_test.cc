@@ -121,10 +121,14 @@ TEST_CASE("eval losses reach show, watch and stats, survive downsampling and res
 TEST_CASE("a journal from before evaluations opens and its statistics gain the columns",
           "[coordinator]") {
   TempDb db;
-  {
+  {  // tests/fixtures' version-0 journal, its statistics as they were before evaluations
+    std::filesystem::copy_file(
+        std::string(LORASTREAM_SOURCE_DIR) + "/tests/fixtures/journal-19d7a07/journal.db",
+        db.path());
     sqlite3* raw = nullptr;
     REQUIRE(sqlite3_open(db.path().c_str(), &raw) == SQLITE_OK);
     const char* old_schema =
+        "DROP TABLE stats;"
         "CREATE TABLE stats (job_id INTEGER, step INTEGER, attempt INTEGER, total_steps "
         "INTEGER, loss REAL, learning_rate REAL, grad_norm REAL, tokens INTEGER, step_seconds "
         "REAL, tokens_per_second REAL, h2d_bytes INTEGER, h2d_busy_seconds REAL, stall_seconds "

@@ -52,35 +52,30 @@ TEST_CASE("a journal from before job owners opens, keeps its jobs and gains the 
           "[coordinator]") {
   const testing::TempDir dir("journal-old");
   const std::filesystem::path path = dir.path() / "j.db";
-  JobRecord r;
-  r.summary.id = 3;
-  r.summary.name = "old";
-  r.summary.state = JobState::kQueued;
+  // The version-0 journal of tests/fixtures, less the columns added since jobs had owners.
+  std::filesystem::copy_file(
+      std::filesystem::path(LORASTREAM_SOURCE_DIR) / "tests/fixtures/journal-19d7a07/journal.db",
+      path);
   {
-    Journal j(path.string());
-    j.SaveJob(r);
-  }
-  {  // Rebuild `jobs` without its last column, as the previous version wrote it.
     sqlite3* db = nullptr;
     REQUIRE(sqlite3_open(path.c_str(), &db) == SQLITE_OK);
     const char* sql =
-        "CREATE TABLE old AS SELECT id, name, state, reason, priority, store_name, fingerprint,"
-        " spec_source, spec_toml, spec_blob, output_dir, adapter_path, worker_id, worker_host,"
-        " worker_device, attempt, retries, step, total_steps, checkpoint_step, checkpoint_path,"
-        " cancel_requested, submitted_at, started_at, finished_at FROM jobs;"
-        "DROP TABLE jobs; ALTER TABLE old RENAME TO jobs;";
+        "ALTER TABLE jobs DROP COLUMN owner; ALTER TABLE jobs DROP COLUMN submitter_uid;"
+        "ALTER TABLE jobs DROP COLUMN submitter;";
     REQUIRE(sqlite3_exec(db, sql, nullptr, nullptr, nullptr) == SQLITE_OK);
     sqlite3_close(db);
   }
   Journal j(path.string());
   std::vector<JobRecord> jobs = j.LoadJobs();
-  REQUIRE(jobs.size() == 1);
-  CHECK(jobs[0].summary.name == "old");
-  CHECK(jobs[0].owner.empty());
-  r.summary.id = 4;
+  REQUIRE(jobs.size() == 5);
+  CHECK(jobs[1].summary.name == "code-completion");
+  CHECK(jobs[1].owner.empty());
+  CHECK(jobs[1].summary.submitter_uid == -1);
+  JobRecord r = jobs[0];
+  r.summary.id = 6;
   r.owner = "KEY";
   j.SaveJob(r);
   jobs = j.LoadJobs();
-  REQUIRE(jobs.size() == 2);
-  CHECK(jobs[1].owner == "KEY");
+  REQUIRE(jobs.size() == 6);
+  CHECK(jobs[5].owner == "KEY");
 }

@@ -4,6 +4,7 @@
 #include "coordinator/prepare.h"
 
 #include <catch2/catch.hpp>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -27,6 +28,11 @@ std::vector<Json> ReadLines(const fs::path& p) {
   for (std::string line; std::getline(in, line);)
     if (!line.empty()) out.push_back(Json::parse(line));
   return out;
+}
+
+std::string ReadText(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
 fs::path WriteRecords(const fs::path& dir, const std::string& name, const Json& records) {
@@ -134,4 +140,56 @@ TEST_CASE("prepare refuses a model folder without tokenizer.json and bad records
                   .string()};
   CHECK(RunPrepare(o) == 4);
   CHECK_FALSE(fs::exists(o.out));
+}
+
+TEST_CASE("prepare keeps an --out that exists or is an input unless --force",
+          "[coordinator][prepare]") {
+  if (!testing::HaveNode()) {
+    WARN("no Node.js here (tools/setup.sh installs it): `lorastream prepare` not tested");
+    return;
+  }
+  const testing::TempDir scratch_dir("prepare-force");
+  const fs::path& dir = scratch_dir.path();
+  PrepareOptions o;
+  o.model_dir = (testing::TokenizerFixtures() / "qwen").string();
+  o.inputs = {WriteRecords(dir, "in.jsonl", Json::array({{{"text", "keep me"}}})).string()};
+  o.format = "text";
+  o.out = o.inputs[0];
+  const std::string before = ReadText(o.out);
+  CHECK(RunPrepare(o) == 2);  // its own input: refused, the text kept
+  CHECK(ReadText(o.out) == before);
+  o.out = (dir / "data.jsonl").string();
+  std::ofstream(o.out) << "older\n";
+  CHECK(RunPrepare(o) == 2);
+  CHECK(ReadText(o.out) == "older\n");
+  o.force = true;
+  CHECK(RunPrepare(o) == 0);
+  CHECK(ReadLines(o.out).size() == 2);
+}
+
+TEST_CASE("prepare says so when node itself dies, rather than passing its status on",
+          "[coordinator][prepare]") {
+  const testing::TempDir scratch_dir("prepare-node-dies");
+  const fs::path& dir = scratch_dir.path();
+  // A node that ends as V8 does on a fatal error (SIGTRAP: exit status 133 in a shell).
+  const fs::path node = dir / "node";
+  std::ofstream(node) << "#!/bin/sh\nkill -TRAP $$\n";
+  fs::permissions(node, fs::perms::owner_all);
+  ::setenv("LORASTREAM_NODE", node.c_str(), 1);
+  PrepareOptions o;
+  o.model_dir = (testing::TokenizerFixtures() / "qwen").string();
+  o.inputs = {WriteRecords(dir, "in.jsonl", Json::array({{{"text", "x"}}})).string()};
+  o.format = "text";
+  o.out = (dir / "data.jsonl").string();
+  std::string what;
+  try {
+    RunPrepare(o);
+  } catch (const Error& e) {
+    what = e.what();
+  }
+  ::unsetenv("LORASTREAM_NODE");
+  CHECK_THAT(what, Catch::Contains("node (" + node.string() +
+                                   ") ended by signal 5 while "
+                                   "tokenizing " +
+                                   o.inputs[0]));
 }

@@ -156,15 +156,19 @@ TEST_CASE("a job records its submitter; show, the assignment and the journal car
     Coordinator c(Options(), Journal(db), 0);
     CHECK(c.ShowJob(ShowJobRequest{1}, 0).job.submitter == "bob");
   }
-  // A journal from before submitters: the columns are added, its jobs go to the operator.
+  // A journal from before submitters (tests/fixtures' version-0 journal less those columns):
+  // the columns are added, its jobs go to the operator.
+  const std::string old_db = dir.path + "/old.db";
+  std::filesystem::copy_file(
+      std::string(LORASTREAM_SOURCE_DIR) + "/tests/fixtures/journal-19d7a07/journal.db", old_db);
   sqlite3* raw = nullptr;
-  REQUIRE(sqlite3_open(db.c_str(), &raw) == SQLITE_OK);
+  REQUIRE(sqlite3_open(old_db.c_str(), &raw) == SQLITE_OK);
   REQUIRE(sqlite3_exec(raw,
                        "ALTER TABLE jobs DROP COLUMN submitter; "
                        "ALTER TABLE jobs DROP COLUMN submitter_uid;",
                        nullptr, nullptr, nullptr) == SQLITE_OK);
   sqlite3_close(raw);
-  Coordinator c(Options(), Journal(db), 0);
+  Coordinator c(Options(), Journal(old_db), 0);
   JobSummary old = c.ShowJob(ShowJobRequest{1}, 0).job;
   CHECK(old.submitter_uid == me.uid);
   CHECK(old.submitter == me.name);

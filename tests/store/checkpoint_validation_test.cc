@@ -4,6 +4,7 @@
 // Also the exit statuses of lorastream-store and lorastream-synth (common/cli_main.h).
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <regex>
@@ -120,4 +121,39 @@ TEST_CASE("lorastream-store and lorastream-synth exit with the documented codes"
   CHECK(code == 2);
   Run({Bin("lorastream-synth"), "--preset", "no-such-preset", "--out", dir / "o"}, &code, err);
   CHECK(code == 3);
+}
+
+TEST_CASE("lorastream-synth refuses an --out folder that holds files unless --force", "[store]") {
+  TempDir dir("synth-force");
+  const std::string out = dir / "ckpt";
+  // A user's sharded checkpoint: four shards and their index.
+  std::filesystem::create_directories(out);
+  for (const char* name : {"model-00001-of-00004.safetensors", "model-00002-of-00004.safetensors",
+                           "model-00003-of-00004.safetensors", "model-00004-of-00004.safetensors",
+                           "model.safetensors.index.json"})
+    std::ofstream(out + "/" + name) << "the user's";
+  int code = -1;
+  const std::string err = dir / "err";
+  const std::vector<std::string> synth = {
+      Bin("lorastream-synth"), "--preset", "tiny", "--presets-dir", PresetsDir(), "--out", out};
+  Run(synth, &code, err);
+  CHECK(code == 2);
+  CHECK_THAT(Slurp(err), Catch::Contains("--out " + out + " is not empty"));
+  CHECK_THAT(Slurp(err), Catch::Contains("--force"));
+  CHECK(Slurp(out + "/model-00003-of-00004.safetensors") == "the user's");
+  CHECK(Slurp(out + "/model.safetensors.index.json") == "the user's");
+
+  std::vector<std::string> forced = synth;
+  forced.push_back("--force");
+  Run(forced, &code, err);
+  CHECK(code == 0);
+  CHECK_FALSE(std::filesystem::exists(out + "/model-00003-of-00004.safetensors"));
+  CHECK(Checkpoint::Open(out).config().num_hidden_layers > 0);
+  for (const auto& e : std::filesystem::directory_iterator(out))  // nothing half-written left
+    CHECK(e.path().filename().string().find(".tmp") == std::string::npos);
+
+  Run({Bin("lorastream-synth"), "--preset", "tiny", "--presets-dir", PresetsDir(), "--out",
+       dir / "new"},
+      &code, err);
+  CHECK(code == 0);  // a folder that does not exist yet needs nothing
 }

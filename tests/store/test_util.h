@@ -34,6 +34,7 @@ inline store::SynthResult Synth(const std::string& preset, const std::string& ou
   o.shard_bytes = shard_bytes;
   o.layers = layers;
   o.threads = 2;
+  o.force = true;  // tests write into their own temporary folders, some more than once
   return store::RunSynth(o);
 }
 

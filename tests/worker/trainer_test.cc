@@ -11,6 +11,8 @@
 #include <limits>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
 #include "common/checkpoint_dir.h"
 #include "common/error.h"
 #include "common/safetensors.h"
@@ -379,6 +381,54 @@ TEST_CASE("lorastream-worker train saves a checkpoint on SIGTERM and exits 143",
   const std::string checkpoint = FindResumableCheckpoint(dir / "out");
   CHECK(!checkpoint.empty());
   CHECK(CheckpointStepOf(std::filesystem::path(checkpoint).filename().string()) >= 2);
+}
+
+TEST_CASE("a run resumed after a crash writes each step to stats.jsonl once", "[worker]") {
+  testing::TempDir dir("stats-resume");
+  testing::MakeCheckpoint(dir / "m", "tiny");
+  testing::WriteJsonl(dir / "d.jsonl", 3, 10, 30, 512);
+  JobSpec spec = testing::TinyJob(dir / "m", dir / "d.jsonl", dir / "out");
+  spec.train.steps = 6;
+  spec.train.checkpoint_every = 4;
+  TrainOptions o;
+  o.threads = 1;  // 2 cores shared with the rest of CI: more threads only spin
+  RunTraining(spec, o);
+  // As if the process had died after step 6 was recorded but before its checkpoint was: the
+  // resume starts from checkpoint-4 and trains steps 5 and 6 again.
+  std::filesystem::remove_all(dir / "out/checkpoint-6");
+  const TrainResult r = RunTraining(spec, o);
+  CHECK(r.start_step == 4);
+  std::ifstream lines(dir / "out/stats.jsonl");
+  std::vector<int64_t> steps;
+  for (std::string line; std::getline(lines, line);)
+    steps.push_back(nlohmann::json::parse(line)["step"].get<int64_t>());
+  CHECK(steps == std::vector<int64_t>{1, 2, 3, 4, 5, 6});
+}
+
+TEST_CASE("lorastream-worker train over a checkpoint past the job's steps says it is complete",
+          "[worker]") {
+  testing::TempDir dir("complete");
+  testing::MakeCheckpoint(dir / "m", "tiny");
+  testing::WriteJsonl(dir / "d.jsonl", 3, 10, 30, 512);
+  const auto write_job = [&](int steps) {
+    std::ofstream job(dir / "job.toml", std::ios::trunc);
+    job << "name = \"again\"\n[model]\ncheckpoint = \"" << (dir / "m") << "\"\n[data]\npath = \""
+        << (dir / "d.jsonl") << "\"\nseq_len = 16\n[lora]\nrank = 2\n[train]\nsteps = " << steps
+        << "\noutput_dir = \"" << (dir / "out") << "\"\n";
+  };
+  const std::string bin = std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker";
+  const std::string cmd =
+      bin + " train " + (dir / "job.toml") + " --threads 1 > " + (dir / "log") + " 2>&1";
+  write_job(3);
+  REQUIRE(std::system(cmd.c_str()) == 0);
+  write_job(2);  // fewer steps than its checkpoint-3 holds
+  CHECK(std::system(cmd.c_str()) == 0);
+  const std::string log = testing::ReadFile(dir / "log");
+  INFO(log);
+  CHECK_THAT(log, Catch::Contains("already complete: "));
+  CHECK_THAT(log, Catch::Contains("checkpoint-3 is at step 3, at or past the job's last step "
+                                  "(train.steps = 2); nothing trained"));
+  CHECK_THAT(log, !Catch::Contains("done:") && !Catch::Contains("final loss"));
 }
 
 TEST_CASE("the progress line shows streaming and peak memory only when there are some",

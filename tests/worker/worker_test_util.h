@@ -25,6 +25,7 @@ inline std::string MakeCheckpoint(const std::string& dir, const std::string& pre
   o.seed = seed;
   o.dtype = "f32";
   o.threads = 1;
+  o.force = true;  // tests write into their own temporary folders, some more than once
   store::RunSynth(o);
   return dir;
 }

@@ -16,11 +16,12 @@
 // Exit status as lorastream's: 2 bad argument, 3 not found, 4 corrupt input, 5 refused.
 import fs from "node:fs";
 import path from "node:path";
+import vm from "node:vm";
 
-import { Template } from "./vendor/jinja.mjs";
+import { Environment, Template } from "./vendor/jinja.mjs";
 import { Tokenizer } from "./vendor/tokenizers.mjs";
 
-const kBadArgument = 2, kNotFound = 3, kCorrupt = 4, kRefused = 5;
+const kFailed = 1, kBadArgument = 2, kNotFound = 3, kCorrupt = 4, kRefused = 5;
 const kIgnore = -100;
 
 class PrepareError extends Error {
@@ -32,7 +33,29 @@ class PrepareError extends Error {
 
 const USAGE = `usage: prepare.mjs --model DIR --in FILE... --format text|alpaca|sharegpt|messages
   --out DATA(.jsonl|.tok|.bin) [--val-split F] [--seq-len N] [--train-on-all] [--seed S]
-  [--fingerprint FP] [--tokenizer-name NAME]`;
+  [--fingerprint FP] [--tokenizer-name NAME] [--force]`;
+
+// A chat template is a program: each rendering is bounded so that a template that loops for
+// ever or builds a huge value ends with a message naming it instead of hanging or ending node
+// (Jinja's range(1e9) builds the whole list, which V8 aborts on with a fatal error).
+export const kTemplateLimits = { seconds: 10, rangeItems: 1_000_000, renderedChars: 16 << 20 };
+
+// Jinja's range() as the vendored package defines it, refusing lists over the limit before
+// building them (the package installs its globals through Environment.set).
+const jinjaSet = Environment.prototype.set;
+Environment.prototype.set = function (name, value) {
+  if (name === "range" && typeof value === "function") {
+    const build = value;
+    value = (start, stop, step = 1) => {
+      const [from, to] = stop === undefined ? [0, start] : [start, stop];
+      const items = step === 0 ? 0 : Math.ceil((to - from) / step);
+      if (items > kTemplateLimits.rangeItems)
+        throw new Error(`range() of ${items} items is over the limit of ${kTemplateLimits.rangeItems}`);
+      return build(start, stop, step);
+    };
+  }
+  return jinjaSet.call(this, name, value);
+};
 
 function parseArgs(argv) {
   const o = { inputs: [], valSplit: 0, seqLen: 0, trainOnAll: false, seed: 0,
@@ -59,6 +82,7 @@ function parseArgs(argv) {
       case "--train-on-all": o.trainOnAll = true; break;
       case "--fingerprint": o.fingerprint = value(i++); break;
       case "--tokenizer-name": o.tokenizerName = value(i++); break;
+      case "--force": o.force = true; break;
       default: throw new PrepareError(kBadArgument, `unknown argument ${argv[i]}\n${USAGE}`);
     }
   }
@@ -103,8 +127,12 @@ export function loadModelTokenizer(dir) {
   if (Array.isArray(template)) {  // named templates: transformers uses "default"
     template = (template.find((t) => t.name === "default") ?? {}).template ?? null;
   }
+  let templateName = `the chat template of ${cfgPath}`;
   const jinjaPath = path.join(dir, "chat_template.jinja");
-  if (template === null && fs.existsSync(jinjaPath)) template = fs.readFileSync(jinjaPath, "utf8");
+  if (template === null && fs.existsSync(jinjaPath)) {
+    template = fs.readFileSync(jinjaPath, "utf8");
+    templateName = `the chat template ${jinjaPath}`;
+  }
   let tokenizer;
   try {
     tokenizer = new Tokenizer(json, config);
@@ -123,24 +151,36 @@ export function loadModelTokenizer(dir) {
     try {
       compiled = new Template(template);
     } catch (e) {
-      throw new PrepareError(kCorrupt, `${dir}: the chat template does not parse: ${e.message}`);
+      throw new PrepareError(kCorrupt, `${templateName} does not parse: ${e.message}`);
     }
   }
   const eosId = specials.eos_token !== undefined ? tokenizer.token_to_id(specials.eos_token) ?? null : null;
-  return { dir, tokenizer, template: compiled, specials, eosId, vocabSize };
+  return { dir, tokenizer, template: compiled, templateName, specials, eosId, vocabSize };
 }
 
 export function encode(model, text, addSpecial) {
   return model.tokenizer.encode(text, { add_special_tokens: addSpecial }).ids;
 }
 
+// One rendering, stopped after kTemplateLimits.seconds (vm's timeout interrupts whatever
+// JavaScript runs, the package's interpreter included).
 function render(model, messages, generationPrompt, where) {
   if (!messages.length) return "";
+  const items = { messages, add_generation_prompt: generationPrompt, ...model.specials };
+  const context = vm.createContext({ run: () => model.template.render(items) });
+  let text;
   try {
-    return model.template.render({ messages, add_generation_prompt: generationPrompt, ...model.specials });
+    text = vm.runInContext("run()", context, { timeout: kTemplateLimits.seconds * 1000 });
   } catch (e) {
-    throw new PrepareError(kCorrupt, `${where}: the chat template of ${model.dir} refused the conversation: ${e.message}`);
+    if (e.code === "ERR_SCRIPT_EXECUTION_TIMEOUT")
+      throw new PrepareError(kRefused, `${where}: ${model.templateName} did not finish rendering ` +
+                             `the conversation within ${kTemplateLimits.seconds} s (a loop too long for a chat template)`);
+    throw new PrepareError(kCorrupt, `${where}: ${model.templateName} refused the conversation: ${e.message}`);
   }
+  if (text.length > kTemplateLimits.renderedChars)
+    throw new PrepareError(kRefused, `${where}: ${model.templateName} rendered ${text.length} characters, ` +
+                           `over the limit of ${kTemplateLimits.renderedChars}`);
+  return text;
 }
 
 // One conversation -> {ids, labels} (see the top of the file for what is trained).
@@ -157,7 +197,7 @@ export function conversationDocument(model, messages, trainOnAll, where) {
     const before = render(model, messages.slice(0, i), true, where);
     const upto = render(model, messages.slice(0, i + 1), false, where);
     if (!upto.startsWith(before) || !text.startsWith(upto))
-      throw new PrepareError(kRefused, `${where}: the chat template of ${model.dir} renders message ${i} ` +
+      throw new PrepareError(kRefused, `${where}: ${model.templateName} renders message ${i} ` +
                              "differently once later messages follow, so its assistant tokens cannot be " +
                              "told apart; use --train-on-all");
     const a = encode(model, text.slice(0, before.length), false).length;
@@ -306,10 +346,18 @@ export function validationIndices(n, fraction, seed) {
   return order.slice(0, k).sort((x, y) => x - y);
 }
 
+// A temporary name beside the file, renamed over it once complete: an interrupted run leaves
+// the old file or the new one, never a part.
 function writeAtomically(file, data) {
   fs.mkdirSync(path.dirname(path.resolve(file)), { recursive: true });
-  fs.writeFileSync(file + ".tmp", data);
-  fs.renameSync(file + ".tmp", file);
+  const temp = `${file}.tmp-${process.pid}`;
+  try {
+    fs.writeFileSync(temp, data);
+    fs.renameSync(temp, file);
+  } catch (e) {
+    fs.rmSync(temp, { force: true });
+    throw new PrepareError(kFailed, `cannot write ${file}: ${e.message}`);
+  }
 }
 
 // The formats of worker/data.h. The tokenizer record: JSONL's first line
@@ -373,8 +421,32 @@ function markedExample(model, doc) {
   return out;
 }
 
+// The files prepare would write: refused when one is an input (it would replace the user's
+// text with token ids) or already exists, unless --force. Checked before any tokenizing.
+export function checkOutputs(o) {
+  const outputs = [o.out];
+  if (o.valSplit > 0) outputs.push(validationPath(o.out));
+  const same = (a, b) => {
+    try {
+      const x = fs.statSync(a), y = fs.statSync(b);
+      return x.dev === y.dev && x.ino === y.ino;
+    } catch {
+      return path.resolve(a) === path.resolve(b);
+    }
+  };
+  for (const out of outputs) {
+    const input = o.inputs.find((i) => same(i, out));
+    if (input !== undefined && !o.force)
+      throw new PrepareError(kBadArgument, `${out} is also an input (--in ${input}): writing it would ` +
+                             "replace that file with token ids; choose another --out (or pass --force)");
+    if (fs.existsSync(out) && !o.force)
+      throw new PrepareError(kBadArgument, `${out} exists; choose another --out or pass --force to replace it`);
+  }
+}
+
 function main(argv) {
   const o = parseArgs(argv);
+  checkOutputs(o);
   const model = loadModelTokenizer(o.model);
   const docs = [];
   let records = 0, truncated = 0, untrained = 0;
