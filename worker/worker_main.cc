@@ -16,12 +16,12 @@
 #include "coordinator/build_info.h"
 #include "coordinator/curve.h"
 #include "store/attach.h"
-#include "worker/host_register_probe.h"
-#include "worker/parity.h"
-#include "worker/plan_command.h"
-#include "worker/serve.h"
-#include "worker/stream_provider.h"
-#include "worker/trainer.h"
+#include "worker/serve/parity.h"
+#include "worker/serve/plan_command.h"
+#include "worker/serve/serve.h"
+#include "worker/stream/host_register_probe.h"
+#include "worker/stream/stream_provider.h"
+#include "worker/train/trainer.h"
 
 namespace {
 std::atomic<bool> g_stop_serving{false};
@@ -74,7 +74,7 @@ int main(int argc, char** argv) {
                          "timed steps: the last N blocks keep their activations, no recompute "
                          "(-1: all)");
 
-  // serve: take jobs from a coordinator (worker/serve.h; the coordinator engineer's part).
+  // serve: take jobs from a coordinator (worker/serve/serve.h; the coordinator engineer's part).
   worker::ServeOptions serve;
   bool serve_resident = false;
   auto* serve_cmd =

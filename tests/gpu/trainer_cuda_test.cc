@@ -14,10 +14,10 @@
 
 #include "common/model_config.h"
 #include "tests/worker/worker_test_util.h"
-#include "worker/cuda/cuda_memory.h"
-#include "worker/lora.h"
-#include "worker/stream_provider.h"
-#include "worker/trainer.h"
+#include "worker/model/lora.h"
+#include "worker/stream/cuda/cuda_memory.h"
+#include "worker/stream/stream_provider.h"
+#include "worker/train/trainer.h"
 
 using namespace lorastream;
 using namespace lorastream::worker;
@@ -93,7 +93,7 @@ TEST_CASE("CUDA: a job naming no plan plans within the device's free memory and 
 namespace {
 
 // LORASTREAM_CUDA_GRAPHS=0 for the scope of one run (the A/B switch of
-// worker/micro_batch_runner.h), restored after.
+// worker/train/micro_batch_runner.h), restored after.
 class EagerOnly {
  public:
   EagerOnly() { setenv("LORASTREAM_CUDA_GRAPHS", "0", 1); }

@@ -1,4 +1,4 @@
-// The model and its checkpointed blocks: the hand-written block backward (worker/block.h)
+// The model and its checkpointed blocks: the hand-written block backward (worker/model/block.h)
 // equals autograd through the same forward (in f64 at the block: to the f32 rounding of
 // RMSNorm, which runs in f32 as transformers'; in f32 through the whole model), and blocks are
 // acquired in the step's order.
@@ -11,12 +11,12 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include "common/error.h"
-#include "worker/base_weights.h"
-#include "worker/block.h"
-#include "worker/lora.h"
-#include "worker/model.h"
-#include "worker/resident_provider.h"
-#include "worker/stream_budget.h"
+#include "worker/model/base_weights.h"
+#include "worker/model/block.h"
+#include "worker/model/lora.h"
+#include "worker/model/model.h"
+#include "worker/stream/resident_provider.h"
+#include "worker/stream/stream_budget.h"
 #include "worker_test_util.h"
 
 using namespace lorastream;

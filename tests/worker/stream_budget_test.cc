@@ -6,7 +6,7 @@
 
 #include "common/error.h"
 #include "tests/worker/stream_test_shapes.h"
-#include "worker/stream_budget.h"
+#include "worker/stream/stream_budget.h"
 
 using namespace lorastream;
 using namespace lorastream::worker;

@@ -1,0 +1,66 @@
+#include "worker/serve/plan_command.h"
+
+#include <cstdio>
+
+#include <ATen/Context.h>
+
+#include "common/error.h"
+#include "common/format_bytes.h"
+#include "common/job_spec.h"
+#include "worker/model/base_weights.h"
+#include "worker/model/torch_device.h"
+#include "worker/stream/stream_calibrate.h"
+#include "worker/stream/stream_cost.h"
+#include "worker/stream/stream_engine.h"
+#include "worker/stream/stream_provider.h"
+
+namespace lorastream::worker {
+
+int RunPlanCommand(const std::string& job_path, const PlanCommandOptions& options) {
+  const JobSpec spec = LoadJobSpec(job_path);
+  const Device typed_device = ParseDevice(options.device);
+  const c10::Device device = TorchDevice(typed_device);
+  if (device.is_cuda() && !at::hasCUDA())
+    throw Error(ErrorCode::kUnsupported,
+                "--device " + options.device + ": this build or machine has no CUDA");
+  const BaseWeights base = BaseWeights::ForJob(spec);
+  RequireValidJobSpec(spec, &base.config());  // train.dtype among the rest
+  const DType compute = ComputeDType(spec.train.dtype, typed_device);
+  const std::string dtype_name = ShortDTypeName(compute);
+  const c10::ScalarType dtype = ScalarTypeOf(compute, "the compute dtype");
+
+  const Manifest layout = ComputeLayout(base, dtype);
+  const MemoryModelInputs inputs = JobMemoryInputs(spec, layout, device, dtype);
+  StepCosts costs;
+  if (options.recalibrate) {
+    costs = MeasureStepCosts(spec, base, device, dtype);
+    SaveStepCosts(CalibrationKey(spec, base, device, dtype), costs);
+  } else {
+    costs = CalibratedStepCosts(spec, base, device, dtype);
+  }
+  uint64_t budget = JobMemoryBudget(spec.stream, device);
+  std::string budget_from = spec.stream.budget_auto
+                                ? "stream.gpu_memory_budget = \"auto\" (" +
+                                      std::to_string(static_cast<int>(kAutoBudgetFraction * 100)) +
+                                      "% of the memory free on " + device.str() + ")"
+                                : "stream.gpu_memory_budget";
+  if (budget == 0) {
+    const ResidencyPlan own = PlanResidency(spec.stream.blocks_to_swap, 0, spec.stream.ring_size,
+                                            inputs, spec.stream.forward_slots,
+                                            spec.stream.backward_slots, spec.stream.taped_blocks);
+    budget = EstimateMemory(inputs, own).total();
+    budget_from = "the estimated peak of the job's own plan (" + own.Describe() + ")";
+  }
+  const PlanChoice choice = ChoosePlan(inputs, costs, budget);
+  const int layers = base.config().num_hidden_layers;
+  std::printf("job %s: %s, %d blocks of %s, %lld tokens per micro-batch, device %s, %s\n",
+              spec.name.c_str(), base.config().model_type.c_str(), layers,
+              FormatBytes(inputs.block_bytes.empty() ? 0 : inputs.block_bytes[0]).c_str(),
+              static_cast<long long>(inputs.tokens), device.str().c_str(), dtype_name.c_str());
+  std::printf("measured: %s; resident step predicted %.1f ms\n", costs.Describe().c_str(),
+              costs.ResidentStepSeconds(layers) * 1e3);
+  std::printf("budget from %s\n%s", budget_from.c_str(), DescribeChoice(choice, budget).c_str());
+  return 0;
+}
+
+}  // namespace lorastream::worker
