@@ -1,10 +1,11 @@
-// lorastream-worker: `train JOB.toml` runs one job standalone; `plan JOB.toml` prints the
-// streaming plans the cost model weighs; `parity` is the parity harness's side (tools/parity/).
-// Thin: parse options, call one Run function, map errors.
+// lorastream-worker: `train JOB.toml...` runs one job, or several as one group, standalone; `plan
+// JOB.toml` prints the streaming plans the cost model weighs; `parity` is the parity harness's side
+// (tools/parity/). Thin: parse options, call one Run function, map errors.
 #include <atomic>
 #include <csignal>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -21,6 +22,7 @@
 #include "worker/serve/serve.h"
 #include "worker/stream/host_register_probe.h"
 #include "worker/stream/stream_provider.h"
+#include "worker/train/group_trainer.h"
 #include "worker/train/trainer.h"
 
 namespace {
@@ -44,11 +46,12 @@ int main(int argc, char** argv) {
   CLI::App app{"lorastream-worker: trains LoRA adapters against a store's base weights"};
   app.require_subcommand(1);
 
-  std::string job_path;
+  std::vector<std::string> job_paths;
   TrainOptions train;
   bool no_resume = false;
-  auto* train_cmd = app.add_subcommand("train", "run one job file standalone");
-  train_cmd->add_option("job", job_path, "the job file (TOML)")->required();
+  auto* train_cmd = app.add_subcommand(
+      "train", "run a job file standalone; several: one group (each block copied once for all)");
+  train_cmd->add_option("jobs", job_paths, "the job files (TOML)")->required();
   train_cmd->add_option("--device", train.device, "cpu | cuda | cuda:N")->capture_default_str();
   train_cmd->add_option("--threads", train.threads, "CPU threads (0 = every core)");
   train_cmd->add_flag("--no-resume", no_resume,
@@ -144,7 +147,7 @@ int main(int argc, char** argv) {
         };
       std::signal(SIGINT, OnTrainStopSignal);
       std::signal(SIGTERM, OnTrainStopSignal);
-      return RunTrainCommand(job_path, train, &g_train_stop_signal);
+      return RunGroupTrainCommand(job_paths, train, &g_train_stop_signal);
     }
     if (*plan_cmd) return RunPlanCommand(plan_job, plan);
     if (*serve_cmd) {

@@ -15,6 +15,8 @@
 #pragma once
 
 #include <array>
+#include <cstdint>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -31,23 +33,30 @@ struct LoraBlockGrads {
 // What one recompute of a block keeps for its backward, in the compute dtype: h1, the
 // attention output (twice: the kernel's and o_proj's layout), out and h2 ([tokens, hidden]
 // each), q, k, v, and gate, up and z ([tokens, intermediate] each); no f32 copies of
-// activations, which the autograd graph of the f32 adapter path used to hold.
+// activations, which the autograd graph of the f32 adapter path used to hold. For a group of
+// jobs (BlockJob) the row-wise tensors hold every job's rows, concatenated in the group's
+// order; attention and the adapters keep theirs per job.
 struct BlockTape {
   struct Adapter {
     at::Tensor u;     // [N, r] = dropout(x) A^T, the B gradient's right factor
     at::Tensor xd;    // dropout(x) when dropout is active (else the group's input is used)
     at::Tensor mask;  // dropout's keep mask, when active
   };
-  at::Tensor x;               // block input [B, S, H]
+  // One job's part: its shape, its attention and its adapters' factors.
+  struct Job {
+    int64_t batch = 0, seq = 0;
+    at::Tensor q, k, v, attn;  // attention's inputs (leaves) and output [B, h, S, D]
+    std::array<Adapter, kNumLoraTargets> lora;
+  };
+  at::Tensor x;               // block input rows [N, H]
   at::Tensor rstd_in, h1;     // input norm: 1/rms (f32 [N, 1]) and its output [N, H]
-  at::Tensor q_pre, k_pre;    // qwen3: q, k before their per-head norm [B, S, h, D]
+  at::Tensor q_pre, k_pre;    // qwen3: q, k before their per-head norm [N, h, D]
   at::Tensor rstd_q, rstd_k;  // qwen3: their 1/rms
-  at::Tensor q, k, v, attn;   // attention's inputs (leaves) and output [B, h, S, D]
   at::Tensor attn_flat;       // o_proj's input [N, heads * D]
   at::Tensor out;             // x + o_proj(attention) [N, H]
   at::Tensor rstd_post, h2;   // its norm: 1/rms and output [N, H]
   at::Tensor gate, up, z;     // MLP [N, I]; z = silu(gate) * up, down_proj's input
-  std::array<Adapter, kNumLoraTargets> lora;
+  std::vector<Job> jobs;
 };
 
 // One block's adapter in the compute dtype, cast once per step by the forward and kept for
@@ -61,14 +70,36 @@ struct LoraBlockCast {
 };
 LoraBlockCast CastLoraBlock(const LoraBlock& lora, c10::ScalarType dtype);
 
-// The block's forward without grad mode, filling `tape` (when given; it must be empty) for
-// BlockBackward. Only the attention builds its one autograd node.
+// One job's part of a grouped block pass: its adapter in the compute dtype and its compute
+// settings (its rotary tables, LoRA scale, dropout and dropout seed). The jobs of a group
+// share the block's weights, the model config and the compute dtype; their inputs may differ
+// in batch and length.
+struct BlockJob {
+  const LoraBlockCast* lora = nullptr;
+  const BlockCompute* compute = nullptr;
+};
+
+// The block's forward for a group of jobs, xs[j] [B_j, S_j, H] each, without grad mode,
+// filling `tape` (when given; it must be empty) for GroupBlockBackward. Every base projection
+// is one GEMM over the concatenation of every job's rows; each job's low-rank terms are added
+// to its own rows, and attention runs per job. Row-wise steps (norms, SwiGLU, residuals) run
+// over the concatenation. Each job's dropout masks are drawn from its own seed in the order a
+// pass of the job alone draws them. A group of one is the job alone: nothing is concatenated.
+std::vector<at::Tensor> GroupBlockForwardTaped(const std::vector<at::Tensor>& xs,
+                                               const BlockWeights& w,
+                                               const std::vector<BlockJob>& jobs, BlockTape* tape);
+
+// The gradients of the group whose forward filled `tape`, for the output gradients dys[j]:
+// fills grads[j] (f32) and returns each dL/dx_j (undefined when !need_dx). dY W is one GEMM
+// over every job's rows. Consumes the tape.
+std::vector<at::Tensor> GroupBlockBackward(BlockTape& tape, const BlockWeights& w,
+                                           const std::vector<BlockJob>& jobs,
+                                           const std::vector<at::Tensor>& dys, bool need_dx,
+                                           std::vector<LoraBlockGrads>& grads);
+
+// The same for one job (a group of one).
 at::Tensor BlockForwardTaped(const at::Tensor& x, const BlockWeights& w, const LoraBlockCast& lora,
                              const BlockCompute& c, BlockTape* tape);
-
-// The gradients of the block whose forward filled `tape`, for the output gradient dy
-// [B, S, H]: fills `grads` (f32) and returns dL/dx (undefined when !need_dx). Consumes the
-// tape (its tensors are released as soon as they are read, lowering the backward's peak).
 at::Tensor BlockBackward(BlockTape& tape, const BlockWeights& w, const LoraBlockCast& lora,
                          const BlockCompute& c, const at::Tensor& dy, bool need_dx,
                          LoraBlockGrads& grads);

@@ -3,12 +3,15 @@
 #include <algorithm>
 #include <cmath>
 
+#include <torch/csrc/autograd/autograd.h>
+
 #include <ATen/ATen.h>
 #include <ATen/core/Reduction.h>
 #include <c10/core/GradMode.h>
 
 #include "common/data.h"
 #include "common/error.h"
+#include "common/log.h"
 #include "worker/model/fused_ops.h"
 #include "worker/stream/stream_budget.h"
 
@@ -93,19 +96,62 @@ at::Tensor CausalLm::Hidden(const at::Tensor& ids, const LoraAdapter& adapter, b
   return HiddenFromEmbeddings(Embed(ids), adapter, training, checkpointed, dropout_seed);
 }
 
-at::Tensor CausalLm::HiddenFromEmbeddings(const at::Tensor& embeddings, const LoraAdapter& adapter,
-                                          bool training, bool checkpointed, uint64_t dropout_seed) {
-  if (embeddings.dim() != 3 || embeddings.size(2) != config_.hidden_size ||
-      embeddings.device() != device_)
-    throw Error(ErrorCode::kInvalidArgument,
-                "embeddings must be [batch, seq, hidden_size] on the model's device");
-  BlockCompute c;
-  c.config = &config_;
-  c.rope = &Rotary(embeddings.size(1));
-  c.lora_scale = adapter.settings().Scale();
-  c.dropout = adapter.settings().dropout;
-  c.training = training;
-  at::Tensor h = embeddings;
+namespace {
+
+// The LM head held once for every job of a group: the jobs' heads run one after another
+// between one Acquire and one Release of the model's head (a streamed head is copied once).
+class GroupHead : public HeadProvider {
+ public:
+  GroupHead(HeadProvider& head, size_t uses) : head_(head), uses_(uses) {}
+  ~GroupHead() override {
+    if (weight_ == nullptr) return;
+    try {
+      head_.Release();
+    } catch (const std::exception& e) {
+      LS_LOG_WARN("LM head: release failed: {}", e.what());
+    }
+  }
+  GroupHead(const GroupHead&) = delete;
+  GroupHead& operator=(const GroupHead&) = delete;
+  const at::Tensor& Acquire() override {
+    if (weight_ == nullptr) weight_ = &head_.Acquire();
+    return *weight_;
+  }
+  void Release() override {
+    if (++released_ < uses_) return;
+    weight_ = nullptr;
+    head_.Release();
+  }
+  bool streamed() const override { return head_.streamed(); }
+
+ private:
+  HeadProvider& head_;
+  size_t uses_;
+  size_t released_ = 0;
+  const at::Tensor* weight_ = nullptr;
+};
+
+}  // namespace
+
+std::vector<at::Tensor> CausalLm::GroupHidden(const std::vector<at::Tensor>& embeddings,
+                                              const std::vector<const LoraAdapter*>& adapters,
+                                              bool training, bool checkpointed,
+                                              const std::vector<uint64_t>& dropout_seeds) {
+  std::vector<GroupBlockInput> in(embeddings.size());
+  for (size_t j = 0; j < embeddings.size(); ++j) {
+    const at::Tensor& e = embeddings[j];
+    if (e.dim() != 3 || e.size(2) != config_.hidden_size || e.device() != device_)
+      throw Error(ErrorCode::kInvalidArgument,
+                  "embeddings must be [batch, seq, hidden_size] on the model's device");
+    const LoraSettings& settings = adapters[j]->settings();
+    in[j].x = e;
+    in[j].adapter = adapters[j];
+    in[j].compute.config = &config_;
+    in[j].compute.rope = &Rotary(e.size(1));
+    in[j].compute.lora_scale = settings.Scale();
+    in[j].compute.dropout = settings.dropout;
+    in[j].compute.training = training;
+  }
   // The provider's last taped blocks keep their activations when there is a backward to keep
   // them for.
   const int first_taped =
@@ -114,16 +160,26 @@ at::Tensor CausalLm::HiddenFromEmbeddings(const at::Tensor& embeddings, const Lo
                                                    static_cast<int>(config_.num_hidden_layers))
           : config_.num_hidden_layers;
   for (int i = 0; i < config_.num_hidden_layers; ++i) {
-    c.dropout_seed = MixSeed(dropout_seed, static_cast<uint64_t>(i));
+    for (size_t j = 0; j < in.size(); ++j)
+      in[j].compute.dropout_seed = MixSeed(dropout_seeds[j], static_cast<uint64_t>(i));
     if (checkpointed) {
-      h = CheckpointedBlockForward(h, i, adapter, *provider_, c, /*keep_tape=*/i >= first_taped);
+      const std::vector<at::Tensor> hs =
+          CheckpointedGroupBlockForward(in, i, *provider_, /*keep_tape=*/i >= first_taped);
+      for (size_t j = 0; j < in.size(); ++j) in[j].x = hs[j];
     } else {
       const BlockWeights& w = provider_->Acquire(i);
-      h = BlockForward(h, w, adapter.block(i), c);
+      for (GroupBlockInput& j : in) j.x = BlockForward(j.x, w, j.adapter->block(i), j.compute);
       provider_->Release(i);
     }
   }
-  return h;
+  std::vector<at::Tensor> out;
+  for (const GroupBlockInput& j : in) out.push_back(j.x);
+  return out;
+}
+
+at::Tensor CausalLm::HiddenFromEmbeddings(const at::Tensor& embeddings, const LoraAdapter& adapter,
+                                          bool training, bool checkpointed, uint64_t dropout_seed) {
+  return GroupHidden({embeddings}, {&adapter}, training, checkpointed, {dropout_seed})[0];
 }
 
 at::Tensor CausalLm::Embed(const at::Tensor& ids) {
@@ -166,11 +222,32 @@ at::Tensor CausalLm::HeadLossSum(const at::Tensor& hidden, const at::Tensor& tar
 at::Tensor CausalLm::TrainMicroBatch(const at::Tensor& embeddings, const at::Tensor& targets,
                                      const LoraAdapter& adapter, const at::Tensor& loss_divisor,
                                      uint64_t dropout_seed) {
-  at::Tensor hidden = HiddenFromEmbeddings(embeddings, adapter, /*training=*/true,
-                                           /*checkpointed=*/true, dropout_seed);
-  at::Tensor loss = HeadLossSum(hidden, targets) / loss_divisor;
-  loss.backward();
-  return loss;
+  return TrainGroupMicroBatch(
+      {GroupMicroBatch{embeddings, targets, loss_divisor, &adapter, dropout_seed}})[0];
+}
+
+std::vector<at::Tensor> CausalLm::TrainGroupMicroBatch(const std::vector<GroupMicroBatch>& jobs) {
+  std::vector<at::Tensor> embeddings;
+  std::vector<const LoraAdapter*> adapters;
+  std::vector<uint64_t> seeds;
+  for (const GroupMicroBatch& j : jobs) {
+    embeddings.push_back(j.embeddings);
+    adapters.push_back(j.adapter);
+    seeds.push_back(j.dropout_seed);
+  }
+  const std::vector<at::Tensor> hidden =
+      GroupHidden(embeddings, adapters, /*training=*/true, /*checkpointed=*/true, seeds);
+  std::vector<at::Tensor> losses;
+  {
+    GroupHead head(*head_, jobs.size());
+    for (size_t j = 0; j < jobs.size(); ++j)
+      losses.push_back(ChunkedHeadLossSum(hidden[j], jobs[j].targets, rest_.norm,
+                                          config_.rms_norm_eps, head,
+                                          head_chunk_rows(jobs[j].targets.numel())) /
+                       jobs[j].loss_divisor);
+  }
+  torch::autograd::backward(losses);
+  return losses;
 }
 
 at::Tensor CausalLm::LossDivisor(int64_t targets) const {

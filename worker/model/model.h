@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -58,6 +59,29 @@ at::Tensor CheckpointedBlockForward(const at::Tensor& x, int block, const LoraAd
                                     BlockProvider& provider, const BlockCompute& c,
                                     bool keep_tape = false);
 
+// One job's part of a checkpointed group block: its input [B, S, H], adapter and compute
+// settings (the caller keeps the adapter and the rotary tables alive until the backward).
+struct GroupBlockInput {
+  at::Tensor x;
+  const LoraAdapter* adapter = nullptr;
+  BlockCompute compute;
+};
+
+// CheckpointedBlockForward for a group of jobs: one autograd node, the block acquired once
+// per pass (forward, and recompute with backward) for every job, its base GEMMs over every
+// job's rows (worker/model/block.h: GroupBlockForwardTaped). Returns each job's output. A group
+// of one is CheckpointedBlockForward.
+std::vector<at::Tensor> CheckpointedGroupBlockForward(const std::vector<GroupBlockInput>& inputs,
+                                                      int block, BlockProvider& provider,
+                                                      bool keep_tape = false);
+
+// One job's part of a group micro-batch (CausalLm::TrainGroupMicroBatch).
+struct GroupMicroBatch {
+  at::Tensor embeddings, targets, loss_divisor;
+  const LoraAdapter* adapter = nullptr;
+  uint64_t dropout_seed = 0;
+};
+
 class CausalLm {
  public:
   // The provider's blocks and rest.norm must be on `device` in `dtype` (the compute dtype).
@@ -103,6 +127,12 @@ class CausalLm {
   at::Tensor TrainMicroBatch(const at::Tensor& embeddings, const at::Tensor& targets,
                              const LoraAdapter& adapter, const at::Tensor& loss_divisor,
                              uint64_t dropout_seed);
+  // TrainMicroBatch for a group of jobs: each block acquired once per pass for all of them,
+  // its base GEMMs over every job's rows; each job's own head and loss (the head acquired
+  // once for the group), divided by its own divisor; one backward through every job's loss
+  // (the jobs share no parameter: each job's gradients are its own). Returns each job's
+  // divided loss. A group of one is TrainMicroBatch.
+  std::vector<at::Tensor> TrainGroupMicroBatch(const std::vector<GroupMicroBatch>& jobs);
   // TrainMicroBatch's loss_divisor for a step of `targets` target tokens (at least 1), on the
   // model's device; filled without waiting for it.
   at::Tensor LossDivisor(int64_t targets) const;
@@ -113,6 +143,11 @@ class CausalLm {
 
  private:
   const RotaryTables& Rotary(int64_t seq_len);
+  // HiddenFromEmbeddings for a group: each block's pass runs once for every job.
+  std::vector<at::Tensor> GroupHidden(const std::vector<at::Tensor>& embeddings,
+                                      const std::vector<const LoraAdapter*>& adapters,
+                                      bool training, bool checkpointed,
+                                      const std::vector<uint64_t>& dropout_seeds);
 
   ModelConfig config_;
   RestWeights rest_;
