@@ -100,12 +100,13 @@ int main(int argc, char** argv) {
   serve_cmd->add_flag("--resident", serve_resident,
                       "keep every block resident (no streaming engine)");
 
-  std::string plan_job;
+  std::vector<std::string> plan_jobs;
   PlanCommandOptions plan;
   auto* plan_cmd = app.add_subcommand(
       "plan",
       "the candidate swap plans with predicted step time and peak memory, and the chosen one");
-  plan_cmd->add_option("job", plan_job, "the job file (TOML)")->required();
+  plan_cmd->add_option("jobs", plan_jobs, "the job file (TOML); several: one group's plans")
+      ->required();
   plan_cmd->add_option("--device", plan.device, "cpu | cuda | cuda:N")->capture_default_str();
   plan_cmd->add_flag("--recalibrate", plan.recalibrate,
                      "measure the device again even when cached figures exist");
@@ -149,7 +150,7 @@ int main(int argc, char** argv) {
       std::signal(SIGTERM, OnTrainStopSignal);
       return RunGroupTrainCommand(job_paths, train, &g_train_stop_signal);
     }
-    if (*plan_cmd) return RunPlanCommand(plan_job, plan);
+    if (*plan_cmd) return RunPlanCommand(plan_jobs, plan);
     if (*serve_cmd) {
       serve.stream = !serve_resident;
       std::signal(SIGINT, OnStopSignal);

@@ -315,3 +315,56 @@ TEST_CASE("group: jobs that cannot share a group are refused naming the field", 
   group.Run();
   CHECK(!group.TakeLeft().at(0).error);
 }
+
+TEST_CASE("group: lorastream-worker train and plan take several job files", "[worker]") {
+  testing::TempDir dir("group-cli");
+  testing::MakeCheckpoint(dir / "m", "tiny");
+  testing::WriteJsonl(dir / "d.jsonl", 4, 10, 30, 512);
+  auto write_job = [&](const std::string& name, int seq_len, int rank, const std::string& more) {
+    std::ofstream job(dir / (name + ".toml"));
+    job << "name = \"" << name << "\"\n[model]\ncheckpoint = \"" << (dir / "m")
+        << "\"\n[data]\npath = \"" << (dir / "d.jsonl") << "\"\nseq_len = " << seq_len
+        << "\n[lora]\nrank = " << rank << "\n[train]\nsteps = 2\noutput_dir = \""
+        << (dir / ("out-" + name)) << "\"\n"
+        << more;
+  };
+  write_job("a", 16, 2, "");
+  write_job("b", 24, 4, "");
+  write_job("other", 16, 2, "[stream]\nblocks_to_swap = 1\n");  // another plan
+  const std::string bin = std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker";
+  auto run = [&](const std::string& args, const std::string& log) {
+    const std::string cmd = bin + " " + args + " > " + (dir / log) + " 2>&1";
+    return std::system(cmd.c_str());
+  };
+  CHECK(run("train " + (dir / "a.toml") + " " + (dir / "b.toml") + " --threads 1", "log") == 0);
+  const std::string log = testing::ReadFile(dir / "log");
+  INFO(log);
+  for (const char* line :
+       {"a: step 2/2 loss ", "b: step 2/2 loss ", "a: done: 2 steps", "b: done: 2 steps"})
+    CHECK(log.find(line) != std::string::npos);
+  CHECK(std::filesystem::exists(dir / "out-a/adapter_model.safetensors"));
+  CHECK(std::filesystem::exists(dir / "out-b/adapter_model.safetensors"));
+
+  // A job of another plan leaves with its refusal; the group's exit status says a job failed.
+  CHECK(run("train " + (dir / "a.toml") + " " + (dir / "other.toml") + " --threads 1 --no-resume",
+            "log2") != 0);
+  const std::string log2 = testing::ReadFile(dir / "log2");
+  INFO(log2);
+  CHECK(log2.find("other: failed: job other cannot train in a group with job a: "
+                  "stream.blocks_to_swap differs") != std::string::npos);
+  CHECK(log2.find("a: done: 2 steps") != std::string::npos);
+
+  // plan: the group's estimate, and the refusal of a group beyond its budget.
+  CHECK(run("plan " + (dir / "a.toml") + " " + (dir / "b.toml"), "plan") == 0);
+  const std::string plan = testing::ReadFile(dir / "plan");
+  INFO(plan);
+  CHECK(plan.find("group of 2 jobs") != std::string::npos);
+  CHECK(plan.find("job b: 24 tokens per micro-batch") != std::string::npos);
+  write_job("small", 16, 2, "[stream]\ngpu_memory_budget = \"1KiB\"\n");
+  write_job("small2", 24, 4, "[stream]\ngpu_memory_budget = \"1KiB\"\n");
+  CHECK(run("plan " + (dir / "small.toml") + " " + (dir / "small2.toml"), "plan2") != 0);
+  const std::string plan2 = testing::ReadFile(dir / "plan2");
+  INFO(plan2);
+  CHECK(plan2.find("job small does not fit in the group") != std::string::npos);
+  CHECK(plan2.find("more than the budget of") != std::string::npos);
+}

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 namespace lorastream::worker {
 
@@ -17,5 +18,14 @@ struct PlanCommandOptions {
 
 // Prints to stdout; returns the exit code (0). Errors are thrown (lorastream::Error).
 int RunPlanCommand(const std::string& job_path, const PlanCommandOptions& options);
+
+// `lorastream-worker plan A.toml B.toml ...`: the plans of a job group (worker/train/
+// group_trainer.h), planned from the first job's [stream] with the memory estimate covering
+// every job's activations, tapes, adapter and optimizer state beside one set of slots. Each
+// job's line, then RunPlanCommand's table for the group. Refuses (Error kRefused) a job that
+// cannot share the group (naming the field), and a group that does not fit its budget under
+// its smallest plan, naming the job that does not fit and by how much. The predicted step
+// times are the first job's alone (the cost model is calibrated per job).
+int RunPlanCommand(const std::vector<std::string>& job_paths, const PlanCommandOptions& options);
 
 }  // namespace lorastream::worker

@@ -108,7 +108,6 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& 
   const ModelConfig& c = in.config;
   LS_CHECK(static_cast<int>(in.block_bytes.size()) == plan.num_blocks(),
            "block sizes and plan disagree on the number of blocks");
-  const uint64_t t = static_cast<uint64_t>(std::max<int64_t>(in.tokens, 0));
   const uint64_t b = static_cast<uint64_t>(in.compute_bytes);
   const uint64_t h = c.hidden_size, inter = c.intermediate_size;
   const uint64_t q = c.num_attention_heads * c.head_dim;
@@ -130,32 +129,66 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& 
   e.forward_ring = static_cast<uint64_t>(plan.forward_slots) * largest_streamed;
   e.backward_ring = static_cast<uint64_t>(plan.backward_slots) * largest_streamed;
   e.head_ring = static_cast<uint64_t>(plan.head_slots) * largest_streamed;
-  e.forward_working = t * b * (4 * h + q + 2 * kv + 3 * inter);
-  e.adapter = static_cast<uint64_t>(LoraParameterCount(c, in.lora_rank, in.lora_targets)) * 16;
-  e.checkpoints = static_cast<uint64_t>(plan.num_blocks()) * t * h * b;
-  // LoRA dropout keeps each adapted projection's dropped input and its mask.
-  uint64_t dropout = 0;
-  if (in.lora_dropout > 0) {
-    for (const std::string& target : in.lora_targets)
-      dropout += t * (b + 1) * (target == "o_proj" ? q : target == "down_proj" ? inter : h);
-  }
-  const uint64_t lora_pieces = t * b * static_cast<uint64_t>(in.lora_rank) * in.lora_targets.size();
-  e.block_working = t * b * (8 * h + 4 * (q + 2 * kv) + 6 * inter) + 2 * lora_pieces + dropout;
-  // attention's saved probabilities where it materialises them, else its logsumexp.
-  e.tape = t * b * (3 * h + 4 * q + 3 * kv + 3 * inter) + lora_pieces +
-           (in.attention_materialized ? heads * t * t * b : heads * t * 4) +
-           (2 + heads + static_cast<uint64_t>(c.num_key_value_heads)) * t * 4 + dropout;
+  // One job's share of the activations and its adapter; a group's are summed.
+  uint64_t head_chunk = 0, head_kept = 0;
+  auto add_job = [&](int64_t tokens, int64_t rank, double lora_dropout,
+                     const std::vector<std::string>& targets) {
+    const uint64_t t = static_cast<uint64_t>(std::max<int64_t>(tokens, 0));
+    e.forward_working += t * b * (4 * h + q + 2 * kv + 3 * inter);
+    e.adapter += static_cast<uint64_t>(LoraParameterCount(c, rank, targets)) * 16;
+    e.checkpoints += static_cast<uint64_t>(plan.num_blocks()) * t * h * b;
+    // LoRA dropout keeps each adapted projection's dropped input and its mask.
+    uint64_t dropout = 0;
+    if (lora_dropout > 0) {
+      for (const std::string& target : targets)
+        dropout += t * (b + 1) * (target == "o_proj" ? q : target == "down_proj" ? inter : h);
+    }
+    const uint64_t lora_pieces = t * b * static_cast<uint64_t>(rank) * targets.size();
+    e.block_working += t * b * (8 * h + 4 * (q + 2 * kv) + 6 * inter) + 2 * lora_pieces + dropout;
+    // attention's saved probabilities where it materialises them, else its logsumexp.
+    e.tape += t * b * (3 * h + 4 * q + 3 * kv + 3 * inter) + lora_pieces +
+              (in.attention_materialized ? heads * t * t * b : heads * t * 4) +
+              (2 + heads + static_cast<uint64_t>(c.num_key_value_heads)) * t * 4 + dropout;
+    e.attention += in.attention_materialized ? heads * t * t * b * 2 : heads * t * 4;
+    const int64_t chunk_rows = HeadChunkRows(tokens, c.vocab_size, c.hidden_size,
+                                             in.head_chunk_bytes, in.fused_cross_entropy);
+    head_chunk = std::max(
+        head_chunk, static_cast<uint64_t>(chunk_rows) *
+                        HeadChunkRowBytes(c.vocab_size, c.hidden_size, in.fused_cross_entropy));
+    head_kept += 2 * t * h * b;
+    return chunk_rows;
+  };
+  e.head_chunk_rows = add_job(in.tokens, in.lora_rank, in.lora_dropout, in.lora_targets);
+  for (const MemoryModelInputs::GroupMember& m : in.group)
+    add_job(m.tokens, m.lora_rank, m.lora_dropout, m.lora_targets);
   e.taped_blocks = plan.taped_blocks;
-  e.attention = in.attention_materialized ? heads * t * t * b * 2 : heads * t * 4;
   e.head_weights = in.head_bytes;
   e.head_streamed = plan.head_streamed;
-  e.head_chunk_rows = HeadChunkRows(in.tokens, c.vocab_size, c.hidden_size, in.head_chunk_bytes,
-                                    in.fused_cross_entropy);
-  e.lm_head = static_cast<uint64_t>(e.head_chunk_rows) *
-                  HeadChunkRowBytes(c.vocab_size, c.hidden_size, in.fused_cross_entropy) +
-              2 * t * h * b;
+  e.lm_head = head_chunk + head_kept;
   e.reserve = in.reserve_bytes;
   return e;
+}
+
+std::string GroupBudgetRefusal(const MemoryModelInputs& inputs, uint64_t budget_bytes,
+                               const std::string& first_name) {
+  ResidencyPlan smallest = PlanFromSwapCount(static_cast<int>(inputs.block_bytes.size()),
+                                             static_cast<int>(inputs.block_bytes.size()), 1);
+  smallest.head_streamed = inputs.head_bytes > 0;
+  MemoryModelInputs prefix = inputs;
+  prefix.group.clear();
+  for (size_t j = 0; j <= inputs.group.size(); ++j) {
+    if (j > 0) prefix.group.push_back(inputs.group[j - 1]);
+    const uint64_t peak = EstimateMemory(prefix, smallest).total();
+    if (peak <= budget_bytes) continue;
+    const std::string name = j == 0 ? first_name : inputs.group[j - 1].name;
+    return "job " + name + " does not fit in the group" +
+           (j == 0 ? std::string() : " beside the " + std::to_string(j) + " before it") +
+           ": the group's smallest plan (every block streamed, ring 1, LM head streamed) needs " +
+           FormatBytes(peak, 2) + ", " + FormatBytes(peak - budget_bytes, 2) + " (" +
+           std::to_string(peak - budget_bytes) + " bytes) more than the budget of " +
+           FormatBytes(budget_bytes, 2);
+  }
+  return "";
 }
 
 ResidencyPlan FillTapedBlocks(const MemoryModelInputs& in, ResidencyPlan plan,

@@ -2,7 +2,8 @@
 // resident blocks that fits together with the ring, the non-block weights, the adapter with
 // its optimizer state and an estimate of the activations.
 //
-// The estimate, per micro-batch of T tokens (b = bytes per element of the compute dtype,
+// The estimate, per micro-batch of T tokens (for a job group: each job's terms with its own T,
+// rank and targets, summed; MemoryModelInputs::group) (b = bytes per element of the compute dtype,
 // H = hidden, Q = heads x head_dim, KV = kv heads x head_dim, I = intermediate, V = vocab):
 //   weights        rest (the final norm) + LM head (V x H x b: resident, for the whole step;
 //                  streamed, during the LM head only) + resident blocks + R x (largest
@@ -87,6 +88,19 @@ struct MemoryModelInputs {
   int compute_bytes = 2;                         // 2: bf16 compute; 4: f32
   bool attention_materialized = false;           // true where attention has no fused kernel
   uint64_t reserve_bytes = uint64_t{512} << 20;  // allocator slack; lower = tighter plans
+  // A job group (worker/train/group_trainer.h): the other jobs beside the one above. Each
+  // adds its own adapter and optimizer state, checkpoints, working sets, attention, tapes and
+  // the LM head's kept states (its tokens' share of every row-wise term: the group's blocks
+  // run over all jobs' rows at once; its head's chunks run after the others', so only the
+  // largest chunk counts); the weights, slots and reserve are the group's, once.
+  struct GroupMember {
+    std::string name;  // the job's, for refusals
+    int64_t tokens = 0;
+    int64_t lora_rank = 16;
+    double lora_dropout = 0;
+    std::vector<std::string> lora_targets;
+  };
+  std::vector<GroupMember> group;
 };
 
 struct MemoryEstimate {
@@ -123,6 +137,13 @@ int64_t LoraParameterCount(const ModelConfig& config, int64_t rank,
                            const std::vector<std::string>& targets);
 
 MemoryEstimate EstimateMemory(const MemoryModelInputs& inputs, const ResidencyPlan& plan);
+
+// "" when a group's jobs (`inputs` with its group) fit `budget_bytes` under the smallest plan
+// (every block streamed through a ring of one, the LM head streamed), else which job does not
+// fit and by how much: the first, in the group's order (`first_name` is inputs' own job), whose
+// share takes that plan's estimate beyond the budget.
+std::string GroupBudgetRefusal(const MemoryModelInputs& inputs, uint64_t budget_bytes,
+                               const std::string& first_name);
 
 // The plan with the most resident blocks whose estimate fits `budget_bytes` (resident blocks
 // spread as PlanFromSwapCount spreads them), its phases then filled with slots up to the

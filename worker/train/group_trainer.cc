@@ -534,24 +534,31 @@ std::vector<GroupJobOutcome> GroupTrainer::TakeLeft() { return std::exchange(lef
 
 bool GroupTrainer::Step() {
   // At the step boundary: jobs done or asked to stop leave; the others begin their step.
-  for (size_t p = jobs_.size(); p-- > 0;) {
+  for (size_t p = 0; p < jobs_.size();) {
     Job& job = *jobs_[p];
+    bool leaves = true;
+    std::exception_ptr error;
     try {
       if (job.done()) {
         job.Complete();
-        Leave(p, nullptr);
       } else if (job.StopRequested()) {
         job.Stop();
-        Leave(p, nullptr);
+      } else {
+        leaves = false;
       }
     } catch (...) {
-      Leave(p, std::current_exception());
+      error = std::current_exception();
     }
+    if (leaves)
+      Leave(p, error);
+    else
+      ++p;
   }
   const auto t0 = Clock::now();
-  for (size_t p = jobs_.size(); p-- > 0;) {
+  for (size_t p = 0; p < jobs_.size();) {
     try {
       jobs_[p]->Begin();
+      ++p;
     } catch (...) {
       Leave(p, std::current_exception());
     }
@@ -603,18 +610,26 @@ bool GroupTrainer::Step() {
     offsets.push_back(v);
     v += job->micro_batches() + 1;
   }
-  // In reverse, so that a job leaving moves none still to finish.
-  for (size_t p = jobs_.size(); p-- > 0;) {
+  // In the group's order: a job that leaves is erased, the next takes its position.
+  size_t p = 0;
+  for (const double* figures : offsets) {
+    Job& job = *jobs_[p];
+    bool leaves = false;
+    std::exception_ptr error;
     try {
-      Job& job = *jobs_[p];
-      job.Finish(offsets[p], group_stats, seconds);
+      job.Finish(figures, group_stats, seconds);
       if (job.done()) {
         job.Complete();
-        Leave(p, nullptr);
+        leaves = true;
       }
     } catch (...) {
-      Leave(p, std::current_exception());
+      leaves = true;
+      error = std::current_exception();
     }
+    if (leaves)
+      Leave(p, error);
+    else
+      ++p;
   }
   return !jobs_.empty();
 }
