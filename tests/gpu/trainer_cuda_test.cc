@@ -13,6 +13,7 @@
 #include <catch2/catch.hpp>
 
 #include "common/model_config.h"
+#include "tests/gpu/cuda_train_options.h"
 #include "tests/worker/worker_test_util.h"
 #include "worker/model/lora.h"
 #include "worker/stream/cuda/cuda_memory.h"
@@ -22,22 +23,6 @@
 using namespace lorastream;
 using namespace lorastream::worker;
 using namespace lorastream::testing;
-
-namespace {
-
-// Training on cuda:0 from scratch; with `streamed`, the streaming engine as the provider (the
-// job's [stream] plan), as lorastream-worker train runs it.
-TrainOptions CudaTrainOptions(bool streamed) {
-  TrainOptions o;
-  o.device = "cuda:0";
-  o.resume = false;
-  if (streamed)
-    o.make_provider = [](const JobSpec& j, const BaseWeights& b, const std::string& d,
-                         const std::string& dt) { return MakeStreamProvider(j, b, d, dt); };
-  return o;
-}
-
-}  // namespace
 
 TEST_CASE("CUDA training: every step reports peak device memory, resident and streamed", "[gpu]") {
   TempDir dir("cuda-trainer");
