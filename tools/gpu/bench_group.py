@@ -127,8 +127,10 @@ def main():
     args = ap.parse_args()
     b = Bench(args)
     rows, results = [], {}
-    for tokens in [int(t) for t in args.tokens.split(",")]:
-        for plan, swap in (("12 of 16 streamed, ring 2", args.swap), ("resident", 0)):
+    lengths = [int(t) for t in args.tokens.split(",")]
+    short = min(lengths)  # the length of the bytes, one-after-another and processes rows
+    for tokens in lengths:
+        for plan, swap in ((f"{args.swap} streamed, ring 2", args.swap), ("resident", 0)):
             one = None
             for k in (1, 2, 4):
                 jobs = [b.job(tokens, swap, i) for i in range(k)]
@@ -155,27 +157,26 @@ def main():
         r["floor_ms"] = max(copy_ms, resident["step_ms"] if resident else 0)
         r["swap"] = swap
     # Bytes per step with K = 8 (and those above): the same for every K.
-    bytes_k = {k: results[(512, args.swap, k)]["h2d_gb"] for k in (1, 2, 4)
-               if (512, args.swap, k) in results}
-    jobs8 = [b.job(512, args.swap, i) for i in range(8)]
-    stats8, _ = b.train(jobs8, "t512-bytes-k8")
+    bytes_k = {k: results[(short, args.swap, k)]["h2d_gb"] for k in (1, 2, 4)}
+    jobs8 = [b.job(short, args.swap, i) for i in range(8)]
+    stats8, _ = b.train(jobs8, f"t{short}-bytes-k8")
     bytes_k[8] = med(stats8[0], "h2d_bytes", args.warmup) / 1e9
     # What a user can do today: 4 jobs one after another, 4 processes side by side.
     serial_wall = 0.0
     serial_tokens = 0
     for i in range(4):
-        job = b.job(512, args.swap, i)
-        stats, wall = b.train([job], f"t512-serial-{i}")
+        job = b.job(short, args.swap, i)
+        stats, _ = b.train([job], f"t{short}-serial-{i}")
         serial_wall += sum(s["step_seconds"] for s in stats[0])
         serial_tokens += sum(s["tokens"] for s in stats[0])
-    procs = b.side_by_side([b.job(512, args.swap, i) for i in range(4)], "t512-procs4")
-    procs_agg = sum(512 / med(s, "step_seconds", args.warmup) for s in procs)
-    group4 = results.get((512, args.swap, 4))
+    procs = b.side_by_side([b.job(short, args.swap, i) for i in range(4)], f"t{short}-procs4")
+    procs_agg = sum(short / med(s, "step_seconds", args.warmup) for s in procs)
+    group4 = results[(short, args.swap, 4)]
 
     md = ["# Job groups on one GPU", "",
           f"`tools/gpu/bench_group.sh OUT` ({args.steps} steps per job, medians of steps "
           f"{args.warmup + 1}-{args.steps}; batch 1, rank 16 on all seven projections, bf16, "
-          "16-layer llama-3-8b-shaped store)", "",
+          f"store `{args.store}`, device {args.device})", "",
           "| tokens | plan | jobs | group step ms | aggregate tok/s | vs one job | H2D GB/step "
           "| stall ms | peak GiB | floor ms |",
           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -183,13 +184,12 @@ def main():
         md.append(f"| {r['tokens']} | {r['plan']} | {r['k']} | {r['step_ms']:.1f} | "
                   f"{r['agg_tok_s']:.0f} | {r['vs_one']:.2f}x | {r['h2d_gb']:.2f} | "
                   f"{r['stall_ms']:.1f} | {r['peak_gib']:.2f} | {r['floor_ms']:.1f} |")
-    md += ["", "Bytes copied per step at 512 tokens, streamed: " +
+    md += ["", f"Bytes copied per step at {short} tokens, streamed: " +
            ", ".join(f"K={k}: {v:.2f} GB" for k, v in sorted(bytes_k.items())), ""]
     serial_rate = serial_tokens / serial_wall if serial_wall > 0 else 0
-    md += [f"At 512 tokens, streamed, 4 jobs: one group {group4['agg_tok_s']:.0f} tok/s; "
+    md += [f"At {short} tokens, streamed, 4 jobs: one group {group4['agg_tok_s']:.0f} tok/s; "
            f"one after another {serial_rate:.0f} tok/s (their steps' time); "
-           f"4 processes side by side {procs_agg:.0f} tok/s (sum of each process's median)."
-           if group4 else "", ""]
+           f"4 processes side by side {procs_agg:.0f} tok/s (sum of each process's median).", ""]
     with open(os.path.join(args.out, "bench_group.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     with open(os.path.join(args.out, "bench_group.json"), "w") as f:
