@@ -1,6 +1,6 @@
 // A compute device as command lines, job runs and worker registrations name it: "cpu", "cuda"
 // (the first GPU) or "cuda:N" — parsed in one place (torch-free; the worker turns it into a
-// c10::Device in worker/torch_device.h) — and the dtypes as job files and command lines spell
+// c10::Device in worker/model/torch_device.h) — and the dtypes as job files and command lines spell
 // them ("f32", "f16", "bf16"; the compute dtype a job runs in on a device).
 #pragma once
 

@@ -76,7 +76,7 @@
 //   ring_size = 2                 # GPU slots for streamed blocks (>= 1)
 //   forward_slots = 0             # slots during the forward pass: 0 = ring_size, -1 = as many
 //                                 #   as fit within the plan's peak, N >= ring_size
-//   backward_slots = 0            # the same for the backward pass (worker/stream_plan.h)
+//   backward_slots = 0            # the same for the backward pass (worker/stream/stream_plan.h)
 //   taped_blocks = 0              # the last N blocks keep their activations into the
 //                                 #   backward instead of being recomputed: 0 = none (with a
 //                                 #   budget: the cost model's choice), -1 = as many as fit

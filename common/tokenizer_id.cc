@@ -15,7 +15,7 @@ namespace lorastream {
 namespace {
 
 using Json = nlohmann::json;
-constexpr uint32_t kFlagTokenizerRecord = 2;  // worker/data.h: a tokenizer record ends the file
+constexpr uint32_t kFlagTokenizerRecord = 2;  // common/data.h: a tokenizer record ends the file
 
 uint64_t Fnv1a64(const std::string& text) {
   uint64_t h = 0xcbf29ce484222325ull;

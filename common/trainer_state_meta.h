@@ -1,4 +1,4 @@
-// The metadata of a checkpoint's trainer_state.safetensors (worker/train_state.h writes it):
+// The metadata of a checkpoint's trainer_state.safetensors (worker/train/train_state.h writes it):
 // "format" = "lorastream-trainer-state", "version" = "1", "step", "samples_seen", "seed",
 // "fingerprint" (the job settings a resume must not change) and, optionally, "eval_loss"
 // ("nan" or absent: no evaluation at that step). Torch-free, so that the coordinator can read

@@ -1,4 +1,4 @@
-// `lorastream prepare`: a user's text or conversations -> training data (worker/data.h
+// `lorastream prepare`: a user's text or conversations -> training data (common/data.h
 // formats) with the model folder's own tokenizer and chat template. The tokenizing runs in
 // tools/prepare/prepare.mjs (Hugging Face's JavaScript tokenizers and Jinja, vendored) under
 // Node.js; this side checks the model folder, fingerprints its tokenizer

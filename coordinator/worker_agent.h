@@ -1,7 +1,7 @@
 // The worker's side of the protocol, torch-free: registration, heartbeats, taking jobs,
 // reporting step statistics, checkpoints and the end of each job, and the stop flag that
 // cancellation raises. What a job does is the JobRunner's business (the real one, in
-// worker/serve.cc, calls the trainer; tests plug in a simple runner).
+// worker/serve/serve.cc, calls the trainer; tests plug in a simple runner).
 //
 // Threads: Run() owns the calling thread, which registers, polls for work while idle and
 // calls the runner. While a job runs, a second thread sends heartbeats and the queued

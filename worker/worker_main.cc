@@ -1,10 +1,11 @@
-// lorastream-worker: `train JOB.toml` runs one job standalone; `plan JOB.toml` prints the
-// streaming plans the cost model weighs; `parity` is the parity harness's side (tools/parity/).
-// Thin: parse options, call one Run function, map errors.
+// lorastream-worker: `train JOB.toml...` runs one job, or several as one group, standalone; `plan
+// JOB.toml` prints the streaming plans the cost model weighs; `parity` is the parity harness's side
+// (tools/parity/). Thin: parse options, call one Run function, map errors.
 #include <atomic>
 #include <csignal>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -16,12 +17,13 @@
 #include "coordinator/build_info.h"
 #include "coordinator/curve.h"
 #include "store/attach.h"
-#include "worker/host_register_probe.h"
-#include "worker/parity.h"
-#include "worker/plan_command.h"
-#include "worker/serve.h"
-#include "worker/stream_provider.h"
-#include "worker/trainer.h"
+#include "worker/serve/parity.h"
+#include "worker/serve/plan_command.h"
+#include "worker/serve/serve.h"
+#include "worker/stream/host_register_probe.h"
+#include "worker/stream/stream_provider.h"
+#include "worker/train/group_trainer.h"
+#include "worker/train/trainer.h"
 
 namespace {
 std::atomic<bool> g_stop_serving{false};
@@ -44,11 +46,12 @@ int main(int argc, char** argv) {
   CLI::App app{"lorastream-worker: trains LoRA adapters against a store's base weights"};
   app.require_subcommand(1);
 
-  std::string job_path;
+  std::vector<std::string> job_paths;
   TrainOptions train;
   bool no_resume = false;
-  auto* train_cmd = app.add_subcommand("train", "run one job file standalone");
-  train_cmd->add_option("job", job_path, "the job file (TOML)")->required();
+  auto* train_cmd = app.add_subcommand(
+      "train", "run a job file standalone; several: one group (each block copied once for all)");
+  train_cmd->add_option("jobs", job_paths, "the job files (TOML)")->required();
   train_cmd->add_option("--device", train.device, "cpu | cuda | cuda:N")->capture_default_str();
   train_cmd->add_option("--threads", train.threads, "CPU threads (0 = every core)");
   train_cmd->add_flag("--no-resume", no_resume,
@@ -74,7 +77,7 @@ int main(int argc, char** argv) {
                          "timed steps: the last N blocks keep their activations, no recompute "
                          "(-1: all)");
 
-  // serve: take jobs from a coordinator (worker/serve.h; the coordinator engineer's part).
+  // serve: take jobs from a coordinator (worker/serve/serve.h; the coordinator engineer's part).
   worker::ServeOptions serve;
   bool serve_resident = false;
   auto* serve_cmd =
@@ -104,12 +107,13 @@ int main(int argc, char** argv) {
   serve_cmd->add_flag("--resident", serve_resident,
                       "keep every block resident (no streaming engine)");
 
-  std::string plan_job;
+  std::vector<std::string> plan_jobs;
   PlanCommandOptions plan;
   auto* plan_cmd = app.add_subcommand(
       "plan",
       "the candidate swap plans with predicted step time and peak memory, and the chosen one");
-  plan_cmd->add_option("job", plan_job, "the job file (TOML)")->required();
+  plan_cmd->add_option("jobs", plan_jobs, "the job file (TOML); several: one group's plans")
+      ->required();
   plan_cmd->add_option("--device", plan.device, "cpu | cuda | cuda:N")->capture_default_str();
   plan_cmd->add_flag("--recalibrate", plan.recalibrate,
                      "measure the device again even when cached figures exist");
@@ -151,9 +155,9 @@ int main(int argc, char** argv) {
         };
       std::signal(SIGINT, OnTrainStopSignal);
       std::signal(SIGTERM, OnTrainStopSignal);
-      return RunTrainCommand(job_path, train, &g_train_stop_signal);
+      return RunGroupTrainCommand(job_paths, train, &g_train_stop_signal);
     }
-    if (*plan_cmd) return RunPlanCommand(plan_job, plan);
+    if (*plan_cmd) return RunPlanCommand(plan_jobs, plan);
     if (*serve_cmd) {
       serve.stream = !serve_resident;
       std::signal(SIGINT, OnStopSignal);

@@ -30,7 +30,7 @@ void WriteJsonlWithRecord(const fs::path& p, const TokenizerId& id) {
     << "\n{\"input_ids\": [1, 2, 3]}\n";
 }
 
-// A token file as worker/data.h lays it out: one document [5, 6, 7], u16 ids, no mask, then
+// A token file as common/data.h lays it out: one document [5, 6, 7], u16 ids, no mask, then
 // the tokenizer record (flags bit 1).
 void WriteTokenFileWithRecord(const fs::path& p, const std::string& record_json) {
   std::ofstream f(p, std::ios::binary);

@@ -1,11 +1,11 @@
-// The fused CUDA kernels of the block (worker/cuda/fused_kernels.cu) agree with their ATen
-// references (worker/fused_ops.h): they round at the same points, so in bf16 nearly every
+// The fused CUDA kernels of the block (worker/model/cuda/fused_kernels.cu) agree with their ATen
+// references (worker/model/fused_ops.h): they round at the same points, so in bf16 nearly every
 // element is bit-equal and the rest differ by one unit in the last place (an f32 sum taken in
 // another order), in f32 they agree to f32 rounding. Inputs in the layouts the block uses.
 #include <ATen/ATen.h>
 #include <catch2/catch.hpp>
 
-#include "worker/fused_ops.h"
+#include "worker/model/fused_ops.h"
 
 using namespace lorastream;
 using namespace lorastream::worker;

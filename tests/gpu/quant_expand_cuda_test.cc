@@ -13,10 +13,10 @@
 
 #include "store/server.h"
 #include "tests/worker/worker_test_util.h"
-#include "worker/base_weights.h"
-#include "worker/quant_expand.h"
-#include "worker/stream_provider.h"
-#include "worker/trainer.h"
+#include "worker/model/base_weights.h"
+#include "worker/model/quant_expand.h"
+#include "worker/stream/stream_provider.h"
+#include "worker/train/trainer.h"
 
 using namespace lorastream;
 using namespace lorastream::worker;

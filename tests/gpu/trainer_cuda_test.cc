@@ -13,31 +13,16 @@
 #include <catch2/catch.hpp>
 
 #include "common/model_config.h"
+#include "tests/gpu/cuda_train_options.h"
 #include "tests/worker/worker_test_util.h"
-#include "worker/cuda/cuda_memory.h"
-#include "worker/lora.h"
-#include "worker/stream_provider.h"
-#include "worker/trainer.h"
+#include "worker/model/lora.h"
+#include "worker/stream/cuda/cuda_memory.h"
+#include "worker/stream/stream_provider.h"
+#include "worker/train/trainer.h"
 
 using namespace lorastream;
 using namespace lorastream::worker;
 using namespace lorastream::testing;
-
-namespace {
-
-// Training on cuda:0 from scratch; with `streamed`, the streaming engine as the provider (the
-// job's [stream] plan), as lorastream-worker train runs it.
-TrainOptions CudaTrainOptions(bool streamed) {
-  TrainOptions o;
-  o.device = "cuda:0";
-  o.resume = false;
-  if (streamed)
-    o.make_provider = [](const JobSpec& j, const BaseWeights& b, const std::string& d,
-                         const std::string& dt) { return MakeStreamProvider(j, b, d, dt); };
-  return o;
-}
-
-}  // namespace
 
 TEST_CASE("CUDA training: every step reports peak device memory, resident and streamed", "[gpu]") {
   TempDir dir("cuda-trainer");
@@ -93,7 +78,7 @@ TEST_CASE("CUDA: a job naming no plan plans within the device's free memory and 
 namespace {
 
 // LORASTREAM_CUDA_GRAPHS=0 for the scope of one run (the A/B switch of
-// worker/micro_batch_runner.h), restored after.
+// worker/train/micro_batch_runner.h), restored after.
 class EagerOnly {
  public:
   EagerOnly() { setenv("LORASTREAM_CUDA_GRAPHS", "0", 1); }

@@ -8,7 +8,7 @@
 #include "common/error.h"
 #include "common/model_config.h"
 #include "common/safetensors.h"
-#include "worker/lora.h"
+#include "worker/model/lora.h"
 #include "worker_test_util.h"
 
 using namespace lorastream;

@@ -1,7 +1,7 @@
 // The choice between direct copies from registered host memory and the pinned staging path
-// (worker/copy_sources.h), driven through HostRegistrar by registrars that succeed or fail as
-// each test says: the decision the CUDA backend takes, tested without CUDA.
-#include "worker/copy_sources.h"
+// (worker/stream/copy_sources.h), driven through HostRegistrar by registrars that succeed or fail
+// as each test says: the decision the CUDA backend takes, tested without CUDA.
+#include "worker/stream/copy_sources.h"
 
 #include <catch2/catch.hpp>
 #include <set>

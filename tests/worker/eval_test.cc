@@ -11,11 +11,11 @@
 #include <nlohmann/json.hpp>
 
 #include "common/job_data.h"
-#include "worker/base_weights.h"
-#include "worker/evaluate.h"
-#include "worker/resident_provider.h"
-#include "worker/stream_provider.h"
-#include "worker/trainer.h"
+#include "worker/model/base_weights.h"
+#include "worker/stream/resident_provider.h"
+#include "worker/stream/stream_provider.h"
+#include "worker/train/evaluate.h"
+#include "worker/train/trainer.h"
 #include "worker_test_util.h"
 
 using namespace lorastream;

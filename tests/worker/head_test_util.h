@@ -7,8 +7,8 @@
 #include <c10/core/GradMode.h>
 
 #include "common/data.h"
-#include "worker/lora.h"
-#include "worker/model.h"
+#include "worker/model/lora.h"
+#include "worker/model/model.h"
 
 namespace lorastream::testing {
 

@@ -6,12 +6,12 @@
 
 #include "common/error.h"
 #include "head_test_util.h"
-#include "worker/base_weights.h"
-#include "worker/lm_head.h"
-#include "worker/lora.h"
-#include "worker/model.h"
-#include "worker/resident_provider.h"
-#include "worker/stream_engine.h"
+#include "worker/model/base_weights.h"
+#include "worker/model/lm_head.h"
+#include "worker/model/lora.h"
+#include "worker/model/model.h"
+#include "worker/stream/resident_provider.h"
+#include "worker/stream/stream_engine.h"
 #include "worker_test_util.h"
 
 using namespace lorastream;

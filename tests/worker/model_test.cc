@@ -1,4 +1,4 @@
-// The model and its checkpointed blocks: the hand-written block backward (worker/block.h)
+// The model and its checkpointed blocks: the hand-written block backward (worker/model/block.h)
 // equals autograd through the same forward (in f64 at the block: to the f32 rounding of
 // RMSNorm, which runs in f32 as transformers'; in f32 through the whole model), and blocks are
 // acquired in the step's order.
@@ -11,12 +11,12 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include "common/error.h"
-#include "worker/base_weights.h"
-#include "worker/block.h"
-#include "worker/lora.h"
-#include "worker/model.h"
-#include "worker/resident_provider.h"
-#include "worker/stream_budget.h"
+#include "worker/model/base_weights.h"
+#include "worker/model/block.h"
+#include "worker/model/lora.h"
+#include "worker/model/model.h"
+#include "worker/stream/resident_provider.h"
+#include "worker/stream/stream_budget.h"
 #include "worker_test_util.h"
 
 using namespace lorastream;
@@ -238,11 +238,14 @@ TEST_CASE("the memory estimate's tape covers what a taped block keeps", "[worker
         // The tape's own storages (the input is the checkpoint, counted apart).
         std::set<const void*> seen{x.storage().data()};
         uint64_t kept = 0;
-        std::vector<at::Tensor> tensors = {
-            tape.rstd_in,   tape.h1, tape.q_pre, tape.k_pre, tape.rstd_q,    tape.rstd_k,
-            tape.q,         tape.k,  tape.v,     tape.attn,  tape.attn_flat, tape.out,
-            tape.rstd_post, tape.h2, tape.gate,  tape.up,    tape.z};
-        for (const auto& a : tape.lora) tensors.insert(tensors.end(), {a.u, a.xd, a.mask});
+        std::vector<at::Tensor> tensors = {tape.rstd_in,   tape.h1,     tape.q_pre,     tape.k_pre,
+                                           tape.rstd_q,    tape.rstd_k, tape.attn_flat, tape.out,
+                                           tape.rstd_post, tape.h2,     tape.gate,      tape.up,
+                                           tape.z};
+        for (const BlockTape::Job& j : tape.jobs) {
+          tensors.insert(tensors.end(), {j.q, j.k, j.v, j.attn});
+          for (const auto& a : j.lora) tensors.insert(tensors.end(), {a.u, a.xd, a.mask});
+        }
         for (const at::Tensor& t : tensors) {
           if (t.defined() && seen.insert(t.storage().data()).second) kept += t.storage().nbytes();
         }

@@ -8,10 +8,10 @@
 #include <nlohmann/json.hpp>
 
 #include "common/safetensors.h"
-#include "worker/base_weights.h"
-#include "worker/lora.h"
-#include "worker/model.h"
-#include "worker/resident_provider.h"
+#include "worker/model/base_weights.h"
+#include "worker/model/lora.h"
+#include "worker/model/model.h"
+#include "worker/stream/resident_provider.h"
 #include "worker_test_util.h"
 
 using namespace lorastream;

@@ -11,8 +11,8 @@
 #include "common/error.h"
 #include "common/job_spec.h"
 #include "tests/support/test_support.h"
-#include "worker/lora_settings.h"
-#include "worker/peft_config.h"
+#include "worker/model/lora_settings.h"
+#include "worker/model/peft_config.h"
 
 using namespace lorastream;
 using namespace lorastream::worker;

@@ -6,7 +6,7 @@
 
 #include "common/error.h"
 #include "tests/worker/stream_test_shapes.h"
-#include "worker/stream_budget.h"
+#include "worker/stream/stream_budget.h"
 
 using namespace lorastream;
 using namespace lorastream::worker;
@@ -259,4 +259,56 @@ TEST_CASE("a Qwen3-8B-shaped model trains at 2048 tokens within 5 GiB", "[worker
   }
   // A ring of 1 lowers the minimum to 3.51 GiB.
   REQUIRE(PlanFromBudget(in, 4156944384ULL - in.block_bytes[0], 1).head_streamed);
+}
+
+TEST_CASE(
+    "a group's estimate: each job's activations and adapter beside one set of slots; a "
+    "group that does not fit is refused naming the job and by how much",
+    "[worker]") {
+  const MemoryModelInputs one = Inputs(16, 512);
+  const ResidencyPlan plan = PlanFromSwapCount(16, 12, 2);
+  const MemoryEstimate alone = EstimateMemory(one, plan);
+  MemoryModelInputs group = one;
+  for (int j = 0; j < 3; ++j)
+    group.group.push_back({"copy-" + std::to_string(j), one.tokens, one.lora_rank, one.lora_dropout,
+                           one.lora_targets});
+  const MemoryEstimate four = EstimateMemory(group, plan);
+  // Four jobs like the first: every per-job term four times, the weights and slots once.
+  CHECK(four.adapter == 4 * alone.adapter);
+  CHECK(four.checkpoints == 4 * alone.checkpoints);
+  CHECK(four.block_working == 4 * alone.block_working);
+  CHECK(four.forward_working == 4 * alone.forward_working);
+  CHECK(four.tape == 4 * alone.tape);
+  CHECK(four.attention == 4 * alone.attention);
+  CHECK(four.ring == alone.ring);
+  CHECK(four.resident_blocks == alone.resident_blocks);
+  CHECK(four.head_weights == alone.head_weights);
+  // The head's chunks run one job after another: one chunk's working set, every job's kept
+  // last hidden state and its gradient.
+  const uint64_t kept = 2 * 512ULL * 4096 * 2;
+  CHECK(four.lm_head == alone.lm_head + 3 * kept);
+  // Another rank and length count as that job's own.
+  MemoryModelInputs mixed = one;
+  mixed.group.push_back({"long", 2048, 8, 0.0, {"q_proj", "v_proj"}});
+  const MemoryEstimate m = EstimateMemory(mixed, plan);
+  CHECK(m.adapter ==
+        alone.adapter +
+            static_cast<uint64_t>(LoraParameterCount(one.config, 8, {"q_proj", "v_proj"})) * 16);
+  CHECK(m.checkpoints == alone.checkpoints * 5);  // 512 + 2048 tokens
+
+  // Refusals: the budget the first two jobs fit under their smallest plan, not the third.
+  CHECK(GroupBudgetRefusal(group, ~uint64_t{0}, "first").empty());
+  ResidencyPlan smallest = PlanFromSwapCount(16, 16, 1);
+  smallest.head_streamed = true;
+  MemoryModelInputs two = one;
+  two.group.assign(group.group.begin(), group.group.begin() + 1);
+  MemoryModelInputs three = two;
+  three.group.push_back(group.group[1]);
+  const uint64_t budget = EstimateMemory(two, smallest).total() + 1000;
+  const uint64_t need = EstimateMemory(three, smallest).total();
+  const std::string why = GroupBudgetRefusal(group, budget, "first");
+  CHECK_THAT(why, Catch::Contains("job copy-1 does not fit") &&
+                      Catch::Contains("beside the 2 before it") &&
+                      Catch::Contains(std::to_string(need - budget) + " bytes"));
+  CHECK_THAT(GroupBudgetRefusal(group, 1000, "first"), Catch::Contains("job first does not fit"));
 }

@@ -13,7 +13,7 @@
 #include "common/error.h"
 #include "common/remove_tree.h"
 #include "tests/worker/stream_test_shapes.h"
-#include "worker/stream_cost.h"
+#include "worker/stream/stream_cost.h"
 
 using namespace lorastream;
 using namespace lorastream::worker;

@@ -14,8 +14,8 @@
 #include "common/error.h"
 #include "tests/worker/stream_chain.h"
 #include "tests/worker/stream_test_blocks.h"
-#include "worker/stream_cpu_backend.h"
-#include "worker/stream_engine.h"
+#include "worker/stream/stream_cpu_backend.h"
+#include "worker/stream/stream_engine.h"
 
 using namespace lorastream;
 using namespace lorastream::worker;

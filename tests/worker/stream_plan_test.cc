@@ -6,7 +6,7 @@
 #include <catch2/catch.hpp>
 
 #include "common/error.h"
-#include "worker/stream_plan.h"
+#include "worker/stream/stream_plan.h"
 
 using namespace lorastream;
 using namespace lorastream::worker;

@@ -2,7 +2,7 @@
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
-#include "worker/stream_stats.h"
+#include "worker/stream/stream_stats.h"
 
 using namespace lorastream;
 using namespace lorastream::worker;

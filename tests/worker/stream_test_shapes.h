@@ -6,7 +6,7 @@
 #include <cstdint>
 
 #include "common/model_config.h"
-#include "worker/stream_budget.h"
+#include "worker/stream/stream_budget.h"
 
 namespace lorastream::testing {
 

@@ -19,9 +19,9 @@
 #include "common/job_spec.h"
 #include "store/synth.h"
 #include "tests/support/test_support.h"
-#include "worker/base_weights.h"
-#include "worker/stream_provider.h"
-#include "worker/trainer.h"
+#include "worker/model/base_weights.h"
+#include "worker/stream/stream_provider.h"
+#include "worker/train/trainer.h"
 
 using namespace lorastream;
 using namespace lorastream::worker;

@@ -2,7 +2,7 @@
 // optimizer's arithmetic, and a loss that goes down.
 #include "torch_catch.h"  // first: see there
 
-#include "worker/trainer.h"
+#include "worker/train/trainer.h"
 
 #include <csignal>
 #include <cstdio>
@@ -17,7 +17,7 @@
 #include "common/error.h"
 #include "common/safetensors.h"
 #include "common/subprocess.h"
-#include "worker/adamw.h"
+#include "worker/train/adamw.h"
 #include "worker_test_util.h"
 
 using namespace lorastream;

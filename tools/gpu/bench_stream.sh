@@ -29,23 +29,10 @@ PRESET="${LORASTREAM_BENCH_PRESET:-llama-3-8b}"
 LAYERS="${LORASTREAM_BENCH_LAYERS:-16}"
 DEVICE="${LORASTREAM_BENCH_DEVICE:-cuda:0}"
 read -r -a ARGS <<< "${LORASTREAM_BENCH_ARGS:---tokens 512,2048,8192 --swap 12 --ring 2 --budget 8GiB --budget-tokens 2048 --steps 6 --warmup 2}"
-CKPT="${LORASTREAM_BENCH_DIR:-/tmp/lorastream-bench}/$PRESET-$LAYERS"
 NAME="bench-stream-$$"
 mkdir -p "$OUT"
-
-if [[ ! -f "$CKPT/config.json" ]]; then
-  "$BIN/lorastream-synth" --preset "$PRESET" --layers "$LAYERS" --out "$CKPT" --presets-dir "$ROOT/configs/models"
-fi
-QUANTIZE="${LORASTREAM_BENCH_QUANTIZE:-none}"
-"$BIN/lorastream-store" serve "$CKPT" --name "$NAME" --quantize "$QUANTIZE" > "$OUT/bench_store.log" 2>&1 &
-STORE_PID=$!
-trap 'kill -TERM $STORE_PID 2>/dev/null; wait $STORE_PID 2>/dev/null || true' EXIT
-for _ in $(seq 3000); do
-  grep -q '^published' "$OUT/bench_store.log" && break
-  kill -0 "$STORE_PID" 2>/dev/null || { echo "store exited:"; cat "$OUT/bench_store.log"; exit 1; }
-  sleep 0.2
-done
-grep -q '^published' "$OUT/bench_store.log" || { echo "store did not publish in 10 min"; exit 1; }
+# shellcheck source=tools/gpu/bench_store_up.sh
+source "$ROOT/tools/gpu/bench_store_up.sh"
 
 "$BIN/lorastream-bench-stream" --store "$NAME" --out "$OUT" --device "$DEVICE" "${ARGS[@]}" "$@" \
   2>&1 | tee "$OUT/bench_stream.log"

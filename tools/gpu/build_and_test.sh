@@ -6,7 +6,8 @@
 # Usage: tools/gpu/build_and_test.sh OUT_DIR
 #   LORASTREAM_GPU_STEPS  comma list of: test (gpu tests), cputest (every other test),
 #                         bench (tools/gpu/bench_stream.sh), parity (tools/parity/run_all.sh),
-#                         store (tools/bench_store.sh), multi (tools/gpu/bench_multi_gpu.py:
+#                         store (tools/bench_store.sh), group (tools/gpu/bench_group.sh:
+#                         job groups on one GPU), multi (tools/gpu/bench_multi_gpu.py:
 #                         two GPUs, one store, two jobs). Default: test
 #   LORASTREAM_GPU_TARGETS  build only these targets (default: all)
 #   LORASTREAM_BUILD_DIR  build folder (default: build/); LORASTREAM_BUILD_TYPE (default
@@ -56,6 +57,9 @@ for s in "${steps[@]}"; do
     store)
       step "store benchmark"
       "$ROOT/tools/bench_store.sh" "$BUILD" llama-3-8b 4 | tee "$OUT/bench_store_ratio.txt" || status=1 ;;
+    group)
+      step "job groups on one GPU"
+      "$ROOT/tools/gpu/bench_group.sh" "$OUT" || status=1 ;;
     multi)
       step "several GPUs, one store"
       python3 "$ROOT/tools/gpu/bench_multi_gpu.py" "$OUT" || status=1 ;;

@@ -7,7 +7,7 @@ LoRA on all seven projections, batch 1, 2048 and 8192 tokens. A step is forward 
 AdamW on the LoRA weights, timed between two device synchronisations; median over --repeat
 steps (>= 5) after --warmup steps (>= 2). Ours first (its own process: the parity pass and one
 untimed step warm it up), then transformers + peft in this process. Ours is timed as training
-runs it: on CUDA its micro-batch replays a CUDA graph (worker/micro_batch_runner.h; the second
+runs it: on CUDA its micro-batch replays a CUDA graph (worker/train/micro_batch_runner.h; the second
 untimed step captures it; LORASTREAM_CUDA_GRAPHS=0 in the environment times it eagerly).
 
 Two pairs are compared, each like with like:

@@ -1,0 +1,138 @@
+#include "worker/model/base_weights.h"
+
+#include <utility>
+
+#include <ATen/ATen.h>
+
+#include "common/error.h"
+#include "common/job_spec.h"
+#include "common/safetensors.h"
+#include "store/layout.h"
+
+namespace lorastream::worker {
+
+namespace {
+// The dtypes weights and compute may have, in both spellings.
+constexpr std::pair<DType, c10::ScalarType> kDTypes[] = {{DType::kF32, at::kFloat},
+                                                         {DType::kBF16, at::kBFloat16},
+                                                         {DType::kF16, at::kHalf},
+                                                         {DType::kF64, at::kDouble}};
+}  // namespace
+
+c10::ScalarType ScalarTypeOf(DType dtype, const std::string& what) {
+  for (const auto& [d, s] : kDTypes)
+    if (d == dtype) return s;
+  throw Error(ErrorCode::kUnsupported, std::string("tensor `") + what + "` has dtype " +
+                                           DTypeName(dtype) +
+                                           "; base weights must be F32, BF16, F16 or F64");
+}
+
+DType DTypeOf(c10::ScalarType type) {
+  for (const auto& [d, s] : kDTypes)
+    if (s == type) return d;
+  throw Error(ErrorCode::kUnsupported,
+              std::string("stream: compute dtype ") + c10::toString(type) + " is not supported");
+}
+
+BlockWeights ConvertBlock(const BlockWeights& w, c10::Device device, c10::ScalarType dtype) {
+  auto conv = [&](const at::Tensor& t) { return t.defined() ? t.to(device, dtype) : at::Tensor(); };
+  BlockWeights o;
+  o.input_norm = conv(w.input_norm);
+  o.q_proj = conv(w.q_proj);
+  o.k_proj = conv(w.k_proj);
+  o.v_proj = conv(w.v_proj);
+  o.o_proj = conv(w.o_proj);
+  o.q_bias = conv(w.q_bias);
+  o.k_bias = conv(w.k_bias);
+  o.v_bias = conv(w.v_bias);
+  o.q_norm = conv(w.q_norm);
+  o.k_norm = conv(w.k_norm);
+  o.post_norm = conv(w.post_norm);
+  o.gate_proj = conv(w.gate_proj);
+  o.up_proj = conv(w.up_proj);
+  o.down_proj = conv(w.down_proj);
+  return o;
+}
+
+BaseWeights BaseWeights::FromCheckpoint(const std::string& dir) {
+  auto ckpt = std::make_shared<Checkpoint>(Checkpoint::Open(dir));
+  // The store's own validation (as `lorastream-store serve` and `inspect`): every block of
+  // config.json present, no extra block or tensor, shapes, dtypes, finite values. Mixed
+  // floating dtypes are accepted, as `serve --dtype bf16` accepts them: the worker converts
+  // every tensor to its compute dtype.
+  store::PackOptions validation;
+  validation.to_bf16 = true;
+  store::PlanPack(*ckpt, validation);
+  BaseWeights b;
+  b.config_ = ckpt->config();
+  b.name_or_path_ = dir;
+  b.owner_ = ckpt;
+  // A zero-copy view; the deleter holds the mapping until the last view is gone.
+  auto view = [&](const std::string& name, const std::vector<int64_t>& shape) {
+    Checkpoint::Ref ref = ckpt->Get(name);
+    if (ref.entry->shape != shape) {
+      std::string want, got;
+      for (auto d : shape) want += std::to_string(d) + ",";
+      for (auto d : ref.entry->shape) got += std::to_string(d) + ",";
+      throw Error(ErrorCode::kCorrupt, dir + ": tensor `" + name + "` has shape [" + got +
+                                           "] but config.json implies [" + want + "]");
+    }
+    auto type = ScalarTypeOf(ref.entry->dtype, name);
+    void* data = const_cast<uint8_t*>(ref.file->Data(*ref.entry));
+    return at::from_blob(
+        data, shape, [keep = ckpt](void*) {}, at::TensorOptions().dtype(type));
+  };
+  const auto block_shapes = b.config_.BlockTensorShapes();
+  for (int64_t i = 0; i < b.config_.num_hidden_layers; ++i) {
+    BlockWeights w;
+    const std::string prefix = "model.layers." + std::to_string(i) + ".";
+    for (const auto& [name, shape] : block_shapes) {
+      at::Tensor t = view(prefix + name, shape);
+      if (name == "input_layernorm.weight")
+        w.input_norm = t;
+      else if (name == "self_attn.q_proj.weight")
+        w.q_proj = t;
+      else if (name == "self_attn.k_proj.weight")
+        w.k_proj = t;
+      else if (name == "self_attn.v_proj.weight")
+        w.v_proj = t;
+      else if (name == "self_attn.o_proj.weight")
+        w.o_proj = t;
+      else if (name == "self_attn.q_proj.bias")
+        w.q_bias = t;
+      else if (name == "self_attn.k_proj.bias")
+        w.k_bias = t;
+      else if (name == "self_attn.v_proj.bias")
+        w.v_bias = t;
+      else if (name == "self_attn.q_norm.weight")
+        w.q_norm = t;
+      else if (name == "self_attn.k_norm.weight")
+        w.k_norm = t;
+      else if (name == "post_attention_layernorm.weight")
+        w.post_norm = t;
+      else if (name == "mlp.gate_proj.weight")
+        w.gate_proj = t;
+      else if (name == "mlp.up_proj.weight")
+        w.up_proj = t;
+      else if (name == "mlp.down_proj.weight")
+        w.down_proj = t;
+      else
+        LS_CHECK(false, "unknown block tensor " + name);
+    }
+    b.blocks_.push_back(std::move(w));
+  }
+  const int64_t v = b.config_.vocab_size, h = b.config_.hidden_size;
+  b.rest_.embed_tokens = view("model.embed_tokens.weight", {v, h});
+  b.rest_.norm = view("model.norm.weight", {h});
+  // Some tied checkpoints still carry lm_head.weight; transformers ignores it then.
+  b.rest_.lm_head =
+      b.config_.tie_word_embeddings ? b.rest_.embed_tokens : view("lm_head.weight", {v, h});
+  return b;
+}
+
+BaseWeights BaseWeights::ForJob(const JobSpec& spec) {
+  if (!spec.model.checkpoint.empty()) return FromCheckpoint(spec.model.checkpoint);
+  return FromStore(spec.model.store);
+}
+
+}  // namespace lorastream::worker

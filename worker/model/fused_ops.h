@@ -1,0 +1,63 @@
+// The block's element-wise steps on tensors. Each has the ATen reference (LibTorch ops, the
+// arithmetic transformers runs: every op rounds to the tensor's dtype) and, in a CUDA build,
+// a fused kernel (worker/model/cuda/fused_kernels.h) that rounds at the same points and replaces
+// five to ten memory-bound kernels by one. The fused kernel runs for CUDA tensors of f32,
+// bf16 or f16 in the layout it expects; anything else takes the reference. Setting
+// LORASTREAM_FUSED_KERNELS=0 in the environment makes every call take the reference (A/B
+// timing, bisecting a numerical difference).
+#pragma once
+
+#include <utility>
+
+#include <ATen/core/Tensor.h>
+
+namespace lorastream::worker {
+
+// transformers' RMSNorm over the last dimension: in f32, weight * (x * rstd).to(x's dtype).
+// `rstd` (optional) receives 1/rms, f32, x's shape with a last dimension of 1.
+at::Tensor RmsNormRstd(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor* rstd);
+// Its input gradient for dy, from the saved input and rstd.
+at::Tensor RmsNormBackward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& rstd,
+                           const at::Tensor& weight);
+
+// silu(gate) * up, and its gradients (dgate, dup) for dz.
+at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up);
+std::pair<at::Tensor, at::Tensor> SwiGluBackward(const at::Tensor& dz, const at::Tensor& gate,
+                                                 const at::Tensor& up);
+
+// Rotary embedding of x [B, h, S, D] with the step's tables cos, sin [>= S, D]:
+// x * cos + rotate_half(x) * sin, and its backward g * cos + rotate_half^T(g * sin). Both
+// return [B, h, S, D]; the fused backward lays its result out as [B, S, h, D] (what the
+// projection's backward reads after transposing it back).
+at::Tensor RopeForward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor RopeBackward(const at::Tensor& g, const at::Tensor& cos, const at::Tensor& sin);
+
+// The chunked LM head's cross entropy over one chunk: logits [rows, V] (contiguous, the
+// compute dtype) against targets [rows] (int64 on the logits' device; -100: ignored).
+// Returns the sum of the rows' losses, f32 scalar: log-softmax in f32 and the negative
+// log-likelihood of each target. With `want_grad`, *logits becomes d(that sum)/d(logits),
+// softmax - onehot on the rows with a target and 0 on the others, rounded to the logits'
+// dtype: the fused kernel overwrites the logits in place (in bf16 and f16); the reference
+// replaces them with a new tensor (their f32 copy and its log-softmax exist meanwhile).
+at::Tensor CrossEntropySum(at::Tensor* logits, const at::Tensor& targets, bool want_grad);
+// Whether CrossEntropySum runs the fused kernel for logits of `dtype` on a CUDA device
+// (`cuda`): what the head's chunk size and the memory estimate count on.
+bool FusedCrossEntropyApplies(bool cuda, c10::ScalarType dtype);
+
+// The ATen references, always (tests compare the fused kernels against these).
+namespace reference {
+at::Tensor CrossEntropySum(at::Tensor* logits, const at::Tensor& targets, bool want_grad);
+at::Tensor RmsNormRstd(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor* rstd);
+at::Tensor RmsNormBackward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& rstd,
+                           const at::Tensor& weight);
+at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up);
+std::pair<at::Tensor, at::Tensor> SwiGluBackward(const at::Tensor& dz, const at::Tensor& gate,
+                                                 const at::Tensor& up);
+at::Tensor RopeForward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor RopeBackward(const at::Tensor& g, const at::Tensor& cos, const at::Tensor& sin);
+}  // namespace reference
+
+// Whether the fused kernels may run (a CUDA build, LORASTREAM_FUSED_KERNELS not "0").
+bool FusedKernelsEnabled();
+
+}  // namespace lorastream::worker

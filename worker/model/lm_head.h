@@ -1,0 +1,70 @@
+// The LM head: where its weights are when it is computed (HeadProvider: resident on the
+// device, or streamed from host RAM like a block), and the chunked final norm + LM head +
+// cross entropy (worker/model/chunked_head.cc) that training, evaluation and calibration use. The
+// full-logits path (CausalLm::Logits + LossSum) stays for `lorastream-worker parity`, whose
+// product the logits are, and as the reference the chunked path is tested against.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include "common/step_stats.h"
+
+namespace lorastream::worker {
+
+struct StreamEngineOptions;
+
+class HeadProvider {
+ public:
+  virtual ~HeadProvider() = default;
+  // The LM head's weights [vocab, hidden] on the compute device in the compute dtype, safe to
+  // compute on from the current stream. A streamed head is copied here (into memory of its
+  // own) and compute waits for the copy (on CUDA the stream waits on its event, never the
+  // host). Acquire and Release alternate.
+  virtual const at::Tensor& Acquire() = 0;
+  // Every kernel that reads the weights has been enqueued: a streamed head's memory goes back
+  // to the allocator (compute-stream ordered, as a freed ring slot's).
+  virtual void Release() = 0;
+  // A streamed head's copy is issued now (its memory allocated, ordered after the compute
+  // work enqueued so far) rather than at the next Acquire, which then only waits for it. No
+  // effect on a resident head, or when a copy is already in flight.
+  virtual void Prefetch() {}
+  // Adds the copies since the last call to `stats` (h2d_bytes, copies, H2D busy, stall).
+  virtual void CollectStats(StepStats& stats) { (void)stats; }
+  virtual bool streamed() const { return false; }
+};
+
+// `weight` [vocab, hidden] converted once to `device` and `dtype` (a no-op view when it is
+// already there), kept for the provider's life.
+std::unique_ptr<HeadProvider> MakeResidentHead(const at::Tensor& weight, c10::Device device,
+                                               c10::ScalarType dtype);
+
+// A head copied Host->Device for each use. `host_weight` [vocab, hidden] lies in host RAM (a
+// store's read-only shared memory, a checkpoint's mapping; for a tied model the embedding
+// table); the view keeps its owner alive. When its dtype is not `dtype` it is converted once
+// into page-aligned host memory this provider owns. Copies go through the streaming engine's
+// backend for `device` (CUDA: the range registered read-only, else pinned staging; CPU: a
+// copy thread), with the engine's debug options (poison, delay).
+std::unique_ptr<HeadProvider> MakeStreamedHead(const at::Tensor& host_weight, c10::Device device,
+                                               c10::ScalarType dtype,
+                                               const StreamEngineOptions& options);
+
+// The sum over positions of the cross-entropy of RmsNorm(hidden) W^T (W: the head's weights,
+// logits in the compute dtype, log-softmax in f32) against `targets` [B, S] (already shifted;
+// -100 ignored): an f32 scalar on hidden's device. Computed in chunks of `chunk_rows` rows of
+// the flattened [B x S, hidden] states, so that the whole sequence's logits never exist at
+// once. With grad enabled and hidden requiring grad, one autograd node: each chunk's gradient
+// with respect to its hidden rows, (softmax - onehot) W back through the norm, is computed
+// while the chunk's logits exist and kept (B x S x hidden in the compute dtype); the backward
+// only scales it by the incoming gradient. The head's weights are acquired for the forward
+// only and released at its end: the backward does not read them. Without grad, no gradient
+// work is done and the result has no grad_fn.
+at::Tensor ChunkedHeadLossSum(const at::Tensor& hidden, const at::Tensor& targets,
+                              const at::Tensor& norm_weight, double eps, HeadProvider& head,
+                              int64_t chunk_rows);
+
+}  // namespace lorastream::worker

@@ -1,0 +1,53 @@
+// The LoRA adapter: per block and per target module a pair A [r, in], B [out, r] of fp32
+// master weights (the only trainable tensors), scale alpha/r (alpha/sqrt(r) with rsLoRA),
+// initialised as peft does by default (A kaiming_uniform(a=sqrt(5)), B zeros), and saved /
+// loaded exactly in peft's format (adapter_model.safetensors + adapter_config.json).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "common/model_config.h"
+#include "worker/model/lora_settings.h"
+
+namespace lorastream::worker {
+
+// Per-block adapter tensors; undefined where the projection is not targeted.
+struct LoraBlock {
+  std::array<at::Tensor, kNumLoraTargets> a, b;
+};
+
+class LoraAdapter {
+ public:
+  // peft's default init, reproducible from `seed` (drawn on the CPU, then moved to `device`).
+  static LoraAdapter Init(const ModelConfig& config, const LoraSettings& settings, uint64_t seed,
+                          c10::Device device);
+  // Loads a peft adapter folder (adapter_config.json + adapter_model.safetensors; F32, BF16 or
+  // F16 weights, converted to f32). Errors name the file and the key.
+  static LoraAdapter Load(const std::string& dir, const ModelConfig& config, c10::Device device);
+  // Writes adapter_model.safetensors and adapter_config.json into `dir` (created), each file
+  // written to a temporary name and renamed.
+  void Save(const std::string& dir, const std::string& base_model_name_or_path) const;
+
+  const LoraSettings& settings() const { return settings_; }
+  int num_blocks() const { return static_cast<int>(blocks_.size()); }
+  const LoraBlock& block(int i) const { return blocks_.at(i); }
+  LoraBlock& block(int i) { return blocks_.at(i); }
+
+  // The defined tensors of block i, in the order (A, B) per target in LoraTarget order.
+  std::vector<at::Tensor> BlockParams(int i) const;
+  // All trainable tensors (block 0..L-1, each in BlockParams order) and their peft key names.
+  std::vector<at::Tensor> Params() const;
+  std::vector<std::string> ParamNames() const;
+
+ private:
+  ModelConfig config_;
+  LoraSettings settings_;
+  std::vector<LoraBlock> blocks_;
+};
+
+}  // namespace lorastream::worker

@@ -1,0 +1,141 @@
+#include "worker/model/quant_expand.h"
+
+#include <algorithm>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include "common/error.h"
+#include "store/quantize.h"
+#ifdef LORASTREAM_HAVE_CUDA
+#include <c10/cuda/CUDAStream.h>
+
+#include "worker/stream/cuda/quant_kernels.h"
+#endif
+
+namespace lorastream::worker {
+
+namespace {
+
+int64_t Numel(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+// The slice `name` of `layout` (QuantLayoutProblem has vouched for it).
+const TensorSlice& Slice(const SegmentInfo& layout, const std::string& name) {
+  const TensorSlice* s = layout.Find(name);
+  LS_CHECK(s != nullptr, "compressed block without `" + name + "`");
+  return *s;
+}
+
+// Expands `w` of `layout` over `bytes` into `out` (bf16, Numel(w.shape) elements, on the
+// same device).
+void ExpandInto(const at::Tensor& bytes, const SegmentInfo& layout, const TensorSlice& w,
+                uint16_t* out) {
+  const uint8_t* base = bytes.data_ptr<uint8_t>();
+  auto aux = [&](const std::string& suffix) {
+    return base + Slice(layout, w.name + suffix).offset;
+  };
+  auto f32 = [&](const std::string& suffix) { return reinterpret_cast<const float*>(aux(suffix)); };
+  const int64_t n = Numel(w.shape);
+  if (w.quant.method == QuantMethod::kFp8) {
+    if (bytes.is_cuda()) {
+#ifdef LORASTREAM_HAVE_CUDA
+      cuda::ExpandFp8(base + w.offset, f32("_scale_inv"), w.shape[0], w.shape[1],
+                      w.quant.block_rows, w.quant.block_cols, out,
+                      c10::cuda::getCurrentCUDAStream(bytes.device().index()).stream());
+      return;
+#endif
+    }
+    const store::Fp8Weight fw{base + w.offset, f32("_scale_inv"),  w.shape[0],
+                              w.shape[1],      w.quant.block_rows, w.quant.block_cols};
+    at::parallel_for(0, n, 1 << 16, [&](int64_t begin, int64_t end) {
+      store::ExpandFp8(fw, begin, end, out + begin);
+    });
+    return;
+  }
+  LS_CHECK(w.quant.method == QuantMethod::kNf4, "unknown compressed format");
+  if (bytes.is_cuda()) {
+#ifdef LORASTREAM_HAVE_CUDA
+    cuda::ExpandNf4(base + w.offset, aux(".absmax"), f32(".nested_absmax"), f32(".quant_map"),
+                    f32(".nested_quant_map"), f32(".nested_offset"), n, w.quant.blocksize,
+                    w.quant.nested_blocksize, out,
+                    c10::cuda::getCurrentCUDAStream(bytes.device().index()).stream());
+    return;
+#endif
+  }
+  const store::Nf4Weight nw{base + w.offset,
+                            aux(".absmax"),
+                            f32(".nested_absmax"),
+                            f32(".quant_map"),
+                            f32(".nested_quant_map"),
+                            *f32(".nested_offset"),
+                            n,
+                            w.quant.blocksize,
+                            w.quant.nested_blocksize};
+  // Ranges start on an even element (ExpandNf4 takes any, but pairs share a byte).
+  at::parallel_for(0, (n + 1) / 2, 1 << 15, [&](int64_t begin, int64_t end) {
+    store::ExpandNf4(nw, 2 * begin, std::min(n, 2 * end), out + 2 * begin);
+  });
+}
+
+}  // namespace
+
+bool HasCompressedWeights(const SegmentInfo& layout) { return SegmentQuant(layout).compressed(); }
+
+at::Tensor ExpandWeight(const at::Tensor& bytes, const SegmentInfo& layout,
+                        const TensorSlice& weight) {
+  LS_CHECK(weight.quant.compressed(), "ExpandWeight of a plain tensor");
+  at::Tensor out = at::empty(weight.shape, bytes.options().dtype(at::kBFloat16));
+  ExpandInto(bytes, layout, weight, reinterpret_cast<uint16_t*>(out.data_ptr()));
+  return out;
+}
+
+BlockWeights ExpandBlock(const at::Tensor& bytes, const SegmentInfo& layout, c10::ScalarType dtype,
+                         at::Tensor* buffer) {
+  // The plain tensors as views (their own layout without the compressed weights and scales).
+  SegmentInfo plain = layout;
+  plain.tensors.clear();
+  std::vector<std::string> aux;
+  for (const TensorSlice& t : layout.tensors)
+    if (t.quant.compressed())
+      for (const QuantAuxTensor& a : QuantAuxTensors(t.name, t.shape, t.quant))
+        aux.push_back(a.name);
+  for (const TensorSlice& t : layout.tensors)
+    if (!t.quant.compressed() && std::find(aux.begin(), aux.end(), t.name) == aux.end())
+      plain.tensors.push_back(t);
+  BlockWeights w = BlockWeightsFromBytes(bytes, plain);
+  for (const TensorSlice& t : plain.tensors) {
+    at::Tensor* field = BlockWeightField(w, t.name);
+    if (field->scalar_type() != dtype) *field = field->to(dtype);
+  }
+
+  const int64_t total = ExpandedElements(layout);
+  const auto options = bytes.options().dtype(dtype);
+  if (!buffer->defined() || buffer->scalar_type() != dtype || buffer->device() != bytes.device() ||
+      buffer->numel() < total)
+    *buffer = at::empty({total}, options);
+  // bf16 expands in place; another dtype through one bf16 weight at a time.
+  at::Tensor staging;
+  int64_t at_element = 0;
+  for (const TensorSlice& t : layout.tensors) {
+    if (!t.quant.compressed()) continue;
+    const int64_t n = Numel(t.shape);
+    at::Tensor dst = buffer->narrow(0, at_element, n);
+    at_element += n;
+    if (dtype == at::kBFloat16) {
+      ExpandInto(bytes, layout, t, reinterpret_cast<uint16_t*>(dst.data_ptr()));
+    } else {
+      if (!staging.defined() || staging.numel() < n)
+        staging = at::empty({n}, bytes.options().dtype(at::kBFloat16));
+      ExpandInto(bytes, layout, t, reinterpret_cast<uint16_t*>(staging.data_ptr()));
+      dst.copy_(staging.narrow(0, 0, n));
+    }
+    *BlockWeightField(w, t.name) = dst.view(t.shape);
+  }
+  return w;
+}
+
+}  // namespace lorastream::worker

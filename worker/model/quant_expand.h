@@ -1,0 +1,36 @@
+// A compressed block's weights as the model computes with them (common/quant_format.h): the
+// projection weights expanded from the copied compressed bytes into a buffer on the same
+// device (the CPU with store/quantize.h's arithmetic, a GPU with worker/cuda/quant_kernels.cu,
+// which equal it bit for bit), the other tensors viewed in place.
+//
+// The expanded weight is the bf16 value the format's reference dequantisation gives; in an
+// f32 computation it is that bf16 value widened, so the CPU's f32 runs and a GPU's bf16 runs
+// compute with the same weights.
+#pragma once
+
+#include <cstdint>
+
+#include <ATen/core/Tensor.h>
+
+#include "common/manifest.h"
+#include "worker/stream/block_provider.h"
+
+namespace lorastream::worker {
+
+// True when `layout` holds a compressed weight.
+bool HasCompressedWeights(const SegmentInfo& layout);
+
+// The block's weights over `bytes` (its packed bytes, on any device): each compressed
+// projection expanded into `*buffer` (reused when it is large enough and of `dtype` on that
+// device, else allocated), every other tensor a view of `bytes`, converted to `dtype` when it
+// is stored otherwise. On a GPU the expansion is enqueued on the current stream. The layout
+// must be one a manifest reader accepted (QuantLayoutProblem empty).
+BlockWeights ExpandBlock(const at::Tensor& bytes, const SegmentInfo& layout, c10::ScalarType dtype,
+                         at::Tensor* buffer);
+
+// The expansion of a single compressed weight `weight` of `layout` into a new bf16 tensor
+// (its logical shape) on the device of `bytes`.
+at::Tensor ExpandWeight(const at::Tensor& bytes, const SegmentInfo& layout,
+                        const TensorSlice& weight);
+
+}  // namespace lorastream::worker

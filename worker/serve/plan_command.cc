@@ -1,0 +1,108 @@
+#include "worker/serve/plan_command.h"
+
+#include <cstdio>
+
+#include <ATen/Context.h>
+
+#include "common/error.h"
+#include "common/format_bytes.h"
+#include "common/job_spec.h"
+#include "worker/model/base_weights.h"
+#include "worker/model/torch_device.h"
+#include "worker/stream/stream_calibrate.h"
+#include "worker/stream/stream_cost.h"
+#include "worker/stream/stream_engine.h"
+#include "worker/stream/stream_provider.h"
+#include "worker/train/group_trainer.h"
+
+namespace lorastream::worker {
+
+namespace {
+
+// The plans of `specs` as one group (the first job's plan and calibration); one spec: one job.
+int PrintPlans(const std::vector<JobSpec>& specs, const PlanCommandOptions& options) {
+  const JobSpec& spec = specs.front();
+  const Device typed_device = ParseDevice(options.device);
+  const c10::Device device = TorchDevice(typed_device);
+  if (device.is_cuda() && !at::hasCUDA())
+    throw Error(ErrorCode::kUnsupported,
+                "--device " + options.device + ": this build or machine has no CUDA");
+  const BaseWeights base = BaseWeights::ForJob(spec);
+  for (const JobSpec& s : specs) {
+    RequireValidJobSpec(s, &base.config());  // train.dtype among the rest
+    const std::string refusal = GroupRefusal(spec, s, options.device);
+    if (!refusal.empty()) throw Error(ErrorCode::kRefused, refusal);
+  }
+  const DType compute = ComputeDType(spec.train.dtype, typed_device);
+  const std::string dtype_name = ShortDTypeName(compute);
+  const c10::ScalarType dtype = ScalarTypeOf(compute, "the compute dtype");
+
+  const Manifest layout = ComputeLayout(base, dtype);
+  MemoryModelInputs inputs = JobMemoryInputs(spec, layout, device, dtype);
+  for (size_t j = 1; j < specs.size(); ++j) {
+    const JobSpec& s = specs[j];
+    inputs.group.push_back(
+        {s.name, s.train.batch_size * s.data.seq_len, s.lora.rank, s.lora.dropout, s.lora.targets});
+  }
+  if (specs.size() > 1) {
+    std::printf("group of %zu jobs, planned from job %s's [stream]:\n", specs.size(),
+                spec.name.c_str());
+    for (const JobSpec& s : specs)
+      std::printf("  job %s: %lld tokens per micro-batch x %lld, rank %lld on %zu targets\n",
+                  s.name.c_str(), static_cast<long long>(s.train.batch_size * s.data.seq_len),
+                  static_cast<long long>(s.train.grad_accum), static_cast<long long>(s.lora.rank),
+                  s.lora.targets.size());
+  }
+  uint64_t budget = JobMemoryBudget(spec.stream, device);
+  if (budget > 0 && specs.size() > 1) {
+    const std::string why = GroupBudgetRefusal(inputs, budget, spec.name);
+    if (!why.empty()) throw Error(ErrorCode::kRefused, why);
+  }
+  StepCosts costs;
+  if (options.recalibrate) {
+    costs = MeasureStepCosts(spec, base, device, dtype);
+    SaveStepCosts(CalibrationKey(spec, base, device, dtype), costs);
+  } else {
+    costs = CalibratedStepCosts(spec, base, device, dtype);
+  }
+  std::string budget_from = spec.stream.budget_auto
+                                ? "stream.gpu_memory_budget = \"auto\" (" +
+                                      std::to_string(static_cast<int>(kAutoBudgetFraction * 100)) +
+                                      "% of the memory free on " + device.str() + ")"
+                                : "stream.gpu_memory_budget";
+  if (budget == 0) {
+    const ResidencyPlan own = PlanResidency(spec.stream.blocks_to_swap, 0, spec.stream.ring_size,
+                                            inputs, spec.stream.forward_slots,
+                                            spec.stream.backward_slots, spec.stream.taped_blocks);
+    budget = EstimateMemory(inputs, own).total();
+    budget_from = "the estimated peak of the job's own plan (" + own.Describe() + ")";
+  }
+  const PlanChoice choice = ChoosePlan(inputs, costs, budget);
+  const int layers = base.config().num_hidden_layers;
+  std::printf("job %s: %s, %d blocks of %s, %lld tokens per micro-batch, device %s, %s\n",
+              spec.name.c_str(), base.config().model_type.c_str(), layers,
+              FormatBytes(inputs.block_bytes.empty() ? 0 : inputs.block_bytes[0]).c_str(),
+              static_cast<long long>(inputs.tokens), device.str().c_str(), dtype_name.c_str());
+  if (specs.size() > 1)
+    std::printf("(predicted times: job %s alone; the memory: the whole group)\n",
+                spec.name.c_str());
+  std::printf("measured: %s; resident step predicted %.1f ms\n", costs.Describe().c_str(),
+              costs.ResidentStepSeconds(layers) * 1e3);
+  std::printf("budget from %s\n%s", budget_from.c_str(), DescribeChoice(choice, budget).c_str());
+  return 0;
+}
+
+}  // namespace
+
+int RunPlanCommand(const std::string& job_path, const PlanCommandOptions& options) {
+  return PrintPlans({LoadJobSpec(job_path)}, options);
+}
+
+int RunPlanCommand(const std::vector<std::string>& job_paths, const PlanCommandOptions& options) {
+  std::vector<JobSpec> specs;
+  for (const std::string& path : job_paths) specs.push_back(LoadJobSpec(path));
+  if (specs.empty()) throw Error(ErrorCode::kInvalidArgument, "plan: no job file");
+  return PrintPlans(specs, options);
+}
+
+}  // namespace lorastream::worker

@@ -1,0 +1,114 @@
+#include "worker/stream/cuda/quant_kernels.h"
+
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace lorastream::worker::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+void Check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+int Blocks(int64_t n) {
+  const int64_t b = (n + kThreads - 1) / kThreads;
+  return static_cast<int>(b < 65535 * 16 ? (b > 0 ? b : 1) : 65535 * 16);
+}
+
+// e4m3fn exactly: normal 2^(e-7) * (1 + m/8) assembled as f32 bits, subnormal m * 2^-9.
+__device__ __forceinline__ float E4M3ToFloat(uint8_t b) {
+  const uint32_t e = (b >> 3) & 0xf, m = b & 7, s = b >> 7;
+  float v;
+  if (e == 0) {
+    v = static_cast<float>(m) * 0.001953125f;
+  } else if (e == 0xf && m == 7) {
+    v = __int_as_float(0x7fc00000);
+  } else {
+    v = __uint_as_float(((e + 120u) << 23) | (m << 20));
+  }
+  return s ? -v : v;
+}
+
+__device__ __forceinline__ uint16_t Bf16Bits(float v) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
+
+// One row per grid row, its columns across the block: one scale load per tile, 32-bit index
+// math where the weight allows it (I = int32_t).
+template <typename I>
+__global__ void ExpandFp8Kernel(const uint8_t* __restrict__ q, const float* __restrict__ scale,
+                                I rows, I cols, I br, I bc, uint16_t* __restrict__ out) {
+  const I tiles = (cols + bc - 1) / bc;
+  for (I r = blockIdx.y; r < rows; r += gridDim.y) {
+    const float* srow = scale + static_cast<int64_t>(r / br) * tiles;
+    const uint8_t* qrow = q + static_cast<int64_t>(r) * cols;
+    uint16_t* orow = out + static_cast<int64_t>(r) * cols;
+    for (I c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x)
+      orow[c] = Bf16Bits(__fmul_rn(E4M3ToFloat(qrow[c]), srow[c / bc]));
+  }
+}
+
+// One thread per packed byte: its two elements share a block (blocksize is even).
+template <typename I>
+__global__ void ExpandNf4Kernel(const uint8_t* __restrict__ packed,
+                                const uint8_t* __restrict__ absmax,
+                                const float* __restrict__ nested_absmax,
+                                const float* __restrict__ quant_map,
+                                const float* __restrict__ nested_map,
+                                const float* __restrict__ offset, I numel, I blocksize, I nested,
+                                uint16_t* __restrict__ out) {
+  const I bytes = (numel + 1) / 2;
+  const float off = *offset;
+  for (I k = blockIdx.x * blockDim.x + threadIdx.x; k < bytes; k += gridDim.x * blockDim.x) {
+    const uint8_t byte = packed[k];
+    const I i = 2 * k, b = i / blocksize;
+    const float a = __fadd_rn(__fmul_rn(nested_map[absmax[b]], nested_absmax[b / nested]), off);
+    out[i] = Bf16Bits(__fmul_rn(quant_map[byte >> 4], a));
+    if (i + 1 < numel) out[i + 1] = Bf16Bits(__fmul_rn(quant_map[byte & 0xf], a));
+  }
+}
+
+bool FitsInt32(int64_t n) { return n < (int64_t{1} << 31) - 2 * 65535 * kThreads; }
+
+}  // namespace
+
+void ExpandFp8(const uint8_t* q, const float* scale_inv, int64_t rows, int64_t cols,
+               int64_t block_rows, int64_t block_cols, uint16_t* out, cudaStream_t stream) {
+  if (rows * cols == 0) return;
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((cols + kThreads - 1) / kThreads, 64)),
+                  static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
+  if (FitsInt32(rows * cols))
+    ExpandFp8Kernel<int32_t><<<grid, kThreads, 0, stream>>>(
+        q, scale_inv, static_cast<int32_t>(rows), static_cast<int32_t>(cols),
+        static_cast<int32_t>(block_rows), static_cast<int32_t>(block_cols), out);
+  else
+    ExpandFp8Kernel<int64_t>
+        <<<grid, kThreads, 0, stream>>>(q, scale_inv, rows, cols, block_rows, block_cols, out);
+  Check(cudaGetLastError(), "ExpandFp8 launch");
+}
+
+void ExpandNf4(const uint8_t* packed, const uint8_t* absmax, const float* nested_absmax,
+               const float* quant_map, const float* nested_quant_map, const float* nested_offset,
+               int64_t numel, int64_t blocksize, int64_t nested_blocksize, uint16_t* out,
+               cudaStream_t stream) {
+  if (numel == 0) return;
+  const int blocks = Blocks((numel + 1) / 2);
+  if (FitsInt32(numel))
+    ExpandNf4Kernel<int32_t><<<blocks, kThreads, 0, stream>>>(
+        packed, absmax, nested_absmax, quant_map, nested_quant_map, nested_offset,
+        static_cast<int32_t>(numel), static_cast<int32_t>(blocksize),
+        static_cast<int32_t>(nested_blocksize), out);
+  else
+    ExpandNf4Kernel<int64_t><<<blocks, kThreads, 0, stream>>>(
+        packed, absmax, nested_absmax, quant_map, nested_quant_map, nested_offset, numel, blocksize,
+        nested_blocksize, out);
+  Check(cudaGetLastError(), "ExpandNf4 launch");
+}
+
+}  // namespace lorastream::worker::cuda

@@ -1,0 +1,100 @@
+// A job group: up to K jobs trained at once against one base on one device. Torch-free header.
+//
+// Per group step every job takes its own optimizer step. Its micro-batches run together with
+// the other jobs' (micro-batch m of the group holds every job whose step has more than m
+// micro-batches: a job with fewer sits out the group's later ones): each block is acquired
+// once per pass for every job in it, and its base projections run once over the rows of all
+// of them (worker/model/model.h: CausalLm::TrainGroupMicroBatch). Everything else is the
+// job's own, as RunTraining (worker/train/trainer.h) describes it for one job: data and its
+// order, seq_len, batch_size, grad_accum, adapter (rank, alpha, targets, dropout and its
+// masks), AdamW, schedule, clipping by its own gradient norm, steps, evaluation, checkpoints,
+// statistics and output folder. A job trained in a group computes what it computes alone
+// (bit for bit on the CPU where the BLAS gives each GEMM row the same sums whatever the
+// number of rows), and its checkpoints resume alone or in another group.
+//
+// Jobs join (Add) and leave at step boundaries: a job leaves when it has finished, when its
+// should_stop says so (after a checkpoint), or when it fails (bad data, a non-finite loss, an
+// output folder it may not write): its failure is its own, and the others train on. A failure
+// of the group's shared work (the provider, the device) ends every job in it.
+//
+// The jobs of a group share the base (model.store or model.checkpoint), the compute dtype and
+// the plan ([stream]); a job that differs in any of them is refused naming the field.
+// A group of one job is RunTraining's path: the same calls, CUDA graphs included.
+#pragma once
+
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/job_spec.h"
+#include "common/step_stats.h"
+#include "worker/train/trainer.h"
+
+namespace lorastream::worker {
+
+// A job and its callbacks (as RunTraining takes them).
+struct GroupJob {
+  JobSpec spec;
+  std::function<void(const StepStats&)> on_step;
+  std::function<bool()> should_stop;
+};
+
+// What became of a job that left the group: its result, or the error that ended it.
+struct GroupJobOutcome {
+  std::string name;  // the job's spec.name
+  size_t index = 0;  // the order in which it was added (0 = the first)
+  TrainResult result;
+  std::exception_ptr error;  // set when it failed
+};
+
+// "" when `job` may train in a group with `first`, else the reason, naming the field
+// (model.store, model.checkpoint, train.dtype, stream.*). `device` resolves train.dtype "auto".
+std::string GroupRefusal(const JobSpec& first, const JobSpec& job, const std::string& device);
+
+class GroupTrainer {
+ public:
+  // The group's base, provider and model come from `first`'s spec (resolved), on
+  // options.device; options.resume, lock_holder apply to every job.
+  GroupTrainer(const JobSpec& first, const TrainOptions& options);
+  ~GroupTrainer();
+  GroupTrainer(const GroupTrainer&) = delete;
+  GroupTrainer& operator=(const GroupTrainer&) = delete;
+
+  // Adds a job at a step boundary: it resumes from its output folder's latest checkpoint (with
+  // options.resume) and takes its first step in the next Step(). A job that cannot join
+  // (GroupRefusal) or cannot start (an invalid spec, missing or bad data, a locked output
+  // folder) leaves at once with its error (TakeLeft); the group goes on. Returns its index.
+  size_t Add(GroupJob job);
+  // One group step: every job's next optimizer step. Returns false when no job is left.
+  bool Step();
+  // Runs Step() until every job has left.
+  void Run();
+  // The jobs that left since the last call, in the order they left.
+  std::vector<GroupJobOutcome> TakeLeft();
+  size_t size() const;  // jobs training now
+
+ private:
+  class Job;
+  struct Shared;
+  void Leave(size_t position, std::exception_ptr error);
+  std::unique_ptr<Shared> shared_;
+  std::vector<std::unique_ptr<Job>> jobs_;
+  std::vector<GroupJobOutcome> left_;
+  size_t added_ = 0;
+};
+
+// Trains `jobs` as one group until each has finished, stopped or failed; their outcomes in
+// the order they were given.
+std::vector<GroupJobOutcome> RunGroupTraining(std::vector<GroupJob> jobs,
+                                              const TrainOptions& options);
+
+// `lorastream-worker train A.toml B.toml ...`: the jobs as one group, a progress line per job
+// and step (prefixed by the job's name), and a line per job at its end. Exit status: 0 when
+// every job finished, 128 + the signal when stopped, 1 when any job failed.
+int RunGroupTrainCommand(const std::vector<std::string>& job_paths, const TrainOptions& options,
+                         const std::atomic<int>* stop_signal = nullptr);
+
+}  // namespace lorastream::worker

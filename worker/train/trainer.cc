@@ -1,0 +1,145 @@
+#include "worker/train/trainer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <exception>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "common/format_bytes.h"
+#include "worker/train/group_trainer.h"
+
+namespace lorastream::worker {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+}  // namespace
+
+std::string FormatProgress(const StepStats& s, double eta) {
+  char buf[256];
+  const int64_t e = static_cast<int64_t>(std::max(0.0, eta) + 0.5);
+  char eta_text[32];
+  if (e >= 3600)
+    std::snprintf(eta_text, sizeof eta_text, "%lldh%02lldm", static_cast<long long>(e / 3600),
+                  static_cast<long long>(e / 60 % 60));
+  else
+    std::snprintf(eta_text, sizeof eta_text, "%lldm%02llds", static_cast<long long>(e / 60),
+                  static_cast<long long>(e % 60));
+  std::snprintf(buf, sizeof buf, "step %lld/%lld loss %.4f lr %.2e gnorm %.3f tok/s %.0f eta %s",
+                static_cast<long long>(s.step), static_cast<long long>(s.total_steps), s.loss,
+                s.learning_rate, s.grad_norm, s.tokens_per_second, eta_text);
+  std::string line = buf;
+  if (s.h2d_bytes > 0 || s.copies > 0) {
+    std::snprintf(buf, sizeof buf, " h2d %.2fGB stall %.1fms copies %lld (+%lld reused)",
+                  static_cast<double>(s.h2d_bytes) / 1e9, s.stall_seconds * 1e3,
+                  static_cast<long long>(s.copies), static_cast<long long>(s.copies_saved));
+    line += buf;
+  }
+  if (s.peak_device_bytes > 0) line += " peak " + FormatBytes(s.peak_device_bytes, 2);
+  if (s.has_eval()) {
+    std::snprintf(buf, sizeof buf, " eval %.4f", s.eval_loss);
+    line += buf;
+  }
+  return line;
+}
+
+TrainResult RunTraining(const JobSpec& spec, const TrainOptions& options,
+                        const std::function<void(const StepStats&)>& on_step,
+                        const std::function<bool()>& should_stop) {
+  GroupTrainer group(spec, options);
+  group.Add(GroupJob{spec, on_step, should_stop});
+  group.Run();
+  std::vector<GroupJobOutcome> left = group.TakeLeft();
+  LS_CHECK(left.size() == 1, "a group of one job left with another count of jobs");
+  if (left[0].error) std::rethrow_exception(left[0].error);
+  return left[0].result;
+}
+
+namespace {
+
+// A job's progress line per step, with its ETA from the steps run so far (prefixed by the
+// job's name in a group).
+std::function<void(const StepStats&)> PrintProgress(std::string prefix) {
+  const auto start = Clock::now();
+  return [start, prefix = std::move(prefix), first_step = int64_t{-1}](const StepStats& s) mutable {
+    if (first_step < 0) first_step = s.step - 1;
+    const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+    const double per_step = elapsed / static_cast<double>(s.step - first_step);
+    std::printf("%s%s\n", prefix.c_str(),
+                FormatProgress(s, per_step * static_cast<double>(s.total_steps - s.step)).c_str());
+    std::fflush(stdout);
+  };
+}
+
+// The line a job ends with; returns the command's status for it.
+int PrintEnd(const std::string& prefix, const TrainResult& r, int stop_signal) {
+  if (r.stopped) {
+    std::printf(
+        "%sstopped by signal %d at step %lld: checkpoint in %s (run the same command "
+        "to resume)\n",
+        prefix.c_str(), stop_signal, static_cast<long long>(r.steps_done),
+        r.checkpoint_dir.c_str());
+    return 128 + stop_signal;
+  }
+  if (r.start_step > 0 && r.steps_done == r.start_step) {  // nothing left to train
+    std::printf("%salready complete: %s is at step %lld, at or past the job's last step; "
+                "nothing trained, adapter in %s\n",
+                prefix.c_str(), r.checkpoint_dir.c_str(), static_cast<long long>(r.start_step),
+                r.adapter_dir.c_str());
+    return 0;
+  }
+  std::printf("%sdone: %lld steps, final loss %.4f", prefix.c_str(),
+              static_cast<long long>(r.steps_done), r.final_loss);
+  if (!std::isnan(r.final_eval_loss)) std::printf(", eval loss %.4f", r.final_eval_loss);
+  std::printf(", adapter in %s\n", r.adapter_dir.c_str());
+  return 0;
+}
+
+}  // namespace
+
+int RunTrainCommand(const std::string& job_path, const TrainOptions& options,
+                    const std::atomic<int>* stop_signal) {
+  JobSpec spec = LoadJobSpec(job_path);
+  auto should_stop = [stop_signal] { return stop_signal && stop_signal->load() != 0; };
+  TrainResult r = RunTraining(spec, options, PrintProgress(""), should_stop);
+  return PrintEnd("", r, r.stopped ? stop_signal->load() : 0);
+}
+
+int RunGroupTrainCommand(const std::vector<std::string>& job_paths, const TrainOptions& options,
+                         const std::atomic<int>* stop_signal) {
+  if (job_paths.size() == 1) return RunTrainCommand(job_paths[0], options, stop_signal);
+  auto should_stop = [stop_signal] { return stop_signal && stop_signal->load() != 0; };
+  std::vector<GroupJob> jobs;
+  for (const std::string& path : job_paths) {
+    GroupJob job;
+    job.spec = LoadJobSpec(path);
+    job.on_step = PrintProgress(job.spec.name + ": ");
+    job.should_stop = should_stop;
+    jobs.push_back(std::move(job));
+  }
+  int status = 0;
+  for (const GroupJobOutcome& out : RunGroupTraining(std::move(jobs), options)) {
+    const std::string prefix = out.name + ": ";
+    if (out.error) {
+      try {
+        std::rethrow_exception(out.error);
+      } catch (const std::exception& e) {
+        std::printf("%sfailed: %s\n", prefix.c_str(), e.what());
+      }
+      status = std::max(status, 1);
+      continue;
+    }
+    status = std::max(status,
+                      PrintEnd(prefix, out.result, out.result.stopped ? stop_signal->load() : 0));
+  }
+  std::fflush(stdout);
+  return status;
+}
+
+}  // namespace lorastream::worker
