@@ -45,9 +45,7 @@ BlockWeights BlockWeightsFromBytes(const at::Tensor& bytes, const SegmentInfo& l
   BlockWeights w;
   for (const auto& t : layout.tensors) {
     at::Tensor* field = BlockWeightField(w, t.name);
-    if (field == nullptr)
-      throw Error(ErrorCode::kCorrupt,
-                  "segment " + layout.shm_name + ": unexpected tensor `" + t.name + "` in a block");
+    if (field == nullptr) field = &w.by_name[t.name];
     const auto type = ScalarTypeOf(t.dtype, t.name);
     const uint64_t elem = DTypeSize(t.dtype);
     uint64_t numel = 1;

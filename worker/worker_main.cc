@@ -16,6 +16,8 @@
 #include "coordinator/build_info.h"
 #include "coordinator/curve.h"
 #include "store/attach.h"
+#include "worker/flux/flux_job.h"
+#include "worker/flux/flux_train.h"
 #include "worker/host_register_probe.h"
 #include "worker/parity.h"
 #include "worker/plan_command.h"
@@ -134,6 +136,15 @@ int main(int argc, char** argv) {
     }
     InitLogging("worker");
     if (!store_user.empty()) store::SetTrustedStoreOwner(LookupUser(store_user).uid);
+    if (*train_cmd && flux::IsFluxJobFile(job_path)) {  // a [flux] job: FLUX.1 from caches
+      flux::FluxTrainOptions flux_train;
+      flux_train.device = train.device;
+      flux_train.threads = train.threads;
+      flux_train.stop = &g_train_stop_signal;
+      std::signal(SIGINT, OnTrainStopSignal);
+      std::signal(SIGTERM, OnTrainStopSignal);
+      return flux::RunFluxTrainCommand(job_path, flux_train);
+    }
     if (*train_cmd) {
       train.resume = !no_resume;
       // The job's [stream] section plans residency and streaming, as under `serve`.
