@@ -3,6 +3,9 @@
 #include <dirent.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <random>
 #include <regex>
 #include <set>
 
@@ -122,6 +125,53 @@ FluxSample LoadFluxSample(const FluxCacheItem& item, int64_t latent_channels, in
   s.txt_ids = ids.ToFloat(item.te_path + ": txt_ids");
   s.l_pooled = pooled.ToFloat(item.te_path + ": l_pooled");
   return s;
+}
+
+namespace {
+
+NpyArray Array(char kind, int itemsize, std::vector<int64_t> shape) {
+  NpyArray a;
+  a.kind = kind;
+  a.itemsize = itemsize;
+  a.shape = std::move(shape);
+  a.data.assign(static_cast<size_t>(a.numel() * itemsize), 0);
+  return a;
+}
+
+NpyArray Normal(std::vector<int64_t> shape, uint64_t seed) {
+  NpyArray a = Array('f', 4, std::move(shape));
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  for (size_t i = 0; i < a.data.size(); i += 4) {
+    const float v = dist(rng);
+    std::memcpy(a.data.data() + i, &v, 4);
+  }
+  return a;
+}
+
+}  // namespace
+
+void WriteFluxCacheFiles(const std::string& dir, const std::string& name, int64_t width,
+                         int64_t height, const FluxCacheShape& s, uint64_t seed, bool compressed) {
+  const int64_t h = height / 8, w = width / 8;
+  const std::string key = std::to_string(h) + "x" + std::to_string(w);
+  char size[32];
+  std::snprintf(size, sizeof(size), "_%04lldx%04lld", static_cast<long long>(width),
+                static_cast<long long>(height));
+  NpyArray original = Array('i', 8, {2});
+  const int64_t hw[2] = {height, width};
+  std::memcpy(original.data.data(), hw, 16);
+  WriteNpz(
+      dir + "/" + name + size + "_flux.npz",
+      {{"latents_" + key, Normal({s.channels, h, w}, seed)}, {"original_size_" + key, original}},
+      compressed);
+  WriteNpz(dir + "/" + name + "_flux_te.npz",
+           {{"l_pooled", Normal({s.vec_dim}, seed + 1)},
+            {"t5_out", Normal({s.txt_len, s.context_dim}, seed + 2)},
+            {"txt_ids", Array('f', 4, {s.txt_len, 3})},
+            {"t5_attn_mask", Array('i', 8, {s.txt_len})},
+            {"apply_t5_attn_mask", Array('b', 1, {})}},
+           compressed);
 }
 
 }  // namespace lorastream

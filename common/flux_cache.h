@@ -50,4 +50,14 @@ struct FluxSample {
 FluxSample LoadFluxSample(const FluxCacheItem& item, int64_t latent_channels, int64_t context_dim,
                           int64_t vec_dim);
 
+// Writes one image's two cache files of deterministic random values (N(0, 1) latents and text
+// features, zero txt_ids) in the layout above: demos (`lorastream-synth --flux-caches`) and
+// tests. compressed: deflated members, as numpy.savez_compressed writes them.
+struct FluxCacheShape {
+  int64_t channels = 16, txt_len = 8, context_dim = 4096, vec_dim = 768;
+};
+void WriteFluxCacheFiles(const std::string& dir, const std::string& name, int64_t width,
+                         int64_t height, const FluxCacheShape& shape, uint64_t seed,
+                         bool compressed = false);
+
 }  // namespace lorastream

@@ -9,6 +9,7 @@
 
 #include "common/device.h"
 #include "common/error.h"
+#include "common/flux_cache.h"
 #include "common/safetensors.h"
 #include "common/toml_file.h"
 #include "store/convert.h"
@@ -103,6 +104,23 @@ SynthResult RunSynthFlux(const SynthOptions& options, const std::string& preset_
   r.shards = 1;
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return r;
+}
+
+void WriteFluxDemoCaches(const SynthOptions& options, const std::string& dir) {
+  const std::string path = PresetPath(
+      options.preset, options.presets_dir.empty() ? DefaultPresetsDir() : options.presets_dir);
+  if (!IsFluxPreset(path))
+    throw Error(ErrorCode::kInvalidArgument, "--flux-caches: preset " + path + " is not FLUX");
+  DType dtype;
+  const FluxConfig c = LoadFluxPreset(path, &dtype);
+  std::filesystem::create_directories(dir);
+  FluxCacheShape shape;
+  shape.channels = c.in_channels / 4;
+  shape.context_dim = c.context_in_dim;
+  shape.vec_dim = c.vec_in_dim;
+  WriteFluxCacheFiles(dir, "cat", 32, 32, shape, options.seed + 1);
+  WriteFluxCacheFiles(dir, "dog", 32, 32, shape, options.seed + 2);
+  WriteFluxCacheFiles(dir, "wide", 48, 32, shape, options.seed + 3);
 }
 
 }  // namespace lorastream::store

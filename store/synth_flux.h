@@ -18,5 +18,8 @@ bool IsFluxPreset(const std::string& path);
 // The FLUX shape of a preset file; errors name the file and the key.
 FluxConfig LoadFluxPreset(const std::string& path, DType* dtype);
 SynthResult RunSynthFlux(const SynthOptions& options, const std::string& preset_path);
+// Three images' caches (common/flux_cache.h) for the FLUX preset of `options`: two of 32x32
+// pixels and one of 48x32 (two buckets), random latents and text features of its widths.
+void WriteFluxDemoCaches(const SynthOptions& options, const std::string& dir);
 
 }  // namespace lorastream::store

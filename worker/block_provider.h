@@ -4,7 +4,6 @@
 // where each block's forward is recomputed just before its backward.
 #pragma once
 
-#include <map>
 #include <string>
 
 #include <ATen/core/Tensor.h>
@@ -22,14 +21,10 @@ struct BlockWeights {
   at::Tensor input_norm, q_proj, k_proj, v_proj, o_proj;
   at::Tensor q_bias, k_bias, v_bias, q_norm, k_norm;
   at::Tensor post_norm, gate_proj, up_proj, down_proj;
-  // The segment's tensors that have no field above, by their name in the segment: the
-  // diffusion transformers' blocks (worker/flux/) are read from here.
-  std::map<std::string, at::Tensor> by_name;
 };
 
 // Views at the manifest's offsets over `bytes` (a uint8 tensor holding one block's packed
-// bytes, on any device); no copy. A name without a field goes to by_name (the store refuses
-// names that are not its model family's before it publishes).
+// bytes, on any device); no copy.
 BlockWeights BlockWeightsFromBytes(const at::Tensor& bytes, const SegmentInfo& layout);
 
 // The field holding the tensor of block-relative name `name` ("self_attn.q_proj.weight"), or

@@ -45,7 +45,9 @@ BlockWeights BlockWeightsFromBytes(const at::Tensor& bytes, const SegmentInfo& l
   BlockWeights w;
   for (const auto& t : layout.tensors) {
     at::Tensor* field = BlockWeightField(w, t.name);
-    if (field == nullptr) field = &w.by_name[t.name];
+    if (field == nullptr)
+      throw Error(ErrorCode::kCorrupt,
+                  "segment " + layout.shm_name + ": unexpected tensor `" + t.name + "` in a block");
     const auto type = ScalarTypeOf(t.dtype, t.name);
     const uint64_t elem = DTypeSize(t.dtype);
     uint64_t numel = 1;

@@ -13,7 +13,6 @@
 
 using namespace lorastream;
 using lorastream::testing::ErrorMessageOf;
-using lorastream::testing::FluxCacheShape;
 using lorastream::testing::TempDir;
 using lorastream::testing::WriteFluxCache;
 
@@ -48,7 +47,7 @@ std::string WriteBfl(const std::string& path, const FluxConfig& config,
 
 TEST_CASE("flux cache: images pair with their text files and batch by bucket", "[common][flux]") {
   TempDir dir("flux-cache");
-  const FluxCacheShape s;
+  const FluxCacheShape s = lorastream::testing::TinyCacheShape();
   WriteFluxCache(dir.str(), "a", 64, 32, s, 1);
   WriteFluxCache(dir.str(), "b", 64, 32, s, 2, /*compressed=*/true);
   WriteFluxCache(dir.str(), "c", 32, 32, s, 3);
@@ -70,7 +69,7 @@ TEST_CASE("flux cache: images pair with their text files and batch by bucket", "
 TEST_CASE("flux cache: a missing text file, wrong widths and channel counts name the file",
           "[common][flux]") {
   TempDir dir("flux-cache-bad");
-  const FluxCacheShape s;
+  const FluxCacheShape s = lorastream::testing::TinyCacheShape();
   WriteFluxCache(dir.str(), "ok", 32, 32, s, 1);
   const auto items = ScanFluxCache(dir.str());
   std::string e = ErrorMessageOf([&] { LoadFluxSample(items[0], 4, 48, 32); });

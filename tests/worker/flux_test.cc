@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 
 #include "common/error.h"
 #include "common/safetensors.h"
@@ -89,7 +90,7 @@ struct TinySetup {
       : dir("flux-model"),
         base(FluxBase::Load(MakeFluxCheckpoint(dir.str()), 2, dtype, at::kCPU)),
         engine(base.MakeEngine(0, 1, at::kCPU)),
-        model(base.config(), base.rest(), engine.get(), 2, at::kCPU, dtype),
+        model(base.config(), base.rest(), engine.get(), base.layouts(), 2, at::kCPU, dtype),
         adapter(RandomAdapter(base.config(), 11)),
         batch(TinyBatch(base.config(), 5)) {
     for (auto& [name, m] : adapter.modules()) {  // master weights in `dtype` too
@@ -186,9 +187,10 @@ TEST_CASE(
     const FluxConfig& c = base.config();
     const FluxBatch batch = TinyBatch(c, 5);
     const at::Tensor target = at::randn(batch.img.sizes(), at::detail::createCPUGenerator(9));
-    const int units = static_cast<int>(base.manifest().blocks.size());
+    const int units = static_cast<int>(base.layouts().size());
     auto resident_engine = base.MakeEngine(0, 1, at::kCPU);
-    FluxModel resident(c, base.rest(), resident_engine.get(), singles, at::kCPU, at::kFloat);
+    FluxModel resident(c, base.rest(), resident_engine.get(), base.layouts(), singles, at::kCPU,
+                       at::kFloat);
     FluxAdapter adapter = RandomAdapter(c, 11);
     const LossAndGrads want = Run(resident, batch, adapter, true, target);
     for (int swap : {units, units - 1}) {
@@ -198,7 +200,8 @@ TEST_CASE(
         o.debug_copy_delay_us = 200;
         o.log_plan = false;
         auto engine = base.MakeEngine(swap, ring, at::kCPU, o);
-        FluxModel streamed(c, base.rest(), engine.get(), singles, at::kCPU, at::kFloat);
+        FluxModel streamed(c, base.rest(), engine.get(), base.layouts(), singles, at::kCPU,
+                           at::kFloat);
         for (int step = 0; step < 2; ++step) {
           INFO("singles per unit " << singles << ", " << swap << " of " << units
                                    << " streamed, ring " << ring << ", step " << step);
@@ -241,7 +244,7 @@ TEST_CASE(
   TempDir dir("flux-train");
   const std::string ckpt = MakeFluxCheckpoint(dir.str() + "/model");
   std::filesystem::create_directories(dir.str() + "/cache");
-  const lorastream::testing::FluxCacheShape shape;
+  const FluxCacheShape shape = lorastream::testing::TinyCacheShape();
   lorastream::testing::WriteFluxCache(dir.str() + "/cache", "cat", 32, 32, shape, 1);
   lorastream::testing::WriteFluxCache(dir.str() + "/cache", "dog", 32, 32, shape, 2);
   lorastream::testing::WriteFluxCache(dir.str() + "/cache", "wide", 48, 32, shape, 3, true);
@@ -315,7 +318,7 @@ TEST_CASE("flux jobs: bad keys and bad caches are refused naming the key or the 
 
   MakeFluxCheckpoint(dir.str() + "/m");
   std::filesystem::create_directories(dir.str() + "/cache");
-  lorastream::testing::FluxCacheShape wrong;
+  FluxCacheShape wrong = lorastream::testing::TinyCacheShape();
   wrong.channels = 4;  // an SD 1.x / SDXL latent in a FLUX folder
   lorastream::testing::WriteFluxCache(dir.str() + "/cache", "sdxl", 32, 32, wrong, 1);
   write("steps = 1\n");

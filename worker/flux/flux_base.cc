@@ -47,15 +47,28 @@ FluxBase FluxBase::Load(const std::string& path, int64_t singles_per_unit, c10::
           .view(dtype)
           .view(t.shape)
           .copy_(FileTensor(file, t.name));
-    b.manifest_.blocks.push_back(std::move(seg));
+    // The engine's view: the whole unit as one tensor of the compute dtype (offsets are
+    // multiples of the alignment, so every tensor starts on an element boundary).
+    const uint64_t elem = DTypeSize(b.manifest_.dtype);
+    LS_CHECK(seg.nbytes % elem == 0, "a unit's bytes are whole elements");
+    SegmentInfo opaque;
+    opaque.shm_name = seg.shm_name;
+    opaque.nbytes = seg.nbytes;
+    opaque.tensors.push_back({"input_layernorm.weight",
+                              b.manifest_.dtype,
+                              {static_cast<int64_t>(seg.nbytes / elem)},
+                              0,
+                              seg.nbytes});
+    b.manifest_.blocks.push_back(std::move(opaque));
+    b.layouts_.push_back(std::move(seg));
     b.unit_buffers_.push_back(bytes);
   }
   for (const auto& [name, shape] : FluxRestShapes(b.config_))
     b.rest_[name] = FileTensor(file, name).to(device, dtype, /*non_blocking=*/false, /*copy=*/true);
   uint64_t double_bytes = 0, unit_max = 0;
   for (size_t u = 0; u < units.size(); ++u) {
-    if (units[u].is_double) double_bytes = b.manifest_.blocks[u].nbytes;
-    unit_max = std::max(unit_max, b.manifest_.blocks[u].nbytes);
+    if (units[u].is_double) double_bytes = b.layouts_[u].nbytes;
+    unit_max = std::max(unit_max, b.layouts_[u].nbytes);
   }
   LS_LOG_INFO(
       "FLUX {}: {} double + {} single blocks (hidden {}, {} heads), {} units of up to {} "

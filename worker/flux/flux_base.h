@@ -28,8 +28,13 @@ class FluxBase {
 
   const FluxConfig& config() const { return config_; }
   int64_t singles_per_unit() const { return singles_per_unit_; }
-  // blocks[u] is unit u's segment (full BFL tensor names).
-  const Manifest& manifest() const { return manifest_; }
+  // Unit u's packed layout (full BFL tensor names), one contiguous segment per unit.
+  const std::vector<SegmentInfo>& layouts() const { return layouts_; }
+  // What the streaming engine is given: the same segments, each described as one opaque
+  // tensor (BlockWeights, the LLMs' view type, has fields only for an LLM block's tensors;
+  // a unit reaches the model whole in its `input_norm` field and FluxUnitWeights cuts it
+  // into its tensors by layouts()).
+  const Manifest& engine_manifest() const { return manifest_; }
   std::vector<const uint8_t*> unit_bytes() const;
   const NamedTensors& rest() const { return rest_; }
 
@@ -42,6 +47,7 @@ class FluxBase {
  private:
   FluxConfig config_;
   int64_t singles_per_unit_ = 2;
+  std::vector<SegmentInfo> layouts_;
   Manifest manifest_;
   std::vector<at::Tensor> unit_buffers_;  // host uint8, one per unit
   NamedTensors rest_;

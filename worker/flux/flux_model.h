@@ -28,6 +28,7 @@
 #include <c10/core/Device.h>
 
 #include "common/flux_config.h"
+#include "common/manifest.h"
 #include "worker/block_provider.h"
 
 namespace lorastream::worker::flux {
@@ -94,9 +95,11 @@ struct FluxBatch {
 class FluxModel {
  public:
   // rest: the non-block tensors on `device` in `dtype`; the provider serves FluxUnits(config,
-  // singles_per_unit) in order, its BlockWeights::by_name holding each unit's tensors.
+  // singles_per_unit) in order, unit u packed as layouts[u] says (FluxBase: its layouts(),
+  // the engine over its engine_manifest()).
   FluxModel(const FluxConfig& config, NamedTensors rest, BlockProvider* provider,
-            int64_t singles_per_unit, c10::Device device, c10::ScalarType dtype);
+            std::vector<SegmentInfo> layouts, int64_t singles_per_unit, c10::Device device,
+            c10::ScalarType dtype);
 
   const FluxConfig& config() const { return config_; }
   const std::vector<FluxUnit>& units() const { return units_; }
@@ -113,10 +116,16 @@ class FluxModel {
   FluxConfig config_;
   NamedTensors rest_;
   BlockProvider* provider_;
+  std::vector<SegmentInfo> layouts_;
   std::vector<FluxUnit> units_;
   c10::Device device_;
   c10::ScalarType dtype_;
 };
+
+// The tensors of a unit (by full name) from the weights a provider serves for it: views into
+// its one opaque tensor (FluxBase::engine_manifest, worker/flux/flux_base.h) at `layout`'s
+// offsets; no copy.
+NamedTensors FluxUnitWeights(const BlockWeights& served, const SegmentInfo& layout);
 
 // BFL's timestep_embedding(t, 256) with time_factor 1000: [cos | sin] of 1000 t * freqs, f32.
 at::Tensor TimestepEmbedding(const at::Tensor& t, int64_t dim);

@@ -39,7 +39,8 @@ FlowMatch MakeFlowMatch(const at::Tensor& x, const at::Tensor& noise, const at::
 }
 
 at::Tensor FlowLoss(const at::Tensor& pred, const at::Tensor& target) {
-  return (pred.to(at::kFloat) - target.to(at::kFloat)).pow(2).mean();
+  const auto type = pred.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;  // f64 tests
+  return (pred.to(type) - target.to(type)).pow(2).mean();
 }
 
 }  // namespace lorastream::worker::flux

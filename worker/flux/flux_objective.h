@@ -37,7 +37,7 @@ struct FlowMatch {
 // x, noise [B, ...]; t [B].
 FlowMatch MakeFlowMatch(const at::Tensor& x, const at::Tensor& noise, const at::Tensor& t);
 
-// mean((pred - target)^2) in f32.
+// mean((pred - target)^2) in f32 (f64 for an f64 model).
 at::Tensor FlowLoss(const at::Tensor& pred, const at::Tensor& target);
 
 }  // namespace lorastream::worker::flux

@@ -47,7 +47,8 @@ FluxTrainResult TrainFlux(const FluxJob& job, const FluxTrainOptions& options) {
   const FluxConfig& config = base.config();
   const FluxDataset data(job.cache_dir, config);
   auto engine = base.MakeEngine(job.blocks_to_swap, job.ring_size, device, options.engine);
-  FluxModel model(config, base.rest(), engine.get(), job.singles_per_unit, device, dtype);
+  FluxModel model(config, base.rest(), engine.get(), base.layouts(), job.singles_per_unit, device,
+                  dtype);
   FluxAdapter adapter(config, FluxTargets(job.targets, "flux.targets"), job.rank, job.alpha,
                       MixSeed(job.seed, 0xada7), device);
   AdamWOptions adam;
