@@ -104,6 +104,7 @@ NpyArray ParseNpy(const uint8_t* data, size_t size, const std::string& what) {
   const int major = data[6];
   if (major < 1 || major > 3) Corrupt(what, ".npy format version " + std::to_string(major));
   const size_t len_bytes = major == 1 ? 2 : 4;
+  if (size < 8 + len_bytes) Corrupt(what, ".npy header runs past the end (truncated)");
   const size_t header_len = Le(data + 8, static_cast<int>(len_bytes));
   const size_t start = 8 + len_bytes + header_len;
   if (start > size) Corrupt(what, ".npy header runs past the end (truncated)");
@@ -167,7 +168,8 @@ std::map<std::string, NpyArray> ParseNpz(const uint8_t* data, size_t size,
   uint64_t dir_offset = Le(data + eocd + 16, 4);
   if (eocd >= 20 && Le(data + eocd - 20, 4) == 0x07064b50) {  // zip64 locator
     const uint64_t z64 = Le(data + eocd - 20 + 8, 8);
-    if (z64 + 56 > size || Le(data + z64, 4) != 0x06064b50) Corrupt(what, "bad zip64 directory");
+    if (z64 > size || size - z64 < 56 || Le(data + z64, 4) != 0x06064b50)
+      Corrupt(what, "bad zip64 directory");
     entries = Le(data + z64 + 32, 8);
     dir_size = Le(data + z64 + 40, 8);
     dir_offset = Le(data + z64 + 48, 8);
@@ -194,6 +196,8 @@ std::map<std::string, NpyArray> ParseNpz(const uint8_t* data, size_t size,
     // zip64: the sizes and offset that did not fit 32 bits follow in extra field 0x0001.
     for (size_t x = p + 46 + name_len; x + 4 <= p + 46 + name_len + extra_len;) {
       const uint64_t id = Le(data + x, 2), len = Le(data + x + 2, 2);
+      if (x + 4 + len > p + 46 + name_len + extra_len)
+        Corrupt(what, "zip directory entry " + name + ": extra field runs past its end");
       size_t f = x + 4;
       if (id == 1) {
         if (usize == 0xffffffffu && f + 8 <= x + 4 + len) usize = Le(data + f, 8), f += 8;
@@ -203,7 +207,7 @@ std::map<std::string, NpyArray> ParseNpz(const uint8_t* data, size_t size,
       x += 4 + len;
     }
     const std::string member = what + ": member " + name;
-    if (local + 30 > size || Le(data + local, 4) != 0x04034b50)
+    if (local > size || size - local < 30 || Le(data + local, 4) != 0x04034b50)
       Corrupt(member, "local header missing (truncated?)");
     const uint64_t start = local + 30 + Le(data + local + 26, 2) + Le(data + local + 28, 2);
     if (start > size || csize > size - start) Corrupt(member, "data runs past the end (truncated)");
@@ -212,7 +216,10 @@ std::map<std::string, NpyArray> ParseNpz(const uint8_t* data, size_t size,
       if (csize != usize) Corrupt(member, "stored member with two different sizes");
       bytes.assign(data + start, data + start + csize);
     } else if (method == 8) {
-      if (usize > (uint64_t{1} << 34)) Corrupt(member, "inflated size over 16 GiB");
+      // deflate expands at most 1032:1: a larger claim is damage, not a reason to allocate
+      if (usize > (uint64_t{1} << 34) || usize > csize * 1032 + 64)
+        Corrupt(member, "inflated size " + std::to_string(usize) + " impossible for " +
+                            std::to_string(csize) + " compressed bytes");
       bytes.resize(usize);
       z_stream z{};
       if (inflateInit2(&z, -MAX_WBITS) != Z_OK) Corrupt(member, "zlib inflateInit failed");
