@@ -6,7 +6,13 @@
 
 namespace lorastream::worker::flux {
 
-bool IsFluxJobFile(const std::string& path) { return TomlSection::Load(path).Has("flux"); }
+bool IsFluxJobFile(const std::string& path) {
+  try {
+    return TomlSection::Load(path).Has("flux");
+  } catch (const Error&) {
+    return false;  // missing or malformed: the LLM job loader names the problem as it always has
+  }
+}
 
 FluxJob LoadFluxJob(const std::string& path) {
   const TomlSection root = TomlSection::Load(path);

@@ -57,7 +57,8 @@ struct FluxJob {
   int64_t singles_per_unit = 2;
 };
 
-// Whether the job file at `path` is a FLUX job (it has a [flux] section).
+// Whether the job file at `path` is a FLUX job (it has a [flux] section); false when it
+// cannot be read or parsed.
 bool IsFluxJobFile(const std::string& path);
 // Loads and validates; errors name the file and the key.
 FluxJob LoadFluxJob(const std::string& path);
