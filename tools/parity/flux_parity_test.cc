@@ -56,7 +56,8 @@ TEST_CASE("flux parity: output, loss and LoRA gradients equal diffusers + peft (
     const int units = static_cast<int>(base.layouts().size());
     for (int swap : {0, units}) {  // resident, and every unit streamed
       auto engine = base.MakeEngine(swap, 1, at::kCPU);
-      FluxModel model(base.config(), base.rest(), engine.get(), base.layouts(), 2, at::kCPU, at::kFloat);
+      FluxModel model(base.config(), base.rest(), engine.get(), base.layouts(), 2, at::kCPU,
+                      at::kFloat);
       FluxBatch b;
       b.img = Get(c, "img");
       b.txt = Get(c, "txt");
@@ -78,8 +79,8 @@ TEST_CASE("flux parity: output, loss and LoRA gradients equal diffusers + peft (
       double worst = 0;
       std::string worst_name;
       for (const auto& [module, m] : adapter.modules()) {
-        for (const auto& [grad, key] :
-             {std::pair{m.a.grad(), module + ".grad_A"}, std::pair{m.b.grad(), module + ".grad_B"}}) {
+        for (const auto& [grad, key] : {std::pair{m.a.grad(), module + ".grad_A"},
+                                        std::pair{m.b.grad(), module + ".grad_B"}}) {
           const double e = RelErr(grad, Get(c, key));
           if (e > worst) worst = e, worst_name = key;
         }
