@@ -105,6 +105,10 @@ TEST_CASE("flux config: read from BFL's tensor names; other layouts refused by n
   CHECK(c.mlp_hidden == 256);
   CHECK(c.axes_dim == std::array<int64_t, 3>{4, 6, 6});
   CHECK(c.guidance_embed);
+  FluxConfig schnell = tiny;  // FLUX.1-schnell has no guidance embedding
+  schnell.guidance_embed = false;
+  const std::string sp = WriteBfl(dir.str() + "/schnell.safetensors", schnell);
+  CHECK_FALSE(FluxConfigFromHeader(SafetensorsFile::Open(sp).header(), sp).guidance_embed);
 
   const std::string extra = WriteBfl(dir.str() + "/extra.safetensors", tiny, [](auto& t) {
     t.push_back({"double_blocks.0.img_attn.lora.weight", DType::kF32, {2}, t[0].data});
