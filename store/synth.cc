@@ -25,6 +25,7 @@
 #include "store/checksum.h"
 #include "store/convert.h"
 #include "store/quantize.h"
+#include "store/synth_flux.h"
 
 namespace lorastream::store {
 
@@ -170,6 +171,9 @@ Preset LoadPreset(const std::string& name_or_path, const std::string& presets_di
 SynthResult RunSynth(const SynthOptions& options) {
   const auto start = std::chrono::steady_clock::now();
   if (options.out_dir.empty()) throw Error(ErrorCode::kInvalidArgument, "--out is required");
+  const std::string preset_path = PresetPath(
+      options.preset, options.presets_dir.empty() ? DefaultPresetsDir() : options.presets_dir);
+  if (IsFluxPreset(preset_path)) return RunSynthFlux(options, preset_path);
   Preset preset = LoadPreset(
       options.preset, options.presets_dir.empty() ? DefaultPresetsDir() : options.presets_dir);
   ModelConfig config = preset.config;

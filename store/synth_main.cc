@@ -8,6 +8,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "store/synth.h"
+#include "store/synth_flux.h"
 
 int main(int argc, char** argv) {
   using namespace lorastream;
@@ -31,9 +32,14 @@ int main(int argc, char** argv) {
                  "a Hugging Face tokenizer folder to copy in (vocab_size grows to fit it)");
   app.add_flag("--force", o.force,
                "write into an --out folder that is not empty, replacing its checkpoint files");
+  std::string flux_caches;
+  app.add_option("--flux-caches", flux_caches,
+                 "FLUX presets: also write random sd-scripts-style caches (three images, two "
+                 "buckets) of the preset's widths into this folder, for a demo job");
   return RunMain("lorastream-synth", app, argc, argv, [&] {
     InitLogging("synth");
     SynthResult r = RunSynth(o);
+    if (!flux_caches.empty()) WriteFluxDemoCaches(o, flux_caches);
     std::printf("wrote %s: %llu bytes in %d shard(s), %.2f s (%.2f GB/s)\n", o.out_dir.c_str(),
                 static_cast<unsigned long long>(r.bytes), r.shards, r.seconds,
                 r.bytes / r.seconds / 1e9);

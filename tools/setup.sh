@@ -99,7 +99,7 @@ TOOLS=(g++:build-essential cmake:cmake ninja:ninja-build node:nodejs)
 PACKAGES=(
   ccache pkg-config git procps
   libboost-dev libzmq3-dev cppzmq-dev libcereal-dev catch2 nlohmann-json3-dev
-  libtomlplusplus-dev libcli11-dev libspdlog-dev libsqlite3-dev
+  libtomlplusplus-dev libcli11-dev libspdlog-dev libsqlite3-dev zlib1g-dev
 )
 # Debian's LibTorch (and the BLAS it needs) only when it is the one chosen; clang and its
 # sanitizer runtime for tools/test.sh's fuzzers, clang-format for its format check.

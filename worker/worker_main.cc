@@ -1,6 +1,7 @@
 // lorastream-worker: `train JOB.toml...` runs one job, or several as one group, standalone; `plan
 // JOB.toml` prints the streaming plans the cost model weighs; `parity` is the parity harness's side
 // (tools/parity/). Thin: parse options, call one Run function, map errors.
+#include <algorithm>
 #include <atomic>
 #include <csignal>
 #include <cstdio>
@@ -24,6 +25,8 @@
 #include "worker/stream/stream_provider.h"
 #include "worker/train/group_trainer.h"
 #include "worker/train/trainer.h"
+#include "worker/flux/flux_job.h"
+#include "worker/flux/flux_train.h"
 
 namespace {
 std::atomic<bool> g_stop_serving{false};
@@ -145,6 +148,20 @@ int main(int argc, char** argv) {
     }
     InitLogging("worker");
     if (!store_user.empty()) store::SetTrustedStoreOwner(LookupUser(store_user).uid);
+    const bool flux_job =
+        *train_cmd && std::any_of(job_paths.begin(), job_paths.end(), flux::IsFluxJobFile);
+    if (flux_job && job_paths.size() > 1)
+      throw Error(ErrorCode::kInvalidArgument,
+                  "a [flux] job trains alone: job groups are for the LLM families");
+    if (flux_job) {  // a [flux] job: FLUX.1 from caches
+      flux::FluxTrainOptions flux_train;
+      flux_train.device = train.device;
+      flux_train.threads = train.threads;
+      flux_train.stop = &g_train_stop_signal;
+      std::signal(SIGINT, OnTrainStopSignal);
+      std::signal(SIGTERM, OnTrainStopSignal);
+      return flux::RunFluxTrainCommand(job_paths[0], flux_train);
+    }
     if (*train_cmd) {
       train.resume = !no_resume;
       // The job's [stream] section plans residency and streaming, as under `serve`.

@@ -16,6 +16,7 @@ PACKAGES=(
   libcereal-dev catch2 nlohmann-json3-dev libtomlplusplus-dev libtomlplusplus3 libcli11-dev
   libspdlog-dev libspdlog1.10 libfmt-dev libfmt9
   libsqlite3-dev libsqlite3-0
+  zlib1g-dev zlib1g
 )
 cd "$DEST"
 missing=()

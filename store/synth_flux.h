@@ -1,0 +1,25 @@
+// `lorastream-synth` for FLUX.1-shaped checkpoints: a preset with model_type = "flux"
+// (configs/models/flux-tiny.toml, flux1-dev.toml) is written as BFL's single file,
+// OUT/flux1.safetensors, with the same deterministic values as every synth checkpoint
+// (SynthValue) and the RoPE axes in its metadata (common/flux_config.h).
+#pragma once
+
+#include <string>
+
+#include "common/flux_config.h"
+#include "store/synth.h"
+
+namespace lorastream::store {
+
+// The preset file a name or path refers to (NAME.toml in `presets_dir`, or the path itself).
+std::string PresetPath(const std::string& name_or_path, const std::string& presets_dir);
+// Whether the preset file says model_type = "flux".
+bool IsFluxPreset(const std::string& path);
+// The FLUX shape of a preset file; errors name the file and the key.
+FluxConfig LoadFluxPreset(const std::string& path, DType* dtype);
+SynthResult RunSynthFlux(const SynthOptions& options, const std::string& preset_path);
+// Three images' caches (common/flux_cache.h) for the FLUX preset of `options`: two of 32x32
+// pixels and one of 48x32 (two buckets), random latents and text features of its widths.
+void WriteFluxDemoCaches(const SynthOptions& options, const std::string& dir);
+
+}  // namespace lorastream::store

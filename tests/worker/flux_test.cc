@@ -1,0 +1,343 @@
+// FLUX.1 on the CPU: the checkpointed units give plain autograd's loss and gradients, those
+// gradients match finite differences, a streamed run (every ring, one or two single blocks
+// per unit, poisoned and delayed copies) equals the resident run bit for bit, the trainer
+// runs end to end from sd-scripts-style caches (reproducibly, streamed = resident over
+// several optimizer steps), and the adapter files carry kohya's and diffusers' names.
+#include "tests/worker/torch_catch.h"
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include "common/error.h"
+#include "common/safetensors.h"
+#include "store/synth.h"
+#include "tests/support/flux_cache_files.h"
+#include "tests/support/test_support.h"
+#include "worker/train/adamw.h"
+#include "worker/flux/flux_adapter_io.h"
+#include "worker/flux/flux_base.h"
+#include "worker/flux/flux_job.h"
+#include "worker/flux/flux_model.h"
+#include "worker/flux/flux_objective.h"
+#include "worker/flux/flux_train.h"
+
+using namespace lorastream;
+using lorastream::testing::ErrorMessageOf;
+using lorastream::testing::TempDir;
+using namespace lorastream::worker;
+using namespace lorastream::worker::flux;
+
+namespace {
+
+std::string MakeFluxCheckpoint(const std::string& dir) {
+  store::SynthOptions o;
+  o.preset = "flux-tiny";
+  o.out_dir = dir;
+  o.presets_dir = std::string(LORASTREAM_SOURCE_DIR) + "/configs/models";
+  o.seed = 3;
+  o.dtype = "f32";
+  store::RunSynth(o);
+  return dir + "/flux1.safetensors";
+}
+
+// A batch of two 32x48-pixel images (latents 4 x 6) with 8 text tokens.
+FluxBatch TinyBatch(const FluxConfig& c, uint64_t seed) {
+  at::Generator gen = at::detail::createCPUGenerator(seed);
+  FluxBatch b;
+  const int64_t n = 2, h = 4, w = 6, lt = 8;
+  b.img = PackLatents(at::empty({n, 16, h, w}).normal_(0, 1, gen));
+  b.img_ids = ImageIds(n, h, w, at::kCPU);
+  b.txt = at::empty({n, lt, c.context_in_dim}).normal_(0, 1, gen);
+  b.txt_ids = at::zeros({n, lt, 3});
+  b.y = at::empty({n, c.vec_in_dim}).normal_(0, 1, gen);
+  b.timesteps = at::tensor({0.3f, 0.8f});
+  b.guidance = at::full({n}, 1.0f);
+  return b;
+}
+
+// An adapter on every linear layer with B random too (B = 0 would give A no gradient).
+FluxAdapter RandomAdapter(const FluxConfig& c, uint64_t seed) {
+  FluxAdapter a(c, FluxTargets({"all"}, "test"), 4, 8.0, seed, at::kCPU);
+  at::Generator gen = at::detail::createCPUGenerator(seed + 1);
+  at::NoGradGuard no_grad;
+  for (auto& [name, m] : a.modules()) m.b.normal_(0, 0.05, gen);
+  return a;
+}
+
+struct LossAndGrads {
+  at::Tensor loss;
+  std::vector<at::Tensor> grads;
+};
+
+LossAndGrads Run(FluxModel& model, const FluxBatch& batch, FluxAdapter& adapter, bool ckpt,
+                 const at::Tensor& target) {
+  for (auto& p : adapter.Params())
+    if (p.grad().defined()) p.mutable_grad().zero_();
+  model.provider().BeginStep();
+  LossAndGrads r;
+  r.loss = FlowLoss(model.Forward(batch, adapter, ckpt), target);
+  r.loss.backward();
+  StepStats stats;
+  model.provider().EndStep(stats);
+  for (auto& p : adapter.Params()) r.grads.push_back(p.grad().clone());
+  return r;
+}
+
+// flux-tiny in `dtype`, every unit resident (two single blocks per unit), with a random
+// adapter, a batch and a target in that dtype.
+struct TinySetup {
+  explicit TinySetup(at::ScalarType dtype)
+      : dir("flux-model"),
+        base(FluxBase::Load(MakeFluxCheckpoint(dir.str()), 2, dtype, at::kCPU)),
+        engine(base.MakeEngine(0, 1, at::kCPU)),
+        model(base.config(), base.rest(), engine.get(), base.layouts(), 2, at::kCPU, dtype),
+        adapter(RandomAdapter(base.config(), 11)),
+        batch(TinyBatch(base.config(), 5)) {
+    for (auto& [name, m] : adapter.modules()) {  // master weights in `dtype` too
+      m.a = m.a.detach().to(dtype).requires_grad_(true);
+      m.b = m.b.detach().to(dtype).requires_grad_(true);
+    }
+    batch.img = batch.img.to(dtype);
+    batch.txt = batch.txt.to(dtype);
+    batch.y = batch.y.to(dtype);
+    target = at::randn(batch.img.sizes(), at::detail::createCPUGenerator(9)).to(dtype);
+  }
+  TempDir dir;
+  FluxBase base;
+  std::unique_ptr<StreamEngine> engine;
+  FluxModel model;
+  FluxAdapter adapter;
+  FluxBatch batch;
+  at::Tensor target;
+};
+
+}  // namespace
+
+TEST_CASE("flux: checkpointed units give plain autograd's loss and gradients", "[worker][flux]") {
+  TinySetup t(at::kFloat);
+  FluxModel& model = t.model;
+  FluxAdapter& adapter = t.adapter;
+  const FluxBatch& batch = t.batch;
+  const at::Tensor& target = t.target;
+
+  const LossAndGrads plain = Run(model, batch, adapter, false, target);
+  const LossAndGrads ckpt = Run(model, batch, adapter, true, target);
+  CHECK(plain.loss.item<double>() == ckpt.loss.item<double>());
+  double max_rel = 0;
+  for (size_t i = 0; i < plain.grads.size(); ++i) {
+    REQUIRE(plain.grads[i].abs().sum().item<double>() > 0);  // every A and B gets a gradient
+    const double rel =
+        ((plain.grads[i] - ckpt.grads[i]).abs().max() / plain.grads[i].abs().max()).item<double>();
+    max_rel = std::max(max_rel, rel);
+  }
+  CHECK(max_rel < 1e-5);
+}
+
+TEST_CASE("flux: AdamW on the LoRA weights lowers the loss of a fixed batch", "[worker][flux]") {
+  TinySetup t(at::kFloat);
+  AdamW optimizer(t.adapter.Params(), AdamWOptions{});
+  double first = 0, last = 0;
+  for (int step = 0; step < 30; ++step) {
+    const LossAndGrads r = Run(t.model, t.batch, t.adapter, true, t.target);
+    (step == 0 ? first : last) = r.loss.item<double>();
+    optimizer.Step(1e-2);
+    optimizer.ZeroGrad();
+  }
+  INFO("loss " << first << " -> " << last);
+  CHECK(last < 0.8 * first);
+}
+
+TEST_CASE("flux: LoRA gradients match finite differences (f64)", "[worker][flux]") {
+  TinySetup t(at::kDouble);  // f64 master weights too: exact perturbations
+  FluxModel& model = t.model;
+  FluxAdapter& adapter = t.adapter;
+  const FluxBatch& batch = t.batch;
+  const at::Tensor& target = t.target;
+  const LossAndGrads g = Run(model, batch, adapter, true, target);
+
+  // The directional derivative along a random direction of every LoRA weight, and along
+  // one module's B alone (a wrong gradient of one module would hide in the sum).
+  for (const std::string only : {"", "single_blocks.3.linear2", "double_blocks.0.txt_mod.lin"}) {
+    at::Generator gen = at::detail::createCPUGenerator(21);
+    auto params = adapter.Params();
+    std::vector<at::Tensor> dirs;
+    double analytic = 0;
+    size_t k = 0;
+    for (const auto& [name, m] : adapter.modules()) {
+      for (int ab = 0; ab < 2; ++ab, ++k) {
+        at::Tensor d = at::empty(params[k].sizes(), at::kDouble).normal_(0, 1, gen);
+        if (!only.empty() && (name != only || ab == 0)) d.zero_();
+        analytic += (d * g.grads[k]).sum().item<double>();
+        dirs.push_back(d);
+      }
+    }
+    auto loss_at = [&](double eps) {
+      at::NoGradGuard no_grad;
+      for (size_t i = 0; i < params.size(); ++i) params[i].add_(dirs[i] * eps);
+      model.provider().BeginStep();
+      const double l = FlowLoss(model.Forward(batch, adapter, false), target).item<double>();
+      StepStats s;
+      model.provider().EndStep(s);
+      for (size_t i = 0; i < params.size(); ++i) params[i].sub_(dirs[i] * eps);
+      return l;
+    };
+    const double eps = 1e-5;
+    const double numeric = (loss_at(eps) - loss_at(-eps)) / (2 * eps);
+    INFO("direction " << (only.empty() ? "all" : only) << ": analytic " << analytic << ", numeric "
+                      << numeric);
+    CHECK(std::abs(analytic) > 1e-6);
+    CHECK(std::abs(numeric - analytic) < 1e-6 * std::abs(analytic) + 1e-10);
+  }
+}
+
+TEST_CASE(
+    "flux: streamed units equal the resident run bit for bit (rings, unit packing, "
+    "poisoned and delayed copies)",
+    "[worker][flux]") {
+  TempDir dir("flux-stream");
+  const std::string path = MakeFluxCheckpoint(dir.str());
+  for (int64_t singles : {1, 2}) {
+    const FluxBase base = FluxBase::Load(path, singles, at::kFloat, at::kCPU);
+    const FluxConfig& c = base.config();
+    const FluxBatch batch = TinyBatch(c, 5);
+    const at::Tensor target = at::randn(batch.img.sizes(), at::detail::createCPUGenerator(9));
+    const int units = static_cast<int>(base.layouts().size());
+    auto resident_engine = base.MakeEngine(0, 1, at::kCPU);
+    FluxModel resident(c, base.rest(), resident_engine.get(), base.layouts(), singles, at::kCPU,
+                       at::kFloat);
+    FluxAdapter adapter = RandomAdapter(c, 11);
+    const LossAndGrads want = Run(resident, batch, adapter, true, target);
+    for (int swap : {units, units - 1}) {
+      for (int ring : {1, 2}) {
+        StreamEngineOptions o;
+        o.debug_poison = true;
+        o.debug_copy_delay_us = 200;
+        o.log_plan = false;
+        auto engine = base.MakeEngine(swap, ring, at::kCPU, o);
+        FluxModel streamed(c, base.rest(), engine.get(), base.layouts(), singles, at::kCPU,
+                           at::kFloat);
+        for (int step = 0; step < 2; ++step) {
+          INFO("singles per unit " << singles << ", " << swap << " of " << units
+                                   << " streamed, ring " << ring << ", step " << step);
+          const LossAndGrads got = Run(streamed, batch, adapter, true, target);
+          CHECK(at::equal(got.loss, want.loss));
+          for (size_t i = 0; i < want.grads.size(); ++i)
+            REQUIRE(at::equal(got.grads[i], want.grads[i]));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("flux: timestep sampling follows sd-scripts' formulas", "[worker][flux]") {
+  at::Generator g1 = at::detail::createCPUGenerator(4), g2 = at::detail::createCPUGenerator(4);
+  const at::Tensor sig = SampleTimesteps({"sigmoid", 1.0, 3.0}, 1000, 64, 64, g1);
+  const at::Tensor sh = SampleTimesteps({"shift", 1.0, 3.0}, 1000, 64, 64, g2);
+  CHECK(at::allclose(sh, sig * 3 / (1 + 2 * sig)));
+  CHECK(sig.min().item<float>() > 0);
+  CHECK(sig.max().item<float>() < 1);
+  CHECK(FluxShiftMu(256) == Approx(0.5));
+  CHECK(FluxShiftMu(4096) == Approx(1.15));
+  at::Generator g3 = at::detail::createCPUGenerator(4);
+  const at::Tensor fs = SampleTimesteps({"flux_shift", 1.0, 3.0}, 1000, 128, 128, g3);
+  const double e = std::exp(1.15);
+  CHECK(at::allclose(fs, e / (e + (1 / sig - 1))));
+  const at::Tensor x = at::ones({2, 3}), noise = at::zeros({2, 3});
+  const FlowMatch fm = MakeFlowMatch(x, noise, at::tensor({0.25f, 1.0f}));
+  CHECK(fm.noisy[0][0].item<float>() == 0.75f);
+  CHECK(fm.noisy[1][0].item<float>() == 0.0f);
+  CHECK(fm.target[0][0].item<float>() == -1.0f);
+  CHECK(at::equal(UnpackLatents(PackLatents(at::arange(2 * 16 * 4 * 6).view({2, 16, 4, 6})), 4, 6),
+                  at::arange(2 * 16 * 4 * 6).view({2, 16, 4, 6})));
+}
+
+TEST_CASE(
+    "flux trainer: from caches of two buckets to kohya and diffusers adapters; "
+    "reproducible, streamed = resident",
+    "[worker][flux]") {
+  TempDir dir("flux-train");
+  const std::string ckpt = MakeFluxCheckpoint(dir.str() + "/model");
+  std::filesystem::create_directories(dir.str() + "/cache");
+  const FluxCacheShape shape = lorastream::testing::TinyCacheShape();
+  lorastream::testing::WriteFluxCache(dir.str() + "/cache", "cat", 32, 32, shape, 1);
+  lorastream::testing::WriteFluxCache(dir.str() + "/cache", "dog", 32, 32, shape, 2);
+  lorastream::testing::WriteFluxCache(dir.str() + "/cache", "wide", 48, 32, shape, 3, true);
+  const std::string job_path = dir.str() + "/job.toml";
+  {
+    std::ofstream out(job_path);
+    out << "[flux]\ncheckpoint = \"model/flux1.safetensors\"\ncache_dir = \"cache\"\n"
+           "output_dir = \"out\"\nsteps = 4\nbatch_size = 2\nseed = 7\nrank = 4\nalpha = 8\n"
+           "learning_rate = 1e-3\ntimestep_sampling = \"flux_shift\"\n";
+  }
+  REQUIRE(IsFluxJobFile(job_path));
+  FluxJob job = LoadFluxJob(job_path);
+  CHECK(job.checkpoint == ckpt);
+  const FluxTrainResult a = TrainFlux(job, {});
+  REQUIRE(a.steps.size() == 4);
+  for (const auto& s : a.steps) CHECK(std::isfinite(s.loss));
+  CHECK(a.steps[0].tokens != a.steps[1].tokens);  // both buckets were drawn in one epoch
+
+  const FluxTrainResult again = TrainFlux(job, {});
+  job.blocks_to_swap = 3;
+  job.ring_size = 1;
+  job.output_dir = dir.str() + "/out-streamed";
+  const FluxTrainResult streamed = TrainFlux(job, {});
+  for (size_t i = 0; i < a.steps.size(); ++i) {
+    CHECK(again.steps[i].loss == a.steps[i].loss);
+    CHECK(streamed.steps[i].loss == a.steps[i].loss);
+    CHECK(streamed.steps[i].copies > 0);
+  }
+
+  const auto kohya = SafetensorsFile::Open(a.kohya_path);
+  const auto* up = kohya.Find("lora_unet_double_blocks_1_txt_attn_qkv.lora_up.weight");
+  REQUIRE(up != nullptr);
+  CHECK(up->shape == std::vector<int64_t>{192, 4});
+  REQUIRE(kohya.Find("lora_unet_single_blocks_3_modulation_lin.alpha") != nullptr);
+  CHECK(kohya.tensors().size() == 3u * (10 * 2 + 3 * 4));
+  const auto diff = SafetensorsFile::Open(a.diffusers_path);
+  const auto* q = diff.Find("transformer.single_transformer_blocks.0.attn.to_q.lora_B.weight");
+  REQUIRE(q != nullptr);
+  CHECK(q->shape == std::vector<int64_t>{64, 4});
+  CHECK(diff.Find("transformer.single_transformer_blocks.0.proj_mlp.lora_A.weight") != nullptr);
+
+  // The kohya file loads back into an adapter bit for bit; the streamed run's is identical.
+  const FluxBase base = FluxBase::Load(ckpt, 2, at::kFloat, at::kCPU);
+  FluxAdapter back(base.config(), FluxTargets({"all"}, "t"), 4, 8.0, 0, at::kCPU);
+  LoadKohyaAdapter(a.kohya_path, back);
+  FluxAdapter back2(base.config(), FluxTargets({"all"}, "t"), 4, 8.0, 1, at::kCPU);
+  LoadKohyaAdapter(streamed.kohya_path, back2);
+  for (size_t i = 0; i < back.Params().size(); ++i)
+    CHECK(at::equal(back.Params()[i], back2.Params()[i]));
+  // diffusers' B is the kohya B times alpha / r, split by rows.
+  const auto& m = back.modules().at("single_blocks.0.linear1");
+  const at::Tensor b = at::from_blob(const_cast<uint8_t*>(diff.Data(*q)), {64, 4}, at::kFloat);
+  CHECK(at::allclose(b, m.b.narrow(0, 0, 64) * 2.0));
+}
+
+TEST_CASE("flux jobs: bad keys and bad caches are refused naming the key or the file",
+          "[worker][flux]") {
+  TempDir dir("flux-job");
+  const std::string job_path = dir.str() + "/job.toml";
+  auto write = [&](const std::string& extra) {
+    std::ofstream out(job_path);
+    out << "[flux]\ncheckpoint = \"m/flux1.safetensors\"\ncache_dir = \"cache\"\n"
+           "output_dir = \"out\"\n"
+        << extra;
+  };
+  write("timestep_sampling = \"logit_normal\"\n");
+  CHECK_THAT(ErrorMessageOf([&] { LoadFluxJob(job_path); }),
+             Catch::Contains("flux.timestep_sampling"));
+  write("ranke = 4\n");
+  CHECK_THAT(ErrorMessageOf([&] { LoadFluxJob(job_path); }), Catch::Contains("ranke"));
+
+  MakeFluxCheckpoint(dir.str() + "/m");
+  std::filesystem::create_directories(dir.str() + "/cache");
+  FluxCacheShape wrong = lorastream::testing::TinyCacheShape();
+  wrong.channels = 4;  // an SD 1.x / SDXL latent in a FLUX folder
+  lorastream::testing::WriteFluxCache(dir.str() + "/cache", "sdxl", 32, 32, wrong, 1);
+  write("steps = 1\n");
+  const std::string e = ErrorMessageOf([&] { TrainFlux(LoadFluxJob(job_path), {}); });
+  CHECK_THAT(e, Catch::Contains("sdxl_0032x0032_flux.npz"));
+  CHECK_THAT(e, Catch::Contains("expected [16, 4, 4]"));
+}

@@ -1,0 +1,56 @@
+// FLUX.1's frozen base for training: read from BFL's single file (common/flux_config.h
+// validates it), its blocks packed per streaming unit into host buffers laid out as a store
+// lays out segments (one contiguous region per unit: one H2D copy moves a unit), converted to
+// the compute dtype once; the tensors outside the blocks on the device.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include "common/flux_config.h"
+#include "common/manifest.h"
+#include "worker/stream/block_provider.h"
+#include "worker/flux/flux_model.h"
+#include "worker/stream/stream_engine.h"
+
+namespace lorastream::worker::flux {
+
+class FluxBase {
+ public:
+  // A diffusers folder or any other layout is refused by name (DetectFluxCheckpoint).
+  static FluxBase Load(const std::string& path, int64_t singles_per_unit, c10::ScalarType dtype,
+                       c10::Device device);
+
+  const FluxConfig& config() const { return config_; }
+  int64_t singles_per_unit() const { return singles_per_unit_; }
+  // Unit u's packed layout (full BFL tensor names), one contiguous segment per unit.
+  const std::vector<SegmentInfo>& layouts() const { return layouts_; }
+  // What the streaming engine is given: the same segments, each described as one opaque
+  // tensor (BlockWeights, the LLMs' view type, has fields only for an LLM block's tensors;
+  // a unit reaches the model whole in its `input_norm` field and FluxUnitWeights cuts it
+  // into its tensors by layouts()).
+  const Manifest& engine_manifest() const { return manifest_; }
+  std::vector<const uint8_t*> unit_bytes() const;
+  const NamedTensors& rest() const { return rest_; }
+
+  // The streaming engine over the units: `blocks_to_swap` of them streamed through
+  // `ring_size` slots, the others resident (0: the fully resident run, streaming nothing).
+  std::unique_ptr<StreamEngine> MakeEngine(int64_t blocks_to_swap, int64_t ring_size,
+                                           c10::Device device,
+                                           const StreamEngineOptions& options = {}) const;
+
+ private:
+  FluxConfig config_;
+  int64_t singles_per_unit_ = 2;
+  std::vector<SegmentInfo> layouts_;
+  Manifest manifest_;
+  std::vector<at::Tensor> unit_buffers_;  // host uint8, one per unit
+  NamedTensors rest_;
+};
+
+}  // namespace lorastream::worker::flux

@@ -1,0 +1,141 @@
+// FLUX.1's transformer (black-forest-labs/flux src/flux/model.py and modules/layers.py; the
+// same arithmetic as diffusers' FluxTransformer2DModel) with LoRA on the blocks' linear layers,
+// computed in the compute dtype (f32 for tests and parity, bf16 for training on a GPU):
+//
+//   vec = time_in(emb(t)) [+ guidance_in(emb(g))] + vector_in(pooled)     conditioning [B, H]
+//   img = img_in(packed latents), txt = txt_in(t5_out), pe = RoPE over [txt_ids; img_ids]
+//   double-stream blocks: per stream AdaLN (shift, scale, gate) x 2 from lin(silu(vec)),
+//     fused qkv, per-head RMSNorm on q and k, one attention over [txt; img], proj, gated
+//     GELU-tanh MLP
+//   single-stream blocks over x = [txt; img]: linear1 -> (qkv, mlp in), attention,
+//     linear2([attn; gelu(mlp)]), gated
+//   final layer on the image tokens: AdaLN (shift, scale) then a linear to 64 channels.
+//
+// The blocks come from a BlockProvider in units (common/flux_config.h: one double block, or
+// `singles_per_unit` single blocks), so that the streaming engine serves them as it serves an
+// LLM's blocks. Training checkpoints each unit: its forward keeps only its input streams, its
+// backward re-acquires the unit, recomputes it with autograd on and takes the gradients of the
+// streams and of the unit's LoRA weights (the base weights are frozen and never get one).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include "common/flux_config.h"
+#include "common/manifest.h"
+#include "worker/stream/block_provider.h"
+
+namespace lorastream::worker::flux {
+
+using NamedTensors = std::map<std::string, at::Tensor>;
+
+// The adapter: per adapted module (full BFL name, "double_blocks.0.img_attn.qkv") A [r, in]
+// and B [out, r], f32 master weights that require grad; y = base(x) + B(A x) * alpha / r.
+// A starts as peft and sd-scripts start it (kaiming-uniform, bound 1/sqrt(in)), B at zero.
+class FluxAdapter {
+ public:
+  struct Module {
+    at::Tensor a, b;
+  };
+  // targets: block-relative names (FluxTargets); init from `seed` on the CPU, then to `device`.
+  FluxAdapter(const FluxConfig& config, const std::vector<std::string>& targets, int64_t rank,
+              double alpha, uint64_t seed, c10::Device device);
+
+  const std::map<std::string, Module>& modules() const { return modules_; }
+  std::map<std::string, Module>& modules() { return modules_; }
+  int64_t rank() const { return rank_; }
+  double alpha() const { return alpha_; }
+  double scale() const { return alpha_ / static_cast<double>(rank_); }
+  // Every A and B, in module-name order.
+  std::vector<at::Tensor> Params() const;
+  // The modules of a unit (full names), in name order.
+  std::vector<std::string> UnitModules(const FluxUnit& unit) const;
+
+ private:
+  std::map<std::string, Module> modules_;
+  int64_t rank_;
+  double alpha_;
+};
+
+// The LoRA weights a unit's forward reads, by module name (the adapter's own, or the
+// detached leaves the checkpointed backward recomputes with).
+using LoraMap = std::map<std::string, FluxAdapter::Module>;
+
+// What every block of a step reads besides its streams: the conditioning vector [B, H] and
+// the rotary table pe [B, 1, L, head_dim / 2, 2, 2] (f32), both without grad.
+struct FluxCompute {
+  const FluxConfig* config = nullptr;
+  at::Tensor vec, pe;
+  double lora_scale = 1.0;
+};
+
+// One unit on its streams: a double block maps {img, txt} to {img, txt}, a unit of single
+// blocks maps {x} to {x} (x = [txt; img]). `w` holds the unit's tensors by full name.
+std::vector<at::Tensor> UnitForward(const FluxUnit& unit, const std::vector<at::Tensor>& streams,
+                                    const NamedTensors& w, const LoraMap& lora,
+                                    const FluxCompute& c);
+
+// The model's inputs for a batch, on the device in the compute dtype (ids in f32).
+struct FluxBatch {
+  at::Tensor img;        // packed latents [B, N, in_channels]
+  at::Tensor img_ids;    // [B, N, 3]
+  at::Tensor txt;        // t5_out [B, L, context_in_dim]
+  at::Tensor txt_ids;    // [B, L, 3]
+  at::Tensor y;          // pooled [B, vec_in_dim]
+  at::Tensor timesteps;  // [B] in [0, 1] (the model scales by 1000)
+  at::Tensor guidance;   // [B]; ignored by a model without guidance_in
+};
+
+class FluxModel {
+ public:
+  // rest: the non-block tensors on `device` in `dtype`; the provider serves FluxUnits(config,
+  // singles_per_unit) in order, unit u packed as layouts[u] says (FluxBase: its layouts(),
+  // the engine over its engine_manifest()).
+  FluxModel(const FluxConfig& config, NamedTensors rest, BlockProvider* provider,
+            std::vector<SegmentInfo> layouts, int64_t singles_per_unit, c10::Device device,
+            c10::ScalarType dtype);
+
+  const FluxConfig& config() const { return config_; }
+  const std::vector<FluxUnit>& units() const { return units_; }
+  c10::Device device() const { return device_; }
+  c10::ScalarType dtype() const { return dtype_; }
+  BlockProvider& provider() { return *provider_; }
+
+  // The prediction [B, N, in_channels]. checkpointed: units run as checkpointed autograd
+  // functions (training; any provider); otherwise plain autograd keeps every activation
+  // (references, tests; the provider's blocks must stay valid until the backward: resident).
+  at::Tensor Forward(const FluxBatch& batch, const FluxAdapter& adapter, bool checkpointed);
+
+ private:
+  FluxConfig config_;
+  NamedTensors rest_;
+  BlockProvider* provider_;
+  std::vector<SegmentInfo> layouts_;
+  std::vector<FluxUnit> units_;
+  c10::Device device_;
+  c10::ScalarType dtype_;
+};
+
+// The tensors of a unit (by full name) from the weights a provider serves for it: views into
+// its one opaque tensor (FluxBase::engine_manifest, worker/flux/flux_base.h) at `layout`'s
+// offsets; no copy.
+NamedTensors FluxUnitWeights(const BlockWeights& served, const SegmentInfo& layout);
+
+// BFL's timestep_embedding(t, 256) with time_factor 1000: [cos | sin] of 1000 t * freqs, f32.
+at::Tensor TimestepEmbedding(const at::Tensor& t, int64_t dim);
+// BFL's EmbedND: ids [B, L, 3] -> pe [B, 1, L, head_dim / 2, 2, 2] (f32).
+at::Tensor RopeTable(const at::Tensor& ids, const FluxConfig& config);
+
+// Latents [B, C, H, W] -> [B, (H/2)(W/2), 4C] ("b c (h 2) (w 2) -> b (h w) (c 2 2)") and back.
+at::Tensor PackLatents(const at::Tensor& latents);
+at::Tensor UnpackLatents(const at::Tensor& packed, int64_t height, int64_t width);
+// img_ids [B, (H/2)(W/2), 3] of a latent of H x W: (0, row, column), f32.
+at::Tensor ImageIds(int64_t batch, int64_t height, int64_t width, c10::Device device);
+
+}  // namespace lorastream::worker::flux

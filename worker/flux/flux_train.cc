@@ -1,0 +1,132 @@
+#include "worker/flux/flux_train.h"
+
+#include <sys/stat.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include "common/error.h"
+#include "common/format_bytes.h"
+#include "common/log.h"
+#include "worker/train/adamw.h"
+#include "worker/model/base_weights.h"
+#include "worker/flux/flux_adapter_io.h"
+#include "worker/flux/flux_base.h"
+#include "worker/flux/flux_data.h"
+#include "worker/flux/flux_model.h"
+#include "worker/flux/flux_objective.h"
+#include "worker/model/model.h"
+#include "worker/model/torch_device.h"
+
+namespace lorastream::worker::flux {
+
+namespace {
+
+void SaveAdapters(const FluxAdapter& adapter, const FluxConfig& config, const FluxJob& job,
+                  FluxTrainResult& result) {
+  std::filesystem::create_directories(job.output_dir);
+  result.kohya_path = job.output_dir + "/adapter_kohya.safetensors";
+  result.diffusers_path = job.output_dir + "/pytorch_lora_weights.safetensors";
+  SaveKohyaAdapter(adapter, result.kohya_path);
+  SaveDiffusersAdapter(adapter, config, result.diffusers_path);
+}
+
+}  // namespace
+
+FluxTrainResult TrainFlux(const FluxJob& job, const FluxTrainOptions& options) {
+  at::set_num_threads(options.threads > 0 ? options.threads
+                                          : static_cast<int>(std::thread::hardware_concurrency()));
+  const c10::Device device = TorchDevice(ParseDevice(options.device));
+  const c10::ScalarType dtype = job.dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+  const FluxBase base = FluxBase::Load(job.checkpoint, job.singles_per_unit, dtype, device);
+  const FluxConfig& config = base.config();
+  const FluxDataset data(job.cache_dir, config);
+  auto engine = base.MakeEngine(job.blocks_to_swap, job.ring_size, device, options.engine);
+  FluxModel model(config, base.rest(), engine.get(), base.layouts(), job.singles_per_unit, device,
+                  dtype);
+  FluxAdapter adapter(config, FluxTargets(job.targets, "flux.targets"), job.rank, job.alpha,
+                      MixSeed(job.seed, 0xada7), device);
+  AdamWOptions adam;
+  adam.weight_decay = job.weight_decay;
+  AdamW optimizer(adapter.Params(), adam);
+  TimestepSampling sampling{job.timestep_sampling, job.sigmoid_scale, job.discrete_flow_shift};
+  LS_LOG_INFO(
+      "FLUX job: {} images in {} buckets, {} adapted modules (rank {}, alpha {}), {} of {} "
+      "units streamed",
+      data.size(), data.buckets(), adapter.modules().size(), job.rank, job.alpha,
+      job.blocks_to_swap, model.units().size());
+
+  FluxTrainResult result;
+  for (int64_t step = 0; step < job.steps; ++step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const FluxDataBatch b = data.Batch(step, job.batch_size, job.seed);
+    const int64_t n = b.latents.size(0), h = b.latents.size(2), w = b.latents.size(3);
+    at::Generator gen = at::detail::createCPUGenerator(MixSeed(job.seed, 0x5eed, step));
+    const at::Tensor noise = at::empty(b.latents.sizes(), at::kFloat).normal_(0.0, 1.0, gen);
+    const at::Tensor t = SampleTimesteps(sampling, n, h, w, gen);
+    const FlowMatch fm = MakeFlowMatch(b.latents, noise, t);
+
+    FluxBatch batch;
+    batch.img = PackLatents(fm.noisy).to(device, dtype);
+    batch.img_ids = ImageIds(n, h, w, device);
+    batch.txt = b.t5.to(device, dtype);
+    batch.txt_ids = b.txt_ids.to(device);
+    batch.y = b.pooled.to(device, dtype);
+    batch.timesteps = t.to(device);
+    batch.guidance = at::full({n}, job.guidance, at::TensorOptions(device).dtype(at::kFloat));
+
+    engine->BeginStep();
+    const at::Tensor pred = model.Forward(batch, adapter, /*checkpointed=*/true);
+    const at::Tensor loss = FlowLoss(pred, PackLatents(fm.target).to(device));
+    loss.backward();
+    StepStats stats;
+    engine->EndStep(stats);
+    const at::Tensor norm = ClipGradNormAsync(adapter.Params(), job.max_grad_norm);
+    const double lr =
+        job.learning_rate * ScheduleFactor(job.lr_schedule, step, job.warmup_steps, job.steps);
+    optimizer.Step(lr);
+    optimizer.ZeroGrad();
+
+    stats.step = step + 1;
+    stats.total_steps = job.steps;
+    stats.loss = loss.item<double>();
+    stats.learning_rate = lr;
+    stats.grad_norm = norm.defined() ? norm.item<double>() : 0.0;
+    stats.tokens = n * (h / 2) * (w / 2);
+    stats.step_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    stats.tokens_per_second = static_cast<double>(stats.tokens) / stats.step_seconds;
+    if (!std::isfinite(stats.loss))
+      throw Error(ErrorCode::kRefused, "FLUX step " + std::to_string(step + 1) +
+                                           ": the loss is not finite (lower flux.learning_rate)");
+    LS_LOG_INFO(
+        "step {}/{} loss {:.6f} lr {:.3g} grad_norm {:.4f} {}x{} x{} {:.3f} s, H2D {} in {} "
+        "copies ({} saved)",
+        stats.step, job.steps, stats.loss, lr, stats.grad_norm, w * 8, h * 8, n, stats.step_seconds,
+        FormatBytes(stats.h2d_bytes), stats.copies, stats.copies_saved);
+    result.steps.push_back(stats);
+    const bool stop = options.stop != nullptr && options.stop->load() != 0;
+    if ((job.save_every > 0 && (step + 1) % job.save_every == 0) || step + 1 == job.steps || stop)
+      SaveAdapters(adapter, config, job, result);
+    if (stop) break;
+  }
+  return result;
+}
+
+int RunFluxTrainCommand(const std::string& job_path, const FluxTrainOptions& options) {
+  const FluxJob job = LoadFluxJob(job_path);
+  const FluxTrainResult r = TrainFlux(job, options);
+  std::printf(
+      "trained %zu steps; final loss %.6f\nadapter (kohya, ComfyUI/Forge): %s\n"
+      "adapter (diffusers load_lora_weights): %s\n",
+      r.steps.size(), r.steps.empty() ? 0.0 : r.steps.back().loss, r.kohya_path.c_str(),
+      r.diffusers_path.c_str());
+  return 0;
+}
+
+}  // namespace lorastream::worker::flux

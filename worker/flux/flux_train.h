@@ -1,0 +1,37 @@
+// Training a FLUX.1 LoRA adapter from cached latents and text-encoder outputs
+// (`lorastream-worker train JOB.toml` with a [flux] section, worker/flux/flux_job.h): the
+// base read once and packed per streaming unit, the units resident or streamed through the
+// ring (StreamEngine, the LLMs' engine), checkpointed per unit; per step a batch of one
+// bucket, noise and sigmas from the step's own seed (a function of the job's seed and the
+// step: a run is reproducible and its steps independent), rectified-flow loss, AdamW with
+// clipping, the adapter saved in kohya and diffusers formats.
+#pragma once
+
+#include <atomic>
+#include <string>
+#include <vector>
+
+#include "common/step_stats.h"
+#include "worker/flux/flux_job.h"
+#include "worker/stream/stream_engine.h"
+
+namespace lorastream::worker::flux {
+
+struct FluxTrainOptions {
+  std::string device = "cpu";
+  int threads = 0;                         // CPU threads (0: every core)
+  StreamEngineOptions engine;              // debug options for tests (poison, delays)
+  const std::atomic<int>* stop = nullptr;  // set: save and stop at the next step boundary
+};
+
+struct FluxTrainResult {
+  std::vector<StepStats> steps;
+  std::string kohya_path, diffusers_path;
+};
+
+FluxTrainResult TrainFlux(const FluxJob& job, const FluxTrainOptions& options);
+
+// The command: loads the job file, trains, prints one line per step; returns the exit code.
+int RunFluxTrainCommand(const std::string& job_path, const FluxTrainOptions& options);
+
+}  // namespace lorastream::worker::flux
