@@ -14,9 +14,9 @@
 #include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>
 
+#include "common/acting_as.h"
 #include "common/durable_file.h"
 #include "common/error.h"
-#include "common/file_lock.h"
 #include "common/format_bytes.h"
 #include "common/job_access.h"
 #include "common/job_data.h"
@@ -61,7 +61,9 @@ std::string Fingerprint(const JobSpec& s) {
 // One write(2) per line, so that a full disk (or stats_file = "/dev/full") fails the job
 // naming the file instead of losing the statistics in a stream's buffer.
 void AppendStats(const std::string& path, const StepStats& s) {
-  UniqueFd fd(::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644));
+  // Never through a link (one swapped in during the job leads nowhere); under ActingAs the
+  // kernel checks this open against the job's submitter.
+  UniqueFd fd(::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644));
   if (!fd.valid()) ThrowErrno("train.stats_file: cannot append to " + path);
   const std::string line = StepStatsJson(s) + "\n";
   WriteAll(fd.get(), line.data(), line.size(), "train.stats_file " + path);
@@ -105,21 +107,60 @@ void RefuseAgainstModel(const JobSpec& spec, const BaseWeights& base) {
   }
 }
 
+// The job's provider, asking should_stop before every block it hands out: a stop (cancel,
+// SIGTERM) asked in the middle of a long step ends it at the next block, within seconds,
+// instead of after the step. Acquire then throws; stopped() tells the trainer why the step
+// failed. A step captured as a CUDA graph (host-only acquisition on a GPU) is never
+// interrupted mid-capture: it stops at the step boundary.
+class StoppableProvider final : public BlockProvider {
+ public:
+  StoppableProvider(std::unique_ptr<BlockProvider> inner, std::function<bool()> should_stop,
+                    bool cuda)
+      : inner_(std::move(inner)),
+        should_stop_(std::move(should_stop)),
+        poll_(should_stop_ && !(cuda && inner_->step_is_host_only())) {}
+  int num_blocks() const override { return inner_->num_blocks(); }
+  void BeginStep() override { inner_->BeginStep(); }
+  const BlockWeights& Acquire(int block) override {
+    if (poll_ && should_stop_()) {
+      stopped_ = true;
+      throw Error(ErrorCode::kCancelled, "stopped before block " + std::to_string(block));
+    }
+    return inner_->Acquire(block);
+  }
+  void Release(int block) override { inner_->Release(block); }
+  void EndStep(StepStats& stats) override { inner_->EndStep(stats); }
+  HeadProvider* lm_head() override { return inner_->lm_head(); }
+  int taped_blocks() const override { return inner_->taped_blocks(); }
+  bool step_is_host_only() const override { return inner_->step_is_host_only(); }
+  bool stopped() const { return stopped_; }
+
+ private:
+  std::unique_ptr<BlockProvider> inner_;
+  std::function<bool()> should_stop_;
+  const bool poll_;
+  bool stopped_ = false;
+};
+
 // The model on its device. Members are destroyed in reverse order: the model before the
 // providers it points at.
 struct TrainModel {
   std::unique_ptr<BlockProvider> provider;
+  StoppableProvider* stoppable = nullptr;       // `provider`
   std::unique_ptr<HeadProvider> resident_head;  // the head, when the provider does not stream it
   std::unique_ptr<CausalLm> model;
 };
 
 TrainModel BuildModel(const JobSpec& spec, const TrainOptions& options, const BaseWeights& base,
-                      const ComputeTarget& target) {
+                      const ComputeTarget& target, const std::function<bool()>& should_stop) {
   const c10::Device device = target.device;
   TrainModel m;
-  m.provider = options.make_provider
-                   ? options.make_provider(spec, base, device.str(), target.dtype_name)
-                   : std::make_unique<ResidentProvider>(base, device, target.dtype);
+  auto stoppable = std::make_unique<StoppableProvider>(
+      options.make_provider ? options.make_provider(spec, base, device.str(), target.dtype_name)
+                            : std::make_unique<ResidentProvider>(base, device, target.dtype),
+      should_stop, device.is_cuda());
+  m.stoppable = stoppable.get();
+  m.provider = std::move(stoppable);
   // The LM head: the provider's when its plan streams it, else resident on the device.
   HeadProvider* head = m.provider->lm_head();
   if (head == nullptr) {
@@ -138,17 +179,16 @@ TrainModel BuildModel(const JobSpec& spec, const TrainOptions& options, const Ba
 
 // One job trains into a folder at a time, from before it looks for a checkpoint to resume
 // until it returns (common/job_access.h).
-FileLock LockOutputDir(const JobSpec& spec, const TrainOptions& options) {
+OutputDirLock LockOutputDir(const JobSpec& spec, const TrainOptions& options) {
   std::error_code dir_error;
   fs::create_directories(spec.train.output_dir, dir_error);
   if (dir_error)
     throw Error(ErrorCode::kIo, "train.output_dir: cannot create " + spec.train.output_dir + ": " +
                                     dir_error.message());
-  return FileLock::Acquire((fs::path(spec.train.output_dir) / kOutputDirLockName).string(),
-                           options.lock_holder.empty()
-                               ? "lorastream-worker pid " + std::to_string(::getpid())
-                               : options.lock_holder,
-                           "train.output_dir " + spec.train.output_dir);
+  return OutputDirLock::Acquire(spec.train.output_dir,
+                                options.lock_holder.empty()
+                                    ? "lorastream-worker pid " + std::to_string(::getpid())
+                                    : options.lock_holder);
 }
 
 // Where training starts: a fresh adapter, or the latest checkpoint's adapter, AdamW moments
@@ -355,20 +395,29 @@ TrainResult RunTraining(const JobSpec& spec_in, const TrainOptions& options,
   const ComputeTarget target = ChooseComputeTarget(spec, options.device);
   const c10::Device device = target.device;
 
-  BaseWeights base = BaseWeights::ForJob(spec);
+  BaseWeights base = [&] {
+    // A model folder is read as the job's submitter; a store is this worker's to attach.
+    const ActingAs as(spec.model.checkpoint.empty() ? nullptr : options.files_as);
+    return BaseWeights::ForJob(spec);
+  }();
   RefuseAgainstModel(spec, base);
   const ModelConfig& config = base.config();
-  const JobData data = LoadJobData(spec, config.vocab_size);
+  const JobData data = [&] {
+    const ActingAs as(options.files_as);
+    return LoadJobData(spec, config.vocab_size);
+  }();
   const SequenceSet& sequences = data.train;
   LS_LOG_INFO("job {}: {}", spec.name, DescribeJobData(spec, data));
   LS_LOG_INFO("job {}: {} {} layers, device {}, dtype {}", spec.name, config.model_type,
               config.num_hidden_layers, device.str(), target.dtype_name);
-  TrainModel m = BuildModel(spec, options, base, target);
+  TrainModel m = BuildModel(spec, options, base, target, should_stop);
 
+  // From here on every file the job opens or creates is opened as its submitter.
+  const ActingAs as_submitter(options.files_as);
   // Adapter and optimizer: fresh, or from the latest checkpoint.
   const std::string fingerprint = Fingerprint(spec);
   const LoraSettings settings = LoraSettingsFromSpec(spec.lora);
-  FileLock dir_lock = LockOutputDir(spec, options);
+  OutputDirLock dir_lock = LockOutputDir(spec, options);
   TrainStart start = StartOrResume(spec, options.resume, config, device, settings, fingerprint);
   const std::string& resume_dir = start.resume_dir;
   LoraAdapter& adapter = *start.adapter;
@@ -391,27 +440,39 @@ TrainResult RunTraining(const JobSpec& spec_in, const TrainOptions& options,
   MicroBatchRunner runner(*m.model, adapter, /*allow_graphs=*/true);
   int64_t last_saved = resume_dir.empty() ? -1 : state.step;
   result.checkpoint_dir = resume_dir;
+  // Every write of the job first makes sure that the folder is still this attempt's: a later
+  // attempt that took it over (this one was declared dead, paused say) fences it.
   auto save = [&]() {
+    dir_lock.RequireOwned();
     result.checkpoint_dir =
         SaveCheckpoint(spec.train.output_dir, adapter, optimizer, state, base.name_or_path(),
                        {spec.train.keep_checkpoints, spec.train.keep_best});
     last_saved = state.step;
   };
 
+  auto stopped = [&](const char* where) {
+    if (last_saved != state.step) save();
+    result.stopped = true;
+    LS_LOG_INFO("job {}: stopped {} step {} (checkpoint saved)", spec.name, where, state.step);
+    return result;
+  };
   StepInput input;  // the next step's, made while the device runs the step before
   while (state.step < total) {
-    if (should_stop && should_stop()) {
-      if (last_saved != state.step) save();
-      result.stopped = true;
-      LS_LOG_INFO("job {}: stopped at step {} (checkpoint saved)", spec.name, state.step);
-      return result;
-    }
+    dir_lock.RequireOwned();
+    if (should_stop && should_stop()) return stopped("at");
     const auto t0 = Clock::now();
     const double lr = spec.optim.lr * ScheduleFactor(spec.optim.schedule, state.step,
                                                      spec.optim.warmup_steps, total);
     StepStats stats;
-    TrainStep(spec, sequences, sampler, *m.model, *m.provider, runner, optimizer, params, lr,
-              device, /*prepare_next=*/state.step + 1 < total, &input, &state, &stats);
+    try {
+      TrainStep(spec, sequences, sampler, *m.model, *m.provider, runner, optimizer, params, lr,
+                device, /*prepare_next=*/state.step + 1 < total, &input, &state, &stats);
+    } catch (const std::exception&) {
+      if (!m.stoppable->stopped()) throw;
+      // Stopped between two blocks. The update comes after every micro-batch, so the adapter
+      // and the optimizer are still those of the last completed step.
+      return stopped("inside");
+    }
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     SetStepFigures(state.step, total, rows * accum * sequences.seq_len, seconds, &stats);
     const bool checkpoint_now =
@@ -419,6 +480,7 @@ TrainResult RunTraining(const JobSpec& spec_in, const TrainOptions& options,
         (spec.train.checkpoint_every > 0 && state.step % spec.train.checkpoint_every == 0);
     if (EvaluateIfDue(spec, data, *m.model, adapter, checkpoint_now, &state, &stats))
       result.final_eval_loss = stats.eval_loss;
+    dir_lock.RequireOwned();
     AppendStats(stats_path, stats);
     result.steps_done = state.step;
     result.final_loss = stats.loss;
@@ -427,6 +489,7 @@ TrainResult RunTraining(const JobSpec& spec_in, const TrainOptions& options,
     if (checkpoint_now && state.step < total) save();
   }
   if (last_saved != state.step) save();
+  dir_lock.RequireOwned();
   adapter.Save(spec.train.output_dir, base.name_or_path());
   result.adapter_dir = spec.train.output_dir;
   return result;

@@ -33,6 +33,7 @@
 
 #include "common/job_spec.h"
 #include "common/step_stats.h"
+#include "common/user_access.h"
 
 namespace lorastream::worker {
 
@@ -52,8 +53,13 @@ struct TrainOptions {
   int threads = 0;             // intra-op CPU threads; 0 = every core
   ProviderFactory make_provider;
   // Who OUTPUT_DIR/.lorastream.lock says holds the folder while this job trains (a second job
-  // into it is refused naming this); "": "lorastream-worker pid N".
+  // into it is refused naming this; a later attempt of the same job takes it over, and this
+  // one then stops at its next step: common/job_access.h); "": "lorastream-worker pid N".
   std::string lock_holder;
+  // A root worker running another user's job: the job's files (its data and eval data, a
+  // model folder, the output folder with its checkpoints, adapter and statistics) are opened
+  // and created as this user (common/acting_as.h). nullptr: as this process.
+  const UserIdentity* files_as = nullptr;
 };
 
 struct TrainResult {
