@@ -81,7 +81,9 @@ struct TrainResult {
 // Runs (or resumes) the job to the end. Refusals (Error kRefused, naming the field) happen
 // before the first step: invalid spec, model missing, data missing or out of vocabulary,
 // sequence longer than the model allows. on_step is called after every step; should_stop is
-// polled before every step: when it returns true the loop saves a checkpoint and returns.
+// polled before every step and before every block a step acquires (so a stop asked inside a
+// long step ends it within a block): when it returns true the loop saves a checkpoint of the
+// last completed step and returns.
 TrainResult RunTraining(const JobSpec& spec, const TrainOptions& options,
                         const std::function<void(const StepStats&)>& on_step = {},
                         const std::function<bool()>& should_stop = {});
