@@ -460,22 +460,16 @@ TEST_CASE("a paused worker's job is taken over by its next attempt and ends as i
   // the output folder over from the paused attempt 1 (still holding its lock).
   REQUIRE(::kill(a.pid(), SIGSTOP) == 0);
   REQUIRE(::kill(a.pid(), SIGUSR2) == 0);  // delivered when it resumes
-  WaitUntil(
-      [&] {
-        return ReadAll(c.dir + "/logs/worker-b.log")
-                   .find("taking it over from job " + std::to_string(id) + " attempt 1") !=
-               std::string::npos;
-      },
-      300, "attempt 2 taking the folder over (log " + c.dir + "/logs/worker-b.log)");
+  const std::string job_text = "job " + std::to_string(id) + " attempt ";
+  auto wait_log = [&](const std::string& log, const std::string& text, const std::string& what) {
+    const std::string path = c.dir + "/logs/" + log;
+    WaitUntil([&] { return ReadAll(path).find(text) != std::string::npos; }, 300,
+              what + " (log " + path + ")");
+  };
+  wait_log("worker-b.log", "taking it over from " + job_text + "1", "attempt 2 taking over");
   // Worker a resumes while attempt 2 runs: attempt 1 is fenced, writes nothing and stops.
   REQUIRE(::kill(a.pid(), SIGCONT) == 0);
-  WaitUntil(
-      [&] {
-        return ReadAll(c.dir + "/logs/worker-a.log")
-                   .find("was taken over by job " + std::to_string(id) + " attempt 2") !=
-               std::string::npos;
-      },
-      300, "attempt 1 fenced (log " + c.dir + "/logs/worker-a.log)");
+  wait_log("worker-a.log", "was taken over by " + job_text + "2", "attempt 1 fenced");
   REQUIRE(::kill(b.pid(), SIGUSR2) == 0);
   JobSummary j;
   WaitUntil(
