@@ -23,32 +23,51 @@ std::string HolderText(int fd) {
 
 }  // namespace
 
-FileLock FileLock::Acquire(const std::string& path, const std::string& holder,
-                           const std::string& what, mode_t mode) {
+FileLock FileLock::Open(const std::string& path, mode_t mode) {
   FileLock lock;
   lock.fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, mode);
   if (lock.fd_ < 0) ThrowErrno("cannot open lock file " + path);
   lock.path_ = path;
-  if (::flock(lock.fd_, LOCK_EX | LOCK_NB) != 0) {
-    if (errno == EWOULDBLOCK)
-      throw Error(ErrorCode::kRefused,
-                  what + " is in use by " + HolderText(lock.fd_) + " (lock file " + path + ")");
-    ThrowErrno("cannot lock " + path);
-  }
+  lock.TryLock();
+  return lock;
+}
+
+bool FileLock::TryLock() {
+  if (locked_) return true;
+  if (::flock(fd_, LOCK_EX | LOCK_NB) == 0) return locked_ = true;
+  if (errno != EWOULDBLOCK) ThrowErrno("cannot lock " + path_);
+  return false;
+}
+
+std::string FileLock::Holder() const { return HolderText(fd_); }
+
+void FileLock::SetHolder(const std::string& holder) {
   const std::string text = holder + "\n";
-  if (::ftruncate(lock.fd_, 0) != 0 ||
-      ::pwrite(lock.fd_, text.data(), text.size(), 0) != static_cast<ssize_t>(text.size()))
-    ThrowErrno("cannot write lock file " + path);
+  if (::ftruncate(fd_, 0) != 0 ||
+      ::pwrite(fd_, text.data(), text.size(), 0) != static_cast<ssize_t>(text.size()))
+    ThrowErrno("cannot write lock file " + path_);
+}
+
+FileLock FileLock::Acquire(const std::string& path, const std::string& holder,
+                           const std::string& what, mode_t mode) {
+  FileLock lock = Open(path, mode);
+  if (!lock.locked_)
+    throw Error(ErrorCode::kRefused,
+                what + " is in use by " + lock.Holder() + " (lock file " + path + ")");
+  lock.SetHolder(holder);
   return lock;
 }
 
 FileLock::FileLock(FileLock&& other) noexcept
-    : fd_(std::exchange(other.fd_, -1)), path_(std::move(other.path_)) {}
+    : fd_(std::exchange(other.fd_, -1)),
+      locked_(std::exchange(other.locked_, false)),
+      path_(std::move(other.path_)) {}
 
 FileLock& FileLock::operator=(FileLock&& other) noexcept {
   if (this != &other) {
     if (fd_ >= 0) ::close(fd_);
     fd_ = std::exchange(other.fd_, -1);
+    locked_ = std::exchange(other.locked_, false);
     path_ = std::move(other.path_);
   }
   return *this;

@@ -19,6 +19,10 @@ class FileLock {
   // (lock file <path>)". Other failures: Error(kIo) naming the path.
   static FileLock Acquire(const std::string& path, const std::string& holder,
                           const std::string& what, mode_t mode = 0600);
+  // Opens `path` as Acquire does and locks it when it is free; when another open file holds
+  // the lock the result is open but not locked() (its holder text readable), Error(kIo) for
+  // other failures. For a lock that a successor may take over (common/job_access.h).
+  static FileLock Open(const std::string& path, mode_t mode = 0600);
 
   FileLock() = default;
   FileLock(FileLock&& other) noexcept;
@@ -27,12 +31,19 @@ class FileLock {
   FileLock& operator=(const FileLock&) = delete;
   ~FileLock();  // unlocks; the file stays (removing it would race with the next holder)
 
-  bool held() const { return fd_ >= 0; }
+  bool held() const { return fd_ >= 0 && locked_; }
+  // Takes the lock of an Open()ed file when it is free now; true when held.
+  bool TryLock();
+  // The first line of what the holder wrote (a placeholder when nothing).
+  std::string Holder() const;
+  // Replaces the holder text (also while another file holds the lock: a takeover).
+  void SetHolder(const std::string& holder);
   int fd() const { return fd_; }
   const std::string& path() const { return path_; }
 
  private:
   int fd_ = -1;
+  bool locked_ = false;
   std::string path_;
 };
 

@@ -1,7 +1,5 @@
 #include "common/user_access.h"
 
-#include <dirent.h>
-#include <fcntl.h>
 #include <grp.h>
 #include <pwd.h>
 #include <sys/stat.h>
@@ -94,36 +92,6 @@ std::string CheckAncestors(const std::string& path, const UserIdentity& who) {
   return "";
 }
 
-bool ChownBelow(int dir_fd, const std::string& path, uid_t uid, gid_t gid, uid_t ours,
-                std::string* error) {
-  bool ok = true;
-  int list_fd = ::dup(dir_fd);
-  DIR* dir = list_fd >= 0 ? ::fdopendir(list_fd) : nullptr;
-  if (!dir) {
-    if (list_fd >= 0) ::close(list_fd);
-    if (error && error->empty()) *error = path + ": " + std::strerror(errno);
-    return false;
-  }
-  while (dirent* e = ::readdir(dir)) {
-    const std::string name = e->d_name;
-    if (name == "." || name == "..") continue;
-    struct stat st {};
-    if (::fstatat(dir_fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
-    const std::string child = path + "/" + name;
-    if (st.st_uid == ours && ::fchownat(dir_fd, name.c_str(), uid, gid, AT_SYMLINK_NOFOLLOW) != 0) {
-      if (error && error->empty()) *error = child + ": " + std::strerror(errno);
-      ok = false;
-    }
-    if (!S_ISDIR(st.st_mode)) continue;
-    int child_fd = ::openat(dir_fd, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-    if (child_fd < 0) continue;  // replaced by a link meanwhile: never followed
-    ok = ChownBelow(child_fd, child, uid, gid, ours, error) && ok;
-    ::close(child_fd);
-  }
-  ::closedir(dir);
-  return ok;
-}
-
 }  // namespace
 
 UserIdentity LookupUser(uid_t uid) {
@@ -204,48 +172,6 @@ std::string AccessProblem(const std::string& path, const UserIdentity& who, Path
     return "";
   }
   return "";
-}
-
-bool ChownTreeOwnedByUs(const std::string& path, uid_t uid, gid_t gid, std::string* error) {
-  const uid_t ours = ::geteuid();
-  auto fail = [&](const std::string& why) {
-    if (error && error->empty()) *error = why;
-    return false;
-  };
-  std::vector<std::string> parts = Split(Absolute(path));
-  if (parts.empty()) return fail("refusing to change the owner of /");
-  // Down from "/" one folder at a time, never through a link: a folder swapped for a link
-  // since the path was resolved stops the walk instead of leading it elsewhere.
-  int dir_fd = ::open("/", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir_fd < 0) return fail(std::string("/: ") + std::strerror(errno));
-  for (size_t i = 0; i + 1 < parts.size(); ++i) {
-    int next = ::openat(dir_fd, parts[i].c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-    int err = errno;
-    ::close(dir_fd);
-    if (next < 0) {
-      if (err == ENOENT) return true;  // nothing was written there
-      return fail(Join(parts, i + 1) + ": not a folder or a link (never followed)");
-    }
-    dir_fd = next;
-  }
-  const std::string& last = parts.back();
-  bool ok = true;
-  struct stat st {};
-  if (::fstatat(dir_fd, last.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
-    ::close(dir_fd);
-    return true;
-  }
-  if (st.st_uid == ours && ::fchownat(dir_fd, last.c_str(), uid, gid, AT_SYMLINK_NOFOLLOW) != 0)
-    ok = fail(path + ": " + std::strerror(errno));
-  if (S_ISDIR(st.st_mode)) {
-    int fd = ::openat(dir_fd, last.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-    if (fd >= 0) {
-      ok = ChownBelow(fd, path, uid, gid, ours, error) && ok;
-      ::close(fd);
-    }
-  }
-  ::close(dir_fd);
-  return ok;
 }
 
 }  // namespace lorastream

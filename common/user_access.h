@@ -50,12 +50,4 @@ std::string AccessProblem(const std::string& path, const UserIdentity& who, Path
 // The longest existing prefix is resolved through the file system, the rest lexically.
 std::string CanonicalPath(const std::string& path);
 
-// Changes the owner of `path` and, when it is a folder, of everything below it that is owned
-// by the current effective user, to `uid`/`gid`: what a root worker wrote for a job then
-// belongs to the job's submitter. Never follows a link, on the way to `path` either (pass a
-// canonical path: a folder replaced by a link since stops the walk). A missing path is not
-// an error. Returns false with *error naming the first entry it could not change; the rest
-// is still attempted.
-bool ChownTreeOwnedByUs(const std::string& path, uid_t uid, gid_t gid, std::string* error);
-
 }  // namespace lorastream

@@ -476,16 +476,18 @@ Verb KeygenVerb(CLI::App& app) {
     bool force = false;
   };
   auto o = std::make_shared<Options>();
-  CLI::App* keygen =
-      app.add_subcommand("keygen", "write CURVE keys for the coordinator and its clients");
+  CLI::App* keygen = app.add_subcommand(
+      "keygen", "write CURVE keys for the coordinator, its clients and its workers");
   keygen->add_option("--out", o->key_dir, "folder to write the keys into")->required();
   keygen->add_flag("--force", o->force, "replace existing keys");
   return {keygen, [o] {
             client::WriteCurveKeys(o->key_dir, o->force);
             std::cout << "CURVE keys written to " << o->key_dir << "\n  coordinator: lorastream "
                       << "coordinator --curve-keys " << o->key_dir << " --bind tcp://0.0.0.0:PORT\n"
-                      << "  clients and workers: --curve-keys DIR, where DIR holds copies of "
-                         "coordinator.pub, client.pub and client.key (never coordinator.key)\n";
+                      << "  clients: --curve-keys DIR, where DIR holds copies of "
+                         "coordinator.pub, client.pub and client.key\n"
+                      << "  workers: --curve-keys DIR, where DIR holds copies of "
+                         "coordinator.pub, worker.pub and worker.key (never coordinator.key)\n";
             return 0;
           }};
 }

@@ -45,6 +45,24 @@ struct Client::Impl {
     }
   }
 
+  // The default endpoint's folder, checked before every request: a request goes out only
+  // while the folder is this user's own, over a connection made after such a check (a
+  // socket connected while the folder was missing or another user's is dropped, so that
+  // whoever answered there never gets a request).
+  void CheckEndpointDir() {
+    bool missing = false;
+    std::string why = EndpointDirProblem(options.endpoint, &missing);
+    if (why.empty() && !missing) return;
+    monitor.reset();
+    socket.reset();
+    if (!why.empty())
+      throw Error(ErrorCode::kRefused, "not connecting to " + options.endpoint + ": " + why);
+    throw Error(ErrorCode::kTimeout, "no coordinator at " + options.endpoint + ": its folder " +
+                                         DefaultRuntimeDir() +
+                                         " does not exist (is `lorastream coordinator` running as "
+                                         "this user?)");
+  }
+
   // What the monitor saw of a handshake. Without CURVE a connection that closes before the
   // handshake completes says little: the coordinator is stopping or restarting (ZeroMQ
   // reconnects, and the request goes out once one is there), or it requires CURVE and closed
@@ -67,10 +85,10 @@ struct Client::Impl {
 Client::Client(ClientOptions options) : impl_(std::make_unique<Impl>()) {
   impl_->options = std::move(options);
   if (!impl_->options.curve_keys_dir.empty()) {
-    impl_->keys = LoadClientKeys(impl_->options.curve_keys_dir);
+    impl_->keys = LoadClientKeys(impl_->options.curve_keys_dir, impl_->options.key_role);
     impl_->curve = true;
   }
-  impl_->Connect();
+  impl_->CheckEndpointDir();  // a folder that is not ours: refused before anything starts
 }
 
 Client::~Client() = default;
@@ -81,8 +99,7 @@ uint32_t Client::NextRequestId() { return impl_->next_id++; }
 
 void Client::Reconnect() {
   impl_->monitor.reset();
-  impl_->socket.reset();
-  impl_->Connect();
+  impl_->socket.reset();  // connected again by the next request
 }
 
 std::string Client::Exchange(const std::string& frame, uint32_t request_id, int timeout_ms) {
@@ -91,6 +108,8 @@ std::string Client::Exchange(const std::string& frame, uint32_t request_id, int 
   // ZeroMQ would retry an ipc connect refused by permissions forever: say so at once.
   if (std::string why = IpcPermissionProblem(s.options.endpoint); !why.empty())
     throw Error(ErrorCode::kRefused, why);
+  s.CheckEndpointDir();
+  if (!s.socket) s.Connect();
   if (!s.socket->send(zmq::buffer(frame), zmq::send_flags::dontwait))
     throw Error(ErrorCode::kResource, "cannot queue a request to " + s.options.endpoint);
   auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);

@@ -11,9 +11,10 @@
 namespace lorastream::client {
 
 struct ClientOptions {
-  std::string endpoint;        // e.g. tcp://127.0.0.1:5757
-  std::string curve_keys_dir;  // "": plain; else coordinator.pub + client.* from keygen
-  int timeout_ms = 10000;      // per request; the coordinator answers in milliseconds
+  std::string endpoint;             // e.g. tcp://127.0.0.1:5757
+  std::string curve_keys_dir;       // "": plain; else coordinator.pub + ROLE.* from keygen
+  int timeout_ms = 10000;           // per request; the coordinator answers in milliseconds
+  std::string key_role = "client";  // "client" | "worker": the key pair presented
 };
 
 class Client {

@@ -394,15 +394,35 @@ JobSummary Coordinator::View(const JobRecord& job) const {
   return s;
 }
 
-ListJobsReply Coordinator::ListJobs(const ListJobsRequest& req, double now) const {
+bool Coordinator::IsOperator(const Submitter& viewer) const {
+  return viewer.uid < 0 || viewer.uid == 0 || viewer.uid == options_.operator_user.uid;
+}
+
+bool Coordinator::MaySee(const Submitter& viewer, const JobRecord& job) const {
+  return IsOperator(viewer) || job.summary.submitter_uid == viewer.uid;
+}
+
+const JobRecord& Coordinator::FindVisibleJob(int64_t id, const Submitter& viewer) const {
+  const JobRecord& job = FindJob(id);
+  if (!MaySee(viewer, job))
+    throw Error(ErrorCode::kRefused, "job " + std::to_string(id) +
+                                         " was submitted by another user; " + viewer.name +
+                                         " sees only its own jobs");
+  return job;
+}
+
+ListJobsReply Coordinator::ListJobs(const ListJobsRequest& req, double now,
+                                    const Submitter& viewer) const {
   ListJobsReply reply;
   for (const auto& [id, job] : jobs_)
-    if (req.include_finished || !IsTerminal(job.summary.state)) reply.jobs.push_back(View(job));
+    if ((req.include_finished || !IsTerminal(job.summary.state)) && MaySee(viewer, job))
+      reply.jobs.push_back(View(job));
   return reply;
 }
 
-ShowJobReply Coordinator::ShowJob(const ShowJobRequest& req, double now) const {
-  const JobRecord& job = FindJob(req.job_id);
+ShowJobReply Coordinator::ShowJob(const ShowJobRequest& req, double now,
+                                  const Submitter& viewer) const {
+  const JobRecord& job = FindVisibleJob(req.job_id, viewer);
   ShowJobReply reply;
   reply.job = View(job);
   reply.spec_toml = job.spec_toml;
@@ -410,8 +430,8 @@ ShowJobReply Coordinator::ShowJob(const ShowJobRequest& req, double now) const {
   return reply;
 }
 
-StatsReply Coordinator::Stats(const StatsRequest& req) const {
-  const JobRecord& job = FindJob(req.job_id);
+StatsReply Coordinator::Stats(const StatsRequest& req, const Submitter& viewer) const {
+  const JobRecord& job = FindVisibleJob(req.job_id, viewer);
   StatsReply reply;
   reply.job_id = req.job_id;
   reply.stats = journal_.LoadStats(req.job_id);
@@ -455,13 +475,14 @@ ListWorkersReply Coordinator::ListWorkers(const ListWorkersRequest& req, double 
   return reply;
 }
 
-WatchReply Coordinator::Watch(const WatchRequest& req, double now) const {
+WatchReply Coordinator::Watch(const WatchRequest& req, double now, const Submitter& viewer) const {
   WatchReply reply;
   reply.version = version_;
   if (req.job_ids.empty()) {
-    for (const auto& [id, job] : jobs_) reply.jobs.push_back(View(job));
+    for (const auto& [id, job] : jobs_)
+      if (MaySee(viewer, job)) reply.jobs.push_back(View(job));
   } else {
-    for (int64_t id : req.job_ids) reply.jobs.push_back(View(FindJob(id)));
+    for (int64_t id : req.job_ids) reply.jobs.push_back(View(FindVisibleJob(id, viewer)));
   }
   reply.workers = workers_.Summaries(now, false);
   return reply;

@@ -62,12 +62,16 @@ class Coordinator {
   // canonical path (CanonicalPath: "/x/dd", "/x/dd/", "/x/./dd" and a link to it are one).
   SubmitReply Submit(const SubmitRequest& req, const std::string& client_key = "",
                      const Submitter& submitter = {});
-  ListJobsReply ListJobs(const ListJobsRequest& req, double now) const;
-  ShowJobReply ShowJob(const ShowJobRequest& req, double now) const;
-  StatsReply Stats(const StatsRequest& req) const;
+  // `viewer`: who asks (uid -1: the operator). A user sees only the jobs it submitted; the
+  // operator (the coordinator's own user, root, or a CURVE key mapped to no user) sees
+  // every job. Another user's job is refused (kRefused) as if it were not there to see.
+  ListJobsReply ListJobs(const ListJobsRequest& req, double now,
+                         const Submitter& viewer = {}) const;
+  ShowJobReply ShowJob(const ShowJobRequest& req, double now, const Submitter& viewer = {}) const;
+  StatsReply Stats(const StatsRequest& req, const Submitter& viewer = {}) const;
   CancelReply Cancel(const CancelRequest& req, const std::string& client_key = "");
   ListWorkersReply ListWorkers(const ListWorkersRequest& req, double now) const;
-  WatchReply Watch(const WatchRequest& req, double now) const;
+  WatchReply Watch(const WatchRequest& req, double now, const Submitter& viewer = {}) const;
 
   // Declares silent workers dead and requeues their jobs; requeues unreconciled jobs.
   void Tick(double now);
@@ -88,6 +92,10 @@ class Coordinator {
   void Finish(JobRecord& job, JobState state, const std::string& reason, double wall_now);
   void DetachWorker(const std::string& worker_id);
   JobSummary View(const JobRecord& job) const;
+  bool IsOperator(const Submitter& viewer) const;
+  bool MaySee(const Submitter& viewer, const JobRecord& job) const;
+  // FindJob for `viewer`: Error(kRefused) for another user's job.
+  const JobRecord& FindVisibleJob(int64_t id, const Submitter& viewer) const;
   void Save(const JobRecord& job);
   void Touch() { ++version_; }
 

@@ -73,7 +73,14 @@ struct ParkedWatch {
   uint32_t request_id;
   WatchRequest request;
   double deadline;
+  Submitter viewer;
 };
+
+bool IsWorkerMessage(MessageType type) {
+  return type == MessageType::kRegister || type == MessageType::kHeartbeat ||
+         type == MessageType::kStepReport || type == MessageType::kCheckpointReport ||
+         type == MessageType::kJobFinished;
+}
 
 }  // namespace
 
@@ -153,7 +160,8 @@ CoordinatorServer::CoordinatorServer(ServerOptions options) : impl_(std::make_un
   s.endpoint = s.router.get(zmq::sockopt::last_endpoint);
   LS_LOG_INFO("coordinator listening on {} ({}), journal {}", s.endpoint,
               s.curve ? "CURVE, " + std::to_string(s.keys.authorized_clients.size()) +
-                            " authorized client keys"
+                            " authorized client keys, " +
+                            std::to_string(s.keys.authorized_workers.size()) + " worker keys"
                       : (s.peer_credentials ? "peers identified by uid, no CURVE"
                                             : "INSECURE: no CURVE, every client is the operator"),
               s.options.db);
@@ -174,7 +182,7 @@ void CoordinatorServer::Impl::HandleZap() {
   char z85_key[41] = {};
   if (mechanism == "CURVE" && frames.size() > 6 && frames[6].size() == 32) {
     zmq_z85_encode(z85_key, static_cast<const uint8_t*>(frames[6].data()), 32);
-    ok = keys.authorized_clients.count(z85_key) > 0;
+    ok = keys.authorized_clients.count(z85_key) > 0 || keys.authorized_workers.count(z85_key) > 0;
   }
   if (!ok) LS_LOG_WARN("refused a {} client from {}: key not authorized", mechanism, address);
   // The user id (the client's public key) reaches every message of the connection as its
@@ -215,6 +223,22 @@ std::string CoordinatorServer::Impl::Dispatch(const Envelope& env, const std::st
                                               double now) {
   uint32_t rid = env.header.request_id;
   Coordinator& c = *core;
+  // Under CURVE a worker's key is not a client's: only keys in authorized_workers take and
+  // report on jobs, and they do nothing else.
+  if (curve) {
+    const bool worker_key = keys.authorized_workers.count(client_key) > 0;
+    const auto type = static_cast<MessageType>(env.header.type);
+    if (IsWorkerMessage(type) && !worker_key)
+      throw Error(ErrorCode::kRefused,
+                  std::string(MessageTypeName(env.header.type)) +
+                      " refused: this key is not a worker's (workers present a key listed in "
+                      "the coordinator's authorized_workers: worker.key from `lorastream "
+                      "keygen`)");
+    if (!IsWorkerMessage(type) && worker_key)
+      throw Error(ErrorCode::kRefused,
+                  std::string(MessageTypeName(env.header.type)) +
+                      " refused: a worker's key is for workers only (use a client key)");
+  }
   switch (static_cast<MessageType>(env.header.type)) {
     case MessageType::kRegister:
       return EncodeMessage(c.Register(DecodeMessage<RegisterRequest>(env), now), rid);
@@ -229,21 +253,21 @@ std::string CoordinatorServer::Impl::Dispatch(const Envelope& env, const std::st
     case MessageType::kSubmit:
       return EncodeMessage(c.Submit(DecodeMessage<SubmitRequest>(env), client_key, who), rid);
     case MessageType::kListJobs:
-      return EncodeMessage(c.ListJobs(DecodeMessage<ListJobsRequest>(env), now), rid);
+      return EncodeMessage(c.ListJobs(DecodeMessage<ListJobsRequest>(env), now, who), rid);
     case MessageType::kShowJob:
-      return EncodeMessage(c.ShowJob(DecodeMessage<ShowJobRequest>(env), now), rid);
+      return EncodeMessage(c.ShowJob(DecodeMessage<ShowJobRequest>(env), now, who), rid);
     case MessageType::kStats:
-      return EncodeMessage(c.Stats(DecodeMessage<StatsRequest>(env)), rid);
+      return EncodeMessage(c.Stats(DecodeMessage<StatsRequest>(env), who), rid);
     case MessageType::kCancel:
       return EncodeMessage(c.Cancel(DecodeMessage<CancelRequest>(env), client_key), rid);
     case MessageType::kListWorkers:
       return EncodeMessage(c.ListWorkers(DecodeMessage<ListWorkersRequest>(env), now), rid);
     case MessageType::kWatch: {
       WatchRequest req = DecodeMessage<WatchRequest>(env);
-      WatchReply reply = c.Watch(req, now);  // validates the job ids before parking
+      WatchReply reply = c.Watch(req, now, who);  // validates the job ids before parking
       if (reply.version > req.since_version || req.wait_ms <= 0) return EncodeMessage(reply, rid);
       double wait = std::min(req.wait_ms, 60000) / 1000.0;
-      watches.push_back(ParkedWatch{identity, rid, std::move(req), now + wait});
+      watches.push_back(ParkedWatch{identity, rid, std::move(req), now + wait, who});
       return "";
     }
     default:
@@ -304,7 +328,8 @@ void CoordinatorServer::Impl::AnswerWatches(double now, bool all) {
   for (auto it = watches.begin(); it != watches.end();) {
     if (all || core->version() > it->request.since_version || now >= it->deadline) {
       try {
-        Send(it->identity, EncodeMessage(core->Watch(it->request, now), it->request_id));
+        Send(it->identity,
+             EncodeMessage(core->Watch(it->request, now, it->viewer), it->request_id));
       } catch (const Error& e) {
         SendError(it->identity, it->request_id, e.code(), e.what());
       }

@@ -5,6 +5,7 @@
 #include <zmq.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -71,17 +72,21 @@ void WriteCurveKeys(const std::string& dir, bool force) {
   std::error_code ec;
   fs::create_directories(d, ec);
   if (ec) throw Error(ErrorCode::kIo, "cannot create " + dir + ": " + ec.message());
-  for (const char* name : {"coordinator.key", "client.key"})
+  for (const char* name : {"coordinator.key", "client.key", "worker.key"})
     if (!force && fs::exists(d / name))
       throw Error(ErrorCode::kInvalidArgument,
                   (d / name).string() + " exists; pass --force to replace the keys");
   CurveKeyPair server = NewKeyPair();
   CurveKeyPair client = NewKeyPair();
+  CurveKeyPair worker = NewKeyPair();
   WriteKeyFile(d / "coordinator.pub", server.public_key, false);
   WriteKeyFile(d / "coordinator.key", server.secret_key, true);
   WriteKeyFile(d / "client.pub", client.public_key, false);
   WriteKeyFile(d / "client.key", client.secret_key, true);
+  WriteKeyFile(d / "worker.pub", worker.public_key, false);
+  WriteKeyFile(d / "worker.key", worker.secret_key, true);
   WriteKeyFile(d / "authorized_clients", client.public_key, false);
+  WriteKeyFile(d / "authorized_workers", worker.public_key, false);
 }
 
 CurveServerKeys LoadServerKeys(const std::string& dir) {
@@ -116,16 +121,38 @@ CurveServerKeys LoadServerKeys(const std::string& dir) {
   if (keys.authorized_clients.empty())
     throw Error(ErrorCode::kInvalidArgument,
                 (d / "authorized_clients").string() + " lists no client key");
+  const fs::path workers = d / "authorized_workers";
+  std::ifstream worker_list(workers);
+  if (!worker_list)
+    throw Error(ErrorCode::kNotFound,
+                workers.string() +
+                    " is missing: the coordinator admits as workers only the keys it lists "
+                    "(keys from an older `lorastream keygen`: write a worker key pair with "
+                    "`lorastream keygen --out DIR --force` and give worker.* to the workers)");
+  for (number = 1; std::getline(worker_list, line); ++number) {
+    std::istringstream words(line);
+    std::string key;
+    if (!(words >> key) || key[0] == '#') continue;
+    if (!ValidZ85Key(key))
+      throw Error(ErrorCode::kCorrupt, workers.string() + ":" + std::to_string(number) +
+                                           ": not a 40-character Z85 public key");
+    if (keys.authorized_clients.count(key))
+      throw Error(ErrorCode::kInvalidArgument,
+                  workers.string() + ":" + std::to_string(number) +
+                      ": this key is also a client's (authorized_clients); a worker's key must "
+                      "be its own");
+    keys.authorized_workers.insert(key);
+  }
   return keys;
 }
 
-CurveClientKeys LoadClientKeys(const std::string& dir) {
+CurveClientKeys LoadClientKeys(const std::string& dir, const std::string& role) {
   RequireCurveSupport();
   fs::path d(dir);
   CurveClientKeys keys;
   keys.server_public_key = ReadKey(d / "coordinator.pub");
-  keys.client.public_key = ReadKey(d / "client.pub");
-  keys.client.secret_key = ReadKey(d / "client.key");
+  keys.client.public_key = ReadKey(d / (role + ".pub"));
+  keys.client.secret_key = ReadKey(d / (role + ".key"));
   return keys;
 }
 
@@ -173,18 +200,43 @@ std::string DefaultRuntimeDir() {
 
 std::string DefaultEndpoint() { return "ipc://" + DefaultRuntimeDir() + "/coordinator.sock"; }
 
+std::string RuntimeDirProblem(const std::string& dir) {
+  struct stat st {};
+  if (::lstat(dir.c_str(), &st) != 0) return "";
+  const std::string fix = "; remove it (as its owner or root) and start the coordinator again";
+  if (!S_ISDIR(st.st_mode)) return dir + " is not a folder (a link or a file)" + fix;
+  if (st.st_uid != ::geteuid())
+    return dir + " belongs to " + DescribeUser(st.st_uid) + ", not to " +
+           DescribeUser(::geteuid()) + ": whoever listens there is not this user's coordinator" +
+           fix;
+  if (st.st_mode & 022) {
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    return dir + " (mode " + mode + ") may be written by other users" + "; `chmod 700 " + dir +
+           "` (the coordinator does it when it starts)";
+  }
+  return "";
+}
+
+std::string EndpointDirProblem(const std::string& endpoint, bool* missing) {
+  if (missing) *missing = false;
+  if (endpoint.rfind("ipc://", 0) != 0) return "";
+  const std::string dir = DefaultRuntimeDir();
+  if (endpoint.rfind("ipc://" + dir + "/", 0) != 0) return "";
+  struct stat st {};
+  if (missing && ::lstat(dir.c_str(), &st) != 0) *missing = true;
+  return RuntimeDirProblem(dir);
+}
+
 void EnsureOwnerOnlyDir(const std::string& dir) {
   if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) ThrowErrno("cannot create " + dir);
   struct stat st {};
   if (::lstat(dir.c_str(), &st) != 0) ThrowErrno("cannot inspect " + dir);
-  std::string fix = "; remove it (as its owner or root) and start again";
-  if (!S_ISDIR(st.st_mode))
-    throw Error(ErrorCode::kRefused, dir + " is not a folder (a link or a file)" + fix);
-  if (st.st_uid != ::geteuid())
-    throw Error(ErrorCode::kRefused,
-                dir + " belongs to " + DescribeUser(st.st_uid) + ", not to this user" + fix);
-  if ((st.st_mode & 077) && ::chmod(dir.c_str(), 0700) != 0)
+  // This user's own folder, opened up: closed again before the check.
+  if (S_ISDIR(st.st_mode) && st.st_uid == ::geteuid() && (st.st_mode & 077) &&
+      ::chmod(dir.c_str(), 0700) != 0)
     ThrowErrno("cannot make " + dir + " owner-only");
+  if (std::string why = RuntimeDirProblem(dir); !why.empty()) throw Error(ErrorCode::kRefused, why);
 }
 
 std::string IpcPermissionProblem(const std::string& endpoint) {

@@ -1,13 +1,18 @@
 // CURVE keys for the coordinator protocol. `lorastream keygen --out DIR` writes one key pair
-// for the coordinator and one for its clients (workers and the command):
+// for the coordinator, one for its clients (the command) and one for its workers:
 //   DIR/coordinator.pub  DIR/coordinator.key  DIR/client.pub  DIR/client.key
-//   DIR/authorized_clients   (public keys the coordinator accepts, one Z85 key a line,
-//                             optionally followed by the local user name the key acts as:
-//                             "KEY alice"; a key without a name acts as the operator)
-// Secret keys are written owner-only (0600). The coordinator loads coordinator.* and
-// authorized_clients; clients load coordinator.pub and client.* (so client hosts get copies of
-// those three files, never coordinator.key). Keys are Z85 text (40 chars). To admit another
-// client key pair, append its public key to authorized_clients.
+//   DIR/worker.pub  DIR/worker.key
+//   DIR/authorized_clients   (public keys the coordinator accepts from clients, one Z85 key a
+//                             line, optionally followed by the local user name the key acts
+//                             as: "KEY alice"; a key without a name acts as the operator)
+//   DIR/authorized_workers   (public keys the coordinator accepts from workers, one a line)
+// A worker's key is not a client's: only a key in authorized_workers registers as a worker
+// and reports on jobs, and such a key does nothing else. Secret keys are written owner-only
+// (0600). The coordinator loads coordinator.*, authorized_clients and authorized_workers;
+// clients load coordinator.pub and client.*, workers coordinator.pub and worker.* (so client
+// hosts get copies of coordinator.pub and client.*, worker hosts of coordinator.pub and
+// worker.*, never coordinator.key). Keys are Z85 text (40 chars). To admit another key pair,
+// append its public key to the matching list.
 #pragma once
 
 #include <map>
@@ -24,6 +29,7 @@ struct CurveKeyPair {
 struct CurveServerKeys {
   CurveKeyPair server;
   std::set<std::string> authorized_clients;      // Z85 public keys
+  std::set<std::string> authorized_workers;      // Z85 public keys of workers
   std::map<std::string, std::string> key_users;  // key -> local user name, when mapped
 };
 
@@ -44,7 +50,8 @@ CurveServerKeys LoadServerKeys(const std::string& dir);
 CurveKeyPair NewCurveKeyPair();
 void WriteCurveKeyFile(const std::string& path, const std::string& key, bool secret);
 std::string ReadCurveKeyFile(const std::string& path);
-CurveClientKeys LoadClientKeys(const std::string& dir);
+// `role`: "client" (client.pub, client.key) or "worker" (worker.pub, worker.key).
+CurveClientKeys LoadClientKeys(const std::string& dir, const std::string& role = "client");
 
 // True for endpoints that only this host can reach: ipc://, inproc://, and tcp:// on
 // 127.0.0.0/8, ::1 or localhost.
@@ -61,9 +68,18 @@ std::string DefaultRuntimeDir();
 // ipc://DefaultRuntimeDir()/coordinator.sock: what the coordinator binds and the client verbs
 // and workers connect to when no endpoint is named (LORASTREAM_COORDINATOR overrides).
 std::string DefaultEndpoint();
-// Creates `dir` (0700) when missing and checks that it is a folder (not a symbolic link)
-// owned by this user and closed to others; Error(kRefused) naming what is wrong otherwise
-// (a folder another user made first cannot hijack the socket).
+// What is wrong with `dir` as the folder of this user's coordinator socket: "" when it is a
+// folder (not a symbolic link) owned by this user that no one else may write, or when it is
+// missing; else the problem, naming the owner and the fix. The one check of the coordinator
+// (EnsureOwnerOnlyDir), of every client and worker before they connect to the default
+// endpoint (a folder another user made first would let that user answer in the
+// coordinator's place), and of `doctor`.
+std::string RuntimeDirProblem(const std::string& dir);
+// RuntimeDirProblem for the folder of `endpoint` when that is DefaultRuntimeDir() (ipc://
+// under it); "" for every other endpoint. `missing` is set when the folder does not exist.
+std::string EndpointDirProblem(const std::string& endpoint, bool* missing = nullptr);
+// Creates `dir` (0700) when missing, tightens this user's own folder to 0700, and refuses
+// (Error kRefused, RuntimeDirProblem's text) a folder that is a link or another user's.
 void EnsureOwnerOnlyDir(const std::string& dir);
 // For an ipc:// endpoint whose socket this process may not reach (a folder it cannot search):
 // why, naming the path and the way in; "" otherwise (and for every other transport).

@@ -15,6 +15,7 @@
 #include "common/subprocess.h"
 #include "coordinator/build_info.h"
 #include "coordinator/client.h"
+#include "coordinator/curve.h"
 #include "store/registry.h"
 
 namespace lorastream::cli {
@@ -174,6 +175,16 @@ nlohmann::json StoresCheck(nlohmann::json& report) {
 
 nlohmann::json CoordinatorCheck(nlohmann::json& report, const DoctorOptions& o) {
   nlohmann::json j{{"endpoint", o.endpoint}};
+  // A folder that is not this user's own is a problem in itself, and is never connected to.
+  if (std::string why = client::EndpointDirProblem(o.endpoint); !why.empty()) {
+    j["reachable"] = false;
+    j["error"] = why;
+    const std::string dir = client::DefaultRuntimeDir();
+    AddProblem(report, "coordinator", why,
+               "remove " + dir + " as its owner or root (`sudo rm -r " + dir +
+                   "`), then start `lorastream coordinator` as this user");
+    return j;
+  }
   try {
     client::Client client(
         client::ClientOptions{o.endpoint, o.curve_keys, static_cast<int>(o.timeout_s * 1000)});

@@ -24,11 +24,10 @@ namespace lorastream::cli {
 namespace fs = std::filesystem;
 namespace {
 
-// The files of a worker's --curve-keys folder and the coordinator's list that admits its key.
-// Today a worker authenticates as a client (LoadClientKeys reads client.pub and client.key);
-// where the coordinator admits workers' keys apart, these two names are what changes.
-constexpr const char* kWorkerKeyStem = "client";
-constexpr const char* kWorkerAdmitList = "authorized_clients";
+// The files of a worker's --curve-keys folder (LoadClientKeys(dir, "worker")) and the
+// coordinator's list that admits its key as a worker's, never as a client's.
+constexpr const char* kWorkerKeyStem = "worker";
+constexpr const char* kWorkerAdmitList = "authorized_workers";
 
 // A store name of a pilot is STORE-NODE-JOBID (at most 64 characters): the name jobs give
 // must leave room for a node's name and a Slurm job id.
@@ -299,7 +298,7 @@ int RunSlurm(SlurmOptions options, std::ostream& out) {
       << (keys.client_created ? " (created)" : "") << "\n";
   if (!o.coordinator.empty())
     out << "  the coordinator at " << o.coordinator
-        << " reads its authorized_clients when it starts: restart it to admit this pilot's "
+        << " reads its authorized_workers when it starts: restart it to admit this pilot's "
            "workers (its journal keeps every job)\n";
   out << "  jobs name the store: [model] store = \"" << o.store << "\"\n"
       << "  submit jobs: lorastream --coordinator " << endpoint << " --curve-keys "

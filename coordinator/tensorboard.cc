@@ -1,5 +1,7 @@
 #include "coordinator/tensorboard.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <array>
@@ -8,8 +10,10 @@
 #include <cstring>
 #include <filesystem>
 
+#include "common/durable_file.h"
 #include "common/error.h"
 #include "common/log.h"
+#include "common/user_access.h"
 
 namespace lorastream::coordinator {
 
@@ -140,27 +144,37 @@ std::string RunName(int64_t job_id, const std::string& job_name) {
 }
 
 EventFileWriter::EventFileWriter(const std::string& run_dir) {
-  std::error_code ec;
-  fs::create_directories(run_dir, ec);
-  if (ec)
-    throw Error(ErrorCode::kIo, "tensorboard: cannot create " + run_dir + ": " + ec.message());
+  // The run folder and its event file are created, never followed: a link (or another user's
+  // folder) placed under the job's run name in a shared --tensorboard folder is refused, not
+  // written through.
+  if (::mkdir(run_dir.c_str(), 0755) != 0 && errno != EEXIST)
+    ThrowErrno("tensorboard: cannot create " + run_dir);
+  UniqueFd dir(::open(run_dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  if (!dir.valid())
+    ThrowErrno("tensorboard: " + run_dir + " is not a folder this coordinator made (a link?)");
+  struct stat st {};
+  if (::fstat(dir.get(), &st) != 0) ThrowErrno("tensorboard: cannot inspect " + run_dir);
+  if (st.st_uid != ::geteuid())
+    throw Error(ErrorCode::kRefused, "tensorboard: " + run_dir + " belongs to " +
+                                         DescribeUser(st.st_uid) + ", not to this coordinator's " +
+                                         DescribeUser(::geteuid()) + "; remove it");
   char host[256] = "localhost";
   gethostname(host, sizeof host - 1);
   const double now = UnixSeconds();
   // The pid keeps two coordinators' files (a restart within one second) apart.
-  path_ = (fs::path(run_dir) / ("events.out.tfevents." + std::to_string(static_cast<int64_t>(now)) +
-                                "." + host + "." + std::to_string(getpid())))
-              .string();
-  out_.open(path_, std::ios::binary | std::ios::app);
-  if (!out_) ThrowErrno("tensorboard: cannot open " + path_);
+  const std::string name = "events.out.tfevents." + std::to_string(static_cast<int64_t>(now)) +
+                           "." + host + "." + std::to_string(getpid());
+  path_ = (fs::path(run_dir) / name).string();
+  fd_ = UniqueFd(::openat(dir.get(), name.c_str(),
+                          O_WRONLY | O_CREAT | O_EXCL | O_APPEND | O_NOFOLLOW | O_CLOEXEC, 0644));
+  if (!fd_.valid()) ThrowErrno("tensorboard: cannot create " + path_);
   Write(EncodeFileVersionEvent(now));
 }
 
 void EventFileWriter::Write(const std::string& event) {
+  // One write per record, unbuffered: TensorBoard reads the file while it grows.
   const std::string record = FrameRecord(event);
-  out_.write(record.data(), static_cast<std::streamsize>(record.size()));
-  out_.flush();  // TensorBoard reads the file while it grows
-  if (!out_) throw Error(ErrorCode::kIo, "tensorboard: cannot write " + path_);
+  WriteAll(fd_.get(), record.data(), record.size(), "tensorboard: " + path_);
 }
 
 TensorBoardWriter::TensorBoardWriter(std::string dir) : dir_(std::move(dir)) {

@@ -18,7 +18,6 @@
 #pragma once
 
 #include <cstdint>
-#include <fstream>
 #include <map>
 #include <memory>
 #include <string>
@@ -26,6 +25,7 @@
 #include <vector>
 
 #include "common/messages.h"
+#include "common/unique_fd.h"
 
 namespace lorastream::coordinator {
 
@@ -45,7 +45,8 @@ std::vector<std::pair<std::string, float>> StepScalars(const StepStats& stats);
 // "job-12-my_job": the run folder of a job (characters other than [A-Za-z0-9._-] become '_').
 std::string RunName(int64_t job_id, const std::string& job_name);
 
-// One event file, opened (and its file_version record written) at construction.
+// One event file, created (and its file_version record written) at construction in a run
+// folder that is created without following a link and must be this process's user's.
 class EventFileWriter {
  public:
   explicit EventFileWriter(const std::string& run_dir);
@@ -56,7 +57,7 @@ class EventFileWriter {
 
  private:
   std::string path_;
-  std::ofstream out_;
+  UniqueFd fd_;
 };
 
 class TensorBoardWriter {

@@ -42,6 +42,12 @@ std::string JoinLines(const std::string& text) {
   return out;
 }
 
+// Under CURVE a worker presents the worker key pair of the keys folder (worker.*).
+WorkerAgentOptions WithWorkerKey(WorkerAgentOptions options) {
+  options.client.key_role = "worker";
+  return options;
+}
+
 }  // namespace
 
 struct WorkerAgent::Impl {
@@ -64,7 +70,7 @@ struct WorkerAgent::Impl {
   bool job_done = false;
 
   Impl(WorkerAgentOptions o, JobRunner r)
-      : options(std::move(o)), runner(std::move(r)), client(options.client) {
+      : options(WithWorkerKey(std::move(o))), runner(std::move(r)), client(options.client) {
     if (options.host.empty()) options.host = HostName();
   }
 

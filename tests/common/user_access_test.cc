@@ -1,18 +1,25 @@
 // Trust model helpers (README: Trust model): the permission walk a worker makes as a job's
-// submitter, canonical paths, handing files over, and the exclusive file lock.
+// submitter, canonical paths, opening files as the submitter, the output folder's lock and
+// its takeover, and the memory limit.
 #include "common/user_access.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
+#include <thread>
 
 #include <catch2/catch.hpp>
 
+#include "common/acting_as.h"
 #include "common/error.h"
 #include "common/file_lock.h"
 #include "common/job_access.h"
+#include "common/memory_limit.h"
 #include "common/remove_tree.h"
 
 using namespace lorastream;
@@ -54,6 +61,13 @@ UserIdentity Stranger() {
   who.groups = {54321, 54322};
   who.name = "stranger";
   return who;
+}
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
 }
 
 }  // namespace
@@ -139,45 +153,84 @@ TEST_CASE("AccessProblem walks every component with the user's ids and groups", 
     CHECK(e.code() == ErrorCode::kRefused);
     CHECK_THAT(e.what(), Catch::Contains("`data.path` (" + secret_file + ")"));
   }
+  // Every path the job reads: its eval data, and each file of a model folder with what its
+  // links resolve to (a weights file linked to a root-only file).
+  spec.data.path = my_file;
+  spec.eval.path = secret_file;
+  CHECK_THROWS_WITH(CheckJobPathsAs(spec, who), Catch::Contains("`eval.path` (" + secret_file));
+  spec.eval.path.clear();
+  const std::string model = box.Make("mine/model", 0755, true, who.uid, who.gid);
+  box.Make("mine/model/config.json", 0644, false, who.uid, who.gid);
+  spec.model.checkpoint = model;
+  CHECK_NOTHROW(CheckJobPathsAs(spec, who));
+  fs::create_symlink(secret_file, model + "/model.safetensors");
+  CHECK_THROWS_WITH(CheckJobPathsAs(spec, who),
+                    Catch::Contains("`model.checkpoint` (" + model + "/model.safetensors)") &&
+                        Catch::Contains("no permission to search " + box.dir + "/secret"));
 }
 
-TEST_CASE("ChownTreeOwnedByUs hands over what we wrote and never follows a link", "[common]") {
+TEST_CASE("ActingAs: this thread opens and creates as the user; links lead only where it may go",
+          "[common]") {
   if (::geteuid() != 0) {
-    WARN("skipped: changing owners needs root");
+    WARN("skipped: acting as another user needs root");
     return;
   }
-  Sandbox box("chown");
-  const std::string outside = box.Make("outside.txt", 0644, false);
-  const std::string out = box.Make("out", 0755, true);
-  box.Make("out/checkpoint-2", 0755, true);
-  const std::string deep = box.Make("out/checkpoint-2/adapter.bin", 0644, false);
-  const std::string theirs = box.Make("out/theirs.txt", 0644, false, 777, 777);
-  fs::create_symlink(outside, out + "/link");
-  std::string error;
-  CHECK(ChownTreeOwnedByUs(out, 54321, 54321, &error));
-  CHECK(error.empty());
-  struct stat st {};
-  for (const std::string& p : {out, out + "/checkpoint-2", deep}) {
+  Sandbox box("acting");
+  const UserIdentity who = Stranger();
+  const std::string out = box.Make("out", 0755, true, who.uid, who.gid);
+  const std::string secret = box.Make("secret.txt", 0600, false);      // root's, 0600
+  const std::string readable = box.Make("readable.txt", 0644, false);  // root's, 0644
+  // Placed by the user before the job: a root file moved into its folder, a hard link to a
+  // root file, a symbolic link to one.
+  const std::string moved = box.Make("out/moved.txt", 0644, false);
+  REQUIRE(::link(secret.c_str(), (out + "/hard").c_str()) == 0);
+  fs::create_symlink(secret, out + "/stats.jsonl");
+  auto owner = [](const std::string& p) {
+    struct stat st {};
     REQUIRE(::lstat(p.c_str(), &st) == 0);
-    CHECK(st.st_uid == 54321u);
-  }
-  REQUIRE(::lstat(theirs.c_str(), &st) == 0);
-  CHECK(st.st_uid == 777u);  // not ours: left alone
-  REQUIRE(::stat(outside.c_str(), &st) == 0);
-  CHECK(st.st_uid == 0u);  // behind the link: untouched
-  // A folder on the way replaced by a link (to a root-owned tree) stops the walk.
-  const std::string tree = box.Make("tree", 0755, true);
-  const std::string inside = box.Make("tree/file", 0644, false);
-  fs::create_directory_symlink(tree, box.dir + "/swapped");
-  error.clear();
-  CHECK_FALSE(ChownTreeOwnedByUs(box.dir + "/swapped/file", 54321, 54321, &error));
-  CHECK_THAT(error, Catch::Contains("never followed"));
-  ChownTreeOwnedByUs(box.dir + "/swapped/", 54321, 54321, &error);  // only the link itself
-  REQUIRE(::stat(inside.c_str(), &st) == 0);
-  CHECK(st.st_uid == 0u);
-  REQUIRE(::stat(tree.c_str(), &st) == 0);
-  CHECK(st.st_uid == 0u);
-  CHECK(ChownTreeOwnedByUs(box.dir + "/missing/x", 54321, 54321, &error));
+    return st.st_uid;
+  };
+  auto can_open = [](const std::string& p, int flags) {
+    int fd = ::open(p.c_str(), flags | O_CLOEXEC, 0644);
+    if (fd >= 0) ::close(fd);
+    return fd >= 0;
+  };
+  std::atomic<int> phase{0};
+  bool other_thread_root = false;
+  std::thread job([&] {
+    {
+      ActingAs as(&who);
+      CHECK(as.active());
+      CHECK(can_open(out + "/new.txt", O_WRONLY | O_CREAT));  // created as the user
+      CHECK_FALSE(can_open(out + "/hard", O_WRONLY | O_APPEND));
+      CHECK_FALSE(can_open(out + "/stats.jsonl", O_WRONLY | O_APPEND));
+      CHECK_FALSE(can_open(secret, O_RDONLY));
+      CHECK(can_open(readable, O_RDONLY));
+      CHECK_FALSE(can_open(box.dir + "/root-new.txt", O_WRONLY | O_CREAT));  // root's folder
+      // Placed during the job: a link swapped in is checked when it is opened.
+      fs::remove(out + "/new.txt");
+      CHECK(::symlink(secret.c_str(), (out + "/new.txt").c_str()) == 0);
+      CHECK_FALSE(can_open(out + "/new.txt", O_WRONLY | O_APPEND));
+      phase = 1;  // the process's other threads keep their own identity meanwhile
+      while (phase != 2) std::this_thread::yield();
+    }
+    CHECK(can_open(secret, O_RDONLY));  // back to root
+  });
+  while (phase != 1) std::this_thread::yield();
+  other_thread_root = can_open(secret, O_RDONLY);
+  phase = 2;
+  job.join();
+  CHECK(other_thread_root);
+  // Nothing the user did not own changed owner; what was created is the user's.
+  CHECK(owner(moved) == 0u);
+  CHECK(owner(secret) == 0u);
+  CHECK(owner(out + "/hard") == 0u);
+  CHECK(ReadAll(secret) == "x");
+  // A process that is not root cannot act as someone else; nullptr or itself changes nothing.
+  CHECK_FALSE(ActingAs(nullptr).active());
+  UserIdentity self;
+  self.uid = ::geteuid();
+  CHECK_FALSE(ActingAs(&self).active());
 }
 
 TEST_CASE("FileLock: one holder at a time, the refusal names it, released on destruction",
@@ -206,8 +259,46 @@ TEST_CASE("FileLock: one holder at a time, the refusal names it, released on des
   CHECK_FALSE(fs::exists(box.dir + "/elsewhere"));
 }
 
-TEST_CASE("FirstMissingAncestor names the top folder a job would create", "[common]") {
-  Sandbox box("missing");
-  CHECK(FirstMissingAncestor(box.dir) == box.dir);
-  CHECK(FirstMissingAncestor(box.dir + "/a/b/c") == box.dir + "/a");
+TEST_CASE(
+    "OutputDirLock: a later attempt of the same job takes the folder over and fences the "
+    "older one; anyone else is refused",
+    "[common]") {
+  Sandbox box("takeover");
+  const std::string dir = box.dir;
+  OutputDirLock first = OutputDirLock::Acquire(dir, AttemptHolder(7, 1, "pid 11"));
+  CHECK(first.locked());
+  CHECK(first.StillOwned());
+  // Another job, the same attempt again, an older attempt, a standalone run: refused.
+  for (const std::string& other : {AttemptHolder(8, 2, "pid 12"), AttemptHolder(7, 1, "pid 13"),
+                                   std::string("lorastream-worker pid 14")}) {
+    INFO(other);
+    CHECK_THROWS_WITH(OutputDirLock::Acquire(dir, other),
+                      Catch::Contains("train.output_dir " + dir +
+                                      " is in use by job 7 attempt 1 "
+                                      "(pid 11)"));
+  }
+  CHECK(first.StillOwned());
+  // Attempt 2 (the coordinator declared attempt 1 dead): takes it over while 1 still holds
+  // the flock; attempt 1 is fenced at its next write.
+  OutputDirLock second = OutputDirLock::Acquire(dir, AttemptHolder(7, 2, "pid 15"));
+  CHECK_FALSE(second.locked());
+  CHECK(second.StillOwned());
+  CHECK_FALSE(first.StillOwned());
+  CHECK_THROWS_WITH(first.RequireOwned(), Catch::Contains("was taken over by job 7 attempt 2"));
+  CHECK_THROWS_WITH(OutputDirLock::Acquire(dir, AttemptHolder(7, 1, "pid 16")),
+                    Catch::Contains("in use by job 7 attempt 2"));
+  // Attempt 1 lets go: attempt 2 holds the lock from its next check on.
+  { OutputDirLock gone = std::move(first); }
+  CHECK(second.StillOwned());
+  CHECK(second.locked());
+}
+
+TEST_CASE("MemoryLimitProblem names the estimate and the limit", "[common]") {
+  CHECK(MemoryLimitProblem(1 << 20, 2 << 20, "cuda:0").empty());
+  CHECK(MemoryLimitProblem(1 << 20, 0, "cpu").empty());  // unknown limit: no refusal
+  CHECK_THAT(MemoryLimitProblem(uint64_t{35} << 40, uint64_t{16} << 30, "the host's memory (cpu)"),
+             Catch::Contains("estimated peak memory, 35.0 TiB") &&
+                 Catch::Contains("exceeds the 16.0 GiB of the host's memory (cpu)") &&
+                 Catch::Contains("train.batch_size"));
+  CHECK(HostMemoryBytes() > (uint64_t{64} << 20));
 }

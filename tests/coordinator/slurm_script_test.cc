@@ -108,17 +108,18 @@ TEST_CASE("slurm: a GPU pilot's script, every step and setting in it, valid bash
   for (const char* sub : {"keys", "keys/coordinator", "keys/client", "keys/workers/run"})
     CHECK(ModeOf(dir / sub) == 0700);
   for (const char* key : {"keys/coordinator/coordinator.key", "keys/client/client.key",
-                          "keys/workers/run/client.key"}) {
+                          "keys/workers/run/worker.key"}) {
     CHECK(ModeOf(dir / key) == 0600);
     const std::string secret = ReadAll(dir / key).substr(0, 40);
     CHECK(script.find(secret) == std::string::npos);
   }
   // What the coordinator, the workers and the user load from them.
   const client::CurveServerKeys server = client::LoadServerKeys(dir / "keys/coordinator");
-  const client::CurveClientKeys worker = client::LoadClientKeys(dir / "keys/workers/run");
+  const client::CurveClientKeys worker = client::LoadClientKeys(dir / "keys/workers/run", "worker");
   const client::CurveClientKeys user = client::LoadClientKeys(dir / "keys/client");
   CHECK(worker.server_public_key == server.server.public_key);
-  CHECK(server.authorized_clients.count(worker.client.public_key) == 1);
+  CHECK(server.authorized_workers.count(worker.client.public_key) == 1);
+  CHECK(server.authorized_clients.count(worker.client.public_key) == 0);
   CHECK(server.authorized_clients.count(user.client.public_key) == 1);
   CHECK(worker.client.public_key != user.client.public_key);
 }
@@ -137,10 +138,12 @@ TEST_CASE("slurm: a second pilot reuses the coordinator's and the user's keys, i
   CHECK(ReadAll(dir / "keys/coordinator/coordinator.key") == coordinator_key);
   CHECK(ReadAll(dir / "keys/client/client.key") == client_key);
   const client::CurveServerKeys server = client::LoadServerKeys(dir / "keys/coordinator");
-  CHECK(server.authorized_clients.size() == 3);  // the user's and two pilots' workers' keys
+  CHECK(server.authorized_clients.size() == 1);  // the user's
+  CHECK(server.authorized_workers.size() == 2);  // two pilots' workers' keys
   for (const std::string run : {"run", "second"})
-    CHECK(server.authorized_clients.count(
-              client::LoadClientKeys(dir / ("keys/workers/" + run)).client.public_key) == 1);
+    CHECK(server.authorized_workers.count(
+              client::LoadClientKeys(dir / ("keys/workers/" + run), "worker").client.public_key) ==
+          1);
   // An existing coordinator's keys must be in --keys already.
   SlurmOptions elsewhere = Options(dir);
   elsewhere.keys_dir = dir / "other-keys";

@@ -42,6 +42,20 @@ ErrorCode RefusalOf(const JobSpec& spec, std::string* message,
   return ErrorCode::kOk;
 }
 
+// Stops a run at the boundary after step `step`: on_step raises the flag should_stop reads.
+// (The trainer asks should_stop before every block too, so counting its calls counts no
+// steps.)
+struct StopAfter {
+  int64_t step;
+  bool done = false;
+  std::function<void(const StepStats&)> on_step() {
+    return [this](const StepStats& s) { done = done || s.step >= step; };
+  }
+  std::function<bool()> should_stop() {
+    return [this] { return done; };
+  }
+};
+
 }  // namespace
 
 TEST_CASE("training is bit-reproducible with a seed and the loss goes down", "[worker]") {
@@ -95,8 +109,8 @@ TEST_CASE("a resumed run ends bit-identical to an uninterrupted one", "[worker]"
   RunTraining(spec, o);
 
   spec.train.output_dir = dir / "split";
-  int polls = 0;
-  TrainResult first = RunTraining(spec, o, {}, [&] { return ++polls > 3; });
+  StopAfter at3{3};
+  TrainResult first = RunTraining(spec, o, at3.on_step(), at3.should_stop());
   CHECK(first.stopped);
   CHECK(first.steps_done == 3);
   CHECK(std::filesystem::exists(dir / "split/checkpoint-3/trainer_state.safetensors"));
@@ -131,8 +145,8 @@ TEST_CASE("a damaged checkpoint is never resumed: the previous one is, or the re
   RunTraining(spec, o);
 
   spec.train.output_dir = dir / "split";
-  int polls = 0;
-  CHECK(RunTraining(spec, o, {}, [&] { return ++polls > 3; }).steps_done == 3);
+  StopAfter at3{3};
+  CHECK(RunTraining(spec, o, at3.on_step(), at3.should_stop()).steps_done == 3);
   // One low bit of the newest checkpoint's adapter (the last f32 weight's lowest byte).
   {
     std::fstream f(dir / "split/checkpoint-3/adapter_model.safetensors",
@@ -150,8 +164,8 @@ TEST_CASE("a damaged checkpoint is never resumed: the previous one is, or the re
   // The trainer state gone from the only checkpoint: an error, not a silent fresh start.
   spec.train.output_dir = dir / "gone";
   spec.train.keep_checkpoints = 1;
-  polls = 0;
-  RunTraining(spec, o, {}, [&] { return ++polls > 2; });
+  StopAfter at2{2};
+  RunTraining(spec, o, at2.on_step(), at2.should_stop());
   std::filesystem::remove(dir / "gone/checkpoint-2/trainer_state.safetensors");
   std::string msg;
   CHECK(RefusalOf(spec, &msg) == ErrorCode::kCorrupt);
@@ -454,4 +468,24 @@ TEST_CASE("the progress line shows streaming and peak memory only when there are
   CHECK_THAT(streamed, !Catch::Contains("eval"));
   s.eval_loss = 2.25;
   CHECK_THAT(FormatProgress(s, 1), Catch::EndsWith(" eval 2.2500"));
+}
+
+TEST_CASE("a stop asked in the middle of a step ends it at the next block", "[worker]") {
+  testing::TempDir dir("midstep");
+  testing::MakeCheckpoint(dir / "m", "tiny");
+  testing::WriteJsonl(dir / "d.jsonl", 4, 10, 40, 512);
+  JobSpec spec = testing::TinyJob(dir / "m", dir / "d.jsonl", dir / "out");
+  spec.train.steps = 3;
+  TrainOptions o;
+  o.threads = 1;
+  int asks = 0;
+  // Asked once before step 1, then before each block it acquires: the third ask is inside
+  // step 1, which therefore never completes.
+  TrainResult r = RunTraining(spec, o, {}, [&] { return ++asks >= 3; });
+  CHECK(r.stopped);
+  CHECK(r.steps_done == 0);
+  CHECK(asks == 3);
+  CHECK(std::filesystem::exists(dir / "out/checkpoint-0/adapter_model.safetensors"));
+  // Resumed, it trains to the end.
+  CHECK(RunTraining(spec, o).steps_done == 3);
 }

@@ -14,6 +14,7 @@
 #include "common/job_access.h"
 #include "common/log.h"
 #include "common/shm_names.h"
+#include "coordinator/curve.h"
 #include "coordinator/worker_agent.h"
 #include "store/attach.h"
 #include "store/registry.h"
@@ -88,8 +89,8 @@ OfferedStores DiscoverStores(const ServeOptions& options) {
 }
 
 // The submitter of a job this worker runs as another user: checked before the job opens any
-// path (Error kRefused naming the path and the user), and given what the job writes.
-// nullopt when the worker runs as the submitter (nothing to check or hand over).
+// path (Error kRefused naming the path and the user). nullopt when the worker runs as the
+// submitter (nothing to check).
 std::optional<UserIdentity> SubmitterToServe(const JobAssignment& a) {
   if (a.submitter_uid >= 0 && static_cast<uid_t>(a.submitter_uid) == ::geteuid())
     return std::nullopt;
@@ -110,28 +111,6 @@ std::optional<UserIdentity> SubmitterToServe(const JobAssignment& a) {
   return who;
 }
 
-// What a root worker writes for a job of another user is handed to that user: the output
-// folder (from the first folder the job creates) and the statistics file, as their
-// canonical paths when the job starts (a folder swapped for a link later is not followed).
-struct HandOver {
-  std::optional<UserIdentity> who;
-  std::vector<std::string> paths;
-  HandOver(std::optional<UserIdentity> submitter, const JobSpec& spec) : who(std::move(submitter)) {
-    if (!who || ::geteuid() != 0) return;
-    for (const std::string& path : {FirstMissingAncestor(spec.train.output_dir),
-                                    spec.train.output_dir, spec.train.stats_file})
-      if (!path.empty()) paths.push_back(CanonicalPath(path));
-  }
-  HandOver(const HandOver&) = delete;
-  HandOver& operator=(const HandOver&) = delete;
-  ~HandOver() { Now(); }  // also when the job fails
-  void Now() const {
-    std::string error;
-    for (const std::string& path : paths) ChownTreeOwnedByUs(path, who->uid, who->gid, &error);
-    if (!error.empty()) LS_LOG_WARN("cannot hand the job's files to {}: {}", who->name, error);
-  }
-};
-
 // Holds the training thread after checkpoint `step` was reported while `hold` stays true.
 // The agent's own thread keeps sending heartbeats and the queued reports meanwhile.
 void HoldAtCheckpoint(const std::atomic<bool>& hold, const client::JobContext& ctx, int64_t step) {
@@ -144,6 +123,9 @@ void HoldAtCheckpoint(const std::atomic<bool>& hold, const client::JobContext& c
 }  // namespace
 
 int RunServe(const ServeOptions& options, const std::atomic<bool>& stop) {
+  // Before anything else: a default endpoint whose folder is another user's is refused.
+  if (std::string why = client::EndpointDirProblem(options.coordinator); !why.empty())
+    throw Error(ErrorCode::kRefused, "not connecting to " + options.coordinator + ": " + why);
   client::WorkerAgentOptions agent_options;
   agent_options.client.endpoint = options.coordinator;
   agent_options.client.curve_keys_dir = options.curve_keys;
@@ -167,11 +149,13 @@ int RunServe(const ServeOptions& options, const std::atomic<bool>& stop) {
   client::JobRunner runner = [&train, &stores, hold](const client::JobContext& ctx) {
     JobSpec spec = ctx.assignment.spec;
     spec.model.store = stores.Local(spec.model.store);
-    const HandOver hand_over(SubmitterToServe(ctx.assignment), spec);
+    // Another user's job on a root worker: its files are opened and created as that user
+    // (common/acting_as.h), never handed over afterwards.
+    const std::optional<UserIdentity> submitter = SubmitterToServe(ctx.assignment);
     TrainOptions job_train = train;
-    job_train.lock_holder = "job " + std::to_string(ctx.assignment.job_id) + " attempt " +
-                            std::to_string(ctx.assignment.attempt) + " (lorastream-worker pid " +
-                            std::to_string(::getpid()) + ")";
+    if (submitter && ::geteuid() == 0) job_train.files_as = &*submitter;
+    job_train.lock_holder = AttemptHolder(ctx.assignment.job_id, ctx.assignment.attempt,
+                                          "lorastream-worker pid " + std::to_string(::getpid()));
     const int64_t every = spec.train.checkpoint_every;
     auto checkpoint_dir = [&](int64_t step) {
       return (std::filesystem::path(spec.train.output_dir) / ("checkpoint-" + std::to_string(step)))
@@ -183,7 +167,6 @@ int RunServe(const ServeOptions& options, const std::atomic<bool>& stop) {
       ctx.report_step(stats);
       int64_t previous = stats.step - 1;
       if (every > 0 && previous > 0 && previous % every == 0) {
-        hand_over.Now();
         ctx.report_checkpoint(previous, checkpoint_dir(previous));
         if (hold != nullptr && *hold) HoldAtCheckpoint(*hold, ctx, previous);
       }

@@ -14,6 +14,7 @@
 #include "common/format_bytes.h"
 #include "common/job_spec.h"
 #include "common/log.h"
+#include "common/memory_limit.h"
 #include "common/memory_mapping.h"
 #include "store/shm_segment.h"
 #include "worker/model/base_weights.h"
@@ -137,6 +138,23 @@ class StreamProvider : public BlockProvider {
   int64_t steps_ = 0;
 };
 
+// A plan whose estimated peak exceeds the device's memory (the host's on the CPU) would only
+// grow until the machine gives out: refused before anything is allocated.
+void RefuseBeyondDeviceMemory(uint64_t estimate, const c10::Device& device) {
+  uint64_t limit = 0;
+  std::string what = "the host's memory (" + device.str() + ")";
+  if (device.is_cuda()) {
+#ifdef LORASTREAM_HAVE_CUDA
+    limit = CudaTotalBytes(device.has_index() ? device.index() : 0);
+    what = device.str();
+#endif
+  } else {
+    limit = HostMemoryBytes();
+  }
+  if (std::string why = MemoryLimitProblem(estimate, limit, what); !why.empty())
+    throw Error(ErrorCode::kRefused, why);
+}
+
 }  // namespace
 
 std::unique_ptr<BlockProvider> MakeStreamProvider(const JobSpec& spec, const BaseWeights& base,
@@ -169,6 +187,7 @@ std::unique_ptr<BlockProvider> MakeStreamProvider(const JobSpec& spec, const Bas
 
   const MemoryModelInputs inputs = JobMemoryInputs(spec, *manifest, device, dtype);
   const StreamPlanning planning = PlanJobStream(spec, base, inputs, device, dtype);
+  RefuseBeyondDeviceMemory(EstimateMemory(inputs, planning.plan).total(), device);
   // The trainer always checkpoints every block (worker/model/checkpointed_block.cc).
   RequireCheckpointingForStreaming(planning.plan, /*gradient_checkpointing=*/true);
   auto engine = MakeStreamEngine(*manifest, pointers, planning.plan, device, options);

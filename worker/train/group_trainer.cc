@@ -14,9 +14,9 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "common/acting_as.h"
 #include "common/durable_file.h"
 #include "common/error.h"
-#include "common/file_lock.h"
 #include "common/job_access.h"
 #include "common/job_data.h"
 #include "common/log.h"
@@ -59,7 +59,9 @@ std::string Fingerprint(const JobSpec& s) {
 // One write(2) per line, so that a full disk (or stats_file = "/dev/full") fails the job
 // naming the file instead of losing the statistics in a stream's buffer.
 void AppendStats(const std::string& path, const StepStats& s) {
-  UniqueFd fd(::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644));
+  // Never through a link (one swapped in during the job leads nowhere); under ActingAs the
+  // kernel checks this open against the job's submitter.
+  UniqueFd fd(::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644));
   if (!fd.valid()) ThrowErrno("train.stats_file: cannot append to " + path);
   const std::string line = StepStatsJson(s) + "\n";
   WriteAll(fd.get(), line.data(), line.size(), "train.stats_file " + path);
@@ -105,19 +107,58 @@ void RefuseAgainstModel(const JobSpec& spec, const BaseWeights& base) {
 
 // The model on its device. Members are destroyed in reverse order: the model before the
 // providers it points at.
+// The group's provider, asking should_stop before every block it hands out: a stop (cancel,
+// SIGTERM) asked in the middle of a long step ends it at the next block, within seconds,
+// instead of after the step. Acquire then throws; stopped() tells the trainer why the step
+// failed. A step captured as a CUDA graph (host-only acquisition on a GPU) is never
+// interrupted mid-capture: it stops at the step boundary.
+class StoppableProvider final : public BlockProvider {
+ public:
+  StoppableProvider(std::unique_ptr<BlockProvider> inner, std::function<bool()> should_stop,
+                    bool cuda)
+      : inner_(std::move(inner)),
+        should_stop_(std::move(should_stop)),
+        poll_(should_stop_ && !(cuda && inner_->step_is_host_only())) {}
+  int num_blocks() const override { return inner_->num_blocks(); }
+  void BeginStep() override { inner_->BeginStep(); }
+  const BlockWeights& Acquire(int block) override {
+    if (poll_ && should_stop_()) {
+      stopped_ = true;
+      throw Error(ErrorCode::kCancelled, "stopped before block " + std::to_string(block));
+    }
+    return inner_->Acquire(block);
+  }
+  void Release(int block) override { inner_->Release(block); }
+  void EndStep(StepStats& stats) override { inner_->EndStep(stats); }
+  HeadProvider* lm_head() override { return inner_->lm_head(); }
+  int taped_blocks() const override { return inner_->taped_blocks(); }
+  bool step_is_host_only() const override { return inner_->step_is_host_only(); }
+  bool stopped() const { return stopped_; }
+
+ private:
+  std::unique_ptr<BlockProvider> inner_;
+  std::function<bool()> should_stop_;
+  const bool poll_;
+  bool stopped_ = false;
+};
+
 struct TrainModel {
   std::unique_ptr<BlockProvider> provider;
+  StoppableProvider* stoppable = nullptr;       // `provider`
   std::unique_ptr<HeadProvider> resident_head;  // the head, when the provider does not stream it
   std::unique_ptr<CausalLm> model;
 };
 
 TrainModel BuildModel(const JobSpec& spec, const TrainOptions& options, const BaseWeights& base,
-                      const ComputeTarget& target) {
+                      const ComputeTarget& target, std::function<bool()> should_stop) {
   const c10::Device device = target.device;
   TrainModel m;
-  m.provider = options.make_provider
-                   ? options.make_provider(spec, base, device.str(), target.dtype_name)
-                   : std::make_unique<ResidentProvider>(base, device, target.dtype);
+  auto stoppable = std::make_unique<StoppableProvider>(
+      options.make_provider ? options.make_provider(spec, base, device.str(), target.dtype_name)
+                            : std::make_unique<ResidentProvider>(base, device, target.dtype),
+      std::move(should_stop), device.is_cuda());
+  m.stoppable = stoppable.get();
+  m.provider = std::move(stoppable);
   // The LM head: the provider's when its plan streams it, else resident on the device.
   HeadProvider* head = m.provider->lm_head();
   if (head == nullptr) {
@@ -136,17 +177,16 @@ TrainModel BuildModel(const JobSpec& spec, const TrainOptions& options, const Ba
 
 // One job trains into a folder at a time, from before it looks for a checkpoint to resume
 // until it returns (common/job_access.h).
-FileLock LockOutputDir(const JobSpec& spec, const TrainOptions& options) {
+OutputDirLock LockOutputDir(const JobSpec& spec, const TrainOptions& options) {
   std::error_code dir_error;
   fs::create_directories(spec.train.output_dir, dir_error);
   if (dir_error)
     throw Error(ErrorCode::kIo, "train.output_dir: cannot create " + spec.train.output_dir + ": " +
                                     dir_error.message());
-  return FileLock::Acquire((fs::path(spec.train.output_dir) / kOutputDirLockName).string(),
-                           options.lock_holder.empty()
-                               ? "lorastream-worker pid " + std::to_string(::getpid())
-                               : options.lock_holder,
-                           "train.output_dir " + spec.train.output_dir);
+  return OutputDirLock::Acquire(spec.train.output_dir,
+                                options.lock_holder.empty()
+                                    ? "lorastream-worker pid " + std::to_string(::getpid())
+                                    : options.lock_holder);
 }
 
 // Where training starts: a fresh adapter, or the latest checkpoint's adapter, AdamW moments
@@ -303,6 +343,9 @@ struct GroupTrainer::Shared {
   ComputeTarget target;
   std::unique_ptr<BaseWeights> base;
   TrainModel m;
+  // From after the model is built: every file a job opens or creates is opened as the
+  // submitter (TrainOptions::files_as; a store is the worker's own to attach).
+  std::unique_ptr<ActingAs> as_submitter;
 };
 
 // One job of the group: its data, adapter, optimizer, state, checkpoints and statistics.
@@ -320,7 +363,7 @@ class GroupTrainer::Job {
     LS_LOG_INFO("job {}: {}", spec_.name, DescribeJobData(spec_, data_));
     const std::string fingerprint = Fingerprint(spec_);
     const LoraSettings settings = LoraSettingsFromSpec(spec_.lora);
-    lock_ = std::make_unique<FileLock>(LockOutputDir(spec_, group.options));
+    lock_ = std::make_unique<OutputDirLock>(LockOutputDir(spec_, group.options));
     start_ = StartOrResume(spec_, group.options.resume, config, group.target.device, settings,
                            fingerprint);
     result_.start_step = start_.state.step;
@@ -346,15 +389,17 @@ class GroupTrainer::Job {
   const TrainResult& result() const { return result_; }
 
   // A checkpoint unless the current step has one; the job leaves stopped.
-  void Stop() {
+  void Stop(const char* where = "at") {
     if (last_saved_ != start_.state.step) Save();
     result_.stopped = true;
-    LS_LOG_INFO("job {}: stopped at step {} (checkpoint saved)", spec_.name, start_.state.step);
+    LS_LOG_INFO("job {}: stopped {} step {} (checkpoint saved)", spec_.name, where,
+                start_.state.step);
   }
 
   // The end: the last checkpoint and the final adapter.
   void Complete() {
     if (last_saved_ != start_.state.step) Save();
+    lock_->RequireOwned();
     start_.adapter->Save(spec_.train.output_dir, group_.base->name_or_path());
     result_.adapter_dir = spec_.train.output_dir;
   }
@@ -362,6 +407,9 @@ class GroupTrainer::Job {
   // The step's start: its learning rate, its input (made now unless the step before made it)
   // and its loss divisor.
   void Begin() {
+    // Every write of the job first makes sure that the folder is still this attempt's: a
+    // later attempt that took it over (this one was declared dead, paused say) fences it.
+    lock_->RequireOwned();
     CausalLm& model = *group_.m.model;
     lr_ = spec_.optim.lr *
           ScheduleFactor(spec_.optim.schedule, start_.state.step, spec_.optim.warmup_steps, total_);
@@ -437,6 +485,7 @@ class GroupTrainer::Job {
     if (EvaluateIfDue(spec_, data_, *group_.m.model, *start_.adapter, checkpoint_now, &state,
                       &stats))
       result_.final_eval_loss = stats.eval_loss;
+    lock_->RequireOwned();
     AppendStats(stats_path_, stats);
     result_.steps_done = state.step;
     result_.final_loss = stats.loss;
@@ -447,6 +496,7 @@ class GroupTrainer::Job {
 
  private:
   void Save() {
+    lock_->RequireOwned();
     result_.checkpoint_dir = SaveCheckpoint(
         spec_.train.output_dir, *start_.adapter, *start_.optimizer, start_.state,
         group_.base->name_or_path(), {spec_.train.keep_checkpoints, spec_.train.keep_best});
@@ -458,7 +508,7 @@ class GroupTrainer::Job {
   GroupJob in_;  // its callbacks
   Shared& group_;
   JobData data_;
-  std::unique_ptr<FileLock> lock_;  // released last (declared before what it guards)
+  std::unique_ptr<OutputDirLock> lock_;  // released last (declared before what it guards)
   TrainStart start_;
   std::unique_ptr<Sampler> sampler_;
   std::vector<at::Tensor> params_;
@@ -483,12 +533,23 @@ GroupTrainer::GroupTrainer(const JobSpec& first, const TrainOptions& options)
   at::set_num_threads(options.threads > 0 ? options.threads
                                           : static_cast<int>(std::thread::hardware_concurrency()));
   g.target = ChooseComputeTarget(g.first, options.device);
-  g.base = std::make_unique<BaseWeights>(BaseWeights::ForJob(g.first));
+  {
+    // A model folder is read as the job's submitter; a store is this worker's to attach.
+    const ActingAs as(g.first.model.checkpoint.empty() ? nullptr : options.files_as);
+    g.base = std::make_unique<BaseWeights>(BaseWeights::ForJob(g.first));
+  }
   RefuseAgainstModel(g.first, *g.base);
   const ModelConfig& config = g.base->config();
   LS_LOG_INFO("group of {}: {} {} layers, device {}, dtype {}", g.first.name, config.model_type,
               config.num_hidden_layers, g.target.device.str(), g.target.dtype_name);
-  g.m = BuildModel(g.first, options, *g.base, g.target);
+  // A stop asked by every job of the group ends a step between two blocks.
+  g.m = BuildModel(g.first, options, *g.base, g.target, [this] {
+    if (jobs_.empty()) return false;
+    for (const auto& job : jobs_)
+      if (!job->StopRequested()) return false;
+    return true;
+  });
+  g.as_submitter = std::make_unique<ActingAs>(options.files_as);
 }
 
 GroupTrainer::~GroupTrainer() {
@@ -599,6 +660,20 @@ bool GroupTrainer::Step() {
     host = at::stack(figures).to(at::kCPU).to(at::kDouble).contiguous();
   } catch (...) {
     const std::exception_ptr error = std::current_exception();
+    if (shared_->m.stoppable->stopped()) {
+      // Stopped between two blocks. Updates come after every micro-batch, so each adapter
+      // and optimizer is still that of its last completed step.
+      while (!jobs_.empty()) {
+        std::exception_ptr stop_error;
+        try {
+          jobs_.back()->Stop("inside");
+        } catch (...) {
+          stop_error = std::current_exception();
+        }
+        Leave(jobs_.size() - 1, stop_error);
+      }
+      return false;
+    }
     while (!jobs_.empty()) Leave(jobs_.size() - 1, error);
     return false;
   }

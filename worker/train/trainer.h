@@ -33,6 +33,7 @@
 
 #include "common/job_spec.h"
 #include "common/step_stats.h"
+#include "common/user_access.h"
 
 namespace lorastream::worker {
 
@@ -52,8 +53,13 @@ struct TrainOptions {
   int threads = 0;             // intra-op CPU threads; 0 = every core
   ProviderFactory make_provider;
   // Who OUTPUT_DIR/.lorastream.lock says holds the folder while this job trains (a second job
-  // into it is refused naming this); "": "lorastream-worker pid N".
+  // into it is refused naming this; a later attempt of the same job takes it over, and this
+  // one then stops at its next step: common/job_access.h); "": "lorastream-worker pid N".
   std::string lock_holder;
+  // A root worker running another user's job: the job's files (its data and eval data, a
+  // model folder, the output folder with its checkpoints, adapter and statistics) are opened
+  // and created as this user (common/acting_as.h). nullptr: as this process.
+  const UserIdentity* files_as = nullptr;
 };
 
 struct TrainResult {
@@ -75,7 +81,9 @@ struct TrainResult {
 // Runs (or resumes) the job to the end. Refusals (Error kRefused, naming the field) happen
 // before the first step: invalid spec, model missing, data missing or out of vocabulary,
 // sequence longer than the model allows. on_step is called after every step; should_stop is
-// polled before every step: when it returns true the loop saves a checkpoint and returns.
+// polled before every step and before every block a step acquires (so a stop asked inside a
+// long step ends it within a block): when it returns true the loop saves a checkpoint of the
+// last completed step and returns.
 TrainResult RunTraining(const JobSpec& spec, const TrainOptions& options,
                         const std::function<void(const StepStats&)>& on_step = {},
                         const std::function<bool()>& should_stop = {});

@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <string>
+#include <utility>
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -35,16 +36,28 @@ CudaAllocatorCounters CudaAllocatorCountersNow(int device_index) {
   return c;
 }
 
-uint64_t CudaFreeBytes(int device_index) {
+namespace {
+
+// cudaMemGetInfo on `device_index`: {free, total} bytes.
+std::pair<uint64_t, uint64_t> MemoryInfo(int device_index) {
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
-  c10::cuda::CUDACachingAllocator::emptyCache();
   size_t free_bytes = 0, total_bytes = 0;
   const cudaError_t e = cudaMemGetInfo(&free_bytes, &total_bytes);
   if (e != cudaSuccess)
     throw Error(ErrorCode::kUnsupported, "cudaMemGetInfo on cuda:" + std::to_string(device_index) +
                                              ": " + cudaGetErrorString(e));
-  return free_bytes;
+  return {free_bytes, total_bytes};
 }
+
+}  // namespace
+
+uint64_t CudaFreeBytes(int device_index) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  return MemoryInfo(device_index).first;
+}
+
+uint64_t CudaTotalBytes(int device_index) { return MemoryInfo(device_index).second; }
 
 void CudaResetPeakAllocated(int device_index) {
   c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(device_index));

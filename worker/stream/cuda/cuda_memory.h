@@ -15,6 +15,8 @@ void CudaResetPeakAllocated(int device_index);
 // allocator has returned its unused cache to it: what a new job of this process could
 // allocate, less what other processes hold.
 uint64_t CudaFreeBytes(int device_index);
+// The device's whole memory (cudaMemGetInfo's total).
+uint64_t CudaTotalBytes(int device_index);
 
 // The caching allocator's own calls to the driver since the process started: cudaMalloc and
 // cudaFree of segments, retries after a failed cudaMalloc (each frees the cache, syncing the

@@ -1,0 +1,18 @@
+// A job whose estimated peak memory exceeds what its device has is refused when it starts,
+// before it allocates anything (README: Trust model): a GPU's memory, or on the CPU the
+// host's. Torch-free; the worker's streaming planner supplies the estimate.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace lorastream {
+
+// The host's physical memory in bytes (what a job on the CPU can have at most).
+uint64_t HostMemoryBytes();
+
+// "" when `estimate` fits in `limit`; otherwise the refusal, naming both and `device`
+// ("cpu (the host's memory)", "cuda:0") and the job keys that lower the estimate.
+std::string MemoryLimitProblem(uint64_t estimate, uint64_t limit, const std::string& device);
+
+}  // namespace lorastream
