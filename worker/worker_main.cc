@@ -18,6 +18,8 @@
 #include "coordinator/build_info.h"
 #include "coordinator/curve.h"
 #include "store/attach.h"
+#include "worker/flux/flux_job.h"
+#include "worker/flux/flux_train.h"
 #include "worker/serve/parity.h"
 #include "worker/serve/plan_command.h"
 #include "worker/serve/serve.h"
@@ -25,8 +27,6 @@
 #include "worker/stream/stream_provider.h"
 #include "worker/train/group_trainer.h"
 #include "worker/train/trainer.h"
-#include "worker/flux/flux_job.h"
-#include "worker/flux/flux_train.h"
 
 namespace {
 std::atomic<bool> g_stop_serving{false};

@@ -14,13 +14,13 @@
 #include "store/synth.h"
 #include "tests/support/flux_cache_files.h"
 #include "tests/support/test_support.h"
-#include "worker/train/adamw.h"
 #include "worker/flux/flux_adapter_io.h"
 #include "worker/flux/flux_base.h"
 #include "worker/flux/flux_job.h"
 #include "worker/flux/flux_model.h"
 #include "worker/flux/flux_objective.h"
 #include "worker/flux/flux_train.h"
+#include "worker/train/adamw.h"
 
 using namespace lorastream;
 using lorastream::testing::ErrorMessageOf;

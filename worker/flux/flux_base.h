@@ -14,8 +14,8 @@
 
 #include "common/flux_config.h"
 #include "common/manifest.h"
-#include "worker/stream/block_provider.h"
 #include "worker/flux/flux_model.h"
+#include "worker/stream/block_provider.h"
 #include "worker/stream/stream_engine.h"
 
 namespace lorastream::worker::flux {

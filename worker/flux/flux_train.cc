@@ -13,15 +13,15 @@
 #include "common/error.h"
 #include "common/format_bytes.h"
 #include "common/log.h"
-#include "worker/train/adamw.h"
-#include "worker/model/base_weights.h"
 #include "worker/flux/flux_adapter_io.h"
 #include "worker/flux/flux_base.h"
 #include "worker/flux/flux_data.h"
 #include "worker/flux/flux_model.h"
 #include "worker/flux/flux_objective.h"
+#include "worker/model/base_weights.h"
 #include "worker/model/model.h"
 #include "worker/model/torch_device.h"
+#include "worker/train/adamw.h"
 
 namespace lorastream::worker::flux {
 

@@ -8,7 +8,6 @@
 #include "store/attach.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/quant_expand.h"
-#include "worker/model/base_weights.h"
 
 namespace lorastream::worker {
 

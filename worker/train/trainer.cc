@@ -88,10 +88,11 @@ int PrintEnd(const std::string& prefix, const TrainResult& r, int stop_signal) {
     return 128 + stop_signal;
   }
   if (r.start_step > 0 && r.steps_done == r.start_step) {  // nothing left to train
-    std::printf("%salready complete: %s is at step %lld, at or past the job's last step; "
-                "nothing trained, adapter in %s\n",
-                prefix.c_str(), r.checkpoint_dir.c_str(), static_cast<long long>(r.start_step),
-                r.adapter_dir.c_str());
+    std::printf(
+        "%salready complete: %s is at step %lld, at or past the job's last step; "
+        "nothing trained, adapter in %s\n",
+        prefix.c_str(), r.checkpoint_dir.c_str(), static_cast<long long>(r.start_step),
+        r.adapter_dir.c_str());
     return 0;
   }
   std::printf("%sdone: %lld steps, final loss %.4f", prefix.c_str(),
