@@ -209,8 +209,11 @@ TEST_CASE("group: a group job's checkpoint resumes alone and continues as uninte
   // a stops after two steps of a group with b and c, then resumes alone.
   {
     GroupTrainer group(jobs.Spec("a", "split"), o);
-    int polls = 0;
-    group.Add(GroupJob{jobs.Spec("a", "split"), {}, [&] { return ++polls > 2; }});
+    // Asked to stop once its second step is done (should_stop is also polled between blocks).
+    bool stop = false;
+    group.Add(GroupJob{jobs.Spec("a", "split"),
+                       [&](const StepStats& s) { stop = stop || s.step >= 2; },
+                       [&] { return stop; }});
     group.Add(GroupJob{jobs.Spec("b", "split"), {}, {}});
     group.Add(GroupJob{jobs.Spec("c", "split"), {}, {}});
     group.Run();

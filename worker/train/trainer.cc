@@ -78,7 +78,7 @@ std::function<void(const StepStats&)> PrintProgress(std::string prefix) {
 }
 
 // The line a job ends with; returns the command's status for it.
-int PrintEnd(const std::string& prefix, const TrainResult& r, int stop_signal) {
+int PrintEnd(const std::string& prefix, const TrainResult& r, int stop_signal, int64_t steps) {
   if (r.stopped) {
     std::printf(
         "%sstopped by signal %d at step %lld: checkpoint in %s (run the same command "
@@ -88,11 +88,10 @@ int PrintEnd(const std::string& prefix, const TrainResult& r, int stop_signal) {
     return 128 + stop_signal;
   }
   if (r.start_step > 0 && r.steps_done == r.start_step) {  // nothing left to train
-    std::printf(
-        "%salready complete: %s is at step %lld, at or past the job's last step; "
-        "nothing trained, adapter in %s\n",
-        prefix.c_str(), r.checkpoint_dir.c_str(), static_cast<long long>(r.start_step),
-        r.adapter_dir.c_str());
+    std::printf("%salready complete: %s is at step %lld, at or past the job's last step",
+                prefix.c_str(), r.checkpoint_dir.c_str(), static_cast<long long>(r.start_step));
+    if (steps > 0) std::printf(" (train.steps = %lld)", static_cast<long long>(steps));
+    std::printf("; nothing trained, adapter in %s\n", r.adapter_dir.c_str());
     return 0;
   }
   std::printf("%sdone: %lld steps, final loss %.4f", prefix.c_str(),
@@ -109,7 +108,7 @@ int RunTrainCommand(const std::string& job_path, const TrainOptions& options,
   JobSpec spec = LoadJobSpec(job_path);
   auto should_stop = [stop_signal] { return stop_signal && stop_signal->load() != 0; };
   TrainResult r = RunTraining(spec, options, PrintProgress(""), should_stop);
-  return PrintEnd("", r, r.stopped ? stop_signal->load() : 0);
+  return PrintEnd("", r, r.stopped ? stop_signal->load() : 0, spec.train.steps);
 }
 
 int RunGroupTrainCommand(const std::vector<std::string>& job_paths, const TrainOptions& options,
@@ -117,9 +116,11 @@ int RunGroupTrainCommand(const std::vector<std::string>& job_paths, const TrainO
   if (job_paths.size() == 1) return RunTrainCommand(job_paths[0], options, stop_signal);
   auto should_stop = [stop_signal] { return stop_signal && stop_signal->load() != 0; };
   std::vector<GroupJob> jobs;
+  std::vector<int64_t> steps;  // each job's train.steps, by its index in the group
   for (const std::string& path : job_paths) {
     GroupJob job;
     job.spec = LoadJobSpec(path);
+    steps.push_back(job.spec.train.steps);
     job.on_step = PrintProgress(job.spec.name + ": ");
     job.should_stop = should_stop;
     jobs.push_back(std::move(job));
@@ -136,8 +137,9 @@ int RunGroupTrainCommand(const std::vector<std::string>& job_paths, const TrainO
       status = std::max(status, 1);
       continue;
     }
-    status = std::max(status,
-                      PrintEnd(prefix, out.result, out.result.stopped ? stop_signal->load() : 0));
+    status =
+        std::max(status, PrintEnd(prefix, out.result, out.result.stopped ? stop_signal->load() : 0,
+                                  steps[out.index]));
   }
   std::fflush(stdout);
   return status;
