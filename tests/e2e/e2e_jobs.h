@@ -4,6 +4,7 @@
 // waited for.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <string>
 

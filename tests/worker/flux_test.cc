@@ -5,6 +5,7 @@
 // several optimizer steps), and the adapter files carry kohya's and diffusers' names.
 #include "tests/worker/torch_catch.h"
 
+#include <c10/core/GradMode.h>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -60,7 +61,7 @@ FluxBatch TinyBatch(const FluxConfig& c, uint64_t seed) {
 FluxAdapter RandomAdapter(const FluxConfig& c, uint64_t seed) {
   FluxAdapter a(c, FluxTargets({"all"}, "test"), 4, 8.0, seed, at::kCPU);
   at::Generator gen = at::detail::createCPUGenerator(seed + 1);
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   for (auto& [name, m] : a.modules()) m.b.normal_(0, 0.05, gen);
   return a;
 }
@@ -173,7 +174,7 @@ TEST_CASE("flux: LoRA gradients match finite differences (f64)", "[worker][flux]
       }
     }
     auto loss_at = [&](double eps) {
-      at::NoGradGuard no_grad;
+      c10::NoGradGuard no_grad;
       for (size_t i = 0; i < params.size(); ++i) params[i].add_(dirs[i] * eps);
       model.provider().BeginStep();
       const double l = FlowLoss(model.Forward(batch, adapter, false), target).item<double>();

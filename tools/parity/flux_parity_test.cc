@@ -9,6 +9,8 @@
 // the diffusers-format export must carry peft's keys and values.
 #include "tests/worker/torch_catch.h"
 
+#include <c10/core/GradMode.h>
+
 #include "common/safetensors.h"
 #include "tests/support/test_support.h"
 #include "worker/flux/flux_adapter_io.h"
@@ -47,7 +49,7 @@ TEST_CASE("flux parity: output, loss and LoRA gradients equal diffusers + peft (
     const SafetensorsFile c = SafetensorsFile::Open(kFixtures + name + "_case.safetensors");
     FluxAdapter adapter(base.config(), FluxTargets({"all"}, "test"), 4, 8.0, 0, at::kCPU);
     {
-      at::NoGradGuard no_grad;
+      c10::NoGradGuard no_grad;
       for (auto& [module, m] : adapter.modules()) {
         m.a.copy_(Get(c, module + ".lora_A"));
         m.b.copy_(Get(c, module + ".lora_B"));

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 
 #include "common/error.h"
 #include "common/safetensors.h"
@@ -69,7 +70,7 @@ void LoadKohyaAdapter(const std::string& path, FluxAdapter& adapter) {
     if (alpha != static_cast<float>(adapter.alpha()))
       throw Error(ErrorCode::kCorrupt, path + ": `" + stem + ".alpha` is " + std::to_string(alpha) +
                                            ", the job's alpha " + std::to_string(adapter.alpha()));
-    at::NoGradGuard no_grad;
+    c10::NoGradGuard no_grad;
     m.a.copy_(read(stem + ".lora_down.weight", m.a));
     m.b.copy_(read(stem + ".lora_up.weight", m.b));
   }
