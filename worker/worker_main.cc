@@ -167,8 +167,9 @@ int main(int argc, char** argv) {
       // The job's [stream] section plans residency and streaming, as under `serve`.
       if (!train_resident)
         train.make_provider = [](const JobSpec& spec, const BaseWeights& base,
-                                 const std::string& device, const std::string& dtype) {
-          return MakeStreamProvider(spec, base, device, dtype);
+                                 const std::string& device, const std::string& dtype,
+                                 const std::vector<JobSpec>& group) {
+          return MakeStreamProvider(spec, base, device, dtype, {}, group);
         };
       std::signal(SIGINT, OnTrainStopSignal);
       std::signal(SIGTERM, OnTrainStopSignal);

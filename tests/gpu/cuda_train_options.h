@@ -15,7 +15,9 @@ inline worker::TrainOptions CudaTrainOptions(bool streamed) {
   o.resume = false;
   if (streamed)
     o.make_provider = [](const JobSpec& j, const worker::BaseWeights& b, const std::string& d,
-                         const std::string& dt) { return worker::MakeStreamProvider(j, b, d, dt); };
+                         const std::string& dt, const std::vector<JobSpec>& group) {
+      return worker::MakeStreamProvider(j, b, d, dt, {}, group);
+    };
   return o;
 }
 

@@ -1,7 +1,8 @@
 // Job groups on CUDA (worker/train/group_trainer.h): two jobs of different lengths, ranks and
 // targets trained in one group, streamed and resident, give each job's losses and adapter
 // alone within bf16 rounding (the group's base GEMMs over the concatenated rows may pick other
-// kernels than one job's), and a streamed group copies per micro-batch what one job copies.
+// kernels than one job's), a resident group runs from CUDA graphs, and a streamed group copies
+// per micro-batch what one job copies.
 #include <cmath>
 #include <map>
 #include <vector>
@@ -42,6 +43,7 @@ JobSpec Job(const std::string& model, const std::string& data, const std::string
 
 struct Run {
   std::map<std::string, std::vector<StepStats>> steps;
+  std::map<std::string, int64_t> graphed;  // micro-batches replayed from a CUDA graph
 };
 
 Run Train(const std::string& model, const std::string& data, const std::string& dir,
@@ -57,6 +59,7 @@ Run Train(const std::string& model, const std::string& data, const std::string& 
   for (const GroupJobOutcome& out : RunGroupTraining(std::move(jobs), CudaTrainOptions(streamed))) {
     INFO(out.name);
     REQUIRE(!out.error);
+    r.graphed[out.name] = out.result.graphed_micro_batches;
   }
   return r;
 }
@@ -102,6 +105,12 @@ TEST_CASE("CUDA: a job in a group trains as it does alone within bf16 rounding",
       }
       CHECK(AdapterDistance(dir / ("group" + tag + "/" + name),
                             dir / ("alone-" + std::string(name) + tag + "/" + name)) < 5e-2);
+    }
+    if (!streamed) {
+      // Resident, the group's micro-batches replay CUDA graphs from the second on: one per
+      // composition ({a, b}, then b alone in its second micro-batch).
+      CHECK(g.graphed.at("a") == 2);
+      CHECK(g.graphed.at("b") == 4);
     }
     if (streamed) {
       // b's step has two micro-batches, a's one: the group's step makes two passes, as b's.

@@ -75,7 +75,9 @@ TEST_CASE("CUDA: fp8 and nf4 blocks expand on the GPU to the CPU path's weights 
     TrainOptions t;
     t.device = "cuda:0";
     t.make_provider = [](const JobSpec& j, const BaseWeights& b, const std::string& d,
-                         const std::string& ty) { return MakeStreamProvider(j, b, d, ty); };
+                         const std::string& ty, const std::vector<JobSpec>& group) {
+      return MakeStreamProvider(j, b, d, ty, {}, group);
+    };
     std::vector<double> losses;
     StepStats last;
     RunTraining(spec, t, [&](const StepStats& s) {

@@ -37,7 +37,7 @@ Run Train(JobSpec spec, bool streamed, int swap = 0, int ring = 2) {
   o.resume = false;
   if (streamed) {
     o.make_provider = [](const JobSpec& j, const BaseWeights& b, const std::string& d,
-                         const std::string& t) {
+                         const std::string& t, const std::vector<JobSpec>&) {
       StreamEngineOptions opt;
       opt.log_plan = false;
       return MakeStreamProvider(j, b, d, t, opt);

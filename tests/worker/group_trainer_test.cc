@@ -85,7 +85,7 @@ class Jobs {
     o.threads = 1;  // 2 cores shared with the rest of CI
     if (swap >= 0) {
       o.make_provider = [swap](const JobSpec& j, const BaseWeights& b, const std::string& d,
-                               const std::string& t) {
+                               const std::string& t, const std::vector<JobSpec>&) {
         JobSpec streamed = j;
         streamed.stream.blocks_to_swap = swap;
         streamed.stream.ring_size = 1;
@@ -370,4 +370,44 @@ TEST_CASE("group: lorastream-worker train and plan take several job files", "[wo
   INFO(plan2);
   CHECK(plan2.find("job small does not fit in the group") != std::string::npos);
   CHECK(plan2.find("more than the budget of") != std::string::npos);
+}
+
+TEST_CASE("group: a memory budget plans for the whole group while it trains", "[worker]") {
+  testing::TempDir dir("group-budget");
+  testing::MakeCheckpoint(dir / "m", "tiny");
+  testing::WriteJsonl(dir / "d.jsonl", 4, 10, 30, 512);
+  auto write_job = [&](const std::string& name, int seq_len, const std::string& budget) {
+    std::ofstream job(dir / (name + ".toml"));
+    job << "name = \"" << name << "\"\n[model]\ncheckpoint = \"" << (dir / "m")
+        << "\"\n[data]\npath = \"" << (dir / "d.jsonl") << "\"\nseq_len = " << seq_len
+        << "\n[lora]\nrank = 2\n[train]\nsteps = 2\noutput_dir = \"" << (dir / ("out-" + name))
+        << "\"\n[stream]\ngpu_memory_budget = " << budget << "\n";
+  };
+  const std::string bin = std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker";
+  auto run = [&](const std::string& args, const std::string& log) {
+    const std::string cmd = bin + " " + args + " > " + (dir / log) + " 2>&1";
+    return std::system(cmd.c_str());
+  };
+  // The smallest plan's estimate for job a alone, from the refusal of a budget of 1 KiB.
+  write_job("a", 16, "1024");
+  CHECK(run("plan " + (dir / "a.toml") + " " + (dir / "a.toml"), "probe") != 0);
+  const std::string probe = testing::ReadFile(dir / "probe");
+  INFO(probe);
+  const size_t at = probe.find(" bytes) more than the budget");
+  REQUIRE(at != std::string::npos);
+  const size_t open = probe.rfind('(', at);
+  const uint64_t over = std::stoull(probe.substr(open + 1, at - open - 1));
+  const std::string exact = std::to_string(over + 1024);  // a fits it alone, streamed
+
+  write_job("a", 16, exact);
+  write_job("b", 24, exact);
+  CHECK(run("train " + (dir / "a.toml") + " --threads 1", "alone") == 0);
+  INFO(testing::ReadFile(dir / "alone"));
+  // Together they cannot fit: the training run is refused before any step, naming b.
+  CHECK(run("train " + (dir / "a.toml") + " " + (dir / "b.toml") + " --threads 1 --no-resume",
+            "group") != 0);
+  const std::string group = testing::ReadFile(dir / "group");
+  INFO(group);
+  CHECK(group.find("job b does not fit in the group beside the 1 before it") != std::string::npos);
+  CHECK(!std::filesystem::exists(dir / "out-b/adapter_model.safetensors"));
 }

@@ -104,7 +104,7 @@ TrainOptions Streamed(bool streamed) {
   o.device = "cpu";
   if (streamed)
     o.make_provider = [](const JobSpec& j, const BaseWeights& b, const std::string& d,
-                         const std::string& t) {
+                         const std::string& t, const std::vector<JobSpec>&) {
       StreamEngineOptions opt;
       opt.log_plan = false;
       opt.debug_poison = true;  // a read before the copy landed would be NaN

@@ -83,7 +83,7 @@ class TinyJob {
     o.threads = 2;
     if (streamed) {
       o.make_provider = [options](const JobSpec& j, const BaseWeights& b, const std::string& d,
-                                  const std::string& t) {
+                                  const std::string& t, const std::vector<JobSpec>&) {
         StreamEngineOptions opt = options;
         opt.log_plan = false;
         return MakeStreamProvider(j, b, d, t, opt);

@@ -134,7 +134,9 @@ Row RunOne(const BenchOptions& o, const JobSpec& spec, bool streamed, const std:
   // Resident: the trainer's own ResidentProvider (it reports peak memory itself).
   if (streamed)
     t.make_provider = [](const JobSpec& j, const BaseWeights& b, const std::string& d,
-                         const std::string& dt) { return MakeStreamProvider(j, b, d, dt); };
+                         const std::string& dt, const std::vector<JobSpec>& group) {
+      return MakeStreamProvider(j, b, d, dt, {}, group);
+    };
   Row row;
   row.tokens = spec.data.seq_len;
   row.mode = mode;

@@ -39,11 +39,7 @@ int PrintPlans(const std::vector<JobSpec>& specs, const PlanCommandOptions& opti
 
   const Manifest layout = ComputeLayout(base, dtype);
   MemoryModelInputs inputs = JobMemoryInputs(spec, layout, device, dtype);
-  for (size_t j = 1; j < specs.size(); ++j) {
-    const JobSpec& s = specs[j];
-    inputs.group.push_back(
-        {s.name, s.train.batch_size * s.data.seq_len, s.lora.rank, s.lora.dropout, s.lora.targets});
-  }
+  AddGroupJobs({specs.begin() + 1, specs.end()}, &inputs);
   if (specs.size() > 1) {
     std::printf("group of %zu jobs, planned from job %s's [stream]:\n", specs.size(),
                 spec.name.c_str());

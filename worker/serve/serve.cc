@@ -141,8 +141,9 @@ int RunServe(const ServeOptions& options, const std::atomic<bool>& stop) {
   train.threads = options.threads;
   if (options.stream)
     train.make_provider = [](const JobSpec& spec, const BaseWeights& base,
-                             const std::string& device, const std::string& dtype) {
-      return MakeStreamProvider(spec, base, device, dtype);
+                             const std::string& device, const std::string& dtype,
+                             const std::vector<JobSpec>& group) {
+      return MakeStreamProvider(spec, base, device, dtype, {}, group);
     };
 
   const std::atomic<bool>* hold = options.hold_at_checkpoint;

@@ -160,7 +160,8 @@ void RefuseBeyondDeviceMemory(uint64_t estimate, const c10::Device& device) {
 std::unique_ptr<BlockProvider> MakeStreamProvider(const JobSpec& spec, const BaseWeights& base,
                                                   const std::string& device_name,
                                                   const std::string& dtype_name,
-                                                  const StreamEngineOptions& options) {
+                                                  const StreamEngineOptions& options,
+                                                  const std::vector<JobSpec>& group) {
   const Device typed_device = ParseDevice(device_name);
   const c10::Device device = TorchDevice(typed_device);
   const c10::ScalarType dtype =
@@ -185,7 +186,8 @@ std::unique_ptr<BlockProvider> MakeStreamProvider(const JobSpec& spec, const Bas
     pointers = packed->pointers();
   }
 
-  const MemoryModelInputs inputs = JobMemoryInputs(spec, *manifest, device, dtype);
+  MemoryModelInputs inputs = JobMemoryInputs(spec, *manifest, device, dtype);
+  AddGroupJobs(group, &inputs);
   const StreamPlanning planning = PlanJobStream(spec, base, inputs, device, dtype);
   RefuseBeyondDeviceMemory(EstimateMemory(inputs, planning.plan).total(), device);
   // The trainer always checkpoints every block (worker/model/checkpointed_block.cc).
@@ -209,6 +211,12 @@ MemoryModelInputs JobMemoryInputs(const JobSpec& spec, const Manifest& manifest,
   in.fused_cross_entropy = FusedCrossEntropyApplies(device.is_cuda(), dtype);
   in.lora_dropout = spec.lora.dropout;
   return in;
+}
+
+void AddGroupJobs(const std::vector<JobSpec>& others, MemoryModelInputs* inputs) {
+  for (const JobSpec& s : others)
+    inputs->group.push_back(
+        {s.name, s.train.batch_size * s.data.seq_len, s.lora.rank, s.lora.dropout, s.lora.targets});
 }
 
 Manifest ComputeLayout(const BaseWeights& base, c10::ScalarType dtype) {
@@ -254,6 +262,10 @@ StreamPlanning PlanJobStream(const JobSpec& spec, const BaseWeights& base,
     out.plan = PlanResidency(st.blocks_to_swap, 0, st.ring_size, inputs, st.forward_slots,
                              st.backward_slots, st.taped_blocks);
     return out;
+  }
+  if (!inputs.group.empty()) {
+    const std::string why = GroupBudgetRefusal(inputs, budget, spec.name);
+    if (!why.empty()) throw Error(ErrorCode::kRefused, why);
   }
   // A budget: the cost model chooses among every plan that fits, from figures measured on
   // this device (cached per model, device and length).

@@ -36,6 +36,9 @@ class BaseWeights;
 // layout its blocks are streamed in (ComputeLayout).
 MemoryModelInputs JobMemoryInputs(const JobSpec& spec, const Manifest& manifest,
                                   const c10::Device& device, c10::ScalarType dtype);
+// The group's other jobs into `inputs` (MemoryModelInputs::group): their tokens per
+// micro-batch, rank, dropout and targets.
+void AddGroupJobs(const std::vector<JobSpec>& others, MemoryModelInputs* inputs);
 
 // The layout the engine streams the base's blocks in: the store's manifest when its dtype is
 // the compute dtype or its blocks are compressed (with the compute dtype, which they expand
@@ -53,16 +56,19 @@ struct StreamPlanning {
 uint64_t JobMemoryBudget(const StreamSpec& stream, const c10::Device& device);
 
 // The job's plan: from blocks_to_swap (and its phase slots) without a budget
-// (JobMemoryBudget); with one, the
+// (JobMemoryBudget); with one (a group's: inputs.group, refused naming the job that does not
+// fit when the whole group cannot, GroupBudgetRefusal), the
 // cost model's choice (calibrated on `device`, worker/stream/stream_calibrate.h), the candidates
 // logged at debug level and the choice with its prediction at info level.
 StreamPlanning PlanJobStream(const JobSpec& spec, const BaseWeights& base,
                              const MemoryModelInputs& inputs, const c10::Device& device,
                              c10::ScalarType dtype);
 
+// `group`: the other jobs of a group (TrainOptions::plan_group), planned for with `spec`.
 std::unique_ptr<BlockProvider> MakeStreamProvider(const JobSpec& spec, const BaseWeights& base,
                                                   const std::string& device,
                                                   const std::string& dtype,
-                                                  const StreamEngineOptions& options = {});
+                                                  const StreamEngineOptions& options = {},
+                                                  const std::vector<JobSpec>& group = {});
 
 }  // namespace lorastream::worker

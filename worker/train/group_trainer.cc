@@ -154,8 +154,9 @@ TrainModel BuildModel(const JobSpec& spec, const TrainOptions& options, const Ba
   const c10::Device device = target.device;
   TrainModel m;
   auto stoppable = std::make_unique<StoppableProvider>(
-      options.make_provider ? options.make_provider(spec, base, device.str(), target.dtype_name)
-                            : std::make_unique<ResidentProvider>(base, device, target.dtype),
+      options.make_provider
+          ? options.make_provider(spec, base, device.str(), target.dtype_name, options.plan_group)
+          : std::make_unique<ResidentProvider>(base, device, target.dtype),
       std::move(should_stop), device.is_cuda());
   m.stoppable = stoppable.get();
   m.provider = std::move(stoppable);
@@ -346,6 +347,8 @@ struct GroupTrainer::Shared {
   // From after the model is built: every file a job opens or creates is opened as the
   // submitter (TrainOptions::files_as; a store is the worker's own to attach).
   std::unique_ptr<ActingAs> as_submitter;
+  // The micro-batches of two or more jobs (a group of one runs through its job's runner).
+  std::unique_ptr<GroupMicroBatchRunner> group_runner;
 };
 
 // One job of the group: its data, adapter, optimizer, state, checkpoints and statistics.
@@ -439,6 +442,12 @@ class GroupTrainer::Job {
 
   void AddLoss(const at::Tensor& loss) { figures_.push_back(loss.to(at::kFloat).reshape({})); }
 
+  // Its micro-batch ran in a group's CUDA graph, which accumulates into its gradients.
+  void CountGroupReplay() {
+    runner_->KeepGradsInPlace();
+    ++group_replays_;
+  }
+
   // After its micro-batches: clipping, AdamW, the gradients cleared, the next step's input
   // issued; the gradient norm joins the step's figures.
   void Update() {
@@ -464,7 +473,9 @@ class GroupTrainer::Job {
     TrainState& state = start_.state;
     StepStats stats = group_stats;
     // A replay allocates nothing: its memory is what the captured micro-batch allocated.
-    stats.peak_device_bytes = std::max(stats.peak_device_bytes, runner_->captured_peak_bytes());
+    stats.peak_device_bytes =
+        std::max({stats.peak_device_bytes, runner_->captured_peak_bytes(),
+                  group_.group_runner ? group_.group_runner->captured_peak_bytes() : uint64_t{0}});
     double loss_value = 0.0;
     for (int64_t m = 0; m < accum; ++m) loss_value += v[m];
     if (!std::isfinite(loss_value))
@@ -489,7 +500,7 @@ class GroupTrainer::Job {
     AppendStats(stats_path_, stats);
     result_.steps_done = state.step;
     result_.final_loss = stats.loss;
-    result_.graphed_micro_batches = runner_->replays();
+    result_.graphed_micro_batches = runner_->replays() + group_replays_;
     if (in_.on_step) in_.on_step(stats);
     if (checkpoint_now && state.step < total_) Save();
   }
@@ -521,7 +532,8 @@ class GroupTrainer::Job {
   double lr_ = 0.0;
   at::Tensor divisor_;
   std::vector<at::Tensor> figures_;
-  int64_t next_ = 0;  // samples_seen after this step
+  int64_t next_ = 0;           // samples_seen after this step
+  int64_t group_replays_ = 0;  // micro-batches run in a group's CUDA graph
 };
 
 GroupTrainer::GroupTrainer(const JobSpec& first, const TrainOptions& options)
@@ -549,11 +561,13 @@ GroupTrainer::GroupTrainer(const JobSpec& first, const TrainOptions& options)
       if (!job->StopRequested()) return false;
     return true;
   });
+  g.group_runner = std::make_unique<GroupMicroBatchRunner>(*g.m.model);
   g.as_submitter = std::make_unique<ActingAs>(options.files_as);
 }
 
 GroupTrainer::~GroupTrainer() {
-  jobs_.clear();  // before the model they train through
+  shared_->group_runner.reset();  // its graphs accumulate into the jobs' gradients
+  jobs_.clear();                  // before the model they train through
 }
 
 size_t GroupTrainer::size() const { return jobs_.size(); }
@@ -563,6 +577,7 @@ size_t GroupTrainer::Add(GroupJob job) {
   const std::string name = job.spec.name;
   try {
     jobs_.push_back(std::make_unique<Job>(std::move(job), index, *shared_));
+    shared_->group_runner->Forget();  // every composition changed
     LS_LOG_INFO("job {}: joins the group ({} jobs)", name, jobs_.size());
   } catch (...) {
     GroupJobOutcome out;
@@ -589,6 +604,7 @@ void GroupTrainer::Leave(size_t position, std::exception_ptr error) {
     }
   }
   left_.push_back(std::move(out));
+  shared_->group_runner->Forget();  // its graphs read this job's tensors
   jobs_.erase(jobs_.begin() + static_cast<int64_t>(position));
 }
 
@@ -630,7 +646,6 @@ bool GroupTrainer::Step() {
   // The shared work: every job's micro-batches, then their updates. A failure here is the
   // group's: every job leaves with it.
   BlockProvider& provider = *shared_->m.provider;
-  CausalLm& model = *shared_->m.model;
   at::Tensor host;
   try {
     provider.BeginStep();
@@ -642,14 +657,20 @@ bool GroupTrainer::Step() {
         continue;
       }
       std::vector<Job*> in;
+      std::vector<size_t> indices;
       std::vector<GroupMicroBatch> parts;
       for (const auto& job : jobs_) {
         if (m >= job->micro_batches()) continue;  // its step has fewer micro-batches
         in.push_back(job.get());
+        indices.push_back(job->index());
         parts.push_back(job->MicroBatch(m));
       }
-      const std::vector<at::Tensor> losses = model.TrainGroupMicroBatch(parts);
-      for (size_t j = 0; j < in.size(); ++j) in[j]->AddLoss(losses[j].detach());
+      bool graphed = false;
+      const std::vector<at::Tensor> losses = shared_->group_runner->Run(parts, indices, &graphed);
+      for (size_t j = 0; j < in.size(); ++j) {
+        in[j]->AddLoss(losses[j]);
+        if (graphed) in[j]->CountGroupReplay();
+      }
     }
     std::vector<at::Tensor> figures;
     for (const auto& job : jobs_) {
@@ -717,7 +738,10 @@ void GroupTrainer::Run() {
 std::vector<GroupJobOutcome> RunGroupTraining(std::vector<GroupJob> jobs,
                                               const TrainOptions& options) {
   LS_CHECK(!jobs.empty(), "a group needs at least one job");
-  GroupTrainer group(jobs.front().spec, options);
+  TrainOptions group_options = options;
+  if (group_options.plan_group.empty())  // the plan leaves room for every job given
+    for (size_t j = 1; j < jobs.size(); ++j) group_options.plan_group.push_back(jobs[j].spec);
+  GroupTrainer group(jobs.front().spec, group_options);
   for (GroupJob& job : jobs) group.Add(std::move(job));
   group.Run();
   std::vector<GroupJobOutcome> left = group.TakeLeft();

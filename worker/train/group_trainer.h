@@ -87,7 +87,8 @@ class GroupTrainer {
 };
 
 // Trains `jobs` as one group until each has finished, stopped or failed; their outcomes in
-// the order they were given.
+// the order they were given. The plan leaves room for every job (options.plan_group, unless
+// the caller set it).
 std::vector<GroupJobOutcome> RunGroupTraining(std::vector<GroupJob> jobs,
                                               const TrainOptions& options);
 

@@ -1,10 +1,14 @@
 #include "worker/train/micro_batch_runner.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <map>
 #include <mutex>
+#include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 
@@ -54,17 +58,11 @@ c10::cuda::CUDAStream CaptureStream(c10::DeviceIndex index) {
   return it->second;
 }
 
-}  // namespace
+c10::DeviceIndex DeviceIndexOf(const at::Tensor& t) {
+  return t.device().has_index() ? t.device().index() : c10::cuda::current_device();
+}
 
-// The capture stream, the graph and the tensors it reads and writes.
-struct MicroBatchRunner::Graph {
-  explicit Graph(c10::DeviceIndex index) : stream(CaptureStream(index)) {}
-  c10::cuda::CUDAStream stream;
-  std::unique_ptr<at::cuda::CUDAGraph> graph;  // set once captured
-  at::Tensor embeddings, targets, divisor;     // the inputs, copied in before each replay
-  at::Tensor loss;                             // the output
-  bool failed = false;                         // a capture failed: eager from then on
-};
+}  // namespace
 
 namespace {
 
@@ -88,6 +86,107 @@ void OnStream(const c10::cuda::CUDAStream& side, Fn fn) {
 
 }  // namespace
 
+// A call whose device work is the same every time, run from a CUDA graph: the first call
+// eagerly on the capture stream (lazy state: rotary tables, cuBLAS's handles and
+// workspaces), the second captured into a private memory pool, later ones replayed after
+// their inputs were copied into the graph's. The parameters' gradients exist before the
+// capture (zeros), so that the graph accumulates into them.
+class GraphedCall {
+ public:
+  using Fn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>& inputs)>;
+
+  explicit GraphedCall(c10::DeviceIndex index) : index_(index), stream_(CaptureStream(index)) {}
+
+  bool failed() const { return failed_; }
+  bool captured() const { return graph_ != nullptr; }
+  uint64_t captured_peak_bytes() const { return captured_peak_bytes_; }
+  // Whether `inputs` can be replayed: the captured shapes (anything before the capture).
+  bool Accepts(const std::vector<at::Tensor>& inputs) const {
+    if (failed_) return false;
+    if (!captured()) return true;
+    if (inputs.size() != inputs_.size()) return false;
+    for (size_t i = 0; i < inputs.size(); ++i)
+      if (!inputs_[i].sizes().equals(inputs[i].sizes())) return false;
+    return true;
+  }
+
+  // fn(inputs) (outputs of the caller's own: a replay's are copied). On a failed capture
+  // nothing ran: `restart` is called and fn runs eagerly, now and from then on. `what`
+  // names the call in the log.
+  std::vector<at::Tensor> Run(const std::vector<at::Tensor>& inputs, const Fn& fn,
+                              const std::vector<at::Tensor>& params,
+                              const std::function<void()>& restart, const std::string& what) {
+    ++calls_;
+    if (calls_ == 1) {
+      std::vector<at::Tensor> out;
+      OnStream(stream_, [&] { out = fn(inputs); });
+      return out;
+    }
+    if (graph_ == nullptr) {
+      inputs_.clear();
+      for (const at::Tensor& t : inputs) inputs_.push_back(t.clone());
+      for (const at::Tensor& p : params) {
+        if (!p.grad().defined()) {
+          at::Tensor param = p;  // the adapter's tensor: the gradient lands there
+          param.mutable_grad() = at::zeros_like(p);
+        }
+      }
+      // The eager calls' cached memory goes back to the device for the graph's pool to take.
+      c10::cuda::CUDACachingAllocator::emptyCache();
+      c10::cuda::CUDACachingAllocator::resetPeakStats(index_);
+      auto graph = std::make_unique<at::cuda::CUDAGraph>();
+      try {
+        OnStream(stream_, [&] {
+          graph->capture_begin();
+          try {
+            outputs_ = fn(inputs_);
+          } catch (...) {
+            try {
+              graph->capture_end();  // ends the stream's capture; its graph is invalid
+            } catch (const std::exception&) {
+            }
+            throw;
+          }
+          graph->capture_end();
+        });
+      } catch (const std::exception& e) {
+        LS_LOG_WARN("training: capturing {} as a CUDA graph failed, running eagerly: {}", what,
+                    e.what());
+        failed_ = true;
+        outputs_.clear();
+        inputs_.clear();
+        restart();
+        return fn(inputs);
+      }
+      graph_ = std::move(graph);
+      captured_peak_bytes_ = static_cast<uint64_t>(
+          c10::cuda::CUDACachingAllocator::getDeviceStats(index_).allocated_bytes[0].peak);
+      LS_LOG_INFO("training: {} captured as a CUDA graph (peak {:.2f} GiB)", what,
+                  static_cast<double>(captured_peak_bytes_) / (1ull << 30));
+    } else {
+      for (size_t i = 0; i < inputs.size(); ++i) inputs_[i].copy_(inputs[i]);
+    }
+    graph_->replay();
+    std::vector<at::Tensor> out;
+    for (const at::Tensor& t : outputs_) out.push_back(t.clone());
+    return out;
+  }
+
+ private:
+  c10::DeviceIndex index_;
+  c10::cuda::CUDAStream stream_;
+  std::unique_ptr<at::cuda::CUDAGraph> graph_;  // set once captured
+  std::vector<at::Tensor> inputs_;              // copied in before each replay
+  std::vector<at::Tensor> outputs_;
+  int64_t calls_ = 0;
+  bool failed_ = false;  // a capture failed: eager from then on
+  uint64_t captured_peak_bytes_ = 0;
+};
+
+struct MicroBatchRunner::Graph : GraphedCall {
+  using GraphedCall::GraphedCall;
+};
+
 #else
 struct MicroBatchRunner::Graph {};
 #endif
@@ -103,22 +202,17 @@ MicroBatchRunner::~MicroBatchRunner() = default;
 
 bool MicroBatchRunner::graphed() const {
 #ifdef LORASTREAM_HAVE_CUDA
-  return graph_ != nullptr && graph_->graph != nullptr;
+  return graph_ != nullptr && graph_->captured();
 #else
   return false;
 #endif
 }
 
-bool MicroBatchRunner::Eligible(const at::Tensor& embeddings, const at::Tensor& targets) const {
-  if (!may_graph_) return false;
+uint64_t MicroBatchRunner::captured_peak_bytes() const {
 #ifdef LORASTREAM_HAVE_CUDA
-  if (graph_ != nullptr && graph_->failed) return false;
-  return !graphed() || (graph_->embeddings.sizes().equals(embeddings.sizes()) &&
-                        graph_->targets.sizes().equals(targets.sizes()));
+  return graph_ != nullptr ? graph_->captured_peak_bytes() : 0;
 #else
-  (void)embeddings;
-  (void)targets;
-  return false;
+  return 0;
 #endif
 }
 
@@ -129,80 +223,29 @@ at::Tensor MicroBatchRunner::Eager(const at::Tensor& embeddings, const at::Tenso
 
 at::Tensor MicroBatchRunner::Run(const at::Tensor& embeddings, const at::Tensor& targets,
                                  const at::Tensor& loss_divisor, uint64_t dropout_seed) {
-  if (!Eligible(embeddings, targets)) return Eager(embeddings, targets, loss_divisor, dropout_seed);
 #ifdef LORASTREAM_HAVE_CUDA
-  const c10::DeviceIndex index =
-      embeddings.device().has_index() ? embeddings.device().index() : c10::cuda::current_device();
-  if (graph_ == nullptr) graph_ = std::make_unique<Graph>(index);
-  Graph& g = *graph_;
-  ++calls_;
-  if (calls_ == 1) {
-    // The warm-up, on the capture stream: lazy state is made outside the capture.
-    at::Tensor loss;
-    OnStream(g.stream, [&] { loss = Eager(embeddings, targets, loss_divisor, dropout_seed); });
-    return loss;
-  }
-  if (g.graph == nullptr) {
-    // The graph reads its inputs from tensors of its own and accumulates into gradients that
-    // exist when it is captured.
-    g.embeddings = embeddings.clone();
-    g.targets = targets.clone();
-    g.divisor = loss_divisor.clone();
-    for (const at::Tensor& p : adapter_.Params()) {
-      if (!p.grad().defined()) {
-        at::Tensor param = p;  // Params() holds the adapter's tensors: the gradient lands there
-        param.mutable_grad() = at::zeros_like(p);
-      }
+  if (may_graph_) {
+    if (graph_ == nullptr) graph_ = std::make_unique<Graph>(DeviceIndexOf(embeddings));
+    const std::vector<at::Tensor> inputs{embeddings, targets, loss_divisor};
+    if (graph_->Accepts(inputs)) {
+      at::Tensor loss = graph_->Run(
+          inputs,
+          [&](const std::vector<at::Tensor>& in) {
+            return std::vector<at::Tensor>{Eager(in[0], in[1], in[2], dropout_seed)};
+          },
+          adapter_.Params(), [&] { model_.provider().BeginStep(); },
+          "micro-batch of " + std::to_string(embeddings.size(0) * embeddings.size(1)) +
+              " tokens")[0];
+      if (graph_->captured()) ++replays_;  // this call replayed it (the capture too)
+      return loss;
     }
-    // The eager calls' cached memory goes back to the device for the graph's pool to take.
-    c10::cuda::CUDACachingAllocator::emptyCache();
-    c10::cuda::CUDACachingAllocator::resetPeakStats(index);
-    auto graph = std::make_unique<at::cuda::CUDAGraph>();
-    try {
-      OnStream(g.stream, [&] {
-        graph->capture_begin();
-        try {
-          g.loss = Eager(g.embeddings, g.targets, g.divisor, dropout_seed);
-        } catch (...) {
-          try {
-            graph->capture_end();  // ends the stream's capture; its graph is invalid
-          } catch (const std::exception&) {
-          }
-          throw;
-        }
-        graph->capture_end();
-      });
-    } catch (const std::exception& e) {
-      // Nothing ran during the capture: the micro-batch runs eagerly, and so does every later
-      // one. The provider starts the step's order afresh.
-      LS_LOG_WARN("training: capturing the micro-batch as a CUDA graph failed, running eagerly: {}",
-                  e.what());
-      g.failed = true;
-      g.loss = at::Tensor();
-      model_.provider().BeginStep();
-      return Eager(embeddings, targets, loss_divisor, dropout_seed);
-    }
-    g.graph = std::move(graph);
-    captured_peak_bytes_ = static_cast<uint64_t>(
-        c10::cuda::CUDACachingAllocator::getDeviceStats(index).allocated_bytes[0].peak);
-    LS_LOG_INFO("training: micro-batch of {} tokens captured as a CUDA graph (peak {:.2f} GiB)",
-                embeddings.size(0) * embeddings.size(1),
-                static_cast<double>(captured_peak_bytes_) / (1ull << 30));
-  } else {
-    g.embeddings.copy_(embeddings);
-    g.targets.copy_(targets);
-    g.divisor.copy_(loss_divisor);
   }
-  g.graph->replay();
-  ++replays_;
-  return g.loss.clone();
-#else
-  return Eager(embeddings, targets, loss_divisor, dropout_seed);
 #endif
+  return Eager(embeddings, targets, loss_divisor, dropout_seed);
 }
 
 void MicroBatchRunner::ZeroGrad(AdamW& optimizer) {
-  if (!graphed()) {
+  if (!graphed() && !grads_in_place_) {
     optimizer.ZeroGrad();
     return;
   }
@@ -210,6 +253,69 @@ void MicroBatchRunner::ZeroGrad(AdamW& optimizer) {
   for (const at::Tensor& p : optimizer.params())
     if (p.grad().defined()) grads.push_back(p.grad());
   at::_foreach_zero_(grads);
+}
+
+// The group's graphs: one per composition (the jobs of a micro-batch, in order).
+struct GroupMicroBatchRunner::Graphs {
+#ifdef LORASTREAM_HAVE_CUDA
+  std::map<std::vector<size_t>, std::unique_ptr<GraphedCall>> by_jobs;
+#endif
+};
+
+GroupMicroBatchRunner::GroupMicroBatchRunner(CausalLm& model)
+    : model_(model),
+      may_graph_(CudaGraphsApply(model.device(), 0.0) && model.provider().step_is_host_only()),
+      graphs_(std::make_unique<Graphs>()) {}
+
+GroupMicroBatchRunner::~GroupMicroBatchRunner() = default;
+
+void GroupMicroBatchRunner::Forget() { graphs_ = std::make_unique<Graphs>(); }
+
+std::vector<at::Tensor> GroupMicroBatchRunner::Run(const std::vector<GroupMicroBatch>& parts,
+                                                   const std::vector<size_t>& jobs, bool* graphed) {
+  auto eager = [&](const std::vector<GroupMicroBatch>& ps) {
+    std::vector<at::Tensor> losses = model_.TrainGroupMicroBatch(ps);
+    for (at::Tensor& l : losses) l = l.detach();
+    return losses;
+  };
+  *graphed = false;
+#ifdef LORASTREAM_HAVE_CUDA
+  bool eligible = may_graph_;
+  for (const GroupMicroBatch& p : parts) eligible = eligible && p.adapter->settings().dropout == 0;
+  if (eligible) {
+    std::unique_ptr<GraphedCall>& g = graphs_->by_jobs[jobs];
+    if (g == nullptr) g = std::make_unique<GraphedCall>(DeviceIndexOf(parts[0].embeddings));
+    std::vector<at::Tensor> inputs, params;
+    int64_t tokens = 0;
+    for (const GroupMicroBatch& p : parts) {
+      inputs.insert(inputs.end(), {p.embeddings, p.targets, p.loss_divisor});
+      const std::vector<at::Tensor> ps = p.adapter->Params();
+      params.insert(params.end(), ps.begin(), ps.end());
+      tokens += p.embeddings.size(0) * p.embeddings.size(1);
+    }
+    if (g->Accepts(inputs)) {
+      std::vector<at::Tensor> losses = g->Run(
+          inputs,
+          [&](const std::vector<at::Tensor>& in) {
+            std::vector<GroupMicroBatch> ps = parts;
+            for (size_t j = 0; j < ps.size(); ++j) {
+              ps[j].embeddings = in[3 * j];
+              ps[j].targets = in[3 * j + 1];
+              ps[j].loss_divisor = in[3 * j + 2];
+            }
+            return eager(ps);
+          },
+          params, [&] { model_.provider().BeginStep(); },
+          "group micro-batch of " + std::to_string(parts.size()) + " jobs, " +
+              std::to_string(tokens) + " tokens");
+      *graphed = g->captured();  // this call replayed it (the capture too)
+      if (*graphed) ++replays_;
+      captured_peak_bytes_ = std::max(captured_peak_bytes_, g->captured_peak_bytes());
+      return losses;
+    }
+  }
+#endif
+  return eager(parts);
 }
 
 }  // namespace lorastream::worker

@@ -1,7 +1,7 @@
-// Runs a training micro-batch (CausalLm::TrainMicroBatch), on CUDA from a CUDA graph when it
-// can. At short lengths a step is bound by the host: it issues about 2,000 LibTorch calls
-// (an H200 at 512 tokens ran the 16-block step in 27-44 ms, twice its arithmetic), and a graph
-// replays them in one launch.
+// Runs a training micro-batch (CausalLm::TrainMicroBatch, or a job group's
+// CausalLm::TrainGroupMicroBatch), on CUDA from a CUDA graph when it can. At short lengths a step
+// is bound by the host: it issues about 2,000 LibTorch calls (an H200 at 512 tokens ran the
+// 16-block step in 27-44 ms, twice its arithmetic), and a graph replays them in one launch.
 //
 // A micro-batch is graphed when its device work is the same at every call:
 //   - a CUDA device, and LORASTREAM_CUDA_GRAPHS is not "0" in the environment (A/B runs);
@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
@@ -33,6 +34,7 @@ namespace lorastream::worker {
 class AdamW;
 class CausalLm;
 class LoraAdapter;
+struct GroupMicroBatch;
 
 // Whether CUDA graphs may be used: a CUDA build, LORASTREAM_CUDA_GRAPHS not "0".
 bool CudaGraphsEnabled();
@@ -56,24 +58,54 @@ class MicroBatchRunner {
   // The optimizer's gradients cleared for the next step: set to none while no graph exists
   // (the capture gives every parameter a gradient first), else zeroed in place.
   void ZeroGrad(AdamW& optimizer);
+  // From now on ZeroGrad zeroes in place: a group's graph accumulates into these gradients.
+  void KeepGradsInPlace() { grads_in_place_ = true; }
 
   bool graphed() const;                         // a graph was captured and is replayed
   int64_t replays() const { return replays_; }  // micro-batches run from the graph
-  uint64_t captured_peak_bytes() const { return captured_peak_bytes_; }
+  uint64_t captured_peak_bytes() const;
 
  private:
   struct Graph;  // CUDA only (worker/train/micro_batch_runner.cc)
-  bool Eligible(const at::Tensor& embeddings, const at::Tensor& targets) const;
   at::Tensor Eager(const at::Tensor& embeddings, const at::Tensor& targets,
                    const at::Tensor& loss_divisor, uint64_t dropout_seed);
 
   CausalLm& model_;
   const LoraAdapter& adapter_;
-  bool may_graph_;     // allowed, CudaGraphsApply and nothing streams: fixed for the runner's life
-  int64_t calls_ = 0;  // eligible calls so far
+  bool may_graph_;  // allowed, CudaGraphsApply and nothing streams: fixed for the runner's life
+  bool grads_in_place_ = false;
+  int64_t replays_ = 0;
+  std::unique_ptr<Graph> graph_;
+};
+
+// A job group's micro-batches (CausalLm::TrainGroupMicroBatch) under the same rules: graphed
+// when the device is CUDA, nothing streams and no job of the micro-batch has LoRA dropout;
+// one graph per composition (which jobs, in order: `jobs` names them), replayed while their
+// shapes stay those captured. The jobs' adapters must keep their gradients in place while a
+// graph of theirs exists (MicroBatchRunner::KeepGradsInPlace). Forget() drops every graph
+// (a job joined or left: its adapter may be gone).
+class GroupMicroBatchRunner {
+ public:
+  explicit GroupMicroBatchRunner(CausalLm& model);
+  ~GroupMicroBatchRunner();
+  GroupMicroBatchRunner(const GroupMicroBatchRunner&) = delete;
+  GroupMicroBatchRunner& operator=(const GroupMicroBatchRunner&) = delete;
+
+  // Each job's divided loss (device scalars of the caller's own); *graphed: whether it ran
+  // from (or was captured into) a graph.
+  std::vector<at::Tensor> Run(const std::vector<GroupMicroBatch>& parts,
+                              const std::vector<size_t>& jobs, bool* graphed);
+  void Forget();
+  int64_t replays() const { return replays_; }
+  uint64_t captured_peak_bytes() const { return captured_peak_bytes_; }
+
+ private:
+  struct Graphs;
+  CausalLm& model_;
+  bool may_graph_;
   int64_t replays_ = 0;
   uint64_t captured_peak_bytes_ = 0;
-  std::unique_ptr<Graph> graph_;
+  std::unique_ptr<Graphs> graphs_;
 };
 
 }  // namespace lorastream::worker

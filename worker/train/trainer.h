@@ -30,6 +30,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/job_spec.h"
 #include "common/step_stats.h"
@@ -41,17 +42,22 @@ class BaseWeights;
 class BlockProvider;
 
 // Makes the job's BlockProvider (the streaming engine plugs in here). device: "cpu",
-// "cuda:N"; dtype: "f32" | "bf16" (the compute dtype). The default (an empty function) is
-// the fully resident provider.
+// "cuda:N"; dtype: "f32" | "bf16" (the compute dtype); group: the other jobs of a group whose
+// memory the plan leaves room for (TrainOptions::plan_group; empty: the job alone). The
+// default (an empty function) is the fully resident provider.
 using ProviderFactory = std::function<std::unique_ptr<BlockProvider>(
     const JobSpec& spec, const BaseWeights& base, const std::string& device,
-    const std::string& dtype)>;
+    const std::string& dtype, const std::vector<JobSpec>& group)>;
 
 struct TrainOptions {
   std::string device = "cpu";  // "cpu" | "cuda" | "cuda:N"
   bool resume = true;          // continue from output_dir's latest checkpoint when it has one
   int threads = 0;             // intra-op CPU threads; 0 = every core
   ProviderFactory make_provider;
+  // A group's jobs besides the first, known when it forms (`train A.toml B.toml`; a serving
+  // worker's other slots): the plan (stream.gpu_memory_budget, "auto") leaves room for their
+  // activations, tapes, adapters and optimizer states, and refuses a group that cannot fit.
+  std::vector<JobSpec> plan_group;
   // Who OUTPUT_DIR/.lorastream.lock says holds the folder while this job trains (a second job
   // into it is refused naming this; a later attempt of the same job takes it over, and this
   // one then stops at its next step: common/job_access.h); "": "lorastream-worker pid N".
