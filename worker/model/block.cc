@@ -1,5 +1,6 @@
 #include "worker/model/block.h"
 
+#include <algorithm>
 #include <mutex>
 #include <vector>
 
@@ -59,6 +60,11 @@ class GroupRows {
     }
   }
   size_t size() const { return count_.size(); }
+  // Every job has the same number of rows: the concatenation is [size(), rows, ...].
+  bool uniform() const {
+    return std::all_of(count_.begin(), count_.end(), [&](int64_t c) { return c == count_[0]; });
+  }
+  int64_t rows(size_t j) const { return count_[j]; }
   // parts[j] [n_j, ...] as one [N, ...].
   at::Tensor Cat(const std::vector<at::Tensor>& parts) const {
     return parts.size() == 1 ? parts[0] : at::cat(parts, 0);
@@ -106,6 +112,42 @@ class DropoutStreams {
   std::vector<at::Tensor> states_;
 };
 
+// Whether a projection group's low-rank terms run batched over the jobs (one bmm for all of
+// them instead of a GEMM per job): on CUDA, for two or more jobs with the same number of
+// rows, adapted projections, rank and scale, and no dropout. (On the CPU every job keeps its
+// own GEMMs: its results stay bit for bit those of the job alone.)
+template <size_t N>
+bool LoraBatched(const at::Tensor& x, const GroupRows& rows, const std::array<Projection, N>& ps,
+                 Group group, const std::vector<BlockJob>& jobs) {
+  if (jobs.size() < 2 || !x.is_cuda() || !rows.uniform()) return false;
+  const LoraBlock& first = jobs[0].lora->lora;
+  const std::vector<size_t> adapted = Adapted(ps, first);
+  if (adapted.empty()) return false;
+  const int64_t r = first.a[ps[adapted[0]].target].size(0);
+  for (const BlockJob& job : jobs) {
+    const LoraBlock& lora = job.lora->lora;
+    if (DropoutActive(*job.compute) || job.compute->lora_scale != jobs[0].compute->lora_scale ||
+        !job.lora->stacked[group].defined() || Adapted(ps, lora) != adapted ||
+        lora.a[ps[adapted[0]].target].size(0) != r)
+      return false;
+  }
+  return true;
+}
+
+// Each job's stacked A's of `group` [k * r, in] as one [K, k * r, in].
+at::Tensor JobsStackedA(const std::vector<BlockJob>& jobs, Group group) {
+  std::vector<at::Tensor> as;
+  for (const BlockJob& job : jobs) as.push_back(job.lora->stacked[group]);
+  return at::stack(as);
+}
+
+// Each job's B of target t [out, r] as one [K, out, r].
+at::Tensor JobsB(const std::vector<BlockJob>& jobs, int t) {
+  std::vector<at::Tensor> bs;
+  for (const BlockJob& job : jobs) bs.push_back(job.lora->lora.b[t]);
+  return at::stack(bs);
+}
+
 // y_i = x W_i^T (+ b_i) + s * (dropout(x) A_i^T) B_i^T for the projections reading x [N, in],
 // the rows of every job of the group: the base GEMM once over all rows, each job's low-rank
 // term on its own rows. Without dropout a job's A's share one GEMM; each low-rank term is
@@ -122,6 +164,21 @@ std::array<at::Tensor, N> ProjectGroup(const at::Tensor& x, const GroupRows& row
                                         : at::mm(x, p.weight->t());
   }
   const auto dtype = x.scalar_type();
+  if (LoraBatched(x, rows, ps, group, jobs)) {
+    const int64_t K = static_cast<int64_t>(jobs.size()), n = rows.rows(0);
+    const std::vector<size_t> adapted = Adapted(ps, jobs[0].lora->lora);
+    const int64_t r = jobs[0].lora->lora.a[ps[adapted[0]].target].size(0);
+    const double s = jobs[0].compute->lora_scale;
+    const at::Tensor u = at::bmm(x.reshape({K, n, -1}), JobsStackedA(jobs, group).transpose(1, 2));
+    for (size_t k = 0; k < adapted.size(); ++k) {
+      const int t = ps[adapted[k]].target;
+      const at::Tensor uk = u.narrow(2, static_cast<int64_t>(k) * r, r);  // [K, n, r]
+      ys[adapted[k]].view({K, n, -1}).baddbmm_(uk, JobsB(jobs, t).transpose(1, 2), 1.0, s);
+      if (tape)
+        for (int64_t j = 0; j < K; ++j) tape->jobs[j].lora[t].u = uk[j];
+    }
+    return ys;
+  }
   for (size_t j = 0; j < jobs.size(); ++j) {
     const LoraBlock& lora = jobs[j].lora->lora;
     const BlockCompute& c = *jobs[j].compute;
@@ -171,6 +228,34 @@ at::Tensor BackpropGroup(const at::Tensor& x, const GroupRows& rows,
     for (size_t i = 1; i < N; ++i) dx.addmm_(dys[i], *ps[i].weight);
   }
   const auto dtype = dys[0].scalar_type();
+  if (LoraBatched(x, rows, ps, group, jobs)) {
+    const int64_t K = static_cast<int64_t>(jobs.size()), n = rows.rows(0);
+    const std::vector<size_t> adapted = Adapted(ps, jobs[0].lora->lora);
+    const int64_t r = jobs[0].lora->lora.a[ps[adapted[0]].target].size(0);
+    const double s = jobs[0].compute->lora_scale;
+    // Per job as below, each GEMM once for all jobs: g_i = s * dy_i B_i [K, n, r],
+    // dB_i = s * dy_i^T u_i, dA = g^T x, dx += g A.
+    std::vector<at::Tensor> gs;
+    for (size_t i : adapted) {
+      const int t = ps[i].target;
+      const at::Tensor dy = dys[i].reshape({K, n, -1});
+      std::vector<at::Tensor> us;
+      for (int64_t j = 0; j < K; ++j) {
+        us.push_back(tape.jobs[j].lora[t].u);
+        tape.jobs[j].lora[t].u = at::Tensor();
+      }
+      gs.push_back(at::bmm(dy, JobsB(jobs, t)).mul_(s));
+      const at::Tensor db = at::bmm(dy.transpose(1, 2), at::stack(us)).mul_(s).to(at::kFloat);
+      for (int64_t j = 0; j < K; ++j) grads[j].b[t] = db[j];
+    }
+    const at::Tensor g = gs.size() == 1 ? gs[0] : at::cat(gs, 2);  // [K, n, k * r]
+    if (need_dx) dx.view({K, n, -1}).baddbmm_(g, JobsStackedA(jobs, group));
+    const at::Tensor da = at::bmm(g.transpose(1, 2), x.reshape({K, n, -1})).to(at::kFloat);
+    for (int64_t j = 0; j < K; ++j)
+      for (size_t k = 0; k < adapted.size(); ++k)
+        grads[j].a[ps[adapted[k]].target] = da[j].narrow(0, static_cast<int64_t>(k) * r, r);
+    return dx;
+  }
   for (size_t j = 0; j < jobs.size(); ++j) {
     const LoraBlock& lora = jobs[j].lora->lora;
     const BlockCompute& c = *jobs[j].compute;
