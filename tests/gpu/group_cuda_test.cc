@@ -86,6 +86,24 @@ double AdapterDistance(const std::string& a, const std::string& b) {
   return worst;
 }
 
+// Each job of group run `g` (trained into DIR/groupTAG/NAME) against its run alone (into
+// DIR/alone-NAMETAG/NAME): losses and adapter within bf16 rounding.
+void CheckAsAlone(const Run& g, const std::vector<std::pair<std::string, const Run*>>& alone,
+                  const std::string& dir, const std::string& tag) {
+  for (const auto& [name, run] : alone) {
+    CAPTURE(name);
+    const std::vector<StepStats>& want = run->steps.at(name);
+    const std::vector<StepStats>& got = g.steps.at(name);
+    REQUIRE(got.size() == want.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      CHECK(std::isfinite(got[i].loss));
+      CHECK(got[i].loss == Approx(want[i].loss).epsilon(2e-2));
+    }
+    CHECK(AdapterDistance(dir + "/group" + tag + "/" + name,
+                          dir + "/alone-" + name + tag + "/" + name) < 5e-2);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("CUDA: a job in a group trains as it does alone within bf16 rounding", "[gpu]") {
@@ -98,18 +116,7 @@ TEST_CASE("CUDA: a job in a group trains as it does alone within bf16 rounding",
     const Run a = Train(model, data, dir / ("alone-a" + tag), {"a"}, streamed);
     const Run b = Train(model, data, dir / ("alone-b" + tag), {"b"}, streamed);
     const Run g = Train(model, data, dir / ("group" + tag), {"a", "b"}, streamed);
-    for (const auto& [name, alone] : {std::pair{"a", a}, std::pair{"b", b}}) {
-      CAPTURE(name);
-      const std::vector<StepStats>& want = alone.steps.at(name);
-      const std::vector<StepStats>& got = g.steps.at(name);
-      REQUIRE(got.size() == want.size());
-      for (size_t i = 0; i < got.size(); ++i) {
-        CHECK(std::isfinite(got[i].loss));
-        CHECK(got[i].loss == Approx(want[i].loss).epsilon(2e-2));
-      }
-      CHECK(AdapterDistance(dir / ("group" + tag + "/" + name),
-                            dir / ("alone-" + std::string(name) + tag + "/" + name)) < 5e-2);
-    }
+    CheckAsAlone(g, {{"a", &a}, {"b", &b}}, dir.str(), tag);
     if (!streamed) {
       // Resident, the group's micro-batches replay CUDA graphs from the second on: one per
       // composition ({a, b}, then b alone in its second micro-batch).
@@ -134,17 +141,6 @@ TEST_CASE("CUDA: jobs of one shape (LoRA GEMMs batched over the jobs) train as e
     const Run a = Train(model, data, dir / ("alone-a" + tag), {"a"}, streamed);
     const Run c = Train(model, data, dir / ("alone-c" + tag), {"c"}, streamed);
     const Run g = Train(model, data, dir / ("group" + tag), {"a", "c"}, streamed);
-    for (const auto& [name, alone] : {std::pair{"a", a}, std::pair{"c", c}}) {
-      CAPTURE(name);
-      const std::vector<StepStats>& want = alone.steps.at(name);
-      const std::vector<StepStats>& got = g.steps.at(name);
-      REQUIRE(got.size() == want.size());
-      for (size_t i = 0; i < got.size(); ++i) {
-        CHECK(std::isfinite(got[i].loss));
-        CHECK(got[i].loss == Approx(want[i].loss).epsilon(2e-2));
-      }
-      CHECK(AdapterDistance(dir / ("group" + tag + "/" + name),
-                            dir / ("alone-" + std::string(name) + tag + "/" + name)) < 5e-2);
-    }
+    CheckAsAlone(g, {{"a", &a}, {"c", &c}}, dir.str(), tag);
   }
 }

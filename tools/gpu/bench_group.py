@@ -25,31 +25,7 @@ import subprocess
 import sys
 import time
 
-from bench_multi_gpu import log, write_data  # this folder is on sys.path
-
-
-JOB = """name = "{name}"
-[model]
-store = "{store}"
-[data]
-path = "{data}"
-seq_len = {seq_len}
-[lora]
-rank = 16
-alpha = 32.0
-[optim]
-lr = 1e-4
-[train]
-steps = {steps}
-batch_size = 1
-seed = {seed}
-checkpoint_every = 0
-output_dir = "{out}"
-dtype = "bf16"
-[stream]
-blocks_to_swap = {swap}
-ring_size = 2
-"""
+from bench_multi_gpu import JOB, log, write_data  # this folder is on sys.path
 
 
 class Bench:
@@ -70,7 +46,7 @@ class Bench:
         with open(path, "w") as f:
             f.write(JOB.format(name=f"j{index}", store=self.args.store, data=data,
                                seq_len=tokens, steps=self.args.steps, seed=index,
-                               out=os.path.join(d, "out"), swap=swap))
+                               out=os.path.join(d, "out"), swap=swap, ring=2))
         return path, os.path.join(d, "out", "stats.jsonl")
 
     def train(self, jobs, label):

@@ -47,9 +47,11 @@ def write_data(path, vocab, docs, doc_tokens, seed=7):
     os.replace(tmp, path)
 
 
+# The benchmarks' job: rank 16 on all seven projections, batch 1, no checkpoints. `up` and
+# `submit` set model.store and train.output_dir themselves ("placeholder" here).
 JOB = """name = "{name}"
 [model]
-store = "placeholder"
+store = "{store}"
 [data]
 path = "{data}"
 seq_len = {seq_len}
@@ -63,7 +65,7 @@ steps = {steps}
 batch_size = 1
 seed = {seed}
 checkpoint_every = 0
-output_dir = "placeholder"
+output_dir = "{out}"
 [stream]
 blocks_to_swap = {swap}
 ring_size = {ring}
@@ -247,8 +249,9 @@ def main():
     for i, name in enumerate(["a", "b"]):
         path = os.path.join(work, f"warmup_{name}.toml")
         with open(path, "w") as f:
-            f.write(JOB.format(name=f"warmup-{name}", data=warm_data, seq_len=warm_len, steps=2,
-                               seed=i + 1, swap=args.swap, ring=args.ring))
+            f.write(JOB.format(name=f"warmup-{name}", store="placeholder", data=warm_data,
+                               seq_len=warm_len, steps=2, seed=i + 1, out="placeholder",
+                               swap=args.swap, ring=args.ring))
         warm_jobs.append(path)
     run_up(args, os.path.join(work, "warmup"), devices, warm_jobs, sample=False)
 
@@ -260,8 +263,9 @@ def main():
         for i, name in enumerate(["a", "b"]):
             path = os.path.join(work, f"multi_{name}_{seq_len}.toml")
             with open(path, "w") as f:
-                f.write(JOB.format(name=f"multi-{name}-{seq_len}", data=data, seq_len=seq_len,
-                                   steps=args.steps, seed=i + 1, swap=args.swap, ring=args.ring))
+                f.write(JOB.format(name=f"multi-{name}-{seq_len}", store="placeholder", data=data,
+                                   seq_len=seq_len, steps=args.steps, seed=i + 1,
+                                   out="placeholder", swap=args.swap, ring=args.ring))
             jobs.append(path)
         single_dir = os.path.join(work, f"t{seq_len}-single")
         dual_dir = os.path.join(work, f"t{seq_len}-dual")
