@@ -1,4 +1,4 @@
-// A throw-away local user for the multi-user tests (README: Trust model): created with
+// A throw-away local user for the multi-user tests (docs/TRUST.md): created with
 // useradd when the test starts, removed with `userdel -r` when it ends, even on failure.
 // Needs root (CI runs as root); elsewhere available() is false and the test says so with a
 // WARN and returns.

@@ -1,4 +1,4 @@
-// Trust model helpers (README: Trust model): the permission walk a worker makes as a job's
+// Trust model helpers (docs/TRUST.md): the permission walk a worker makes as a job's
 // submitter, canonical paths, opening files as the submitter, the output folder's lock and
 // its takeover, and the memory limit.
 #include "common/user_access.h"

@@ -1,4 +1,4 @@
-// Trust model on the coordinator's side (README: Trust model): one coordinator per journal,
+// Trust model on the coordinator's side (docs/TRUST.md): one coordinator per journal,
 // an owner-only journal, output folders compared by canonical path, each job's submitter
 // recorded (from the kernel on an ipc socket), TCP without CURVE only with --insecure.
 #include <catch2/catch.hpp>

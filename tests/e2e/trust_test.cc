@@ -1,4 +1,4 @@
-// Trust model end to end (README: Trust model), with a temporary unprivileged user: it
+// Trust model end to end (docs/TRUST.md), with a temporary unprivileged user: it
 // reaches a root coordinator only with a CURVE key mapped to it, its jobs run on a root
 // worker only over paths it could open itself (data, eval data, every file of a model
 // folder), what they write is created as it and no file of root's changes owner (links

@@ -1,4 +1,4 @@
-// Stores are trusted only when they belong to the expected user (README: Trust model): a
+// Stores are trusted only when they belong to the expected user (docs/TRUST.md): a
 // store another user serves is not attached, its name says who holds it, and a segment of
 // another user among the store's own is refused by name. Multi-user: a temporary user.
 #include <sys/stat.h>
