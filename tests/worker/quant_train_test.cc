@@ -23,11 +23,6 @@ using namespace lorastream::worker;
 
 namespace {
 
-std::string UniqueStoreName(const std::string& tag) {
-  static int counter = 0;
-  return "test-" + tag + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
-}
-
 at::Tensor SliceOf(const at::Tensor& bytes, const SegmentInfo& layout, const std::string& name,
                    at::ScalarType type) {
   const TensorSlice* s = layout.Find(name);
@@ -79,12 +74,7 @@ struct QuantStore {
   std::unique_ptr<store::PublishedStore> store;
   QuantStore(const std::string& preset, QuantMethod method) {
     testing::MakeCheckpoint(dir / "m", preset);
-    store::ServeOptions o;
-    o.model_dir = dir / "m";
-    o.name = UniqueStoreName(QuantMethodName(method));
-    o.threads = 2;
-    o.quantize = method;
-    store = store::PublishedStore::Build(o);
+    store = testing::ServeForTest(dir / "m", method, QuantMethodName(method));
     testing::WriteJsonl(dir / "d.jsonl", 6, 10, 40, 320);
   }
   JobSpec Job(const std::string& out) const {
@@ -192,5 +182,38 @@ TEST_CASE("training on a compressed store: streamed equals resident bit for bit,
     CHECK(second.start_step == first.steps_done);
     CHECK(second.steps_done == 4);
     CHECK(testing::ReadFile(spec.train.output_dir + "/adapter_model.safetensors") == want);
+  }
+}
+
+TEST_CASE("resident compressed blocks stay compressed and expand at each use into one scratch",
+          "[worker]") {
+  for (QuantMethod method : {QuantMethod::kFp8, QuantMethod::kNf4}) {
+    INFO(QuantMethodName(method));
+    QuantStore q("tiny-qwen2", method);
+    const BaseWeights base = BaseWeights::FromStore(q.store->manifest().store_name);
+    JobSpec spec = q.Job("engine");
+    spec.stream.blocks_to_swap = 0;
+    StreamEngineOptions opt;
+    opt.log_plan = false;
+    auto provider = MakeStreamProvider(spec, base, "cpu", "f32", opt);
+    provider->BeginStep();
+    const void* scratch = nullptr;
+    for (int pass = 0; pass < 2; ++pass) {  // forward 0..L-1, backward L-1..0
+      for (int k = 0; k < base.num_blocks(); ++k) {
+        const int i = pass == 0 ? k : base.num_blocks() - 1 - k;
+        const BlockWeights& w = provider->Acquire(i);
+        const BlockWeights& want = base.block(i);  // the host's expansion, kept
+        CHECK(at::equal(w.q_proj, want.q_proj.to(at::kFloat)));
+        CHECK(at::equal(w.down_proj, want.down_proj.to(at::kFloat)));
+        CHECK(at::equal(w.q_bias, want.q_bias.to(at::kFloat)));
+        // Every use expands into the same buffer: one block's expansion on the device at a time.
+        if (scratch == nullptr) scratch = w.q_proj.data_ptr();
+        CHECK(w.q_proj.data_ptr() == scratch);
+        provider->Release(i);
+      }
+    }
+    StepStats stats;
+    provider->EndStep(stats);
+    CHECK(stats.copies == 0);
   }
 }

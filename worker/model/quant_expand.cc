@@ -93,9 +93,9 @@ at::Tensor ExpandWeight(const at::Tensor& bytes, const SegmentInfo& layout,
   return out;
 }
 
-BlockWeights ExpandBlock(const at::Tensor& bytes, const SegmentInfo& layout, c10::ScalarType dtype,
-                         at::Tensor* buffer) {
-  // The plain tensors as views (their own layout without the compressed weights and scales).
+BlockWeights PlainBlockWeights(const at::Tensor& bytes, const SegmentInfo& layout,
+                               c10::ScalarType dtype) {
+  // Their own layout without the compressed weights and scales.
   SegmentInfo plain = layout;
   plain.tensors.clear();
   std::vector<std::string> aux;
@@ -111,7 +111,11 @@ BlockWeights ExpandBlock(const at::Tensor& bytes, const SegmentInfo& layout, c10
     at::Tensor* field = BlockWeightField(w, t.name);
     if (field->scalar_type() != dtype) *field = field->to(dtype);
   }
+  return w;
+}
 
+void ExpandProjections(const at::Tensor& bytes, const SegmentInfo& layout, c10::ScalarType dtype,
+                       at::Tensor* buffer, BlockWeights* w) {
   const int64_t total = ExpandedElements(layout);
   const auto options = bytes.options().dtype(dtype);
   if (!buffer->defined() || buffer->scalar_type() != dtype || buffer->device() != bytes.device() ||
@@ -133,8 +137,14 @@ BlockWeights ExpandBlock(const at::Tensor& bytes, const SegmentInfo& layout, c10
       ExpandInto(bytes, layout, t, reinterpret_cast<uint16_t*>(staging.data_ptr()));
       dst.copy_(staging.narrow(0, 0, n));
     }
-    *BlockWeightField(w, t.name) = dst.view(t.shape);
+    *BlockWeightField(*w, t.name) = dst.view(t.shape);
   }
+}
+
+BlockWeights ExpandBlock(const at::Tensor& bytes, const SegmentInfo& layout, c10::ScalarType dtype,
+                         at::Tensor* buffer) {
+  BlockWeights w = PlainBlockWeights(bytes, layout, dtype);
+  ExpandProjections(bytes, layout, dtype, buffer, &w);
   return w;
 }
 

@@ -28,6 +28,15 @@ bool HasCompressedWeights(const SegmentInfo& layout);
 BlockWeights ExpandBlock(const at::Tensor& bytes, const SegmentInfo& layout, c10::ScalarType dtype,
                          at::Tensor* buffer);
 
+// The two halves of ExpandBlock, for a block kept compressed on the device and expanded per
+// use (worker/stream/stream_engine.h): its plain tensors (views of `bytes`, converted to
+// `dtype` when stored otherwise: done once), the compressed projections left undefined; then,
+// per use, the projections expanded into `*buffer` (as ExpandBlock) and set in `*weights`.
+BlockWeights PlainBlockWeights(const at::Tensor& bytes, const SegmentInfo& layout,
+                               c10::ScalarType dtype);
+void ExpandProjections(const at::Tensor& bytes, const SegmentInfo& layout, c10::ScalarType dtype,
+                       at::Tensor* buffer, BlockWeights* weights);
+
 // The expansion of a single compressed weight `weight` of `layout` into a new bf16 tensor
 // (its logical shape) on the device of `bytes`.
 at::Tensor ExpandWeight(const at::Tensor& bytes, const SegmentInfo& layout,
