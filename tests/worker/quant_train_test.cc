@@ -7,7 +7,9 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <vector>
 
 #include "common/error.h"
@@ -216,4 +218,20 @@ TEST_CASE("resident compressed blocks stay compressed and expand at each use int
     provider->EndStep(stats);
     CHECK(stats.copies == 0);
   }
+}
+
+TEST_CASE("plan names a compressed store's format and what its blocks expand to", "[worker]") {
+  QuantStore q("tiny", QuantMethod::kNf4);
+  const std::string job = q.dir / "plan.toml";
+  std::ofstream(job) << "name = \"plan\"\n[model]\nstore = \"" << q.store->manifest().store_name
+                     << "\"\n[data]\npath = \"d.jsonl\"\nseq_len = 32\n[train]\nsteps = 1\n"
+                        "output_dir = \"out\"\n";
+  const std::string cmd = std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker plan " + job +
+                          " --device cpu > " + (q.dir / "plan.log") + " 2>&1";
+  const int status = std::system(cmd.c_str());
+  const std::string log = testing::ReadFile(q.dir / "plan.log");
+  INFO(log);
+  REQUIRE(status == 0);
+  CHECK_THAT(
+      log, Catch::Contains(DescribeQuant(StoreQuantFormat(QuantMethod::kNf4)) + ", expanding to "));
 }
