@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>

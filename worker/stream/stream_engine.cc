@@ -156,6 +156,7 @@ StreamEngine::~StreamEngine() {
 }
 
 void StreamEngine::StartPass() {
+  scratch_block_ = -1;
   pass_ = PlanPass(residency_, slot_block_);
   cursor_ = 0;
   acquired_ = false;
@@ -224,11 +225,14 @@ const BlockWeights& StreamEngine::Acquire(int block) {
   if (use.slot < 0) {
     acquired_ = true;
     if (!expand_per_use_[block]) return resident_weights_[block];
-    // On the compute stream, behind every kernel of the block before (which read the scratch).
-    scratch_weights_ = resident_weights_[block];
-    ExpandProjections(resident_bytes_[block], layouts_[block], dtype_, &resident_scratch_,
-                      &scratch_weights_);
-    RefuseTrainableBaseWeights(scratch_weights_, block);
+    if (scratch_block_ != block) {
+      // On the compute stream, behind every kernel of the block before (which read the scratch).
+      scratch_weights_ = resident_weights_[block];
+      ExpandProjections(resident_bytes_[block], layouts_[block], dtype_, &resident_scratch_,
+                        &scratch_weights_);
+      RefuseTrainableBaseWeights(scratch_weights_, block);
+      scratch_block_ = block;
+    }
     return scratch_weights_;
   }
   backend_->AcquireSlot(use.slot);
