@@ -50,6 +50,8 @@ TEST_CASE("quant-report: SQNR, KL and trained eval loss of fp8 and nf4 against b
     CHECK(q["kl_max"].get<double>() >= q["kl_mean"].get<double>());
     CHECK(finite(q["base_eval_loss"]));
     CHECK(finite(q["trained_eval_loss"]));
+    CHECK(finite(q["expand_ms_per_block"]));
+    CHECK(q["expand_ms_per_block"].get<double>() > 0);
     CHECK(q["block_bytes"].get<double>() < r["bf16"]["block_bytes"].get<double>());
   }
   // fp8 keeps more of the weights and of the model's predictions than nf4.

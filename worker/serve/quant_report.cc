@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -99,6 +100,30 @@ nlohmann::json WeightSqnr(const BaseWeights& plain, const BaseWeights& q, c10::D
     j[kind] = s.second > 0 ? 10 * std::log10(s.first / s.second)
                            : std::numeric_limits<double>::infinity();
   return j;
+}
+
+// Seconds to expand block 0's compressed projections on `device` into `dtype` (what each use
+// of a compressed block costs), the median of five after a warm-up.
+double ExpandSeconds(const BaseWeights& q, c10::Device device, c10::ScalarType dtype) {
+  const SegmentInfo& layout = q.manifest()->blocks[0];
+  const at::Tensor bytes =
+      at::from_blob(const_cast<uint8_t*>(q.block_bytes()[0]), {static_cast<int64_t>(layout.nbytes)},
+                    at::TensorOptions().dtype(at::kByte))
+          .to(device);
+  at::Tensor buffer;
+  BlockWeights w = PlainBlockWeights(bytes, layout, dtype);
+  auto wait = [&] { (void)buffer.narrow(0, 0, 1).item<float>(); };  // the device's queue
+  std::vector<double> seconds;
+  for (int r = 0; r < 6; ++r) {
+    const auto start = std::chrono::steady_clock::now();
+    ExpandProjections(bytes, layout, dtype, &buffer, &w);
+    wait();
+    if (r > 0)
+      seconds.push_back(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::sort(seconds.begin(), seconds.end());
+  return seconds[seconds.size() / 2];
 }
 
 // The base model's (no adapter) log-probabilities on `batches`, f32 on the device, and its
@@ -234,6 +259,7 @@ int RunQuantReport(const QuantReportOptions& o) {
         {"format", DescribeQuant(store->manifest().quant())},
         {"block_bytes", BlockBytes(store->manifest())},
         {"sqnr_db", WeightSqnr(plain, q, device)},
+        {"expand_ms_per_block", 1e3 * ExpandSeconds(q, device, dtype)},
         {"kl_mean", kl_mean},
         {"kl_max", kl_max},
         {"base_eval_loss", outputs.loss},
@@ -247,20 +273,21 @@ int RunQuantReport(const QuantReportOptions& o) {
               report["dtype"].get<std::string>().c_str(), o.device.c_str());
   std::printf("%-6s %10s", "base", "blocks");
   for (const char* k : kKinds) std::printf(" %9s", k);
-  std::printf(" %9s %10s %10s %10s %12s\n", "all dB", "KL mean", "KL max", "base eval",
-              "trained eval");
+  std::printf(" %9s %10s %10s %10s %12s %10s\n", "all dB", "KL mean", "KL max", "base eval",
+              "trained eval", "expand ms");
   std::printf("%-6s %10s", "bf16", FormatBytes(b["block_bytes"].get<uint64_t>()).c_str());
   for (int k = 0; k < 8; ++k) std::printf(" %9s", "-");
-  std::printf(" %10s %10s %10.5f %12.5f\n", "-", "-", b["base_eval_loss"].get<double>(),
-              b["trained_eval_loss"].get<double>());
+  std::printf(" %10s %10s %10.5f %12.5f %10s\n", "-", "-", b["base_eval_loss"].get<double>(),
+              b["trained_eval_loss"].get<double>(), "-");
   for (QuantMethod method : methods) {
     const nlohmann::json& r = report[QuantMethodName(method)];
     std::printf("%-6s %10s", QuantMethodName(method),
                 FormatBytes(r["block_bytes"].get<uint64_t>()).c_str());
     for (const char* k : kKinds) std::printf(" %9.2f", r["sqnr_db"].value(k, std::nan("")));
-    std::printf(" %9.2f %10.3e %10.3e %10.5f %12.5f\n", r["sqnr_db"]["all"].get<double>(),
+    std::printf(" %9.2f %10.3e %10.3e %10.5f %12.5f %10.3f\n", r["sqnr_db"]["all"].get<double>(),
                 r["kl_mean"].get<double>(), r["kl_max"].get<double>(),
-                r["base_eval_loss"].get<double>(), r["trained_eval_loss"].get<double>());
+                r["base_eval_loss"].get<double>(), r["trained_eval_loss"].get<double>(),
+                r["expand_ms_per_block"].get<double>());
   }
   std::fflush(stdout);
   if (!o.out_path.empty()) {

@@ -9,7 +9,9 @@
 //     models (no adapter) on the first eval batches, in nats per token (mean and max over
 //     tokens), and each model's own eval loss there;
 //   - the eval loss after the job's training run on each base (the same seed, data and
-//     schedule), against the bf16 base's run.
+//     schedule), against the bf16 base's run;
+//   - the time to expand one block's projections on the device (each use of a compressed
+//     block costs one).
 // Printed as a table and written as JSON (`--out`). Torch-free header.
 #pragma once
 
