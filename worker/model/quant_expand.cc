@@ -1,6 +1,8 @@
 #include "worker/model/quant_expand.h"
 
 #include <algorithm>
+#include <chrono>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -139,6 +141,27 @@ void ExpandProjections(const at::Tensor& bytes, const SegmentInfo& layout, c10::
     }
     *BlockWeightField(*w, t.name) = dst.view(t.shape);
   }
+}
+
+double MeasureBlockExpansion(const uint8_t* host_bytes, const SegmentInfo& layout,
+                             c10::Device device, c10::ScalarType dtype, int reps) {
+  const at::Tensor bytes =
+      at::from_blob(const_cast<uint8_t*>(host_bytes), {static_cast<int64_t>(layout.nbytes)},
+                    at::TensorOptions().dtype(at::kByte))
+          .to(device);
+  at::Tensor buffer;
+  BlockWeights w = PlainBlockWeights(bytes, layout, dtype);
+  std::vector<double> seconds;
+  for (int r = 0; r <= reps; ++r) {
+    const auto start = std::chrono::steady_clock::now();
+    ExpandProjections(bytes, layout, dtype, &buffer, &w);
+    (void)buffer.narrow(0, 0, 1).item<float>();  // waits for the device's queue
+    if (r > 0)
+      seconds.push_back(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::sort(seconds.begin(), seconds.end());
+  return seconds.empty() ? 0.0 : seconds[seconds.size() / 2];
 }
 
 BlockWeights ExpandBlock(const at::Tensor& bytes, const SegmentInfo& layout, c10::ScalarType dtype,

@@ -3,7 +3,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -100,30 +99,6 @@ nlohmann::json WeightSqnr(const BaseWeights& plain, const BaseWeights& q, c10::D
     j[kind] = s.second > 0 ? 10 * std::log10(s.first / s.second)
                            : std::numeric_limits<double>::infinity();
   return j;
-}
-
-// Seconds to expand block 0's compressed projections on `device` into `dtype` (what each use
-// of a compressed block costs), the median of five after a warm-up.
-double ExpandSeconds(const BaseWeights& q, c10::Device device, c10::ScalarType dtype) {
-  const SegmentInfo& layout = q.manifest()->blocks[0];
-  const at::Tensor bytes =
-      at::from_blob(const_cast<uint8_t*>(q.block_bytes()[0]), {static_cast<int64_t>(layout.nbytes)},
-                    at::TensorOptions().dtype(at::kByte))
-          .to(device);
-  at::Tensor buffer;
-  BlockWeights w = PlainBlockWeights(bytes, layout, dtype);
-  auto wait = [&] { (void)buffer.narrow(0, 0, 1).item<float>(); };  // the device's queue
-  std::vector<double> seconds;
-  for (int r = 0; r < 6; ++r) {
-    const auto start = std::chrono::steady_clock::now();
-    ExpandProjections(bytes, layout, dtype, &buffer, &w);
-    wait();
-    if (r > 0)
-      seconds.push_back(
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-  }
-  std::sort(seconds.begin(), seconds.end());
-  return seconds[seconds.size() / 2];
 }
 
 // The base model's (no adapter) log-probabilities on `batches`, f32 on the device, and its
@@ -259,7 +234,8 @@ int RunQuantReport(const QuantReportOptions& o) {
         {"format", DescribeQuant(store->manifest().quant())},
         {"block_bytes", BlockBytes(store->manifest())},
         {"sqnr_db", WeightSqnr(plain, q, device)},
-        {"expand_ms_per_block", 1e3 * ExpandSeconds(q, device, dtype)},
+        {"expand_ms_per_block",
+         1e3 * MeasureBlockExpansion(q.block_bytes()[0], q.manifest()->blocks[0], device, dtype)},
         {"kl_mean", kl_mean},
         {"kl_max", kl_max},
         {"base_eval_loss", outputs.loss},
