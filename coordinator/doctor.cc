@@ -161,6 +161,7 @@ nlohmann::json StoresCheck(nlohmann::json& report) {
                     {"state", store::StoreStateName(s)},
                     {"alive", s.alive},
                     {"bytes", StoreBytes(s)},
+                    {"format", store::StoreFormat(s)},
                     {"segments", s.objects.size()},
                     {"attached_pids", AttachedPids(s)}});
     if (!s.alive)
@@ -261,7 +262,8 @@ std::string DoctorText(const nlohmann::json& r) {
   for (const auto& s : r["stores"])
     row("store", s.value("name", "") + ": " + s.value("state", "") + ", " +
                      std::to_string(s.value("segments", 0)) + " segments, " +
-                     Bytes(s.value("bytes", uint64_t{0})) + ", " +
+                     Bytes(s.value("bytes", uint64_t{0})) +
+                     (s.value("format", "").empty() ? "" : ", " + s.value("format", "")) + ", " +
                      std::to_string(s["attached_pids"].size()) + " attached");
   const auto& c = r["coordinator"];
   row("coordinator", c.value("endpoint", "") + ": " +

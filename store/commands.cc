@@ -23,15 +23,7 @@ void RunLs(std::ostream& out) {
     out << s.name << ": " << StoreStateName(s);
     if (s.record) out << ", owner pid " << s.record->owner_pid;
     out << ", " << s.objects.size() << " shm objects, " << FormatGiB(StoreBytes(s), 3);
-    if (s.record && !s.record->json.empty()) {
-      try {
-        const Manifest m = ManifestFromJson(s.record->json, "store `" + s.name + "`");
-        out << ", " << DTypeName(m.dtype)
-            << (m.quant().compressed() ? ", blocks " + DescribeQuant(m.quant()) : "");
-      } catch (const Error& e) {
-        out << ", unreadable manifest (" << e.what() << ")";
-      }
-    }
+    if (const std::string format = StoreFormat(s); !format.empty()) out << ", " << format;
     out << "\n";
     const std::vector<int64_t> attached = AttachedPids(s);
     out << "  attached processes (" << attached.size() << "):";

@@ -10,6 +10,8 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "common/manifest.h"
+#include "common/quant_format.h"
 #include "common/shm_names.h"
 #include "common/user_access.h"
 #include "store/process.h"
@@ -119,6 +121,17 @@ uint64_t StoreBytes(const StoreListing& s) {
   uint64_t bytes = 0;
   for (const ShmObject& o : s.objects) bytes += o.bytes;
   return bytes;
+}
+
+std::string StoreFormat(const StoreListing& s) {
+  if (!s.record || s.record->json.empty()) return "";
+  try {
+    const Manifest m = ManifestFromJson(s.record->json, "store `" + s.name + "`");
+    return std::string(DTypeName(m.dtype)) +
+           (m.quant().compressed() ? ", blocks " + DescribeQuant(m.quant()) : "");
+  } catch (const Error& e) {
+    return std::string("unreadable manifest (") + e.what() + ")";
+  }
 }
 
 std::vector<int64_t> AttachedPids(const StoreListing& s) {

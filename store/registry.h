@@ -36,6 +36,10 @@ std::string StoreStateName(const StoreListing& store);
 // Total bytes of the store's shm objects.
 uint64_t StoreBytes(const StoreListing& store);
 
+// What the store holds, from its manifest: "bf16", "f32, blocks fp8 (e4m3, 128x128 scales)";
+// "unreadable manifest (why)" when it cannot be read; "" without a manifest.
+std::string StoreFormat(const StoreListing& store);
+
 // Processes mapping the store other than its owner.
 std::vector<int64_t> AttachedPids(const StoreListing& store);
 

@@ -1,4 +1,5 @@
-// lorastream-store: serve | inspect | ls | verify. Parses options, calls one Run function.
+// lorastream-store: serve | inspect | ls | verify | dequantize. Parses options, calls one Run
+// function.
 #include <iostream>
 
 #include <CLI/CLI.hpp>
@@ -7,6 +8,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "store/commands.h"
+#include "store/dequantize.h"
 #include "store/inspect.h"
 #include "store/server.h"
 
@@ -40,6 +42,20 @@ int main(int argc, char** argv) {
   auto* v = app.add_subcommand("verify", "re-check every checksum through a read-only attach");
   v->add_option("--name", name)->required();
   v->add_option("--threads", verify_threads, "hashing threads (0: all cores)");
+  store::DequantizeOptions dequantize;
+  std::string dequantize_format = "none";
+  auto* d = app.add_subcommand(
+      "dequantize",
+      "write a compressed base back as a plain checkpoint: the bf16 weights the worker computes "
+      "with (for parity and quality checks)");
+  d->add_option("model_dir", dequantize.model_dir,
+                "Hugging Face checkpoint folder (plain with --quantize, or pre-quantised)")
+      ->required();
+  d->add_option("--out", dequantize.out_dir, "new folder for the dequantised checkpoint")
+      ->required();
+  d->add_option("--quantize", dequantize_format, "none (a pre-quantised folder) | fp8 | nf4")
+      ->check(CLI::IsMember({"none", "fp8", "nf4"}));
+  d->add_option("--threads", dequantize.threads, "threads (0: all cores)");
   return RunMain("lorastream-store", app, argc, argv, [&] {
     InitLogging("store", level);
     if (*s) {
@@ -61,6 +77,12 @@ int main(int argc, char** argv) {
       RunLs(std::cout);
     else if (*v)
       RunVerify(name, verify_threads, std::cout);
+    else if (*d) {
+      dequantize.quantize = *ParseQuantMethod(dequantize_format);
+      const DequantizeResult r = WriteDequantized(dequantize);
+      std::cout << dequantize.out_dir << ": " << r.expanded_tensors << " weights of "
+                << DescribeQuant(r.format) << " written as bf16\n";
+    }
     return 0;
   });
 }

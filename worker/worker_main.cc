@@ -1,6 +1,7 @@
 // lorastream-worker: `train JOB.toml...` runs one job, or several as one group, standalone; `plan
 // JOB.toml` prints the streaming plans the cost model weighs; `parity` is the parity harness's side
-// (tools/parity/). Thin: parse options, call one Run function, map errors.
+// (tools/parity/); `quant-report JOB.toml` compares compressed bases with the bf16 one. Thin: parse
+// options, call one Run function, map errors.
 #include <algorithm>
 #include <atomic>
 #include <csignal>
@@ -22,6 +23,7 @@
 #include "worker/flux/flux_train.h"
 #include "worker/serve/parity.h"
 #include "worker/serve/plan_command.h"
+#include "worker/serve/quant_report.h"
 #include "worker/serve/serve.h"
 #include "worker/stream/host_register_probe.h"
 #include "worker/stream/stream_provider.h"
@@ -66,7 +68,12 @@ int main(int argc, char** argv) {
   ParityOptions parity;
   auto* parity_cmd =
       app.add_subcommand("parity", "logits, loss and LoRA gradients for tools/parity");
-  parity_cmd->add_option("--model", parity.model_dir, "Hugging Face checkpoint folder")->required();
+  auto* parity_model =
+      parity_cmd->add_option("--model", parity.model_dir, "Hugging Face checkpoint folder");
+  parity_cmd
+      ->add_option("--store", parity.store_name,
+                   "a published store instead (a compressed one computes with its expansion)")
+      ->excludes(parity_model);
   parity_cmd->add_option("--tokens", parity.tokens_path, "safetensors with input_ids [B, S] (I64)")
       ->required();
   parity_cmd->add_option("--adapter", parity.adapter_dir,
@@ -121,6 +128,20 @@ int main(int argc, char** argv) {
   plan_cmd->add_flag("--recalibrate", plan.recalibrate,
                      "measure the device again even when cached figures exist");
 
+  QuantReportOptions report;
+  auto* report_cmd = app.add_subcommand(
+      "quant-report",
+      "weight SQNR, logits' KL divergence and trained eval loss of fp8/nf4 bases against bf16");
+  report_cmd->add_option("job", report.job_path, "job file: [model] checkpoint, data, [eval]")
+      ->required();
+  report_cmd->add_option("--device", report.device, "cpu | cuda:N")->capture_default_str();
+  report_cmd->add_option("--formats", report.formats, "fp8,nf4 (any of them)")
+      ->capture_default_str();
+  report_cmd->add_option("--kl-batches", report.kl_batches, "eval batches for the KL divergence")
+      ->capture_default_str();
+  report_cmd->add_option("--threads", report.threads, "store packing threads (0: all cores)");
+  report_cmd->add_option("--out", report.out_path, "JSON file of the figures");
+
   // doctor's real test of read-only host registration (hidden: not a user command).
   int probe_device = 0;
   auto* probe_cmd = app.add_subcommand("probe-host-register", "")->group("");
@@ -128,12 +149,14 @@ int main(int argc, char** argv) {
 
   return RunMain("lorastream-worker", app, argc, argv, [&]() -> int {
     // A CPU-only build asked for a GPU says so in one line before it starts anything.
-    const std::string device = *train_cmd   ? train.device
-                               : *serve_cmd ? serve.device
-                               : *plan_cmd  ? plan.device
-                                            : parity.device;
+    const std::string device = *train_cmd    ? train.device
+                               : *serve_cmd  ? serve.device
+                               : *plan_cmd   ? plan.device
+                               : *report_cmd ? report.device
+                                             : parity.device;
     // (Only a CPU-only build asks which GPUs the host has: nvidia-smi takes a moment.)
-    if (!client::ThisBuild().cuda && (*train_cmd || *serve_cmd || *parity_cmd || *plan_cmd)) {
+    if (!client::ThisBuild().cuda &&
+        (*train_cmd || *serve_cmd || *parity_cmd || *plan_cmd || *report_cmd)) {
       std::string problem = client::CudaBuildProblem({device}, ListGpus().size());
       if (!problem.empty()) throw Error(ErrorCode::kUnsupported, problem);
     }
@@ -176,6 +199,7 @@ int main(int argc, char** argv) {
       return RunGroupTrainCommand(job_paths, train, &g_train_stop_signal);
     }
     if (*plan_cmd) return RunPlanCommand(plan_jobs, plan);
+    if (*report_cmd) return RunQuantReport(report);
     if (*serve_cmd) {
       serve.stream = !serve_resident;
       std::signal(SIGINT, OnStopSignal);

@@ -2,7 +2,8 @@
 // and an nf4 store, every compressed projection expanded on the GPU (bf16 and f32) equals the
 // CPU's expansion bit for bit; then a job streams the compressed blocks on the GPU and
 // trains with finite losses, copying the compressed bytes only (all three blocks streamed
-// through one slot, so every use copies).
+// through one slot, so every use copies); kept resident (compressed, expanded at each use)
+// it trains to the same losses.
 #include "tests/worker/torch_catch.h"  // first: see there
 
 #include <unistd.h>
@@ -88,5 +89,18 @@ TEST_CASE("CUDA: fp8 and nf4 blocks expand on the GPU to the CPU path's weights 
     CHECK(std::isfinite(losses.back()));
     CHECK(last.copies > 0);  // the compressed blocks, whole
     CHECK(last.h2d_bytes == static_cast<uint64_t>(last.copies) * base.manifest()->blocks[0].nbytes);
+    // Every block resident, kept compressed and expanded at each use into one scratch: the
+    // same losses (the same expansions, the same kernels), nothing copied, less memory.
+    spec.train.output_dir = dir / "resident";
+    spec.stream.blocks_to_swap = 0;
+    std::vector<double> resident;
+    StepStats resident_last;
+    RunTraining(spec, t, [&](const StepStats& s) {
+      resident.push_back(s.loss);
+      resident_last = s;
+    });
+    REQUIRE(resident.size() == 4);
+    for (size_t i = 0; i < 4; ++i) CHECK(resident[i] == Approx(losses[i]).epsilon(1e-3));
+    CHECK(resident_last.copies == 0);
   }
 }

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/safetensors.h"
+#include "parity_test_util.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/lora.h"
 #include "worker/model/model.h"
@@ -22,22 +23,10 @@ TEST_CASE("lorastream-worker parity writes logits, loss, every LoRA gradient and
   testing::TempDir dir("parity");
   BaseWeights base = BaseWeights::FromCheckpoint(testing::MakeCheckpoint(dir / "m", "tiny"));
   const ModelConfig& c = base.config();
-  at::Tensor ids = at::randint(0, c.vocab_size, {2, 16}, at::kLong);
-  at::Tensor labels = ids.clone();
-  labels.narrow(1, 0, 3).fill_(-100);
-  WriteSafetensors(dir / "tokens.safetensors",
-                   {{"input_ids", DType::kI64, {2, 16}, ids.data_ptr()},
-                    {"labels", DType::kI64, {2, 16}, labels.data_ptr()}});
-  LoraSettings s;
-  s.rank = 4;
-  s.alpha = 8;
-  s.targets.fill(true);
-  LoraAdapter adapter = LoraAdapter::Init(c, s, 3, at::kCPU);
-  {
-    c10::NoGradGuard g;
-    for (auto& p : adapter.Params()) p.uniform_(-0.1, 0.1);
-  }
-  adapter.Save(dir / "adapter", dir / "m");
+  testing::ParityInputs in = testing::WriteParityInputs(dir.str(), c, dir / "m");
+  const at::Tensor& ids = in.ids;
+  const at::Tensor& labels = in.labels;
+  LoraAdapter& adapter = in.adapter;
 
   const std::string cmd = std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker parity --model " +
                           (dir / "m") + " --tokens " + (dir / "tokens.safetensors") +

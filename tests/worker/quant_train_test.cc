@@ -7,7 +7,9 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <vector>
 
 #include "common/error.h"
@@ -22,11 +24,6 @@ using namespace lorastream;
 using namespace lorastream::worker;
 
 namespace {
-
-std::string UniqueStoreName(const std::string& tag) {
-  static int counter = 0;
-  return "test-" + tag + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
-}
 
 at::Tensor SliceOf(const at::Tensor& bytes, const SegmentInfo& layout, const std::string& name,
                    at::ScalarType type) {
@@ -79,12 +76,7 @@ struct QuantStore {
   std::unique_ptr<store::PublishedStore> store;
   QuantStore(const std::string& preset, QuantMethod method) {
     testing::MakeCheckpoint(dir / "m", preset);
-    store::ServeOptions o;
-    o.model_dir = dir / "m";
-    o.name = UniqueStoreName(QuantMethodName(method));
-    o.threads = 2;
-    o.quantize = method;
-    store = store::PublishedStore::Build(o);
+    store = testing::ServeForTest(dir / "m", method, QuantMethodName(method));
     testing::WriteJsonl(dir / "d.jsonl", 6, 10, 40, 320);
   }
   JobSpec Job(const std::string& out) const {
@@ -193,4 +185,53 @@ TEST_CASE("training on a compressed store: streamed equals resident bit for bit,
     CHECK(second.steps_done == 4);
     CHECK(testing::ReadFile(spec.train.output_dir + "/adapter_model.safetensors") == want);
   }
+}
+
+TEST_CASE("resident compressed blocks stay compressed and expand at each use into one scratch",
+          "[worker]") {
+  for (QuantMethod method : {QuantMethod::kFp8, QuantMethod::kNf4}) {
+    INFO(QuantMethodName(method));
+    QuantStore q("tiny-qwen2", method);
+    const BaseWeights base = BaseWeights::FromStore(q.store->manifest().store_name);
+    JobSpec spec = q.Job("engine");
+    spec.stream.blocks_to_swap = 0;
+    StreamEngineOptions opt;
+    opt.log_plan = false;
+    auto provider = MakeStreamProvider(spec, base, "cpu", "f32", opt);
+    provider->BeginStep();
+    const void* scratch = nullptr;
+    for (int pass = 0; pass < 2; ++pass) {  // forward 0..L-1, backward L-1..0
+      for (int k = 0; k < base.num_blocks(); ++k) {
+        const int i = pass == 0 ? k : base.num_blocks() - 1 - k;
+        const BlockWeights& w = provider->Acquire(i);
+        const BlockWeights& want = base.block(i);  // the host's expansion, kept
+        CHECK(at::equal(w.q_proj, want.q_proj.to(at::kFloat)));
+        CHECK(at::equal(w.down_proj, want.down_proj.to(at::kFloat)));
+        CHECK(at::equal(w.q_bias, want.q_bias.to(at::kFloat)));
+        // Every use expands into the same buffer: one block's expansion on the device at a time.
+        if (scratch == nullptr) scratch = w.q_proj.data_ptr();
+        CHECK(w.q_proj.data_ptr() == scratch);
+        provider->Release(i);
+      }
+    }
+    StepStats stats;
+    provider->EndStep(stats);
+    CHECK(stats.copies == 0);
+  }
+}
+
+TEST_CASE("plan names a compressed store's format and what its blocks expand to", "[worker]") {
+  QuantStore q("tiny", QuantMethod::kNf4);
+  const std::string job = q.dir / "plan.toml";
+  std::ofstream(job) << "name = \"plan\"\n[model]\nstore = \"" << q.store->manifest().store_name
+                     << "\"\n[data]\npath = \"d.jsonl\"\nseq_len = 32\n[train]\nsteps = 1\n"
+                        "output_dir = \"out\"\n";
+  const std::string cmd = std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker plan " + job +
+                          " --device cpu > " + (q.dir / "plan.log") + " 2>&1";
+  const int status = std::system(cmd.c_str());
+  const std::string log = testing::ReadFile(q.dir / "plan.log");
+  INFO(log);
+  REQUIRE(status == 0);
+  CHECK_THAT(
+      log, Catch::Contains(DescribeQuant(StoreQuantFormat(QuantMethod::kNf4)) + ", expanding to "));
 }

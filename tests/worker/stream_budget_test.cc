@@ -312,3 +312,20 @@ TEST_CASE(
                       Catch::Contains(std::to_string(need - budget) + " bytes"));
   CHECK_THAT(GroupBudgetRefusal(group, 1000, "first"), Catch::Contains("job first does not fit"));
 }
+
+TEST_CASE("a compressed store: resident blocks hold their compressed bytes and one scratch",
+          "[worker]") {
+  MemoryModelInputs in = Inputs(16, 2048);
+  const uint64_t expanded = in.block_bytes[0] - 4 * 4096;  // the projections in bf16
+  for (uint64_t& b : in.block_bytes) b = b / 2 + 4096;     // fp8-sized blocks
+  in.expanded_bytes.assign(16, expanded);
+  const MemoryEstimate e = EstimateMemory(in, PlanFromSwapCount(16, 12, 2));
+  // Four resident blocks compressed, expanded per use into one scratch; each slot holds a
+  // copied block and its expansion.
+  CHECK(e.resident_blocks == 4 * in.block_bytes[0] + expanded);
+  CHECK(e.slot == in.block_bytes[0] + expanded);
+  CHECK(e.ring == 2 * e.slot);
+  // Everything resident: sixteen compressed blocks and still one scratch.
+  CHECK(EstimateMemory(in, PlanFromSwapCount(16, 0, 2)).resident_blocks ==
+        16 * in.block_bytes[0] + expanded);
+}

@@ -346,8 +346,10 @@ TEST_CASE("the calibration cache: round trip, damaged files and other keys are n
   REQUIRE_FALSE(LoadStepCosts(key, &got));  // nothing cached yet
   StepCosts want = H200Like(2048);
   want.graph_factor = 0.625;
+  want.block_expand_seconds = 0.3e-3;
   SaveStepCosts(key, want);
   REQUIRE(LoadStepCosts(key, &got));
+  REQUIRE(got.block_expand_seconds == want.block_expand_seconds);
   REQUIRE(got.block_forward_seconds == want.block_forward_seconds);
   REQUIRE(got.block_backward_seconds == want.block_backward_seconds);
   REQUIRE(got.head_seconds == want.head_seconds);
@@ -360,9 +362,11 @@ TEST_CASE("the calibration cache: round trip, damaged files and other keys are n
   text << std::ifstream(CalibrationCachePath(key)).rdbuf();
   nlohmann::json j = nlohmann::json::parse(text.str());
   j.erase("graph_factor");
+  j.erase("block_expand_seconds");  // an entry of a plain store's
   std::ofstream(CalibrationCachePath(key)) << j.dump();
   REQUIRE(LoadStepCosts(key, &got));
   REQUIRE(got.graph_factor == 1);
+  REQUIRE(got.block_expand_seconds == 0);
   j["graph_factor"] = 0;
   std::ofstream(CalibrationCachePath(key)) << j.dump();
   REQUIRE_FALSE(LoadStepCosts(key, &got));
@@ -371,4 +375,33 @@ TEST_CASE("the calibration cache: round trip, damaged files and other keys are n
   REQUIRE_FALSE(LoadStepCosts(key, &got));  // damaged: measured again
   unsetenv("LORASTREAM_CACHE_DIR");
   RemoveTree(dir);
+}
+
+TEST_CASE("cost model: a compressed block expands at each use that does not find it expanded",
+          "[worker]") {
+  const MemoryModelInputs in = Inputs(16, 2048);
+  const StepCosts plain = H200Like(2048);
+  StepCosts c = plain;
+  c.block_expand_seconds = 0.25e-3;
+  // Resident: every use but the turnaround's second (the scratch still holds block 15).
+  const ResidencyPlan resident = PlanFromSwapCount(16, 0, 2);
+  CHECK(c.ResidentStepSeconds(16) == Approx(plain.ResidentStepSeconds(16) + 31 * 0.25e-3));
+  CHECK(PredictStep(resident, in.block_bytes, c).step_seconds == Approx(c.ResidentStepSeconds(16)));
+  // Streamed: a slot's block expands once per copy; the resident ones as above. Compute-bound
+  // at 2048 tokens with halved blocks, the step grows by the expansions on its compute stream.
+  std::vector<uint64_t> half = in.block_bytes;
+  for (uint64_t& b : half) b /= 2;
+  const ResidencyPlan streamed = PlanFromSwapCount(16, 12, 2);
+  const PredictedStep a = PredictStep(streamed, half, plain);
+  const PredictedStep b = PredictStep(streamed, half, c);
+  const PassPlan steady = PlanSteadyPass(streamed);
+  int expanding = 0;
+  for (size_t u = 0; u < steady.uses.size(); ++u) {
+    const BlockUse& use = steady.uses[u];
+    expanding += use.slot >= 0 ? use.copy : (u == 0 || steady.uses[u - 1].block != use.block);
+  }
+  CHECK(expanding < 32);  // the turnaround's slots are not expanded again
+  CHECK(b.step_seconds > a.step_seconds);
+  CHECK(b.step_seconds <= a.step_seconds + expanding * 0.25e-3 + 1e-9);
+  CHECK(b.h2d_bytes == a.h2d_bytes);
 }

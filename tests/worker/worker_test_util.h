@@ -2,14 +2,19 @@
 // and job specs in a fresh temporary folder.
 #pragma once
 
+#include <unistd.h>
+
+#include <atomic>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "common/job_spec.h"
+#include "store/server.h"
 #include "store/synth.h"
 #include "tests/support/test_support.h"
 
@@ -28,6 +33,21 @@ inline std::string MakeCheckpoint(const std::string& dir, const std::string& pre
   o.force = true;  // tests write into their own temporary folders, some more than once
   store::RunSynth(o);
   return dir;
+}
+
+// `model_dir` published as a store in this process (compressed as `quantize` says, unlocked),
+// under a name no other test or run uses; unpublished when the result is destroyed.
+inline std::unique_ptr<store::PublishedStore> ServeForTest(const std::string& model_dir,
+                                                           QuantMethod quantize,
+                                                           const std::string& tag) {
+  static std::atomic<int> counter{0};
+  store::ServeOptions o;
+  o.model_dir = model_dir;
+  o.name = "test-" + tag + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
+  o.threads = 2;
+  o.lock = false;
+  o.quantize = quantize;
+  return store::PublishedStore::Build(o);
 }
 
 // `docs` documents of random lengths in [min_len, max_len] with ids in [0, vocab).

@@ -8,7 +8,11 @@
 #                         bench (tools/gpu/bench_stream.sh), parity (tools/parity/run_all.sh),
 #                         store (tools/bench_store.sh), group (tools/gpu/bench_group.sh:
 #                         job groups on one GPU), multi (tools/gpu/bench_multi_gpu.py:
-#                         two GPUs, one store, two jobs). Default: test
+#                         two GPUs, one store, two jobs), quant (tools/gpu/quant_report.sh:
+#                         fp8 and nf4 bases against bf16; everything resident with each
+#                         store, bench_stream.sh --swap 0; tools/parity/quant_fixtures.py
+#                         into OUT/quant_fixtures, checked by the worker's quantised parity
+#                         test). Default: test
 #   LORASTREAM_GPU_TARGETS  build only these targets (default: all)
 #   LORASTREAM_BUILD_DIR  build folder (default: build/); LORASTREAM_BUILD_TYPE (default
 #                         here: Release); LORASTREAM_DEBS, LORASTREAM_LIBTORCH: see setup.sh
@@ -63,6 +67,24 @@ for s in "${steps[@]}"; do
     multi)
       step "several GPUs, one store"
       python3 "$ROOT/tools/gpu/bench_multi_gpu.py" "$OUT" || status=1 ;;
+    quant)
+      step "compressed bases: quality report and parity fixtures"
+      "$ROOT/tools/gpu/quant_report.sh" "$OUT" || status=1
+      # Everything resident: the compressed blocks kept compressed on the GPU (the engine's
+      # "swap 0 ring 1" row) against the bf16 store's, at 512 and 2048 tokens.
+      for q in none fp8 nf4; do
+        LORASTREAM_BENCH_QUANTIZE=$q LORASTREAM_BENCH_ARGS="--tokens 512,2048 --swap 0 --ring 1 \
+--quick --steps 6 --warmup 2" "$ROOT/tools/gpu/bench_stream.sh" "$OUT/quant_resident_$q" \
+          > "$OUT/quant_resident_$q.log" 2>&1 || status=1
+        echo "$q:"; grep -F '| swap 0 ring 1 |' "$OUT/quant_resident_$q/bench_stream.md" || true
+      done
+      python3 "$ROOT/tools/parity/quant_fixtures.py" --bin "$BUILD/bin" \
+        --out "$OUT/quant_fixtures" 2>&1 | tee "$OUT/quant_fixtures.log"
+      [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+      LORASTREAM_QUANT_FIXTURES="$OUT/quant_fixtures" "$BUILD/bin/worker_tests" \
+        "parity on a compressed store against transformers + peft (fixtures)" \
+        2>&1 | tail -60 | tee "$OUT/quant_parity.log"
+      [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1 ;;
     *) echo "unknown step $s"; status=1 ;;
   esac
 done

@@ -1,6 +1,8 @@
 #include "worker/model/quant_expand.h"
 
 #include <algorithm>
+#include <chrono>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -93,9 +95,9 @@ at::Tensor ExpandWeight(const at::Tensor& bytes, const SegmentInfo& layout,
   return out;
 }
 
-BlockWeights ExpandBlock(const at::Tensor& bytes, const SegmentInfo& layout, c10::ScalarType dtype,
-                         at::Tensor* buffer) {
-  // The plain tensors as views (their own layout without the compressed weights and scales).
+BlockWeights PlainBlockWeights(const at::Tensor& bytes, const SegmentInfo& layout,
+                               c10::ScalarType dtype) {
+  // Their own layout without the compressed weights and scales.
   SegmentInfo plain = layout;
   plain.tensors.clear();
   std::vector<std::string> aux;
@@ -111,7 +113,11 @@ BlockWeights ExpandBlock(const at::Tensor& bytes, const SegmentInfo& layout, c10
     at::Tensor* field = BlockWeightField(w, t.name);
     if (field->scalar_type() != dtype) *field = field->to(dtype);
   }
+  return w;
+}
 
+void ExpandProjections(const at::Tensor& bytes, const SegmentInfo& layout, c10::ScalarType dtype,
+                       at::Tensor* buffer, BlockWeights* w) {
   const int64_t total = ExpandedElements(layout);
   const auto options = bytes.options().dtype(dtype);
   if (!buffer->defined() || buffer->scalar_type() != dtype || buffer->device() != bytes.device() ||
@@ -133,8 +139,35 @@ BlockWeights ExpandBlock(const at::Tensor& bytes, const SegmentInfo& layout, c10
       ExpandInto(bytes, layout, t, reinterpret_cast<uint16_t*>(staging.data_ptr()));
       dst.copy_(staging.narrow(0, 0, n));
     }
-    *BlockWeightField(w, t.name) = dst.view(t.shape);
+    *BlockWeightField(*w, t.name) = dst.view(t.shape);
   }
+}
+
+double MeasureBlockExpansion(const uint8_t* host_bytes, const SegmentInfo& layout,
+                             c10::Device device, c10::ScalarType dtype, int reps) {
+  const at::Tensor bytes =
+      at::from_blob(const_cast<uint8_t*>(host_bytes), {static_cast<int64_t>(layout.nbytes)},
+                    at::TensorOptions().dtype(at::kByte))
+          .to(device);
+  at::Tensor buffer;
+  BlockWeights w = PlainBlockWeights(bytes, layout, dtype);
+  std::vector<double> seconds;
+  for (int r = 0; r <= reps; ++r) {
+    const auto start = std::chrono::steady_clock::now();
+    ExpandProjections(bytes, layout, dtype, &buffer, &w);
+    (void)buffer.narrow(0, 0, 1).item<float>();  // waits for the device's queue
+    if (r > 0)
+      seconds.push_back(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::sort(seconds.begin(), seconds.end());
+  return seconds.empty() ? 0.0 : seconds[seconds.size() / 2];
+}
+
+BlockWeights ExpandBlock(const at::Tensor& bytes, const SegmentInfo& layout, c10::ScalarType dtype,
+                         at::Tensor* buffer) {
+  BlockWeights w = PlainBlockWeights(bytes, layout, dtype);
+  ExpandProjections(bytes, layout, dtype, buffer, &w);
   return w;
 }
 

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include "common/manifest.h"
 #include "worker/stream/block_provider.h"
@@ -27,6 +28,21 @@ bool HasCompressedWeights(const SegmentInfo& layout);
 // must be one a manifest reader accepted (QuantLayoutProblem empty).
 BlockWeights ExpandBlock(const at::Tensor& bytes, const SegmentInfo& layout, c10::ScalarType dtype,
                          at::Tensor* buffer);
+
+// The two halves of ExpandBlock, for a block kept compressed on the device and expanded per
+// use (worker/stream/stream_engine.h): its plain tensors (views of `bytes`, converted to
+// `dtype` when stored otherwise: done once), the compressed projections left undefined; then,
+// per use, the projections expanded into `*buffer` (as ExpandBlock) and set in `*weights`.
+BlockWeights PlainBlockWeights(const at::Tensor& bytes, const SegmentInfo& layout,
+                               c10::ScalarType dtype);
+void ExpandProjections(const at::Tensor& bytes, const SegmentInfo& layout, c10::ScalarType dtype,
+                       at::Tensor* buffer, BlockWeights* weights);
+
+// Seconds to expand the compressed projections of a block of `layout` (its packed bytes at
+// `host_bytes`, copied to `device` once) into `dtype` on `device`: the median of `reps` after
+// a warm-up. Each use of a compressed block costs one (the cost model's figure).
+double MeasureBlockExpansion(const uint8_t* host_bytes, const SegmentInfo& layout,
+                             c10::Device device, c10::ScalarType dtype, int reps = 5);
 
 // The expansion of a single compressed weight `weight` of `layout` into a new bf16 tensor
 // (its logical shape) on the device of `bytes`.

@@ -140,7 +140,10 @@ void RunParity(const ParityOptions& o) {
     throw Error(ErrorCode::kInvalidArgument, "--dtype must be f32 or bf16");
   const c10::ScalarType dtype = ScalarTypeOf(*compute, "the compute dtype");
 
-  BaseWeights base = BaseWeights::FromCheckpoint(o.model_dir);
+  if (o.model_dir.empty() == o.store_name.empty())
+    throw Error(ErrorCode::kInvalidArgument, "give one of --model and --store");
+  BaseWeights base = o.store_name.empty() ? BaseWeights::FromCheckpoint(o.model_dir)
+                                          : BaseWeights::FromStore(o.store_name);
   const ModelConfig& config = base.config();
   if (o.taped_blocks < -1 || o.taped_blocks > config.num_hidden_layers)
     throw Error(ErrorCode::kInvalidArgument, "--taped must be -1 (all), 0 or a block count up to " +
@@ -216,7 +219,7 @@ void RunParity(const ParityOptions& o) {
   }
   WriteSafetensors((fs::path(o.out_dir) / "parity.safetensors").string(), out);
   logits = at::Tensor();  // written; the timed steps below must not carry it (peak memory)
-  adapter.Save((fs::path(o.out_dir) / "adapter").string(), o.model_dir);
+  adapter.Save((fs::path(o.out_dir) / "adapter").string(), base.name_or_path());
   LS_LOG_INFO("parity: loss {:.6f} over {} targets, {} LoRA tensors -> {}", loss.item<double>(),
               n_targets, params.size(), o.out_dir);
 

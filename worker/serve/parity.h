@@ -1,5 +1,6 @@
 // `lorastream-worker parity`: our side of the parity harness (tools/parity/). Loads a
-// Hugging Face checkpoint and a peft adapter, runs one checkpointed training forward and
+// Hugging Face checkpoint (or attaches a published store: a compressed one computes with its
+// expansion) and a peft adapter, runs one checkpointed training forward and
 // backward on a token batch, and writes OUT/parity.safetensors:
 //   "logits" [B, S, vocab] f32, "loss" [1] f32 (mean over target tokens, as transformers),
 //   "grad.<peft key>" f32 for every LoRA A and B,
@@ -16,6 +17,7 @@ namespace lorastream::worker {
 
 struct ParityOptions {
   std::string model_dir;
+  std::string store_name;   // instead of model_dir: a published store
   std::string tokens_path;  // safetensors: "input_ids" I64 [B, S], optional "labels" I64 [B, S]
   std::string adapter_dir;  // a peft adapter folder; "" = a fresh one of `rank` on all 7
   std::string out_dir;

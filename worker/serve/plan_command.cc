@@ -7,6 +7,7 @@
 #include "common/error.h"
 #include "common/format_bytes.h"
 #include "common/job_spec.h"
+#include "common/quant_format.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/torch_device.h"
 #include "worker/stream/stream_calibrate.h"
@@ -75,10 +76,17 @@ int PrintPlans(const std::vector<JobSpec>& specs, const PlanCommandOptions& opti
   }
   const PlanChoice choice = ChoosePlan(inputs, costs, budget);
   const int layers = base.config().num_hidden_layers;
-  std::printf("job %s: %s, %d blocks of %s, %lld tokens per micro-batch, device %s, %s\n",
+  // A compressed store's blocks: the bytes copied, their format and what they expand to.
+  const std::string compressed =
+      layout.quant().compressed()
+          ? " " + DescribeQuant(layout.quant()) + ", expanding to " +
+                FormatBytes(inputs.expanded_bytes.empty() ? 0 : inputs.expanded_bytes[0])
+          : "";
+  std::printf("job %s: %s, %d blocks of %s%s, %lld tokens per micro-batch, device %s, %s\n",
               spec.name.c_str(), base.config().model_type.c_str(), layers,
               FormatBytes(inputs.block_bytes.empty() ? 0 : inputs.block_bytes[0]).c_str(),
-              static_cast<long long>(inputs.tokens), device.str().c_str(), dtype_name.c_str());
+              compressed.c_str(), static_cast<long long>(inputs.tokens), device.str().c_str(),
+              dtype_name.c_str());
   if (specs.size() > 1)
     std::printf("(predicted times: job %s alone; the memory: the whole group)\n",
                 spec.name.c_str());

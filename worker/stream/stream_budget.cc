@@ -116,16 +116,18 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& 
 
   MemoryEstimate e;
   e.rest = in.rest_bytes;
-  uint64_t largest_streamed = 0;
+  uint64_t largest_streamed = 0, scratch = 0;
   for (int i = 0; i < plan.num_blocks(); ++i) {
-    const uint64_t held =
-        in.block_bytes[i] + (in.expanded_bytes.empty() ? 0 : in.expanded_bytes[i]);
+    const uint64_t expanded = in.expanded_bytes.empty() ? 0 : in.expanded_bytes[i];
     if (plan.streamed[i]) {
-      largest_streamed = std::max(largest_streamed, held);
+      largest_streamed = std::max(largest_streamed, in.block_bytes[i] + expanded);
     } else {
-      e.resident_blocks += held;
+      // A resident compressed block holds its compressed bytes; its uses share one scratch.
+      e.resident_blocks += in.block_bytes[i];
+      scratch = std::max(scratch, expanded);
     }
   }
+  e.resident_blocks += scratch;
   e.slot = largest_streamed;
   e.ring = static_cast<uint64_t>(plan.ring_size) * largest_streamed;
   e.forward_ring = static_cast<uint64_t>(plan.forward_slots) * largest_streamed;

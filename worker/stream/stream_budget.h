@@ -74,8 +74,8 @@ struct MemoryModelInputs {
   ModelConfig config;
   std::vector<uint64_t> block_bytes;  // bytes of each block as stored (and copied)
   // Of a compressed store: bytes of each block's expanded projections in the compute dtype
-  // (worker/quant_expand.h), held beside the compressed bytes by every slot and resident
-  // block; empty: nothing is compressed.
+  // (worker/quant_expand.h), held beside the compressed bytes by every slot; the resident
+  // blocks stay compressed and share one scratch of the largest; empty: nothing is compressed.
   std::vector<uint64_t> expanded_bytes;
   uint64_t rest_bytes = 0;  // non-block weights always on the device (final norm)
   uint64_t head_bytes = 0;  // the LM head's weights on the device (V x H x b)

@@ -19,6 +19,7 @@
 #include "worker/model/lm_head.h"
 #include "worker/model/lora.h"
 #include "worker/model/model.h"
+#include "worker/model/quant_expand.h"
 #include "worker/train/adamw.h"
 #include "worker/train/micro_batch_runner.h"
 #ifdef LORASTREAM_HAVE_CUDA
@@ -139,7 +140,11 @@ std::string CalibrationKey(const JobSpec& spec, const BaseWeights& base, const c
          // From whole steps, each ending in its one wait, after warm-ups that raise the
          // clocks (older entries: a block alone, or steps that waited twice, measured cold);
          // with the steps that stream nothing measured as CUDA graphs where they run so.
-         "-steps2" + (CalibratesGraphs(spec, device) ? "-graphs" : "");
+         "-steps2" + (CalibratesGraphs(spec, device) ? "-graphs" : "") +
+         // A compressed store expands its blocks at their uses.
+         (base.manifest() != nullptr && base.manifest()->quant().compressed()
+              ? std::string("-") + QuantMethodName(base.manifest()->quant().method)
+              : std::string());
 }
 
 namespace {
@@ -299,6 +304,11 @@ StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c
     if (t->defined()) block_bytes += t->nbytes();
   }
   costs.h2d_bytes_per_second = MeasureBandwidth(block_bytes, device);
+  // A compressed store's block is copied compressed and expanded on the device at its uses.
+  const Manifest* stored = base.manifest();
+  if (stored != nullptr && stored->quant().compressed())
+    costs.block_expand_seconds =
+        MeasureBlockExpansion(base.block_bytes()[0], stored->blocks[0], device, dtype);
   LS_LOG_INFO(
       "stream: calibrated on {} at {} tokens in {:.2f} s: {} (a block alone: forward "
       "{:.2f} ms, recompute+backward {:.2f} ms; steps of {} and {} blocks: {:.2f} and "

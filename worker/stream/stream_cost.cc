@@ -20,8 +20,10 @@ namespace lorastream::worker {
 namespace fs = std::filesystem;
 
 double StepCosts::ResidentStepSeconds(int num_blocks) const {
-  return (num_blocks * (block_forward_seconds + block_backward_seconds) + head_seconds +
-          tail_seconds) *
+  // A compressed block expands at each use but the turnaround's second.
+  const double expansions = block_expand_seconds > 0 ? 2.0 * num_blocks - 1 : 0.0;
+  return (num_blocks * (block_forward_seconds + block_backward_seconds) +
+          expansions * block_expand_seconds + head_seconds + tail_seconds) *
          graph_factor;
 }
 
@@ -33,6 +35,11 @@ std::string StepCosts::Describe() const {
                 block_forward_seconds * 1e3, block_backward_seconds * 1e3, head_seconds * 1e3,
                 tail_seconds * 1e3, h2d_bytes_per_second / 1e9);
   std::string out = buf;
+  if (block_expand_seconds > 0) {
+    std::snprintf(buf, sizeof buf, ", expanding a compressed block %.2f ms",
+                  block_expand_seconds * 1e3);
+    out += buf;
+  }
   if (graph_factor != 1) {
     std::snprintf(buf, sizeof buf, ", a step streaming nothing as a CUDA graph x%.3f",
                   graph_factor);
@@ -101,7 +108,10 @@ PredictedStep PredictStep(const ResidencyPlan& plan, const std::vector<uint64_t>
       now.stall_seconds += begin - compute;
       // A taped block's backward runs without its recompute.
       const bool taped = use.block >= num_blocks - plan.taped_blocks;
-      compute = begin +
+      // A compressed block expands in a freshly copied slot, or resident at every use but the
+      // turnaround (the engine's scratch still holds it).
+      const bool expands = use.slot >= 0 ? use.copy : u == 0 || p.uses[u - 1].block != use.block;
+      compute = begin + (expands ? costs.block_expand_seconds : 0.0) +
                 (!use.backward ? costs.block_forward_seconds
                  : taped ? std::max(0.0, costs.block_backward_seconds - costs.block_forward_seconds)
                          : costs.block_backward_seconds);
@@ -276,6 +286,11 @@ bool LoadStepCosts(const std::string& key, StepCosts* costs) {
     if (!j.contains(name) || !j[name].is_number() || j[name].get<double>() < 0) return false;
     *field = j[name].get<double>();
   }
+  if (j.contains("block_expand_seconds")) {  // absent: a plain store's entry
+    if (!j["block_expand_seconds"].is_number() || j["block_expand_seconds"].get<double>() < 0)
+      return false;
+    c.block_expand_seconds = j["block_expand_seconds"].get<double>();
+  }
   if (j.contains("graph_factor")) {
     if (!j["graph_factor"].is_number() || !(j["graph_factor"].get<double>() > 0)) return false;
     c.graph_factor = j["graph_factor"].get<double>();
@@ -294,7 +309,8 @@ void SaveStepCosts(const std::string& key, const StepCosts& c) {
                       {"head_seconds", c.head_seconds},
                       {"tail_seconds", c.tail_seconds},
                       {"h2d_bytes_per_second", c.h2d_bytes_per_second},
-                      {"graph_factor", c.graph_factor}};
+                      {"graph_factor", c.graph_factor},
+                      {"block_expand_seconds", c.block_expand_seconds}};
   // Written whole then renamed: a reader never sees half a file.
   const fs::path tmp = path.string() + ".tmp";
   {

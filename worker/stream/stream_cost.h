@@ -13,7 +13,8 @@
 //     (head_seconds); a streamed LM head is copied first (issued when the forward's last
 //     block is done, or at PassPlan::head_copy_after, behind the copies before it; the head
 //     waits for it); after the
-//     backward, the optimizer and the rest of the step (tail).
+//     backward, the optimizer and the rest of the step (tail);
+//   - a compressed block's use that expands it adds its expansion to the use's compute.
 // Host-side launch time is taken as hidden behind the device's work.
 #pragma once
 
@@ -33,6 +34,10 @@ struct StepCosts {
   double head_seconds = 0;            // embedding, final norm, LM head, loss and their backward
   double tail_seconds = 0;            // optimizer step and the rest of the step
   double h2d_bytes_per_second = 0;    // measured Host->Device bandwidth of a block copy
+  // A compressed store's block expanded on the device (worker/model/quant_expand.h), once per
+  // use that expands: a resident block at each use but the turnaround (the forward's last
+  // block is the backward's first), a streamed one at each copy. 0: the blocks are plain.
+  double block_expand_seconds = 0;
   // A step that streams nothing replays a CUDA graph (worker/train/micro_batch_runner.h) in this
   // fraction of the eager step the figures above add up to: measured, 1 without graphs.
   double graph_factor = 1;

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <chrono>
 
+#include <ATen/ops/empty.h>
+
 #include "common/error.h"
 #include "common/log.h"
 #include "worker/model/base_weights.h"
@@ -90,7 +92,8 @@ StreamEngine::StreamEngine(const Manifest& manifest, std::vector<const uint8_t*>
   const int n = num_blocks();
   resident_bytes_.resize(n);
   resident_weights_.resize(n);
-  resident_expanded_.resize(n);
+  expand_per_use_.assign(n, false);
+  int64_t scratch_elements = 0;
   // Preparing the streamed sources is where the CUDA backend prefaults and registers them
   // (read-only, page-locked); its cost per GiB is worth a line in the log.
   double prepare_seconds = 0;
@@ -104,10 +107,20 @@ StreamEngine::StreamEngine(const Manifest& manifest, std::vector<const uint8_t*>
       streamed_bytes += layouts_[i].nbytes;
     } else {
       resident_bytes_[i] = backend_->MakeResident(sources_[i], layouts_[i].nbytes);
-      resident_weights_[i] = WeightsOf(resident_bytes_[i], i, &resident_expanded_[i]);
+      if (HasCompressedWeights(layouts_[i])) {
+        expand_per_use_[i] = true;
+        resident_weights_[i] = PlainBlockWeights(resident_bytes_[i], layouts_[i], dtype_);
+        scratch_elements = std::max(scratch_elements, ExpandedElements(layouts_[i]));
+        if (!resident_scratch_.defined())
+          resident_scratch_ = at::empty({0}, resident_bytes_[i].options().dtype(dtype_));
+      } else {
+        resident_weights_[i] = BlockWeightsFromBytes(resident_bytes_[i], layouts_[i]);
+      }
       RefuseTrainableBaseWeights(resident_weights_[i], i);
     }
   }
+  if (scratch_elements > 0)
+    resident_scratch_ = at::empty({scratch_elements}, resident_scratch_.options());
   slot_weights_.resize(residency_.max_slots());
   slot_weights_block_.assign(residency_.max_slots(), -1);
   slot_block_.assign(residency_.max_slots(), -1);
@@ -143,6 +156,7 @@ StreamEngine::~StreamEngine() {
 }
 
 void StreamEngine::StartPass() {
+  scratch_block_ = -1;
   pass_ = PlanPass(residency_, slot_block_);
   cursor_ = 0;
   acquired_ = false;
@@ -210,7 +224,16 @@ const BlockWeights& StreamEngine::Acquire(int block) {
   for (int u : pass_.issue_at_acquire[cursor_]) Issue(u);
   if (use.slot < 0) {
     acquired_ = true;
-    return resident_weights_[block];
+    if (!expand_per_use_[block]) return resident_weights_[block];
+    if (scratch_block_ != block) {
+      // On the compute stream, behind every kernel of the block before (which read the scratch).
+      scratch_weights_ = resident_weights_[block];
+      ExpandProjections(resident_bytes_[block], layouts_[block], dtype_, &resident_scratch_,
+                        &scratch_weights_);
+      RefuseTrainableBaseWeights(scratch_weights_, block);
+      scratch_block_ = block;
+    }
+    return scratch_weights_;
   }
   backend_->AcquireSlot(use.slot);
   acquired_ = true;

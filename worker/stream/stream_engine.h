@@ -85,8 +85,19 @@ class StreamEngine : public BlockProvider {
   std::vector<BlockWeights> slot_weights_;      // [slot]: views over the slot for ...
   std::vector<int> slot_weights_block_;         // ... this block's layout (-1: none yet)
   std::vector<int> slot_block_;                 // block each slot holds once its copies land
-  std::vector<at::Tensor> resident_expanded_;   // [block]: compressed blocks' expansion
   std::vector<at::Tensor> slot_expanded_;       // [slot]: expansion of slot_weights_block_
+  // A resident compressed block stays compressed on the device: resident_weights_ holds its
+  // plain tensors only, and each use expands its projections into the one scratch (allocated
+  // at construction, so a use allocates nothing and a captured CUDA graph replays it). Like
+  // a slot's, its weights are valid from Acquire until the next block's Acquire: kernels on
+  // the compute stream read the scratch before the next expansion overwrites it.
+  // Within a pass, the scratch still holding the block asked for (the forward's last block is
+  // the backward's first) is served as it is; a new pass expands afresh (what a captured
+  // micro-batch does at every replay, whatever ran between).
+  std::vector<bool> expand_per_use_;  // [block]
+  at::Tensor resident_scratch_;
+  BlockWeights scratch_weights_;
+  int scratch_block_ = -1;  // the block scratch_weights_ holds in this pass (-1: none)
 
   PassPlan pass_;
   int cursor_ = 0;         // index of the next use to Acquire in pass_
