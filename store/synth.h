@@ -38,6 +38,13 @@ struct SynthOptions {
   // (WritePrequantized); "": plain.
   std::string prequantized;
   bool force = false;  // write into an out_dir that holds files (else Error kInvalidArgument)
+  // FLUX presets: "bfl" (OUT/flux1.safetensors) or "diffusers" (OUT/transformer/: config.json
+  // and diffusion_pytorch_model shards, FluxTransformer2DModel's names; the same weights).
+  std::string flux_format = "bfl";
+  // --flux-caches: one image of this many pixels ("1024x1024", width x height, multiples of
+  // 16) instead of the demo's three; and the T5 tokens per caption.
+  std::string flux_cache_pixels;
+  int64_t flux_text_tokens = 8;
 };
 
 struct SynthResult {
