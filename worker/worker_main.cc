@@ -157,6 +157,7 @@ int main(int argc, char** argv) {
       flux::FluxTrainOptions flux_train;
       flux_train.device = train.device;
       flux_train.threads = train.threads;
+      flux_train.resume = !no_resume;
       flux_train.stop = &g_train_stop_signal;
       std::signal(SIGINT, OnTrainStopSignal);
       std::signal(SIGTERM, OnTrainStopSignal);
@@ -174,6 +175,8 @@ int main(int argc, char** argv) {
       std::signal(SIGTERM, OnTrainStopSignal);
       return RunGroupTrainCommand(job_paths, train, &g_train_stop_signal);
     }
+    if (*plan_cmd && plan_jobs.size() == 1 && flux::IsFluxJobFile(plan_jobs[0]))
+      return flux::RunFluxPlanCommand(plan_jobs[0], plan.device);
     if (*plan_cmd) return RunPlanCommand(plan_jobs, plan);
     if (*serve_cmd) {
       serve.stream = !serve_resident;
