@@ -8,7 +8,9 @@
 #                         bench (tools/gpu/bench_stream.sh), parity (tools/parity/run_all.sh),
 #                         store (tools/bench_store.sh), group (tools/gpu/bench_group.sh:
 #                         job groups on one GPU), multi (tools/gpu/bench_multi_gpu.py:
-#                         two GPUs, one store, two jobs). Default: test
+#                         two GPUs, one store, two jobs), flux (tools/gpu/bench_flux.sh:
+#                         FLUX.1-dev's shape resident and streamed within 8 GiB, with
+#                         diffusers + peft from .diffusers/src when there). Default: test
 #   LORASTREAM_GPU_TARGETS  build only these targets (default: all)
 #   LORASTREAM_BUILD_DIR  build folder (default: build/); LORASTREAM_BUILD_TYPE (default
 #                         here: Release); LORASTREAM_DEBS, LORASTREAM_LIBTORCH: see setup.sh
@@ -60,6 +62,9 @@ for s in "${steps[@]}"; do
     group)
       step "job groups on one GPU"
       "$ROOT/tools/gpu/bench_group.sh" "$OUT" || status=1 ;;
+    flux)
+      step "FLUX.1 resident and streamed"
+      "$ROOT/tools/gpu/bench_flux.sh" "$OUT" || status=1 ;;
     multi)
       step "several GPUs, one store"
       python3 "$ROOT/tools/gpu/bench_multi_gpu.py" "$OUT" || status=1 ;;
