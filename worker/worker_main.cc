@@ -18,6 +18,7 @@
 #include "coordinator/build_info.h"
 #include "coordinator/curve.h"
 #include "store/attach.h"
+#include "worker/flux/flux_calibrate.h"
 #include "worker/flux/flux_job.h"
 #include "worker/flux/flux_train.h"
 #include "worker/serve/parity.h"

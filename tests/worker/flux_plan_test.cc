@@ -60,7 +60,7 @@ TEST_CASE("flux planner: the fastest plan that fits, slots sized by the streamed
   const auto all = EstimateFluxMemory(in, FluxResidency(in, 19, 19, 2));
   CHECK(all.ring == 2 * dbl);
   CHECK(all.resident == 0);
-  CHECK(EstimateFluxMemory(in, FluxResidency(in, 0, 0, 2)).resident > 23ull << 30);
+  CHECK(EstimateFluxMemory(in, FluxResidency(in, 0, 0, 2)).resident > 22ull << 30);  // 23.7 GB
 
   const StepCosts costs = H200Costs(in);
   const uint64_t budget = uint64_t{8} << 30;

@@ -14,7 +14,7 @@
 #   /dev/shm, removed at the end)  FLUX_BENCH_PEER (1: diffusers + peft when
 #   $ROOT/.diffusers/src imports; 0: skip)  LORASTREAM_BUILD_DIR (build/)
 # On a CPU, with flux-tiny: FLUX_BENCH_PRESET=flux-tiny FLUX_BENCH_DEVICE=cpu
-#   FLUX_BENCH_DTYPE=f32 FLUX_BENCH_PIXELS=64x64 FLUX_BENCH_TEXT_TOKENS=8 FLUX_BENCH_BUDGET=1MiB
+#   FLUX_BENCH_DTYPE=f32 FLUX_BENCH_PIXELS=64x64 FLUX_BENCH_TEXT_TOKENS=8 FLUX_BENCH_BUDGET=4MiB
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="${1:?usage: bench_flux.sh OUT_DIR}/flux"
@@ -60,7 +60,7 @@ for name in resident streamed; do
   echo "== train: $name"
   "$BIN/lorastream-worker" train "$WORK/$name.toml" --device "$DEVICE" --no-resume \
     > "$OUT/train_$name.txt" 2> "$OUT/train_$name.log" || { tail -20 "$OUT/train_$name.log"; status=1; }
-  grep -E "step [0-9]+/" "$OUT/train_$name.log" | sed 's/.*\] //'
+  grep -oE "step [0-9]+/.*" "$OUT/train_$name.log"
 done
 
 if [ "$PEER" = 1 ] && PYTHONPATH="$ROOT/.diffusers/src" python3 -c "import diffusers, peft, torch" 2>/dev/null; then
