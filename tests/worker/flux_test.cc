@@ -8,16 +8,20 @@
 #include <c10/core/GradMode.h>
 #include <atomic>
 #include <cmath>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 
+#include "common/checkpoint_dir.h"
 #include "common/error.h"
 #include "common/safetensors.h"
+#include "common/subprocess.h"
 #include "store/synth.h"
 #include "tests/support/flux_cache_files.h"
 #include "tests/support/test_support.h"
+#include "tests/worker/worker_test_util.h"
 #include "worker/flux/flux_adapter_io.h"
 #include "worker/flux/flux_base.h"
 #include "worker/flux/flux_job.h"
@@ -329,15 +333,6 @@ TEST_CASE(
   CHECK(at::allclose(b, m.b.narrow(0, 0, 64) * 2.0));
 }
 
-namespace {
-
-std::string FileBytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
-
-}  // namespace
-
 TEST_CASE(
     "flux trainer: a stopped run and a killed one resume to the uninterrupted run's adapters "
     "bit for bit",
@@ -373,15 +368,20 @@ TEST_CASE(
     REQUIRE(r.steps.size() == static_cast<size_t>(6 - from_step));
     for (size_t i = 0; i < r.steps.size(); ++i)
       CHECK(r.steps[i].loss == full.steps[from_step + i].loss);
-    CHECK(FileBytes(r.kohya_path) == FileBytes(full.kohya_path));
-    CHECK(FileBytes(r.diffusers_path) == FileBytes(full.diffusers_path));
-    CHECK(FileBytes(job.output_dir + "/checkpoint-6/trainer_state.safetensors") ==
-          FileBytes(dir.str() + "/full/checkpoint-6/trainer_state.safetensors"));
+    CHECK(lorastream::testing::ReadFile(r.kohya_path) ==
+          lorastream::testing::ReadFile(full.kohya_path));
+    CHECK(lorastream::testing::ReadFile(r.diffusers_path) ==
+          lorastream::testing::ReadFile(full.diffusers_path));
+    CHECK(
+        lorastream::testing::ReadFile(job.output_dir + "/checkpoint-6/trainer_state.safetensors") ==
+        lorastream::testing::ReadFile(dir.str() + "/full/checkpoint-6/trainer_state.safetensors"));
   };
   run_until_stop(dir.str() + "/stopped");
   resume_and_compare(3);
-  // A finished job asked again is refused, naming flux.steps.
-  CHECK_THAT(ErrorMessageOf([&] { TrainFlux(job, {}); }), Catch::Matchers::Contains("flux.steps"));
+  // A finished job asked again trains nothing.
+  const FluxTrainResult again = TrainFlux(job, {});
+  CHECK(again.steps.empty());
+  CHECK(again.first_step == 6);
 
   // Killed while saving checkpoint-3: the unfinished temporary is removed, step 2 resumes.
   run_until_stop(dir.str() + "/killed");
@@ -450,6 +450,61 @@ TEST_CASE(
   std::filesystem::create_directories(dir.str() + "/empty");
   CHECK_THAT(ErrorMessageOf([&] { FluxBase::Load(dir.str() + "/empty", 2, at::kFloat, at::kCPU); }),
              Catch::Matchers::Contains("FluxTransformer2DModel"));
+}
+
+TEST_CASE(
+    "lorastream-worker train on a FLUX job: SIGTERM checkpoints and exits 143, SIGKILL loses "
+    "only the steps after the last checkpoint; the resumed adapter is the uninterrupted one",
+    "[worker][flux]") {
+  TempDir dir("flux-signal");
+  const std::string job_path =
+      WriteTinyFluxJob(dir.str(), /*with_dog=*/false,
+                       "steps = 100000\nsave_every = 3\nseed = 9\nrank = 4\n"
+                       "learning_rate = 1e-3\nblocks_to_swap = 2\n");
+  const std::string bin = std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker";
+  const std::string out = dir.str() + "/out";
+  auto newest = [&] {
+    const auto all = ListCheckpoints(out);
+    return all.empty() ? int64_t{0} : all.front().step;
+  };
+  SpawnOptions so;
+  so.log_path = dir.str() + "/log";
+  {
+    Subprocess p =
+        Subprocess::Spawn({bin, "train", job_path, "--device", "cpu", "--threads", "1"}, so);
+    REQUIRE(lorastream::testing::WaitFor([&] { return newest() >= 3 || !p.Running(); }, 120));
+    p.Signal(SIGTERM);
+    CHECK(p.Wait(120) == 143);
+  }
+  INFO(lorastream::testing::ReadFile(dir.str() + "/log"));
+  const int64_t stopped_at = newest();
+  CHECK(stopped_at >= 3);
+  {
+    Subprocess p =
+        Subprocess::Spawn({bin, "train", job_path, "--device", "cpu", "--threads", "1"}, so);
+    REQUIRE(lorastream::testing::WaitFor([&] { return newest() >= stopped_at + 3 || !p.Running(); },
+                                         120));
+    p.Signal(SIGKILL);
+    CHECK(p.Wait(120) == 128 + SIGKILL);
+  }
+  CHECK_THAT(lorastream::testing::ReadFile(dir.str() + "/log"),
+             Catch::Matchers::Contains("resuming from"));
+
+  // The rest in this process, to two steps past the newest checkpoint, against the same
+  // steps uninterrupted (constant learning rate: the step count changes no step).
+  FluxJob job = LoadFluxJob(job_path);
+  job.steps = newest() + 2;
+  FluxTrainOptions one;
+  one.threads = 1;
+  const FluxTrainResult resumed = TrainFlux(job, one);
+  CHECK(resumed.first_step == job.steps - 2);
+  job.output_dir = dir.str() + "/uninterrupted";
+  const FluxTrainResult full = TrainFlux(job, one);
+  CHECK(full.first_step == 0);
+  CHECK(lorastream::testing::ReadFile(resumed.kohya_path) ==
+        lorastream::testing::ReadFile(full.kohya_path));
+  CHECK(lorastream::testing::ReadFile(resumed.diffusers_path) ==
+        lorastream::testing::ReadFile(full.diffusers_path));
 }
 
 TEST_CASE("flux units are served by name; an LLM layout with their names is still refused",

@@ -44,6 +44,7 @@ FluxTrainResult TrainFlux(const FluxJob& job, const FluxTrainOptions& options) {
   adam.weight_decay = job.weight_decay;
   AdamW optimizer(adapter.Params(), adam);
   TimestepSampling sampling{job.timestep_sampling, job.sigmoid_scale, job.discrete_flow_shift};
+  FluxTrainResult result;
   TrainerStateMeta state;
   state.seed = job.seed;
   state.fingerprint = FluxJobFingerprint(job);
@@ -51,12 +52,8 @@ FluxTrainResult TrainFlux(const FluxJob& job, const FluxTrainOptions& options) {
     const std::string from = FindFluxCheckpoint(job.output_dir);
     if (!from.empty()) {
       state = LoadFluxCheckpoint(from, state.fingerprint, adapter, optimizer);
-      if (state.step >= job.steps)
-        throw Error(ErrorCode::kRefused,
-                    from +
-                        ": the job is already complete (flux.steps = " + std::to_string(job.steps) +
-                        "); raise flux.steps to train on, or name another flux.output_dir");
       LS_LOG_INFO("resuming from {} (step {} of {})", from, state.step, job.steps);
+      result.checkpoint_dir = from;
     }
   }
   LS_LOG_INFO(
@@ -65,7 +62,6 @@ FluxTrainResult TrainFlux(const FluxJob& job, const FluxTrainOptions& options) {
       data.size(), data.buckets(), adapter.modules().size(), job.rank, job.alpha,
       planning.plan.num_streamed(), model.units().size());
 
-  FluxTrainResult result;
   result.first_step = state.step;
   for (int64_t step = state.step; step < job.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -138,16 +134,27 @@ int RunFluxTrainCommand(const std::string& job_path, const FluxTrainOptions& opt
   const FluxJob job = LoadFluxJob(job_path);
   const FluxTrainResult r = TrainFlux(job, options);
   const int64_t done = r.first_step + static_cast<int64_t>(r.steps.size());
-  std::printf("trained steps %lld..%lld of %lld; last loss %.6f\ncheckpoint: %s\n",
-              static_cast<long long>(r.first_step + 1), static_cast<long long>(done),
-              static_cast<long long>(job.steps), r.steps.empty() ? 0.0 : r.steps.back().loss,
-              r.checkpoint_dir.c_str());
-  if (done < job.steps) {
-    std::printf("stopped; the same command resumes from the checkpoint\n");
+  if (r.steps.empty()) {
+    std::printf(
+        "already complete: %s is at step %lld, at or past the job's last step (flux.steps = "
+        "%lld); nothing trained, adapters in %s\n",
+        r.checkpoint_dir.c_str(), static_cast<long long>(r.first_step),
+        static_cast<long long>(job.steps), job.output_dir.c_str());
     return 0;
   }
-  std::printf("adapter (kohya, ComfyUI/Forge): %s\nadapter (diffusers load_lora_weights): %s\n",
-              r.kohya_path.c_str(), r.diffusers_path.c_str());
+  if (done < job.steps) {
+    const int signal = options.stop != nullptr ? options.stop->load() : 0;
+    std::printf(
+        "stopped by signal %d at step %lld: checkpoint in %s (run the same command to "
+        "resume)\n",
+        signal, static_cast<long long>(done), r.checkpoint_dir.c_str());
+    return 128 + signal;
+  }
+  std::printf(
+      "done: steps %lld..%lld, final loss %.6f\nadapter (kohya, ComfyUI/Forge): %s\n"
+      "adapter (diffusers load_lora_weights): %s\n",
+      static_cast<long long>(r.first_step + 1), static_cast<long long>(done), r.steps.back().loss,
+      r.kohya_path.c_str(), r.diffusers_path.c_str());
   return 0;
 }
 

@@ -29,16 +29,19 @@ struct FluxTrainOptions {
 };
 
 struct FluxTrainResult {
-  int64_t first_step = 0;        // steps done before this run (a resume's checkpoint)
-  std::vector<StepStats> steps;  // this run's
-  std::string checkpoint_dir;    // the last checkpoint saved
+  int64_t first_step = 0;  // steps done before this run (a resume's checkpoint)
+  // This run's; none when the checkpoint resumed from is at or past flux.steps (the job was
+  // already complete: nothing is trained or written).
+  std::vector<StepStats> steps;
+  std::string checkpoint_dir;  // the last checkpoint saved
   // The final adapters in output_dir, once the job's last step is done ("" when stopped).
   std::string kohya_path, diffusers_path;
 };
 
 FluxTrainResult TrainFlux(const FluxJob& job, const FluxTrainOptions& options);
 
-// The command: loads the job file, trains, prints one line per step; returns the exit code.
+// The command: loads the job file, trains (each step logged), prints how it ended; returns
+// the exit code: 0, or 128 + the signal that stopped it (its checkpoint saved).
 int RunFluxTrainCommand(const std::string& job_path, const FluxTrainOptions& options);
 
 }  // namespace lorastream::worker::flux
