@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""The table of tools/gpu/bench_flux.sh: reads OUT/flux/{plan,train}_{resident,streamed}.*
-(and peer.json when the peer ran) and prints markdown: per run the measured step (median of
+"""The table of tools/gpu/bench_flux.sh: reads OUT/flux/train_{resident,streamed}.log,
+plan_streamed.txt (the streamed plan and the resident step's prediction) and peer.json when
+the peer ran, and prints markdown: per run the measured step (median of
 the steps after the first two), the planner's prediction, the peak memory measured and
 estimated, the bytes copied per step; then the ratios the FLUX targets name.
 
@@ -33,9 +34,11 @@ def steps(path):
 def summary(path):
     if not os.path.exists(path):
         return {}
-    for line in open(path):
-        if line.startswith("plan-summary "):
-            return {k: float(v) for k, v in (kv.split("=") for kv in line.split()[1:])}
+    for line in open(path, errors="replace"):
+        # (the worker's log file writes a message's newlines as \x0a)
+        for part in line.replace("\\x0a", "\n").split("\n"):
+            if part.startswith("plan-summary "):
+                return {k: float(v) for k, v in (kv.split("=") for kv in part.split()[1:])}
     return {}
 
 
@@ -55,9 +58,14 @@ def ratio(a, b):
 def main():
     out, total = sys.argv[1], int(sys.argv[2])
     runs = {}
+    # The streamed run's own plan (its log holds the table it chose from), else the plan
+    # command's; the resident step's prediction from the same figures.
+    planned = (summary(os.path.join(out, "train_streamed.log"))
+               or summary(os.path.join(out, "plan_streamed.txt")))
     for name in ("resident", "streamed"):
         rows = steps(os.path.join(out, f"train_{name}.log"))
-        plan = summary(os.path.join(out, f"plan_{name}.txt"))
+        plan = planned if name == "streamed" else {
+            "predicted_ms": planned.get("resident_ms", float("nan")), "streamed": 0, "ring": 0}
         runs[name] = {
             "steps": len(rows),
             "seconds": median_after_warmup(rows, "seconds"),

@@ -22,6 +22,16 @@ at::Tensor FileTensor(const SafetensorsFile& file, const SafetensorsEntry& e) {
                        at::TensorOptions().dtype(ScalarTypeOf(e.dtype, e.name)));
 }
 
+// `n` zeroed host bytes starting on a page boundary, as a store's segments do: the CUDA
+// backend registers a streamed unit's pages for direct copies.
+at::Tensor PageAlignedBytes(uint64_t n) {
+  constexpr int64_t kPage = 4096;
+  const at::Tensor block = at::zeros({static_cast<int64_t>(n) + kPage}, at::kByte);
+  const auto address = reinterpret_cast<uintptr_t>(block.data_ptr<uint8_t>());
+  const int64_t skip = static_cast<int64_t>((kPage - address % kPage) % kPage);
+  return block.narrow(0, skip, static_cast<int64_t>(n));
+}
+
 // A checkpoint's tensors in BFL's naming, whichever layout it is stored in; the views and
 // concatenations it returns are only read.
 class BflSource {
@@ -79,7 +89,7 @@ FluxBase FluxBase::Load(const std::string& path, int64_t singles_per_unit, c10::
     SegmentInfo seg =
         LayoutSegment(FluxUnitShapes(b.config_, units[u]), "flux-unit-" + std::to_string(u),
                       b.manifest_.dtype, b.manifest_.alignment);
-    at::Tensor bytes = at::zeros({static_cast<int64_t>(seg.nbytes)}, at::kByte);
+    at::Tensor bytes = PageAlignedBytes(seg.nbytes);
     for (const auto& t : seg.tensors)
       bytes.narrow(0, static_cast<int64_t>(t.offset), static_cast<int64_t>(t.nbytes))
           .view(dtype)

@@ -55,7 +55,7 @@ class FluxBase {
   int64_t singles_per_unit_ = 2;
   std::vector<SegmentInfo> layouts_;
   Manifest manifest_;
-  std::vector<at::Tensor> unit_buffers_;  // host uint8, one per unit
+  std::vector<at::Tensor> unit_buffers_;  // host uint8, one per unit, page-aligned
   NamedTensors rest_;
 };
 
