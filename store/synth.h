@@ -67,5 +67,9 @@ void WritePrequantized(const std::string& dir, const std::string& format);
 // The value synth writes at element `index` of tensor `name` (as float, before rounding to
 // the file's dtype); `rank` is the tensor's number of dimensions. Exposed for tests.
 float SynthValue(const std::string& name, size_t rank, uint64_t seed, uint64_t index);
+// Elements [first, first + count) of tensor `name` (SynthValue's) in `dtype` into `out`, on
+// `threads` threads when the run is long.
+void SynthFill(const std::string& name, size_t rank, uint64_t seed, uint64_t first, uint64_t count,
+               DType dtype, uint8_t* out, int threads);
 
 }  // namespace lorastream::store

@@ -2,6 +2,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -10,6 +11,7 @@
 #include <map>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -77,17 +79,10 @@ FluxConfig LoadFluxPreset(const std::string& path, DType* dtype) {
 
 namespace {
 
-// A value of BFL tensor `bfl` (of `rank` dimensions) at flat element `index`, as converted to
-// `dtype` and stored in `out`.
-void StoreSynthValue(const std::string& bfl, size_t rank, uint64_t seed, uint64_t index,
-                     DType dtype, uint8_t* out) {
-  const float v = SynthValue(bfl, rank, seed, index);
-  if (dtype == DType::kF32) {
-    std::memcpy(out, &v, 4);
-  } else {
-    const uint16_t h = dtype == DType::kBF16 ? FloatToBF16(v) : FloatToHalf(v);
-    std::memcpy(out, &h, 2);
-  }
+// Generator threads of a synth run (0: one per hardware thread).
+int SynthThreads(const SynthOptions& options) {
+  return options.threads > 0 ? options.threads
+                             : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
 }
 
 // The diffusers folder OUT/transformer/: config.json and the tensors, each element the value
@@ -115,6 +110,7 @@ uint64_t WriteFluxDiffusers(const SynthOptions& options, const FluxConfig& confi
     total += bytes;
   }
   const size_t esize = DTypeSize(dtype);
+  const int threads = SynthThreads(options);
   nlohmann::json weight_map = nlohmann::json::object();
   for (size_t s = 0; s < shards.size(); ++s) {
     char name[96];
@@ -123,20 +119,21 @@ uint64_t WriteFluxDiffusers(const SynthOptions& options, const FluxConfig& confi
     const std::string file =
         shards.size() == 1 ? "diffusion_pytorch_model.safetensors" : std::string(name);
     const auto& tensors = shards[s];
+    // A chunk of a diffusers tensor, run by run of rows of one part: each run is contiguous
+    // in the BFL tensor it converts from too.
     auto fill = [&](size_t index, uint64_t offset, uint8_t* out, size_t n) {
       const TensorToWrite& t = tensors[index];
-      int64_t row_len = 1;
-      for (size_t d = 1; d < t.shape.size(); ++d) row_len *= t.shape[d];
-      for (uint64_t i = 0; i < n / esize; ++i) {
-        const int64_t e = static_cast<int64_t>(offset / esize + i);
-        const int64_t row = e / row_len;
-        for (const FluxDiffusersPart& p : parts.at(t.name))
-          if (row >= p.diffusers_row && row < p.diffusers_row + p.rows) {
-            const int64_t bfl_row = p.bfl_row + row - p.diffusers_row;
-            StoreSynthValue(p.bfl, t.shape.size(), options.seed,
-                            static_cast<uint64_t>(bfl_row * row_len + e % row_len), dtype,
-                            out + i * esize);
-          }
+      uint64_t row_len = 1;
+      for (size_t d = 1; d < t.shape.size(); ++d) row_len *= static_cast<uint64_t>(t.shape[d]);
+      const uint64_t begin = offset / esize, end = begin + n / esize;
+      for (const FluxDiffusersPart& p : parts.at(t.name)) {
+        const uint64_t part_begin = static_cast<uint64_t>(p.diffusers_row) * row_len;
+        const uint64_t part_end = part_begin + static_cast<uint64_t>(p.rows) * row_len;
+        const uint64_t from = std::max(begin, part_begin), to = std::min(end, part_end);
+        if (from >= to) continue;
+        const uint64_t bfl_first = static_cast<uint64_t>(p.bfl_row) * row_len + (from - part_begin);
+        SynthFill(p.bfl, t.shape.size(), options.seed, bfl_first, to - from, dtype,
+                  out + (from - begin) * esize, threads);
       }
     };
     WriteSafetensorsStreamed(dir + "/" + file, tensors, fill, {{"format", "pt"}}, 64);
@@ -178,11 +175,10 @@ SynthResult RunSynthFlux(const SynthOptions& options, const std::string& preset_
   }
   std::filesystem::create_directories(options.out_dir);
   const size_t esize = DTypeSize(dtype);
+  const int threads = SynthThreads(options);
   auto fill = [&](size_t index, uint64_t offset, uint8_t* out, size_t n) {
     const TensorToWrite& t = tensors[index];
-    for (uint64_t i = 0; i < n / esize; ++i)
-      StoreSynthValue(t.name, t.shape.size(), options.seed, offset / esize + i, dtype,
-                      out + i * esize);
+    SynthFill(t.name, t.shape.size(), options.seed, offset / esize, n / esize, dtype, out, threads);
   };
   auto metadata = FluxMetadata(config);
   metadata["format"] = "pt";

@@ -80,6 +80,7 @@ FluxMemoryInputs FluxMemoryInputsFor(const FluxBase& base, const FluxJob& job,
 StepCosts MeasureFluxCosts(const FluxBase& base, const FluxJob& job, const FluxMemoryInputs& in,
                            const FluxDataset& data, c10::Device device, c10::ScalarType dtype) {
   const FluxConfig& config = base.config();
+  AvoidCudnnAttention(device);
   const bool gpu = device.is_cuda();
   const int warmup = gpu ? 3 : 1, reps = gpu ? 5 : 2;
   const int64_t b = job.batch_size, lt = data.text_tokens();

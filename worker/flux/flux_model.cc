@@ -284,6 +284,14 @@ std::vector<at::Tensor> UnitForward(const FluxUnit& unit, const std::vector<at::
   return {x};
 }
 
+void AvoidCudnnAttention(c10::Device device) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+  if (device.is_cuda()) at::globalContext().setSDPUseCuDNN(false);
+#else
+  (void)device;
+#endif
+}
+
 at::Tensor TimestepEmbedding(const at::Tensor& t, int64_t dim) {
   const int64_t half = dim / 2;
   const at::Tensor freqs =
@@ -338,6 +346,7 @@ FluxModel::FluxModel(const FluxConfig& config, NamedTensors rest, BlockProvider*
       units_(FluxUnits(config, singles_per_unit)),
       device_(device),
       dtype_(dtype) {
+  AvoidCudnnAttention(device_);
   LS_CHECK(provider_->num_blocks() == static_cast<int>(units_.size()),
            "the provider serves " + std::to_string(provider_->num_blocks()) +
                " units, the model has " + std::to_string(units_.size()));

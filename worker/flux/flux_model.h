@@ -122,6 +122,12 @@ class FluxModel {
   c10::ScalarType dtype_;
 };
 
+// On a GPU: keeps LibTorch's scaled_dot_product_attention off cuDNN's kernels, whose backward
+// failed at FLUX.1's lengths (4608 tokens, head_dim 128) in LibTorch 2.11 (flash attention
+// ran); a no-op on the CPU and where LibTorch has no such switch. Process-wide: a FLUX job
+// trains alone in its process.
+void AvoidCudnnAttention(c10::Device device);
+
 // BFL's timestep_embedding(t, 256) with time_factor 1000: [cos | sin] of 1000 t * freqs, f32.
 at::Tensor TimestepEmbedding(const at::Tensor& t, int64_t dim);
 // BFL's EmbedND: ids [B, L, 3] -> pe [B, 1, L, head_dim / 2, 2, 2] (f32).
