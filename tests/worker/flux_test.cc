@@ -301,10 +301,28 @@ TEST_CASE(
   job.ring_size = 1;
   job.output_dir = dir.str() + "/out-streamed";
   const FluxTrainResult streamed = TrainFlux(job, {});
+  // A budget of 2.5 MiB: the planner streams units (flux-tiny's step at rank 4 takes about
+  // 3.1 MiB with every unit resident); the plan command prints its table.
+  job.output_dir = dir.str() + "/out-budget";
+  job.gpu_memory_budget = uint64_t{2560} << 10;
+  const FluxTrainResult budgeted = TrainFlux(job, {});
   for (size_t i = 0; i < a.steps.size(); ++i) {
     CHECK(again.steps[i].loss == a.steps[i].loss);
     CHECK(streamed.steps[i].loss == a.steps[i].loss);
     CHECK(streamed.steps[i].copies > 0);
+    CHECK(budgeted.steps[i].loss == a.steps[i].loss);
+    CHECK(budgeted.steps[i].copies > 0);
+  }
+  {
+    std::ofstream(job_path, std::ios::app) << "gpu_memory_budget = \"2560KiB\"\n";
+    int code = -1;
+    const std::string table = RunAndCapture({std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker",
+                                             "plan", job_path, "--device", "cpu"},
+                                            &code, 120, dir.str() + "/plan.log");
+    CHECK(code == 0);
+    CHECK_THAT(table, Catch::Matchers::Contains("budget 2.5 MiB"));
+    CHECK_THAT(table, Catch::Matchers::Contains("chosen: swap "));
+    CHECK_THAT(table, Catch::Matchers::Contains("PCIe floor"));
   }
 
   const auto kohya = SafetensorsFile::Open(a.kohya_path);
