@@ -32,7 +32,8 @@ mkdir -p "$OUT" "$WORK"
 trap 'rm -rf "$WORK"' EXIT
 
 echo "== synth $PRESET ($DTYPE) and one $PIXELS image's caches ($TEXT text tokens) in $WORK"
-"$BIN/lorastream-synth" --preset "$PRESET" --out "$WORK/model" --dtype "$DTYPE" \
+"$BIN/lorastream-synth" --preset "$PRESET" --presets-dir "$ROOT/configs/models" \
+  --out "$WORK/model" --dtype "$DTYPE" \
   --flux-caches "$WORK/cache" --flux-cache-size "$PIXELS" --flux-text-tokens "$TEXT" || exit 1
 
 job() {  # NAME PLAN-LINE
