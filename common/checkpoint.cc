@@ -57,19 +57,11 @@ std::map<std::string, std::string> ParseIndex(const std::string& path) {
 
 }  // namespace
 
-Checkpoint Checkpoint::Open(const std::string& dir_in) {
-  std::string dir = dir_in;
-  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
-  if (!IsDir(dir)) throw Error(ErrorCode::kNotFound, dir + ": not a folder");
-  Checkpoint cp;
-  cp.dir_ = dir;
-  const std::string config_path = dir + "/config.json";
-  if (!IsFile(config_path))
-    throw Error(ErrorCode::kNotFound, dir + ": no config.json (not a Hugging Face checkpoint)");
-  cp.config_ = LoadModelConfig(config_path);
-
-  const std::string index_path = dir + "/model.safetensors.index.json";
-  const std::string single_path = dir + "/model.safetensors";
+SafetensorsFolder SafetensorsFolder::Open(const std::string& dir, const std::string& stem) {
+  SafetensorsFolder f;
+  f.dir_ = dir;
+  const std::string index_path = dir + "/" + stem + ".safetensors.index.json";
+  const std::string single_path = dir + "/" + stem + ".safetensors";
   if (IsFile(index_path)) {
     const auto weight_map = ParseIndex(index_path);
     std::map<std::string, const SafetensorsFile*> shards;
@@ -79,8 +71,8 @@ Checkpoint Checkpoint::Open(const std::string& dir_in) {
       if (!IsFile(shard_path))
         throw Error(ErrorCode::kNotFound, index_path + ": shard `" + shard + "` (tensor `" +
                                               tensor + "`) does not exist");
-      cp.files_.push_back(std::make_unique<SafetensorsFile>(SafetensorsFile::Open(shard_path)));
-      shards[shard] = cp.files_.back().get();
+      f.files_.push_back(std::make_unique<SafetensorsFile>(SafetensorsFile::Open(shard_path)));
+      shards[shard] = f.files_.back().get();
     }
     for (const auto& [tensor, shard] : weight_map) {
       const SafetensorsFile* file = shards[shard];
@@ -89,7 +81,7 @@ Checkpoint Checkpoint::Open(const std::string& dir_in) {
         throw Error(ErrorCode::kCorrupt, index_path + ": tensor `" + tensor +
                                              "` is assigned to shard `" + shard +
                                              "`, which does not hold it");
-      cp.by_name_[tensor] = Ref{file, entry};
+      f.by_name_[tensor] = Ref{file, entry};
     }
     // Every tensor of every shard is listed, and listed for that shard (no tensor twice).
     for (const auto& [shard, file] : shards)
@@ -104,30 +96,50 @@ Checkpoint Checkpoint::Open(const std::string& dir_in) {
                           "` too, but weight_map assigns it to `" + it->second + "`");
       }
   } else if (IsFile(single_path)) {
-    cp.files_.push_back(std::make_unique<SafetensorsFile>(SafetensorsFile::Open(single_path)));
-    for (const SafetensorsEntry& e : cp.files_.back()->tensors())
-      cp.by_name_[e.name] = Ref{cp.files_.back().get(), &e};
+    f.files_.push_back(std::make_unique<SafetensorsFile>(SafetensorsFile::Open(single_path)));
+    for (const SafetensorsEntry& e : f.files_.back()->tensors())
+      f.by_name_[e.name] = Ref{f.files_.back().get(), &e};
   } else {
     throw Error(ErrorCode::kNotFound,
-                dir + ": neither model.safetensors nor model.safetensors.index.json");
+                dir + ": neither " + stem + ".safetensors nor " + stem + ".safetensors.index.json");
   }
-  return cp;
+  return f;
 }
 
-std::vector<Checkpoint::Ref> Checkpoint::AllTensors() const {
+std::vector<SafetensorsFolder::Ref> SafetensorsFolder::AllTensors() const {
   std::vector<Ref> all;
   for (const auto& file : files_)
     for (const SafetensorsEntry& e : file->tensors()) all.push_back(Ref{file.get(), &e});
   return all;
 }
 
-Checkpoint::Ref Checkpoint::Get(const std::string& name) const {
+SafetensorsFolder::Ref SafetensorsFolder::Get(const std::string& name) const {
   auto it = by_name_.find(name);
   if (it == by_name_.end())
     throw Error(ErrorCode::kNotFound, dir_ + ": checkpoint has no tensor `" + name + "`");
   return it->second;
 }
 
-bool Checkpoint::Has(const std::string& name) const { return by_name_.count(name) != 0; }
+bool SafetensorsFolder::Has(const std::string& name) const { return by_name_.count(name) != 0; }
+
+Checkpoint Checkpoint::Open(const std::string& dir_in) {
+  std::string dir = dir_in;
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  if (!IsDir(dir)) throw Error(ErrorCode::kNotFound, dir + ": not a folder");
+  Checkpoint cp;
+  cp.dir_ = dir;
+  const std::string config_path = dir + "/config.json";
+  if (!IsFile(config_path))
+    throw Error(ErrorCode::kNotFound, dir + ": no config.json (not a Hugging Face checkpoint)");
+  cp.config_ = LoadModelConfig(config_path);
+  cp.tensors_ = SafetensorsFolder::Open(dir, "model");
+  return cp;
+}
+
+std::vector<Checkpoint::Ref> Checkpoint::AllTensors() const { return tensors_.AllTensors(); }
+
+Checkpoint::Ref Checkpoint::Get(const std::string& name) const { return tensors_.Get(name); }
+
+bool Checkpoint::Has(const std::string& name) const { return tensors_.Has(name); }
 
 }  // namespace lorastream

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "common/checkpoint_manifest.h"
+#include "common/durable_file.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/remove_tree.h"
@@ -22,9 +23,10 @@ constexpr const char* kPrefix = "checkpoint-";
 
 // A complete checkpoint's trainer-state metadata, without checksums; nullopt when the
 // folder has no usable manifest or trainer state.
-std::optional<TrainerStateMeta> ReadCompleteCheckpoint(const CheckpointEntry& c) {
+std::optional<TrainerStateMeta> ReadCompleteCheckpoint(const CheckpointEntry& c,
+                                                       const std::vector<std::string>& required) {
   try {
-    ReadCheckpointManifest(c.dir, CheckpointRequiredFiles());
+    ReadCheckpointManifest(c.dir, required);
     const std::string state = (fs::path(c.dir) / kTrainerStateFile).string();
     return ParseTrainerStateMetadata(SafetensorsFile::Open(state).header().metadata, state);
   } catch (const Error&) {
@@ -82,8 +84,9 @@ void RemoveStaleCheckpointTemporaries(const std::string& output_dir) {
   }
 }
 
-TrainerStateMeta VerifyCheckpoint(const CheckpointEntry& c) {
-  VerifyCheckpointFiles(c.dir, CheckpointRequiredFiles());
+TrainerStateMeta VerifyCheckpoint(const CheckpointEntry& c,
+                                  const std::vector<std::string>& required) {
+  VerifyCheckpointFiles(c.dir, required);
   const std::string state = (fs::path(c.dir) / kTrainerStateFile).string();
   TrainerStateMeta meta =
       ParseTrainerStateMetadata(SafetensorsFile::Open(state).header().metadata, state);
@@ -93,12 +96,13 @@ TrainerStateMeta VerifyCheckpoint(const CheckpointEntry& c) {
   return meta;
 }
 
-std::string FindResumableCheckpoint(const std::string& output_dir) {
+std::string FindResumableCheckpoint(const std::string& output_dir,
+                                    const std::vector<std::string>& required) {
   const auto checkpoints = ListCheckpoints(output_dir);
   std::string faults;
   for (const auto& c : checkpoints) {
     try {
-      VerifyCheckpoint(c);
+      VerifyCheckpoint(c, required);
       if (!faults.empty())
         LS_LOG_WARN("resuming from {}, the newest checkpoint that verifies", c.dir);
       return c.dir;
@@ -120,7 +124,7 @@ std::string FindBestCheckpoint(const std::string& output_dir) {
   std::string best;
   double best_loss = 0;
   for (const auto& c : ListCheckpoints(output_dir)) {
-    auto meta = ReadCompleteCheckpoint(c);
+    auto meta = ReadCompleteCheckpoint(c, CheckpointRequiredFiles());
     if (meta && std::isfinite(meta->eval_loss) && (best.empty() || meta->eval_loss < best_loss)) {
       best = c.dir;
       best_loss = meta->eval_loss;
@@ -130,7 +134,7 @@ std::string FindBestCheckpoint(const std::string& output_dir) {
 }
 
 void PruneCheckpoints(const std::string& output_dir, int64_t current_step, int64_t keep,
-                      bool keep_best) {
+                      bool keep_best, const std::vector<std::string>& required) {
   LS_CHECK(keep >= 1, "keep_checkpoints must be >= 1");
   std::set<std::string> kept;
   std::string best;
@@ -139,7 +143,7 @@ void PruneCheckpoints(const std::string& output_dir, int64_t current_step, int64
   const auto checkpoints = ListCheckpoints(output_dir);
   for (const auto& c : checkpoints) {  // newest first
     if (c.step > current_step) continue;
-    auto meta = ReadCompleteCheckpoint(c);
+    auto meta = ReadCompleteCheckpoint(c, required);
     if (!meta) continue;
     if (complete++ < keep) kept.insert(c.dir);
     if (std::isfinite(meta->eval_loss) && (best.empty() || meta->eval_loss < best_loss)) {
@@ -150,6 +154,29 @@ void PruneCheckpoints(const std::string& output_dir, int64_t current_step, int64
   if (keep_best && !best.empty()) kept.insert(best);
   for (const auto& c : checkpoints)
     if (!kept.count(c.dir)) RemoveTree(c.dir);
+}
+
+std::string PublishCheckpoint(const std::string& output_dir, int64_t step,
+                              const std::function<void(const std::string& tmp_dir)>& write_files,
+                              int64_t keep, bool keep_best,
+                              const std::vector<std::string>& required) {
+  const std::string name = CheckpointFolderName(step);
+  const fs::path final_dir = fs::path(output_dir) / name;
+  const fs::path tmp_dir = fs::path(output_dir) / ("." + name + ".tmp");
+  std::error_code ec;
+  fs::create_directories(output_dir, ec);
+  RemoveStaleCheckpointTemporaries(output_dir);
+  fs::create_directories(tmp_dir, ec);
+  if (ec) throw Error(ErrorCode::kIo, "cannot create " + tmp_dir.string() + ": " + ec.message());
+  write_files(tmp_dir.string());
+  WriteCheckpointManifest(tmp_dir.string());  // last; fsyncs every file and the folder
+  RemoveTree(final_dir.string());  // never std::filesystem::remove_all here: common/remove_tree.h
+  fs::rename(tmp_dir, final_dir, ec);
+  if (ec) throw Error(ErrorCode::kIo, "cannot rename " + tmp_dir.string() + ": " + ec.message());
+  FsyncPath(output_dir);  // the rename itself survives a power loss only now
+  // Only now that the new one is complete: drop the checkpoints retention does not keep.
+  PruneCheckpoints(output_dir, step, keep, keep_best, required);
+  return final_dir.string();
 }
 
 }  // namespace lorastream

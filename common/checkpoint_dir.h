@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -20,7 +21,9 @@ namespace lorastream {
 
 constexpr const char* kTrainerStateFile = "trainer_state.safetensors";
 
-// The files a complete checkpoint must hold (each listed in its manifest).
+// The files a complete checkpoint of an LLM job must hold (each listed in its manifest). The
+// functions below take another list for another family (a FLUX job's: its adapters and
+// trainer state, worker/flux/flux_checkpoint.h).
 const std::vector<std::string>& CheckpointRequiredFiles();
 
 // "checkpoint-<step>"; CheckpointStepOf is its inverse (-1 for any other name).
@@ -40,12 +43,16 @@ void RemoveStaleCheckpointTemporaries(const std::string& output_dir);
 
 // Verifies the manifest's checksums and parses the trainer state's metadata (whose step
 // must match the folder's name). Throws Error(kCorrupt) naming the file at fault.
-TrainerStateMeta VerifyCheckpoint(const CheckpointEntry& checkpoint);
+TrainerStateMeta VerifyCheckpoint(
+    const CheckpointEntry& checkpoint,
+    const std::vector<std::string>& required = CheckpointRequiredFiles());
 
 // The newest checkpoint that verifies ("" when output_dir holds no checkpoint-N at all).
 // Each damaged newer one is logged with its reason. Throws Error(kCorrupt), listing every
 // checkpoint and its fault, when checkpoints exist but none verifies.
-std::string FindResumableCheckpoint(const std::string& output_dir);
+std::string FindResumableCheckpoint(
+    const std::string& output_dir,
+    const std::vector<std::string>& required = CheckpointRequiredFiles());
 
 // The complete checkpoint with the lowest finite eval loss ("" when none has one). Reads
 // only the manifests and the trainer states' headers (no checksums).
@@ -56,6 +63,16 @@ std::string FindBestCheckpoint(const std::string& output_dir);
 // computed). Checkpoints past current_step belong to an abandoned run (a --no-resume start
 // over an old folder, or a resume that fell back past a damaged checkpoint) and are removed.
 void PruneCheckpoints(const std::string& output_dir, int64_t current_step, int64_t keep,
-                      bool keep_best);
+                      bool keep_best,
+                      const std::vector<std::string>& required = CheckpointRequiredFiles());
+
+// Publishes output_dir/checkpoint-<step> durably: leftover temporaries removed, `write_files`
+// fills a fresh temporary .checkpoint-<step>.tmp/ (given its path), the manifest is written
+// last (every file and the folder fsynced), the folder renamed into place and output_dir
+// fsynced; then PruneCheckpoints with `keep`, `keep_best` and `required`. Returns the folder.
+std::string PublishCheckpoint(const std::string& output_dir, int64_t step,
+                              const std::function<void(const std::string& tmp_dir)>& write_files,
+                              int64_t keep, bool keep_best,
+                              const std::vector<std::string>& required = CheckpointRequiredFiles());
 
 }  // namespace lorastream

@@ -24,6 +24,29 @@ const std::vector<std::string>& LoraTargetNames() {
   return names;
 }
 
+void ParseMemoryBudget(const TomlSection& section, const std::string& key, uint64_t* bytes,
+                       bool* is_auto) {
+  // An integer (bytes), a string with a unit, or "auto".
+  try {
+    const int64_t n = section.GetInt(key, 0);
+    if (n < 0) throw Error(ErrorCode::kCorrupt, section.Where(key) + " must be >= 0");
+    *bytes = static_cast<uint64_t>(n);
+  } catch (const Error& e) {
+    if (std::string(e.what()).find("must be an integer") == std::string::npos) throw;
+    const std::string text = section.GetString(key, "");
+    if (text == "auto")
+      *is_auto = true;
+    else if (!text.empty() && std::isalpha(static_cast<unsigned char>(text.front())))
+      throw Error(ErrorCode::kCorrupt,
+                  section.Where(key) +
+                      " must be \"auto\" (the memory free on the GPU at job start) or a byte "
+                      "count like 8GiB, 500MB or 1024 (found \"" +
+                      text + "\")");
+    else
+      *bytes = ParseByteSize(text, section.Where(key));
+  }
+}
+
 uint64_t ParseByteSize(const std::string& text, const std::string& where) {
   size_t i = 0;
   while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i]))) ++i;
@@ -136,26 +159,7 @@ JobSpec ParseJobSpec(const std::string& toml_text, const std::string& source) {
   s.stream.backward_slots = st.GetInt("backward_slots", s.stream.backward_slots);
   s.stream.taped_blocks = st.GetInt("taped_blocks", s.stream.taped_blocks);
   if (st.Has("gpu_memory_budget")) {
-    // An integer (bytes), a string with a unit, or "auto".
-    try {
-      int64_t bytes = st.GetInt("gpu_memory_budget", 0);
-      if (bytes < 0)
-        throw Error(ErrorCode::kCorrupt, st.Where("gpu_memory_budget") + " must be >= 0");
-      s.stream.gpu_memory_budget = static_cast<uint64_t>(bytes);
-    } catch (const Error& e) {
-      if (std::string(e.what()).find("must be an integer") == std::string::npos) throw;
-      const std::string text = st.GetString("gpu_memory_budget", "");
-      if (text == "auto")
-        s.stream.budget_auto = true;
-      else if (!text.empty() && std::isalpha(static_cast<unsigned char>(text.front())))
-        throw Error(ErrorCode::kCorrupt,
-                    st.Where("gpu_memory_budget") +
-                        " must be \"auto\" (the memory free on the GPU at job start) or a byte "
-                        "count like 8GiB, 500MB or 1024 (found \"" +
-                        text + "\")");
-      else
-        s.stream.gpu_memory_budget = ParseByteSize(text, st.Where("gpu_memory_budget"));
-    }
+    ParseMemoryBudget(st, "gpu_memory_budget", &s.stream.gpu_memory_budget, &s.stream.budget_auto);
   } else {
     // No plan named: the planner chooses within the GPU's free memory.
     bool hand_plan = false;

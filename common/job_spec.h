@@ -269,4 +269,10 @@ int64_t StepsForEpochs(double epochs, int64_t sequences, int64_t batch_size, int
 // "8GiB", "500MB", "1024" -> bytes; throws Error(kCorrupt) naming `where` when malformed.
 uint64_t ParseByteSize(const std::string& text, const std::string& where);
 
+// A GPU memory budget key of `section`: an integer (bytes), a byte count with a unit, or
+// "auto" (sets *is_auto). Error(kCorrupt) naming the key otherwise.
+class TomlSection;
+void ParseMemoryBudget(const TomlSection& section, const std::string& key, uint64_t* bytes,
+                       bool* is_auto);
+
 }  // namespace lorastream

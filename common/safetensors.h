@@ -70,14 +70,14 @@ class SafetensorsFile {
   MemoryMapping mapping_;
 };
 
-// A Hugging Face checkpoint folder: config.json plus model.safetensors, or shards listed in
-// model.safetensors.index.json (every listed shard must exist and hold the tensors the index
-// assigns it; no tensor may appear twice).
-class Checkpoint {
+// The tensors of a folder stored as STEM.safetensors or as the shards that
+// STEM.safetensors.index.json lists (every listed shard must exist and hold the tensors the
+// index assigns it; no tensor may appear twice): Hugging Face's model.*, diffusers'
+// diffusion_pytorch_model.*.
+class SafetensorsFolder {
  public:
-  static Checkpoint Open(const std::string& dir);
+  static SafetensorsFolder Open(const std::string& dir, const std::string& stem);
   const std::string& dir() const { return dir_; }
-  const ModelConfig& config() const { return config_; }
   struct Ref {
     const SafetensorsFile* file;
     const SafetensorsEntry* entry;
@@ -90,9 +90,28 @@ class Checkpoint {
 
  private:
   std::string dir_;
-  ModelConfig config_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::map<std::string, Ref> by_name_;
+};
+
+// A Hugging Face checkpoint folder: config.json plus model.safetensors, or shards listed in
+// model.safetensors.index.json (SafetensorsFolder's checks).
+class Checkpoint {
+ public:
+  static Checkpoint Open(const std::string& dir);
+  const std::string& dir() const { return dir_; }
+  const ModelConfig& config() const { return config_; }
+  using Ref = SafetensorsFolder::Ref;
+  // Every tensor of every shard, in file order.
+  std::vector<Ref> AllTensors() const;
+  // Throws Error(kNotFound) naming the tensor and the folder when absent.
+  Ref Get(const std::string& name) const;
+  bool Has(const std::string& name) const;
+
+ private:
+  std::string dir_;
+  ModelConfig config_;
+  SafetensorsFolder tensors_;
 };
 
 struct TensorToWrite {

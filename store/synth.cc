@@ -118,6 +118,35 @@ float SynthValue(const std::string& name, size_t rank, uint64_t seed, uint64_t i
   return s.mean + s.std * NormalIsh(SplitMix64(TensorKey(name, seed) + index));
 }
 
+void SynthFill(const std::string& name, size_t rank, uint64_t seed, uint64_t first, uint64_t count,
+               DType dtype, uint8_t* out, int threads) {
+  const Scale scale = ScaleFor(name, rank);
+  const uint64_t key = TensorKey(name, seed);
+  auto work = [=](uint64_t begin, uint64_t end) {
+    // Locals and typed pointers: writes through uint8_t* would alias everything.
+    const float mean = scale.mean, std = scale.std;
+    if (dtype == DType::kF32) {
+      float* o = reinterpret_cast<float*>(out);
+      for (uint64_t i = begin; i < end; ++i)
+        o[i] = mean + std * NormalIsh(SplitMix64(key + first + i));
+    } else if (dtype == DType::kBF16) {
+      uint16_t* o = reinterpret_cast<uint16_t*>(out);
+      for (uint64_t i = begin; i < end; ++i)
+        o[i] = FloatToBF16(mean + std * NormalIsh(SplitMix64(key + first + i)));
+    } else {
+      uint16_t* o = reinterpret_cast<uint16_t*>(out);
+      for (uint64_t i = begin; i < end; ++i)
+        o[i] = FloatToHalf(mean + std * NormalIsh(SplitMix64(key + first + i)));
+    }
+  };
+  const int parts = count < (1u << 16) ? 1 : std::max(1, threads);
+  std::vector<std::thread> pool;
+  for (int p = 1; p < parts; ++p)
+    pool.emplace_back(work, count * p / parts, count * (p + 1) / parts);
+  work(0, count / parts);
+  for (std::thread& th : pool) th.join();
+}
+
 std::string DefaultPresetsDir() {
   const char* env = std::getenv("LORASTREAM_PRESETS_DIR");
   return env && *env ? std::string(env) : ConfigsDir() + "/models";
@@ -233,32 +262,8 @@ SynthResult RunSynth(const SynthOptions& options) {
     const auto& list = shards[s];
     auto fill = [&](size_t index, uint64_t offset, uint8_t* out, size_t n) {
       const TensorToWrite& t = list[index];
-      const Scale scale = ScaleFor(t.name, t.shape.size());
-      const uint64_t key = TensorKey(t.name, options.seed);
-      const uint64_t first = offset / esize, count = n / esize;
-      auto work = [=](uint64_t begin, uint64_t end) {
-        // Locals and typed pointers: writes through uint8_t* would alias everything.
-        const float mean = scale.mean, std = scale.std;
-        if (dtype == DType::kF32) {
-          float* o = reinterpret_cast<float*>(out);
-          for (uint64_t i = begin; i < end; ++i)
-            o[i] = mean + std * NormalIsh(SplitMix64(key + first + i));
-        } else if (dtype == DType::kBF16) {
-          uint16_t* o = reinterpret_cast<uint16_t*>(out);
-          for (uint64_t i = begin; i < end; ++i)
-            o[i] = FloatToBF16(mean + std * NormalIsh(SplitMix64(key + first + i)));
-        } else {
-          uint16_t* o = reinterpret_cast<uint16_t*>(out);
-          for (uint64_t i = begin; i < end; ++i)
-            o[i] = FloatToHalf(mean + std * NormalIsh(SplitMix64(key + first + i)));
-        }
-      };
-      const int parts = count < (1u << 16) ? 1 : threads;
-      std::vector<std::thread> pool;
-      for (int p = 1; p < parts; ++p)
-        pool.emplace_back(work, count * p / parts, count * (p + 1) / parts);
-      work(0, count / parts);
-      for (std::thread& th : pool) th.join();
+      SynthFill(t.name, t.shape.size(), options.seed, offset / esize, n / esize, dtype, out,
+                threads);
     };
     WriteSafetensorsStreamed(options.out_dir + "/" + name, list, fill, {{"format", "pt"}}, 64);
     for (const TensorToWrite& t : list) weight_map[t.name] = name;

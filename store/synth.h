@@ -38,6 +38,13 @@ struct SynthOptions {
   // (WritePrequantized); "": plain.
   std::string prequantized;
   bool force = false;  // write into an out_dir that holds files (else Error kInvalidArgument)
+  // FLUX presets: "bfl" (OUT/flux1.safetensors) or "diffusers" (OUT/transformer/: config.json
+  // and diffusion_pytorch_model shards, FluxTransformer2DModel's names; the same weights).
+  std::string flux_format = "bfl";
+  // --flux-caches: one image of this many pixels ("1024x1024", width x height, multiples of
+  // 16) instead of the demo's three; and the T5 tokens per caption.
+  std::string flux_cache_pixels;
+  int64_t flux_text_tokens = 8;
 };
 
 struct SynthResult {
@@ -60,5 +67,9 @@ void WritePrequantized(const std::string& dir, const std::string& format);
 // The value synth writes at element `index` of tensor `name` (as float, before rounding to
 // the file's dtype); `rank` is the tensor's number of dimensions. Exposed for tests.
 float SynthValue(const std::string& name, size_t rank, uint64_t seed, uint64_t index);
+// Elements [first, first + count) of tensor `name` (SynthValue's) in `dtype` into `out`, on
+// `threads` threads when the run is long.
+void SynthFill(const std::string& name, size_t rank, uint64_t seed, uint64_t first, uint64_t count,
+               DType dtype, uint8_t* out, int threads);
 
 }  // namespace lorastream::store

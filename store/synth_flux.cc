@@ -2,14 +2,23 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <map>
 #include <sstream>
+#include <stdexcept>
+#include <thread>
+
+#include <nlohmann/json.hpp>
 
 #include "common/device.h"
 #include "common/error.h"
 #include "common/flux_cache.h"
+#include "common/flux_diffusers.h"
 #include "common/safetensors.h"
 #include "common/toml_file.h"
 #include "store/convert.h"
@@ -68,14 +77,96 @@ FluxConfig LoadFluxPreset(const std::string& path, DType* dtype) {
   return c;
 }
 
+namespace {
+
+// Generator threads of a synth run (0: one per hardware thread).
+int SynthThreads(const SynthOptions& options) {
+  return options.threads > 0 ? options.threads
+                             : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+}
+
+// The diffusers folder OUT/transformer/: config.json and the tensors, each element the value
+// of the BFL element it converts from (so both layouts of one seed hold the same weights), in
+// shards of at most shard_bytes (with the index when there are several).
+uint64_t WriteFluxDiffusers(const SynthOptions& options, const FluxConfig& config, DType dtype,
+                            int* shard_count) {
+  const std::string dir = options.out_dir + "/transformer";
+  std::filesystem::create_directories(dir);
+  const std::string config_json = FluxDiffusersConfigJson(config);
+  std::ofstream(dir + "/config.json") << config_json;
+  std::map<std::string, std::vector<FluxDiffusersPart>> parts;  // by diffusers name
+  for (auto& p : FluxDiffusersParts(config)) parts[p.diffusers].push_back(p);
+  std::vector<std::vector<TensorToWrite>> shards(1);
+  uint64_t total = 0, in_shard = 0;
+  for (const auto& [name, shape] : FluxDiffusersShapes(config)) {
+    TensorToWrite t{name, dtype, shape, nullptr};
+    const uint64_t bytes = TensorBytes(t);
+    if (in_shard > 0 && in_shard + bytes > options.shard_bytes) {
+      shards.emplace_back();
+      in_shard = 0;
+    }
+    shards.back().push_back(t);
+    in_shard += bytes;
+    total += bytes;
+  }
+  const size_t esize = DTypeSize(dtype);
+  const int threads = SynthThreads(options);
+  nlohmann::json weight_map = nlohmann::json::object();
+  for (size_t s = 0; s < shards.size(); ++s) {
+    char name[96];
+    std::snprintf(name, sizeof(name), "diffusion_pytorch_model-%05zu-of-%05zu.safetensors", s + 1,
+                  shards.size());
+    const std::string file =
+        shards.size() == 1 ? "diffusion_pytorch_model.safetensors" : std::string(name);
+    const auto& tensors = shards[s];
+    // A chunk of a diffusers tensor, run by run of rows of one part: each run is contiguous
+    // in the BFL tensor it converts from too.
+    auto fill = [&](size_t index, uint64_t offset, uint8_t* out, size_t n) {
+      const TensorToWrite& t = tensors[index];
+      uint64_t row_len = 1;
+      for (size_t d = 1; d < t.shape.size(); ++d) row_len *= static_cast<uint64_t>(t.shape[d]);
+      const uint64_t begin = offset / esize, end = begin + n / esize;
+      for (const FluxDiffusersPart& p : parts.at(t.name)) {
+        const uint64_t part_begin = static_cast<uint64_t>(p.diffusers_row) * row_len;
+        const uint64_t part_end = part_begin + static_cast<uint64_t>(p.rows) * row_len;
+        const uint64_t from = std::max(begin, part_begin), to = std::min(end, part_end);
+        if (from >= to) continue;
+        const uint64_t bfl_first = static_cast<uint64_t>(p.bfl_row) * row_len + (from - part_begin);
+        SynthFill(p.bfl, t.shape.size(), options.seed, bfl_first, to - from, dtype,
+                  out + (from - begin) * esize, threads);
+      }
+    };
+    WriteSafetensorsStreamed(dir + "/" + file, tensors, fill, {{"format", "pt"}}, 64);
+    for (const auto& t : tensors) weight_map[t.name] = file;
+  }
+  if (shards.size() > 1) {
+    const nlohmann::json index = {{"metadata", {{"total_size", total}}},
+                                  {"weight_map", weight_map}};
+    std::ofstream(dir + "/diffusion_pytorch_model.safetensors.index.json") << index.dump(2) << "\n";
+  }
+  *shard_count = static_cast<int>(shards.size());
+  return total;
+}
+
+}  // namespace
+
 SynthResult RunSynthFlux(const SynthOptions& options, const std::string& preset_path) {
   const auto start = std::chrono::steady_clock::now();
   if (options.layers != 0)
     throw Error(ErrorCode::kInvalidArgument,
                 "--layers: a FLUX preset sets depth (double blocks) and depth_single itself");
+  if (options.flux_format != "bfl" && options.flux_format != "diffusers")
+    throw Error(ErrorCode::kInvalidArgument,
+                "--flux-format `" + options.flux_format + "`: bfl or diffusers");
   DType dtype = DType::kBF16;
   const FluxConfig config = LoadFluxPreset(preset_path, &dtype);
   if (!options.dtype.empty()) dtype = FluxSynthDType(options.dtype, "--dtype");
+  SynthResult r;
+  if (options.flux_format == "diffusers") {
+    r.bytes = WriteFluxDiffusers(options, config, dtype, &r.shards);
+    r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return r;
+  }
   std::vector<TensorToWrite> tensors;
   uint64_t total = 0;
   for (const auto& [name, shape] : FluxAllShapes(config)) {
@@ -84,22 +175,14 @@ SynthResult RunSynthFlux(const SynthOptions& options, const std::string& preset_
   }
   std::filesystem::create_directories(options.out_dir);
   const size_t esize = DTypeSize(dtype);
+  const int threads = SynthThreads(options);
   auto fill = [&](size_t index, uint64_t offset, uint8_t* out, size_t n) {
     const TensorToWrite& t = tensors[index];
-    for (uint64_t i = 0; i < n / esize; ++i) {
-      const float v = SynthValue(t.name, t.shape.size(), options.seed, offset / esize + i);
-      if (dtype == DType::kF32) {
-        std::memcpy(out + i * 4, &v, 4);
-      } else {
-        const uint16_t h = dtype == DType::kBF16 ? FloatToBF16(v) : FloatToHalf(v);
-        std::memcpy(out + i * 2, &h, 2);
-      }
-    }
+    SynthFill(t.name, t.shape.size(), options.seed, offset / esize, n / esize, dtype, out, threads);
   };
   auto metadata = FluxMetadata(config);
   metadata["format"] = "pt";
   WriteSafetensorsStreamed(options.out_dir + "/flux1.safetensors", tensors, fill, metadata, 64);
-  SynthResult r;
   r.bytes = total;
   r.shards = 1;
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -118,6 +201,26 @@ void WriteFluxDemoCaches(const SynthOptions& options, const std::string& dir) {
   shape.channels = c.in_channels / 4;
   shape.context_dim = c.context_in_dim;
   shape.vec_dim = c.vec_in_dim;
+  shape.txt_len = options.flux_text_tokens;
+  if (shape.txt_len < 1)
+    throw Error(ErrorCode::kInvalidArgument, "--flux-text-tokens must be at least 1");
+  if (!options.flux_cache_pixels.empty()) {
+    const std::string& p = options.flux_cache_pixels;
+    const size_t x = p.find('x');
+    int64_t w = 0, h = 0;
+    try {
+      if (x == std::string::npos) throw std::invalid_argument(p);
+      w = std::stoll(p.substr(0, x));
+      h = std::stoll(p.substr(x + 1));
+    } catch (const std::exception&) {
+      w = h = 0;
+    }
+    if (w <= 0 || h <= 0 || w % 16 != 0 || h % 16 != 0)
+      throw Error(ErrorCode::kInvalidArgument,
+                  "--flux-cache-size `" + p + "`: WIDTHxHEIGHT in pixels, multiples of 16");
+    WriteFluxCacheFiles(dir, "image", w, h, shape, options.seed + 1);
+    return;
+  }
   WriteFluxCacheFiles(dir, "cat", 32, 32, shape, options.seed + 1);
   WriteFluxCacheFiles(dir, "dog", 32, 32, shape, options.seed + 2);
   WriteFluxCacheFiles(dir, "wide", 48, 32, shape, options.seed + 3);

@@ -1,6 +1,7 @@
 // `lorastream-synth` for FLUX.1-shaped checkpoints: a preset with model_type = "flux"
 // (configs/models/flux-tiny.toml, flux1-dev.toml) is written as BFL's single file,
-// OUT/flux1.safetensors, with the same deterministic values as every synth checkpoint
+// OUT/flux1.safetensors, or (flux_format "diffusers") as a diffusers folder, OUT/transformer/
+// (common/flux_diffusers.h), with the same deterministic values as every synth checkpoint
 // (SynthValue) and the RoPE axes in its metadata (common/flux_config.h).
 #pragma once
 

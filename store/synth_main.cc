@@ -32,10 +32,20 @@ int main(int argc, char** argv) {
                  "a Hugging Face tokenizer folder to copy in (vocab_size grows to fit it)");
   app.add_flag("--force", o.force,
                "write into an --out folder that is not empty, replacing its checkpoint files");
+  app.add_option("--flux-format", o.flux_format,
+                 "FLUX presets: bfl (flux1.safetensors, BFL's single file) | diffusers "
+                 "(transformer/ with config.json and shards, as diffusers saves it)")
+      ->capture_default_str();
   std::string flux_caches;
   app.add_option("--flux-caches", flux_caches,
                  "FLUX presets: also write random sd-scripts-style caches (three images, two "
                  "buckets) of the preset's widths into this folder, for a demo job");
+  app.add_option("--flux-cache-size", o.flux_cache_pixels,
+                 "with --flux-caches: one image of WIDTHxHEIGHT pixels (1024x1024: 4096 image "
+                 "tokens) instead of the demo's three");
+  app.add_option("--flux-text-tokens", o.flux_text_tokens,
+                 "with --flux-caches: T5 tokens per caption (FLUX.1-dev trains with 512)")
+      ->capture_default_str();
   return RunMain("lorastream-synth", app, argc, argv, [&] {
     InitLogging("synth");
     SynthResult r = RunSynth(o);

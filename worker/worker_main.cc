@@ -19,6 +19,7 @@
 #include "coordinator/build_info.h"
 #include "coordinator/curve.h"
 #include "store/attach.h"
+#include "worker/flux/flux_calibrate.h"
 #include "worker/flux/flux_job.h"
 #include "worker/flux/flux_train.h"
 #include "worker/serve/parity.h"
@@ -180,6 +181,7 @@ int main(int argc, char** argv) {
       flux::FluxTrainOptions flux_train;
       flux_train.device = train.device;
       flux_train.threads = train.threads;
+      flux_train.resume = !no_resume;
       flux_train.stop = &g_train_stop_signal;
       std::signal(SIGINT, OnTrainStopSignal);
       std::signal(SIGTERM, OnTrainStopSignal);
@@ -198,6 +200,8 @@ int main(int argc, char** argv) {
       std::signal(SIGTERM, OnTrainStopSignal);
       return RunGroupTrainCommand(job_paths, train, &g_train_stop_signal);
     }
+    if (*plan_cmd && plan_jobs.size() == 1 && flux::IsFluxJobFile(plan_jobs[0]))
+      return flux::RunFluxPlanCommand(plan_jobs[0], plan.device);
     if (*plan_cmd) return RunPlanCommand(plan_jobs, plan);
     if (*report_cmd) return RunQuantReport(report);
     if (*serve_cmd) {

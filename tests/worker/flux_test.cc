@@ -6,15 +6,22 @@
 #include "tests/worker/torch_catch.h"
 
 #include <c10/core/GradMode.h>
+#include <atomic>
 #include <cmath>
+#include <csignal>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 
+#include "common/checkpoint_dir.h"
 #include "common/error.h"
 #include "common/safetensors.h"
+#include "common/subprocess.h"
 #include "store/synth.h"
 #include "tests/support/flux_cache_files.h"
 #include "tests/support/test_support.h"
+#include "tests/worker/worker_test_util.h"
 #include "worker/flux/flux_adapter_io.h"
 #include "worker/flux/flux_base.h"
 #include "worker/flux/flux_job.h"
@@ -40,6 +47,24 @@ std::string MakeFluxCheckpoint(const std::string& dir) {
   o.dtype = "f32";
   store::RunSynth(o);
   return dir + "/flux1.safetensors";
+}
+
+// DIR/model (flux-tiny), DIR/cache (images "cat" and "wide" of two buckets, and "dog" beside
+// "cat" when with_dog) and DIR/job.toml: a [flux] section naming them with output_dir "out",
+// then `keys`. Returns the job file.
+std::string WriteTinyFluxJob(const std::string& dir, bool with_dog, const std::string& keys) {
+  MakeFluxCheckpoint(dir + "/model");
+  std::filesystem::create_directories(dir + "/cache");
+  const FluxCacheShape shape = lorastream::testing::TinyCacheShape();
+  lorastream::testing::WriteFluxCache(dir + "/cache", "cat", 32, 32, shape, 1);
+  if (with_dog) lorastream::testing::WriteFluxCache(dir + "/cache", "dog", 32, 32, shape, 2);
+  lorastream::testing::WriteFluxCache(dir + "/cache", "wide", 48, 32, shape, 3, true);
+  const std::string job_path = dir + "/job.toml";
+  std::ofstream out(job_path);
+  out << "[flux]\ncheckpoint = \"model/flux1.safetensors\"\ncache_dir = \"cache\"\n"
+         "output_dir = \"out\"\n"
+      << keys;
+  return job_path;
 }
 
 // A batch of two 32x48-pixel images (latents 4 x 6) with 8 text tokens.
@@ -92,7 +117,7 @@ struct TinySetup {
       : dir("flux-model"),
         base(FluxBase::Load(MakeFluxCheckpoint(dir.str()), 2, dtype, at::kCPU)),
         engine(base.MakeEngine(0, 1, at::kCPU)),
-        model(base.config(), base.rest(), engine.get(), base.layouts(), 2, at::kCPU, dtype),
+        model(base.config(), base.rest(), engine.get(), 2, at::kCPU, dtype),
         adapter(RandomAdapter(base.config(), 11)),
         batch(TinyBatch(base.config(), 5)) {
     for (auto& [name, m] : adapter.modules()) {  // master weights in `dtype` too
@@ -205,8 +230,7 @@ TEST_CASE(
     const at::Tensor target = at::randn(batch.img.sizes(), at::detail::createCPUGenerator(9));
     const int units = static_cast<int>(base.layouts().size());
     auto resident_engine = base.MakeEngine(0, 1, at::kCPU);
-    FluxModel resident(c, base.rest(), resident_engine.get(), base.layouts(), singles, at::kCPU,
-                       at::kFloat);
+    FluxModel resident(c, base.rest(), resident_engine.get(), singles, at::kCPU, at::kFloat);
     FluxAdapter adapter = RandomAdapter(c, 11);
     const LossAndGrads want = Run(resident, batch, adapter, true, target);
     for (int swap : {units, units - 1}) {
@@ -216,8 +240,7 @@ TEST_CASE(
         o.debug_copy_delay_us = 200;
         o.log_plan = false;
         auto engine = base.MakeEngine(swap, ring, at::kCPU, o);
-        FluxModel streamed(c, base.rest(), engine.get(), base.layouts(), singles, at::kCPU,
-                           at::kFloat);
+        FluxModel streamed(c, base.rest(), engine.get(), singles, at::kCPU, at::kFloat);
         for (int step = 0; step < 2; ++step) {
           INFO("singles per unit " << singles << ", " << swap << " of " << units
                                    << " streamed, ring " << ring << ", step " << step);
@@ -258,19 +281,11 @@ TEST_CASE(
     "reproducible, streamed = resident",
     "[worker][flux]") {
   TempDir dir("flux-train");
-  const std::string ckpt = MakeFluxCheckpoint(dir.str() + "/model");
-  std::filesystem::create_directories(dir.str() + "/cache");
-  const FluxCacheShape shape = lorastream::testing::TinyCacheShape();
-  lorastream::testing::WriteFluxCache(dir.str() + "/cache", "cat", 32, 32, shape, 1);
-  lorastream::testing::WriteFluxCache(dir.str() + "/cache", "dog", 32, 32, shape, 2);
-  lorastream::testing::WriteFluxCache(dir.str() + "/cache", "wide", 48, 32, shape, 3, true);
-  const std::string job_path = dir.str() + "/job.toml";
-  {
-    std::ofstream out(job_path);
-    out << "[flux]\ncheckpoint = \"model/flux1.safetensors\"\ncache_dir = \"cache\"\n"
-           "output_dir = \"out\"\nsteps = 4\nbatch_size = 2\nseed = 7\nrank = 4\nalpha = 8\n"
-           "learning_rate = 1e-3\ntimestep_sampling = \"flux_shift\"\n";
-  }
+  const std::string job_path = WriteTinyFluxJob(dir.str(), /*with_dog=*/true,
+                                                "steps = 4\nbatch_size = 2\nseed = 7\nrank = 4\n"
+                                                "alpha = 8\nlearning_rate = 1e-3\n"
+                                                "timestep_sampling = \"flux_shift\"\n");
+  const std::string ckpt = dir.str() + "/model/flux1.safetensors";
   REQUIRE(IsFluxJobFile(job_path));
   FluxJob job = LoadFluxJob(job_path);
   CHECK(job.checkpoint == ckpt);
@@ -279,15 +294,35 @@ TEST_CASE(
   for (const auto& s : a.steps) CHECK(std::isfinite(s.loss));
   CHECK(a.steps[0].tokens != a.steps[1].tokens);  // both buckets were drawn in one epoch
 
-  const FluxTrainResult again = TrainFlux(job, {});
+  FluxTrainOptions fresh;
+  fresh.resume = false;  // out/ holds the first run's final checkpoint
+  const FluxTrainResult again = TrainFlux(job, fresh);
   job.blocks_to_swap = 3;
   job.ring_size = 1;
   job.output_dir = dir.str() + "/out-streamed";
   const FluxTrainResult streamed = TrainFlux(job, {});
+  // A budget of 2.5 MiB: the planner streams units (flux-tiny's step at rank 4 takes about
+  // 3.1 MiB with every unit resident); the plan command prints its table.
+  job.output_dir = dir.str() + "/out-budget";
+  job.gpu_memory_budget = uint64_t{2560} << 10;
+  const FluxTrainResult budgeted = TrainFlux(job, {});
   for (size_t i = 0; i < a.steps.size(); ++i) {
     CHECK(again.steps[i].loss == a.steps[i].loss);
     CHECK(streamed.steps[i].loss == a.steps[i].loss);
     CHECK(streamed.steps[i].copies > 0);
+    CHECK(budgeted.steps[i].loss == a.steps[i].loss);
+    CHECK(budgeted.steps[i].copies > 0);
+  }
+  {
+    std::ofstream(job_path, std::ios::app) << "gpu_memory_budget = \"2560KiB\"\n";
+    int code = -1;
+    const std::string table = RunAndCapture({std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker",
+                                             "plan", job_path, "--device", "cpu"},
+                                            &code, 120, dir.str() + "/plan.log");
+    CHECK(code == 0);
+    CHECK_THAT(table, Catch::Matchers::Contains("budget 2.5 MiB"));
+    CHECK_THAT(table, Catch::Matchers::Contains("chosen: swap "));
+    CHECK_THAT(table, Catch::Matchers::Contains("PCIe floor"));
   }
 
   const auto kohya = SafetensorsFile::Open(a.kohya_path);
@@ -314,6 +349,198 @@ TEST_CASE(
   const auto& m = back.modules().at("single_blocks.0.linear1");
   const at::Tensor b = at::from_blob(const_cast<uint8_t*>(diff.Data(*q)), {64, 4}, at::kFloat);
   CHECK(at::allclose(b, m.b.narrow(0, 0, 64) * 2.0));
+}
+
+TEST_CASE(
+    "flux trainer: a stopped run and a killed one resume to the uninterrupted run's adapters "
+    "bit for bit",
+    "[worker][flux]") {
+  TempDir dir("flux-resume");
+  const std::string job_path = WriteTinyFluxJob(
+      dir.str(), /*with_dog=*/false,
+      "steps = 6\nsave_every = 2\nseed = 5\nrank = 4\nlearning_rate = 1e-3\n"
+      "lr_schedule = \"cosine\"\nwarmup_steps = 2\nblocks_to_swap = 3\nring_size = 1\n");
+  FluxJob job = LoadFluxJob(job_path);
+  job.output_dir = dir.str() + "/full";
+  const FluxTrainResult full = TrainFlux(job, {});
+  REQUIRE(full.steps.size() == 6);
+
+  // Stopped after step 3 (what SIGTERM asks for): checkpoint-3 is saved, no final adapter.
+  auto run_until_stop = [&](const std::string& out) {
+    job.output_dir = out;
+    std::atomic<int> stop{0};
+    FluxTrainOptions o;
+    o.stop = &stop;
+    o.on_step = [&](const StepStats& s) {
+      if (s.step == 3) stop = 1;
+    };
+    const FluxTrainResult r = TrainFlux(job, o);
+    CHECK(r.steps.size() == 3);
+    CHECK(r.kohya_path.empty());
+    CHECK(std::filesystem::is_directory(out + "/checkpoint-2"));
+    CHECK(std::filesystem::is_directory(out + "/checkpoint-3"));
+  };
+  auto resume_and_compare = [&](int64_t from_step) {
+    const FluxTrainResult r = TrainFlux(job, {});
+    CHECK(r.first_step == from_step);
+    REQUIRE(r.steps.size() == static_cast<size_t>(6 - from_step));
+    for (size_t i = 0; i < r.steps.size(); ++i)
+      CHECK(r.steps[i].loss == full.steps[from_step + i].loss);
+    CHECK(lorastream::testing::ReadFile(r.kohya_path) ==
+          lorastream::testing::ReadFile(full.kohya_path));
+    CHECK(lorastream::testing::ReadFile(r.diffusers_path) ==
+          lorastream::testing::ReadFile(full.diffusers_path));
+    CHECK(
+        lorastream::testing::ReadFile(job.output_dir + "/checkpoint-6/trainer_state.safetensors") ==
+        lorastream::testing::ReadFile(dir.str() + "/full/checkpoint-6/trainer_state.safetensors"));
+  };
+  run_until_stop(dir.str() + "/stopped");
+  resume_and_compare(3);
+  // A finished job asked again trains nothing.
+  const FluxTrainResult again = TrainFlux(job, {});
+  CHECK(again.steps.empty());
+  CHECK(again.first_step == 6);
+
+  // Killed while saving checkpoint-3: the unfinished temporary is removed, step 2 resumes.
+  run_until_stop(dir.str() + "/killed");
+  std::filesystem::rename(dir.str() + "/killed/checkpoint-3",
+                          dir.str() + "/killed/.checkpoint-3.tmp");
+  resume_and_compare(2);
+
+  // A damaged newest checkpoint is not used; another rank is refused, naming the settings.
+  run_until_stop(dir.str() + "/damaged");
+  {
+    std::fstream f(dir.str() + "/damaged/checkpoint-3/adapter_kohya.safetensors",
+                   std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-3, std::ios::end);
+    f.put('\x7f');
+  }
+  job.rank = 8;
+  CHECK_THAT(ErrorMessageOf([&] { TrainFlux(job, {}); }),
+             Catch::Matchers::Contains("other settings"));
+  job.rank = 4;
+  resume_and_compare(2);
+}
+
+TEST_CASE(
+    "flux: a diffusers folder (sharded, FluxTransformer2DModel's names) loads the BFL file's "
+    "weights; other layouts are refused by name",
+    "[worker][flux]") {
+  TempDir dir("flux-diffusers");
+  const std::string bfl = MakeFluxCheckpoint(dir.str() + "/bfl");
+  store::SynthOptions o;
+  o.preset = "flux-tiny";
+  o.out_dir = dir.str() + "/diffusers";
+  o.presets_dir = std::string(LORASTREAM_SOURCE_DIR) + "/configs/models";
+  o.seed = 3;
+  o.dtype = "f32";
+  o.flux_format = "diffusers";
+  o.shard_bytes = 400000;
+  CHECK(store::RunSynth(o).shards > 1);
+  CHECK(DetectFluxCheckpoint(o.out_dir) == FluxCheckpointKind::kDiffusersFolder);
+  const FluxBase a = FluxBase::Load(bfl, 2, at::kFloat, at::kCPU);
+  const FluxBase b = FluxBase::Load(o.out_dir, 2, at::kFloat, at::kCPU);
+  CHECK(b.config().depth == a.config().depth);
+  CHECK(b.config().axes_dim == a.config().axes_dim);
+  REQUIRE(a.unit_bytes().size() == b.unit_bytes().size());
+  for (size_t u = 0; u < a.unit_bytes().size(); ++u)
+    CHECK(std::memcmp(a.unit_bytes()[u], b.unit_bytes()[u], a.layouts()[u].nbytes) == 0);
+  for (const auto& [name, t] : a.rest()) CHECK(at::equal(t, b.rest().at(name)));
+  // The transformer folder itself is read too.
+  CHECK(FluxBase::Load(o.out_dir + "/transformer", 1, at::kFloat, at::kCPU).config().depth == 2);
+
+  // A missing tensor is named; a folder that is neither layout is refused by name.
+  const std::string index =
+      o.out_dir + "/transformer/diffusion_pytorch_model.safetensors.index.json";
+  std::string text;
+  {
+    std::ifstream in(index);
+    text.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  const std::string key = "\"transformer_blocks.1.attn.add_k_proj.bias\"";
+  const size_t at_key = text.find(key);
+  REQUIRE(at_key != std::string::npos);
+  const size_t line_end = text.find('\n', at_key);
+  text.erase(at_key, line_end - at_key);
+  std::ofstream(index) << text;  // (the shard still holds it: the index is cross-checked)
+  CHECK_THAT(ErrorMessageOf([&] { FluxBase::Load(o.out_dir, 2, at::kFloat, at::kCPU); }),
+             Catch::Matchers::Contains("transformer_blocks.1.attn.add_k_proj.bias"));
+  std::filesystem::create_directories(dir.str() + "/empty");
+  CHECK_THAT(ErrorMessageOf([&] { FluxBase::Load(dir.str() + "/empty", 2, at::kFloat, at::kCPU); }),
+             Catch::Matchers::Contains("FluxTransformer2DModel"));
+}
+
+TEST_CASE(
+    "lorastream-worker train on a FLUX job: SIGTERM checkpoints and exits 143, SIGKILL loses "
+    "only the steps after the last checkpoint; the resumed adapter is the uninterrupted one",
+    "[worker][flux]") {
+  TempDir dir("flux-signal");
+  const std::string job_path =
+      WriteTinyFluxJob(dir.str(), /*with_dog=*/false,
+                       "steps = 100000\nsave_every = 3\nseed = 9\nrank = 4\n"
+                       "learning_rate = 1e-3\nblocks_to_swap = 2\n");
+  const std::string bin = std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker";
+  const std::string out = dir.str() + "/out";
+  auto newest = [&] {
+    const auto all = ListCheckpoints(out);
+    return all.empty() ? int64_t{0} : all.front().step;
+  };
+  SpawnOptions so;
+  so.log_path = dir.str() + "/log";
+  {
+    Subprocess p =
+        Subprocess::Spawn({bin, "train", job_path, "--device", "cpu", "--threads", "1"}, so);
+    REQUIRE(lorastream::testing::WaitFor([&] { return newest() >= 3 || !p.Running(); }, 120));
+    p.Signal(SIGTERM);
+    CHECK(p.Wait(120) == 143);
+  }
+  INFO(lorastream::testing::ReadFile(dir.str() + "/log"));
+  const int64_t stopped_at = newest();
+  CHECK(stopped_at >= 3);
+  {
+    Subprocess p =
+        Subprocess::Spawn({bin, "train", job_path, "--device", "cpu", "--threads", "1"}, so);
+    REQUIRE(lorastream::testing::WaitFor([&] { return newest() >= stopped_at + 3 || !p.Running(); },
+                                         120));
+    p.Signal(SIGKILL);
+    CHECK(p.Wait(120) == 128 + SIGKILL);
+  }
+  CHECK_THAT(lorastream::testing::ReadFile(dir.str() + "/log"),
+             Catch::Matchers::Contains("resuming from"));
+
+  // The rest in this process, to two steps past the newest checkpoint, against the same
+  // steps uninterrupted (constant learning rate: the step count changes no step).
+  FluxJob job = LoadFluxJob(job_path);
+  job.steps = newest() + 2;
+  FluxTrainOptions one;
+  one.threads = 1;
+  const FluxTrainResult resumed = TrainFlux(job, one);
+  CHECK(resumed.first_step == job.steps - 2);
+  job.output_dir = dir.str() + "/uninterrupted";
+  const FluxTrainResult full = TrainFlux(job, one);
+  CHECK(full.first_step == 0);
+  CHECK(lorastream::testing::ReadFile(resumed.kohya_path) ==
+        lorastream::testing::ReadFile(full.kohya_path));
+  CHECK(lorastream::testing::ReadFile(resumed.diffusers_path) ==
+        lorastream::testing::ReadFile(full.diffusers_path));
+}
+
+TEST_CASE("flux units are served by name; an LLM layout with their names is still refused",
+          "[worker][flux]") {
+  const at::Tensor bytes = at::zeros({1024}, at::kByte);
+  const SegmentInfo seg = LayoutSegment(
+      {{"single_blocks.0.linear1.weight", {4, 8}}, {"single_blocks.0.linear1.bias", {4}}}, "unit",
+      DType::kF32, 256);
+  const BlockWeights w = BlockWeightsFromBytes(bytes, seg, BlockNaming::kByName);
+  REQUIRE(w.named.size() == 2);
+  CHECK(w.named.at("single_blocks.0.linear1.weight").sizes() == at::IntArrayRef({4, 8}));
+  CHECK(!w.input_norm.defined());
+  CHECK_THAT(ErrorMessageOf([&] { BlockWeightsFromBytes(bytes, seg); }),
+             Catch::Matchers::Contains("unexpected tensor `single_blocks.0.linear1.weight`"));
+  Manifest m;
+  CHECK(BlockNamingOf(m) == BlockNaming::kLlmFields);
+  m.config.model_type = kFluxModelType;
+  CHECK(BlockNamingOf(m) == BlockNaming::kByName);
 }
 
 TEST_CASE("flux jobs: bad keys and bad caches are refused naming the key or the file",

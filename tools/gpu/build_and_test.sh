@@ -12,7 +12,9 @@
 #                         fp8 and nf4 bases against bf16; everything resident with each
 #                         store, bench_stream.sh --swap 0; tools/parity/quant_fixtures.py
 #                         into OUT/quant_fixtures, checked by the worker's quantised parity
-#                         test). Default: test
+#                         test), flux (tools/gpu/bench_flux.sh: FLUX.1-dev's shape resident
+#                         and streamed within 8 GiB, with diffusers + peft from
+#                         .diffusers/src when there). Default: test
 #   LORASTREAM_GPU_TARGETS  build only these targets (default: all)
 #   LORASTREAM_BUILD_DIR  build folder (default: build/); LORASTREAM_BUILD_TYPE (default
 #                         here: Release); LORASTREAM_DEBS, LORASTREAM_LIBTORCH: see setup.sh
@@ -64,6 +66,9 @@ for s in "${steps[@]}"; do
     group)
       step "job groups on one GPU"
       "$ROOT/tools/gpu/bench_group.sh" "$OUT" || status=1 ;;
+    flux)
+      step "FLUX.1 resident and streamed"
+      "$ROOT/tools/gpu/bench_flux.sh" "$OUT" || status=1 ;;
     multi)
       step "several GPUs, one store"
       python3 "$ROOT/tools/gpu/bench_multi_gpu.py" "$OUT" || status=1 ;;

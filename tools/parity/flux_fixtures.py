@@ -12,10 +12,20 @@ Writes, per small random FLUX config, into OUT/:
                           MODULE.grad_B: the parts' rows stacked)
   NAME_peft.safetensors   peft's state dict with diffusers' "transformer." prefix (what
                           FluxPipeline.load_lora_weights reads)
-All in f32 on the CPU (no TF32). lorastream's tests/worker/flux_parity_test.cc compares.
+  flux_fixtures.json      versions and a summary per case (written last; the C++ test
+                          looks for it)
+All in f32 on the CPU (no TF32). lorastream's tests/worker/flux_parity_test.cc compares, from
+tests/fixtures/flux/ (commit the folder).
+
+Every name and conversion here follows diffusers v0.39.0: FluxTransformer2DModel's modules
+(models/transformers/transformer_flux.py) and the BFL naming of
+convert_flux_transformer_checkpoint_to_diffusers (loaders/single_file_utils.py), inverted:
+fused qkv = cat(to_q, to_k, to_v) (add_*_proj for the text stream), linear1 = cat(to_q, to_k,
+to_v, proj_mlp), norm_out's (scale, shift) halves swapped back to (shift, scale). That
+converter itself cannot run on these tiny shapes (it hard-codes inner_dim 3072).
 
 Usage (diffusers v0.39.0's src/ on PYTHONPATH, torch, peft, safetensors installed):
-  PYTHONPATH=.diffusers/src python3 tools/parity/flux_fixtures.py --out DIR
+  PYTHONPATH=.diffusers/src python3 tools/parity/flux_fixtures.py --out tests/fixtures/flux
 """
 import argparse
 import json

@@ -1,5 +1,6 @@
 // FLUX.1's frozen base for training: read from BFL's single file (common/flux_config.h
-// validates it), its blocks packed per streaming unit into host buffers laid out as a store
+// validates it) or a diffusers folder (common/flux_diffusers.h: converted by name to BFL's
+// layout as it is read), its blocks packed per streaming unit into host buffers laid out as a store
 // lays out segments (one contiguous region per unit: one H2D copy moves a unit), converted to
 // the compute dtype once; the tensors outside the blocks on the device.
 #pragma once
@@ -22,7 +23,8 @@ namespace lorastream::worker::flux {
 
 class FluxBase {
  public:
-  // A diffusers folder or any other layout is refused by name (DetectFluxCheckpoint).
+  // BFL's single file or a diffusers folder; any other layout is refused by name
+  // (DetectFluxCheckpoint).
   static FluxBase Load(const std::string& path, int64_t singles_per_unit, c10::ScalarType dtype,
                        c10::Device device);
 
@@ -30,26 +32,30 @@ class FluxBase {
   int64_t singles_per_unit() const { return singles_per_unit_; }
   // Unit u's packed layout (full BFL tensor names), one contiguous segment per unit.
   const std::vector<SegmentInfo>& layouts() const { return layouts_; }
-  // What the streaming engine is given: the same segments, each described as one opaque
-  // tensor (BlockWeights, the LLMs' view type, has fields only for an LLM block's tensors;
-  // a unit reaches the model whole in its `input_norm` field and FluxUnitWeights cuts it
-  // into its tensors by layouts()).
+  // What the streaming engine is given: the same segments in a manifest of model_type
+  // "flux", so that each unit is served with its tensors by name (BlockWeights::named).
   const Manifest& engine_manifest() const { return manifest_; }
   std::vector<const uint8_t*> unit_bytes() const;
   const NamedTensors& rest() const { return rest_; }
 
   // The streaming engine over the units: `blocks_to_swap` of them streamed through
-  // `ring_size` slots, the others resident (0: the fully resident run, streaming nothing).
+  // `ring_size` slots, the others resident (0: the fully resident run, streaming nothing);
+  // or as `plan` says (the planner's, worker/flux/flux_plan.h).
   std::unique_ptr<StreamEngine> MakeEngine(int64_t blocks_to_swap, int64_t ring_size,
                                            c10::Device device,
                                            const StreamEngineOptions& options = {}) const;
+  std::unique_ptr<StreamEngine> MakeEngine(const ResidencyPlan& plan, c10::Device device,
+                                           const StreamEngineOptions& options = {}) const;
+  // The plan of `blocks_to_swap` units through `ring_size` slots; refuses more units than
+  // the model has, naming flux.blocks_to_swap.
+  ResidencyPlan SwapPlan(int64_t blocks_to_swap, int64_t ring_size) const;
 
  private:
   FluxConfig config_;
   int64_t singles_per_unit_ = 2;
   std::vector<SegmentInfo> layouts_;
   Manifest manifest_;
-  std::vector<at::Tensor> unit_buffers_;  // host uint8, one per unit
+  std::vector<at::Tensor> unit_buffers_;  // host uint8, one per unit, page-aligned
   NamedTensors rest_;
 };
 

@@ -32,6 +32,10 @@ class FluxDataset {
 
   size_t size() const { return samples_.size(); }
   size_t buckets() const { return buckets_.size(); }
+  // The largest image's latent size (its height and width; the most image tokens a step has)
+  // and the text tokens per caption (every caption has as many).
+  std::pair<int64_t, int64_t> largest_latent() const;
+  int64_t text_tokens() const;
   // Batches of one epoch.
   int64_t batches_per_epoch(int64_t batch_size) const;
   // The batch of step `step` (0-based).

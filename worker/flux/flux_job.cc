@@ -2,6 +2,7 @@
 
 #include "common/error.h"
 #include "common/job_paths.h"
+#include "common/job_spec.h"
 #include "common/toml_file.h"
 
 namespace lorastream::worker::flux {
@@ -18,18 +19,31 @@ FluxJob LoadFluxJob(const std::string& path) {
   const TomlSection root = TomlSection::Load(path);
   root.RejectUnknownKeys({"flux"});
   const TomlSection t = root.Section("flux");
-  t.RejectUnknownKeys({"checkpoint",      "cache_dir",
-                       "output_dir",      "steps",
-                       "batch_size",      "seed",
-                       "learning_rate",   "lr_schedule",
-                       "warmup_steps",    "weight_decay",
-                       "max_grad_norm",   "rank",
-                       "alpha",           "targets",
-                       "guidance",        "timestep_sampling",
-                       "sigmoid_scale",   "discrete_flow_shift",
-                       "save_every",      "dtype",
-                       "blocks_to_swap",  "ring_size",
-                       "singles_per_unit"});
+  t.RejectUnknownKeys({"checkpoint",
+                       "cache_dir",
+                       "output_dir",
+                       "steps",
+                       "batch_size",
+                       "seed",
+                       "learning_rate",
+                       "lr_schedule",
+                       "warmup_steps",
+                       "weight_decay",
+                       "max_grad_norm",
+                       "rank",
+                       "alpha",
+                       "targets",
+                       "guidance",
+                       "timestep_sampling",
+                       "sigmoid_scale",
+                       "discrete_flow_shift",
+                       "save_every",
+                       "keep_checkpoints",
+                       "dtype",
+                       "blocks_to_swap",
+                       "ring_size",
+                       "singles_per_unit",
+                       "gpu_memory_budget"});
   const std::string base = JobFileDir(path);
   FluxJob j;
   j.checkpoint = ResolveJobPath(t.RequireString("checkpoint"), base);
@@ -51,8 +65,11 @@ FluxJob LoadFluxJob(const std::string& path) {
   j.sigmoid_scale = t.GetDouble("sigmoid_scale", j.sigmoid_scale);
   j.discrete_flow_shift = t.GetDouble("discrete_flow_shift", j.discrete_flow_shift);
   j.save_every = t.GetInt("save_every", j.save_every);
+  j.keep_checkpoints = t.GetInt("keep_checkpoints", j.keep_checkpoints);
   j.dtype = t.GetString("dtype", j.dtype);
   j.blocks_to_swap = t.GetInt("blocks_to_swap", j.blocks_to_swap);
+  if (t.Has("gpu_memory_budget"))
+    ParseMemoryBudget(t, "gpu_memory_budget", &j.gpu_memory_budget, &j.budget_auto);
   j.ring_size = t.GetInt("ring_size", j.ring_size);
   j.singles_per_unit = t.GetInt("singles_per_unit", j.singles_per_unit);
 
@@ -75,6 +92,7 @@ FluxJob LoadFluxJob(const std::string& path) {
   if (j.ring_size < 1) refuse("ring_size", "must be at least 1");
   if (j.singles_per_unit < 1) refuse("singles_per_unit", "must be at least 1");
   if (j.save_every < 0) refuse("save_every", "must be 0 or more");
+  if (j.keep_checkpoints < 1) refuse("keep_checkpoints", "must be at least 1");
   return j;
 }
 

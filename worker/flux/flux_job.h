@@ -20,9 +20,12 @@
 //   timestep_sampling = "sigmoid"  # uniform | sigmoid | shift | flux_shift
 //   sigmoid_scale = 1.0
 //   discrete_flow_shift = 3.0    # for `shift`
-//   save_every = 0               # also save every N steps (0: at the end only)
+//   save_every = 0               # also checkpoint every N steps (0: at the end and at a stop)
+//   keep_checkpoints = 2         # output_dir/checkpoint-N folders kept (the newest)
 //   dtype = "f32"                # compute dtype: f32 | bf16
-//   blocks_to_swap = 0           # units streamed through the ring (0: all resident)
+//   gpu_memory_budget = 0        # bytes ("8GiB") or "auto": the planner chooses the units
+//                                # streamed and the ring (worker/flux/flux_plan.h); 0: none
+//   blocks_to_swap = 0           # without a budget: units streamed through the ring
 //   ring_size = 2
 //   singles_per_unit = 2         # single-stream blocks per streamed unit
 #pragma once
@@ -51,7 +54,10 @@ struct FluxJob {
   double sigmoid_scale = 1.0;
   double discrete_flow_shift = 3.0;
   int64_t save_every = 0;
+  int64_t keep_checkpoints = 2;
   std::string dtype = "f32";
+  uint64_t gpu_memory_budget = 0;  // bytes; 0: plan from blocks_to_swap (unless budget_auto)
+  bool budget_auto = false;        // "auto": a share of the GPU's free memory (none on a CPU)
   int64_t blocks_to_swap = 0;
   int64_t ring_size = 2;
   int64_t singles_per_unit = 2;

@@ -143,7 +143,6 @@ struct UnitArgs {
   FluxUnit unit;
   int index = 0;
   BlockProvider* provider = nullptr;
-  const SegmentInfo* layout = nullptr;
   FluxCompute compute;
   std::vector<std::string> modules;  // the unit's adapted modules; params are A, B per module
 };
@@ -161,8 +160,7 @@ struct CheckpointedUnit : public torch::autograd::Function<CheckpointedUnit> {
     for (size_t m = 0; m < args->modules.size(); ++m)
       lora[args->modules[m]] = {params[2 * m], params[2 * m + 1]};
     std::vector<at::Tensor> out = UnitForward(
-        args->unit, streams.vec(),
-        FluxUnitWeights(args->provider->Acquire(args->index), *args->layout), lora, args->compute);
+        args->unit, streams.vec(), args->provider->Acquire(args->index).named, lora, args->compute);
     args->provider->Release(args->index);
     variable_list saved(streams.begin(), streams.end());
     for (const auto& p : params) saved.push_back(p);
@@ -177,7 +175,7 @@ struct CheckpointedUnit : public torch::autograd::Function<CheckpointedUnit> {
     const UnitArgs& args = static_cast<UnitArgsHolder*>(capsule.get())->args;
     const int64_t n_streams = ctx->saved_data["streams"].toInt();
     variable_list saved = ctx->get_saved_variables();
-    const NamedTensors w = FluxUnitWeights(args.provider->Acquire(args.index), *args.layout);
+    const NamedTensors& w = args.provider->Acquire(args.index).named;
     variable_list result;
     {
       at::AutoGradMode grad_on(true);
@@ -286,16 +284,12 @@ std::vector<at::Tensor> UnitForward(const FluxUnit& unit, const std::vector<at::
   return {x};
 }
 
-NamedTensors FluxUnitWeights(const BlockWeights& served, const SegmentInfo& layout) {
-  const at::Tensor& unit = served.input_norm;
-  LS_CHECK(unit.defined() && unit.dim() == 1, "a FLUX unit is served as one 1-D tensor");
-  const uint64_t elem = static_cast<uint64_t>(unit.element_size());
-  NamedTensors out;
-  for (const auto& t : layout.tensors)
-    out[t.name] =
-        unit.narrow(0, static_cast<int64_t>(t.offset / elem), static_cast<int64_t>(t.nbytes / elem))
-            .view(t.shape);
-  return out;
+void AvoidCudnnAttention(c10::Device device) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+  if (device.is_cuda()) at::globalContext().setSDPUseCuDNN(false);
+#else
+  (void)device;
+#endif
 }
 
 at::Tensor TimestepEmbedding(const at::Tensor& t, int64_t dim) {
@@ -345,16 +339,14 @@ at::Tensor ImageIds(int64_t batch, int64_t height, int64_t width, c10::Device de
 }
 
 FluxModel::FluxModel(const FluxConfig& config, NamedTensors rest, BlockProvider* provider,
-                     std::vector<SegmentInfo> layouts, int64_t singles_per_unit, c10::Device device,
-                     c10::ScalarType dtype)
+                     int64_t singles_per_unit, c10::Device device, c10::ScalarType dtype)
     : config_(config),
       rest_(std::move(rest)),
       provider_(provider),
-      layouts_(std::move(layouts)),
       units_(FluxUnits(config, singles_per_unit)),
       device_(device),
       dtype_(dtype) {
-  LS_CHECK(layouts_.size() == units_.size(), "one layout per unit");
+  AvoidCudnnAttention(device_);
   LS_CHECK(provider_->num_blocks() == static_cast<int>(units_.size()),
            "the provider serves " + std::to_string(provider_->num_blocks()) +
                " units, the model has " + std::to_string(units_.size()));
@@ -386,7 +378,7 @@ at::Tensor FluxModel::Forward(const FluxBatch& batch, const FluxAdapter& adapter
     if (!unit.is_double && streams.size() == 2) streams = {at::cat({streams[1], streams[0]}, 1)};
     const std::vector<std::string> modules = adapter.UnitModules(unit);
     if (checkpointed) {
-      UnitArgs args{unit, static_cast<int>(u), provider_, &layouts_[u], c, modules};
+      UnitArgs args{unit, static_cast<int>(u), provider_, c, modules};
       std::vector<at::Tensor> params;
       for (const auto& m : modules) {
         params.push_back(adapter.modules().at(m).a);
@@ -394,7 +386,7 @@ at::Tensor FluxModel::Forward(const FluxBatch& batch, const FluxAdapter& adapter
       }
       streams = CheckpointedUnit::apply(at::TensorList(streams), at::TensorList(params), &args);
     } else {
-      const NamedTensors w = FluxUnitWeights(provider_->Acquire(static_cast<int>(u)), layouts_[u]);
+      const NamedTensors& w = provider_->Acquire(static_cast<int>(u)).named;
       streams = UnitForward(unit, streams, w, AdapterMap(adapter, modules), c);
       provider_->Release(static_cast<int>(u));
     }

@@ -33,6 +33,8 @@
 
 namespace lorastream::worker::flux {
 
+// Tensors by name: a unit's base weights as the provider serves them (BlockWeights::named,
+// full BFL names) and the tensors outside the blocks.
 using NamedTensors = std::map<std::string, at::Tensor>;
 
 // The adapter: per adapted module (full BFL name, "double_blocks.0.img_attn.qkv") A [r, in]
@@ -95,11 +97,10 @@ struct FluxBatch {
 class FluxModel {
  public:
   // rest: the non-block tensors on `device` in `dtype`; the provider serves FluxUnits(config,
-  // singles_per_unit) in order, unit u packed as layouts[u] says (FluxBase: its layouts(),
-  // the engine over its engine_manifest()).
+  // singles_per_unit) in order, each unit's tensors by full name in BlockWeights::named
+  // (FluxBase's engine over its engine_manifest()).
   FluxModel(const FluxConfig& config, NamedTensors rest, BlockProvider* provider,
-            std::vector<SegmentInfo> layouts, int64_t singles_per_unit, c10::Device device,
-            c10::ScalarType dtype);
+            int64_t singles_per_unit, c10::Device device, c10::ScalarType dtype);
 
   const FluxConfig& config() const { return config_; }
   const std::vector<FluxUnit>& units() const { return units_; }
@@ -116,16 +117,16 @@ class FluxModel {
   FluxConfig config_;
   NamedTensors rest_;
   BlockProvider* provider_;
-  std::vector<SegmentInfo> layouts_;
   std::vector<FluxUnit> units_;
   c10::Device device_;
   c10::ScalarType dtype_;
 };
 
-// The tensors of a unit (by full name) from the weights a provider serves for it: views into
-// its one opaque tensor (FluxBase::engine_manifest, worker/flux/flux_base.h) at `layout`'s
-// offsets; no copy.
-NamedTensors FluxUnitWeights(const BlockWeights& served, const SegmentInfo& layout);
+// On a GPU: keeps LibTorch's scaled_dot_product_attention off cuDNN's kernels, whose backward
+// failed at FLUX.1's lengths (4608 tokens, head_dim 128) in LibTorch 2.11 (flash attention
+// ran); a no-op on the CPU and where LibTorch has no such switch. Process-wide: a FLUX job
+// trains alone in its process.
+void AvoidCudnnAttention(c10::Device device);
 
 // BFL's timestep_embedding(t, 256) with time_factor 1000: [cos | sin] of 1000 t * freqs, f32.
 at::Tensor TimestepEmbedding(const at::Tensor& t, int64_t dim);

@@ -15,6 +15,8 @@
 #include "common/log.h"
 #include "worker/flux/flux_adapter_io.h"
 #include "worker/flux/flux_base.h"
+#include "worker/flux/flux_calibrate.h"
+#include "worker/flux/flux_checkpoint.h"
 #include "worker/flux/flux_data.h"
 #include "worker/flux/flux_model.h"
 #include "worker/flux/flux_objective.h"
@@ -25,19 +27,6 @@
 
 namespace lorastream::worker::flux {
 
-namespace {
-
-void SaveAdapters(const FluxAdapter& adapter, const FluxConfig& config, const FluxJob& job,
-                  FluxTrainResult& result) {
-  std::filesystem::create_directories(job.output_dir);
-  result.kohya_path = job.output_dir + "/adapter_kohya.safetensors";
-  result.diffusers_path = job.output_dir + "/pytorch_lora_weights.safetensors";
-  SaveKohyaAdapter(adapter, result.kohya_path);
-  SaveDiffusersAdapter(adapter, config, result.diffusers_path);
-}
-
-}  // namespace
-
 FluxTrainResult TrainFlux(const FluxJob& job, const FluxTrainOptions& options) {
   at::set_num_threads(options.threads > 0 ? options.threads
                                           : static_cast<int>(std::thread::hardware_concurrency()));
@@ -46,23 +35,35 @@ FluxTrainResult TrainFlux(const FluxJob& job, const FluxTrainOptions& options) {
   const FluxBase base = FluxBase::Load(job.checkpoint, job.singles_per_unit, dtype, device);
   const FluxConfig& config = base.config();
   const FluxDataset data(job.cache_dir, config);
-  auto engine = base.MakeEngine(job.blocks_to_swap, job.ring_size, device, options.engine);
-  FluxModel model(config, base.rest(), engine.get(), base.layouts(), job.singles_per_unit, device,
-                  dtype);
+  const FluxPlanning planning = PlanFluxJob(base, job, data, device, dtype);
+  auto engine = base.MakeEngine(planning.plan, device, options.engine);
+  FluxModel model(config, base.rest(), engine.get(), job.singles_per_unit, device, dtype);
   FluxAdapter adapter(config, FluxTargets(job.targets, "flux.targets"), job.rank, job.alpha,
                       MixSeed(job.seed, 0xada7), device);
   AdamWOptions adam;
   adam.weight_decay = job.weight_decay;
   AdamW optimizer(adapter.Params(), adam);
   TimestepSampling sampling{job.timestep_sampling, job.sigmoid_scale, job.discrete_flow_shift};
+  FluxTrainResult result;
+  TrainerStateMeta state;
+  state.seed = job.seed;
+  state.fingerprint = FluxJobFingerprint(job);
+  if (options.resume) {
+    const std::string from = FindFluxCheckpoint(job.output_dir);
+    if (!from.empty()) {
+      state = LoadFluxCheckpoint(from, state.fingerprint, adapter, optimizer);
+      LS_LOG_INFO("resuming from {} (step {} of {})", from, state.step, job.steps);
+      result.checkpoint_dir = from;
+    }
+  }
   LS_LOG_INFO(
       "FLUX job: {} images in {} buckets, {} adapted modules (rank {}, alpha {}), {} of {} "
       "units streamed",
       data.size(), data.buckets(), adapter.modules().size(), job.rank, job.alpha,
-      job.blocks_to_swap, model.units().size());
+      planning.plan.num_streamed(), model.units().size());
 
-  FluxTrainResult result;
-  for (int64_t step = 0; step < job.steps; ++step) {
+  result.first_step = state.step;
+  for (int64_t step = state.step; step < job.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     const FluxDataBatch b = data.Batch(step, job.batch_size, job.seed);
     const int64_t n = b.latents.size(0), h = b.latents.size(2), w = b.latents.size(3);
@@ -106,13 +107,24 @@ FluxTrainResult TrainFlux(const FluxJob& job, const FluxTrainOptions& options) {
                                            ": the loss is not finite (lower flux.learning_rate)");
     LS_LOG_INFO(
         "step {}/{} loss {:.6f} lr {:.3g} grad_norm {:.4f} {}x{} x{} {:.3f} s, H2D {} in {} "
-        "copies ({} saved)",
+        "copies ({} saved), peak {:.3f} GiB",
         stats.step, job.steps, stats.loss, lr, stats.grad_norm, w * 8, h * 8, n, stats.step_seconds,
-        FormatBytes(stats.h2d_bytes), stats.copies, stats.copies_saved);
+        FormatBytes(stats.h2d_bytes), stats.copies, stats.copies_saved,
+        stats.peak_device_bytes / double(uint64_t{1} << 30));
     result.steps.push_back(stats);
+    if (options.on_step) options.on_step(stats);
     const bool stop = options.stop != nullptr && options.stop->load() != 0;
-    if ((job.save_every > 0 && (step + 1) % job.save_every == 0) || step + 1 == job.steps || stop)
-      SaveAdapters(adapter, config, job, result);
+    const bool last = step + 1 == job.steps;
+    state.step = step + 1;
+    state.samples_seen += n;
+    if ((job.save_every > 0 && state.step % job.save_every == 0) || last || stop)
+      result.checkpoint_dir = SaveFluxCheckpoint(job.output_dir, adapter, config, optimizer, state,
+                                                 job.keep_checkpoints);
+    if (last) {
+      SaveFluxAdapters(adapter, config, job.output_dir);
+      result.kohya_path = job.output_dir + "/" + kKohyaAdapterFile;
+      result.diffusers_path = job.output_dir + "/" + kDiffusersAdapterFile;
+    }
     if (stop) break;
   }
   return result;
@@ -121,11 +133,28 @@ FluxTrainResult TrainFlux(const FluxJob& job, const FluxTrainOptions& options) {
 int RunFluxTrainCommand(const std::string& job_path, const FluxTrainOptions& options) {
   const FluxJob job = LoadFluxJob(job_path);
   const FluxTrainResult r = TrainFlux(job, options);
+  const int64_t done = r.first_step + static_cast<int64_t>(r.steps.size());
+  if (r.steps.empty()) {
+    std::printf(
+        "already complete: %s is at step %lld, at or past the job's last step (flux.steps = "
+        "%lld); nothing trained, adapters in %s\n",
+        r.checkpoint_dir.c_str(), static_cast<long long>(r.first_step),
+        static_cast<long long>(job.steps), job.output_dir.c_str());
+    return 0;
+  }
+  if (done < job.steps) {
+    const int signal = options.stop != nullptr ? options.stop->load() : 0;
+    std::printf(
+        "stopped by signal %d at step %lld: checkpoint in %s (run the same command to "
+        "resume)\n",
+        signal, static_cast<long long>(done), r.checkpoint_dir.c_str());
+    return 128 + signal;
+  }
   std::printf(
-      "trained %zu steps; final loss %.6f\nadapter (kohya, ComfyUI/Forge): %s\n"
+      "done: steps %lld..%lld, final loss %.6f\nadapter (kohya, ComfyUI/Forge): %s\n"
       "adapter (diffusers load_lora_weights): %s\n",
-      r.steps.size(), r.steps.empty() ? 0.0 : r.steps.back().loss, r.kohya_path.c_str(),
-      r.diffusers_path.c_str());
+      static_cast<long long>(r.first_step + 1), static_cast<long long>(done), r.steps.back().loss,
+      r.kohya_path.c_str(), r.diffusers_path.c_str());
   return 0;
 }
 

@@ -4,10 +4,12 @@
 // ring (StreamEngine, the LLMs' engine), checkpointed per unit; per step a batch of one
 // bucket, noise and sigmas from the step's own seed (a function of the job's seed and the
 // step: a run is reproducible and its steps independent), rectified-flow loss, AdamW with
-// clipping, the adapter saved in kohya and diffusers formats.
+// clipping, the adapter saved in kohya and diffusers formats. Checkpoints (every save_every
+// steps, at a stop and at the end) and resume: worker/flux/flux_checkpoint.h.
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -22,16 +24,24 @@ struct FluxTrainOptions {
   int threads = 0;                         // CPU threads (0: every core)
   StreamEngineOptions engine;              // debug options for tests (poison, delays)
   const std::atomic<int>* stop = nullptr;  // set: save and stop at the next step boundary
+  bool resume = true;  // continue from output_dir's newest checkpoint (flux_checkpoint.h)
+  std::function<void(const StepStats&)> on_step;  // after each step (tests stop a run here)
 };
 
 struct FluxTrainResult {
+  int64_t first_step = 0;  // steps done before this run (a resume's checkpoint)
+  // This run's; none when the checkpoint resumed from is at or past flux.steps (the job was
+  // already complete: nothing is trained or written).
   std::vector<StepStats> steps;
+  std::string checkpoint_dir;  // the last checkpoint saved
+  // The final adapters in output_dir, once the job's last step is done ("" when stopped).
   std::string kohya_path, diffusers_path;
 };
 
 FluxTrainResult TrainFlux(const FluxJob& job, const FluxTrainOptions& options);
 
-// The command: loads the job file, trains, prints one line per step; returns the exit code.
+// The command: loads the job file, trains (each step logged), prints how it ended; returns
+// the exit code: 0, or 128 + the signal that stopped it (its checkpoint saved).
 int RunFluxTrainCommand(const std::string& job_path, const FluxTrainOptions& options);
 
 }  // namespace lorastream::worker::flux

@@ -51,6 +51,7 @@ BlockWeights ConvertBlock(const BlockWeights& w, c10::Device device, c10::Scalar
   o.gate_proj = conv(w.gate_proj);
   o.up_proj = conv(w.up_proj);
   o.down_proj = conv(w.down_proj);
+  for (const auto& [name, t] : w.named) o.named[name] = conv(t);
   return o;
 }
 

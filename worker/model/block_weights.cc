@@ -33,7 +33,13 @@ const at::Tensor* BlockWeightField(const BlockWeights& w, const std::string& nam
   return BlockWeightField(const_cast<BlockWeights&>(w), name);
 }
 
-BlockWeights BlockWeightsFromBytes(const at::Tensor& bytes, const SegmentInfo& layout) {
+BlockNaming BlockNamingOf(const Manifest& manifest) {
+  return manifest.config.model_type == kFluxModelType ? BlockNaming::kByName
+                                                      : BlockNaming::kLlmFields;
+}
+
+BlockWeights BlockWeightsFromBytes(const at::Tensor& bytes, const SegmentInfo& layout,
+                                   BlockNaming naming) {
   if (bytes.scalar_type() != at::kByte || bytes.dim() != 1 || !bytes.is_contiguous())
     throw Error(ErrorCode::kInvalidArgument,
                 "BlockWeightsFromBytes: `bytes` must be a contiguous 1-D uint8 tensor");
@@ -44,7 +50,8 @@ BlockWeights BlockWeightsFromBytes(const at::Tensor& bytes, const SegmentInfo& l
                     std::to_string(layout.nbytes) + " bytes");
   BlockWeights w;
   for (const auto& t : layout.tensors) {
-    at::Tensor* field = BlockWeightField(w, t.name);
+    at::Tensor* field =
+        naming == BlockNaming::kByName ? &w.named[t.name] : BlockWeightField(w, t.name);
     if (field == nullptr)
       throw Error(ErrorCode::kCorrupt,
                   "segment " + layout.shm_name + ": unexpected tensor `" + t.name + "` in a block");

@@ -4,6 +4,7 @@
 // where each block's forward is recomputed just before its backward.
 #pragma once
 
+#include <map>
 #include <string>
 
 #include <ATen/core/Tensor.h>
@@ -16,16 +17,29 @@ namespace lorastream::worker {
 class HeadProvider;
 
 // Views of one block's base weights (never requiring grad). Optional tensors are undefined
-// when the architecture has none (biases: qwen2; q_norm/k_norm: qwen3).
+// when the architecture has none (biases: qwen2; q_norm/k_norm: qwen3). A block of a family
+// whose blocks are not an LLM's (a FLUX.1 streaming unit: one double-stream block or a few
+// single-stream ones) has every tensor in `named`, under its name in the segment, and no
+// field above; an LLM block has `named` empty.
 struct BlockWeights {
   at::Tensor input_norm, q_proj, k_proj, v_proj, o_proj;
   at::Tensor q_bias, k_bias, v_bias, q_norm, k_norm;
   at::Tensor post_norm, gate_proj, up_proj, down_proj;
+  std::map<std::string, at::Tensor> named;
 };
+
+// Where a segment's tensors go in BlockWeights: an LLM block's into the fields (a tensor
+// without one is refused as corrupt), any other family's into `named`.
+enum class BlockNaming { kLlmFields, kByName };
+// The model_type of a manifest whose blocks are FLUX.1 units (worker/flux/flux_base.h).
+inline constexpr const char* kFluxModelType = "flux";
+// kByName for a FLUX manifest, kLlmFields for every LLM family.
+BlockNaming BlockNamingOf(const Manifest& manifest);
 
 // Views at the manifest's offsets over `bytes` (a uint8 tensor holding one block's packed
 // bytes, on any device); no copy.
-BlockWeights BlockWeightsFromBytes(const at::Tensor& bytes, const SegmentInfo& layout);
+BlockWeights BlockWeightsFromBytes(const at::Tensor& bytes, const SegmentInfo& layout,
+                                   BlockNaming naming = BlockNaming::kLlmFields);
 
 // The field holding the tensor of block-relative name `name` ("self_attn.q_proj.weight"), or
 // nullptr when BlockWeights has none of that name.

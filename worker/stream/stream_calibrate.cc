@@ -96,7 +96,15 @@ class HostBuffer {
   void* p_;
 };
 
-double MeasureBandwidth(uint64_t block_bytes, const c10::Device& device) {
+// Whether a job's steps that stream nothing run as CUDA graphs (MicroBatchRunner's rule):
+// then the calibration measures them so too.
+bool CalibratesGraphs(const JobSpec& spec, const c10::Device& device) {
+  return CudaGraphsApply(device, spec.lora.dropout);
+}
+
+}  // namespace
+
+double MeasureH2DBandwidth(uint64_t block_bytes, const c10::Device& device) {
   HostBuffer src(block_bytes);
 #ifdef LORASTREAM_HAVE_CUDA
   if (device.is_cuda()) {
@@ -114,14 +122,6 @@ double MeasureBandwidth(uint64_t block_bytes, const c10::Device& device) {
   const double s = std::chrono::duration<double>(Clock::now() - start).count();
   return s > 0 ? reps * static_cast<double>(block_bytes) / s : 0.0;
 }
-
-// Whether a job's steps that stream nothing run as CUDA graphs (MicroBatchRunner's rule):
-// then the calibration measures them so too.
-bool CalibratesGraphs(const JobSpec& spec, const c10::Device& device) {
-  return CudaGraphsApply(device, spec.lora.dropout);
-}
-
-}  // namespace
 
 std::string CalibrationKey(const JobSpec& spec, const BaseWeights& base, const c10::Device& device,
                            c10::ScalarType dtype) {
@@ -303,7 +303,7 @@ StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c
         &w.q_norm, &w.k_norm, &w.post_norm, &w.gate_proj, &w.up_proj, &w.down_proj}) {
     if (t->defined()) block_bytes += t->nbytes();
   }
-  costs.h2d_bytes_per_second = MeasureBandwidth(block_bytes, device);
+  costs.h2d_bytes_per_second = MeasureH2DBandwidth(block_bytes, device);
   // A compressed store's block is copied compressed and expanded on the device at its uses.
   const Manifest* stored = base.manifest();
   if (stored != nullptr && stored->quant().compressed())

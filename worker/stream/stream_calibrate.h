@@ -33,6 +33,10 @@ std::string CalibrationKey(const JobSpec& spec, const BaseWeights& base, const c
 StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c10::Device& device,
                            c10::ScalarType dtype);
 
+// Bytes per second of one copy of `block_bytes` from page-aligned host memory to `device`:
+// pinned cudaMemcpyAsync on a GPU, memcpy into a slot on the CPU.
+double MeasureH2DBandwidth(uint64_t block_bytes, const c10::Device& device);
+
 // From the cache when there, else measured and cached; logs which.
 StepCosts CalibratedStepCosts(const JobSpec& spec, const BaseWeights& base,
                               const c10::Device& device, c10::ScalarType dtype);

@@ -67,6 +67,8 @@ PredictedStep PredictStep(const ResidencyPlan& plan, const std::vector<uint64_t>
                           const StepCosts& costs, uint64_t head_bytes) {
   const int num_blocks = plan.num_blocks();
   LS_CHECK(static_cast<int>(block_bytes.size()) == num_blocks, "block sizes and plan differ");
+  LS_CHECK(costs.block_scale.empty() || static_cast<int>(costs.block_scale.size()) == num_blocks,
+           "block scales and plan differ");
   const double bandwidth = costs.h2d_bytes_per_second;
   std::vector<int> slots(plan.max_slots(), -1);
   std::vector<double> slot_ready(plan.max_slots(), 0.0);  // when the slot's last copy lands
@@ -109,12 +111,16 @@ PredictedStep PredictStep(const ResidencyPlan& plan, const std::vector<uint64_t>
       // A taped block's backward runs without its recompute.
       const bool taped = use.block >= num_blocks - plan.taped_blocks;
       // A compressed block expands in a freshly copied slot, or resident at every use but the
-      // turnaround (the engine's scratch still holds it).
+      // turnaround (the engine's scratch still holds it). Blocks of several sizes (FLUX's
+      // units) scale the measured block's compute.
       const bool expands = use.slot >= 0 ? use.copy : u == 0 || p.uses[u - 1].block != use.block;
-      compute = begin + (expands ? costs.block_expand_seconds : 0.0) +
-                (!use.backward ? costs.block_forward_seconds
-                 : taped ? std::max(0.0, costs.block_backward_seconds - costs.block_forward_seconds)
-                         : costs.block_backward_seconds);
+      const double scale = costs.block_scale.empty() ? 1.0 : costs.block_scale[use.block];
+      compute =
+          begin + (expands ? costs.block_expand_seconds : 0.0) +
+          scale * (!use.backward ? costs.block_forward_seconds
+                   : taped
+                       ? std::max(0.0, costs.block_backward_seconds - costs.block_forward_seconds)
+                       : costs.block_backward_seconds);
       for (int r : p.issue_after_release[u]) issue(r, compute);
       if (u == p.head_copy_after && plan.head_streamed)
         head_landed = copy_bytes(head_bytes, compute);

@@ -41,6 +41,9 @@ struct StepCosts {
   // A step that streams nothing replays a CUDA graph (worker/train/micro_batch_runner.h) in this
   // fraction of the eager step the figures above add up to: measured, 1 without graphs.
   double graph_factor = 1;
+  // Blocks of several sizes (FLUX.1's units: a double-stream block, two single-stream ones):
+  // block i computes block_scale[i] times the block figures above. Empty: every block 1.
+  std::vector<double> block_scale;
 
   double ResidentStepSeconds(int num_blocks) const;
   std::string Describe() const;  // "fwd 2.31 ms, bwd 4.70 ms, head 30.1 ms, ... 55.3 GB/s"

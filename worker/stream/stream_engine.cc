@@ -79,6 +79,9 @@ void RefuseTrainableBaseWeights(const BlockWeights& w, int block) {
   RefuseIfTrainable(w.gate_proj, block, "mlp.gate_proj.weight");
   RefuseIfTrainable(w.up_proj, block, "mlp.up_proj.weight");
   RefuseIfTrainable(w.down_proj, block, "mlp.down_proj.weight");
+  for (const auto& [name, t] : w.named)
+    if (t.requires_grad())
+      RefuseTrainableBaseWeight(t, "block " + std::to_string(block) + " " + name);
 }
 
 StreamEngine::StreamEngine(const Manifest& manifest, std::vector<const uint8_t*> block_bytes,
@@ -86,6 +89,7 @@ StreamEngine::StreamEngine(const Manifest& manifest, std::vector<const uint8_t*>
                            bool log_plan)
     : layouts_(CheckedLayouts(manifest, block_bytes, residency)),
       dtype_(ScalarTypeOf(manifest.dtype, "the stream's weights")),
+      naming_(BlockNamingOf(manifest)),
       sources_(std::move(block_bytes)),
       residency_(std::move(residency)),
       backend_(std::move(backend)) {
@@ -249,7 +253,8 @@ const BlockWeights& StreamEngine::Acquire(int block) {
 
 BlockWeights StreamEngine::WeightsOf(const at::Tensor& bytes, int block,
                                      at::Tensor* expanded) const {
-  if (!HasCompressedWeights(layouts_[block])) return BlockWeightsFromBytes(bytes, layouts_[block]);
+  if (!HasCompressedWeights(layouts_[block]))
+    return BlockWeightsFromBytes(bytes, layouts_[block], naming_);
   return ExpandBlock(bytes, layouts_[block], dtype_, expanded);
 }
 

@@ -76,6 +76,7 @@ class StreamEngine : public BlockProvider {
 
   const std::vector<SegmentInfo> layouts_;
   const c10::ScalarType dtype_;  // of the weights served (a compressed block's expansion)
+  const BlockNaming naming_;     // LLM fields, or every tensor by name (FLUX units)
   const std::vector<const uint8_t*> sources_;
   const ResidencyPlan residency_;
   std::unique_ptr<StreamBackend> backend_;

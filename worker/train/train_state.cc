@@ -6,9 +6,7 @@
 
 #include "common/checkpoint_dir.h"
 #include "common/checkpoint_manifest.h"
-#include "common/durable_file.h"
 #include "common/error.h"
-#include "common/remove_tree.h"
 #include "common/safetensors.h"
 #include "worker/model/base_weights.h"
 
@@ -19,44 +17,35 @@ namespace fs = std::filesystem;
 std::string SaveCheckpoint(const std::string& output_dir, const LoraAdapter& adapter,
                            AdamW& optimizer, const TrainState& state, const std::string& base_model,
                            const CheckpointRetention& retention) {
-  const std::string name = CheckpointFolderName(state.step);
-  const fs::path final_dir = fs::path(output_dir) / name;
-  const fs::path tmp_dir = fs::path(output_dir) / ("." + name + ".tmp");
-  std::error_code ec;
-  RemoveStaleCheckpointTemporaries(output_dir);
-  adapter.Save(tmp_dir.string(), base_model);
-
-  std::vector<at::Tensor> host;
-  std::vector<TensorToWrite> tensors;
-  const auto names = adapter.ParamNames();
-  LS_CHECK(names.size() == optimizer.exp_avg().size(), "optimizer and adapter differ");
-  for (int which = 0; which < 2; ++which) {
-    auto& moments = which == 0 ? optimizer.exp_avg() : optimizer.exp_avg_sq();
-    for (size_t i = 0; i < names.size(); ++i) {
-      host.push_back(moments[i].detach().to(at::kCPU, at::kFloat).contiguous());
-      TensorToWrite t;
-      t.name = (which == 0 ? "exp_avg." : "exp_avg_sq.") + names[i];
-      t.dtype = DType::kF32;
-      t.shape = host.back().sizes().vec();
-      t.data = host.back().data_ptr();
-      tensors.push_back(t);
+  auto write_files = [&](const std::string& tmp_dir) {
+    adapter.Save(tmp_dir, base_model);
+    std::vector<at::Tensor> host;
+    std::vector<TensorToWrite> tensors;
+    const auto names = adapter.ParamNames();
+    LS_CHECK(names.size() == optimizer.exp_avg().size(), "optimizer and adapter differ");
+    for (int which = 0; which < 2; ++which) {
+      auto& moments = which == 0 ? optimizer.exp_avg() : optimizer.exp_avg_sq();
+      for (size_t i = 0; i < names.size(); ++i) {
+        host.push_back(moments[i].detach().to(at::kCPU, at::kFloat).contiguous());
+        TensorToWrite t;
+        t.name = (which == 0 ? "exp_avg." : "exp_avg_sq.") + names[i];
+        t.dtype = DType::kF32;
+        t.shape = host.back().sizes().vec();
+        t.data = host.back().data_ptr();
+        tensors.push_back(t);
+      }
     }
-  }
-  TrainerStateMeta meta;
-  meta.step = state.step;
-  meta.samples_seen = state.samples_seen;
-  meta.seed = state.seed;
-  meta.fingerprint = state.fingerprint;
-  meta.eval_loss = state.eval_loss;
-  WriteSafetensors((tmp_dir / kTrainerStateFile).string(), tensors, TrainerStateMetadata(meta));
-  WriteCheckpointManifest(tmp_dir.string());  // last; fsyncs every file and the folder
-  RemoveTree(final_dir.string());  // never std::filesystem::remove_all here: common/remove_tree.h
-  fs::rename(tmp_dir, final_dir, ec);
-  if (ec) throw Error(ErrorCode::kIo, "cannot rename " + tmp_dir.string() + ": " + ec.message());
-  FsyncPath(output_dir);  // the rename itself survives a power loss only now
-  // Only now that the new one is complete: drop the checkpoints retention does not keep.
-  PruneCheckpoints(output_dir, state.step, retention.keep, retention.keep_best);
-  return final_dir.string();
+    TrainerStateMeta meta;
+    meta.step = state.step;
+    meta.samples_seen = state.samples_seen;
+    meta.seed = state.seed;
+    meta.fingerprint = state.fingerprint;
+    meta.eval_loss = state.eval_loss;
+    WriteSafetensors((fs::path(tmp_dir) / kTrainerStateFile).string(), tensors,
+                     TrainerStateMetadata(meta));
+  };
+  return PublishCheckpoint(output_dir, state.step, write_files, retention.keep,
+                           retention.keep_best);
 }
 
 std::string FindLatestCheckpoint(const std::string& output_dir) {

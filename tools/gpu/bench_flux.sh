@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# FLUX.1 LoRA training on one GPU: the resident step, the step streamed within a memory budget
+# (the planner's choice), the chosen plan's PCIe floor (bytes copied per step / measured
+# bandwidth) and its predicted step, with diffusers + peft as the peer when its source is
+# there. Random FLUX.1-dev-shaped weights (lorastream-synth --preset flux1-dev, all 19 + 38
+# blocks), one cached 1024x1024 image (4096 image tokens) with 512 T5 tokens, rank 16 on
+# every linear layer of the blocks, batch 1, bf16. Writes OUT/flux/: the plans, the training
+# logs and bench_flux.md (a markdown table of the figures and their ratios).
+#
+# Usage: tools/gpu/bench_flux.sh OUT_DIR
+#   FLUX_BENCH_PRESET (flux1-dev)  FLUX_BENCH_DEVICE (cuda)  FLUX_BENCH_DTYPE (bf16)
+#   FLUX_BENCH_PIXELS (1024x1024)  FLUX_BENCH_TEXT_TOKENS (512)  FLUX_BENCH_STEPS (6; the
+#   first two are warm-up)  FLUX_BENCH_BUDGET (8GiB)  FLUX_BENCH_WORK (a folder under
+#   /dev/shm, removed at the end)  FLUX_BENCH_PEER (1: diffusers + peft when
+#   $ROOT/.diffusers/src imports; 0: skip)  LORASTREAM_BUILD_DIR (build/)
+# On a CPU, with flux-tiny: FLUX_BENCH_PRESET=flux-tiny FLUX_BENCH_DEVICE=cpu
+#   FLUX_BENCH_DTYPE=f32 FLUX_BENCH_PIXELS=64x64 FLUX_BENCH_TEXT_TOKENS=8 FLUX_BENCH_BUDGET=4MiB
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+OUT="${1:?usage: bench_flux.sh OUT_DIR}/flux"
+BIN="${LORASTREAM_BUILD_DIR:-$ROOT/build}/bin"
+PRESET="${FLUX_BENCH_PRESET:-flux1-dev}"
+DEVICE="${FLUX_BENCH_DEVICE:-cuda}"
+DTYPE="${FLUX_BENCH_DTYPE:-bf16}"
+PIXELS="${FLUX_BENCH_PIXELS:-1024x1024}"
+TEXT="${FLUX_BENCH_TEXT_TOKENS:-512}"
+STEPS="${FLUX_BENCH_STEPS:-6}"
+BUDGET="${FLUX_BENCH_BUDGET:-8GiB}"
+PEER="${FLUX_BENCH_PEER:-1}"
+WORK="${FLUX_BENCH_WORK:-/dev/shm/lorastream-flux-bench-$$}"
+mkdir -p "$OUT" "$WORK"
+trap 'rm -rf "$WORK"' EXIT
+
+echo "== synth $PRESET ($DTYPE) and one $PIXELS image's caches ($TEXT text tokens) in $WORK"
+"$BIN/lorastream-synth" --preset "$PRESET" --presets-dir "$ROOT/configs/models" \
+  --out "$WORK/model" --dtype "$DTYPE" \
+  --flux-caches "$WORK/cache" --flux-cache-size "$PIXELS" --flux-text-tokens "$TEXT" || exit 1
+
+job() {  # NAME PLAN-LINE
+  cat > "$WORK/$1.toml" <<JOB
+[flux]
+checkpoint = "model/flux1.safetensors"
+cache_dir = "cache"
+output_dir = "out-$1"
+steps = $STEPS
+rank = 16
+learning_rate = 1e-5
+dtype = "$DTYPE"
+$2
+JOB
+}
+job resident "blocks_to_swap = 0"
+job streamed "gpu_memory_budget = \"$BUDGET\""
+
+status=0
+# The streamed job's plan also predicts the resident step (every plan command loads the
+# whole model: one is enough).
+echo "== plan: streamed within $BUDGET"
+"$BIN/lorastream-worker" plan "$WORK/streamed.toml" --device "$DEVICE" > "$OUT/plan_streamed.txt" \
+  2> "$OUT/plan_streamed.log" || { tail -20 "$OUT/plan_streamed.log"; status=1; }
+cat "$OUT/plan_streamed.txt"
+for name in resident streamed; do
+  echo "== train: $name"
+  "$BIN/lorastream-worker" train "$WORK/$name.toml" --device "$DEVICE" --no-resume \
+    > "$OUT/train_$name.txt" 2> "$OUT/train_$name.log" || { tail -20 "$OUT/train_$name.log"; status=1; }
+  grep -oE "step [0-9]+/.*" "$OUT/train_$name.log"
+done
+
+if [ "$PEER" = 1 ] && PYTHONPATH="$ROOT/.diffusers/src" python3 -c "import diffusers, peft, torch" 2>/dev/null; then
+  echo "== peer: diffusers + peft"
+  PYTHONPATH="$ROOT/.diffusers/src" python3 "$ROOT/tools/gpu/bench_flux_peer.py" --preset "$PRESET" \
+    --pixels "$PIXELS" --text-tokens "$TEXT" --steps "$STEPS" --device "$DEVICE" \
+    --out "$OUT/peer.json" 2>&1 | tail -20 || status=1
+else
+  echo "== peer: skipped (FLUX_BENCH_PEER=$PEER, or diffusers/peft/torch do not import with" \
+       "PYTHONPATH=$ROOT/.diffusers/src)"
+fi
+
+python3 "$ROOT/tools/gpu/bench_flux_table.py" "$OUT" "$STEPS" | tee "$OUT/bench_flux.md" || status=1
+exit $status

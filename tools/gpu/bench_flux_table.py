@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""The table of tools/gpu/bench_flux.sh: reads OUT/flux/train_{resident,streamed}.log,
+plan_streamed.txt (the streamed plan and the resident step's prediction) and peer.json when
+the peer ran, and prints markdown: per run the measured step (median of
+the steps after the first two), the planner's prediction, the peak memory measured and
+estimated, the bytes copied per step; then the ratios the FLUX targets name.
+
+Usage: bench_flux_table.py OUT/flux STEPS
+"""
+import json
+import os
+import re
+import statistics
+import sys
+
+UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+STEP = re.compile(r"step (\d+)/(\d+) loss ([-\d.e+naif]+) .* ([\d.]+) s, H2D ([\d.]+) (\w+) in "
+                  r"(\d+) copies \((\d+) saved\), peak ([\d.]+) GiB")
+
+
+def steps(path):
+    out = []
+    if not os.path.exists(path):
+        return out
+    for line in open(path, errors="replace"):
+        m = STEP.search(line)
+        if m:
+            out.append({"step": int(m.group(1)), "loss": m.group(3), "seconds": float(m.group(4)),
+                        "h2d": float(m.group(5)) * UNITS.get(m.group(6), 1),
+                        "peak_gib": float(m.group(9))})
+    return out
+
+
+def summary(path):
+    if not os.path.exists(path):
+        return {}
+    for line in open(path, errors="replace"):
+        # (the worker's log file writes a message's newlines as \x0a)
+        for part in line.replace("\\x0a", "\n").split("\n"):
+            if part.startswith("plan-summary "):
+                return {k: float(v) for k, v in (kv.split("=") for kv in part.split()[1:])}
+    return {}
+
+
+def median_after_warmup(rows, key):
+    rows = rows[2:] if len(rows) > 2 else rows
+    return statistics.median(r[key] for r in rows) if rows else float("nan")
+
+
+def fmt(x, digits=3):
+    return "—" if x is None or x != x else f"{x:.{digits}f}"
+
+
+def ratio(a, b):
+    return None if a is None or b is None or a != a or b != b or b == 0 else a / b
+
+
+def main():
+    out, total = sys.argv[1], int(sys.argv[2])
+    runs = {}
+    # The streamed run's own plan (its log holds the table it chose from), else the plan
+    # command's; the resident step's prediction from the same figures.
+    planned = (summary(os.path.join(out, "train_streamed.log"))
+               or summary(os.path.join(out, "plan_streamed.txt")))
+    for name in ("resident", "streamed"):
+        rows = steps(os.path.join(out, f"train_{name}.log"))
+        plan = planned if name == "streamed" else {
+            "predicted_ms": planned.get("resident_ms", float("nan")), "streamed": 0, "ring": 0}
+        runs[name] = {
+            "steps": len(rows),
+            "seconds": median_after_warmup(rows, "seconds"),
+            "peak": max((r["peak_gib"] for r in rows), default=float("nan")),
+            "h2d": median_after_warmup(rows, "h2d") / 1e9 if rows else float("nan"),
+            "predicted": plan.get("predicted_ms", float("nan")) / 1e3,
+            "estimate": plan.get("peak_gib", float("nan")),
+            "floor": plan.get("floor_ms", float("nan")) / 1e3,
+            "streamed": plan.get("streamed"),
+            "ring": plan.get("ring"),
+        }
+    peer = None
+    peer_path = os.path.join(out, "peer.json")
+    if os.path.exists(peer_path):
+        peer = json.load(open(peer_path))
+
+    r, s = runs["resident"], runs["streamed"]
+    print("| run | plan | steps | step s (median) | predicted s | predicted / measured | "
+          "peak GiB | estimated GiB | H2D GB / step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, x in runs.items():
+        plan = "resident" if not x["streamed"] else f"{int(x['streamed'])} units streamed, ring {int(x['ring'])}"
+        print(f"| {name} | {plan} | {x['steps']}/{total} | {fmt(x['seconds'])} | "
+              f"{fmt(x['predicted'])} | {fmt(ratio(x['predicted'], x['seconds']), 2)} | "
+              f"{fmt(x['peak'], 2)} | {fmt(x['estimate'], 2)} | {fmt(x['h2d'], 2)} |")
+    print(f"| PCIe floor of the streamed plan | bytes / bandwidth | | {fmt(s['floor'])} | | | | | |")
+    if peer:
+        for k, v in sorted(peer.get("runs", {}).items()):
+            print(f"| diffusers + peft, {k} | resident | {v.get('steps', '')} | "
+                  f"{fmt(v.get('step_seconds'))} | | | {fmt(v.get('peak_gib'), 2)} | | |")
+    print()
+    print("| ratio | value | target |")
+    print("| --- | --- | --- |")
+    print(f"| streamed / resident | {fmt(ratio(s['seconds'], r['seconds']), 3)} | <= 1.15 (or the floor's) |")
+    print(f"| streamed / PCIe floor | {fmt(ratio(s['seconds'], s['floor']), 3)} | <= 1.05 (or the resident's) |")
+    print(f"| streamed peak / budget plan's estimate | {fmt(ratio(s['peak'], s['estimate']), 3)} | <= 1 |")
+    for name in ("resident", "streamed"):
+        print(f"| {name}: predicted / measured | {fmt(ratio(runs[name]['predicted'], runs[name]['seconds']), 3)} | within 0.9 .. 1.1 |")
+    if peer:
+        best = min((v["step_seconds"] for v in peer.get("runs", {}).values()
+                    if v.get("step_seconds")), default=None)
+        ckpt = peer.get("runs", {}).get("checkpointed", {}).get("step_seconds")
+        print(f"| resident / diffusers+peft checkpointed (like with like) | {fmt(ratio(r['seconds'], ckpt), 3)} | <= 0.8 |")
+        print(f"| resident / diffusers+peft best | {fmt(ratio(r['seconds'], best), 3)} | |")
+    ok = all(x["steps"] == total for x in runs.values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+#include "worker/flux/flux_calibrate.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <sstream>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/version.h>
+
+#include "common/error.h"
+#include "common/format_bytes.h"
+#include "common/job_spec.h"
+#include "common/log.h"
+#include "worker/flux/flux_model.h"
+#include "worker/model/torch_device.h"
+#include "worker/stream/stream_calibrate.h"
+#include "worker/stream/stream_provider.h"
+#include "worker/train/adamw.h"
+
+namespace lorastream::worker::flux {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Waits for the device's work on `t` (a scalar read syncs the current stream).
+void WaitFor(const at::Tensor& t) { (void)t.sum().item<double>(); }
+
+// Seconds per run of `fn` (which returns a tensor computed by the run), after `warmup` runs,
+// over `reps` runs.
+template <class Fn>
+double SecondsPerRun(int warmup, int reps, Fn fn) {
+  for (int i = 0; i < warmup; ++i) WaitFor(fn());
+  const auto start = Clock::now();
+  at::Tensor last;
+  for (int i = 0; i < reps; ++i) last = fn();
+  WaitFor(last);
+  return std::chrono::duration<double>(Clock::now() - start).count() / reps;
+}
+
+int64_t LoraParams(const FluxConfig& c, const std::vector<std::string>& targets, int64_t rank) {
+  int64_t n = 0;
+  auto add = [&](const TensorShapes& shapes, int64_t blocks) {
+    for (const auto& t : targets)
+      for (const auto& [name, shape] : shapes)
+        if (name == t + ".weight") n += blocks * rank * (shape[0] + shape[1]);
+  };
+  add(FluxDoubleBlockShapes(c), c.depth);
+  add(FluxSingleBlockShapes(c), c.depth_single);
+  return n;
+}
+
+}  // namespace
+
+FluxMemoryInputs FluxMemoryInputsFor(const FluxBase& base, const FluxJob& job,
+                                     const FluxDataset& data, c10::Device device,
+                                     c10::ScalarType dtype) {
+  FluxMemoryInputs in;
+  in.config = base.config();
+  in.units = FluxUnits(in.config, job.singles_per_unit);
+  for (const auto& l : base.layouts()) in.unit_bytes.push_back(l.nbytes);
+  for (const auto& [name, t] : base.rest())
+    in.rest_bytes += static_cast<uint64_t>(t.numel() * t.element_size());
+  in.lora_params = LoraParams(in.config, FluxTargets(job.targets, "flux.targets"), job.rank);
+  in.batch = job.batch_size;
+  const auto [h, w] = data.largest_latent();
+  in.image_tokens = (h / 2) * (w / 2);
+  in.text_tokens = data.text_tokens();
+  in.compute_bytes = static_cast<int>(c10::elementSize(dtype));
+  in.attention_materialized = TORCH_VERSION_MAJOR < 2 || !device.is_cuda();
+  if (!device.is_cuda()) in.reserve_bytes = 0;  // the slack is the CUDA caching allocator's
+  return in;
+}
+
+StepCosts MeasureFluxCosts(const FluxBase& base, const FluxJob& job, const FluxMemoryInputs& in,
+                           const FluxDataset& data, c10::Device device, c10::ScalarType dtype) {
+  const FluxConfig& config = base.config();
+  AvoidCudnnAttention(device);
+  const bool gpu = device.is_cuda();
+  const int warmup = gpu ? 3 : 1, reps = gpu ? 5 : 2;
+  const int64_t b = job.batch_size, lt = data.text_tokens();
+  const auto [lh, lw] = data.largest_latent();
+  const int64_t n = (lh / 2) * (lw / 2);
+  const auto opts = at::TensorOptions(device).dtype(dtype);
+  at::Generator gen = at::detail::createCPUGenerator(17);
+  auto randn = [&](std::vector<int64_t> shape) {
+    return at::empty(shape, at::kFloat).normal_(0, 1, gen).to(opts);
+  };
+  FluxAdapter adapter(config, FluxTargets(job.targets, "flux.targets"), job.rank, job.alpha, 1,
+                      device);
+  FluxCompute c;
+  c.config = &config;
+  c.vec = randn({b, config.hidden_size});
+  c.pe = RopeTable(at::cat({at::zeros({b, lt, 3}, at::TensorOptions(device).dtype(at::kFloat)),
+                            ImageIds(b, lh, lw, device)},
+                           1),
+                   config);
+  c.lora_scale = adapter.scale();
+  const at::Tensor img = randn({b, n, config.hidden_size}),
+                   txt = randn({b, lt, config.hidden_size});
+
+  // One unit of each kind, resident on the device: its forward and its recompute+backward.
+  auto measure = [&](size_t u, double* fwd, double* bwd) {
+    const FluxUnit& unit = in.units[u];
+    const at::Tensor bytes =
+        at::from_blob(const_cast<uint8_t*>(base.unit_bytes()[u]),
+                      {static_cast<int64_t>(base.layouts()[u].nbytes)}, at::kByte)
+            .to(device);
+    const NamedTensors w =
+        BlockWeightsFromBytes(bytes, base.layouts()[u], BlockNaming::kByName).named;
+    LoraMap lora;
+    std::vector<at::Tensor> params;
+    for (const auto& m : adapter.UnitModules(unit)) {
+      lora[m] = adapter.modules().at(m);
+      params.push_back(lora[m].a);
+      params.push_back(lora[m].b);
+    }
+    const std::vector<at::Tensor> streams = unit.is_double
+                                                ? std::vector<at::Tensor>{img, txt}
+                                                : std::vector<at::Tensor>{at::cat({txt, img}, 1)};
+    *fwd = SecondsPerRun(warmup, reps, [&] {
+      c10::NoGradGuard no_grad;
+      return UnitForward(unit, streams, w, lora, c)[0];
+    });
+    *bwd = SecondsPerRun(warmup, reps, [&] {
+      at::AutoGradMode grad_on(true);
+      std::vector<at::Tensor> s, wrt;
+      for (const auto& t : streams) s.push_back(t.detach().requires_grad_(true));
+      wrt = s;
+      for (const auto& p : params) wrt.push_back(p);
+      const std::vector<at::Tensor> out = UnitForward(unit, s, w, lora, c);
+      std::vector<at::Tensor> grads_out;
+      for (const auto& o : out) grads_out.push_back(at::ones_like(o));
+      return torch::autograd::grad(out, wrt, grads_out, false, false, true)[0];
+    });
+  };
+  double double_fwd = 0, double_bwd = 0, single_fwd = 0, single_bwd = 0;
+  int64_t single_count = 0;
+  size_t first_single = in.units.size();
+  for (size_t u = 0; u < in.units.size(); ++u)
+    if (!in.units[u].is_double) {
+      first_single = u;
+      single_count = in.units[u].count;
+      break;
+    }
+  if (config.depth > 0) measure(0, &double_fwd, &double_bwd);
+  if (first_single < in.units.size()) measure(first_single, &single_fwd, &single_bwd);
+
+  StepCosts costs;
+  double per_single = single_count > 0 ? single_bwd / static_cast<double>(single_count) : 0;
+  if (config.depth > 0) {
+    costs.block_forward_seconds = double_fwd;
+    costs.block_backward_seconds = double_bwd;
+  } else {  // the block figures are a single block's
+    costs.block_forward_seconds = single_fwd / static_cast<double>(single_count);
+    costs.block_backward_seconds = per_single;
+  }
+  costs.block_scale = FluxBlockScale(
+      in, costs.block_backward_seconds > 0 ? per_single / costs.block_backward_seconds : 1.0);
+
+  // The optimizer's step over the adapter with its clipping: the step's tail.
+  AdamW optimizer(adapter.Params(), {});
+  for (auto& p : adapter.Params()) p.mutable_grad() = at::ones_like(p);
+  costs.tail_seconds = SecondsPerRun(1, reps, [&] {
+    const at::Tensor norm = ClipGradNormAsync(adapter.Params(), job.max_grad_norm);
+    optimizer.Step(1e-12);
+    return norm;
+  });
+  uint64_t largest = 0;
+  for (uint64_t bytes : in.unit_bytes) largest = std::max(largest, bytes);
+  costs.h2d_bytes_per_second = MeasureH2DBandwidth(largest, device);
+  LS_LOG_INFO(
+      "FLUX calibration on {} at {} image + {} text tokens x{}: double unit fwd {:.2f} ms, "
+      "recompute+bwd {:.2f} ms; single unit ({} blocks) fwd {:.2f} ms, recompute+bwd {:.2f} ms; "
+      "optimizer {:.2f} ms; H2D {:.1f} GB/s",
+      device.str(), n, lt, b, double_fwd * 1e3, double_bwd * 1e3, single_count, single_fwd * 1e3,
+      single_bwd * 1e3, costs.tail_seconds * 1e3, costs.h2d_bytes_per_second / 1e9);
+  return costs;
+}
+
+uint64_t FluxJobBudget(const FluxJob& job, c10::Device device) {
+  if (!job.budget_auto) return job.gpu_memory_budget;
+  if (!device.is_cuda()) return 0;  // "auto" on the CPU: no budget, as for an LLM job
+  StreamSpec st;
+  st.budget_auto = true;
+  return JobMemoryBudget(st, device);
+}
+
+FluxPlanning PlanFluxJob(const FluxBase& base, const FluxJob& job, const FluxDataset& data,
+                         c10::Device device, c10::ScalarType dtype, bool predict) {
+  FluxPlanning p;
+  p.budget = FluxJobBudget(job, device);
+  if (p.budget == 0 && !predict) {
+    p.plan = base.SwapPlan(job.blocks_to_swap, job.ring_size);
+    return p;
+  }
+  p.inputs = FluxMemoryInputsFor(base, job, data, device, dtype);
+  p.costs = MeasureFluxCosts(base, job, p.inputs, data, device, dtype);
+  if (p.budget > 0) {
+    p.choice = ChooseFluxPlan(p.inputs, p.costs, p.budget);
+    p.plan = p.choice.candidates[p.choice.chosen].plan;
+  } else {
+    CandidatePlan c;
+    c.plan = base.SwapPlan(job.blocks_to_swap, job.ring_size);
+    c.peak_bytes = EstimateFluxMemory(p.inputs, c.plan).total();
+    c.fits = true;
+    c.predicted = PredictStep(c.plan, p.inputs.unit_bytes, p.costs);
+    p.choice.candidates.push_back(c);
+    p.choice.chosen = 0;
+    p.plan = c.plan;
+  }
+  LS_LOG_INFO("FLUX plan:\n{}", DescribeFluxPlanning(p));
+  return p;
+}
+
+std::string DescribeFluxPlanning(const FluxPlanning& p) {
+  std::ostringstream s;
+  const FluxMemoryInputs& in = p.inputs;
+  uint64_t dbl = 0, sgl = 0;
+  int n_double = 0, n_single = 0;
+  for (size_t u = 0; u < in.units.size(); ++u) {
+    if (in.units[u].is_double) {
+      dbl = std::max(dbl, in.unit_bytes[u]);
+      ++n_double;
+    } else {
+      sgl = std::max(sgl, in.unit_bytes[u]);
+      ++n_single;
+    }
+  }
+  s << "units: " << n_double << " double (" << FormatBytes(dbl) << " each) + " << n_single
+    << " single (" << FormatBytes(sgl) << " each); rest " << FormatBytes(in.rest_bytes) << "; "
+    << in.image_tokens << " image + " << in.text_tokens << " text tokens x" << in.batch << "\n";
+  const double bw = p.costs.h2d_bytes_per_second;
+  s << (p.budget > 0 ? "budget " + FormatBytes(p.budget) : std::string("no budget: the job's plan"))
+    << "; H2D " << bw / 1e9 << " GB/s\n";
+  s << "  plan                                   resident  predicted ms  copied GB  floor ms  "
+       "stall ms  peak GiB  fits\n";
+  for (int i = 0; i < static_cast<int>(p.choice.candidates.size()); ++i) {
+    const CandidatePlan& c = p.choice.candidates[i];
+    char line[256];
+    std::snprintf(line, sizeof line, "%s %-38s %8d  %12.1f  %9.2f  %8.1f  %8.1f  %8.2f  %s\n",
+                  i == p.choice.chosen ? "*" : " ", FluxPlanLabel(in, c.plan).c_str(),
+                  c.plan.num_blocks() - c.plan.num_streamed(), c.predicted.step_seconds * 1e3,
+                  c.predicted.h2d_bytes / 1e9, bw > 0 ? c.predicted.h2d_bytes / bw * 1e3 : 0.0,
+                  c.predicted.stall_seconds * 1e3, c.peak_bytes / double(1ULL << 30),
+                  c.fits ? "yes" : "no");
+    s << line;
+  }
+  if (p.choice.chosen >= 0) {
+    const CandidatePlan& c = p.choice.candidates[p.choice.chosen];
+    const ResidencyPlan resident = FluxResidency(in, 0, 0, 1);
+    const double resident_s = PredictStep(resident, in.unit_bytes, p.costs).step_seconds;
+    const double floor_s = bw > 0 ? c.predicted.h2d_bytes / bw : 0.0;
+    char line[512];
+    std::snprintf(line, sizeof line,
+                  "chosen: %s; predicted %.1f ms per step, PCIe floor %.1f ms, resident step "
+                  "%.1f ms (resident peak %.2f GiB)\n",
+                  FluxPlanLabel(in, c.plan).c_str(), c.predicted.step_seconds * 1e3, floor_s * 1e3,
+                  resident_s * 1e3, EstimateFluxMemory(in, resident).total() / double(1ULL << 30));
+    s << line << "estimate: " << EstimateFluxMemory(in, c.plan).Describe() << "\n";
+    std::snprintf(line, sizeof line,
+                  "plan-summary streamed=%d ring=%d predicted_ms=%.3f floor_ms=%.3f "
+                  "resident_ms=%.3f peak_gib=%.3f\n",
+                  c.plan.num_streamed(), c.plan.ring_size, c.predicted.step_seconds * 1e3,
+                  floor_s * 1e3, resident_s * 1e3, c.peak_bytes / double(1ULL << 30));
+    s << line;
+  }
+  return s.str();
+}
+
+int RunFluxPlanCommand(const std::string& job_path, const std::string& device_name) {
+  const FluxJob job = LoadFluxJob(job_path);
+  at::set_num_threads(static_cast<int>(std::thread::hardware_concurrency()));
+  const c10::Device device = TorchDevice(ParseDevice(device_name));
+  const c10::ScalarType dtype = job.dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+  const FluxBase base = FluxBase::Load(job.checkpoint, job.singles_per_unit, dtype, device);
+  const FluxDataset data(job.cache_dir, base.config());
+  const FluxPlanning p = PlanFluxJob(base, job, data, device, dtype, /*predict=*/true);
+  std::printf("%s", DescribeFluxPlanning(p).c_str());
+  return 0;
+}
+
+}  // namespace lorastream::worker::flux

@@ -1,0 +1,53 @@
+// The FLUX planner's inputs measured and computed for a job (worker/flux/flux_plan.h): the
+// units' byte sizes and the activation sizes at the job's largest bucket, and the cost model's
+// figures measured on the job's device: one double unit and one single unit, resident, run
+// as the trainer runs them (forward without grad; recomputed with grad and its backward) on
+// random streams of the job's tokens, a few repetitions each after a warm-up; the optimizer
+// step over the job's adapter; the Host->Device bandwidth of a unit's copy. Seconds on a GPU.
+#pragma once
+
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include "worker/flux/flux_base.h"
+#include "worker/flux/flux_data.h"
+#include "worker/flux/flux_job.h"
+#include "worker/flux/flux_plan.h"
+#include "worker/stream/stream_cost.h"
+
+namespace lorastream::worker::flux {
+
+FluxMemoryInputs FluxMemoryInputsFor(const FluxBase& base, const FluxJob& job,
+                                     const FluxDataset& data, c10::Device device,
+                                     c10::ScalarType dtype);
+
+// block_scale is set for `in`'s units (FluxBlockScale).
+StepCosts MeasureFluxCosts(const FluxBase& base, const FluxJob& job, const FluxMemoryInputs& in,
+                           const FluxDataset& data, c10::Device device, c10::ScalarType dtype);
+
+// The budget a job plans within: flux.gpu_memory_budget, or with "auto" the share of the
+// device's free memory that an LLM job's "auto" takes (0: the job names no budget).
+uint64_t FluxJobBudget(const FluxJob& job, c10::Device device);
+
+// The plan for a job: with a budget, the planner's choice (calibrated here, the table logged);
+// without one, blocks_to_swap and ring_size as given, its prediction and estimate computed
+// (calibrated) only when `predict` (the plan command), else an empty table.
+struct FluxPlanning {
+  ResidencyPlan plan;
+  PlanChoice choice;  // empty without a budget
+  FluxMemoryInputs inputs;
+  StepCosts costs;
+  uint64_t budget = 0;
+};
+FluxPlanning PlanFluxJob(const FluxBase& base, const FluxJob& job, const FluxDataset& data,
+                         c10::Device device, c10::ScalarType dtype, bool predict = false);
+
+// The table of a planning (DescribeFluxChoice): per candidate its label, resident units,
+// predicted step, copied bytes and their PCIe floor (bytes / bandwidth), stall, estimated peak
+// and whether it fits; then the chosen plan's memory estimate, and the resident step predicted.
+std::string DescribeFluxPlanning(const FluxPlanning& p);
+
+// `lorastream-worker plan FLUX_JOB.toml --device D`: prints DescribeFluxPlanning.
+int RunFluxPlanCommand(const std::string& job_path, const std::string& device);
+
+}  // namespace lorastream::worker::flux
