@@ -97,6 +97,50 @@ TEST_CASE("three jobs on two workers succeed and equal their standalone runs", "
   }
 }
 
+TEST_CASE(
+    "a worker with two job slots trains two jobs as one group, each equal to its standalone run",
+    "[e2e]") {
+  const lorastream::testing::TempDir run_dir("e2e-slots");
+  const std::string& dir = run_dir.str();
+  LocalClusterOptions options = Options(dir, 1);
+  options.jobs_per_worker = 2;  // as `lorastream up --jobs-per-gpu 2` starts its workers
+  LocalCluster cluster(options);
+  cluster.Start();
+  // Both jobs wait in the queue before the worker registers, so that they start together.
+  cluster.StopWorker(0, SIGTERM);
+  std::vector<int64_t> ids;
+  for (int j = 0; j < 2; ++j) {
+    const std::string data = WriteData(dir, 40, 200 + j);
+    ids.push_back(cluster.Submit(
+        WriteJob(dir, "slot" + std::to_string(j), cluster.store_name(), data, 6, 3, 10 + j)));
+  }
+  cluster.StartWorker(0);
+  nlohmann::json jobs = cluster.WaitForJobs(900);
+  REQUIRE(jobs.size() == 2);
+  const std::string log = lorastream::testing::ReadAll(cluster.log_dir() + "/worker-0.log");
+  INFO(log);
+  for (const auto& job : jobs) CHECK(job["state"] == "succeeded");
+  CHECK_THAT(log, Catch::Contains("job slots: 2 (--jobs)"));
+  CHECK_THAT(log, Catch::Contains("joins the group (2 jobs)"));
+  const nlohmann::json workers = nlohmann::json::parse(cluster.Client({"workers", "--json"}));
+  REQUIRE(workers.size() >= 1);
+  for (const auto& w : workers) CHECK(w["slots"] == 2);
+  for (int j = 0; j < 2; ++j) {
+    // Statistics per job: its own steps, losses and copies.
+    const nlohmann::json stats = nlohmann::json::parse(
+        cluster.Client({"stats", std::to_string(ids[j]), "--format", "json"}))["stats"];
+    REQUIRE(stats.size() == 6);
+    CHECK(stats.back()["step"] == 6);
+    // The job trained in the group equals the same job trained alone.
+    const std::string name = "slot" + std::to_string(j);
+    const std::string alone = dir + "/standalone-" + name;
+    const std::string data = dir + "/data-" + std::to_string(200 + j) + ".jsonl";
+    TrainStandalone(WriteJob(dir, name + "-alone", cluster.store_name(), data, 6, 3, 10 + j, alone),
+                    cluster.log_dir() + "/standalone-" + name + ".log");
+    RequireSameAdapter(cluster.ShowJob(ids[j])["output_dir"], alone);
+  }
+}
+
 TEST_CASE("a worker killed mid-job: the job resumes elsewhere and ends bit-identical", "[e2e]") {
   const lorastream::testing::TempDir run_dir("e2e-killworker");
   const std::string& dir = run_dir.str();
@@ -117,7 +161,7 @@ TEST_CASE("a worker killed mid-job: the job resumes elsewhere and ends bit-ident
   int victim = -1;
   nlohmann::json workers = nlohmann::json::parse(cluster.Client({"workers", "--json"}));
   for (const auto& w : workers)
-    if (w.value("job_id", 0) == id)
+    if (w.value("job_ids", std::vector<int64_t>{}) == std::vector<int64_t>{id})
       for (size_t i = 0; i < cluster.num_workers(); ++i)
         if (cluster.WorkerPid(i) == w.value("pid", 0)) victim = static_cast<int>(i);
   REQUIRE(victim >= 0);
