@@ -335,6 +335,35 @@ TEST_CASE("`lorastream up` trains a job end to end, says where the adapter is, l
     CHECK(entry.path().filename().string().rfind(lorastream::ShmPrefix(store), 0) != 0);
 }
 
+TEST_CASE("`lorastream up --jobs-per-gpu 2` gives its workers two job slots", "[e2e]") {
+  const lorastream::testing::TempDir run_dir("e2e-upslots");
+  const std::string& dir = run_dir.str();
+  std::vector<std::string> argv = {std::string(LORASTREAM_BIN_DIR) + "/lorastream",
+                                   "up",
+                                   "--run-dir",
+                                   dir + "/run",
+                                   "--no-watch",
+                                   "--device",
+                                   "cpu",
+                                   "--jobs-per-gpu",
+                                   "2"};
+  for (int j = 0; j < 2; ++j) {
+    const std::string data = WriteData(dir, 30, 300 + j);
+    argv.insert(argv.end(), {"--job", WriteJob(dir, "up" + std::to_string(j), "replaced-by-up",
+                                               data, 6, 3, j)});
+  }
+  int code = -1;
+  const std::string out = lorastream::RunAndCapture(argv, &code, 600, dir + "/up.stderr");
+  const std::string log = lorastream::testing::ReadAll(dir + "/run/logs/worker-0.log");
+  INFO(out << log);
+  REQUIRE(code == 0);
+  CHECK_THAT(out, Catch::Contains("1 worker(s): cpu, each training up to 2 jobs at once"));
+  CHECK_THAT(log, Catch::Contains("job slots: 2 (--jobs)"));
+  CHECK_THAT(log, Catch::Contains("2 job slots"));
+  for (int j = 0; j < 2; ++j)
+    CHECK(fs::exists(dir + "/run/adapters/up" + std::to_string(j) + "/adapter_model.safetensors"));
+}
+
 TEST_CASE(
     "an eval split and epochs through a real cluster: eval loss in stats, show and "
     "TensorBoard files an independent reader decodes",
