@@ -181,6 +181,71 @@ TEST_CASE("a worker killed mid-job: the job resumes elsewhere and ends bit-ident
   RequireSameAdapter(job["output_dir"], alone);
 }
 
+TEST_CASE("a 2-slot worker killed mid-run: both jobs of its group resume elsewhere, bit-identical",
+          "[e2e]") {
+  const lorastream::testing::TempDir run_dir("e2e-killslots");
+  const std::string& dir = run_dir.str();
+  LocalClusterOptions options = Options(dir, 2);
+  options.jobs_per_worker = 2;
+  LocalCluster cluster(options);
+  cluster.Start();
+  // Both jobs go to worker 0: worker 1 waits until they have checkpoints, and worker 0 comes
+  // back once both are queued. Once each job has a checkpoint, worker 0 holds its group at the
+  // next checkpoint it reports (SIGUSR1), so both are mid-run when it is killed.
+  cluster.StopWorker(1, SIGTERM);
+  cluster.StopWorker(0, SIGTERM);
+  const std::string log0 = cluster.log_dir() + "/worker-0.log";
+  constexpr int kSteps = 48, kEvery = 2;
+  std::vector<std::string> data;
+  std::vector<int64_t> ids;
+  for (int j = 0; j < 2; ++j) {
+    data.push_back(WriteData(dir, 80, 400 + j));
+    ids.push_back(cluster.Submit(WriteJob(dir, "group" + std::to_string(j), cluster.store_name(),
+                                          data[j], kSteps, kEvery, 20 + j)));
+  }
+  cluster.StartWorker(0);
+  WaitUntil(
+      [&] {
+        return cluster.ShowJob(ids[0]).value("checkpoint_step", 0) >= kEvery &&
+               cluster.ShowJob(ids[1]).value("checkpoint_step", 0) >= kEvery;
+      },
+      300, "a checkpoint of each job of the group");
+  REQUIRE(::kill(cluster.WorkerPid(0), SIGUSR1) == 0);
+  WaitUntil(
+      [&] {
+        return lorastream::testing::ReadAll(log0).find("holding after checkpoint") !=
+               std::string::npos;
+      },
+      300, "worker 0 holding its group");
+  for (int64_t id : ids) {
+    const nlohmann::json job = cluster.ShowJob(id);
+    INFO(job.dump() << lorastream::testing::ReadAll(log0));
+    REQUIRE(job["state"] == "running");
+    REQUIRE(job.value("step", 0) < kSteps);
+    REQUIRE(job.value("attempt", 0) == 1);
+  }
+  CHECK_THAT(lorastream::testing::ReadAll(log0), Catch::Contains("joins the group (2 jobs)"));
+  cluster.StartWorker(1);  // not held: it trains both jobs to their end
+  cluster.StopWorker(0, SIGKILL);
+  const nlohmann::json jobs = cluster.WaitForJobs(900);
+  for (int j = 0; j < 2; ++j) {
+    const nlohmann::json job = cluster.ShowJob(ids[j]);
+    INFO(job.dump() << lorastream::testing::ReadAll(cluster.log_dir() + "/worker-1.log"));
+    REQUIRE(job["state"] == "succeeded");
+    CHECK(job.value("attempt", 0) == 2);
+    // Each resumed from its own checkpoint and ends as its uninterrupted standalone run.
+    const std::string name = "group" + std::to_string(j);
+    CHECK_THAT(lorastream::testing::ReadAll(cluster.log_dir() + "/worker-1.log"),
+               Catch::Contains("job " + name + ": resuming from " +
+                               job["output_dir"].get<std::string>() + "/checkpoint-"));
+    const std::string alone = dir + "/standalone-" + name;
+    TrainStandalone(WriteJob(dir, name + "-alone", cluster.store_name(), data[j], kSteps, kEvery,
+                             20 + j, alone),
+                    cluster.log_dir() + "/standalone-" + name + ".log");
+    RequireSameAdapter(job["output_dir"], alone);
+  }
+}
+
 TEST_CASE("the store killed: running jobs finish, a new store cleans up and serves", "[e2e]") {
   const lorastream::testing::TempDir run_dir("e2e-killstore");
   const std::string& dir = run_dir.str();
