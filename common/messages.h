@@ -75,6 +75,16 @@ struct StoreInfo {
   }
 };
 
+// A job a worker runs: which attempt of it.
+struct RunningJob {
+  int64_t job_id = 0;
+  int32_t attempt = 0;
+  template <class A>
+  void serialize(A& ar) {
+    ar(job_id, attempt);
+  }
+};
+
 struct RegisterRequest {
   std::string host;
   std::string device;  // "cuda:0" or "cpu"
@@ -82,26 +92,32 @@ struct RegisterRequest {
   uint64_t gpu_memory_bytes = 0;
   int32_t pid = 0;
   std::vector<StoreInfo> stores;
-  // Re-registration after a coordinator restart: the id this worker had and the job it is
-  // still running (0: none). The coordinator keeps the job running only when its journal
-  // says that worker ran that attempt.
+  // Re-registration after a coordinator restart: the id this worker had and the jobs it is
+  // still running. The coordinator keeps a job running only when its journal says that worker
+  // ran that attempt.
   std::string previous_worker_id;
-  int64_t running_job_id = 0;
-  int32_t running_attempt = 0;
+  std::vector<RunningJob> running;
+  // How many jobs the worker trains at once (its job slots: one job group).
+  int32_t slots = 1;
+  // The worker's effective uid: a root worker acts as each job's submitter, and its group's
+  // one training thread acts as one user, so its jobs share a group only with the same
+  // submitter's. -1: unknown (taken as root).
+  int64_t uid = -1;
   template <class A>
   void serialize(A& ar) {
-    ar(host, device, gpu_name, gpu_memory_bytes, pid, stores, previous_worker_id, running_job_id,
-       running_attempt);
+    ar(host, device, gpu_name, gpu_memory_bytes, pid, stores, previous_worker_id, running, slots,
+       uid);
   }
 };
 
 struct RegisterReply {
   std::string worker_id;  // the token every later message of this worker carries
   double heartbeat_interval_s = 1.0;
-  bool keep_running_job = false;  // false: stop the job you are running, it went elsewhere
+  // The running jobs the worker keeps; it stops every other one (they went elsewhere).
+  std::vector<int64_t> kept_jobs;
   template <class A>
   void serialize(A& ar) {
-    ar(worker_id, heartbeat_interval_s, keep_running_job);
+    ar(worker_id, heartbeat_interval_s, kept_jobs);
   }
 };
 
@@ -123,22 +139,22 @@ struct JobAssignment {
 
 struct HeartbeatRequest {
   std::string worker_id;
-  int64_t job_id = 0;  // the job it runs (0: idle)
-  int32_t attempt = 0;
+  std::vector<RunningJob> running;  // every job it runs (or has yet to report the end of)
+  int32_t free_slots = 1;           // how many more jobs it takes now (0: none, e.g. stopping)
   template <class A>
   void serialize(A& ar) {
-    ar(worker_id, job_id, attempt);
+    ar(worker_id, running, free_slots);
   }
 };
 
 struct HeartbeatReply {
-  bool known_worker = true;  // false: the coordinator does not know you (restarted): register
-  bool stop_job = false;     // cancel requested, or the job is no longer yours
+  bool known_worker = true;        // false: the coordinator does not know you (restarted): register
+  std::vector<int64_t> stop_jobs;  // cancel requested, or the job is no longer yours
   bool has_assignment = false;
-  JobAssignment assignment;  // valid when has_assignment (only to an idle worker)
+  JobAssignment assignment;  // valid when has_assignment (only into a free slot)
   template <class A>
   void serialize(A& ar) {
-    ar(known_worker, stop_job, has_assignment, assignment);
+    ar(known_worker, stop_jobs, has_assignment, assignment);
   }
 };
 
@@ -256,11 +272,12 @@ struct WorkerSummary {
   int32_t pid = 0;
   std::vector<StoreInfo> stores;
   bool alive = true;
-  int64_t job_id = 0;
+  std::vector<int64_t> job_ids;  // the jobs it runs, in the order they were assigned
+  int32_t slots = 1;             // how many jobs it trains at once
   double seconds_since_heartbeat = 0;
   template <class A>
   void serialize(A& ar) {
-    ar(id, host, device, gpu_name, gpu_memory_bytes, pid, stores, alive, job_id,
+    ar(id, host, device, gpu_name, gpu_memory_bytes, pid, stores, alive, job_ids, slots,
        seconds_since_heartbeat);
   }
 };

@@ -515,6 +515,10 @@ Verb UpVerb(CLI::App& app) {
   up->add_option("--cpu-workers", o->up.cpu_workers, "CPU workers when there is no GPU")
       ->capture_default_str()
       ->check(CLI::Range(1, 64));
+  up->add_option("--jobs-per-gpu", o->up.jobs_per_worker,
+                 "jobs each worker trains at once as one job group (`serve --jobs`; default: "
+                 "the worker's, from its GPU's memory, 1 on the CPU)")
+      ->check(CLI::Range(1, 64));
   up->add_flag("--keep", o->up.keep, "leave the cluster running at the end");
   up->add_flag("--no-watch", o->no_watch, "no live view; wait quietly for the jobs");
   up->add_option("--tensorboard", o->up.tensorboard_dir,
@@ -545,6 +549,11 @@ Verb SlurmVerb(CLI::App& app) {
                     "or CPU workers per node (no GPUs)");
   slurm->add_option("--threads", o->worker_threads, "CPU threads per worker (0: every core)")
       ->capture_default_str();
+  slurm
+      ->add_option("--jobs-per-gpu", o->jobs_per_gpu,
+                   "jobs each worker trains at once as one job group (`serve --jobs`; "
+                   "default: the worker's, from its GPU's memory)")
+      ->check(CLI::Range(1, 64));
   slurm->add_option("--partition,-p", o->partition, "Slurm partition");
   slurm->add_option("--time,-t", o->time, "Slurm time limit, e.g. 2-00:00:00");
   slurm->add_option("--account,-A", o->account, "Slurm account");

@@ -11,6 +11,13 @@
 namespace lorastream::cli {
 namespace {
 
+// "3,5" for `separator` ",".
+std::string JobList(const std::vector<int64_t>& ids, const std::string& separator) {
+  std::string out;
+  for (int64_t id : ids) out += (out.empty() ? "" : separator) + std::to_string(id);
+  return out;
+}
+
 std::string Printf(const char* fmt, double value) {
   char buf[64];
   std::snprintf(buf, sizeof(buf), fmt, value);
@@ -91,7 +98,8 @@ nlohmann::json ToJson(const WorkerSummary& w) {
           {"pid", w.pid},
           {"stores", stores},
           {"alive", w.alive},
-          {"job_id", w.job_id},
+          {"slots", w.slots},
+          {"job_ids", w.job_ids},
           {"seconds_since_heartbeat", w.seconds_since_heartbeat}};
 }
 
@@ -109,17 +117,27 @@ std::string JobsTable(const std::vector<JobSummary>& jobs) {
   return out.str();
 }
 
+std::string FormatSlots(const WorkerSummary& w) {
+  return std::to_string(w.job_ids.size()) + "/" + std::to_string(w.slots) +
+         (w.slots == 1 ? " slot: " : " slots: ") +
+         (w.job_ids.empty()
+              ? std::string("idle")
+              : (w.job_ids.size() == 1 ? "job " : "jobs ") + JobList(w.job_ids, ", "));
+}
+
 std::string WorkersTable(const std::vector<WorkerSummary>& workers) {
   std::ostringstream out;
   out << Pad("ID", 27) << Pad("HOST", 16) << Pad("DEVICE", 9) << Pad("GPU", 28) << Pad("STATE", 7)
-      << Pad("JOB", 6) << "STORES\n";
+      << Pad("SLOTS", 7) << Pad("JOBS", 12) << "STORES\n";
   for (const WorkerSummary& w : workers) {
     std::string gpu = w.gpu_name.empty() ? "-" : w.gpu_name + " " + FormatBytes(w.gpu_memory_bytes);
     std::string stores;
     for (const StoreInfo& s : w.stores) stores += (stores.empty() ? "" : ",") + s.name;
     out << TerminalColumn(w.id, 27) << TerminalColumn(w.host, 16) << TerminalColumn(w.device, 9)
-        << TerminalColumn(gpu, 28) << Pad(w.alive ? (w.job_id ? "busy" : "idle") : "dead", 7)
-        << Pad(w.job_id ? std::to_string(w.job_id) : "-", 6)
+        << TerminalColumn(gpu, 28)
+        << Pad(w.alive ? (w.job_ids.empty() ? "idle" : "busy") : "dead", 7)
+        << Pad(std::to_string(w.job_ids.size()) + "/" + std::to_string(w.slots), 7)
+        << Pad(w.job_ids.empty() ? "-" : JobList(w.job_ids, ","), 12)
         << (stores.empty() ? "-" : TerminalSafe(stores)) << "\n";
   }
   return out.str();

@@ -24,6 +24,9 @@ std::string JobDetails(const ShowJobReply& reply, const std::string& best_checkp
 std::string StatsCsv(const std::vector<StepStats>& stats);
 std::string StatsJson(int64_t job_id, const std::vector<StepStats>& stats);
 
+// A worker's job slots and what runs in them: "2/4 slots: jobs 3, 5", "0/1 slot: idle".
+std::string FormatSlots(const WorkerSummary& worker);
+
 // "1:02:03", "4:05", "-" for an unknown duration.
 std::string FormatDuration(double seconds);
 // "step 12/100", or "step 12" when the total is unknown.

@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <chrono>
 #include <limits>
+#include <utility>
 
 #include <unistd.h>
 
+#include "common/job_group.h"
 #include "common/log.h"
 #include "common/user_access.h"
 
@@ -78,41 +80,43 @@ void Coordinator::Save(const JobRecord& job) { journal_.SaveJob(job); }
 RegisterReply Coordinator::Register(const RegisterRequest& req, double now) {
   if (req.host.empty() || req.device.empty())
     throw Error(ErrorCode::kInvalidArgument, "Register: host and device must be named");
+  if (req.slots < 1)
+    throw Error(
+        ErrorCode::kInvalidArgument,
+        "Register: a worker has at least one job slot (found " + std::to_string(req.slots) + ")");
   RegisterReply reply;
   reply.heartbeat_interval_s = options_.heartbeat_interval_s;
-  JobRecord* kept = nullptr;
-  if (req.running_job_id != 0 && !req.previous_worker_id.empty()) {
-    auto it = jobs_.find(req.running_job_id);
-    if (it != jobs_.end() && it->second.summary.state == JobState::kRunning &&
-        it->second.summary.worker_id == req.previous_worker_id &&
-        it->second.summary.attempt == req.running_attempt)
-      kept = &it->second;
-  }
-  if (kept) {
-    WorkerEntry& w = workers_.Add(req.previous_worker_id, req, now);
-    w.job_id = kept->summary.id;
-    w.attempt = kept->summary.attempt;
-    reply.worker_id = w.id;
-    reply.keep_running_job = true;
-    LS_LOG_INFO("worker {} re-registered; keeps job {} attempt {}", Describe(w), w.job_id,
-                w.attempt);
-  } else {
-    if (!req.previous_worker_id.empty()) {
-      // The old identity comes back without its job: whatever it owned must run elsewhere.
-      if (WorkerEntry* old = workers_.FindAlive(req.previous_worker_id)) {
-        old->alive = false;
-        if (old->job_id != 0) {
-          JobRecord& job = FindJob(old->job_id);
-          if (job.summary.state == JobState::kRunning && job.summary.worker_id == old->id)
-            Requeue(job, "worker " + old->id + " re-registered without its job", false);
-        }
-      }
+  // The running jobs the worker names that its old identity owned in that very attempt.
+  std::vector<RunningJob> kept;
+  if (!req.previous_worker_id.empty()) {
+    for (const RunningJob& r : req.running) {
+      auto it = jobs_.find(r.job_id);
+      if (it != jobs_.end() && it->second.summary.state == JobState::kRunning &&
+          it->second.summary.worker_id == req.previous_worker_id &&
+          it->second.summary.attempt == r.attempt)
+        kept.push_back(r);
     }
-    WorkerEntry& w = workers_.Add(NewWorkerId(), req, now);
-    reply.worker_id = w.id;
-    LS_LOG_INFO("worker {} registered ({} stores, gpu '{}')", Describe(w), req.stores.size(),
-                req.gpu_name);
+    // Whatever else the old identity owned must run elsewhere.
+    auto is_kept = [&](int64_t id) {
+      return std::any_of(kept.begin(), kept.end(),
+                         [&](const RunningJob& r) { return r.job_id == id; });
+    };
+    for (auto& [id, job] : jobs_)
+      if (job.summary.state == JobState::kRunning &&
+          job.summary.worker_id == req.previous_worker_id && !is_kept(id))
+        Requeue(job, "worker " + req.previous_worker_id + " re-registered without it", false);
+    if (WorkerEntry* old = workers_.FindAlive(req.previous_worker_id)) old->alive = false;
   }
+  WorkerEntry& w = workers_.Add(kept.empty() ? NewWorkerId() : req.previous_worker_id, req, now);
+  w.jobs = kept;
+  reply.worker_id = w.id;
+  for (const RunningJob& r : kept) reply.kept_jobs.push_back(r.job_id);
+  if (!kept.empty())
+    LS_LOG_INFO("worker {} re-registered; keeps {} of its {} jobs", Describe(w), kept.size(),
+                req.running.size());
+  else
+    LS_LOG_INFO("worker {} registered ({} slots, {} stores, gpu '{}')", Describe(w), w.slots(),
+                req.stores.size(), req.gpu_name);
   Touch();
   return reply;
 }
@@ -130,13 +134,83 @@ JobAssignment Coordinator::Assign(JobRecord& job, WorkerEntry& worker) {
   // the same weights.
   if (s.fingerprint.empty() && !s.store_name.empty())
     s.fingerprint = worker.FingerprintOf(s.store_name);
-  worker.job_id = s.id;
-  worker.attempt = s.attempt;
+  worker.jobs.push_back(RunningJob{s.id, s.attempt});
+  if (drain_job_ == s.id) {
+    drain_job_ = 0;
+    drain_worker_.clear();
+  }
   Save(job);
   Touch();
-  LS_LOG_INFO("job {} '{}' attempt {} -> worker {} (resume from step {})", s.id, s.name, s.attempt,
-              Describe(worker), s.checkpoint_step);
+  LS_LOG_INFO("job {} '{}' attempt {} -> worker {}, slot {}/{} (resume from step {})", s.id, s.name,
+              s.attempt, Describe(worker), worker.jobs.size(), worker.slots(), s.checkpoint_step);
   return AssignmentOf(job);
+}
+
+std::string Coordinator::GroupProblem(const JobRecord& job, const WorkerEntry& worker) const {
+  for (const RunningJob& r : worker.jobs) {
+    auto it = jobs_.find(r.job_id);
+    if (it == jobs_.end()) continue;
+    const JobRecord& other = it->second;
+    std::string why = GroupRefusal(other.spec, job.spec, worker.info.device);
+    if (!why.empty()) return why;
+    // A root worker (or one that did not say) acts as each job's submitter, and its group's
+    // one training thread acts as one user at a time.
+    if (worker.info.uid <= 0 && other.summary.submitter_uid != job.summary.submitter_uid)
+      return "job " + job.spec.name + " cannot train in a group with job " + other.spec.name +
+             ": another submitter (" + job.summary.submitter + ", " + other.summary.submitter +
+             "), and the group's thread acts as one user";
+  }
+  return "";
+}
+
+void Coordinator::UpdateDrain() {
+  // The head of the queue: the first job some live worker has the base of.
+  auto candidate = [&](const JobRecord& job, const WorkerEntry& w) {
+    return w.alive && Fits(job, w);
+  };
+  const int64_t head = queue_.PickFirst([&](int64_t id) {
+    const JobRecord& job = jobs_.at(id);
+    for (const WorkerEntry* w : workers_.Alive())
+      if (candidate(job, *w)) return true;
+    return false;
+  });
+  std::string chosen;
+  if (head != 0) {
+    const JobRecord& job = jobs_.at(head);
+    const WorkerEntry* fewest = nullptr;
+    bool compatible = false, previous = false;
+    for (const WorkerEntry* w : workers_.Alive()) {
+      if (!candidate(job, *w)) continue;
+      if (GroupProblem(job, *w).empty()) {
+        compatible = true;  // it waits for (or takes) a slot there
+        break;
+      }
+      if (w->id == drain_worker_ && drain_job_ == head) previous = true;
+      if (!fewest || w->jobs.size() < fewest->jobs.size()) fewest = w;
+    }
+    if (!compatible) chosen = previous ? drain_worker_ : fewest->id;
+  }
+  if (chosen.empty()) {
+    drain_job_ = 0;
+    drain_worker_.clear();
+    return;
+  }
+  if (chosen != drain_worker_ || head != drain_job_)
+    LS_LOG_INFO(
+        "job {} fits no running group ({}): worker {} takes no other job until its group has "
+        "drained",
+        head, GroupProblem(jobs_.at(head), *workers_.FindAlive(chosen)), chosen);
+  drain_job_ = head;
+  drain_worker_ = chosen;
+}
+
+int64_t Coordinator::PickFor(const WorkerEntry& worker) {
+  UpdateDrain();
+  if (worker.id == drain_worker_) return worker.jobs.empty() ? drain_job_ : 0;
+  return queue_.PickFirst([&](int64_t id) {
+    const JobRecord& job = jobs_.at(id);
+    return Fits(job, worker) && GroupProblem(job, worker).empty();
+  });
 }
 
 JobAssignment Coordinator::AssignmentOf(const JobRecord& job) {
@@ -160,26 +234,30 @@ HeartbeatReply Coordinator::Heartbeat(const HeartbeatRequest& req, double now) {
     return reply;
   }
   w->last_seen = now;
-  if (req.job_id != 0) {
-    auto it = jobs_.find(req.job_id);
+  for (const RunningJob& r : req.running) {
+    auto it = jobs_.find(r.job_id);
     bool owned = it != jobs_.end() && it->second.summary.state == JobState::kRunning &&
-                 it->second.summary.worker_id == w->id && it->second.summary.attempt == req.attempt;
-    reply.stop_job = !owned || it->second.summary.cancel_requested;
-    return reply;
+                 it->second.summary.worker_id == w->id && it->second.summary.attempt == r.attempt;
+    if (!owned || it->second.summary.cancel_requested) reply.stop_jobs.push_back(r.job_id);
   }
-  if (w->job_id != 0) {
-    // The registry says this idle worker runs a job: the reply carrying the assignment was
-    // lost. Send the same attempt again rather than leave the job running on nobody.
-    JobRecord& job = FindJob(w->job_id);
+  for (const RunningJob& mine : std::vector<RunningJob>(w->jobs)) {
+    const bool named = std::any_of(req.running.begin(), req.running.end(),
+                                   [&](const RunningJob& r) { return r.job_id == mine.job_id; });
+    if (named) continue;
+    // The registry says this worker runs a job it does not name: the reply carrying the
+    // assignment was lost. Send the same attempt again rather than leave the job running on
+    // nobody.
+    JobRecord& job = FindJob(mine.job_id);
     if (job.summary.state == JobState::kRunning && job.summary.worker_id == w->id &&
-        job.summary.attempt == w->attempt) {
+        job.summary.attempt == mine.attempt) {
       reply.has_assignment = true;
       reply.assignment = AssignmentOf(job);
       return reply;
     }
-    w->job_id = 0;
+    w->Drop(mine.job_id);
   }
-  int64_t id = queue_.PickFirst([&](int64_t job_id) { return Fits(jobs_.at(job_id), *w); });
+  if (req.free_slots <= 0 || w->free_slots() <= 0) return reply;
+  const int64_t id = PickFor(*w);
   if (id != 0) {
     reply.has_assignment = true;
     reply.assignment = Assign(jobs_.at(id), *w);
@@ -285,19 +363,16 @@ WorkerAck Coordinator::Finished(const JobFinished& req, double now) {
   return WorkerAck{};
 }
 
-void Coordinator::DetachWorker(const std::string& worker_id) {
-  if (worker_id.empty()) return;
-  if (WorkerEntry* w = workers_.FindAlive(worker_id)) {
-    w->job_id = 0;
-    w->attempt = 0;
-  }
+void Coordinator::DetachWorker(const JobSummary& job) {
+  if (job.worker_id.empty()) return;
+  if (WorkerEntry* w = workers_.FindAlive(job.worker_id)) w->Drop(job.id);
 }
 
 void Coordinator::Finish(JobRecord& job, JobState state, const std::string& reason,
                          double wall_now) {
   JobSummary& s = job.summary;
   if (s.state == JobState::kQueued) queue_.Remove(s.id, s.priority);
-  DetachWorker(s.worker_id);
+  DetachWorker(s);
   s.state = state;
   s.reason = reason;
   s.finished_at = wall_now;
@@ -320,7 +395,7 @@ void Coordinator::Requeue(JobRecord& job, const std::string& why, bool count_ret
            WallSeconds());
     return;
   }
-  DetachWorker(s.worker_id);
+  DetachWorker(s);
   s.state = JobState::kQueued;
   s.reason = why + "; requeued, resumes from step " + std::to_string(s.checkpoint_step);
   s.worker_id.clear();
@@ -493,9 +568,10 @@ void Coordinator::Tick(double now) {
     w->alive = false;
     Touch();
     LS_LOG_WARN("worker {} missed heartbeats for {:.1f} s: dead", Describe(*w), now - w->last_seen);
-    if (w->job_id != 0) {
-      JobRecord& job = FindJob(w->job_id);
-      w->job_id = 0;
+    // Every job of its slots resumes elsewhere from its own last checkpoint.
+    const std::vector<RunningJob> jobs = std::exchange(w->jobs, {});
+    for (const RunningJob& r : jobs) {
+      JobRecord& job = FindJob(r.job_id);
       if (job.summary.state == JobState::kRunning && job.summary.worker_id == w->id)
         Requeue(job,
                 "worker " + Describe(*w) + " died (no heartbeat for " +

@@ -6,7 +6,15 @@
 // Job states: queued -> running -> succeeded | failed | cancelled. A running job is owned by
 // exactly one (worker id, attempt); reports from anyone else are refused. A job whose worker
 // dies, or whose worker does not re-register after a coordinator restart, is requeued with
-// attempt + 1 and resumes from its last checkpoint, at most max_retries times.
+// attempt + 1 and resumes from its last checkpoint, at most max_retries times; a worker's
+// death requeues every job of its slots.
+//
+// Scheduling: a worker trains up to `slots` jobs at once as one job group. A free slot takes
+// the first queued job (priority, then submission) whose store the worker has and that may
+// share the group with every job it runs (common/job_group.h; on a root worker also the same
+// submitter). When the head of the queue fits no live worker's group, the worker with the
+// fewest jobs among those that have its store takes no other job until its group has drained,
+// and then takes it: no job starves behind jobs that keep a group busy.
 #pragma once
 
 #include <functional>
@@ -87,10 +95,16 @@ class Coordinator {
   JobRecord& RequireOwner(const std::string& worker_id, int64_t job_id, int32_t attempt,
                           double now);
   JobAssignment Assign(JobRecord& job, WorkerEntry& worker);
+  // Why `job` cannot join the group `worker` trains ("" when it can).
+  std::string GroupProblem(const JobRecord& job, const WorkerEntry& worker) const;
+  // The queued job for a free slot of `worker` (0: none).
+  int64_t PickFor(const WorkerEntry& worker);
+  // Chooses the worker that drains for the head of the queue, when no group fits it.
+  void UpdateDrain();
   static JobAssignment AssignmentOf(const JobRecord& job);
   void Requeue(JobRecord& job, const std::string& why, bool count_retry);
   void Finish(JobRecord& job, JobState state, const std::string& reason, double wall_now);
-  void DetachWorker(const std::string& worker_id);
+  void DetachWorker(const JobSummary& job);  // frees the job's slot on its worker
   JobSummary View(const JobRecord& job) const;
   bool IsOperator(const Submitter& viewer) const;
   bool MaySee(const Submitter& viewer, const JobRecord& job) const;
@@ -107,6 +121,9 @@ class Coordinator {
   std::map<int64_t, double> step_seconds_ema_;  // per running job, for the ETA
   int64_t next_job_id_ = 1;
   double reconcile_deadline_ = 0;
+  // The head of the queue that no group fits, and the worker draining for it ("": none).
+  int64_t drain_job_ = 0;
+  std::string drain_worker_;
   uint64_t version_ = 1;
 };
 

@@ -199,6 +199,8 @@ void LocalCluster::StartWorker(size_t index) {
     const long cores = std::max(1u, std::thread::hardware_concurrency());
     argv.insert(argv.end(), {"--threads", std::to_string(std::max(1L, cores / cpu_workers))});
   }
+  if (options_.jobs_per_worker > 0)
+    argv.insert(argv.end(), {"--jobs", std::to_string(options_.jobs_per_worker)});
   workers_[index] = Subprocess::Spawn(argv, so);
 }
 

@@ -22,6 +22,7 @@ struct LocalClusterOptions {
   // One worker per entry ("cuda:0", "cpu"); empty = one per visible GPU, else `cpu_workers`.
   std::vector<std::string> devices;
   int cpu_workers = 2;
+  int jobs_per_worker = 0;           // each worker's `serve --jobs` (0: the worker's default)
   double heartbeat_timeout_s = 5.0;  // the coordinator's --heartbeat-timeout
   std::string log_level = "info";
   std::string tensorboard_dir;  // the coordinator's --tensorboard ("" = none)

@@ -11,6 +11,18 @@ bool WorkerEntry::HasStore(const std::string& name, const std::string& fingerpri
   return false;
 }
 
+int32_t WorkerEntry::AttemptOf(int64_t job_id) const {
+  for (const RunningJob& j : jobs)
+    if (j.job_id == job_id) return j.attempt;
+  return 0;
+}
+
+void WorkerEntry::Drop(int64_t job_id) {
+  jobs.erase(std::remove_if(jobs.begin(), jobs.end(),
+                            [&](const RunningJob& j) { return j.job_id == job_id; }),
+             jobs.end());
+}
+
 std::string WorkerEntry::FingerprintOf(const std::string& store) const {
   for (const StoreInfo& s : info.stores)
     if (s.name == store) return s.fingerprint;
@@ -27,7 +39,8 @@ WorkerSummary WorkerEntry::Summary(double now) const {
   s.pid = info.pid;
   s.stores = info.stores;
   s.alive = alive;
-  s.job_id = job_id;
+  for (const RunningJob& j : jobs) s.job_ids.push_back(j.job_id);
+  s.slots = slots();
   s.seconds_since_heartbeat = now - last_seen;
   return s;
 }
@@ -38,14 +51,20 @@ WorkerEntry& WorkerRegistry::Add(const std::string& id, const RegisterRequest& i
   w.info = info;
   w.last_seen = now;
   w.alive = true;
-  w.job_id = 0;
-  w.attempt = 0;
+  w.jobs.clear();
   return w;
 }
 
 WorkerEntry* WorkerRegistry::FindAlive(const std::string& id) {
   auto it = workers_.find(id);
   return it != workers_.end() && it->second.alive ? &it->second : nullptr;
+}
+
+std::vector<const WorkerEntry*> WorkerRegistry::Alive() const {
+  std::vector<const WorkerEntry*> out;
+  for (const auto& [id, w] : workers_)
+    if (w.alive) out.push_back(&w);
+  return out;
 }
 
 const WorkerEntry* WorkerRegistry::Find(const std::string& id) const {

@@ -96,8 +96,10 @@ SlurmOptions Checked(SlurmOptions o) {
   if (o.nodes < 1) bad("--nodes must be at least 1");
   if ((o.gpus_per_node > 0) == (o.cpu_workers_per_node > 0))
     bad("give exactly one of --gpus-per-node (a worker per GPU) and --cpu-workers-per-node");
-  if (o.gpus_per_node < 0 || o.cpu_workers_per_node < 0 || o.worker_threads < 0)
-    bad("--gpus-per-node, --cpu-workers-per-node and --threads cannot be negative");
+  if (o.gpus_per_node < 0 || o.cpu_workers_per_node < 0 || o.worker_threads < 0 ||
+      o.jobs_per_gpu < 0)
+    bad("--gpus-per-node, --cpu-workers-per-node, --threads and --jobs-per-gpu cannot be "
+        "negative");
   if (o.port < 1 || o.port > 65535) bad("--port must be in 1..65535");
   if (o.keys_dir.empty()) bad("--keys names the folder of the CURVE keys (on shared storage)");
   if (!o.model_dir.empty()) {
@@ -254,6 +256,7 @@ std::string RenderPilotScript(const std::string& template_text, const SlurmOptio
                            : "--cpus-per-task=" + std::to_string(std::max(1, o.worker_threads))},
       {"WORKER_DEVICE", gpus ? "cuda:0" : "cpu"},
       {"WORKER_THREADS", std::to_string(o.worker_threads)},
+      {"WORKER_JOBS", std::to_string(o.jobs_per_gpu)},
       {"STORE_WAIT", Seconds(o.store_wait_s)},
   };
   std::string text;

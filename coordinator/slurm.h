@@ -19,6 +19,7 @@ struct SlurmOptions {
   int gpus_per_node = 0;         // one worker per GPU (--gpus-per-task=1) ...
   int cpu_workers_per_node = 0;  // ... or this many CPU workers: exactly one of the two
   int worker_threads = 0;        // CPU threads per worker (0: every core)
+  int jobs_per_gpu = 0;          // each worker's job slots, `serve --jobs` (0: its default)
   std::string partition, time, account, job_name = "lorastream";
   std::vector<std::string> sbatch_lines;  // more #SBATCH lines, e.g. "--constraint=h200"
   bool requeue = false;                   // Slurm restarts the pilot when its first node fails

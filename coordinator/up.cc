@@ -81,6 +81,7 @@ int RunUp(const UpOptions& options) {
   co.preset = options.preset;
   co.devices = options.devices.empty() ? DetectGpus() : options.devices;
   co.cpu_workers = options.cpu_workers;
+  co.jobs_per_worker = options.jobs_per_worker;
   co.outlive_parent = options.keep;  // --keep leaves the cluster running after `up` ends
   if (!options.tensorboard_dir.empty()) {
     // Checked here, before anything starts: a bad folder is an error of this command.
@@ -109,6 +110,8 @@ int RunUp(const UpOptions& options) {
   std::printf("store `%s` (%s), coordinator %s, %zu worker(s):", cluster.store_name().c_str(),
               cluster.model_dir().c_str(), cluster.endpoint().c_str(), cluster.num_workers());
   for (const auto& d : cluster.devices()) std::printf(" %s", d.c_str());
+  if (options.jobs_per_worker > 0)
+    std::printf(", each training up to %d jobs at once as one group", options.jobs_per_worker);
   std::printf("\n");
   for (const auto& job : jobs) {
     if (g_stop_signal) break;  // Ctrl-C during start-up: submit nothing more

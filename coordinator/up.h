@@ -15,6 +15,7 @@ struct UpOptions {
   std::string run_dir;               // "" = runs/up-<date>-<time> under the current folder
   std::vector<std::string> devices;  // empty = every visible GPU, else `cpu_workers` CPU workers
   int cpu_workers = 2;
+  int jobs_per_worker = 0;      // `serve --jobs` of every worker (0: the worker's default)
   bool keep = false;            // leave the cluster running at the end
   bool watch = true;            // show the live view
   std::string bin_dir;          // "" = the folder of the running `lorastream`

@@ -86,7 +86,7 @@ std::string RenderFrame(const WatchReply& reply, const std::vector<int64_t>& wat
     out << "  " << w.host << " " << w.device;
     if (!w.gpu_name.empty())
       out << " (" << w.gpu_name << ", " << FormatBytes(w.gpu_memory_bytes) << ")";
-    out << "  " << (w.job_id ? "job " + std::to_string(w.job_id) : std::string("idle")) << "\n";
+    out << "  " << FormatSlots(w) << "\n";
   }
   return out.str();
 }
@@ -155,8 +155,7 @@ int RunWatch(client::Client& client, const WatchOptions& options, std::ostream& 
       std::ostringstream workers;
       for (const WorkerSummary& w : reply.workers)
         workers << " " << w.host << "/" << w.device
-                << (w.gpu_name.empty() ? "" : "(" + w.gpu_name + ")")
-                << (w.job_id ? ":job " + std::to_string(w.job_id) : ":idle");
+                << (w.gpu_name.empty() ? "" : "(" + w.gpu_name + ")") << " " << FormatSlots(w);
       if (workers.str() != last_workers) {
         out << "workers:" << (workers.str().empty() ? " none" : workers.str()) << "\n";
         last_workers = workers.str();

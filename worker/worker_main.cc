@@ -115,6 +115,11 @@ int main(int argc, char** argv) {
       ->add_option("--curve-keys", serve.curve_keys, "CURVE keys folder from `lorastream keygen`")
       ->envname("LORASTREAM_CURVE_KEYS");
   serve_cmd->add_option("--threads", serve.threads, "CPU threads (0 = every core)");
+  serve_cmd
+      ->add_option("--jobs", serve.jobs,
+                   "job slots: train up to K jobs at once as one job group (default: 1 on the "
+                   "CPU; on a GPU one per 20 GiB of its memory, at most 4)")
+      ->check(CLI::Range(1, 64));
   serve_cmd->add_flag("--resident", serve_resident,
                       "keep every block resident (no streaming engine)");
 

@@ -56,12 +56,19 @@ TEST_CASE("every message type round-trips through the envelope", "[common][envel
   reg.gpu_name = "H200";
   reg.gpu_memory_bytes = 141ull << 30;
   reg.stores = {{"llama", "fp1"}, {"qwen", "fp2"}};
-  reg.running_job_id = 9;
+  reg.running = {{9, 2}, {11, 1}};
+  reg.slots = 4;
+  reg.uid = 0;
   RegisterRequest reg2 = RoundTrip(reg);
   CHECK(reg2.stores.size() == 2);
   CHECK(reg2.stores[1].fingerprint == "fp2");
   CHECK(reg2.gpu_memory_bytes == reg.gpu_memory_bytes);
-  CHECK(reg2.running_job_id == 9);
+  REQUIRE(reg2.running.size() == 2);
+  CHECK(reg2.running[0].job_id == 9);
+  CHECK(reg2.running[0].attempt == 2);
+  CHECK(reg2.running[1].job_id == 11);
+  CHECK(reg2.slots == 4);
+  CHECK(reg2.uid == 0);
 
   HeartbeatReply hb;
   hb.has_assignment = true;
@@ -118,10 +125,10 @@ TEST_CASE("malformed frames are distinct, clear errors", "[common][envelope]") {
   }
   SECTION("another protocol version") {
     std::string f = good;
-    f[4] = 2;
+    f[4] = 1;  // a worker of the build before job slots
     auto [code, msg] = Failure(f);
     CHECK(code == ErrorCode::kProtocol);
-    CHECK_THAT(msg, Catch::Contains("protocol version 2"));
+    CHECK_THAT(msg, Catch::Contains("protocol version 1"));
   }
   SECTION("payload above the cap") {
     std::string f = good;

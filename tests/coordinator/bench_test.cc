@@ -89,7 +89,7 @@ TEST_CASE("bench: coordinator throughput and statistic-to-watch latency", "[.][b
   reg.device = "cpu";
   reg.stores = {{"tiny", "fp"}};
   std::string wid = client.Call(reg).worker_id;
-  HeartbeatReply hb = client.Call(HeartbeatRequest{wid, 0, 0});
+  HeartbeatReply hb = client.Call(HeartbeatRequest{wid, {}, 1});
   REQUIRE(hb.has_assignment);
   const int64_t job = hb.assignment.job_id;
   const int kReports = 300;

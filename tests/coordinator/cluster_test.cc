@@ -18,14 +18,17 @@ using namespace lorastream::testing;
 
 namespace {
 
-// "attempt pid step" lines of a job's steps.log -> attempt -> steps it ran.
+// "attempt pid step group" lines of a job's steps.log -> attempt -> steps it ran.
 std::map<int, std::vector<int64_t>> StepsByAttempt(const std::string& log) {
   std::map<int, std::vector<int64_t>> out;
-  std::istringstream in(log);
-  int attempt;
-  long pid;
-  int64_t step;
-  while (in >> attempt >> pid >> step) out[attempt].push_back(step);
+  std::istringstream lines(log);
+  for (std::string line; std::getline(lines, line);) {
+    std::istringstream in(line);
+    int attempt;
+    long pid;
+    int64_t step;
+    if (in >> attempt >> pid >> step) out[attempt].push_back(step);
+  }
   return out;
 }
 

@@ -70,7 +70,7 @@ TEST_CASE("queue order is priority, then submission; only hosts with the model",
   std::string w = c.Register(Worker("a", {{"tiny", "fp-a"}}), 0).worker_id;
   std::vector<int64_t> order;
   for (int i = 0; i < 3; ++i) {
-    HeartbeatReply hb = c.Heartbeat(HeartbeatRequest{w, 0, 0}, 1);
+    HeartbeatReply hb = c.Heartbeat(HeartbeatRequest{w, {}, 1}, 1);
     REQUIRE(hb.has_assignment);
     order.push_back(hb.assignment.job_id);
     c.Finished(JobFinished{w, hb.assignment.job_id, hb.assignment.attempt, JobOutcome::kSucceeded,
@@ -79,13 +79,13 @@ TEST_CASE("queue order is priority, then submission; only hosts with the model",
   }
   CHECK(order == std::vector<int64_t>{high1, high2, low});
   // The qwen job waits: no worker has that store.
-  CHECK_FALSE(c.Heartbeat(HeartbeatRequest{w, 0, 0}, 2).has_assignment);
+  CHECK_FALSE(c.Heartbeat(HeartbeatRequest{w, {}, 1}, 2).has_assignment);
   ListJobsReply jobs = c.ListJobs(ListJobsRequest{true}, 2);
   CHECK(FindJob(jobs, other).state == JobState::kQueued);
   CHECK(FindJob(jobs, low).fingerprint == "fp-a");  // pinned at the first run
 
   std::string q = c.Register(Worker("b", {{"qwen", "fp-q"}}), 2).worker_id;
-  HeartbeatReply hb = c.Heartbeat(HeartbeatRequest{q, 0, 0}, 3);
+  HeartbeatReply hb = c.Heartbeat(HeartbeatRequest{q, {}, 1}, 3);
   REQUIRE(hb.has_assignment);
   CHECK(hb.assignment.job_id == other);
   CHECK(hb.assignment.spec.model.store == "qwen");
@@ -96,12 +96,12 @@ TEST_CASE("a resumed job only goes to a host with the same base fingerprint", "[
   Coordinator c(Options(), Journal(db.path()), 0);
   int64_t id = c.Submit(Job("j", 0)).job_id;
   std::string a = c.Register(Worker("a", {{"tiny", "fp-1"}}), 0).worker_id;
-  REQUIRE(c.Heartbeat(HeartbeatRequest{a, 0, 0}, 0).assignment.job_id == id);
+  REQUIRE(c.Heartbeat(HeartbeatRequest{a, {}, 1}, 0).assignment.job_id == id);
   c.Tick(10);  // a is silent for 10 s > 5 s: dead, job requeued
   std::string b = c.Register(Worker("b", {{"tiny", "fp-2"}}), 10).worker_id;
-  CHECK_FALSE(c.Heartbeat(HeartbeatRequest{b, 0, 0}, 10).has_assignment);
+  CHECK_FALSE(c.Heartbeat(HeartbeatRequest{b, {}, 1}, 10).has_assignment);
   std::string d = c.Register(Worker("d", {{"tiny", "fp-1"}}), 10).worker_id;
-  HeartbeatReply hb = c.Heartbeat(HeartbeatRequest{d, 0, 0}, 10);
+  HeartbeatReply hb = c.Heartbeat(HeartbeatRequest{d, {}, 1}, 10);
   REQUIRE(hb.has_assignment);
   CHECK(hb.assignment.attempt == 2);
 }
@@ -112,7 +112,7 @@ TEST_CASE("a worker can report only on its own job", "[coordinator]") {
   int64_t id = c.Submit(Job("j", 0)).job_id;
   std::string a = c.Register(Worker("a", {{"tiny", ""}}), 0).worker_id;
   std::string b = c.Register(Worker("b", {{"tiny", ""}}), 0).worker_id;
-  HeartbeatReply hb = c.Heartbeat(HeartbeatRequest{a, 0, 0}, 0);
+  HeartbeatReply hb = c.Heartbeat(HeartbeatRequest{a, {}, 1}, 0);
   REQUIRE(hb.assignment.job_id == id);
   StepReport step{b, id, 1, {}};
   step.stats.step = 1;
@@ -133,13 +133,13 @@ TEST_CASE("cancel: queued at once, running at the next step boundary", "[coordin
   int64_t run = c.Submit(Job("run", 1)).job_id;
   int64_t wait = c.Submit(Job("wait", 0)).job_id;
   std::string w = c.Register(Worker("a", {{"tiny", ""}}), 0).worker_id;
-  REQUIRE(c.Heartbeat(HeartbeatRequest{w, 0, 0}, 0).assignment.job_id == run);
+  REQUIRE(c.Heartbeat(HeartbeatRequest{w, {}, 1}, 0).assignment.job_id == run);
   CHECK(c.Cancel(CancelRequest{wait}).state == JobState::kCancelled);
   CHECK(c.Cancel(CancelRequest{run}).state == JobState::kRunning);
   StepReport step{w, run, 1, {}};
   step.stats.step = 3;
   CHECK(c.Step(step, 1).stop_job);
-  CHECK(c.Heartbeat(HeartbeatRequest{w, run, 1}, 1).stop_job);
+  CHECK(c.Heartbeat(HeartbeatRequest{w, {{run, 1}}, 0}, 1).stop_jobs == std::vector<int64_t>{run});
   c.Finished(JobFinished{w, run, 1, JobOutcome::kCancelled, "", "/out/adapter", 3}, 1);
   JobSummary s = c.ShowJob(ShowJobRequest{run}, 1).job;
   CHECK(s.state == JobState::kCancelled);
@@ -180,7 +180,7 @@ TEST_CASE("dead workers requeue their job from its checkpoint, up to the retry l
   Coordinator c(Options(), Journal(db.path()), 0);  // max_retries = 1
   int64_t id = c.Submit(Job("j", 0)).job_id;
   std::string a = c.Register(Worker("a", {{"tiny", ""}}), 0).worker_id;
-  REQUIRE(c.Heartbeat(HeartbeatRequest{a, 0, 0}, 0).has_assignment);
+  REQUIRE(c.Heartbeat(HeartbeatRequest{a, {}, 1}, 0).has_assignment);
   c.Checkpoint(CheckpointReport{a, id, 1, 4, "/out/checkpoint-4"}, 1);
   c.Tick(4);  // 4 s of silence: still alive
   CHECK(c.ShowJob(ShowJobRequest{id}, 4).job.state == JobState::kRunning);
@@ -190,7 +190,7 @@ TEST_CASE("dead workers requeue their job from its checkpoint, up to the retry l
   CHECK_THAT(s.reason, Catch::Contains("died"));
 
   std::string b = c.Register(Worker("b", {{"tiny", ""}}), 7).worker_id;
-  HeartbeatReply hb = c.Heartbeat(HeartbeatRequest{b, 0, 0}, 7);
+  HeartbeatReply hb = c.Heartbeat(HeartbeatRequest{b, {}, 1}, 7);
   REQUIRE(hb.has_assignment);
   CHECK(hb.assignment.resume_step == 4);
   CHECK(hb.assignment.checkpoint_path == "/out/checkpoint-4");
@@ -213,8 +213,8 @@ TEST_CASE("a restarted coordinator keeps every job and reconciles running ones",
     queued = c.Submit(Job("queued", 0)).job_id;
     w1 = c.Register(Worker("a", {{"tiny", ""}}), 0).worker_id;
     w2 = c.Register(Worker("b", {{"tiny", ""}}), 0).worker_id;
-    REQUIRE(c.Heartbeat(HeartbeatRequest{w1, 0, 0}, 0).assignment.job_id == running);
-    REQUIRE(c.Heartbeat(HeartbeatRequest{w2, 0, 0}, 0).assignment.job_id == orphan);
+    REQUIRE(c.Heartbeat(HeartbeatRequest{w1, {}, 1}, 0).assignment.job_id == running);
+    REQUIRE(c.Heartbeat(HeartbeatRequest{w2, {}, 1}, 0).assignment.job_id == orphan);
     StepReport step{w1, running, 1, {}};
     step.stats.step = 1;
     step.stats.total_steps = 10;
@@ -226,20 +226,18 @@ TEST_CASE("a restarted coordinator keeps every job and reconciles running ones",
   CHECK(FindJob(jobs, queued).state == JobState::kQueued);
   CHECK(FindJob(jobs, running).state == JobState::kRunning);
   // The coordinator forgot the workers: heartbeats say so, and w1 comes back with its job.
-  CHECK_FALSE(c.Heartbeat(HeartbeatRequest{w1, running, 1}, 100).known_worker);
+  CHECK_FALSE(c.Heartbeat(HeartbeatRequest{w1, {{running, 1}}, 0}, 100).known_worker);
   RegisterRequest again = Worker("a", {{"tiny", ""}});
   again.previous_worker_id = w1;
-  again.running_job_id = running;
-  again.running_attempt = 1;
+  again.running = {{running, 1}};
   RegisterReply rr = c.Register(again, 101);
-  CHECK(rr.keep_running_job);
+  CHECK(rr.kept_jobs == std::vector<int64_t>{running});
   CHECK(rr.worker_id == w1);
   // A forged claim on the orphan is not honoured.
   RegisterRequest forged = Worker("x", {{"tiny", ""}});
   forged.previous_worker_id = "w-forged";
-  forged.running_job_id = orphan;
-  forged.running_attempt = 1;
-  CHECK_FALSE(c.Register(forged, 101).keep_running_job);
+  forged.running = {{orphan, 1}};
+  CHECK(c.Register(forged, 101).kept_jobs.empty());
   // w2 never returns: after the reconcile timeout its job is requeued.
   c.Tick(103);
   CHECK(c.ShowJob(ShowJobRequest{orphan}, 103).job.state == JobState::kRunning);

@@ -70,7 +70,7 @@ TEST_CASE("eval losses reach show, watch and stats, survive downsampling and res
     worker.device = "cpu";
     worker.stores = {{"tiny", ""}};
     std::string w = c.Register(worker, 0).worker_id;
-    REQUIRE(c.Heartbeat(HeartbeatRequest{w, 0, 0}, 0).assignment.job_id == id);
+    REQUIRE(c.Heartbeat(HeartbeatRequest{w, {}, 1}, 0).assignment.job_id == id);
     for (int64_t step = 1; step <= 250; ++step) {
       // Evaluations at 37 and 74 (not multiples of the stride 100), lowest at 74.
       double eval = step == 37 ? 2.5 : step == 74 ? 1.75 : step == 111 ? 2.0 : std::nan("");

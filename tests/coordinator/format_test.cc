@@ -66,7 +66,7 @@ TEST_CASE("watch view: progress bar, ETA, loss, tokens/s, stall, H2D, workers", 
   w.device = "cuda:0";
   w.gpu_name = "NVIDIA H200";
   w.gpu_memory_bytes = 141ull << 30;
-  w.job_id = 3;
+  w.job_ids = {3};
   reply.workers.push_back(w);
   std::string frame = RenderFrame(reply, {}, 120);
   CHECK_THAT(frame, Catch::Contains("step 25/100"));

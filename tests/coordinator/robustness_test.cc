@@ -21,7 +21,7 @@ std::vector<std::string> ValidFrames(const Cluster& c) {
   frames.push_back(EncodeMessage(StatsRequest{1}, 3));
   frames.push_back(EncodeMessage(CancelRequest{2}, 4));
   frames.push_back(EncodeMessage(ListWorkersRequest{true}, 5));
-  frames.push_back(EncodeMessage(HeartbeatRequest{"w-x", 1, 1}, 6));
+  frames.push_back(EncodeMessage(HeartbeatRequest{"w-x", {{1, 1}}, 0}, 6));
   RegisterRequest reg;
   reg.host = "fuzzhost";
   reg.device = "cpu";

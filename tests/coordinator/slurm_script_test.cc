@@ -161,6 +161,7 @@ TEST_CASE("slurm: a CPU pilot on an existing store; a path with a quote stays on
   o.gpus_per_node = 0;
   o.cpu_workers_per_node = 2;
   o.worker_threads = 3;
+  o.jobs_per_gpu = 2;
   o.bin_dir = dir / "it's here/bin";
   o.requeue = true;
   const std::string script = Render(o);
@@ -168,7 +169,7 @@ TEST_CASE("slurm: a CPU pilot on an existing store; a path with a quote stays on
   for (const std::string& line : std::vector<std::string>{
            "#SBATCH --ntasks-per-node=2", "#SBATCH --cpus-per-task=3", "#SBATCH --requeue",
            "MODEL=\"\"", "STORE=base", "WORKER_STEP=(--cpus-per-task=3)", "WORKER_DEVICE=cpu",
-           "WORKER_THREADS=3", "BIN='" + dir / "it'\\''s here/bin'"})
+           "WORKER_THREADS=3", "WORKER_JOBS=2", "BIN='" + dir / "it'\\''s here/bin'"})
     CHECK(script.find(line) != std::string::npos);
   CHECK(script.find("--gpus") == std::string::npos);
   // bash reads the settings back as they were given.

@@ -154,7 +154,7 @@ TEST_CASE("a job records its submitter; show, the assignment and the journal car
     w.device = "cpu";
     w.stores = {{"tiny", ""}};
     std::string id = c.Register(w, 0).worker_id;
-    JobAssignment a = c.Heartbeat(HeartbeatRequest{id, 0, 0}, 0).assignment;
+    JobAssignment a = c.Heartbeat(HeartbeatRequest{id, {}, 1}, 0).assignment;
     CHECK(a.job_id == 1);
     CHECK(a.submitter_uid == 4242);
     CHECK(a.submitter == "bob");

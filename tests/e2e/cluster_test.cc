@@ -97,6 +97,50 @@ TEST_CASE("three jobs on two workers succeed and equal their standalone runs", "
   }
 }
 
+TEST_CASE(
+    "a worker with two job slots trains two jobs as one group, each equal to its standalone run",
+    "[e2e]") {
+  const lorastream::testing::TempDir run_dir("e2e-slots");
+  const std::string& dir = run_dir.str();
+  LocalClusterOptions options = Options(dir, 1);
+  options.jobs_per_worker = 2;  // as `lorastream up --jobs-per-gpu 2` starts its workers
+  LocalCluster cluster(options);
+  cluster.Start();
+  // Both jobs wait in the queue before the worker registers, so that they start together.
+  cluster.StopWorker(0, SIGTERM);
+  std::vector<int64_t> ids;
+  for (int j = 0; j < 2; ++j) {
+    const std::string data = WriteData(dir, 40, 200 + j);
+    ids.push_back(cluster.Submit(
+        WriteJob(dir, "slot" + std::to_string(j), cluster.store_name(), data, 6, 3, 10 + j)));
+  }
+  cluster.StartWorker(0);
+  nlohmann::json jobs = cluster.WaitForJobs(900);
+  REQUIRE(jobs.size() == 2);
+  const std::string log = lorastream::testing::ReadAll(cluster.log_dir() + "/worker-0.log");
+  INFO(log);
+  for (const auto& job : jobs) CHECK(job["state"] == "succeeded");
+  CHECK_THAT(log, Catch::Contains("job slots: 2 (--jobs)"));
+  CHECK_THAT(log, Catch::Contains("joins the group (2 jobs)"));
+  const nlohmann::json workers = nlohmann::json::parse(cluster.Client({"workers", "--json"}));
+  REQUIRE(workers.size() >= 1);
+  for (const auto& w : workers) CHECK(w["slots"] == 2);
+  for (int j = 0; j < 2; ++j) {
+    // Statistics per job: its own steps, losses and copies.
+    const nlohmann::json stats = nlohmann::json::parse(
+        cluster.Client({"stats", std::to_string(ids[j]), "--format", "json"}))["stats"];
+    REQUIRE(stats.size() == 6);
+    CHECK(stats.back()["step"] == 6);
+    // The job trained in the group equals the same job trained alone.
+    const std::string name = "slot" + std::to_string(j);
+    const std::string alone = dir + "/standalone-" + name;
+    const std::string data = dir + "/data-" + std::to_string(200 + j) + ".jsonl";
+    TrainStandalone(WriteJob(dir, name + "-alone", cluster.store_name(), data, 6, 3, 10 + j, alone),
+                    cluster.log_dir() + "/standalone-" + name + ".log");
+    RequireSameAdapter(cluster.ShowJob(ids[j])["output_dir"], alone);
+  }
+}
+
 TEST_CASE("a worker killed mid-job: the job resumes elsewhere and ends bit-identical", "[e2e]") {
   const lorastream::testing::TempDir run_dir("e2e-killworker");
   const std::string& dir = run_dir.str();
@@ -117,7 +161,7 @@ TEST_CASE("a worker killed mid-job: the job resumes elsewhere and ends bit-ident
   int victim = -1;
   nlohmann::json workers = nlohmann::json::parse(cluster.Client({"workers", "--json"}));
   for (const auto& w : workers)
-    if (w.value("job_id", 0) == id)
+    if (w.value("job_ids", std::vector<int64_t>{}) == std::vector<int64_t>{id})
       for (size_t i = 0; i < cluster.num_workers(); ++i)
         if (cluster.WorkerPid(i) == w.value("pid", 0)) victim = static_cast<int>(i);
   REQUIRE(victim >= 0);
@@ -135,6 +179,71 @@ TEST_CASE("a worker killed mid-job: the job resumes elsewhere and ends bit-ident
   TrainStandalone(WriteJob(dir, "victim-alone", cluster.store_name(), data, 24, 4, 7, alone),
                   cluster.log_dir() + "/standalone.log");
   RequireSameAdapter(job["output_dir"], alone);
+}
+
+TEST_CASE("a 2-slot worker killed mid-run: both jobs of its group resume elsewhere, bit-identical",
+          "[e2e]") {
+  const lorastream::testing::TempDir run_dir("e2e-killslots");
+  const std::string& dir = run_dir.str();
+  LocalClusterOptions options = Options(dir, 2);
+  options.jobs_per_worker = 2;
+  LocalCluster cluster(options);
+  cluster.Start();
+  // Both jobs go to worker 0: worker 1 waits until they have checkpoints, and worker 0 comes
+  // back once both are queued. Once each job has a checkpoint, worker 0 holds its group at the
+  // next checkpoint it reports (SIGUSR1), so both are mid-run when it is killed.
+  cluster.StopWorker(1, SIGTERM);
+  cluster.StopWorker(0, SIGTERM);
+  const std::string log0 = cluster.log_dir() + "/worker-0.log";
+  constexpr int kSteps = 48, kEvery = 2;
+  std::vector<std::string> data;
+  std::vector<int64_t> ids;
+  for (int j = 0; j < 2; ++j) {
+    data.push_back(WriteData(dir, 80, 400 + j));
+    ids.push_back(cluster.Submit(WriteJob(dir, "group" + std::to_string(j), cluster.store_name(),
+                                          data[j], kSteps, kEvery, 20 + j)));
+  }
+  cluster.StartWorker(0);
+  WaitUntil(
+      [&] {
+        return cluster.ShowJob(ids[0]).value("checkpoint_step", 0) >= kEvery &&
+               cluster.ShowJob(ids[1]).value("checkpoint_step", 0) >= kEvery;
+      },
+      300, "a checkpoint of each job of the group");
+  REQUIRE(::kill(cluster.WorkerPid(0), SIGUSR1) == 0);
+  WaitUntil(
+      [&] {
+        return lorastream::testing::ReadAll(log0).find("holding after checkpoint") !=
+               std::string::npos;
+      },
+      300, "worker 0 holding its group");
+  for (int64_t id : ids) {
+    const nlohmann::json job = cluster.ShowJob(id);
+    INFO(job.dump() << lorastream::testing::ReadAll(log0));
+    REQUIRE(job["state"] == "running");
+    REQUIRE(job.value("step", 0) < kSteps);
+    REQUIRE(job.value("attempt", 0) == 1);
+  }
+  CHECK_THAT(lorastream::testing::ReadAll(log0), Catch::Contains("joins the group (2 jobs)"));
+  cluster.StartWorker(1);  // not held: it trains both jobs to their end
+  cluster.StopWorker(0, SIGKILL);
+  const nlohmann::json jobs = cluster.WaitForJobs(900);
+  for (int j = 0; j < 2; ++j) {
+    const nlohmann::json job = cluster.ShowJob(ids[j]);
+    INFO(job.dump() << lorastream::testing::ReadAll(cluster.log_dir() + "/worker-1.log"));
+    REQUIRE(job["state"] == "succeeded");
+    CHECK(job.value("attempt", 0) == 2);
+    // Each resumed from its own checkpoint and ends as its uninterrupted standalone run.
+    const std::string name = "group" + std::to_string(j);
+    CHECK_THAT(lorastream::testing::ReadAll(cluster.log_dir() + "/worker-1.log"),
+               Catch::Contains("job " + name + ": resuming from " +
+                               job["output_dir"].get<std::string>() + "/checkpoint-"));
+    const std::string alone = dir + "/standalone-" + name;
+    TrainStandalone(WriteJob(dir, name + "-alone", cluster.store_name(), data[j], kSteps, kEvery,
+                             20 + j, alone),
+                    cluster.log_dir() + "/standalone-" + name + ".log");
+    RequireSameAdapter(job["output_dir"], alone);
+  }
 }
 
 TEST_CASE("the store killed: running jobs finish, a new store cleans up and serves", "[e2e]") {
@@ -289,6 +398,35 @@ TEST_CASE("`lorastream up` trains a job end to end, says where the adapter is, l
   REQUIRE(!store.empty());
   for (const auto& entry : fs::directory_iterator("/dev/shm"))
     CHECK(entry.path().filename().string().rfind(lorastream::ShmPrefix(store), 0) != 0);
+}
+
+TEST_CASE("`lorastream up --jobs-per-gpu 2` gives its workers two job slots", "[e2e]") {
+  const lorastream::testing::TempDir run_dir("e2e-upslots");
+  const std::string& dir = run_dir.str();
+  std::vector<std::string> argv = {std::string(LORASTREAM_BIN_DIR) + "/lorastream",
+                                   "up",
+                                   "--run-dir",
+                                   dir + "/run",
+                                   "--no-watch",
+                                   "--device",
+                                   "cpu",
+                                   "--jobs-per-gpu",
+                                   "2"};
+  for (int j = 0; j < 2; ++j) {
+    const std::string data = WriteData(dir, 30, 300 + j);
+    argv.insert(argv.end(), {"--job", WriteJob(dir, "up" + std::to_string(j), "replaced-by-up",
+                                               data, 6, 3, j)});
+  }
+  int code = -1;
+  const std::string out = lorastream::RunAndCapture(argv, &code, 600, dir + "/up.stderr");
+  const std::string log = lorastream::testing::ReadAll(dir + "/run/logs/worker-0.log");
+  INFO(out << log);
+  REQUIRE(code == 0);
+  CHECK_THAT(out, Catch::Contains("1 worker(s): cpu, each training up to 2 jobs at once"));
+  CHECK_THAT(log, Catch::Contains("job slots: 2 (--jobs)"));
+  CHECK_THAT(log, Catch::Contains("2 job slots"));
+  for (int j = 0; j < 2; ++j)
+    CHECK(fs::exists(dir + "/run/adapters/up" + std::to_string(j) + "/adapter_model.safetensors"));
 }
 
 TEST_CASE(

@@ -3,15 +3,19 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <deque>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <optional>
 #include <thread>
 #include <vector>
 
 #include "common/device.h"
 #include "common/error.h"
+#include "common/format_bytes.h"
 #include "common/job_access.h"
+#include "common/job_group.h"
 #include "common/log.h"
 #include "common/shm_names.h"
 #include "coordinator/curve.h"
@@ -19,6 +23,7 @@
 #include "store/attach.h"
 #include "store/registry.h"
 #include "worker/stream/stream_provider.h"
+#include "worker/train/group_trainer.h"
 #include "worker/train/trainer.h"
 
 #ifdef LORASTREAM_HAVE_CUDA
@@ -120,6 +125,173 @@ void HoldAtCheckpoint(const std::atomic<bool>& hold, const client::JobContext& c
   LS_LOG_INFO("job {}: resumed after checkpoint {}", ctx.assignment.job_id, step);
 }
 
+// The jobs of this worker's slots, trained as one job group on the agent's training thread.
+// A job joins the group at a step boundary when it may share it (common/job_group.h, and the
+// same submitter when a root worker acts as one); otherwise it waits, and the jobs behind it
+// too, until the group has drained, and a new group starts from it. Every job ends through
+// the slots on its own: completed, stopped or failed.
+class GroupRunner {
+ public:
+  GroupRunner(const TrainOptions& train, const OfferedStores& stores, const std::atomic<bool>* hold)
+      : train_(train), stores_(stores), hold_(hold) {}
+
+  void Run(client::JobSlots& slots) {
+    while (true) {
+      for (auto& job : slots.Take(!group_ && pending_.empty())) Prepare(slots, std::move(job));
+      if (!group_ && pending_.empty()) return;  // the agent stops
+      Admit(slots);
+      if (group_) {
+        group_->Step();
+        Collect(slots);
+        if (group_->size() == 0) {
+          group_.reset();  // its model and device memory go before the next group's
+          LS_LOG_INFO("the job group has drained");
+        }
+      }
+    }
+  }
+
+ private:
+  // A job taken from the slots, resolved for this host.
+  struct Job {
+    std::shared_ptr<const client::JobContext> ctx;
+    JobSpec spec;
+    std::optional<UserIdentity> submitter;  // another user's job: checked (SubmitterToServe)
+    bool waiting = false;                   // said that it waits for the group to drain
+  };
+
+  // The user a root worker opens a job's files as (nullptr: this process).
+  static const UserIdentity* FilesAs(const Job& job) {
+    return job.submitter && ::geteuid() == 0 ? &*job.submitter : nullptr;
+  }
+
+  void Prepare(client::JobSlots& slots, std::shared_ptr<const client::JobContext> ctx) {
+    Job job;
+    job.ctx = std::move(ctx);
+    job.spec = job.ctx->assignment.spec;
+    job.spec.model.store = stores_.Local(job.spec.model.store);
+    try {
+      // Another user's job on a root worker: its files are opened and created as that user
+      // (common/acting_as.h), never handed over afterwards.
+      job.submitter = SubmitterToServe(job.ctx->assignment);
+    } catch (...) {
+      slots.Finish(*job.ctx, client::FailedResult(std::current_exception(), job.ctx->assignment));
+      return;
+    }
+    pending_.push_back(std::move(job));
+  }
+
+  // Why `job` cannot join the running group ("" when it can).
+  std::string Refusal(const Job& job) const {
+    auto uid = [](const UserIdentity* who) { return who ? static_cast<int64_t>(who->uid) : -1; };
+    std::string why = GroupRefusal(group_first_, job.spec, train_.device);
+    if (why.empty() && uid(FilesAs(job)) != uid(group_files_as_))
+      why = "job " + job.spec.name + " belongs to another submitter than the group's, whose " +
+            "thread acts as one user";
+    return why;
+  }
+
+  // The pending jobs join the group in order, up to the first that cannot; a job stopped
+  // before it joined ends at the step it would have resumed from.
+  void Admit(client::JobSlots& slots) {
+    while (!pending_.empty()) {
+      Job& job = pending_.front();
+      const JobAssignment& a = job.ctx->assignment;
+      if (job.ctx->should_stop()) {
+        client::JobResult stopped;
+        stopped.kind = client::JobResult::Kind::kStopped;
+        stopped.final_step = a.resume_step;
+        slots.Finish(*job.ctx, stopped);
+        pending_.pop_front();
+        continue;
+      }
+      TrainOptions options = train_;
+      options.files_as = FilesAs(job);
+      // The group's output-folder locks name the attempt of the job that started it.
+      options.lock_holder =
+          AttemptHolder(a.job_id, a.attempt, "lorastream-worker pid " + std::to_string(::getpid()));
+      if (!group_) {
+        try {
+          group_ = std::make_unique<GroupTrainer>(job.spec, options);
+        } catch (...) {
+          slots.Finish(*job.ctx, client::FailedResult(std::current_exception(), a));
+          pending_.pop_front();
+          continue;
+        }
+        group_first_ = job.spec;
+        group_submitter_ = job.submitter;
+        group_files_as_ = group_submitter_ && ::geteuid() == 0 ? &*group_submitter_ : nullptr;
+      } else if (const std::string why = Refusal(job); !why.empty()) {
+        if (!job.waiting)
+          LS_LOG_INFO("job {} waits until the job group has drained: {}", a.job_id, why);
+        job.waiting = true;
+        return;
+      }
+      const size_t index = group_->Add(GroupJob{job.spec, OnStep(job.ctx, job.spec),
+                                                [ctx = job.ctx] { return ctx->should_stop(); }});
+      members_[index] = job.ctx;
+      pending_.pop_front();
+      Collect(slots);  // a job that could not start has left at once
+    }
+  }
+
+  // A job's statistics and checkpoints, reported as they come. The trainer saves checkpoint N
+  // right after on_step(N) returns, so step N + 1 is the first moment checkpoint N is known to
+  // exist.
+  std::function<void(const StepStats&)> OnStep(std::shared_ptr<const client::JobContext> ctx,
+                                               const JobSpec& spec) const {
+    const int64_t every = spec.train.checkpoint_every;
+    const std::string output_dir = spec.train.output_dir;
+    const std::atomic<bool>* hold = hold_;
+    return [ctx = std::move(ctx), every, output_dir, hold](const StepStats& stats) {
+      ctx->report_step(stats);
+      const int64_t previous = stats.step - 1;
+      if (every > 0 && previous > 0 && previous % every == 0) {
+        ctx->report_checkpoint(previous, (std::filesystem::path(output_dir) /
+                                          ("checkpoint-" + std::to_string(previous)))
+                                             .string());
+        if (hold != nullptr && *hold) HoldAtCheckpoint(*hold, *ctx, previous);
+      }
+    };
+  }
+
+  // The jobs that left the group end through the slots, each with its own outcome.
+  void Collect(client::JobSlots& slots) {
+    for (GroupJobOutcome& out : group_->TakeLeft()) {
+      auto it = members_.find(out.index);
+      if (it == members_.end()) continue;
+      const std::shared_ptr<const client::JobContext> ctx = it->second;
+      members_.erase(it);
+      if (out.error) {
+        slots.Finish(*ctx, client::FailedResult(out.error, ctx->assignment));
+        continue;
+      }
+      const TrainResult& r = out.result;
+      client::JobResult result;
+      result.final_step = r.steps_done;
+      if (!r.checkpoint_dir.empty()) ctx->report_checkpoint(r.steps_done, r.checkpoint_dir);
+      if (r.stopped) {
+        result.kind = client::JobResult::Kind::kStopped;
+        result.adapter_path = r.checkpoint_dir;  // the adapter as of the stop, in its checkpoint
+      } else {
+        result.kind = client::JobResult::Kind::kCompleted;
+        result.adapter_path = r.adapter_dir;
+      }
+      slots.Finish(*ctx, result);
+    }
+  }
+
+  const TrainOptions& train_;
+  const OfferedStores& stores_;
+  const std::atomic<bool>* hold_;
+  std::deque<Job> pending_;
+  std::unique_ptr<GroupTrainer> group_;
+  JobSpec group_first_;                          // the spec the group was built from
+  std::optional<UserIdentity> group_submitter_;  // its first job's submitter
+  const UserIdentity* group_files_as_ = nullptr;
+  std::map<size_t, std::shared_ptr<const client::JobContext>> members_;  // by GroupTrainer index
+};
+
 }  // namespace
 
 int RunServe(const ServeOptions& options, const std::atomic<bool>& stop) {
@@ -132,6 +304,18 @@ int RunServe(const ServeOptions& options, const std::atomic<bool>& stop) {
   agent_options.client.timeout_ms = static_cast<int>(options.request_timeout_s * 1000);
   agent_options.device = options.device;
   DescribeDevice(options.device, &agent_options);
+  if (options.jobs > 0) {
+    agent_options.slots = options.jobs;
+    LS_LOG_INFO("job slots: {} (--jobs)", agent_options.slots);
+  } else {
+    agent_options.slots = DefaultJobSlots(agent_options.gpu_memory_bytes);
+    if (agent_options.gpu_memory_bytes == 0)
+      LS_LOG_INFO("job slots: 1 (the CPU trains one job at a time; --jobs K sets more)");
+    else
+      LS_LOG_INFO("job slots: {} ({} has {}: one per {} GiB, at most {}; --jobs K sets another)",
+                  agent_options.slots, options.device, FormatBytes(agent_options.gpu_memory_bytes),
+                  kGiBPerJobSlot, kMaxDefaultJobSlots);
+  }
   const OfferedStores stores = DiscoverStores(options);
   agent_options.stores = stores.infos;
 
@@ -146,47 +330,8 @@ int RunServe(const ServeOptions& options, const std::atomic<bool>& stop) {
       return MakeStreamProvider(spec, base, device, dtype, {}, group);
     };
 
-  const std::atomic<bool>* hold = options.hold_at_checkpoint;
-  client::JobRunner runner = [&train, &stores, hold](const client::JobContext& ctx) {
-    JobSpec spec = ctx.assignment.spec;
-    spec.model.store = stores.Local(spec.model.store);
-    // Another user's job on a root worker: its files are opened and created as that user
-    // (common/acting_as.h), never handed over afterwards.
-    const std::optional<UserIdentity> submitter = SubmitterToServe(ctx.assignment);
-    TrainOptions job_train = train;
-    if (submitter && ::geteuid() == 0) job_train.files_as = &*submitter;
-    job_train.lock_holder = AttemptHolder(ctx.assignment.job_id, ctx.assignment.attempt,
-                                          "lorastream-worker pid " + std::to_string(::getpid()));
-    const int64_t every = spec.train.checkpoint_every;
-    auto checkpoint_dir = [&](int64_t step) {
-      return (std::filesystem::path(spec.train.output_dir) / ("checkpoint-" + std::to_string(step)))
-          .string();
-    };
-    // The trainer saves checkpoint N right after on_step(N) returns, so step N + 1 is the
-    // first moment checkpoint N is known to exist.
-    auto on_step = [&](const StepStats& stats) {
-      ctx.report_step(stats);
-      int64_t previous = stats.step - 1;
-      if (every > 0 && previous > 0 && previous % every == 0) {
-        ctx.report_checkpoint(previous, checkpoint_dir(previous));
-        if (hold != nullptr && *hold) HoldAtCheckpoint(*hold, ctx, previous);
-      }
-    };
-    TrainResult r = RunTraining(spec, job_train, on_step, ctx.should_stop);
-    client::JobResult result;
-    result.final_step = r.steps_done;
-    if (!r.checkpoint_dir.empty()) ctx.report_checkpoint(r.steps_done, r.checkpoint_dir);
-    if (r.stopped) {
-      result.kind = client::JobResult::Kind::kStopped;
-      result.adapter_path = r.checkpoint_dir;  // the adapter as of the stop, in its checkpoint
-    } else {
-      result.kind = client::JobResult::Kind::kCompleted;
-      result.adapter_path = r.adapter_dir;
-    }
-    return result;
-  };
-
-  client::WorkerAgent agent(agent_options, runner);
+  GroupRunner group(train, stores, options.hold_at_checkpoint);
+  client::WorkerAgent agent(agent_options, [&group](client::JobSlots& slots) { group.Run(slots); });
   int jobs = agent.Run(stop);
   LS_LOG_INFO("worker stopping after {} jobs", jobs);
   return 0;

@@ -1,6 +1,7 @@
 // `lorastream-worker serve`: the worker taking jobs from the coordinator. The protocol lives
-// in the torch-free WorkerAgent (coordinator/worker_agent.h); this file only plugs the
-// trainer (RunTraining) in as its job runner and describes this worker (device, GPU, stores).
+// in the torch-free WorkerAgent (coordinator/worker_agent.h); this file plugs the job group
+// (GroupTrainer) in as the runner of its job slots and describes this worker (device, GPU,
+// stores, slots).
 #pragma once
 
 #include <atomic>
@@ -16,8 +17,11 @@ struct ServeOptions {
   std::vector<std::string> stores;  // NAME or AS=NAME (StoreOffer); empty = every live store
   double store_wait_s = 30;         // how long a named store may still be loading
   int threads = 0;                  // CPU threads for training (0 = every core)
-  bool stream = true;               // stream blocks through the engine (false: resident)
-  double request_timeout_s = 5;     // per coordinator request
+  // Job slots: jobs trained at once as one job group (0: DefaultJobSlots of the device,
+  // common/job_group.h).
+  int jobs = 0;
+  bool stream = true;            // stream blocks through the engine (false: resident)
+  double request_timeout_s = 5;  // per coordinator request
   // While *hold_at_checkpoint is true (SIGUSR1 in the executable; SIGUSR2 clears it), a job
   // that reports a checkpoint holds right after the report, heartbeats going on, until the
   // flag clears, the job must stop, or the process is killed: a point at which a test or an

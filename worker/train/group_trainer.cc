@@ -307,36 +307,6 @@ at::Tensor GradNormFigure(const at::Tensor& norm, const at::Tensor& like) {
 
 }  // namespace
 
-std::string GroupRefusal(const JobSpec& first, const JobSpec& job, const std::string& device) {
-  const std::string why =
-      "job " + job.name + " cannot train in a group with job " + first.name + ": ";
-  if (job.model.store != first.model.store)
-    return why + "model.store differs (`" + job.model.store + "`, `" + first.model.store +
-           "`): a group shares one base";
-  if (job.model.checkpoint != first.model.checkpoint)
-    return why + "model.checkpoint differs (`" + job.model.checkpoint + "`, `" +
-           first.model.checkpoint + "`): a group shares one base";
-  auto dtype = [&](const JobSpec& s) {
-    if (s.train.dtype != "auto") return s.train.dtype;
-    return std::string(device.rfind("cuda", 0) == 0 ? "bf16" : "f32");
-  };
-  if (dtype(job) != dtype(first))
-    return why + "train.dtype differs (" + dtype(job) + ", " + dtype(first) +
-           "): a group computes in one dtype";
-  const StreamSpec &a = job.stream, &b = first.stream;
-  const std::pair<const char*, bool> fields[] = {
-      {"stream.blocks_to_swap", a.blocks_to_swap != b.blocks_to_swap},
-      {"stream.gpu_memory_budget",
-       a.gpu_memory_budget != b.gpu_memory_budget || a.budget_auto != b.budget_auto},
-      {"stream.ring_size", a.ring_size != b.ring_size},
-      {"stream.forward_slots", a.forward_slots != b.forward_slots},
-      {"stream.backward_slots", a.backward_slots != b.backward_slots},
-      {"stream.taped_blocks", a.taped_blocks != b.taped_blocks}};
-  for (const auto& [field, differs] : fields)
-    if (differs) return why + field + " differs: a group streams one plan";
-  return "";
-}
-
 // The group's base, provider and model.
 struct GroupTrainer::Shared {
   TrainOptions options;

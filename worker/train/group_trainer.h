@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "common/job_group.h"
 #include "common/job_spec.h"
 #include "common/step_stats.h"
 #include "worker/train/trainer.h"
@@ -50,9 +51,8 @@ struct GroupJobOutcome {
   std::exception_ptr error;  // set when it failed
 };
 
-// "" when `job` may train in a group with `first`, else the reason, naming the field
-// (model.store, model.checkpoint, train.dtype, stream.*). `device` resolves train.dtype "auto".
-std::string GroupRefusal(const JobSpec& first, const JobSpec& job, const std::string& device);
+// Whether two jobs may share a group: common/job_group.h (the coordinator applies it too).
+using ::lorastream::GroupRefusal;
 
 class GroupTrainer {
  public:

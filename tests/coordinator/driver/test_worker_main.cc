@@ -1,10 +1,11 @@
 // TEST DRIVER, not product code: a worker process built from the torch-free WorkerAgent with
-// a simple job runner, so that the coordinator's multi-process tests (scheduling, cancel,
-// SIGKILL, restart) run without LibTorch. The runner imitates the trainer's contract:
-// resumes from OUTPUT_DIR/checkpoint (the last checkpointed step), reports every step,
+// a simple slot runner, so that the coordinator's multi-process tests (scheduling, job slots,
+// cancel, SIGKILL, restart) run without LibTorch. The runner imitates the job group's
+// contract: the jobs of its slots step together, one step each per group step, on one thread;
+// each resumes from OUTPUT_DIR/checkpoint (the last checkpointed step), reports every step,
 // writes a checkpoint every `train.checkpoint_every` steps, saves OUTPUT_DIR/adapter when it
-// completes or is stopped, and appends "attempt pid step" to OUTPUT_DIR/steps.log so tests
-// can see who ran which step.
+// completes or is stopped, and appends "attempt pid step group" to OUTPUT_DIR/steps.log (group:
+// how many jobs stepped together) so tests can see who ran which step and with whom.
 #include <unistd.h>
 
 #include <atomic>
@@ -56,6 +57,7 @@ int main(int argc, char** argv) {
   app.add_option("--store", stores, "NAME:FINGERPRINT");
   app.add_option("--step-ms", step_ms);
   app.add_option("--fail-at-step", fail_at);
+  app.add_option("--jobs", options.slots, "job slots (jobs stepped together)");
   CLI11_PARSE(app, argc, argv);
   for (const std::string& s : stores) {
     size_t colon = s.find(':');
@@ -68,52 +70,85 @@ int main(int argc, char** argv) {
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
 
-  JobRunner runner = [&](const JobContext& ctx) {
-    const JobSpec& spec = ctx.assignment.spec;
-    std::filesystem::path dir = spec.train.output_dir;
-    std::filesystem::create_directories(dir);
-    int64_t step = ReadCheckpoint(dir);
-    std::ofstream log(dir / "steps.log", std::ios::app);
+  // One job of the imitated group.
+  struct Job {
+    std::shared_ptr<const JobContext> ctx;
+    std::filesystem::path dir;
+    int64_t step = 0;
+    std::ofstream log;
+  };
+  auto end = [](JobSlots& slots, Job& job, JobResult::Kind kind, const std::string& adapter) {
+    WriteAtomically(job.dir / "adapter", adapter + " " + std::to_string(job.step) + "\n");
     JobResult result;
-    while (step < spec.train.steps) {
-      if (ctx.should_stop()) {
-        WriteAtomically(dir / "adapter", "stopped at " + std::to_string(step) + "\n");
-        result.kind = JobResult::Kind::kStopped;
-        result.final_step = step;
-        result.adapter_path = (dir / "adapter").string();
-        return result;
+    result.kind = kind;
+    result.final_step = job.step;
+    result.adapter_path = (job.dir / "adapter").string();
+    slots.Finish(*job.ctx, result);
+  };
+  SlotRunner runner = [&](JobSlots& slots) {
+    std::vector<Job> jobs;
+    while (true) {
+      // New jobs join at the group's step boundary; with none running, wait for one.
+      for (auto& ctx : slots.Take(jobs.empty())) {
+        Job job;
+        job.ctx = ctx;
+        job.dir = ctx->assignment.spec.train.output_dir;
+        std::filesystem::create_directories(job.dir);
+        job.step = ReadCheckpoint(job.dir);
+        job.log.open(job.dir / "steps.log", std::ios::app);
+        jobs.push_back(std::move(job));
       }
+      if (jobs.empty()) return;  // the agent stops
+      for (auto it = jobs.begin(); it != jobs.end();) {
+        const bool stop = it->ctx->should_stop();
+        if (stop || it->step >= it->ctx->assignment.spec.train.steps) {
+          end(slots, *it, stop ? JobResult::Kind::kStopped : JobResult::Kind::kCompleted,
+              stop ? "stopped at" : "completed");
+          it = jobs.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      if (jobs.empty()) continue;
       std::this_thread::sleep_for(std::chrono::milliseconds(step_ms));
-      ++step;
-      // Several problems, one per line, as RequireValidJobSpec reports them.
-      if (step == fail_at)
-        throw Error(ErrorCode::kRefused, "test failure at step " + std::to_string(step) +
-                                             ":\n  first problem\n  second problem");
-      log << ctx.assignment.attempt << " " << getpid() << " " << step << std::endl;
-      StepStats s;
-      s.step = step;
-      s.total_steps = spec.train.steps;
-      s.loss = 10.0 / step;
-      s.tokens = 1024;
-      s.step_seconds = step_ms / 1000.0;
-      s.tokens_per_second = 1024 / s.step_seconds;
-      s.h2d_bytes = 1 << 20;
-      s.h2d_busy_seconds = 0.001;
-      if (spec.eval.every > 0 && step % spec.eval.every == 0) {  // an imitated evaluation
-        s.eval_loss = 20.0 / static_cast<double>(step);
-        s.eval_tokens = 64;
-      }
-      ctx.report_step(s);
-      if (spec.train.checkpoint_every > 0 && step % spec.train.checkpoint_every == 0) {
-        WriteAtomically(dir / "checkpoint", std::to_string(step) + "\n");
-        ctx.report_checkpoint(step, (dir / "checkpoint").string());
+      const size_t group = jobs.size();
+      for (auto it = jobs.begin(); it != jobs.end();) {
+        Job& job = *it;
+        const JobSpec& spec = job.ctx->assignment.spec;
+        ++job.step;
+        // Several problems, one per line, as RequireValidJobSpec reports them; the job fails
+        // alone, the others step on.
+        if (job.step == fail_at) {
+          const Error error(ErrorCode::kRefused, "test failure at step " +
+                                                     std::to_string(job.step) +
+                                                     ":\n  first problem\n  second problem");
+          slots.Finish(*job.ctx, FailedResult(std::make_exception_ptr(error), job.ctx->assignment));
+          it = jobs.erase(it);
+          continue;
+        }
+        job.log << job.ctx->assignment.attempt << " " << getpid() << " " << job.step << " " << group
+                << std::endl;
+        StepStats s;
+        s.step = job.step;
+        s.total_steps = spec.train.steps;
+        s.loss = 10.0 / job.step;
+        s.tokens = 1024;
+        s.step_seconds = step_ms / 1000.0;
+        s.tokens_per_second = 1024 / s.step_seconds;
+        s.h2d_bytes = 1 << 20;  // the group's copies: one set, whatever its size
+        s.h2d_busy_seconds = 0.001;
+        if (spec.eval.every > 0 && job.step % spec.eval.every == 0) {  // an imitated evaluation
+          s.eval_loss = 20.0 / static_cast<double>(job.step);
+          s.eval_tokens = 64;
+        }
+        job.ctx->report_step(s);
+        if (spec.train.checkpoint_every > 0 && job.step % spec.train.checkpoint_every == 0) {
+          WriteAtomically(job.dir / "checkpoint", std::to_string(job.step) + "\n");
+          job.ctx->report_checkpoint(job.step, (job.dir / "checkpoint").string());
+        }
+        ++it;
       }
     }
-    WriteAtomically(dir / "adapter", "completed " + std::to_string(step) + "\n");
-    result.kind = JobResult::Kind::kCompleted;
-    result.final_step = step;
-    result.adapter_path = (dir / "adapter").string();
-    return result;
   };
   WorkerAgent agent(options, runner);
   agent.Run(g_stop);

@@ -1,0 +1,44 @@
+#include "common/job_group.h"
+
+#include <algorithm>
+#include <utility>
+
+namespace lorastream {
+
+std::string GroupRefusal(const JobSpec& first, const JobSpec& job, const std::string& device) {
+  const std::string why =
+      "job " + job.name + " cannot train in a group with job " + first.name + ": ";
+  if (job.model.store != first.model.store)
+    return why + "model.store differs (`" + job.model.store + "`, `" + first.model.store +
+           "`): a group shares one base";
+  if (job.model.checkpoint != first.model.checkpoint)
+    return why + "model.checkpoint differs (`" + job.model.checkpoint + "`, `" +
+           first.model.checkpoint + "`): a group shares one base";
+  auto dtype = [&](const JobSpec& s) {
+    if (s.train.dtype != "auto") return s.train.dtype;
+    return std::string(device.rfind("cuda", 0) == 0 ? "bf16" : "f32");
+  };
+  if (dtype(job) != dtype(first))
+    return why + "train.dtype differs (" + dtype(job) + ", " + dtype(first) +
+           "): a group computes in one dtype";
+  const StreamSpec &a = job.stream, &b = first.stream;
+  const std::pair<const char*, bool> fields[] = {
+      {"stream.blocks_to_swap", a.blocks_to_swap != b.blocks_to_swap},
+      {"stream.gpu_memory_budget",
+       a.gpu_memory_budget != b.gpu_memory_budget || a.budget_auto != b.budget_auto},
+      {"stream.ring_size", a.ring_size != b.ring_size},
+      {"stream.forward_slots", a.forward_slots != b.forward_slots},
+      {"stream.backward_slots", a.backward_slots != b.backward_slots},
+      {"stream.taped_blocks", a.taped_blocks != b.taped_blocks}};
+  for (const auto& [field, differs] : fields)
+    if (differs) return why + field + " differs: a group streams one plan";
+  return "";
+}
+
+int DefaultJobSlots(uint64_t gpu_memory_bytes) {
+  if (gpu_memory_bytes == 0) return 1;
+  return static_cast<int>(std::clamp<uint64_t>(gpu_memory_bytes / (kGiBPerJobSlot << 30), 1,
+                                               static_cast<uint64_t>(kMaxDefaultJobSlots)));
+}
+
+}  // namespace lorastream
