@@ -132,8 +132,9 @@ void HoldAtCheckpoint(const std::atomic<bool>& hold, const client::JobContext& c
 // the slots on its own: completed, stopped or failed.
 class GroupRunner {
  public:
-  GroupRunner(const TrainOptions& train, const OfferedStores& stores, const std::atomic<bool>* hold)
-      : train_(train), stores_(stores), hold_(hold) {}
+  GroupRunner(const TrainOptions& train, const OfferedStores& stores, int slots,
+              const std::atomic<bool>* hold)
+      : train_(train), stores_(stores), slots_(slots), hold_(hold) {}
 
   void Run(client::JobSlots& slots) {
     while (true) {
@@ -205,12 +206,15 @@ class GroupRunner {
         pending_.pop_front();
         continue;
       }
-      TrainOptions options = train_;
-      options.files_as = FilesAs(job);
-      // The group's output-folder locks name the attempt of the job that started it.
-      options.lock_holder =
+      // Each job's output-folder lock names its own attempt: a later attempt of the job takes
+      // the folder over from this one (common/job_access.h).
+      const std::string holder =
           AttemptHolder(a.job_id, a.attempt, "lorastream-worker pid " + std::to_string(::getpid()));
       if (!group_) {
+        TrainOptions options = train_;
+        options.files_as = FilesAs(job);
+        // A memory budget leaves room for the other slots' jobs, planned as jobs like this one.
+        options.plan_group.assign(static_cast<size_t>(std::max(0, slots_ - 1)), job.spec);
         try {
           group_ = std::make_unique<GroupTrainer>(job.spec, options);
         } catch (...) {
@@ -227,8 +231,9 @@ class GroupRunner {
         job.waiting = true;
         return;
       }
-      const size_t index = group_->Add(GroupJob{job.spec, OnStep(job.ctx, job.spec),
-                                                [ctx = job.ctx] { return ctx->should_stop(); }});
+      const size_t index =
+          group_->Add(GroupJob{job.spec, OnStep(job.ctx, job.spec),
+                               [ctx = job.ctx] { return ctx->should_stop(); }, holder});
       members_[index] = job.ctx;
       pending_.pop_front();
       Collect(slots);  // a job that could not start has left at once
@@ -283,6 +288,7 @@ class GroupRunner {
 
   const TrainOptions& train_;
   const OfferedStores& stores_;
+  const int slots_;
   const std::atomic<bool>* hold_;
   std::deque<Job> pending_;
   std::unique_ptr<GroupTrainer> group_;
@@ -330,7 +336,7 @@ int RunServe(const ServeOptions& options, const std::atomic<bool>& stop) {
       return MakeStreamProvider(spec, base, device, dtype, {}, group);
     };
 
-  GroupRunner group(train, stores, options.hold_at_checkpoint);
+  GroupRunner group(train, stores, agent_options.slots, options.hold_at_checkpoint);
   client::WorkerAgent agent(agent_options, [&group](client::JobSlots& slots) { group.Run(slots); });
   int jobs = agent.Run(stop);
   LS_LOG_INFO("worker stopping after {} jobs", jobs);

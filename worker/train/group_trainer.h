@@ -41,6 +41,9 @@ struct GroupJob {
   JobSpec spec;
   std::function<void(const StepStats&)> on_step;
   std::function<bool()> should_stop;
+  // What its output folder's lock names as the holder (a serving worker's job attempt);
+  // "": the group's TrainOptions::lock_holder.
+  std::string lock_holder;
 };
 
 // What became of a job that left the group: its result, or the error that ended it.
