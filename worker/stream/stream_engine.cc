@@ -118,7 +118,7 @@ StreamEngine::StreamEngine(const Manifest& manifest, std::vector<const uint8_t*>
         if (!resident_scratch_.defined())
           resident_scratch_ = at::empty({0}, resident_bytes_[i].options().dtype(dtype_));
       } else {
-        resident_weights_[i] = BlockWeightsFromBytes(resident_bytes_[i], layouts_[i]);
+        resident_weights_[i] = BlockWeightsFromBytes(resident_bytes_[i], layouts_[i], naming_);
       }
       RefuseTrainableBaseWeights(resident_weights_[i], i);
     }
