@@ -363,6 +363,8 @@ TEST_CASE("group: lorastream-worker train and plan take several job files", "[wo
   INFO(plan);
   CHECK(plan.find("group of 2 jobs") != std::string::npos);
   CHECK(plan.find("job b: 24 tokens per micro-batch") != std::string::npos);
+  CHECK(plan.find("(the group: every job's measured compute, the copies once; its memory)") !=
+        std::string::npos);
   write_job("small", 16, 2, "[stream]\ngpu_memory_budget = \"1KiB\"\n");
   write_job("small2", 24, 4, "[stream]\ngpu_memory_budget = \"1KiB\"\n");
   CHECK(run("plan " + (dir / "small.toml") + " " + (dir / "small2.toml"), "plan2") != 0);

@@ -75,6 +75,24 @@ TEST_CASE("cost model: a resident plan takes the compute's sum", "[worker]") {
   }
 }
 
+TEST_CASE("cost model: a group's step takes every job's compute and the copies once", "[worker]") {
+  const MemoryModelInputs in = Inputs(16, 512);
+  const StepCosts a = H200Like(512), b = H200Like(2048);
+  const StepCosts g = GroupStepCosts({a, b});
+  CHECK(g.block_forward_seconds == Approx(a.block_forward_seconds + b.block_forward_seconds));
+  CHECK(g.block_backward_seconds == Approx(a.block_backward_seconds + b.block_backward_seconds));
+  CHECK(g.ResidentStepSeconds(16) == Approx(a.ResidentStepSeconds(16) + b.ResidentStepSeconds(16)));
+  CHECK(g.h2d_bytes_per_second == a.h2d_bytes_per_second);
+  // Streamed, the bytes are one job's: the group's step is bound below by the same copies.
+  const ResidencyPlan streamed = PlanFromSwapCount(16, 12, 2);
+  const PredictedStep one = PredictStep(streamed, in.block_bytes, a);
+  const PredictedStep group = PredictStep(streamed, in.block_bytes, g);
+  CHECK(group.h2d_bytes == one.h2d_bytes);
+  CHECK(group.step_seconds >= one.step_seconds);
+  CHECK(group.stall_seconds <= one.stall_seconds);
+  CHECK(GroupStepCosts({a}).ResidentStepSeconds(16) == Approx(a.ResidentStepSeconds(16)));
+}
+
 TEST_CASE("cost model: a plan that streams nothing takes the CUDA graph's factor, no other",
           "[worker]") {
   const MemoryModelInputs in = Inputs(16, 512);

@@ -62,6 +62,12 @@ int PrintPlans(const std::vector<JobSpec>& specs, const PlanCommandOptions& opti
   } else {
     costs = CalibratedStepCosts(spec, base, device, dtype);
   }
+  if (specs.size() > 1) {  // the group's compute: every job's, measured at its own shape
+    std::vector<StepCosts> jobs{costs};
+    for (size_t j = 1; j < specs.size(); ++j)
+      jobs.push_back(CalibratedStepCosts(specs[j], base, device, dtype));
+    costs = GroupStepCosts(jobs);
+  }
   std::string budget_from = spec.stream.budget_auto
                                 ? "stream.gpu_memory_budget = \"auto\" (" +
                                       std::to_string(static_cast<int>(kAutoBudgetFraction * 100)) +
@@ -88,8 +94,7 @@ int PrintPlans(const std::vector<JobSpec>& specs, const PlanCommandOptions& opti
               compressed.c_str(), static_cast<long long>(inputs.tokens), device.str().c_str(),
               dtype_name.c_str());
   if (specs.size() > 1)
-    std::printf("(predicted times: job %s alone; the memory: the whole group)\n",
-                spec.name.c_str());
+    std::printf("(the group: every job's measured compute, the copies once; its memory)\n");
   std::printf("measured: %s; resident step predicted %.1f ms\n", costs.Describe().c_str(),
               costs.ResidentStepSeconds(layers) * 1e3);
   std::printf("budget from %s\n%s", budget_from.c_str(), DescribeChoice(choice, budget).c_str());

@@ -27,6 +27,18 @@ double StepCosts::ResidentStepSeconds(int num_blocks) const {
          graph_factor;
 }
 
+StepCosts GroupStepCosts(const std::vector<StepCosts>& jobs) {
+  LS_CHECK(!jobs.empty(), "a group's costs need at least one job's");
+  StepCosts group = jobs.front();
+  for (size_t j = 1; j < jobs.size(); ++j) {
+    group.block_forward_seconds += jobs[j].block_forward_seconds;
+    group.block_backward_seconds += jobs[j].block_backward_seconds;
+    group.head_seconds += jobs[j].head_seconds;
+    group.tail_seconds += jobs[j].tail_seconds;
+  }
+  return group;
+}
+
 std::string StepCosts::Describe() const {
   char buf[256];
   std::snprintf(buf, sizeof buf,

@@ -49,6 +49,14 @@ struct StepCosts {
   std::string Describe() const;  // "fwd 2.31 ms, bwd 4.70 ms, head 30.1 ms, ... 55.3 GB/s"
 };
 
+// A job group's costs (worker/train/group_trainer.h) from each job's, measured alone: every
+// block, head and tail figure the sum of the jobs' (each job's compute is its own; the shared
+// base GEMMs make the group's step somewhat faster than that sum: measured on an H200, four
+// 512-token jobs resident 0.89x of it, two 2048-token jobs 1.00x), the copies and the block
+// expansion once (the first job's bandwidth and expansion), the CUDA graph factor and the
+// block scales the first job's. Throws on an empty list.
+StepCosts GroupStepCosts(const std::vector<StepCosts>& jobs);
+
 // The block and tail costs of `costs` from two measured resident steps, of `deep` and of
 // `half` < deep blocks, and its head_seconds: a block costs the steps' difference per block
 // (split between its forward and its recompute+backward by `forward_share`), the tail is

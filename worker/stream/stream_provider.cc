@@ -188,7 +188,7 @@ std::unique_ptr<BlockProvider> MakeStreamProvider(const JobSpec& spec, const Bas
 
   MemoryModelInputs inputs = JobMemoryInputs(spec, *manifest, device, dtype);
   AddGroupJobs(group, &inputs);
-  const StreamPlanning planning = PlanJobStream(spec, base, inputs, device, dtype);
+  const StreamPlanning planning = PlanJobStream(spec, base, inputs, device, dtype, group);
   RefuseBeyondDeviceMemory(EstimateMemory(inputs, planning.plan).total(), device);
   // The trainer always checkpoints every block (worker/model/checkpointed_block.cc).
   RequireCheckpointingForStreaming(planning.plan, /*gradient_checkpointing=*/true);
@@ -252,9 +252,16 @@ uint64_t JobMemoryBudget(const StreamSpec& st, const c10::Device& device) {
 #endif
 }
 
+StepCosts JobGroupCosts(const JobSpec& first, const std::vector<JobSpec>& others,
+                        const BaseWeights& base, const c10::Device& device, c10::ScalarType dtype) {
+  std::vector<StepCosts> jobs{CalibratedStepCosts(first, base, device, dtype)};
+  for (const JobSpec& s : others) jobs.push_back(CalibratedStepCosts(s, base, device, dtype));
+  return GroupStepCosts(jobs);
+}
+
 StreamPlanning PlanJobStream(const JobSpec& spec, const BaseWeights& base,
                              const MemoryModelInputs& inputs, const c10::Device& device,
-                             c10::ScalarType dtype) {
+                             c10::ScalarType dtype, const std::vector<JobSpec>& group) {
   StreamPlanning out;
   const StreamSpec& st = spec.stream;
   const uint64_t budget = JobMemoryBudget(st, device);
@@ -269,7 +276,8 @@ StreamPlanning PlanJobStream(const JobSpec& spec, const BaseWeights& base,
   }
   // A budget: the cost model chooses among every plan that fits, from figures measured on
   // this device (cached per model, device and length).
-  const StepCosts costs = CalibratedStepCosts(spec, base, device, dtype);
+  // A group's step takes every job's compute (measured per job) and the copies once.
+  const StepCosts costs = JobGroupCosts(spec, group, base, device, dtype);
   PlanChoice choice;
   try {
     choice = ChoosePlan(inputs, costs, budget);

@@ -15,10 +15,12 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <c10/core/ScalarType.h>
 
 #include "worker/stream/block_provider.h"
+#include "worker/stream/stream_cost.h"
 #include "worker/stream/stream_engine.h"
 
 namespace lorastream {
@@ -60,9 +62,15 @@ uint64_t JobMemoryBudget(const StreamSpec& stream, const c10::Device& device);
 // fit when the whole group cannot, GroupBudgetRefusal), the
 // cost model's choice (calibrated on `device`, worker/stream/stream_calibrate.h), the candidates
 // logged at debug level and the choice with its prediction at info level.
+// `group`: the group's other jobs, whose measured costs the prediction adds (JobGroupCosts).
 StreamPlanning PlanJobStream(const JobSpec& spec, const BaseWeights& base,
                              const MemoryModelInputs& inputs, const c10::Device& device,
-                             c10::ScalarType dtype);
+                             c10::ScalarType dtype, const std::vector<JobSpec>& group = {});
+
+// The costs of `first` and the group's other jobs `others` together (GroupStepCosts), each
+// job's calibrated on `device` at its own shape (worker/stream/stream_calibrate.h).
+StepCosts JobGroupCosts(const JobSpec& first, const std::vector<JobSpec>& others,
+                        const BaseWeights& base, const c10::Device& device, c10::ScalarType dtype);
 
 // `group`: the other jobs of a group (TrainOptions::plan_group), planned for with `spec`.
 std::unique_ptr<BlockProvider> MakeStreamProvider(const JobSpec& spec, const BaseWeights& base,
