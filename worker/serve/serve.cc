@@ -132,9 +132,8 @@ void HoldAtCheckpoint(const std::atomic<bool>& hold, const client::JobContext& c
 // the slots on its own: completed, stopped or failed.
 class GroupRunner {
  public:
-  GroupRunner(const TrainOptions& train, const OfferedStores& stores, int slots,
-              const std::atomic<bool>* hold)
-      : train_(train), stores_(stores), slots_(slots), hold_(hold) {}
+  GroupRunner(const TrainOptions& train, const OfferedStores& stores, const std::atomic<bool>* hold)
+      : train_(train), stores_(stores), hold_(hold) {}
 
   void Run(client::JobSlots& slots) {
     while (true) {
@@ -211,10 +210,10 @@ class GroupRunner {
       const std::string holder =
           AttemptHolder(a.job_id, a.attempt, "lorastream-worker pid " + std::to_string(::getpid()));
       if (!group_) {
+        // The group is planned from this job alone: the jobs that will join are not known yet
+        // (leaving room for guessed ones would refuse a job that fits alone).
         TrainOptions options = train_;
         options.files_as = FilesAs(job);
-        // A memory budget leaves room for the other slots' jobs, planned as jobs like this one.
-        options.plan_group.assign(static_cast<size_t>(std::max(0, slots_ - 1)), job.spec);
         try {
           group_ = std::make_unique<GroupTrainer>(job.spec, options);
         } catch (...) {
@@ -288,7 +287,6 @@ class GroupRunner {
 
   const TrainOptions& train_;
   const OfferedStores& stores_;
-  const int slots_;
   const std::atomic<bool>* hold_;
   std::deque<Job> pending_;
   std::unique_ptr<GroupTrainer> group_;
@@ -336,7 +334,7 @@ int RunServe(const ServeOptions& options, const std::atomic<bool>& stop) {
       return MakeStreamProvider(spec, base, device, dtype, {}, group);
     };
 
-  GroupRunner group(train, stores, agent_options.slots, options.hold_at_checkpoint);
+  GroupRunner group(train, stores, options.hold_at_checkpoint);
   client::WorkerAgent agent(agent_options, [&group](client::JobSlots& slots) { group.Run(slots); });
   int jobs = agent.Run(stop);
   LS_LOG_INFO("worker stopping after {} jobs", jobs);
