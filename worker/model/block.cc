@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include <torch/csrc/autograd/autograd.h>
@@ -112,26 +113,40 @@ class DropoutStreams {
   std::vector<at::Tensor> states_;
 };
 
+// What every job of a batched projection group shares: K jobs of n rows each, the adapted
+// projections (indices into the group), the rank and the LoRA scale.
+struct LoraBatch {
+  int64_t K = 0, n = 0;
+  std::vector<size_t> adapted;
+  int64_t r = 0;
+  double s = 0;
+};
+
 // Whether a projection group's low-rank terms run batched over the jobs (one bmm for all of
-// them instead of a GEMM per job): on CUDA, for two or more jobs with the same number of
-// rows, adapted projections, rank and scale, and no dropout. (On the CPU every job keeps its
-// own GEMMs: its results stay bit for bit those of the job alone.)
+// them instead of a GEMM per job), and what they share: on CUDA, for two or more jobs with the
+// same number of rows, adapted projections, rank and scale, and no dropout. (On the CPU every
+// job keeps its own GEMMs: its results stay bit for bit those of the job alone.)
 template <size_t N>
-bool LoraBatched(const at::Tensor& x, const GroupRows& rows, const std::array<Projection, N>& ps,
-                 Group group, const std::vector<BlockJob>& jobs) {
-  if (jobs.size() < 2 || !x.is_cuda() || !rows.uniform()) return false;
-  const LoraBlock& first = jobs[0].lora->lora;
-  const std::vector<size_t> adapted = Adapted(ps, first);
-  if (adapted.empty()) return false;
-  const int64_t r = first.a[ps[adapted[0]].target].size(0);
+std::optional<LoraBatch> BatchedLora(const at::Tensor& x, const GroupRows& rows,
+                                     const std::array<Projection, N>& ps, Group group,
+                                     const std::vector<BlockJob>& jobs) {
+  if (jobs.size() < 2 || !x.is_cuda() || !rows.uniform()) return std::nullopt;
+  LoraBatch b;
+  b.K = static_cast<int64_t>(jobs.size());
+  b.n = rows.rows(0);
+  b.adapted = Adapted(ps, jobs[0].lora->lora);
+  if (b.adapted.empty()) return std::nullopt;
+  const int first = ps[b.adapted[0]].target;
+  b.r = jobs[0].lora->lora.a[first].size(0);
+  b.s = jobs[0].compute->lora_scale;
   for (const BlockJob& job : jobs) {
     const LoraBlock& lora = job.lora->lora;
-    if (DropoutActive(*job.compute) || job.compute->lora_scale != jobs[0].compute->lora_scale ||
-        !job.lora->stacked[group].defined() || Adapted(ps, lora) != adapted ||
-        lora.a[ps[adapted[0]].target].size(0) != r)
-      return false;
+    if (DropoutActive(*job.compute) || job.compute->lora_scale != b.s ||
+        !job.lora->stacked[group].defined() || Adapted(ps, lora) != b.adapted ||
+        lora.a[first].size(0) != b.r)
+      return std::nullopt;
   }
-  return true;
+  return b;
 }
 
 // Each job's stacked A's of `group` [k * r, in] as one [K, k * r, in].
@@ -164,11 +179,8 @@ std::array<at::Tensor, N> ProjectGroup(const at::Tensor& x, const GroupRows& row
                                         : at::mm(x, p.weight->t());
   }
   const auto dtype = x.scalar_type();
-  if (LoraBatched(x, rows, ps, group, jobs)) {
-    const int64_t K = static_cast<int64_t>(jobs.size()), n = rows.rows(0);
-    const std::vector<size_t> adapted = Adapted(ps, jobs[0].lora->lora);
-    const int64_t r = jobs[0].lora->lora.a[ps[adapted[0]].target].size(0);
-    const double s = jobs[0].compute->lora_scale;
+  if (const std::optional<LoraBatch> batch = BatchedLora(x, rows, ps, group, jobs)) {
+    const auto& [K, n, adapted, r, s] = *batch;
     const at::Tensor u = at::bmm(x.reshape({K, n, -1}), JobsStackedA(jobs, group).transpose(1, 2));
     for (size_t k = 0; k < adapted.size(); ++k) {
       const int t = ps[adapted[k]].target;
@@ -228,11 +240,8 @@ at::Tensor BackpropGroup(const at::Tensor& x, const GroupRows& rows,
     for (size_t i = 1; i < N; ++i) dx.addmm_(dys[i], *ps[i].weight);
   }
   const auto dtype = dys[0].scalar_type();
-  if (LoraBatched(x, rows, ps, group, jobs)) {
-    const int64_t K = static_cast<int64_t>(jobs.size()), n = rows.rows(0);
-    const std::vector<size_t> adapted = Adapted(ps, jobs[0].lora->lora);
-    const int64_t r = jobs[0].lora->lora.a[ps[adapted[0]].target].size(0);
-    const double s = jobs[0].compute->lora_scale;
+  if (const std::optional<LoraBatch> batch = BatchedLora(x, rows, ps, group, jobs)) {
+    const auto& [K, n, adapted, r, s] = *batch;
     // Per job as below, each GEMM once for all jobs: g_i = s * dy_i B_i [K, n, r],
     // dB_i = s * dy_i^T u_i, dA = g^T x, dx += g A.
     std::vector<at::Tensor> gs;
