@@ -111,11 +111,13 @@ class GraphedCall {
   }
 
   // fn(inputs) (outputs of the caller's own: a replay's are copied). On a failed capture
-  // nothing ran: `restart` is called and fn runs eagerly, now and from then on. `what`
-  // names the call in the log.
+  // nothing ran: `restart` is called and fn runs eagerly, now and from then on. `params`
+  // (the parameters fn accumulates gradients into) and `what` (the call's name in the log)
+  // are asked for only when capturing.
   std::vector<at::Tensor> Run(const std::vector<at::Tensor>& inputs, const Fn& fn,
-                              const std::vector<at::Tensor>& params,
-                              const std::function<void()>& restart, const std::string& what) {
+                              const std::function<std::vector<at::Tensor>()>& params,
+                              const std::function<void()>& restart,
+                              const std::function<std::string()>& what) {
     ++calls_;
     if (calls_ == 1) {
       std::vector<at::Tensor> out;
@@ -125,7 +127,7 @@ class GraphedCall {
     if (graph_ == nullptr) {
       inputs_.clear();
       for (const at::Tensor& t : inputs) inputs_.push_back(t.clone());
-      for (const at::Tensor& p : params) {
+      for (const at::Tensor& p : params()) {
         if (!p.grad().defined()) {
           at::Tensor param = p;  // the adapter's tensor: the gradient lands there
           param.mutable_grad() = at::zeros_like(p);
@@ -150,7 +152,7 @@ class GraphedCall {
           graph->capture_end();
         });
       } catch (const std::exception& e) {
-        LS_LOG_WARN("training: capturing {} as a CUDA graph failed, running eagerly: {}", what,
+        LS_LOG_WARN("training: capturing {} as a CUDA graph failed, running eagerly: {}", what(),
                     e.what());
         failed_ = true;
         outputs_.clear();
@@ -161,7 +163,7 @@ class GraphedCall {
       graph_ = std::move(graph);
       captured_peak_bytes_ = static_cast<uint64_t>(
           c10::cuda::CUDACachingAllocator::getDeviceStats(index_).allocated_bytes[0].peak);
-      LS_LOG_INFO("training: {} captured as a CUDA graph (peak {:.2f} GiB)", what,
+      LS_LOG_INFO("training: {} captured as a CUDA graph (peak {:.2f} GiB)", what(),
                   static_cast<double>(captured_peak_bytes_) / (1ull << 30));
     } else {
       for (size_t i = 0; i < inputs.size(); ++i) inputs_[i].copy_(inputs[i]);
@@ -233,9 +235,11 @@ at::Tensor MicroBatchRunner::Run(const at::Tensor& embeddings, const at::Tensor&
           [&](const std::vector<at::Tensor>& in) {
             return std::vector<at::Tensor>{Eager(in[0], in[1], in[2], dropout_seed)};
           },
-          adapter_.Params(), [&] { model_.provider().BeginStep(); },
-          "micro-batch of " + std::to_string(embeddings.size(0) * embeddings.size(1)) +
-              " tokens")[0];
+          [&] { return adapter_.Params(); }, [&] { model_.provider().BeginStep(); },
+          [&] {
+            return "micro-batch of " + std::to_string(embeddings.size(0) * embeddings.size(1)) +
+                   " tokens";
+          })[0];
       if (graph_->captured()) ++replays_;  // this call replayed it (the capture too)
       return loss;
     }
@@ -285,14 +289,9 @@ std::vector<at::Tensor> GroupMicroBatchRunner::Run(const std::vector<GroupMicroB
   if (eligible) {
     std::unique_ptr<GraphedCall>& g = graphs_->by_jobs[jobs];
     if (g == nullptr) g = std::make_unique<GraphedCall>(DeviceIndexOf(parts[0].embeddings));
-    std::vector<at::Tensor> inputs, params;
-    int64_t tokens = 0;
-    for (const GroupMicroBatch& p : parts) {
+    std::vector<at::Tensor> inputs;
+    for (const GroupMicroBatch& p : parts)
       inputs.insert(inputs.end(), {p.embeddings, p.targets, p.loss_divisor});
-      const std::vector<at::Tensor> ps = p.adapter->Params();
-      params.insert(params.end(), ps.begin(), ps.end());
-      tokens += p.embeddings.size(0) * p.embeddings.size(1);
-    }
     if (g->Accepts(inputs)) {
       std::vector<at::Tensor> losses = g->Run(
           inputs,
@@ -305,9 +304,22 @@ std::vector<at::Tensor> GroupMicroBatchRunner::Run(const std::vector<GroupMicroB
             }
             return eager(ps);
           },
-          params, [&] { model_.provider().BeginStep(); },
-          "group micro-batch of " + std::to_string(parts.size()) + " jobs, " +
-              std::to_string(tokens) + " tokens");
+          [&] {
+            std::vector<at::Tensor> params;
+            for (const GroupMicroBatch& p : parts) {
+              const std::vector<at::Tensor> ps = p.adapter->Params();
+              params.insert(params.end(), ps.begin(), ps.end());
+            }
+            return params;
+          },
+          [&] { model_.provider().BeginStep(); },
+          [&] {
+            int64_t tokens = 0;
+            for (const GroupMicroBatch& p : parts)
+              tokens += p.embeddings.size(0) * p.embeddings.size(1);
+            return "group micro-batch of " + std::to_string(parts.size()) + " jobs, " +
+                   std::to_string(tokens) + " tokens";
+          });
       *graphed = g->captured();  // this call replayed it (the capture too)
       if (*graphed) ++replays_;
       captured_peak_bytes_ = std::max(captured_peak_bytes_, g->captured_peak_bytes());
