@@ -39,6 +39,14 @@ __device__ __forceinline__ uint16_t Bf16Bits(float v) {
   return __bfloat16_as_ushort(__float2bfloat16_rn(v));
 }
 
+// NF4 block b's absmax from its double-quantised code: nested_map[code] * the code group's
+// absmax, plus the offset (bitsandbytes' definition, rounded as the CPU path rounds it).
+template <typename I>
+__device__ __forceinline__ float Nf4Absmax(const uint8_t* absmax, const float* nested_absmax,
+                                           const float* nested_map, float offset, I b, I nested) {
+  return __fadd_rn(__fmul_rn(nested_map[absmax[b]], nested_absmax[b / nested]), offset);
+}
+
 // One row per grid row, its columns across the block: one scale load per tile, 32-bit index
 // math where the weight allows it (I = int32_t).
 template <typename I>
@@ -68,7 +76,7 @@ __global__ void ExpandNf4Kernel(const uint8_t* __restrict__ packed,
   for (I k = blockIdx.x * blockDim.x + threadIdx.x; k < bytes; k += gridDim.x * blockDim.x) {
     const uint8_t byte = packed[k];
     const I i = 2 * k, b = i / blocksize;
-    const float a = __fadd_rn(__fmul_rn(nested_map[absmax[b]], nested_absmax[b / nested]), off);
+    const float a = Nf4Absmax(absmax, nested_absmax, nested_map, off, b, nested);
     out[i] = Bf16Bits(__fmul_rn(quant_map[byte >> 4], a));
     if (i + 1 < numel) out[i + 1] = Bf16Bits(__fmul_rn(quant_map[byte & 0xf], a));
   }
@@ -119,7 +127,7 @@ __global__ void ExpandNf4Kernel8(const uint8_t* __restrict__ packed,
   for (I g = blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += gridDim.x * blockDim.x) {
     const uint32_t word = words[g];  // bytes 4g..4g+3: elements 8g.., the first in a high nibble
     const I b = 8 * g / blocksize;
-    const float a = __fadd_rn(__fmul_rn(nested_map[absmax[b]], nested_absmax[b / nested]), off);
+    const float a = Nf4Absmax(absmax, nested_absmax, nested_map, off, b, nested);
     auto pair = [&](int k) {
       const uint32_t byte = (word >> (8 * k)) & 0xff;
       return Bf16Pair(__fmul_rn(quant_map[byte >> 4], a), __fmul_rn(quant_map[byte & 0xf], a));
