@@ -51,10 +51,7 @@ int PrintPlans(const std::vector<JobSpec>& specs, const PlanCommandOptions& opti
                   s.lora.targets.size());
   }
   uint64_t budget = JobMemoryBudget(spec.stream, device);
-  if (budget > 0 && specs.size() > 1) {
-    const std::string why = GroupBudgetRefusal(inputs, budget, spec.name);
-    if (!why.empty()) throw Error(ErrorCode::kRefused, why);
-  }
+  if (budget > 0 && specs.size() > 1) RefuseGroupBeyondBudget(inputs, budget, spec.name);
   StepCosts costs;
   if (options.recalibrate) {
     costs = MeasureStepCosts(spec, base, device, dtype);
@@ -62,12 +59,8 @@ int PrintPlans(const std::vector<JobSpec>& specs, const PlanCommandOptions& opti
   } else {
     costs = CalibratedStepCosts(spec, base, device, dtype);
   }
-  if (specs.size() > 1) {  // the group's compute: every job's, measured at its own shape
-    std::vector<StepCosts> jobs{costs};
-    for (size_t j = 1; j < specs.size(); ++j)
-      jobs.push_back(CalibratedStepCosts(specs[j], base, device, dtype));
-    costs = GroupStepCosts(jobs);
-  }
+  // A group's compute: every job's, measured at its own shape.
+  costs = JobGroupCosts(costs, {specs.begin() + 1, specs.end()}, base, device, dtype);
   std::string budget_from = spec.stream.budget_auto
                                 ? "stream.gpu_memory_budget = \"auto\" (" +
                                       std::to_string(static_cast<int>(kAutoBudgetFraction * 100)) +

@@ -252,11 +252,17 @@ uint64_t JobMemoryBudget(const StreamSpec& st, const c10::Device& device) {
 #endif
 }
 
-StepCosts JobGroupCosts(const JobSpec& first, const std::vector<JobSpec>& others,
+StepCosts JobGroupCosts(const StepCosts& first, const std::vector<JobSpec>& others,
                         const BaseWeights& base, const c10::Device& device, c10::ScalarType dtype) {
-  std::vector<StepCosts> jobs{CalibratedStepCosts(first, base, device, dtype)};
+  std::vector<StepCosts> jobs{first};
   for (const JobSpec& s : others) jobs.push_back(CalibratedStepCosts(s, base, device, dtype));
   return GroupStepCosts(jobs);
+}
+
+void RefuseGroupBeyondBudget(const MemoryModelInputs& inputs, uint64_t budget_bytes,
+                             const std::string& first_name) {
+  const std::string why = GroupBudgetRefusal(inputs, budget_bytes, first_name);
+  if (!why.empty()) throw Error(ErrorCode::kRefused, why);
 }
 
 StreamPlanning PlanJobStream(const JobSpec& spec, const BaseWeights& base,
@@ -270,14 +276,12 @@ StreamPlanning PlanJobStream(const JobSpec& spec, const BaseWeights& base,
                              st.backward_slots, st.taped_blocks);
     return out;
   }
-  if (!inputs.group.empty()) {
-    const std::string why = GroupBudgetRefusal(inputs, budget, spec.name);
-    if (!why.empty()) throw Error(ErrorCode::kRefused, why);
-  }
+  if (!inputs.group.empty()) RefuseGroupBeyondBudget(inputs, budget, spec.name);
   // A budget: the cost model chooses among every plan that fits, from figures measured on
   // this device (cached per model, device and length).
   // A group's step takes every job's compute (measured per job) and the copies once.
-  const StepCosts costs = JobGroupCosts(spec, group, base, device, dtype);
+  const StepCosts costs =
+      JobGroupCosts(CalibratedStepCosts(spec, base, device, dtype), group, base, device, dtype);
   PlanChoice choice;
   try {
     choice = ChoosePlan(inputs, costs, budget);

@@ -67,10 +67,15 @@ StreamPlanning PlanJobStream(const JobSpec& spec, const BaseWeights& base,
                              const MemoryModelInputs& inputs, const c10::Device& device,
                              c10::ScalarType dtype, const std::vector<JobSpec>& group = {});
 
-// The costs of `first` and the group's other jobs `others` together (GroupStepCosts), each
-// job's calibrated on `device` at its own shape (worker/stream/stream_calibrate.h).
-StepCosts JobGroupCosts(const JobSpec& first, const std::vector<JobSpec>& others,
+// The group's costs (GroupStepCosts): the first job's, `first`, with those of the group's other
+// jobs `others`, each calibrated on `device` at its own shape (worker/stream/stream_calibrate.h).
+StepCosts JobGroupCosts(const StepCosts& first, const std::vector<JobSpec>& others,
                         const BaseWeights& base, const c10::Device& device, c10::ScalarType dtype);
+
+// Refuses (kRefused) a group (`inputs` with its group) that does not fit `budget_bytes` under
+// its smallest plan, naming the job (GroupBudgetRefusal; `first_name` is inputs' own job).
+void RefuseGroupBeyondBudget(const MemoryModelInputs& inputs, uint64_t budget_bytes,
+                             const std::string& first_name);
 
 // `group`: the other jobs of a group (TrainOptions::plan_group), planned for with `spec`.
 std::unique_ptr<BlockProvider> MakeStreamProvider(const JobSpec& spec, const BaseWeights& base,
