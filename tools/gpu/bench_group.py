@@ -13,13 +13,14 @@ blocks streamed through a ring of 2; everything resident):
 
 Figures (medians over the steps after the warm-up): the group step, its aggregate tokens/s and
 its ratio to one job alone with the same plan, the bytes copied per step, the stall, the peak
-device memory, and the floor: max(bytes / the bandwidth the run measured, the resident group's
-step). Writes OUT/bench_group.md (the table and the command) and OUT/bench_group.json; each run's
+device memory beside the plan's estimate for the group, and the floor: max(bytes / the
+bandwidth the run measured, the resident group's step). Writes OUT/bench_group.md (the table and the command) and OUT/bench_group.json; each run's
 stats and log under OUT/group/.
 """
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -59,7 +60,7 @@ class Bench:
             rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT)
         if rc != 0:
             sys.exit(f"{label}: exit {rc}, see {logf}")
-        return [read_stats(s) for _, s in jobs], time.time() - start
+        return [read_stats(s) for _, s in jobs], time.time() - start, estimate_gib(logf)
 
     def side_by_side(self, jobs, label):
         procs = []
@@ -74,6 +75,14 @@ class Bench:
             if rc != 0:
                 sys.exit(f"{label}: exit {rc}")
         return [read_stats(s) for _, s in jobs]
+
+
+def estimate_gib(log_path):
+    """The plan's memory estimate for the whole group, from the worker's log line
+    ("stream plan ...; estimate X GiB at the peak: ..."); None when it is not there."""
+    with open(log_path) as f:
+        m = re.search(r"estimate ([0-9.]+) GiB at the peak", f.read())
+    return float(m.group(1)) if m else None
 
 
 def read_stats(path):
@@ -110,7 +119,7 @@ def main():
             one = None
             for k in (1, 2, 4):
                 jobs = [b.job(tokens, swap, i) for i in range(k)]
-                stats, _ = b.train(jobs, f"t{tokens}-s{swap}-k{k}")
+                stats, _, estimate = b.train(jobs, f"t{tokens}-s{swap}-k{k}")
                 step = med(stats[0], "step_seconds", args.warmup)
                 agg = sum(tokens / med(s, "step_seconds", args.warmup) for s in stats)
                 one = agg if k == 1 else one
@@ -119,7 +128,8 @@ def main():
                      "h2d_gb": med(stats[0], "h2d_bytes", args.warmup) / 1e9,
                      "h2d_busy_ms": med(stats[0], "h2d_busy_seconds", args.warmup) * 1e3,
                      "stall_ms": med(stats[0], "stall_seconds", args.warmup) * 1e3,
-                     "peak_gib": max(s["peak_device_bytes"] for s in stats[0]) / 2**30}
+                     "peak_gib": max(s["peak_device_bytes"] for s in stats[0]) / 2**30,
+                     "estimate_gib": estimate}
                 results[(tokens, swap, k)] = r
                 log(json.dumps(r))
                 rows.append(r)
@@ -135,14 +145,14 @@ def main():
     # Bytes per step with K = 8 (and those above): the same for every K.
     bytes_k = {k: results[(short, args.swap, k)]["h2d_gb"] for k in (1, 2, 4)}
     jobs8 = [b.job(short, args.swap, i) for i in range(8)]
-    stats8, _ = b.train(jobs8, f"t{short}-bytes-k8")
+    stats8, _, _ = b.train(jobs8, f"t{short}-bytes-k8")
     bytes_k[8] = med(stats8[0], "h2d_bytes", args.warmup) / 1e9
     # What a user can do today: 4 jobs one after another, 4 processes side by side.
     serial_wall = 0.0
     serial_tokens = 0
     for i in range(4):
         job = b.job(short, args.swap, i)
-        stats, _ = b.train([job], f"t{short}-serial-{i}")
+        stats, _, _ = b.train([job], f"t{short}-serial-{i}")
         serial_wall += sum(s["step_seconds"] for s in stats[0])
         serial_tokens += sum(s["tokens"] for s in stats[0])
     procs = b.side_by_side([b.job(short, args.swap, i) for i in range(4)], f"t{short}-procs4")
@@ -154,12 +164,14 @@ def main():
           f"{args.warmup + 1}-{args.steps}; batch 1, rank 16 on all seven projections, bf16, "
           f"store `{args.store}`, device {args.device})", "",
           "| tokens | plan | jobs | group step ms | aggregate tok/s | vs one job | H2D GB/step "
-          "| stall ms | peak GiB | floor ms |",
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+          "| stall ms | peak GiB | estimated GiB | floor ms |",
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         md.append(f"| {r['tokens']} | {r['plan']} | {r['k']} | {r['step_ms']:.1f} | "
                   f"{r['agg_tok_s']:.0f} | {r['vs_one']:.2f}x | {r['h2d_gb']:.2f} | "
-                  f"{r['stall_ms']:.1f} | {r['peak_gib']:.2f} | {r['floor_ms']:.1f} |")
+                  f"{r['stall_ms']:.1f} | {r['peak_gib']:.2f} | "
+                  f"{'—' if r['estimate_gib'] is None else format(r['estimate_gib'], '.2f')} | "
+                  f"{r['floor_ms']:.1f} |")
     md += ["", f"Bytes copied per step at {short} tokens, streamed: " +
            ", ".join(f"K={k}: {v:.2f} GB" for k, v in sorted(bytes_k.items())), ""]
     serial_rate = serial_tokens / serial_wall if serial_wall > 0 else 0

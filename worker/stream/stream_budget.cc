@@ -27,7 +27,8 @@ uint64_t MemoryEstimate::backward() const {
 uint64_t MemoryEstimate::total() const { return std::max({forward(), head(), backward()}); }
 
 std::string MemoryEstimate::Describe() const {
-  return "rest " + FormatBytes(rest, 2) + " + LM head weights " + FormatBytes(head_weights, 2) +
+  return FormatGiB(total(), 2) + " at the peak: rest " + FormatBytes(rest, 2) +
+         " + LM head weights " + FormatBytes(head_weights, 2) +
          (head_streamed ? " (streamed: at the LM head only)" : " (resident)") +
          " + resident blocks " + FormatBytes(resident_blocks, 2) + " + adapter&optimizer " +
          FormatBytes(adapter, 2) + " + checkpoints " + FormatBytes(checkpoints, 2) + " + reserve " +
