@@ -99,6 +99,50 @@ TEST_CASE("fused rotary forward and backward agree with the reference, strided i
   }
 }
 
+namespace {
+
+// BFL's apply_rope as worker/flux/flux_model.cc writes it in ATen, differentiable.
+at::Tensor BflApplyRope(const at::Tensor& x, const at::Tensor& pe) {
+  auto sizes = x.sizes().vec();
+  sizes.back() /= 2;
+  sizes.push_back(1);
+  sizes.push_back(2);
+  const at::Tensor xf = x.to(at::kFloat).reshape(sizes);
+  const at::Tensor out = pe.select(-1, 0) * xf.select(-1, 0) + pe.select(-1, 1) * xf.select(-1, 1);
+  return out.reshape(x.sizes()).to(x.scalar_type());
+}
+
+}  // namespace
+
+TEST_CASE("fused FLUX rotary forward and backward agree with apply_rope and its autograd",
+          "[gpu]") {
+  for (auto t : {at::kBFloat16, at::kFloat}) {
+    for (int64_t pe_batch : {1, 2}) {
+      DYNAMIC_SECTION(c10::toString(t) << ", a table per " << (pe_batch == 1 ? "batch" : "item")) {
+        auto o = at::TensorOptions().device(kCuda).dtype(t);
+        const int64_t b = 2, l = 37, h = 3, d = 16;
+        // As SplitQkv has them: q of a [B, L, 3, h, D] projection seen as [B, h, L, D].
+        at::Tensor x = at::randn({b, l, 3, h, d}, o).select(2, 0).transpose(1, 2);
+        at::Tensor pe = at::randn({pe_batch, 1, l, d / 2, 2, 2}, o.dtype(at::kFloat));
+        REQUIRE(PairRopeFusable(x, pe));
+        at::Tensor y, dx;
+        REQUIRE(FusedPairRope(false, x, pe, &y));
+        const at::Tensor leaf = x.detach().clone().requires_grad_(true);
+        const at::Tensor want = BflApplyRope(leaf, pe);
+        CheckClose(y, want.detach(), t);
+        at::Tensor g = at::randn({b, h, l, d}, o);
+        want.backward(g);
+        REQUIRE(FusedPairRope(true, g, pe, &dx));
+        CheckClose(dx, leaf.grad(), t);
+      }
+    }
+  }
+  // Not for it: a table of another length, an f64 input.
+  at::Tensor x = at::randn({1, 2, 5, 8}, at::TensorOptions().device(kCuda));
+  CHECK_FALSE(PairRopeFusable(x, at::randn({1, 1, 6, 4, 2, 2}, x.options())));
+  CHECK_FALSE(PairRopeFusable(x.to(at::kDouble), at::randn({1, 1, 5, 4, 2, 2}, x.options())));
+}
+
 TEST_CASE("fused cross entropy: the loss and the gradient over the logits agree with the reference",
           "[gpu]") {
   // What the head's chunk size and the memory estimate count on.

@@ -20,6 +20,7 @@
 #include "common/subprocess.h"
 #include "store/synth.h"
 #include "tests/support/flux_cache_files.h"
+#include "tests/support/flux_checkpoint.h"
 #include "tests/support/test_support.h"
 #include "tests/worker/worker_test_util.h"
 #include "worker/flux/flux_adapter_io.h"
@@ -32,22 +33,12 @@
 
 using namespace lorastream;
 using lorastream::testing::ErrorMessageOf;
+using lorastream::testing::MakeFluxCheckpoint;
 using lorastream::testing::TempDir;
 using namespace lorastream::worker;
 using namespace lorastream::worker::flux;
 
 namespace {
-
-std::string MakeFluxCheckpoint(const std::string& dir) {
-  store::SynthOptions o;
-  o.preset = "flux-tiny";
-  o.out_dir = dir;
-  o.presets_dir = std::string(LORASTREAM_SOURCE_DIR) + "/configs/models";
-  o.seed = 3;
-  o.dtype = "f32";
-  store::RunSynth(o);
-  return dir + "/flux1.safetensors";
-}
 
 // DIR/model (flux-tiny), DIR/cache (images "cat" and "wide" of two buckets, and "dog" beside
 // "cat" when with_dog) and DIR/job.toml: a [flux] section naming them with output_dir "out",

@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 
 #include "common/error.h"
+#include "worker/model/fused_ops.h"
 
 namespace lorastream::worker::flux {
 
@@ -40,8 +41,34 @@ at::ScalarType AtLeastFloat(const at::Tensor& x) {
   return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+// On CUDA the per-head RMSNorm of q and k and the rotary embedding run as fused kernels
+// (worker/model/fused_ops.h), each one autograd node, where the ATen ops below take about a
+// dozen memory-bound kernels forward and more backward; they round where those ops round. On
+// the CPU (and with LORASTREAM_FUSED_KERNELS=0) the ATen ops run, as the parity tests check.
+bool FusedFluxOps(const at::Tensor& x) {
+  return x.is_cuda() && x.scalar_type() != at::kDouble && FusedKernelsEnabled();
+}
+
+// BFL's RMSNorm (eps 1e-6) through the fused forward and backward of the LLMs' RMSNorm: its
+// arithmetic, w * (x * rstd).to(dtype) with rstd in f32, is BFL's (x * rrms).to(dtype) * scale.
+struct FusedRmsNorm : public torch::autograd::Function<FusedRmsNorm> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& scale) {
+    const at::Tensor xc = x.contiguous();
+    at::Tensor rstd;
+    at::Tensor y = RmsNormRstd(xc, scale, 1e-6, &rstd);
+    ctx->save_for_backward({xc, rstd, scale});
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    const variable_list saved = ctx->get_saved_variables();
+    return {RmsNormBackward(grad[0].contiguous(), saved[0], saved[1], saved[2]), at::Tensor()};
+  }
+};
+
 // BFL's RMSNorm over the last dim: in f32, then (x * rrms).to(dtype) * scale.
 at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& scale) {
+  if (FusedFluxOps(x) && scale.scalar_type() == x.scalar_type())
+    return FusedRmsNorm::apply(x, scale);
   const at::Tensor xf = x.to(AtLeastFloat(x));
   const at::Tensor rrms = at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + 1e-6);
   return (xf * rrms).to(x.scalar_type()) * scale;
@@ -49,8 +76,27 @@ at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& scale) {
 
 at::Tensor LayerNorm(const at::Tensor& x) { return at::layer_norm(x, {x.size(-1)}, {}, {}, 1e-6); }
 
+// The rotary embedding through the fused kernel, forward and backward (the caller checked
+// that it applies: FusedPairRope's conditions depend only on shapes, dtypes and the device).
+struct FusedRope : public torch::autograd::Function<FusedRope> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& pe) {
+    at::Tensor out;
+    LS_CHECK(FusedPairRope(false, x, pe, &out), "the fused rotary kernel refused its input");
+    ctx->save_for_backward({pe});
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    const at::Tensor g = grad[0].stride(3) == 1 ? grad[0] : grad[0].contiguous();
+    at::Tensor dx;
+    LS_CHECK(FusedPairRope(true, g, ctx->get_saved_variables()[0], &dx),
+             "the fused rotary kernel refused its gradient");
+    return {dx, at::Tensor()};
+  }
+};
+
 // apply_rope: pairs (x0, x1) rotated by pe [.., 2, 2]: out = pe[..., 0] * x0 + pe[..., 1] * x1.
 at::Tensor ApplyRope(const at::Tensor& x, const at::Tensor& pe) {
+  if (FusedFluxOps(x) && PairRopeFusable(x, pe)) return FusedRope::apply(x, pe);
   auto sizes = x.sizes().vec();
   sizes.back() /= 2;
   sizes.push_back(1);

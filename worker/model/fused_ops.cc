@@ -259,6 +259,43 @@ bool FusedRope(bool backward, const at::Tensor& x, const at::Tensor& cos, const 
 }  // namespace
 #endif
 
+bool PairRopeFusable(const at::Tensor& x, const at::Tensor& pe) {
+#if LORASTREAM_HAVE_CUDA
+  cuda::KernelDtype t;
+  return FusedKernelsEnabled() && x.is_cuda() && KernelDtypeOf(x.scalar_type(), &t) &&
+         x.dim() == 4 && x.stride(3) == 1 && x.size(3) % 2 == 0 && pe.device() == x.device() &&
+         pe.scalar_type() == at::kFloat && pe.is_contiguous() && pe.dim() == 6 &&
+         (pe.size(0) == 1 || pe.size(0) == x.size(0)) && pe.size(1) == 1 &&
+         pe.size(2) == x.size(2) && pe.size(3) == x.size(3) / 2 && pe.size(4) == 2 &&
+         pe.size(5) == 2;
+#else
+  (void)x, (void)pe;
+  return false;
+#endif
+}
+
+bool FusedPairRope(bool backward, const at::Tensor& x, const at::Tensor& pe, at::Tensor* out) {
+#if LORASTREAM_HAVE_CUDA
+  cuda::KernelDtype t;
+  if (!PairRopeFusable(x, pe) || !KernelDtypeOf(x.scalar_type(), &t)) return false;
+  const int64_t b = x.size(0), h = x.size(1), l = x.size(2), d = x.size(3);
+  *out = at::empty({b, h, l, d}, x.options());
+  cuda::PairRopeShape shape{b,
+                            h,
+                            l,
+                            d,
+                            {x.stride(0), x.stride(1), x.stride(2)},
+                            {out->stride(0), out->stride(1), out->stride(2)},
+                            pe.size(0) == 1 ? 0 : pe.stride(0)};
+  cuda::PairRope(t, backward, x.data_ptr(), out->data_ptr(), pe.data_ptr<float>(), shape,
+                 StreamOf(x));
+  return true;
+#else
+  (void)backward, (void)x, (void)pe, (void)out;
+  return false;
+#endif
+}
+
 at::Tensor RopeForward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
 #if LORASTREAM_HAVE_CUDA
   at::Tensor out;

@@ -32,6 +32,16 @@ std::pair<at::Tensor, at::Tensor> SwiGluBackward(const at::Tensor& dz, const at:
 at::Tensor RopeForward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor RopeBackward(const at::Tensor& g, const at::Tensor& cos, const at::Tensor& sin);
 
+// FLUX.1's rotary embedding (BFL's apply_rope) of x [B, H, L, D] by its table pe, f32
+// [B or 1, 1, L, D / 2, 2, 2]: each pair (x[2j], x[2j+1]) rotated in f32 and rounded once to
+// x's dtype; with `backward`, x is the output's gradient and *out the input's. Through the
+// fused kernel only: returns false, writing nothing, where it does not apply (fused kernels
+// off, not CUDA, a dtype other than f32/bf16/f16, pe not of that shape); the caller then runs
+// the ATen ops (worker/flux/flux_model.cc). *out: contiguous [B, H, L, D].
+bool FusedPairRope(bool backward, const at::Tensor& x, const at::Tensor& pe, at::Tensor* out);
+// Whether FusedPairRope runs for x and pe (its gradient, of x's shape, too).
+bool PairRopeFusable(const at::Tensor& x, const at::Tensor& pe);
+
 // The chunked LM head's cross entropy over one chunk: logits [rows, V] (contiguous, the
 // compute dtype) against targets [rows] (int64 on the logits' device; -100: ignored).
 // Returns the sum of the rows' losses, f32 scalar: log-softmax in f32 and the negative

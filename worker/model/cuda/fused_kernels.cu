@@ -108,6 +108,22 @@ __global__ void SwiGluBackwardKernel(const T* dz, const T* gate, const T* up, T*
   }
 }
 
+// Element i of a rotary kernel's [B, H, L, pairs] iteration space.
+struct RotaryIndex {
+  int64_t b, h, pos, pair;
+};
+__device__ __forceinline__ RotaryIndex SplitRotaryIndex(int64_t i, int64_t pairs, int64_t seq,
+                                                        int64_t heads) {
+  RotaryIndex at;
+  at.pair = i % pairs;
+  i /= pairs;
+  at.pos = i % seq;
+  i /= seq;
+  at.h = i % heads;
+  at.b = i / heads;
+  return at;
+}
+
 template <typename T>
 __global__ void RopeKernel(bool backward, const T* in, T* out, const T* cos, const T* sin,
                            RopeShape s) {
@@ -115,15 +131,10 @@ __global__ void RopeKernel(bool backward, const T* in, T* out, const T* cos, con
   const int64_t total = s.batch * s.heads * s.seq * half;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    int64_t rest = i;
-    const int64_t d = rest % half;
-    rest /= half;
-    const int64_t p = rest % s.seq;
-    rest /= s.seq;
-    const int64_t h = rest % s.heads;
-    const int64_t b = rest / s.heads;
-    const T* src = in + b * s.in_stride[0] + h * s.in_stride[1] + p * s.in_stride[2];
-    T* dst = out + b * s.out_stride[0] + h * s.out_stride[1] + p * s.out_stride[2];
+    const RotaryIndex at = SplitRotaryIndex(i, half, s.seq, s.heads);
+    const int64_t d = at.pair, p = at.pos;
+    const T* src = in + at.b * s.in_stride[0] + at.h * s.in_stride[1] + p * s.in_stride[2];
+    T* dst = out + at.b * s.out_stride[0] + at.h * s.out_stride[1] + p * s.out_stride[2];
     const float x1 = ToF(src[d]), x2 = ToF(src[d + half]);
     const float c1 = ToF(cos[p * s.dim + d]), c2 = ToF(cos[p * s.dim + d + half]);
     const float s1 = ToF(sin[p * s.dim + d]), s2 = ToF(sin[p * s.dim + d + half]);
@@ -135,6 +146,30 @@ __global__ void RopeKernel(bool backward, const T* in, T* out, const T* cos, con
       // rotate_half^T(y) = (y2, -y1) applied to y = g * sin
       dst[d] = FromF<T>(Round<T>(x1 * c1) + Round<T>(x2 * s2));
       dst[d + half] = FromF<T>(Round<T>(x2 * c2) - Round<T>(x1 * s1));
+    }
+  }
+}
+
+template <typename T>
+__global__ void PairRopeKernel(bool backward, const T* in, T* out, const float* pe,
+                               PairRopeShape s) {
+  const int64_t pairs = s.dim / 2;
+  const int64_t total = s.batch * s.heads * s.seq * pairs;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const RotaryIndex at = SplitRotaryIndex(i, pairs, s.seq, s.heads);
+    const int64_t j = at.pair, p = at.pos;
+    const T* src = in + at.b * s.in_stride[0] + at.h * s.in_stride[1] + p * s.in_stride[2] + 2 * j;
+    T* dst = out + at.b * s.out_stride[0] + at.h * s.out_stride[1] + p * s.out_stride[2] + 2 * j;
+    const float* m = pe + at.b * s.pe_batch_stride + (p * pairs + j) * 4;
+    const float x0 = ToF(src[0]), x1 = ToF(src[1]);
+    // ATen multiplies, then adds (no fused multiply-add): the same roundings here.
+    if (!backward) {
+      dst[0] = FromF<T>(__fadd_rn(__fmul_rn(m[0], x0), __fmul_rn(m[1], x1)));
+      dst[1] = FromF<T>(__fadd_rn(__fmul_rn(m[2], x0), __fmul_rn(m[3], x1)));
+    } else {
+      dst[0] = FromF<T>(__fadd_rn(__fmul_rn(m[0], x0), __fmul_rn(m[2], x1)));
+      dst[1] = FromF<T>(__fadd_rn(__fmul_rn(m[1], x0), __fmul_rn(m[3], x1)));
     }
   }
 }
@@ -277,6 +312,18 @@ void Rope(KernelDtype t, bool backward, const void* in, void* out, const void* c
         static_cast<const T*>(sin), shape);
   });
   Check(cudaGetLastError(), "Rope");
+}
+
+void PairRope(KernelDtype t, bool backward, const void* in, void* out, const float* pe,
+              const PairRopeShape& shape, cudaStream_t stream) {
+  const int64_t n = shape.batch * shape.heads * shape.seq * (shape.dim / 2);
+  if (n == 0) return;
+  Dispatch(t, [&](auto v) {
+    using T = decltype(v);
+    PairRopeKernel<T><<<ElementwiseBlocks(n, 256), 256, 0, stream>>>(
+        backward, static_cast<const T*>(in), static_cast<T*>(out), pe, shape);
+  });
+  Check(cudaGetLastError(), "PairRope");
 }
 
 void CrossEntropyRows(KernelDtype t, void* logits, const int64_t* targets, float* row_loss,

@@ -40,6 +40,21 @@ struct RopeShape {
 void Rope(KernelDtype t, bool backward, const void* in, void* out, const void* cos, const void* sin,
           const RopeShape& shape, cudaStream_t stream);
 
+// FLUX.1's rotary embedding (BFL's apply_rope) over x [B, H, L, D], D even: each pair
+// (x[2j], x[2j+1]) of position p rotated by its 2x2 table pe[b, p, j] (f32, [r][c] row-major):
+// out[2j + r] = pe[r][0] * x[2j] + pe[r][1] * x[2j+1] in f32, rounded once to T. Backward, for
+// the output gradient g: dx[2j + c] = pe[0][c] * g[2j] + pe[1][c] * g[2j+1]. x and the output
+// are addressed through their strides (the last dimension contiguous); pe is contiguous
+// [B or 1, L, D / 2, 2, 2] (`pe_batch_stride` 0 for one table shared by the batch).
+struct PairRopeShape {
+  int64_t batch, heads, seq, dim;
+  int64_t in_stride[3];   // of dimensions B, H, L
+  int64_t out_stride[3];  // of dimensions B, H, L
+  int64_t pe_batch_stride;
+};
+void PairRope(KernelDtype t, bool backward, const void* in, void* out, const float* pe,
+              const PairRopeShape& shape, cudaStream_t stream);
+
 // The chunked LM head's cross entropy, one row of logits [rows, vocab] (contiguous) per
 // block: row_loss[r] = logsumexp(x[r, :]) - x[r, t[r]] in f32 (0 for a target outside
 // [0, vocab): -100, the ignored positions). With `grad_in_place`, row r of the logits is
