@@ -29,6 +29,12 @@ void RunLs(std::ostream& out) {
     out << "  attached processes (" << attached.size() << "):";
     for (int64_t pid : attached) out << " " << pid;
     out << "\n";
+    if (!s.mapping_pids.empty()) {
+      const uint64_t pss = StorePssBytes(s);
+      const size_t n = s.mapping_pids.size();
+      out << "  in RAM: " << FormatGiB(pss, 3) << " (" << pss << " bytes), the PSS summed over "
+          << n << (n == 1 ? " process" : " processes") << " mapping it\n";
+    }
     for (const ShmObject& o : s.objects) {
       char line[48];
       std::snprintf(line, sizeof(line), "  %14llu  ", static_cast<unsigned long long>(o.bytes));

@@ -57,8 +57,7 @@ struct PhaseTiming {
 };
 
 // "reading: 5.20 / 14.00 GB (37%), 4.52 GB/s, 1.9 s left".
-std::string DescribeProgress(std::string_view phase, uint64_t done, uint64_t total,
-                             double seconds);
+std::string DescribeProgress(std::string_view phase, uint64_t done, uint64_t total, double seconds);
 
 // "12.3 s", "4 min 05 s", "1 h 02 min".
 std::string FormatDuration(double seconds);
@@ -108,7 +107,7 @@ class Progress {
   std::string phase_;
   uint64_t total_ = 0;
   TimePoint phase_start_{};
-  TimePoint last_shown_{};        // the last terminal rewrite or log line
+  TimePoint last_shown_{};         // the last terminal rewrite or log line
   uint64_t done_at_last_log_ = 0;  // bytes of the phase at its last log line
   bool phase_shown_ = false;       // the running phase was shown
   bool line_shown_ = false;        // the terminal holds a progress line

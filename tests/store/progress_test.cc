@@ -128,8 +128,7 @@ TEST_CASE("progress on a terminal: one line rewritten a few times a second, none
   CHECK(progress.phases().size() == 2);
 }
 
-TEST_CASE("progress in a log: a line per 5 s and 10% of the phase, whichever is rarer",
-          "[store]") {
+TEST_CASE("progress in a log: a line per 5 s and 10% of the phase, whichever is rarer", "[store]") {
   RecordingOutput out;
   FakeClock clock;
   Progress progress(out, ProgressOptions{}, clock.Fn());
@@ -172,8 +171,7 @@ TEST_CASE("progress in a log: a line per 5 s and 10% of the phase, whichever is 
   }
 }
 
-TEST_CASE("progress: every thread's bytes count, with a ticker printing beside them",
-          "[store]") {
+TEST_CASE("progress: every thread's bytes count, with a ticker printing beside them", "[store]") {
   RecordingOutput out;
   ProgressOptions options;
   options.terminal = true;
@@ -205,9 +203,8 @@ TEST_CASE("a store's load reports each phase with all of its bytes", "[store]") 
     RecordingOutput out;
     // Each reading of the clock is 10 s after the last: every phase is long enough to log.
     std::atomic<int64_t> ticks{0};
-    Progress progress(out, ProgressOptions{}, [&] {
-      return TimePoint(std::chrono::seconds(10 * ticks.fetch_add(1)));
-    });
+    Progress progress(out, ProgressOptions{},
+                      [&] { return TimePoint(std::chrono::seconds(10 * ticks.fetch_add(1))); });
     ServeOptions o;
     o.model_dir = dir.str();
     o.name = UniqueName("progress");
