@@ -1,5 +1,7 @@
 #include "store/commands.h"
 
+#include <signal.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -43,7 +45,7 @@ void RunLs(std::ostream& out) {
   }
 }
 
-void RunVerify(const std::string& name, int threads, std::ostream& out) {
+void RunVerify(const std::string& name, int threads, std::ostream& out, bool hold) {
   if (threads <= 0) threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   const auto start = std::chrono::steady_clock::now();
   AttachedStore store = AttachedStore::Attach(name);
@@ -68,6 +70,15 @@ void RunVerify(const std::string& name, int threads, std::ostream& out) {
       << FormatGiB(m.total_bytes(), 3) << ", " << DTypeName(m.dtype)
       << (m.quant().compressed() ? ", blocks " + DescribeQuant(m.quant()) : "") << ", fingerprint "
       << m.fingerprint << ": every checksum matches (" << s << " s)\n";
+  if (!hold) return;
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  out << "holding the store attached until SIGTERM or SIGINT" << std::endl;
+  int sig = 0;
+  sigwait(&signals, &sig);
 }
 
 }  // namespace lorastream::store

@@ -68,6 +68,20 @@ TEST_CASE("serve publishes, verify and ls see it, SIGTERM unlinks everything", "
   CHECK(code == 0);
   CHECK_THAT(out, Catch::Contains(name + ": published, owner pid " + std::to_string(serve.pid())));
   CHECK_THAT(out, Catch::Contains(" " + std::to_string(getpid())));  // we are attached
+  {
+    // verify --hold: verified, then attached until SIGTERM (a reader for the memory bench).
+    SpawnOptions o;
+    o.log_path = dir.str() + "/hold.log";
+    Subprocess hold =
+        Subprocess::Spawn({Bin("lorastream-store"), "verify", "--name", name, "--hold"}, o);
+    REQUIRE(WaitFor([&] { return ReadFile(o.log_path).find("holding") != std::string::npos; }, 60));
+    CHECK_THAT(ReadFile(o.log_path), Catch::Contains("every checksum matches"));
+    out = RunAndCapture({Bin("lorastream-store"), "ls"}, &code, 60);
+    CHECK_THAT(out, Catch::Contains(" " + std::to_string(hold.pid())));
+    CHECK(hold.Running());
+    hold.Signal(SIGTERM);
+    CHECK(hold.Wait(30) == 0);
+  }
   RunAndCapture({Bin("lorastream-store"), "verify", "--name", name + "-none"}, &code, 60,
                 "/dev/null");
   CHECK(code == ExitCodeFor(ErrorCode::kNotFound));
