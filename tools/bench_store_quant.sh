@@ -77,7 +77,7 @@ for q in none fp8 nf4; do
   pss_bytes=$(sed -n 's/.*(\([0-9]*\) bytes).*/\1/p' <<< "$pss_line")
   mapping=$(sed -n 's/.* over \([0-9]*\) process.*/\1/p' <<< "$pss_line")
   [[ "$mapping" == $((READERS + 1)) ]] || { echo "$q: $mapping processes map the store, not $((READERS + 1))" >&2; exit 1; }
-  ROW[$q]="$store_bytes $block_bytes $pss_bytes $(field load_s) $(field quantize_s) $(field check_s) $(field prefault_s) $(field total_s)"
+  ROW[$q]="$store_bytes $block_bytes $pss_bytes $(field load_s) $(field quantize_s) $(field total_s)"
   for pid in "${PIDS[@]}"; do kill -TERM "$pid"; done
   for pid in "${PIDS[@]}"; do wait "$pid" || true; done
   PIDS=()
@@ -89,9 +89,9 @@ table() {
   echo
   echo "| format | store bytes | x bf16 | blocks bytes | x bf16 | PSS (store + $READERS readers) | x bf16 | PSS / store | reading s | quantising s | reading + quantising s | x plain reading | serve total s | x plain total |"
   echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
-  read -r b_store b_blocks _ b_load _ _ _ b_total <<< "${ROW[none]}"
+  read -r b_store b_blocks _ b_load _ b_total <<< "${ROW[none]}"
   for q in none fp8 nf4; do
-    read -r store blocks pss load quant check prefault total <<< "${ROW[$q]}"
+    read -r store blocks pss load quant total <<< "${ROW[$q]}"
     awk -v q="$q" -v s="$store" -v bs="$b_store" -v k="$blocks" -v bk="$b_blocks" -v p="$pss" \
         -v l="$load" -v qt="$quant" -v bl="$b_load" -v t="$total" -v bt="$b_total" 'BEGIN {
       printf "| %s | %.0f | %.3f | %.0f | %.3f | %.0f | %.3f | %.3f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |\n",
