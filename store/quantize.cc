@@ -61,10 +61,17 @@ std::array<float, 256> MakeDynamicMap() {
 // Index of the entry of the sorted `map` nearest to `x` (the lower one on a tie).
 template <size_t N>
 uint8_t Nearest(const std::array<float, N>& map, float x) {
-  const auto it = std::lower_bound(map.begin(), map.end(), x);
-  if (it == map.begin()) return 0;
-  if (it == map.end()) return static_cast<uint8_t>(N - 1);
-  const size_t hi = static_cast<size_t>(it - map.begin());
+  size_t hi;  // std::lower_bound's index: the number of entries below x
+  if constexpr (N <= 16) {
+    // Counted without a branch: nf4 quantises every weight through this, and a binary
+    // search's branches mispredict on random weights.
+    hi = 0;
+    for (size_t k = 0; k < N; ++k) hi += map[k] < x ? 1 : 0;
+  } else {
+    hi = static_cast<size_t>(std::lower_bound(map.begin(), map.end(), x) - map.begin());
+  }
+  if (hi == 0) return 0;
+  if (hi == N) return static_cast<uint8_t>(N - 1);
   return static_cast<uint8_t>(x - map[hi - 1] <= map[hi] - x ? hi - 1 : hi);
 }
 

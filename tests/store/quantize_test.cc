@@ -164,6 +164,39 @@ TEST_CASE("fp8: expansion equals a plain reference dequantisation bit for bit", 
   CHECK(scale[0] > scale[5]);  // element n/3 = row 100 lies in the first tile row's tiles
 }
 
+TEST_CASE("nf4: each weight takes the nearest code, the lower one on a tie", "[store]") {
+  // Random weights, plus in one block of amax 1 every code and every midpoint between two
+  // neighbouring codes (a tie), and values just beside them.
+  std::vector<float> w = RandomWeights(64 * 200, 5);
+  std::vector<float> edges = {1.0f, -1.0f, 0.0f};
+  for (size_t k = 0; k + 1 < kNf4Code.size(); ++k) {
+    const float mid = (kNf4Code[k] + kNf4Code[k + 1]) / 2;
+    for (float v : {kNf4Code[k], mid, std::nextafter(mid, -2.0f), std::nextafter(mid, 2.0f)})
+      edges.push_back(v);
+  }
+  REQUIRE(edges.size() <= 64);
+  edges.resize(64, 0.5f);
+  w.insert(w.end(), edges.begin(), edges.end());
+  const int64_t n = static_cast<int64_t>(w.size());
+  std::vector<uint8_t> packed(n / 2);
+  std::vector<float> absmax(n / 64);
+  QuantizeNf4(w.data(), n, 64, packed.data(), absmax.data());
+  // The reference: the code at the smallest distance, the first (lower) one on a tie.
+  auto nearest = [](float x) {
+    int best = 0;
+    for (int k = 1; k < 16; ++k)
+      if (std::fabs(x - kNf4Code[k]) < std::fabs(x - kNf4Code[best])) best = k;
+    return best;
+  };
+  for (int64_t i = 0; i < n; ++i) {
+    INFO("element " << i << " = " << w[i]);
+    const float amax = absmax[i / 64];
+    const float x = w[i] * (amax > 0 ? 1.0f / amax : 0.0f);
+    const int code = i % 2 == 0 ? packed[i / 2] >> 4 : packed[i / 2] & 15;
+    REQUIRE(code == nearest(x));
+  }
+}
+
 TEST_CASE("nf4: expansion equals a plain reference dequantisation bit for bit", "[store]") {
   const int64_t n = 64 * 600 + 64;  // 601 blocks: three nested groups, the last partial
   const std::vector<float> w = RandomWeights(n, 11);
