@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "store/convert.h"
@@ -112,16 +113,15 @@ uint8_t FloatToE4M3(float value) {
     // nearbyint rounds ties to even; 8 units is the smallest normal, whose code is also 8.
     return sign | static_cast<uint8_t>(std::nearbyint(a * 512.0f));
   }
-  int e;
-  const float m = std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
-  int mant = static_cast<int>(std::nearbyint((m * 2.0f - 1.0f) * 8.0f));
-  int exp = e - 1 + 7;
-  if (mant == 8) {
-    mant = 0;
-    ++exp;
-  }
-  const int code = std::min((exp << 3) | mant, 0x7e);  // 448 at most (a was clamped)
-  return sign | static_cast<uint8_t>(code);
+  // A normal: the f32's 23 mantissa bits rounded to 3 on the bits themselves, to nearest
+  // even (a carry out of the mantissa moves into the exponent, as it should), the exponent
+  // rebiased from 127 to 7. Every f32 encodes as through frexp and nearbyint (checked over
+  // all 2^32 of them), several times faster.
+  uint32_t u;
+  std::memcpy(&u, &a, sizeof u);
+  const uint32_t rounded = (u + 0x7ffffu + ((u >> 20) & 1u)) >> 20;
+  const uint32_t code = rounded - ((127u - 7u) << 3);
+  return sign | static_cast<uint8_t>(std::min<uint32_t>(code, 0x7e));  // 448 at most
 }
 
 void QuantizeFp8Band(const float* band, int64_t rows, int64_t cols, int64_t block_cols, uint8_t* q,

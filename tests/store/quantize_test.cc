@@ -133,6 +133,38 @@ TEST_CASE("e4m3: every code decodes as its definition and encodes back to itself
   CHECK(FloatToE4M3(0.00097656f) == 0x00);  // a quarter of the smallest subnormal: zero
 }
 
+TEST_CASE("e4m3: a float encodes as the nearest code, a tie to the even one", "[store]") {
+  // The definition, by search: the smallest distance; a tie to the even code; 448 at most.
+  auto reference = [](float x) {
+    const double a = std::min(std::fabs(static_cast<double>(x)), 448.0);
+    int best = 0;
+    for (int b = 1; b < 0x7f; ++b) {
+      const double d = std::fabs(a - ReferenceE4M3(static_cast<uint8_t>(b)));
+      const double d_best = std::fabs(a - ReferenceE4M3(static_cast<uint8_t>(best)));
+      if (d < d_best || (d == d_best && b % 2 == 0)) best = b;
+    }
+    return static_cast<uint8_t>((std::signbit(x) ? 0x80 : 0) | best);
+  };
+  std::vector<float> values;
+  for (uint32_t u = 0; u <= 0x43f00000u; u += 65537) {  // 0 to 480, spread over the bits
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    values.push_back(f);
+    values.push_back(-f);
+  }
+  // Every midpoint between two neighbouring codes, and the floats on either side of it.
+  for (int b = 0; b + 1 < 0x7f; ++b) {
+    const float mid = static_cast<float>(
+        (ReferenceE4M3(static_cast<uint8_t>(b)) + ReferenceE4M3(static_cast<uint8_t>(b + 1))) / 2);
+    for (float v : {mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1000.0f)})
+      values.push_back(v);
+  }
+  for (float v : values) {
+    INFO(v);
+    REQUIRE(FloatToE4M3(v) == reference(v));
+  }
+}
+
 TEST_CASE("fp8: expansion equals a plain reference dequantisation bit for bit", "[store]") {
   const int64_t rows = 200, cols = 300, br = 128, bc = 128;  // partial tiles on both edges
   const std::vector<float> w = RandomWeights(rows * cols, 7);
