@@ -162,6 +162,7 @@ nlohmann::json StoresCheck(nlohmann::json& report) {
                     {"alive", s.alive},
                     {"bytes", StoreBytes(s)},
                     {"format", store::StoreFormat(s)},
+                    {"pss_bytes", store::StorePssBytes(s)},
                     {"segments", s.objects.size()},
                     {"attached_pids", AttachedPids(s)}});
     if (!s.alive)
@@ -264,7 +265,8 @@ std::string DoctorText(const nlohmann::json& r) {
                      std::to_string(s.value("segments", 0)) + " segments, " +
                      Bytes(s.value("bytes", uint64_t{0})) +
                      (s.value("format", "").empty() ? "" : ", " + s.value("format", "")) + ", " +
-                     std::to_string(s["attached_pids"].size()) + " attached");
+                     std::to_string(s["attached_pids"].size()) + " attached, " +
+                     Bytes(s.value("pss_bytes", uint64_t{0})) + " in RAM");
   const auto& c = r["coordinator"];
   row("coordinator", c.value("endpoint", "") + ": " +
                          (c.value("reachable", false)

@@ -1,5 +1,7 @@
 #include "store/commands.h"
 
+#include <signal.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -29,6 +31,12 @@ void RunLs(std::ostream& out) {
     out << "  attached processes (" << attached.size() << "):";
     for (int64_t pid : attached) out << " " << pid;
     out << "\n";
+    if (!s.mapping_pids.empty()) {
+      const uint64_t pss = StorePssBytes(s);
+      const size_t n = s.mapping_pids.size();
+      out << "  in RAM: " << FormatGiB(pss, 3) << " (" << pss << " bytes), the PSS summed over "
+          << n << (n == 1 ? " process" : " processes") << " mapping it\n";
+    }
     for (const ShmObject& o : s.objects) {
       char line[48];
       std::snprintf(line, sizeof(line), "  %14llu  ", static_cast<unsigned long long>(o.bytes));
@@ -37,7 +45,7 @@ void RunLs(std::ostream& out) {
   }
 }
 
-void RunVerify(const std::string& name, int threads, std::ostream& out) {
+void RunVerify(const std::string& name, int threads, std::ostream& out, bool hold) {
   if (threads <= 0) threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   const auto start = std::chrono::steady_clock::now();
   AttachedStore store = AttachedStore::Attach(name);
@@ -62,6 +70,15 @@ void RunVerify(const std::string& name, int threads, std::ostream& out) {
       << FormatGiB(m.total_bytes(), 3) << ", " << DTypeName(m.dtype)
       << (m.quant().compressed() ? ", blocks " + DescribeQuant(m.quant()) : "") << ", fingerprint "
       << m.fingerprint << ": every checksum matches (" << s << " s)\n";
+  if (!hold) return;
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  out << "holding the store attached until SIGTERM or SIGINT" << std::endl;
+  int sig = 0;
+  sigwait(&signals, &sig);
 }
 
 }  // namespace lorastream::store

@@ -10,6 +10,8 @@ namespace lorastream::store {
 void RunLs(std::ostream& out);
 
 // Attaches read-only and re-checks every checksum; throws Error(kCorrupt) on a mismatch.
-void RunVerify(const std::string& name, int threads, std::ostream& out);
+// `hold`: then stays attached, every page read, until SIGTERM or SIGINT (a reader for
+// measuring the memory of a store and many attached processes).
+void RunVerify(const std::string& name, int threads, std::ostream& out, bool hold = false);
 
 }  // namespace lorastream::store

@@ -1,5 +1,6 @@
 #include "store/layout.h"
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <optional>
@@ -12,6 +13,8 @@
 #include "common/log.h"
 #include "common/tokenizer_id.h"
 #include "store/convert.h"
+#include "store/parallel.h"
+#include "store/progress.h"
 
 namespace lorastream::store {
 
@@ -286,21 +289,43 @@ PackPlan PlanPack(const Checkpoint& cp, const PackOptions& options) {
   return plan;
 }
 
-void RefuseNonFiniteWeights(const PackPlan& plan) {
-  auto scan = [&](const Checkpoint::Ref& ref) {
-    const int64_t bad =
-        FirstNonFinite(ref.file->Data(*ref.entry), ref.entry->numel(), ref.entry->dtype);
-    if (bad >= 0)
-      throw Error(ErrorCode::kCorrupt, plan.manifest.source_dir + ": tensor `" + ref.entry->name +
-                                           "` holds a NaN or infinite value (element " +
-                                           std::to_string(bad) +
-                                           "); the base weights must be finite");
-  };
+uint64_t RefuseNonFiniteWeights(const PackPlan& plan, Progress* progress, int threads) {
+  std::vector<const Checkpoint::Ref*> refs;
   for (const std::vector<Checkpoint::Ref>& block : plan.block_sources)
     for (const Checkpoint::Ref& ref : block)
-      if (ref.file != nullptr) scan(ref);  // a pre-quantised tensor scans as its own dtype
-  for (const PackPlan::Quantize& q : plan.quantize) scan(q.source);
-  for (const Checkpoint::Ref& ref : plan.rest_sources) scan(ref);
+      if (ref.file != nullptr) refs.push_back(&ref);  // a pre-quantised tensor scans as its dtype
+  for (const PackPlan::Quantize& q : plan.quantize) refs.push_back(&q.source);
+  for (const Checkpoint::Ref& ref : plan.rest_sources) refs.push_back(&ref);
+  // Pieces of at most kScanPieceBytes, so that an embedding of a gigabyte is shared out too.
+  constexpr uint64_t kScanPieceBytes = 64u << 20;
+  struct Piece {
+    const Checkpoint::Ref* ref;
+    uint64_t begin, count;  // elements
+  };
+  std::vector<Piece> pieces;
+  uint64_t total = 0;
+  for (const Checkpoint::Ref* ref : refs) {
+    const uint64_t numel = ref->entry->numel(), elem = DTypeSize(ref->entry->dtype);
+    const uint64_t step = std::max<uint64_t>(1, kScanPieceBytes / elem);
+    for (uint64_t e = 0; e < numel; e += step)
+      pieces.push_back({ref, e, std::min(step, numel - e)});
+    total += ref->entry->nbytes();
+  }
+  if (progress) progress->BeginPhase("checking weights", total);
+  RunParallel(pieces.size(), threads, [&](size_t i) {
+    const Piece& p = pieces[i];
+    const uint64_t elem = DTypeSize(p.ref->entry->dtype);
+    const int64_t bad = FirstNonFinite(p.ref->file->Data(*p.ref->entry) + p.begin * elem, p.count,
+                                       p.ref->entry->dtype);
+    if (bad >= 0)
+      throw Error(ErrorCode::kCorrupt,
+                  plan.manifest.source_dir + ": tensor `" + p.ref->entry->name +
+                      "` holds a NaN or infinite value (element " + std::to_string(p.begin + bad) +
+                      "); the base weights must be finite");
+    if (progress) progress->Add(p.count * elem);
+  });
+  if (progress) progress->EndPhase();
+  return total;
 }
 
 }  // namespace lorastream::store

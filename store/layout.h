@@ -12,6 +12,8 @@
 
 namespace lorastream::store {
 
+class Progress;
+
 struct PackPlan {
   // Layout only: shm names, checksums, fingerprint and generation are still empty.
   Manifest manifest;
@@ -53,7 +55,10 @@ struct PackOptions {
 PackPlan PlanPack(const Checkpoint& checkpoint, const PackOptions& options);
 
 // The NaN/infinity part of PlanPack on its own (for a plan made with scan_weights = false):
-// Error(kCorrupt) naming the folder, the tensor and the element.
-void RefuseNonFiniteWeights(const PackPlan& plan);
+// Error(kCorrupt) naming the folder, the tensor and an element, reading on `threads` threads.
+// `progress` (optional) gets a phase "checking weights" over the checkpoint's bytes (from
+// disk: the load's longest). Returns the bytes read: every source tensor's.
+uint64_t RefuseNonFiniteWeights(const PackPlan& plan, Progress* progress = nullptr,
+                                int threads = 1);
 
 }  // namespace lorastream::store

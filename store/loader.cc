@@ -15,6 +15,7 @@
 #include "common/unique_fd.h"
 #include "store/checksum.h"
 #include "store/convert.h"
+#include "store/progress.h"
 
 namespace lorastream::store {
 
@@ -92,7 +93,7 @@ void FillChunk(Segment& seg, uint64_t begin, uint64_t end, Files& files,
 }  // namespace
 
 LoadResult LoadSegments(PackPlan& plan, const std::vector<ShmSegment*>& shm, int threads,
-                        const std::function<bool()>& should_stop) {
+                        const std::function<bool()>& should_stop, Progress* progress) {
   Manifest& m = plan.manifest;
   LS_CHECK(shm.size() == m.blocks.size() + 1, "one segment per block plus the rest");
   std::vector<Segment> segs;
@@ -108,6 +109,7 @@ LoadResult LoadSegments(PackPlan& plan, const std::vector<ShmSegment*>& shm, int
     result.bytes += segs[s].info->nbytes;
   }
 
+  if (progress) progress->BeginPhase("reading", result.bytes);
   const auto start = std::chrono::steady_clock::now();
   std::atomic<size_t> next{0};
   std::atomic<bool> failed{false};
@@ -129,6 +131,7 @@ LoadResult LoadSegments(PackPlan& plan, const std::vector<ShmSegment*>& shm, int
           const uint64_t piece_end = std::min(piece + kPieceBytes, end);
           FillChunk(seg, piece, piece_end, files, buffer);
           hasher.Update(seg.data + piece, piece_end - piece);
+          if (progress) progress->Add(piece_end - piece);
         }
         seg.chunk_hashes[items[k].second] = hasher.Finish();
       }
@@ -143,6 +146,7 @@ LoadResult LoadSegments(PackPlan& plan, const std::vector<ShmSegment*>& shm, int
   work();
   for (std::thread& t : pool) t.join();
   if (error) std::rethrow_exception(error);
+  if (progress) progress->EndPhase();
   for (Segment& seg : segs)
     seg.info->checksum = CombineChunkHashes(seg.chunk_hashes, seg.info->nbytes);
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -15,6 +15,8 @@
 
 namespace lorastream::store {
 
+class Progress;
+
 struct LoadResult {
   uint64_t bytes = 0;  // bytes written into segments
   double seconds = 0;  // wall time of the load
@@ -28,10 +30,13 @@ struct LoadResult {
 // plan.quantize quantised (with its scales) into its block's segment, in parallel over tiles
 // of every weight, and plan.literals; to be called before LoadSegments, which hashes them
 // with the rest. Returns the source bytes quantised and the time it took.
+// `progress` (optional) gets a phase of each: "quantising to fp8" over the source bytes
+// quantised, "reading" over the store's bytes (copied or converted, and hashed).
 LoadResult QuantizeSegments(const PackPlan& plan, const std::vector<ShmSegment*>& segments,
-                            int threads, const std::function<bool()>& should_stop);
+                            int threads, const std::function<bool()>& should_stop,
+                            Progress* progress = nullptr);
 
 LoadResult LoadSegments(PackPlan& plan, const std::vector<ShmSegment*>& segments, int threads,
-                        const std::function<bool()>& should_stop);
+                        const std::function<bool()>& should_stop, Progress* progress = nullptr);
 
 }  // namespace lorastream::store

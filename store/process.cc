@@ -71,4 +71,25 @@ std::vector<int64_t> PidsMapping(const std::string& shm_prefix) {
   return pids;
 }
 
+ShmMappingUse ShmMappingUseOf(int64_t pid, const std::string& shm_prefix) {
+  std::ifstream smaps("/proc/" + std::to_string(pid) + "/smaps");
+  const std::string needle = "/dev/shm/" + shm_prefix;
+  ShmMappingUse use;
+  bool inside = false;
+  for (std::string line; std::getline(smaps, line);) {
+    // A mapping's header starts with its address range ("7f12a000-7f12b000 r--s ..."), the
+    // fields that follow it with a name and a colon ("Pss:     1024 kB").
+    const size_t dash = line.find('-');
+    if (dash != std::string::npos && dash > 0 &&
+        line.find_first_not_of("0123456789abcdef") == dash) {
+      inside = line.find(needle) != std::string::npos;
+      continue;
+    }
+    if (!inside) continue;
+    if (line.rfind("Rss:", 0) == 0) use.rss_bytes += std::stoull(line.substr(4)) * 1024;
+    if (line.rfind("Pss:", 0) == 0) use.pss_bytes += std::stoull(line.substr(4)) * 1024;
+  }
+  return use;
+}
+
 }  // namespace lorastream::store

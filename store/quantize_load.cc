@@ -9,6 +9,7 @@
 #include "store/convert.h"
 #include "store/loader.h"
 #include "store/parallel.h"
+#include "store/progress.h"
 #include "store/quantize.h"
 
 namespace lorastream::store {
@@ -27,7 +28,8 @@ struct Piece {
 }  // namespace
 
 LoadResult QuantizeSegments(const PackPlan& plan, const std::vector<ShmSegment*>& segments,
-                            int threads, const std::function<bool()>& should_stop) {
+                            int threads, const std::function<bool()>& should_stop,
+                            Progress* progress) {
   LoadResult result;
   for (const PackPlan::Literal& l : plan.literals) {
     const TensorSlice& t = plan.manifest.blocks[l.block].tensors[l.slice];
@@ -59,6 +61,9 @@ LoadResult QuantizeSegments(const PackPlan& plan, const std::vector<ShmSegment*>
     }
     result.bytes += plan.quantize[k].source.entry->nbytes();
   }
+  if (progress)
+    progress->BeginPhase(std::string("quantising to ") + QuantMethodName(slice(0, 0).quant.method),
+                         result.bytes);
   RunParallel(pieces.size(), threads, [&](size_t i) {
     if (should_stop && should_stop())
       throw Error(ErrorCode::kCancelled, "quantising interrupted by a signal");
@@ -83,6 +88,7 @@ LoadResult QuantizeSegments(const PackPlan& plan, const std::vector<ShmSegment*>
       QuantizeNf4(values.data(), p.end - p.begin, w.quant.blocksize, at(p.task, 0) + p.begin / 2,
                   absmax[p.task].data() + p.begin / w.quant.blocksize);
     }
+    if (progress) progress->Add(static_cast<uint64_t>(values.size()) * DTypeSize(dtype));
   });
   // nf4's absmax, double-quantised around the mean of the whole weight's.
   RunParallel(plan.quantize.size(), threads, [&](size_t k) {
@@ -94,6 +100,7 @@ LoadResult QuantizeSegments(const PackPlan& plan, const std::vector<ShmSegment*>
     std::memcpy(at(k, 3), kNf4Code.data(), sizeof(float) * 16);
     std::memcpy(at(k, 4), DynamicMap8Bit().data(), sizeof(float) * 256);
   });
+  if (progress) progress->EndPhase();
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return result;
 }

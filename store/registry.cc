@@ -134,6 +134,12 @@ std::string StoreFormat(const StoreListing& s) {
   }
 }
 
+uint64_t StorePssBytes(const StoreListing& s) {
+  uint64_t pss = 0;
+  for (int64_t pid : s.mapping_pids) pss += ShmMappingUseOf(pid, ShmPrefix(s.name)).pss_bytes;
+  return pss;
+}
+
 std::vector<int64_t> AttachedPids(const StoreListing& s) {
   std::vector<int64_t> attached;
   for (int64_t pid : s.mapping_pids)

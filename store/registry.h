@@ -40,6 +40,10 @@ uint64_t StoreBytes(const StoreListing& store);
 // "unreadable manifest (why)" when it cannot be read; "" without a manifest.
 std::string StoreFormat(const StoreListing& store);
 
+// The RAM the store's mappings take: the Pss of every process mapping it, summed (its
+// bytes once however many processes attach it; only the processes this user may inspect).
+uint64_t StorePssBytes(const StoreListing& store);
+
 // Processes mapping the store other than its owner.
 std::vector<int64_t> AttachedPids(const StoreListing& store);
 

@@ -24,6 +24,7 @@
 #include "store/layout.h"
 #include "store/loader.h"
 #include "store/parallel.h"
+#include "store/progress.h"
 #include "store/registry.h"
 
 namespace lorastream::store {
@@ -85,8 +86,38 @@ std::string ComputeFingerprint(const Manifest& m) {
   return buf;
 }
 
+std::string DescribeLoad(const LoadReport& r, QuantMethod quantize) {
+  auto rate = [](uint64_t bytes, double seconds) {
+    return seconds > 0 ? bytes / seconds / 1e9 : 0;
+  };
+  char buf[512];
+  int n = std::snprintf(buf, sizeof buf,
+                        "loaded %.2f GB in %.2f s (%.2f GB/s, %d threads): checking weights "
+                        "%.2f s (%.2f GB/s), allocating %.2f s",
+                        r.bytes / 1e9, r.total_seconds, rate(r.bytes, r.total_seconds), r.threads,
+                        r.check_seconds, rate(r.source_bytes, r.check_seconds), r.prefault_seconds);
+  std::string text(buf, static_cast<size_t>(n));
+  if (r.quantized_weights > 0) {
+    n = std::snprintf(
+        buf, sizeof buf, ", quantising %zu weights (%.2f GB) to %s %.2f s (%.2f GB/s)",
+        r.quantized_weights, r.quantized_source_bytes / 1e9, QuantMethodName(quantize),
+        r.quantize_seconds, rate(r.quantized_source_bytes, r.quantize_seconds));
+    text.append(buf, static_cast<size_t>(n));
+  }
+  n = std::snprintf(buf, sizeof buf, ", reading %.2f s (%.2f GB/s)", r.load_seconds,
+                    rate(r.bytes, r.load_seconds));
+  text.append(buf, static_cast<size_t>(n));
+  if (r.quantized_weights > 0 && r.load_seconds > 0) {
+    n = std::snprintf(buf, sizeof buf, "; quantising took %.2fx the reading's time",
+                      r.quantize_seconds / r.load_seconds);
+    text.append(buf, static_cast<size_t>(n));
+  }
+  return text;
+}
+
 std::unique_ptr<PublishedStore> PublishedStore::Build(const ServeOptions& options,
-                                                      const std::function<bool()>& should_stop) {
+                                                      const std::function<bool()>& should_stop,
+                                                      Progress* progress) {
   const auto start = Clock::now();
   ValidateStoreName(options.name);
   const int threads = options.threads > 0
@@ -105,8 +136,11 @@ std::unique_ptr<PublishedStore> PublishedStore::Build(const ServeOptions& option
 
   RemoveStaleStore(options.name);  // refuses when a live store holds the name
   CheckShmSpace(needed);
-  RefuseNonFiniteWeights(plan);
+  const auto check_start = Clock::now();
+  const uint64_t source_bytes = RefuseNonFiniteWeights(plan, progress, threads);
   std::unique_ptr<PublishedStore> store(new PublishedStore());
+  store->report_.source_bytes = source_bytes;
+  store->report_.check_seconds = Seconds(check_start);
   store->claim_ = std::make_unique<ManifestClaim>(ManifestClaim::Claim(options.name, options.mode));
   Manifest& m = plan.manifest;
   m.store_name = options.name;
@@ -116,47 +150,57 @@ std::unique_ptr<PublishedStore> PublishedStore::Build(const ServeOptions& option
     m.blocks[i].shm_name = BlockShmName(options.name, m.generation, static_cast<int>(i));
   m.rest.shm_name = RestShmName(options.name, m.generation);
 
+  // The load's other log lines go around the terminal's progress line.
+  auto aside = [progress](const std::function<void()>& log) {
+    if (progress)
+      progress->Aside(log);
+    else
+      log();
+  };
   const auto prefault_start = Clock::now();
   bool huge_refused = false, lock_refused = false;
   const size_t count = m.blocks.size() + 1;
   // Creating and prefaulting costs a page fault per 4 KiB page: done by all threads at once.
   store->segments_.resize(count);
+  if (progress) progress->BeginPhase("allocating", needed);
   RunParallel(count, threads, [&](size_t i) {
     const SegmentInfo& info = i < m.blocks.size() ? m.blocks[i] : m.rest;
     store->segments_[i] =
         ShmSegment::Create(info.shm_name, info.nbytes, options.mode, options.huge_pages);
+    if (progress) progress->Add(RoundUpToPage(info.nbytes));
   });
+  if (progress) progress->EndPhase();
   for (ShmSegment& seg : store->segments_) {
     if (options.huge_pages && !seg.huge_pages_advised()) huge_refused = true;
     if (options.lock && !lock_refused && !seg.Lock()) {
       lock_refused = true;
       struct rlimit limit {};
       ::getrlimit(RLIMIT_MEMLOCK, &limit);
-      LS_LOG_WARN(
-          "cannot lock the store in RAM (memlock limit {} KiB, store {}): it stays unlocked and "
-          "may be swapped. Fix: `ulimit -l unlimited` before starting, or LimitMEMLOCK=infinity "
-          "in the systemd unit",
-          limit.rlim_cur == RLIM_INFINITY ? -1 : static_cast<long long>(limit.rlim_cur / 1024),
-          FormatGiB(needed));
+      aside([&] {
+        LS_LOG_WARN(
+            "cannot lock the store in RAM (memlock limit {} KiB, store {}): it stays unlocked "
+            "and may be swapped. Fix: `ulimit -l unlimited` before starting, or "
+            "LimitMEMLOCK=infinity in the systemd unit",
+            limit.rlim_cur == RLIM_INFINITY ? -1 : static_cast<long long>(limit.rlim_cur / 1024),
+            FormatGiB(needed));
+      });
     }
   }
   const std::string thp = ShmemThpSetting();
   if (options.huge_pages &&
       (huge_refused || (thp != "always" && thp != "advise" && thp != "within_size")))
-    LS_LOG_INFO(
-        "shared memory is on 4 KiB pages: shmem transparent huge pages are `{}`; to "
-        "enable: echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled",
-        thp);
+    aside([&] {
+      LS_LOG_INFO(
+          "shared memory is on 4 KiB pages: shmem transparent huge pages are `{}`; to "
+          "enable: echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled",
+          thp);
+    });
   store->report_.prefault_seconds = Seconds(prefault_start);
 
   std::vector<ShmSegment*> pointers;
   for (ShmSegment& s : store->segments_) pointers.push_back(&s);
-  const LoadResult quantized = QuantizeSegments(plan, pointers, threads, should_stop);
-  if (quantized.bytes > 0)
-    LS_LOG_INFO("quantised {} projection weights ({}) to {} in {:.2f} s ({:.2f} GB/s, {} threads)",
-                plan.quantize.size(), FormatGiB(quantized.bytes), DescribeQuant(m.quant()),
-                quantized.seconds, quantized.bytes / quantized.seconds / 1e9, threads);
-  LoadResult load = LoadSegments(plan, pointers, threads, should_stop);
+  const LoadResult quantized = QuantizeSegments(plan, pointers, threads, should_stop, progress);
+  LoadResult load = LoadSegments(plan, pointers, threads, should_stop, progress);
   for (ShmSegment& s : store->segments_) s.MakeReadOnly();  // never written after publishing
 
   m.fingerprint = ComputeFingerprint(m);
@@ -169,6 +213,7 @@ std::unique_ptr<PublishedStore> PublishedStore::Build(const ServeOptions& option
   store->manifest_ = m;
   store->report_.bytes = load.bytes;
   store->report_.load_seconds = load.seconds;
+  store->report_.quantized_weights = plan.quantize.size();
   store->report_.quantized_source_bytes = quantized.bytes;
   store->report_.quantize_seconds = quantized.seconds;
   store->report_.threads = threads;
@@ -195,22 +240,29 @@ int RunServe(const ServeOptions& options) {
     sigpending(&pending);
     return sigismember(&pending, SIGTERM) == 1 || sigismember(&pending, SIGINT) == 1;
   };
-  std::unique_ptr<PublishedStore> store = PublishedStore::Build(options, signalled);
+  StderrProgressOutput progress_output;
+  ProgressOptions progress_options;
+  progress_options.terminal = ::isatty(STDERR_FILENO) == 1;
+  Progress progress(progress_output, progress_options);
+  std::unique_ptr<PublishedStore> store;
+  {
+    ProgressTicker ticker(progress, std::chrono::milliseconds(100));
+    store = PublishedStore::Build(options, signalled, &progress);
+  }
   const Manifest& m = store->manifest();
   const LoadReport& r = store->report();
+  progress.Finish(DescribeLoad(r, m.quant().method));
   LS_LOG_INFO(
-      "store `{}` published: {} blocks + rest, {} {}{}, fingerprint {}, generation {:016x}; "
-      "loaded {} in {:.2f} s ({:.2f} GB/s, {} threads), prefault {:.2f} s, total {:.2f} s, {}",
+      "store `{}` published: {} blocks + rest, {} {}{}, fingerprint {}, generation {:016x}, {}",
       m.store_name, m.blocks.size(), FormatGiB(r.bytes), DTypeName(m.dtype),
       m.quant().compressed() ? ", blocks " + DescribeQuant(m.quant()) : "", m.fingerprint,
-      m.generation, FormatGiB(r.bytes), r.load_seconds, r.bytes / r.load_seconds / 1e9, r.threads,
-      r.prefault_seconds, r.total_seconds, r.locked ? "locked in RAM" : "not locked");
+      m.generation, r.locked ? "locked in RAM" : "not locked");
   std::printf(
       "published %s fingerprint=%s bytes=%llu load_s=%.4f load_gbps=%.3f prefault_s=%.4f "
-      "quantize=%s quantize_s=%.4f\n",
+      "quantize=%s quantize_s=%.4f check_s=%.4f total_s=%.4f\n",
       m.store_name.c_str(), m.fingerprint.c_str(), static_cast<unsigned long long>(r.bytes),
       r.load_seconds, r.bytes / r.load_seconds / 1e9, r.prefault_seconds,
-      QuantMethodName(m.quant().method), r.quantize_seconds);
+      QuantMethodName(m.quant().method), r.quantize_seconds, r.check_seconds, r.total_seconds);
   std::fflush(stdout);
   int sig = 0;
   sigwait(&signals, &sig);

@@ -15,6 +15,8 @@
 
 namespace lorastream::store {
 
+class Progress;
+
 struct ServeOptions {
   std::string model_dir;
   std::string name;
@@ -34,14 +36,21 @@ int RunServe(const ServeOptions& options);
 
 struct LoadReport {
   uint64_t bytes = 0;
+  uint64_t source_bytes = 0;            // of the checkpoint's tensors the store is made from
+  double check_seconds = 0;             // reading every weight for NaN/infinity
   double prefault_seconds = 0;          // creating, reserving and prefaulting the segments
   double load_seconds = 0;              // copying (and converting) from the page cache + checksums
-  uint64_t quantized_source_bytes = 0;  // of the weights quantised (0: none)
+  size_t quantized_weights = 0;         // projection weights quantised at load (0: none)
+  uint64_t quantized_source_bytes = 0;  // their bytes in the checkpoint
   double quantize_seconds = 0;          // quantising them into the segments
   double total_seconds = 0;             // from the first file opened to the manifest published
   int threads = 0;
   bool locked = false;
 };
+
+// The load's one summary line: bytes, time and GB/s, each phase's time, and with quantising,
+// its time against the reading's.
+std::string DescribeLoad(const LoadReport& report, QuantMethod quantize);
 
 // A packed and published store (RAII, move-only through unique_ptr): destroying it unlinks
 // the segments, then the manifest. Attachers keep their mappings.
@@ -49,9 +58,11 @@ class PublishedStore {
  public:
   // Validates everything before creating any shm object; a failure leaves nothing behind.
   // `should_stop` is polled while loading, from several threads at once (Error(kCancelled)
-  // when it returns true).
+  // when it returns true). `progress` (optional) gets the load's phases: checking weights,
+  // allocating, quantising (with --quantize), reading.
   static std::unique_ptr<PublishedStore> Build(const ServeOptions& options,
-                                               const std::function<bool()>& should_stop = {});
+                                               const std::function<bool()>& should_stop = {},
+                                               Progress* progress = nullptr);
   ~PublishedStore();
   const Manifest& manifest() const { return manifest_; }
   const LoadReport& report() const { return report_; }

@@ -42,6 +42,9 @@ int main(int argc, char** argv) {
   auto* v = app.add_subcommand("verify", "re-check every checksum through a read-only attach");
   v->add_option("--name", name)->required();
   v->add_option("--threads", verify_threads, "hashing threads (0: all cores)");
+  bool verify_hold = false;
+  v->add_flag("--hold", verify_hold,
+              "then stay attached until SIGTERM/SIGINT (a reader, for measuring memory)");
   store::DequantizeOptions dequantize;
   std::string dequantize_format = "none";
   auto* d = app.add_subcommand(
@@ -76,7 +79,7 @@ int main(int argc, char** argv) {
     else if (app.got_subcommand("ls"))
       RunLs(std::cout);
     else if (*v)
-      RunVerify(name, verify_threads, std::cout);
+      RunVerify(name, verify_threads, std::cout, verify_hold);
     else if (*d) {
       dequantize.quantize = *ParseQuantMethod(dequantize_format);
       const DequantizeResult r = WriteDequantized(dequantize);

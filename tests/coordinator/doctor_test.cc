@@ -1,6 +1,7 @@
 // `lorastream doctor`: the report's fields on this machine, a problem (no coordinator) named
 // with its fix, a reachable coordinator counted; and the CPU-build refusal line.
 #include <sys/statvfs.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -13,6 +14,9 @@
 #include "common/gpu_info.h"
 #include "coordinator/build_info.h"
 #include "coordinator/doctor.h"
+#include "store/server.h"
+#include "store/shm_segment.h"
+#include "store/synth.h"
 
 using namespace lorastream;
 using namespace lorastream::client;
@@ -85,6 +89,47 @@ TEST_CASE("doctor counts the workers of a reachable coordinator", "[coordinator]
   CHECK(r["coordinator"]["reachable"] == true);
   CHECK(r["coordinator"]["workers"] == 1);
   CHECK(FindProblem(r, "coordinator") == nullptr);
+}
+
+TEST_CASE("doctor shows each store's size, format and RAM", "[coordinator][doctor]") {
+  lorastream::testing::TempDir dir("doctor-store");
+  store::SynthOptions synth;
+  synth.preset = std::string(LORASTREAM_SOURCE_DIR) + "/configs/models/tiny-qwen2.toml";
+  synth.out_dir = dir.str();
+  synth.threads = 2;
+  store::RunSynth(synth);
+  store::ServeOptions serve;
+  serve.model_dir = dir.str();
+  serve.name = "doctor-fp8-" + std::to_string(::getpid());
+  serve.threads = 2;
+  serve.quantize = QuantMethod::kFp8;
+  auto published = store::PublishedStore::Build(serve);
+  uint64_t pages = 0;  // what the segments take in /dev/shm and in RAM
+  for (const SegmentInfo& b : published->manifest().blocks) pages += store::RoundUpToPage(b.nbytes);
+  pages += store::RoundUpToPage(published->manifest().rest.nbytes);
+
+  Cluster c("doctor-store");  // an endpoint where no coordinator answers
+  DoctorOptions o;
+  o.endpoint = c.endpoint();
+  o.timeout_s = 0.2;
+  const nlohmann::json r = DoctorReport(o);
+  const nlohmann::json* found = nullptr;
+  for (const auto& s : r["stores"])
+    if (s.value("name", "") == serve.name) found = &s;
+  REQUIRE(found != nullptr);
+  INFO(found->dump());
+  CHECK((*found)["state"] == "published");
+  CHECK_THAT((*found)["format"].get<std::string>(),
+             Catch::EndsWith(", blocks fp8 (e4m3, 128x128 scales)"));
+  const uint64_t bytes = (*found)["bytes"].get<uint64_t>();
+  CHECK(bytes >= pages);  // the segments and the manifest
+  CHECK(bytes <= pages + (1u << 20));
+  const uint64_t pss = (*found)["pss_bytes"].get<uint64_t>();
+  CHECK(pss >= pages);  // the store process (this one) prefaulted every page
+  CHECK(pss <= bytes);
+  CHECK_THAT(DoctorText(r), Catch::Contains(serve.name + ": published") &&
+                                Catch::Contains("blocks fp8 (e4m3, 128x128 scales)") &&
+                                Catch::Contains("in RAM"));
 }
 
 TEST_CASE("a CPU-only build refuses CUDA devices in one line naming the fix",

@@ -22,6 +22,7 @@
 #include "common/subprocess.h"
 #include "coordinator/local_cluster.h"
 #include "store/attach.h"
+#include "store/process.h"
 #include "tests/e2e/e2e_jobs.h"
 #include "tests/support/test_support.h"
 
@@ -300,37 +301,6 @@ TEST_CASE("the coordinator restarted mid-run loses no job", "[e2e]") {
   }
 }
 
-namespace {
-
-struct ShmUse {
-  uint64_t rss_kb = 0;
-  uint64_t pss_kb = 0;
-};
-
-// Rss and Pss of one process's mappings of the store's shared-memory objects.
-ShmUse StoreMappings(pid_t pid, const std::string& store_name) {
-  std::ifstream smaps("/proc/" + std::to_string(pid) + "/smaps");
-  const std::string marker = "/lorastream." + store_name + ".";
-  ShmUse use;
-  bool inside = false;
-  for (std::string line; std::getline(smaps, line);) {
-    // Mapping headers start with an address range "start-end perms ..."; fields follow.
-    const size_t dash = line.find('-');
-    const bool header =
-        dash != std::string::npos && dash > 0 && line.find_first_not_of("0123456789abcdef") == dash;
-    if (header) {
-      inside = line.find(marker) != std::string::npos;
-      continue;
-    }
-    if (!inside) continue;
-    if (line.rfind("Rss:", 0) == 0) use.rss_kb += std::stoull(line.substr(4));
-    if (line.rfind("Pss:", 0) == 0) use.pss_kb += std::stoull(line.substr(4));
-  }
-  return use;
-}
-
-}  // namespace
-
 TEST_CASE("the store and four training workers hold the base weights once", "[e2e]") {
   const lorastream::testing::TempDir run_dir("e2e-pss");
   const std::string& dir = run_dir.str();
@@ -351,17 +321,19 @@ TEST_CASE("the store and four training workers hold the base weights once", "[e2
   lorastream::store::AttachedStore store =
       lorastream::store::AttachedStore::Attach(cluster.store_name());
   const double base_kb = static_cast<double>(store.manifest().total_bytes()) / 1024.0;
-  ShmUse total = StoreMappings(cluster.StorePid(), cluster.store_name());
+  const std::string prefix = lorastream::ShmPrefix(cluster.store_name());
+  double pss_kb = lorastream::store::ShmMappingUseOf(cluster.StorePid(), prefix).pss_bytes / 1024.0;
   for (size_t i = 0; i < cluster.num_workers(); ++i) {
-    ShmUse w = StoreMappings(cluster.WorkerPid(i), cluster.store_name());
-    INFO("worker " << i << " maps " << w.rss_kb << " KiB of the store's " << base_kb << " KiB");
-    CHECK(w.rss_kb >= 0.8 * base_kb);  // it really reads the shared copy
-    total.pss_kb += w.pss_kb;
+    const auto w = lorastream::store::ShmMappingUseOf(cluster.WorkerPid(i), prefix);
+    INFO("worker " << i << " maps " << w.rss_bytes / 1024 << " KiB of the store's " << base_kb
+                   << " KiB");
+    CHECK(w.rss_bytes / 1024.0 >= 0.8 * base_kb);  // it really reads the shared copy
+    pss_kb += w.pss_bytes / 1024.0;
   }
   // This test process attached too (mapped, not touched: no resident pages of its own).
-  INFO("total PSS " << total.pss_kb << " KiB for a base of " << base_kb << " KiB");
-  CHECK(total.pss_kb <= 1.05 * base_kb + 1024);
-  CHECK(total.pss_kb >= 0.9 * base_kb);
+  INFO("total PSS " << pss_kb << " KiB for a base of " << base_kb << " KiB");
+  CHECK(pss_kb <= 1.05 * base_kb + 1024);
+  CHECK(pss_kb >= 0.9 * base_kb);
   for (int64_t id : ids) cluster.Client({"cancel", std::to_string(id)});
   cluster.WaitForJobs(300);
 }

@@ -15,6 +15,7 @@
 #include "common/shm_names.h"
 #include "common/subprocess.h"
 #include "store/attach.h"
+#include "store/process.h"
 #include "store/registry.h"
 #include "test_util.h"
 
@@ -41,24 +42,12 @@ std::string ReadFile(const std::string& path) {
   return s.str();
 }
 
-// Sum of Pss (or Rss) in KiB over `pid`'s mappings of the store's shm objects.
-uint64_t SmapsKiB(int64_t pid, const std::string& store_name, const std::string& field) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/smaps");
-  const std::string needle = std::string(kShmDir) + "/" + ShmPrefix(store_name);
-  std::string line;
-  bool inside = false;
-  uint64_t total = 0;
-  while (std::getline(in, line)) {
-    // Mapping header lines start with "addr-addr perms".
-    const size_t dash = line.find('-');
-    if (dash != std::string::npos && dash < 17 && line.find(' ') > dash) {
-      inside = line.find(needle) != std::string::npos;
-      continue;
-    }
-    if (inside && line.compare(0, field.size() + 1, field + ":") == 0)
-      total += std::stoull(line.substr(field.size() + 1));
-  }
-  return total;
+// KiB of Pss or Rss of `pid`'s mappings of the store's shm objects.
+uint64_t PssKiB(int64_t pid, const std::string& store_name) {
+  return ShmMappingUseOf(pid, ShmPrefix(store_name)).pss_bytes / 1024;
+}
+uint64_t RssKiB(int64_t pid, const std::string& store_name) {
+  return ShmMappingUseOf(pid, ShmPrefix(store_name)).rss_bytes / 1024;
 }
 
 }  // namespace
@@ -79,6 +68,20 @@ TEST_CASE("serve publishes, verify and ls see it, SIGTERM unlinks everything", "
   CHECK(code == 0);
   CHECK_THAT(out, Catch::Contains(name + ": published, owner pid " + std::to_string(serve.pid())));
   CHECK_THAT(out, Catch::Contains(" " + std::to_string(getpid())));  // we are attached
+  {
+    // verify --hold: verified, then attached until SIGTERM (a reader for the memory bench).
+    SpawnOptions o;
+    o.log_path = dir.str() + "/hold.log";
+    Subprocess hold =
+        Subprocess::Spawn({Bin("lorastream-store"), "verify", "--name", name, "--hold"}, o);
+    REQUIRE(WaitFor([&] { return ReadFile(o.log_path).find("holding") != std::string::npos; }, 60));
+    CHECK_THAT(ReadFile(o.log_path), Catch::Contains("every checksum matches"));
+    out = RunAndCapture({Bin("lorastream-store"), "ls"}, &code, 60);
+    CHECK_THAT(out, Catch::Contains(" " + std::to_string(hold.pid())));
+    CHECK(hold.Running());
+    hold.Signal(SIGTERM);
+    CHECK(hold.Wait(30) == 0);
+  }
   RunAndCapture({Bin("lorastream-store"), "verify", "--name", name + "-none"}, &code, 60,
                 "/dev/null");
   CHECK(code == ExitCodeFor(ErrorCode::kNotFound));
@@ -222,16 +225,29 @@ TEST_CASE("PSS: the store and 1, 2, 4 readers hold one copy of the weights", "[s
       char c;
       REQUIRE(read(ready[0], &c, 1) == 1);
     }
-    uint64_t total_pss = SmapsKiB(serve.pid(), name, "Pss");
+    uint64_t total_pss = PssKiB(serve.pid(), name);
     for (pid_t pid : children) {
-      total_pss += SmapsKiB(pid, name, "Pss");
-      CHECK(SmapsKiB(pid, name, "Rss") >= one_copy_kib - 8);  // each reader sees every page
+      total_pss += PssKiB(pid, name);
+      CHECK(RssKiB(pid, name) >= one_copy_kib - 8);  // each reader sees every page
     }
     const double fixed_kib = 64;
     CHECK(total_pss <= one_copy_kib * 1.05 + fixed_kib);
     CHECK(total_pss >= one_copy_kib * 0.95);
     WARN("readers=" << readers << " total PSS " << total_pss << " KiB, one copy " << one_copy_kib
                     << " KiB, ratio " << double(total_pss) / one_copy_kib);
+    // `ls` says the same: the store's RAM, its PSS summed over every process mapping it.
+    int code = -1;
+    const std::string ls = RunAndCapture({Bin("lorastream-store"), "ls"}, &code, 60);
+    CHECK(code == 0);
+    const std::string marker = "in RAM: ";
+    const size_t at = ls.find(marker, ls.find(name + ": published"));
+    REQUIRE(at != std::string::npos);
+    const size_t open = ls.find('(', at);
+    const uint64_t ls_kib = std::stoull(ls.substr(open + 1)) / 1024;
+    CHECK(ls_kib >= total_pss - 64);
+    CHECK(ls_kib <= total_pss + 64);
+    CHECK_THAT(ls, Catch::Contains("the PSS summed over " + std::to_string(readers + 1) +
+                                   " processes mapping it"));
     close(release[1]);
     close(ready[0]);
     for (pid_t pid : children) {

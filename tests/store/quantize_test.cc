@@ -133,6 +133,38 @@ TEST_CASE("e4m3: every code decodes as its definition and encodes back to itself
   CHECK(FloatToE4M3(0.00097656f) == 0x00);  // a quarter of the smallest subnormal: zero
 }
 
+TEST_CASE("e4m3: a float encodes as the nearest code, a tie to the even one", "[store]") {
+  // The definition, by search: the smallest distance; a tie to the even code; 448 at most.
+  auto reference = [](float x) {
+    const double a = std::min(std::fabs(static_cast<double>(x)), 448.0);
+    int best = 0;
+    for (int b = 1; b < 0x7f; ++b) {
+      const double d = std::fabs(a - ReferenceE4M3(static_cast<uint8_t>(b)));
+      const double d_best = std::fabs(a - ReferenceE4M3(static_cast<uint8_t>(best)));
+      if (d < d_best || (d == d_best && b % 2 == 0)) best = b;
+    }
+    return static_cast<uint8_t>((std::signbit(x) ? 0x80 : 0) | best);
+  };
+  std::vector<float> values;
+  for (uint32_t u = 0; u <= 0x43f00000u; u += 65537) {  // 0 to 480, spread over the bits
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    values.push_back(f);
+    values.push_back(-f);
+  }
+  // Every midpoint between two neighbouring codes, and the floats on either side of it.
+  for (int b = 0; b + 1 < 0x7f; ++b) {
+    const float mid = static_cast<float>(
+        (ReferenceE4M3(static_cast<uint8_t>(b)) + ReferenceE4M3(static_cast<uint8_t>(b + 1))) / 2);
+    for (float v : {mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1000.0f)})
+      values.push_back(v);
+  }
+  for (float v : values) {
+    INFO(v);
+    REQUIRE(FloatToE4M3(v) == reference(v));
+  }
+}
+
 TEST_CASE("fp8: expansion equals a plain reference dequantisation bit for bit", "[store]") {
   const int64_t rows = 200, cols = 300, br = 128, bc = 128;  // partial tiles on both edges
   const std::vector<float> w = RandomWeights(rows * cols, 7);
@@ -162,6 +194,39 @@ TEST_CASE("fp8: expansion equals a plain reference dequantisation bit for bit", 
   // The tile with the outlier has a coarser scale; the weight as a whole keeps > 25 dB SQNR.
   CHECK(10 * std::log10(norm / err) > 25);
   CHECK(scale[0] > scale[5]);  // element n/3 = row 100 lies in the first tile row's tiles
+}
+
+TEST_CASE("nf4: each weight takes the nearest code, the lower one on a tie", "[store]") {
+  // Random weights, plus in one block of amax 1 every code and every midpoint between two
+  // neighbouring codes (a tie), and values just beside them.
+  std::vector<float> w = RandomWeights(64 * 200, 5);
+  std::vector<float> edges = {1.0f, -1.0f, 0.0f};
+  for (size_t k = 0; k + 1 < kNf4Code.size(); ++k) {
+    const float mid = (kNf4Code[k] + kNf4Code[k + 1]) / 2;
+    for (float v : {kNf4Code[k], mid, std::nextafter(mid, -2.0f), std::nextafter(mid, 2.0f)})
+      edges.push_back(v);
+  }
+  REQUIRE(edges.size() <= 64);
+  edges.resize(64, 0.5f);
+  w.insert(w.end(), edges.begin(), edges.end());
+  const int64_t n = static_cast<int64_t>(w.size());
+  std::vector<uint8_t> packed(n / 2);
+  std::vector<float> absmax(n / 64);
+  QuantizeNf4(w.data(), n, 64, packed.data(), absmax.data());
+  // The reference: the code at the smallest distance, the first (lower) one on a tie.
+  auto nearest = [](float x) {
+    int best = 0;
+    for (int k = 1; k < 16; ++k)
+      if (std::fabs(x - kNf4Code[k]) < std::fabs(x - kNf4Code[best])) best = k;
+    return best;
+  };
+  for (int64_t i = 0; i < n; ++i) {
+    INFO("element " << i << " = " << w[i]);
+    const float amax = absmax[i / 64];
+    const float x = w[i] * (amax > 0 ? 1.0f / amax : 0.0f);
+    const int code = i % 2 == 0 ? packed[i / 2] >> 4 : packed[i / 2] & 15;
+    REQUIRE(code == nearest(x));
+  }
 }
 
 TEST_CASE("nf4: expansion equals a plain reference dequantisation bit for bit", "[store]") {

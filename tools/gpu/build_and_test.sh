@@ -6,7 +6,10 @@
 # Usage: tools/gpu/build_and_test.sh OUT_DIR
 #   LORASTREAM_GPU_STEPS  comma list of: test (gpu tests), cputest (every other test),
 #                         bench (tools/gpu/bench_stream.sh), parity (tools/parity/run_all.sh),
-#                         store (tools/bench_store.sh), group (tools/gpu/bench_group.sh:
+#                         store (tools/bench_store.sh), storequant
+#                         (tools/bench_store_quant.sh: the store's bytes, PSS with 4 readers
+#                         and load + quantise time for fp8 and nf4 against bf16, 16-layer
+#                         llama-3-8b), group (tools/gpu/bench_group.sh:
 #                         job groups on one GPU), multi (tools/gpu/bench_multi_gpu.py:
 #                         two GPUs, one store, two jobs), quant (tools/gpu/quant_report.sh:
 #                         fp8 and nf4 bases against bf16; everything resident with each
@@ -63,6 +66,9 @@ for s in "${steps[@]}"; do
     store)
       step "store benchmark"
       "$ROOT/tools/bench_store.sh" "$BUILD" llama-3-8b 4 | tee "$OUT/bench_store_ratio.txt" || status=1 ;;
+    storequant)
+      step "compressed stores: bytes, PSS and load time against bf16"
+      "$ROOT/tools/bench_store_quant.sh" "$BUILD" llama-3-8b 16 4 "$OUT" || status=1 ;;
     group)
       step "job groups on one GPU"
       "$ROOT/tools/gpu/bench_group.sh" "$OUT" || status=1 ;;
