@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include "common/error.h"
+#include "common/job_paths.h"
 #include "worker_test_util.h"
 
 using namespace lorastream;
@@ -149,4 +150,46 @@ TEST_CASE("stream.taped_blocks: parsed, checked against the model's depth", "[wo
   }
   bad.stream.taped_blocks = 4;
   CHECK_FALSE(Mentions(ValidateJobSpec(bad, &config), "taped_blocks"));
+}
+
+TEST_CASE("FLUX job files: the [flux] section is the job, checked naming file and key",
+          "[worker][flux]") {
+  const std::string text =
+      "name = \"flux-demo\"\npriority = 3\n[flux]\nstore = \"flux-tiny\"\n"
+      "cache_dir = \"cache\"\noutput_dir = \"out\"\nsteps = 12\nsave_every = 4\n";
+  JobSpec s = ParseJobSpec(text, "/jobs/flux.toml");
+  ResolveJobSpecIn(s, "/jobs");
+  REQUIRE(s.is_flux);
+  CHECK(s.name == "flux-demo");
+  CHECK(s.priority == 3);
+  CHECK(s.flux.cache_dir == "/jobs/cache");
+  // Mirrored where the scheduler, the listings and the checkpoint reports read every job's.
+  CHECK(s.model.store == "flux-tiny");
+  CHECK(s.model.checkpoint.empty());
+  CHECK(s.train.output_dir == "/jobs/out");
+  CHECK(s.train.steps == 12);
+  CHECK(s.train.checkpoint_every == 4);
+  CHECK(ValidateJobSpec(s).empty());
+  const JobSpec back = ParseJobSpec(JobSpecToToml(s), s.source);
+  CHECK(JobSpecToToml(back) == JobSpecToToml(s));
+
+  // Every bad value is a problem naming the file and the key.
+  s.flux.rank = 0;
+  s.flux.timestep_sampling = "logit_normal";
+  s.flux.ring_size = 0;
+  const auto problems = ValidateJobSpec(s);
+  CHECK(problems.size() == 3);
+  CHECK(Mentions(problems, "/jobs/flux.toml: key `flux.rank`: must be at least 1"));
+  CHECK(Mentions(problems, "key `flux.timestep_sampling`"));
+  CHECK(Mentions(problems, "key `flux.ring_size`"));
+
+  // An LLM section beside [flux], both or neither of checkpoint and store, a store with
+  // singles_per_unit: refused by name.
+  CHECK_THROWS_WITH(ParseJobSpec(text + "[lora]\nrank = 4\n", "f.toml"), Catch::Contains("lora"));
+  CHECK_THROWS_WITH(ParseJobSpec(text + "checkpoint = \"m\"\n", "f.toml"),
+                    Catch::Contains("f.toml: key `flux.checkpoint`") &&
+                        Catch::Contains("exactly one of flux.checkpoint"));
+  CHECK_THROWS_WITH(
+      ParseJobSpec(text + "singles_per_unit = 1\n", "f.toml"),
+      Catch::Contains("key `flux.singles_per_unit`") && Catch::Contains("a store fixes its units"));
 }
