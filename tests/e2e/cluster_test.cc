@@ -158,13 +158,7 @@ TEST_CASE("a worker killed mid-job: the job resumes elsewhere and ends bit-ident
   REQUIRE(job["state"] == "running");
   REQUIRE(job.value("checkpoint_step", 0) == 4);  // held there: it cannot have gone further
   REQUIRE(job.value("step", 0) < 24);
-  int victim = -1;
-  nlohmann::json workers = nlohmann::json::parse(cluster.Client({"workers", "--json"}));
-  for (const auto& w : workers)
-    if (w.value("job_ids", std::vector<int64_t>{}) == std::vector<int64_t>{id})
-      for (size_t i = 0; i < cluster.num_workers(); ++i)
-        if (cluster.WorkerPid(i) == w.value("pid", 0)) victim = static_cast<int>(i);
-  REQUIRE(victim >= 0);
+  const size_t victim = lorastream::testing::WorkerRunningOnly(cluster, id);
   // The survivor must not hold the resumed job (SIGUSR2 clears the request), then the kill.
   REQUIRE(::kill(cluster.WorkerPid(1 - victim), SIGUSR2) == 0);
   cluster.StopWorker(victim, SIGKILL);

@@ -14,6 +14,7 @@
 
 #include "common/safetensors.h"
 #include "common/subprocess.h"
+#include "coordinator/local_cluster.h"
 #include "tests/support/test_support.h"
 
 namespace lorastream::testing {
@@ -92,6 +93,16 @@ std::string ReadAll(const std::string& path) {
 void WaitUntil(const std::function<bool()>& done, double timeout_s, const std::string& what) {
   INFO("waiting for " << what);
   REQUIRE(WaitFor(done, timeout_s, 100));
+}
+
+size_t WorkerRunningOnly(const cli::LocalCluster& cluster, int64_t id) {
+  const nlohmann::json workers = nlohmann::json::parse(cluster.Client({"workers", "--json"}));
+  for (const auto& w : workers)
+    if (w.value("job_ids", std::vector<int64_t>{}) == std::vector<int64_t>{id})
+      for (size_t i = 0; i < cluster.num_workers(); ++i)
+        if (cluster.WorkerPid(i) == w.value("pid", 0)) return i;
+  FAIL("no worker runs job " << id << " alone: " << workers.dump());
+  return 0;
 }
 
 }  // namespace lorastream::testing

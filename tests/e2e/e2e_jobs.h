@@ -8,6 +8,10 @@
 #include <functional>
 #include <string>
 
+namespace lorastream::cli {
+class LocalCluster;
+}
+
 namespace lorastream::testing {
 
 // `documents` random documents of token ids below the tiny model's vocabulary (512), written to
@@ -31,6 +35,10 @@ int FreeLoopbackPort();
 
 // A file's whole text ("" when it cannot be read).
 std::string ReadAll(const std::string& path);
+
+// The index of the cluster's worker that runs job `id` and nothing else; fails the test when
+// none does.
+size_t WorkerRunningOnly(const cli::LocalCluster& cluster, int64_t id);
 
 // WaitFor(done, timeout_s), failing the test with "waiting for WHAT" when it times out.
 void WaitUntil(const std::function<bool()>& done, double timeout_s, const std::string& what);
