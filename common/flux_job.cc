@@ -1,8 +1,10 @@
 #include "common/flux_job.h"
 
+#include <filesystem>
 #include <sstream>
 
 #include "common/error.h"
+#include "common/flux_config.h"
 #include "common/job_paths.h"
 #include "common/job_spec.h"
 #include "common/toml_file.h"
@@ -134,7 +136,18 @@ std::vector<std::string> FluxJobProblems(const FluxJob& j, const std::string& so
   };
   if (j.checkpoint.empty() == j.store.empty())
     refuse("checkpoint", "name exactly one of flux.checkpoint and flux.store");
-  if (j.cache_dir.empty()) refuse("cache_dir", "is required");
+  if (!j.checkpoint.empty()) {
+    try {
+      DetectFluxCheckpoint(j.checkpoint);  // BFL's file or a diffusers folder, else why not
+    } catch (const Error& e) {
+      refuse("checkpoint", e.what());
+    }
+  }
+  std::error_code ec;
+  if (j.cache_dir.empty())
+    refuse("cache_dir", "is required");
+  else if (!std::filesystem::is_directory(j.cache_dir, ec))
+    refuse("cache_dir", "names a folder that does not exist: " + j.cache_dir);
   if (j.output_dir.empty()) refuse("output_dir", "is required");
   if (j.steps < 1) refuse("steps", "must be at least 1");
   if (j.steps > kMaxTrainSteps)

@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -47,12 +48,22 @@ TEST_CASE(
   // A FLUX job on a store no worker offers waits, saying why, until cancelled.
   const std::string lost = dir + "/lost.toml";
   std::ofstream(lost) << "name = \"lost\"\n[flux]\nstore = \"no-such-flux-store\"\n"
-                         "cache_dir = \"cache\"\noutput_dir = \"lost-out\"\nsteps = 2\n";
+                         "cache_dir = \""
+                      << LORASTREAM_SOURCE_DIR
+                      << "/configs/data/flux-tiny\"\noutput_dir = \"lost-out\"\nsteps = 2\n";
   const int64_t waiting = std::stoll(cluster.Client({"submit", lost, "--quiet"}));
   const nlohmann::json queued = cluster.ShowJob(waiting);
   CHECK(queued["state"] == "queued");
   CHECK(queued.value("reason", "") == "waiting for a worker offering store `no-such-flux-store`");
   cluster.Client({"cancel", std::to_string(waiting)});
+  // An LLM job naming the FLUX store is refused at submission, naming the key.
+  const std::string llm = lorastream::testing::WriteJob(
+      dir, "llm", cluster.store_name(), lorastream::testing::WriteData(dir, 4, 1), 2, 0, 0);
+  int code = 0;
+  const std::string refused = cluster.Client({"submit", llm, "--json"}, &code);
+  CHECK(code != 0);
+  CHECK_THAT(refused, Catch::Contains("key `model.store`: store `" + cluster.store_name() +
+                                      "` serves FLUX.1; an LLM job names an LLM's store"));
 
   // Every worker holds the job it runs right after reporting its first checkpoint (SIGUSR1),
   // so the job is mid-run when its worker is killed.
@@ -96,6 +107,27 @@ TEST_CASE(
         ReadAll(out + "/adapter_kohya.safetensors"));
   CHECK(ReadAll(dir + "/standalone/pytorch_lora_weights.safetensors") ==
         ReadAll(out + "/pytorch_lora_weights.safetensors"));
+
+  // `stats` has every step; a running FLUX job cancelled stops at the end of its step, its
+  // checkpoint saved.
+  const std::string csv = cluster.Client({"stats", std::to_string(id)});
+  CHECK(std::count(csv.begin(), csv.end(), '\n') >= 21);  // a header and 20 steps
+  spec.name = "flux-long";
+  spec.flux.steps = 100000;
+  const std::string long_job = dir + "/flux_long.toml";
+  std::ofstream(long_job) << lorastream::JobSpecToToml(spec);
+  const int64_t cancelled = cluster.Submit(long_job);
+  WaitUntil([&] { return cluster.ShowJob(cancelled).value("step", 0) >= 2; }, 300,
+            "the long FLUX job's second step");
+  cluster.Client({"cancel", std::to_string(cancelled)});
+  cluster.WaitForJobs(300);
+  job = cluster.ShowJob(cancelled);
+  INFO(job.dump());
+  CHECK(job["state"] == "cancelled");
+  const int64_t saved = job.value("checkpoint_step", 0);
+  CHECK(saved >= 2);
+  CHECK(fs::exists(job.value("output_dir", "") + "/checkpoint-" + std::to_string(saved) +
+                   "/adapter_kohya.safetensors"));
 }
 
 TEST_CASE("`lorastream up --model FLUX_DIR` serves it and trains the example FLUX job",
@@ -108,8 +140,8 @@ TEST_CASE("`lorastream up --model FLUX_DIR` serves it and trains the example FLU
                             &code, 120, dir + "/synth.log");
   REQUIRE(code == 0);
   const std::string out = lorastream::RunAndCapture(
-      {std::string(LORASTREAM_BIN_DIR) + "/lorastream", "up", "--model", dir + "/flux",
-       "--run-dir", dir + "/run", "--no-watch", "--cpu-workers", "1"},
+      {std::string(LORASTREAM_BIN_DIR) + "/lorastream", "up", "--model", dir + "/flux", "--run-dir",
+       dir + "/run", "--no-watch", "--cpu-workers", "1"},
       &code, 600, dir + "/up.stderr");
   INFO(out << ReadAll(dir + "/up.stderr"));
   REQUIRE(code == 0);

@@ -154,15 +154,19 @@ TEST_CASE("stream.taped_blocks: parsed, checked against the model's depth", "[wo
 
 TEST_CASE("FLUX job files: the [flux] section is the job, checked naming file and key",
           "[worker][flux]") {
+  const std::string configs = std::string(LORASTREAM_SOURCE_DIR) + "/configs";
   const std::string text =
       "name = \"flux-demo\"\npriority = 3\n[flux]\nstore = \"flux-tiny\"\n"
-      "cache_dir = \"cache\"\noutput_dir = \"out\"\nsteps = 12\nsave_every = 4\n";
+      "cache_dir = \"" +
+      configs +
+      "/data/flux-tiny\"\noutput_dir = \"out\"\nsteps = 12\n"
+      "save_every = 4\n";
   JobSpec s = ParseJobSpec(text, "/jobs/flux.toml");
   ResolveJobSpecIn(s, "/jobs");
   REQUIRE(s.is_flux);
   CHECK(s.name == "flux-demo");
   CHECK(s.priority == 3);
-  CHECK(s.flux.cache_dir == "/jobs/cache");
+  CHECK(s.flux.cache_dir == configs + "/data/flux-tiny");
   // Mirrored where the scheduler, the listings and the checkpoint reports read every job's.
   CHECK(s.model.store == "flux-tiny");
   CHECK(s.model.checkpoint.empty());
@@ -173,12 +177,19 @@ TEST_CASE("FLUX job files: the [flux] section is the job, checked naming file an
   const JobSpec back = ParseJobSpec(JobSpecToToml(s), s.source);
   CHECK(JobSpecToToml(back) == JobSpecToToml(s));
 
-  // Every bad value is a problem naming the file and the key.
+  // The example job validates; every bad value is a problem naming the file and the key.
+  CHECK(ValidateJobSpec(LoadJobSpec(configs + "/jobs/flux_tiny.toml")).empty());
   s.flux.rank = 0;
   s.flux.timestep_sampling = "logit_normal";
   s.flux.ring_size = 0;
+  s.flux.cache_dir = "/no/such/cache";
+  s.flux.store.clear();
+  s.flux.checkpoint = configs + "/jobs/flux_tiny.toml";
   const auto problems = ValidateJobSpec(s);
-  CHECK(problems.size() == 3);
+  CHECK(problems.size() == 5);
+  CHECK(Mentions(problems, "key `flux.cache_dir`: names a folder that does not exist"));
+  CHECK(Mentions(problems, "key `flux.checkpoint`: " + configs +
+                               "/jobs/flux_tiny.toml: not a .safetensors file"));
   CHECK(Mentions(problems, "/jobs/flux.toml: key `flux.rank`: must be at least 1"));
   CHECK(Mentions(problems, "key `flux.timestep_sampling`"));
   CHECK(Mentions(problems, "key `flux.ring_size`"));
