@@ -14,15 +14,19 @@ using Json = nlohmann::json;
   throw Error(ErrorCode::kCorrupt, source + ": manifest " + what);
 }
 
-int64_t GetInt(const Json& j, const char* key, const std::string& source) {
+// A dimension or count of the FLUX shape, at most `max` (a manifest too large to be a model is
+// refused before anything is laid out from it).
+int64_t GetInt(const Json& j, const char* key, const std::string& source,
+               int64_t max = int64_t{1} << 20) {
   auto it = j.find(key);
   if (it == j.end() || !it->is_number_integer())
     Bad(source, std::string("`flux.") + key + "` is missing or not an integer");
   const int64_t v = it->get<int64_t>();
-  if (v < 0 || v > (int64_t{1} << 24))
-    Bad(source, std::string("`flux.") + key + "` is out of range");
+  if (v < 0 || v > max) Bad(source, std::string("`flux.") + key + "` is out of range");
   return v;
 }
+
+constexpr int64_t kMaxFluxDepth = 4096;  // blocks of a kind (FLUX.1: 19 and 38)
 
 bool SameSlices(const SegmentInfo& a, const SegmentInfo& b) {
   if (a.nbytes != b.nbytes || a.tensors.size() != b.tensors.size()) return false;
@@ -73,8 +77,8 @@ void FluxManifestFromJson(const Json& j, Manifest& m, const std::string& source)
   FluxConfig c;
   c.hidden_size = GetInt(j, "hidden_size", source);
   c.num_heads = GetInt(j, "num_heads", source);
-  c.depth = GetInt(j, "depth", source);
-  c.depth_single = GetInt(j, "depth_single", source);
+  c.depth = GetInt(j, "depth", source, kMaxFluxDepth);
+  c.depth_single = GetInt(j, "depth_single", source, kMaxFluxDepth);
   c.mlp_hidden = GetInt(j, "mlp_hidden", source);
   c.in_channels = GetInt(j, "in_channels", source);
   c.vec_in_dim = GetInt(j, "vec_in_dim", source);
@@ -95,7 +99,7 @@ void FluxManifestFromJson(const Json& j, Manifest& m, const std::string& source)
     Bad(source, "`flux.guidance_embed` must be true or false");
   c.guidance_embed = guidance->get<bool>();
   c.Validate(source + " (flux)");
-  const int64_t singles = GetInt(j, "singles_per_unit", source);
+  const int64_t singles = GetInt(j, "singles_per_unit", source, kMaxFluxDepth);
   if (singles < 1) Bad(source, "`flux.singles_per_unit` must be at least 1");
   m.flux = c;
   m.flux_singles_per_unit = singles;
