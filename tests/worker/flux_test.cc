@@ -630,6 +630,30 @@ TEST_CASE(
   CHECK(WIFSIGNALED(status));
   CHECK(WTERMSIG(status) == SIGSEGV);
 
+  // A store converting a diffusers folder to bf16 (each tensor from its runs of rows) holds the
+  // bytes the worker's own bf16 packing of the BFL file holds.
+  store::SynthOptions diffusers;
+  diffusers.preset = "flux-tiny";
+  diffusers.out_dir = dir.str() + "/diffusers";
+  diffusers.presets_dir = std::string(LORASTREAM_SOURCE_DIR) + "/configs/models";
+  diffusers.seed = 3;
+  diffusers.dtype = "f32";
+  diffusers.flux_format = "diffusers";
+  diffusers.shard_bytes = 400000;
+  store::RunSynth(diffusers);
+  store::ServeOptions serve_bf16 = serve;
+  serve_bf16.model_dir = diffusers.out_dir;
+  serve_bf16.name = serve.name + "-bf16";
+  serve_bf16.to_bf16 = true;
+  const auto published_bf16 = store::PublishedStore::Build(serve_bf16);
+  const FluxBase packed = FluxBase::Load(from_checkpoint.checkpoint, 2, at::kBFloat16, at::kCPU);
+  const FluxBase served = FluxBase::FromStore(serve_bf16.name, at::kBFloat16, at::kCPU);
+  REQUIRE(served.unit_bytes().size() == packed.unit_bytes().size());
+  for (size_t u = 0; u < packed.unit_bytes().size(); ++u)
+    CHECK(std::memcmp(served.unit_bytes()[u], packed.unit_bytes()[u], packed.layouts()[u].nbytes) ==
+          0);
+  for (const auto& [name, t] : packed.rest()) CHECK(at::equal(t, served.rest().at(name)));
+
   // A store of another dtype than the job's, both sources, and a store with singles_per_unit
   // are refused by name.
   FluxJob bf16 = from_store;
