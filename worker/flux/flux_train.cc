@@ -128,14 +128,17 @@ FluxTrainResult TrainFlux(const FluxJob& job_spec, const FluxTrainOptions& optio
     const bool last = step + 1 == job.steps;
     state.step = step + 1;
     state.samples_seen += n;
-    if ((job.save_every > 0 && state.step % job.save_every == 0) || last || stop)
-      result.checkpoint_dir = SaveFluxCheckpoint(job.output_dir, adapter, config, optimizer, state,
-                                                 job.keep_checkpoints);
+    // The final adapters before the last checkpoint: a job killed between the two resumes
+    // from an earlier checkpoint and writes them again, so a checkpoint at the last step (after
+    // which a resume trains nothing) always has its adapters beside it.
     if (last) {
       SaveFluxAdapters(adapter, config, job.output_dir);
       result.kohya_path = job.output_dir + "/" + kKohyaAdapterFile;
       result.diffusers_path = job.output_dir + "/" + kDiffusersAdapterFile;
     }
+    if ((job.save_every > 0 && state.step % job.save_every == 0) || last || stop)
+      result.checkpoint_dir = SaveFluxCheckpoint(job.output_dir, adapter, config, optimizer, state,
+                                                 job.keep_checkpoints);
     if (stop) break;
   }
   return result;
