@@ -1,8 +1,9 @@
 // FLUX.1's frozen base for training: read from BFL's single file (common/flux_config.h
 // validates it) or a diffusers folder (common/flux_diffusers.h: converted by name to BFL's
-// layout as it is read), its blocks packed per streaming unit into host buffers laid out as a store
-// lays out segments (one contiguous region per unit: one H2D copy moves a unit), converted to
-// the compute dtype once; the tensors outside the blocks on the device.
+// layout as it is read), its blocks packed per streaming unit into host buffers in the store's
+// layout (common/flux_layout.h: one contiguous region per unit, one H2D copy moves a unit),
+// converted to the compute dtype once; or attached from a store serving it, the units then
+// being the store's read-only segments. The tensors outside the blocks are on the device.
 #pragma once
 
 #include <cstdint>
@@ -64,13 +65,13 @@ class FluxBase {
   ResidencyPlan SwapPlan(int64_t blocks_to_swap, int64_t ring_size) const;
 
  private:
+  std::vector<const uint8_t*> UnitBufferPointers() const;
+  void LogLoaded(const std::string& from) const;
+
   FluxConfig config_;
   int64_t singles_per_unit_ = 2;
   std::vector<SegmentInfo> layouts_;
   Manifest manifest_;
-  std::vector<const uint8_t*> UnitBufferPointers() const;
-  void LogLoaded(const std::string& from) const;
-
   std::vector<at::Tensor> unit_buffers_;  // Load: host uint8, one per unit, page-aligned
   std::shared_ptr<const store::AttachedStore> store_;  // FromStore: the mapping units are in
   std::vector<const uint8_t*> unit_data_;              // unit u's bytes, either way
