@@ -28,6 +28,8 @@
 using lorastream::cli::LocalCluster;
 using lorastream::cli::LocalClusterOptions;
 using lorastream::testing::RequireSameAdapter;
+using lorastream::testing::ShmUse;
+using lorastream::testing::StoreMappings;
 using lorastream::testing::TrainStandalone;
 using lorastream::testing::WaitUntil;
 using lorastream::testing::WriteData;
@@ -294,37 +296,6 @@ TEST_CASE("the coordinator restarted mid-run loses no job", "[e2e]") {
   }
 }
 
-namespace {
-
-struct ShmUse {
-  uint64_t rss_kb = 0;
-  uint64_t pss_kb = 0;
-};
-
-// Rss and Pss of one process's mappings of the store's shared-memory objects.
-ShmUse StoreMappings(pid_t pid, const std::string& store_name) {
-  std::ifstream smaps("/proc/" + std::to_string(pid) + "/smaps");
-  const std::string marker = "/lorastream." + store_name + ".";
-  ShmUse use;
-  bool inside = false;
-  for (std::string line; std::getline(smaps, line);) {
-    // Mapping headers start with an address range "start-end perms ..."; fields follow.
-    const size_t dash = line.find('-');
-    const bool header =
-        dash != std::string::npos && dash > 0 && line.find_first_not_of("0123456789abcdef") == dash;
-    if (header) {
-      inside = line.find(marker) != std::string::npos;
-      continue;
-    }
-    if (!inside) continue;
-    if (line.rfind("Rss:", 0) == 0) use.rss_kb += std::stoull(line.substr(4));
-    if (line.rfind("Pss:", 0) == 0) use.pss_kb += std::stoull(line.substr(4));
-  }
-  return use;
-}
-
-}  // namespace
-
 TEST_CASE("the store and four training workers hold the base weights once", "[e2e]") {
   const lorastream::testing::TempDir run_dir("e2e-pss");
   const std::string& dir = run_dir.str();
@@ -347,7 +318,7 @@ TEST_CASE("the store and four training workers hold the base weights once", "[e2
   const double base_kb = static_cast<double>(store.manifest().total_bytes()) / 1024.0;
   ShmUse total = StoreMappings(cluster.StorePid(), cluster.store_name());
   for (size_t i = 0; i < cluster.num_workers(); ++i) {
-    ShmUse w = StoreMappings(cluster.WorkerPid(i), cluster.store_name());
+    const ShmUse w = StoreMappings(cluster.WorkerPid(i), cluster.store_name());
     INFO("worker " << i << " maps " << w.rss_kb << " KiB of the store's " << base_kb << " KiB");
     CHECK(w.rss_kb >= 0.8 * base_kb);  // it really reads the shared copy
     total.pss_kb += w.pss_kb;

@@ -105,4 +105,25 @@ size_t WorkerRunningOnly(const cli::LocalCluster& cluster, int64_t id) {
   return 0;
 }
 
+ShmUse StoreMappings(int pid, const std::string& store_name) {
+  std::ifstream smaps("/proc/" + std::to_string(pid) + "/smaps");
+  const std::string marker = "/lorastream." + store_name + ".";
+  ShmUse use;
+  bool inside = false;
+  for (std::string line; std::getline(smaps, line);) {
+    // Mapping headers start with an address range "start-end perms ..."; fields follow.
+    const size_t dash = line.find('-');
+    const bool header =
+        dash != std::string::npos && dash > 0 && line.find_first_not_of("0123456789abcdef") == dash;
+    if (header) {
+      inside = line.find(marker) != std::string::npos;
+      continue;
+    }
+    if (!inside) continue;
+    if (line.rfind("Rss:", 0) == 0) use.rss_kb += std::stoull(line.substr(4));
+    if (line.rfind("Pss:", 0) == 0) use.pss_kb += std::stoull(line.substr(4));
+  }
+  return use;
+}
+
 }  // namespace lorastream::testing

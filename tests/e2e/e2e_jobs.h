@@ -40,6 +40,13 @@ std::string ReadAll(const std::string& path);
 // none does.
 size_t WorkerRunningOnly(const cli::LocalCluster& cluster, int64_t id);
 
+// Rss and Pss of one process's mappings of a store's shared-memory objects.
+struct ShmUse {
+  uint64_t rss_kb = 0;
+  uint64_t pss_kb = 0;
+};
+ShmUse StoreMappings(int pid, const std::string& store_name);
+
 // WaitFor(done, timeout_s), failing the test with "waiting for WHAT" when it times out.
 void WaitUntil(const std::function<bool()>& done, double timeout_s, const std::string& what);
 

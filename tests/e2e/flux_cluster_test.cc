@@ -10,6 +10,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <vector>
 
 #include <catch2/catch.hpp>
 
@@ -17,6 +18,7 @@
 #include "common/safetensors.h"
 #include "common/subprocess.h"
 #include "coordinator/local_cluster.h"
+#include "store/attach.h"
 #include "tests/e2e/e2e_jobs.h"
 #include "tests/support/test_support.h"
 
@@ -153,4 +155,53 @@ TEST_CASE("`lorastream up --model FLUX_DIR` serves it and trains the example FLU
     CHECK(!lorastream::SafetensorsFile::Open(dir + "/run/adapters/flux_tiny/" + file)
                .tensors()
                .empty());
+}
+
+TEST_CASE("a FLUX store and two workers training from it hold the base weights once",
+          "[e2e][flux]") {
+  const lorastream::testing::TempDir run_dir("e2e-flux-pss");
+  const std::string& dir = run_dir.str();
+  LocalClusterOptions o;
+  o.bin_dir = LORASTREAM_BIN_DIR;
+  o.run_dir = dir;
+  o.preset = "flux-tiny";
+  o.devices.assign(2, "cpu");
+  o.store_name = "e2e-flux-pss-" + std::to_string(getpid());
+  LocalCluster cluster(o);
+  cluster.Start();
+  std::vector<int64_t> ids;
+  for (int j = 0; j < 2; ++j) {
+    const std::string job = dir + "/m" + std::to_string(j) + ".toml";
+    std::ofstream(job) << "[flux]\nstore = \"replaced-by-the-cluster\"\ncache_dir = \""
+                       << LORASTREAM_SOURCE_DIR
+                       << "/configs/data/flux-tiny\"\noutput_dir = \"out\"\nsteps = 100000\n"
+                          "rank = 4\nseed = "
+                       << j << "\nblocks_to_swap = 2\n";
+    ids.push_back(cluster.Submit(job));
+  }
+  // Both jobs past a step, each alone on its worker: every unit has been read.
+  WaitUntil(
+      [&] {
+        for (int64_t id : ids)
+          if (cluster.ShowJob(id).value("step", 0) < 1) return false;
+        return true;
+      },
+      300, "two FLUX jobs training");
+  const lorastream::store::AttachedStore store =
+      lorastream::store::AttachedStore::Attach(cluster.store_name());
+  const double base_kb = static_cast<double>(store.manifest().total_bytes()) / 1024.0;
+  lorastream::testing::ShmUse total =
+      lorastream::testing::StoreMappings(cluster.StorePid(), cluster.store_name());
+  for (size_t i = 0; i < cluster.num_workers(); ++i) {
+    const lorastream::testing::ShmUse w =
+        lorastream::testing::StoreMappings(cluster.WorkerPid(i), cluster.store_name());
+    INFO("worker " << i << " maps " << w.rss_kb << " KiB of the store's " << base_kb << " KiB");
+    CHECK(w.rss_kb >= 0.8 * base_kb);  // it reads the shared copy
+    total.pss_kb += w.pss_kb;
+  }
+  INFO("total PSS " << total.pss_kb << " KiB for a base of " << base_kb << " KiB");
+  CHECK(total.pss_kb <= 1.05 * base_kb + 64);
+  CHECK(total.pss_kb >= 0.9 * base_kb);
+  for (int64_t id : ids) cluster.Client({"cancel", std::to_string(id)});
+  cluster.WaitForJobs(300);
 }
