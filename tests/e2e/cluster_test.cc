@@ -28,8 +28,6 @@
 using lorastream::cli::LocalCluster;
 using lorastream::cli::LocalClusterOptions;
 using lorastream::testing::RequireSameAdapter;
-using lorastream::testing::ShmUse;
-using lorastream::testing::StoreMappings;
 using lorastream::testing::TrainStandalone;
 using lorastream::testing::WaitUntil;
 using lorastream::testing::WriteData;
@@ -305,28 +303,7 @@ TEST_CASE("the store and four training workers hold the base weights once", "[e2
   for (int j = 0; j < 4; ++j)
     ids.push_back(cluster.Submit(WriteJob(dir, "m" + std::to_string(j), cluster.store_name(),
                                           WriteData(dir, 40, 300 + j), 100000, 0, j)));
-  // Every job running and past a step: each worker has touched every block.
-  WaitUntil(
-      [&] {
-        for (int64_t id : ids)
-          if (cluster.ShowJob(id).value("step", 0) < 1) return false;
-        return true;
-      },
-      600, "four jobs training");
-  lorastream::store::AttachedStore store =
-      lorastream::store::AttachedStore::Attach(cluster.store_name());
-  const double base_kb = static_cast<double>(store.manifest().total_bytes()) / 1024.0;
-  ShmUse total = StoreMappings(cluster.StorePid(), cluster.store_name());
-  for (size_t i = 0; i < cluster.num_workers(); ++i) {
-    const ShmUse w = StoreMappings(cluster.WorkerPid(i), cluster.store_name());
-    INFO("worker " << i << " maps " << w.rss_kb << " KiB of the store's " << base_kb << " KiB");
-    CHECK(w.rss_kb >= 0.8 * base_kb);  // it really reads the shared copy
-    total.pss_kb += w.pss_kb;
-  }
-  // This test process attached too (mapped, not touched: no resident pages of its own).
-  INFO("total PSS " << total.pss_kb << " KiB for a base of " << base_kb << " KiB");
-  CHECK(total.pss_kb <= 1.05 * base_kb + 1024);
-  CHECK(total.pss_kb >= 0.9 * base_kb);
+  lorastream::testing::CheckBaseHeldOnce(cluster, ids, 1024);
   for (int64_t id : ids) cluster.Client({"cancel", std::to_string(id)});
   cluster.WaitForJobs(300);
 }

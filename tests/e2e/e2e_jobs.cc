@@ -15,6 +15,7 @@
 #include "common/safetensors.h"
 #include "common/subprocess.h"
 #include "coordinator/local_cluster.h"
+#include "store/attach.h"
 #include "tests/support/test_support.h"
 
 namespace lorastream::testing {
@@ -105,7 +106,15 @@ size_t WorkerRunningOnly(const cli::LocalCluster& cluster, int64_t id) {
   return 0;
 }
 
-ShmUse StoreMappings(int pid, const std::string& store_name) {
+namespace {
+
+struct ShmUse {
+  uint64_t rss_kb = 0;
+  uint64_t pss_kb = 0;
+};
+
+// Rss and Pss of one process's mappings of the store's shared-memory objects.
+ShmUse StoreMappings(pid_t pid, const std::string& store_name) {
   std::ifstream smaps("/proc/" + std::to_string(pid) + "/smaps");
   const std::string marker = "/lorastream." + store_name + ".";
   ShmUse use;
@@ -124,6 +133,32 @@ ShmUse StoreMappings(int pid, const std::string& store_name) {
     if (line.rfind("Pss:", 0) == 0) use.pss_kb += std::stoull(line.substr(4));
   }
   return use;
+}
+
+}  // namespace
+
+void CheckBaseHeldOnce(const cli::LocalCluster& cluster, const std::vector<int64_t>& ids,
+                       double slack_kb) {
+  WaitUntil(
+      [&] {
+        for (int64_t id : ids)
+          if (cluster.ShowJob(id).value("step", 0) < 1) return false;
+        return true;
+      },
+      600, "every job past its first step");
+  const store::AttachedStore store = store::AttachedStore::Attach(cluster.store_name());
+  const double base_kb = static_cast<double>(store.manifest().total_bytes()) / 1024.0;
+  ShmUse total = StoreMappings(cluster.StorePid(), cluster.store_name());
+  for (size_t i = 0; i < cluster.num_workers(); ++i) {
+    const ShmUse w = StoreMappings(cluster.WorkerPid(i), cluster.store_name());
+    INFO("worker " << i << " maps " << w.rss_kb << " KiB of the store's " << base_kb << " KiB");
+    CHECK(w.rss_kb >= 0.8 * base_kb);  // it really reads the shared copy
+    total.pss_kb += w.pss_kb;
+  }
+  // This process attached too (mapped, not touched: no resident pages of its own).
+  INFO("total PSS " << total.pss_kb << " KiB for a base of " << base_kb << " KiB");
+  CHECK(total.pss_kb <= 1.05 * base_kb + slack_kb);
+  CHECK(total.pss_kb >= 0.9 * base_kb);
 }
 
 }  // namespace lorastream::testing

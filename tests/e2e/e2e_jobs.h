@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 namespace lorastream::cli {
 class LocalCluster;
@@ -40,12 +41,12 @@ std::string ReadAll(const std::string& path);
 // none does.
 size_t WorkerRunningOnly(const cli::LocalCluster& cluster, int64_t id);
 
-// Rss and Pss of one process's mappings of a store's shared-memory objects.
-struct ShmUse {
-  uint64_t rss_kb = 0;
-  uint64_t pss_kb = 0;
-};
-ShmUse StoreMappings(int pid, const std::string& store_name);
+// Waits until every job of `ids` is past its first step (each worker has read every block),
+// then checks that the cluster holds its base once: each worker's resident share of the
+// store's mappings is at least 80% of the base (it reads the shared copy), and the proportional
+// set sizes of the store's and the workers' mappings sum to the base (within 5% + `slack_kb`).
+void CheckBaseHeldOnce(const cli::LocalCluster& cluster, const std::vector<int64_t>& ids,
+                       double slack_kb);
 
 // WaitFor(done, timeout_s), failing the test with "waiting for WHAT" when it times out.
 void WaitUntil(const std::function<bool()>& done, double timeout_s, const std::string& what);

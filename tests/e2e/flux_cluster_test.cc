@@ -18,7 +18,6 @@
 #include "common/safetensors.h"
 #include "common/subprocess.h"
 #include "coordinator/local_cluster.h"
-#include "store/attach.h"
 #include "tests/e2e/e2e_jobs.h"
 #include "tests/support/test_support.h"
 
@@ -29,20 +28,29 @@ using lorastream::testing::TrainStandalone;
 using lorastream::testing::WaitUntil;
 namespace fs = std::filesystem;
 
+namespace {
+
+// flux-tiny synthesized and served, two CPU workers, a coordinator.
+LocalClusterOptions FluxCluster(const std::string& run_dir, const std::string& store_prefix) {
+  LocalClusterOptions o;
+  o.bin_dir = LORASTREAM_BIN_DIR;
+  o.run_dir = run_dir;
+  o.preset = "flux-tiny";
+  o.devices.assign(2, "cpu");
+  o.heartbeat_timeout_s = 3;
+  o.store_name = store_prefix + std::to_string(getpid());
+  return o;
+}
+
+}  // namespace
+
 TEST_CASE(
     "FLUX through the coordinator: the example job trains from the store; a killed worker's job "
     "resumes bit-identical",
     "[e2e][flux]") {
   const lorastream::testing::TempDir run_dir("e2e-flux");
   const std::string& dir = run_dir.str();
-  LocalClusterOptions o;
-  o.bin_dir = LORASTREAM_BIN_DIR;
-  o.run_dir = dir;
-  o.preset = "flux-tiny";
-  o.devices.assign(2, "cpu");
-  o.heartbeat_timeout_s = 3;
-  o.store_name = "e2e-flux-" + std::to_string(getpid());
-  LocalCluster cluster(o);
+  LocalCluster cluster(FluxCluster(dir, "e2e-flux-"));
   cluster.Start();
   REQUIRE(cluster.flux());
   CHECK(fs::path(cluster.model_dir()).filename() == "flux1.safetensors");
@@ -161,13 +169,7 @@ TEST_CASE("a FLUX store and two workers training from it hold the base weights o
           "[e2e][flux]") {
   const lorastream::testing::TempDir run_dir("e2e-flux-pss");
   const std::string& dir = run_dir.str();
-  LocalClusterOptions o;
-  o.bin_dir = LORASTREAM_BIN_DIR;
-  o.run_dir = dir;
-  o.preset = "flux-tiny";
-  o.devices.assign(2, "cpu");
-  o.store_name = "e2e-flux-pss-" + std::to_string(getpid());
-  LocalCluster cluster(o);
+  LocalCluster cluster(FluxCluster(dir, "e2e-flux-pss-"));
   cluster.Start();
   std::vector<int64_t> ids;
   for (int j = 0; j < 2; ++j) {
@@ -179,29 +181,7 @@ TEST_CASE("a FLUX store and two workers training from it hold the base weights o
                        << j << "\nblocks_to_swap = 2\n";
     ids.push_back(cluster.Submit(job));
   }
-  // Both jobs past a step, each alone on its worker: every unit has been read.
-  WaitUntil(
-      [&] {
-        for (int64_t id : ids)
-          if (cluster.ShowJob(id).value("step", 0) < 1) return false;
-        return true;
-      },
-      300, "two FLUX jobs training");
-  const lorastream::store::AttachedStore store =
-      lorastream::store::AttachedStore::Attach(cluster.store_name());
-  const double base_kb = static_cast<double>(store.manifest().total_bytes()) / 1024.0;
-  lorastream::testing::ShmUse total =
-      lorastream::testing::StoreMappings(cluster.StorePid(), cluster.store_name());
-  for (size_t i = 0; i < cluster.num_workers(); ++i) {
-    const lorastream::testing::ShmUse w =
-        lorastream::testing::StoreMappings(cluster.WorkerPid(i), cluster.store_name());
-    INFO("worker " << i << " maps " << w.rss_kb << " KiB of the store's " << base_kb << " KiB");
-    CHECK(w.rss_kb >= 0.8 * base_kb);  // it reads the shared copy
-    total.pss_kb += w.pss_kb;
-  }
-  INFO("total PSS " << total.pss_kb << " KiB for a base of " << base_kb << " KiB");
-  CHECK(total.pss_kb <= 1.05 * base_kb + 64);
-  CHECK(total.pss_kb >= 0.9 * base_kb);
+  lorastream::testing::CheckBaseHeldOnce(cluster, ids, 64);  // each job alone on its worker
   for (int64_t id : ids) cluster.Client({"cancel", std::to_string(id)});
   cluster.WaitForJobs(300);
 }
