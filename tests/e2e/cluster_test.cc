@@ -21,7 +21,6 @@
 #include "common/shm_names.h"
 #include "common/subprocess.h"
 #include "coordinator/local_cluster.h"
-#include "store/attach.h"
 #include "tests/e2e/e2e_jobs.h"
 #include "tests/support/test_support.h"
 
