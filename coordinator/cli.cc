@@ -517,7 +517,8 @@ Verb UpVerb(CLI::App& app) {
                  "(default: synthesize --preset)");
   up->add_option("--preset", o->up.preset, "configs/models preset to synthesize")
       ->capture_default_str();
-  up->add_option("--job", o->up.jobs, "job file(s) to submit (default: configs/jobs/*.toml)");
+  up->add_option("--job", o->up.jobs,
+                 "job file(s) to submit (default: the configs/jobs/*.toml of the model's family)");
   up->add_option("--run-dir", o->up.run_dir,
                  "folder for logs, model, jobs, adapters (default: runs/up-DATE-TIME)");
   up->add_option("--device", o->up.devices,
