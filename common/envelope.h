@@ -18,7 +18,7 @@
 namespace lorastream {
 
 constexpr uint32_t kEnvelopeMagic = 0x5254534C;  // "LSTR" in little-endian byte order
-constexpr uint16_t kProtocolVersion = 2;         // 2: workers with job slots
+constexpr uint16_t kProtocolVersion = 3;         // 2: workers with job slots; 3: FLUX jobs
 constexpr size_t kEnvelopeHeaderBytes = 16;
 constexpr size_t kMaxPayloadBytes = 16u << 20;  // 16 MiB: far above any real message
 

@@ -55,6 +55,19 @@ bool IsDir(const std::string& p) {
   return ::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
+// A config.json of _class_name FluxTransformer2DModel in `dir` or in dir/transformer.
+bool HasFluxTransformerConfig(const std::string& dir) {
+  for (const std::string& cfg : {dir + "/transformer/config.json", dir + "/config.json"}) {
+    if (!IsFile(cfg)) continue;
+    std::ifstream in(cfg);
+    const auto j = nlohmann::json::parse(in, nullptr, false);
+    if (!j.is_discarded() && j.is_object() &&
+        j.value("_class_name", "") == "FluxTransformer2DModel")
+      return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 void FluxConfig::Validate(const std::string& source) const {
@@ -243,19 +256,17 @@ FluxCheckpointKind DetectFluxCheckpoint(const std::string& path) {
     throw Error(ErrorCode::kUnsupported, path + ": " + why);
   }
   if (IsDir(path)) {
-    for (const std::string& cfg : {path + "/transformer/config.json", path + "/config.json"}) {
-      if (!IsFile(cfg)) continue;
-      std::ifstream in(cfg);
-      const auto j = nlohmann::json::parse(in, nullptr, false);
-      if (!j.is_discarded() && j.value("_class_name", "") == "FluxTransformer2DModel")
-        return FluxCheckpointKind::kDiffusersFolder;
-    }
+    if (HasFluxTransformerConfig(path)) return FluxCheckpointKind::kDiffusersFolder;
     throw Error(ErrorCode::kUnsupported,
                 path +
                     ": a folder without a FluxTransformer2DModel config.json (in it or in "
                     "transformer/); FLUX.1 is read from BFL's single file or a diffusers folder");
   }
   throw Error(ErrorCode::kNotFound, path + ": does not exist");
+}
+
+bool IsFluxCheckpointPath(const std::string& path) {
+  return IsFile(path) || (IsDir(path) && HasFluxTransformerConfig(path));
 }
 
 std::vector<std::string> FluxDoubleLinears() {

@@ -72,6 +72,10 @@ enum class FluxCheckpointKind { kBflFile, kDiffusersFolder };
 // (transformer/config.json or a config.json of _class_name FluxTransformer2DModel). Anything
 // else is refused (kUnsupported) saying what was found and what is read.
 FluxCheckpointKind DetectFluxCheckpoint(const std::string& path);
+// Whether `path` is meant as a FLUX.1 checkpoint rather than an LLM's folder: any file (BFL's
+// single file; DetectFluxCheckpoint names what is wrong with another), or a folder whose
+// config.json or transformer/config.json is a FluxTransformer2DModel's.
+bool IsFluxCheckpointPath(const std::string& path);
 
 // The LoRA module names FLUX trainers adapt, block-relative ("img_attn.qkv", "linear1").
 // sd-scripts' default (every Linear inside the blocks, the modulations included) and the

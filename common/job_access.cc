@@ -1,9 +1,11 @@
 #include "common/job_access.h"
 
 #include <dirent.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <optional>
 #include <vector>
 
@@ -64,6 +66,17 @@ OutputDirLock OutputDirLock::Acquire(const std::string& output_dir, const std::s
   return OutputDirLock(std::move(lock), holder, output_dir);
 }
 
+OutputDirLock OutputDirLock::CreateAndAcquire(const std::string& output_dir,
+                                              const std::string& holder) {
+  std::error_code dir_error;
+  std::filesystem::create_directories(output_dir, dir_error);
+  if (dir_error)
+    throw Error(ErrorCode::kIo,
+                "the output folder " + output_dir + " cannot be created: " + dir_error.message());
+  return Acquire(output_dir,
+                 holder.empty() ? "lorastream-worker pid " + std::to_string(::getpid()) : holder);
+}
+
 bool OutputDirLock::StillOwned() {
   if (lock_.Holder() != holder_) return false;
   lock_.TryLock();  // the older attempt has let go: hold the lock from now on
@@ -83,15 +96,25 @@ void CheckJobPathsAs(const JobSpec& spec, const UserIdentity& who) {
     std::string path;
     PathAccess access;
   };
-  std::vector<Item> items = {{"data.path", spec.data.path, PathAccess::kRead},
-                             {"eval.path", spec.eval.path, PathAccess::kRead},
-                             {"model.checkpoint", spec.model.checkpoint, PathAccess::kRead},
-                             {"train.output_dir", spec.train.output_dir, PathAccess::kWrite},
-                             {"train.stats_file", spec.train.stats_file, PathAccess::kWrite}};
+  std::vector<Item> items;
+  const std::string checkpoint_key = spec.is_flux ? "flux.checkpoint" : "model.checkpoint";
+  if (spec.is_flux) {
+    items = {{"flux.cache_dir", spec.flux.cache_dir, PathAccess::kRead},
+             {"flux.checkpoint", spec.flux.checkpoint, PathAccess::kRead},
+             {"flux.output_dir", spec.flux.output_dir, PathAccess::kWrite}};
+    for (const std::string& file : Entries(spec.flux.cache_dir))
+      items.push_back({"flux.cache_dir", file, PathAccess::kRead});
+  } else {
+    items = {{"data.path", spec.data.path, PathAccess::kRead},
+             {"eval.path", spec.eval.path, PathAccess::kRead},
+             {"model.checkpoint", spec.model.checkpoint, PathAccess::kRead},
+             {"train.output_dir", spec.train.output_dir, PathAccess::kWrite},
+             {"train.stats_file", spec.train.stats_file, PathAccess::kWrite}};
+  }
   // Every file of a model folder, and where its links lead (a weights file may be a link).
   if (!spec.model.checkpoint.empty())
     for (const std::string& file : Entries(spec.model.checkpoint))
-      items.push_back({"model.checkpoint", file, PathAccess::kRead});
+      items.push_back({checkpoint_key, file, PathAccess::kRead});
   for (const Item& item : items) {
     if (item.path.empty()) continue;
     std::string why = AccessProblem(item.path, who, item.access);

@@ -38,6 +38,11 @@ class OutputDirLock {
   //    lets go;
   //  - otherwise Error(kRefused): "train.output_dir DIR is in use by <holder> (lock file ...)".
   static OutputDirLock Acquire(const std::string& output_dir, const std::string& holder);
+  // Creates `output_dir` when missing (Error(kIo) naming it when it cannot be), then
+  // Acquire with `holder`, "" meaning "lorastream-worker pid N". A trainer holds it from
+  // before it looks for a checkpoint to resume until it returns: one job trains into a folder
+  // at a time.
+  static OutputDirLock CreateAndAcquire(const std::string& output_dir, const std::string& holder);
 
   // Whether this holder still owns the folder: false once a later attempt took it over.
   // Cheap (one small read); call it before every write of a step.

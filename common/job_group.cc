@@ -8,6 +8,10 @@ namespace lorastream {
 std::string GroupRefusal(const JobSpec& first, const JobSpec& job, const std::string& device) {
   const std::string why =
       "job " + job.name + " cannot train in a group with job " + first.name + ": ";
+  // The FLUX trainer has no job groups yet: its units would need every job's rows at once.
+  if (job.is_flux || first.is_flux)
+    return why + "job " + (job.is_flux ? job.name : first.name) +
+           " is a FLUX.1 job, which trains alone in its worker's group";
   if (job.model.store != first.model.store)
     return why + "model.store differs (`" + job.model.store + "`, `" + first.model.store +
            "`): a group shares one base";

@@ -11,8 +11,9 @@
 namespace lorastream {
 
 // "" when `job` may train in a group with `first`, else the reason, naming the field
-// (model.store, model.checkpoint, train.dtype, stream.*). `device` resolves train.dtype "auto"
-// (bf16 on CUDA, f32 on the CPU).
+// (model.store, model.checkpoint, train.dtype, stream.*). A FLUX.1 job trains alone (never
+// with an LLM job or another FLUX job). `device` resolves train.dtype "auto" (bf16 on CUDA,
+// f32 on the CPU).
 std::string GroupRefusal(const JobSpec& first, const JobSpec& job, const std::string& device);
 
 // The job slots of a worker (`serve` without --jobs) whose device has `gpu_memory_bytes` (0: the

@@ -81,12 +81,34 @@ uint64_t ParseByteSize(const std::string& text, const std::string& where) {
   return static_cast<uint64_t>(value * mult);
 }
 
+namespace {
+
+// A FLUX job's base, output folder, steps and checkpoint interval, where every job's are read.
+void MirrorFluxJob(JobSpec& s) {
+  s.model.store = s.flux.store;
+  s.model.checkpoint = s.flux.checkpoint;
+  s.train.output_dir = s.flux.output_dir;
+  s.train.steps = s.flux.steps;
+  s.train.checkpoint_every = s.flux.save_every;
+}
+
+}  // namespace
+
 JobSpec ParseJobSpec(const std::string& toml_text, const std::string& source) {
   TomlSection doc = TomlSection::Parse(toml_text, source);
-  doc.RejectUnknownKeys(
-      {"name", "priority", "model", "data", "lora", "optim", "train", "stream", "eval"});
   JobSpec s;
   s.source = source;
+  if (doc.Has("flux")) {
+    doc.RejectUnknownKeys({"name", "priority", "flux"});  // a FLUX job is its [flux] section
+    s.name = doc.GetString("name", s.name);
+    s.priority = doc.GetInt("priority", s.priority);
+    s.is_flux = true;
+    s.flux = ParseFluxJob(doc.Section("flux"));
+    MirrorFluxJob(s);
+    return s;
+  }
+  doc.RejectUnknownKeys(
+      {"name", "priority", "model", "data", "lora", "optim", "train", "stream", "eval"});
   s.name = doc.GetString("name", s.name);
   s.priority = doc.GetInt("priority", s.priority);
 
@@ -172,6 +194,12 @@ JobSpec ParseJobSpec(const std::string& toml_text, const std::string& source) {
 }
 
 std::string JobSpecToToml(const JobSpec& s) {
+  if (s.is_flux) {
+    std::ostringstream out;
+    out << toml::table{{"name", s.name}, {"priority", s.priority}} << "\n\n"
+        << FluxJobToToml(s.flux);
+    return out.str();
+  }
   const auto strings = [](const std::vector<std::string>& list) {
     toml::array a;
     for (const std::string& x : list) a.push_back(x);
@@ -247,6 +275,11 @@ std::string JobFileDir(const std::string& job_path) {
 void ResolveJobSpec(JobSpec& s) { ResolveJobSpecIn(s, ""); }
 
 void ResolveJobSpecIn(JobSpec& s, const std::string& base_dir) {
+  if (s.is_flux) {
+    ResolveFluxJob(s.flux, base_dir);
+    MirrorFluxJob(s);
+    return;
+  }
   auto absolute = [&base_dir](std::string& p) { p = ResolveJobPath(p, base_dir); };
   absolute(s.model.checkpoint);
   absolute(s.data.path);
@@ -287,6 +320,10 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
   std::vector<std::string> p;
   if (std::string why = JobNameProblem(s); !why.empty()) p.push_back(std::move(why));
   const std::string src = s.source.empty() ? std::string("job") : s.source;
+  if (s.is_flux) {
+    for (std::string& why : FluxJobProblems(s.flux, src)) p.push_back(std::move(why));
+    return p;
+  }
   auto key = [&](const std::string& k) { return src + ": key `" + k + "` "; };
   auto num = [](double v) {
     std::ostringstream o;

@@ -81,6 +81,9 @@
 //                                 #   backward instead of being recomputed: 0 = none (with a
 //                                 #   budget: the cost model's choice), -1 = as many as fit
 //
+// A FLUX.1 job is a file with a [flux] section instead (common/flux_job.h), beside which it
+// may hold only `name` and `priority`.
+//
 // Relative paths inside the file resolve against the file's own folder (common/job_paths.h;
 // LoadJobSpec makes them absolute, so a spec travelling to a worker stays valid).
 #pragma once
@@ -89,6 +92,7 @@
 #include <string>
 #include <vector>
 
+#include "common/flux_job.h"
 #include "common/model_config.h"
 
 namespace lorastream {
@@ -206,9 +210,15 @@ struct JobSpec {
   StreamSpec stream;
   EvalSpec eval;
   std::string source;  // the file it came from (for messages); "" when built in code
+  // A FLUX.1 job (the file's [flux] section): `flux` is then the whole job, and the sections
+  // above only mirror its base (model.store / model.checkpoint), train.output_dir,
+  // train.steps and train.checkpoint_every (flux.save_every), where the scheduler, the
+  // listings and the checkpoint reports read every job's.
+  bool is_flux = false;
+  FluxJob flux;
   template <class A>
   void serialize(A& ar) {
-    ar(name, priority, model, data, lora, optim, train, stream, source, eval);
+    ar(name, priority, model, data, lora, optim, train, stream, source, eval, is_flux, flux);
   }
 };
 

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "common/flux_layout.h"
 
 namespace lorastream {
 
@@ -211,7 +212,10 @@ QuantInfo Manifest::quant() const {
 
 std::string ManifestToJson(const Manifest& m) {
   Json config;
-  ToJson(config, m.config);
+  if (m.is_flux())
+    config = {{"model_type", kFluxModelType}};  // its shape is under "flux"
+  else
+    ToJson(config, m.config);
   Json blocks = Json::array();
   for (const SegmentInfo& b : m.blocks) blocks.push_back(SegmentToJson(b));
   Json j = {{"format", "lorastream-manifest-1"},
@@ -226,6 +230,7 @@ std::string ManifestToJson(const Manifest& m) {
             {"owner_pid", m.owner_pid},
             {"owner_start_time", m.owner_start_time},
             {"source_dir", m.source_dir}};
+  if (m.is_flux()) FluxManifestToJson(j["flux"], m);
   if (!m.tokenizer.fingerprint.empty())
     j["tokenizer"] = {{"name", m.tokenizer.name},
                       {"fingerprint", m.tokenizer.fingerprint},
@@ -243,7 +248,11 @@ Manifest ManifestFromJson(const std::string& text, const std::string& source) {
   m.store_name = GetString(j, "store_name", source);
   m.generation = GetHex(j, "generation", source);
   m.fingerprint = GetString(j, "fingerprint", source);
-  m.config = ModelConfigFromJson(Field(j, "config", source, ""), source + " (config)");
+  const Json& config = Field(j, "config", source, "");
+  if (config.is_object() && config.value("model_type", Json()) == kFluxModelType)
+    FluxManifestFromJson(Field(j, "flux", source, ""), m, source);  // sets config too
+  else
+    m.config = ModelConfigFromJson(config, source + " (config)");
   m.dtype = GetDType(j, "dtype", source);
   m.alignment = GetUnsigned(j, "alignment", source);
   if (m.alignment == 0 || (m.alignment & (m.alignment - 1)) != 0)
@@ -258,6 +267,7 @@ Manifest ManifestFromJson(const std::string& text, const std::string& source) {
     Bad(source, "has " + std::to_string(m.blocks.size()) + " blocks but the config has " +
                     std::to_string(m.config.num_hidden_layers) + " layers");
   m.rest = SegmentFromJson(Field(j, "rest", source, ""), m.alignment, source, "rest: ");
+  if (m.is_flux()) ValidateFluxLayout(m, source);
   const Json& pid = Field(j, "owner_pid", source, top);
   if (!pid.is_number_integer()) Bad(source, "`owner_pid` must be an integer");
   m.owner_pid = pid.get<int64_t>();

@@ -7,11 +7,15 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "common/flux_config.h"
 #include "common/model_config.h"
 #include "common/quant_format.h"
 #include "common/tokenizer_id.h"
 
 namespace lorastream {
+
+// The model_type of a manifest whose blocks are FLUX.1 streaming units (common/flux_layout.h).
+inline constexpr const char* kFluxModelType = "flux";
 
 // One tensor inside a segment: bytes [offset, offset + nbytes) of the segment.
 struct TensorSlice {
@@ -49,6 +53,13 @@ struct Manifest {
   uint64_t owner_start_time = 0;  // its start time (/proc/PID/stat field 22): pid reuse guard
   std::string source_dir;         // the checkpoint folder it was loaded from
   TokenizerId tokenizer;          // its tokenizer.json's; empty fingerprint = the folder had none
+  // A FLUX.1 store (config.model_type kFluxModelType, config's other fields unused): its
+  // shape, and the single-stream blocks packed per unit; blocks[u] is unit u of
+  // FluxUnits(flux, flux_singles_per_unit).
+  FluxConfig flux;
+  int64_t flux_singles_per_unit = 0;
+
+  bool is_flux() const { return config.model_type == kFluxModelType; }
 
   uint64_t total_bytes() const;  // sum of every segment's nbytes
   QuantInfo quant() const;       // the blocks' compression (none when uncompressed)

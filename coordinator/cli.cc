@@ -89,7 +89,9 @@ std::string ReadFile(const std::string& path) {
   return text.str();
 }
 
-std::string StoreTokenizerProblem(const JobSpec& spec) {
+// What is wrong with the job's store when it is on this host: a store of the other model
+// family (FLUX.1 or an LLM), or data prepared for another tokenizer than the store's.
+std::string StoreProblem(const JobSpec& spec) {
   if (spec.model.store.empty()) return "";
   std::optional<store::ManifestRecord> record;
   try {
@@ -100,6 +102,13 @@ std::string StoreTokenizerProblem(const JobSpec& spec) {
   if (!record || record->json.empty())
     return "";  // not here or not yet published: the worker checks
   const Manifest m = ManifestFromJson(record->json, "store `" + spec.model.store + "`");
+  if (spec.is_flux != m.is_flux())
+    return spec.source + ": key `" + (spec.is_flux ? "flux.store" : "model.store") + "`: store `" +
+           spec.model.store + "` serves " +
+           (m.is_flux() ? std::string("FLUX.1") : "a " + m.config.model_type + " model") +
+           (spec.is_flux ? ", not FLUX.1 (serve a FLUX checkpoint: lorastream-store serve PATH)"
+                         : "; an LLM job names an LLM's store (a FLUX job has a [flux] section)");
+  if (spec.is_flux) return "";
   return DataTokenizerProblem(
       spec.data.path, spec.data.format, [&] { return ManifestTokenizer(m); },
       "store `" + spec.model.store + "`", m.config.vocab_size);
@@ -148,7 +157,7 @@ int RunSubmit(const GlobalOptions& g, const std::string& path, int64_t* priority
   if (why.empty() && req.spec_toml.size() > kMaxJobFileBytes)
     why = path + " is " + std::to_string(req.spec_toml.size()) + " bytes, above the limit of " +
           std::to_string(kMaxJobFileBytes) + " bytes for a job file";
-  if (why.empty()) why = StoreTokenizerProblem(req.spec);
+  if (why.empty()) why = StoreProblem(req.spec);
   if (!why.empty()) {
     if (json)
       std::cout
@@ -503,10 +512,13 @@ Verb UpVerb(CLI::App& app) {
       "start a store, workers (one per GPU, else CPU workers) and a coordinator, submit "
       "the example jobs, watch them to the end, print the adapters, stop everything");
   up->add_option("--model", o->up.model_dir,
-                 "Hugging Face checkpoint folder (default: synthesize --preset)");
+                 "Hugging Face checkpoint folder, or FLUX.1's (BFL's flux1-dev.safetensors, "
+                 "a folder holding it, or a diffusers folder: FLUX jobs are submitted) "
+                 "(default: synthesize --preset)");
   up->add_option("--preset", o->up.preset, "configs/models preset to synthesize")
       ->capture_default_str();
-  up->add_option("--job", o->up.jobs, "job file(s) to submit (default: configs/jobs/*.toml)");
+  up->add_option("--job", o->up.jobs,
+                 "job file(s) to submit (default: the configs/jobs/*.toml of the model's family)");
   up->add_option("--run-dir", o->up.run_dir,
                  "folder for logs, model, jobs, adapters (default: runs/up-DATE-TIME)");
   up->add_option("--device", o->up.devices,

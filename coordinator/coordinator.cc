@@ -466,6 +466,15 @@ JobSummary Coordinator::View(const JobRecord& job) const {
   auto it = step_seconds_ema_.find(s.id);
   if (s.state == JobState::kRunning && it != step_seconds_ema_.end() && s.total_steps > 0)
     s.eta_seconds = std::max<int64_t>(0, s.total_steps - s.step) * it->second;
+  // A queued job that no live worker can take says why (its store offered nowhere, or with
+  // other weights than its first run's); a requeued one keeps its own reason.
+  if (s.state == JobState::kQueued && s.reason.empty() && !s.store_name.empty()) {
+    const auto alive = workers_.Alive();
+    if (std::none_of(alive.begin(), alive.end(),
+                     [&](const WorkerEntry* w) { return Fits(job, *w); }))
+      s.reason = "waiting for a worker offering store `" + s.store_name + "`" +
+                 (s.fingerprint.empty() ? "" : " with fingerprint " + s.fingerprint);
+  }
   return s;
 }
 

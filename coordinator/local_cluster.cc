@@ -15,12 +15,14 @@
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "common/flux_config.h"
 #include "common/gpu_info.h"
 #include "common/job_paths.h"
 #include "common/log.h"
 #include "common/unique_fd.h"
 #include "coordinator/curve.h"
 #include "store/attach.h"
+#include "store/synth_flux.h"
 
 namespace lorastream::cli {
 
@@ -82,7 +84,8 @@ std::string LocalCluster::Bin(const std::string& name) const {
 void LocalCluster::Start() {
   if (options_.model_dir.empty()) {
     model_dir_ = options_.run_dir + "/model";
-    if (!fs::exists(model_dir_ + "/config.json")) {
+    if (!fs::exists(model_dir_ + "/config.json") &&
+        !fs::exists(model_dir_ + "/" + store::kSynthFluxFile)) {
       std::string log = log_dir() + "/synth.log";
       LS_LOG_INFO("writing a synthetic `{}` model to {}", options_.preset, model_dir_);
       SpawnOptions so;
@@ -95,6 +98,12 @@ void LocalCluster::Start() {
   } else {
     model_dir_ = fs::absolute(options_.model_dir).string();
   }
+  // A folder holding BFL's single file (as lorastream-synth writes a FLUX preset) is served
+  // as that file.
+  if (fs::is_directory(model_dir_) && !fs::exists(model_dir_ + "/config.json") &&
+      fs::exists(model_dir_ + "/" + store::kSynthFluxFile))
+    model_dir_ += std::string("/") + store::kSynthFluxFile;
+  flux_ = IsFluxCheckpointPath(model_dir_);
   StartStore();
   StartCoordinator();
   for (size_t i = 0; i < workers_.size(); ++i) StartWorker(i);
@@ -267,18 +276,31 @@ int64_t LocalCluster::Submit(const std::string& job_path) {
     throw Error(ErrorCode::kCorrupt, job_path + ": " + std::string(e.description()));
   }
   const std::string stem = fs::path(job_path).stem().string();
-  toml::table model;
-  model.insert("store", store_name_);
-  job.insert_or_assign("model", model);
-  if (!job.contains("train")) job.insert("train", toml::table{});
-  if (!job["train"].is_table())
-    throw Error(ErrorCode::kCorrupt, job_path + ": key `train` must be a table");
-  toml::table& train = *job["train"].as_table();
-  train.insert_or_assign("output_dir", options_.run_dir + "/adapters/" + stem);
+  const std::string output_dir = options_.run_dir + "/adapters/" + stem;
+  if (job.contains("flux")) {
+    // A FLUX job: its [flux] section names the store (its units are the store's) and the
+    // output folder.
+    if (!job["flux"].is_table())
+      throw Error(ErrorCode::kCorrupt, job_path + ": key `flux` must be a table");
+    toml::table& flux = *job["flux"].as_table();
+    flux.erase("checkpoint");
+    flux.erase("singles_per_unit");
+    flux.insert_or_assign("store", store_name_);
+    flux.insert_or_assign("output_dir", output_dir);
+  } else {
+    toml::table model;
+    model.insert("store", store_name_);
+    job.insert_or_assign("model", model);
+    if (!job.contains("train")) job.insert("train", toml::table{});
+    if (!job["train"].is_table())
+      throw Error(ErrorCode::kCorrupt, job_path + ": key `train` must be a table");
+    toml::table& train = *job["train"].as_table();
+    train.insert_or_assign("output_dir", output_dir);
+  }
   // The copy lives in another folder: the relative paths it holds are made absolute against
   // the original's folder, where they pointed (ResolveJobPath, the rule LoadJobSpec follows).
   const std::string job_dir = JobFileDir(job_path);
-  for (const char* key : {"data.path", "train.stats_file"}) {
+  for (const char* key : {"data.path", "train.stats_file", "flux.cache_dir"}) {
     toml::node* node = job.at_path(key).node();
     if (node && node->is_string()) {
       std::string& path = node->as_string()->get();

@@ -14,9 +14,11 @@
 namespace lorastream::cli {
 
 struct LocalClusterOptions {
-  std::string bin_dir;          // where lorastream, lorastream-store, -worker, -synth live
-  std::string run_dir;          // logs/, model/, jobs/, adapters/, journal.db (created)
-  std::string model_dir;        // a Hugging Face checkpoint; "" = synthesize `preset`
+  std::string bin_dir;  // where lorastream, lorastream-store, -worker, -synth live
+  std::string run_dir;  // logs/, model/, jobs/, adapters/, journal.db (created)
+  // A Hugging Face checkpoint, or a FLUX.1 one (BFL's single file or a diffusers folder);
+  // "" = synthesize `preset` (a FLUX preset's BFL file is served).
+  std::string model_dir;
   std::string preset = "tiny";  // configs/models/<preset>.toml, for a synthesized model
   std::string store_name;       // "" = "up-<pid>"
   // One worker per entry ("cuda:0", "cpu"); empty = one per visible GPU, else `cpu_workers`.
@@ -62,8 +64,9 @@ class LocalCluster {
   pid_t StorePid() const { return store_.pid(); }
 
   // Copies a job file into run_dir/jobs/ with [model] store set to this cluster's store and
-  // [train] output_dir set to run_dir/adapters/<file stem>, then submits it; returns the job
-  // id. Relative paths in the job (its data) are made absolute against the job file's folder.
+  // [train] output_dir set to run_dir/adapters/<file stem> (a FLUX job: flux.store and
+  // flux.output_dir), then submits it; returns the job id. Relative paths in the job (its
+  // data, a FLUX job's caches) are made absolute against the job file's folder.
   int64_t Submit(const std::string& job_path);
   // Runs `lorastream ARGS --coordinator ENDPOINT` and returns its stdout; *exit_code gets its
   // exit status (throws when null and the status is not 0).
@@ -79,6 +82,7 @@ class LocalCluster {
   const std::string& endpoint() const { return endpoint_; }
   const std::string& store_name() const { return store_name_; }
   const std::string& model_dir() const { return model_dir_; }
+  bool flux() const { return flux_; }  // the store serves FLUX.1 (known once Start() ran)
   const std::string& run_dir() const { return options_.run_dir; }
   std::string log_dir() const { return options_.run_dir + "/logs"; }
   const std::vector<std::string>& devices() const { return devices_; }
@@ -90,6 +94,7 @@ class LocalCluster {
 
   LocalClusterOptions options_;
   std::string model_dir_;
+  bool flux_ = false;
   std::string store_name_;
   std::string endpoint_;
   std::vector<std::string> devices_;

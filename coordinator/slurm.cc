@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "common/error.h"
+#include "common/flux_config.h"
 #include "common/install_paths.h"
 #include "common/shm_names.h"
 #include "common/subprocess.h"
@@ -104,11 +105,22 @@ SlurmOptions Checked(SlurmOptions o) {
   if (o.keys_dir.empty()) bad("--keys names the folder of the CURVE keys (on shared storage)");
   if (!o.model_dir.empty()) {
     o.model_dir = fs::absolute(o.model_dir).lexically_normal().string();
-    if (!fs::is_regular_file(fs::path(o.model_dir) / "config.json"))
+    // A FLUX.1 checkpoint (BFL's file or a diffusers folder) is served as a model folder is.
+    std::string flux_problem;
+    if (!fs::is_regular_file(fs::path(o.model_dir) / "config.json")) {
+      try {
+        DetectFluxCheckpoint(o.model_dir);
+      } catch (const Error& e) {
+        flux_problem = e.what();
+      }
+    }
+    if (!flux_problem.empty())
       bad("--model " + o.model_dir +
-          " is not a model folder here (no config.json); every node must see it at that path");
+          " is not a model folder here (no config.json) nor a FLUX.1 checkpoint (" + flux_problem +
+          "); every node must see it at that path");
     if (o.store.empty()) {
-      o.store = fs::path(o.model_dir).filename().string();
+      const fs::path model(o.model_dir);  // a BFL file is named without its .safetensors
+      o.store = (fs::is_regular_file(model) ? model.stem() : model.filename()).string();
       for (char& c : o.store)
         if (!std::isalnum(static_cast<unsigned char>(c)) && c != '_' && c != '-') c = '_';
       if (o.store.size() > kMaxPilotStoreName) o.store.resize(kMaxPilotStoreName);

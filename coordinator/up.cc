@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "common/error.h"
+#include "common/flux_job.h"
 #include "common/gpu_info.h"
 #include "common/install_paths.h"
 #include "common/log.h"
@@ -35,14 +36,17 @@ namespace {
 std::atomic<int> g_stop_signal{0};
 void OnSignal(int sig) { g_stop_signal = sig; }
 
-std::vector<std::string> ExampleJobs(const std::string& configs_dir) {
+// The example jobs of the model's family: FLUX jobs for a FLUX.1 store, LLM jobs otherwise.
+std::vector<std::string> ExampleJobs(const std::string& configs_dir, bool flux) {
   std::vector<std::string> jobs;
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(configs_dir + "/jobs", ec))
-    if (entry.path().extension() == ".toml") jobs.push_back(entry.path().string());
+    if (entry.path().extension() == ".toml" && IsFluxJobFile(entry.path().string()) == flux)
+      jobs.push_back(entry.path().string());
   std::sort(jobs.begin(), jobs.end());
   if (jobs.empty())
-    throw Error(ErrorCode::kNotFound, "no job files in " + configs_dir + "/jobs; name some");
+    throw Error(ErrorCode::kNotFound, "no " + std::string(flux ? "FLUX " : "") + "job files in " +
+                                          configs_dir + "/jobs; name some");
   return jobs;
 }
 
@@ -93,7 +97,6 @@ int RunUp(const UpOptions& options) {
     if (!problem.empty()) throw Error(ErrorCode::kUnsupported, problem);
   }
   std::string configs = options.configs_dir.empty() ? ConfigsDir() : options.configs_dir;
-  std::vector<std::string> jobs = options.jobs.empty() ? ExampleJobs(configs) : options.jobs;
   co.run_dir = fs::absolute(options.run_dir.empty() ? DefaultRunDir("up") : options.run_dir);
 
   // The cluster's processes run in sessions of their own, so Ctrl-C reaches only `up` (and
@@ -107,6 +110,8 @@ int RunUp(const UpOptions& options) {
   std::printf("lorastream up: logs in %s\n", cluster.log_dir().c_str());
   std::fflush(stdout);
   cluster.Start();
+  const std::vector<std::string> jobs =
+      options.jobs.empty() ? ExampleJobs(configs, cluster.flux()) : options.jobs;
   std::printf("store `%s` (%s), coordinator %s, %zu worker(s):", cluster.store_name().c_str(),
               cluster.model_dir().c_str(), cluster.endpoint().c_str(), cluster.num_workers());
   for (const auto& d : cluster.devices()) std::printf(" %s", d.c_str());

@@ -61,13 +61,15 @@ void RunVerify(const std::string& name, int threads, std::ostream& out, bool hol
                                              std::to_string(bad) + ")");
     }
   };
-  for (int i = 0; i < store.num_blocks(); ++i)
-    scan(manifest.blocks[i], store.block_data(i), "model.layers." + std::to_string(i) + ".");
+  for (int i = 0; i < store.num_blocks(); ++i)  // a FLUX unit's tensors carry their full names
+    scan(manifest.blocks[i], store.block_data(i),
+         manifest.is_flux() ? "" : "model.layers." + std::to_string(i) + ".");
   scan(manifest.rest, store.rest_data(), "");
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const Manifest& m = store.manifest();
-  out << "store `" << name << "`: " << m.blocks.size() << " blocks + rest, "
-      << FormatGiB(m.total_bytes(), 3) << ", " << DTypeName(m.dtype)
+  out << "store `" << name << "`: " << (m.is_flux() ? "FLUX.1, " : "") << m.blocks.size()
+      << (m.is_flux() ? " units + rest, " : " blocks + rest, ") << FormatGiB(m.total_bytes(), 3)
+      << ", " << DTypeName(m.dtype)
       << (m.quant().compressed() ? ", blocks " + DescribeQuant(m.quant()) : "") << ", fingerprint "
       << m.fingerprint << ": every checksum matches (" << s << " s)\n";
   if (!hold) return;

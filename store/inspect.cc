@@ -2,11 +2,13 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cstdio>
 
 #include "common/error.h"
 #include "common/format_bytes.h"
 #include "common/safetensors.h"
+#include "store/flux_pack.h"
 #include "store/layout.h"
 
 namespace lorastream::store {
@@ -27,6 +29,15 @@ void ListFile(const SafetensorsFile& file, std::ostream& out, uint64_t* total, s
   *count += file.tensors().size();
 }
 
+// A .safetensors file in BFL's FLUX naming (other files are listed as they are).
+bool IsFluxSafetensors(const std::string& path) {
+  try {
+    return DetectFluxCheckpoint(path) == FluxCheckpointKind::kBflFile;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
 }  // namespace
 
 void RunInspect(const std::string& path, std::ostream& out) {
@@ -35,7 +46,23 @@ void RunInspect(const std::string& path, std::ostream& out) {
     throw Error(ErrorCode::kNotFound, path + ": no such file or folder");
   uint64_t total = 0;
   size_t count = 0;
-  if (S_ISDIR(st.st_mode)) {
+  if (S_ISDIR(st.st_mode) ? IsFluxCheckpointPath(path) : IsFluxSafetensors(path)) {
+    // The store's own checks (FLUX.1's shape, every tensor; one dtype).
+    const FluxPackPlan plan = PlanFluxPack(path, PackOptions{});
+    const FluxConfig& c = plan.reader->config();
+    std::vector<const SafetensorsFile*> files;
+    for (const auto& [name, shape] : FluxAllShapes(c))
+      for (const FluxCheckpointReader::Piece& p : plan.reader->Pieces(name))
+        if (std::find(files.begin(), files.end(), p.file) == files.end()) files.push_back(p.file);
+    for (const SafetensorsFile* f : files) ListFile(*f, out, &total, &count);
+    out << "FLUX.1 (" << (plan.reader->is_diffusers() ? "diffusers folder" : "BFL file")
+        << "): " << c.depth << " double + " << c.depth_single << " single blocks, hidden "
+        << c.hidden_size << ", heads " << c.num_heads << ", guidance "
+        << (c.guidance_embed ? "embedded" : "none") << "; a store packs "
+        << plan.load.manifest.blocks.size() << " units of up to " << kFluxDefaultSinglesPerUnit
+        << " single blocks; every tensor matches it\n";
+    out << "total: " << files.size() << " file(s), ";
+  } else if (S_ISDIR(st.st_mode)) {
     Checkpoint cp = Checkpoint::Open(path);
     const ModelConfig& c = cp.config();
     std::vector<const SafetensorsFile*> files;

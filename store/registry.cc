@@ -127,7 +127,8 @@ std::string StoreFormat(const StoreListing& s) {
   if (!s.record || s.record->json.empty()) return "";
   try {
     const Manifest m = ManifestFromJson(s.record->json, "store `" + s.name + "`");
-    return std::string(DTypeName(m.dtype)) +
+    return (m.is_flux() ? "flux, " + std::to_string(m.blocks.size()) + " units, " : "") +
+           std::string(DTypeName(m.dtype)) +
            (m.quant().compressed() ? ", blocks " + DescribeQuant(m.quant()) : "");
   } catch (const Error& e) {
     return std::string("unreadable manifest (") + e.what() + ")";

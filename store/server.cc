@@ -10,6 +10,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -21,6 +22,7 @@
 #include "common/safetensors.h"
 #include "common/shm_names.h"
 #include "store/checksum.h"
+#include "store/flux_pack.h"
 #include "store/layout.h"
 #include "store/loader.h"
 #include "store/parallel.h"
@@ -69,7 +71,10 @@ std::string ShmemThpSetting() {
 
 std::string ComputeFingerprint(const Manifest& m) {
   nlohmann::json config;
-  ToJson(config, m.config);
+  if (m.is_flux())
+    FluxManifestToJson(config, m);
+  else
+    ToJson(config, m.config);
   std::string text = config.dump() + "|" + DTypeName(m.dtype) + "|" + std::to_string(m.alignment);
   auto add = [&](const SegmentInfo& s) {
     text += "|" + std::to_string(s.nbytes) + ":" + std::to_string(s.checksum);
@@ -124,12 +129,21 @@ std::unique_ptr<PublishedStore> PublishedStore::Build(const ServeOptions& option
                           ? options.threads
                           : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   // Everything that can be wrong with the checkpoint is found here, before any shm object.
-  Checkpoint checkpoint = Checkpoint::Open(options.model_dir);
   PackOptions pack;
   pack.to_bf16 = options.to_bf16;
   pack.scan_weights = false;  // below, after the checks that need no weight read
   pack.quantize = options.quantize;
-  PackPlan plan = PlanPack(checkpoint, pack);
+  // A FLUX.1 checkpoint (a BFL file or a diffusers folder) is packed per streaming unit.
+  std::optional<Checkpoint> checkpoint;
+  std::optional<FluxPackPlan> flux;
+  PackPlan llm;
+  if (IsFluxCheckpointPath(options.model_dir)) {
+    flux.emplace(PlanFluxPack(options.model_dir, pack));
+  } else {
+    checkpoint.emplace(Checkpoint::Open(options.model_dir));
+    llm = PlanPack(*checkpoint, pack);
+  }
+  PackPlan& plan = flux ? flux->load : llm;
   uint64_t needed = 0;
   for (const SegmentInfo& b : plan.manifest.blocks) needed += RoundUpToPage(b.nbytes);
   needed += RoundUpToPage(plan.manifest.rest.nbytes);
@@ -202,6 +216,7 @@ std::unique_ptr<PublishedStore> PublishedStore::Build(const ServeOptions& option
   const LoadResult quantized = QuantizeSegments(plan, pointers, threads, should_stop, progress);
   LoadResult load = LoadSegments(plan, pointers, threads, should_stop, progress);
   for (ShmSegment& s : store->segments_) s.MakeReadOnly();  // never written after publishing
+  if (flux) m = FluxPublishedManifest(*flux);  // the layout's whole tensors, not the pieces
 
   m.fingerprint = ComputeFingerprint(m);
   m.owner_start_time = 0;  // filled from the claim's header below
@@ -253,8 +268,12 @@ int RunServe(const ServeOptions& options) {
   const LoadReport& r = store->report();
   progress.Finish(DescribeLoad(r, m.quant().method));
   LS_LOG_INFO(
-      "store `{}` published: {} blocks + rest, {} {}{}, fingerprint {}, generation {:016x}, {}",
-      m.store_name, m.blocks.size(), FormatGiB(r.bytes), DTypeName(m.dtype),
+      "store `{}` published: {} {} + rest, {} {}{}, fingerprint {}, generation {:016x}, {}",
+      m.store_name, m.blocks.size(),
+      m.is_flux()
+          ? "FLUX.1 units (" + std::to_string(m.flux_singles_per_unit) + " single blocks per unit)"
+          : std::string("blocks"),
+      FormatGiB(r.bytes), DTypeName(m.dtype),
       m.quant().compressed() ? ", blocks " + DescribeQuant(m.quant()) : "", m.fingerprint,
       m.generation, r.locked ? "locked in RAM" : "not locked");
   std::printf(

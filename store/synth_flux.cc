@@ -182,7 +182,7 @@ SynthResult RunSynthFlux(const SynthOptions& options, const std::string& preset_
   };
   auto metadata = FluxMetadata(config);
   metadata["format"] = "pt";
-  WriteSafetensorsStreamed(options.out_dir + "/flux1.safetensors", tensors, fill, metadata, 64);
+  WriteSafetensorsStreamed(options.out_dir + "/" + kSynthFluxFile, tensors, fill, metadata, 64);
   r.bytes = total;
   r.shards = 1;
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -12,6 +12,9 @@
 
 namespace lorastream::store {
 
+// The file a FLUX preset is written to in BFL's layout (OUT/flux1.safetensors).
+inline constexpr const char* kSynthFluxFile = "flux1.safetensors";
+
 // The preset file a name or path refers to (NAME.toml in `presets_dir`, or the path itself).
 std::string PresetPath(const std::string& name_or_path, const std::string& presets_dir);
 // Whether the preset file says model_type = "flux".

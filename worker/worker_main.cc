@@ -13,6 +13,7 @@
 
 #include "common/cli_main.h"
 #include "common/error.h"
+#include "common/flux_job.h"
 #include "common/gpu_info.h"
 #include "common/log.h"
 #include "common/user_access.h"
@@ -20,7 +21,6 @@
 #include "coordinator/curve.h"
 #include "store/attach.h"
 #include "worker/flux/flux_calibrate.h"
-#include "worker/flux/flux_job.h"
 #include "worker/flux/flux_train.h"
 #include "worker/serve/parity.h"
 #include "worker/serve/plan_command.h"
@@ -178,7 +178,7 @@ int main(int argc, char** argv) {
     InitLogging("worker");
     if (!store_user.empty()) store::SetTrustedStoreOwner(LookupUser(store_user).uid);
     const bool flux_job =
-        *train_cmd && std::any_of(job_paths.begin(), job_paths.end(), flux::IsFluxJobFile);
+        *train_cmd && std::any_of(job_paths.begin(), job_paths.end(), IsFluxJobFile);
     if (flux_job && job_paths.size() > 1)
       throw Error(ErrorCode::kInvalidArgument,
                   "a [flux] job trains alone: job groups are for the LLM families");
@@ -205,7 +205,7 @@ int main(int argc, char** argv) {
       std::signal(SIGTERM, OnTrainStopSignal);
       return RunGroupTrainCommand(job_paths, train, &g_train_stop_signal);
     }
-    if (*plan_cmd && plan_jobs.size() == 1 && flux::IsFluxJobFile(plan_jobs[0]))
+    if (*plan_cmd && plan_jobs.size() == 1 && IsFluxJobFile(plan_jobs[0]))
       return flux::RunFluxPlanCommand(plan_jobs[0], plan.device);
     if (*plan_cmd) return RunPlanCommand(plan_jobs, plan);
     if (*report_cmd) return RunQuantReport(report);

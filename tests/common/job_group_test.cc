@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include <functional>
+#include <utility>
 
 #include "common/job_group.h"
 
@@ -47,6 +48,22 @@ TEST_CASE("job groups: a job that differs in base, dtype or plan is refused nami
              Catch::Contains("stream.ring_size"));
   CHECK_THAT(refusal([](JobSpec& b) { b.stream.budget_auto = !b.stream.budget_auto; }),
              Catch::Contains("stream.gpu_memory_budget"));
+}
+
+TEST_CASE("job groups: a FLUX.1 job trains alone, never with an LLM job or another FLUX job",
+          "[common]") {
+  JobSpec flux = Spec("flux");
+  flux.is_flux = true;
+  JobSpec other_flux = flux;
+  other_flux.name = "flux2";
+  const JobSpec llm = Spec("llm");
+  for (const auto& [first, job] :
+       {std::pair{llm, flux}, std::pair{flux, llm}, std::pair{flux, other_flux}}) {
+    const std::string why = GroupRefusal(first, job, "cuda:0");
+    CHECK_THAT(why,
+               Catch::Contains("cannot train in a group with job " + first.name) &&
+                   Catch::Contains("is a FLUX.1 job, which trains alone in its worker's group"));
+  }
 }
 
 TEST_CASE("job groups: a worker's default job slots follow its GPU's memory", "[common]") {

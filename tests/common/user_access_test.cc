@@ -167,6 +167,27 @@ TEST_CASE("AccessProblem walks every component with the user's ids and groups", 
   CHECK_THROWS_WITH(CheckJobPathsAs(spec, who),
                     Catch::Contains("`model.checkpoint` (" + model + "/model.safetensors)") &&
                         Catch::Contains("no permission to search " + box.dir + "/secret"));
+
+  // A FLUX job's paths under their [flux] keys: its caches (each file), checkpoint and output.
+  JobSpec flux;
+  flux.source = "flux.toml";
+  flux.is_flux = true;
+  flux.flux.cache_dir = box.Make("mine/cache", 0755, true, who.uid, who.gid);
+  box.Make("mine/cache/cat_0032x0032_flux.npz", 0644, false, who.uid, who.gid);
+  flux.flux.output_dir = box.dir + "/mine/flux-out";
+  flux.flux.store = "flux";
+  CHECK_NOTHROW(CheckJobPathsAs(flux, who));
+  fs::create_symlink(secret_file, flux.flux.cache_dir + "/cat_flux_te.npz");
+  CHECK_THROWS_WITH(CheckJobPathsAs(flux, who),
+                    Catch::Contains("flux.toml: key `flux.cache_dir` (" + flux.flux.cache_dir +
+                                    "/cat_flux_te.npz)") &&
+                        Catch::Contains("stranger (uid 54321)"));
+  fs::remove(flux.flux.cache_dir + "/cat_flux_te.npz");
+  flux.flux.store.clear();
+  flux.flux.checkpoint = secret_file;
+  flux.model.checkpoint = secret_file;  // mirrored, as ParseJobSpec does
+  CHECK_THROWS_WITH(CheckJobPathsAs(flux, who),
+                    Catch::Contains("key `flux.checkpoint` (" + secret_file + ")"));
 }
 
 TEST_CASE("ActingAs: this thread opens and creates as the user; links lead only where it may go",

@@ -82,9 +82,11 @@ TEST_CASE("queue order is priority, then submission; only hosts with the model",
   CHECK_FALSE(c.Heartbeat(HeartbeatRequest{w, {}, 1}, 2).has_assignment);
   ListJobsReply jobs = c.ListJobs(ListJobsRequest{true}, 2);
   CHECK(FindJob(jobs, other).state == JobState::kQueued);
+  CHECK(FindJob(jobs, other).reason == "waiting for a worker offering store `qwen`");
   CHECK(FindJob(jobs, low).fingerprint == "fp-a");  // pinned at the first run
 
   std::string q = c.Register(Worker("b", {{"qwen", "fp-q"}}), 2).worker_id;
+  CHECK(c.ShowJob(ShowJobRequest{other}, 2).job.reason.empty());  // a worker can take it now
   HeartbeatReply hb = c.Heartbeat(HeartbeatRequest{q, {}, 1}, 3);
   REQUIRE(hb.has_assignment);
   CHECK(hb.assignment.job_id == other);

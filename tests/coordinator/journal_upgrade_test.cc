@@ -267,3 +267,48 @@ TEST_CASE("a spec reads back from its journal form, every key and awkward value 
   s.train.seed = uint64_t{1} << 63;
   CHECK_FALSE(Journal::RecordProblem(s).empty());
 }
+
+TEST_CASE("a FLUX job's spec reads back from its journal form and through a reopened journal",
+          "[coordinator][journal]") {
+  const std::string text =
+      "name = \"flux\"\npriority = 2\n[flux]\nstore = \"flux-tiny\"\ncache_dir = \"cache\"\n"
+      "output_dir = \"out\"\nsteps = 7\nlearning_rate = 3.3e-4\nalpha = 0.30000000000000004\n"
+      "targets = [\"attention\"]\ngpu_memory_budget = \"8GiB\"\nseed = 9\nsave_every = 2\n";
+  JobSpec s = ParseJobSpec(text, "/jobs/flux.toml");
+  ResolveJobSpecIn(s, "/jobs");
+  REQUIRE(s.is_flux);
+  CHECK(SerializePayload(ParseJobSpec(JobSpecToToml(s), s.source)) == SerializePayload(s));
+  CHECK(Journal::RecordProblem(s).empty());
+  JobSpec on_checkpoint = s;  // a checkpoint job keeps its singles_per_unit; "auto" budget
+  on_checkpoint.flux.store.clear();
+  on_checkpoint.flux.checkpoint = "/models/flux1-dev.safetensors";
+  on_checkpoint.flux.singles_per_unit = 3;
+  on_checkpoint.flux.budget_auto = true;
+  on_checkpoint.flux.gpu_memory_budget = 0;
+  on_checkpoint = ParseJobSpec(JobSpecToToml(on_checkpoint), s.source);
+  CHECK(on_checkpoint.model.checkpoint == "/models/flux1-dev.safetensors");
+  CHECK(on_checkpoint.flux.singles_per_unit == 3);
+  CHECK(on_checkpoint.flux.budget_auto);
+  CHECK(SerializePayload(ParseJobSpec(JobSpecToToml(on_checkpoint), s.source)) ==
+        SerializePayload(on_checkpoint));
+
+  const testing::TempDir dir("journal-flux");
+  const fs::path path = dir.path() / "journal.db";
+  {
+    Journal journal(path.string());
+    for (const JobSpec& spec : {s, on_checkpoint}) {
+      JobRecord r;
+      r.summary.id = spec.flux.store.empty() ? 2 : 1;
+      r.summary.name = spec.name;
+      r.spec = spec;
+      r.summary.spec_source = spec.source;
+      r.spec_toml = text;
+      journal.SaveJob(r);
+    }
+  }
+  const Journal journal(path.string());
+  const std::vector<JobRecord> jobs = journal.LoadJobs();
+  REQUIRE(jobs.size() == 2);
+  CheckSameSpec(jobs[0].spec, s);
+  CheckSameSpec(jobs[1].spec, on_checkpoint);
+}

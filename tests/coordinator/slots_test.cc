@@ -108,6 +108,38 @@ TEST_CASE("slots: two jobs that may share a group fill one 2-slot worker; anothe
   CHECK(c.ListWorkers(ListWorkersRequest{}, 2).workers.size() == 2);
 }
 
+TEST_CASE("slots: a FLUX.1 job runs alone in its worker's group, never beside another job",
+          "[coordinator][slots][flux]") {
+  Slots t;
+  Coordinator c(Options(), Journal(t.db()), 0);
+  auto flux = [](const std::string& name) {
+    SubmitRequest r;
+    r.spec_toml = "name = \"" + name + "\"\n[flux]\nstore = \"tiny\"\ncache_dir = \"/c\"\n" +
+                  "output_dir = \"/tmp/slots-out-" + name + "\"\n";
+    r.spec = ParseJobSpec(r.spec_toml, name + ".toml");
+    return r;
+  };
+  const std::string w = c.Register(Worker("w", 3), 0).worker_id;
+  const int64_t a = c.Submit(Job("a")).job_id;
+  CHECK(Beat(c, w, {}, 1) == a);
+  const int64_t f = c.Submit(flux("f")).job_id;
+  const int64_t g = c.Submit(flux("g")).job_id;
+  REQUIRE(f != 0);
+  REQUIRE(g != 0);
+  const int64_t b = c.Submit(Job("b")).job_id;
+  // f waits for a's group to drain (b, behind it, waits too), then runs alone: neither the
+  // other FLUX job nor an LLM job joins it.
+  CHECK(Beat(c, w, {{a, 1}}, 2) == 0);
+  Succeed(c, w, a, 3);
+  CHECK(Beat(c, w, {}, 4) == f);
+  CHECK(Beat(c, w, {{f, 1}}, 5) == 0);
+  Succeed(c, w, f, 6);
+  CHECK(Beat(c, w, {}, 7) == g);
+  CHECK(Beat(c, w, {{g, 1}}, 8) == 0);
+  Succeed(c, w, g, 9);
+  CHECK(Beat(c, w, {}, 10) == b);
+}
+
 TEST_CASE("slots: free slots take jobs by priority, then age", "[coordinator][slots]") {
   Slots t;
   Coordinator c(Options(), Journal(t.db()), 0);

@@ -198,7 +198,7 @@ TEST_CASE("slurm: options that cannot make a pilot are refused, naming the optio
   refused(none, "exactly one of --gpus-per-node");
   SlurmOptions no_model = Options(dir);
   no_model.model_dir = dir / "missing";
-  refused(no_model, "is not a model folder here");
+  refused(no_model, "is not a model folder here (no config.json) nor a FLUX.1 checkpoint");
   SlurmOptions long_store = Options(dir);
   long_store.store = std::string(40, 's');
   refused(long_store, "longer than 32 characters");
@@ -218,6 +218,19 @@ TEST_CASE("slurm: options that cannot make a pilot are refused, naming the optio
   no_nodes.nodes = 0;
   refused(no_nodes, "--nodes must be at least 1");
   CHECK(!fs::exists(dir / "run/pilot.sbatch"));  // nothing written for a refused pilot
+}
+
+TEST_CASE("slurm: a FLUX.1 diffusers folder is served on every node as a model folder is",
+          "[coordinator][slurm][flux]") {
+  const testing::TempDir dir("slurm-flux");
+  fs::create_directories(dir.path() / "models" / "FLUX.1-dev" / "transformer");
+  std::ofstream(dir.path() / "models" / "FLUX.1-dev" / "transformer" / "config.json")
+      << "{\"_class_name\": \"FluxTransformer2DModel\"}\n";
+  SlurmOptions o = Options(dir);
+  o.model_dir = dir / "models/FLUX.1-dev";
+  const std::string script = Render(o);
+  CHECK_THAT(script, Catch::Contains(o.model_dir));
+  CHECK_THAT(script, Catch::Contains("FLUX_1-dev"));  // the store's name, from the folder's
 }
 
 TEST_CASE("store offers: NAME or AS=NAME, both names checked", "[coordinator][slurm]") {

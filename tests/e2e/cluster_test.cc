@@ -21,8 +21,6 @@
 #include "common/shm_names.h"
 #include "common/subprocess.h"
 #include "coordinator/local_cluster.h"
-#include "store/attach.h"
-#include "store/process.h"
 #include "tests/e2e/e2e_jobs.h"
 #include "tests/support/test_support.h"
 
@@ -159,13 +157,7 @@ TEST_CASE("a worker killed mid-job: the job resumes elsewhere and ends bit-ident
   REQUIRE(job["state"] == "running");
   REQUIRE(job.value("checkpoint_step", 0) == 4);  // held there: it cannot have gone further
   REQUIRE(job.value("step", 0) < 24);
-  int victim = -1;
-  nlohmann::json workers = nlohmann::json::parse(cluster.Client({"workers", "--json"}));
-  for (const auto& w : workers)
-    if (w.value("job_ids", std::vector<int64_t>{}) == std::vector<int64_t>{id})
-      for (size_t i = 0; i < cluster.num_workers(); ++i)
-        if (cluster.WorkerPid(i) == w.value("pid", 0)) victim = static_cast<int>(i);
-  REQUIRE(victim >= 0);
+  const size_t victim = lorastream::testing::WorkerRunningOnly(cluster, id);
   // The survivor must not hold the resumed job (SIGUSR2 clears the request), then the kill.
   REQUIRE(::kill(cluster.WorkerPid(1 - victim), SIGUSR2) == 0);
   cluster.StopWorker(victim, SIGKILL);
@@ -310,30 +302,7 @@ TEST_CASE("the store and four training workers hold the base weights once", "[e2
   for (int j = 0; j < 4; ++j)
     ids.push_back(cluster.Submit(WriteJob(dir, "m" + std::to_string(j), cluster.store_name(),
                                           WriteData(dir, 40, 300 + j), 100000, 0, j)));
-  // Every job running and past a step: each worker has touched every block.
-  WaitUntil(
-      [&] {
-        for (int64_t id : ids)
-          if (cluster.ShowJob(id).value("step", 0) < 1) return false;
-        return true;
-      },
-      600, "four jobs training");
-  lorastream::store::AttachedStore store =
-      lorastream::store::AttachedStore::Attach(cluster.store_name());
-  const double base_kb = static_cast<double>(store.manifest().total_bytes()) / 1024.0;
-  const std::string prefix = lorastream::ShmPrefix(cluster.store_name());
-  double pss_kb = lorastream::store::ShmMappingUseOf(cluster.StorePid(), prefix).pss_bytes / 1024.0;
-  for (size_t i = 0; i < cluster.num_workers(); ++i) {
-    const auto w = lorastream::store::ShmMappingUseOf(cluster.WorkerPid(i), prefix);
-    INFO("worker " << i << " maps " << w.rss_bytes / 1024 << " KiB of the store's " << base_kb
-                   << " KiB");
-    CHECK(w.rss_bytes / 1024.0 >= 0.8 * base_kb);  // it really reads the shared copy
-    pss_kb += w.pss_bytes / 1024.0;
-  }
-  // This test process attached too (mapped, not touched: no resident pages of its own).
-  INFO("total PSS " << pss_kb << " KiB for a base of " << base_kb << " KiB");
-  CHECK(pss_kb <= 1.05 * base_kb + 1024);
-  CHECK(pss_kb >= 0.9 * base_kb);
+  lorastream::testing::CheckBaseHeldOnce(cluster, ids, 1024);
   for (int64_t id : ids) cluster.Client({"cancel", std::to_string(id)});
   cluster.WaitForJobs(300);
 }

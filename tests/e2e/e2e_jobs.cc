@@ -14,6 +14,10 @@
 
 #include "common/safetensors.h"
 #include "common/subprocess.h"
+#include "coordinator/local_cluster.h"
+#include "common/shm_names.h"
+#include "store/attach.h"
+#include "store/process.h"
 #include "tests/support/test_support.h"
 
 namespace lorastream::testing {
@@ -92,6 +96,42 @@ std::string ReadAll(const std::string& path) {
 void WaitUntil(const std::function<bool()>& done, double timeout_s, const std::string& what) {
   INFO("waiting for " << what);
   REQUIRE(WaitFor(done, timeout_s, 100));
+}
+
+size_t WorkerRunningOnly(const cli::LocalCluster& cluster, int64_t id) {
+  const nlohmann::json workers = nlohmann::json::parse(cluster.Client({"workers", "--json"}));
+  for (const auto& w : workers)
+    if (w.value("job_ids", std::vector<int64_t>{}) == std::vector<int64_t>{id})
+      for (size_t i = 0; i < cluster.num_workers(); ++i)
+        if (cluster.WorkerPid(i) == w.value("pid", 0)) return i;
+  FAIL("no worker runs job " << id << " alone: " << workers.dump());
+  return 0;
+}
+
+void CheckBaseHeldOnce(const cli::LocalCluster& cluster, const std::vector<int64_t>& ids,
+                       double slack_kb) {
+  WaitUntil(
+      [&] {
+        for (int64_t id : ids)
+          if (cluster.ShowJob(id).value("step", 0) < 1) return false;
+        return true;
+      },
+      600, "every job past its first step");
+  const store::AttachedStore store = store::AttachedStore::Attach(cluster.store_name());
+  const double base_kb = static_cast<double>(store.manifest().total_bytes()) / 1024.0;
+  const std::string prefix = ShmPrefix(cluster.store_name());
+  double pss_kb = store::ShmMappingUseOf(cluster.StorePid(), prefix).pss_bytes / 1024.0;
+  for (size_t i = 0; i < cluster.num_workers(); ++i) {
+    const store::ShmMappingUse w = store::ShmMappingUseOf(cluster.WorkerPid(i), prefix);
+    INFO("worker " << i << " maps " << w.rss_bytes / 1024 << " KiB of the store's " << base_kb
+                   << " KiB");
+    CHECK(w.rss_bytes / 1024.0 >= 0.8 * base_kb);  // it really reads the shared copy
+    pss_kb += w.pss_bytes / 1024.0;
+  }
+  // This process attached too (mapped, not touched: no resident pages of its own).
+  INFO("total PSS " << pss_kb << " KiB for a base of " << base_kb << " KiB");
+  CHECK(pss_kb <= 1.05 * base_kb + slack_kb);
+  CHECK(pss_kb >= 0.9 * base_kb);
 }
 
 }  // namespace lorastream::testing

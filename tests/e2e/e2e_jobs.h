@@ -7,6 +7,11 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
+
+namespace lorastream::cli {
+class LocalCluster;
+}
 
 namespace lorastream::testing {
 
@@ -31,6 +36,17 @@ int FreeLoopbackPort();
 
 // A file's whole text ("" when it cannot be read).
 std::string ReadAll(const std::string& path);
+
+// The index of the cluster's worker that runs job `id` and nothing else; fails the test when
+// none does.
+size_t WorkerRunningOnly(const cli::LocalCluster& cluster, int64_t id);
+
+// Waits until every job of `ids` is past its first step (each worker has read every block),
+// then checks that the cluster holds its base once: each worker's resident share of the
+// store's mappings is at least 80% of the base (it reads the shared copy), and the proportional
+// set sizes of the store's and the workers' mappings sum to the base (within 5% + `slack_kb`).
+void CheckBaseHeldOnce(const cli::LocalCluster& cluster, const std::vector<int64_t>& ids,
+                       double slack_kb);
 
 // WaitFor(done, timeout_s), failing the test with "waiting for WHAT" when it times out.
 void WaitUntil(const std::function<bool()>& done, double timeout_s, const std::string& what);

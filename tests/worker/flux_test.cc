@@ -6,6 +6,9 @@
 #include "tests/worker/torch_catch.h"
 
 #include <c10/core/GradMode.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <cmath>
 #include <csignal>
@@ -16,8 +19,11 @@
 
 #include "common/checkpoint_dir.h"
 #include "common/error.h"
+#include "common/flux_job.h"
 #include "common/safetensors.h"
 #include "common/subprocess.h"
+#include "store/attach.h"
+#include "store/server.h"
 #include "store/synth.h"
 #include "tests/support/flux_cache_files.h"
 #include "tests/support/flux_checkpoint.h"
@@ -25,7 +31,6 @@
 #include "tests/worker/worker_test_util.h"
 #include "worker/flux/flux_adapter_io.h"
 #include "worker/flux/flux_base.h"
-#include "worker/flux/flux_job.h"
 #include "worker/flux/flux_model.h"
 #include "worker/flux/flux_objective.h"
 #include "worker/flux/flux_train.h"
@@ -559,4 +564,97 @@ TEST_CASE("flux jobs: bad keys and bad caches are refused naming the key or the 
   const std::string e = ErrorMessageOf([&] { TrainFlux(LoadFluxJob(job_path), {}); });
   CHECK_THAT(e, Catch::Contains("sdxl_0032x0032_flux.npz"));
   CHECK_THAT(e, Catch::Contains("expected [16, 4, 4]"));
+}
+
+TEST_CASE(
+    "a FLUX job on a store trains as on the checkpoint, bit for bit, its units streamed from "
+    "the read-only mapping",
+    "[worker][flux]") {
+  TempDir dir("flux-store-train");
+  const std::string job_path = WriteTinyFluxJob(
+      dir.str(), /*with_dog=*/true,
+      "steps = 3\nbatch_size = 2\nseed = 5\nrank = 4\nlearning_rate = 1e-3\nblocks_to_swap = 3\n"
+      "ring_size = 1\n");
+  const FluxJob from_checkpoint = LoadFluxJob(job_path);
+  store::ServeOptions serve;
+  serve.model_dir = from_checkpoint.checkpoint;
+  serve.name = "test-flux-train-" + std::to_string(::getpid());
+  serve.threads = 2;
+  serve.lock = false;
+  const auto published = store::PublishedStore::Build(serve);
+
+  // The job file names the store; units and their packing are the store's.
+  {
+    std::ofstream out(dir.str() + "/store.toml");
+    out << "[flux]\nstore = \"" << serve.name
+        << "\"\ncache_dir = \"cache\"\noutput_dir = \"out-store\"\nsteps = 3\nbatch_size = 2\n"
+           "seed = 5\nrank = 4\nlearning_rate = 1e-3\nblocks_to_swap = 3\nring_size = 1\n";
+  }
+  const FluxJob from_store = LoadFluxJob(dir.str() + "/store.toml");
+  CHECK(from_store.checkpoint.empty());
+  CHECK(from_store.store == serve.name);
+  const FluxTrainResult a = TrainFlux(from_checkpoint, {});
+  const FluxTrainResult b = TrainFlux(from_store, {});
+  REQUIRE(a.steps.size() == 3);
+  REQUIRE(b.steps.size() == 3);
+  for (size_t i = 0; i < a.steps.size(); ++i) {
+    CHECK(b.steps[i].loss == a.steps[i].loss);
+    CHECK(b.steps[i].copies > 0);
+  }
+  CHECK(lorastream::testing::ReadFile(b.kohya_path) == lorastream::testing::ReadFile(a.kohya_path));
+  CHECK(lorastream::testing::ReadFile(b.diffusers_path) ==
+        lorastream::testing::ReadFile(a.diffusers_path));
+
+  // Zero-copy and read-only: the units are the mapping's bytes, and a write faults.
+  const FluxBase base = FluxBase::FromStore(serve.name, at::kFloat, at::kCPU);
+  const store::AttachedStore attached = store::AttachedStore::Attach(serve.name);
+  REQUIRE(base.unit_bytes().size() == static_cast<size_t>(attached.num_blocks()));
+  CHECK(std::memcmp(base.unit_bytes()[1], attached.block_data(1), attached.block_size(1)) == 0);
+  const pid_t child = ::fork();
+  if (child == 0) {
+    std::signal(SIGSEGV, SIG_DFL);  // not Catch's handler: the child dies of the fault
+    *const_cast<uint8_t*>(base.unit_bytes()[0]) = 1;
+    ::_exit(0);
+  }
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  CHECK(WIFSIGNALED(status));
+  CHECK(WTERMSIG(status) == SIGSEGV);
+
+  // A store converting a diffusers folder to bf16 (each tensor from its runs of rows) holds the
+  // bytes the worker's own bf16 packing of the BFL file holds.
+  store::SynthOptions diffusers;
+  diffusers.preset = "flux-tiny";
+  diffusers.out_dir = dir.str() + "/diffusers";
+  diffusers.presets_dir = std::string(LORASTREAM_SOURCE_DIR) + "/configs/models";
+  diffusers.seed = 3;
+  diffusers.dtype = "f32";
+  diffusers.flux_format = "diffusers";
+  diffusers.shard_bytes = 400000;
+  store::RunSynth(diffusers);
+  store::ServeOptions serve_bf16 = serve;
+  serve_bf16.model_dir = diffusers.out_dir;
+  serve_bf16.name = serve.name + "-bf16";
+  serve_bf16.to_bf16 = true;
+  const auto published_bf16 = store::PublishedStore::Build(serve_bf16);
+  const FluxBase packed = FluxBase::Load(from_checkpoint.checkpoint, 2, at::kBFloat16, at::kCPU);
+  const FluxBase served = FluxBase::FromStore(serve_bf16.name, at::kBFloat16, at::kCPU);
+  REQUIRE(served.unit_bytes().size() == packed.unit_bytes().size());
+  for (size_t u = 0; u < packed.unit_bytes().size(); ++u)
+    CHECK(std::memcmp(served.unit_bytes()[u], packed.unit_bytes()[u], packed.layouts()[u].nbytes) ==
+          0);
+  for (const auto& [name, t] : packed.rest()) CHECK(at::equal(t, served.rest().at(name)));
+
+  // A store of another dtype than the job's, both sources, and a store with singles_per_unit
+  // are refused by name.
+  FluxJob bf16 = from_store;
+  bf16.dtype = "bf16";
+  CHECK_THAT(ErrorMessageOf([&] { TrainFlux(bf16, {}); }),
+             Catch::Contains("holds F32 weights") && Catch::Contains("flux.dtype = \"f32\""));
+  std::ofstream(dir.str() + "/store.toml", std::ios::app) << "singles_per_unit = 1\n";
+  CHECK_THAT(ErrorMessageOf([&] { LoadFluxJob(dir.str() + "/store.toml"); }),
+             Catch::Contains("flux.singles_per_unit") && Catch::Contains("a store fixes"));
+  std::ofstream(job_path, std::ios::app) << "store = \"" << serve.name << "\"\n";
+  CHECK_THAT(ErrorMessageOf([&] { LoadFluxJob(job_path); }),
+             Catch::Contains("exactly one of flux.checkpoint") && Catch::Contains("flux.store"));
 }

@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include "common/error.h"
+#include "common/job_paths.h"
 #include "worker_test_util.h"
 
 using namespace lorastream;
@@ -149,4 +150,57 @@ TEST_CASE("stream.taped_blocks: parsed, checked against the model's depth", "[wo
   }
   bad.stream.taped_blocks = 4;
   CHECK_FALSE(Mentions(ValidateJobSpec(bad, &config), "taped_blocks"));
+}
+
+TEST_CASE("FLUX job files: the [flux] section is the job, checked naming file and key",
+          "[worker][flux]") {
+  const std::string configs = std::string(LORASTREAM_SOURCE_DIR) + "/configs";
+  const std::string text =
+      "name = \"flux-demo\"\npriority = 3\n[flux]\nstore = \"flux-tiny\"\n"
+      "cache_dir = \"" +
+      configs +
+      "/data/flux-tiny\"\noutput_dir = \"out\"\nsteps = 12\n"
+      "save_every = 4\n";
+  JobSpec s = ParseJobSpec(text, "/jobs/flux.toml");
+  ResolveJobSpecIn(s, "/jobs");
+  REQUIRE(s.is_flux);
+  CHECK(s.name == "flux-demo");
+  CHECK(s.priority == 3);
+  CHECK(s.flux.cache_dir == configs + "/data/flux-tiny");
+  // Mirrored where the scheduler, the listings and the checkpoint reports read every job's.
+  CHECK(s.model.store == "flux-tiny");
+  CHECK(s.model.checkpoint.empty());
+  CHECK(s.train.output_dir == "/jobs/out");
+  CHECK(s.train.steps == 12);
+  CHECK(s.train.checkpoint_every == 4);
+  CHECK(ValidateJobSpec(s).empty());
+  const JobSpec back = ParseJobSpec(JobSpecToToml(s), s.source);
+  CHECK(JobSpecToToml(back) == JobSpecToToml(s));
+
+  // The example job validates; every bad value is a problem naming the file and the key.
+  CHECK(ValidateJobSpec(LoadJobSpec(configs + "/jobs/flux_tiny.toml")).empty());
+  s.flux.rank = 0;
+  s.flux.timestep_sampling = "logit_normal";
+  s.flux.ring_size = 0;
+  s.flux.cache_dir = "/no/such/cache";
+  s.flux.store.clear();
+  s.flux.checkpoint = configs + "/jobs/flux_tiny.toml";
+  const auto problems = ValidateJobSpec(s);
+  CHECK(problems.size() == 5);
+  CHECK(Mentions(problems, "key `flux.cache_dir`: names a folder that does not exist"));
+  CHECK(Mentions(problems, "key `flux.checkpoint`: " + configs +
+                               "/jobs/flux_tiny.toml: not a .safetensors file"));
+  CHECK(Mentions(problems, "/jobs/flux.toml: key `flux.rank`: must be at least 1"));
+  CHECK(Mentions(problems, "key `flux.timestep_sampling`"));
+  CHECK(Mentions(problems, "key `flux.ring_size`"));
+
+  // An LLM section beside [flux], both or neither of checkpoint and store, a store with
+  // singles_per_unit: refused by name.
+  CHECK_THROWS_WITH(ParseJobSpec(text + "[lora]\nrank = 4\n", "f.toml"), Catch::Contains("lora"));
+  CHECK_THROWS_WITH(ParseJobSpec(text + "checkpoint = \"m\"\n", "f.toml"),
+                    Catch::Contains("f.toml: key `flux.checkpoint`") &&
+                        Catch::Contains("exactly one of flux.checkpoint"));
+  CHECK_THROWS_WITH(
+      ParseJobSpec(text + "singles_per_unit = 1\n", "f.toml"),
+      Catch::Contains("key `flux.singles_per_unit`") && Catch::Contains("a store fixes its units"));
 }

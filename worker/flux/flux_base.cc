@@ -1,15 +1,13 @@
 #include "worker/flux/flux_base.h"
 
-#include <map>
-#include <optional>
-
 #include <ATen/ATen.h>
 
 #include "common/error.h"
-#include "common/flux_diffusers.h"
+#include "common/flux_layout.h"
 #include "common/format_bytes.h"
 #include "common/log.h"
 #include "common/safetensors.h"
+#include "store/attach.h"
 #include "worker/model/base_weights.h"
 
 namespace lorastream::worker::flux {
@@ -32,94 +30,105 @@ at::Tensor PageAlignedBytes(uint64_t n) {
   return block.narrow(0, skip, static_cast<int64_t>(n));
 }
 
-// A checkpoint's tensors in BFL's naming, whichever layout it is stored in; the views and
-// concatenations it returns are only read.
-class BflSource {
- public:
-  explicit BflSource(const std::string& path) {
-    if (DetectFluxCheckpoint(path) == FluxCheckpointKind::kBflFile) {
-      file_.emplace(SafetensorsFile::Open(path));
-      config_ = FluxConfigFromHeader(file_->header(), path);
-      return;
-    }
-    diffusers_.emplace(FluxDiffusersFolder::Open(path));
-    config_ = diffusers_->config();
-    for (auto& part : FluxDiffusersParts(config_)) parts_[part.bfl].push_back(std::move(part));
+// BFL tensor `name` of the checkpoint: a view of the file's, or a concatenation of
+// diffusers' runs of rows (only read).
+at::Tensor BflTensor(const FluxCheckpointReader& source, const std::string& name) {
+  std::vector<at::Tensor> rows;
+  for (const FluxCheckpointReader::Piece& p : source.Pieces(name)) {
+    const at::Tensor t = FileTensor(*p.file, *p.entry);
+    rows.push_back(p.entry->shape.empty() ? t : t.narrow(0, p.source_row, p.rows));
   }
-
-  const FluxConfig& config() const { return config_; }
-  bool is_diffusers() const { return diffusers_.has_value(); }
-
-  // The BFL tensor `name`: a view of the file's, or diffusers' parts by row (a new tensor).
-  at::Tensor Get(const std::string& name) const {
-    if (file_) {
-      const SafetensorsEntry* e = file_->Find(name);
-      LS_CHECK(e != nullptr, "validated FLUX file lacks " + name);
-      return FileTensor(*file_, *e);
-    }
-    std::vector<at::Tensor> rows;
-    for (const FluxDiffusersPart& p : parts_.at(name)) {
-      const auto ref = diffusers_->Get(p.diffusers);
-      rows.push_back(FileTensor(*ref.file, *ref.entry).narrow(0, p.diffusers_row, p.rows));
-    }
-    return rows.size() == 1 ? rows[0] : at::cat(rows, 0);
-  }
-
- private:
-  FluxConfig config_;
-  std::optional<SafetensorsFile> file_;
-  std::optional<FluxDiffusersFolder> diffusers_;
-  std::map<std::string, std::vector<FluxDiffusersPart>> parts_;  // by BFL name, in row order
-};
+  return rows.size() == 1 ? rows[0] : at::cat(rows, 0);
+}
 
 }  // namespace
 
 FluxBase FluxBase::Load(const std::string& path, int64_t singles_per_unit, c10::ScalarType dtype,
                         c10::Device device) {
-  const BflSource source(path);
+  const FluxCheckpointReader source = FluxCheckpointReader::Open(path);
   FluxBase b;
   b.config_ = source.config();
   b.singles_per_unit_ = singles_per_unit;
+  // The store's layout (common/flux_layout.h), in host buffers of this process.
+  b.manifest_ = FluxManifest(b.config_, singles_per_unit, DTypeOf(dtype), Manifest{}.alignment);
   b.manifest_.store_name = "flux";
-  b.manifest_.config.model_type = kFluxModelType;
-  b.manifest_.dtype = DTypeOf(dtype);
   b.manifest_.source_dir = path;
-  const auto units = FluxUnits(b.config_, singles_per_unit);
-  for (size_t u = 0; u < units.size(); ++u) {
-    SegmentInfo seg =
-        LayoutSegment(FluxUnitShapes(b.config_, units[u]), "flux-unit-" + std::to_string(u),
-                      b.manifest_.dtype, b.manifest_.alignment);
+  for (size_t u = 0; u < b.manifest_.blocks.size(); ++u) {
+    SegmentInfo& seg = b.manifest_.blocks[u];
+    seg.shm_name = "flux-unit-" + std::to_string(u);
     at::Tensor bytes = PageAlignedBytes(seg.nbytes);
     for (const auto& t : seg.tensors)
       bytes.narrow(0, static_cast<int64_t>(t.offset), static_cast<int64_t>(t.nbytes))
           .view(dtype)
           .view(t.shape)
-          .copy_(source.Get(t.name));
-    b.manifest_.blocks.push_back(seg);  // served by name (BlockNaming::kByName)
-    b.layouts_.push_back(std::move(seg));
+          .copy_(BflTensor(source, t.name));
     b.unit_buffers_.push_back(bytes);
   }
+  b.layouts_ = b.manifest_.blocks;
   for (const auto& [name, shape] : FluxRestShapes(b.config_))
-    b.rest_[name] = source.Get(name).to(device, dtype, /*non_blocking=*/false, /*copy=*/true);
-  uint64_t double_bytes = 0, unit_max = 0;
-  for (size_t u = 0; u < units.size(); ++u) {
-    if (units[u].is_double) double_bytes = b.layouts_[u].nbytes;
-    unit_max = std::max(unit_max, b.layouts_[u].nbytes);
-  }
-  LS_LOG_INFO(
-      "FLUX {} ({}): {} double + {} single blocks (hidden {}, {} heads), {} units of up to {} "
-      "(a double block {}), guidance {}",
-      path, source.is_diffusers() ? "diffusers folder" : "BFL file", b.config_.depth,
-      b.config_.depth_single, b.config_.hidden_size, b.config_.num_heads, units.size(),
-      FormatBytes(unit_max), FormatBytes(double_bytes),
-      b.config_.guidance_embed ? "embedded" : "none");
+    b.rest_[name] =
+        BflTensor(source, name).to(device, dtype, /*non_blocking=*/false, /*copy=*/true);
+  b.unit_data_ = b.UnitBufferPointers();
+  b.LogLoaded(path + (source.is_diffusers() ? " (diffusers folder)" : " (BFL file)"));
   return b;
 }
 
-std::vector<const uint8_t*> FluxBase::unit_bytes() const {
+FluxBase FluxBase::FromStore(const std::string& name, c10::ScalarType dtype, c10::Device device) {
+  auto store = std::make_shared<store::AttachedStore>(store::AttachedStore::Attach(name));
+  const Manifest& m = store->manifest();
+  const std::string where = "store `" + name + "`";
+  if (!m.is_flux())
+    throw Error(ErrorCode::kRefused, where + " holds a " + m.config.model_type +
+                                         " model, not FLUX.1 (flux.store names a store of a "
+                                         "FLUX checkpoint: lorastream-store serve FLUX_PATH)");
+  if (m.quant().compressed())
+    throw Error(ErrorCode::kUnsupported, where + ": compressed FLUX blocks are not built");
+  if (m.dtype != DTypeOf(dtype))
+    throw Error(ErrorCode::kRefused, where + " holds " + DTypeName(m.dtype) +
+                                         " weights but the job computes in " +
+                                         DTypeName(DTypeOf(dtype)) + ": set flux.dtype = \"" +
+                                         (m.dtype == DType::kBF16 ? "bf16" : "f32") +
+                                         "\" (a FLUX job computes in its store's dtype)");
+  FluxBase b;
+  b.config_ = m.flux;
+  b.singles_per_unit_ = m.flux_singles_per_unit;
+  b.manifest_ = m;  // the units stream straight from the read-only mapping
+  b.layouts_ = m.blocks;
+  for (int u = 0; u < store->num_blocks(); ++u) b.unit_data_.push_back(store->block_data(u));
+  for (const TensorSlice& t : m.rest.tensors) {
+    const at::Tensor view = at::from_blob(const_cast<uint8_t*>(store->rest_data() + t.offset),
+                                          t.shape, at::TensorOptions().dtype(dtype));
+    b.rest_[t.name] = view.to(device, dtype, /*non_blocking=*/false, /*copy=*/true);
+  }
+  b.store_ = std::move(store);
+  b.LogLoaded(where + " (" + (m.source_dir.empty() ? "shared memory" : m.source_dir) + ")");
+  return b;
+}
+
+FluxBase FluxBase::ForJob(const FluxJob& job, c10::ScalarType dtype, c10::Device device) {
+  return job.store.empty() ? Load(job.checkpoint, job.singles_per_unit, dtype, device)
+                           : FromStore(job.store, dtype, device);
+}
+
+std::vector<const uint8_t*> FluxBase::UnitBufferPointers() const {
   std::vector<const uint8_t*> out;
   for (const auto& t : unit_buffers_) out.push_back(t.data_ptr<uint8_t>());
   return out;
+}
+
+void FluxBase::LogLoaded(const std::string& from) const {
+  uint64_t double_bytes = 0, unit_max = 0;
+  const auto units = FluxUnits(config_, singles_per_unit_);
+  for (size_t u = 0; u < units.size(); ++u) {
+    if (units[u].is_double) double_bytes = layouts_[u].nbytes;
+    unit_max = std::max(unit_max, layouts_[u].nbytes);
+  }
+  LS_LOG_INFO(
+      "FLUX {}: {} double + {} single blocks (hidden {}, {} heads), {} units of up to {} "
+      "(a double block {}), guidance {}",
+      from, config_.depth, config_.depth_single, config_.hidden_size, config_.num_heads,
+      units.size(), FormatBytes(unit_max), FormatBytes(double_bytes),
+      config_.guidance_embed ? "embedded" : "none");
 }
 
 ResidencyPlan FluxBase::SwapPlan(int64_t blocks_to_swap, int64_t ring_size) const {
@@ -138,7 +147,7 @@ std::unique_ptr<StreamEngine> FluxBase::MakeEngine(int64_t blocks_to_swap, int64
 
 std::unique_ptr<StreamEngine> FluxBase::MakeEngine(const ResidencyPlan& plan, c10::Device device,
                                                    const StreamEngineOptions& options) const {
-  return MakeStreamEngine(manifest_, unit_bytes(), plan, device, options);
+  return MakeStreamEngine(manifest_, unit_data_, plan, device, options);
 }
 
 }  // namespace lorastream::worker::flux

@@ -1,8 +1,9 @@
 // FLUX.1's frozen base for training: read from BFL's single file (common/flux_config.h
 // validates it) or a diffusers folder (common/flux_diffusers.h: converted by name to BFL's
-// layout as it is read), its blocks packed per streaming unit into host buffers laid out as a store
-// lays out segments (one contiguous region per unit: one H2D copy moves a unit), converted to
-// the compute dtype once; the tensors outside the blocks on the device.
+// layout as it is read), its blocks packed per streaming unit into host buffers in the store's
+// layout (common/flux_layout.h: one contiguous region per unit, one H2D copy moves a unit),
+// converted to the compute dtype once; or attached from a store serving it, the units then
+// being the store's read-only segments. The tensors outside the blocks are on the device.
 #pragma once
 
 #include <cstdint>
@@ -14,10 +15,15 @@
 #include <c10/core/Device.h>
 
 #include "common/flux_config.h"
+#include "common/flux_job.h"
 #include "common/manifest.h"
 #include "worker/flux/flux_model.h"
 #include "worker/stream/block_provider.h"
 #include "worker/stream/stream_engine.h"
+
+namespace lorastream::store {
+class AttachedStore;
+}
 
 namespace lorastream::worker::flux {
 
@@ -27,6 +33,14 @@ class FluxBase {
   // (DetectFluxCheckpoint).
   static FluxBase Load(const std::string& path, int64_t singles_per_unit, c10::ScalarType dtype,
                        c10::Device device);
+  // The FLUX.1 store `name` (lorastream-store serve FLUX_PATH), attached read-only: its units
+  // stream from the shared mapping (nothing of them is copied in this process), packed as
+  // the store fixed them (its singles_per_unit); the tensors outside the blocks are copied
+  // to `device`. Refuses (kRefused) an LLM store and a store of another dtype than `dtype`.
+  static FluxBase FromStore(const std::string& name, c10::ScalarType dtype, c10::Device device);
+  // The base a job names: its flux.store, or its flux.checkpoint packed per its
+  // flux.singles_per_unit.
+  static FluxBase ForJob(const FluxJob& job, c10::ScalarType dtype, c10::Device device);
 
   const FluxConfig& config() const { return config_; }
   int64_t singles_per_unit() const { return singles_per_unit_; }
@@ -35,7 +49,7 @@ class FluxBase {
   // What the streaming engine is given: the same segments in a manifest of model_type
   // "flux", so that each unit is served with its tensors by name (BlockWeights::named).
   const Manifest& engine_manifest() const { return manifest_; }
-  std::vector<const uint8_t*> unit_bytes() const;
+  const std::vector<const uint8_t*>& unit_bytes() const { return unit_data_; }
   const NamedTensors& rest() const { return rest_; }
 
   // The streaming engine over the units: `blocks_to_swap` of them streamed through
@@ -51,11 +65,16 @@ class FluxBase {
   ResidencyPlan SwapPlan(int64_t blocks_to_swap, int64_t ring_size) const;
 
  private:
+  std::vector<const uint8_t*> UnitBufferPointers() const;
+  void LogLoaded(const std::string& from) const;
+
   FluxConfig config_;
   int64_t singles_per_unit_ = 2;
   std::vector<SegmentInfo> layouts_;
   Manifest manifest_;
-  std::vector<at::Tensor> unit_buffers_;  // host uint8, one per unit, page-aligned
+  std::vector<at::Tensor> unit_buffers_;  // Load: host uint8, one per unit, page-aligned
+  std::shared_ptr<const store::AttachedStore> store_;  // FromStore: the mapping units are in
+  std::vector<const uint8_t*> unit_data_;              // unit u's bytes, either way
   NamedTensors rest_;
 };
 

@@ -62,7 +62,7 @@ FluxMemoryInputs FluxMemoryInputsFor(const FluxBase& base, const FluxJob& job,
                                      c10::ScalarType dtype) {
   FluxMemoryInputs in;
   in.config = base.config();
-  in.units = FluxUnits(in.config, job.singles_per_unit);
+  in.units = FluxUnits(in.config, base.singles_per_unit());
   for (const auto& l : base.layouts()) in.unit_bytes.push_back(l.nbytes);
   for (const auto& [name, t] : base.rest())
     in.rest_bytes += static_cast<uint64_t>(t.numel() * t.element_size());
@@ -278,7 +278,7 @@ int RunFluxPlanCommand(const std::string& job_path, const std::string& device_na
   at::set_num_threads(static_cast<int>(std::thread::hardware_concurrency()));
   const c10::Device device = TorchDevice(ParseDevice(device_name));
   const c10::ScalarType dtype = job.dtype == "bf16" ? at::kBFloat16 : at::kFloat;
-  const FluxBase base = FluxBase::Load(job.checkpoint, job.singles_per_unit, dtype, device);
+  const FluxBase base = FluxBase::ForJob(job, dtype, device);
   const FluxDataset data(job.cache_dir, base.config());
   const FluxPlanning p = PlanFluxJob(base, job, data, device, dtype, /*predict=*/true);
   std::printf("%s", DescribeFluxPlanning(p).c_str());

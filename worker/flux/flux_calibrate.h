@@ -9,9 +9,9 @@
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
+#include "common/flux_job.h"
 #include "worker/flux/flux_base.h"
 #include "worker/flux/flux_data.h"
-#include "worker/flux/flux_job.h"
 #include "worker/flux/flux_plan.h"
 #include "worker/stream/stream_cost.h"
 

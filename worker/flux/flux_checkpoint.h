@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "common/flux_config.h"
+#include "common/flux_job.h"
 #include "common/trainer_state_meta.h"
-#include "worker/flux/flux_job.h"
 #include "worker/flux/flux_model.h"
 #include "worker/train/adamw.h"
 

@@ -10,8 +10,10 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "common/acting_as.h"
 #include "common/error.h"
 #include "common/format_bytes.h"
+#include "common/job_access.h"
 #include "common/log.h"
 #include "worker/flux/flux_adapter_io.h"
 #include "worker/flux/flux_base.h"
@@ -27,12 +29,20 @@
 
 namespace lorastream::worker::flux {
 
-FluxTrainResult TrainFlux(const FluxJob& job, const FluxTrainOptions& options) {
+FluxTrainResult TrainFlux(const FluxJob& job_spec, const FluxTrainOptions& options) {
   at::set_num_threads(options.threads > 0 ? options.threads
                                           : static_cast<int>(std::thread::hardware_concurrency()));
   const c10::Device device = TorchDevice(ParseDevice(options.device));
-  const c10::ScalarType dtype = job.dtype == "bf16" ? at::kBFloat16 : at::kFloat;
-  const FluxBase base = FluxBase::Load(job.checkpoint, job.singles_per_unit, dtype, device);
+  const c10::ScalarType dtype = job_spec.dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+  const FluxBase base = [&] {
+    // A checkpoint is read as the job's submitter; a store is this worker's to attach.
+    const ActingAs as(job_spec.store.empty() ? options.files_as : nullptr);
+    return FluxBase::ForJob(job_spec, dtype, device);
+  }();
+  const ActingAs as_submitter(options.files_as);
+  FluxJob job = job_spec;
+  job.singles_per_unit = base.singles_per_unit();  // a store's units are the store's
+  OutputDirLock lock = OutputDirLock::CreateAndAcquire(job.output_dir, options.lock_holder);
   const FluxConfig& config = base.config();
   const FluxDataset data(job.cache_dir, config);
   const FluxPlanning planning = PlanFluxJob(base, job, data, device, dtype);
@@ -113,18 +123,22 @@ FluxTrainResult TrainFlux(const FluxJob& job, const FluxTrainOptions& options) {
         stats.peak_device_bytes / double(uint64_t{1} << 30));
     result.steps.push_back(stats);
     if (options.on_step) options.on_step(stats);
+    lock.RequireOwned();  // a later attempt of the job took the folder: nothing more is written
     const bool stop = options.stop != nullptr && options.stop->load() != 0;
     const bool last = step + 1 == job.steps;
     state.step = step + 1;
     state.samples_seen += n;
-    if ((job.save_every > 0 && state.step % job.save_every == 0) || last || stop)
-      result.checkpoint_dir = SaveFluxCheckpoint(job.output_dir, adapter, config, optimizer, state,
-                                                 job.keep_checkpoints);
+    // The final adapters before the last checkpoint: a job killed between the two resumes
+    // from an earlier checkpoint and writes them again, so a checkpoint at the last step (after
+    // which a resume trains nothing) always has its adapters beside it.
     if (last) {
       SaveFluxAdapters(adapter, config, job.output_dir);
       result.kohya_path = job.output_dir + "/" + kKohyaAdapterFile;
       result.diffusers_path = job.output_dir + "/" + kDiffusersAdapterFile;
     }
+    if ((job.save_every > 0 && state.step % job.save_every == 0) || last || stop)
+      result.checkpoint_dir = SaveFluxCheckpoint(job.output_dir, adapter, config, optimizer, state,
+                                                 job.keep_checkpoints);
     if (stop) break;
   }
   return result;

@@ -1,5 +1,5 @@
 // Training a FLUX.1 LoRA adapter from cached latents and text-encoder outputs
-// (`lorastream-worker train JOB.toml` with a [flux] section, worker/flux/flux_job.h): the
+// (`lorastream-worker train JOB.toml` with a [flux] section, common/flux_job.h): the
 // base read once and packed per streaming unit, the units resident or streamed through the
 // ring (StreamEngine, the LLMs' engine), checkpointed per unit; per step a batch of one
 // bucket, noise and sigmas from the step's own seed (a function of the job's seed and the
@@ -13,8 +13,9 @@
 #include <string>
 #include <vector>
 
+#include "common/flux_job.h"
 #include "common/step_stats.h"
-#include "worker/flux/flux_job.h"
+#include "common/user_access.h"
 #include "worker/stream/stream_engine.h"
 
 namespace lorastream::worker::flux {
@@ -25,7 +26,16 @@ struct FluxTrainOptions {
   StreamEngineOptions engine;              // debug options for tests (poison, delays)
   const std::atomic<int>* stop = nullptr;  // set: save and stop at the next step boundary
   bool resume = true;  // continue from output_dir's newest checkpoint (flux_checkpoint.h)
-  std::function<void(const StepStats&)> on_step;  // after each step (tests stop a run here)
+  // After each step, before its checkpoint (tests stop a run here; a serving worker reports
+  // the step). An exception thrown here ends the job without saving.
+  std::function<void(const StepStats&)> on_step;
+  // Who OUTPUT_DIR/.lorastream.lock says holds the folder while the job trains (TrainOptions'
+  // rule, common/job_access.h: a later attempt of the same job takes it over and this one
+  // stops before it writes again); "": "lorastream-worker pid N".
+  std::string lock_holder;
+  // A root worker running another user's job: its checkpoint, caches and output folder are
+  // opened as this user (common/acting_as.h); a store is the worker's own to attach.
+  const UserIdentity* files_as = nullptr;
 };
 
 struct FluxTrainResult {

@@ -33,6 +33,10 @@ const BlockWeights& BaseWeights::block(int i) const {
 BaseWeights BaseWeights::FromStore(const std::string& name) {
   auto store = std::make_shared<store::AttachedStore>(store::AttachedStore::Attach(name));
   const Manifest& m = store->manifest();
+  if (m.is_flux())
+    throw Error(ErrorCode::kRefused, "store `" + name +
+                                         "` serves FLUX.1, not an LLM: a FLUX job names it as "
+                                         "flux.store in its [flux] section");
   BaseWeights b;
   b.config_ = m.config;
   b.name_or_path_ = m.source_dir.empty() ? name : m.source_dir;

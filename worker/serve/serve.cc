@@ -22,6 +22,7 @@
 #include "coordinator/worker_agent.h"
 #include "store/attach.h"
 #include "store/registry.h"
+#include "worker/flux/flux_train.h"
 #include "worker/stream/stream_provider.h"
 #include "worker/train/group_trainer.h"
 #include "worker/train/trainer.h"
@@ -170,6 +171,7 @@ class GroupRunner {
     job.ctx = std::move(ctx);
     job.spec = job.ctx->assignment.spec;
     job.spec.model.store = stores_.Local(job.spec.model.store);
+    if (job.spec.is_flux) job.spec.flux.store = job.spec.model.store;
     try {
       // Another user's job on a root worker: its files are opened and created as that user
       // (common/acting_as.h), never handed over afterwards.
@@ -209,6 +211,11 @@ class GroupRunner {
       // the folder over from this one (common/job_access.h).
       const std::string holder =
           AttemptHolder(a.job_id, a.attempt, "lorastream-worker pid " + std::to_string(::getpid()));
+      if (!group_ && job.spec.is_flux) {
+        RunFlux(slots, job, holder);  // alone, to its end (GroupRefusal)
+        pending_.pop_front();
+        continue;
+      }
       if (!group_) {
         // The group is planned from this job alone: the jobs that will join are not known yet
         // (leaving room for guessed ones would refuse a job that fits alone).
@@ -237,6 +244,40 @@ class GroupRunner {
       pending_.pop_front();
       Collect(slots);  // a job that could not start has left at once
     }
+  }
+
+  // A FLUX.1 job trains alone, on this thread, to its end: completed, stopped (its checkpoint
+  // saved) or failed, its statistics and checkpoints reported as an LLM job's are.
+  void RunFlux(client::JobSlots& slots, const Job& job, const std::string& holder) {
+    const std::shared_ptr<const client::JobContext> ctx = job.ctx;
+    std::atomic<int> stop{0};
+    flux::FluxTrainOptions options;
+    options.device = train_.device;
+    options.threads = train_.threads;
+    options.resume = train_.resume;
+    options.stop = &stop;
+    options.lock_holder = holder;
+    options.files_as = FilesAs(job);
+    options.on_step = [ctx, &stop, report = OnStep(ctx, job.spec)](const StepStats& stats) {
+      report(stats);
+      if (ctx->should_stop()) stop = 1;  // TrainFlux saves this step's checkpoint and returns
+    };
+    client::JobResult result;
+    try {
+      const flux::FluxTrainResult r = flux::TrainFlux(job.spec.flux, options);
+      result.final_step = r.first_step + static_cast<int64_t>(r.steps.size());
+      if (!r.checkpoint_dir.empty()) ctx->report_checkpoint(result.final_step, r.checkpoint_dir);
+      if (result.final_step < job.spec.flux.steps) {
+        result.kind = client::JobResult::Kind::kStopped;
+        result.adapter_path = r.checkpoint_dir;  // the adapter as of the stop, in its checkpoint
+      } else {
+        result.kind = client::JobResult::Kind::kCompleted;
+        result.adapter_path = job.spec.flux.output_dir;
+      }
+    } catch (...) {
+      result = client::FailedResult(std::current_exception(), ctx->assignment);
+    }
+    slots.Finish(*ctx, result);
   }
 
   // A job's statistics and checkpoints, reported as they come. The trainer saves checkpoint N

@@ -31,8 +31,6 @@ struct BlockWeights {
 // Where a segment's tensors go in BlockWeights: an LLM block's into the fields (a tensor
 // without one is refused as corrupt), any other family's into `named`.
 enum class BlockNaming { kLlmFields, kByName };
-// The model_type of a manifest whose blocks are FLUX.1 units (worker/flux/flux_base.h).
-inline constexpr const char* kFluxModelType = "flux";
 // kByName for a FLUX manifest, kLlmFields for every LLM family.
 BlockNaming BlockNamingOf(const Manifest& manifest);
 

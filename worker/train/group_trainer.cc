@@ -176,19 +176,6 @@ TrainModel BuildModel(const JobSpec& spec, const TrainOptions& options, const Ba
   return m;
 }
 
-// One job trains into a folder at a time, from before it looks for a checkpoint to resume
-// until it returns (common/job_access.h).
-OutputDirLock LockOutputDir(const JobSpec& spec, const std::string& holder) {
-  std::error_code dir_error;
-  fs::create_directories(spec.train.output_dir, dir_error);
-  if (dir_error)
-    throw Error(ErrorCode::kIo, "train.output_dir: cannot create " + spec.train.output_dir + ": " +
-                                    dir_error.message());
-  return OutputDirLock::Acquire(
-      spec.train.output_dir,
-      holder.empty() ? "lorastream-worker pid " + std::to_string(::getpid()) : holder);
-}
-
 // Where training starts: a fresh adapter, or the latest checkpoint's adapter, AdamW moments
 // and trainer state, refused when that checkpoint was written with other settings.
 struct TrainStart {
@@ -335,8 +322,9 @@ class GroupTrainer::Job {
     LS_LOG_INFO("job {}: {}", spec_.name, DescribeJobData(spec_, data_));
     const std::string fingerprint = Fingerprint(spec_);
     const LoraSettings settings = LoraSettingsFromSpec(spec_.lora);
-    lock_ = std::make_unique<OutputDirLock>(LockOutputDir(
-        spec_, in_.lock_holder.empty() ? group.options.lock_holder : in_.lock_holder));
+    lock_ = std::make_unique<OutputDirLock>(OutputDirLock::CreateAndAcquire(
+        spec_.train.output_dir,
+        in_.lock_holder.empty() ? group.options.lock_holder : in_.lock_holder));
     start_ = StartOrResume(spec_, group.options.resume, config, group.target.device, settings,
                            fingerprint);
     result_.start_step = start_.state.step;

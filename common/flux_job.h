@@ -1,8 +1,11 @@
-// A FLUX.1 LoRA job: the [flux] section of a job file (TOML). Relative paths resolve against
-// the job file's folder. Every key with its default:
+// A FLUX.1 LoRA job: the [flux] section of a job file (TOML), beside which the file may
+// hold only `name` and `priority` (common/job_spec.h: a JobSpec with is_flux, which `submit`
+// validates and the coordinator's journal keeps as it keeps every job). Torch-free. Relative
+// paths resolve against the job file's folder. Every key with its default:
 //
 //   [flux]
-//   checkpoint = "flux1-dev.safetensors"  # BFL's single file
+//   checkpoint = "flux1-dev.safetensors"  # BFL's single file or a diffusers folder, or
+//   store = "flux"               #   a store of one (lorastream-store serve): exactly one
 //   cache_dir = "cache"          # sd-scripts' latent and text-encoder caches (common/flux_cache.h)
 //   output_dir = "out"           # adapter_kohya.safetensors, pytorch_lora_weights.safetensors
 //   steps = 100
@@ -27,17 +30,20 @@
 //                                # streamed and the ring (worker/flux/flux_plan.h); 0: none
 //   blocks_to_swap = 0           # without a budget: units streamed through the ring
 //   ring_size = 2
-//   singles_per_unit = 2         # single-stream blocks per streamed unit
+//   singles_per_unit = 2         # single-stream blocks per streamed unit (a store's: fixed
+//                                #   when it was served)
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
-namespace lorastream::worker::flux {
+namespace lorastream {
+
+class TomlSection;
 
 struct FluxJob {
-  std::string checkpoint, cache_dir, output_dir;
+  std::string checkpoint, store, cache_dir, output_dir;
   int64_t steps = 100;
   int64_t batch_size = 1;
   uint64_t seed = 0;
@@ -61,12 +67,32 @@ struct FluxJob {
   int64_t blocks_to_swap = 0;
   int64_t ring_size = 2;
   int64_t singles_per_unit = 2;
+  template <class A>
+  void serialize(A& ar) {
+    ar(checkpoint, store, cache_dir, output_dir, steps, batch_size, seed, learning_rate,
+       lr_schedule, warmup_steps, weight_decay, max_grad_norm, rank, alpha, targets, guidance,
+       timestep_sampling, sigmoid_scale, discrete_flow_shift, save_every, keep_checkpoints, dtype,
+       gpu_memory_budget, budget_auto, blocks_to_swap, ring_size, singles_per_unit);
+  }
 };
+
+// The [flux] section `flux` as written (paths not resolved). Throws Error(kCorrupt) for an
+// unknown key or a value of the wrong type, kRefused for a job naming both or neither of
+// flux.checkpoint and flux.store, or a store with flux.singles_per_unit (a store's units are
+// fixed when it is served); each names the file and the key.
+FluxJob ParseFluxJob(const TomlSection& flux);
+// The section with every key written out ("[flux]\n..."): ParseFluxJob reads it back equal.
+std::string FluxJobToToml(const FluxJob& job);
+// Makes the paths absolute against `base_dir` (common/job_paths.h).
+void ResolveFluxJob(FluxJob& job, const std::string& base_dir);
+// Every problem with the values, each naming `source` and the key
+// ("job.toml: key `flux.rank`: must be at least 1"). Empty when the job can run.
+std::vector<std::string> FluxJobProblems(const FluxJob& job, const std::string& source);
 
 // Whether the job file at `path` is a FLUX job (it has a [flux] section); false when it
 // cannot be read or parsed.
 bool IsFluxJobFile(const std::string& path);
-// Loads and validates; errors name the file and the key.
+// Loads, resolves and validates (LoadJobSpec); errors name the file and the key.
 FluxJob LoadFluxJob(const std::string& path);
 
-}  // namespace lorastream::worker::flux
+}  // namespace lorastream

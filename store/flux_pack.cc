@@ -1,0 +1,95 @@
+#include "store/flux_pack.h"
+
+#include <optional>
+
+#include "common/error.h"
+#include "store/convert.h"
+
+namespace lorastream::store {
+
+FluxPackPlan PlanFluxPack(const std::string& path, const PackOptions& options,
+                          int64_t singles_per_unit) {
+  if (options.quantize != QuantMethod::kNone)
+    throw Error(ErrorCode::kUnsupported,
+                path + ": --quantize " + QuantMethodName(options.quantize) +
+                    " is not available for FLUX.1 (compressed FLUX blocks are not built); "
+                    "serve it without --quantize");
+  FluxPackPlan plan;
+  plan.reader = std::make_unique<FluxCheckpointReader>(FluxCheckpointReader::Open(path));
+  const FluxCheckpointReader& reader = *plan.reader;
+  auto fail = [&](const std::string& what) {
+    throw Error(ErrorCode::kCorrupt, path + ": " + what);
+  };
+
+  // One dtype for the store: the checkpoint's (refused when mixed, unless converted).
+  std::optional<DType> source_dtype;
+  std::string first_tensor;
+  for (const auto& [name, shape] : FluxAllShapes(reader.config()))
+    for (const FluxCheckpointReader::Piece& p : reader.Pieces(name)) {
+      const DType dt = p.entry->dtype;
+      if (!ConvertibleToBF16(dt))
+        fail("tensor `" + p.entry->name + "` is " + DTypeName(dt) +
+             "; the store holds floating-point weights (F32, F16, BF16)");
+      if (!source_dtype) {
+        source_dtype = dt;
+        first_tensor = p.entry->name;
+      } else if (*source_dtype != dt && !options.to_bf16) {
+        fail("tensor `" + p.entry->name + "` is " + DTypeName(dt) + " but `" + first_tensor +
+             "` is " + DTypeName(*source_dtype) +
+             "; serve with --dtype bf16 to convert all to BF16");
+      }
+    }
+  const DType dtype = options.to_bf16 ? DType::kBF16 : *source_dtype;
+  const Manifest layout = FluxManifest(reader.config(), singles_per_unit, dtype, options.alignment);
+
+  // Each tensor's slice split by the runs of rows its pieces are; a piece's source is its
+  // checkpoint tensor narrowed to those rows (an entry of its own, same file).
+  auto split = [&](const SegmentInfo& seg, std::vector<Checkpoint::Ref>& sources) {
+    SegmentInfo out = seg;
+    out.tensors.clear();
+    for (const TensorSlice& t : seg.tensors) {
+      const uint64_t row_bytes = t.shape.empty() ? t.nbytes : t.nbytes / t.shape[0];
+      for (const FluxCheckpointReader::Piece& p : reader.Pieces(t.name)) {
+        SafetensorsEntry entry = *p.entry;
+        const uint64_t source_row_bytes =
+            entry.shape.empty() ? entry.nbytes() : entry.nbytes() / entry.shape[0];
+        entry.begin += static_cast<uint64_t>(p.source_row) * source_row_bytes;
+        entry.end = entry.begin + static_cast<uint64_t>(p.rows) * source_row_bytes;
+        if (!entry.shape.empty()) entry.shape[0] = p.rows;
+        TensorSlice piece = t;
+        piece.offset = t.offset + static_cast<uint64_t>(p.row) * row_bytes;
+        piece.nbytes = static_cast<uint64_t>(p.rows) * row_bytes;
+        piece.shape = entry.shape;
+        out.tensors.push_back(std::move(piece));
+        plan.pieces.push_back(std::move(entry));
+        sources.push_back({p.file, &plan.pieces.back()});
+      }
+    }
+    return out;
+  };
+  Manifest& m = plan.load.manifest;
+  m = layout;
+  m.source_dir = path;
+  plan.load.block_sources.resize(layout.blocks.size());
+  for (size_t u = 0; u < layout.blocks.size(); ++u)
+    m.blocks[u] = split(layout.blocks[u], plan.load.block_sources[u]);
+  m.rest = split(layout.rest, plan.load.rest_sources);
+  if (options.scan_weights) RefuseNonFiniteWeights(plan.load);
+  return plan;
+}
+
+Manifest FluxPublishedManifest(const FluxPackPlan& plan) {
+  const Manifest& loaded = plan.load.manifest;
+  Manifest m = loaded;
+  const Manifest layout =
+      FluxManifest(loaded.flux, loaded.flux_singles_per_unit, loaded.dtype, loaded.alignment);
+  auto place = [](SegmentInfo& out, const SegmentInfo& tensors) {
+    LS_CHECK(out.nbytes == tensors.nbytes, "a FLUX segment's pieces cover its layout");
+    out.tensors = tensors.tensors;
+  };
+  for (size_t u = 0; u < m.blocks.size(); ++u) place(m.blocks[u], layout.blocks[u]);
+  place(m.rest, layout.rest);
+  return m;
+}
+
+}  // namespace lorastream::store
