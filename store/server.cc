@@ -267,15 +267,14 @@ int RunServe(const ServeOptions& options) {
   const Manifest& m = store->manifest();
   const LoadReport& r = store->report();
   progress.Finish(DescribeLoad(r, m.quant().method));
-  LS_LOG_INFO(
-      "store `{}` published: {} {} + rest, {} {}{}, fingerprint {}, generation {:016x}, {}",
-      m.store_name, m.blocks.size(),
-      m.is_flux()
-          ? "FLUX.1 units (" + std::to_string(m.flux_singles_per_unit) + " single blocks per unit)"
-          : std::string("blocks"),
-      FormatGiB(r.bytes), DTypeName(m.dtype),
-      m.quant().compressed() ? ", blocks " + DescribeQuant(m.quant()) : "", m.fingerprint,
-      m.generation, r.locked ? "locked in RAM" : "not locked");
+  LS_LOG_INFO("store `{}` published: {} {} + rest, {} {}{}, fingerprint {}, generation {:016x}, {}",
+              m.store_name, m.blocks.size(),
+              m.is_flux() ? "FLUX.1 units (" + std::to_string(m.flux_singles_per_unit) +
+                                " single blocks per unit)"
+                          : std::string("blocks"),
+              FormatGiB(r.bytes), DTypeName(m.dtype),
+              m.quant().compressed() ? ", blocks " + DescribeQuant(m.quant()) : "", m.fingerprint,
+              m.generation, r.locked ? "locked in RAM" : "not locked");
   std::printf(
       "published %s fingerprint=%s bytes=%llu load_s=%.4f load_gbps=%.3f prefault_s=%.4f "
       "quantize=%s quantize_s=%.4f check_s=%.4f total_s=%.4f\n",

@@ -21,6 +21,8 @@
 #include "common/shm_names.h"
 #include "common/subprocess.h"
 #include "coordinator/local_cluster.h"
+#include "store/attach.h"
+#include "store/manifest_object.h"
 #include "tests/e2e/e2e_jobs.h"
 #include "tests/support/test_support.h"
 
@@ -94,6 +96,36 @@ TEST_CASE("three jobs on two workers succeed and equal their standalone runs", "
                     cluster.log_dir() + "/standalone-" + name + ".log");
     RequireSameAdapter(cluster.ShowJob(ids[j])["output_dir"], alone);
   }
+}
+
+TEST_CASE("a store of the host that a worker cannot attach is skipped: it serves the others",
+          "[e2e]") {
+  const lorastream::testing::TempDir run_dir("e2e-badstore");
+  const std::string& dir = run_dir.str();
+  LocalCluster cluster(Options(dir, 1));
+  cluster.Start();
+  // Another store published on this host that this build cannot read (a model type it does
+  // not know, as a store of a later version would have): the cluster's manifest under another
+  // name, owned by this process.
+  lorastream::Manifest m =
+      lorastream::store::AttachedStore::Attach(cluster.store_name()).manifest();
+  const std::string other = "e2e-" + std::to_string(getpid()) + "-unreadable";
+  m.store_name = other;
+  m.config.model_type = "gemma9";
+  lorastream::store::ManifestClaim claim = lorastream::store::ManifestClaim::Claim(other, 0644);
+  claim.Publish(m);
+  cluster.StopWorker(0, SIGTERM);
+  cluster.StartWorker(0);  // discovers both stores
+  const int64_t id = cluster.Submit(
+      WriteJob(dir, "beside", cluster.store_name(), WriteData(dir, 40, 200), 4, 2, 1));
+  nlohmann::json jobs = cluster.WaitForJobs(300);
+  const std::string log = lorastream::testing::ReadAll(cluster.log_dir() + "/worker-0.log");
+  INFO(log);
+  REQUIRE(jobs.size() == 1);
+  CHECK(jobs[0]["id"] == id);
+  CHECK(jobs[0]["state"] == "succeeded");
+  CHECK_THAT(log,
+             Catch::Contains("not offering store '" + other + "'") && Catch::Contains("gemma9"));
 }
 
 TEST_CASE(

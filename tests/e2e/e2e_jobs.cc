@@ -13,9 +13,9 @@
 #include <catch2/catch.hpp>
 
 #include "common/safetensors.h"
+#include "common/shm_names.h"
 #include "common/subprocess.h"
 #include "coordinator/local_cluster.h"
-#include "common/shm_names.h"
 #include "store/attach.h"
 #include "store/process.h"
 #include "tests/support/test_support.h"

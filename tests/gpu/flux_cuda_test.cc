@@ -76,9 +76,9 @@ TEST_CASE("flux on CUDA (fused RMSNorm and rotary kernels) gives the CPU's loss 
   double worst = 0;
   for (size_t i = 0; i < cpu.grads.size(); ++i) {
     REQUIRE(cpu.grads[i].abs().max().item<double>() > 0);
-    worst = std::max(worst, ((gpu.grads[i] - cpu.grads[i]).abs().max() /
-                             cpu.grads[i].abs().max())
-                                .item<double>());
+    worst = std::max(
+        worst,
+        ((gpu.grads[i] - cpu.grads[i]).abs().max() / cpu.grads[i].abs().max()).item<double>());
   }
   INFO("worst relative gradient difference " << worst);
   CHECK(worst < 1e-4);

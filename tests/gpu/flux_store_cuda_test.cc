@@ -11,7 +11,7 @@
 
 #include "common/flux_job.h"
 #include "store/server.h"
-#include "store/synth.h"
+#include "tests/support/flux_checkpoint.h"
 #include "tests/support/test_support.h"
 #include "worker/flux/flux_train.h"
 
@@ -20,15 +20,8 @@ using namespace lorastream::worker::flux;
 
 TEST_CASE("CUDA: a FLUX job on a bf16 store trains as the same job on its checkpoint", "[gpu]") {
   testing::TempDir dir("cuda-flux-store");
-  store::SynthOptions synth;
-  synth.preset = "flux-tiny";
-  synth.out_dir = dir.str() + "/model";
-  synth.presets_dir = std::string(LORASTREAM_SOURCE_DIR) + "/configs/models";
-  synth.seed = 3;
-  synth.dtype = "bf16";
-  store::RunSynth(synth);
   store::ServeOptions serve;
-  serve.model_dir = synth.out_dir + "/flux1.safetensors";
+  serve.model_dir = testing::MakeFluxCheckpoint(dir.str() + "/model", "bf16");
   serve.name = "test-cuda-flux-" + std::to_string(::getpid());
   serve.lock = false;
   const auto published = store::PublishedStore::Build(serve);

@@ -75,13 +75,24 @@ OfferedStores DiscoverStores(const ServeOptions& options) {
       }
       offers.push_back(StoreOffer{s.name, s.name});
     }
+  const bool discovered = options.stores.empty();
   OfferedStores out;
   for (const StoreOffer& offer : offers) {
     if (!out.local_name.emplace(offer.offered_as, offer.name).second)
       throw Error(ErrorCode::kInvalidArgument,
                   "two stores are offered as '" + offer.offered_as + "' (--store)");
-    store::AttachedStore store =
-        store::AttachedStore::AttachWhenReady(offer.name, options.store_wait_s);
+    std::optional<store::AttachedStore> attached;
+    try {
+      attached.emplace(store::AttachedStore::AttachWhenReady(offer.name, options.store_wait_s));
+    } catch (const Error& e) {
+      if (!discovered) throw;  // a store named by --store must serve
+      // One store of the host that this build cannot attach (another version's format, a
+      // corrupt manifest, gone since the listing) does not keep the worker from the others.
+      LS_LOG_WARN("not offering store '{}': {}", offer.name, e.what());
+      out.local_name.erase(offer.offered_as);
+      continue;
+    }
+    const store::AttachedStore& store = *attached;
     out.infos.push_back(StoreInfo{offer.offered_as, store.manifest().fingerprint});
     if (offer.name == offer.offered_as)
       LS_LOG_INFO("offering store '{}' (fingerprint {})", offer.name, store.manifest().fingerprint);
