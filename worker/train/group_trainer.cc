@@ -536,7 +536,8 @@ size_t GroupTrainer::Add(GroupJob job) {
   try {
     jobs_.push_back(std::make_unique<Job>(std::move(job), index, *shared_));
     shared_->group_runner->Forget();  // every composition changed
-    LS_LOG_INFO("job {}: joins the group ({} jobs)", name, jobs_.size());
+    LS_LOG_INFO("job {}: joins the group ({} job{})", name, jobs_.size(),
+                jobs_.size() == 1 ? "" : "s");
   } catch (...) {
     GroupJobOutcome out;
     out.name = name;
