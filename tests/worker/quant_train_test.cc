@@ -187,36 +187,43 @@ TEST_CASE("training on a compressed store: streamed equals resident bit for bit,
   }
 }
 
-TEST_CASE("resident compressed blocks stay compressed and expand at each use into one scratch",
-          "[worker]") {
+TEST_CASE("compressed blocks stay compressed and expand at each use into one scratch", "[worker]") {
   for (QuantMethod method : {QuantMethod::kFp8, QuantMethod::kNf4}) {
-    INFO(QuantMethodName(method));
     QuantStore q("tiny-qwen2", method);
     const BaseWeights base = BaseWeights::FromStore(q.store->manifest().store_name);
-    JobSpec spec = q.Job("engine");
-    spec.stream.blocks_to_swap = 0;
-    StreamEngineOptions opt;
-    opt.log_plan = false;
-    auto provider = MakeStreamProvider(spec, base, "cpu", "f32", opt);
-    provider->BeginStep();
-    const void* scratch = nullptr;
-    for (int pass = 0; pass < 2; ++pass) {  // forward 0..L-1, backward L-1..0
-      for (int k = 0; k < base.num_blocks(); ++k) {
-        const int i = pass == 0 ? k : base.num_blocks() - 1 - k;
-        const BlockWeights& w = provider->Acquire(i);
-        const BlockWeights& want = base.block(i);  // the host's expansion, kept
-        CHECK(at::equal(w.q_proj, want.q_proj.to(at::kFloat)));
-        CHECK(at::equal(w.down_proj, want.down_proj.to(at::kFloat)));
-        CHECK(at::equal(w.q_bias, want.q_bias.to(at::kFloat)));
-        // Every use expands into the same buffer: one block's expansion on the device at a time.
-        if (scratch == nullptr) scratch = w.q_proj.data_ptr();
-        CHECK(w.q_proj.data_ptr() == scratch);
-        provider->Release(i);
+    const int L = base.num_blocks();
+    // Resident, some streamed, all streamed: the slots hold compressed bytes only.
+    for (int swap : {0, L - 1, L}) {
+      INFO(QuantMethodName(method) << ", " << swap << " streamed");
+      JobSpec spec = q.Job("engine");
+      spec.stream.blocks_to_swap = swap;
+      spec.stream.ring_size = 2;
+      StreamEngineOptions opt;
+      opt.log_plan = false;
+      auto provider = MakeStreamProvider(spec, base, "cpu", "f32", opt);
+      for (int step = 0; step < 2; ++step) {
+        provider->BeginStep();
+        const void* scratch = nullptr;
+        for (int pass = 0; pass < 2; ++pass) {  // forward 0..L-1, backward L-1..0
+          for (int k = 0; k < L; ++k) {
+            const int i = pass == 0 ? k : L - 1 - k;
+            const BlockWeights& w = provider->Acquire(i);
+            const BlockWeights& want = base.block(i);  // the host's expansion, kept
+            CHECK(at::equal(w.q_proj, want.q_proj.to(at::kFloat)));
+            CHECK(at::equal(w.down_proj, want.down_proj.to(at::kFloat)));
+            CHECK(at::equal(w.q_bias, want.q_bias.to(at::kFloat)));
+            // Every use expands into the same buffer: one block's expansion on the device at a
+            // time, whether the block is resident or in a slot.
+            if (scratch == nullptr) scratch = w.q_proj.data_ptr();
+            CHECK(w.q_proj.data_ptr() == scratch);
+            provider->Release(i);
+          }
+        }
+        StepStats stats;
+        provider->EndStep(stats);
+        if (step == 0) CHECK((stats.copies == 0) == (swap == 0));  // later: what the ring kept
       }
     }
-    StepStats stats;
-    provider->EndStep(stats);
-    CHECK(stats.copies == 0);
   }
 }
 

@@ -313,19 +313,26 @@ TEST_CASE(
   CHECK_THAT(GroupBudgetRefusal(group, 1000, "first"), Catch::Contains("job first does not fit"));
 }
 
-TEST_CASE("a compressed store: resident blocks hold their compressed bytes and one scratch",
+TEST_CASE("a compressed store: blocks hold their compressed bytes and share one scratch",
           "[worker]") {
   MemoryModelInputs in = Inputs(16, 2048);
   const uint64_t expanded = in.block_bytes[0] - 4 * 4096;  // the projections in bf16
-  for (uint64_t& b : in.block_bytes) b = b / 2 + 4096;     // fp8-sized blocks
+  const MemoryEstimate plain = EstimateMemory(in, PlanFromSwapCount(16, 12, 2));
+  for (uint64_t& b : in.block_bytes) b = b / 2 + 4096;  // fp8-sized blocks
   in.expanded_bytes.assign(16, expanded);
+  in.expanded_bytes[3] = expanded + 1;  // the scratch is the largest block's expansion
   const MemoryEstimate e = EstimateMemory(in, PlanFromSwapCount(16, 12, 2));
-  // Four resident blocks compressed, expanded per use into one scratch; each slot holds a
-  // copied block and its expansion.
-  CHECK(e.resident_blocks == 4 * in.block_bytes[0] + expanded);
-  CHECK(e.slot == in.block_bytes[0] + expanded);
+  // Four resident blocks and the slots hold compressed bytes; every use expands into the
+  // one scratch.
+  CHECK(e.resident_blocks == 4 * in.block_bytes[0]);
+  CHECK(e.slot == in.block_bytes[0]);
   CHECK(e.ring == 2 * e.slot);
+  CHECK(e.expansion == expanded + 1);
+  CHECK(e.fixed() == plain.fixed() - plain.resident_blocks + e.resident_blocks + e.expansion);
+  CHECK_THAT(e.Describe(), Catch::Contains("expansion scratch"));
+  CHECK_THAT(plain.Describe(), !Catch::Contains("expansion scratch"));
   // Everything resident: sixteen compressed blocks and still one scratch.
-  CHECK(EstimateMemory(in, PlanFromSwapCount(16, 0, 2)).resident_blocks ==
-        16 * in.block_bytes[0] + expanded);
+  const MemoryEstimate all = EstimateMemory(in, PlanFromSwapCount(16, 0, 2));
+  CHECK(all.resident_blocks == 16 * in.block_bytes[0]);
+  CHECK(all.expansion == expanded + 1);
 }

@@ -10,8 +10,8 @@
 namespace lorastream::worker {
 
 uint64_t MemoryEstimate::fixed() const {
-  return rest + (head_streamed ? 0 : head_weights) + resident_blocks + adapter + checkpoints +
-         reserve;
+  return rest + (head_streamed ? 0 : head_weights) + resident_blocks + expansion + adapter +
+         checkpoints + reserve;
 }
 uint64_t MemoryEstimate::forward() const {
   return fixed() + forward_ring + forward_working + attention + taped_blocks * tape;
@@ -30,9 +30,11 @@ std::string MemoryEstimate::Describe() const {
   return FormatGiB(total(), 2) + " at the peak: rest " + FormatBytes(rest, 2) +
          " + LM head weights " + FormatBytes(head_weights, 2) +
          (head_streamed ? " (streamed: at the LM head only)" : " (resident)") +
-         " + resident blocks " + FormatBytes(resident_blocks, 2) + " + adapter&optimizer " +
-         FormatBytes(adapter, 2) + " + checkpoints " + FormatBytes(checkpoints, 2) + " + reserve " +
-         FormatBytes(reserve, 2) + ", then: forward " + FormatBytes(forward(), 2) + " (slots " +
+         " + resident blocks " + FormatBytes(resident_blocks, 2) +
+         (expansion > 0 ? " + expansion scratch " + FormatBytes(expansion, 2) : std::string()) +
+         " + adapter&optimizer " + FormatBytes(adapter, 2) + " + checkpoints " +
+         FormatBytes(checkpoints, 2) + " + reserve " + FormatBytes(reserve, 2) +
+         ", then: forward " + FormatBytes(forward(), 2) + " (slots " +
          FormatBytes(forward_ring, 2) + ", working " + FormatBytes(forward_working, 2) +
          ", attention " + FormatBytes(attention, 2) + "), LM head " + FormatBytes(head(), 2) +
          " (slots " + FormatBytes(std::max(ring, head_ring), 2) + ", chunked lm head " +
@@ -117,18 +119,16 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& 
 
   MemoryEstimate e;
   e.rest = in.rest_bytes;
-  uint64_t largest_streamed = 0, scratch = 0;
+  uint64_t largest_streamed = 0;
   for (int i = 0; i < plan.num_blocks(); ++i) {
-    const uint64_t expanded = in.expanded_bytes.empty() ? 0 : in.expanded_bytes[i];
-    if (plan.streamed[i]) {
-      largest_streamed = std::max(largest_streamed, in.block_bytes[i] + expanded);
-    } else {
-      // A resident compressed block holds its compressed bytes; its uses share one scratch.
+    // A compressed block holds its compressed bytes, resident or in a slot; its uses share
+    // one expansion scratch.
+    if (!in.expanded_bytes.empty()) e.expansion = std::max(e.expansion, in.expanded_bytes[i]);
+    if (plan.streamed[i])
+      largest_streamed = std::max(largest_streamed, in.block_bytes[i]);
+    else
       e.resident_blocks += in.block_bytes[i];
-      scratch = std::max(scratch, expanded);
-    }
   }
-  e.resident_blocks += scratch;
   e.slot = largest_streamed;
   e.ring = static_cast<uint64_t>(plan.ring_size) * largest_streamed;
   e.forward_ring = static_cast<uint64_t>(plan.forward_slots) * largest_streamed;

@@ -74,8 +74,8 @@ struct MemoryModelInputs {
   ModelConfig config;
   std::vector<uint64_t> block_bytes;  // bytes of each block as stored (and copied)
   // Of a compressed store: bytes of each block's expanded projections in the compute dtype
-  // (worker/quant_expand.h), held beside the compressed bytes by every slot; the resident
-  // blocks stay compressed and share one scratch of the largest; empty: nothing is compressed.
+  // (worker/quant_expand.h). Every block stays compressed, resident or in its slot; its uses
+  // expand into one scratch of the largest (the engine's). Empty: nothing is compressed.
   std::vector<uint64_t> expanded_bytes;
   uint64_t rest_bytes = 0;  // non-block weights always on the device (final norm)
   uint64_t head_bytes = 0;  // the LM head's weights on the device (V x H x b)
@@ -110,6 +110,7 @@ struct MemoryModelInputs {
 struct MemoryEstimate {
   uint64_t rest = 0, resident_blocks = 0, ring = 0, adapter = 0, checkpoints = 0, block_working = 0,
            attention = 0, lm_head = 0, reserve = 0;
+  uint64_t expansion = 0;  // a compressed store's one expansion scratch (its largest block's)
   uint64_t forward_ring = 0, head_ring = 0, backward_ring = 0, forward_working = 0;
   uint64_t tape = 0;  // one taped block's activations
   int taped_blocks = 0;

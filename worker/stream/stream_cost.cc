@@ -122,10 +122,10 @@ PredictedStep PredictStep(const ResidencyPlan& plan, const std::vector<uint64_t>
       now.stall_seconds += begin - compute;
       // A taped block's backward runs without its recompute.
       const bool taped = use.block >= num_blocks - plan.taped_blocks;
-      // A compressed block expands in a freshly copied slot, or resident at every use but the
-      // turnaround (the engine's scratch still holds it). Blocks of several sizes (FLUX's
-      // units) scale the measured block's compute.
-      const bool expands = use.slot >= 0 ? use.copy : u == 0 || p.uses[u - 1].block != use.block;
+      // A compressed block expands at every use but the turnaround (the engine's scratch
+      // still holds it). Blocks of several sizes (FLUX's units) scale the measured block's
+      // compute.
+      const bool expands = u == 0 || p.uses[u - 1].block != use.block;
       const double scale = costs.block_scale.empty() ? 1.0 : costs.block_scale[use.block];
       compute =
           begin + (expands ? costs.block_expand_seconds : 0.0) +

@@ -35,8 +35,8 @@ struct StepCosts {
   double tail_seconds = 0;            // optimizer step and the rest of the step
   double h2d_bytes_per_second = 0;    // measured Host->Device bandwidth of a block copy
   // A compressed store's block expanded on the device (worker/model/quant_expand.h), once per
-  // use that expands: a resident block at each use but the turnaround (the forward's last
-  // block is the backward's first), a streamed one at each copy. 0: the blocks are plain.
+  // use that expands: each use but the turnaround's second (the forward's last block is the
+  // backward's first), resident or streamed. 0: the blocks are plain.
   double block_expand_seconds = 0;
   // A step that streams nothing replays a CUDA graph (worker/train/micro_batch_runner.h) in this
   // fraction of the eager step the figures above add up to: measured, 1 without graphs.

@@ -96,13 +96,15 @@ StreamEngine::StreamEngine(const Manifest& manifest, std::vector<const uint8_t*>
   const int n = num_blocks();
   resident_bytes_.resize(n);
   resident_weights_.resize(n);
-  expand_per_use_.assign(n, false);
-  int64_t scratch_elements = 0;
+  compressed_.assign(n, false);
   // Preparing the streamed sources is where the CUDA backend prefaults and registers them
   // (read-only, page-locked); its cost per GiB is worth a line in the log.
   double prepare_seconds = 0;
   uint64_t streamed_bytes = 0;
   for (int i = 0; i < n; ++i) {
+    compressed_[i] = HasCompressedWeights(layouts_[i]);
+    if (compressed_[i])
+      scratch_elements_ = std::max(scratch_elements_, ExpandedElements(layouts_[i]));
     if (residency_.streamed[i]) {
       const auto start = std::chrono::steady_clock::now();
       backend_->AddSource(sources_[i], layouts_[i].nbytes);
@@ -111,24 +113,18 @@ StreamEngine::StreamEngine(const Manifest& manifest, std::vector<const uint8_t*>
       streamed_bytes += layouts_[i].nbytes;
     } else {
       resident_bytes_[i] = backend_->MakeResident(sources_[i], layouts_[i].nbytes);
-      if (HasCompressedWeights(layouts_[i])) {
-        expand_per_use_[i] = true;
-        resident_weights_[i] = PlainBlockWeights(resident_bytes_[i], layouts_[i], dtype_);
-        scratch_elements = std::max(scratch_elements, ExpandedElements(layouts_[i]));
-        if (!resident_scratch_.defined())
-          resident_scratch_ = at::empty({0}, resident_bytes_[i].options().dtype(dtype_));
-      } else {
-        resident_weights_[i] = BlockWeightsFromBytes(resident_bytes_[i], layouts_[i], naming_);
-      }
+      resident_weights_[i] = WeightsOf(resident_bytes_[i], i);
       RefuseTrainableBaseWeights(resident_weights_[i], i);
+      // A resident run may be captured as a CUDA graph: its scratch exists before any use.
+      if (compressed_[i] && !scratch_.defined())
+        scratch_ = at::empty({scratch_elements_}, resident_bytes_[i].options().dtype(dtype_));
     }
   }
-  if (scratch_elements > 0)
-    resident_scratch_ = at::empty({scratch_elements}, resident_scratch_.options());
+  if (scratch_.defined() && scratch_.numel() < scratch_elements_)
+    scratch_ = at::empty({scratch_elements_}, scratch_.options());
   slot_weights_.resize(residency_.max_slots());
   slot_weights_block_.assign(residency_.max_slots(), -1);
   slot_block_.assign(residency_.max_slots(), -1);
-  slot_expanded_.resize(residency_.max_slots());
   if (log_plan) {
     const PassPlan steady = PlanSteadyPass(residency_);
     uint64_t steady_bytes = 0;
@@ -172,7 +168,6 @@ void StreamEngine::FreePhaseSlot(int slot) {
   slot_weights_[slot] = BlockWeights{};
   slot_weights_block_[slot] = -1;
   slot_block_[slot] = -1;
-  slot_expanded_[slot] = at::Tensor();
   backend_->FreeSlot(slot);
 }
 
@@ -226,36 +221,36 @@ const BlockWeights& StreamEngine::Acquire(int block) {
   const BlockUse& use = Expect(block, "Acquire");
   // Copies into phase slots wait for their phase to begin (worker/stream/stream_plan.h).
   for (int u : pass_.issue_at_acquire[cursor_]) Issue(u);
-  if (use.slot < 0) {
-    acquired_ = true;
-    if (!expand_per_use_[block]) return resident_weights_[block];
-    if (scratch_block_ != block) {
-      // On the compute stream, behind every kernel of the block before (which read the scratch).
-      scratch_weights_ = resident_weights_[block];
-      ExpandProjections(resident_bytes_[block], layouts_[block], dtype_, &resident_scratch_,
-                        &scratch_weights_);
-      RefuseTrainableBaseWeights(scratch_weights_, block);
-      scratch_block_ = block;
+  const BlockWeights* weights = &resident_weights_[block];
+  if (use.slot >= 0) {
+    backend_->AcquireSlot(use.slot);
+    if (!use.copy) ++copies_saved_;
+    if (slot_weights_block_[use.slot] != block) {
+      slot_weights_[use.slot] = WeightsOf(backend_->slot(use.slot), block);
+      RefuseTrainableBaseWeights(slot_weights_[use.slot], block);
+      slot_weights_block_[use.slot] = block;
     }
-    return scratch_weights_;
+    weights = &slot_weights_[use.slot];
   }
-  backend_->AcquireSlot(use.slot);
   acquired_ = true;
-  if (!use.copy) ++copies_saved_;
-  if (slot_weights_block_[use.slot] != block) {
-    // A compressed block expands here, on the compute stream after the copy's event.
-    slot_weights_[use.slot] = WeightsOf(backend_->slot(use.slot), block, &slot_expanded_[use.slot]);
-    RefuseTrainableBaseWeights(slot_weights_[use.slot], block);
-    slot_weights_block_[use.slot] = block;
+  if (!compressed_[block]) return *weights;
+  if (scratch_block_ != block) {
+    // On the compute stream: behind the slot's copy (AcquireSlot) and every kernel of the
+    // block before, which read the scratch.
+    const at::Tensor& bytes = use.slot >= 0 ? backend_->slot(use.slot) : resident_bytes_[block];
+    if (!scratch_.defined())
+      scratch_ = at::empty({scratch_elements_}, bytes.options().dtype(dtype_));
+    scratch_weights_ = *weights;
+    ExpandProjections(bytes, layouts_[block], dtype_, &scratch_, &scratch_weights_);
+    RefuseTrainableBaseWeights(scratch_weights_, block);
+    scratch_block_ = block;
   }
-  return slot_weights_[use.slot];
+  return scratch_weights_;
 }
 
-BlockWeights StreamEngine::WeightsOf(const at::Tensor& bytes, int block,
-                                     at::Tensor* expanded) const {
-  if (!HasCompressedWeights(layouts_[block]))
-    return BlockWeightsFromBytes(bytes, layouts_[block], naming_);
-  return ExpandBlock(bytes, layouts_[block], dtype_, expanded);
+BlockWeights StreamEngine::WeightsOf(const at::Tensor& bytes, int block) const {
+  if (!compressed_[block]) return BlockWeightsFromBytes(bytes, layouts_[block], naming_);
+  return PlainBlockWeights(bytes, layouts_[block], dtype_);
 }
 
 void StreamEngine::Release(int block) {

@@ -70,9 +70,9 @@ class StreamEngine : public BlockProvider {
   void FreePhaseSlot(int slot);  // drops the views over a phase slot, then its memory
   const BlockUse& Expect(int block, const char* verb) const;
 
-  // The views of a block's bytes; a compressed block's projections expanded into `*expanded`
-  // (worker/quant_expand.h) in the manifest's dtype.
-  BlockWeights WeightsOf(const at::Tensor& bytes, int block, at::Tensor* expanded) const;
+  // The views of a block's bytes; of a compressed block, its plain tensors only (the
+  // projections are expanded per use into scratch_).
+  BlockWeights WeightsOf(const at::Tensor& bytes, int block) const;
 
   const std::vector<SegmentInfo> layouts_;
   const c10::ScalarType dtype_;  // of the weights served (a compressed block's expansion)
@@ -86,17 +86,17 @@ class StreamEngine : public BlockProvider {
   std::vector<BlockWeights> slot_weights_;      // [slot]: views over the slot for ...
   std::vector<int> slot_weights_block_;         // ... this block's layout (-1: none yet)
   std::vector<int> slot_block_;                 // block each slot holds once its copies land
-  std::vector<at::Tensor> slot_expanded_;       // [slot]: expansion of slot_weights_block_
-  // A resident compressed block stays compressed on the device: resident_weights_ holds its
-  // plain tensors only, and each use expands its projections into the one scratch (allocated
-  // at construction, so a use allocates nothing and a captured CUDA graph replays it). Like
-  // a slot's, its weights are valid from Acquire until the next block's Acquire: kernels on
-  // the compute stream read the scratch before the next expansion overwrites it.
-  // Within a pass, the scratch still holding the block asked for (the forward's last block is
-  // the backward's first) is served as it is; a new pass expands afresh (what a captured
-  // micro-batch does at every replay, whatever ran between).
-  std::vector<bool> expand_per_use_;  // [block]
-  at::Tensor resident_scratch_;
+  // A compressed block stays compressed on the device, resident or in its slot: its views
+  // hold its plain tensors only, and each use expands its projections into the one scratch
+  // (as large as the largest block's expansion: a use allocates nothing, and a resident run's
+  // captured CUDA graph replays it). Its weights are valid from Acquire until the next block's
+  // Acquire, as a slot's are: kernels on the compute stream read the scratch before the next
+  // expansion overwrites it. Within a pass, the scratch still holding the block asked for (the
+  // forward's last block is the backward's first) is served as it is; a new pass expands
+  // afresh (what a captured micro-batch does at every replay, whatever ran between).
+  std::vector<bool> compressed_;  // [block]
+  int64_t scratch_elements_ = 0;
+  at::Tensor scratch_;
   BlockWeights scratch_weights_;
   int scratch_block_ = -1;  // the block scratch_weights_ holds in this pass (-1: none)
 
