@@ -42,18 +42,22 @@ FluxMemoryEstimate EstimateFluxMemory(const FluxMemoryInputs& in, const Residenc
   e.reserve = in.reserve_bytes;
   e.adapter = static_cast<uint64_t>(in.lora_params) * 16;
   e.checkpoints = in.units.size() * bt * h * b + bt * static_cast<uint64_t>(c.head_dim()) * 8;
-  uint64_t largest_unit_working = 0;
+  uint64_t largest_unit_working = 0, scratch = 0;
   for (size_t u = 0; u < in.units.size(); ++u) {
-    if (plan.streamed[u])
-      e.slot = std::max(e.slot, in.unit_bytes[u]);
-    else
+    const uint64_t expanded = in.expanded_bytes.empty() ? 0 : in.expanded_bytes[u];
+    if (plan.streamed[u]) {
+      e.slot = std::max(e.slot, in.unit_bytes[u] + expanded);
+    } else {
       e.resident += in.unit_bytes[u];
+      scratch = std::max(scratch, expanded);
+    }
     const FluxUnit& unit = in.units[u];
     const uint64_t per_block = unit.is_double ? bt * (b * (20 * h + 4 * m) + 32 * h)
                                               : bt * (b * (15 * h + 5 * m) + 32 * h);
     largest_unit_working =
         std::max(largest_unit_working, per_block * static_cast<uint64_t>(unit.count));
   }
+  e.resident += scratch;
   e.ring = e.slot * static_cast<uint64_t>(plan.ring_size);
   e.forward_working = bt * (b * (6 * h + 2 * m) + 32 * h);
   e.backward_working = largest_unit_working + 2 * bt * h * b;

@@ -113,7 +113,7 @@ StreamEngine::StreamEngine(const Manifest& manifest, std::vector<const uint8_t*>
       resident_bytes_[i] = backend_->MakeResident(sources_[i], layouts_[i].nbytes);
       if (HasCompressedWeights(layouts_[i])) {
         expand_per_use_[i] = true;
-        resident_weights_[i] = PlainBlockWeights(resident_bytes_[i], layouts_[i], dtype_);
+        resident_weights_[i] = PlainBlockWeights(resident_bytes_[i], layouts_[i], dtype_, naming_);
         scratch_elements = std::max(scratch_elements, ExpandedElements(layouts_[i]));
         if (!resident_scratch_.defined())
           resident_scratch_ = at::empty({0}, resident_bytes_[i].options().dtype(dtype_));
@@ -233,7 +233,7 @@ const BlockWeights& StreamEngine::Acquire(int block) {
       // On the compute stream, behind every kernel of the block before (which read the scratch).
       scratch_weights_ = resident_weights_[block];
       ExpandProjections(resident_bytes_[block], layouts_[block], dtype_, &resident_scratch_,
-                        &scratch_weights_);
+                        &scratch_weights_, naming_);
       RefuseTrainableBaseWeights(scratch_weights_, block);
       scratch_block_ = block;
     }
@@ -255,7 +255,7 @@ BlockWeights StreamEngine::WeightsOf(const at::Tensor& bytes, int block,
                                      at::Tensor* expanded) const {
   if (!HasCompressedWeights(layouts_[block]))
     return BlockWeightsFromBytes(bytes, layouts_[block], naming_);
-  return ExpandBlock(bytes, layouts_[block], dtype_, expanded);
+  return ExpandBlock(bytes, layouts_[block], dtype_, expanded, naming_);
 }
 
 void StreamEngine::Release(int block) {
