@@ -2,7 +2,8 @@
 // every unit computes with its linears expanded exactly as a plain reference dequantisation
 // (store/quantize.h) gives them, resident (kept compressed, expanded per use) and streamed;
 // a job on the store trains, streamed equal to resident bit for bit, copying the compressed
-// bytes; the planner's inputs and cost model count the compressed bytes and the expansion.
+// bytes, and equal to the same job on the checkpoint `lorastream-store dequantize` writes; the
+// planner's inputs and cost model count the compressed bytes and the expansion.
 #include "tests/worker/torch_catch.h"
 
 #include <unistd.h>
@@ -14,6 +15,7 @@
 #include "common/flux_job.h"
 #include "store/attach.h"
 #include "store/convert.h"
+#include "store/dequantize.h"
 #include "store/quantize.h"
 #include "store/server.h"
 #include "tests/support/flux_cache_files.h"
@@ -184,6 +186,23 @@ TEST_CASE(
         lorastream::testing::ReadFile(resident.kohya_path));
   CHECK(lorastream::testing::ReadFile(streamed.diffusers_path) ==
         lorastream::testing::ReadFile(resident.diffusers_path));
+
+  // The same job on the checkpoint `dequantize` writes (the fp8 linears expanded by
+  // store/quantize.h into a BFL file) trains to the same bits: the store's job computes with
+  // exactly the plain dequantisation's weights.
+  store::DequantizeOptions dq;
+  dq.model_dir = checkpoint;
+  dq.out_dir = dir.str() + "/dequantized";
+  dq.quantize = QuantMethod::kFp8;
+  dq.threads = 2;
+  CHECK(store::WriteDequantized(dq).expanded_tensors == 2 * 10 + 4 * 3);
+  FluxJob on_checkpoint = StoreJob(dir.str(), "", "dequantized-run", 0);
+  on_checkpoint.checkpoint = dq.out_dir + "/flux1.safetensors";
+  const FluxTrainResult dequantized = TrainFlux(on_checkpoint, {});
+  REQUIRE(dequantized.steps.size() == 3);
+  for (size_t i = 0; i < 3; ++i) CHECK(dequantized.steps[i].loss == resident.steps[i].loss);
+  CHECK(lorastream::testing::ReadFile(dequantized.kohya_path) ==
+        lorastream::testing::ReadFile(resident.kohya_path));
 }
 
 TEST_CASE(

@@ -19,7 +19,8 @@
 #   runs on a compressed store)  LORASTREAM_BUILD_DIR (build/)
 # On a CPU, with flux-tiny: FLUX_BENCH_PRESET=flux-tiny FLUX_BENCH_DEVICE=cpu
 #   FLUX_BENCH_DTYPE=f32 FLUX_BENCH_PIXELS=64x64 FLUX_BENCH_TEXT_TOKENS=8 FLUX_BENCH_BUDGET=4MiB
-#   (FLUX_BENCH_QUANTIZE=fp8 FLUX_BENCH_BUDGET=3MiB: a budget that streams the fp8 units too)
+#   (with FLUX_BENCH_QUANTIZE=fp8: FLUX_BENCH_BUDGET=5MiB, as each slot also holds its
+#   unit expanded)
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="${1:?usage: bench_flux.sh OUT_DIR}/flux"
