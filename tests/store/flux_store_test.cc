@@ -247,5 +247,11 @@ TEST_CASE("serve --quantize fp8|nf4 of a FLUX.1 checkpoint: its block linears co
     plain_unit.blocks[3] = pm.blocks[3];
     CHECK_THROWS_WITH(ManifestFromJson(ManifestToJson(plain_unit), "mixed.json"),
                       Catch::Contains("unit 3 is not the FLUX layout of its shape"));
+    Manifest bias = m;  // only a linear's weight may be compressed: the tensor is named
+    for (TensorSlice& t : bias.blocks[0].tensors)
+      if (t.name == "double_blocks.0.img_mod.lin.bias") t.quant = format;
+    CHECK_THROWS_WITH(ManifestFromJson(ManifestToJson(bias), "bias.json"),
+                      Catch::Contains("bias.json") &&
+                          Catch::Contains("tensor `double_blocks.0.img_mod.lin.bias`"));
   }
 }
