@@ -149,8 +149,8 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "a FLUX job on an fp8 store trains: streamed equals resident bit for bit, copying the "
-    "compressed units",
+    "a FLUX job on an fp8 or nf4 store trains: streamed equals resident bit for bit, copying "
+    "the compressed units, and equals the job on the dequantised checkpoint",
     "[worker][flux][quant]") {
   TempDir dir("flux-quant-train");
   const std::string checkpoint = lorastream::testing::MakeFluxCheckpoint(dir.str() + "/model");
@@ -159,50 +159,55 @@ TEST_CASE(
   lorastream::testing::WriteFluxCache(dir.str() + "/cache", "cat", 32, 32, shape, 1);
   lorastream::testing::WriteFluxCache(dir.str() + "/cache", "dog", 32, 32, shape, 2);
   const auto plain = ServeFlux(checkpoint, "test-flux-train-plain", QuantMethod::kNone);
-  const auto fp8 = ServeFlux(checkpoint, "test-flux-train-fp8", QuantMethod::kFp8);
-  const std::string fp8_name = fp8->manifest().store_name;
-
-  const FluxTrainResult resident = TrainFlux(StoreJob(dir.str(), fp8_name, "resident", 0), {});
-  const FluxTrainResult streamed = TrainFlux(StoreJob(dir.str(), fp8_name, "streamed", 3), {});
   const FluxTrainResult plain_base =
       TrainFlux(StoreJob(dir.str(), plain->manifest().store_name, "plain", 3), {});
-  REQUIRE(resident.steps.size() == 3);
-  REQUIRE(streamed.steps.size() == 3);
   REQUIRE(plain_base.steps.size() == 3);
-  for (size_t i = 0; i < 3; ++i) {
-    INFO("step " << i);
-    CHECK(streamed.steps[i].loss == resident.steps[i].loss);
-    CHECK(resident.steps[i].h2d_bytes == 0);
-    // The same units streamed: the fp8 units' bytes, under a third of the f32 units'.
-    CHECK(streamed.steps[i].h2d_bytes > 0);
-    CHECK(streamed.steps[i].h2d_bytes * 3 < plain_base.steps[i].h2d_bytes);
-    // The fp8 base is the f32 base within its rounding: the losses close, not equal.
-    CHECK(std::isfinite(resident.steps[i].loss));
-    CHECK(resident.steps[i].loss != plain_base.steps[i].loss);
-    CHECK(std::fabs(resident.steps[i].loss - plain_base.steps[i].loss) <
-          0.05 * std::fabs(plain_base.steps[i].loss));
-  }
-  CHECK(lorastream::testing::ReadFile(streamed.kohya_path) ==
-        lorastream::testing::ReadFile(resident.kohya_path));
-  CHECK(lorastream::testing::ReadFile(streamed.diffusers_path) ==
-        lorastream::testing::ReadFile(resident.diffusers_path));
+  for (QuantMethod method : {QuantMethod::kFp8, QuantMethod::kNf4}) {
+    const std::string format = QuantMethodName(method);
+    INFO(format);
+    const auto published = ServeFlux(checkpoint, "test-flux-train-" + format, method);
+    const std::string name = published->manifest().store_name;
+    const FluxTrainResult resident =
+        TrainFlux(StoreJob(dir.str(), name, "resident-" + format, 0), {});
+    const FluxTrainResult streamed =
+        TrainFlux(StoreJob(dir.str(), name, "streamed-" + format, 3), {});
+    REQUIRE(resident.steps.size() == 3);
+    REQUIRE(streamed.steps.size() == 3);
+    for (size_t i = 0; i < 3; ++i) {
+      INFO("step " << i);
+      CHECK(streamed.steps[i].loss == resident.steps[i].loss);
+      CHECK(resident.steps[i].h2d_bytes == 0);
+      // The same units streamed, compressed: under a third of the f32 units' bytes.
+      CHECK(streamed.steps[i].h2d_bytes > 0);
+      CHECK(streamed.steps[i].h2d_bytes * 3 < plain_base.steps[i].h2d_bytes);
+      // The compressed base is the f32 base within its rounding: the losses close, not equal.
+      CHECK(std::isfinite(resident.steps[i].loss));
+      CHECK(resident.steps[i].loss != plain_base.steps[i].loss);
+      CHECK(std::fabs(resident.steps[i].loss - plain_base.steps[i].loss) <
+            0.05 * std::fabs(plain_base.steps[i].loss));
+    }
+    CHECK(lorastream::testing::ReadFile(streamed.kohya_path) ==
+          lorastream::testing::ReadFile(resident.kohya_path));
+    CHECK(lorastream::testing::ReadFile(streamed.diffusers_path) ==
+          lorastream::testing::ReadFile(resident.diffusers_path));
 
-  // The same job on the checkpoint `dequantize` writes (the fp8 linears expanded by
-  // store/quantize.h into a BFL file) trains to the same bits: the store's job computes with
-  // exactly the plain dequantisation's weights.
-  store::DequantizeOptions dq;
-  dq.model_dir = checkpoint;
-  dq.out_dir = dir.str() + "/dequantized";
-  dq.quantize = QuantMethod::kFp8;
-  dq.threads = 2;
-  CHECK(store::WriteDequantized(dq).expanded_tensors == 2 * 10 + 4 * 3);
-  FluxJob on_checkpoint = StoreJob(dir.str(), "", "dequantized-run", 0);
-  on_checkpoint.checkpoint = dq.out_dir + "/flux1.safetensors";
-  const FluxTrainResult dequantized = TrainFlux(on_checkpoint, {});
-  REQUIRE(dequantized.steps.size() == 3);
-  for (size_t i = 0; i < 3; ++i) CHECK(dequantized.steps[i].loss == resident.steps[i].loss);
-  CHECK(lorastream::testing::ReadFile(dequantized.kohya_path) ==
-        lorastream::testing::ReadFile(resident.kohya_path));
+    // The same job on the checkpoint `dequantize` writes (the linears expanded by
+    // store/quantize.h into a BFL file) trains to the same bits: the store's job computes
+    // with exactly the plain dequantisation's weights.
+    store::DequantizeOptions dq;
+    dq.model_dir = checkpoint;
+    dq.out_dir = dir.str() + "/dequantized-" + format;
+    dq.quantize = method;
+    dq.threads = 2;
+    CHECK(store::WriteDequantized(dq).expanded_tensors == 2 * 10 + 4 * 3);
+    FluxJob on_checkpoint = StoreJob(dir.str(), "", "dequantized-run-" + format, 0);
+    on_checkpoint.checkpoint = dq.out_dir + "/flux1.safetensors";
+    const FluxTrainResult dequantized = TrainFlux(on_checkpoint, {});
+    REQUIRE(dequantized.steps.size() == 3);
+    for (size_t i = 0; i < 3; ++i) CHECK(dequantized.steps[i].loss == resident.steps[i].loss);
+    CHECK(lorastream::testing::ReadFile(dequantized.kohya_path) ==
+          lorastream::testing::ReadFile(resident.kohya_path));
+  }
 }
 
 TEST_CASE(
