@@ -64,9 +64,10 @@ FluxMemoryInputs FluxMemoryInputsFor(const FluxBase& base, const FluxJob& job,
   FluxMemoryInputs in;
   in.config = base.config();
   in.units = FluxUnits(in.config, base.singles_per_unit());
+  const bool compressed = base.engine_manifest().quant().compressed();
   for (const auto& l : base.layouts()) {
     in.unit_bytes.push_back(l.nbytes);
-    if (HasCompressedWeights(l))
+    if (compressed)
       in.expanded_bytes.push_back(static_cast<uint64_t>(ExpandedElements(l)) *
                                   c10::elementSize(dtype));
   }
