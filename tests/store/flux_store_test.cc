@@ -22,6 +22,7 @@
 #include "store/registry.h"
 #include "store/server.h"
 #include "tests/store/test_util.h"
+#include "tests/support/flux_checkpoint.h"
 
 using namespace lorastream;
 using namespace lorastream::testing;
@@ -254,4 +255,48 @@ TEST_CASE("serve --quantize fp8|nf4 of a FLUX.1 checkpoint: its block linears co
                       Catch::Contains("bias.json") &&
                           Catch::Contains("tensor `double_blocks.0.img_mod.lin.bias`"));
   }
+}
+
+TEST_CASE("an fp8 FLUX.1 checkpoint is served as it is: fp8 with scales of 1", "[store][flux]") {
+  TempDir dir("flux-store-fp8-file");
+  SynthFlux(dir.str() + "/bfl", "bfl");
+  const std::string path = dir.str() + "/flux1-fp8.safetensors";
+  WriteFp8FluxCheckpoint(dir.str() + "/bfl/flux1.safetensors", path);
+  const SafetensorsFile source = SafetensorsFile::Open(path);
+  const std::string name = UniqueName("flux-fp8-file");
+  auto published = Serve(path, name);
+  const Manifest& m = published->manifest();
+  CHECK(m.quant() == StoreQuantFormat(QuantMethod::kFp8));
+  CHECK(m.dtype == DType::kF32);  // the other tensors' dtype
+  store::AttachedStore store = store::AttachedStore::Attach(name, m.fingerprint);
+  store::VerifyChecksums(store, 2);
+  int compressed = 0;
+  for (size_t u = 0; u < m.blocks.size(); ++u)
+    for (const TensorSlice& t : m.blocks[u].tensors) {
+      if (!t.quant.compressed()) continue;
+      INFO(t.name);
+      ++compressed;
+      const SafetensorsEntry* e = source.Find(t.name);
+      REQUIRE(e != nullptr);
+      CHECK(std::memcmp(store.tensor_data(static_cast<int>(u), t.name), source.Data(*e),
+                        t.nbytes) == 0);
+      const TensorSlice* scale = m.blocks[u].Find(t.name + "_scale_inv");
+      REQUIRE(scale != nullptr);
+      const auto* s =
+          reinterpret_cast<const float*>(store.tensor_data(static_cast<int>(u), scale->name));
+      for (uint64_t i = 0; i < scale->nbytes / 4; ++i) REQUIRE(s[i] == 1.0f);
+    }
+  CHECK(compressed == 2 * 10 + 4 * 3);
+  // --quantize fp8 holds the same; nf4 of fp8 weights, and a checkpoint mixing fp8 and f32
+  // linear weights, are refused by name.
+  auto again = Serve(path, UniqueName("flux-fp8-file"), QuantMethod::kFp8);
+  CHECK(again->manifest().fingerprint == m.fingerprint);
+  CHECK_THROWS_WITH(Serve(path, UniqueName("flux-fp8-nf4"), QuantMethod::kNf4),
+                    Catch::Contains("are fp8 (F8_E4M3) already"));
+  const std::string mixed = dir.str() + "/flux1-mixed.safetensors";
+  WriteFp8FluxCheckpoint(dir.str() + "/bfl/flux1.safetensors", mixed,
+                         "single_blocks.1.linear2.weight");
+  CHECK_THROWS_WITH(Serve(mixed, UniqueName("flux-fp8-mixed")),
+                    Catch::Contains("tensor `single_blocks.1.linear2.weight` is F32") &&
+                        Catch::Contains("F8_E4M3"));
 }

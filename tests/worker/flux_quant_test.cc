@@ -13,6 +13,7 @@
 #include <fstream>
 
 #include "common/flux_job.h"
+#include "common/safetensors.h"
 #include "store/attach.h"
 #include "store/convert.h"
 #include "store/dequantize.h"
@@ -261,4 +262,53 @@ TEST_CASE(
   const FluxPlanning planning = PlanFluxJob(base, job, data, at::kCPU, at::kFloat);
   const std::string table = DescribeFluxPlanning(planning);
   CHECK_THAT(table, Catch::Contains("compressed linears: copied as stored"));
+}
+
+TEST_CASE(
+    "a FLUX job on an fp8 checkpoint's store computes with its e4m3 weights exactly and trains, "
+    "streamed equal to resident; the checkpoint itself is refused naming the store's command",
+    "[worker][flux][quant]") {
+  TempDir dir("flux-quant-fp8-file");
+  const std::string f32 = lorastream::testing::MakeFluxCheckpoint(dir.str() + "/model");
+  const std::string fp8 = dir.str() + "/flux1-fp8.safetensors";
+  lorastream::testing::WriteFp8FluxCheckpoint(f32, fp8);
+  std::filesystem::create_directories(dir.str() + "/cache");
+  lorastream::testing::WriteFluxCache(dir.str() + "/cache", "cat", 32, 32,
+                                      lorastream::testing::TinyCacheShape(), 1);
+  const auto published = ServeFlux(fp8, "test-flux-fp8-file", QuantMethod::kNone);
+  const std::string name = published->manifest().store_name;
+  const SafetensorsFile source = SafetensorsFile::Open(fp8);
+  const FluxBase base = FluxBase::FromStore(name, at::kFloat, at::kCPU);
+  auto engine = base.MakeEngine(0, 1, at::kCPU);
+  engine->BeginStep();
+  for (int u = 0; u < engine->num_blocks(); ++u) {
+    const BlockWeights& w = engine->Acquire(u);
+    for (const TensorSlice& t : base.layouts()[u].tensors) {
+      if (!t.quant.compressed()) continue;
+      INFO(t.name);
+      const SafetensorsEntry* e = source.Find(t.name);
+      REQUIRE(e != nullptr);
+      std::vector<float> want(e->numel());
+      for (size_t i = 0; i < want.size(); ++i) want[i] = store::E4M3ToFloat(source.Data(*e)[i]);
+      REQUIRE(at::equal(w.named.at(t.name), at::from_blob(want.data(), t.shape, at::kFloat)));
+    }
+    engine->Release(u);
+  }
+  FluxJob streamed = StoreJob(dir.str(), name, "streamed", 3), resident = streamed;
+  streamed.steps = resident.steps = 2;
+  resident.blocks_to_swap = 0;
+  resident.output_dir = dir.str() + "/resident";
+  const FluxTrainResult a = TrainFlux(streamed, {});
+  const FluxTrainResult b = TrainFlux(resident, {});
+  REQUIRE(a.steps.size() == 2);
+  REQUIRE(b.steps.size() == 2);
+  for (size_t i = 0; i < 2; ++i) {
+    CHECK(std::isfinite(a.steps[i].loss));
+    CHECK(a.steps[i].loss == b.steps[i].loss);
+  }
+  FluxJob on_checkpoint = StoreJob(dir.str(), "", "checkpoint", 0);
+  on_checkpoint.checkpoint = fp8;
+  CHECK_THAT(lorastream::testing::ErrorMessageOf([&] { TrainFlux(on_checkpoint, {}); }),
+             Catch::Contains("tensor `double_blocks.0.img_mod.lin.weight` is fp8") &&
+                 Catch::Contains("lorastream-store serve " + fp8));
 }

@@ -46,6 +46,14 @@ at::Tensor BflTensor(const FluxCheckpointReader& source, const std::string& name
 FluxBase FluxBase::Load(const std::string& path, int64_t singles_per_unit, c10::ScalarType dtype,
                         c10::Device device) {
   const FluxCheckpointReader source = FluxCheckpointReader::Open(path);
+  for (const auto& [name, shape] : FluxAllShapes(source.config()))
+    for (const FluxCheckpointReader::Piece& p : source.Pieces(name))
+      if (p.entry->dtype == DType::kF8E4M3)
+        throw Error(ErrorCode::kUnsupported,
+                    path + ": tensor `" + p.entry->name +
+                        "` is fp8 (F8_E4M3); a job reads an fp8 FLUX checkpoint through a "
+                        "store: lorastream-store serve " +
+                        path + " --name NAME, then flux.store = \"NAME\"");
   FluxBase b;
   b.config_ = source.config();
   b.singles_per_unit_ = singles_per_unit;

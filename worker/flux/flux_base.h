@@ -30,7 +30,7 @@ namespace lorastream::worker::flux {
 class FluxBase {
  public:
   // BFL's single file or a diffusers folder; any other layout is refused by name
-  // (DetectFluxCheckpoint).
+  // (DetectFluxCheckpoint), and so is an fp8 checkpoint (a store serves it: FromStore).
   static FluxBase Load(const std::string& path, int64_t singles_per_unit, c10::ScalarType dtype,
                        c10::Device device);
   // The FLUX.1 store `name` (lorastream-store serve FLUX_PATH), attached read-only: its units
