@@ -279,6 +279,22 @@ std::vector<std::string> FluxDoubleLinears() {
 
 std::vector<std::string> FluxSingleLinears() { return {"linear1", "linear2", "modulation.lin"}; }
 
+bool IsFluxBlockLinearWeight(const std::string& name) {
+  // "<kind>_blocks.<index>.<linear>.weight", the linear one of its kind's.
+  for (const bool is_double : {true, false}) {
+    const std::string prefix = is_double ? "double_blocks." : "single_blocks.";
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    size_t i = prefix.size();
+    while (i < name.size() && i - prefix.size() < 9 && name[i] >= '0' && name[i] <= '9') ++i;
+    if (i == prefix.size() || i >= name.size() || name[i] != '.') return false;
+    const std::string rel = name.substr(i + 1);
+    for (const std::string& linear : is_double ? FluxDoubleLinears() : FluxSingleLinears())
+      if (rel == linear + ".weight") return true;
+    return false;
+  }
+  return false;
+}
+
 std::vector<std::string> FluxTargets(const std::vector<std::string>& spec,
                                      const std::string& where) {
   if (spec.size() == 1 && spec[0] == "all") {

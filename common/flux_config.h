@@ -82,6 +82,10 @@ bool IsFluxCheckpointPath(const std::string& path);
 // attention projections alone.
 std::vector<std::string> FluxDoubleLinears();
 std::vector<std::string> FluxSingleLinears();
+// True for the weight of one of those linears under its full BFL name
+// ("double_blocks.3.img_attn.qkv.weight", "single_blocks.0.linear2.weight"): the block
+// weights a compressed store quantises (common/quant_format.h).
+bool IsFluxBlockLinearWeight(const std::string& name);
 // A target list for a job: "all" (sd-scripts' default), "attention" (double blocks' qkv and
 // proj of both streams; single blocks' linear1, which holds their q, k and v, and linear2,
 // their output projection) or a list of block-relative names; unknown names are refused

@@ -33,7 +33,7 @@ bool SameSlices(const SegmentInfo& a, const SegmentInfo& b) {
   for (size_t i = 0; i < a.tensors.size(); ++i) {
     const TensorSlice &x = a.tensors[i], &y = b.tensors[i];
     if (x.name != y.name || x.dtype != y.dtype || x.shape != y.shape || x.offset != y.offset ||
-        x.nbytes != y.nbytes || x.quant.compressed() != y.quant.compressed())
+        x.nbytes != y.nbytes || !(x.quant == y.quant))
       return false;
   }
   return true;
@@ -42,7 +42,7 @@ bool SameSlices(const SegmentInfo& a, const SegmentInfo& b) {
 }  // namespace
 
 Manifest FluxManifest(const FluxConfig& c, int64_t singles_per_unit, DType dtype,
-                      uint64_t alignment) {
+                      uint64_t alignment, const QuantInfo& linears) {
   Manifest m;
   m.config.model_type = kFluxModelType;
   m.flux = c;
@@ -50,7 +50,7 @@ Manifest FluxManifest(const FluxConfig& c, int64_t singles_per_unit, DType dtype
   m.dtype = dtype;
   m.alignment = alignment;
   for (const FluxUnit& unit : FluxUnits(c, singles_per_unit))
-    m.blocks.push_back(LayoutSegment(FluxUnitShapes(c, unit), "", dtype, alignment));
+    m.blocks.push_back(LayoutSegment(FluxUnitShapes(c, unit), "", dtype, alignment, linears));
   m.rest = LayoutSegment(FluxRestShapes(c), "", dtype, alignment);
   m.config.num_hidden_layers = static_cast<int64_t>(m.blocks.size());
   return m;
@@ -109,7 +109,8 @@ void FluxManifestFromJson(const Json& j, Manifest& m, const std::string& source)
 }
 
 void ValidateFluxLayout(const Manifest& m, const std::string& source) {
-  const Manifest want = FluxManifest(m.flux, m.flux_singles_per_unit, m.dtype, m.alignment);
+  const Manifest want =
+      FluxManifest(m.flux, m.flux_singles_per_unit, m.dtype, m.alignment, m.quant());
   if (m.blocks.size() != want.blocks.size())
     Bad(source, "has " + std::to_string(m.blocks.size()) + " FLUX units but its shape has " +
                     std::to_string(want.blocks.size()));

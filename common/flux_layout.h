@@ -29,9 +29,11 @@ inline constexpr int64_t kFluxDefaultSinglesPerUnit = 2;
 // ("double_blocks.0.img_attn.qkv.weight") in FluxUnitShapes order, `rest` the tensors
 // outside the blocks (FluxRestShapes), each laid out by LayoutSegment. model_type is
 // kFluxModelType and num_hidden_layers the unit count; names, checksums, generation and owner
-// are left empty for the packer to fill.
+// are left empty for the packer to fill. With a compressed `linears` format (a `--quantize`
+// store) each block linear's weight (IsFluxBlockLinearWeight) is stored in it, followed by its
+// scales (LayoutSegment); biases, norms and `rest` stay in `dtype`.
 Manifest FluxManifest(const FluxConfig& c, int64_t singles_per_unit, DType dtype,
-                      uint64_t alignment);
+                      uint64_t alignment, const QuantInfo& linears = {});
 
 // The FLUX part of a manifest's JSON ({shape..., "singles_per_unit": n}) and back: the reader
 // sets m.flux, m.flux_singles_per_unit and m.config (model_type, the unit count), validating

@@ -2,6 +2,7 @@
 
 #include <set>
 
+#include "common/flux_config.h"
 #include "common/manifest.h"
 #include "common/safetensors.h"
 
@@ -70,7 +71,7 @@ bool IsProjectionWeight(const std::string& name) {
                                                "self_attn.v_proj.weight", "self_attn.o_proj.weight",
                                                "mlp.gate_proj.weight",    "mlp.up_proj.weight",
                                                "mlp.down_proj.weight"};
-  return kNames.count(name) > 0;
+  return kNames.count(name) > 0 || IsFluxBlockLinearWeight(name);
 }
 
 DType QuantizedWeightDType(const QuantInfo& q) {
@@ -106,7 +107,8 @@ std::string QuantLayoutProblem(const SegmentInfo& segment) {
     const std::string at = "tensor `" + t.name + "`";
     if (!IsProjectionWeight(t.name))
       return at + " is stored " + QuantMethodName(t.quant.method) +
-             "; only the projection weights (q, k, v, o, gate, up, down) may be compressed";
+             "; only the projection weights (q, k, v, o, gate, up, down; a FLUX block's "
+             "linear layers) may be compressed";
     if (t.shape.size() != 2) return at + " is compressed but not 2-D";
     if (t.quant.method == QuantMethod::kFp8 &&
         !(ValidBlock(t.quant.block_rows) && ValidBlock(t.quant.block_cols)))

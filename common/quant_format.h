@@ -3,7 +3,8 @@
 // the checks a reader makes before trusting them. The arithmetic (quantising, expanding) is
 // store/quantize.h's.
 //
-// Only a block's projection weights (q, k, v, o, gate, up, down) are ever compressed; norms,
+// Only a block's projection weights are ever compressed (an LLM block's q, k, v, o, gate, up and
+// down; a FLUX.1 block's linear layers: common/flux_config.h IsFluxBlockLinearWeight); norms,
 // biases, the embedding and the LM head stay in the store's floating dtype.
 //
 //   fp8  e4m3 (F8_E4M3) in the weight's own [out, in] shape, one F32 per block_rows x
@@ -55,8 +56,10 @@ std::string DescribeQuant(const QuantInfo& quant);
 // defaults (blocks of 64, absmax in groups of 256).
 QuantInfo StoreQuantFormat(QuantMethod method);
 
-// True for the block-relative names of the projection weights a store may compress.
-bool IsProjectionWeight(const std::string& block_relative_name);
+// True for the names of the projection weights a store may compress: an LLM block's,
+// block-relative ("self_attn.q_proj.weight"), and a FLUX.1 unit's, by full BFL name
+// ("double_blocks.0.img_mlp.0.weight": a FLUX segment names its tensors so).
+bool IsProjectionWeight(const std::string& name);
 
 // The stored element type and byte size of a weight of `shape` in `quant`.
 DType QuantizedWeightDType(const QuantInfo& quant);

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <thread>
 #include <vector>
 
@@ -13,6 +14,7 @@
 
 #include "common/durable_file.h"
 #include "common/error.h"
+#include "common/flux_config.h"
 #include "common/log.h"
 #include "common/safetensors.h"
 #include "store/attach.h"
@@ -112,7 +114,8 @@ DequantizeResult WriteDequantized(const DequantizeOptions& options) {
   for (int b = 0; b < store.num_blocks(); ++b) {
     const SegmentInfo& layout = m.blocks[b];
     const std::vector<std::string> aux = AuxNames(layout);
-    const std::string prefix = "model.layers." + std::to_string(b) + ".";
+    // A FLUX unit names its tensors in full already.
+    const std::string prefix = m.is_flux() ? "" : "model.layers." + std::to_string(b) + ".";
     for (const TensorSlice& t : layout.tensors) {
       if (std::find(aux.begin(), aux.end(), t.name) != aux.end()) continue;
       if (!t.quant.compressed()) {
@@ -141,6 +144,14 @@ DequantizeResult WriteDequantized(const DequantizeOptions& options) {
   result.expanded_tensors = static_cast<int>(jobs.size());
 
   fs::create_directories(options.out_dir);
+  if (m.is_flux()) {  // BFL's single file, whichever layout the source was
+    std::map<std::string, std::string> metadata = FluxMetadata(m.flux);
+    metadata["format"] = "pt";
+    WriteSafetensors((fs::path(options.out_dir) / "flux1.safetensors").string(), tensors, metadata);
+    LS_LOG_INFO("dequantize: {} FLUX.1 linear weights of {} expanded to bf16 -> {}",
+                result.expanded_tensors, DescribeQuant(result.format), options.out_dir);
+    return result;
+  }
   WriteSafetensors((fs::path(options.out_dir) / "model.safetensors").string(), tensors,
                    {{"format", "pt"}});
   // config.json without its quantization_config; the other files as they are.

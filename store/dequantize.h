@@ -7,7 +7,9 @@
 // projection weight is expanded with store/quantize.h's arithmetic to BF16, the dtype the
 // expansion defines; every other tensor keeps the store's bytes. config.json is the source's
 // without `quantization_config`; the folder's other files (tokenizer, generation config) are
-// copied. The model passes through memory once: meant for test and report models.
+// copied. A FLUX.1 checkpoint (BFL's file or a diffusers folder) is written as BFL's single
+// file, OUT_DIR/flux1.safetensors, its linears in BF16 and every other tensor as the store
+// holds it. The model passes through memory once: meant for test and report models.
 #pragma once
 
 #include <string>

@@ -9,11 +9,6 @@ namespace lorastream::store {
 
 FluxPackPlan PlanFluxPack(const std::string& path, const PackOptions& options,
                           int64_t singles_per_unit) {
-  if (options.quantize != QuantMethod::kNone)
-    throw Error(ErrorCode::kUnsupported,
-                path + ": --quantize " + QuantMethodName(options.quantize) +
-                    " is not available for FLUX.1 (compressed FLUX blocks are not built); "
-                    "serve it without --quantize");
   FluxPackPlan plan;
   plan.reader = std::make_unique<FluxCheckpointReader>(FluxCheckpointReader::Open(path));
   const FluxCheckpointReader& reader = *plan.reader;
@@ -21,12 +16,33 @@ FluxPackPlan PlanFluxPack(const std::string& path, const PackOptions& options,
     throw Error(ErrorCode::kCorrupt, path + ": " + what);
   };
 
+  // An fp8 checkpoint (flux1-dev-fp8: its block linears' weights cast to e4m3, as
+  // sd-scripts' --fp8_base computes with them) is stored as it is, in the fp8 format with
+  // scales of 1 (exact: every e4m3 value is a bf16 one).
+  const bool fp8_checkpoint = [&] {
+    for (const auto& [name, shape] : FluxAllShapes(reader.config()))
+      if (IsFluxBlockLinearWeight(name) && reader.Pieces(name)[0].entry->dtype == DType::kF8E4M3)
+        return true;
+    return false;
+  }();
+  if (fp8_checkpoint && options.quantize == QuantMethod::kNf4)
+    throw Error(ErrorCode::kUnsupported,
+                path +
+                    ": the checkpoint's linear weights are fp8 (F8_E4M3) already; serve it "
+                    "without --quantize, or serve its bf16 original with --quantize nf4");
   // One dtype for the store: the checkpoint's (refused when mixed, unless converted).
   std::optional<DType> source_dtype;
   std::string first_tensor;
   for (const auto& [name, shape] : FluxAllShapes(reader.config()))
     for (const FluxCheckpointReader::Piece& p : reader.Pieces(name)) {
       const DType dt = p.entry->dtype;
+      if (fp8_checkpoint && IsFluxBlockLinearWeight(name)) {
+        if (dt != DType::kF8E4M3)
+          fail("tensor `" + p.entry->name + "` is " + DTypeName(dt) +
+               " but the checkpoint's other block linear weights are F8_E4M3; an fp8 "
+               "checkpoint holds every one of them in fp8");
+        continue;
+      }
       if (!ConvertibleToBF16(dt))
         fail("tensor `" + p.entry->name + "` is " + DTypeName(dt) +
              "; the store holds floating-point weights (F32, F16, BF16)");
@@ -40,29 +56,65 @@ FluxPackPlan PlanFluxPack(const std::string& path, const PackOptions& options,
       }
     }
   const DType dtype = options.to_bf16 ? DType::kBF16 : *source_dtype;
-  const Manifest layout = FluxManifest(reader.config(), singles_per_unit, dtype, options.alignment);
+  // With --quantize, every block linear's weight is stored compressed (LayoutSegment puts its
+  // scales right after it); the loader computes them (QuantizeSegments) from its pieces.
+  const Manifest layout =
+      FluxManifest(reader.config(), singles_per_unit, dtype, options.alignment,
+                   StoreQuantFormat(fp8_checkpoint ? QuantMethod::kFp8 : options.quantize));
 
-  // Each tensor's slice split by the runs of rows its pieces are; a piece's source is its
-  // checkpoint tensor narrowed to those rows (an entry of its own, same file).
-  auto split = [&](const SegmentInfo& seg, std::vector<Checkpoint::Ref>& sources) {
+  // A piece of a checkpoint tensor: its rows [source_row, source_row + rows) as an entry of
+  // its own (same file), kept in plan.pieces.
+  auto piece_source = [&](const FluxCheckpointReader::Piece& p) -> Checkpoint::Ref {
+    SafetensorsEntry entry = *p.entry;
+    const uint64_t source_row_bytes =
+        entry.shape.empty() ? entry.nbytes() : entry.nbytes() / entry.shape[0];
+    entry.begin += static_cast<uint64_t>(p.source_row) * source_row_bytes;
+    entry.end = entry.begin + static_cast<uint64_t>(p.rows) * source_row_bytes;
+    if (!entry.shape.empty()) entry.shape[0] = p.rows;
+    plan.pieces.push_back(std::move(entry));
+    return {p.file, &plan.pieces.back()};
+  };
+  // Each plain tensor's slice split by the runs of rows its pieces are, each with its piece as
+  // source, and so an fp8 checkpoint's weight, whose scales of 1 are given; a weight to
+  // quantise and its scales kept whole, computed by the loader.
+  auto split = [&](size_t unit, const SegmentInfo& seg, std::vector<Checkpoint::Ref>& sources) {
     SegmentInfo out = seg;
     out.tensors.clear();
+    size_t scales_left = 0;  // of the compressed weight before
     for (const TensorSlice& t : seg.tensors) {
+      if (fp8_checkpoint && scales_left > 0) {  // its scale_inv: 1 for every tile
+        const std::vector<float> ones(t.nbytes / sizeof(float), 1.0f);
+        const auto* bytes = reinterpret_cast<const uint8_t*>(ones.data());
+        plan.load.literals.push_back({unit, out.tensors.size(), {bytes, bytes + t.nbytes}});
+        --scales_left;
+        out.tensors.push_back(t);
+        sources.push_back({nullptr, nullptr});
+        continue;
+      }
+      if (fp8_checkpoint && t.quant.compressed())
+        scales_left = QuantAuxTensors(t.name, t.shape, t.quant).size();
+      if (!fp8_checkpoint && (t.quant.compressed() || scales_left > 0)) {
+        if (t.quant.compressed()) {
+          PackPlan::Quantize q{unit, out.tensors.size(), {}};
+          for (const FluxCheckpointReader::Piece& p : reader.Pieces(t.name))
+            q.sources.push_back(piece_source(p));
+          plan.load.quantize.push_back(std::move(q));
+          scales_left = QuantAuxTensors(t.name, t.shape, t.quant).size();
+        } else {
+          --scales_left;
+        }
+        out.tensors.push_back(t);
+        sources.push_back({nullptr, nullptr});
+        continue;
+      }
       const uint64_t row_bytes = t.shape.empty() ? t.nbytes : t.nbytes / t.shape[0];
       for (const FluxCheckpointReader::Piece& p : reader.Pieces(t.name)) {
-        SafetensorsEntry entry = *p.entry;
-        const uint64_t source_row_bytes =
-            entry.shape.empty() ? entry.nbytes() : entry.nbytes() / entry.shape[0];
-        entry.begin += static_cast<uint64_t>(p.source_row) * source_row_bytes;
-        entry.end = entry.begin + static_cast<uint64_t>(p.rows) * source_row_bytes;
-        if (!entry.shape.empty()) entry.shape[0] = p.rows;
+        sources.push_back(piece_source(p));
         TensorSlice piece = t;
         piece.offset = t.offset + static_cast<uint64_t>(p.row) * row_bytes;
         piece.nbytes = static_cast<uint64_t>(p.rows) * row_bytes;
-        piece.shape = entry.shape;
+        piece.shape = sources.back().entry->shape;
         out.tensors.push_back(std::move(piece));
-        plan.pieces.push_back(std::move(entry));
-        sources.push_back({p.file, &plan.pieces.back()});
       }
     }
     return out;
@@ -72,8 +124,8 @@ FluxPackPlan PlanFluxPack(const std::string& path, const PackOptions& options,
   m.source_dir = path;
   plan.load.block_sources.resize(layout.blocks.size());
   for (size_t u = 0; u < layout.blocks.size(); ++u)
-    m.blocks[u] = split(layout.blocks[u], plan.load.block_sources[u]);
-  m.rest = split(layout.rest, plan.load.rest_sources);
+    m.blocks[u] = split(u, layout.blocks[u], plan.load.block_sources[u]);
+  m.rest = split(0, layout.rest, plan.load.rest_sources);
   if (options.scan_weights) RefuseNonFiniteWeights(plan.load);
   return plan;
 }
@@ -81,8 +133,8 @@ FluxPackPlan PlanFluxPack(const std::string& path, const PackOptions& options,
 Manifest FluxPublishedManifest(const FluxPackPlan& plan) {
   const Manifest& loaded = plan.load.manifest;
   Manifest m = loaded;
-  const Manifest layout =
-      FluxManifest(loaded.flux, loaded.flux_singles_per_unit, loaded.dtype, loaded.alignment);
+  const Manifest layout = FluxManifest(loaded.flux, loaded.flux_singles_per_unit, loaded.dtype,
+                                       loaded.alignment, loaded.quant());
   auto place = [](SegmentInfo& out, const SegmentInfo& tensors) {
     LS_CHECK(out.nbytes == tensors.nbytes, "a FLUX segment's pieces cover its layout");
     out.tensors = tensors.tensors;

@@ -27,7 +27,11 @@ struct FluxPackPlan {
 
 // Validates the checkpoint (every tensor of FLUX.1's shape, floating point, one dtype unless
 // options.to_bf16) and plans it; Error(kCorrupt/kUnsupported) naming the path and the tensor.
-// options.quantize must be kNone (compressed FLUX blocks are not built: Error(kUnsupported)).
+// With options.quantize, every block linear's weight (IsFluxBlockLinearWeight) is stored in
+// the store's format (StoreQuantFormat) with its scales, quantised by QuantizeSegments from
+// the whole weight (a diffusers folder's runs of rows together); the layout is FluxManifest's
+// with that format. Every FLUX.1 weight fits both formats (fp8 tiles cover any shape; a
+// linear's element count is even, as head_dim is).
 FluxPackPlan PlanFluxPack(const std::string& path, const PackOptions& options,
                           int64_t singles_per_unit = kFluxDefaultSinglesPerUnit);
 

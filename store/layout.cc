@@ -264,7 +264,7 @@ PackPlan PlanPack(const Checkpoint& cp, const PackOptions& options) {
     for (size_t k = 0; k < m.blocks[i].tensors.size(); ++k) {
       const TensorSlice& t = m.blocks[i].tensors[k];
       if (t.quant.compressed() && !stored_quant.compressed()) {
-        plan.quantize.push_back({static_cast<size_t>(i), k, plan.block_sources[i][next++]});
+        plan.quantize.push_back({static_cast<size_t>(i), k, {plan.block_sources[i][next++]}});
         sources.push_back({nullptr, nullptr});
       } else if (next < block_shapes.size() && block_shapes[next].first == t.name) {
         if (t.quant.compressed()) RequireStoredWeight(plan.block_sources[i][next], t, dir);
@@ -294,7 +294,8 @@ uint64_t RefuseNonFiniteWeights(const PackPlan& plan, Progress* progress, int th
   for (const std::vector<Checkpoint::Ref>& block : plan.block_sources)
     for (const Checkpoint::Ref& ref : block)
       if (ref.file != nullptr) refs.push_back(&ref);  // a pre-quantised tensor scans as its dtype
-  for (const PackPlan::Quantize& q : plan.quantize) refs.push_back(&q.source);
+  for (const PackPlan::Quantize& q : plan.quantize)
+    for (const Checkpoint::Ref& ref : q.sources) refs.push_back(&ref);
   for (const Checkpoint::Ref& ref : plan.rest_sources) refs.push_back(&ref);
   // Pieces of at most kScanPieceBytes, so that an embedding of a gigabyte is shared out too.
   constexpr uint64_t kScanPieceBytes = 64u << 20;

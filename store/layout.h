@@ -22,11 +22,12 @@ struct PackPlan {
   std::vector<std::vector<Checkpoint::Ref>> block_sources;
   std::vector<Checkpoint::Ref> rest_sources;
   // The weights to quantise: slice `slice` of block `block` (with its auxiliary slices after
-  // it) from `source`.
+  // it) from `sources`, runs of whole rows in row order that together are the weight (one
+  // tensor of an LLM checkpoint; a FLUX.1 diffusers folder keeps a fused qkv as three).
   struct Quantize {
     size_t block = 0;
     size_t slice = 0;
-    Checkpoint::Ref source{};
+    std::vector<Checkpoint::Ref> sources;
   };
   std::vector<Quantize> quantize;
   // Slices whose bytes are given here (nf4's nested_offset from a checkpoint's quant_state).

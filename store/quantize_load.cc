@@ -25,6 +25,31 @@ struct Piece {
   int64_t begin, end;
 };
 
+// Elements [begin, begin + count) of a weight whose row runs are `sources`, as f32 into
+// `out`; returns the source bytes read.
+uint64_t ReadElements(const std::vector<Checkpoint::Ref>& sources, int64_t begin, int64_t count,
+                      float* out) {
+  uint64_t bytes = 0;
+  for (const Checkpoint::Ref& src : sources) {
+    const int64_t n = static_cast<int64_t>(src.entry->numel());
+    if (begin >= n) {
+      begin -= n;
+      continue;
+    }
+    const int64_t take = std::min(count, n - begin);
+    const DType dtype = src.entry->dtype;
+    ConvertToFloat(dtype, src.file->Data(*src.entry) + begin * DTypeSize(dtype), out,
+                   static_cast<size_t>(take));
+    bytes += static_cast<uint64_t>(take) * DTypeSize(dtype);
+    out += take;
+    count -= take;
+    begin = 0;
+    if (count == 0) break;
+  }
+  LS_CHECK(count == 0, "a quantised weight's sources cover its elements");
+  return bytes;
+}
+
 }  // namespace
 
 LoadResult QuantizeSegments(const PackPlan& plan, const std::vector<ShmSegment*>& segments,
@@ -59,7 +84,7 @@ LoadResult QuantizeSegments(const PackPlan& plan, const std::vector<ShmSegment*>
       for (int64_t e = 0; e < numel; e += kNf4PieceElements)
         pieces.push_back({k, e, std::min(numel, e + kNf4PieceElements)});
     }
-    result.bytes += plan.quantize[k].source.entry->nbytes();
+    for (const Checkpoint::Ref& src : plan.quantize[k].sources) result.bytes += src.entry->nbytes();
   }
   if (progress)
     progress->BeginPhase(std::string("quantising to ") + QuantMethodName(slice(0, 0).quant.method),
@@ -68,15 +93,14 @@ LoadResult QuantizeSegments(const PackPlan& plan, const std::vector<ShmSegment*>
     if (should_stop && should_stop())
       throw Error(ErrorCode::kCancelled, "quantising interrupted by a signal");
     const Piece& p = pieces[i];
-    const Checkpoint::Ref& src = plan.quantize[p.task].source;
+    const std::vector<Checkpoint::Ref>& sources = plan.quantize[p.task].sources;
     const TensorSlice& w = slice(p.task, 0);
-    const DType dtype = src.entry->dtype;
-    const uint8_t* data = src.file->Data(*src.entry);
     const int64_t cols = w.shape[1];
     std::vector<float> values;
+    uint64_t read = 0;
     if (w.quant.method == QuantMethod::kFp8) {
       values.resize(static_cast<size_t>((p.end - p.begin) * cols));
-      ConvertToFloat(dtype, data + p.begin * cols * DTypeSize(dtype), values.data(), values.size());
+      read = ReadElements(sources, p.begin * cols, (p.end - p.begin) * cols, values.data());
       const int64_t tiles = (cols + w.quant.block_cols - 1) / w.quant.block_cols;
       float* scales =
           reinterpret_cast<float*>(at(p.task, 1)) + p.begin / w.quant.block_rows * tiles;
@@ -84,11 +108,11 @@ LoadResult QuantizeSegments(const PackPlan& plan, const std::vector<ShmSegment*>
                       at(p.task, 0) + p.begin * cols, scales);
     } else {
       values.resize(static_cast<size_t>(p.end - p.begin));
-      ConvertToFloat(dtype, data + p.begin * DTypeSize(dtype), values.data(), values.size());
+      read = ReadElements(sources, p.begin, p.end - p.begin, values.data());
       QuantizeNf4(values.data(), p.end - p.begin, w.quant.blocksize, at(p.task, 0) + p.begin / 2,
                   absmax[p.task].data() + p.begin / w.quant.blocksize);
     }
-    if (progress) progress->Add(static_cast<uint64_t>(values.size()) * DTypeSize(dtype));
+    if (progress) progress->Add(read);
   });
   // nf4's absmax, double-quantised around the mean of the whole weight's.
   RunParallel(plan.quantize.size(), threads, [&](size_t k) {

@@ -1,8 +1,14 @@
-// A flux-tiny checkpoint (BFL's single-file layout, seed 3) for the FLUX tests.
+// A flux-tiny checkpoint (BFL's single-file layout, seed 3) for the FLUX tests, and an fp8
+// checkpoint made of one.
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
+#include "common/flux_config.h"
+#include "common/safetensors.h"
+#include "store/quantize.h"
 #include "store/synth.h"
 
 namespace lorastream::testing {
@@ -18,6 +24,27 @@ inline std::string MakeFluxCheckpoint(const std::string& dir, const std::string&
   o.dtype = dtype;
   store::RunSynth(o);
   return dir + "/flux1.safetensors";
+}
+
+// The f32 BFL file at `from` rewritten to `to` with every block linear's weight cast to e4m3
+// (round to nearest), as the fp8 FLUX checkpoints users download hold them; the weight named
+// `keep` stays as it is.
+inline void WriteFp8FluxCheckpoint(const std::string& from, const std::string& to,
+                                   const std::string& keep = "") {
+  const SafetensorsFile f = SafetensorsFile::Open(from);
+  std::vector<TensorToWrite> tensors;
+  std::vector<std::vector<uint8_t>> fp8;
+  fp8.reserve(f.tensors().size());
+  for (const SafetensorsEntry& e : f.tensors()) {
+    tensors.push_back({e.name, e.dtype, e.shape, f.Data(e)});
+    if (!IsFluxBlockLinearWeight(e.name) || e.name == keep) continue;
+    const auto* values = reinterpret_cast<const float*>(f.Data(e));
+    fp8.emplace_back(e.numel());
+    for (size_t i = 0; i < fp8.back().size(); ++i) fp8.back()[i] = store::FloatToE4M3(values[i]);
+    tensors.back().dtype = DType::kF8E4M3;
+    tensors.back().data = fp8.back().data();
+  }
+  WriteSafetensors(to, tensors, f.header().metadata);
 }
 
 }  // namespace lorastream::testing

@@ -4,17 +4,23 @@
 # bandwidth) and its predicted step, with diffusers + peft as the peer when its source is
 # there. Random FLUX.1-dev-shaped weights (lorastream-synth --preset flux1-dev, all 19 + 38
 # blocks), one cached 1024x1024 image (4096 image tokens) with 512 T5 tokens, rank 16 on
-# every linear layer of the blocks, batch 1, bf16. Writes OUT/flux/: the plans, the training
-# logs and bench_flux.md (a markdown table of the figures and their ratios).
+# every linear layer of the blocks, batch 1, bf16. With FLUX_BENCH_QUANTIZE=fp8 (or nf4) the
+# same two runs again on a store of the checkpoint served with `--quantize` (its block linears
+# compressed, copied so and expanded on the GPU at each use), each with its plan's prediction.
+# Writes OUT/flux/: the plans, the training logs and bench_flux.md (a markdown table of the
+# figures and their ratios).
 #
 # Usage: tools/gpu/bench_flux.sh OUT_DIR
 #   FLUX_BENCH_PRESET (flux1-dev)  FLUX_BENCH_DEVICE (cuda)  FLUX_BENCH_DTYPE (bf16)
 #   FLUX_BENCH_PIXELS (1024x1024)  FLUX_BENCH_TEXT_TOKENS (512)  FLUX_BENCH_STEPS (6; the
 #   first two are warm-up)  FLUX_BENCH_BUDGET (8GiB)  FLUX_BENCH_WORK (a folder under
 #   /dev/shm, removed at the end)  FLUX_BENCH_PEER (1: diffusers + peft when
-#   $ROOT/.diffusers/src imports; 0: skip)  LORASTREAM_BUILD_DIR (build/)
+#   $ROOT/.diffusers/src imports; 0: skip)  FLUX_BENCH_QUANTIZE (none; fp8 | nf4: also the
+#   runs on a compressed store)  LORASTREAM_BUILD_DIR (build/)
 # On a CPU, with flux-tiny: FLUX_BENCH_PRESET=flux-tiny FLUX_BENCH_DEVICE=cpu
 #   FLUX_BENCH_DTYPE=f32 FLUX_BENCH_PIXELS=64x64 FLUX_BENCH_TEXT_TOKENS=8 FLUX_BENCH_BUDGET=4MiB
+#   (with FLUX_BENCH_QUANTIZE=fp8: FLUX_BENCH_BUDGET=5MiB, as each slot also holds its
+#   unit expanded)
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="${1:?usage: bench_flux.sh OUT_DIR}/flux"
@@ -27,39 +33,72 @@ TEXT="${FLUX_BENCH_TEXT_TOKENS:-512}"
 STEPS="${FLUX_BENCH_STEPS:-6}"
 BUDGET="${FLUX_BENCH_BUDGET:-8GiB}"
 PEER="${FLUX_BENCH_PEER:-1}"
+QUANTIZE="${FLUX_BENCH_QUANTIZE:-none}"
 WORK="${FLUX_BENCH_WORK:-/dev/shm/lorastream-flux-bench-$$}"
+case "$QUANTIZE" in none|fp8|nf4) ;; *) echo "FLUX_BENCH_QUANTIZE must be none, fp8 or nf4"; exit 2 ;; esac
 mkdir -p "$OUT" "$WORK"
-trap 'rm -rf "$WORK"' EXIT
+STORE_PID=""
+cleanup() {
+  if [ -n "$STORE_PID" ]; then kill -TERM "$STORE_PID" 2>/dev/null; wait "$STORE_PID" 2>/dev/null; fi
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
 
 echo "== synth $PRESET ($DTYPE) and one $PIXELS image's caches ($TEXT text tokens) in $WORK"
 "$BIN/lorastream-synth" --preset "$PRESET" --presets-dir "$ROOT/configs/models" \
   --out "$WORK/model" --dtype "$DTYPE" \
   --flux-caches "$WORK/cache" --flux-cache-size "$PIXELS" --flux-text-tokens "$TEXT" || exit 1
 
-job() {  # NAME PLAN-LINE
+job() {  # NAME BASE-LINE PLAN-LINE
   cat > "$WORK/$1.toml" <<JOB
 [flux]
-checkpoint = "model/flux1.safetensors"
+$2
 cache_dir = "cache"
 output_dir = "out-$1"
 steps = $STEPS
 rank = 16
 learning_rate = 1e-5
 dtype = "$DTYPE"
-$2
+$3
 JOB
 }
-job resident "blocks_to_swap = 0"
-job streamed "gpu_memory_budget = \"$BUDGET\""
+CHECKPOINT='checkpoint = "model/flux1.safetensors"'
+job resident "$CHECKPOINT" "blocks_to_swap = 0"
+job streamed "$CHECKPOINT" "gpu_memory_budget = \"$BUDGET\""
+RUNS="resident streamed"
 
 status=0
-# The streamed job's plan also predicts the resident step (every plan command loads the
-# whole model: one is enough).
-echo "== plan: streamed within $BUDGET"
-"$BIN/lorastream-worker" plan "$WORK/streamed.toml" --device "$DEVICE" > "$OUT/plan_streamed.txt" \
-  2> "$OUT/plan_streamed.log" || { tail -20 "$OUT/plan_streamed.log"; status=1; }
-cat "$OUT/plan_streamed.txt"
-for name in resident streamed; do
+if [ "$QUANTIZE" != none ]; then
+  # The checkpoint served compressed; its jobs name the store (the worker attaches it).
+  STORE="flux-bench-$QUANTIZE-$$"
+  echo "== serve $PRESET --quantize $QUANTIZE as store $STORE"
+  "$BIN/lorastream-store" serve "$WORK/model/flux1.safetensors" --name "$STORE" \
+    --quantize "$QUANTIZE" > "$OUT/store_$QUANTIZE.log" 2>&1 &
+  STORE_PID=$!
+  for _ in $(seq 6000); do
+    grep -q '^published' "$OUT/store_$QUANTIZE.log" && break
+    kill -0 "$STORE_PID" 2>/dev/null || break
+    sleep 0.2
+  done
+  if grep '^published' "$OUT/store_$QUANTIZE.log"; then
+    job "resident_$QUANTIZE" "store = \"$STORE\"" "blocks_to_swap = 0"
+    job "streamed_$QUANTIZE" "store = \"$STORE\"" "gpu_memory_budget = \"$BUDGET\""
+    RUNS="$RUNS resident_$QUANTIZE streamed_$QUANTIZE"
+  else
+    echo "the $QUANTIZE store did not publish:"; tail -20 "$OUT/store_$QUANTIZE.log"; status=1
+  fi
+fi
+
+# Each streamed job's plan also predicts its base's resident step (every plan command loads
+# the whole model: one per base is enough).
+for name in $RUNS; do
+  case "$name" in streamed*) ;; *) continue ;; esac
+  echo "== plan: $name within $BUDGET"
+  "$BIN/lorastream-worker" plan "$WORK/$name.toml" --device "$DEVICE" > "$OUT/plan_$name.txt" \
+    2> "$OUT/plan_$name.log" || { tail -20 "$OUT/plan_$name.log"; status=1; }
+  cat "$OUT/plan_$name.txt"
+done
+for name in $RUNS; do
   echo "== train: $name"
   "$BIN/lorastream-worker" train "$WORK/$name.toml" --device "$DEVICE" --no-resume \
     > "$OUT/train_$name.txt" 2> "$OUT/train_$name.log" || { tail -20 "$OUT/train_$name.log"; status=1; }

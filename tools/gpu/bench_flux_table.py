@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """The table of tools/gpu/bench_flux.sh: reads OUT/flux/train_{resident,streamed}.log,
-plan_streamed.txt (the streamed plan and the resident step's prediction) and peer.json when
-the peer ran, and prints markdown: per run the measured step (median of
-the steps after the first two), the planner's prediction, the peak memory measured and
-estimated, the bytes copied per step; then the ratios the FLUX targets name.
+plan_streamed.txt (the streamed plan and the resident step's prediction), the same of a
+compressed store's runs when they ran (train_resident_fp8.log, plan_streamed_fp8.txt; nf4
+alike) and peer.json when the peer ran, and prints markdown: per run the measured step (median
+of the steps after the first two), the planner's prediction, the peak memory measured and
+estimated, the bytes copied per step; then the ratios the FLUX targets name, and a compressed
+store's steps against the plain store's.
 
 Usage: bench_flux_table.py OUT/flux STEPS
 """
@@ -58,13 +60,18 @@ def ratio(a, b):
 def main():
     out, total = sys.argv[1], int(sys.argv[2])
     runs = {}
-    # The streamed run's own plan (its log holds the table it chose from), else the plan
-    # command's; the resident step's prediction from the same figures.
-    planned = (summary(os.path.join(out, "train_streamed.log"))
-               or summary(os.path.join(out, "plan_streamed.txt")))
-    for name in ("resident", "streamed"):
+    names = ["resident", "streamed"]
+    for fmt_name in ("fp8", "nf4"):
+        if os.path.exists(os.path.join(out, f"train_resident_{fmt_name}.log")):
+            names += [f"resident_{fmt_name}", f"streamed_{fmt_name}"]
+    for name in names:
+        suffix = name[len("resident"):] if name.startswith("resident") else name[len("streamed"):]
+        # The streamed run's own plan (its log holds the table it chose from), else the plan
+        # command's; the resident step's prediction from the same figures.
+        planned = (summary(os.path.join(out, f"train_streamed{suffix}.log"))
+                   or summary(os.path.join(out, f"plan_streamed{suffix}.txt")))
         rows = steps(os.path.join(out, f"train_{name}.log"))
-        plan = planned if name == "streamed" else {
+        plan = planned if name.startswith("streamed") else {
             "predicted_ms": planned.get("resident_ms", float("nan")), "streamed": 0, "ring": 0}
         runs[name] = {
             "steps": len(rows),
@@ -102,8 +109,12 @@ def main():
     print(f"| streamed / resident | {fmt(ratio(s['seconds'], r['seconds']), 3)} | <= 1.15 (or the floor's) |")
     print(f"| streamed / PCIe floor | {fmt(ratio(s['seconds'], s['floor']), 3)} | <= 1.05 (or the resident's) |")
     print(f"| streamed peak / budget plan's estimate | {fmt(ratio(s['peak'], s['estimate']), 3)} | <= 1 |")
-    for name in ("resident", "streamed"):
+    for name in names:
         print(f"| {name}: predicted / measured | {fmt(ratio(runs[name]['predicted'], runs[name]['seconds']), 3)} | within 0.9 .. 1.1 |")
+    for name in names[2:]:
+        plain = runs[name.split("_")[0]]
+        print(f"| {name} / {name.split('_')[0]} (step) | {fmt(ratio(runs[name]['seconds'], plain['seconds']), 3)} | |")
+        print(f"| {name} / {name.split('_')[0]} (H2D per step) | {fmt(ratio(runs[name]['h2d'], plain['h2d']), 3)} | |")
     if peer:
         best = min((v["step_seconds"] for v in peer.get("runs", {}).values()
                     if v.get("step_seconds")), default=None)

@@ -17,7 +17,8 @@
 #                         into OUT/quant_fixtures, checked by the worker's quantised parity
 #                         test), flux (tools/gpu/bench_flux.sh: FLUX.1-dev's shape resident
 #                         and streamed within 8 GiB, with diffusers + peft from
-#                         .diffusers/src when there). Default: test
+#                         .diffusers/src when there; FLUX_BENCH_QUANTIZE=fp8|nf4: both again
+#                         on a compressed store). Default: test
 #   LORASTREAM_GPU_TARGETS  build only these targets (default: all)
 #   LORASTREAM_BUILD_DIR  build folder (default: build/); LORASTREAM_BUILD_TYPE (default
 #                         here: Release); LORASTREAM_DEBS, LORASTREAM_LIBTORCH: see setup.sh

@@ -46,6 +46,14 @@ at::Tensor BflTensor(const FluxCheckpointReader& source, const std::string& name
 FluxBase FluxBase::Load(const std::string& path, int64_t singles_per_unit, c10::ScalarType dtype,
                         c10::Device device) {
   const FluxCheckpointReader source = FluxCheckpointReader::Open(path);
+  for (const auto& [name, shape] : FluxAllShapes(source.config()))
+    for (const FluxCheckpointReader::Piece& p : source.Pieces(name))
+      if (p.entry->dtype == DType::kF8E4M3)
+        throw Error(ErrorCode::kUnsupported,
+                    path + ": tensor `" + p.entry->name +
+                        "` is fp8 (F8_E4M3); a job reads an fp8 FLUX checkpoint through a "
+                        "store: lorastream-store serve " +
+                        path + " --name NAME, then flux.store = \"NAME\"");
   FluxBase b;
   b.config_ = source.config();
   b.singles_per_unit_ = singles_per_unit;
@@ -81,9 +89,11 @@ FluxBase FluxBase::FromStore(const std::string& name, c10::ScalarType dtype, c10
     throw Error(ErrorCode::kRefused, where + " holds a " + m.config.model_type +
                                          " model, not FLUX.1 (flux.store names a store of a "
                                          "FLUX checkpoint: lorastream-store serve FLUX_PATH)");
-  if (m.quant().compressed())
-    throw Error(ErrorCode::kUnsupported, where + ": compressed FLUX blocks are not built");
-  if (m.dtype != DTypeOf(dtype))
+  // A compressed store's units are copied as stored and expanded into the compute dtype where
+  // they are used (the engine's manifest says that dtype); a plain store's are served as
+  // stored, so its dtype must be the job's.
+  const bool compressed = m.quant().compressed();
+  if (!compressed && m.dtype != DTypeOf(dtype))
     throw Error(ErrorCode::kRefused, where + " holds " + DTypeName(m.dtype) +
                                          " weights but the job computes in " +
                                          DTypeName(DTypeOf(dtype)) + ": set flux.dtype = \"" +
@@ -93,15 +103,21 @@ FluxBase FluxBase::FromStore(const std::string& name, c10::ScalarType dtype, c10
   b.config_ = m.flux;
   b.singles_per_unit_ = m.flux_singles_per_unit;
   b.manifest_ = m;  // the units stream straight from the read-only mapping
+  b.manifest_.dtype = DTypeOf(dtype);
   b.layouts_ = m.blocks;
   for (int u = 0; u < store->num_blocks(); ++u) b.unit_data_.push_back(store->block_data(u));
   for (const TensorSlice& t : m.rest.tensors) {
-    const at::Tensor view = at::from_blob(const_cast<uint8_t*>(store->rest_data() + t.offset),
-                                          t.shape, at::TensorOptions().dtype(dtype));
+    const at::Tensor view =
+        at::from_blob(const_cast<uint8_t*>(store->rest_data() + t.offset), t.shape,
+                      at::TensorOptions().dtype(ScalarTypeOf(t.dtype, t.name)));
     b.rest_[t.name] = view.to(device, dtype, /*non_blocking=*/false, /*copy=*/true);
   }
   b.store_ = std::move(store);
-  b.LogLoaded(where + " (" + (m.source_dir.empty() ? "shared memory" : m.source_dir) + ")");
+  b.LogLoaded(where + " (" + (m.source_dir.empty() ? "shared memory" : m.source_dir) +
+              (compressed ? ", linears " + DescribeQuant(m.quant()) + ", expanded to " +
+                                DTypeName(DTypeOf(dtype)) + " at each use"
+                          : std::string()) +
+              ")");
   return b;
 }
 

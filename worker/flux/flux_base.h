@@ -30,13 +30,16 @@ namespace lorastream::worker::flux {
 class FluxBase {
  public:
   // BFL's single file or a diffusers folder; any other layout is refused by name
-  // (DetectFluxCheckpoint).
+  // (DetectFluxCheckpoint), and so is an fp8 checkpoint (a store serves it: FromStore).
   static FluxBase Load(const std::string& path, int64_t singles_per_unit, c10::ScalarType dtype,
                        c10::Device device);
   // The FLUX.1 store `name` (lorastream-store serve FLUX_PATH), attached read-only: its units
   // stream from the shared mapping (nothing of them is copied in this process), packed as
   // the store fixed them (its singles_per_unit); the tensors outside the blocks are copied
-  // to `device`. Refuses (kRefused) an LLM store and a store of another dtype than `dtype`.
+  // to `device`. Refuses (kRefused) an LLM store and a plain store of another dtype than
+  // `dtype`. A compressed store (`serve --quantize`): its units are copied compressed and
+  // the engine expands their linears into `dtype` on the device at each use (a resident unit
+  // stays compressed on the device too: worker/stream/stream_engine.h), so any dtype goes.
   static FluxBase FromStore(const std::string& name, c10::ScalarType dtype, c10::Device device);
   // The base a job names: its flux.store, or its flux.checkpoint packed per its
   // flux.singles_per_unit.
@@ -47,7 +50,8 @@ class FluxBase {
   // Unit u's packed layout (full BFL tensor names), one contiguous segment per unit.
   const std::vector<SegmentInfo>& layouts() const { return layouts_; }
   // What the streaming engine is given: the same segments in a manifest of model_type
-  // "flux", so that each unit is served with its tensors by name (BlockWeights::named).
+  // "flux", so that each unit is served with its tensors by name (BlockWeights::named), in
+  // the compute dtype (a compressed unit's linears expanded into it: worker/model/quant_expand.h).
   const Manifest& engine_manifest() const { return manifest_; }
   const std::vector<const uint8_t*>& unit_bytes() const { return unit_data_; }
   const NamedTensors& rest() const { return rest_; }

@@ -17,6 +17,7 @@
 #include "common/job_spec.h"
 #include "common/log.h"
 #include "worker/flux/flux_model.h"
+#include "worker/model/quant_expand.h"
 #include "worker/model/torch_device.h"
 #include "worker/stream/stream_calibrate.h"
 #include "worker/stream/stream_provider.h"
@@ -63,7 +64,13 @@ FluxMemoryInputs FluxMemoryInputsFor(const FluxBase& base, const FluxJob& job,
   FluxMemoryInputs in;
   in.config = base.config();
   in.units = FluxUnits(in.config, base.singles_per_unit());
-  for (const auto& l : base.layouts()) in.unit_bytes.push_back(l.nbytes);
+  const bool compressed = base.engine_manifest().quant().compressed();
+  for (const auto& l : base.layouts()) {
+    in.unit_bytes.push_back(l.nbytes);
+    if (compressed)
+      in.expanded_bytes.push_back(static_cast<uint64_t>(ExpandedElements(l)) *
+                                  c10::elementSize(dtype));
+  }
   for (const auto& [name, t] : base.rest())
     in.rest_bytes += static_cast<uint64_t>(t.numel() * t.element_size());
   in.lora_params = LoraParams(in.config, FluxTargets(job.targets, "flux.targets"), job.rank);
@@ -111,8 +118,13 @@ StepCosts MeasureFluxCosts(const FluxBase& base, const FluxJob& job, const FluxM
         at::from_blob(const_cast<uint8_t*>(base.unit_bytes()[u]),
                       {static_cast<int64_t>(base.layouts()[u].nbytes)}, at::kByte)
             .to(device);
+    // A compressed unit computes with its expanded linears (expanding is measured apart).
+    const SegmentInfo& layout = base.layouts()[u];
+    at::Tensor expanded;
     const NamedTensors w =
-        BlockWeightsFromBytes(bytes, base.layouts()[u], BlockNaming::kByName).named;
+        HasCompressedWeights(layout)
+            ? ExpandBlock(bytes, layout, dtype, &expanded, BlockNaming::kByName).named
+            : BlockWeightsFromBytes(bytes, layout, BlockNaming::kByName).named;
     LoraMap lora;
     std::vector<at::Tensor> params;
     for (const auto& m : adapter.UnitModules(unit)) {
@@ -174,12 +186,22 @@ StepCosts MeasureFluxCosts(const FluxBase& base, const FluxJob& job, const FluxM
   uint64_t largest = 0;
   for (uint64_t bytes : in.unit_bytes) largest = std::max(largest, bytes);
   costs.h2d_bytes_per_second = MeasureH2DBandwidth(largest, device);
+  // A compressed store's unit expands on the device at its uses: the first unit measured,
+  // the others scaled by their expanded elements (expansion streams its bytes: linear in them).
+  double expand_ms = 0;
+  if (!in.expanded_bytes.empty()) {
+    costs.block_expand_seconds = MeasureBlockExpansion(
+        base.unit_bytes()[0], base.layouts()[0], device, dtype, gpu ? 5 : 2, BlockNaming::kByName);
+    for (uint64_t e : in.expanded_bytes)
+      costs.block_expand_scale.push_back(static_cast<double>(e) / in.expanded_bytes[0]);
+    expand_ms = costs.block_expand_seconds * 1e3;
+  }
   LS_LOG_INFO(
       "FLUX calibration on {} at {} image + {} text tokens x{}: double unit fwd {:.2f} ms, "
       "recompute+bwd {:.2f} ms; single unit ({} blocks) fwd {:.2f} ms, recompute+bwd {:.2f} ms; "
-      "optimizer {:.2f} ms; H2D {:.1f} GB/s",
+      "optimizer {:.2f} ms; H2D {:.1f} GB/s; expanding unit 0's compressed linears {:.2f} ms",
       device.str(), n, lt, b, double_fwd * 1e3, double_bwd * 1e3, single_count, single_fwd * 1e3,
-      single_bwd * 1e3, costs.tail_seconds * 1e3, costs.h2d_bytes_per_second / 1e9);
+      single_bwd * 1e3, costs.tail_seconds * 1e3, costs.h2d_bytes_per_second / 1e9, expand_ms);
   return costs;
 }
 
@@ -235,6 +257,9 @@ std::string DescribeFluxPlanning(const FluxPlanning& p) {
   s << "units: " << n_double << " double (" << FormatBytes(dbl) << " each) + " << n_single
     << " single (" << FormatBytes(sgl) << " each); rest " << FormatBytes(in.rest_bytes) << "; "
     << in.image_tokens << " image + " << in.text_tokens << " text tokens x" << in.batch << "\n";
+  if (!in.expanded_bytes.empty())
+    s << "compressed linears: copied as stored, expanded to " << FormatBytes(in.expanded_bytes[0])
+      << " (unit 0) at each use, " << p.costs.block_expand_seconds * 1e3 << " ms\n";
   const double bw = p.costs.h2d_bytes_per_second;
   s << (p.budget > 0 ? "budget " + FormatBytes(p.budget) : std::string("no budget: the job's plan"))
     << "; H2D " << bw / 1e9 << " GB/s\n";

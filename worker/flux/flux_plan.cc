@@ -22,8 +22,10 @@ std::vector<bool> Spread(int count, int streamed) {
 std::string FluxMemoryEstimate::Describe() const {
   std::ostringstream s;
   s << "rest " << FormatBytes(rest) << " + resident " << FormatBytes(resident) << " + ring "
-    << FormatBytes(ring) << " + adapter " << FormatBytes(adapter) << " + checkpoints "
-    << FormatBytes(checkpoints) << " + working max(fwd " << FormatBytes(forward_working) << ", bwd "
+    << FormatBytes(ring);
+  if (expansion > 0) s << " + expansion scratch " << FormatBytes(expansion);
+  s << " + adapter " << FormatBytes(adapter) << " + checkpoints " << FormatBytes(checkpoints)
+    << " + working max(fwd " << FormatBytes(forward_working) << ", bwd "
     << FormatBytes(backward_working) << ") + attention " << FormatBytes(attention) << " + reserve "
     << FormatBytes(reserve) << " = " << FormatBytes(total());
   return s.str();
@@ -44,6 +46,9 @@ FluxMemoryEstimate EstimateFluxMemory(const FluxMemoryInputs& in, const Residenc
   e.checkpoints = in.units.size() * bt * h * b + bt * static_cast<uint64_t>(c.head_dim()) * 8;
   uint64_t largest_unit_working = 0;
   for (size_t u = 0; u < in.units.size(); ++u) {
+    // A compressed unit holds its compressed bytes, resident or in a slot; its uses share one
+    // expansion scratch.
+    if (!in.expanded_bytes.empty()) e.expansion = std::max(e.expansion, in.expanded_bytes[u]);
     if (plan.streamed[u])
       e.slot = std::max(e.slot, in.unit_bytes[u]);
     else

@@ -8,7 +8,9 @@
 //
 // The estimate per step (B images of N image tokens and L text tokens, T = N + L, H hidden,
 // M MLP width, b bytes per compute element, P LoRA parameters):
-//   weights      rest (embedders, final layer) + resident units + R x (largest streamed unit)
+//   weights      rest (embedders, final layer) + resident units + R x (largest streamed unit);
+//                a compressed store's units as stored (resident and in slots), every use
+//                expanding its linears into one scratch of the largest unit's (compute dtype)
 //   adapter      P x 16 (f32 master weights, gradients and AdamW's two moments)
 //   checkpoints  units x B T H b: each unit's input streams, kept by the checkpointed units,
 //                plus the rotary table (B T head_dim x 8: f32 [.., 2, 2] pairs)
@@ -39,9 +41,12 @@ namespace lorastream::worker::flux {
 struct FluxMemoryInputs {
   FluxConfig config;
   std::vector<FluxUnit> units;       // FluxUnits(config, singles_per_unit)
-  std::vector<uint64_t> unit_bytes;  // each unit's bytes as copied (in the compute dtype)
-  uint64_t rest_bytes = 0;           // the tensors outside the blocks, on the device
-  int64_t lora_params = 0;           // A and B of every adapted module
+  std::vector<uint64_t> unit_bytes;  // each unit's bytes as copied (compute dtype, or compressed)
+  // Of a compressed store: each unit's linears expanded, in bytes of the compute dtype
+  // (worker/model/quant_expand.h); empty: the units are plain.
+  std::vector<uint64_t> expanded_bytes;
+  uint64_t rest_bytes = 0;  // the tensors outside the blocks, on the device
+  int64_t lora_params = 0;  // A and B of every adapted module
   int64_t batch = 1;
   int64_t image_tokens = 0;  // of the largest bucket: (H / 16) (W / 16)
   int64_t text_tokens = 0;   // T5 tokens per caption (512 for FLUX.1-dev)
@@ -53,8 +58,9 @@ struct FluxMemoryInputs {
 struct FluxMemoryEstimate {
   uint64_t rest = 0, resident = 0, ring = 0, adapter = 0, checkpoints = 0, forward_working = 0,
            backward_working = 0, attention = 0, reserve = 0;
-  uint64_t slot = 0;  // one slot: the largest streamed unit (0: none streams)
-  uint64_t fixed() const { return rest + resident + adapter + checkpoints + reserve; }
+  uint64_t slot = 0;       // one slot: the largest streamed unit (0: none streams)
+  uint64_t expansion = 0;  // a compressed store's one expansion scratch (its largest unit's)
+  uint64_t fixed() const { return rest + resident + expansion + adapter + checkpoints + reserve; }
   uint64_t forward() const { return fixed() + ring + forward_working + attention; }
   uint64_t backward() const { return fixed() + ring + backward_working + attention; }
   uint64_t total() const { return std::max(forward(), backward()); }

@@ -33,6 +33,10 @@ const at::Tensor* BlockWeightField(const BlockWeights& w, const std::string& nam
   return BlockWeightField(const_cast<BlockWeights&>(w), name);
 }
 
+at::Tensor* BlockWeightSlot(BlockWeights& w, const std::string& name, BlockNaming naming) {
+  return naming == BlockNaming::kByName ? &w.named[name] : BlockWeightField(w, name);
+}
+
 BlockNaming BlockNamingOf(const Manifest& manifest) {
   return manifest.config.model_type == kFluxModelType ? BlockNaming::kByName
                                                       : BlockNaming::kLlmFields;
@@ -50,8 +54,7 @@ BlockWeights BlockWeightsFromBytes(const at::Tensor& bytes, const SegmentInfo& l
                     std::to_string(layout.nbytes) + " bytes");
   BlockWeights w;
   for (const auto& t : layout.tensors) {
-    at::Tensor* field =
-        naming == BlockNaming::kByName ? &w.named[t.name] : BlockWeightField(w, t.name);
+    at::Tensor* field = BlockWeightSlot(w, t.name, naming);
     if (field == nullptr)
       throw Error(ErrorCode::kCorrupt,
                   "segment " + layout.shm_name + ": unexpected tensor `" + t.name + "` in a block");

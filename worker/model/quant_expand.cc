@@ -96,7 +96,7 @@ at::Tensor ExpandWeight(const at::Tensor& bytes, const SegmentInfo& layout,
 }
 
 BlockWeights PlainBlockWeights(const at::Tensor& bytes, const SegmentInfo& layout,
-                               c10::ScalarType dtype) {
+                               c10::ScalarType dtype, BlockNaming naming) {
   // Their own layout without the compressed weights and scales.
   SegmentInfo plain = layout;
   plain.tensors.clear();
@@ -108,16 +108,16 @@ BlockWeights PlainBlockWeights(const at::Tensor& bytes, const SegmentInfo& layou
   for (const TensorSlice& t : layout.tensors)
     if (!t.quant.compressed() && std::find(aux.begin(), aux.end(), t.name) == aux.end())
       plain.tensors.push_back(t);
-  BlockWeights w = BlockWeightsFromBytes(bytes, plain);
+  BlockWeights w = BlockWeightsFromBytes(bytes, plain, naming);
   for (const TensorSlice& t : plain.tensors) {
-    at::Tensor* field = BlockWeightField(w, t.name);
+    at::Tensor* field = BlockWeightSlot(w, t.name, naming);
     if (field->scalar_type() != dtype) *field = field->to(dtype);
   }
   return w;
 }
 
 void ExpandProjections(const at::Tensor& bytes, const SegmentInfo& layout, c10::ScalarType dtype,
-                       at::Tensor* buffer, BlockWeights* w) {
+                       at::Tensor* buffer, BlockWeights* w, BlockNaming naming) {
   const int64_t total = ExpandedElements(layout);
   const auto options = bytes.options().dtype(dtype);
   if (!buffer->defined() || buffer->scalar_type() != dtype || buffer->device() != bytes.device() ||
@@ -139,22 +139,23 @@ void ExpandProjections(const at::Tensor& bytes, const SegmentInfo& layout, c10::
       ExpandInto(bytes, layout, t, reinterpret_cast<uint16_t*>(staging.data_ptr()));
       dst.copy_(staging.narrow(0, 0, n));
     }
-    *BlockWeightField(*w, t.name) = dst.view(t.shape);
+    *BlockWeightSlot(*w, t.name, naming) = dst.view(t.shape);
   }
 }
 
 double MeasureBlockExpansion(const uint8_t* host_bytes, const SegmentInfo& layout,
-                             c10::Device device, c10::ScalarType dtype, int reps) {
+                             c10::Device device, c10::ScalarType dtype, int reps,
+                             BlockNaming naming) {
   const at::Tensor bytes =
       at::from_blob(const_cast<uint8_t*>(host_bytes), {static_cast<int64_t>(layout.nbytes)},
                     at::TensorOptions().dtype(at::kByte))
           .to(device);
   at::Tensor buffer;
-  BlockWeights w = PlainBlockWeights(bytes, layout, dtype);
+  BlockWeights w = PlainBlockWeights(bytes, layout, dtype, naming);
   std::vector<double> seconds;
   for (int r = 0; r <= reps; ++r) {
     const auto start = std::chrono::steady_clock::now();
-    ExpandProjections(bytes, layout, dtype, &buffer, &w);
+    ExpandProjections(bytes, layout, dtype, &buffer, &w, naming);
     (void)buffer.narrow(0, 0, 1).item<float>();  // waits for the device's queue
     if (r > 0)
       seconds.push_back(
@@ -165,9 +166,9 @@ double MeasureBlockExpansion(const uint8_t* host_bytes, const SegmentInfo& layou
 }
 
 BlockWeights ExpandBlock(const at::Tensor& bytes, const SegmentInfo& layout, c10::ScalarType dtype,
-                         at::Tensor* buffer) {
-  BlockWeights w = PlainBlockWeights(bytes, layout, dtype);
-  ExpandProjections(bytes, layout, dtype, buffer, &w);
+                         at::Tensor* buffer, BlockNaming naming) {
+  BlockWeights w = PlainBlockWeights(bytes, layout, dtype, naming);
+  ExpandProjections(bytes, layout, dtype, buffer, &w, naming);
   return w;
 }
 

@@ -25,24 +25,28 @@ bool HasCompressedWeights(const SegmentInfo& layout);
 // projection expanded into `*buffer` (reused when it is large enough and of `dtype` on that
 // device, else allocated), every other tensor a view of `bytes`, converted to `dtype` when it
 // is stored otherwise. On a GPU the expansion is enqueued on the current stream. The layout
-// must be one a manifest reader accepted (QuantLayoutProblem empty).
+// must be one a manifest reader accepted (QuantLayoutProblem empty). `naming` says where each
+// tensor goes (block_provider.h): an LLM block's fields, or a FLUX unit's `named` entries
+// under the segment's names, the expanded projections included.
 BlockWeights ExpandBlock(const at::Tensor& bytes, const SegmentInfo& layout, c10::ScalarType dtype,
-                         at::Tensor* buffer);
+                         at::Tensor* buffer, BlockNaming naming = BlockNaming::kLlmFields);
 
 // The two halves of ExpandBlock, for a block kept compressed on the device and expanded per
 // use (worker/stream/stream_engine.h): its plain tensors (views of `bytes`, converted to
 // `dtype` when stored otherwise: done once), the compressed projections left undefined; then,
 // per use, the projections expanded into `*buffer` (as ExpandBlock) and set in `*weights`.
 BlockWeights PlainBlockWeights(const at::Tensor& bytes, const SegmentInfo& layout,
-                               c10::ScalarType dtype);
+                               c10::ScalarType dtype, BlockNaming naming = BlockNaming::kLlmFields);
 void ExpandProjections(const at::Tensor& bytes, const SegmentInfo& layout, c10::ScalarType dtype,
-                       at::Tensor* buffer, BlockWeights* weights);
+                       at::Tensor* buffer, BlockWeights* weights,
+                       BlockNaming naming = BlockNaming::kLlmFields);
 
 // Seconds to expand the compressed projections of a block of `layout` (its packed bytes at
 // `host_bytes`, copied to `device` once) into `dtype` on `device`: the median of `reps` after
 // a warm-up. Each use of a compressed block costs one (the cost model's figure).
 double MeasureBlockExpansion(const uint8_t* host_bytes, const SegmentInfo& layout,
-                             c10::Device device, c10::ScalarType dtype, int reps = 5);
+                             c10::Device device, c10::ScalarType dtype, int reps = 5,
+                             BlockNaming naming = BlockNaming::kLlmFields);
 
 // The expansion of a single compressed weight `weight` of `layout` into a new bf16 tensor
 // (its logical shape) on the device of `bytes`.

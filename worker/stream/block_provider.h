@@ -43,6 +43,9 @@ BlockWeights BlockWeightsFromBytes(const at::Tensor& bytes, const SegmentInfo& l
 // nullptr when BlockWeights has none of that name.
 at::Tensor* BlockWeightField(BlockWeights& weights, const std::string& name);
 const at::Tensor* BlockWeightField(const BlockWeights& weights, const std::string& name);
+// Where the tensor `name` of a segment goes under `naming`: its LLM field (nullptr when there
+// is none of that name), or its entry of `named` (created when absent).
+at::Tensor* BlockWeightSlot(BlockWeights& weights, const std::string& name, BlockNaming naming);
 
 class BlockProvider {
  public:

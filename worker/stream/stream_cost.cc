@@ -81,6 +81,9 @@ PredictedStep PredictStep(const ResidencyPlan& plan, const std::vector<uint64_t>
   LS_CHECK(static_cast<int>(block_bytes.size()) == num_blocks, "block sizes and plan differ");
   LS_CHECK(costs.block_scale.empty() || static_cast<int>(costs.block_scale.size()) == num_blocks,
            "block scales and plan differ");
+  LS_CHECK(costs.block_expand_scale.empty() ||
+               static_cast<int>(costs.block_expand_scale.size()) == num_blocks,
+           "block expansion scales and plan differ");
   const double bandwidth = costs.h2d_bytes_per_second;
   std::vector<int> slots(plan.max_slots(), -1);
   std::vector<double> slot_ready(plan.max_slots(), 0.0);  // when the slot's last copy lands
@@ -127,8 +130,10 @@ PredictedStep PredictStep(const ResidencyPlan& plan, const std::vector<uint64_t>
       // compute.
       const bool expands = u == 0 || p.uses[u - 1].block != use.block;
       const double scale = costs.block_scale.empty() ? 1.0 : costs.block_scale[use.block];
+      const double expand_scale =
+          costs.block_expand_scale.empty() ? 1.0 : costs.block_expand_scale[use.block];
       compute =
-          begin + (expands ? costs.block_expand_seconds : 0.0) +
+          begin + (expands ? costs.block_expand_seconds * expand_scale : 0.0) +
           scale * (!use.backward ? costs.block_forward_seconds
                    : taped
                        ? std::max(0.0, costs.block_backward_seconds - costs.block_forward_seconds)

@@ -38,6 +38,9 @@ struct StepCosts {
   // use that expands: each use but the turnaround's second (the forward's last block is the
   // backward's first), resident or streamed. 0: the blocks are plain.
   double block_expand_seconds = 0;
+  // Blocks whose compressed bytes differ (FLUX.1's units): block i expands in
+  // block_expand_scale[i] times block_expand_seconds. Empty: every block 1.
+  std::vector<double> block_expand_scale;
   // A step that streams nothing replays a CUDA graph (worker/train/micro_batch_runner.h) in this
   // fraction of the eager step the figures above add up to: measured, 1 without graphs.
   double graph_factor = 1;

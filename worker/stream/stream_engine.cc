@@ -241,7 +241,7 @@ const BlockWeights& StreamEngine::Acquire(int block) {
     if (!scratch_.defined())
       scratch_ = at::empty({scratch_elements_}, bytes.options().dtype(dtype_));
     scratch_weights_ = *weights;
-    ExpandProjections(bytes, layouts_[block], dtype_, &scratch_, &scratch_weights_);
+    ExpandProjections(bytes, layouts_[block], dtype_, &scratch_, &scratch_weights_, naming_);
     RefuseTrainableBaseWeights(scratch_weights_, block);
     scratch_block_ = block;
   }
@@ -250,7 +250,7 @@ const BlockWeights& StreamEngine::Acquire(int block) {
 
 BlockWeights StreamEngine::WeightsOf(const at::Tensor& bytes, int block) const {
   if (!compressed_[block]) return BlockWeightsFromBytes(bytes, layouts_[block], naming_);
-  return PlainBlockWeights(bytes, layouts_[block], dtype_);
+  return PlainBlockWeights(bytes, layouts_[block], dtype_, naming_);
 }
 
 void StreamEngine::Release(int block) {
