@@ -179,10 +179,15 @@ int main(int argc, char** argv) {
     if (!store_user.empty()) store::SetTrustedStoreOwner(LookupUser(store_user).uid);
     const bool flux_job =
         *train_cmd && std::any_of(job_paths.begin(), job_paths.end(), IsFluxJobFile);
-    if (flux_job && job_paths.size() > 1)
-      throw Error(ErrorCode::kInvalidArgument,
-                  "a [flux] job trains alone: job groups are for the LLM families");
-    if (flux_job) {  // a [flux] job: FLUX.1 from caches
+    if (flux_job)
+      for (const std::string& path : job_paths)
+        if (!IsFluxJobFile(path))
+          throw Error(ErrorCode::kInvalidArgument,
+                      path +
+                          " is not a FLUX job ([flux]) but another job file is: a group "
+                          "trains FLUX.1 jobs with FLUX.1 jobs on one base, LLM jobs with LLM "
+                          "jobs");
+    if (flux_job) {  // [flux] jobs: FLUX.1 from caches, several as one group
       flux::FluxTrainOptions flux_train;
       flux_train.device = train.device;
       flux_train.threads = train.threads;
@@ -190,7 +195,7 @@ int main(int argc, char** argv) {
       flux_train.stop = &g_train_stop_signal;
       std::signal(SIGINT, OnTrainStopSignal);
       std::signal(SIGTERM, OnTrainStopSignal);
-      return flux::RunFluxTrainCommand(job_paths[0], flux_train);
+      return flux::RunFluxTrainCommand(job_paths, flux_train);
     }
     if (*train_cmd) {
       train.resume = !no_resume;
