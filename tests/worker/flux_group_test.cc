@@ -18,8 +18,12 @@
 #include "tests/support/flux_checkpoint.h"
 #include "tests/support/test_support.h"
 #include "tests/worker/worker_test_util.h"
+#include "worker/flux/flux_base.h"
+#include "worker/flux/flux_calibrate.h"
 #include "worker/flux/flux_checkpoint.h"
+#include "worker/flux/flux_data.h"
 #include "worker/flux/flux_group.h"
+#include "worker/flux/flux_plan.h"
 #include "worker/flux/flux_train.h"
 
 using namespace lorastream;
@@ -261,4 +265,55 @@ TEST_CASE("lorastream-worker train A.toml B.toml: FLUX jobs as one group; FLUX w
                 d + "/log2");
   CHECK(code != 0);
   CHECK_THAT(ReadFile(d + "/log2"), Catch::Contains("is not a FLUX job"));
+}
+
+TEST_CASE(
+    "flux group: a budget plans for every job's activations; a group beyond it is refused naming "
+    "the job and by how much",
+    "[worker][flux][group]") {
+  TempDir dir("flux-group-budget");
+  const std::string d = dir.str();
+  WriteModelAndCaches(d);
+  FluxJob a = JobA(d), b = JobB(d);
+  const FluxBase base = FluxBase::Load(a.checkpoint, 2, at::kFloat, at::kCPU);
+  const FluxDataset data_a(a.cache_dir, base.config()), data_b(b.cache_dir, base.config());
+  const FluxMemoryInputs in_a = FluxMemoryInputsFor(base, a, data_a, at::kCPU, at::kFloat);
+  const FluxMemoryInputs in_b = FluxMemoryInputsFor(base, b, data_b, at::kCPU, at::kFloat);
+  FluxMemoryInputs group = in_a;
+  group.group.push_back({"b", in_b.lora_params, in_b.batch, in_b.image_tokens, in_b.text_tokens});
+  const ResidencyPlan smallest = FluxResidency(in_a, 2, 2, 1);
+  const FluxMemoryEstimate alone = EstimateFluxMemory(in_a, smallest);
+  const FluxMemoryEstimate both = EstimateFluxMemory(group, smallest);
+  const FluxMemoryEstimate only_b = EstimateFluxMemory(in_b, smallest);
+  // The weights and ring once; each job's adapter; the larger working set.
+  CHECK(both.ring == alone.ring);
+  CHECK(both.adapter == alone.adapter + only_b.adapter);
+  CHECK(both.checkpoints > alone.checkpoints + only_b.checkpoints);
+  CHECK(both.backward_working == std::max(alone.backward_working, only_b.backward_working));
+  CHECK(both.total() > alone.total());
+
+  // A budget between the two: A alone fits, the group does not, and B is named.
+  const uint64_t budget = (alone.total() + both.total()) / 2;
+  CHECK(FluxGroupBudgetRefusal(in_a, budget, "a").empty());
+  const std::string why = FluxGroupBudgetRefusal(group, budget, "a");
+  CHECK_THAT(why, Catch::Contains("job b does not fit in the FLUX group beside the 1 before it") &&
+                      Catch::Contains(std::to_string(both.total() - budget) + " bytes) more"));
+  for (FluxJob* j : {&a, &b}) j->gpu_memory_budget = budget;
+  a.output_dir = d + "/a";
+  b.output_dir = d + "/b";
+  CHECK_THAT(lorastream::testing::ErrorMessageOf([&] {
+               RunFluxGroupTraining({GroupJob{FluxJobSpec(a, "a"), {}, {}, ""},
+                                     GroupJob{FluxJobSpec(b, "b"), {}, {}, ""}},
+                                    {});
+             }),
+             Catch::Contains("job b does not fit in the FLUX group"));
+  // Within a budget the group fits (some units streamed), each job trains as alone.
+  for (FluxJob* j : {&a, &b}) j->gpu_memory_budget = both.total() + 1;
+  a.output_dir = d + "/alone-a";
+  const FluxTrainResult alone_a = TrainFlux(a, {});
+  a.output_dir = d + "/group-a";
+  const GroupRun run = TrainGroup({{"a", a}, {"b", b}});
+  for (const auto& out : run.outcomes) CHECK(!out.error);
+  CheckSameAsAlone(run.steps.at("a"), alone_a, a.output_dir);
+  CHECK(run.steps.at("a")[0].copies > 0);
 }

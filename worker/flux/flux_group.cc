@@ -244,6 +244,28 @@ class FluxGroupTrainer::Job {
   double lr_ = 0.0;
 };
 
+namespace {
+
+// The other jobs a budget plans for: each one's memory and measured costs at its own shape.
+FluxPlanGroup PlanGroupOf(const FluxBase& base, const JobSpec& first,
+                          const std::vector<JobSpec>& others, c10::Device device,
+                          c10::ScalarType dtype) {
+  FluxPlanGroup group;
+  group.first_name = first.name;
+  if (others.empty() || FluxJobBudget(first.flux, device) == 0) return group;
+  for (const JobSpec& spec : others) {
+    FluxJob job = spec.flux;
+    job.singles_per_unit = base.singles_per_unit();
+    const FluxDataset data(job.cache_dir, base.config());
+    const FluxMemoryInputs in = FluxMemoryInputsFor(base, job, data, device, dtype);
+    group.members.push_back({spec.name, in.lora_params, in.batch, in.image_tokens, in.text_tokens});
+    group.costs.push_back(MeasureFluxCosts(base, job, in, data, device, dtype));
+  }
+  return group;
+}
+
+}  // namespace
+
 FluxGroupTrainer::FluxGroupTrainer(const JobSpec& first, const FluxGroupOptions& options)
     : shared_(std::make_unique<Shared>()) {
   Shared& g = *shared_;
@@ -264,7 +286,9 @@ FluxGroupTrainer::FluxGroupTrainer(const JobSpec& first, const FluxGroupOptions&
   FluxJob planned = first.flux;
   planned.singles_per_unit = g.base->singles_per_unit();
   g.first_data = std::make_shared<const FluxDataset>(planned.cache_dir, g.base->config());
-  const FluxPlanning planning = PlanFluxJob(*g.base, planned, *g.first_data, g.device, g.dtype);
+  const FluxPlanning planning = PlanFluxJob(
+      *g.base, planned, *g.first_data, g.device, g.dtype,
+      /*predict=*/false, PlanGroupOf(*g.base, first, options.plan_group, g.device, g.dtype));
   g.streamed = planning.plan.num_streamed();
   g.engine = g.base->MakeEngine(planning.plan, g.device, options.engine);
   g.model = std::make_unique<FluxModel>(g.base->config(), g.base->rest(), g.engine.get(),
@@ -341,7 +365,7 @@ std::vector<GroupJobOutcome> RunFluxGroupTraining(std::vector<GroupJob> jobs,
                                                   const FluxGroupOptions& options) {
   FluxGroupOptions group_options = options;
   if (group_options.plan_group.empty())  // the plan leaves room for every job given
-    for (size_t j = 1; j < jobs.size(); ++j) group_options.plan_group.push_back(jobs[j].spec.flux);
+    for (size_t j = 1; j < jobs.size(); ++j) group_options.plan_group.push_back(jobs[j].spec);
   return TrainAsGroup<FluxGroupTrainer>(std::move(jobs), group_options);
 }
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/flux_job.h"
+#include "common/job_spec.h"
 #include "common/step_stats.h"
 #include "common/user_access.h"
 #include "worker/stream/stream_engine.h"
@@ -37,7 +38,7 @@ struct FluxGroupOptions {
   // A group's jobs besides the first, known when it forms (`train A.toml B.toml`): a budget
   // (flux.gpu_memory_budget) plans for their memory and compute too, and a group that cannot
   // fit is refused naming the job.
-  std::vector<FluxJob> plan_group;
+  std::vector<JobSpec> plan_group;
 };
 
 struct FluxTrainOptions : FluxGroupOptions {
