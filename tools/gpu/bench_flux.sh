@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # FLUX.1 LoRA training on one GPU: the resident step, the step streamed within a memory budget
 # (the planner's choice), the chosen plan's PCIe floor (bytes copied per step / measured
-# bandwidth) and its predicted step, with diffusers + peft as the peer when its source is
-# there. Random FLUX.1-dev-shaped weights (lorastream-synth --preset flux1-dev, all 19 + 38
+# bandwidth) and its predicted step, a job group of K such jobs streamed within the same
+# budget (its step against K x one job's, and its bytes copied per step), with diffusers +
+# peft as the peer when its source is there. Random FLUX.1-dev-shaped weights (lorastream-synth --preset flux1-dev, all 19 + 38
 # blocks), one cached 1024x1024 image (4096 image tokens) with 512 T5 tokens, rank 16 on
 # every linear layer of the blocks, batch 1, bf16. Writes OUT/flux/: the plans, the training
 # logs and bench_flux.md (a markdown table of the figures and their ratios).
@@ -11,7 +12,8 @@
 #   FLUX_BENCH_PRESET (flux1-dev)  FLUX_BENCH_DEVICE (cuda)  FLUX_BENCH_DTYPE (bf16)
 #   FLUX_BENCH_PIXELS (1024x1024)  FLUX_BENCH_TEXT_TOKENS (512)  FLUX_BENCH_STEPS (6; the
 #   first two are warm-up)  FLUX_BENCH_BUDGET (8GiB)  FLUX_BENCH_WORK (a folder under
-#   /dev/shm, removed at the end)  FLUX_BENCH_PEER (1: diffusers + peft when
+#   /dev/shm, removed at the end)  FLUX_BENCH_GROUP (2: the jobs of the group row; 0 or 1:
+#   no group row)  FLUX_BENCH_GROUP_BUDGET (FLUX_BENCH_BUDGET)  FLUX_BENCH_PEER (1: diffusers + peft when
 #   $ROOT/.diffusers/src imports; 0: skip)  LORASTREAM_BUILD_DIR (build/)
 # On a CPU, with flux-tiny: FLUX_BENCH_PRESET=flux-tiny FLUX_BENCH_DEVICE=cpu
 #   FLUX_BENCH_DTYPE=f32 FLUX_BENCH_PIXELS=64x64 FLUX_BENCH_TEXT_TOKENS=8 FLUX_BENCH_BUDGET=4MiB
@@ -26,6 +28,8 @@ PIXELS="${FLUX_BENCH_PIXELS:-1024x1024}"
 TEXT="${FLUX_BENCH_TEXT_TOKENS:-512}"
 STEPS="${FLUX_BENCH_STEPS:-6}"
 BUDGET="${FLUX_BENCH_BUDGET:-8GiB}"
+GROUP="${FLUX_BENCH_GROUP:-2}"
+GROUP_BUDGET="${FLUX_BENCH_GROUP_BUDGET:-$BUDGET}"
 PEER="${FLUX_BENCH_PEER:-1}"
 WORK="${FLUX_BENCH_WORK:-/dev/shm/lorastream-flux-bench-$$}"
 mkdir -p "$OUT" "$WORK"
@@ -36,8 +40,9 @@ echo "== synth $PRESET ($DTYPE) and one $PIXELS image's caches ($TEXT text token
   --out "$WORK/model" --dtype "$DTYPE" \
   --flux-caches "$WORK/cache" --flux-cache-size "$PIXELS" --flux-text-tokens "$TEXT" || exit 1
 
-job() {  # NAME PLAN-LINE
+job() {  # NAME PLAN-LINES
   cat > "$WORK/$1.toml" <<JOB
+name = "$1"
 [flux]
 checkpoint = "model/flux1.safetensors"
 cache_dir = "cache"
@@ -65,6 +70,21 @@ for name in resident streamed; do
     > "$OUT/train_$name.txt" 2> "$OUT/train_$name.log" || { tail -20 "$OUT/train_$name.log"; status=1; }
   grep -oE "step [0-9]+/.*" "$OUT/train_$name.log"
 done
+
+# The group: K jobs of the streamed job's shape (each its own seed and output) as one group
+# within the group's budget; each unit is copied once per step for all of them.
+if [ "$GROUP" -ge 2 ]; then
+  group_jobs=()
+  for k in $(seq 1 "$GROUP"); do
+    job "group$k" "gpu_memory_budget = \"$GROUP_BUDGET\"
+seed = $k"
+    group_jobs+=("$WORK/group$k.toml")
+  done
+  echo "== train: a group of $GROUP jobs within $GROUP_BUDGET"
+  "$BIN/lorastream-worker" train "${group_jobs[@]}" --device "$DEVICE" --no-resume \
+    > "$OUT/train_group.txt" 2> "$OUT/train_group.log" || { tail -20 "$OUT/train_group.log"; status=1; }
+  grep -oE "job group1: step [0-9]+/.*" "$OUT/train_group.log"
+fi
 
 if [ "$PEER" = 1 ] && PYTHONPATH="$ROOT/.diffusers/src" python3 -c "import diffusers, peft, torch" 2>/dev/null; then
   echo "== peer: diffusers + peft"
