@@ -240,8 +240,10 @@ TEST_CASE(
   CHECK(ReadFile(resumed.kohya_path) == ReadFile(full.kohya_path));
 }
 
-TEST_CASE("lorastream-worker train A.toml B.toml: FLUX jobs as one group; FLUX with LLM refused",
-          "[worker][flux][group]") {
+TEST_CASE(
+    "lorastream-worker train and plan A.toml B.toml: FLUX jobs as one group; FLUX with LLM "
+    "refused",
+    "[worker][flux][group]") {
   TempDir dir("flux-group-cmd");
   const std::string d = dir.str();
   WriteModelAndCaches(d);
@@ -265,6 +267,16 @@ TEST_CASE("lorastream-worker train A.toml B.toml: FLUX jobs as one group; FLUX w
                 d + "/log2");
   CHECK(code != 0);
   CHECK_THAT(ReadFile(d + "/log2"), Catch::Contains("is not a FLUX job"));
+  // `plan` on both: the group's table.
+  const std::string table = RunAndCapture(
+      {bin, "plan", d + "/a.toml", d + "/b.toml", "--device", "cpu"}, &code, 120, d + "/log3");
+  CHECK(code == 0);
+  CHECK_THAT(table, Catch::Contains("a group of 2 FLUX jobs (job-a and 1 more)") &&
+                        Catch::Contains("chosen: swap 0"));
+  RunAndCapture({bin, "plan", d + "/a.toml", d + "/llm.toml", "--device", "cpu"}, &code, 60,
+                d + "/log4");
+  CHECK(code != 0);
+  CHECK_THAT(ReadFile(d + "/log4"), Catch::Contains("FLUX.1 jobs share a group only with FLUX.1"));
 }
 
 TEST_CASE(

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <thread>
 
 #include <torch/csrc/autograd/autograd.h>
@@ -246,13 +247,14 @@ class FluxGroupTrainer::Job {
 
 namespace {
 
-// The other jobs a budget plans for: each one's memory and measured costs at its own shape.
+// The other jobs a budget plans for (or, with `always`, a plan predicts for): each one's memory
+// and measured costs at its own shape.
 FluxPlanGroup PlanGroupOf(const FluxBase& base, const JobSpec& first,
                           const std::vector<JobSpec>& others, c10::Device device,
-                          c10::ScalarType dtype) {
+                          c10::ScalarType dtype, bool always = false) {
   FluxPlanGroup group;
   group.first_name = first.name;
-  if (others.empty() || FluxJobBudget(first.flux, device) == 0) return group;
+  if (others.empty() || (!always && FluxJobBudget(first.flux, device) == 0)) return group;
   for (const JobSpec& spec : others) {
     FluxJob job = spec.flux;
     job.singles_per_unit = base.singles_per_unit();
@@ -367,6 +369,31 @@ std::vector<GroupJobOutcome> RunFluxGroupTraining(std::vector<GroupJob> jobs,
   if (group_options.plan_group.empty())  // the plan leaves room for every job given
     for (size_t j = 1; j < jobs.size(); ++j) group_options.plan_group.push_back(jobs[j].spec);
   return TrainAsGroup<FluxGroupTrainer>(std::move(jobs), group_options);
+}
+
+int RunFluxGroupPlanCommand(const std::vector<std::string>& job_paths,
+                            const std::string& device_name) {
+  std::vector<JobSpec> specs;
+  for (const std::string& path : job_paths) {
+    specs.push_back(LoadJobSpec(path));
+    const std::string why = GroupRefusal(specs.front(), specs.back(), device_name);
+    if (!why.empty()) throw Error(ErrorCode::kRefused, path + ": " + why);
+  }
+  at::set_num_threads(static_cast<int>(std::thread::hardware_concurrency()));
+  const c10::Device device = TorchDevice(ParseDevice(device_name));
+  FluxJob job = specs.front().flux;
+  const c10::ScalarType dtype = ComputeDtype(job);
+  const FluxBase base = FluxBase::ForJob(job, dtype, device);
+  job.singles_per_unit = base.singles_per_unit();
+  const FluxDataset data(job.cache_dir, base.config());
+  const std::vector<JobSpec> others(specs.begin() + 1, specs.end());
+  const FluxPlanning p =
+      PlanFluxJob(base, job, data, device, dtype, /*predict=*/true,
+                  PlanGroupOf(base, specs.front(), others, device, dtype, /*always=*/true));
+  std::printf("a group of %zu FLUX jobs (%s and %zu more): every job's memory and compute\n%s",
+              specs.size(), specs.front().name.c_str(), others.size(),
+              DescribeFluxPlanning(p).c_str());
+  return 0;
 }
 
 }  // namespace lorastream::worker::flux

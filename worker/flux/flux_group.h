@@ -22,6 +22,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "worker/flux/flux_train.h"
@@ -64,5 +65,10 @@ class FluxGroupTrainer final : public TrainingGroup {
 // the caller set it).
 std::vector<GroupJobOutcome> RunFluxGroupTraining(std::vector<GroupJob> jobs,
                                                   const FluxGroupOptions& options);
+
+// `lorastream-worker plan A.toml B.toml ...` on FLUX jobs: the group's plans (the first job's
+// table with every job's memory and measured compute); jobs that cannot share a group are
+// refused naming the key.
+int RunFluxGroupPlanCommand(const std::vector<std::string>& job_paths, const std::string& device);
 
 }  // namespace lorastream::worker::flux
