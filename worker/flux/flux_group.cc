@@ -174,17 +174,25 @@ class FluxGroupTrainer::Job {
     optimizer_->ZeroGrad();
   }
 
-  // The step's figures (the group's copies, the group step's time), its log line, on_step, and
+  // Its step's figures on the device: the loss and the gradient norm (0 without clipping).
+  at::Tensor Figures() const {
+    const at::Tensor loss = loss_.detach().to(at::kFloat).reshape({1});
+    return at::cat({loss, norm_.defined() ? norm_.to(at::kFloat).reshape({1})
+                                          : at::zeros({1}, loss.options())});
+  }
+
+  // The step's figures (figures: its loss and gradient norm, read from the device; the group's
+  // copies and the group step's time), its log line, on_step, and
   // its adapters and checkpoint when due. Returns true when the job leaves: complete, or
   // stopped (its checkpoint saved).
-  bool Finish(const StepStats& group_stats, double seconds) {
+  bool Finish(const double* figures, const StepStats& group_stats, double seconds) {
     const int64_t step = state_.step;
     StepStats stats = group_stats;
     stats.step = step + 1;
     stats.total_steps = job_.steps;
-    stats.loss = loss_.item<double>();
+    stats.loss = figures[0];
     stats.learning_rate = lr_;
-    stats.grad_norm = norm_.defined() ? norm_.item<double>() : 0.0;
+    stats.grad_norm = figures[1];
     const int64_t n = input_.images, h = input_.height, w = input_.width;
     stats.tokens = n * (h / 2) * (w / 2);
     stats.step_seconds = seconds;
@@ -334,6 +342,7 @@ bool FluxGroupTrainer::Step() {
   // losses, then each job's update. A failure here is the group's: every job leaves with it.
   StreamEngine& engine = *shared_->engine;
   StepStats group_stats;
+  at::Tensor host;
   try {
     std::vector<const FluxBatch*> batches;
     std::vector<const FluxAdapter*> adapters;
@@ -349,13 +358,24 @@ bool FluxGroupTrainer::Step() {
     // Each loss's gradient is 1, as its own backward would seed it.
     torch::autograd::backward(losses);
     engine.EndStep(group_stats);
-    for (const auto& job : jobs) job->Update();
+    std::vector<at::Tensor> figures;
+    for (const auto& job : jobs) {
+      job->Update();
+      figures.push_back(job->Figures());
+    }
+    // The step's one wait for the device, for every job's figures.
+    host = at::cat(figures).to(at::kCPU).to(at::kDouble).contiguous();
   } catch (...) {
     members_->LeaveAll(std::current_exception());
     return false;
   }
   const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  members_->Sweep([&](Job& job) { return job.Finish(group_stats, seconds); });
+  const double* v = host.data_ptr<double>();
+  members_->Sweep([&](Job& job) {
+    const double* figures = v;
+    v += 2;
+    return job.Finish(figures, group_stats, seconds);
+  });
   return !members_->empty();
 }
 
