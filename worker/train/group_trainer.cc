@@ -528,8 +528,8 @@ GroupTrainer::GroupTrainer(const JobSpec& first, const TrainOptions& options)
 }
 
 GroupTrainer::~GroupTrainer() {
+  shared_->group_runner.reset();  // its graphs accumulate into the jobs' gradients
   members_.reset();               // before the model they train through
-  shared_->group_runner.reset();  // (its graphs accumulate into the jobs' gradients)
 }
 
 size_t GroupTrainer::size() const { return members_->size(); }
