@@ -197,8 +197,9 @@ TEST_CASE(
   llm.model.checkpoint = d + "/model";
 
   FluxGroupTrainer group(FluxJobSpec(a, "a"), {});
-  int stops = 0;
-  GroupJob ja{FluxJobSpec(a, "a"), {}, [&stops] { return ++stops > 3; }, ""};
+  int steps_a = 0;
+  GroupJob ja{FluxJobSpec(a, "a"), [&steps_a](const StepStats&) { ++steps_a; },
+              [&steps_a] { return steps_a >= 2; }, ""};
   group.Add(std::move(ja));
   group.Add(GroupJob{FluxJobSpec(bf16, "bf16"), {}, {}, ""});
   group.Add(GroupJob{FluxJobSpec(swap, "swap"), {}, {}, ""});
@@ -328,4 +329,40 @@ TEST_CASE(
   for (const auto& out : run.outcomes) CHECK(!out.error);
   CheckSameAsAlone(run.steps.at("a"), alone_a, a.output_dir);
   CHECK(run.steps.at("a")[0].copies > 0);
+}
+
+TEST_CASE(
+    "flux group: a stop asked by every job inside a step ends it between two units; each job "
+    "keeps its last completed step",
+    "[worker][flux][group]") {
+  TempDir dir("flux-group-stop");
+  const std::string d = dir.str();
+  WriteModelAndCaches(d);
+  FluxJob a = JobA(d), b = JobB(d);
+  a.output_dir = d + "/a";
+  b.output_dir = d + "/b";
+  b.steps = 4;
+  // Each job is asked at every step boundary, at its step's end, and the group before every
+  // unit it acquires: from the 13th question on, in the second step's forward, both say stop.
+  int questions = 0;
+  auto stop = [&questions] { return ++questions >= 13; };
+  std::vector<StepStats> steps_a;
+  std::vector<GroupJob> jobs;
+  jobs.push_back(
+      GroupJob{FluxJobSpec(a, "a"), [&](const StepStats& s) { steps_a.push_back(s); }, stop, ""});
+  jobs.push_back(GroupJob{FluxJobSpec(b, "b"), {}, [&questions] { return questions >= 13; }, ""});
+  for (const GroupJobOutcome& out : RunFluxGroupTraining(std::move(jobs), {})) {
+    INFO(out.name);
+    CHECK(!out.error);
+    CHECK(out.result.stopped);
+    CHECK(out.result.steps_done == 1);
+    CHECK(std::filesystem::path(out.result.checkpoint_dir).filename() == "checkpoint-1");
+  }
+  CHECK(steps_a.size() == 1);
+  // Resumed alone, A ends as the uninterrupted job does.
+  const FluxTrainResult resumed = TrainFlux(a, {});
+  CHECK(resumed.first_step == 1);
+  a.output_dir = d + "/uninterrupted";
+  const FluxTrainResult full = TrainFlux(a, {});
+  CHECK(ReadFile(resumed.kohya_path) == ReadFile(full.kohya_path));
 }

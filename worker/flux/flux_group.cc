@@ -28,6 +28,7 @@
 #include "worker/model/torch_device.h"
 #include "worker/train/adamw.h"
 #include "worker/train/group_members.h"
+#include "worker/train/stoppable_provider.h"
 
 namespace lorastream::worker::flux {
 
@@ -66,7 +67,8 @@ struct FluxGroupTrainer::Shared {
   c10::ScalarType dtype = at::kFloat;
   std::unique_ptr<FluxBase> base;
   std::shared_ptr<const FluxDataset> first_data;  // planned with; the first job's own
-  std::unique_ptr<StreamEngine> engine;
+  // The engine, interrupted between two units when every job asks to stop.
+  std::unique_ptr<StoppableProvider> provider;
   std::unique_ptr<FluxModel> model;
   int64_t streamed = 0;
   // From after the base is read: every file a job opens or creates is opened as the submitter.
@@ -300,8 +302,16 @@ FluxGroupTrainer::FluxGroupTrainer(const JobSpec& first, const FluxGroupOptions&
       *g.base, planned, *g.first_data, g.device, g.dtype,
       /*predict=*/false, PlanGroupOf(*g.base, first, options.plan_group, g.device, g.dtype));
   g.streamed = planning.plan.num_streamed();
-  g.engine = g.base->MakeEngine(planning.plan, g.device, options.engine);
-  g.model = std::make_unique<FluxModel>(g.base->config(), g.base->rest(), g.engine.get(),
+  g.provider = std::make_unique<StoppableProvider>(
+      g.base->MakeEngine(planning.plan, g.device, options.engine),
+      [this] {
+        if (members_->empty()) return false;
+        for (const auto& job : members_->jobs())
+          if (!job->StopRequested()) return false;
+        return true;
+      },
+      g.device.is_cuda());
+  g.model = std::make_unique<FluxModel>(g.base->config(), g.base->rest(), g.provider.get(),
                                         planned.singles_per_unit, g.device, g.dtype);
   members_ = std::make_unique<GroupMembers<Job>>("FLUX group");
 }
@@ -340,7 +350,7 @@ bool FluxGroupTrainer::Step() {
 
   // The shared work: one pass over the units for every job, one backward over their summed
   // losses, then each job's update. A failure here is the group's: every job leaves with it.
-  StreamEngine& engine = *shared_->engine;
+  StoppableProvider& provider = *shared_->provider;
   StepStats group_stats;
   at::Tensor host;
   try {
@@ -350,14 +360,14 @@ bool FluxGroupTrainer::Step() {
       batches.push_back(&job->batch());
       adapters.push_back(&job->adapter());
     }
-    engine.BeginStep();
+    provider.BeginStep();
     const std::vector<at::Tensor> predictions =
         shared_->model->ForwardGroup(batches, adapters, /*checkpointed=*/true);
     std::vector<at::Tensor> losses;
     for (size_t j = 0; j < jobs.size(); ++j) losses.push_back(jobs[j]->Loss(predictions[j]));
     // Each loss's gradient is 1, as its own backward would seed it.
     torch::autograd::backward(losses);
-    engine.EndStep(group_stats);
+    provider.EndStep(group_stats);
     std::vector<at::Tensor> figures;
     for (const auto& job : jobs) {
       job->Update();
@@ -366,6 +376,15 @@ bool FluxGroupTrainer::Step() {
     // The step's one wait for the device, for every job's figures.
     host = at::cat(figures).to(at::kCPU).to(at::kDouble).contiguous();
   } catch (...) {
+    if (provider.stopped()) {
+      // Stopped between two units: the updates come after the backward, so each adapter and
+      // optimizer is still that of its last completed step.
+      members_->Sweep([](Job& job) {
+        job.Stop();
+        return true;
+      });
+      return false;
+    }
     members_->LeaveAll(std::current_exception());
     return false;
   }

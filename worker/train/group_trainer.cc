@@ -33,6 +33,7 @@
 #include "worker/train/evaluate.h"
 #include "worker/train/group_members.h"
 #include "worker/train/micro_batch_runner.h"
+#include "worker/train/stoppable_provider.h"
 #include "worker/train/train_state.h"
 
 namespace lorastream::worker {
@@ -108,41 +109,6 @@ void RefuseAgainstModel(const JobSpec& spec, const BaseWeights& base) {
 
 // The model on its device. Members are destroyed in reverse order: the model before the
 // providers it points at.
-// The group's provider, asking should_stop before every block it hands out: a stop (cancel,
-// SIGTERM) asked in the middle of a long step ends it at the next block, within seconds,
-// instead of after the step. Acquire then throws; stopped() tells the trainer why the step
-// failed. A step captured as a CUDA graph (host-only acquisition on a GPU) is never
-// interrupted mid-capture: it stops at the step boundary.
-class StoppableProvider final : public BlockProvider {
- public:
-  StoppableProvider(std::unique_ptr<BlockProvider> inner, std::function<bool()> should_stop,
-                    bool cuda)
-      : inner_(std::move(inner)),
-        should_stop_(std::move(should_stop)),
-        poll_(should_stop_ && !(cuda && inner_->step_is_host_only())) {}
-  int num_blocks() const override { return inner_->num_blocks(); }
-  void BeginStep() override { inner_->BeginStep(); }
-  const BlockWeights& Acquire(int block) override {
-    if (poll_ && should_stop_()) {
-      stopped_ = true;
-      throw Error(ErrorCode::kCancelled, "stopped before block " + std::to_string(block));
-    }
-    return inner_->Acquire(block);
-  }
-  void Release(int block) override { inner_->Release(block); }
-  void EndStep(StepStats& stats) override { inner_->EndStep(stats); }
-  HeadProvider* lm_head() override { return inner_->lm_head(); }
-  int taped_blocks() const override { return inner_->taped_blocks(); }
-  bool step_is_host_only() const override { return inner_->step_is_host_only(); }
-  bool stopped() const { return stopped_; }
-
- private:
-  std::unique_ptr<BlockProvider> inner_;
-  std::function<bool()> should_stop_;
-  const bool poll_;
-  bool stopped_ = false;
-};
-
 struct TrainModel {
   std::unique_ptr<BlockProvider> provider;
   StoppableProvider* stoppable = nullptr;       // `provider`
