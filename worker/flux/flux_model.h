@@ -15,7 +15,9 @@
 // `singles_per_unit` single blocks), so that the streaming engine serves them as it serves an
 // LLM's blocks. Training checkpoints each unit: its forward keeps only its input streams, its
 // backward re-acquires the unit, recomputes it with autograd on and takes the gradients of the
-// streams and of the unit's LoRA weights (the base weights are frozen and never get one).
+// streams and of the unit's LoRA weights (the base weights are frozen and never get one). A
+// job group's forward (ForwardGroup) makes one such node per unit for all of its jobs: the
+// unit is acquired once per pass, and each job's streams go through it in turn.
 #pragma once
 
 #include <cstdint>
