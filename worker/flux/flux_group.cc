@@ -304,13 +304,7 @@ FluxGroupTrainer::FluxGroupTrainer(const JobSpec& first, const FluxGroupOptions&
   g.streamed = planning.plan.num_streamed();
   g.provider = std::make_unique<StoppableProvider>(
       g.base->MakeEngine(planning.plan, g.device, options.engine),
-      [this] {
-        if (members_->empty()) return false;
-        for (const auto& job : members_->jobs())
-          if (!job->StopRequested()) return false;
-        return true;
-      },
-      g.device.is_cuda());
+      [this] { return members_->AllStopRequested(); }, g.device.is_cuda());
   g.model = std::make_unique<FluxModel>(g.base->config(), g.base->rest(), g.provider.get(),
                                         planned.singles_per_unit, g.device, g.dtype);
   members_ = std::make_unique<GroupMembers<Job>>("FLUX group");

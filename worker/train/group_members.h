@@ -29,7 +29,7 @@ inline std::string FailureMessage(const std::exception_ptr& error) {
   }
 }
 
-// Job: has name(), index() and result() (a TrainResult).
+// Job: has name(), index(), result() (a TrainResult) and StopRequested().
 template <class Job>
 class GroupMembers {
  public:
@@ -97,6 +97,15 @@ class GroupMembers {
   // A failure of the group's shared work: every job leaves with it.
   void LeaveAll(std::exception_ptr error) {
     while (!jobs_.empty()) Leave(jobs_.size() - 1, error);
+  }
+
+  // Whether every job asks to stop (Job::StopRequested): the group's step may end between
+  // two blocks (worker/train/stoppable_provider.h).
+  bool AllStopRequested() const {
+    if (jobs_.empty()) return false;
+    for (const auto& job : jobs_)
+      if (!job->StopRequested()) return false;
+    return true;
   }
 
   std::vector<GroupJobOutcome> TakeLeft() { return std::exchange(left_, {}); }

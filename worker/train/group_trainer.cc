@@ -480,12 +480,8 @@ GroupTrainer::GroupTrainer(const JobSpec& first, const TrainOptions& options)
   LS_LOG_INFO("group of {}: {} {} layers, device {}, dtype {}", g.first.name, config.model_type,
               config.num_hidden_layers, g.target.device.str(), g.target.dtype_name);
   // A stop asked by every job of the group ends a step between two blocks.
-  g.m = BuildModel(g.first, options, *g.base, g.target, [this] {
-    if (members_->empty()) return false;
-    for (const auto& job : members_->jobs())
-      if (!job->StopRequested()) return false;
-    return true;
-  });
+  g.m = BuildModel(g.first, options, *g.base, g.target,
+                   [this] { return members_->AllStopRequested(); });
   g.group_runner = std::make_unique<GroupMicroBatchRunner>(*g.m.model);
   g.as_submitter = std::make_unique<ActingAs>(options.files_as);
   // Every change of composition: the group's graphs read the jobs' tensors.
