@@ -5,13 +5,40 @@
 
 namespace lorastream {
 
+namespace {
+
+// Two FLUX.1 jobs: one base (one store, or one checkpoint packed alike), one compute dtype,
+// one plan. Everything else (caches, resolution, batch, rank, targets, steps) is the job's own.
+std::string FluxGroupRefusal(const std::string& why, const FluxJob& first, const FluxJob& job) {
+  if (job.store != first.store)
+    return why + "flux.store differs (`" + job.store + "`, `" + first.store +
+           "`): a group shares one base";
+  if (job.checkpoint != first.checkpoint)
+    return why + "flux.checkpoint differs (`" + job.checkpoint + "`, `" + first.checkpoint +
+           "`): a group shares one base";
+  if (job.dtype != first.dtype)
+    return why + "flux.dtype differs (" + job.dtype + ", " + first.dtype +
+           "): a group computes in one dtype";
+  const std::pair<const char*, bool> fields[] = {
+      {"flux.singles_per_unit", job.singles_per_unit != first.singles_per_unit},
+      {"flux.gpu_memory_budget",
+       job.gpu_memory_budget != first.gpu_memory_budget || job.budget_auto != first.budget_auto},
+      {"flux.blocks_to_swap", job.blocks_to_swap != first.blocks_to_swap},
+      {"flux.ring_size", job.ring_size != first.ring_size}};
+  for (const auto& [field, differs] : fields)
+    if (differs) return why + field + " differs: a group streams one packing and one plan";
+  return "";
+}
+
+}  // namespace
+
 std::string GroupRefusal(const JobSpec& first, const JobSpec& job, const std::string& device) {
   const std::string why =
       "job " + job.name + " cannot train in a group with job " + first.name + ": ";
-  // The FLUX trainer has no job groups yet: its units would need every job's rows at once.
-  if (job.is_flux || first.is_flux)
+  if (job.is_flux != first.is_flux)
     return why + "job " + (job.is_flux ? job.name : first.name) +
-           " is a FLUX.1 job, which trains alone in its worker's group";
+           " is a FLUX.1 job: FLUX.1 jobs share a group only with FLUX.1 jobs on their base";
+  if (job.is_flux) return FluxGroupRefusal(why, first.flux, job.flux);
   if (job.model.store != first.model.store)
     return why + "model.store differs (`" + job.model.store + "`, `" + first.model.store +
            "`): a group shares one base";

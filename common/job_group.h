@@ -11,9 +11,10 @@
 namespace lorastream {
 
 // "" when `job` may train in a group with `first`, else the reason, naming the field
-// (model.store, model.checkpoint, train.dtype, stream.*). A FLUX.1 job trains alone (never
-// with an LLM job or another FLUX job). `device` resolves train.dtype "auto" (bf16 on CUDA,
-// f32 on the CPU).
+// (model.store, model.checkpoint, train.dtype, stream.*). FLUX.1 jobs group only with FLUX.1
+// jobs of the same flux.store or flux.checkpoint, flux.dtype, flux.singles_per_unit and plan
+// (flux.gpu_memory_budget, blocks_to_swap, ring_size). `device` resolves train.dtype "auto"
+// (bf16 on CUDA, f32 on the CPU).
 std::string GroupRefusal(const JobSpec& first, const JobSpec& job, const std::string& device);
 
 // The job slots of a worker (`serve` without --jobs) whose device has `gpu_memory_bytes` (0: the

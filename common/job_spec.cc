@@ -81,9 +81,6 @@ uint64_t ParseByteSize(const std::string& text, const std::string& where) {
   return static_cast<uint64_t>(value * mult);
 }
 
-namespace {
-
-// A FLUX job's base, output folder, steps and checkpoint interval, where every job's are read.
 void MirrorFluxJob(JobSpec& s) {
   s.model.store = s.flux.store;
   s.model.checkpoint = s.flux.checkpoint;
@@ -92,7 +89,7 @@ void MirrorFluxJob(JobSpec& s) {
   s.train.checkpoint_every = s.flux.save_every;
 }
 
-}  // namespace
+namespace {}  // namespace
 
 JobSpec ParseJobSpec(const std::string& toml_text, const std::string& source) {
   TomlSection doc = TomlSection::Parse(toml_text, source);

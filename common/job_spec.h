@@ -270,6 +270,10 @@ JobSpec LoadJobSpec(const std::string& path, const ModelConfig* model = nullptr)
 // fills data.format from the extension when empty (exposed for specs built from text).
 void ResolveJobSpec(JobSpec& spec);
 
+// A FLUX job's (is_flux) base, output folder, steps and checkpoint interval copied from its
+// `flux` into the sections where every job's are read.
+void MirrorFluxJob(JobSpec& spec);
+
 // Throws Error(kRefused) listing the problems when there are any.
 void RequireValidJobSpec(const JobSpec& spec, const ModelConfig* model = nullptr);
 

@@ -21,6 +21,7 @@
 #include "coordinator/curve.h"
 #include "store/attach.h"
 #include "worker/flux/flux_calibrate.h"
+#include "worker/flux/flux_group.h"
 #include "worker/flux/flux_train.h"
 #include "worker/serve/parity.h"
 #include "worker/serve/plan_command.h"
@@ -177,12 +178,21 @@ int main(int argc, char** argv) {
     }
     InitLogging("worker");
     if (!store_user.empty()) store::SetTrustedStoreOwner(LookupUser(store_user).uid);
-    const bool flux_job =
-        *train_cmd && std::any_of(job_paths.begin(), job_paths.end(), IsFluxJobFile);
-    if (flux_job && job_paths.size() > 1)
-      throw Error(ErrorCode::kInvalidArgument,
-                  "a [flux] job trains alone: job groups are for the LLM families");
-    if (flux_job) {  // a [flux] job: FLUX.1 from caches
+    // FLUX.1 jobs (train or plan): all of them, or none.
+    auto any_flux = [](const std::vector<std::string>& paths) {
+      if (!std::any_of(paths.begin(), paths.end(), IsFluxJobFile)) return false;
+      for (const std::string& path : paths)
+        if (!IsFluxJobFile(path))
+          throw Error(ErrorCode::kInvalidArgument,
+                      path +
+                          " is not a FLUX job ([flux]) but another job file is: FLUX.1 jobs "
+                          "share a group only with FLUX.1 jobs on their base, LLM jobs with LLM "
+                          "jobs");
+      return true;
+    };
+    const bool flux_job = *train_cmd && any_flux(job_paths);
+    const bool flux_plan = *plan_cmd && any_flux(plan_jobs);
+    if (flux_job) {  // [flux] jobs: FLUX.1 from caches, several as one group
       flux::FluxTrainOptions flux_train;
       flux_train.device = train.device;
       flux_train.threads = train.threads;
@@ -190,7 +200,7 @@ int main(int argc, char** argv) {
       flux_train.stop = &g_train_stop_signal;
       std::signal(SIGINT, OnTrainStopSignal);
       std::signal(SIGTERM, OnTrainStopSignal);
-      return flux::RunFluxTrainCommand(job_paths[0], flux_train);
+      return flux::RunFluxTrainCommand(job_paths, flux_train);
     }
     if (*train_cmd) {
       train.resume = !no_resume;
@@ -205,8 +215,9 @@ int main(int argc, char** argv) {
       std::signal(SIGTERM, OnTrainStopSignal);
       return RunGroupTrainCommand(job_paths, train, &g_train_stop_signal);
     }
-    if (*plan_cmd && plan_jobs.size() == 1 && IsFluxJobFile(plan_jobs[0]))
+    if (flux_plan && plan_jobs.size() == 1)
       return flux::RunFluxPlanCommand(plan_jobs[0], plan.device);
+    if (flux_plan) return flux::RunFluxGroupPlanCommand(plan_jobs, plan.device);
     if (*plan_cmd) return RunPlanCommand(plan_jobs, plan);
     if (*report_cmd) return RunQuantReport(report);
     if (*serve_cmd) {

@@ -50,20 +50,50 @@ TEST_CASE("job groups: a job that differs in base, dtype or plan is refused nami
              Catch::Contains("stream.gpu_memory_budget"));
 }
 
-TEST_CASE("job groups: a FLUX.1 job trains alone, never with an LLM job or another FLUX job",
-          "[common]") {
+TEST_CASE(
+    "job groups: FLUX.1 jobs group with FLUX.1 jobs of one base, dtype and plan; never with an "
+    "LLM job",
+    "[common]") {
   JobSpec flux = Spec("flux");
   flux.is_flux = true;
-  JobSpec other_flux = flux;
-  other_flux.name = "flux2";
+  flux.flux.store = "flux-base";
   const JobSpec llm = Spec("llm");
-  for (const auto& [first, job] :
-       {std::pair{llm, flux}, std::pair{flux, llm}, std::pair{flux, other_flux}}) {
+  for (const auto& [first, job] : {std::pair{llm, flux}, std::pair{flux, llm}}) {
     const std::string why = GroupRefusal(first, job, "cuda:0");
-    CHECK_THAT(why,
-               Catch::Contains("cannot train in a group with job " + first.name) &&
-                   Catch::Contains("is a FLUX.1 job, which trains alone in its worker's group"));
+    CHECK_THAT(why, Catch::Contains("cannot train in a group with job " + first.name) &&
+                        Catch::Contains("FLUX.1 jobs share a group only with FLUX.1 jobs"));
   }
+  auto refusal = [&](const std::function<void(FluxJob&)>& change) {
+    JobSpec other = flux;
+    other.name = "flux2";
+    change(other.flux);
+    return GroupRefusal(flux, other, "cuda:0");
+  };
+  // Everything of a job's own may differ.
+  CHECK(refusal([](FluxJob& j) {
+          j.cache_dir = "other";
+          j.output_dir = "out2";
+          j.rank = 64;
+          j.targets = {"attention"};
+          j.batch_size = 4;
+          j.steps = 7;
+          j.seed = 9;
+          j.timestep_sampling = "shift";
+        }).empty());
+  CHECK_THAT(refusal([](FluxJob& j) { j.store = "other"; }),
+             Catch::Contains("job flux2 cannot train in a group with job flux") &&
+                 Catch::Contains("flux.store differs"));
+  CHECK_THAT(refusal([](FluxJob& j) { j.checkpoint = "flux1.safetensors"; }),
+             Catch::Contains("flux.checkpoint differs"));
+  CHECK_THAT(refusal([](FluxJob& j) { j.dtype = "bf16"; }), Catch::Contains("flux.dtype differs"));
+  CHECK_THAT(refusal([](FluxJob& j) { j.singles_per_unit = 1; }),
+             Catch::Contains("flux.singles_per_unit differs"));
+  CHECK_THAT(refusal([](FluxJob& j) { j.budget_auto = true; }),
+             Catch::Contains("flux.gpu_memory_budget differs"));
+  CHECK_THAT(refusal([](FluxJob& j) { j.blocks_to_swap = 3; }),
+             Catch::Contains("flux.blocks_to_swap differs"));
+  CHECK_THAT(refusal([](FluxJob& j) { j.ring_size = 1; }),
+             Catch::Contains("flux.ring_size differs"));
 }
 
 TEST_CASE("job groups: a worker's default job slots follow its GPU's memory", "[common]") {

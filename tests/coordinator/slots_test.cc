@@ -108,14 +108,14 @@ TEST_CASE("slots: two jobs that may share a group fill one 2-slot worker; anothe
   CHECK(c.ListWorkers(ListWorkersRequest{}, 2).workers.size() == 2);
 }
 
-TEST_CASE("slots: a FLUX.1 job runs alone in its worker's group, never beside another job",
+TEST_CASE("slots: FLUX.1 jobs on one store fill a worker's group together, never beside LLM jobs",
           "[coordinator][slots][flux]") {
   Slots t;
   Coordinator c(Options(), Journal(t.db()), 0);
-  auto flux = [](const std::string& name) {
+  auto flux = [](const std::string& name, const std::string& dtype = "f32") {
     SubmitRequest r;
     r.spec_toml = "name = \"" + name + "\"\n[flux]\nstore = \"tiny\"\ncache_dir = \"/c\"\n" +
-                  "output_dir = \"/tmp/slots-out-" + name + "\"\n";
+                  "output_dir = \"/tmp/slots-out-" + name + "\"\ndtype = \"" + dtype + "\"\n";
     r.spec = ParseJobSpec(r.spec_toml, name + ".toml");
     return r;
   };
@@ -124,20 +124,25 @@ TEST_CASE("slots: a FLUX.1 job runs alone in its worker's group, never beside an
   CHECK(Beat(c, w, {}, 1) == a);
   const int64_t f = c.Submit(flux("f")).job_id;
   const int64_t g = c.Submit(flux("g")).job_id;
+  const int64_t h = c.Submit(flux("h", "bf16")).job_id;
   REQUIRE(f != 0);
   REQUIRE(g != 0);
+  REQUIRE(h != 0);
   const int64_t b = c.Submit(Job("b")).job_id;
-  // f waits for a's group to drain (b, behind it, waits too), then runs alone: neither the
-  // other FLUX job nor an LLM job joins it.
+  // f waits for a's group to drain (the jobs behind it wait too); then g joins f's group, while
+  // h (another flux.dtype) and the LLM job b wait for that group to drain.
   CHECK(Beat(c, w, {{a, 1}}, 2) == 0);
   Succeed(c, w, a, 3);
   CHECK(Beat(c, w, {}, 4) == f);
-  CHECK(Beat(c, w, {{f, 1}}, 5) == 0);
+  CHECK(Beat(c, w, {{f, 1}}, 5) == g);
+  CHECK(Beat(c, w, {{f, 1}, {g, 1}}, 5) == 0);
   Succeed(c, w, f, 6);
-  CHECK(Beat(c, w, {}, 7) == g);
-  CHECK(Beat(c, w, {{g, 1}}, 8) == 0);
-  Succeed(c, w, g, 9);
-  CHECK(Beat(c, w, {}, 10) == b);
+  CHECK(Beat(c, w, {{g, 2}}, 7) == 0);
+  Succeed(c, w, g, 8);
+  CHECK(Beat(c, w, {}, 9) == h);
+  CHECK(Beat(c, w, {{h, 1}}, 10) == 0);
+  Succeed(c, w, h, 11);
+  CHECK(Beat(c, w, {}, 12) == b);
 }
 
 TEST_CASE("slots: free slots take jobs by priority, then age", "[coordinator][slots]") {

@@ -2,7 +2,8 @@
 // `lorastream up --preset flux-tiny` starts), the example FLUX job submitted and trained
 // through the coordinator into adapters that load, a worker killed mid-job whose job resumes
 // from its own checkpoint elsewhere and ends bit-identical to a standalone run, and a FLUX job
-// no worker can serve waiting with its reason.
+// no worker can serve waiting with its reason; two FLUX jobs trained as one group by a 2-slot
+// worker, killed mid-run, each resuming from its own checkpoint.
 #include <signal.h>
 #include <unistd.h>
 
@@ -138,6 +139,76 @@ TEST_CASE(
   CHECK(saved >= 2);
   CHECK(fs::exists(job.value("output_dir", "") + "/checkpoint-" + std::to_string(saved) +
                    "/adapter_kohya.safetensors"));
+}
+
+TEST_CASE(
+    "a 2-slot worker trains two FLUX jobs as one group; killed mid-run, both resume elsewhere "
+    "and end as their standalone runs, byte for byte",
+    "[e2e][flux]") {
+  const lorastream::testing::TempDir run_dir("e2e-flux-group");
+  const std::string& dir = run_dir.str();
+  LocalClusterOptions options = FluxCluster(dir, "e2e-flux-group-");
+  options.jobs_per_worker = 2;
+  LocalCluster cluster(options);
+  cluster.Start();
+  // Both jobs go to worker 0 (worker 1 waits until they have checkpoints, worker 0 comes back
+  // once both are queued); it then holds its group at the next checkpoint it reports (SIGUSR1),
+  // so both are mid-run when it is killed.
+  cluster.StopWorker(1, SIGTERM);
+  cluster.StopWorker(0, SIGTERM);
+  const std::string log0 = cluster.log_dir() + "/worker-0.log";
+  constexpr int kSteps = 24, kEvery = 2;
+  std::vector<int64_t> ids;
+  for (int j = 0; j < 2; ++j) {
+    const std::string job = dir + "/fgroup" + std::to_string(j) + ".toml";
+    std::ofstream(job) << "name = \"fgroup" << j << "\"\n[flux]\nstore = \"replaced\"\n"
+                       << "cache_dir = \"" << LORASTREAM_SOURCE_DIR
+                       << "/configs/data/flux-tiny\"\noutput_dir = \"out\"\nsteps = " << kSteps
+                       << "\nsave_every = " << kEvery << "\nrank = " << 4 + 4 * j
+                       << "\nseed = " << 30 + j << "\nlearning_rate = 1e-3\nblocks_to_swap = 2\n"
+                       << (j == 1 ? "targets = [\"attention\"]\n" : "");
+    ids.push_back(cluster.Submit(job));
+  }
+  cluster.StartWorker(0);
+  WaitUntil(
+      [&] {
+        return cluster.ShowJob(ids[0]).value("checkpoint_step", 0) >= kEvery &&
+               cluster.ShowJob(ids[1]).value("checkpoint_step", 0) >= kEvery;
+      },
+      300, "a checkpoint of each job of the FLUX group");
+  REQUIRE(::kill(cluster.WorkerPid(0), SIGUSR1) == 0);
+  WaitUntil([&] { return ReadAll(log0).find("holding after checkpoint") != std::string::npos; },
+            300, "worker 0 holding its group");
+  for (int64_t id : ids) {
+    const nlohmann::json job = cluster.ShowJob(id);
+    INFO(job.dump() << ReadAll(log0));
+    REQUIRE(job["state"] == "running");
+    REQUIRE(job.value("step", 0) < kSteps);
+    REQUIRE(job.value("attempt", 0) == 1);
+  }
+  CHECK_THAT(ReadAll(log0), Catch::Contains("joins the FLUX group (2 jobs)"));
+  cluster.StartWorker(1);  // not held: it trains both jobs to their end
+  cluster.StopWorker(0, SIGKILL);
+  cluster.WaitForJobs(900);
+  const std::string log1 = ReadAll(cluster.log_dir() + "/worker-1.log");
+  for (int j = 0; j < 2; ++j) {
+    const nlohmann::json job = cluster.ShowJob(ids[j]);
+    INFO(job.dump() << log1);
+    REQUIRE(job["state"] == "succeeded");
+    CHECK(job.value("attempt", 0) == 2);
+    const std::string out = job["output_dir"];
+    CHECK_THAT(log1, Catch::Contains("job fgroup" + std::to_string(j) + ": resuming from " + out +
+                                     "/checkpoint-"));
+    // The same job standalone (`lorastream-worker train`, from the same store).
+    const std::string submitted = dir + "/jobs/fgroup" + std::to_string(j) + ".toml";
+    lorastream::JobSpec spec = lorastream::ParseJobSpec(ReadAll(submitted), submitted);
+    spec.flux.output_dir = dir + "/standalone" + std::to_string(j);
+    const std::string alone = dir + "/fgroup_alone" + std::to_string(j) + ".toml";
+    std::ofstream(alone) << lorastream::JobSpecToToml(spec);
+    TrainStandalone(alone, cluster.log_dir() + "/standalone" + std::to_string(j) + ".log");
+    for (const char* file : {"adapter_kohya.safetensors", "pytorch_lora_weights.safetensors"})
+      CHECK(ReadAll(spec.flux.output_dir + "/" + file) == ReadAll(out + "/" + file));
+  }
 }
 
 TEST_CASE("`lorastream up --model FLUX_DIR` serves it and trains the example FLUX job",

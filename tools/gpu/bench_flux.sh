@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # FLUX.1 LoRA training on one GPU: the resident step, the step streamed within a memory budget
 # (the planner's choice), the chosen plan's PCIe floor (bytes copied per step / measured
-# bandwidth) and its predicted step, with diffusers + peft as the peer when its source is
-# there. Random FLUX.1-dev-shaped weights (lorastream-synth --preset flux1-dev, all 19 + 38
+# bandwidth) and its predicted step, a job group of K such jobs streamed within the same
+# budget (its step against K x one job's, and its bytes copied per step), with diffusers +
+# peft as the peer when its source is there. Random FLUX.1-dev-shaped weights (lorastream-synth --preset flux1-dev, all 19 + 38
 # blocks), one cached 1024x1024 image (4096 image tokens) with 512 T5 tokens, rank 16 on
 # every linear layer of the blocks, batch 1, bf16. With FLUX_BENCH_QUANTIZE=fp8 (or nf4) the
 # same two runs again on a store of the checkpoint served with `--quantize` (its block linears
@@ -14,13 +15,13 @@
 #   FLUX_BENCH_PRESET (flux1-dev)  FLUX_BENCH_DEVICE (cuda)  FLUX_BENCH_DTYPE (bf16)
 #   FLUX_BENCH_PIXELS (1024x1024)  FLUX_BENCH_TEXT_TOKENS (512)  FLUX_BENCH_STEPS (6; the
 #   first two are warm-up)  FLUX_BENCH_BUDGET (8GiB)  FLUX_BENCH_WORK (a folder under
-#   /dev/shm, removed at the end)  FLUX_BENCH_PEER (1: diffusers + peft when
-#   $ROOT/.diffusers/src imports; 0: skip)  FLUX_BENCH_QUANTIZE (none; fp8 | nf4: also the
-#   runs on a compressed store)  LORASTREAM_BUILD_DIR (build/)
+#   /dev/shm, removed at the end)  FLUX_BENCH_GROUP (2: the jobs of the group row; 0 or 1:
+#   no group row)  FLUX_BENCH_GROUP_BUDGET (FLUX_BENCH_BUDGET)  FLUX_BENCH_PEER (1: diffusers +
+#   peft when $ROOT/.diffusers/src imports; 0: skip)  FLUX_BENCH_QUANTIZE (none; fp8 | nf4:
+#   also the runs on a compressed store)  LORASTREAM_BUILD_DIR (build/)
 # On a CPU, with flux-tiny: FLUX_BENCH_PRESET=flux-tiny FLUX_BENCH_DEVICE=cpu
 #   FLUX_BENCH_DTYPE=f32 FLUX_BENCH_PIXELS=64x64 FLUX_BENCH_TEXT_TOKENS=8 FLUX_BENCH_BUDGET=4MiB
-#   (with FLUX_BENCH_QUANTIZE=fp8: FLUX_BENCH_BUDGET=5MiB, as each slot also holds its
-#   unit expanded)
+#   (with FLUX_BENCH_QUANTIZE=fp8: FLUX_BENCH_BUDGET=5MiB, for its expansion scratch)
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="${1:?usage: bench_flux.sh OUT_DIR}/flux"
@@ -32,6 +33,8 @@ PIXELS="${FLUX_BENCH_PIXELS:-1024x1024}"
 TEXT="${FLUX_BENCH_TEXT_TOKENS:-512}"
 STEPS="${FLUX_BENCH_STEPS:-6}"
 BUDGET="${FLUX_BENCH_BUDGET:-8GiB}"
+GROUP="${FLUX_BENCH_GROUP:-2}"
+GROUP_BUDGET="${FLUX_BENCH_GROUP_BUDGET:-$BUDGET}"
 PEER="${FLUX_BENCH_PEER:-1}"
 QUANTIZE="${FLUX_BENCH_QUANTIZE:-none}"
 WORK="${FLUX_BENCH_WORK:-/dev/shm/lorastream-flux-bench-$$}"
@@ -49,8 +52,9 @@ echo "== synth $PRESET ($DTYPE) and one $PIXELS image's caches ($TEXT text token
   --out "$WORK/model" --dtype "$DTYPE" \
   --flux-caches "$WORK/cache" --flux-cache-size "$PIXELS" --flux-text-tokens "$TEXT" || exit 1
 
-job() {  # NAME BASE-LINE PLAN-LINE
+job() {  # NAME BASE-LINE PLAN-LINES
   cat > "$WORK/$1.toml" <<JOB
+name = "$1"
 [flux]
 $2
 cache_dir = "cache"
@@ -104,6 +108,21 @@ for name in $RUNS; do
     > "$OUT/train_$name.txt" 2> "$OUT/train_$name.log" || { tail -20 "$OUT/train_$name.log"; status=1; }
   grep -oE "step [0-9]+/.*" "$OUT/train_$name.log"
 done
+
+# The group: K jobs of the streamed job's shape (each its own seed and output) as one group
+# within the group's budget; each unit is copied once per step for all of them.
+if [ "$GROUP" -ge 2 ]; then
+  group_jobs=()
+  for k in $(seq 1 "$GROUP"); do
+    job "group$k" "$CHECKPOINT" "gpu_memory_budget = \"$GROUP_BUDGET\"
+seed = $k"
+    group_jobs+=("$WORK/group$k.toml")
+  done
+  echo "== train: a group of $GROUP jobs within $GROUP_BUDGET"
+  "$BIN/lorastream-worker" train "${group_jobs[@]}" --device "$DEVICE" --no-resume \
+    > "$OUT/train_group.txt" 2> "$OUT/train_group.log" || { tail -20 "$OUT/train_group.log"; status=1; }
+  grep -oE "job group1: step [0-9]+/.*" "$OUT/train_group.log"
+fi
 
 if [ "$PEER" = 1 ] && PYTHONPATH="$ROOT/.diffusers/src" python3 -c "import diffusers, peft, torch" 2>/dev/null; then
   echo "== peer: diffusers + peft"

@@ -2,10 +2,11 @@
 """The table of tools/gpu/bench_flux.sh: reads OUT/flux/train_{resident,streamed}.log,
 plan_streamed.txt (the streamed plan and the resident step's prediction), the same of a
 compressed store's runs when they ran (train_resident_fp8.log, plan_streamed_fp8.txt; nf4
-alike) and peer.json when the peer ran, and prints markdown: per run the measured step (median
-of the steps after the first two), the planner's prediction, the peak memory measured and
-estimated, the bytes copied per step; then the ratios the FLUX targets name, and a compressed
-store's steps against the plain store's.
+alike), train_group.log (a job group of K streamed jobs, when it ran) and peer.json when the
+peer ran, and prints markdown: per run the measured step (median of the steps after the first
+two), the planner's prediction, the peak memory measured and estimated, the bytes copied per
+step; then the ratios the FLUX targets name, a compressed store's steps against the plain
+store's, and the group's step against K x one job's.
 
 Usage: bench_flux_table.py OUT/flux STEPS
 """
@@ -16,21 +17,28 @@ import statistics
 import sys
 
 UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
-STEP = re.compile(r"step (\d+)/(\d+) loss ([-\d.e+naif]+) .* ([\d.]+) s, H2D ([\d.]+) (\w+) in "
+STEP = re.compile(r"(?:job (\S+): )?step (\d+)/(\d+) loss ([-\d.e+naif]+) .* ([\d.]+) s, H2D ([\d.]+) (\w+) in "
                   r"(\d+) copies \((\d+) saved\), peak ([\d.]+) GiB")
 
 
-def steps(path):
-    out = []
+def steps_by_job(path):
+    """Each job's step rows, by the job's name ("" for a line without one)."""
+    out = {}
     if not os.path.exists(path):
         return out
     for line in open(path, errors="replace"):
         m = STEP.search(line)
         if m:
-            out.append({"step": int(m.group(1)), "loss": m.group(3), "seconds": float(m.group(4)),
-                        "h2d": float(m.group(5)) * UNITS.get(m.group(6), 1),
-                        "peak_gib": float(m.group(9))})
+            out.setdefault(m.group(1) or "", []).append(
+                {"step": int(m.group(2)), "loss": m.group(4), "seconds": float(m.group(5)),
+                 "h2d": float(m.group(6)) * UNITS.get(m.group(7), 1),
+                 "peak_gib": float(m.group(10))})
     return out
+
+
+def steps(path):
+    by_job = steps_by_job(path)
+    return next(iter(by_job.values())) if by_job else []
 
 
 def summary(path):
@@ -122,6 +130,29 @@ def main():
         print(f"| resident / diffusers+peft checkpointed (like with like) | {fmt(ratio(r['seconds'], ckpt), 3)} | <= 0.8 |")
         print(f"| resident / diffusers+peft best | {fmt(ratio(r['seconds'], best), 3)} | |")
     ok = all(x["steps"] == total for x in runs.values())
+
+    group = steps_by_job(os.path.join(out, "train_group.log"))
+    if group:
+        k = len(group)
+        first = group[sorted(group)[0]]
+        plan = summary(os.path.join(out, "train_group.log"))
+        g_seconds = median_after_warmup(first, "seconds")
+        g_h2d = median_after_warmup(first, "h2d") / 1e9
+        print()
+        print(f"| group of {k} jobs | plan | steps | group step s (median) | predicted s | "
+              f"group step / ({k} x one job's streamed step) | peak GiB | estimated GiB | "
+              f"H2D GB / step | H2D / one job's |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        streamed_plan = (f"{int(plan['streamed'])} units streamed, ring {int(plan['ring'])}"
+                         if plan.get("streamed") else "resident")
+        print(f"| {k} x the streamed job | {streamed_plan} | "
+              f"{min(len(r) for r in group.values())}/{total} | {fmt(g_seconds)} | "
+              f"{fmt(plan.get('predicted_ms', float('nan')) / 1e3)} | "
+              f"{fmt(ratio(g_seconds, k * s['seconds']), 3)} | "
+              f"{fmt(max((r['peak_gib'] for r in first), default=float('nan')), 2)} | "
+              f"{fmt(plan.get('peak_gib', float('nan')), 2)} | {fmt(g_h2d, 2)} | "
+              f"{fmt(ratio(g_h2d, s['h2d']), 3)} |")
+        ok = ok and all(len(r) == total for r in group.values())
     return 0 if ok else 1
 
 

@@ -214,7 +214,8 @@ uint64_t FluxJobBudget(const FluxJob& job, c10::Device device) {
 }
 
 FluxPlanning PlanFluxJob(const FluxBase& base, const FluxJob& job, const FluxDataset& data,
-                         c10::Device device, c10::ScalarType dtype, bool predict) {
+                         c10::Device device, c10::ScalarType dtype, bool predict,
+                         const FluxPlanGroup& group) {
   FluxPlanning p;
   p.budget = FluxJobBudget(job, device);
   if (p.budget == 0 && !predict) {
@@ -223,6 +224,16 @@ FluxPlanning PlanFluxJob(const FluxBase& base, const FluxJob& job, const FluxDat
   }
   p.inputs = FluxMemoryInputsFor(base, job, data, device, dtype);
   p.costs = MeasureFluxCosts(base, job, p.inputs, data, device, dtype);
+  if (!group.members.empty()) {  // a group's step: every job's compute, the copies once
+    p.inputs.group = group.members;
+    std::vector<StepCosts> jobs{p.costs};
+    jobs.insert(jobs.end(), group.costs.begin(), group.costs.end());
+    p.costs = GroupStepCosts(jobs);
+    if (p.budget > 0)
+      if (const std::string why = FluxGroupBudgetRefusal(p.inputs, p.budget, group.first_name);
+          !why.empty())
+        throw Error(ErrorCode::kRefused, why);
+  }
   if (p.budget > 0) {
     p.choice = ChooseFluxPlan(p.inputs, p.costs, p.budget);
     p.plan = p.choice.candidates[p.choice.chosen].plan;

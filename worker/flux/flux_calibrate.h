@@ -6,6 +6,9 @@
 // step over the job's adapter; the Host->Device bandwidth of a unit's copy. Seconds on a GPU.
 #pragma once
 
+#include <string>
+#include <vector>
+
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
@@ -39,8 +42,18 @@ struct FluxPlanning {
   StepCosts costs;
   uint64_t budget = 0;
 };
+// A job group's other jobs, for the plan of its first (worker/flux/flux_group.h): their
+// memory (FluxMemoryInputs::group) and their measured costs, which a group's step adds.
+struct FluxPlanGroup {
+  std::string first_name;  // the planned job's, for a refusal
+  std::vector<FluxGroupMember> members;
+  std::vector<StepCosts> costs;  // each member's (MeasureFluxCosts)
+};
+// With `group` (not empty) and a budget, a group that does not fit even with every unit
+// streamed is refused naming the job (FluxGroupBudgetRefusal).
 FluxPlanning PlanFluxJob(const FluxBase& base, const FluxJob& job, const FluxDataset& data,
-                         c10::Device device, c10::ScalarType dtype, bool predict = false);
+                         c10::Device device, c10::ScalarType dtype, bool predict = false,
+                         const FluxPlanGroup& group = {});
 
 // The table of a planning (DescribeFluxChoice): per candidate its label, resident units,
 // predicted step, copied bytes and their PCIe floor (bytes / bandwidth), stall, estimated peak

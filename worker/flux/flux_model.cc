@@ -184,13 +184,21 @@ LoraMap AdapterMap(const FluxAdapter& adapter, const std::vector<std::string>& m
   return out;
 }
 
-// A unit as one checkpointed autograd node (see the header).
+// A unit as one checkpointed autograd node for every job of a group (see the header): the
+// unit is acquired once for the forward of all of them and once for their recomputes. Its
+// inputs are the jobs' streams one job after another, then their LoRA weights (A, B per
+// module) one job after another; its outputs, each job's output streams in the same order.
+struct UnitJob {
+  FluxCompute compute;
+  std::vector<std::string> modules;  // the job's adapted modules of this unit
+  int64_t streams = 0;               // its streams (2 into a double block, 1 into singles)
+};
+
 struct UnitArgs {
   FluxUnit unit;
   int index = 0;
   BlockProvider* provider = nullptr;
-  FluxCompute compute;
-  std::vector<std::string> modules;  // the unit's adapted modules; params are A, B per module
+  std::vector<UnitJob> jobs;
 };
 
 class UnitArgsHolder : public torch::CustomClassHolder {
@@ -202,65 +210,83 @@ class UnitArgsHolder : public torch::CustomClassHolder {
 struct CheckpointedUnit : public torch::autograd::Function<CheckpointedUnit> {
   static variable_list forward(AutogradContext* ctx, at::TensorList streams, at::TensorList params,
                                const UnitArgs* args) {
-    LoraMap lora;
-    for (size_t m = 0; m < args->modules.size(); ++m)
-      lora[args->modules[m]] = {params[2 * m], params[2 * m + 1]};
-    std::vector<at::Tensor> out = UnitForward(
-        args->unit, streams.vec(), args->provider->Acquire(args->index).named, lora, args->compute);
+    const NamedTensors& w = args->provider->Acquire(args->index).named;
+    variable_list out;
+    size_t s = 0, p = 0;
+    for (const UnitJob& job : args->jobs) {
+      LoraMap lora;
+      for (const auto& m : job.modules) {
+        lora[m] = {params[p], params[p + 1]};
+        p += 2;
+      }
+      const std::vector<at::Tensor> in(streams.begin() + s, streams.begin() + s + job.streams);
+      s += job.streams;
+      for (at::Tensor& t : UnitForward(args->unit, in, w, lora, job.compute))
+        out.push_back(std::move(t));
+    }
     args->provider->Release(args->index);
     variable_list saved(streams.begin(), streams.end());
-    for (const auto& p : params) saved.push_back(p);
+    for (const auto& t : params) saved.push_back(t);
     ctx->save_for_backward(saved);
     ctx->saved_data["args"] = c10::IValue::make_capsule(c10::make_intrusive<UnitArgsHolder>(*args));
     ctx->saved_data["streams"] = static_cast<int64_t>(streams.size());
     return out;
   }
 
+  // Each job's recompute and backward in turn, within one acquisition of the unit: only one
+  // job's graph of the unit exists at a time.
   static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
     auto capsule = ctx->saved_data["args"].toCapsule();
     const UnitArgs& args = static_cast<UnitArgsHolder*>(capsule.get())->args;
     const int64_t n_streams = ctx->saved_data["streams"].toInt();
     variable_list saved = ctx->get_saved_variables();
     const NamedTensors& w = args.provider->Acquire(args.index).named;
-    variable_list result;
-    {
+    variable_list stream_grads(n_streams), param_grads;
+    int64_t s = 0;
+    size_t p = static_cast<size_t>(n_streams);
+    for (const UnitJob& job : args.jobs) {
       at::AutoGradMode grad_on(true);
       std::vector<at::Tensor> streams, wrt;
-      std::vector<int> stream_slot(n_streams, -1);
-      for (int64_t i = 0; i < n_streams; ++i) {
-        at::Tensor s = saved[i].detach();
-        if (ctx->needs_input_grad(i)) {
-          s.requires_grad_(true);
+      std::vector<int> stream_slot(job.streams, -1);
+      for (int64_t i = 0; i < job.streams; ++i) {
+        at::Tensor t = saved[s + i].detach();
+        if (ctx->needs_input_grad(s + i)) {
+          t.requires_grad_(true);
           stream_slot[i] = static_cast<int>(wrt.size());
-          wrt.push_back(s);
+          wrt.push_back(t);
         }
-        streams.push_back(s);
+        streams.push_back(t);
       }
       LoraMap lora;
       const size_t first_param = wrt.size();
-      for (size_t m = 0; m < args.modules.size(); ++m) {
-        at::Tensor a = saved[n_streams + 2 * m].detach().requires_grad_(true);
-        at::Tensor b = saved[n_streams + 2 * m + 1].detach().requires_grad_(true);
-        lora[args.modules[m]] = {a, b};
+      for (const auto& m : job.modules) {
+        at::Tensor a = saved[p].detach().requires_grad_(true);
+        at::Tensor b = saved[p + 1].detach().requires_grad_(true);
+        p += 2;
+        lora[m] = {a, b};
         wrt.push_back(a);
         wrt.push_back(b);
       }
-      std::vector<at::Tensor> out = UnitForward(args.unit, streams, w, lora, args.compute);
+      std::vector<at::Tensor> out = UnitForward(args.unit, streams, w, lora, job.compute);
       variable_list outs, grads_in;
       for (size_t i = 0; i < out.size(); ++i) {
+        const at::Tensor& g = grad_out[s + static_cast<int64_t>(i)];
         outs.push_back(out[i]);
-        grads_in.push_back(grad_out[i].defined() ? grad_out[i] : at::zeros_like(out[i]));
+        grads_in.push_back(g.defined() ? g : at::zeros_like(out[i]));
       }
       variable_list g = wrt.empty() ? variable_list{}
                                     : torch::autograd::grad(outs, wrt, grads_in,
                                                             /*retain_graph=*/false,
                                                             /*create_graph=*/false,
                                                             /*allow_unused=*/true);
-      for (int64_t i = 0; i < n_streams; ++i)
-        result.push_back(stream_slot[i] >= 0 ? g[stream_slot[i]] : at::Tensor());
-      for (size_t j = first_param; j < g.size(); ++j) result.push_back(g[j]);
+      for (int64_t i = 0; i < job.streams; ++i)
+        if (stream_slot[i] >= 0) stream_grads[s + i] = g[stream_slot[i]];
+      for (size_t j = first_param; j < g.size(); ++j) param_grads.push_back(g[j]);
+      s += job.streams;
     }
     args.provider->Release(args.index);
+    variable_list result = std::move(stream_grads);
+    result.insert(result.end(), param_grads.begin(), param_grads.end());
     result.push_back(at::Tensor());  // the UnitArgs pointer
     return result;
   }
@@ -400,49 +426,80 @@ FluxModel::FluxModel(const FluxConfig& config, NamedTensors rest, BlockProvider*
 
 at::Tensor FluxModel::Forward(const FluxBatch& batch, const FluxAdapter& adapter,
                               bool checkpointed) {
+  return ForwardGroup({&batch}, {&adapter}, checkpointed)[0];
+}
+
+std::vector<at::Tensor> FluxModel::ForwardGroup(const std::vector<const FluxBatch*>& batches,
+                                                const std::vector<const FluxAdapter*>& adapters,
+                                                bool checkpointed) {
+  LS_CHECK(batches.size() == adapters.size() && !batches.empty(),
+           "a group forward takes one adapter per batch");
   const NamedTensors& r = rest_;
   const LoraMap none;
   auto mlp_embedder = [&](const at::Tensor& x, const std::string& m) {
     return Linear(at::silu(Linear(x, r, m + ".in_layer", none, 0)), r, m + ".out_layer", none, 0);
   };
-  at::Tensor vec = mlp_embedder(TimestepEmbedding(batch.timesteps, 256).to(dtype_), "time_in");
-  if (config_.guidance_embed)
-    vec = vec + mlp_embedder(TimestepEmbedding(batch.guidance, 256).to(dtype_), "guidance_in");
-  vec = vec + mlp_embedder(batch.y.to(dtype_), "vector_in");
-  at::Tensor img = Linear(batch.img.to(dtype_), r, "img_in", none, 0);
-  at::Tensor txt = Linear(batch.txt.to(dtype_), r, "txt_in", none, 0);
+  // Per job: its conditioning, rotary table and input streams, as a model of its own.
+  std::vector<FluxCompute> computes;
+  std::vector<std::vector<at::Tensor>> streams;
+  for (size_t j = 0; j < batches.size(); ++j) {
+    const FluxBatch& batch = *batches[j];
+    at::Tensor vec = mlp_embedder(TimestepEmbedding(batch.timesteps, 256).to(dtype_), "time_in");
+    if (config_.guidance_embed)
+      vec = vec + mlp_embedder(TimestepEmbedding(batch.guidance, 256).to(dtype_), "guidance_in");
+    vec = vec + mlp_embedder(batch.y.to(dtype_), "vector_in");
+    FluxCompute c;
+    c.config = &config_;
+    c.vec = vec;
+    c.pe = RopeTable(at::cat({batch.txt_ids, batch.img_ids}, 1), config_);
+    c.lora_scale = adapters[j]->scale();
+    computes.push_back(c);
+    streams.push_back({Linear(batch.img.to(dtype_), r, "img_in", none, 0),
+                       Linear(batch.txt.to(dtype_), r, "txt_in", none, 0)});
+  }
 
-  FluxCompute c;
-  c.config = &config_;
-  c.vec = vec;
-  c.pe = RopeTable(at::cat({batch.txt_ids, batch.img_ids}, 1), config_);
-  c.lora_scale = adapter.scale();
-
-  std::vector<at::Tensor> streams{img, txt};
   for (size_t u = 0; u < units_.size(); ++u) {
     const FluxUnit& unit = units_[u];
-    if (!unit.is_double && streams.size() == 2) streams = {at::cat({streams[1], streams[0]}, 1)};
-    const std::vector<std::string> modules = adapter.UnitModules(unit);
+    for (auto& s : streams)
+      if (!unit.is_double && s.size() == 2) s = {at::cat({s[1], s[0]}, 1)};
     if (checkpointed) {
-      UnitArgs args{unit, static_cast<int>(u), provider_, c, modules};
-      std::vector<at::Tensor> params;
-      for (const auto& m : modules) {
-        params.push_back(adapter.modules().at(m).a);
-        params.push_back(adapter.modules().at(m).b);
+      UnitArgs args{unit, static_cast<int>(u), provider_, {}};
+      std::vector<at::Tensor> in, params;
+      for (size_t j = 0; j < batches.size(); ++j) {
+        UnitJob job{computes[j], adapters[j]->UnitModules(unit),
+                    static_cast<int64_t>(streams[j].size())};
+        in.insert(in.end(), streams[j].begin(), streams[j].end());
+        for (const auto& m : job.modules) {
+          params.push_back(adapters[j]->modules().at(m).a);
+          params.push_back(adapters[j]->modules().at(m).b);
+        }
+        args.jobs.push_back(std::move(job));
       }
-      streams = CheckpointedUnit::apply(at::TensorList(streams), at::TensorList(params), &args);
+      const variable_list out =
+          CheckpointedUnit::apply(at::TensorList(in), at::TensorList(params), &args);
+      size_t o = 0;
+      for (auto& s : streams)
+        for (auto& t : s) t = out[o++];
     } else {
       const NamedTensors& w = provider_->Acquire(static_cast<int>(u)).named;
-      streams = UnitForward(unit, streams, w, AdapterMap(adapter, modules), c);
+      for (size_t j = 0; j < batches.size(); ++j)
+        streams[j] =
+            UnitForward(unit, streams[j], w,
+                        AdapterMap(*adapters[j], adapters[j]->UnitModules(unit)), computes[j]);
       provider_->Release(static_cast<int>(u));
     }
   }
-  const int64_t lt = batch.txt.size(1);
-  at::Tensor x =
-      streams.size() == 2 ? streams[0] : streams[0].narrow(1, lt, streams[0].size(1) - lt);
-  const auto mod = Linear(at::silu(vec), r, "final_layer.adaLN_modulation.1", none, 0).chunk(2, 1);
-  x = (1 + mod[1].unsqueeze(1)) * LayerNorm(x) + mod[0].unsqueeze(1);
-  return Linear(x, r, "final_layer.linear", none, 0);
+  std::vector<at::Tensor> out;
+  for (size_t j = 0; j < batches.size(); ++j) {
+    const int64_t lt = batches[j]->txt.size(1);
+    const std::vector<at::Tensor>& s = streams[j];
+    at::Tensor x = s.size() == 2 ? s[0] : s[0].narrow(1, lt, s[0].size(1) - lt);
+    const auto mod =
+        Linear(at::silu(computes[j].vec), r, "final_layer.adaLN_modulation.1", none, 0).chunk(2, 1);
+    x = (1 + mod[1].unsqueeze(1)) * LayerNorm(x) + mod[0].unsqueeze(1);
+    out.push_back(Linear(x, r, "final_layer.linear", none, 0));
+  }
+  return out;
 }
 
 }  // namespace lorastream::worker::flux

@@ -15,7 +15,9 @@
 // `singles_per_unit` single blocks), so that the streaming engine serves them as it serves an
 // LLM's blocks. Training checkpoints each unit: its forward keeps only its input streams, its
 // backward re-acquires the unit, recomputes it with autograd on and takes the gradients of the
-// streams and of the unit's LoRA weights (the base weights are frozen and never get one).
+// streams and of the unit's LoRA weights (the base weights are frozen and never get one). A
+// job group's forward (ForwardGroup) makes one such node per unit for all of its jobs: the
+// unit is acquired once per pass, and each job's streams go through it in turn.
 #pragma once
 
 #include <cstdint>
@@ -112,6 +114,14 @@ class FluxModel {
   // functions (training; any provider); otherwise plain autograd keeps every activation
   // (references, tests; the provider's blocks must stay valid until the backward: resident).
   at::Tensor Forward(const FluxBatch& batch, const FluxAdapter& adapter, bool checkpointed);
+  // A job group's forward (worker/flux/flux_group.h): job j's batches[j] with adapters[j],
+  // its prediction out[j]. Each unit is acquired once per pass for every job: the forward
+  // runs it on each job's streams in turn, and a checkpointed unit's backward recomputes and
+  // differentiates each job in turn. Each job's arithmetic is what Forward computes for it
+  // alone (one backward over the jobs' summed losses gives each adapter its own gradients).
+  std::vector<at::Tensor> ForwardGroup(const std::vector<const FluxBatch*>& batches,
+                                       const std::vector<const FluxAdapter*>& adapters,
+                                       bool checkpointed);
 
  private:
   FluxConfig config_;

@@ -66,7 +66,53 @@ FluxMemoryEstimate EstimateFluxMemory(const FluxMemoryInputs& in, const Residenc
   const uint64_t t = static_cast<uint64_t>(in.image_tokens + in.text_tokens);
   e.attention = in.attention_materialized ? static_cast<uint64_t>(in.batch) * heads * t * t * 2 * b
                                           : static_cast<uint64_t>(in.batch) * heads * t * 8;
+  AddFluxGroupMemory(in, plan, e);
   return e;
+}
+
+void AddFluxGroupMemory(const FluxMemoryInputs& in, const ResidencyPlan& plan,
+                        FluxMemoryEstimate& e) {
+  for (const FluxGroupMember& m : in.group) {
+    FluxMemoryInputs alone = in;
+    alone.group.clear();
+    alone.lora_params = m.lora_params;
+    alone.batch = m.batch;
+    alone.image_tokens = m.image_tokens;
+    alone.text_tokens = m.text_tokens;
+    const FluxMemoryEstimate j = EstimateFluxMemory(alone, plan);
+    // Its streams' gradients live across the backward beside every other job's.
+    const uint64_t stream_grads =
+        2 * static_cast<uint64_t>(m.batch) * static_cast<uint64_t>(m.image_tokens + m.text_tokens) *
+        static_cast<uint64_t>(in.config.hidden_size) * static_cast<uint64_t>(in.compute_bytes);
+    e.adapter += j.adapter;
+    e.checkpoints += j.checkpoints + stream_grads;
+    e.forward_working = std::max(e.forward_working, j.forward_working);
+    e.backward_working = std::max(e.backward_working, j.backward_working);
+    e.attention = std::max(e.attention, j.attention);
+  }
+}
+
+std::string FluxGroupBudgetRefusal(const FluxMemoryInputs& in, uint64_t budget_bytes,
+                                   const std::string& first_name) {
+  int n_double = 0;
+  for (const auto& u : in.units) n_double += u.is_double ? 1 : 0;
+  const ResidencyPlan smallest =
+      FluxResidency(in, n_double, static_cast<int>(in.units.size()) - n_double, 1);
+  FluxMemoryInputs prefix = in;
+  prefix.group.clear();
+  for (size_t j = 0; j <= in.group.size(); ++j) {
+    if (j > 0) prefix.group.push_back(in.group[j - 1]);
+    const uint64_t peak = EstimateFluxMemory(prefix, smallest).total();
+    if (peak <= budget_bytes) continue;
+    const std::string name = j == 0 ? first_name : in.group[j - 1].name;
+    return "job " + name + " does not fit in the FLUX group" +
+           (j == 0 ? std::string() : " beside the " + std::to_string(j) + " before it") +
+           ": the group's smallest plan (every unit streamed, ring 1) needs " +
+           FormatBytes(peak, 2) + ", " + FormatBytes(peak - budget_bytes, 2) + " (" +
+           std::to_string(peak - budget_bytes) + " bytes) more than flux.gpu_memory_budget " +
+           FormatBytes(budget_bytes, 2);
+  }
+  return "";
 }
 
 ResidencyPlan FluxResidency(const FluxMemoryInputs& in, int doubles, int singles, int ring) {

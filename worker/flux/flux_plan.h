@@ -38,6 +38,15 @@
 
 namespace lorastream::worker::flux {
 
+// A job of a group besides the one a FluxMemoryInputs describes: its own adapter and batch.
+struct FluxGroupMember {
+  std::string name;
+  int64_t lora_params = 0;
+  int64_t batch = 1;
+  int64_t image_tokens = 0;
+  int64_t text_tokens = 0;
+};
+
 struct FluxMemoryInputs {
   FluxConfig config;
   std::vector<FluxUnit> units;       // FluxUnits(config, singles_per_unit)
@@ -53,6 +62,10 @@ struct FluxMemoryInputs {
   int compute_bytes = 2;     // 2: bf16; 4: f32
   bool attention_materialized = false;
   uint64_t reserve_bytes = uint64_t{512} << 20;
+  // A job group's other jobs (worker/flux/flux_group.h): the estimate adds their adapters,
+  // checkpoints and streams' gradients; their working sets take turns with this job's
+  // (FluxGroupMemory).
+  std::vector<FluxGroupMember> group;
 };
 
 struct FluxMemoryEstimate {
@@ -68,6 +81,18 @@ struct FluxMemoryEstimate {
 };
 
 FluxMemoryEstimate EstimateFluxMemory(const FluxMemoryInputs& in, const ResidencyPlan& plan);
+
+// A group's estimate (in.group not empty): the weights, ring and reserve once, each job's
+// adapter, checkpoints and streams' gradients, and the largest job's working set and
+// attention (a unit runs, and is recomputed with its backward, for one job after another).
+void AddFluxGroupMemory(const FluxMemoryInputs& in, const ResidencyPlan& plan,
+                        FluxMemoryEstimate& e);
+
+// "" when the group (in with in.group) fits `budget_bytes` under its smallest plan (every unit
+// streamed through one slot); else which job does not fit beside the ones before it and by how
+// much (first_name: in's own job).
+std::string FluxGroupBudgetRefusal(const FluxMemoryInputs& in, uint64_t budget_bytes,
+                                   const std::string& first_name);
 
 // `doubles` of the double units and `singles` of the single units streamed (each kind's
 // resident units spread over its depth, as PlanFromSwapCount spreads them), through a ring of

@@ -22,7 +22,7 @@
 #include "coordinator/worker_agent.h"
 #include "store/attach.h"
 #include "store/registry.h"
-#include "worker/flux/flux_train.h"
+#include "worker/flux/flux_group.h"
 #include "worker/stream/stream_provider.h"
 #include "worker/train/group_trainer.h"
 #include "worker/train/trainer.h"
@@ -222,18 +222,11 @@ class GroupRunner {
       // the folder over from this one (common/job_access.h).
       const std::string holder =
           AttemptHolder(a.job_id, a.attempt, "lorastream-worker pid " + std::to_string(::getpid()));
-      if (!group_ && job.spec.is_flux) {
-        RunFlux(slots, job, holder);  // alone, to its end (GroupRefusal)
-        pending_.pop_front();
-        continue;
-      }
       if (!group_) {
         // The group is planned from this job alone: the jobs that will join are not known yet
         // (leaving room for guessed ones would refuse a job that fits alone).
-        TrainOptions options = train_;
-        options.files_as = FilesAs(job);
         try {
-          group_ = std::make_unique<GroupTrainer>(job.spec, options);
+          group_ = MakeGroup(job);
         } catch (...) {
           slots.Finish(*job.ctx, client::FailedResult(std::current_exception(), a));
           pending_.pop_front();
@@ -257,38 +250,19 @@ class GroupRunner {
     }
   }
 
-  // A FLUX.1 job trains alone, on this thread, to its end: completed, stopped (its checkpoint
-  // saved) or failed, its statistics and checkpoints reported as an LLM job's are.
-  void RunFlux(client::JobSlots& slots, const Job& job, const std::string& holder) {
-    const std::shared_ptr<const client::JobContext> ctx = job.ctx;
-    std::atomic<int> stop{0};
-    flux::FluxTrainOptions options;
-    options.device = train_.device;
-    options.threads = train_.threads;
-    options.resume = train_.resume;
-    options.stop = &stop;
-    options.lock_holder = holder;
-    options.files_as = FilesAs(job);
-    options.on_step = [ctx, &stop, report = OnStep(ctx, job.spec)](const StepStats& stats) {
-      report(stats);
-      if (ctx->should_stop()) stop = 1;  // TrainFlux saves this step's checkpoint and returns
-    };
-    client::JobResult result;
-    try {
-      const flux::FluxTrainResult r = flux::TrainFlux(job.spec.flux, options);
-      result.final_step = r.first_step + static_cast<int64_t>(r.steps.size());
-      if (!r.checkpoint_dir.empty()) ctx->report_checkpoint(result.final_step, r.checkpoint_dir);
-      if (result.final_step < job.spec.flux.steps) {
-        result.kind = client::JobResult::Kind::kStopped;
-        result.adapter_path = r.checkpoint_dir;  // the adapter as of the stop, in its checkpoint
-      } else {
-        result.kind = client::JobResult::Kind::kCompleted;
-        result.adapter_path = job.spec.flux.output_dir;
-      }
-    } catch (...) {
-      result = client::FailedResult(std::current_exception(), ctx->assignment);
+  // A group of the job's family (FLUX.1 or the LLMs) started from `job`.
+  std::unique_ptr<TrainingGroup> MakeGroup(const Job& job) const {
+    if (job.spec.is_flux) {
+      flux::FluxGroupOptions options;
+      options.device = train_.device;
+      options.threads = train_.threads;
+      options.resume = train_.resume;
+      options.files_as = FilesAs(job);
+      return std::make_unique<flux::FluxGroupTrainer>(job.spec, options);
     }
-    slots.Finish(*ctx, result);
+    TrainOptions options = train_;
+    options.files_as = FilesAs(job);
+    return std::make_unique<GroupTrainer>(job.spec, options);
   }
 
   // A job's statistics and checkpoints, reported as they come. The trainer saves checkpoint N
@@ -341,7 +315,7 @@ class GroupRunner {
   const OfferedStores& stores_;
   const std::atomic<bool>* hold_;
   std::deque<Job> pending_;
-  std::unique_ptr<GroupTrainer> group_;
+  std::unique_ptr<TrainingGroup> group_;
   JobSpec group_first_;                          // the spec the group was built from
   std::optional<UserIdentity> group_submitter_;  // its first job's submitter
   const UserIdentity* group_files_as_ = nullptr;

@@ -31,7 +31,9 @@
 #include "worker/stream/resident_provider.h"
 #include "worker/train/adamw.h"
 #include "worker/train/evaluate.h"
+#include "worker/train/group_members.h"
 #include "worker/train/micro_batch_runner.h"
+#include "worker/train/stoppable_provider.h"
 #include "worker/train/train_state.h"
 
 namespace lorastream::worker {
@@ -107,41 +109,6 @@ void RefuseAgainstModel(const JobSpec& spec, const BaseWeights& base) {
 
 // The model on its device. Members are destroyed in reverse order: the model before the
 // providers it points at.
-// The group's provider, asking should_stop before every block it hands out: a stop (cancel,
-// SIGTERM) asked in the middle of a long step ends it at the next block, within seconds,
-// instead of after the step. Acquire then throws; stopped() tells the trainer why the step
-// failed. A step captured as a CUDA graph (host-only acquisition on a GPU) is never
-// interrupted mid-capture: it stops at the step boundary.
-class StoppableProvider final : public BlockProvider {
- public:
-  StoppableProvider(std::unique_ptr<BlockProvider> inner, std::function<bool()> should_stop,
-                    bool cuda)
-      : inner_(std::move(inner)),
-        should_stop_(std::move(should_stop)),
-        poll_(should_stop_ && !(cuda && inner_->step_is_host_only())) {}
-  int num_blocks() const override { return inner_->num_blocks(); }
-  void BeginStep() override { inner_->BeginStep(); }
-  const BlockWeights& Acquire(int block) override {
-    if (poll_ && should_stop_()) {
-      stopped_ = true;
-      throw Error(ErrorCode::kCancelled, "stopped before block " + std::to_string(block));
-    }
-    return inner_->Acquire(block);
-  }
-  void Release(int block) override { inner_->Release(block); }
-  void EndStep(StepStats& stats) override { inner_->EndStep(stats); }
-  HeadProvider* lm_head() override { return inner_->lm_head(); }
-  int taped_blocks() const override { return inner_->taped_blocks(); }
-  bool step_is_host_only() const override { return inner_->step_is_host_only(); }
-  bool stopped() const { return stopped_; }
-
- private:
-  std::unique_ptr<BlockProvider> inner_;
-  std::function<bool()> should_stop_;
-  const bool poll_;
-  bool stopped_ = false;
-};
-
 struct TrainModel {
   std::unique_ptr<BlockProvider> provider;
   StoppableProvider* stoppable = nullptr;       // `provider`
@@ -513,94 +480,50 @@ GroupTrainer::GroupTrainer(const JobSpec& first, const TrainOptions& options)
   LS_LOG_INFO("group of {}: {} {} layers, device {}, dtype {}", g.first.name, config.model_type,
               config.num_hidden_layers, g.target.device.str(), g.target.dtype_name);
   // A stop asked by every job of the group ends a step between two blocks.
-  g.m = BuildModel(g.first, options, *g.base, g.target, [this] {
-    if (jobs_.empty()) return false;
-    for (const auto& job : jobs_)
-      if (!job->StopRequested()) return false;
-    return true;
-  });
+  g.m = BuildModel(g.first, options, *g.base, g.target,
+                   [this] { return members_->AllStopRequested(); });
   g.group_runner = std::make_unique<GroupMicroBatchRunner>(*g.m.model);
   g.as_submitter = std::make_unique<ActingAs>(options.files_as);
+  // Every change of composition: the group's graphs read the jobs' tensors.
+  members_ = std::make_unique<GroupMembers<Job>>(
+      "group", [runner = g.group_runner.get()] { runner->Forget(); });
 }
 
 GroupTrainer::~GroupTrainer() {
   shared_->group_runner.reset();  // its graphs accumulate into the jobs' gradients
-  jobs_.clear();                  // before the model they train through
+  members_.reset();               // before the model they train through
 }
 
-size_t GroupTrainer::size() const { return jobs_.size(); }
+size_t GroupTrainer::size() const { return members_->size(); }
 
 size_t GroupTrainer::Add(GroupJob job) {
-  const size_t index = added_++;
   const std::string name = job.spec.name;
-  try {
-    jobs_.push_back(std::make_unique<Job>(std::move(job), index, *shared_));
-    shared_->group_runner->Forget();  // every composition changed
-    LS_LOG_INFO("job {}: joins the group ({} job{})", name, jobs_.size(),
-                jobs_.size() == 1 ? "" : "s");
-  } catch (...) {
-    GroupJobOutcome out;
-    out.name = name;
-    out.index = index;
-    out.error = std::current_exception();
-    left_.push_back(std::move(out));
-  }
-  return index;
+  return members_->Add(
+      name, [&](size_t index) { return std::make_unique<Job>(std::move(job), index, *shared_); });
 }
 
-void GroupTrainer::Leave(size_t position, std::exception_ptr error) {
-  Job& job = *jobs_[position];
-  GroupJobOutcome out;
-  out.name = job.name();
-  out.index = job.index();
-  out.result = job.result();
-  out.error = error;
-  if (error) {
-    try {
-      std::rethrow_exception(error);
-    } catch (const std::exception& e) {
-      LS_LOG_WARN("job {}: failed, leaving the group: {}", job.name(), e.what());
-    }
-  }
-  left_.push_back(std::move(out));
-  shared_->group_runner->Forget();  // its graphs read this job's tensors
-  jobs_.erase(jobs_.begin() + static_cast<int64_t>(position));
-}
-
-std::vector<GroupJobOutcome> GroupTrainer::TakeLeft() { return std::exchange(left_, {}); }
+std::vector<GroupJobOutcome> GroupTrainer::TakeLeft() { return members_->TakeLeft(); }
 
 bool GroupTrainer::Step() {
   // At the step boundary: jobs done or asked to stop leave; the others begin their step.
-  for (size_t p = 0; p < jobs_.size();) {
-    Job& job = *jobs_[p];
-    bool leaves = true;
-    std::exception_ptr error;
-    try {
-      if (job.done()) {
-        job.Complete();
-      } else if (job.StopRequested()) {
-        job.Stop();
-      } else {
-        leaves = false;
-      }
-    } catch (...) {
-      error = std::current_exception();
+  members_->Sweep([](Job& job) {
+    if (job.done()) {
+      job.Complete();
+      return true;
     }
-    if (leaves)
-      Leave(p, error);
-    else
-      ++p;
-  }
+    if (job.StopRequested()) {
+      job.Stop();
+      return true;
+    }
+    return false;
+  });
   const auto t0 = Clock::now();
-  for (size_t p = 0; p < jobs_.size();) {
-    try {
-      jobs_[p]->Begin();
-      ++p;
-    } catch (...) {
-      Leave(p, std::current_exception());
-    }
-  }
-  if (jobs_.empty()) return false;
+  members_->Sweep([](Job& job) {
+    job.Begin();
+    return false;
+  });
+  const auto& jobs = members_->jobs();
+  if (jobs.empty()) return false;
 
   // The shared work: every job's micro-batches, then their updates. A failure here is the
   // group's: every job leaves with it.
@@ -609,16 +532,16 @@ bool GroupTrainer::Step() {
   try {
     provider.BeginStep();
     int64_t micro_batches = 0;
-    for (const auto& job : jobs_) micro_batches = std::max(micro_batches, job->micro_batches());
+    for (const auto& job : jobs) micro_batches = std::max(micro_batches, job->micro_batches());
     for (int64_t m = 0; m < micro_batches; ++m) {
-      if (jobs_.size() == 1) {
-        jobs_[0]->RunAlone(m);
+      if (jobs.size() == 1) {
+        jobs[0]->RunAlone(m);
         continue;
       }
       std::vector<Job*> in;
       std::vector<size_t> indices;
       std::vector<GroupMicroBatch> parts;
-      for (const auto& job : jobs_) {
+      for (const auto& job : jobs) {
         if (m >= job->micro_batches()) continue;  // its step has fewer micro-batches
         in.push_back(job.get());
         indices.push_back(job->index());
@@ -632,7 +555,7 @@ bool GroupTrainer::Step() {
       }
     }
     std::vector<at::Tensor> figures;
-    for (const auto& job : jobs_) {
+    for (const auto& job : jobs) {
       job->Update();
       figures.insert(figures.end(), job->figures().begin(), job->figures().end());
     }
@@ -643,70 +566,42 @@ bool GroupTrainer::Step() {
     if (shared_->m.stoppable->stopped()) {
       // Stopped between two blocks. Updates come after every micro-batch, so each adapter
       // and optimizer is still that of its last completed step.
-      while (!jobs_.empty()) {
-        std::exception_ptr stop_error;
-        try {
-          jobs_.back()->Stop("inside");
-        } catch (...) {
-          stop_error = std::current_exception();
-        }
-        Leave(jobs_.size() - 1, stop_error);
-      }
+      members_->Sweep([](Job& job) {
+        job.Stop("inside");
+        return true;
+      });
       return false;
     }
-    while (!jobs_.empty()) Leave(jobs_.size() - 1, error);
+    members_->LeaveAll(error);
     return false;
   }
   StepStats group_stats;
   provider.EndStep(group_stats);
   const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  // Each job's figures, in the group's order (a job that leaves is erased: the next takes its
+  // position).
   const double* v = host.data_ptr<double>();
-  std::vector<const double*> offsets;
-  for (const auto& job : jobs_) {
-    offsets.push_back(v);
-    v += job->micro_batches() + 1;
-  }
-  // In the group's order: a job that leaves is erased, the next takes its position.
-  size_t p = 0;
-  for (const double* figures : offsets) {
-    Job& job = *jobs_[p];
-    bool leaves = false;
-    std::exception_ptr error;
-    try {
-      job.Finish(figures, group_stats, seconds);
-      if (job.done()) {
-        job.Complete();
-        leaves = true;
-      }
-    } catch (...) {
-      leaves = true;
-      error = std::current_exception();
-    }
-    if (leaves)
-      Leave(p, error);
-    else
-      ++p;
-  }
-  return !jobs_.empty();
+  members_->Sweep([&](Job& job) {
+    const double* figures = v;
+    v += job.micro_batches() + 1;
+    job.Finish(figures, group_stats, seconds);
+    if (!job.done()) return false;
+    job.Complete();
+    return true;
+  });
+  return !members_->empty();
 }
 
 void GroupTrainer::Run() {
-  while (!jobs_.empty()) Step();
+  while (!members_->empty()) Step();
 }
 
 std::vector<GroupJobOutcome> RunGroupTraining(std::vector<GroupJob> jobs,
                                               const TrainOptions& options) {
-  LS_CHECK(!jobs.empty(), "a group needs at least one job");
   TrainOptions group_options = options;
   if (group_options.plan_group.empty())  // the plan leaves room for every job given
     for (size_t j = 1; j < jobs.size(); ++j) group_options.plan_group.push_back(jobs[j].spec);
-  GroupTrainer group(jobs.front().spec, group_options);
-  for (GroupJob& job : jobs) group.Add(std::move(job));
-  group.Run();
-  std::vector<GroupJobOutcome> left = group.TakeLeft();
-  std::sort(left.begin(), left.end(),
-            [](const GroupJobOutcome& a, const GroupJobOutcome& b) { return a.index < b.index; });
-  return left;
+  return TrainAsGroup<GroupTrainer>(std::move(jobs), group_options);
 }
 
 }  // namespace lorastream::worker

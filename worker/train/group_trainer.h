@@ -57,12 +57,29 @@ struct GroupJobOutcome {
 // Whether two jobs may share a group: common/job_group.h (the coordinator applies it too).
 using ::lorastream::GroupRefusal;
 
-class GroupTrainer {
+template <class Job>
+class GroupMembers;  // worker/train/group_members.h
+
+// A job group as a serving worker drives it, whatever its family: GroupTrainer (the LLMs) and
+// flux::FluxGroupTrainer (FLUX.1, worker/flux/flux_group.h) keep the contract below.
+class TrainingGroup {
+ public:
+  virtual ~TrainingGroup() = default;
+  // Adds a job at a step boundary (GroupTrainer::Add); returns its index.
+  virtual size_t Add(GroupJob job) = 0;
+  // One group step; false when no job is left.
+  virtual bool Step() = 0;
+  // The jobs that left since the last call, in the order they left.
+  virtual std::vector<GroupJobOutcome> TakeLeft() = 0;
+  virtual size_t size() const = 0;  // jobs training now
+};
+
+class GroupTrainer final : public TrainingGroup {
  public:
   // The group's base, provider and model come from `first`'s spec (resolved), on
   // options.device; options.resume, lock_holder apply to every job.
   GroupTrainer(const JobSpec& first, const TrainOptions& options);
-  ~GroupTrainer();
+  ~GroupTrainer() override;
   GroupTrainer(const GroupTrainer&) = delete;
   GroupTrainer& operator=(const GroupTrainer&) = delete;
 
@@ -70,23 +87,20 @@ class GroupTrainer {
   // options.resume) and takes its first step in the next Step(). A job that cannot join
   // (GroupRefusal) or cannot start (an invalid spec, missing or bad data, a locked output
   // folder) leaves at once with its error (TakeLeft); the group goes on. Returns its index.
-  size_t Add(GroupJob job);
+  size_t Add(GroupJob job) override;
   // One group step: every job's next optimizer step. Returns false when no job is left.
-  bool Step();
+  bool Step() override;
   // Runs Step() until every job has left.
   void Run();
   // The jobs that left since the last call, in the order they left.
-  std::vector<GroupJobOutcome> TakeLeft();
-  size_t size() const;  // jobs training now
+  std::vector<GroupJobOutcome> TakeLeft() override;
+  size_t size() const override;  // jobs training now
 
  private:
   class Job;
   struct Shared;
-  void Leave(size_t position, std::exception_ptr error);
   std::unique_ptr<Shared> shared_;
-  std::vector<std::unique_ptr<Job>> jobs_;
-  std::vector<GroupJobOutcome> left_;
-  size_t added_ = 0;
+  std::unique_ptr<GroupMembers<Job>> members_;
 };
 
 // Trains `jobs` as one group until each has finished, stopped or failed; their outcomes in

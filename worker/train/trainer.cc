@@ -11,6 +11,7 @@
 
 #include "common/error.h"
 #include "common/format_bytes.h"
+#include "worker/train/group_members.h"
 #include "worker/train/group_trainer.h"
 
 namespace lorastream::worker {
@@ -129,11 +130,7 @@ int RunGroupTrainCommand(const std::vector<std::string>& job_paths, const TrainO
   for (const GroupJobOutcome& out : RunGroupTraining(std::move(jobs), options)) {
     const std::string prefix = out.name + ": ";
     if (out.error) {
-      try {
-        std::rethrow_exception(out.error);
-      } catch (const std::exception& e) {
-        std::printf("%sfailed: %s\n", prefix.c_str(), e.what());
-      }
+      std::printf("%sfailed: %s\n", prefix.c_str(), FailureMessage(out.error).c_str());
       status = std::max(status, 1);
       continue;
     }
