@@ -20,6 +20,23 @@
 
 namespace lorastream::testing {
 
+// Writes a bf16 checkpoint of the model `preset_toml` describes (a preset's TOML text, kept in
+// dir/p.toml) into dir/m and returns dir/m: shapes no preset has (odd widths for the kernels).
+inline std::string MakeCheckpointOfShape(const std::string& dir, const std::string& preset_toml,
+                                         uint64_t seed) {
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/p.toml") << preset_toml;
+  store::SynthOptions o;
+  o.preset = dir + "/p.toml";
+  o.out_dir = dir + "/m";
+  o.presets_dir = std::string(LORASTREAM_SOURCE_DIR) + "/configs/models";
+  o.seed = seed;
+  o.dtype = "bf16";
+  o.threads = 2;
+  store::RunSynth(o);
+  return o.out_dir;
+}
+
 // Writes a checkpoint of configs/models/<preset>.toml (f32) into `dir`.
 inline std::string MakeCheckpoint(const std::string& dir, const std::string& preset,
                                   uint64_t seed = 1) {
@@ -39,7 +56,9 @@ inline std::string MakeCheckpoint(const std::string& dir, const std::string& pre
 // under a name no other test or run uses; unpublished when the result is destroyed.
 inline std::unique_ptr<store::PublishedStore> ServeForTest(const std::string& model_dir,
                                                            QuantMethod quantize,
-                                                           const std::string& tag) {
+                                                           const std::string& tag,
+                                                           bool quantize_head = false,
+                                                           bool quantize_embedding = false) {
   static std::atomic<int> counter{0};
   store::ServeOptions o;
   o.model_dir = model_dir;
@@ -47,6 +66,8 @@ inline std::unique_ptr<store::PublishedStore> ServeForTest(const std::string& mo
   o.threads = 2;
   o.lock = false;
   o.quantize = quantize;
+  o.quantize_head = quantize_head;
+  o.quantize_embedding = quantize_embedding;
   return store::PublishedStore::Build(o);
 }
 
