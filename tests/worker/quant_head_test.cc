@@ -8,9 +8,12 @@
 #include "tests/worker/torch_catch.h"  // first: see there
 
 #include <cmath>
+#include <cstdlib>
+#include <fstream>
 #include <vector>
 
 #include "common/error.h"
+#include "common/format_bytes.h"
 #include "store/dequantize.h"
 #include "store/server.h"
 #include "tests/worker/head_test_util.h"
@@ -226,4 +229,22 @@ TEST_CASE("the memory estimate counts a compressed head's bytes and its slice sc
   CHECK(e.head_weights == in.head_bytes);
   CHECK(e.head_scratch > 0);
   CHECK_THAT(e.Describe(), Catch::Contains("slice expansion"));
+}
+
+TEST_CASE("plan shows a compressed head's bytes, format and slices", "[worker]") {
+  HeadStore q("tiny", QuantMethod::kNf4);
+  const std::string job = q.dir / "plan.toml";
+  testing::WriteJsonl(q.dir / "d.jsonl", 6, 10, 40, 320);
+  std::ofstream(job) << "name = \"plan\"\n[model]\nstore = \"" << q.name()
+                     << "\"\n[data]\npath = \"d.jsonl\"\nseq_len = 32\n[train]\nsteps = 1\n"
+                        "output_dir = \"out\"\n";
+  const std::string cmd = std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker plan " + job +
+                          " --device cpu > " + (q.dir / "plan.log") + " 2>&1";
+  const int status = std::system(cmd.c_str());
+  const std::string log = testing::ReadFile(q.dir / "plan.log");
+  INFO(log);
+  REQUIRE(status == 0);
+  const Manifest& m = q.store->manifest();
+  CHECK_THAT(log, Catch::Contains("LM head " + FormatBytes(CompressedSpanBytes(m.rest, *m.head())) +
+                                  " nf4, expanded in slices of 512 rows"));
 }

@@ -84,9 +84,9 @@ class ResidentPackedHead : public HeadProvider {
   ResidentPackedHead(const PackedWeight& w, c10::Device device, c10::ScalarType dtype,
                      int64_t slice_rows)
       : bytes_(w.bytes.to(device)), slices_(w, dtype, slice_rows) {
-    LS_LOG_INFO("LM head: resident {} ({} bytes), expanded in {} slices of {} rows",
-                QuantMethodName(w.weight().quant.method), w.bytes.nbytes(), slices_.num_slices(),
-                slices_.slice_rows());
+    LS_LOG_INFO("LM head: resident {} ({} bytes), expanded per slice of {} rows ({} of them)",
+                QuantMethodName(w.weight().quant.method), w.bytes.nbytes(), slices_.slice_rows(),
+                slices_.num_slices());
   }
   void Acquire() override {}
   at::Tensor Slice(int64_t i) override { return slices_.Slice(bytes_, i); }
@@ -142,9 +142,9 @@ class StreamedHead : public HeadProvider {
     backend_ = MakeStreamBackend(b, device);
     backend_->AddSource(src_, bytes_);
     LS_LOG_INFO("LM head: streamed ({} bytes{} copied to {} for each use of the head)", bytes_,
-                slices_ ? std::string(", compressed, expanded in ") +
-                              std::to_string(slices_->num_slices()) + " slices of " +
-                              std::to_string(slices_->slice_rows()) + " rows"
+                slices_ ? std::string(", compressed, expanded per slice of ") +
+                              std::to_string(slices_->slice_rows()) + " rows (" +
+                              std::to_string(slices_->num_slices()) + " of them)"
                         : std::string(),
                 device.str());
   }
