@@ -5,10 +5,11 @@
 // The estimate, per micro-batch of T tokens (for a job group: each job's terms with its own T,
 // rank and targets, summed; MemoryModelInputs::group) (b = bytes per element of the compute dtype,
 // H = hidden, Q = heads x head_dim, KV = kv heads x head_dim, I = intermediate, V = vocab):
-//   weights        rest (the final norm) + LM head (V x H x b: resident, for the whole step;
-//                  streamed, during the LM head only) + resident blocks + R x (largest
-//                  streamed block). The embedding table stays in host RAM: only the batch's
-//                  rows (T x H x b) are copied to the device.
+//   weights        rest (the final norm) + LM head (V x H x b, or a compressed head's bytes:
+//                  resident, for the whole step; streamed, during the LM head only) +
+//                  resident blocks + R x (largest streamed block). The embedding table
+//                  stays in host RAM: only the batch's rows (T x H x b) are copied to the
+//                  device.
 //   adapter        P x 16 bytes: fp32 master weights, fp32 grads, two fp32 Adam moments
 //                  (P = rank x (in + out) summed over the targeted projections of all blocks)
 //   checkpoints    L x T x H x b: each block's input, kept by gradient checkpointing
@@ -150,7 +151,8 @@ uint64_t AutoMemoryBudget(uint64_t free_bytes);
 
 // rest_bytes and head_bytes of `in` from its config and compute_bytes: the final norm, and the
 // LM head (V x H in the compute dtype, tied or not: a tied head is the embedding table, which
-// otherwise stays in host RAM and is not counted).
+// otherwise stays in host RAM and is not counted). A compressed head's bytes and slices are
+// MemoryInputsFor's (worker/stream/stream_engine.h), from the store's manifest.
 void SetNonBlockBytes(MemoryModelInputs* in);
 
 // The number of LoRA parameters (A and B of every targeted projection of every block).
