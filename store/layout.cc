@@ -293,11 +293,13 @@ PackPlan PlanPack(const Checkpoint& cp, const PackOptions& options) {
   // The rest: the LM head and embedding table compressed on request, quantised by the loader
   // as the blocks' weights are.
   std::vector<std::string> rest_compressed;
-  if (options.quantize_head)
-    rest_compressed.push_back(config.tie_word_embeddings ? "model.embed_tokens.weight"
-                                                         : "lm_head.weight");
-  if (options.quantize_embedding && !config.tie_word_embeddings)
-    rest_compressed.push_back("model.embed_tokens.weight");
+  if (config.tie_word_embeddings) {  // one table: either flag compresses it
+    if (options.quantize_head || options.quantize_embedding)
+      rest_compressed.push_back("model.embed_tokens.weight");
+  } else {
+    if (options.quantize_head) rest_compressed.push_back("lm_head.weight");
+    if (options.quantize_embedding) rest_compressed.push_back("model.embed_tokens.weight");
+  }
   m.rest = LayoutSegment(rest_shapes, "", m.dtype, options.alignment, quant, rest_compressed);
   if (!rest_compressed.empty()) {
     std::vector<Checkpoint::Ref> sources;

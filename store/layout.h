@@ -48,8 +48,8 @@ struct PackOptions {
   bool scan_weights = true;
   // Store each block's projection weights compressed (common/quant_format.h); kNone: as they are.
   QuantMethod quantize = QuantMethod::kNone;
-  // With `quantize`: the LM head's weights stored compressed too, in the same format (a tied
-  // model's one table, which is the embedding too); the untied embedding table likewise.
+  // With `quantize`: the LM head's weights and the embedding table stored compressed too, in
+  // the same format (a tied model's one table, which is both, by either flag).
   bool quantize_head = false;
   bool quantize_embedding = false;
 };

@@ -41,7 +41,7 @@ int main(int argc, char** argv) {
               "which is the embedding too), expanded per vocabulary slice by the worker");
   s->add_flag("--quantize-embedding", serve.quantize_embedding,
               "with --quantize: the embedding table stored in that format too (its rows expanded "
-              "on the host per batch)");
+              "on the host per batch; a tied model's one table, as --quantize-head)");
   s->add_flag("!--no-lock", serve.lock, "do not mlock the segments");
   s->add_flag("!--no-huge-pages", serve.huge_pages, "do not ask for transparent huge pages");
   auto* i = app.add_subcommand(

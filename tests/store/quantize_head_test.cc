@@ -118,6 +118,12 @@ TEST_CASE("serve --quantize-embedding: an untied table compressed beside the hea
   CHECK_THAT(m.DescribeCompression(), Catch::Contains("LM head nf4, embedding nf4") ||
                                           Catch::Contains("embedding nf4, LM head nf4"));
   CHECK_NOTHROW(VerifyChecksums(AttachedStore::Attach(m.store_name), 2));
+  // A tied model's one table is the embedding too: either flag compresses it.
+  TempDir tied("qemb-tied");
+  Synth("tiny-qwen2", tied.str(), 3, "bf16");
+  auto embedding_only = Serve(tied.str(), UniqueName("qe-t"), QuantMethod::kFp8, false, true);
+  CHECK(embedding_only->manifest().head()->quant == StoreQuantFormat(QuantMethod::kFp8));
+  CHECK(embedding_only->manifest().head()->name == "model.embed_tokens.weight");
 }
 
 TEST_CASE("--quantize-head needs --quantize; a head layout that does not fit is refused",
