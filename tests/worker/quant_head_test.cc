@@ -233,15 +233,8 @@ TEST_CASE("the memory estimate counts a compressed head's bytes and its slice sc
 
 TEST_CASE("plan shows a compressed head's bytes, format and slices", "[worker]") {
   HeadStore q("tiny", QuantMethod::kNf4);
-  const std::string job = q.dir / "plan.toml";
   testing::WriteJsonl(q.dir / "d.jsonl", 6, 10, 40, 320);
-  std::ofstream(job) << "name = \"plan\"\n[model]\nstore = \"" << q.name()
-                     << "\"\n[data]\npath = \"d.jsonl\"\nseq_len = 32\n[train]\nsteps = 1\n"
-                        "output_dir = \"out\"\n";
-  const std::string cmd = std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker plan " + job +
-                          " --device cpu > " + (q.dir / "plan.log") + " 2>&1";
-  const int status = std::system(cmd.c_str());
-  const std::string log = testing::ReadFile(q.dir / "plan.log");
+  const auto [status, log] = testing::RunPlanOnStore(q.dir.str(), q.name());
   INFO(log);
   REQUIRE(status == 0);
   const Manifest& m = q.store->manifest();

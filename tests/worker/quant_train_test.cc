@@ -185,14 +185,7 @@ TEST_CASE("compressed blocks stay compressed and expand at each use into one scr
 
 TEST_CASE("plan names a compressed store's format and what its blocks expand to", "[worker]") {
   QuantStore q("tiny", QuantMethod::kNf4);
-  const std::string job = q.dir / "plan.toml";
-  std::ofstream(job) << "name = \"plan\"\n[model]\nstore = \"" << q.store->manifest().store_name
-                     << "\"\n[data]\npath = \"d.jsonl\"\nseq_len = 32\n[train]\nsteps = 1\n"
-                        "output_dir = \"out\"\n";
-  const std::string cmd = std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker plan " + job +
-                          " --device cpu > " + (q.dir / "plan.log") + " 2>&1";
-  const int status = std::system(cmd.c_str());
-  const std::string log = testing::ReadFile(q.dir / "plan.log");
+  const auto [status, log] = testing::RunPlanOnStore(q.dir.str(), q.store->manifest().store_name);
   INFO(log);
   REQUIRE(status == 0);
   CHECK_THAT(

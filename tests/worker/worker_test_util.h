@@ -6,11 +6,13 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/job_spec.h"
@@ -107,6 +109,20 @@ inline JobSpec TinyJob(const std::string& checkpoint, const std::string& data,
 inline std::string ReadFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// `lorastream-worker plan` on the CPU for a one-step job of store `store` over dir/d.jsonl (the
+// job written to dir/plan.toml): its exit status and its output.
+inline std::pair<int, std::string> RunPlanOnStore(const std::string& dir,
+                                                  const std::string& store) {
+  const std::string job = dir + "/plan.toml";
+  std::ofstream(job) << "name = \"plan\"\n[model]\nstore = \"" << store
+                     << "\"\n[data]\npath = \"d.jsonl\"\nseq_len = 32\n[train]\nsteps = 1\n"
+                        "output_dir = \"out\"\n";
+  const std::string cmd = std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker plan " + job +
+                          " --device cpu > " + dir + "/plan.log 2>&1";
+  const int status = std::system(cmd.c_str());
+  return {status, ReadFile(dir + "/plan.log")};
 }
 
 }  // namespace lorastream::testing
