@@ -26,8 +26,10 @@ std::string Shape(const NpyArray& a) {
   return s + "]";
 }
 
+// The key by value: a reference parameter bound to a temporary string would make GCC 13 take
+// the returned reference (into `npz`) for a dangling one.
 const NpyArray& Need(const std::map<std::string, NpyArray>& npz, const std::string& file,
-                     const std::string& key, size_t rank) {
+                     std::string key, size_t rank) {
   auto it = npz.find(key);
   if (it == npz.end()) Corrupt(file, "no array `" + key + "`");
   if (it->second.shape.size() != rank)

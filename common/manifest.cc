@@ -29,8 +29,9 @@ std::string Hex(uint64_t v) {
   throw Error(ErrorCode::kCorrupt, source + ": manifest " + what);
 }
 
-const Json& Field(const Json& j, const char* key, const std::string& source,
-                  const std::string& where) {
+// `where` by value: a reference parameter bound to a temporary string would make GCC 13 take
+// the returned reference (into `j`) for a dangling one.
+const Json& Field(const Json& j, const char* key, const std::string& source, std::string where) {
   auto it = j.find(key);
   if (it == j.end()) Bad(source, where + "`" + key + "` is missing");
   return *it;

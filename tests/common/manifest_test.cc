@@ -29,12 +29,12 @@ Manifest Sample() {
   SegmentInfo block;
   block.shm_name = "/lorastream.llama.fedcba9876543210.block.0000";
   block.checksum = 0xffffffffffffffffull;  // > 2^53: must survive JSON exactly
-  block.tensors = {{"input_layernorm.weight", DType::kBF16, {8}, 0, 16},
-                   {"self_attn.q_proj.weight", DType::kBF16, {8, 8}, 256, 128}};
+  block.tensors = {{"input_layernorm.weight", DType::kBF16, {8}, 0, 16, {}},
+                   {"self_attn.q_proj.weight", DType::kBF16, {8, 8}, 256, 128, {}}};
   block.nbytes = 384;
   m.blocks = {block};
   m.rest.shm_name = "/lorastream.llama.fedcba9876543210.rest";
-  m.rest.tensors = {{"model.norm.weight", DType::kBF16, {8}, 0, 16}};
+  m.rest.tensors = {{"model.norm.weight", DType::kBF16, {8}, 0, 16, {}}};
   m.rest.nbytes = 16;
   m.owner_pid = 1234;
   m.owner_start_time = 99;

@@ -213,9 +213,10 @@ TEST_CASE("group: a group job's checkpoint resumes alone and continues as uninte
     bool stop = false;
     group.Add(GroupJob{jobs.Spec("a", "split"),
                        [&](const StepStats& s) { stop = stop || s.step >= 2; },
-                       [&] { return stop; }});
-    group.Add(GroupJob{jobs.Spec("b", "split"), {}, {}});
-    group.Add(GroupJob{jobs.Spec("c", "split"), {}, {}});
+                       [&] { return stop; },
+                       {}});
+    group.Add(GroupJob{jobs.Spec("b", "split"), {}, {}, {}});
+    group.Add(GroupJob{jobs.Spec("c", "split"), {}, {}, {}});
     group.Run();
     for (const GroupJobOutcome& out : group.TakeLeft()) {
       REQUIRE(!out.error);
@@ -244,9 +245,9 @@ TEST_CASE("group: a job that fails leaves the others training, its failure its o
   std::vector<double> a_losses;
   std::vector<GroupJob> group;
   group.push_back(GroupJob{
-      jobs.Spec("a", "group"), [&](const StepStats& s) { a_losses.push_back(s.loss); }, {}});
-  group.push_back(GroupJob{bad_data, {}, {}});
-  group.push_back(GroupJob{diverging, {}, {}});
+      jobs.Spec("a", "group"), [&](const StepStats& s) { a_losses.push_back(s.loss); }, {}, {}});
+  group.push_back(GroupJob{bad_data, {}, {}, {}});
+  group.push_back(GroupJob{diverging, {}, {}, {}});
   const std::vector<GroupJobOutcome> out = RunGroupTraining(std::move(group), o);
   REQUIRE(out.size() == 3);
   CHECK(!out[0].error);
@@ -273,10 +274,10 @@ TEST_CASE("group: jobs join and leave at step boundaries", "[worker]") {
   jobs.Group({"a"}, "alone", o);
   jobs.Group({"b"}, "alone", o);
   GroupTrainer group(jobs.Spec("a", "join"), o);
-  group.Add(GroupJob{jobs.Spec("a", "join"), {}, {}});
+  group.Add(GroupJob{jobs.Spec("a", "join"), {}, {}, {}});
   REQUIRE(group.Step());
   REQUIRE(group.Step());
-  group.Add(GroupJob{jobs.Spec("b", "join"), {}, {}});  // joins a's third step
+  group.Add(GroupJob{jobs.Spec("b", "join"), {}, {}, {}});  // joins a's third step
   CHECK(group.size() == 2);
   REQUIRE(group.Step());
   REQUIRE(group.Step());  // a's last: a leaves
@@ -307,10 +308,10 @@ TEST_CASE("group: jobs that cannot share a group are refused naming the field", 
              Catch::Contains("stream.blocks_to_swap"));
   // Through the trainer: the job leaves at once with its refusal, the group trains on.
   GroupTrainer group(a, jobs.Options());
-  group.Add(GroupJob{a, {}, {}});
+  group.Add(GroupJob{a, {}, {}, {}});
   JobSpec b = jobs.Spec("b", "x");
   b.train.dtype = "bf16";
-  group.Add(GroupJob{b, {}, {}});
+  group.Add(GroupJob{b, {}, {}, {}});
   CHECK(group.size() == 1);
   const std::vector<GroupJobOutcome> left = group.TakeLeft();
   REQUIRE(left.size() == 1);

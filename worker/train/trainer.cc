@@ -53,7 +53,7 @@ TrainResult RunTraining(const JobSpec& spec, const TrainOptions& options,
                         const std::function<void(const StepStats&)>& on_step,
                         const std::function<bool()>& should_stop) {
   GroupTrainer group(spec, options);
-  group.Add(GroupJob{spec, on_step, should_stop});
+  group.Add(GroupJob{spec, on_step, should_stop, {}});
   group.Run();
   std::vector<GroupJobOutcome> left = group.TakeLeft();
   LS_CHECK(left.size() == 1, "a group of one job left with another count of jobs");
