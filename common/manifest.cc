@@ -2,8 +2,10 @@
 // offset it hands out as a pointer.
 #include "common/manifest.h"
 
+#include <algorithm>
 #include <cinttypes>
 #include <cstdio>
+#include <functional>
 #include <optional>
 
 #include <nlohmann/json.hpp>
@@ -115,7 +117,7 @@ QuantInfo QuantFromJson(const Json& j, const std::string& source, const std::str
 }
 
 SegmentInfo SegmentFromJson(const Json& j, uint64_t alignment, const std::string& source,
-                            const std::string& where) {
+                            const std::string& where, bool rest_segment = false) {
   if (!j.is_object()) Bad(source, where + "is not an object");
   SegmentInfo s;
   s.shm_name = GetString(j, "shm_name", source, where);
@@ -152,16 +154,19 @@ SegmentInfo SegmentFromJson(const Json& j, uint64_t alignment, const std::string
       Bad(source, at + "lies outside its segment");
     s.tensors.push_back(std::move(slice));
   }
-  const std::string problem = QuantLayoutProblem(s);
+  const std::string problem = QuantLayoutProblem(s, rest_segment);
   if (!problem.empty()) Bad(source, where + problem);
   return s;
 }
 
 }  // namespace
 
-SegmentInfo LayoutSegment(const std::vector<std::pair<std::string, std::vector<int64_t>>>& shapes,
-                          const std::string& shm_name, DType dtype, uint64_t alignment,
-                          const QuantInfo& projections) {
+namespace {
+
+SegmentInfo LayoutCompressing(
+    const std::vector<std::pair<std::string, std::vector<int64_t>>>& shapes,
+    const std::string& shm_name, DType dtype, uint64_t alignment, const QuantInfo& format,
+    const std::function<bool(const std::string&)>& compressed) {
   if (alignment == 0 || (alignment & (alignment - 1)) != 0)
     throw Error(ErrorCode::kInvalidArgument, "alignment must be a power of two");
   SegmentInfo s;
@@ -181,18 +186,35 @@ SegmentInfo LayoutSegment(const std::vector<std::pair<std::string, std::vector<i
     return t;
   };
   for (const auto& [name, shape] : shapes) {
-    if (!projections.compressed() || !IsProjectionWeight(name)) {
+    if (!format.compressed() || !compressed(name)) {
       place(plain(name, dtype, shape));
       continue;
     }
-    TensorSlice w = plain(name, QuantizedWeightDType(projections), shape);
-    w.quant = projections;
-    w.nbytes = QuantizedWeightBytes(shape, projections);
+    TensorSlice w = plain(name, QuantizedWeightDType(format), shape);
+    w.quant = format;
+    w.nbytes = QuantizedWeightBytes(shape, format);
     place(std::move(w));
-    for (const QuantAuxTensor& aux : QuantAuxTensors(name, shape, projections))
+    for (const QuantAuxTensor& aux : QuantAuxTensors(name, shape, format))
       place(plain(aux.name, aux.dtype, aux.shape));
   }
   return s;
+}
+
+}  // namespace
+
+SegmentInfo LayoutSegment(const std::vector<std::pair<std::string, std::vector<int64_t>>>& shapes,
+                          const std::string& shm_name, DType dtype, uint64_t alignment,
+                          const QuantInfo& projections) {
+  return LayoutCompressing(shapes, shm_name, dtype, alignment, projections, IsProjectionWeight);
+}
+
+SegmentInfo LayoutSegment(const std::vector<std::pair<std::string, std::vector<int64_t>>>& shapes,
+                          const std::string& shm_name, DType dtype, uint64_t alignment,
+                          const QuantInfo& format, const std::vector<std::string>& compressed) {
+  return LayoutCompressing(
+      shapes, shm_name, dtype, alignment, format, [&](const std::string& name) {
+        return std::find(compressed.begin(), compressed.end(), name) != compressed.end();
+      });
 }
 
 const TensorSlice* SegmentInfo::Find(const std::string& name) const {
@@ -205,6 +227,24 @@ uint64_t Manifest::total_bytes() const {
   uint64_t total = rest.nbytes;
   for (const SegmentInfo& b : blocks) total += b.nbytes;
   return total;
+}
+
+const TensorSlice* Manifest::head() const {
+  if (is_flux()) return nullptr;
+  return rest.Find(config.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");
+}
+
+std::string Manifest::DescribeCompression() const {
+  std::string text = quant().compressed() ? ", blocks " + DescribeQuant(quant()) : "";
+  for (const TensorSlice& t : rest.tensors) {
+    if (!t.quant.compressed()) continue;
+    const bool embedding = t.name == "model.embed_tokens.weight";
+    text += std::string(", ") +
+            (embedding ? (config.tie_word_embeddings ? "LM head and embedding" : "embedding")
+                       : "LM head") +
+            " " + QuantMethodName(t.quant.method);
+  }
+  return text;
 }
 
 QuantInfo Manifest::quant() const {
@@ -267,7 +307,8 @@ Manifest ManifestFromJson(const std::string& text, const std::string& source) {
   if (static_cast<int64_t>(m.blocks.size()) != m.config.num_hidden_layers)
     Bad(source, "has " + std::to_string(m.blocks.size()) + " blocks but the config has " +
                     std::to_string(m.config.num_hidden_layers) + " layers");
-  m.rest = SegmentFromJson(Field(j, "rest", source, ""), m.alignment, source, "rest: ");
+  m.rest = SegmentFromJson(Field(j, "rest", source, ""), m.alignment, source, "rest: ",
+                           /*rest_segment=*/true);
   if (m.is_flux()) ValidateFluxLayout(m, source);
   const Json& pid = Field(j, "owner_pid", source, top);
   if (!pid.is_number_integer()) Bad(source, "`owner_pid` must be an integer");

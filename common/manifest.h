@@ -63,6 +63,13 @@ struct Manifest {
 
   uint64_t total_bytes() const;  // sum of every segment's nbytes
   QuantInfo quant() const;       // the blocks' compression (none when uncompressed)
+  // The rest segment's slice of the LM head's weights (a tied model's embedding table);
+  // nullptr for a FLUX store.
+  const TensorSlice* head() const;
+  // What is stored compressed, for logs and listings: ", blocks nf4 (...)" and, when they are,
+  // ", LM head nf4" / ", embedding nf4" ("LM head and embedding" for a tied table); "" when
+  // nothing is.
+  std::string DescribeCompression() const;
 };
 
 // The one packed layout of a segment, used by the store and by every other packer (the
@@ -74,6 +81,11 @@ struct Manifest {
 SegmentInfo LayoutSegment(const std::vector<std::pair<std::string, std::vector<int64_t>>>& shapes,
                           const std::string& shm_name, DType dtype, uint64_t alignment,
                           const QuantInfo& projections = {});
+// The same with the weights named in `compressed` (and no other) stored in `format`: the rest
+// segment of a store whose LM head or embedding table is compressed (IsCompressibleRestWeight).
+SegmentInfo LayoutSegment(const std::vector<std::pair<std::string, std::vector<int64_t>>>& shapes,
+                          const std::string& shm_name, DType dtype, uint64_t alignment,
+                          const QuantInfo& format, const std::vector<std::string>& compressed);
 
 // The manifest as JSON text (uint64 values as 16-digit hex strings, so that every JSON reader
 // keeps them exact) and back. ManifestFromJson validates everything a reader relies on

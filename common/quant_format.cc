@@ -1,5 +1,7 @@
 #include "common/quant_format.h"
 
+#include <algorithm>
+#include <numeric>
 #include <set>
 
 #include "common/flux_config.h"
@@ -74,6 +76,17 @@ bool IsProjectionWeight(const std::string& name) {
   return kNames.count(name) > 0 || IsFluxBlockLinearWeight(name);
 }
 
+bool IsCompressibleRestWeight(const std::string& name) {
+  return name == "lm_head.weight" || name == "model.embed_tokens.weight";
+}
+
+int64_t QuantRowAlignment(const QuantInfo& q, int64_t cols) {
+  if (q.method == QuantMethod::kFp8) return q.block_rows;
+  if (q.method != QuantMethod::kNf4) return 1;
+  const int64_t group = q.blocksize * q.nested_blocksize;
+  return group / std::gcd(group, std::max<int64_t>(cols, 1));
+}
+
 DType QuantizedWeightDType(const QuantInfo& q) {
   return q.method == QuantMethod::kFp8 ? DType::kF8E4M3 : DType::kU8;
 }
@@ -101,14 +114,16 @@ std::vector<QuantAuxTensor> QuantAuxTensors(const std::string& weight,
   return {};
 }
 
-std::string QuantLayoutProblem(const SegmentInfo& segment) {
+std::string QuantLayoutProblem(const SegmentInfo& segment, bool rest_segment) {
   for (const TensorSlice& t : segment.tensors) {
     if (!t.quant.compressed()) continue;
     const std::string at = "tensor `" + t.name + "`";
-    if (!IsProjectionWeight(t.name))
+    if (rest_segment ? !IsCompressibleRestWeight(t.name) : !IsProjectionWeight(t.name))
       return at + " is stored " + QuantMethodName(t.quant.method) +
-             "; only the projection weights (q, k, v, o, gate, up, down; a FLUX block's "
-             "linear layers) may be compressed";
+             (rest_segment ? "; outside the blocks only the LM head and the embedding table may "
+                             "be compressed"
+                           : "; only the projection weights (q, k, v, o, gate, up, down; a FLUX "
+                             "block's linear layers) may be compressed");
     if (t.shape.size() != 2) return at + " is compressed but not 2-D";
     if (t.quant.method == QuantMethod::kFp8 &&
         !(ValidBlock(t.quant.block_rows) && ValidBlock(t.quant.block_cols)))
@@ -136,6 +151,13 @@ std::string QuantLayoutProblem(const SegmentInfo& segment) {
     }
   }
   return "";
+}
+
+uint64_t CompressedSpanBytes(const SegmentInfo& segment, const TensorSlice& weight) {
+  uint64_t end = weight.offset + weight.nbytes;
+  for (const QuantAuxTensor& aux : QuantAuxTensors(weight.name, weight.shape, weight.quant))
+    if (const TensorSlice* s = segment.Find(aux.name)) end = std::max(end, s->offset + s->nbytes);
+  return end - weight.offset;
 }
 
 int64_t ExpandedElements(const SegmentInfo& segment) {

@@ -3,9 +3,10 @@
 // the checks a reader makes before trusting them. The arithmetic (quantising, expanding) is
 // store/quantize.h's.
 //
-// Only a block's projection weights are ever compressed (an LLM block's q, k, v, o, gate, up and
-// down; a FLUX.1 block's linear layers: common/flux_config.h IsFluxBlockLinearWeight); norms,
-// biases, the embedding and the LM head stay in the store's floating dtype.
+// A block's projection weights are compressed (an LLM block's q, k, v, o, gate, up and down; a
+// FLUX.1 block's linear layers: common/flux_config.h IsFluxBlockLinearWeight), and on request
+// an LLM's LM head and embedding table of the rest segment (`--quantize-head`,
+// `--quantize-embedding`); norms and biases stay in the store's floating dtype.
 //
 //   fp8  e4m3 (F8_E4M3) in the weight's own [out, in] shape, one F32 per block_rows x
 //        block_cols tile in `<weight>_scale_inv` ([ceil(out/br), ceil(in/bc)]): w = q * s, as
@@ -31,6 +32,7 @@
 namespace lorastream {
 
 struct SegmentInfo;
+struct TensorSlice;
 
 enum class QuantMethod : uint8_t { kNone, kFp8, kNf4 };
 
@@ -61,6 +63,16 @@ QuantInfo StoreQuantFormat(QuantMethod method);
 // ("double_blocks.0.img_mlp.0.weight": a FLUX segment names its tensors so).
 bool IsProjectionWeight(const std::string& name);
 
+// True for the full names of the weights outside the blocks a store may compress on request:
+// lm_head.weight and model.embed_tokens.weight (a tied model's one table is the latter).
+bool IsCompressibleRestWeight(const std::string& name);
+
+// The rows a slice of a compressed [rows, cols] weight must start at a multiple of to be a
+// weight of the same format itself (its scales a contiguous part of the weight's): fp8's tile
+// rows; for nf4 the rows whose elements fill whole groups of blocksize x nested_blocksize
+// (one nested_absmax each). 1 for an uncompressed weight.
+int64_t QuantRowAlignment(const QuantInfo& quant, int64_t cols);
+
 // The stored element type and byte size of a weight of `shape` in `quant`.
 DType QuantizedWeightDType(const QuantInfo& quant);
 uint64_t QuantizedWeightBytes(const std::vector<int64_t>& shape, const QuantInfo& quant);
@@ -76,10 +88,17 @@ std::vector<QuantAuxTensor> QuantAuxTensors(const std::string& weight,
                                             const std::vector<int64_t>& shape,
                                             const QuantInfo& quant);
 
-// "" when every compressed weight of `segment` is a 2-D projection weight of a valid format
-// with each of its auxiliary tensors present, of the right dtype and shape; else what is
-// wrong, naming the tensor ("tensor `self_attn.q_proj.weight_scale_inv` has shape ...").
-std::string QuantLayoutProblem(const SegmentInfo& segment);
+// "" when every compressed weight of `segment` is a 2-D weight of a valid format with each of
+// its auxiliary tensors present, of the right dtype and shape, and one that may be compressed
+// there (a block's projection weight; in the rest segment, `rest_segment`, the LM head or the
+// embedding table); else what is wrong, naming the tensor ("tensor
+// `self_attn.q_proj.weight_scale_inv` has shape ...").
+std::string QuantLayoutProblem(const SegmentInfo& segment, bool rest_segment = false);
+
+// Bytes from compressed weight `weight`'s offset in `segment` to the end of its last auxiliary
+// tensor: the one contiguous range that holds it compressed (LayoutSegment places the scales
+// right after their weight).
+uint64_t CompressedSpanBytes(const SegmentInfo& segment, const TensorSlice& weight);
 
 // Elements of every compressed weight of `segment`: what expanding the block produces.
 int64_t ExpandedElements(const SegmentInfo& segment);

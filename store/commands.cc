@@ -69,9 +69,8 @@ void RunVerify(const std::string& name, int threads, std::ostream& out, bool hol
   const Manifest& m = store.manifest();
   out << "store `" << name << "`: " << (m.is_flux() ? "FLUX.1, " : "") << m.blocks.size()
       << (m.is_flux() ? " units + rest, " : " blocks + rest, ") << FormatGiB(m.total_bytes(), 3)
-      << ", " << DTypeName(m.dtype)
-      << (m.quant().compressed() ? ", blocks " + DescribeQuant(m.quant()) : "") << ", fingerprint "
-      << m.fingerprint << ": every checksum matches (" << s << " s)\n";
+      << ", " << DTypeName(m.dtype) << m.DescribeCompression() << ", fingerprint " << m.fingerprint
+      << ": every checksum matches (" << s << " s)\n";
   if (!hold) return;
   sigset_t signals;
   sigemptyset(&signals);

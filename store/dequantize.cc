@@ -42,9 +42,21 @@ int64_t Numel(const std::vector<int64_t>& shape) {
   return n;
 }
 
-// The bf16 bits of elements [begin, end) of compressed weight `w` of a block at `block`.
-void Expand(const uint8_t* block, const SegmentInfo& layout, const TensorSlice& w, int64_t begin,
-            int64_t end, uint16_t* out) {
+// The names of the scales of every compressed weight of `layout` (not written: the
+// dequantised checkpoint is plain).
+std::vector<std::string> AuxNames(const SegmentInfo& layout) {
+  std::vector<std::string> names;
+  for (const TensorSlice& t : layout.tensors)
+    if (t.quant.compressed())
+      for (const QuantAuxTensor& a : QuantAuxTensors(t.name, t.shape, t.quant))
+        names.push_back(a.name);
+  return names;
+}
+
+}  // namespace
+
+void ExpandElements(const uint8_t* block, const SegmentInfo& layout, const TensorSlice& w,
+                    int64_t begin, int64_t end, uint16_t* out) {
   auto aux = [&](const std::string& suffix) {
     const TensorSlice* s = layout.Find(w.name + suffix);
     LS_CHECK(s != nullptr, "compressed weight `" + w.name + "` without `" + suffix + "`");
@@ -64,19 +76,6 @@ void Expand(const uint8_t* block, const SegmentInfo& layout, const TensorSlice& 
   ExpandNf4(nw, begin, end, out);
 }
 
-// The names of the scales of every compressed weight of `layout` (not written: the
-// dequantised checkpoint is plain).
-std::vector<std::string> AuxNames(const SegmentInfo& layout) {
-  std::vector<std::string> names;
-  for (const TensorSlice& t : layout.tensors)
-    if (t.quant.compressed())
-      for (const QuantAuxTensor& a : QuantAuxTensors(t.name, t.shape, t.quant))
-        names.push_back(a.name);
-  return names;
-}
-
-}  // namespace
-
 DequantizeResult WriteDequantized(const DequantizeOptions& options) {
   if (fs::exists(options.out_dir) && !fs::is_empty(options.out_dir))
     throw Error(ErrorCode::kInvalidArgument,
@@ -90,6 +89,8 @@ DequantizeResult WriteDequantized(const DequantizeOptions& options) {
   serve.threads = threads;
   serve.lock = false;  // read once and dropped
   serve.quantize = options.quantize;
+  serve.quantize_head = options.quantize_head;
+  serve.quantize_embedding = options.quantize_embedding;
   const std::unique_ptr<PublishedStore> published = PublishedStore::Build(serve);
   const AttachedStore store = AttachedStore::Attach(serve.name);
   const Manifest& m = store.manifest();
@@ -101,34 +102,37 @@ DequantizeResult WriteDequantized(const DequantizeOptions& options) {
                     " holds no compressed weights: give --quantize fp8|nf4 to dequantise what "
                     "that store would hold");
 
-  // Every tensor in the checkpoint's own order: blocks, then the rest. Expanded weights own
-  // their bytes; the others point into the store's mapping.
+  // Every tensor in the checkpoint's own order: blocks, then the rest (whose LM head and
+  // embedding may be compressed too). Expanded weights own their bytes; the others point
+  // into the store's mapping.
   std::vector<TensorToWrite> tensors;
   std::vector<std::vector<uint16_t>> expanded;
   struct Job {
-    int block;
+    const uint8_t* segment;
+    const SegmentInfo* layout;
     const TensorSlice* slice;
     size_t index;  // into `expanded`
   };
   std::vector<Job> jobs;
-  for (int b = 0; b < store.num_blocks(); ++b) {
-    const SegmentInfo& layout = m.blocks[b];
+  auto add_segment = [&](const uint8_t* data, const SegmentInfo& layout,
+                         const std::string& prefix) {
     const std::vector<std::string> aux = AuxNames(layout);
-    // A FLUX unit names its tensors in full already.
-    const std::string prefix = m.is_flux() ? "" : "model.layers." + std::to_string(b) + ".";
     for (const TensorSlice& t : layout.tensors) {
       if (std::find(aux.begin(), aux.end(), t.name) != aux.end()) continue;
       if (!t.quant.compressed()) {
-        tensors.push_back({prefix + t.name, t.dtype, t.shape, store.block_data(b) + t.offset});
+        tensors.push_back({prefix + t.name, t.dtype, t.shape, data + t.offset});
         continue;
       }
-      jobs.push_back({b, &t, expanded.size()});
+      jobs.push_back({data, &layout, &t, expanded.size()});
       expanded.emplace_back(static_cast<size_t>(Numel(t.shape)));
       tensors.push_back({prefix + t.name, DType::kBF16, t.shape, expanded.back().data()});
     }
-  }
-  for (const TensorSlice& t : m.rest.tensors)
-    tensors.push_back({t.name, t.dtype, t.shape, store.rest_data() + t.offset});
+  };
+  for (int b = 0; b < store.num_blocks(); ++b)
+    // A FLUX unit names its tensors in full already.
+    add_segment(store.block_data(b), m.blocks[b],
+                m.is_flux() ? "" : "model.layers." + std::to_string(b) + ".");
+  add_segment(store.rest_data(), m.rest, "");
 
   std::vector<std::pair<size_t, int64_t>> pieces;  // (job, first element)
   for (size_t j = 0; j < jobs.size(); ++j)
@@ -138,8 +142,8 @@ DequantizeResult WriteDequantized(const DequantizeOptions& options) {
     const Job& job = jobs[pieces[i].first];
     const int64_t begin = pieces[i].second;
     const int64_t end = std::min(Numel(job.slice->shape), begin + kPieceElements);
-    Expand(store.block_data(job.block), m.blocks[job.block], *job.slice, begin, end,
-           expanded[job.index].data() + begin);
+    ExpandElements(job.segment, *job.layout, *job.slice, begin, end,
+                   expanded[job.index].data() + begin);
   });
   result.expanded_tensors = static_cast<int>(jobs.size());
 

@@ -12,8 +12,10 @@
 // holds it. The model passes through memory once: meant for test and report models.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
+#include "common/manifest.h"
 #include "common/quant_format.h"
 
 namespace lorastream::store {
@@ -23,7 +25,9 @@ struct DequantizeOptions {
   std::string out_dir;  // created; refused when it already holds files
   // The format to quantise to; kNone: `model_dir` must be a pre-quantised checkpoint.
   QuantMethod quantize = QuantMethod::kNone;
-  int threads = 0;  // quantising threads; 0: one per hardware thread
+  bool quantize_head = false;       // with `quantize`: the LM head too (serve's --quantize-head)
+  bool quantize_embedding = false;  // and the untied embedding table
+  int threads = 0;                  // quantising threads; 0: one per hardware thread
 };
 
 struct DequantizeResult {
@@ -34,5 +38,11 @@ struct DequantizeResult {
 // Errors: kInvalidArgument for an out_dir that holds files or a plain checkpoint without
 // `quantize`; the loader's own (kCorrupt, kUnsupported) for a checkpoint it refuses.
 DequantizeResult WriteDequantized(const DequantizeOptions& options);
+
+// The bf16 bits of elements [begin, end) (row-major) of compressed weight `w` of a segment
+// whose bytes start at `segment` (its scales found through `layout`): what the dequantised
+// checkpoint holds, and the worker's host expansion of a compressed embedding's rows.
+void ExpandElements(const uint8_t* segment, const SegmentInfo& layout, const TensorSlice& w,
+                    int64_t begin, int64_t end, uint16_t* out);
 
 }  // namespace lorastream::store

@@ -158,6 +158,12 @@ PackPlan PlanPack(const Checkpoint& cp, const PackOptions& options) {
   const auto block_shapes = config.BlockTensorShapes();
   const auto rest_shapes = config.RestTensorShapes();
   const QuantInfo& stored_quant = config.checkpoint_quant;  // a pre-quantised checkpoint's
+  for (auto [asked, flag] : {std::pair{options.quantize_head, "--quantize-head"},
+                             std::pair{options.quantize_embedding, "--quantize-embedding"}})
+    if (asked && options.quantize == QuantMethod::kNone)
+      throw Error(
+          ErrorCode::kInvalidArgument,
+          std::string(flag) + " compresses in the blocks' format: give it with --quantize fp8|nf4");
   if (stored_quant.compressed() && options.quantize != QuantMethod::kNone)
     fail("the checkpoint is already quantised (" +
          std::string(QuantMethodName(stored_quant.method)) +
@@ -284,9 +290,42 @@ PackPlan PlanPack(const Checkpoint& cp, const PackOptions& options) {
     }
     plan.block_sources[i] = std::move(sources);
   }
-  m.rest = LayoutSegment(rest_shapes, "", m.dtype, options.alignment);
+  // The rest: the LM head and embedding table compressed on request, quantised by the loader
+  // as the blocks' weights are.
+  std::vector<std::string> rest_compressed;
+  if (config.tie_word_embeddings) {  // one table: either flag compresses it
+    if (options.quantize_head || options.quantize_embedding)
+      rest_compressed.push_back("model.embed_tokens.weight");
+  } else {
+    if (options.quantize_head) rest_compressed.push_back("lm_head.weight");
+    if (options.quantize_embedding) rest_compressed.push_back("model.embed_tokens.weight");
+  }
+  m.rest = LayoutSegment(rest_shapes, "", m.dtype, options.alignment, quant, rest_compressed);
+  if (!rest_compressed.empty()) {
+    std::vector<Checkpoint::Ref> sources;
+    size_t next = 0;  // in plan.rest_sources, which follows rest_shapes
+    for (size_t k = 0; k < m.rest.tensors.size(); ++k) {
+      const TensorSlice& t = m.rest.tensors[k];
+      if (t.quant.compressed()) {
+        plan.quantize.push_back({m.blocks.size(), k, {plan.rest_sources[next++]}});
+        sources.push_back({nullptr, nullptr});
+      } else if (next < rest_shapes.size() && rest_shapes[next].first == t.name) {
+        sources.push_back(plan.rest_sources[next++]);
+      } else {
+        sources.push_back({nullptr, nullptr});  // a scale of the weight before it
+      }
+    }
+    plan.rest_sources = std::move(sources);
+  }
   if (options.scan_weights) RefuseNonFiniteWeights(plan);
   return plan;
+}
+
+SegmentInfo& PlanSegment(Manifest& manifest, size_t index) {
+  return index < manifest.blocks.size() ? manifest.blocks[index] : manifest.rest;
+}
+const SegmentInfo& PlanSegment(const Manifest& manifest, size_t index) {
+  return index < manifest.blocks.size() ? manifest.blocks[index] : manifest.rest;
 }
 
 uint64_t RefuseNonFiniteWeights(const PackPlan& plan, Progress* progress, int threads) {
@@ -296,7 +335,8 @@ uint64_t RefuseNonFiniteWeights(const PackPlan& plan, Progress* progress, int th
       if (ref.file != nullptr) refs.push_back(&ref);  // a pre-quantised tensor scans as its dtype
   for (const PackPlan::Quantize& q : plan.quantize)
     for (const Checkpoint::Ref& ref : q.sources) refs.push_back(&ref);
-  for (const Checkpoint::Ref& ref : plan.rest_sources) refs.push_back(&ref);
+  for (const Checkpoint::Ref& ref : plan.rest_sources)
+    if (ref.file != nullptr) refs.push_back(&ref);  // a quantised one is in plan.quantize
   // Pieces of at most kScanPieceBytes, so that an embedding of a gigabyte is shared out too.
   constexpr uint64_t kScanPieceBytes = 64u << 20;
   struct Piece {

@@ -23,7 +23,9 @@ struct PackPlan {
   std::vector<Checkpoint::Ref> rest_sources;
   // The weights to quantise: slice `slice` of block `block` (with its auxiliary slices after
   // it) from `sources`, runs of whole rows in row order that together are the weight (one
-  // tensor of an LLM checkpoint; a FLUX.1 diffusers folder keeps a fused qkv as three).
+  // tensor of an LLM checkpoint; a FLUX.1 diffusers folder keeps a fused qkv as three);
+  // `block` == manifest.blocks.size() names the rest segment (a compressed LM head or
+  // embedding table).
   struct Quantize {
     size_t block = 0;
     size_t slice = 0;
@@ -48,7 +50,16 @@ struct PackOptions {
   bool scan_weights = true;
   // Store each block's projection weights compressed (common/quant_format.h); kNone: as they are.
   QuantMethod quantize = QuantMethod::kNone;
+  // With `quantize`: the LM head's weights and the embedding table stored compressed too, in
+  // the same format (a tied model's one table, which is both, by either flag).
+  bool quantize_head = false;
+  bool quantize_embedding = false;
 };
+
+// The segment of `plan`'s manifest a PackPlan::Quantize or Literal names: block `index`, or
+// the rest for index == blocks.size().
+SegmentInfo& PlanSegment(Manifest& manifest, size_t index);
+const SegmentInfo& PlanSegment(const Manifest& manifest, size_t index);
 
 // Throws Error(kCorrupt) naming the folder and the tensor for a missing block, a missing,
 // extra or misshapen tensor, a dtype the store cannot hold, or a NaN/infinite value. The one

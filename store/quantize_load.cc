@@ -57,7 +57,7 @@ LoadResult QuantizeSegments(const PackPlan& plan, const std::vector<ShmSegment*>
                             Progress* progress) {
   LoadResult result;
   for (const PackPlan::Literal& l : plan.literals) {
-    const TensorSlice& t = plan.manifest.blocks[l.block].tensors[l.slice];
+    const TensorSlice& t = PlanSegment(plan.manifest, l.block).tensors[l.slice];
     LS_CHECK(l.bytes.size() == t.nbytes, "a literal slice's size");
     std::memcpy(segments[l.block]->mutable_data() + t.offset, l.bytes.data(), t.nbytes);
   }
@@ -66,7 +66,7 @@ LoadResult QuantizeSegments(const PackPlan& plan, const std::vector<ShmSegment*>
   const Manifest& m = plan.manifest;
   auto slice = [&](size_t task, size_t offset) -> const TensorSlice& {
     const PackPlan::Quantize& q = plan.quantize[task];
-    return m.blocks[q.block].tensors[q.slice + offset];
+    return PlanSegment(m, q.block).tensors[q.slice + offset];
   };
   auto at = [&](size_t task, size_t offset) {
     return segments[plan.quantize[task].block]->mutable_data() + slice(task, offset).offset;

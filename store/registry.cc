@@ -128,8 +128,7 @@ std::string StoreFormat(const StoreListing& s) {
   try {
     const Manifest m = ManifestFromJson(s.record->json, "store `" + s.name + "`");
     return (m.is_flux() ? "flux, " + std::to_string(m.blocks.size()) + " units, " : "") +
-           std::string(DTypeName(m.dtype)) +
-           (m.quant().compressed() ? ", blocks " + DescribeQuant(m.quant()) : "");
+           std::string(DTypeName(m.dtype)) + m.DescribeCompression();
   } catch (const Error& e) {
     return std::string("unreadable manifest (") + e.what() + ")";
   }

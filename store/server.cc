@@ -133,6 +133,8 @@ std::unique_ptr<PublishedStore> PublishedStore::Build(const ServeOptions& option
   pack.to_bf16 = options.to_bf16;
   pack.scan_weights = false;  // below, after the checks that need no weight read
   pack.quantize = options.quantize;
+  pack.quantize_head = options.quantize_head;
+  pack.quantize_embedding = options.quantize_embedding;
   // A FLUX.1 checkpoint (a BFL file or a diffusers folder) is packed per streaming unit.
   std::optional<Checkpoint> checkpoint;
   std::optional<FluxPackPlan> flux;
@@ -272,8 +274,7 @@ int RunServe(const ServeOptions& options) {
               m.is_flux() ? "FLUX.1 units (" + std::to_string(m.flux_singles_per_unit) +
                                 " single blocks per unit)"
                           : std::string("blocks"),
-              FormatGiB(r.bytes), DTypeName(m.dtype),
-              m.quant().compressed() ? ", blocks " + DescribeQuant(m.quant()) : "", m.fingerprint,
+              FormatGiB(r.bytes), DTypeName(m.dtype), m.DescribeCompression(), m.fingerprint,
               m.generation, r.locked ? "locked in RAM" : "not locked");
   std::printf(
       "published %s fingerprint=%s bytes=%llu load_s=%.4f load_gbps=%.3f prefault_s=%.4f "

@@ -28,6 +28,10 @@ struct ServeOptions {
   // --quantize fp8|nf4: the blocks' projection weights stored compressed (quantised at load,
   // on every loader thread); kNone: as the checkpoint holds them.
   QuantMethod quantize = QuantMethod::kNone;
+  // --quantize-head / --quantize-embedding: the LM head (a tied model's one table) and the
+  // untied embedding table stored in that format too (store/layout.h PackOptions).
+  bool quantize_head = false;
+  bool quantize_embedding = false;
 };
 
 // Blocks SIGTERM/SIGINT, builds and publishes, waits for one of them, tears down.

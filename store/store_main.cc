@@ -36,6 +36,12 @@ int main(int argc, char** argv) {
                 "none | fp8 (e4m3, 128x128 block scales) | nf4 (bitsandbytes NF4): the blocks' "
                 "projection weights stored compressed")
       ->check(CLI::IsMember({"none", "fp8", "nf4"}));
+  s->add_flag("--quantize-head", serve.quantize_head,
+              "with --quantize: the LM head stored in that format too (a tied model's one table, "
+              "which is the embedding too), expanded per vocabulary slice by the worker");
+  s->add_flag("--quantize-embedding", serve.quantize_embedding,
+              "with --quantize: the embedding table stored in that format too (its rows expanded "
+              "on the host per batch; a tied model's one table, as --quantize-head)");
   s->add_flag("!--no-lock", serve.lock, "do not mlock the segments");
   s->add_flag("!--no-huge-pages", serve.huge_pages, "do not ask for transparent huge pages");
   auto* i = app.add_subcommand(
@@ -61,6 +67,8 @@ int main(int argc, char** argv) {
       ->required();
   d->add_option("--quantize", dequantize_format, "none (a pre-quantised folder) | fp8 | nf4")
       ->check(CLI::IsMember({"none", "fp8", "nf4"}));
+  d->add_flag("--quantize-head", dequantize.quantize_head, "as serve's");
+  d->add_flag("--quantize-embedding", dequantize.quantize_embedding, "as serve's");
   d->add_option("--threads", dequantize.threads, "threads (0: all cores)");
   return RunMain("lorastream-store", app, argc, argv, [&] {
     InitLogging("store", level);

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The store's memory and load time for a compressed base against bf16: serves one synthetic
-# checkpoint three times (--quantize none, fp8, nf4), attaches READERS processes to each
-# store (`lorastream-store verify --hold`: every page read, then held), and prints one table:
-# the store's bytes and its blocks' (what --quantize compresses; the embedding and LM head
-# stay bf16) against bf16's, the PSS summed over the store and every reader's mappings of its
+# checkpoint once per format (--quantize none, fp8, nf4; fp8-head / nf4-head: with
+# --quantize-head, the LM head compressed too; fp8-all / nf4-all: with --quantize-embedding
+# as well; $LORASTREAM_BENCH_QUANT_FORMATS chooses, none first),
+# attaches READERS processes to each store (`lorastream-store verify --hold`: every page
+# read, then held), and prints one table: the store's bytes and its blocks' (what --quantize
+# compresses; the embedding and the LM head stay bf16 unless asked) against bf16's, the PSS summed over the store and every reader's mappings of its
 # segments (`lorastream-store ls`: the RAM the store takes, each page counted once), and the
 # load's phases from serve's `published` line: reading (copy + checksums), quantising, and the
 # whole serve (checks, allocation, quantising, reading), each against plain loading.
@@ -49,10 +51,15 @@ wait_for_line() {
   return 1
 }
 
+FORMATS=(${LORASTREAM_BENCH_QUANT_FORMATS:-none fp8 nf4 fp8-head nf4-head fp8-all nf4-all})
+[[ "${FORMATS[0]}" == none ]] || { echo "the formats must start with none (the baseline)" >&2; exit 1; }
 declare -A ROW
-for q in none fp8 nf4; do
+for q in "${FORMATS[@]}"; do
   name="benchq-$$-$q"
-  "$BIN/lorastream-store" serve "$CKPT" --name "$name" --quantize "$q" \
+  rest_flags=()
+  [[ "$q" != *-head ]] || rest_flags=(--quantize-head)
+  [[ "$q" != *-all ]] || rest_flags=(--quantize-head --quantize-embedding)
+  "$BIN/lorastream-store" serve "$CKPT" --name "$name" --quantize "${q%-*}" "${rest_flags[@]}" \
     > "$WORK/serve-$q.out" 2> "$WORK/serve-$q.log" &
   store_pid=$!
   PIDS=("$store_pid")
@@ -90,7 +97,7 @@ table() {
   echo "| format | store bytes | x bf16 | blocks bytes | x bf16 | PSS (store + $READERS readers) | x bf16 | PSS / store | reading s | quantising s | reading + quantising s | x plain reading | serve total s | x plain total |"
   echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
   read -r b_store b_blocks _ b_load _ b_total <<< "${ROW[none]}"
-  for q in none fp8 nf4; do
+  for q in "${FORMATS[@]}"; do
     read -r store blocks pss load quant total <<< "${ROW[$q]}"
     awk -v q="$q" -v s="$store" -v bs="$b_store" -v k="$blocks" -v bk="$b_blocks" -v p="$pss" \
         -v l="$load" -v qt="$quant" -v bl="$b_load" -v t="$total" -v bt="$b_total" 'BEGIN {

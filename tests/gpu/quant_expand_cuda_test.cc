@@ -28,22 +28,14 @@ TEST_CASE("CUDA: fp8 and nf4 blocks expand on the GPU to the CPU path's weights 
     INFO(QuantMethodName(method));
     testing::TempDir dir("cuda-quant");
     // Projections of 328 and 900: 128-tiles and 64-value blocks that do not divide them.
-    std::filesystem::create_directories(dir / "p");
-    std::ofstream(dir / "p/odd.toml") << "model_type = \"qwen3\"\nhidden_size = 328\n"
-                                         "intermediate_size = 900\nnum_hidden_layers = 3\n"
-                                         "num_attention_heads = 4\nnum_key_value_heads = 2\n"
-                                         "head_dim = 82\nvocab_size = 320\n"
-                                         "max_position_embeddings = 512\n";
-    store::SynthOptions so;
-    so.preset = dir / "p/odd.toml";
-    so.out_dir = dir / "m";
-    so.presets_dir = std::string(LORASTREAM_SOURCE_DIR) + "/configs/models";
-    so.seed = 5;
-    so.dtype = "bf16";
-    so.threads = 2;
-    store::RunSynth(so);
+    const std::string model = testing::MakeCheckpointOfShape(
+        dir / "p",
+        "model_type = \"qwen3\"\nhidden_size = 328\nintermediate_size = 900\n"
+        "num_hidden_layers = 3\nnum_attention_heads = 4\nnum_key_value_heads = 2\n"
+        "head_dim = 82\nvocab_size = 320\nmax_position_embeddings = 512\n",
+        5);
     store::ServeOptions o;
-    o.model_dir = dir / "m";
+    o.model_dir = model;
     o.name = "test-cuda-quant-" + std::to_string(::getpid()) + QuantMethodName(method);
     o.threads = 2;
     o.quantize = method;

@@ -8,6 +8,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <utility>
 
 #include <ATen/ATen.h>
 
@@ -67,16 +68,21 @@ TEST_CASE("parity on a compressed store equals parity on its dequantised checkpo
   const SafetensorsFile unquantized =
       Parity("--model " + model, dir / "tokens.safetensors", dir / "adapter", dir / "plain");
 
-  for (QuantMethod method : {QuantMethod::kFp8, QuantMethod::kNf4}) {
-    const std::string tag = QuantMethodName(method);
+  // The blocks compressed; then the (tied) LM head and embedding table as well.
+  for (auto [method, head] : {std::pair{QuantMethod::kFp8, false},
+                              {QuantMethod::kNf4, false},
+                              {QuantMethod::kFp8, true},
+                              {QuantMethod::kNf4, true}}) {
+    const std::string tag = std::string(QuantMethodName(method)) + (head ? "-head" : "");
     INFO(tag);
-    const auto published = testing::ServeForTest(model, method, "qparity");
+    const auto published = testing::ServeForTest(model, method, "qparity", head);
     const SafetensorsFile ours = Parity("--store " + published->manifest().store_name,
                                         dir / "tokens.safetensors", dir / "adapter", dir / tag);
     store::DequantizeOptions d;
     d.model_dir = model;
     d.out_dir = dir / ("deq-" + tag);
     d.quantize = method;
+    d.quantize_head = head;
     d.threads = 2;
     store::WriteDequantized(d);
     const SafetensorsFile ref = Parity("--model " + d.out_dir, dir / "tokens.safetensors",

@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include "common/error.h"
+#include "common/manifest.h"
 #include "tests/worker/stream_test_shapes.h"
 #include "worker/stream/stream_budget.h"
 
@@ -335,4 +336,36 @@ TEST_CASE("a compressed store: blocks hold their compressed bytes and share one 
   const MemoryEstimate all = EstimateMemory(in, PlanFromSwapCount(16, 0, 2));
   CHECK(all.resident_blocks == 16 * in.block_bytes[0]);
   CHECK(all.expansion == expanded + 1);
+}
+
+TEST_CASE("Qwen3-8B with NF4 blocks and an NF4 LM head trains at 2048 tokens within 3 GiB",
+          "[worker]") {
+  MemoryModelInputs in = InputsFor(Qwen3_8bShape(), 2048);
+  in.fused_cross_entropy = true;  // CUDA, bf16
+  const QuantInfo nf4 = StoreQuantFormat(QuantMethod::kNf4);
+  const SegmentInfo block =
+      LayoutSegment(in.config.BlockTensorShapes(), "", DType::kBF16, 256, nf4);
+  in.block_bytes.assign(36, block.nbytes);
+  in.expanded_bytes.assign(36, static_cast<uint64_t>(ExpandedElements(block)) * 2);
+  const uint64_t gib = uint64_t{1} << 30;
+  // The head in bf16 (1.16 GiB, streamed at its phase): every plan is above 3 GiB.
+  CHECK_THROWS_WITH(PlanFromBudget(in, 3 * gib, 2), Catch::Contains("below the minimum"));
+  // Compressed: 0.33 GiB and a slice scratch of tens of MiB.
+  const SegmentInfo rest =
+      LayoutSegment(in.config.RestTensorShapes(), "", DType::kBF16, 256, nf4, {"lm_head.weight"});
+  const TensorSlice* head = rest.Find("lm_head.weight");
+  in.head_bytes = CompressedSpanBytes(rest, *head);
+  in.head_slice_rows = HeadSliceRows(151936, 4096, nf4);
+  CHECK(in.head_slice_rows == 4096);  // 32 MiB of bf16 rows, a multiple of 4 (nf4 groups)
+  CHECK(in.head_bytes < gib * 34 / 100);
+  const ResidencyPlan plan = PlanFromBudget(in, 3 * gib, 2);
+  const MemoryEstimate e = EstimateMemory(in, plan);
+  CHECK(e.total() <= 3 * gib);
+  CHECK(e.head_scratch == 4096ULL * 4096 * 2 + e.head_chunk_rows * (4096ULL * 2 + 4 * 4096));
+  CHECK(e.head_scratch < (uint64_t{64} << 20));
+  // fp8's head: slices of 128-row tiles.
+  CHECK(HeadSliceRows(151936, 4096, StoreQuantFormat(QuantMethod::kFp8)) == 4096);
+  // At least one group of rows (a tiny bound), at most the vocabulary.
+  CHECK(HeadSliceRows(100000, 64, StoreQuantFormat(QuantMethod::kNf4), 1000) == 256);
+  CHECK(HeadSliceRows(300, 64, StoreQuantFormat(QuantMethod::kNf4)) == 300);
 }

@@ -6,11 +6,13 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/job_spec.h"
@@ -19,6 +21,23 @@
 #include "tests/support/test_support.h"
 
 namespace lorastream::testing {
+
+// Writes a bf16 checkpoint of the model `preset_toml` describes (a preset's TOML text, kept in
+// dir/p.toml) into dir/m and returns dir/m: shapes no preset has (odd widths for the kernels).
+inline std::string MakeCheckpointOfShape(const std::string& dir, const std::string& preset_toml,
+                                         uint64_t seed) {
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/p.toml") << preset_toml;
+  store::SynthOptions o;
+  o.preset = dir + "/p.toml";
+  o.out_dir = dir + "/m";
+  o.presets_dir = std::string(LORASTREAM_SOURCE_DIR) + "/configs/models";
+  o.seed = seed;
+  o.dtype = "bf16";
+  o.threads = 2;
+  store::RunSynth(o);
+  return o.out_dir;
+}
 
 // Writes a checkpoint of configs/models/<preset>.toml (f32) into `dir`.
 inline std::string MakeCheckpoint(const std::string& dir, const std::string& preset,
@@ -39,7 +58,9 @@ inline std::string MakeCheckpoint(const std::string& dir, const std::string& pre
 // under a name no other test or run uses; unpublished when the result is destroyed.
 inline std::unique_ptr<store::PublishedStore> ServeForTest(const std::string& model_dir,
                                                            QuantMethod quantize,
-                                                           const std::string& tag) {
+                                                           const std::string& tag,
+                                                           bool quantize_head = false,
+                                                           bool quantize_embedding = false) {
   static std::atomic<int> counter{0};
   store::ServeOptions o;
   o.model_dir = model_dir;
@@ -47,6 +68,8 @@ inline std::unique_ptr<store::PublishedStore> ServeForTest(const std::string& mo
   o.threads = 2;
   o.lock = false;
   o.quantize = quantize;
+  o.quantize_head = quantize_head;
+  o.quantize_embedding = quantize_embedding;
   return store::PublishedStore::Build(o);
 }
 
@@ -86,6 +109,20 @@ inline JobSpec TinyJob(const std::string& checkpoint, const std::string& data,
 inline std::string ReadFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// `lorastream-worker plan` on the CPU for a one-step job of store `store` over dir/d.jsonl (the
+// job written to dir/plan.toml): its exit status and its output.
+inline std::pair<int, std::string> RunPlanOnStore(const std::string& dir,
+                                                  const std::string& store) {
+  const std::string job = dir + "/plan.toml";
+  std::ofstream(job) << "name = \"plan\"\n[model]\nstore = \"" << store
+                     << "\"\n[data]\npath = \"d.jsonl\"\nseq_len = 32\n[train]\nsteps = 1\n"
+                        "output_dir = \"out\"\n";
+  const std::string cmd = std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker plan " + job +
+                          " --device cpu > " + dir + "/plan.log 2>&1";
+  const int status = std::system(cmd.c_str());
+  return {status, ReadFile(dir + "/plan.log")};
 }
 
 }  // namespace lorastream::testing

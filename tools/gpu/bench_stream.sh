@@ -17,6 +17,7 @@
 # Usage: tools/gpu/bench_stream.sh OUT_DIR [extra lorastream-bench-stream options]
 #   LORASTREAM_BUILD_DIR   the build (default build/, tools/setup.sh's)
 #   LORASTREAM_BENCH_QUANTIZE  none (default) | fp8 | nf4: the store's --quantize
+#   LORASTREAM_BENCH_STORE_ARGS  more of serve's options (e.g. --quantize-head)
 #   LORASTREAM_BENCH_PRESET, _LAYERS, _DEVICE, _ARGS   the model (llama-3-8b, 16 layers), the
 #     device (cuda:0) and the benchmark's options in place of the defaults below (the CPU
 #     smoke test, tools/bench_stream_smoke.sh, sets them)

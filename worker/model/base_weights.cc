@@ -34,6 +34,18 @@ DType DTypeOf(c10::ScalarType type) {
               std::string("stream: compute dtype ") + c10::toString(type) + " is not supported");
 }
 
+RestWeights RestOnDevice(const RestWeights& rest, const ModelConfig& config, c10::Device device,
+                         c10::ScalarType dtype) {
+  RestWeights r = rest;
+  if (rest.embed_tokens.defined()) r.embed_tokens = rest.embed_tokens.to(device, dtype);
+  r.norm = rest.norm.to(device, dtype);
+  if (config.tie_word_embeddings)
+    r.lm_head = r.embed_tokens;
+  else if (rest.lm_head.defined())
+    r.lm_head = rest.lm_head.to(device, dtype);
+  return r;
+}
+
 BlockWeights ConvertBlock(const BlockWeights& w, c10::Device device, c10::ScalarType dtype) {
   auto conv = [&](const at::Tensor& t) { return t.defined() ? t.to(device, dtype) : at::Tensor(); };
   BlockWeights o;

@@ -16,6 +16,7 @@
 #include "common/dtype.h"
 #include "common/manifest.h"
 #include "common/model_config.h"
+#include "worker/model/packed_weight.h"
 #include "worker/stream/block_provider.h"
 
 namespace lorastream {
@@ -24,9 +25,12 @@ struct JobSpec;
 
 namespace lorastream::worker {
 
-// The non-block tensors. lm_head is the embedding when the model ties them.
+// The non-block tensors. lm_head is the embedding when the model ties them. A store may keep
+// the LM head and the embedding table compressed (packed_head, packed_embed: the tensor of
+// the same role is then undefined; a tied model's compressed table is both).
 struct RestWeights {
   at::Tensor embed_tokens, norm, lm_head;
+  PackedWeight packed_embed, packed_head;
 };
 
 class BaseWeights {
@@ -69,6 +73,12 @@ class BaseWeights {
 c10::ScalarType ScalarTypeOf(DType dtype, const std::string& what);
 // The stored dtype of a compute dtype (the same four); Error(kUnsupported) otherwise.
 DType DTypeOf(c10::ScalarType type);
+
+// The rest for a model computing on `device` in `dtype` with its LM head resident: embed_tokens,
+// norm and lm_head converted (a tied lm_head the converted table); compressed tables kept as
+// they are (the model expands them: the head per slice, the embedding's rows on the host).
+RestWeights RestOnDevice(const RestWeights& rest, const ModelConfig& config, c10::Device device,
+                         c10::ScalarType dtype);
 
 // Every tensor of `w` converted with `to(device, dtype)`: a no-op (same views) when they
 // already match, a single copy otherwise.

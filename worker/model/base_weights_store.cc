@@ -69,9 +69,26 @@ BaseWeights BaseWeights::FromStore(const std::string& name) {
         data, s->shape, [keep = store](void*) {},
         at::TensorOptions().dtype(ScalarTypeOf(s->dtype, tensor)));
   };
-  b.rest_.embed_tokens = rest("model.embed_tokens.weight");
+  const at::Tensor rest_bytes = at::from_blob(
+      const_cast<uint8_t*>(store->rest_data()), {static_cast<int64_t>(m.rest.nbytes)},
+      [keep = store](void*) {}, at::TensorOptions().dtype(at::kByte));
+  // A compressed table stays compressed: the head is expanded per vocabulary slice where it is
+  // computed, the embedding's batch rows on the host.
+  auto table = [&](const std::string& tensor, at::Tensor* plain, PackedWeight* packed) {
+    const TensorSlice* s = m.rest.Find(tensor);
+    if (s != nullptr && s->quant.compressed())
+      *packed = PackedWeightOf(rest_bytes, m.rest, tensor);
+    else
+      *plain = rest(tensor);
+  };
+  table("model.embed_tokens.weight", &b.rest_.embed_tokens, &b.rest_.packed_embed);
   b.rest_.norm = rest("model.norm.weight");
-  b.rest_.lm_head = b.config_.tie_word_embeddings ? b.rest_.embed_tokens : rest("lm_head.weight");
+  if (b.config_.tie_word_embeddings) {
+    b.rest_.lm_head = b.rest_.embed_tokens;
+    b.rest_.packed_head = b.rest_.packed_embed;
+  } else {
+    table("lm_head.weight", &b.rest_.lm_head, &b.rest_.packed_head);
+  }
   return b;
 }
 

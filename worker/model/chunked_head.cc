@@ -38,7 +38,7 @@ struct HeadArgs {
 // The head's weights between Acquire and Release, released on every path out.
 class AcquiredHead {
  public:
-  explicit AcquiredHead(HeadProvider& head) : head_(head), weight_(head.Acquire()) {}
+  explicit AcquiredHead(HeadProvider& head) : head_(head) { head.Acquire(); }
   ~AcquiredHead() {
     try {
       head_.Release();
@@ -48,19 +48,19 @@ class AcquiredHead {
   }
   AcquiredHead(const AcquiredHead&) = delete;
   AcquiredHead& operator=(const AcquiredHead&) = delete;
-  const at::Tensor& weight() const { return weight_; }
 
  private:
   HeadProvider& head_;
-  const at::Tensor& weight_;
 };
 
 // The loss sum over the rows of `hidden` [N, H]; with `grad` non-null, also d(loss)/d(hidden)
 // [N, H] in hidden's dtype.
 at::Tensor LossInChunks(const at::Tensor& hidden, const HeadArgs& a, at::Tensor* grad) {
   const int64_t n = hidden.size(0);
-  const AcquiredHead head(*a.head);
-  const at::Tensor& w = head.weight();
+  HeadProvider& head = *a.head;
+  const AcquiredHead acquired(head);
+  const int64_t slices = head.num_slices();
+  const at::Tensor whole = slices == 1 ? head.Slice(0) : at::Tensor();
   at::Tensor loss = at::zeros({}, hidden.options().dtype(at::kFloat));
   if (grad != nullptr) *grad = at::empty_like(hidden);
   for (int64_t start = 0; start < n; start += a.chunk_rows) {
@@ -75,11 +75,33 @@ at::Tensor LossInChunks(const at::Tensor& hidden, const HeadArgs& a, at::Tensor*
     } else {
       normed = RmsNorm(x, a.norm, a.eps);
     }
+    // The logits, slice by slice into the chunk's for a head of several (each slice's rows
+    // its columns).
+    at::Tensor logits;
+    if (slices == 1) {
+      logits = at::linear(normed.detach(), whole);
+    } else {
+      logits = at::empty({rows, head.vocab()}, normed.options());
+      for (int64_t i = 0; i < slices; ++i) {
+        const at::Tensor w = head.Slice(i);
+        logits.narrow(1, i * head.slice_rows(), w.size(0)).copy_(at::linear(normed.detach(), w));
+      }
+    }
     // The loss, and in place of the logits their gradient (worker/model/fused_ops.h).
-    at::Tensor logits = at::linear(normed.detach(), w);
     loss.add_(CrossEntropySum(&logits, t, grad != nullptr));
     if (grad == nullptr) continue;
-    at::Tensor grad_normed = at::mm(logits, w);
+    at::Tensor grad_normed;
+    if (slices == 1) {
+      grad_normed = at::mm(logits, whole);
+    } else {
+      // The sum over the slices, accumulated in f32 and rounded once to the compute dtype.
+      at::Tensor sum = at::zeros({rows, hidden.size(1)}, normed.options().dtype(at::kFloat));
+      for (int64_t i = 0; i < slices; ++i) {
+        const at::Tensor w = head.Slice(i);
+        sum.add_(at::mm(logits.narrow(1, i * head.slice_rows(), w.size(0)), w));
+      }
+      grad_normed = sum.to(logits.scalar_type());
+    }
     logits = at::Tensor();
     grad->narrow(0, start, rows)
         .copy_(torch::autograd::grad({normed}, {x}, {grad_normed}, /*retain_graph=*/false,

@@ -13,6 +13,7 @@
 #include <c10/core/ScalarType.h>
 
 #include "common/step_stats.h"
+#include "worker/model/base_weights.h"
 
 namespace lorastream::worker {
 
@@ -21,13 +22,23 @@ struct StreamEngineOptions;
 class HeadProvider {
  public:
   virtual ~HeadProvider() = default;
-  // The LM head's weights [vocab, hidden] on the compute device in the compute dtype, safe to
-  // compute on from the current stream. A streamed head is copied here (into memory of its
-  // own) and compute waits for the copy (on CUDA the stream waits on its event, never the
-  // host). Acquire and Release alternate.
-  virtual const at::Tensor& Acquire() = 0;
-  // Every kernel that reads the weights has been enqueued: a streamed head's memory goes back
-  // to the allocator (compute-stream ordered, as a freed ring slot's).
+  // Makes the LM head's weights available on the compute device. A streamed head is copied
+  // here (into memory of its own; a compressed head's compressed bytes) and compute waits for
+  // the copy (on CUDA the stream waits on its event, never the host). Acquire and Release
+  // alternate.
+  virtual void Acquire() = 0;
+  // Between Acquire and Release, the head's [vocab, hidden] weights in vocabulary slices of
+  // slice_rows() rows (the last may be shorter), in the compute dtype, safe to compute on from
+  // the current stream. A plain head is one slice: the whole weight. A compressed head's
+  // slice `i` (rows i x slice_rows() on) is expanded when asked into the provider's one
+  // scratch: valid until the next Slice or Release.
+  virtual at::Tensor Slice(int64_t i) = 0;
+  virtual int64_t num_slices() const { return 1; }
+  virtual int64_t slice_rows() const = 0;
+  virtual int64_t vocab() const = 0;
+  // Every kernel that reads the weights has been enqueued: a streamed head's memory (and a
+  // compressed head's scratch) goes back to the allocator (compute-stream ordered, as a
+  // freed ring slot's).
   virtual void Release() = 0;
   // A streamed head's copy is issued now (its memory allocated, ordered after the compute
   // work enqueued so far) rather than at the next Acquire, which then only waits for it. No
@@ -37,6 +48,10 @@ class HeadProvider {
   virtual void CollectStats(StepStats& stats) { (void)stats; }
   virtual bool streamed() const { return false; }
 };
+
+// Between Acquire and Release: the whole [vocab, hidden] weight (a compressed head's slices
+// expanded into new memory: the full-logits path, for small models).
+at::Tensor WholeHead(HeadProvider& head);
 
 // `weight` [vocab, hidden] converted once to `device` and `dtype` (a no-op view when it is
 // already there), kept for the provider's life.
@@ -53,6 +68,16 @@ std::unique_ptr<HeadProvider> MakeStreamedHead(const at::Tensor& host_weight, c1
                                                c10::ScalarType dtype,
                                                const StreamEngineOptions& options);
 
+// The head of `rest`: rest.lm_head as above, or a compressed rest.packed_head kept compressed
+// (resident: copied to `device` once; streamed: its compressed bytes copied for each use) and
+// expanded per vocabulary slice of `slice_rows` rows (0: HeadSliceRows's,
+// worker/stream/stream_budget.h; rounded up to the format's QuantRowAlignment).
+std::unique_ptr<HeadProvider> MakeResidentHead(const RestWeights& rest, c10::Device device,
+                                               c10::ScalarType dtype, int64_t slice_rows = 0);
+std::unique_ptr<HeadProvider> MakeStreamedHead(const RestWeights& rest, c10::Device device,
+                                               c10::ScalarType dtype,
+                                               const StreamEngineOptions& options);
+
 // The sum over positions of the cross-entropy of RmsNorm(hidden) W^T (W: the head's weights,
 // logits in the compute dtype, log-softmax in f32) against `targets` [B, S] (already shifted;
 // -100 ignored): an f32 scalar on hidden's device. Computed in chunks of `chunk_rows` rows of
@@ -61,7 +86,9 @@ std::unique_ptr<HeadProvider> MakeStreamedHead(const at::Tensor& host_weight, c1
 // with respect to its hidden rows, (softmax - onehot) W back through the norm, is computed
 // while the chunk's logits exist and kept (B x S x hidden in the compute dtype); the backward
 // only scales it by the incoming gradient. The head's weights are acquired for the forward
-// only and released at its end: the backward does not read them. Without grad, no gradient
+// only and released at its end: the backward does not read them. A head of several slices
+// (compressed) computes each chunk's logits slice by slice and its gradient as the sum over
+// the slices (re-expanding each); a head of one slice is the plain path. Without grad, no gradient
 // work is done and the result has no grad_fn.
 at::Tensor ChunkedHeadLossSum(const at::Tensor& hidden, const at::Tensor& targets,
                               const at::Tensor& norm_weight, double eps, HeadProvider& head,

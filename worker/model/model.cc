@@ -76,8 +76,9 @@ CausalLm::CausalLm(const ModelConfig& config, RestWeights rest, BlockProvider* p
       dtype_(dtype) {
   LS_CHECK(provider_ != nullptr, "CausalLm needs a block provider");
   if (head_ == nullptr) {
-    LS_CHECK(rest_.lm_head.defined(), "CausalLm needs rest.lm_head or a head provider");
-    own_head_ = MakeResidentHead(rest_.lm_head, device_, dtype_);
+    LS_CHECK(rest_.lm_head.defined() || rest_.packed_head.defined(),
+             "CausalLm needs rest.lm_head or a head provider");
+    own_head_ = MakeResidentHead(rest_, device_, dtype_);
     head_ = own_head_.get();
   }
   LS_CHECK(provider_->num_blocks() == config_.num_hidden_layers,
@@ -104,7 +105,7 @@ class GroupHead : public HeadProvider {
  public:
   GroupHead(HeadProvider& head, size_t uses) : head_(head), uses_(uses) {}
   ~GroupHead() override {
-    if (weight_ == nullptr) return;
+    if (!acquired_) return;
     try {
       head_.Release();
     } catch (const std::exception& e) {
@@ -113,13 +114,17 @@ class GroupHead : public HeadProvider {
   }
   GroupHead(const GroupHead&) = delete;
   GroupHead& operator=(const GroupHead&) = delete;
-  const at::Tensor& Acquire() override {
-    if (weight_ == nullptr) weight_ = &head_.Acquire();
-    return *weight_;
+  void Acquire() override {
+    if (!acquired_) head_.Acquire();
+    acquired_ = true;
   }
+  at::Tensor Slice(int64_t i) override { return head_.Slice(i); }
+  int64_t num_slices() const override { return head_.num_slices(); }
+  int64_t slice_rows() const override { return head_.slice_rows(); }
+  int64_t vocab() const override { return head_.vocab(); }
   void Release() override {
     if (++released_ < uses_) return;
-    weight_ = nullptr;
+    acquired_ = false;
     head_.Release();
   }
   bool streamed() const override { return head_.streamed(); }
@@ -128,7 +133,7 @@ class GroupHead : public HeadProvider {
   HeadProvider& head_;
   size_t uses_;
   size_t released_ = 0;
-  const at::Tensor* weight_ = nullptr;
+  bool acquired_ = false;
 };
 
 }  // namespace
@@ -187,8 +192,11 @@ at::Tensor CausalLm::Embed(const at::Tensor& ids) {
   if (ids.size(1) > config_.max_position_embeddings)
     throw Error(ErrorCode::kRefused, "sequence of " + std::to_string(ids.size(1)) +
                                          " tokens is longer than max_position_embeddings");
-  const at::Tensor& table = rest_.embed_tokens;
-  at::Tensor rows = at::embedding(table, ids.to(table.device())).to(dtype_);
+  // A compressed table's rows are expanded on the host (only the batch's).
+  at::Tensor rows =
+      rest_.packed_embed.defined() && !rest_.embed_tokens.defined()
+          ? GatherPackedRows(rest_.packed_embed, ids).to(dtype_)
+          : at::embedding(rest_.embed_tokens, ids.to(rest_.embed_tokens.device())).to(dtype_);
   if (rows.device() == device_) return rows;
   // Only the batch's rows cross; from pinned memory the copy is asynchronous and at full
   // speed (the caching host allocator keeps the buffer until the copy has completed).
@@ -197,8 +205,9 @@ at::Tensor CausalLm::Embed(const at::Tensor& ids) {
 }
 
 at::Tensor CausalLm::Logits(const at::Tensor& hidden) {
-  const at::Tensor& head = head_->Acquire();
-  at::Tensor logits = at::linear(RmsNorm(hidden, rest_.norm, config_.rms_norm_eps), head);
+  head_->Acquire();
+  at::Tensor logits =
+      at::linear(RmsNorm(hidden, rest_.norm, config_.rms_norm_eps), WholeHead(*head_));
   head_->Release();
   return logits;
 }

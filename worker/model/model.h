@@ -86,9 +86,10 @@ class CausalLm {
  public:
   // The provider's blocks and rest.norm must be on `device` in `dtype` (the compute dtype).
   // rest.embed_tokens may stay in host RAM (any dtype): the batch's rows are gathered there
-  // and only they are copied to the device (through pinned memory on CUDA). The LM head's
-  // weights come from `head` when given (resident or streamed; the caller keeps it alive),
-  // else from rest.lm_head, which must then be on `device` in `dtype`.
+  // and only they are copied to the device (through pinned memory on CUDA); a compressed
+  // rest.packed_embed's rows are expanded there. The LM head's weights come from `head` when
+  // given (resident or streamed; the caller keeps it alive), else from rest.lm_head or a
+  // compressed rest.packed_head (MakeResidentHead), kept on `device` in `dtype`.
   CausalLm(const ModelConfig& config, RestWeights rest, BlockProvider* provider, c10::Device device,
            c10::ScalarType dtype, HeadProvider* head = nullptr);
 

@@ -87,6 +87,39 @@ void ExpandInto(const at::Tensor& bytes, const SegmentInfo& layout, const Tensor
 
 bool HasCompressedWeights(const SegmentInfo& layout) { return SegmentQuant(layout).compressed(); }
 
+void ExpandRowsInto(const at::Tensor& bytes, const SegmentInfo& layout, const TensorSlice& w,
+                    int64_t row_begin, int64_t rows, uint16_t* out) {
+  LS_CHECK(w.quant.compressed() && w.shape.size() == 2, "ExpandRowsInto of a plain tensor");
+  const int64_t cols = w.shape[1];
+  LS_CHECK(row_begin >= 0 && rows >= 0 && row_begin + rows <= w.shape[0] &&
+               row_begin % QuantRowAlignment(w.quant, cols) == 0,
+           "rows of `" + w.name + "` that do not start a tile or an absmax group");
+  // The rows as a weight of their own: its bytes and scales are contiguous parts of the
+  // whole weight's (the maps and offset of nf4 are shared).
+  const int64_t first = row_begin * cols;
+  TensorSlice part = w;
+  part.shape = {rows, cols};
+  SegmentInfo sub;
+  auto shifted = [&](const std::string& suffix, uint64_t by) {
+    TensorSlice s = Slice(layout, w.name + suffix);
+    s.offset += by;
+    sub.tensors.push_back(std::move(s));
+  };
+  if (w.quant.method == QuantMethod::kFp8) {
+    part.offset += static_cast<uint64_t>(first);
+    const int64_t tiles = (cols + w.quant.block_cols - 1) / w.quant.block_cols;
+    shifted("_scale_inv", static_cast<uint64_t>(row_begin / w.quant.block_rows * tiles) * 4);
+  } else {
+    part.offset += static_cast<uint64_t>(first / 2);
+    shifted(".absmax", static_cast<uint64_t>(first / w.quant.blocksize));
+    shifted(".nested_absmax",
+            static_cast<uint64_t>(first / (w.quant.blocksize * w.quant.nested_blocksize)) * 4);
+    for (const char* shared : {".quant_map", ".nested_quant_map", ".nested_offset"})
+      shifted(shared, 0);
+  }
+  if (rows > 0) ExpandInto(bytes, sub, part, out);
+}
+
 at::Tensor ExpandWeight(const at::Tensor& bytes, const SegmentInfo& layout,
                         const TensorSlice& weight) {
   LS_CHECK(weight.quant.compressed(), "ExpandWeight of a plain tensor");

@@ -48,6 +48,13 @@ double MeasureBlockExpansion(const uint8_t* host_bytes, const SegmentInfo& layou
                              c10::Device device, c10::ScalarType dtype, int reps = 5,
                              BlockNaming naming = BlockNaming::kLlmFields);
 
+// Rows [row_begin, row_begin + rows) of compressed weight `weight` of `layout` (over `bytes`,
+// on any device) expanded into `out` (bf16, rows x cols, on that device; a GPU's enqueued on
+// the current stream): the same kernels over offset pointers, so each element is the one the
+// whole weight's expansion gives. row_begin must be a multiple of QuantRowAlignment.
+void ExpandRowsInto(const at::Tensor& bytes, const SegmentInfo& layout, const TensorSlice& weight,
+                    int64_t row_begin, int64_t rows, uint16_t* out);
+
 // The expansion of a single compressed weight `weight` of `layout` into a new bf16 tensor
 // (its logical shape) on the device of `bytes`.
 at::Tensor ExpandWeight(const at::Tensor& bytes, const SegmentInfo& layout,

@@ -150,11 +150,7 @@ void RunParity(const ParityOptions& o) {
                                                  std::to_string(config.num_hidden_layers) +
                                                  " (found " + std::to_string(o.taped_blocks) + ")");
   ResidentProvider provider(base, device, dtype);
-  RestWeights rest;
-  rest.embed_tokens = base.rest().embed_tokens.to(device, dtype);
-  rest.norm = base.rest().norm.to(device, dtype);
-  rest.lm_head =
-      config.tie_word_embeddings ? rest.embed_tokens : base.rest().lm_head.to(device, dtype);
+  const RestWeights rest = RestOnDevice(base.rest(), config, device, dtype);
   CausalLm model(config, rest, &provider, device, dtype);
 
   SafetensorsFile tokens = SafetensorsFile::Open(o.tokens_path);

@@ -81,11 +81,20 @@ int PrintPlans(const std::vector<JobSpec>& specs, const PlanCommandOptions& opti
           ? " " + DescribeQuant(layout.quant()) + ", expanding to " +
                 FormatBytes(inputs.expanded_bytes.empty() ? 0 : inputs.expanded_bytes[0])
           : "";
-  std::printf("job %s: %s, %d blocks of %s%s, %lld tokens per micro-batch, device %s, %s\n",
-              spec.name.c_str(), base.config().model_type.c_str(), layers,
-              FormatBytes(inputs.block_bytes.empty() ? 0 : inputs.block_bytes[0]).c_str(),
-              compressed.c_str(), static_cast<long long>(inputs.tokens), device.str().c_str(),
-              dtype_name.c_str());
+  // The LM head's bytes on the device and, compressed, its format and slices.
+  const TensorSlice* head = layout.head();
+  const std::string head_format = head != nullptr && head->quant.compressed()
+                                      ? std::string(" ") + QuantMethodName(head->quant.method) +
+                                            ", expanded in slices of " +
+                                            std::to_string(inputs.head_slice_rows) + " rows"
+                                      : "";
+  std::printf(
+      "job %s: %s, %d blocks of %s%s, LM head %s%s, %lld tokens per micro-batch, device %s, "
+      "%s\n",
+      spec.name.c_str(), base.config().model_type.c_str(), layers,
+      FormatBytes(inputs.block_bytes.empty() ? 0 : inputs.block_bytes[0]).c_str(),
+      compressed.c_str(), FormatBytes(inputs.head_bytes).c_str(), head_format.c_str(),
+      static_cast<long long>(inputs.tokens), device.str().c_str(), dtype_name.c_str());
   if (specs.size() > 1)
     std::printf("(the group: every job's measured compute, the copies once; its memory)\n");
   std::printf("measured: %s; resident step predicted %.1f ms\n", costs.Describe().c_str(),

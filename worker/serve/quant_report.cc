@@ -112,10 +112,7 @@ BaseOutputs RunBase(const BaseWeights& base, const std::vector<Batch>& batches, 
   c10::NoGradGuard no_grad;
   const ModelConfig& c = base.config();
   ResidentProvider provider(base, device, dtype);
-  RestWeights rest;
-  rest.embed_tokens = base.rest().embed_tokens.to(device, dtype);
-  rest.norm = base.rest().norm.to(device, dtype);
-  rest.lm_head = c.tie_word_embeddings ? rest.embed_tokens : base.rest().lm_head.to(device, dtype);
+  const RestWeights rest = RestOnDevice(base.rest(), c, device, dtype);
   CausalLm model(c, rest, &provider, device, dtype);
   LoraSettings s;
   s.rank = 1;

@@ -18,7 +18,7 @@ uint64_t MemoryEstimate::forward() const {
 }
 uint64_t MemoryEstimate::head() const {
   return fixed() + std::max(ring, head_ring) + (head_streamed ? head_weights : 0) + lm_head +
-         taped_blocks * tape;
+         head_scratch + taped_blocks * tape;
 }
 uint64_t MemoryEstimate::backward() const {
   return fixed() + backward_ring + block_working + attention +
@@ -30,6 +30,8 @@ std::string MemoryEstimate::Describe() const {
   return FormatGiB(total(), 2) + " at the peak: rest " + FormatBytes(rest, 2) +
          " + LM head weights " + FormatBytes(head_weights, 2) +
          (head_streamed ? " (streamed: at the LM head only)" : " (resident)") +
+         (head_scratch > 0 ? " + its slice expansion " + FormatBytes(head_scratch, 2)
+                           : std::string()) +
          " + resident blocks " + FormatBytes(resident_blocks, 2) +
          (expansion > 0 ? " + expansion scratch " + FormatBytes(expansion, 2) : std::string()) +
          " + adapter&optimizer " + FormatBytes(adapter, 2) + " + checkpoints " +
@@ -65,6 +67,13 @@ int64_t HeadChunkRows(int64_t tokens, int64_t vocab, int64_t hidden, uint64_t bo
 
 uint64_t AutoMemoryBudget(uint64_t free_bytes) {
   return static_cast<uint64_t>(static_cast<double>(free_bytes) * kAutoBudgetFraction);
+}
+
+int64_t HeadSliceRows(int64_t vocab, int64_t hidden, const QuantInfo& quant, uint64_t slice_bytes) {
+  const int64_t align = QuantRowAlignment(quant, hidden);
+  const int64_t fit =
+      static_cast<int64_t>(slice_bytes / (2 * static_cast<uint64_t>(std::max<int64_t>(hidden, 1))));
+  return std::min(std::max<int64_t>(vocab, 1), std::max(align, fit / align * align));
 }
 
 void SetNonBlockBytes(MemoryModelInputs* in) {
@@ -170,6 +179,11 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& 
   e.head_weights = in.head_bytes;
   e.head_streamed = plan.head_streamed;
   e.lm_head = head_chunk + head_kept;
+  if (in.head_slice_rows > 0) {
+    const uint64_t s = static_cast<uint64_t>(in.head_slice_rows);
+    e.head_scratch =
+        s * h * (b + (b != 2 ? 2 : 0)) + static_cast<uint64_t>(e.head_chunk_rows) * (s * b + 4 * h);
+  }
   e.reserve = in.reserve_bytes;
   return e;
 }

@@ -5,10 +5,11 @@
 // The estimate, per micro-batch of T tokens (for a job group: each job's terms with its own T,
 // rank and targets, summed; MemoryModelInputs::group) (b = bytes per element of the compute dtype,
 // H = hidden, Q = heads x head_dim, KV = kv heads x head_dim, I = intermediate, V = vocab):
-//   weights        rest (the final norm) + LM head (V x H x b: resident, for the whole step;
-//                  streamed, during the LM head only) + resident blocks + R x (largest
-//                  streamed block). The embedding table stays in host RAM: only the batch's
-//                  rows (T x H x b) are copied to the device.
+//   weights        rest (the final norm) + LM head (V x H x b, or a compressed head's bytes:
+//                  resident, for the whole step; streamed, during the LM head only) +
+//                  resident blocks + R x (largest streamed block). The embedding table
+//                  stays in host RAM: only the batch's rows (T x H x b) are copied to the
+//                  device.
 //   adapter        P x 16 bytes: fp32 master weights, fp32 grads, two fp32 Adam moments
 //                  (P = rank x (in + out) summed over the targeted projections of all blocks)
 //   checkpoints    L x T x H x b: each block's input, kept by gradient checkpointing
@@ -53,6 +54,7 @@
 #include <vector>
 
 #include "common/model_config.h"
+#include "common/quant_format.h"
 #include "worker/stream/stream_plan.h"
 
 namespace lorastream::worker {
@@ -70,6 +72,15 @@ uint64_t HeadChunkRowBytes(int64_t vocab, int64_t hidden, bool fused_cross_entro
 int64_t HeadChunkRows(int64_t tokens, int64_t vocab, int64_t hidden, uint64_t bound_bytes,
                       bool fused_cross_entropy = false);
 
+// The default bound on one vocabulary slice of a compressed LM head, expanded: 32 MiB of bf16
+// rows (4096 rows of a 4096-wide head; tens of slices of a 150k vocabulary).
+inline constexpr uint64_t kHeadSliceBytes = uint64_t{32} << 20;
+// Rows of one slice of a compressed LM head [vocab, hidden] in `quant`: as many as
+// `slice_bytes` of bf16 rows hold, a multiple of QuantRowAlignment (at least one), at most
+// vocab.
+int64_t HeadSliceRows(int64_t vocab, int64_t hidden, const QuantInfo& quant,
+                      uint64_t slice_bytes = kHeadSliceBytes);
+
 struct MemoryModelInputs {
   ModelConfig config;
   std::vector<uint64_t> block_bytes;  // bytes of each block as stored (and copied)
@@ -78,7 +89,10 @@ struct MemoryModelInputs {
   // expand into one scratch of the largest (the engine's). Empty: nothing is compressed.
   std::vector<uint64_t> expanded_bytes;
   uint64_t rest_bytes = 0;  // non-block weights always on the device (final norm)
-  uint64_t head_bytes = 0;  // the LM head's weights on the device (V x H x b)
+  uint64_t head_bytes = 0;  // the LM head's weights on the device (V x H x b, or compressed)
+  // A compressed head (a store's --quantize-head): rows per vocabulary slice (HeadSliceRows),
+  // each expanded into one scratch during the LM head phase; 0: a plain head.
+  int64_t head_slice_rows = 0;
   // The chunked head's bound on one chunk's working set (HeadChunkRows): lower = less memory
   // at the LM head, more (smaller) matmuls.
   uint64_t head_chunk_bytes = kDefaultHeadChunkBytes;
@@ -116,6 +130,9 @@ struct MemoryEstimate {
   int taped_blocks = 0;
   uint64_t slot = 0;          // one slot: the largest streamed block (0: none streams)
   uint64_t head_weights = 0;  // the LM head's weights (in fixed, or in head() when streamed)
+  // A compressed head's slice expansion during the LM head: the slice (and its bf16 staging
+  // for another compute dtype), one chunk's slice of logits, its f32 gradient sum.
+  uint64_t head_scratch = 0;
   bool head_streamed = false;
   int64_t head_chunk_rows = 0;  // the chunked head's rows per chunk
   uint64_t fixed() const;
@@ -134,7 +151,8 @@ uint64_t AutoMemoryBudget(uint64_t free_bytes);
 
 // rest_bytes and head_bytes of `in` from its config and compute_bytes: the final norm, and the
 // LM head (V x H in the compute dtype, tied or not: a tied head is the embedding table, which
-// otherwise stays in host RAM and is not counted).
+// otherwise stays in host RAM and is not counted). A compressed head's bytes and slices are
+// MemoryInputsFor's (worker/stream/stream_engine.h), from the store's manifest.
 void SetNonBlockBytes(MemoryModelInputs* in);
 
 // The number of LoRA parameters (A and B of every targeted projection of every block).

@@ -261,7 +261,8 @@ StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c
   // The chunked LM head and loss as training runs it, forward and backward, from the last
   // hidden state (a streamed head's copy is the cost model's, from the bandwidth).
   const at::Tensor norm = base.rest().norm.to(device, dtype);
-  const std::unique_ptr<HeadProvider> head = MakeResidentHead(base.rest().lm_head, device, dtype);
+  // A compressed head as training runs it: expanded per slice at each use.
+  const std::unique_ptr<HeadProvider> head = MakeResidentHead(base.rest(), device, dtype);
   const at::Tensor targets = at::randint(config.vocab_size, {rows, seq},
                                          at::TensorOptions().device(device).dtype(at::kLong));
   const int64_t chunk_rows = DefaultHeadChunkRows(config, rows * seq, device.is_cuda(), dtype);
@@ -282,6 +283,7 @@ StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c
   RepeatedModelParts parts{&config,      &settings, &w,     RestWeights{}, head.get(),
                            at::Tensor(), targets,   device, dtype};
   parts.rest.embed_tokens = base.rest().embed_tokens;
+  parts.rest.packed_embed = base.rest().packed_embed;
   parts.rest.norm = norm;
   parts.ids = at::randint(config.vocab_size, {rows, seq}, at::TensorOptions().dtype(at::kLong));
   const double long_step = RepeatedModelStepSeconds(parts, deep, reps, /*allow_graphs=*/false);

@@ -368,6 +368,12 @@ MemoryModelInputs MemoryInputsFor(const Manifest& manifest, int64_t lora_rank,
   in.compute_bytes = compute_bytes;
   in.attention_materialized = attention_materialized;
   SetNonBlockBytes(&in);  // the embedding table stays in host RAM
+  // A compressed head stays compressed on the device (resident or copied) and is expanded
+  // per vocabulary slice.
+  if (const TensorSlice* head = manifest.head(); head != nullptr && head->quant.compressed()) {
+    in.head_bytes = CompressedSpanBytes(manifest.rest, *head);
+    in.head_slice_rows = HeadSliceRows(head->shape[0], head->shape[1], head->quant);
+  }
   return in;
 }
 

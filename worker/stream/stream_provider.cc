@@ -195,8 +195,7 @@ std::unique_ptr<BlockProvider> MakeStreamProvider(const JobSpec& spec, const Bas
   auto engine = MakeStreamEngine(*manifest, pointers, planning.plan, device, options);
   std::unique_ptr<HeadProvider> head;
   // A tied model's head is its embedding table (BaseWeights::rest().lm_head is that view).
-  if (planning.plan.head_streamed)
-    head = MakeStreamedHead(base.rest().lm_head, device, dtype, options);
+  if (planning.plan.head_streamed) head = MakeStreamedHead(base.rest(), device, dtype, options);
   return std::make_unique<StreamProvider>(std::move(packed), std::move(engine), std::move(head),
                                           planning.predicted_step_seconds);
 }

@@ -130,13 +130,14 @@ TrainModel BuildModel(const JobSpec& spec, const TrainOptions& options, const Ba
   // The LM head: the provider's when its plan streams it, else resident on the device.
   HeadProvider* head = m.provider->lm_head();
   if (head == nullptr) {
-    m.resident_head = MakeResidentHead(base.rest().lm_head, device, target.dtype);
+    m.resident_head = MakeResidentHead(base.rest(), device, target.dtype, options.head_slice_rows);
     head = m.resident_head.get();
   }
   RestWeights rest;
   // The embedding table stays in host RAM (the store's shared memory or the checkpoint's
   // mapping): each micro-batch's rows are gathered there and only they are copied.
   rest.embed_tokens = base.rest().embed_tokens;
+  rest.packed_embed = base.rest().packed_embed;
   rest.norm = base.rest().norm.to(device, target.dtype);
   m.model =
       std::make_unique<CausalLm>(base.config(), rest, m.provider.get(), device, target.dtype, head);

@@ -66,6 +66,9 @@ struct TrainOptions {
   // model folder, the output folder with its checkpoints, adapter and statistics) are opened
   // and created as this user (common/acting_as.h). nullptr: as this process.
   const UserIdentity* files_as = nullptr;
+  // A compressed LM head's vocabulary slice when it stays resident (rows; 0: HeadSliceRows's):
+  // tests use small ones (a streamed head's is StreamEngineOptions::head_slice_rows).
+  int64_t head_slice_rows = 0;
 };
 
 struct TrainResult {
