@@ -1,5 +1,7 @@
 #include "worker/flux/flux_base.h"
 
+#include <unistd.h>
+
 #include <ATen/ATen.h>
 
 #include "common/error.h"
@@ -21,12 +23,15 @@ at::Tensor FileTensor(const SafetensorsFile& file, const SafetensorsEntry& e) {
 }
 
 // `n` zeroed host bytes starting on a page boundary, as a store's segments do: the CUDA
-// backend registers a streamed unit's pages for direct copies.
+// backend registers a streamed unit's pages for direct copies, whole pages read-only. The
+// allocation holds every page the bytes touch, so that the registration never covers memory
+// of another allocation (a host tensor there would refuse a copy into it: invalid argument).
 at::Tensor PageAlignedBytes(uint64_t n) {
-  constexpr int64_t kPage = 4096;
-  const at::Tensor block = at::zeros({static_cast<int64_t>(n) + kPage}, at::kByte);
+  const int64_t page = static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+  const int64_t pages = (static_cast<int64_t>(n) + page - 1) / page;
+  const at::Tensor block = at::zeros({(pages + 1) * page}, at::kByte);
   const auto address = reinterpret_cast<uintptr_t>(block.data_ptr<uint8_t>());
-  const int64_t skip = static_cast<int64_t>((kPage - address % kPage) % kPage);
+  const int64_t skip = static_cast<int64_t>((page - address % page) % page);
   return block.narrow(0, skip, static_cast<int64_t>(n));
 }
 
