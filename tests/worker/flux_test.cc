@@ -136,6 +136,22 @@ struct TinySetup {
 
 }  // namespace
 
+TEST_CASE("flux: a unit's host buffer holds every page its bytes touch", "[worker][flux]") {
+  const int64_t page = static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+  for (int64_t n : {int64_t{1}, page - 1, page, page + 1, (int64_t{1} << 20) + 1,
+                    3 * (int64_t{1} << 20) + 17}) {
+    INFO(n << " bytes");
+    const at::Tensor t = PageAlignedHostBytes(static_cast<uint64_t>(n));
+    CHECK(t.numel() == n);
+    CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % page == 0);
+    CHECK(t.count_nonzero().item<int64_t>() == 0);
+    // The CUDA backend registers [start, start + n rounded up to a page): all of it is this
+    // buffer's own allocation.
+    const int64_t pages = (n + page - 1) / page;
+    CHECK(static_cast<int64_t>(t.storage().nbytes()) >= t.storage_offset() + pages * page);
+  }
+}
+
 TEST_CASE("flux: checkpointed units give plain autograd's loss and gradients", "[worker][flux]") {
   TinySetup t(at::kFloat);
   FluxModel& model = t.model;

@@ -22,19 +22,6 @@ at::Tensor FileTensor(const SafetensorsFile& file, const SafetensorsEntry& e) {
                        at::TensorOptions().dtype(ScalarTypeOf(e.dtype, e.name)));
 }
 
-// `n` zeroed host bytes starting on a page boundary, as a store's segments do: the CUDA
-// backend registers a streamed unit's pages for direct copies, whole pages read-only. The
-// allocation holds every page the bytes touch, so that the registration never covers memory
-// of another allocation (a host tensor there would refuse a copy into it: invalid argument).
-at::Tensor PageAlignedBytes(uint64_t n) {
-  const int64_t page = static_cast<int64_t>(sysconf(_SC_PAGESIZE));
-  const int64_t pages = (static_cast<int64_t>(n) + page - 1) / page;
-  const at::Tensor block = at::zeros({(pages + 1) * page}, at::kByte);
-  const auto address = reinterpret_cast<uintptr_t>(block.data_ptr<uint8_t>());
-  const int64_t skip = static_cast<int64_t>((page - address % page) % page);
-  return block.narrow(0, skip, static_cast<int64_t>(n));
-}
-
 // BFL tensor `name` of the checkpoint: a view of the file's, or a concatenation of
 // diffusers' runs of rows (only read).
 at::Tensor BflTensor(const FluxCheckpointReader& source, const std::string& name) {
@@ -47,6 +34,15 @@ at::Tensor BflTensor(const FluxCheckpointReader& source, const std::string& name
 }
 
 }  // namespace
+
+at::Tensor PageAlignedHostBytes(uint64_t n) {
+  const int64_t page = static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+  const int64_t pages = (static_cast<int64_t>(n) + page - 1) / page;
+  const at::Tensor block = at::zeros({(pages + 1) * page}, at::kByte);
+  const auto address = reinterpret_cast<uintptr_t>(block.data_ptr<uint8_t>());
+  const int64_t skip = static_cast<int64_t>((page - address % page) % page);
+  return block.narrow(0, skip, static_cast<int64_t>(n));
+}
 
 FluxBase FluxBase::Load(const std::string& path, int64_t singles_per_unit, c10::ScalarType dtype,
                         c10::Device device) {
@@ -69,7 +65,7 @@ FluxBase FluxBase::Load(const std::string& path, int64_t singles_per_unit, c10::
   for (size_t u = 0; u < b.manifest_.blocks.size(); ++u) {
     SegmentInfo& seg = b.manifest_.blocks[u];
     seg.shm_name = "flux-unit-" + std::to_string(u);
-    at::Tensor bytes = PageAlignedBytes(seg.nbytes);
+    at::Tensor bytes = PageAlignedHostBytes(seg.nbytes);
     for (const auto& t : seg.tensors)
       bytes.narrow(0, static_cast<int64_t>(t.offset), static_cast<int64_t>(t.nbytes))
           .view(dtype)

@@ -27,6 +27,12 @@ class AttachedStore;
 
 namespace lorastream::worker::flux {
 
+// `n` zeroed host bytes starting on a page boundary, as a store's segments do (a unit's host
+// buffer when FluxBase::Load packs a checkpoint). The CUDA backend registers a streamed unit's
+// whole pages read-only, so the allocation holds every page the bytes touch: a registration
+// never covers memory of another allocation (a host tensor there would refuse a copy into it).
+at::Tensor PageAlignedHostBytes(uint64_t n);
+
 class FluxBase {
  public:
   // BFL's single file or a diffusers folder; any other layout is refused by name
