@@ -82,14 +82,33 @@ uint64_t ParseByteSize(const std::string& text, const std::string& where) {
 }
 
 void MirrorFluxJob(JobSpec& s) {
-  s.model.store = s.flux.store;
-  s.model.checkpoint = s.flux.checkpoint;
-  s.train.output_dir = s.flux.output_dir;
-  s.train.steps = s.flux.steps;
-  s.train.checkpoint_every = s.flux.save_every;
+  const FluxJob& f = s.flux;
+  s.model.store = f.store;
+  s.model.checkpoint = f.checkpoint;
+  s.train.output_dir = f.output_dir;
+  s.train.steps = f.steps;
+  s.train.checkpoint_every = f.save_every;
+  s.train.keep_checkpoints = f.keep_checkpoints;
+  s.train.keep_best = false;
+  s.train.seed = f.seed;
+  s.train.batch_size = f.batch_size;
+  s.train.grad_accum = 1;
+  s.train.dtype = f.dtype;
+  s.train.stats_file.clear();  // output_dir/stats.jsonl
+  s.optim.lr = f.learning_rate;
+  s.optim.schedule = f.lr_schedule;
+  s.optim.warmup_steps = f.warmup_steps;
+  s.optim.weight_decay = f.weight_decay;
+  s.optim.grad_clip = f.max_grad_norm;
+  s.lora.rank = f.rank;
+  s.lora.alpha = f.alpha;
+  s.lora.targets = f.targets;
 }
 
-namespace {}  // namespace
+void SetJobStore(JobSpec& s, const std::string& store) {
+  s.model.store = store;
+  if (s.is_flux) s.flux.store = store;
+}
 
 JobSpec ParseJobSpec(const std::string& toml_text, const std::string& source) {
   TomlSection doc = TomlSection::Parse(toml_text, source);

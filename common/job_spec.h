@@ -270,9 +270,13 @@ JobSpec LoadJobSpec(const std::string& path, const ModelConfig* model = nullptr)
 // fills data.format from the extension when empty (exposed for specs built from text).
 void ResolveJobSpec(JobSpec& spec);
 
-// A FLUX job's (is_flux) base, output folder, steps and checkpoint interval copied from its
-// `flux` into the sections where every job's are read.
+// A FLUX job's (is_flux) base, output folder, steps, checkpoints, seed, batch, dtype, optimizer
+// settings and adapter shape copied from its `flux` into the sections where every job's are
+// read (the one trainer reads those).
 void MirrorFluxJob(JobSpec& spec);
+
+// Names the store `store` as the job's base (model.store, and a FLUX job's flux.store).
+void SetJobStore(JobSpec& spec, const std::string& store);
 
 // Throws Error(kRefused) listing the problems when there are any.
 void RequireValidJobSpec(const JobSpec& spec, const ModelConfig* model = nullptr);

@@ -13,16 +13,13 @@
 
 #include "common/cli_main.h"
 #include "common/error.h"
-#include "common/flux_job.h"
 #include "common/gpu_info.h"
 #include "common/log.h"
 #include "common/user_access.h"
 #include "coordinator/build_info.h"
 #include "coordinator/curve.h"
 #include "store/attach.h"
-#include "worker/flux/flux_calibrate.h"
-#include "worker/flux/flux_group.h"
-#include "worker/flux/flux_train.h"
+#include "worker/families.h"
 #include "worker/serve/parity.h"
 #include "worker/serve/plan_command.h"
 #include "worker/serve/quant_report.h"
@@ -178,30 +175,6 @@ int main(int argc, char** argv) {
     }
     InitLogging("worker");
     if (!store_user.empty()) store::SetTrustedStoreOwner(LookupUser(store_user).uid);
-    // FLUX.1 jobs (train or plan): all of them, or none.
-    auto any_flux = [](const std::vector<std::string>& paths) {
-      if (!std::any_of(paths.begin(), paths.end(), IsFluxJobFile)) return false;
-      for (const std::string& path : paths)
-        if (!IsFluxJobFile(path))
-          throw Error(ErrorCode::kInvalidArgument,
-                      path +
-                          " is not a FLUX job ([flux]) but another job file is: FLUX.1 jobs "
-                          "share a group only with FLUX.1 jobs on their base, LLM jobs with LLM "
-                          "jobs");
-      return true;
-    };
-    const bool flux_job = *train_cmd && any_flux(job_paths);
-    const bool flux_plan = *plan_cmd && any_flux(plan_jobs);
-    if (flux_job) {  // [flux] jobs: FLUX.1 from caches, several as one group
-      flux::FluxTrainOptions flux_train;
-      flux_train.device = train.device;
-      flux_train.threads = train.threads;
-      flux_train.resume = !no_resume;
-      flux_train.stop = &g_train_stop_signal;
-      std::signal(SIGINT, OnTrainStopSignal);
-      std::signal(SIGTERM, OnTrainStopSignal);
-      return flux::RunFluxTrainCommand(job_paths, flux_train);
-    }
     if (*train_cmd) {
       train.resume = !no_resume;
       // The job's [stream] section plans residency and streaming, as under `serve`.
@@ -211,14 +184,12 @@ int main(int argc, char** argv) {
                                  const std::vector<JobSpec>& group) {
           return MakeStreamProvider(spec, base, device, dtype, {}, group);
         };
+      RequireOneFamily(job_paths);
       std::signal(SIGINT, OnTrainStopSignal);
       std::signal(SIGTERM, OnTrainStopSignal);
       return RunGroupTrainCommand(job_paths, train, &g_train_stop_signal);
     }
-    if (flux_plan && plan_jobs.size() == 1)
-      return flux::RunFluxPlanCommand(plan_jobs[0], plan.device);
-    if (flux_plan) return flux::RunFluxGroupPlanCommand(plan_jobs, plan.device);
-    if (*plan_cmd) return RunPlanCommand(plan_jobs, plan);
+    if (*plan_cmd) return RunFamilyPlanCommand(plan_jobs, plan);
     if (*report_cmd) return RunQuantReport(report);
     if (*serve_cmd) {
       serve.stream = !serve_resident;

@@ -22,7 +22,6 @@
 #include "coordinator/worker_agent.h"
 #include "store/attach.h"
 #include "store/registry.h"
-#include "worker/flux/flux_group.h"
 #include "worker/stream/stream_provider.h"
 #include "worker/train/group_trainer.h"
 #include "worker/train/trainer.h"
@@ -181,8 +180,7 @@ class GroupRunner {
     Job job;
     job.ctx = std::move(ctx);
     job.spec = job.ctx->assignment.spec;
-    job.spec.model.store = stores_.Local(job.spec.model.store);
-    if (job.spec.is_flux) job.spec.flux.store = job.spec.model.store;
+    SetJobStore(job.spec, stores_.Local(job.spec.model.store));
     try {
       // Another user's job on a root worker: its files are opened and created as that user
       // (common/acting_as.h), never handed over afterwards.
@@ -250,16 +248,8 @@ class GroupRunner {
     }
   }
 
-  // A group of the job's family (FLUX.1 or the LLMs) started from `job`.
-  std::unique_ptr<TrainingGroup> MakeGroup(const Job& job) const {
-    if (job.spec.is_flux) {
-      flux::FluxGroupOptions options;
-      options.device = train_.device;
-      options.threads = train_.threads;
-      options.resume = train_.resume;
-      options.files_as = FilesAs(job);
-      return std::make_unique<flux::FluxGroupTrainer>(job.spec, options);
-    }
+  // A group of the job's family started from `job`.
+  std::unique_ptr<GroupTrainer> MakeGroup(const Job& job) const {
     TrainOptions options = train_;
     options.files_as = FilesAs(job);
     return std::make_unique<GroupTrainer>(job.spec, options);
@@ -315,7 +305,7 @@ class GroupRunner {
   const OfferedStores& stores_;
   const std::atomic<bool>* hold_;
   std::deque<Job> pending_;
-  std::unique_ptr<TrainingGroup> group_;
+  std::unique_ptr<GroupTrainer> group_;
   JobSpec group_first_;                          // the spec the group was built from
   std::optional<UserIdentity> group_submitter_;  // its first job's submitter
   const UserIdentity* group_files_as_ = nullptr;

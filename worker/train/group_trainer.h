@@ -34,6 +34,10 @@
 #include "common/step_stats.h"
 #include "worker/train/trainer.h"
 
+namespace lorastream {
+class ActingAs;  // common/acting_as.h
+}  // namespace lorastream
+
 namespace lorastream::worker {
 
 // A job and its callbacks (as RunTraining takes them).
@@ -60,26 +64,16 @@ using ::lorastream::GroupRefusal;
 template <class Job>
 class GroupMembers;  // worker/train/group_members.h
 
-// A job group as a serving worker drives it, whatever its family: GroupTrainer (the LLMs) and
-// flux::FluxGroupTrainer (FLUX.1, worker/flux/flux_group.h) keep the contract below.
-class TrainingGroup {
- public:
-  virtual ~TrainingGroup() = default;
-  // Adds a job at a step boundary (GroupTrainer::Add); returns its index.
-  virtual size_t Add(GroupJob job) = 0;
-  // One group step; false when no job is left.
-  virtual bool Step() = 0;
-  // The jobs that left since the last call, in the order they left.
-  virtual std::vector<GroupJobOutcome> TakeLeft() = 0;
-  virtual size_t size() const = 0;  // jobs training now
-};
+class FamilyGroup;
 
-class GroupTrainer final : public TrainingGroup {
+// The one group trainer of every family (worker/train/family.h): the family of `first`
+// (worker/families.cc) builds the base and the model; every job of the group is of that family.
+class GroupTrainer final {
  public:
   // The group's base, provider and model come from `first`'s spec (resolved), on
   // options.device; options.resume, lock_holder apply to every job.
   GroupTrainer(const JobSpec& first, const TrainOptions& options);
-  ~GroupTrainer() override;
+  ~GroupTrainer();
   GroupTrainer(const GroupTrainer&) = delete;
   GroupTrainer& operator=(const GroupTrainer&) = delete;
 
@@ -87,19 +81,23 @@ class GroupTrainer final : public TrainingGroup {
   // options.resume) and takes its first step in the next Step(). A job that cannot join
   // (GroupRefusal) or cannot start (an invalid spec, missing or bad data, a locked output
   // folder) leaves at once with its error (TakeLeft); the group goes on. Returns its index.
-  size_t Add(GroupJob job) override;
+  size_t Add(GroupJob job);
   // One group step: every job's next optimizer step. Returns false when no job is left.
-  bool Step() override;
+  bool Step();
   // Runs Step() until every job has left.
   void Run();
   // The jobs that left since the last call, in the order they left.
-  std::vector<GroupJobOutcome> TakeLeft() override;
-  size_t size() const override;  // jobs training now
+  std::vector<GroupJobOutcome> TakeLeft();
+  size_t size() const;  // jobs training now
 
  private:
   class Job;
-  struct Shared;
-  std::unique_ptr<Shared> shared_;
+  TrainOptions options_;
+  JobSpec first_;  // resolved
+  std::unique_ptr<FamilyGroup> family_;
+  // From after the model is built: every file a job opens or creates is opened as the
+  // submitter (TrainOptions::files_as; a store is the worker's own to attach).
+  std::unique_ptr<ActingAs> as_submitter_;
   std::unique_ptr<GroupMembers<Job>> members_;
 };
 
@@ -111,7 +109,8 @@ std::vector<GroupJobOutcome> RunGroupTraining(std::vector<GroupJob> jobs,
 
 // `lorastream-worker train A.toml B.toml ...`: the jobs as one group, a progress line per job
 // and step (prefixed by the job's name), and a line per job at its end. Exit status: 0 when
-// every job finished, 128 + the signal when stopped, 1 when any job failed.
+// every job finished, 128 + the signal when stopped, 1 when any job failed. Jobs of different
+// families are refused before anything is trained, naming the file.
 int RunGroupTrainCommand(const std::vector<std::string>& job_paths, const TrainOptions& options,
                          const std::atomic<int>* stop_signal = nullptr);
 

@@ -95,10 +95,13 @@ int PrintEnd(const std::string& prefix, const TrainResult& r, int stop_signal, i
     std::printf("; nothing trained, adapter in %s\n", r.adapter_dir.c_str());
     return 0;
   }
-  std::printf("%sdone: %lld steps, final loss %.4f", prefix.c_str(),
-              static_cast<long long>(r.steps_done), r.final_loss);
-  if (!std::isnan(r.final_eval_loss)) std::printf(", eval loss %.4f", r.final_eval_loss);
-  std::printf(", adapter in %s\n", r.adapter_dir.c_str());
+  // The family's end line (its steps, loss and adapter files), each line under the prefix.
+  size_t from = 0;
+  while (from <= r.done_line.size()) {
+    const size_t end = std::min(r.done_line.find('\n', from), r.done_line.size());
+    std::printf("%s%s\n", prefix.c_str(), r.done_line.substr(from, end - from).c_str());
+    from = end + 1;
+  }
   return 0;
 }
 

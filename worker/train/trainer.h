@@ -35,6 +35,7 @@
 #include "common/job_spec.h"
 #include "common/step_stats.h"
 #include "common/user_access.h"
+#include "worker/stream/stream_engine_options.h"
 
 namespace lorastream::worker {
 
@@ -69,6 +70,8 @@ struct TrainOptions {
   // A compressed LM head's vocabulary slice when it stays resident (rows; 0: HeadSliceRows's):
   // tests use small ones (a streamed head's is StreamEngineOptions::head_slice_rows).
   int64_t head_slice_rows = 0;
+  // The engine of a family that builds its own from its plan (FLUX.1): debug options for tests.
+  StreamEngineOptions engine;
 };
 
 struct TrainResult {
@@ -81,6 +84,9 @@ struct TrainResult {
   std::string checkpoint_dir;  // the last checkpoint written
   // Micro-batches replayed from a CUDA graph (worker/train/micro_batch_runner.h); 0 on the CPU.
   int64_t graphed_micro_batches = 0;
+  // The line the run ends with once finished (FamilyJob::DescribeDone): steps, loss and the
+  // adapter's files.
+  std::string done_line;
 };
 
 // With an eval set ([eval]) the adapter is evaluated (worker/train/evaluate.h) after every

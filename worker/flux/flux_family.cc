@@ -1,0 +1,221 @@
+// The FLUX.1 family's part of a group (worker/flux/flux_family.h).
+#include "worker/flux/flux_family.h"
+
+#include <cstdio>
+#include <filesystem>
+
+#include <torch/csrc/autograd/autograd.h>
+
+#include <ATen/ATen.h>
+
+#include "common/acting_as.h"
+#include "common/checkpoint_dir.h"
+#include "common/error.h"
+#include "common/log.h"
+#include "worker/flux/flux_adapter_io.h"
+#include "worker/flux/flux_base.h"
+#include "worker/flux/flux_calibrate.h"
+#include "worker/flux/flux_checkpoint.h"
+#include "worker/flux/flux_data.h"
+#include "worker/flux/flux_group.h"
+#include "worker/flux/flux_model.h"
+#include "worker/flux/flux_objective.h"
+#include "worker/model/model.h"
+#include "worker/model/torch_device.h"
+#include "worker/train/adamw.h"
+#include "worker/train/stoppable_provider.h"
+
+namespace lorastream::worker::flux {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+c10::ScalarType ComputeDtype(const FluxJob& job) {
+  return job.dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+}
+
+// A step's inputs on the device and its target (noise - latents, packed), made from the
+// step's own seed.
+struct FluxStepInput {
+  FluxBatch batch;
+  at::Tensor target;
+  int64_t images = 0, height = 0, width = 0;  // the batch's latents: n x h x w
+};
+
+class Group final : public FamilyGroup {
+ public:
+  Group(const JobSpec& first, const TrainOptions& options, std::function<bool()> all_stop)
+      : first_(first) {
+    device_ = TorchDevice(ParseDevice(options.device));
+    dtype_ = ComputeDtype(first.flux);
+    {
+      // A checkpoint is read as the job's submitter; a store is this worker's to attach.
+      const ActingAs as(first.flux.store.empty() ? options.files_as : nullptr);
+      base_ = std::make_unique<FluxBase>(FluxBase::ForJob(first.flux, dtype_, device_));
+    }
+    FluxJob planned = first.flux;
+    planned.singles_per_unit = base_->singles_per_unit();
+    // The caches (this job's and, for the plan, the group's other jobs') are read as the
+    // submitter.
+    const ActingAs as(options.files_as);
+    first_data_ = std::make_shared<const FluxDataset>(planned.cache_dir, base_->config());
+    const FluxPlanning planning = PlanFluxJob(
+        *base_, planned, *first_data_, device_, dtype_,
+        /*predict=*/false, FluxPlanGroupOf(*base_, first, options.plan_group, device_, dtype_));
+    streamed_ = planning.plan.num_streamed();
+    provider_ = std::make_unique<StoppableProvider>(
+        base_->MakeEngine(planning.plan, device_, options.engine), std::move(all_stop),
+        device_.is_cuda());
+    model_ = std::make_unique<FluxModel>(base_->config(), base_->rest(), provider_.get(),
+                                         planned.singles_per_unit, device_, dtype_);
+  }
+
+  std::string log_name() const override { return "FLUX group"; }
+  std::unique_ptr<FamilyJob> MakeJob(const JobSpec& spec) override;
+  std::vector<std::string> CheckpointFiles() const override { return FluxCheckpointFiles(); }
+  StoppableProvider& provider() override { return *provider_; }
+  std::vector<std::vector<at::Tensor>> RunStep(const std::vector<FamilyJob*>& jobs) override;
+
+  const FluxBase& base() const { return *base_; }
+  FluxModel& model() { return *model_; }
+  c10::Device device() const { return device_; }
+  c10::ScalarType dtype() const { return dtype_; }
+  int64_t streamed() const { return streamed_; }
+  // The first job's caches when `cache_dir` is theirs (read once for the plan), else null.
+  std::shared_ptr<const FluxDataset> data_of(const std::string& cache_dir) const {
+    return cache_dir == first_.flux.cache_dir ? first_data_ : nullptr;
+  }
+
+ private:
+  JobSpec first_;
+  c10::Device device_{c10::kCPU};
+  c10::ScalarType dtype_ = at::kFloat;
+  std::unique_ptr<FluxBase> base_;
+  std::shared_ptr<const FluxDataset> first_data_;  // planned with; the first job's own
+  // The engine, interrupted between two units when every job asks to stop.
+  std::unique_ptr<StoppableProvider> provider_;
+  std::unique_ptr<FluxModel> model_;
+  int64_t streamed_ = 0;
+};
+
+// One job: its caches, its adapter, its step's inputs and loss.
+class Job final : public FamilyJob {
+ public:
+  Job(const JobSpec& spec, Group& group) : name_(spec.name), job_(spec.flux), group_(group) {
+    job_.singles_per_unit = group.base().singles_per_unit();  // a store's units are the store's
+    const FluxConfig& config = group.base().config();
+    data_ = group.data_of(job_.cache_dir);
+    if (!data_) data_ = std::make_shared<const FluxDataset>(job_.cache_dir, config);
+    sampling_ = {job_.timestep_sampling, job_.sigmoid_scale, job_.discrete_flow_shift};
+  }
+
+  std::string Fingerprint() const override { return FluxJobFingerprint(job_); }
+  void StartAdapter(const std::string& resume_dir) override {
+    const FluxConfig& config = group_.base().config();
+    adapter_ =
+        std::make_unique<FluxAdapter>(config, FluxTargets(job_.targets, "flux.targets"), job_.rank,
+                                      job_.alpha, MixSeed(job_.seed, 0xada7), group_.device());
+    if (!resume_dir.empty())
+      LoadKohyaAdapter((fs::path(resume_dir) / kKohyaAdapterFile).string(), *adapter_);
+    LS_LOG_INFO(
+        "job {}: FLUX: {} images in {} buckets, {} adapted modules (rank {}, alpha {}), {} of {} "
+        "units streamed",
+        name_, data_->size(), data_->buckets(), adapter_->modules().size(), job_.rank, job_.alpha,
+        group_.streamed(), group_.model().units().size());
+  }
+  std::vector<at::Tensor> Params() const override { return adapter_->Params(); }
+  std::vector<std::string> ParamNames() const override { return FluxParamNames(*adapter_); }
+  void SaveAdapter(const std::string& dir) const override {
+    SaveFluxAdapters(*adapter_, group_.base().config(), dir);
+  }
+  std::string DescribeDone(int64_t first_step, int64_t last_step, double loss,
+                           double eval_loss) const override {
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "done: steps %lld..%lld, final loss %.6f",
+                  static_cast<long long>(first_step), static_cast<long long>(last_step), loss);
+    const std::string dir = job_.output_dir;
+    return std::string(buf) + "\nadapter (kohya, ComfyUI/Forge): " + dir + "/" + kKohyaAdapterFile +
+           "\nadapter (diffusers load_lora_weights): " + dir + "/" + kDiffusersAdapterFile;
+  }
+  const char* learning_rate_key() const override { return "flux.learning_rate"; }
+
+  int64_t total_steps() const override { return job_.steps; }
+  // The step's batch, noise and timesteps, from the job's seed and the step alone.
+  void Begin(int64_t step, int64_t samples_seen) override {
+    const c10::Device device = group_.device();
+    const c10::ScalarType dtype = group_.dtype();
+    const FluxDataBatch b = data_->Batch(step, job_.batch_size, job_.seed);
+    const int64_t n = b.latents.size(0), h = b.latents.size(2), w = b.latents.size(3);
+    at::Generator gen = at::detail::createCPUGenerator(MixSeed(job_.seed, 0x5eed, step));
+    const at::Tensor noise = at::empty(b.latents.sizes(), at::kFloat).normal_(0.0, 1.0, gen);
+    const at::Tensor t = SampleTimesteps(sampling_, n, h, w, gen);
+    const FlowMatch fm = MakeFlowMatch(b.latents, noise, t);
+    FluxStepInput in;
+    in.batch.img = PackLatents(fm.noisy).to(device, dtype);
+    in.batch.img_ids = ImageIds(n, h, w, device);
+    in.batch.txt = b.t5.to(device, dtype);
+    in.batch.txt_ids = b.txt_ids.to(device);
+    in.batch.y = b.pooled.to(device, dtype);
+    in.batch.timesteps = t.to(device);
+    in.batch.guidance = at::full({n}, job_.guidance, at::TensorOptions(device).dtype(at::kFloat));
+    in.target = PackLatents(fm.target).to(device);
+    in.images = n;
+    in.height = h;
+    in.width = w;
+    input_ = std::move(in);
+  }
+  int64_t step_samples() const override { return input_.images; }
+  int64_t step_tokens() const override {
+    return input_.images * (input_.height / 2) * (input_.width / 2);
+  }
+  void AfterUpdate(AdamW& optimizer, int64_t, int64_t) override { optimizer.ZeroGrad(); }
+
+  const FluxBatch& batch() const { return input_.batch; }
+  const FluxAdapter& adapter() const { return *adapter_; }
+  const at::Tensor& target() const { return input_.target; }
+
+ private:
+  std::string name_;
+  FluxJob job_;
+  Group& group_;
+  std::shared_ptr<const FluxDataset> data_;
+  std::unique_ptr<FluxAdapter> adapter_;
+  TimestepSampling sampling_;
+  FluxStepInput input_;
+};
+
+std::unique_ptr<FamilyJob> Group::MakeJob(const JobSpec& spec) {
+  return std::make_unique<Job>(spec, *this);
+}
+
+std::vector<std::vector<at::Tensor>> Group::RunStep(const std::vector<FamilyJob*>& family_jobs) {
+  std::vector<const FluxBatch*> batches;
+  std::vector<const FluxAdapter*> adapters;
+  for (FamilyJob* j : family_jobs) {
+    const Job& job = static_cast<const Job&>(*j);
+    batches.push_back(&job.batch());
+    adapters.push_back(&job.adapter());
+  }
+  const std::vector<at::Tensor> predictions =
+      model_->ForwardGroup(batches, adapters, /*checkpointed=*/true);
+  std::vector<at::Tensor> losses;
+  for (size_t j = 0; j < family_jobs.size(); ++j)
+    losses.push_back(FlowLoss(predictions[j], static_cast<const Job&>(*family_jobs[j]).target()));
+  // Each loss's gradient is 1, as its own backward would seed it.
+  torch::autograd::backward(losses);
+  std::vector<std::vector<at::Tensor>> out;
+  for (const at::Tensor& loss : losses) out.push_back({loss.detach()});
+  return out;
+}
+
+}  // namespace
+
+bool Accepts(const JobSpec& spec) { return spec.is_flux; }
+
+std::unique_ptr<FamilyGroup> MakeGroup(const JobSpec& first, const TrainOptions& options,
+                                       std::function<bool()> all_stop) {
+  return std::make_unique<Group>(first, options, std::move(all_stop));
+}
+
+}  // namespace lorastream::worker::flux
