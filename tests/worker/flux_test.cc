@@ -17,6 +17,8 @@
 #include <fstream>
 #include <iterator>
 
+#include <nlohmann/json.hpp>
+
 #include "common/checkpoint_dir.h"
 #include "common/error.h"
 #include "common/flux_job.h"
@@ -673,4 +675,43 @@ TEST_CASE(
   std::ofstream(job_path, std::ios::app) << "store = \"" << serve.name << "\"\n";
   CHECK_THAT(ErrorMessageOf([&] { LoadFluxJob(job_path); }),
              Catch::Contains("exactly one of flux.checkpoint") && Catch::Contains("flux.store"));
+}
+
+TEST_CASE(
+    "flux trainer: a standalone job writes stats.jsonl, a step per line, each step once across a "
+    "stop and its resume",
+    "[worker][flux]") {
+  TempDir dir("flux-stats");
+  const std::string job_path =
+      WriteTinyFluxJob(dir.str(), /*with_dog=*/true, "steps = 4\nseed = 2\nrank = 4\n");
+  FluxJob job = LoadFluxJob(job_path);
+  auto read_stats = [&] {
+    std::ifstream lines(job.output_dir + "/stats.jsonl");
+    std::vector<nlohmann::json> out;
+    for (std::string line; std::getline(lines, line);) out.push_back(nlohmann::json::parse(line));
+    return out;
+  };
+  // Stopped after step 2, then resumed to the end: steps 1..4, each once, as the run reported.
+  std::atomic<int> stop{0};
+  FluxTrainOptions o;
+  o.stop = &stop;
+  o.on_step = [&](const StepStats& s) {
+    if (s.step == 2) stop = 1;
+  };
+  const FluxTrainResult first = TrainFlux(job, o);
+  REQUIRE(first.steps.size() == 2);
+  CHECK(read_stats().size() == 2);
+  const FluxTrainResult rest = TrainFlux(job, {});
+  REQUIRE(rest.steps.size() == 2);
+  const std::vector<nlohmann::json> stats = read_stats();
+  REQUIRE(stats.size() == 4);
+  for (size_t i = 0; i < stats.size(); ++i) {
+    INFO("line " << i);
+    CHECK(stats[i]["step"].get<int64_t>() == static_cast<int64_t>(i + 1));
+    CHECK(stats[i]["total_steps"].get<int64_t>() == 4);
+    const StepStats& s = i < 2 ? first.steps[i] : rest.steps[i - 2];
+    CHECK(stats[i]["loss"].get<double>() == Approx(s.loss).epsilon(1e-12));
+    CHECK(stats[i]["tokens"].get<int64_t>() == s.tokens);
+    CHECK(s.tokens > 0);
+  }
 }
