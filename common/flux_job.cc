@@ -1,7 +1,10 @@
 #include "common/flux_job.h"
 
+#include <algorithm>
 #include <filesystem>
+#include <functional>
 #include <sstream>
+#include <utility>
 
 #include "common/error.h"
 #include "common/flux_config.h"
@@ -10,6 +13,91 @@
 #include "common/toml_file.h"
 
 namespace lorastream {
+
+namespace {
+
+// Where a job's FLUX.1 settings are read: by their [flux]-only names, each in its section
+// under its name there (the [flux]-only form: every key in [flux]; the shared form: most in
+// every family's sections, common/flux_job.h).
+using KeyAt = std::function<std::pair<TomlSection, std::string>(const char* flux_key)>;
+
+FluxJob ReadFluxJob(const KeyAt& at) {
+  auto has = [&](const char* k) {
+    const auto [section, key] = at(k);
+    return section.Has(key);
+  };
+  auto where = [&](const char* k) {
+    const auto [section, key] = at(k);
+    return section.Where(key);
+  };
+  FluxJob j;
+  auto path = [&](const char* k) {
+    const auto [section, key] = at(k);
+    return section.Path(key);
+  };
+  if (has("checkpoint") == has("store"))
+    throw Error(ErrorCode::kRefused, where("checkpoint") + ": name exactly one of " +
+                                         path("checkpoint") + " (a FLUX.1 checkpoint) and " +
+                                         path("store") + " (a store serving one)");
+  auto str = [&](const char* k, const std::string& fallback) {
+    const auto [section, key] = at(k);
+    return section.GetString(key, fallback);
+  };
+  auto integer = [&](const char* k, int64_t fallback) {
+    const auto [section, key] = at(k);
+    return section.GetInt(key, fallback);
+  };
+  auto real = [&](const char* k, double fallback) {
+    const auto [section, key] = at(k);
+    return section.GetDouble(key, fallback);
+  };
+  auto require = [&](const char* k) {
+    const auto [section, key] = at(k);
+    return section.RequireString(key);
+  };
+  if (has("checkpoint")) j.checkpoint = require("checkpoint");
+  if (has("store")) j.store = require("store");
+  if (has("store") && has("singles_per_unit"))
+    throw Error(ErrorCode::kRefused,
+                where("singles_per_unit") +
+                    ": a store fixes its units when it is served; remove the key (the store's "
+                    "manifest records its single blocks per unit)");
+  j.cache_dir = require("cache_dir");
+  j.output_dir = require("output_dir");
+  j.steps = integer("steps", j.steps);
+  j.batch_size = integer("batch_size", j.batch_size);
+  const int64_t seed = integer("seed", 0);
+  if (seed < 0) throw Error(ErrorCode::kCorrupt, where("seed") + " must be >= 0");
+  j.seed = static_cast<uint64_t>(seed);
+  j.learning_rate = real("learning_rate", j.learning_rate);
+  j.lr_schedule = str("lr_schedule", j.lr_schedule);
+  j.warmup_steps = integer("warmup_steps", j.warmup_steps);
+  j.weight_decay = real("weight_decay", j.weight_decay);
+  j.max_grad_norm = real("max_grad_norm", j.max_grad_norm);
+  j.rank = integer("rank", j.rank);
+  j.alpha = real("alpha", static_cast<double>(j.rank));
+  {
+    const auto [section, key] = at("targets");
+    j.targets = section.GetStrings(key, j.targets);
+  }
+  j.guidance = real("guidance", j.guidance);
+  j.timestep_sampling = str("timestep_sampling", j.timestep_sampling);
+  j.sigmoid_scale = real("sigmoid_scale", j.sigmoid_scale);
+  j.discrete_flow_shift = real("discrete_flow_shift", j.discrete_flow_shift);
+  j.save_every = integer("save_every", j.save_every);
+  j.keep_checkpoints = integer("keep_checkpoints", j.keep_checkpoints);
+  j.dtype = str("dtype", j.dtype);
+  j.blocks_to_swap = integer("blocks_to_swap", j.blocks_to_swap);
+  if (has("gpu_memory_budget")) {
+    const auto [section, key] = at("gpu_memory_budget");
+    ParseMemoryBudget(section, key, &j.gpu_memory_budget, &j.budget_auto);
+  }
+  j.ring_size = integer("ring_size", j.ring_size);
+  j.singles_per_unit = integer("singles_per_unit", j.singles_per_unit);
+  return j;
+}
+
+}  // namespace
 
 FluxJob ParseFluxJob(const TomlSection& t) {
   t.RejectUnknownKeys({"checkpoint",
@@ -38,46 +126,95 @@ FluxJob ParseFluxJob(const TomlSection& t) {
                        "ring_size",
                        "singles_per_unit",
                        "gpu_memory_budget"});
-  FluxJob j;
-  if (t.Has("checkpoint") == t.Has("store"))
-    throw Error(ErrorCode::kRefused, t.Where("checkpoint") +
-                                         ": name exactly one of flux.checkpoint (a FLUX.1 "
-                                         "checkpoint) and flux.store (a store serving one)");
-  if (t.Has("checkpoint")) j.checkpoint = t.RequireString("checkpoint");
-  if (t.Has("store")) j.store = t.RequireString("store");
-  if (t.Has("store") && t.Has("singles_per_unit"))
-    throw Error(ErrorCode::kRefused,
-                t.Where("singles_per_unit") +
-                    ": a store fixes its units when it is served; remove the key (the store's "
-                    "manifest records its single blocks per unit)");
-  j.cache_dir = t.RequireString("cache_dir");
-  j.output_dir = t.RequireString("output_dir");
-  j.steps = t.GetInt("steps", j.steps);
-  j.batch_size = t.GetInt("batch_size", j.batch_size);
-  const int64_t seed = t.GetInt("seed", 0);
-  if (seed < 0) throw Error(ErrorCode::kCorrupt, t.Where("seed") + " must be >= 0");
-  j.seed = static_cast<uint64_t>(seed);
-  j.learning_rate = t.GetDouble("learning_rate", j.learning_rate);
-  j.lr_schedule = t.GetString("lr_schedule", j.lr_schedule);
-  j.warmup_steps = t.GetInt("warmup_steps", j.warmup_steps);
-  j.weight_decay = t.GetDouble("weight_decay", j.weight_decay);
-  j.max_grad_norm = t.GetDouble("max_grad_norm", j.max_grad_norm);
-  j.rank = t.GetInt("rank", j.rank);
-  j.alpha = t.GetDouble("alpha", static_cast<double>(j.rank));
-  j.targets = t.GetStrings("targets", j.targets);
-  j.guidance = t.GetDouble("guidance", j.guidance);
-  j.timestep_sampling = t.GetString("timestep_sampling", j.timestep_sampling);
-  j.sigmoid_scale = t.GetDouble("sigmoid_scale", j.sigmoid_scale);
-  j.discrete_flow_shift = t.GetDouble("discrete_flow_shift", j.discrete_flow_shift);
-  j.save_every = t.GetInt("save_every", j.save_every);
-  j.keep_checkpoints = t.GetInt("keep_checkpoints", j.keep_checkpoints);
-  j.dtype = t.GetString("dtype", j.dtype);
-  j.blocks_to_swap = t.GetInt("blocks_to_swap", j.blocks_to_swap);
-  if (t.Has("gpu_memory_budget"))
-    ParseMemoryBudget(t, "gpu_memory_budget", &j.gpu_memory_budget, &j.budget_auto);
-  j.ring_size = t.GetInt("ring_size", j.ring_size);
-  j.singles_per_unit = t.GetInt("singles_per_unit", j.singles_per_unit);
-  return j;
+  return ReadFluxJob([&t](const char* k) { return std::make_pair(t, std::string(k)); });
+}
+
+namespace {
+
+// Where each key of the [flux]-only form lives in the shared form (every family's sections).
+struct MovedKey {
+  const char* flux_key;  // in [flux] alone
+  const char* section;   // in the shared form
+  const char* key;
+};
+constexpr MovedKey kMovedKeys[] = {
+    {"checkpoint", "model", "checkpoint"},
+    {"store", "model", "store"},
+    {"output_dir", "train", "output_dir"},
+    {"steps", "train", "steps"},
+    {"batch_size", "train", "batch_size"},
+    {"seed", "train", "seed"},
+    {"save_every", "train", "checkpoint_every"},
+    {"keep_checkpoints", "train", "keep_checkpoints"},
+    {"dtype", "train", "dtype"},
+    {"learning_rate", "optim", "lr"},
+    {"lr_schedule", "optim", "schedule"},
+    {"warmup_steps", "optim", "warmup_steps"},
+    {"weight_decay", "optim", "weight_decay"},
+    {"max_grad_norm", "optim", "grad_clip"},
+    {"rank", "lora", "rank"},
+    {"alpha", "lora", "alpha"},
+    {"targets", "lora", "targets"},
+    {"blocks_to_swap", "stream", "blocks_to_swap"},
+    {"ring_size", "stream", "ring_size"},
+    {"gpu_memory_budget", "stream", "gpu_memory_budget"},
+};
+// What only FLUX.1 has: the [flux] section of the shared form.
+const std::vector<std::string> kFluxOwnKeys = {"cache_dir",           "guidance",
+                                               "timestep_sampling",   "sigmoid_scale",
+                                               "discrete_flow_shift", "singles_per_unit"};
+
+}  // namespace
+
+bool HasSharedJobSections(const TomlSection& doc) {
+  for (const char* section : {"model", "lora", "optim", "train", "stream"})
+    if (doc.Has(section)) return true;
+  return false;
+}
+
+FluxJob ParseFluxJobSections(const TomlSection& doc) {
+  for (const char* llm_only : {"data", "eval"})
+    if (doc.Has(llm_only))
+      throw Error(ErrorCode::kInvalidArgument,
+                  doc.Where(llm_only) + ": a FLUX.1 job reads its images from flux.cache_dir; [" +
+                      llm_only + "] is an LLM job's section");
+  const TomlSection flux = doc.Section("flux");
+  std::string shared;  // the shared sections the file has
+  for (const char* section : {"model", "lora", "optim", "train", "stream"})
+    if (doc.Has(section)) shared += std::string(shared.empty() ? "[" : ", [") + section + "]";
+  for (const MovedKey& m : kMovedKeys)
+    if (flux.Has(m.flux_key))
+      throw Error(ErrorCode::kInvalidArgument,
+                  flux.Where(m.flux_key) + ": a job with " + shared +
+                      " writes every shared key in its section: this one is `" + m.section + "." +
+                      m.key + "` ([flux] holds only what is FLUX.1's own)");
+  flux.RejectUnknownKeys(kFluxOwnKeys);
+  for (const char* name : {"model", "lora", "optim", "train", "stream"}) {
+    std::vector<std::string> keys;
+    for (const MovedKey& m : kMovedKeys)
+      if (std::string(m.section) == name) keys.push_back(m.key);
+    doc.Section(name).RejectUnknownKeys(keys);
+  }
+  return ReadFluxJob([&doc, &flux](const char* k) {
+    for (const MovedKey& m : kMovedKeys)
+      if (std::string(m.flux_key) == k)
+        return std::make_pair(doc.Section(m.section), std::string(m.key));
+    return std::make_pair(flux, std::string(k));
+  });
+}
+
+std::string FluxLegacyNote(const TomlSection& flux) {
+  std::string moved;
+  for (const MovedKey& m : kMovedKeys)
+    if (flux.Has(m.flux_key))
+      moved +=
+          std::string(moved.empty() ? "" : ", ") + m.flux_key + " -> " + m.section + "." + m.key;
+  if (moved.empty()) return "";
+  return flux.file() +
+         ": written as one [flux] section, it trains as before; every family now shares "
+         "[model], [lora], [optim], [train] and [stream], and [flux] keeps only what is FLUX.1's "
+         "own (docs/FLUX.md): " +
+         moved;
 }
 
 std::string FluxJobToToml(const FluxJob& j) {

@@ -81,6 +81,19 @@ struct FluxJob {
 // flux.checkpoint and flux.store, or a store with flux.singles_per_unit (a store's units are
 // fixed when it is served); each names the file and the key.
 FluxJob ParseFluxJob(const TomlSection& flux);
+// The shared form of a FLUX.1 job: every family's sections ([model] store or checkpoint;
+// [lora] rank, alpha, targets; [optim] lr, schedule, warmup_steps, weight_decay, grad_clip;
+// [train] steps, batch_size, seed, output_dir, checkpoint_every, keep_checkpoints, dtype;
+// [stream] gpu_memory_budget, blocks_to_swap, ring_size) and a [flux] section holding only
+// what is FLUX.1's own (cache_dir, guidance, timestep_sampling, sigmoid_scale,
+// discrete_flow_shift, singles_per_unit). Keys absent take FluxJob's defaults. A moved key
+// left in [flux], an LLM-only section ([data], [eval]) or key is refused naming it.
+FluxJob ParseFluxJobSections(const TomlSection& doc);
+// Whether a job file's document has any of the shared sections (the shared form).
+bool HasSharedJobSections(const TomlSection& doc);
+// The note for a job written in the [flux]-only form: where each of its moved keys now lives
+// ("" when it has none).
+std::string FluxLegacyNote(const TomlSection& flux);
 // The section with every key written out ("[flux]\n..."): ParseFluxJob reads it back equal.
 std::string FluxJobToToml(const FluxJob& job);
 // Makes the paths absolute against `base_dir` (common/job_paths.h).

@@ -11,6 +11,7 @@
 #include "common/device.h"
 #include "common/error.h"
 #include "common/job_paths.h"
+#include "common/log.h"
 #include "common/tokenizer_id.h"
 #include "common/toml_file.h"
 
@@ -115,11 +116,18 @@ JobSpec ParseJobSpec(const std::string& toml_text, const std::string& source) {
   JobSpec s;
   s.source = source;
   if (doc.Has("flux")) {
-    doc.RejectUnknownKeys({"name", "priority", "flux"});  // a FLUX job is its [flux] section
+    s.is_flux = true;
+    if (HasSharedJobSections(doc)) {  // every family's sections and FLUX.1's own [flux]
+      s.flux = ParseFluxJobSections(doc);
+      doc.RejectUnknownKeys(
+          {"name", "priority", "model", "lora", "optim", "train", "stream", "flux"});
+    } else {  // the [flux]-only form: every key in [flux]
+      doc.RejectUnknownKeys({"name", "priority", "flux"});
+      s.flux = ParseFluxJob(doc.Section("flux"));
+      s.flux_form_note = FluxLegacyNote(doc.Section("flux"));
+    }
     s.name = doc.GetString("name", s.name);
     s.priority = doc.GetInt("priority", s.priority);
-    s.is_flux = true;
-    s.flux = ParseFluxJob(doc.Section("flux"));
     MirrorFluxJob(s);
     return s;
   }
@@ -583,6 +591,7 @@ JobSpec LoadJobSpec(const std::string& path, const ModelConfig* model) {
   std::stringstream buffer;
   buffer << in.rdbuf();
   JobSpec spec = ParseJobSpec(buffer.str(), path);
+  if (!spec.flux_form_note.empty()) LS_LOG_INFO("{}", spec.flux_form_note);
   ResolveJobSpecIn(spec, JobFileDir(path));
   RequireValidJobSpec(spec, model);
   return spec;

@@ -210,11 +210,16 @@ struct JobSpec {
   StreamSpec stream;
   EvalSpec eval;
   std::string source;  // the file it came from (for messages); "" when built in code
-  // A FLUX.1 job (the file's [flux] section): `flux` is then the whole job, and the sections
-  // above only mirror its base (model.store / model.checkpoint), train.output_dir,
-  // train.steps and train.checkpoint_every (flux.save_every), where the scheduler, the
-  // listings and the checkpoint reports read every job's.
+  // A FLUX.1 job (a [flux] section): `flux` is then the whole job, kept as written (journals
+  // serialize it), and the sections above mirror what every family shares (MirrorFluxJob):
+  // the base, output folder, steps, checkpoints, seed, batch, dtype, optimizer and adapter
+  // shape, where the one trainer, the scheduler and the listings read every job's. A file
+  // may write those in the shared sections (common/flux_job.h: ParseFluxJobSections) or all
+  // in [flux].
   bool is_flux = false;
+  // A FLUX.1 job written in the [flux]-only form: where its keys now live, which loading the
+  // file logs ("" otherwise; not kept).
+  std::string flux_form_note;
   FluxJob flux;
   template <class A>
   void serialize(A& ar) {

@@ -40,6 +40,8 @@ class TomlSection {
 
   // "FILE: key `a.b`" for messages of callers that validate values themselves.
   std::string Where(const std::string& key) const;
+  // "a.b": the key's dotted path in the document.
+  std::string Path(const std::string& key) const { return prefix_ + key; }
   const std::string& file() const { return *file_; }
 
  private:

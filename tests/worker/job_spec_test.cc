@@ -204,3 +204,73 @@ TEST_CASE("FLUX job files: the [flux] section is the job, checked naming file an
       ParseJobSpec(text + "singles_per_unit = 1\n", "f.toml"),
       Catch::Contains("key `flux.singles_per_unit`") && Catch::Contains("a store fixes its units"));
 }
+
+TEST_CASE(
+    "FLUX job files in every family's sections: the same job as the [flux]-only form; moved "
+    "keys, LLM sections and unknown keys refused by name",
+    "[worker][flux]") {
+  const std::string configs = std::string(LORASTREAM_SOURCE_DIR) + "/configs";
+  const std::string cache = configs + "/data/flux-tiny";
+  const std::string single =
+      "name = \"f\"\n[flux]\ncheckpoint = \"m.safetensors\"\ncache_dir = \"" + cache +
+      "\"\noutput_dir = \"out\"\nsteps = 12\nbatch_size = 2\nseed = 7\nlearning_rate = 3e-4\n"
+      "lr_schedule = \"cosine\"\nwarmup_steps = 2\nweight_decay = 0.05\nmax_grad_norm = 0.5\n"
+      "rank = 8\nalpha = 4\ntargets = [\"attention\"]\nguidance = 3.5\n"
+      "timestep_sampling = \"shift\"\nsigmoid_scale = 2.0\ndiscrete_flow_shift = 1.5\n"
+      "save_every = 4\nkeep_checkpoints = 3\ndtype = \"bf16\"\nblocks_to_swap = 5\n"
+      "ring_size = 3\nsingles_per_unit = 4\n";
+  const std::string shared =
+      "name = \"f\"\n[model]\ncheckpoint = \"m.safetensors\"\n"
+      "[lora]\nrank = 8\nalpha = 4\ntargets = [\"attention\"]\n"
+      "[optim]\nlr = 3e-4\nschedule = \"cosine\"\nwarmup_steps = 2\nweight_decay = 0.05\n"
+      "grad_clip = 0.5\n"
+      "[train]\nsteps = 12\nbatch_size = 2\nseed = 7\noutput_dir = \"out\"\n"
+      "checkpoint_every = 4\nkeep_checkpoints = 3\ndtype = \"bf16\"\n"
+      "[stream]\nblocks_to_swap = 5\nring_size = 3\n"
+      "[flux]\ncache_dir = \"" +
+      cache +
+      "\"\nguidance = 3.5\ntimestep_sampling = \"shift\"\nsigmoid_scale = 2.0\n"
+      "discrete_flow_shift = 1.5\nsingles_per_unit = 4\n";
+  JobSpec a = ParseJobSpec(single, "/jobs/a.toml");
+  JobSpec b = ParseJobSpec(shared, "/jobs/b.toml");
+  CHECK_THAT(a.flux_form_note, Catch::Contains("learning_rate -> optim.lr") &&
+                                   Catch::Contains("save_every -> train.checkpoint_every"));
+  CHECK(b.flux_form_note.empty());
+  REQUIRE(b.is_flux);
+  ResolveJobSpecIn(a, "/jobs");
+  ResolveJobSpecIn(b, "/jobs");
+  // The same job: its [flux]-only rendering (every key) is equal, and so are the mirrors.
+  CHECK(FluxJobToToml(b.flux) == FluxJobToToml(a.flux));
+  CHECK(JobSpecToToml(b) == JobSpecToToml(a));
+  CHECK(b.optim.lr == 3e-4);
+  CHECK(b.optim.grad_clip == 0.5);
+  CHECK(b.lora.rank == 8);
+  CHECK(b.train.seed == 7);
+  CHECK(b.train.keep_checkpoints == 3);
+  CHECK(b.train.output_dir == "/jobs/out");
+  // Absent keys take FLUX.1's defaults, not an LLM job's.
+  const JobSpec d = ParseJobSpec(
+      "[model]\nstore = \"s\"\n[train]\noutput_dir = \"o\"\n[flux]\ncache_dir = \"c\"\n", "d.toml");
+  CHECK(d.flux.learning_rate == FluxJob{}.learning_rate);
+  CHECK(d.flux.alpha == FluxJob{}.alpha);
+  CHECK(d.flux.targets == FluxJob{}.targets);
+  CHECK(d.flux.dtype == FluxJob{}.dtype);
+
+  // A moved key left in [flux], an LLM-only section or key, an unknown key: refused by name.
+  CHECK_THROWS_WITH(
+      ParseJobSpec(shared + "learning_rate = 1e-4\n", "f.toml"),
+      Catch::Contains("f.toml: key `flux.learning_rate`") && Catch::Contains("`optim.lr`"));
+  CHECK_THROWS_WITH(ParseJobSpec(shared + "[data]\npath = \"d.jsonl\"\n", "f.toml"),
+                    Catch::Contains("[data] is an LLM job's section"));
+  CHECK_THROWS_WITH(
+      ParseJobSpec("[lora]\nrank = 4\ndropout = 0.1\n[model]\nstore = \"s\"\n[train]\n"
+                   "output_dir = \"o\"\n[flux]\ncache_dir = \"c\"\n",
+                   "f.toml"),
+      Catch::Contains("key `lora.dropout`") && Catch::Contains("rank, alpha, targets"));
+  CHECK_THROWS_WITH(ParseJobSpec(shared + "tokens = 3\n", "f.toml"),
+                    Catch::Contains("key `flux.tokens`"));
+  // Neither base: the shared form's keys are named.
+  CHECK_THROWS_WITH(
+      ParseJobSpec("[train]\noutput_dir = \"o\"\n[flux]\ncache_dir = \"c\"\n", "f.toml"),
+      Catch::Contains("exactly one of model.checkpoint") && Catch::Contains("model.store"));
+}

@@ -221,15 +221,33 @@ class GroupRunner {
       const std::string holder =
           AttemptHolder(a.job_id, a.attempt, "lorastream-worker pid " + std::to_string(::getpid()));
       if (!group_) {
-        // The group is planned from this job alone: the jobs that will join are not known yet
-        // (leaving room for guessed ones would refuse a job that fits alone).
+        // The group is planned for this job and the pending ones that may join it now; jobs
+        // assigned later are not known (leaving room for guessed ones would refuse a job that
+        // fits alone). A plan that cannot hold them all is made for this job alone.
         try {
-          group_ = MakeGroup(job);
+          group_ = MakeGroup(job, JoinersOf(job));
+        } catch (const Error& e) {
+          if (e.code() != ErrorCode::kRefused || JoinersOf(job).empty()) {
+            slots.Finish(*job.ctx, client::FailedResult(std::current_exception(), a));
+            pending_.pop_front();
+            continue;
+          }
+          LS_LOG_INFO(
+              "job {}: the group cannot be planned with the jobs waiting beside it ({}); "
+              "planned alone",
+              a.job_id, e.what());
         } catch (...) {
           slots.Finish(*job.ctx, client::FailedResult(std::current_exception(), a));
           pending_.pop_front();
           continue;
         }
+        if (!group_) try {
+            group_ = MakeGroup(job, {});
+          } catch (...) {
+            slots.Finish(*job.ctx, client::FailedResult(std::current_exception(), a));
+            pending_.pop_front();
+            continue;
+          }
         group_first_ = job.spec;
         group_submitter_ = job.submitter;
         group_files_as_ = group_submitter_ && ::geteuid() == 0 ? &*group_submitter_ : nullptr;
@@ -248,11 +266,26 @@ class GroupRunner {
     }
   }
 
-  // A group of the job's family started from `job`.
-  std::unique_ptr<GroupTrainer> MakeGroup(const Job& job) const {
+  // A group of the job's family started from `job`, its plan leaving room for `joiners`.
+  std::unique_ptr<GroupTrainer> MakeGroup(const Job& job, std::vector<JobSpec> joiners) const {
     TrainOptions options = train_;
     options.files_as = FilesAs(job);
+    options.plan_group = std::move(joiners);
     return std::make_unique<GroupTrainer>(job.spec, options);
+  }
+
+  // The pending jobs after `first` that may share a group started by it (the same family,
+  // base, dtype and plan, and on a root worker the same submitter).
+  std::vector<JobSpec> JoinersOf(const Job& first) const {
+    auto uid = [](const UserIdentity* who) { return who ? static_cast<int64_t>(who->uid) : -1; };
+    std::vector<JobSpec> out;
+    for (size_t i = 1; i < pending_.size(); ++i) {
+      const Job& other = pending_[i];
+      if (GroupRefusal(first.spec, other.spec, train_.device).empty() &&
+          uid(FilesAs(other)) == uid(FilesAs(first)))
+        out.push_back(other.spec);
+    }
+    return out;
   }
 
   // A job's statistics and checkpoints, reported as they come. The trainer saves checkpoint N
