@@ -165,29 +165,13 @@ PlanChoice ChooseFluxPlan(const FluxMemoryInputs& in, const StepCosts& costs, ui
         c.predicted = PredictStep(c.plan, in.unit_bytes, costs);
         all.push_back(std::move(c));
       }
-  double fastest = -1;
-  for (const auto& c : all)
-    if (c.fits && (fastest < 0 || c.predicted.step_seconds < fastest))
-      fastest = c.predicted.step_seconds;
-  if (fastest < 0)
+  const int best = PickPlan(all);
+  if (best < 0)
     throw Error(ErrorCode::kRefused,
                 "flux.gpu_memory_budget " + FormatBytes(budget_bytes) +
                     " is below the smallest plan's estimate (every unit streamed through one "
                     "slot): " +
                     FormatBytes(minimum) + "; raise it, or lower flux.batch_size");
-  int best = -1;
-  for (int i = 0; i < static_cast<int>(all.size()); ++i) {
-    const CandidatePlan& c = all[i];
-    if (!c.fits || c.predicted.step_seconds > fastest * (1 + kPlanTieFraction)) continue;
-    if (best < 0) {
-      best = i;
-      continue;
-    }
-    const CandidatePlan& o = all[best];
-    if (c.predicted.h2d_bytes < o.predicted.h2d_bytes ||
-        (c.predicted.h2d_bytes == o.predicted.h2d_bytes && c.peak_bytes < o.peak_bytes))
-      best = i;
-  }
   // The table: per streamed-unit count its fastest fitting candidate (else its smallest), and
   // the chosen one.
   PlanChoice choice;

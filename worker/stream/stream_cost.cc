@@ -181,6 +181,28 @@ bool SameMemoryPlan(const ResidencyPlan& a, const ResidencyPlan& b) {
 
 }  // namespace
 
+int PickPlan(const std::vector<CandidatePlan>& candidates) {
+  double fastest = -1;
+  for (const CandidatePlan& c : candidates)
+    if (c.fits && (fastest < 0 || c.predicted.step_seconds < fastest))
+      fastest = c.predicted.step_seconds;
+  // Of the plans predicted within kPlanTieFraction of the fastest (a difference the
+  // prediction cannot tell from noise): the fewest bytes over the link, then the fewest slots
+  // (a phase slot is memory handed back and forth with the allocator every step), then the
+  // lower peak, then the faster.
+  const auto key = [](const CandidatePlan& p) {
+    return std::make_tuple(p.predicted.h2d_bytes, p.plan.max_slots(), p.peak_bytes,
+                           p.predicted.step_seconds);
+  };
+  int chosen = -1;
+  for (int i = 0; i < static_cast<int>(candidates.size()); ++i) {
+    const CandidatePlan& c = candidates[i];
+    if (!c.fits || c.predicted.step_seconds > fastest * (1 + kPlanTieFraction)) continue;
+    if (chosen < 0 || key(c) < key(candidates[chosen])) chosen = i;
+  }
+  return chosen;
+}
+
 PlanChoice ChoosePlan(const MemoryModelInputs& inputs, const StepCosts& costs,
                       uint64_t budget_bytes, int max_ring) {
   const int num_blocks = static_cast<int>(inputs.block_bytes.size());
@@ -217,25 +239,8 @@ PlanChoice ChoosePlan(const MemoryModelInputs& inputs, const StepCosts& costs,
     }
   }
   uint64_t minimum = ~uint64_t{0};
-  double fastest = -1;
-  for (const CandidatePlan& c : choice.candidates) {
-    minimum = std::min(minimum, c.peak_bytes);
-    if (c.fits && (fastest < 0 || c.predicted.step_seconds < fastest))
-      fastest = c.predicted.step_seconds;
-  }
-  // Of the plans predicted within kPlanTieFraction of the fastest (a difference the
-  // prediction cannot tell from noise): the fewest bytes over the link, then the fewest slots
-  // (a phase slot is memory handed back and forth with the allocator every step), then the
-  // lower peak, then the faster.
-  const auto key = [](const CandidatePlan& p) {
-    return std::make_tuple(p.predicted.h2d_bytes, p.plan.max_slots(), p.peak_bytes,
-                           p.predicted.step_seconds);
-  };
-  for (int i = 0; i < static_cast<int>(choice.candidates.size()); ++i) {
-    const CandidatePlan& c = choice.candidates[i];
-    if (!c.fits || c.predicted.step_seconds > fastest * (1 + kPlanTieFraction)) continue;
-    if (choice.chosen < 0 || key(c) < key(choice.candidates[choice.chosen])) choice.chosen = i;
-  }
+  for (const CandidatePlan& c : choice.candidates) minimum = std::min(minimum, c.peak_bytes);
+  choice.chosen = PickPlan(choice.candidates);
   if (choice.chosen < 0) {
     throw Error(ErrorCode::kRefused,
                 "stream.gpu_memory_budget " + std::to_string(budget_bytes) + " bytes (" +

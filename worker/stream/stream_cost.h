@@ -103,6 +103,11 @@ struct PlanChoice {
   int chosen = -1;                        // index into candidates
 };
 
+// The planner's rule, for every family's candidates: of the fitting plans predicted within
+// kPlanTieFraction of the fastest, the one copying the fewest bytes, then with the fewest
+// slots, then the lowest peak, then the faster. -1 when none fits.
+int PickPlan(const std::vector<CandidatePlan>& candidates);
+
 // Candidates: every streamed-block count (resident blocks spread as PlanFromSwapCount
 // spreads them) with rings 1..max_ring, each both as it is (one ring for the whole step, the
 // hand-picked kind) and with the budget's headroom filled with phase slots, with taped blocks
