@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "common/memory_mapping.h"
 
@@ -21,8 +22,13 @@ class HostBytes {
   static HostBytes Allocate(uint64_t size, const std::string& what);
 
   HostBytes() = default;
-  HostBytes(HostBytes&&) noexcept = default;
-  HostBytes& operator=(HostBytes&&) noexcept = default;
+  HostBytes(HostBytes&& other) noexcept
+      : map_(std::move(other.map_)), size_(std::exchange(other.size_, 0)) {}
+  HostBytes& operator=(HostBytes&& other) noexcept {
+    map_ = std::move(other.map_);
+    size_ = std::exchange(other.size_, 0);
+    return *this;
+  }
   HostBytes(const HostBytes&) = delete;
   HostBytes& operator=(const HostBytes&) = delete;
 

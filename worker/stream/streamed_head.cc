@@ -13,6 +13,7 @@
 #include "common/log.h"
 #include "worker/stream/host_bytes.h"
 #include "worker/stream/stream_backend.h"
+#include "worker/stream/stream_engine.h"
 
 namespace lorastream::worker {
 
