@@ -25,8 +25,8 @@
 #include "worker/serve/quant_report.h"
 #include "worker/serve/serve.h"
 #include "worker/stream/host_register_probe.h"
-#include "worker/stream/stream_provider.h"
 #include "worker/train/group_trainer.h"
+#include "worker/train/stream_provider.h"
 #include "worker/train/trainer.h"
 
 namespace {

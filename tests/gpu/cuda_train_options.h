@@ -4,7 +4,7 @@
 
 #include <string>
 
-#include "worker/stream/stream_provider.h"
+#include "worker/train/stream_provider.h"
 #include "worker/train/trainer.h"
 
 namespace lorastream::testing {

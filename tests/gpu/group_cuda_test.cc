@@ -14,8 +14,8 @@
 #include "common/safetensors.h"
 #include "tests/gpu/cuda_train_options.h"
 #include "tests/worker/worker_test_util.h"
-#include "worker/stream/stream_provider.h"
 #include "worker/train/group_trainer.h"
+#include "worker/train/stream_provider.h"
 
 using namespace lorastream;
 using namespace lorastream::worker;

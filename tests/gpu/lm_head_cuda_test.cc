@@ -14,6 +14,7 @@
 #include "worker/model/model.h"
 #include "worker/stream/resident_provider.h"
 #include "worker/stream/stream_engine.h"
+#include "worker/stream/streamed_head.h"
 
 using namespace lorastream;
 using namespace lorastream::worker;

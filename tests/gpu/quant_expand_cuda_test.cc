@@ -16,7 +16,7 @@
 #include "tests/worker/worker_test_util.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/quant_expand.h"
-#include "worker/stream/stream_provider.h"
+#include "worker/train/stream_provider.h"
 #include "worker/train/trainer.h"
 
 using namespace lorastream;

@@ -17,7 +17,7 @@
 #include "tests/worker/worker_test_util.h"
 #include "worker/model/lora.h"
 #include "worker/stream/cuda/cuda_memory.h"
-#include "worker/stream/stream_provider.h"
+#include "worker/train/stream_provider.h"
 #include "worker/train/trainer.h"
 
 using namespace lorastream;

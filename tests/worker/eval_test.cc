@@ -13,8 +13,8 @@
 #include "common/job_data.h"
 #include "worker/model/base_weights.h"
 #include "worker/stream/resident_provider.h"
-#include "worker/stream/stream_provider.h"
 #include "worker/train/evaluate.h"
+#include "worker/train/stream_provider.h"
 #include "worker/train/trainer.h"
 #include "worker_test_util.h"
 

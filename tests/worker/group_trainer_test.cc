@@ -18,7 +18,7 @@
 
 #include "common/error.h"
 #include "worker/model/base_weights.h"
-#include "worker/stream/stream_provider.h"
+#include "worker/train/stream_provider.h"
 #include "worker_test_util.h"
 
 using namespace lorastream;

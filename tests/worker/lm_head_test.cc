@@ -12,6 +12,7 @@
 #include "worker/model/model.h"
 #include "worker/stream/resident_provider.h"
 #include "worker/stream/stream_engine.h"
+#include "worker/stream/streamed_head.h"
 #include "worker_test_util.h"
 
 using namespace lorastream;

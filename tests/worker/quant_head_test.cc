@@ -25,6 +25,7 @@
 #include "worker/stream/resident_provider.h"
 #include "worker/stream/stream_budget.h"
 #include "worker/stream/stream_engine.h"
+#include "worker/stream/streamed_head.h"
 #include "worker/train/trainer.h"
 
 using namespace lorastream;

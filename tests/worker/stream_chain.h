@@ -13,7 +13,7 @@
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
 
-#include "worker/stream/block_provider.h"
+#include "worker/model/block_provider.h"
 
 namespace lorastream::testing {
 

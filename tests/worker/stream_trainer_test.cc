@@ -20,7 +20,7 @@
 #include "store/synth.h"
 #include "tests/support/test_support.h"
 #include "worker/model/base_weights.h"
-#include "worker/stream/stream_provider.h"
+#include "worker/train/stream_provider.h"
 #include "worker/train/trainer.h"
 
 using namespace lorastream;

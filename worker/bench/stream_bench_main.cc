@@ -45,11 +45,11 @@
 #include "worker/model/base_weights.h"
 #include "worker/model/torch_device.h"
 #include "worker/stream/stream_budget.h"
-#include "worker/stream/stream_calibrate.h"
 #include "worker/stream/stream_cost.h"
 #include "worker/stream/stream_engine.h"
-#include "worker/stream/stream_provider.h"
 #include "worker/stream/stream_stats.h"
+#include "worker/train/stream_calibrate.h"
+#include "worker/train/stream_provider.h"
 #include "worker/train/trainer.h"
 #ifdef LORASTREAM_HAVE_CUDA
 #include "worker/stream/cuda/cuda_bandwidth.h"

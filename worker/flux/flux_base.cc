@@ -1,6 +1,6 @@
 #include "worker/flux/flux_base.h"
 
-#include <unistd.h>
+#include <memory>
 
 #include <ATen/ATen.h>
 
@@ -11,6 +11,7 @@
 #include "common/safetensors.h"
 #include "store/attach.h"
 #include "worker/model/base_weights.h"
+#include "worker/stream/host_bytes.h"
 
 namespace lorastream::worker::flux {
 
@@ -36,12 +37,12 @@ at::Tensor BflTensor(const FluxCheckpointReader& source, const std::string& name
 }  // namespace
 
 at::Tensor PageAlignedHostBytes(uint64_t n) {
-  const int64_t page = static_cast<int64_t>(sysconf(_SC_PAGESIZE));
-  const int64_t pages = (static_cast<int64_t>(n) + page - 1) / page;
-  const at::Tensor block = at::zeros({(pages + 1) * page}, at::kByte);
-  const auto address = reinterpret_cast<uintptr_t>(block.data_ptr<uint8_t>());
-  const int64_t skip = static_cast<int64_t>((page - address % page) % page);
-  return block.narrow(0, skip, static_cast<int64_t>(n));
+  auto owner = std::make_shared<HostBytes>(HostBytes::Allocate(n, "FLUX unit"));
+  // The tensor's storage is every page of the allocation; the view is the `n` bytes asked for.
+  const at::Tensor pages = at::from_blob(
+      owner->data(), {static_cast<int64_t>(owner->mapped_size())}, [owner](void*) {},
+      at::TensorOptions().dtype(at::kByte));
+  return pages.narrow(0, 0, static_cast<int64_t>(n));
 }
 
 FluxBase FluxBase::Load(const std::string& path, int64_t singles_per_unit, c10::ScalarType dtype,

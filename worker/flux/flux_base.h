@@ -18,7 +18,7 @@
 #include "common/flux_job.h"
 #include "common/manifest.h"
 #include "worker/flux/flux_model.h"
-#include "worker/stream/block_provider.h"
+#include "worker/model/block_provider.h"
 #include "worker/stream/stream_engine.h"
 
 namespace lorastream::store {
@@ -28,9 +28,8 @@ class AttachedStore;
 namespace lorastream::worker::flux {
 
 // `n` zeroed host bytes starting on a page boundary, as a store's segments do (a unit's host
-// buffer when FluxBase::Load packs a checkpoint). The CUDA backend registers a streamed unit's
-// whole pages read-only, so the allocation holds every page the bytes touch: a registration
-// never covers memory of another allocation (a host tensor there would refuse a copy into it).
+// buffer when FluxBase::Load packs a checkpoint): a view of a HostBytes
+// (worker/stream/host_bytes.h: every page the bytes touch is its own) that the tensor keeps.
 at::Tensor PageAlignedHostBytes(uint64_t n);
 
 class FluxBase {

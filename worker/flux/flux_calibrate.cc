@@ -19,9 +19,9 @@
 #include "worker/flux/flux_model.h"
 #include "worker/model/quant_expand.h"
 #include "worker/model/torch_device.h"
-#include "worker/stream/stream_calibrate.h"
-#include "worker/stream/stream_provider.h"
 #include "worker/train/adamw.h"
+#include "worker/train/stream_calibrate.h"
+#include "worker/train/stream_provider.h"
 
 namespace lorastream::worker::flux {
 

@@ -31,7 +31,7 @@
 
 #include "common/flux_config.h"
 #include "common/manifest.h"
-#include "worker/stream/block_provider.h"
+#include "worker/model/block_provider.h"
 
 namespace lorastream::worker::flux {
 

@@ -16,8 +16,8 @@
 #include "common/dtype.h"
 #include "common/manifest.h"
 #include "common/model_config.h"
+#include "worker/model/block_weights.h"
 #include "worker/model/packed_weight.h"
-#include "worker/stream/block_provider.h"
 
 namespace lorastream {
 struct JobSpec;

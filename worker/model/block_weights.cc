@@ -3,7 +3,7 @@
 
 #include "common/error.h"
 #include "worker/model/base_weights.h"
-#include "worker/stream/block_provider.h"
+#include "worker/model/block_weights.h"
 
 namespace lorastream::worker {
 

@@ -1,8 +1,9 @@
 // The LM head: where its weights are when it is computed (HeadProvider: resident on the
-// device, or streamed from host RAM like a block), and the chunked final norm + LM head +
-// cross entropy (worker/model/chunked_head.cc) that training, evaluation and calibration use. The
-// full-logits path (CausalLm::Logits + LossSum) stays for `lorastream-worker parity`, whose
-// product the logits are, and as the reference the chunked path is tested against.
+// device, or streamed from host RAM like a block, worker/stream/streamed_head.h), and the
+// chunked final norm + LM head + cross entropy (worker/model/chunked_head.cc) that training,
+// evaluation and calibration use. The full-logits path (CausalLm::Logits + LossSum) stays for
+// `lorastream-worker parity`, whose product the logits are, and as the reference the chunked path
+// is tested against.
 #pragma once
 
 #include <cstdint>
@@ -16,8 +17,6 @@
 #include "worker/model/base_weights.h"
 
 namespace lorastream::worker {
-
-struct StreamEngineOptions;
 
 class HeadProvider {
  public:
@@ -49,6 +48,28 @@ class HeadProvider {
   virtual bool streamed() const { return false; }
 };
 
+// A compressed head's vocabulary slices: each expanded from the head's bytes (wherever the
+// provider keeps them: resident, or a streamed head's slot) into one scratch of slice_rows()
+// rows, the last slice shorter; freed at Free. Every provider of a compressed head uses it.
+class PackedHeadSlices {
+ public:
+  // `slice_rows` 0: HeadSliceRows's; rounded up to the format's QuantRowAlignment.
+  PackedHeadSlices(const PackedWeight& w, c10::ScalarType dtype, int64_t slice_rows);
+  int64_t slice_rows() const { return rows_; }
+  int64_t num_slices() const { return (w_.rows() + rows_ - 1) / rows_; }
+  int64_t vocab() const { return w_.rows(); }
+  // Slice `i` expanded from `bytes` (the head's compressed bytes on the compute device):
+  // valid until the next Slice or Free.
+  at::Tensor Slice(const at::Tensor& bytes, int64_t i);
+  void Free();
+
+ private:
+  PackedWeight w_;  // layout only
+  c10::ScalarType dtype_;
+  int64_t rows_ = 0;
+  at::Tensor scratch_, staging_;
+};
+
 // Between Acquire and Release: the whole [vocab, hidden] weight (a compressed head's slices
 // expanded into new memory: the full-logits path, for small models).
 at::Tensor WholeHead(HeadProvider& head);
@@ -58,25 +79,11 @@ at::Tensor WholeHead(HeadProvider& head);
 std::unique_ptr<HeadProvider> MakeResidentHead(const at::Tensor& weight, c10::Device device,
                                                c10::ScalarType dtype);
 
-// A head copied Host->Device for each use. `host_weight` [vocab, hidden] lies in host RAM (a
-// store's read-only shared memory, a checkpoint's mapping; for a tied model the embedding
-// table); the view keeps its owner alive. When its dtype is not `dtype` it is converted once
-// into page-aligned host memory this provider owns. Copies go through the streaming engine's
-// backend for `device` (CUDA: the range registered read-only, else pinned staging; CPU: a
-// copy thread), with the engine's debug options (poison, delay).
-std::unique_ptr<HeadProvider> MakeStreamedHead(const at::Tensor& host_weight, c10::Device device,
-                                               c10::ScalarType dtype,
-                                               const StreamEngineOptions& options);
-
 // The head of `rest`: rest.lm_head as above, or a compressed rest.packed_head kept compressed
-// (resident: copied to `device` once; streamed: its compressed bytes copied for each use) and
-// expanded per vocabulary slice of `slice_rows` rows (0: HeadSliceRows's,
-// worker/stream/stream_budget.h; rounded up to the format's QuantRowAlignment).
+// (copied to `device` once) and expanded per vocabulary slice of `slice_rows` rows (0:
+// HeadSliceRows's, worker/model/head_rows.h; rounded up to the format's QuantRowAlignment).
 std::unique_ptr<HeadProvider> MakeResidentHead(const RestWeights& rest, c10::Device device,
                                                c10::ScalarType dtype, int64_t slice_rows = 0);
-std::unique_ptr<HeadProvider> MakeStreamedHead(const RestWeights& rest, c10::Device device,
-                                               c10::ScalarType dtype,
-                                               const StreamEngineOptions& options);
 
 // The sum over positions of the cross-entropy of RmsNorm(hidden) W^T (W: the head's weights,
 // logits in the compute dtype, log-softmax in f32) against `targets` [B, S] (already shifted;

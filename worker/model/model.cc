@@ -13,7 +13,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "worker/model/fused_ops.h"
-#include "worker/stream/stream_budget.h"
+#include "worker/model/head_rows.h"
 
 namespace lorastream::worker {
 

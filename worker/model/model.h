@@ -15,9 +15,9 @@
 
 #include "common/model_config.h"
 #include "worker/model/base_weights.h"
+#include "worker/model/block_provider.h"
 #include "worker/model/lm_head.h"
 #include "worker/model/lora.h"
-#include "worker/stream/block_provider.h"
 
 namespace lorastream::worker {
 
@@ -138,7 +138,7 @@ class CausalLm {
   // model's device; filled without waiting for it.
   at::Tensor LossDivisor(int64_t targets) const;
   // Rows per chunk of HeadLossSum for `tokens` positions: the one set, else as many as fit
-  // kDefaultHeadChunkBytes (worker/stream/stream_budget.h), the bound the memory estimate assumes.
+  // kDefaultHeadChunkBytes (worker/model/head_rows.h), the bound the memory estimate assumes.
   int64_t head_chunk_rows(int64_t tokens) const;
   void set_head_chunk_rows(int64_t rows) { head_chunk_rows_ = rows; }
 

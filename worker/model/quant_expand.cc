@@ -12,7 +12,7 @@
 #ifdef LORASTREAM_HAVE_CUDA
 #include <c10/cuda/CUDAStream.h>
 
-#include "worker/stream/cuda/quant_kernels.h"
+#include "worker/model/cuda/quant_kernels.h"
 #endif
 
 namespace lorastream::worker {

@@ -1,7 +1,8 @@
 // A compressed block's weights as the model computes with them (common/quant_format.h): the
 // projection weights expanded from the copied compressed bytes into a buffer on the same
-// device (the CPU with store/quantize.h's arithmetic, a GPU with worker/cuda/quant_kernels.cu,
-// which equal it bit for bit), the other tensors viewed in place.
+// device (the CPU with store/quantize.h's arithmetic, a GPU with
+// worker/model/cuda/quant_kernels.cu, which equal it bit for bit), the other tensors viewed in
+// place.
 //
 // The expanded weight is the bf16 value the format's reference dequantisation gives; in an
 // f32 computation it is that bf16 value widened, so the CPU's f32 runs and a GPU's bf16 runs
@@ -14,7 +15,7 @@
 #include <c10/core/Device.h>
 
 #include "common/manifest.h"
-#include "worker/stream/block_provider.h"
+#include "worker/model/block_weights.h"
 
 namespace lorastream::worker {
 
@@ -26,7 +27,7 @@ bool HasCompressedWeights(const SegmentInfo& layout);
 // device, else allocated), every other tensor a view of `bytes`, converted to `dtype` when it
 // is stored otherwise. On a GPU the expansion is enqueued on the current stream. The layout
 // must be one a manifest reader accepted (QuantLayoutProblem empty). `naming` says where each
-// tensor goes (block_provider.h): an LLM block's fields, or a FLUX unit's `named` entries
+// tensor goes (block_weights.h): an LLM block's fields, or a FLUX unit's `named` entries
 // under the segment's names, the expanded projections included.
 BlockWeights ExpandBlock(const at::Tensor& bytes, const SegmentInfo& layout, c10::ScalarType dtype,
                          at::Tensor* buffer, BlockNaming naming = BlockNaming::kLlmFields);

@@ -10,11 +10,11 @@
 #include "common/quant_format.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/torch_device.h"
-#include "worker/stream/stream_calibrate.h"
 #include "worker/stream/stream_cost.h"
 #include "worker/stream/stream_engine.h"
-#include "worker/stream/stream_provider.h"
 #include "worker/train/group_trainer.h"
+#include "worker/train/stream_calibrate.h"
+#include "worker/train/stream_provider.h"
 
 namespace lorastream::worker {
 

@@ -22,8 +22,8 @@
 #include "coordinator/worker_agent.h"
 #include "store/attach.h"
 #include "store/registry.h"
-#include "worker/stream/stream_provider.h"
 #include "worker/train/group_trainer.h"
+#include "worker/train/stream_provider.h"
 #include "worker/train/trainer.h"
 
 #ifdef LORASTREAM_HAVE_CUDA

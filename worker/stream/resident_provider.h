@@ -10,7 +10,7 @@
 #include <c10/core/ScalarType.h>
 
 #include "worker/model/base_weights.h"
-#include "worker/stream/block_provider.h"
+#include "worker/model/block_provider.h"
 
 namespace lorastream::worker {
 

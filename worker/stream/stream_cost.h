@@ -1,5 +1,5 @@
 // The streaming planner's cost model (torch-free): predicts a plan's step time from figures
-// measured on the worker's own device (worker/stream/stream_calibrate.h measures them), and chooses
+// measured on the worker's own device (worker/train/stream_calibrate.h measures them), and chooses
 // from a memory budget the plan (resident set, ring, slots per phase) with the smallest
 // predicted step among those whose estimated peak fits.
 //

@@ -7,7 +7,7 @@
 // them after their last use in the phase and fills them again in the next one, so the next
 // pass's first blocks are fetched during the backward.
 //
-// Construction: for a job, MakeStreamProvider (worker/stream/stream_provider.h) does all of this.
+// Construction: for a job, MakeStreamProvider (worker/train/stream_provider.h) does all of this.
 // By hand:
 //   ResidencyPlan plan = PlanResidency(job.stream.blocks_to_swap, job.stream.gpu_memory_budget,
 //                                      job.stream.ring_size, MemoryInputsFor(manifest, ...));
@@ -28,7 +28,7 @@
 #include <c10/core/Device.h>
 
 #include "common/manifest.h"
-#include "worker/stream/block_provider.h"
+#include "worker/model/block_provider.h"
 #include "worker/stream/stream_backend.h"
 #include "worker/stream/stream_budget.h"
 #include "worker/stream/stream_engine_options.h"

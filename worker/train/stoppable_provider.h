@@ -9,7 +9,7 @@
 #include <utility>
 
 #include "common/error.h"
-#include "worker/stream/block_provider.h"
+#include "worker/model/block_provider.h"
 
 namespace lorastream::worker {
 

@@ -19,7 +19,7 @@
 
 #include <c10/core/ScalarType.h>
 
-#include "worker/stream/block_provider.h"
+#include "worker/model/block_provider.h"
 #include "worker/stream/stream_cost.h"
 #include "worker/stream/stream_engine.h"
 
@@ -60,7 +60,7 @@ uint64_t JobMemoryBudget(const StreamSpec& stream, const c10::Device& device);
 // The job's plan: from blocks_to_swap (and its phase slots) without a budget
 // (JobMemoryBudget); with one (a group's: inputs.group, refused naming the job that does not
 // fit when the whole group cannot, GroupBudgetRefusal), the
-// cost model's choice (calibrated on `device`, worker/stream/stream_calibrate.h), the candidates
+// cost model's choice (calibrated on `device`, worker/train/stream_calibrate.h), the candidates
 // logged at debug level and the choice with its prediction at info level.
 // `group`: the group's other jobs, whose measured costs the prediction adds (JobGroupCosts).
 StreamPlanning PlanJobStream(const JobSpec& spec, const BaseWeights& base,
@@ -68,7 +68,7 @@ StreamPlanning PlanJobStream(const JobSpec& spec, const BaseWeights& base,
                              c10::ScalarType dtype, const std::vector<JobSpec>& group = {});
 
 // The group's costs (GroupStepCosts): the first job's, `first`, with those of the group's other
-// jobs `others`, each calibrated on `device` at its own shape (worker/stream/stream_calibrate.h).
+// jobs `others`, each calibrated on `device` at its own shape (worker/train/stream_calibrate.h).
 StepCosts JobGroupCosts(const StepCosts& first, const std::vector<JobSpec>& others,
                         const BaseWeights& base, const c10::Device& device, c10::ScalarType dtype);
 

@@ -1,4 +1,4 @@
-#include "worker/stream/cuda/quant_kernels.h"
+#include "worker/model/cuda/quant_kernels.h"
 
 #include <cuda_bf16.h>
 

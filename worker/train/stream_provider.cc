@@ -1,7 +1,4 @@
-#include "worker/stream/stream_provider.h"
-
-#include <sys/mman.h>
-#include <unistd.h>
+#include "worker/train/stream_provider.h"
 
 #include <algorithm>
 #include <chrono>
@@ -15,14 +12,13 @@
 #include "common/job_spec.h"
 #include "common/log.h"
 #include "common/memory_limit.h"
-#include "common/memory_mapping.h"
-#include "store/shm_segment.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/fused_ops.h"
-#include "worker/model/lm_head.h"
 #include "worker/model/torch_device.h"
-#include "worker/stream/stream_calibrate.h"
+#include "worker/stream/host_bytes.h"
 #include "worker/stream/stream_cost.h"
+#include "worker/stream/streamed_head.h"
+#include "worker/train/stream_calibrate.h"
 #ifdef LORASTREAM_HAVE_CUDA
 #include "worker/stream/cuda/cuda_memory.h"
 #endif
@@ -39,7 +35,7 @@ const at::Tensor& Field(const BlockWeights& w, const std::string& name) {
 }
 
 // Blocks packed as a store packs them (canonical order, 256-byte aligned offsets), each in
-// its own page-aligned mapping, made read-only once filled, like the store's segments.
+// its own HostBytes, made read-only once filled, like the store's segments.
 class PackedBlocks {
  public:
   PackedBlocks(const BaseWeights& base, c10::ScalarType dtype) {
@@ -51,18 +47,15 @@ class PackedBlocks {
     for (int i = 0; i < base.num_blocks(); ++i) {
       SegmentInfo s = LayoutSegment(config.BlockTensorShapes(), "block " + std::to_string(i),
                                     manifest_.dtype, align);
-      const size_t mapped = store::RoundUpToPage(s.nbytes);
       // Owned from here on: a throw below unmaps what was mapped so far.
-      maps_.push_back(MemoryMapping::Map(mapped, PROT_READ | PROT_WRITE,
-                                         MAP_PRIVATE | MAP_ANONYMOUS, -1, 0,
-                                         "stream: mapping " + std::to_string(mapped) + " bytes"));
-      uint8_t* bytes = maps_.back().bytes();
+      blocks_.push_back(HostBytes::Allocate(s.nbytes, "stream: block " + std::to_string(i)));
+      uint8_t* bytes = blocks_.back().data();
       for (const TensorSlice& t : s.tensors) {
         at::Tensor src = Field(base.block(i), t.name).to(at::kCPU, dtype).contiguous();
         LS_CHECK(static_cast<uint64_t>(src.nbytes()) == t.nbytes, "packed tensor size");
         std::memcpy(bytes + t.offset, src.data_ptr(), t.nbytes);
       }
-      if (mprotect(bytes, mapped, PROT_READ) != 0) ThrowErrno("stream: mprotect of packed blocks");
+      blocks_.back().MakeReadOnly();
       pointers_.push_back(bytes);
       manifest_.blocks.push_back(std::move(s));
     }
@@ -78,7 +71,7 @@ class PackedBlocks {
  private:
   Manifest manifest_;
   std::vector<const uint8_t*> pointers_;
-  std::vector<MemoryMapping> maps_;
+  std::vector<HostBytes> blocks_;
 };
 
 // The engine plus, when the base had to be packed, the host buffers it streams from

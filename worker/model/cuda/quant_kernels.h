@@ -1,7 +1,7 @@
-// Expansion of compressed weights on the device (worker/cuda/quant_kernels.cu), on raw
+// Expansion of compressed weights on the device (worker/model/cuda/quant_kernels.cu), on raw
 // pointers: no LibTorch in the CUDA translation unit. The arithmetic is store/quantize.h's,
 // rounded where it rounds (each product and sum alone, never fused), so a GPU's bf16 weights
-// equal the CPU path's bit for bit; worker/quant_expand.cc wraps them for tensors.
+// equal the CPU path's bit for bit; worker/model/quant_expand.cc wraps them for tensors.
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,4 @@
-#include "worker/stream/stream_calibrate.h"
-
-#include <sys/mman.h>
+#include "worker/train/stream_calibrate.h"
 
 #include <algorithm>
 #include <chrono>
@@ -20,6 +18,7 @@
 #include "worker/model/lora.h"
 #include "worker/model/model.h"
 #include "worker/model/quant_expand.h"
+#include "worker/stream/host_bytes.h"
 #include "worker/train/adamw.h"
 #include "worker/train/micro_batch_runner.h"
 #ifdef LORASTREAM_HAVE_CUDA
@@ -78,24 +77,6 @@ BlockWeights BlockOnDevice(const BlockWeights& w, const c10::Device& device,
   return out;
 }
 
-// Page-aligned host memory of `bytes` (the engine copies from page-aligned segments).
-class HostBuffer {
- public:
-  explicit HostBuffer(size_t bytes) : bytes_(bytes) {
-    p_ = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p_ == MAP_FAILED) ThrowErrno("calibration: mapping " + std::to_string(bytes_) + " bytes");
-    std::memset(p_, 1, bytes_);
-  }
-  ~HostBuffer() { munmap(p_, bytes_); }
-  HostBuffer(const HostBuffer&) = delete;
-  HostBuffer& operator=(const HostBuffer&) = delete;
-  const uint8_t* data() const { return static_cast<const uint8_t*>(p_); }
-
- private:
-  size_t bytes_;
-  void* p_;
-};
-
 // Whether a job's steps that stream nothing run as CUDA graphs (MicroBatchRunner's rule):
 // then the calibration measures them so too.
 bool CalibratesGraphs(const JobSpec& spec, const c10::Device& device) {
@@ -105,7 +86,9 @@ bool CalibratesGraphs(const JobSpec& spec, const c10::Device& device) {
 }  // namespace
 
 double MeasureH2DBandwidth(uint64_t block_bytes, const c10::Device& device) {
-  HostBuffer src(block_bytes);
+  // Page-aligned, as the engine's sources are; filled so that every page is touched.
+  HostBytes src = HostBytes::Allocate(block_bytes, "calibration");
+  std::memset(src.data(), 1, block_bytes);
 #ifdef LORASTREAM_HAVE_CUDA
   if (device.is_cuda()) {
     return MeasurePinnedH2DBandwidth({{src.data(), block_bytes}},
