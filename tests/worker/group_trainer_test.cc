@@ -268,6 +268,44 @@ TEST_CASE("group: a job that fails leaves the others training, its failure its o
   CHECK(out[2].result.steps_done == 1);
 }
 
+TEST_CASE(
+    "group: a step that fails inside the shared forward and backward splits the group; the job "
+    "that fails alone leaves, the others end as they do alone",
+    "[worker]") {
+  Jobs jobs;
+  TrainOptions o = jobs.Options();
+  const auto alone = jobs.Group({"a"}, "alone", o);
+  const auto alone_c = jobs.Group({"c"}, "alone", o);
+  // b's every forward and backward fails as an allocation failure would: the first group step
+  // fails for all three, the group splits, b fails alone, a and c train on, each alone.
+  o.debug_fail_job = "b";
+  std::map<std::string, std::vector<double>> losses;
+  std::vector<GroupJob> group;
+  for (const char* n : {"a", "b", "c"})
+    group.push_back(GroupJob{jobs.Spec(n, "split"),
+                             [&losses, n](const StepStats& s) { losses[n].push_back(s.loss); },
+                             {},
+                             {}});
+  const std::vector<GroupJobOutcome> out = RunGroupTraining(std::move(group), o);
+  REQUIRE(out.size() == 3);
+  CHECK(!out[0].error);
+  CHECK(!out[2].error);
+  REQUIRE(out[1].error);
+  std::string why;
+  try {
+    std::rethrow_exception(out[1].error);
+  } catch (const std::exception& e) {
+    why = e.what();
+  }
+  CHECK_THAT(why, Catch::Contains("job b") && Catch::Contains("allocation failed"));
+  CHECK(out[1].result.steps_done == 0);
+  CHECK(losses.count("b") == 0);
+  CHECK(BitEqual(losses["a"], alone.at("a").losses));
+  CHECK(BitEqual(losses["c"], alone_c.at("c").losses));
+  RequireSameOutput(jobs.Out("a", "split"), jobs.Out("a", "alone"));
+  RequireSameOutput(jobs.Out("c", "split"), jobs.Out("c", "alone"));
+}
+
 TEST_CASE("group: jobs join and leave at step boundaries", "[worker]") {
   Jobs jobs;
   const TrainOptions o = jobs.Options();

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <filesystem>
 #include <limits>
+#include <map>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -109,6 +110,14 @@ class GroupTrainer::Job {
     lr_ = spec_.optim.lr *
           ScheduleFactor(spec_.optim.schedule, state_.step, spec_.optim.warmup_steps, total_);
     job_->Begin(state_.step, state_.samples_seen);
+    figures_.clear();
+  }
+
+  // A failed attempt at the step: its gradients and figures dropped (the step's input, made
+  // in Begin, is kept for the next attempt). Zeroed in place: a CUDA graph may write them.
+  void DiscardStep() {
+    for (at::Tensor& p : params_)
+      if (p.grad().defined()) p.mutable_grad().zero_();
     figures_.clear();
   }
 
@@ -282,28 +291,54 @@ bool GroupTrainer::Step() {
   const auto& jobs = members_->jobs();
   if (jobs.empty()) return false;
 
-  // The shared work: every job's forward and backward, then their updates. A failure here is
-  // the group's: every job leaves with it.
+  // The shared work: every job's forward and backward, then their updates. When the step of
+  // several jobs fails (an allocation failure, say), which job caused it cannot be told from
+  // the error: the group splits, and from this step on each job's forward and backward run
+  // alone, one after another (each its own pass over the blocks). A job that fails alone
+  // leaves with its own error; the others train on, their step as it would have been. A
+  // failure outside the forward and backward (the updates, reading the figures) is the
+  // group's: every job leaves with it.
+  if (jobs.size() <= 1) split_ = false;  // one job: nothing to split (a joiner shares again)
   StoppableProvider& provider = family_->provider();
   at::Tensor host;
-  std::vector<int64_t> n_losses;
+  std::map<const Job*, std::exception_ptr> failed_alone;
   try {
-    provider.BeginStep();
-    std::vector<FamilyJob*> parts;
-    for (const auto& job : jobs) parts.push_back(&job->family_job());
-    const std::vector<std::vector<at::Tensor>> losses = family_->RunStep(parts);
-    LS_CHECK(losses.size() == jobs.size(), "a family's step returned another count of jobs");
-    for (size_t j = 0; j < jobs.size(); ++j) {
-      jobs[j]->AddLosses(losses[j]);
-      n_losses.push_back(static_cast<int64_t>(losses[j].size()));
+    std::vector<Job*> all;
+    for (const auto& job : jobs) all.push_back(job.get());
+    if (!split_) {
+      try {
+        provider.BeginStep();
+        RunTogether(all);
+      } catch (...) {
+        if (provider.stopped() || all.size() == 1) throw;
+        LS_LOG_WARN(
+            "{}: a step of {} jobs failed ({}); the group splits: each job runs its step "
+            "alone",
+            family_->log_name(), all.size(), FailureMessage(std::current_exception()));
+        split_ = true;
+        for (Job* job : all) job->DiscardStep();
+      }
+    }
+    if (split_) {
+      for (Job* job : all) {
+        try {
+          provider.BeginStep();
+          RunTogether({job});
+        } catch (...) {
+          if (provider.stopped()) throw;
+          failed_alone[job] = std::current_exception();
+          job->DiscardStep();
+        }
+      }
     }
     std::vector<at::Tensor> figures;
-    for (const auto& job : jobs) {
+    for (Job* job : all) {
+      if (failed_alone.count(job)) continue;
       job->Update();
       figures.insert(figures.end(), job->figures().begin(), job->figures().end());
     }
     // The step's one wait for the device, for every job's figures.
-    host = at::stack(figures).to(at::kCPU).to(at::kDouble).contiguous();
+    if (!figures.empty()) host = at::stack(figures).to(at::kCPU).to(at::kDouble).contiguous();
   } catch (...) {
     const std::exception_ptr error = std::current_exception();
     if (provider.stopped()) {
@@ -323,12 +358,13 @@ bool GroupTrainer::Step() {
   const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   const uint64_t group_peak = family_->captured_peak_bytes();
   // Each job's figures, in the group's order (a job that leaves is erased: the next takes its
-  // position).
-  const double* v = host.data_ptr<double>();
-  size_t position = 0;
+  // position); a job whose step failed alone leaves with its error.
+  const double* v = host.defined() ? host.data_ptr<double>() : nullptr;
   members_->Sweep([&](Job& job) {
+    if (const auto f = failed_alone.find(&job); f != failed_alone.end())
+      std::rethrow_exception(f->second);
     const double* figures = v;
-    const int64_t n = n_losses[position++];
+    const int64_t n = static_cast<int64_t>(job.figures().size()) - 1;  // losses, then the norm
     v += n + 1;
     job.Finish(figures, n, group_stats, seconds, group_peak);
     if (!job.done()) return false;
@@ -336,6 +372,21 @@ bool GroupTrainer::Step() {
     return true;
   });
   return !members_->empty();
+}
+
+void GroupTrainer::RunTogether(const std::vector<Job*>& jobs) {
+  std::vector<FamilyJob*> parts;
+  for (Job* job : jobs) parts.push_back(&job->family_job());
+  const std::vector<std::vector<at::Tensor>> losses = family_->RunStep(parts);
+  LS_CHECK(losses.size() == jobs.size(), "a family's step returned another count of jobs");
+  // The injected failure comes after the backward, when every job's gradients hold this
+  // attempt's sums: a retry must start from none of them.
+  for (Job* job : jobs)
+    if (!options_.debug_fail_job.empty() && job->name() == options_.debug_fail_job)
+      throw Error(ErrorCode::kInternal,
+                  "debug_fail_job: job " + job->name() +
+                      ": the step's allocation failed (a fault injected by the test option)");
+  for (size_t j = 0; j < jobs.size(); ++j) jobs[j]->AddLosses(losses[j]);
 }
 
 void GroupTrainer::Run() {

@@ -14,8 +14,11 @@
 //
 // Jobs join (Add) and leave at step boundaries: a job leaves when it has finished, when its
 // should_stop says so (after a checkpoint), or when it fails (bad data, a non-finite loss, an
-// output folder it may not write): its failure is its own, and the others train on. A failure
-// of the group's shared work (the provider, the device) ends every job in it.
+// output folder it may not write): its failure is its own, and the others train on. When the
+// forward and backward of several jobs fail together (an allocation failure, say), the group
+// splits: from then on each job's step runs alone (its own pass over the blocks), the step
+// that failed included, and only a job that fails alone leaves, with its own error. A failure
+// outside the forward and backward (the updates, the device) ends every job in it.
 //
 // The jobs of a group share the base (model.store or model.checkpoint), the compute dtype and
 // the plan ([stream]); a job that differs in any of them is refused naming the field.
@@ -92,6 +95,9 @@ class GroupTrainer final {
 
  private:
   class Job;
+  // Every job's forward and backward as one (RunStep), their losses added to each.
+  void RunTogether(const std::vector<Job*>& jobs);
+
   TrainOptions options_;
   JobSpec first_;  // resolved
   std::unique_ptr<FamilyGroup> family_;
@@ -99,6 +105,7 @@ class GroupTrainer final {
   // submitter (TrainOptions::files_as; a store is the worker's own to attach).
   std::unique_ptr<ActingAs> as_submitter_;
   std::unique_ptr<GroupMembers<Job>> members_;
+  bool split_ = false;  // a shared step failed: each job's step runs alone
 };
 
 // Trains `jobs` as one group until each has finished, stopped or failed; their outcomes in

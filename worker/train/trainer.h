@@ -72,6 +72,9 @@ struct TrainOptions {
   int64_t head_slice_rows = 0;
   // The engine of a family that builds its own from its plan (FLUX.1): debug options for tests.
   StreamEngineOptions engine;
+  // Tests: the job of this name fails inside every forward and backward it takes part in, as
+  // an allocation failure would (the group's split and retry, worker/train/group_trainer.h).
+  std::string debug_fail_job;
 };
 
 struct TrainResult {
