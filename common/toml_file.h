@@ -13,8 +13,10 @@ namespace lorastream {
 
 // What a TOML text may hold before it reaches the parser: toml++ recurses once per level of
 // nesting (tables in dotted keys and headers, arrays, inline tables), so a 50,000-level
-// `[a.a.a...]` would overflow the stack, and every file it reads is small.
-inline constexpr uint64_t kMaxTomlBytes = 4u << 20;
+// `[a.a.a...]` would overflow the stack. The size bounds what is read and allocated; it is
+// above what `submit` sends (kMaxJobFileBytes) so that a long value there is refused naming
+// its key.
+inline constexpr uint64_t kMaxTomlBytes = uint64_t{64} << 20;
 inline constexpr int kMaxTomlDepth = 64;
 
 // Throws Error(kCorrupt) naming `source_name`, the line and the limit when `text` is larger
