@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "common/regular_file.h"
 #include "common/safetensors.h"
 
 namespace lorastream {
@@ -25,13 +26,7 @@ bool IsDir(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
-std::string ReadText(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(ErrorCode::kNotFound, path + ": cannot open");
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return buffer.str();
-}
+std::string ReadText(const std::string& path) { return ReadRegularFile(path, kMaxTextFileBytes); }
 
 // weight_map of an index file: tensor name -> shard file name (validated).
 std::map<std::string, std::string> ParseIndex(const std::string& path) {

@@ -11,6 +11,7 @@
 
 #include "common/durable_file.h"
 #include "common/error.h"
+#include "common/regular_file.h"
 #include "common/sha256.h"
 
 namespace lorastream {
@@ -110,13 +111,15 @@ CheckpointManifest ReadCheckpointManifest(const std::string& dir,
   struct stat manifest_stat {};
   if (::stat(path.c_str(), &manifest_stat) == 0 && manifest_stat.st_size > kMaxManifestBytes)
     throw Error(ErrorCode::kCorrupt, path + ": larger than a manifest can be (1 MiB)");
-  std::ifstream in(path, std::ios::binary);
-  if (!in)
+  std::string text;
+  try {
+    text = ReadRegularFile(path, kMaxManifestBytes);
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::kNotFound) throw;
     throw Error(ErrorCode::kCorrupt,
                 path + ": missing (the checkpoint was not completed or was damaged)");
-  std::stringstream text;
-  text << in.rdbuf();
-  CheckpointManifest m = ParseCheckpointManifest(text.str(), path);
+  }
+  CheckpointManifest m = ParseCheckpointManifest(text, path);
   for (const auto& name : required)
     if (std::none_of(m.files.begin(), m.files.end(), [&](const auto& f) { return f.name == name; }))
       throw Error(ErrorCode::kCorrupt, path + ": does not list " + name);

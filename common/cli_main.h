@@ -27,7 +27,8 @@ inline int RunMainBody(const char* program, const std::function<int()>& body) {
     std::fprintf(stderr, "%s: out of memory\n", program);
     return ExitCodeFor(ErrorCode::kResource);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s: internal error: %s\n", program, e.what());
+    // LibTorch's errors carry a backtrace of dozens of frames: the message alone.
+    std::fprintf(stderr, "%s: internal error: %s\n", program, WithoutBacktrace(e.what()).c_str());
     return ExitCodeFor(ErrorCode::kInternal);
   }
 }

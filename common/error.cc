@@ -1,9 +1,21 @@
 #include "common/error.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
 namespace lorastream {
+
+std::string WithoutBacktrace(const std::string& what) {
+  size_t cut = what.size();
+  for (const char* marker : {"\nException raised from ", "\nframe #0", "\nframe #"}) {
+    const size_t at = what.find(marker);
+    if (at != std::string::npos) cut = std::min(cut, at);
+  }
+  std::string out = what.substr(0, cut);
+  while (!out.empty() && (out.back() == '\n' || out.back() == ' ')) out.pop_back();
+  return out;
+}
 
 const char* ErrorCodeName(ErrorCode code) {
   switch (code) {

@@ -45,6 +45,11 @@ int ExitCodeFor(ErrorCode code);
 
 [[noreturn]] void ThrowErrno(const std::string& what);  // kIo with strerror(errno)
 
+// An exception's message without the backtrace LibTorch appends to it (c10::Error's what():
+// the message, then "Exception raised from ..." and "frame #0: ..." lines): what a job's
+// failure reason, a log line and a command's error show. Other messages come back as they are.
+std::string WithoutBacktrace(const std::string& what);
+
 }  // namespace lorastream
 
 #define LS_CHECK(cond, msg)                                                                     \

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <regex>
 #include <set>
@@ -53,9 +54,19 @@ std::vector<FluxCacheItem> ScanFluxCache(const std::string& dir) {
     if (!std::regex_match(n, m, kLatents)) continue;
     FluxCacheItem item;
     item.name = m[1];
-    item.width = std::stoll(m[2]);
-    item.height = std::stoll(m[3]);
     item.latents_path = dir + "/" + n;
+    // The bucket from the name, bounded before it sizes anything (and before stoll could
+    // overflow on a long run of digits).
+    const auto side = [&](const std::string& digits) -> int64_t {
+      return digits.size() > 9 ? std::numeric_limits<int64_t>::max() : std::stoll(digits);
+    };
+    item.width = side(m[2]);
+    item.height = side(m[3]);
+    if (item.width > kMaxFluxBucketSide || item.height > kMaxFluxBucketSide)
+      Corrupt(item.latents_path, "bucket " + std::string(m[2]) + "x" + std::string(m[3]) +
+                                     " is above the limit of " +
+                                     std::to_string(kMaxFluxBucketSide) +
+                                     " pixels a side (FLUX.1 trains at up to about 2 MP)");
     const std::string te = item.name + "_flux_te.npz";
     if (!names.count(te))
       Corrupt(item.latents_path, "no text-encoder file " + te +
@@ -79,8 +90,22 @@ std::map<std::pair<int64_t, int64_t>, std::vector<FluxCacheItem>> FluxBuckets(
 FluxSample LoadFluxSample(const FluxCacheItem& item, int64_t latent_channels, int64_t context_dim,
                           int64_t vec_dim) {
   FluxSample s;
+  if (item.width > kMaxFluxBucketSide || item.height > kMaxFluxBucketSide || item.width < 16 ||
+      item.height < 16)
+    Corrupt(item.latents_path, "bucket " + std::to_string(item.width) + "x" +
+                                   std::to_string(item.height) + " is outside 16.." +
+                                   std::to_string(kMaxFluxBucketSide) + " pixels a side");
+  // What the two files may hold at most (8-byte elements, every member the trainers write:
+  // the latents, and an alpha mask of the image's pixels), so that a member declaring more is
+  // refused before it is inflated.
+  const uint64_t kSlack = 1 << 20;
+  const uint64_t pixels = static_cast<uint64_t>(item.height) * static_cast<uint64_t>(item.width);
+  const uint64_t latents_limit =
+      (static_cast<uint64_t>(latent_channels) * (pixels / 64) + pixels) * 8 + kSlack;
+  const uint64_t te_limit =
+      static_cast<uint64_t>(kMaxFluxTextTokens) * (context_dim + 3 + 1) * 8 + vec_dim * 8 + kSlack;
   {
-    const auto npz = ReadNpz(item.latents_path);
+    const auto npz = ReadNpz(item.latents_path, latents_limit);
     const std::string key =
         "latents_" + std::to_string(item.height / 8) + "x" + std::to_string(item.width / 8);
     if (item.height % 16 || item.width % 16)
@@ -99,8 +124,12 @@ FluxSample LoadFluxSample(const FluxCacheItem& item, int64_t latent_channels, in
     s.latent_w = a.shape[2];
     s.latents = a.ToFloat(item.latents_path + ": " + key);
   }
-  const auto npz = ReadNpz(item.te_path);
+  const auto npz = ReadNpz(item.te_path, te_limit);
   const NpyArray& t5 = Need(npz, item.te_path, "t5_out", 2);
+  if (t5.shape[0] > kMaxFluxTextTokens || t5.shape[0] < 1)
+    Corrupt(item.te_path, "array `t5_out` has " + std::to_string(t5.shape[0]) +
+                              " text tokens, outside 1.." + std::to_string(kMaxFluxTextTokens) +
+                              " (FLUX.1-dev's T5 reads at most 512)");
   const NpyArray& ids = Need(npz, item.te_path, "txt_ids", 2);
   const NpyArray& pooled = Need(npz, item.te_path, "l_pooled", 1);
   if (t5.shape[1] != context_dim)

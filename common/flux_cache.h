@@ -20,6 +20,13 @@
 
 namespace lorastream {
 
+// What a cache may declare, checked before anything of its size is allocated: FLUX.1 is
+// trained at up to about 2 MP (sd-scripts' buckets reach 2048 a side), and FLUX.1-dev's T5
+// reads at most 512 tokens (t5xxl_max_token_length; schnell 256). A bucket or a text longer
+// than these is refused naming the file, the value and the limit.
+inline constexpr int64_t kMaxFluxBucketSide = 2048;  // pixels, each of width and height
+inline constexpr int64_t kMaxFluxTextTokens = 512;
+
 struct FluxCacheItem {
   std::string name;               // NAME
   std::string latents_path;       // NAME_WWWWxHHHH_flux.npz
@@ -28,7 +35,8 @@ struct FluxCacheItem {
 };
 
 // Every image of `dir`, sorted by name. Refused (kCorrupt, naming the file) when a latent
-// file has no text-encoder file beside it; kNotFound when the folder holds no latent file.
+// file has no text-encoder file beside it or its bucket is above kMaxFluxBucketSide; kNotFound
+// when the folder holds no latent file.
 std::vector<FluxCacheItem> ScanFluxCache(const std::string& dir);
 
 // Items grouped by bucket ((height, width) in pixels), each group in name order.

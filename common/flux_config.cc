@@ -3,13 +3,17 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdlib>
 #include <fstream>
+#include <optional>
 #include <set>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "common/regular_file.h"
 
 namespace lorastream {
 
@@ -35,12 +39,37 @@ const std::vector<int64_t>* ShapeOf(const SafetensorsHeader& h, const std::strin
   return nullptr;
 }
 
-int64_t CountBlocks(const SafetensorsHeader& h, const std::string& prefix) {
+// A decimal integer of at most 18 digits (no sign, no space), else nullopt.
+std::optional<int64_t> Decimal(const std::string& text) {
+  if (text.empty() || text.size() > 18) return std::nullopt;
+  for (char ch : text)
+    if (ch < '0' || ch > '9') return std::nullopt;
+  return std::stoll(text);
+}
+
+// The blocks of a kind: one more than the highest index a tensor name gives. The index sizes
+// every later allocation (a shape per block), so it is checked here, by name: a number, and
+// below both kMaxFluxBlocks and the tensors the file holds (each block has several).
+int64_t CountBlocks(const SafetensorsHeader& h, const std::string& prefix,
+                    const std::string& source) {
   int64_t n = 0;
   for (const auto& t : h.tensors)
     if (StartsWith(t.name, prefix)) {
       const size_t dot = t.name.find('.', prefix.size());
-      n = std::max<int64_t>(n, std::stoll(t.name.substr(prefix.size(), dot - prefix.size())) + 1);
+      const std::string digits = t.name.substr(prefix.size(), dot - prefix.size());
+      const std::optional<int64_t> index = Decimal(digits);
+      if (!index)
+        throw Error(ErrorCode::kCorrupt, source + ": tensor `" + t.name + "`: block index `" +
+                                             digits + "` is not a number");
+      const int64_t limit =
+          std::min<int64_t>(kMaxFluxBlocks, static_cast<int64_t>(h.tensors.size()));
+      if (*index >= limit)
+        throw Error(ErrorCode::kCorrupt,
+                    source + ": tensor `" + t.name + "`: block index " + digits + " is not below " +
+                        std::to_string(limit) + " (at most " + std::to_string(kMaxFluxBlocks) +
+                        " blocks of a kind, and no more than " + "the file's " +
+                        std::to_string(h.tensors.size()) + " tensors)");
+      n = std::max<int64_t>(n, *index + 1);
     }
   return n;
 }
@@ -59,8 +88,7 @@ bool IsDir(const std::string& p) {
 bool HasFluxTransformerConfig(const std::string& dir) {
   for (const std::string& cfg : {dir + "/transformer/config.json", dir + "/config.json"}) {
     if (!IsFile(cfg)) continue;
-    std::ifstream in(cfg);
-    const auto j = nlohmann::json::parse(in, nullptr, false);
+    const auto j = nlohmann::json::parse(ReadRegularFile(cfg, kMaxTextFileBytes), nullptr, false);
     if (!j.is_discarded() && j.is_object() &&
         j.value("_class_name", "") == "FluxTransformer2DModel")
       return true;
@@ -79,11 +107,20 @@ void FluxConfig::Validate(const std::string& source) const {
          std::to_string(num_heads) + " heads");
   if (head_dim() % 2 != 0) fail("head_dim " + std::to_string(head_dim()) + " is odd");
   if (axes_dim[0] + axes_dim[1] + axes_dim[2] != head_dim() || axes_dim[0] % 2 || axes_dim[1] % 2 ||
-      axes_dim[2] % 2)
+      axes_dim[2] % 2 || axes_dim[0] <= 0 || axes_dim[1] <= 0 || axes_dim[2] <= 0)
     fail("RoPE axes_dim " + std::to_string(axes_dim[0]) + "," + std::to_string(axes_dim[1]) + "," +
-         std::to_string(axes_dim[2]) + " must be even and sum to head_dim " +
+         std::to_string(axes_dim[2]) + " must be positive, even and sum to head_dim " +
          std::to_string(head_dim()));
   if (depth < 0 || depth_single < 0 || depth + depth_single == 0) fail("the model has no block");
+  if (depth > kMaxFluxBlocks || depth_single > kMaxFluxBlocks)
+    fail(std::to_string(depth) + " double and " + std::to_string(depth_single) +
+         " single blocks: above the limit of " + std::to_string(kMaxFluxBlocks) + " of a kind");
+  if (hidden_size > (int64_t{1} << 16) || mlp_hidden > (int64_t{1} << 18) ||
+      in_channels > (int64_t{1} << 12) || vec_in_dim > (int64_t{1} << 16) ||
+      context_in_dim > (int64_t{1} << 16))
+    fail(
+        "a dimension is above its limit (hidden 65536, mlp 262144, channels 4096, text and "
+        "pooled widths 65536)");
   if (mlp_hidden <= 0 || in_channels <= 0 || vec_in_dim <= 0 || context_in_dim <= 0)
     fail("a dimension is not positive");
 }
@@ -191,8 +228,8 @@ FluxConfig FluxConfigFromHeader(const SafetensorsHeader& header, const std::stri
   c.in_channels = img_in[1];
   c.vec_in_dim = need("vector_in.in_layer.weight", 2)[1];
   c.context_in_dim = need("txt_in.weight", 2)[1];
-  c.depth = CountBlocks(header, "double_blocks.");
-  c.depth_single = CountBlocks(header, "single_blocks.");
+  c.depth = CountBlocks(header, "double_blocks.", source);
+  c.depth_single = CountBlocks(header, "single_blocks.", source);
   c.guidance_embed = ShapeOf(header, "guidance_in.in_layer.weight") != nullptr;
   const std::string norm = c.depth > 0 ? "double_blocks.0.img_attn.norm.query_norm.scale"
                                        : "single_blocks.0.norm.query_norm.scale";
@@ -209,17 +246,32 @@ FluxConfig FluxConfigFromHeader(const SafetensorsHeader& header, const std::stri
     std::stringstream ss(it->second);
     std::string part;
     for (int i = 0; i < 3; ++i) {
-      if (!std::getline(ss, part, ','))
-        throw Error(ErrorCode::kCorrupt,
-                    source + ": metadata flux.axes_dim `" + it->second + "` is not three numbers");
-      c.axes_dim[i] = std::stoll(part);
+      const std::optional<int64_t> v =
+          std::getline(ss, part, ',') ? Decimal(part) : std::optional<int64_t>();
+      if (!v || *v <= 0 || *v % 2 != 0 || *v > head_dim)
+        throw Error(ErrorCode::kCorrupt, source + ": metadata `flux.axes_dim` `" + it->second +
+                                             "` is not three positive even numbers of at most "
+                                             "head_dim (" +
+                                             std::to_string(head_dim) + ") each, like 16,56,56");
+      c.axes_dim[i] = *v;
     }
+    if (std::getline(ss, part, ','))
+      throw Error(ErrorCode::kCorrupt, source + ": metadata `flux.axes_dim` `" + it->second +
+                                           "` holds more than three numbers");
   } else if (head_dim != 128) {
     throw Error(ErrorCode::kCorrupt,
                 source + ": head_dim " + std::to_string(head_dim) +
                     " is not FLUX.1's 128 and the file's metadata has no flux.axes_dim");
   }
-  if (auto it = meta.find("flux.theta"); it != meta.end()) c.theta = std::stod(it->second);
+  if (auto it = meta.find("flux.theta"); it != meta.end()) {
+    char* end = nullptr;
+    const double theta = std::strtod(it->second.c_str(), &end);
+    if (it->second.empty() || end != it->second.c_str() + it->second.size() ||
+        !std::isfinite(theta) || theta <= 1.0 || theta > 1e12)
+      throw Error(ErrorCode::kCorrupt, source + ": metadata `flux.theta` `" + it->second +
+                                           "` is not a number in (1, 1e12] (FLUX.1: 10000)");
+    c.theta = theta;
+  }
   c.Validate(source);
 
   // Every tensor present, none extra, each of its shape.

@@ -16,6 +16,10 @@
 
 namespace lorastream {
 
+// The most blocks of one kind (double or single) a checkpoint may declare through its tensor
+// names (FLUX.1: 19 and 38).
+inline constexpr int64_t kMaxFluxBlocks = 1024;
+
 struct FluxConfig {
   int64_t hidden_size = 3072;
   int64_t num_heads = 24;                       // head_dim = hidden_size / num_heads

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "common/regular_file.h"
 
 namespace lorastream {
 
@@ -158,9 +159,9 @@ FluxDiffusersFolder FluxDiffusersFolder::Open(const std::string& path) {
   while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
   if (IsFile(dir + "/transformer/config.json")) dir += "/transformer";
   const std::string config_path = dir + "/config.json";
-  std::ifstream in(config_path);
-  if (!in) throw Error(ErrorCode::kNotFound, config_path + ": cannot open");
-  const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  const nlohmann::json j =
+      nlohmann::json::parse(ReadRegularFile(config_path, kMaxTextFileBytes, "config.json"), nullptr,
+                            /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object())
     throw Error(ErrorCode::kCorrupt, config_path + ": not a JSON object");
   if (j.value("_class_name", "") != "FluxTransformer2DModel")

@@ -1,6 +1,7 @@
 #include "common/flux_job.h"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <functional>
 #include <sstream>
@@ -266,6 +267,14 @@ void ResolveFluxJob(FluxJob& j, const std::string& base_dir) {
   j.output_dir = ResolveJobPath(j.output_dir, base_dir);
 }
 
+namespace {
+std::string Num(double v) {
+  std::ostringstream out;
+  out << v;
+  return out.str();
+}
+}  // namespace
+
 std::vector<std::string> FluxJobProblems(const FluxJob& j, const std::string& source) {
   std::vector<std::string> p;
   auto refuse = [&](const std::string& key, const std::string& why) {
@@ -293,7 +302,25 @@ std::vector<std::string> FluxJobProblems(const FluxJob& j, const std::string& so
   if (j.rank < 1) refuse("rank", "must be at least 1");
   if (j.rank > kMaxLoraRank)
     refuse("rank", "is above the limit of " + std::to_string(kMaxLoraRank));
+  // Every float key finite first: a NaN or an infinity passes `> 0`-style checks one way or
+  // the other and surfaces steps later as a loss of NaN blamed on the learning rate.
+  const std::pair<const char*, double> floats[] = {{"learning_rate", j.learning_rate},
+                                                   {"weight_decay", j.weight_decay},
+                                                   {"max_grad_norm", j.max_grad_norm},
+                                                   {"alpha", j.alpha},
+                                                   {"guidance", j.guidance},
+                                                   {"sigmoid_scale", j.sigmoid_scale},
+                                                   {"discrete_flow_shift", j.discrete_flow_shift}};
+  for (const auto& [name, value] : floats)
+    if (!std::isfinite(value)) refuse(name, "must be a finite number (found " + Num(value) + ")");
   if (!(j.learning_rate > 0)) refuse("learning_rate", "must be positive");
+  if (!(j.weight_decay >= 0)) refuse("weight_decay", "must be 0 or more");
+  if (!(j.max_grad_norm >= 0)) refuse("max_grad_norm", "must be 0 (no clipping) or more");
+  if (!(j.alpha > 0)) refuse("alpha", "must be positive");
+  if (!(j.sigmoid_scale > 0)) refuse("sigmoid_scale", "must be positive");
+  if (j.warmup_steps < 0 || j.warmup_steps > j.steps)
+    refuse("warmup_steps", "must be in [0, flux.steps = " + std::to_string(j.steps) + "] (found " +
+                               std::to_string(j.warmup_steps) + ")");
   if (j.lr_schedule != "constant" && j.lr_schedule != "linear" && j.lr_schedule != "cosine")
     refuse("lr_schedule", "`" + j.lr_schedule + "`: constant, linear or cosine");
   if (j.timestep_sampling != "uniform" && j.timestep_sampling != "sigmoid" &&

@@ -12,6 +12,7 @@
 #include "common/error.h"
 #include "common/job_paths.h"
 #include "common/log.h"
+#include "common/regular_file.h"
 #include "common/tokenizer_id.h"
 #include "common/toml_file.h"
 
@@ -387,8 +388,10 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
   std::error_code ec;
   if (s.data.path.empty()) {
     p.push_back(key("data.path") + "is required (a .jsonl or token file)");
-  } else if (!fs::is_regular_file(s.data.path, ec)) {
-    p.push_back(key("data.path") + "names a file that does not exist: " + s.data.path);
+  } else if (const std::string why = RegularFileProblem(s.data.path); !why.empty()) {
+    p.push_back(key("data.path") + (why == "does not exist"
+                                        ? "names a file that does not exist: " + s.data.path
+                                        : s.data.path + " " + why));
   }
   if (s.data.format != "jsonl" && s.data.format != "tokens")
     p.push_back(key("data.format") + "must be \"jsonl\" or \"tokens\" (found \"" + s.data.format +
@@ -456,7 +459,8 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
       s.optim.schedule != "cosine")
     p.push_back(key("optim.schedule") + "must be \"constant\", \"linear\" or \"cosine\" (found \"" +
                 s.optim.schedule + "\")");
-  if (s.optim.warmup_steps < 0 || (s.train.steps > 0 && s.optim.warmup_steps > s.train.steps))
+  if (s.optim.warmup_steps < 0 || s.optim.warmup_steps > kMaxTrainSteps ||
+      (s.train.steps > 0 && s.optim.warmup_steps > s.train.steps))
     p.push_back(key("optim.warmup_steps") + "must be in [0, train.steps] (found " +
                 std::to_string(s.optim.warmup_steps) + ")");
   if (!(s.optim.grad_clip >= 0) || !std::isfinite(s.optim.grad_clip))
@@ -534,8 +538,10 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
                 "documents; found " +
                 num(s.eval.split) + ")");
   if (!s.eval.path.empty()) {
-    if (!fs::is_regular_file(s.eval.path, ec))
-      p.push_back(key("eval.path") + "names a file that does not exist: " + s.eval.path);
+    if (const std::string why = RegularFileProblem(s.eval.path); !why.empty())
+      p.push_back(key("eval.path") + (why == "does not exist"
+                                          ? "names a file that does not exist: " + s.eval.path
+                                          : s.eval.path + " " + why));
     if (s.eval.format != "jsonl" && s.eval.format != "tokens")
       p.push_back(key("eval.format") + "must be \"jsonl\" or \"tokens\" (found \"" + s.eval.format +
                   "\"; it is taken from the extension .jsonl/.tok/.bin when "
@@ -586,11 +592,7 @@ void RequireValidJobSpec(const JobSpec& spec, const ModelConfig* model) {
 }
 
 JobSpec LoadJobSpec(const std::string& path, const ModelConfig* model) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(ErrorCode::kNotFound, path + ": cannot open the job file");
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  JobSpec spec = ParseJobSpec(buffer.str(), path);
+  JobSpec spec = ParseJobSpec(ReadRegularFile(path, kMaxTomlBytes, "job file"), path);
   if (!spec.flux_form_note.empty()) LS_LOG_INFO("{}", spec.flux_form_note);
   ResolveJobSpecIn(spec, JobFileDir(path));
   RequireValidJobSpec(spec, model);

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "common/regular_file.h"
 
 namespace lorastream {
 
@@ -207,11 +208,7 @@ ModelConfig ParseModelConfig(const std::string& json_text, const std::string& so
 }
 
 ModelConfig LoadModelConfig(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(ErrorCode::kNotFound, path + ": cannot open config.json");
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return ParseModelConfig(buffer.str(), path);
+  return ParseModelConfig(ReadRegularFile(path, kMaxTextFileBytes, "config.json"), path);
 }
 
 void ToJson(Json& out, const ModelConfig& c) {

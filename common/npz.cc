@@ -9,6 +9,7 @@
 
 #include "common/durable_file.h"
 #include "common/error.h"
+#include "common/regular_file.h"
 
 namespace lorastream {
 
@@ -151,8 +152,8 @@ NpyArray ParseNpy(const uint8_t* data, size_t size, const std::string& what) {
   return a;
 }
 
-std::map<std::string, NpyArray> ParseNpz(const uint8_t* data, size_t size,
-                                         const std::string& what) {
+std::map<std::string, NpyArray> ParseNpz(const uint8_t* data, size_t size, const std::string& what,
+                                         uint64_t max_bytes) {
   // The end of central directory record: the last 22 bytes plus a comment of up to 64 KiB.
   if (size < 22) Corrupt(what, "too short to be an .npz (zip) archive (truncated?)");
   size_t eocd = std::string::npos;
@@ -178,6 +179,7 @@ std::map<std::string, NpyArray> ParseNpz(const uint8_t* data, size_t size,
     Corrupt(what, "zip directory runs past the end (truncated)");
 
   std::map<std::string, NpyArray> out;
+  uint64_t inflated = 0;  // the members' declared sizes so far
   size_t p = dir_offset;
   for (uint64_t e = 0; e < entries; ++e) {
     if (p + 46 > dir_offset + dir_size || Le(data + p, 4) != 0x02014b50)
@@ -211,6 +213,12 @@ std::map<std::string, NpyArray> ParseNpz(const uint8_t* data, size_t size,
       Corrupt(member, "local header missing (truncated?)");
     const uint64_t start = local + 30 + Le(data + local + 26, 2) + Le(data + local + 28, 2);
     if (start > size || csize > size - start) Corrupt(member, "data runs past the end (truncated)");
+    if (usize > max_bytes || inflated + usize > max_bytes)
+      Corrupt(member, "declares " + std::to_string(usize) +
+                          " bytes, which with the members "
+                          "before it exceeds the limit of " +
+                          std::to_string(max_bytes) + " bytes for this archive");
+    inflated += usize;
     std::vector<uint8_t> bytes;
     if (method == 0) {
       if (csize != usize) Corrupt(member, "stored member with two different sizes");
@@ -244,12 +252,11 @@ std::map<std::string, NpyArray> ParseNpz(const uint8_t* data, size_t size,
   return out;
 }
 
-std::map<std::string, NpyArray> ReadNpz(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(ErrorCode::kNotFound, path + ": cannot be opened");
-  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)),
-                             std::istreambuf_iterator<char>());
-  return ParseNpz(bytes.data(), bytes.size(), path);
+std::map<std::string, NpyArray> ReadNpz(const std::string& path, uint64_t max_bytes) {
+  // Bounded and regular only: a link to /dev/zero would otherwise be read until memory ends,
+  // and a FIFO would block the reader.
+  const std::string bytes = ReadRegularFile(path, max_bytes);
+  return ParseNpz(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), path, max_bytes);
 }
 
 void WriteNpz(const std::string& path, const std::map<std::string, NpyArray>& arrays,

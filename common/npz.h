@@ -31,10 +31,17 @@ struct NpyArray {
 // One .npy image (`what` names it in errors).
 NpyArray ParseNpy(const uint8_t* data, size_t size, const std::string& what);
 
-// Every member of an .npz archive, by name without the ".npy" suffix.
-std::map<std::string, NpyArray> ReadNpz(const std::string& path);
+// The most an archive may hold, in the file and inflated, unless the caller says less.
+inline constexpr uint64_t kMaxNpzBytes = uint64_t{1} << 32;
+
+// Every member of an .npz archive, by name without the ".npy" suffix. The file is opened only
+// if it is a regular file (a FIFO or a device is refused at once, naming it) and refused when
+// it, or its members inflated together, would exceed `max_bytes` (checked against the sizes
+// the archive declares, before anything is inflated).
+std::map<std::string, NpyArray> ReadNpz(const std::string& path, uint64_t max_bytes = kMaxNpzBytes);
 // The same from bytes in memory (the fuzzer, tests).
-std::map<std::string, NpyArray> ParseNpz(const uint8_t* data, size_t size, const std::string& what);
+std::map<std::string, NpyArray> ParseNpz(const uint8_t* data, size_t size, const std::string& what,
+                                         uint64_t max_bytes = kMaxNpzBytes);
 
 // Writes an .npz laid out as numpy writes one (tests, tools): members in map order, each
 // local header in zip64 form (numpy forces it), stored as numpy.savez does or deflated as

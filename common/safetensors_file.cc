@@ -8,20 +8,17 @@
 #include <cerrno>
 
 #include "common/error.h"
+#include "common/regular_file.h"
 #include "common/safetensors.h"
 #include "common/unique_fd.h"
 
 namespace lorastream {
 
 SafetensorsFile SafetensorsFile::Open(const std::string& path) {
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!fd.valid()) {
-    if (errno == ENOENT) throw Error(ErrorCode::kNotFound, path + ": no such file");
-    ThrowErrno(path + ": cannot open");
-  }
+  // Non-blocking open and fstat first: a FIFO or a device is refused at once, naming it.
+  const UniqueFd fd = OpenRegularFile(path);
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) ThrowErrno(path + ": cannot stat");
-  if (!S_ISREG(st.st_mode)) throw Error(ErrorCode::kCorrupt, path + ": not a regular file");
   const size_t size = static_cast<size_t>(st.st_size);
   if (size < 8)
     throw Error(ErrorCode::kCorrupt, path + ": file is " + std::to_string(size) +

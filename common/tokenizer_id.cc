@@ -10,6 +10,7 @@
 
 #include "common/data.h"
 #include "common/error.h"
+#include "common/regular_file.h"
 
 namespace lorastream {
 namespace {
@@ -53,6 +54,8 @@ TokenizerId RecordFromJson(const Json& r, const std::string& where) {
 }
 
 std::optional<TokenizerId> JsonlRecord(const std::string& path) {
+  // A FIFO or a device named as data would block or never end: refused at once, naming it.
+  OpenRegularFile(path, "data.path");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error(ErrorCode::kNotFound, "data.path: cannot open " + path);
   std::string line;
@@ -69,6 +72,8 @@ std::optional<TokenizerId> JsonlRecord(const std::string& path) {
 }
 
 std::optional<TokenizerId> TokenFileRecord(const std::string& path) {
+  // A FIFO or a device named as data would block or never end: refused at once, naming it.
+  OpenRegularFile(path, "data.path");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error(ErrorCode::kNotFound, "data.path: cannot open " + path);
   uint8_t header[40];
@@ -111,11 +116,15 @@ std::string Describe(const TokenizerId& id) {
 std::optional<TokenizerId> ModelTokenizerId(const std::string& model_dir) {
   const std::filesystem::path dir(model_dir);
   const std::filesystem::path file = dir / "tokenizer.json";
-  std::ifstream in(file, std::ios::binary);
-  if (!in) return std::nullopt;
-  std::ostringstream text;
-  text << in.rdbuf();
-  Json j = Json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  std::string text;
+  try {
+    text = ReadRegularFile(file.string(), kMaxTextFileBytes, "tokenizer.json");
+  } catch (const Error& e) {
+    // None, or not readable here: nothing to compare. One that is not a file says so.
+    if (e.code() == ErrorCode::kNotFound || e.code() == ErrorCode::kIo) return std::nullopt;
+    throw;
+  }
+  Json j = Json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object() || !j.contains("model"))
     throw Error(ErrorCode::kCorrupt, file.string() + " is not a Hugging Face tokenizer.json");
   Json parts = Json::object();  // std::map-backed: dump() sorts keys at every level

@@ -6,6 +6,8 @@
 #include <sstream>
 
 #include "common/error.h"
+#include "common/format_bytes.h"
+#include "common/regular_file.h"
 
 namespace lorastream {
 
@@ -30,12 +32,120 @@ const char* TypeName(const toml::node& node) {
 }
 }  // namespace
 
+void CheckTomlLimits(const std::string& text, const std::string& source_name) {
+  if (text.size() > kMaxTomlBytes)
+    throw Error(ErrorCode::kCorrupt, source_name + " is " + FormatBytes(text.size()) +
+                                         ", above the limit of " + FormatBytes(kMaxTomlBytes) +
+                                         " for a TOML file");
+  // A scan that knows strings, comments, keys and brackets, nothing more: the depth of a value
+  // is the segments of its table's header, plus those of the dotted keys and one per array or
+  // inline table leading to it. It throws on the first level past the limit, so its own
+  // stack stays small whatever the text.
+  int line = 1;
+  const auto too_deep = [&] {
+    throw Error(ErrorCode::kCorrupt,
+                source_name + ":" + std::to_string(line) + ": nests deeper than " +
+                    std::to_string(kMaxTomlDepth) +
+                    " levels (tables, dotted keys, arrays, inline tables): refused before parsing");
+  };
+  std::vector<std::pair<char, int>> open;  // '[' or '{', and the depth it added
+  int table_depth = 0, open_depth = 0;     // the header's segments; what `open` adds
+  int key_segments = 0;                    // of the key being read (0: none yet)
+  int pending = 0;                         // segments of the key whose value follows
+  bool in_key = true, in_header = false;
+  const size_t n = text.size();
+  for (size_t i = 0; i < n; ++i) {
+    const char c = text[i];
+    if (c == '\n') {
+      ++line;
+      if (open.empty()) in_key = true, in_header = false, key_segments = 0, pending = 0;
+      continue;
+    }
+    if (c == '#') {
+      while (i + 1 < n && text[i + 1] != '\n') ++i;
+      continue;
+    }
+    if (c == '"' || c == '\'') {
+      const bool multi = i + 2 < n && text[i + 1] == c && text[i + 2] == c;
+      if (in_key || in_header) key_segments = std::max(key_segments, 1);
+      if (multi) {
+        i += 3;
+        while (i < n && !(text[i] == c && i + 2 < n && text[i + 1] == c && text[i + 2] == c)) {
+          if (text[i] == '\n') ++line;
+          if (c == '"' && text[i] == '\\') ++i;
+          ++i;
+        }
+        i += 2;
+      } else {
+        ++i;
+        while (i < n && text[i] != c && text[i] != '\n') {
+          if (c == '"' && text[i] == '\\') ++i;
+          ++i;
+        }
+        if (i < n && text[i] == '\n') --i;  // unterminated: the newline is seen above
+      }
+      continue;
+    }
+    if (c == ' ' || c == '\t' || c == '\r') continue;
+    if (in_header) {
+      if (c == '.') {
+        if (++key_segments > kMaxTomlDepth) too_deep();
+      } else if (c == ']') {
+        table_depth += key_segments;  // an array of tables ([[...]]) began with one level
+        if (table_depth > kMaxTomlDepth) too_deep();
+        in_header = false;
+        while (i + 1 < n && text[i + 1] == ']') ++i;
+      } else if (c != '[') {
+        key_segments = std::max(key_segments, 1);
+      }
+      continue;
+    }
+    if (in_key) {
+      if (c == '[' && open.empty() && key_segments == 0) {
+        in_header = true;
+        in_key = false;
+        table_depth = (i + 1 < n && text[i + 1] == '[') ? 1 : 0;
+        continue;
+      }
+      if (c == '.') {
+        if (table_depth + open_depth + ++key_segments > kMaxTomlDepth) too_deep();
+      } else if (c == '=') {
+        if (table_depth + open_depth + key_segments > kMaxTomlDepth) too_deep();
+        pending = key_segments;
+        key_segments = 0;
+        in_key = false;
+      } else if (c == '}' && !open.empty()) {  // an empty inline table: `{}`
+        open_depth -= open.back().second;
+        open.pop_back();
+        in_key = false;
+      } else {
+        key_segments = std::max(key_segments, 1);
+      }
+      continue;
+    }
+    if (c == '[' || c == '{') {
+      open.emplace_back(c, pending + 1);
+      open_depth += pending + 1;
+      pending = 0;
+      if (table_depth + open_depth > kMaxTomlDepth) too_deep();
+      if (c == '{') in_key = true, key_segments = 0;
+    } else if ((c == ']' || c == '}') && !open.empty()) {
+      open_depth -= open.back().second;
+      open.pop_back();
+    } else if (c == ',' && !open.empty() && open.back().first == '{') {
+      in_key = true;
+      key_segments = 0;
+    }
+  }
+}
+
 TomlSection::TomlSection(std::shared_ptr<toml::table> root, const toml::table* table,
                          std::shared_ptr<std::string> file, std::string prefix)
     : root_(std::move(root)), table_(table), file_(std::move(file)), prefix_(std::move(prefix)) {}
 
 TomlSection TomlSection::Parse(const std::string& text, const std::string& source_name) {
   // toml++ is built with exceptions here: parse() throws toml::parse_error.
+  CheckTomlLimits(text, source_name);
   std::shared_ptr<toml::table> root;
   try {
     root = std::make_shared<toml::table>(toml::parse(text, source_name));
@@ -50,14 +160,7 @@ TomlSection TomlSection::Parse(const std::string& text, const std::string& sourc
 }
 
 TomlSection TomlSection::Load(const std::string& path) {
-  std::error_code ec;
-  if (!std::filesystem::is_regular_file(path, ec))
-    throw Error(ErrorCode::kNotFound, path + ": no such file");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(ErrorCode::kIo, path + ": cannot open");
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return Parse(buffer.str(), path);
+  return Parse(ReadRegularFile(path, kMaxTomlBytes), path);
 }
 
 std::string TomlSection::Where(const std::string& key) const {

@@ -11,12 +11,27 @@
 
 namespace lorastream {
 
+// What a TOML text may hold before it reaches the parser: toml++ recurses once per level of
+// nesting (tables in dotted keys and headers, arrays, inline tables), so a 50,000-level
+// `[a.a.a...]` would overflow the stack. The size bounds what is read and allocated; it is
+// above what `submit` sends (kMaxJobFileBytes) so that a long value there is refused naming
+// its key.
+inline constexpr uint64_t kMaxTomlBytes = uint64_t{64} << 20;
+inline constexpr int kMaxTomlDepth = 64;
+
+// Throws Error(kCorrupt) naming `source_name`, the line and the limit when `text` is larger
+// than kMaxTomlBytes or nests deeper than kMaxTomlDepth; an over-estimate of the depth (a
+// scan without parsing), exact for the files lorastream reads. Every TOML text goes through
+// this before toml::parse (TomlSection::Parse calls it).
+void CheckTomlLimits(const std::string& text, const std::string& source_name);
+
 // A view on one table of a parsed TOML document; remembers the file and the key path so that
 // every error says where it happened. Copies are cheap (the document is shared).
 class TomlSection {
  public:
   // Parses `path`; throws Error(kNotFound) when missing, Error(kCorrupt) with line/column
-  // when the TOML does not parse.
+  // when the TOML does not parse, and naming the file when it is not a regular file or is
+  // above the limits of CheckTomlLimits.
   static TomlSection Load(const std::string& path);
   static TomlSection Parse(const std::string& text, const std::string& source_name);
 

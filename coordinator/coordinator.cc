@@ -47,6 +47,8 @@ Coordinator::Coordinator(CoordinatorOptions options, Journal journal, double now
   if (options_.reconcile_timeout_s < 0) options_.reconcile_timeout_s = options_.heartbeat_timeout_s;
   reconcile_deadline_ = now + options_.reconcile_timeout_s;
   int running = 0;
+  // A row the journal skipped keeps its id: a new job never replaces it.
+  next_job_id_ = std::max(next_job_id_, journal_.MaxJobId() + 1);
   for (JobRecord& job : journal_.LoadJobs()) {
     int64_t id = job.summary.id;
     next_job_id_ = std::max(next_job_id_, id + 1);

@@ -59,6 +59,7 @@ class Statement {
     throw Error(ErrorCode::kIo, "journal " + path_ + ": " + sqlite3_errmsg(db_));
   }
   int64_t Int(int col) const { return sqlite3_column_int64(stmt_, col); }
+  bool IsNull(int col) const { return sqlite3_column_type(stmt_, col) == SQLITE_NULL; }
   double Real(int col) const { return sqlite3_column_double(stmt_, col); }
   double OptionalReal(int col) const {
     return sqlite3_column_type(stmt_, col) == SQLITE_NULL ? std::numeric_limits<double>::quiet_NaN()
@@ -250,6 +251,11 @@ Journal::Journal(const std::string& path) : path_(path) {
   sqlite3_busy_timeout(db_, 5000);
   try {
     const int64_t version = Int("PRAGMA user_version");
+    if (version < 0)
+      throw Error(ErrorCode::kCorrupt,
+                  "journal " + path + " has version " + std::to_string(version) +
+                      ", which no lorastream writes (damaged or not a journal); it is left "
+                      "as it is");
     if (version > kJournalVersion)
       throw Error(ErrorCode::kUnsupported,
                   "journal " + path + " has version " + std::to_string(version) +
@@ -261,12 +267,35 @@ Journal::Journal(const std::string& path) : path_(path) {
     Exec("PRAGMA journal_mode=WAL");
     Exec("PRAGMA synchronous=NORMAL");
     if (Int("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'jobs'") == 0) {
+      // A new journal is an empty database; one holding other things is not a journal.
+      if (Int("SELECT count(*) FROM sqlite_master") != 0)
+        throw Error(ErrorCode::kCorrupt,
+                    "journal " + path +
+                        " has no jobs table but holds other tables (damaged, or not a "
+                        "lorastream journal); it is left as it is");
       Transaction create(*this);
       Exec(kSchema);
       Exec(("PRAGMA user_version = " + std::to_string(kJournalVersion)).c_str());
       create.Commit();
     } else if (version < 1) {
+      if (!HasColumn("jobs", "spec_blob") || HasColumn("jobs", "spec"))
+        throw Error(ErrorCode::kCorrupt,
+                    "journal " + path +
+                        " says version 0, but its jobs table is not version 0's (a spec_blob "
+                        "column and no spec column): damaged; it is left as it is");
       UpgradeToVersion1();
+    }
+    // Every column a job row is read from: a table without one is not this version's.
+    std::string columns = kJobColumns;
+    for (size_t start = 0; start < columns.size();) {
+      size_t end = columns.find(',', start);
+      if (end == std::string::npos) end = columns.size();
+      std::string column = columns.substr(start, end - start);
+      column.erase(0, column.find_first_not_of(' '));
+      if (!HasColumn("jobs", column.c_str()))
+        throw Error(ErrorCode::kCorrupt, "journal " + path + ": its jobs table has no column `" +
+                                             column + "` (damaged); it is left as it is");
+      start = end + 1;
     }
   } catch (...) {
     sqlite3_close(db_);
@@ -380,19 +409,29 @@ void Journal::SaveJob(const JobRecord& job) {
   st.Step();
 }
 
-std::vector<JobRecord> Journal::LoadJobs() const {
+int64_t Journal::MaxJobId() const { return Int("SELECT max(id) FROM jobs"); }
+
+std::vector<JobRecord> Journal::LoadJobs(std::vector<std::string>* skipped) const {
   Statement st(db_, (std::string("SELECT ") + kJobColumns + " FROM jobs ORDER BY id").c_str(),
                path_);
   std::vector<JobRecord> jobs;
+  const auto skip = [&](int64_t id, const std::string& why) {
+    const std::string msg =
+        "journal " + path_ + ": job " + std::to_string(id) +
+        " skipped (not loaded, never dispatched; its row is left as it is): " + why;
+    LS_LOG_ERROR("{}", msg);
+    if (skipped) skipped->push_back(msg);
+  };
   while (st.Step()) {
     JobRecord job;
     JobSummary& s = job.summary;
     s.id = st.Int(0);
     s.name = st.Text(1);
     int64_t state = st.Int(2);
-    if (state < 0 || state > static_cast<int64_t>(JobState::kCancelled))
-      throw Error(ErrorCode::kCorrupt, "journal " + path_ + ": job " + std::to_string(s.id) +
-                                           " has state " + std::to_string(state));
+    if (state < 0 || state > static_cast<int64_t>(JobState::kCancelled)) {
+      skip(s.id, "it has state " + std::to_string(state));
+      continue;
+    }
     s.state = static_cast<JobState>(state);
     s.reason = st.Text(3);
     s.priority = static_cast<int32_t>(st.Int(4));
@@ -400,11 +439,15 @@ std::vector<JobRecord> Journal::LoadJobs() const {
     s.fingerprint = st.Text(6);
     s.spec_source = st.Text(7);
     job.spec_toml = st.Text(8);
+    if (st.IsNull(9)) {
+      skip(s.id, "it has no spec (NULL)");
+      continue;
+    }
     try {
       job.spec = ParseJobSpec(st.Text(9), s.spec_source);
-    } catch (const Error& e) {
-      throw Error(ErrorCode::kCorrupt,
-                  "journal " + path_ + ": job " + std::to_string(s.id) + "'s spec: " + e.what());
+    } catch (const std::exception& e) {
+      skip(s.id, std::string("its spec cannot be read: ") + e.what());
+      continue;
     }
     s.output_dir = st.Text(10);
     s.adapter_path = st.Text(11);

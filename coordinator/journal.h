@@ -20,12 +20,13 @@ namespace lorastream::coordinator {
 class Journal {
  public:
   // Opens (creating when missing) the database at `path`; ":memory:" for tests.
-  // Throws Error(kIo) when it cannot be opened, kCorrupt when it is not a journal (or a job in
-  // an older one cannot be read), kUnsupported (naming its version) when a newer build wrote
-  // it, kRefused (naming the holder's pid) when another process holds it. A journal belongs to one
-  // process for that process's lifetime: an exclusive lock on PATH.lock, which records the
-  // holder's pid. The journal and its files are owner-only (0600): job specs name the
-  // users' files.
+  // Throws Error(kIo) when it cannot be opened, kCorrupt when it is not a journal (tables of
+  // something else, no jobs table, a version below 0, a jobs table without a column its
+  // version has, or a job in an older one that cannot be read), kUnsupported (naming its version)
+  // when a newer build wrote it, kRefused (naming the holder's pid) when another process holds it.
+  // A journal belongs to one process for that process's lifetime: an exclusive lock on PATH.lock,
+  // which records the holder's pid. The journal and its files are owner-only (0600): job specs name
+  // the users' files.
   explicit Journal(const std::string& path);
   ~Journal();
   Journal(const Journal&) = delete;
@@ -35,7 +36,12 @@ class Journal {
 
   // Inserts or replaces the job's row (keyed by summary.id).
   void SaveJob(const JobRecord& job);
-  std::vector<JobRecord> LoadJobs() const;  // in id order
+  // Every job in id order. A row that cannot be read (its spec missing, NULL or not a job
+  // file, its state unknown) is skipped, never dispatched: an error naming the journal, the
+  // job and why is logged and appended to `skipped`; the row stays as it is.
+  std::vector<JobRecord> LoadJobs(std::vector<std::string>* skipped = nullptr) const;
+  // The highest job id of any row, skipped ones included (0: none): ids are never reused.
+  int64_t MaxJobId() const;
 
   void AppendStats(int64_t job_id, int32_t attempt, const StepStats& stats);
   std::vector<StepStats> LoadStats(int64_t job_id) const;  // in step order, one row per step

@@ -19,6 +19,8 @@
 #include "common/gpu_info.h"
 #include "common/job_paths.h"
 #include "common/log.h"
+#include "common/regular_file.h"
+#include "common/toml_file.h"
 #include "common/unique_fd.h"
 #include "coordinator/curve.h"
 #include "store/attach.h"
@@ -271,7 +273,9 @@ std::string LocalCluster::Client(const std::vector<std::string>& args, int* exit
 int64_t LocalCluster::Submit(const std::string& job_path) {
   toml::table job;
   try {
-    job = toml::parse_file(job_path);
+    const std::string text = ReadRegularFile(job_path, kMaxTomlBytes, "job file");
+    CheckTomlLimits(text, job_path);  // toml++ recurses per level: bounded first
+    job = toml::parse(text, job_path);
   } catch (const toml::parse_error& e) {
     throw Error(ErrorCode::kCorrupt, job_path + ": " + std::string(e.description()));
   }

@@ -61,14 +61,15 @@ JobResult FailedResult(const std::exception_ptr& error, const JobAssignment& a) 
   } catch (const Error& e) {
     // Our errors may list several problems, one per line: the coordinator gets all of them on
     // one line, which is what `jobs` and `show` can display.
-    LS_LOG_ERROR("job {} attempt {} failed: {}", a.job_id, a.attempt, e.what());
-    result.reason = JoinLines(e.what());
+    LS_LOG_ERROR("job {} attempt {} failed: {}", a.job_id, a.attempt, WithoutBacktrace(e.what()));
+    result.reason = JoinLines(WithoutBacktrace(e.what()));
   } catch (const std::exception& e) {
     // Anything else (LibTorch appends a backtrace): the whole message goes to this worker's
     // log, the coordinator gets its first line.
-    std::string what = e.what();
+    // LibTorch's backtrace is dropped from both; a message of several lines is one here.
+    const std::string what = WithoutBacktrace(e.what());
     LS_LOG_ERROR("job {} attempt {} failed: {}", a.job_id, a.attempt, what);
-    result.reason = what.substr(0, what.find('\n'));
+    result.reason = JoinLines(what);
   } catch (...) {
     LS_LOG_ERROR("job {} attempt {} failed: an unknown exception", a.job_id, a.attempt);
     result.reason = "an unknown exception";

@@ -76,9 +76,9 @@ class JobSlots {
 // job it has not finished, and the agent calls it again.
 using SlotRunner = std::function<void(JobSlots& slots)>;
 
-// A job's failure from the exception that ended it: an Error's lines joined into one (what
-// `jobs` and `show` can display), anything else's first line (LibTorch appends a backtrace);
-// the whole message goes to this worker's log.
+// A job's failure from the exception that ended it, its lines joined into one (what `jobs` and
+// `show` can display); LibTorch's backtrace is dropped (WithoutBacktrace) from the reason and
+// from this worker's log line alike.
 JobResult FailedResult(const std::exception_ptr& error, const JobAssignment& assignment);
 
 class WorkerAgent {

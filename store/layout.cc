@@ -1,6 +1,7 @@
 #include "store/layout.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <optional>
@@ -46,6 +47,9 @@ std::vector<std::string> CheckpointAuxNames(const std::string& weight, const Qua
           weight + ".nested_quant_map", weight + ".quant_state.bitsandbytes__nf4"};
 }
 
+// The largest nested_offset (a mean of weights' absmax) a pre-quantised checkpoint may hold.
+constexpr double kMaxNf4NestedOffset = 1e6;
+
 struct Nf4State {
   int64_t blocksize = 0, nested_blocksize = 0;
   float offset = 0;
@@ -76,7 +80,15 @@ Nf4State ReadNf4State(const Checkpoint& cp, const std::string& full,
   }
   if (!j.contains("nested_offset") || !j["nested_offset"].is_number())
     bad("`nested_offset` must be a number (double quantisation)");
-  st.offset = j["nested_offset"].get<float>();
+  // The mean of the blocks' absmax that double quantisation took out: a value a float cannot
+  // hold, or one far beyond any weight's scale, would publish a store whose every weight is
+  // infinite (a loss of NaN steps later, blamed on the learning rate).
+  const double offset = j["nested_offset"].get<double>();
+  if (!std::isfinite(offset) || std::fabs(offset) > kMaxNf4NestedOffset)
+    bad("`nested_offset` is " + j["nested_offset"].dump() + ", not a finite number of at most " +
+        std::to_string(static_cast<int64_t>(kMaxNf4NestedOffset)) +
+        " in magnitude (the mean of the blocks' absmax)");
+  st.offset = static_cast<float>(offset);
   if (!j.contains("shape") || j["shape"] != nlohmann::json(shape))
     bad("`shape` is not the weight's " + ShapeString(shape));
   return st;

@@ -62,7 +62,14 @@ std::vector<StoreListing> ListStores() {
     try {
       listing.record = ReadManifestObject(name);
     } catch (const Error& e) {
-      LS_LOG_WARN("store {}: {}", name, e.what());
+      // Another user's owner-only manifest: there, but not ours to read.
+      struct stat st {};
+      const std::string path = std::string(kShmDir) + ManifestShmName(name);
+      if (::stat(path.c_str(), &st) == 0 && st.st_uid != ::geteuid() &&
+          ::access(path.c_str(), R_OK) != 0)
+        listing.unreadable_owner_uid = st.st_uid;
+      else
+        LS_LOG_WARN("store {}: {}", name, e.what());
     }
     listing.alive =
         listing.record && ProcessAlive(listing.record->owner_pid, listing.record->owner_start_time);
@@ -112,6 +119,8 @@ int RemoveStaleStore(const std::string& store_name) {
 }
 
 std::string StoreStateName(const StoreListing& s) {
+  if (!s.record && s.unreadable_owner_uid >= 0)
+    return "not readable by you (owner uid " + std::to_string(s.unreadable_owner_uid) + ")";
   if (!s.record) return "orphaned (no manifest)";
   if (!s.alive) return "stale (owner gone)";
   return s.record->state == ManifestState::kPublished ? "published" : "loading";

@@ -19,9 +19,12 @@ struct ShmObject {
 struct StoreListing {
   std::string name;
   std::optional<ManifestRecord> record;  // absent: orphaned segments without a manifest
-  bool alive = false;                    // the owner process is running
-  std::vector<ShmObject> objects;        // every shm object of the store, manifest included
-  std::vector<int64_t> mapping_pids;     // processes mapping one of its objects (owner too)
+  // >= 0 when the manifest exists but this user may not read it (another user's store, made
+  // owner-only): its owner's uid. Such a store is not orphaned, only not ours to inspect.
+  int64_t unreadable_owner_uid = -1;
+  bool alive = false;                 // the owner process is running
+  std::vector<ShmObject> objects;     // every shm object of the store, manifest included
+  std::vector<int64_t> mapping_pids;  // processes mapping one of its objects (owner too)
 };
 
 // Every shm object whose name starts with ShmPrefix(store_name).
@@ -30,7 +33,8 @@ std::vector<ShmObject> ShmObjectsOf(const std::string& store_name);
 // All stores found in /dev/shm, sorted by name.
 std::vector<StoreListing> ListStores();
 
-// "published", "loading", "stale (owner gone)" or "orphaned (no manifest)".
+// "published", "loading", "stale (owner gone)", "not readable by you (owner uid N)" or
+// "orphaned (no manifest)".
 std::string StoreStateName(const StoreListing& store);
 
 // Total bytes of the store's shm objects.

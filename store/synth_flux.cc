@@ -67,7 +67,9 @@ FluxConfig LoadFluxPreset(const std::string& path, DType* dtype) {
   std::stringstream ss(axes);
   std::string part;
   for (int i = 0; i < 3; ++i) {
-    if (!std::getline(ss, part, ',') || part.find_first_not_of(" 0123456789") != std::string::npos)
+    if (!std::getline(ss, part, ',') ||
+        part.find_first_not_of(" 0123456789") != std::string::npos ||
+        part.find_first_of("0123456789") == std::string::npos || part.size() > 9)
       throw Error(ErrorCode::kCorrupt,
                   t.Where("axes_dim") + ": `" + axes + "` is not three comma-separated integers");
     c.axes_dim[i] = std::stoll(part);

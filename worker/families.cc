@@ -2,13 +2,13 @@
 // group, its plan command). A new family is a folder of its own and one row here.
 #include "worker/families.h"
 
-#include <fstream>
 #include <functional>
 #include <memory>
-#include <sstream>
 
 #include "common/error.h"
 #include "common/job_spec.h"
+#include "common/regular_file.h"
+#include "common/toml_file.h"
 #include "worker/flux/flux_calibrate.h"
 #include "worker/flux/flux_family.h"
 #include "worker/flux/flux_group.h"
@@ -53,10 +53,7 @@ const FamilyRow& RowOf(const JobSpec& spec) {
 // The family a job file's sections name; "" when it cannot be read (its loader names why).
 std::string FamilyOfFile(const std::string& path) {
   try {
-    std::ifstream in(path, std::ios::binary);
-    std::ostringstream text;
-    text << in.rdbuf();
-    return in ? FamilyName(ParseJobSpec(text.str(), path)) : "";
+    return FamilyName(ParseJobSpec(ReadRegularFile(path, kMaxTomlBytes, "job file"), path));
   } catch (const Error&) {
     return "";
   }

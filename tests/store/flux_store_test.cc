@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -14,6 +15,8 @@
 
 #include "common/error.h"
 #include "common/flux_layout.h"
+#include "common/safetensors.h"
+#include "common/subprocess.h"
 #include "store/attach.h"
 #include "store/commands.h"
 #include "store/convert.h"
@@ -299,4 +302,43 @@ TEST_CASE("an fp8 FLUX.1 checkpoint is served as it is: fp8 with scales of 1", "
   CHECK_THROWS_WITH(Serve(mixed, UniqueName("flux-fp8-mixed")),
                     Catch::Contains("tensor `single_blocks.1.linear2.weight` is F32") &&
                         Catch::Contains("F8_E4M3"));
+}
+
+TEST_CASE(
+    "a FLUX.1 checkpoint naming a block index past any model is refused by inspect, by "
+    "name",
+    "[store][flux][issue42]") {
+  TempDir dir("flux-store-index");
+  SynthFlux(dir.str() + "/bfl", "bfl");
+  const std::string path = dir.str() + "/bfl/flux1.safetensors";
+  // double_blocks.100000000.*: `inspect` and `train` ran out of memory sizing 10^8 blocks.
+  const std::string bad = "double_blocks.100000000.img_mod.lin.bias";
+  {
+    SafetensorsFile f = SafetensorsFile::Open(path);
+    std::vector<TensorToWrite> tensors;
+    std::vector<std::vector<uint8_t>> bytes;
+    bytes.reserve(f.tensors().size());
+    for (const SafetensorsEntry& e : f.tensors()) {
+      bytes.emplace_back(f.Data(e), f.Data(e) + e.nbytes());
+      tensors.push_back({e.name == "double_blocks.1.img_mod.lin.bias" ? bad : e.name, e.dtype,
+                         e.shape, bytes.back().data()});
+    }
+    WriteSafetensors(path + ".tmp", tensors, f.header().metadata);
+  }
+  std::filesystem::rename(path + ".tmp", path);
+  std::ostringstream out;
+  try {
+    store::RunInspect(path, out);
+    FAIL("inspected");
+  } catch (const Error& e) {
+    CHECK_THAT(e.what(), Catch::Contains("tensor `" + bad + "`: block index 100000000"));
+  }
+  int code = 0;
+  const std::string err = dir.str() + "/inspect.err";
+  RunAndCapture({Bin("lorastream-store"), "inspect", path}, &code, 120, err);
+  CHECK(code == 4);  // corrupt input
+  std::ifstream in(err);
+  std::stringstream text;
+  text << in.rdbuf();
+  CHECK_THAT(text.str(), Catch::Contains("tensor `" + bad + "`"));
 }

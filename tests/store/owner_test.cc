@@ -117,3 +117,28 @@ TEST_CASE("a segment of another user inside an own store is refused by name", "[
   }
   store.Stop(30);
 }
+
+TEST_CASE("ls as another user: a store it cannot read is not called orphaned", "[store][issue42]") {
+  TempUser user("ls");
+  SKIP_UNLESS_ROOT(user);
+  TempDir dir("store");
+  const std::string model = dir.str() + "/model";
+  Synth("tiny", model);
+  const std::string name = UniqueName("rootls");
+  Subprocess store =
+      ServeStore({Bin("lorastream-store"), "serve", model, "--name", name, "--no-lock"}, name,
+                 dir.str() + "/store.log");
+  // The live root store's manifest is owner-only: the user cannot read it, but it is there.
+  int code = -1;
+  const std::string out =
+      RunAndCapture(user.As({Bin("lorastream-store"), "ls"}), &code, 120, dir.str() + "/ls.err");
+  CHECK(code == 0);
+  INFO(out);
+  CHECK_THAT(out, Catch::Contains(name + ": not readable by you (owner uid 0)"));
+  CHECK_THAT(out, !Catch::Contains(name + ": orphaned"));
+  // Root reads it as it always has.
+  const std::string ours =
+      RunAndCapture({Bin("lorastream-store"), "ls"}, &code, 120, dir.str() + "/ls-root.err");
+  CHECK_THAT(ours, Catch::Contains(name + ": published"));
+  store.Stop(30);
+}

@@ -462,3 +462,26 @@ TEST_CASE(
   });
   CHECK_THAT(ServeError(other.str()), Catch::Contains("load_in_4bit is not true"));
 }
+
+TEST_CASE("a pre-quantised nf4 checkpoint whose nested_offset is absurd is refused naming the key",
+          "[store][issue42]") {
+  // 1e300: a float cannot hold it; the store published it and the job failed later as "loss
+  // is -nan (lower optim.lr ...)".
+  for (const std::string value : {"1e300", "-1e300", "5e7"}) {
+    INFO(value);
+    TempDir nf4("q-nf4-offset");
+    SynthPrequantized(nf4.str(), "bnb-nf4");
+    const std::string tensor = "model.layers.0.mlp.up_proj.weight.quant_state.bitsandbytes__nf4";
+    RewriteTensor(nf4.str(), tensor, [&](TensorToWrite& t, std::vector<uint8_t>& b) {
+      nlohmann::json j = nlohmann::json::parse(b.begin(), b.end());
+      j["nested_offset"] = std::stod(value);
+      const std::string text = j.dump();
+      b.assign(text.begin(), text.end());
+      t.shape = {static_cast<int64_t>(b.size())};
+    });
+    const std::string e = ServeError(nf4.str());
+    CHECK_THAT(e, Catch::Contains("tensor `" + tensor + "`"));
+    CHECK_THAT(e, Catch::Contains("`nested_offset` is"));
+    CHECK_THAT(e, Catch::Contains("not a finite number of at most 1000000"));
+  }
+}

@@ -23,7 +23,7 @@ inline std::string FailureMessage(const std::exception_ptr& error) {
   try {
     std::rethrow_exception(error);
   } catch (const std::exception& e) {
-    return e.what();
+    return WithoutBacktrace(e.what());  // LibTorch's backtrace is not what went wrong
   } catch (...) {
     return "an unknown error";
   }
