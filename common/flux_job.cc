@@ -37,7 +37,8 @@ FluxJob ParseFluxJob(const TomlSection& t) {
                        "blocks_to_swap",
                        "ring_size",
                        "singles_per_unit",
-                       "gpu_memory_budget"});
+                       "gpu_memory_budget",
+                       "init_from"});
   FluxJob j;
   if (t.Has("checkpoint") == t.Has("store"))
     throw Error(ErrorCode::kRefused, t.Where("checkpoint") +
@@ -62,9 +63,13 @@ FluxJob ParseFluxJob(const TomlSection& t) {
   j.warmup_steps = t.GetInt("warmup_steps", j.warmup_steps);
   j.weight_decay = t.GetDouble("weight_decay", j.weight_decay);
   j.max_grad_norm = t.GetDouble("max_grad_norm", j.max_grad_norm);
-  j.rank = t.GetInt("rank", j.rank);
-  j.alpha = t.GetDouble("alpha", static_cast<double>(j.rank));
-  j.targets = t.GetStrings("targets", j.targets);
+  // Starting from an adapter, what the job leaves out is the adapter's (0 / 0 / []: resolved
+  // by the worker when it reads the file, worker/flux/flux_adapter_io.h ApplyFluxInitFrom).
+  j.init_from = t.GetString("init_from", "");
+  const bool from_adapter = !j.init_from.empty();
+  j.rank = t.GetInt("rank", from_adapter ? 0 : j.rank);
+  j.alpha = t.GetDouble("alpha", from_adapter ? 0.0 : static_cast<double>(j.rank));
+  j.targets = t.GetStrings("targets", from_adapter ? std::vector<std::string>{} : j.targets);
   j.guidance = t.GetDouble("guidance", j.guidance);
   j.timestep_sampling = t.GetString("timestep_sampling", j.timestep_sampling);
   j.sigmoid_scale = t.GetDouble("sigmoid_scale", j.sigmoid_scale);
@@ -107,7 +112,8 @@ std::string FluxJobToToml(const FluxJob& j) {
                    {"keep_checkpoints", j.keep_checkpoints},
                    {"dtype", j.dtype},
                    {"blocks_to_swap", j.blocks_to_swap},
-                   {"ring_size", j.ring_size}};
+                   {"ring_size", j.ring_size},
+                   {"init_from", j.init_from}};
   if (j.store.empty()) {
     flux.insert("checkpoint", j.checkpoint);
     flux.insert("singles_per_unit", j.singles_per_unit);
@@ -127,6 +133,7 @@ void ResolveFluxJob(FluxJob& j, const std::string& base_dir) {
   j.checkpoint = ResolveJobPath(j.checkpoint, base_dir);
   j.cache_dir = ResolveJobPath(j.cache_dir, base_dir);
   j.output_dir = ResolveJobPath(j.output_dir, base_dir);
+  j.init_from = ResolveJobPath(j.init_from, base_dir);
 }
 
 std::vector<std::string> FluxJobProblems(const FluxJob& j, const std::string& source) {
@@ -153,10 +160,15 @@ std::vector<std::string> FluxJobProblems(const FluxJob& j, const std::string& so
   if (j.steps > kMaxTrainSteps)
     refuse("steps", "is above the limit of " + std::to_string(kMaxTrainSteps));
   if (j.batch_size < 1) refuse("batch_size", "must be at least 1");
-  if (j.rank < 1) refuse("rank", "must be at least 1");
+  const bool from_adapter = !j.init_from.empty();
+  if (from_adapter && !std::filesystem::exists(j.init_from, ec))
+    refuse("init_from", "names no kohya LoRA file (or folder holding adapter_kohya.safetensors): " +
+                            j.init_from);
+  if (j.rank < 1 && !(from_adapter && j.rank == 0)) refuse("rank", "must be at least 1");
   if (j.rank > kMaxLoraRank)
     refuse("rank", "is above the limit of " + std::to_string(kMaxLoraRank));
-  if (!(j.learning_rate > 0)) refuse("learning_rate", "must be positive");
+  // 0 leaves the adapter as it is (with init_from: re-saved bit for bit).
+  if (!(j.learning_rate >= 0)) refuse("learning_rate", "must be 0 or more");
   if (j.lr_schedule != "constant" && j.lr_schedule != "linear" && j.lr_schedule != "cosine")
     refuse("lr_schedule", "`" + j.lr_schedule + "`: constant, linear or cosine");
   if (j.timestep_sampling != "uniform" && j.timestep_sampling != "sigmoid" &&

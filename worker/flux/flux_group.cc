@@ -85,6 +85,7 @@ class FluxGroupTrainer::Job {
     job_ = in_.spec.flux;
     job_.singles_per_unit = group.base->singles_per_unit();  // a store's units are the store's
     const FluxConfig& config = group.base->config();
+    ApplyFluxInitFrom(job_, config);
     lock_ = std::make_unique<OutputDirLock>(OutputDirLock::CreateAndAcquire(
         job_.output_dir, in_.lock_holder.empty() ? group.options.lock_holder : in_.lock_holder));
     data_ = job_.cache_dir == group.first.flux.cache_dir && group.first_data
@@ -93,6 +94,7 @@ class FluxGroupTrainer::Job {
     adapter_ =
         std::make_unique<FluxAdapter>(config, FluxTargets(job_.targets, "flux.targets"), job_.rank,
                                       job_.alpha, MixSeed(job_.seed, 0xada7), group.device);
+    LoadFluxInitFrom(job_, *adapter_);  // flux.init_from: its weights, a fresh optimizer
     AdamWOptions adam;
     adam.weight_decay = job_.weight_decay;
     optimizer_ = std::make_unique<AdamW>(adapter_->Params(), adam);
@@ -296,6 +298,7 @@ FluxGroupTrainer::FluxGroupTrainer(const JobSpec& first, const FluxGroupOptions&
   }
   g.as_submitter = std::make_unique<ActingAs>(options.files_as);
   FluxJob planned = first.flux;
+  ApplyFluxInitFrom(planned, g.base->config());
   planned.singles_per_unit = g.base->singles_per_unit();
   g.first_data = std::make_shared<const FluxDataset>(planned.cache_dir, g.base->config());
   const FluxPlanning planning = PlanFluxJob(

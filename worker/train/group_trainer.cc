@@ -160,8 +160,11 @@ TrainStart StartOrResume(const JobSpec& spec, bool resume, const ModelConfig& co
   start.resume_dir = resume ? FindLatestCheckpoint(spec.train.output_dir) : "";
   const std::string& resume_dir = start.resume_dir;
   if (resume_dir.empty()) {
-    start.adapter =
-        std::make_unique<LoraAdapter>(LoraAdapter::Init(config, settings, spec.train.seed, device));
+    // lora.init_from: the adapter's weights instead of peft's init, a fresh optimizer.
+    start.adapter = std::make_unique<LoraAdapter>(
+        spec.lora.init_from.empty()
+            ? LoraAdapter::Init(config, settings, spec.train.seed, device)
+            : LoraAdapter::InitFrom(spec.lora.init_from, config, settings, device));
   } else {
     start.adapter = std::make_unique<LoraAdapter>(LoraAdapter::Load(resume_dir, config, device));
     // The adapter file carries its settings; the job must still ask for the same ones.
@@ -281,6 +284,7 @@ class GroupTrainer::Job {
   Job(GroupJob job, size_t index, Shared& group)
       : index_(index), spec_(std::move(job.spec)), in_(std::move(job)), group_(group) {
     ResolveJobSpec(spec_);
+    ApplyInitFrom(spec_.lora);
     const std::string refusal = GroupRefusal(group.first, spec_, group.options.device);
     if (!refusal.empty()) throw Error(ErrorCode::kRefused, refusal);
     const BaseWeights& base = *group.base;
@@ -468,6 +472,7 @@ GroupTrainer::GroupTrainer(const JobSpec& first, const TrainOptions& options)
   g.options = options;
   g.first = first;
   ResolveJobSpec(g.first);
+  ApplyInitFrom(g.first.lora);
   at::set_num_threads(options.threads > 0 ? options.threads
                                           : static_cast<int>(std::thread::hardware_concurrency()));
   g.target = ChooseComputeTarget(g.first, options.device);
