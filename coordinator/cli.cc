@@ -214,8 +214,12 @@ void PrintList(const std::vector<Item>& items, bool json, const Table& table) {
 }
 
 void PrintJob(const ShowJobReply& reply, const std::string& best_checkpoint, bool json) {
+  // train.keep_best: the best checkpoint's adapter at its stable path (OUTPUT_DIR/best/).
+  const std::string best_adapter =
+      reply.job.output_dir.empty() ? "" : BestAdapterDir(reply.job.output_dir);
   if (!json) {
     std::cout << JobDetails(reply, best_checkpoint);
+    if (!best_adapter.empty()) std::cout << "  best adapter: " << best_adapter << "\n";
     return;
   }
   nlohmann::json out = ToJson(reply.job);
@@ -223,6 +227,8 @@ void PrintJob(const ShowJobReply& reply, const std::string& best_checkpoint, boo
   out["spec_toml"] = reply.spec_toml;
   out["best_checkpoint"] =
       best_checkpoint.empty() ? nlohmann::json(nullptr) : nlohmann::json(best_checkpoint);
+  out["best_adapter"] =
+      best_adapter.empty() ? nlohmann::json(nullptr) : nlohmann::json(best_adapter);
   std::cout << out.dump(2) << "\n";
 }
 

@@ -5,6 +5,9 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
+#include <string>
 
 #include "common/error.h"
 #include "common/flux_job.h"

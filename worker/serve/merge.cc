@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -11,6 +12,7 @@
 #include <functional>
 #include <map>
 #include <sstream>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>

@@ -5,10 +5,14 @@
 #include <cmath>
 #include <cstdio>
 #include <exception>
+#include <fstream>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
+#include "common/checkpoint_dir.h"
 #include "common/error.h"
 #include "common/format_bytes.h"
 #include "worker/train/group_members.h"
@@ -78,7 +82,24 @@ std::function<void(const StepStats&)> PrintProgress(std::string prefix) {
   };
 }
 
-// The line a job ends with; returns the command's status for it.
+// With train.keep_best: where the best checkpoint's adapter is (OUTPUT_DIR/best/), the line
+// after the last.
+void PrintBest(const std::string& prefix, const std::string& output_dir) {
+  const std::string best = output_dir.empty() ? "" : BestAdapterDir(output_dir);
+  if (best.empty()) return;
+  std::string which;
+  try {
+    std::ifstream in(best + "/" + kBestAdapterNote);
+    const nlohmann::json note = nlohmann::json::parse(in);
+    which = " (" + note.value("checkpoint", std::string("?")) + ", eval loss " +
+            std::to_string(note.value("eval_loss", 0.0)).substr(0, 6) + ")";
+  } catch (const std::exception&) {
+    // best.json unreadable: the folder is still named
+  }
+  std::printf("%sbest adapter%s in %s\n", prefix.c_str(), which.c_str(), best.c_str());
+}
+
+// The lines a job ends with; returns the command's status for it.
 int PrintEnd(const std::string& prefix, const TrainResult& r, int stop_signal, int64_t steps) {
   if (r.stopped) {
     std::printf(
@@ -93,12 +114,14 @@ int PrintEnd(const std::string& prefix, const TrainResult& r, int stop_signal, i
                 prefix.c_str(), r.checkpoint_dir.c_str(), static_cast<long long>(r.start_step));
     if (steps > 0) std::printf(" (train.steps = %lld)", static_cast<long long>(steps));
     std::printf("; nothing trained, adapter in %s\n", r.adapter_dir.c_str());
+    PrintBest(prefix, r.adapter_dir);
     return 0;
   }
   std::printf("%sdone: %lld steps, final loss %.4f", prefix.c_str(),
               static_cast<long long>(r.steps_done), r.final_loss);
   if (!std::isnan(r.final_eval_loss)) std::printf(", eval loss %.4f", r.final_eval_loss);
   std::printf(", adapter in %s\n", r.adapter_dir.c_str());
+  PrintBest(prefix, r.adapter_dir);
   return 0;
 }
 
