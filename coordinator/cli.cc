@@ -17,6 +17,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "common/adapter_consumers.h"
 #include "common/checkpoint_dir.h"
 #include "common/cli_main.h"
 #include "common/error.h"
@@ -149,6 +150,10 @@ int RunSubmit(const GlobalOptions& g, const std::string& path, int64_t* priority
   req.spec = ParseJobSpec(req.spec_toml, source);
   ResolveJobSpecIn(req.spec, JobFileDir(source));
   if (priority) req.spec.priority = *priority;
+  // What the adapter's consumers require (vLLM's ranks, llama.cpp's scale): warnings only.
+  if (!req.spec.is_flux && !quiet)
+    for (const std::string& w : AdapterConsumerWarnings(AdapterFactsOf(req.spec.lora)))
+      std::cerr << "lorastream submit: warning: " << w << "\n";
   // A name or a file too long to send (refused here, before a request over the message size
   // limit would hide why); data prepared for another tokenizer than the store's, when the
   // store is on this host (a checkpoint's tokenizer is checked by ValidateJobSpec, in the

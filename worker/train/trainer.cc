@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/adapter_consumers.h"
 #include "common/checkpoint_dir.h"
 #include "common/error.h"
 #include "common/format_bytes.h"
@@ -82,6 +83,12 @@ std::function<void(const StepStats&)> PrintProgress(std::string prefix) {
   };
 }
 
+// What the adapter's consumers require (common/adapter_consumers.h), on stderr.
+void WarnForConsumers(const JobSpec& spec) {
+  for (const std::string& w : AdapterConsumerWarnings(AdapterFactsOf(spec.lora)))
+    std::fprintf(stderr, "%s: warning: %s\n", spec.name.c_str(), w.c_str());
+}
+
 // With train.keep_best: where the best checkpoint's adapter is (OUTPUT_DIR/best/), the line
 // after the last.
 void PrintBest(const std::string& prefix, const std::string& output_dir) {
@@ -130,6 +137,7 @@ int PrintEnd(const std::string& prefix, const TrainResult& r, int stop_signal, i
 int RunTrainCommand(const std::string& job_path, const TrainOptions& options,
                     const std::atomic<int>* stop_signal) {
   JobSpec spec = LoadJobSpec(job_path);
+  WarnForConsumers(spec);
   auto should_stop = [stop_signal] { return stop_signal && stop_signal->load() != 0; };
   TrainResult r = RunTraining(spec, options, PrintProgress(""), should_stop);
   return PrintEnd("", r, r.stopped ? stop_signal->load() : 0, spec.train.steps);
@@ -144,6 +152,7 @@ int RunGroupTrainCommand(const std::vector<std::string>& job_paths, const TrainO
   for (const std::string& path : job_paths) {
     GroupJob job;
     job.spec = LoadJobSpec(path);
+    WarnForConsumers(job.spec);
     steps.push_back(job.spec.train.steps);
     job.on_step = PrintProgress(job.spec.name + ": ");
     job.should_stop = should_stop;
