@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""Fixtures that prove the consumers of our LLM adapters load them (issue 40).
+
+Reads tests/fixtures/consumers/llm/ (made by our code and committed: model/, a tiny Llama in
+bf16; adapter/, our peft folder; tokens.safetensors) and writes beside them:
+  peft_logits.safetensors  "logits" [2, 16, vocab] f32: transformers' model (f32, TF32 off)
+                           with PeftModel.from_pretrained(model, adapter/) on input_ids
+  consumers.json           versions, and with --llama-cpp DIR (a llama.cpp checkout: its
+                           convert_lora_to_gguf.py and gguf-py/) the conversion's return code,
+                           log tail and the GGUF's tensor names (written last)
+tests/worker/consumer_fixtures_test.cc compares on the CPU. Commit the two files.
+
+Usage (torch, transformers, peft, safetensors installed; no network needed):
+  python3 tools/gpu/consumer_fixtures.py [--dir tests/fixtures/consumers/llm] [--llama-cpp DIR]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+
+def dtype_kwarg(dtype):
+    """transformers >= 4.56 calls it `dtype` (5.x drops `torch_dtype`)."""
+    import transformers
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
+
+
+def peft_logits(d):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(d, "model"),
+                                                 **dtype_kwarg(torch.float32))
+    model = PeftModel.from_pretrained(model, os.path.join(d, "adapter"))
+    model.eval()
+    ids = load_file(os.path.join(d, "tokens.safetensors"))["input_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float().contiguous()
+    save_file({"logits": logits}, os.path.join(d, "peft_logits.safetensors"))
+    return list(logits.shape)
+
+
+def llama_cpp(d, root):
+    """convert_lora_to_gguf.py --base model/ adapter/; the GGUF's tensor names."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "adapter.gguf")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.path.join(root, "gguf-py") + os.pathsep + env.get("PYTHONPATH", "")
+        cmd = [sys.executable, os.path.join(root, "convert_lora_to_gguf.py"), "--base",
+               os.path.join(d, "model"), "--outtype", "f32", "--outfile", out,
+               os.path.join(d, "adapter")]
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        result = {"command": " ".join(cmd[1:]), "returncode": p.returncode,
+                  "log_tail": (p.stdout + p.stderr)[-4000:], "tensors": []}
+        if p.returncode == 0:
+            sys.path.insert(0, os.path.join(root, "gguf-py"))
+            from gguf import GGUFReader
+            reader = GGUFReader(out)
+            result["tensors"] = sorted(t.name for t in reader.tensors)
+            for field in reader.fields.values():
+                if field.name == "adapter.lora.alpha":
+                    result["lora_alpha"] = float(field.parts[field.data[0]][0])
+        return result
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    here = os.path.dirname(os.path.abspath(__file__))
+    ap.add_argument("--dir", default=os.path.join(here, "..", "..", "tests", "fixtures",
+                                                  "consumers", "llm"))
+    ap.add_argument("--llama-cpp", default="", help="a llama.cpp checkout (optional)")
+    a = ap.parse_args()
+    d = os.path.abspath(a.dir)
+    import peft
+    import transformers
+    summary = {"torch": torch.__version__, "transformers": transformers.__version__,
+               "peft": peft.__version__, "peft_logits_shape": peft_logits(d),
+               "llama_cpp": llama_cpp(d, os.path.abspath(a.llama_cpp)) if a.llama_cpp else None}
+    with open(os.path.join(d, "consumers.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+        f.write("\n")
+    print(json.dumps({k: v for k, v in summary.items() if k != "llama_cpp"}, indent=2))
+    if summary["llama_cpp"]:
+        print("llama.cpp: return code", summary["llama_cpp"]["returncode"], "-",
+              len(summary["llama_cpp"]["tensors"]), "tensors")
+
+
+if __name__ == "__main__":
+    main()
