@@ -34,9 +34,8 @@ double RelativeError(const at::Tensor& got, const at::Tensor& want) {
   return (got - want).abs().max().item<double>() / want.abs().max().item<double>();
 }
 
-// Logits of the checkpoint at `dir` (f32) for `ids` with `adapter` (nullptr: a zero one).
-at::Tensor Logits(const std::string& dir, const at::Tensor& ids, const LoraAdapter* adapter) {
-  BaseWeights base = BaseWeights::FromCheckpoint(dir);
+// Logits of `base` (f32) for `ids` with `adapter` (nullptr: a zero one).
+at::Tensor Logits(const BaseWeights& base, const at::Tensor& ids, const LoraAdapter* adapter) {
   ResidentProvider provider(base, at::kCPU, at::kFloat);
   CausalLm model(base.config(), base.rest(), &provider, at::kCPU, at::kFloat);
   c10::NoGradGuard no_grad;
@@ -45,6 +44,9 @@ at::Tensor Logits(const std::string& dir, const at::Tensor& ids, const LoraAdapt
   none.targets.fill(true);
   const LoraAdapter zero = LoraAdapter::Init(base.config(), none, 0, at::kCPU);  // B = 0
   return model.Logits(model.Hidden(ids, adapter ? *adapter : zero, false, false, 0));
+}
+at::Tensor Logits(const std::string& dir, const at::Tensor& ids, const LoraAdapter* adapter) {
+  return Logits(BaseWeights::FromCheckpoint(dir), ids, adapter);
 }
 
 std::string ReadText(const std::string& path) {
@@ -192,4 +194,45 @@ TEST_CASE("merge: FLUX.1 merged into BFL's file computes base + adapter", "[work
   CHECK(SafetensorsFile::Open(dir / "merged.safetensors").header().metadata ==
         SafetensorsFile::Open(file).header().metadata);
   CHECK_THROWS_WITH(RunMerge(o), Catch::Contains("--force"));
+}
+
+TEST_CASE("merge: a compressed store merges into its dequantised weights and says so",
+          "[worker][merge]") {
+  testing::TempDir dir("merge-store");
+  const std::string model = testing::MakeCheckpoint(dir / "m", "tiny-qwen3");
+  std::ofstream(dir / "m/tokenizer_config.json") << "{}\n";
+  const auto store = testing::ServeForTest(model, QuantMethod::kNf4, "merge", true, true);
+  const std::string name = store->manifest().store_name;
+  const BaseWeights base = BaseWeights::FromStore(name);
+  LoraSettings s;
+  s.rank = 4;
+  s.alpha = 4;
+  s.targets[kQProj] = s.targets[kDownProj] = true;
+  LoraAdapter adapter = LoraAdapter::Init(base.config(), s, 5, at::kCPU);
+  {
+    c10::NoGradGuard g;
+    for (auto& p : adapter.Params()) p.uniform_(-0.1, 0.1);
+  }
+  adapter.Save(dir / "adapter", model);
+  const at::Tensor ids = at::randint(0, base.config().vocab_size, {2, 12}, at::kLong);
+  const at::Tensor want = Logits(base, ids, &adapter);  // the store as the worker computes it
+
+  MergeOptions o;
+  o.base = name;
+  o.adapters = {dir / "adapter"};
+  o.out = dir / "merged";
+  o.dtype = "f32";
+  o.progress = false;
+  RunMerge(o);
+  const double err = RelativeError(Logits(dir / "merged", ids, nullptr), want);
+  INFO("relative error " << err);
+  CHECK(err <= 1e-5);
+  CHECK(std::filesystem::exists(dir / "merged/tokenizer_config.json"));  // from its source
+  // The command says what it merged into.
+  const std::string cmd = std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker merge --base " +
+                          name + " --adapter " + (dir / "adapter") + " --out " +
+                          (dir / "merged-cli") + " > " + (dir / "log") + " 2>&1";
+  REQUIRE(std::system(cmd.c_str()) == 0);
+  CHECK(ReadText(dir / "log").find("is compressed") != std::string::npos);
+  CHECK(ReadText(dir / "log").find("dequantised") != std::string::npos);
 }

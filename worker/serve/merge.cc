@@ -11,6 +11,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <set>
 #include <sstream>
 #include <utility>
 
@@ -22,12 +23,15 @@
 #include "common/error.h"
 #include "common/flux_config.h"
 #include "common/format_bytes.h"
+#include "common/manifest.h"
+#include "common/quant_format.h"
 #include "common/remove_tree.h"
 #include "common/safetensors.h"
 #include "worker/flux/flux_adapter_io.h"
 #include "worker/flux/flux_model.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/lora.h"
+#include "worker/model/packed_weight.h"
 
 namespace lorastream::worker {
 
@@ -68,20 +72,37 @@ bool IsFloating(DType d) {
   return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16 || d == DType::kF64;
 }
 
-// The base tensors as they are written: name, output dtype and shape, and where they are read.
+// A base tensor as it is written: its name, stored dtype and shape, and how to read it (a
+// floating tensor in its dtype; any other as the bytes to copy).
 struct Source {
   std::string name;
-  const SafetensorsFile* file;
-  const SafetensorsEntry* entry;
+  DType dtype = DType::kBF16;
+  std::vector<int64_t> shape;
+  std::function<at::Tensor()> load;
 };
+
+// The tensor `e` of the mapped `file`, as a view.
+Source FileSource(const SafetensorsFile* file, const SafetensorsEntry* e) {
+  return {e->name, e->dtype, e->shape, [file, e] {
+            const auto type = IsFloating(e->dtype) ? ScalarTypeOf(e->dtype, e->name) : at::kByte;
+            const std::vector<int64_t> shape =
+                IsFloating(e->dtype) ? e->shape : std::vector<int64_t>{int64_t(e->nbytes())};
+            return at::from_blob(const_cast<uint8_t*>(file->Data(*e)), shape,
+                                 at::TensorOptions().dtype(type));
+          }};
+}
+
+uint64_t OutputBytes(const Source& s, c10::ScalarType out) {
+  uint64_t n = 1;
+  for (int64_t d : s.shape) n *= static_cast<uint64_t>(d);
+  return n * DTypeSize(IsFloating(s.dtype) ? DTypeOf(out) : s.dtype);
+}
 
 // Tensor `s` of the output: merged with its updates (in f32) and cast when floating, its bytes
 // as they are otherwise.
 at::Tensor OutputTensor(const Source& s, const Updates& updates, c10::ScalarType out) {
-  const SafetensorsEntry& e = *s.entry;
-  if (!IsFloating(e.dtype)) return at::Tensor();
-  at::Tensor w = at::from_blob(const_cast<uint8_t*>(s.file->Data(e)), e.shape,
-                               at::TensorOptions().dtype(ScalarTypeOf(e.dtype, s.name)));
+  at::Tensor w = s.load();
+  if (!IsFloating(s.dtype)) return w.contiguous();
   auto it = updates.find(s.name);
   if (it == updates.end()) return w.to(out).contiguous();
   at::Tensor merged = w.to(at::kFloat).clone();
@@ -119,13 +140,12 @@ void WriteMerged(const std::string& path, const std::vector<Source>& sources,
   for (const Source& s : sources) {
     TensorToWrite t;
     t.name = s.name;
-    t.dtype = IsFloating(s.entry->dtype) ? DTypeOf(out) : s.entry->dtype;
-    t.shape = s.entry->shape;
+    t.dtype = IsFloating(s.dtype) ? DTypeOf(out) : s.dtype;
+    t.shape = s.shape;
     entries.push_back(t);
   }
   size_t current = SIZE_MAX;
   at::Tensor tensor;
-  const uint8_t* bytes = nullptr;
   c10::NoGradGuard no_grad;
   WriteSafetensorsStreamed(
       path, entries,
@@ -133,10 +153,8 @@ void WriteMerged(const std::string& path, const std::vector<Source>& sources,
         if (index != current) {
           current = index;
           tensor = OutputTensor(sources[index], updates, out);
-          bytes = tensor.defined() ? static_cast<const uint8_t*>(tensor.data_ptr())
-                                   : sources[index].file->Data(*sources[index].entry);
         }
-        std::memcpy(dst, bytes + offset, n);
+        std::memcpy(dst, static_cast<const uint8_t*>(tensor.data_ptr()) + offset, n);
         progress.Add(n);
       },
       metadata);
@@ -211,40 +229,46 @@ std::string ConfigWithDtype(const std::string& path, const std::string& dtype) {
   return j.dump(2) + "\n";
 }
 
-void MergeLlm(const MergeOptions& o, const std::vector<AdapterArg>& args) {
-  const Checkpoint base = Checkpoint::Open(o.base);
-  const ModelConfig& config = base.config();
-  std::vector<LoraAdapter> adapters;
+// The updates of peft adapters for a model of `config` whose tensors `has` names.
+Updates LlmUpdates(const std::vector<AdapterArg>& args, const ModelConfig& config,
+                   const std::function<bool(const std::string&)>& has, const std::string& base) {
   Updates updates;
   for (const AdapterArg& arg : args) {
-    adapters.push_back(LoraAdapter::Load(arg.path, config, at::kCPU));
-    const LoraAdapter& a = adapters.back();
+    const LoraAdapter a = LoraAdapter::Load(arg.path, config, at::kCPU);
     for (int i = 0; i < a.num_blocks(); ++i)
       for (int t = 0; t < kNumLoraTargets; ++t) {
         if (!a.settings().targets[t]) continue;
         const std::string name = LlmWeightName(i, t);
-        if (!base.Has(name))
+        if (!has(name))
           throw Error(ErrorCode::kRefused,
-                      arg.path + " adapts `" + name + "`, which " + o.base + " does not hold");
+                      arg.path + " adapts `" + name + "`, which " + base + " does not hold");
         updates[name].push_back({a.block(i).a[t].detach(), a.block(i).b[t].detach(),
                                  arg.weight * a.settings().Scale()});
       }
   }
+  return updates;
+}
+
+// A Hugging Face folder of `sources` with `updates` folded in: shards in the sources' order
+// (each at most max_shard_bytes; a larger tensor alone), their index, `config_json`, and every
+// other file of `beside` (a checkpoint folder: tokenizer, generation config, chat template)
+// but its weights and config.
+void WriteLlmFolder(const MergeOptions& o, const std::vector<AdapterArg>& args,
+                    const std::vector<Source>& sources, const Updates& updates,
+                    const std::string& config_json, const std::string& beside) {
   const c10::ScalarType out = OutType(o.dtype);
   const std::string tmp = PrepareOutput(o);
   fs::create_directories(tmp);
   try {
-    // Shards in the base's order, each at most max_shard_bytes (a larger tensor alone).
     std::vector<std::vector<Source>> shards(1);
     uint64_t shard_bytes = 0, total = 0;
-    for (const Checkpoint::Ref& r : base.AllTensors()) {
-      const uint64_t n = IsFloating(r.entry->dtype) ? r.entry->numel() * DTypeSize(DTypeOf(out))
-                                                    : r.entry->nbytes();
+    for (const Source& src : sources) {
+      const uint64_t n = OutputBytes(src, out);
       if (shard_bytes > 0 && shard_bytes + n > o.max_shard_bytes) {
         shards.emplace_back();
         shard_bytes = 0;
       }
-      shards.back().push_back({r.entry->name, r.file, r.entry});
+      shards.back().push_back(src);
       shard_bytes += n;
       total += n;
     }
@@ -260,21 +284,18 @@ void MergeLlm(const MergeOptions& o, const std::vector<AdapterArg>& args) {
     nlohmann::json index{{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
     WriteFileDurably((fs::path(tmp) / "model.safetensors.index.json").string(),
                      index.dump(2) + "\n");
-    // Everything beside the weights: config (its dtype updated), tokenizer files, generation
-    // config, chat template.
-    for (const auto& entry : fs::directory_iterator(o.base)) {
-      if (!entry.is_regular_file()) continue;
-      const std::string file = entry.path().filename().string();
-      const bool weights = entry.path().extension() == ".safetensors" ||
-                           file == "model.safetensors.index.json" ||
-                           entry.path().extension() == ".bin" || entry.path().extension() == ".pt";
-      if (weights) continue;
-      const std::string to = (fs::path(tmp) / file).string();
-      if (file == "config.json")
-        WriteFileDurably(to, ConfigWithDtype(entry.path().string(), o.dtype));
-      else
-        fs::copy_file(entry.path(), to, fs::copy_options::overwrite_existing);
-    }
+    WriteFileDurably((fs::path(tmp) / "config.json").string(), config_json);
+    std::error_code ec;
+    if (!beside.empty() && fs::is_directory(beside, ec))
+      for (const auto& entry : fs::directory_iterator(beside)) {
+        if (!entry.is_regular_file()) continue;
+        const std::string file = entry.path().filename().string();
+        const std::string ext = entry.path().extension().string();
+        if (ext == ".safetensors" || ext == ".bin" || ext == ".pt" || ext == ".pth" ||
+            file == "model.safetensors.index.json" || file == "config.json")
+          continue;
+        fs::copy_file(entry.path(), fs::path(tmp) / file, fs::copy_options::overwrite_existing);
+      }
     FsyncFolder(tmp);
     Publish(tmp, o.out);
     std::printf("merged %s into %s: %s (%zu shard%s, %s, %zu weights changed) -> %s\n",
@@ -285,6 +306,84 @@ void MergeLlm(const MergeOptions& o, const std::vector<AdapterArg>& args) {
     RemoveTree(tmp);
     throw;
   }
+}
+
+void MergeLlmCheckpoint(const MergeOptions& o, const std::vector<AdapterArg>& args) {
+  const Checkpoint base = Checkpoint::Open(o.base);
+  const Updates updates = LlmUpdates(
+      args, base.config(), [&](const std::string& n) { return base.Has(n); }, o.base);
+  std::vector<Source> sources;
+  for (const Checkpoint::Ref& r : base.AllTensors()) sources.push_back(FileSource(r.file, r.entry));
+  WriteLlmFolder(o, args, sources, updates,
+                 ConfigWithDtype((fs::path(o.base) / "config.json").string(), o.dtype), o.base);
+}
+
+// A store: its weights as the worker computes with them (a compressed store's expanded into
+// its dtype, bf16), the config from its manifest, the other files from the folder it was
+// loaded from when this host still has it.
+void MergeLlmStore(const MergeOptions& o, const std::vector<AdapterArg>& args) {
+  const BaseWeights base = BaseWeights::FromStore(o.base);
+  const Manifest& m = *base.manifest();
+  const ModelConfig& config = base.config();
+  const std::string compression = m.DescribeCompression();
+  if (!compression.empty())
+    std::fprintf(stderr,
+                 "merge: store `%s` is compressed (%s): merging into its dequantised %s "
+                 "weights, not the original checkpoint's\n",
+                 o.base.c_str(), compression.c_str() + 2, DTypeName(m.dtype));
+  std::vector<Source> sources;
+  auto add = [&](const std::string& name, std::function<at::Tensor()> load) {
+    const at::Tensor probe = load();  // shapes and dtypes of views: no copy but a packed one
+    sources.push_back({name, DTypeOf(probe.scalar_type()), probe.sizes().vec(), std::move(load)});
+  };
+  // A compressed table expanded whole (bf16): ExpandPackedRows over all of its rows.
+  auto expanded = [](const PackedWeight& w) {
+    at::Tensor out = at::empty({w.rows(), w.cols()}, at::kBFloat16);
+    at::Tensor staging;
+    ExpandPackedRows(w, w.bytes, 0, w.rows(), out, &staging);
+    return out;
+  };
+  const RestWeights& rest = base.rest();
+  if (rest.packed_embed.defined())
+    sources.push_back({"model.embed_tokens.weight",
+                       DType::kBF16,
+                       {rest.packed_embed.rows(), rest.packed_embed.cols()},
+                       [&] { return expanded(rest.packed_embed); }});
+  else
+    add("model.embed_tokens.weight", [&] { return rest.embed_tokens; });
+  for (int i = 0; i < base.num_blocks(); ++i) {
+    std::set<std::string> scales;  // a compressed weight's auxiliary tensors
+    for (const TensorSlice& t : m.blocks.at(i).tensors)
+      if (t.quant.compressed())
+        for (const QuantAuxTensor& aux : QuantAuxTensors(t.name, t.shape, t.quant))
+          scales.insert(aux.name);
+    for (const TensorSlice& t : m.blocks.at(i).tensors) {
+      if (scales.count(t.name)) continue;
+      // A compressed weight is expanded into the store's dtype (when first read, then kept:
+      // the host holds the expanded model by the end, as a worker computing on the CPU does).
+      sources.push_back({"model.layers." + std::to_string(i) + "." + t.name,
+                         t.quant.compressed() ? m.dtype : t.dtype, t.shape,
+                         [&base, i, n = t.name] { return *BlockWeightField(base.block(i), n); }});
+    }
+  }
+  add("model.norm.weight", [&] { return rest.norm; });
+  if (!config.tie_word_embeddings) {
+    if (rest.packed_head.defined())
+      sources.push_back(
+          {"lm_head.weight", DType::kBF16, {rest.packed_head.rows(), rest.packed_head.cols()}, [&] {
+             return expanded(rest.packed_head);
+           }});
+    else
+      add("lm_head.weight", [&] { return rest.lm_head; });
+  }
+  std::set<std::string> names;
+  for (const Source& src : sources) names.insert(src.name);
+  const Updates updates = LlmUpdates(
+      args, config, [&](const std::string& n) { return names.count(n) > 0; }, o.base);
+  nlohmann::json cfg;
+  ToJson(cfg, config);
+  cfg["torch_dtype"] = o.dtype == "bf16" ? "bfloat16" : "float32";
+  WriteLlmFolder(o, args, sources, updates, cfg.dump(2) + "\n", m.source_dir);
 }
 
 // ---- FLUX: BFL's single file ------------------------------------------------------------
@@ -309,8 +408,8 @@ void MergeFlux(const MergeOptions& o, const std::vector<AdapterArg>& args) {
   std::vector<Source> sources;
   uint64_t total = 0;
   for (const SafetensorsEntry& e : base.tensors()) {
-    sources.push_back({e.name, &base, &e});
-    total += IsFloating(e.dtype) ? e.numel() * DTypeSize(DTypeOf(out)) : e.nbytes();
+    sources.push_back(FileSource(&base, &e));
+    total += OutputBytes(sources.back(), out);
   }
   const std::string tmp = PrepareOutput(o);
   try {
@@ -338,14 +437,11 @@ void RunMerge(const MergeOptions& options) {
   for (const std::string& a : o.adapters) args.push_back(ParseAdapterArg(a));
   std::error_code ec;
   if (!fs::exists(o.base, ec))
-    throw Error(ErrorCode::kNotFound,
-                o.base +
-                    ": no such checkpoint (merge reads a Hugging Face folder or BFL's "
-                    "FLUX.1 file)");
-  if (IsFluxCheckpointPath(o.base))
+    MergeLlmStore(o, args);  // not a path: a store's name (refused naming it when there is none)
+  else if (IsFluxCheckpointPath(o.base))
     MergeFlux(o, args);
   else
-    MergeLlm(o, args);
+    MergeLlmCheckpoint(o, args);
 }
 
 }  // namespace lorastream::worker
