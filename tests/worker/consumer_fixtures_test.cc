@@ -6,6 +6,10 @@
 //   outputs, made by tools/gpu/consumer_fixtures.py there: peft_logits.safetensors (transformers
 //   + PeftModel.from_pretrained on our adapter, f32) and consumers.json (versions; llama.cpp's
 //   convert_lora_to_gguf.py run on our adapter and the GGUF tensors it wrote).
+// And for FLUX.1 (tests/fixtures/consumers/flux/): our kohya and diffusers files for
+// tests/fixtures/flux/flux_d1s2_model (made here, committed), and diffusers' transformer output
+// with each loaded as FluxPipeline.load_lora_weights loads it (the script's
+// diffusers_output.safetensors).
 // Until the outputs exist the checks say so and pass.
 #include "torch_catch.h"  // first: see there
 
@@ -20,7 +24,11 @@
 #include <nlohmann/json.hpp>
 
 #include "common/safetensors.h"
+#include "common/step_stats.h"
 #include "store/synth.h"
+#include "worker/flux/flux_adapter_io.h"
+#include "worker/flux/flux_base.h"
+#include "worker/flux/flux_model.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/lora.h"
 #include "worker/model/model.h"
@@ -33,6 +41,11 @@ using namespace lorastream::worker;
 namespace {
 
 const std::string kDir = std::string(LORASTREAM_SOURCE_DIR) + "/tests/fixtures/consumers/llm";
+const std::string kFluxDir = std::string(LORASTREAM_SOURCE_DIR) + "/tests/fixtures/consumers/flux";
+const std::string kFluxModel =
+    std::string(LORASTREAM_SOURCE_DIR) + "/tests/fixtures/flux/flux_d1s2_model.safetensors";
+const std::string kFluxCase =
+    std::string(LORASTREAM_SOURCE_DIR) + "/tests/fixtures/flux/flux_d1s2_case.safetensors";
 
 at::Tensor Read(const std::string& path, const std::string& name) {
   const SafetensorsFile f = SafetensorsFile::Open(path);
@@ -81,12 +94,28 @@ void WriteInputs() {
                    {{"input_ids", DType::kI64, {2, 16}, ids.data_ptr()}});
 }
 
+// Our FLUX files for flux_d1s2 (rank 4, alpha 8, every linear, B random).
+void WriteFluxInputs() {
+  using namespace lorastream::worker::flux;
+  std::filesystem::create_directories(kFluxDir);
+  const FluxBase base = FluxBase::Load(kFluxModel, 2, at::kFloat, at::kCPU);
+  FluxAdapter adapter(base.config(), FluxTargets({"all"}, "fixture"), 4, 8.0, 40, at::kCPU);
+  {
+    c10::NoGradGuard g;
+    at::Generator gen = at::detail::createCPUGenerator(43);
+    for (auto& [name, m] : adapter.modules()) m.b.normal_(0, 0.05, gen);
+  }
+  SaveKohyaAdapter(adapter, kFluxDir + "/adapter_kohya.safetensors");
+  SaveDiffusersAdapter(adapter, base.config(), kFluxDir + "/pytorch_lora_weights.safetensors");
+}
+
 }  // namespace
 
 TEST_CASE("peft (PeftModel.from_pretrained) loads our adapter and computes our logits",
           "[worker][consumers]") {
   if (std::getenv("LORASTREAM_WRITE_CONSUMER_INPUTS")) {
     WriteInputs();
+    WriteFluxInputs();
     WARN("wrote the consumers' fixture inputs into " << kDir);
     return;
   }
@@ -140,4 +169,47 @@ TEST_CASE(
         CHECK(names.count(name) == 1);
       }
   CHECK(names.size() == static_cast<size_t>(c.num_hidden_layers * 7 * 2));
+}
+
+TEST_CASE(
+    "diffusers (FluxPipeline.load_lora_weights' loaders) loads our FLUX files and computes "
+    "our output",
+    "[worker][flux][consumers]") {
+  using namespace lorastream::worker::flux;
+  const std::string theirs_path = kFluxDir + "/diffusers_output.safetensors";
+  if (!std::filesystem::exists(theirs_path)) {
+    WARN(theirs_path << " is not made yet: on the CUDA machine run tools/gpu/consumer_fixtures.py "
+                        "with diffusers' src on PYTHONPATH");
+    return;
+  }
+  INFO(testing::ReadFile(kFluxDir + "/flux_consumers.json"));
+  FluxBase base = FluxBase::Load(kFluxModel, 2, at::kFloat, at::kCPU);
+  const FluxAdapter adapter =
+      ReadKohyaAdapter(kFluxDir + "/adapter_kohya.safetensors", base.config(), at::kCPU);
+  FluxBatch b;
+  b.img = Read(kFluxCase, "img");
+  b.txt = Read(kFluxCase, "txt");
+  b.y = Read(kFluxCase, "y");
+  b.img_ids = Read(kFluxCase, "img_ids");
+  b.txt_ids = Read(kFluxCase, "txt_ids");
+  b.timesteps = Read(kFluxCase, "timesteps");
+  b.guidance = Read(kFluxCase, "guidance");
+  auto engine = base.MakeEngine(0, 1, at::kCPU);
+  FluxModel model(base.config(), base.rest(), engine.get(), 2, at::kCPU, at::kFloat);
+  c10::NoGradGuard no_grad;
+  engine->BeginStep();
+  const at::Tensor ours = model.Forward(b, adapter, false);
+  StepStats stats;
+  engine->EndStep(stats);
+  const SafetensorsFile theirs = SafetensorsFile::Open(theirs_path);
+  for (const char* key : {"from_diffusers_file", "from_kohya_file"}) {
+    INFO(key);
+    const SafetensorsEntry* e = theirs.Find(key);
+    REQUIRE(e != nullptr);  // flux_consumers.json says why diffusers could not load it
+    const at::Tensor t = Read(theirs_path, key);
+    REQUIRE(t.sizes() == ours.sizes());
+    const double err = (ours - t).abs().max().item<double>() / t.abs().max().item<double>();
+    INFO("relative error " << err);
+    CHECK(err <= 1e-4);
+  }
 }

@@ -8,10 +8,18 @@ bf16; adapter/, our peft folder; tokens.safetensors) and writes beside them:
   consumers.json           versions, and with --llama-cpp DIR (a llama.cpp checkout: its
                            convert_lora_to_gguf.py and gguf-py/) the conversion's return code,
                            log tail and the GGUF's tensor names (written last)
-tests/worker/consumer_fixtures_test.cc compares on the CPU. Commit the two files.
+and, with diffusers importable (v0.39.0's src/ on PYTHONPATH), from
+tests/fixtures/consumers/flux/ (our adapter files for tests/fixtures/flux/flux_d1s2_model,
+made by our code and committed) into the same folder:
+  diffusers_output.safetensors  "from_diffusers_file" / "from_kohya_file": the transformer's
+                           output on flux_d1s2_case's inputs after FluxPipeline's
+                           lora_state_dict + load_lora_into_transformer (what load_lora_weights
+                           runs) read pytorch_lora_weights.safetensors / adapter_kohya.safetensors
+  flux_consumers.json      versions, what loaded, errors (written last)
+tests/worker/consumer_fixtures_test.cc compares on the CPU. Commit the files written.
 
 Usage (torch, transformers, peft, safetensors installed; no network needed):
-  python3 tools/gpu/consumer_fixtures.py [--dir tests/fixtures/consumers/llm] [--llama-cpp DIR]
+  PYTHONPATH=.diffusers/src python3 tools/gpu/consumer_fixtures.py [--llama-cpp DIR]
 """
 import argparse
 import json
@@ -70,6 +78,62 @@ def llama_cpp(d, root):
         return result
 
 
+def flux_diffusers(root):
+    """diffusers loads our two FLUX files into flux_d1s2's transformer; its outputs."""
+    import traceback
+    sys.path.insert(0, os.path.join(root, "tools", "parity"))
+    import flux_fixtures as ff
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+    d = os.path.join(root, "tests", "fixtures", "consumers", "flux")
+    model_file = os.path.join(root, "tests", "fixtures", "flux", "flux_d1s2_model.safetensors")
+    case = load_file(os.path.join(root, "tests", "fixtures", "flux", "flux_d1s2_case.safetensors"))
+    cfg = ff.CONFIGS["flux_d1s2"]
+
+    def base_model():
+        # flux_fixtures.make_case's model (seed 100 for flux_d1s2), checked against the file.
+        torch.manual_seed(100)
+        model = FluxTransformer2DModel(**ff.COMMON, **cfg).to(torch.float32)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "norm_q" in n or "norm_k" in n or "norm_added" in n:
+                    p.add_(0.1 * torch.randn_like(p))
+        bfl = ff.bfl_from_diffusers(model.state_dict(), cfg["num_layers"],
+                                    cfg["num_single_layers"])
+        ref = load_file(model_file)
+        assert set(bfl) == set(ref), "the rebuilt model's tensors differ from the file's"
+        worst = max(float((bfl[k].float() - ref[k].float()).abs().max()) for k in ref)
+        assert worst == 0.0, f"the rebuilt model differs from {model_file} by {worst}"
+        return model.eval()
+
+    outputs, report = {}, {}
+    for key, file in [("from_diffusers_file", "pytorch_lora_weights.safetensors"),
+                      ("from_kohya_file", "adapter_kohya.safetensors")]:
+        try:
+            model = base_model()
+            loaded = FluxPipeline.lora_state_dict(os.path.join(d, file))
+            state_dict, alphas = loaded[0], loaded[1]
+            FluxPipeline.load_lora_into_transformer(state_dict, network_alphas=alphas,
+                                                    transformer=model)
+            with torch.no_grad():
+                out = model(hidden_states=case["img"], encoder_hidden_states=case["txt"],
+                            pooled_projections=case["y"], timestep=case["timesteps"],
+                            img_ids=case["img_ids"][0], txt_ids=case["txt_ids"][0],
+                            guidance=case["guidance"], return_dict=False)[0]
+            outputs[key] = out.float().contiguous()
+            report[key] = {"file": file, "keys": len(state_dict), "ok": True}
+        except Exception:
+            report[key] = {"file": file, "ok": False, "error": traceback.format_exc()[-3000:]}
+    if outputs:
+        save_file(outputs, os.path.join(d, "diffusers_output.safetensors"))
+    import diffusers
+    report["diffusers"] = diffusers.__version__
+    report["torch"] = torch.__version__
+    with open(os.path.join(d, "flux_consumers.json"), "w") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+    return report
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     here = os.path.dirname(os.path.abspath(__file__))
@@ -87,6 +151,16 @@ def main():
         json.dump(summary, f, indent=2)
         f.write("\n")
     print(json.dumps({k: v for k, v in summary.items() if k != "llama_cpp"}, indent=2))
+    try:
+        import diffusers  # noqa: F401
+        have_diffusers = True
+    except ImportError:
+        have_diffusers = False
+    if have_diffusers:
+        flux = flux_diffusers(os.path.abspath(os.path.join(here, "..", "..")))
+        print("diffusers:", {k: v.get("ok") for k, v in flux.items() if isinstance(v, dict)})
+    else:
+        print("diffusers: not importable (put v0.39.0's src/ on PYTHONPATH): FLUX part skipped")
     if summary["llama_cpp"]:
         print("llama.cpp: return code", summary["llama_cpp"]["returncode"], "-",
               len(summary["llama_cpp"]["tensors"]), "tensors")
