@@ -3,8 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <optional>
 #include <set>
+
+#include <nlohmann/json.hpp>
 
 #include "common/checkpoint_manifest.h"
 #include "common/durable_file.h"
@@ -34,7 +37,51 @@ std::optional<TrainerStateMeta> ReadCompleteCheckpoint(const CheckpointEntry& c,
   }
 }
 
+// OUTPUT_DIR/best/ made a copy of `best`'s adapter files, unless it is one already.
+void PublishBestAdapter(const std::string& output_dir, const CheckpointEntry& best,
+                        double eval_loss) {
+  const fs::path dir = fs::path(output_dir) / kBestAdapterFolder;
+  const std::string name = fs::path(best.dir).filename().string();
+  const nlohmann::json note{{"checkpoint", name}, {"step", best.step}, {"eval_loss", eval_loss}};
+  std::error_code ec;
+  if (fs::exists(dir / kBestAdapterNote, ec)) {
+    try {
+      std::ifstream in(dir / kBestAdapterNote);
+      if (nlohmann::json::parse(in).value("checkpoint", "") == name) return;
+    } catch (const std::exception&) {
+      // unreadable: written afresh below
+    }
+  }
+  const fs::path tmp = fs::path(output_dir) / (std::string(".") + kBestAdapterFolder + ".tmp");
+  const fs::path old = fs::path(output_dir) / (std::string(".") + kBestAdapterFolder + ".old");
+  RemoveTree(tmp.string());
+  RemoveTree(old.string());
+  fs::create_directories(tmp, ec);
+  if (ec) throw Error(ErrorCode::kIo, "cannot create " + tmp.string() + ": " + ec.message());
+  for (const auto& entry : fs::directory_iterator(best.dir)) {
+    const std::string file = entry.path().filename().string();
+    if (!entry.is_regular_file() || file == kTrainerStateFile || file == kCheckpointManifestFile)
+      continue;
+    fs::copy_file(entry.path(), tmp / file, ec);
+    if (ec)
+      throw Error(ErrorCode::kIo, "cannot copy " + entry.path().string() + ": " + ec.message());
+  }
+  WriteFileDurably((tmp / kBestAdapterNote).string(), note.dump(2) + "\n");
+  FsyncFolder(tmp.string());
+  if (fs::exists(dir, ec)) fs::rename(dir, old, ec);
+  fs::rename(tmp, dir, ec);
+  if (ec) throw Error(ErrorCode::kIo, "cannot rename " + tmp.string() + ": " + ec.message());
+  FsyncPath(output_dir);
+  RemoveTree(old.string());
+}
+
 }  // namespace
+
+std::string BestAdapterDir(const std::string& output_dir) {
+  const fs::path dir = fs::path(output_dir) / kBestAdapterFolder;
+  std::error_code ec;
+  return fs::is_regular_file(dir / kBestAdapterNote, ec) ? dir.string() : "";
+}
 
 const std::vector<std::string>& CheckpointRequiredFiles() {
   static const std::vector<std::string> names = {"adapter_model.safetensors", "adapter_config.json",
@@ -137,7 +184,7 @@ void PruneCheckpoints(const std::string& output_dir, int64_t current_step, int64
                       bool keep_best, const std::vector<std::string>& required) {
   LS_CHECK(keep >= 1, "keep_checkpoints must be >= 1");
   std::set<std::string> kept;
-  std::string best;
+  std::optional<CheckpointEntry> best;
   double best_loss = 0;
   int64_t complete = 0;
   const auto checkpoints = ListCheckpoints(output_dir);
@@ -146,12 +193,15 @@ void PruneCheckpoints(const std::string& output_dir, int64_t current_step, int64
     auto meta = ReadCompleteCheckpoint(c, required);
     if (!meta) continue;
     if (complete++ < keep) kept.insert(c.dir);
-    if (std::isfinite(meta->eval_loss) && (best.empty() || meta->eval_loss < best_loss)) {
-      best = c.dir;
+    if (std::isfinite(meta->eval_loss) && (!best || meta->eval_loss < best_loss)) {
+      best = c;
       best_loss = meta->eval_loss;
     }
   }
-  if (keep_best && !best.empty()) kept.insert(best);
+  if (keep_best && best) {
+    kept.insert(best->dir);
+    PublishBestAdapter(output_dir, *best, best_loss);
+  }
   for (const auto& c : checkpoints)
     if (!kept.count(c.dir)) RemoveTree(c.dir);
 }

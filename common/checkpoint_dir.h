@@ -5,8 +5,11 @@
 //
 // Retention (job keys train.keep_checkpoints, train.keep_best): after each save the newest
 // `keep` complete checkpoints stay, plus, with keep_best, the one with the lowest eval loss;
-// every other checkpoint-N/ is removed. A resume takes the newest checkpoint whose files
-// match their checksums; a damaged one is logged (naming the file) and the one before it is
+// every other checkpoint-N/ is removed. With keep_best, OUTPUT_DIR/best/ also holds a copy of
+// the best checkpoint's adapter files (all but its trainer state and manifest) and best.json
+// naming it ({"checkpoint", "step", "eval_loss"}): a stable path for the adapter a user wants,
+// replaced when another checkpoint becomes the best. A resume takes the newest checkpoint whose
+// files match their checksums; a damaged one is logged (naming the file) and the one before it is
 // used; when checkpoints exist but none is usable the resume fails instead of restarting.
 #pragma once
 
@@ -57,6 +60,12 @@ std::string FindResumableCheckpoint(
 // The complete checkpoint with the lowest finite eval loss ("" when none has one). Reads
 // only the manifests and the trainer states' headers (no checksums).
 std::string FindBestCheckpoint(const std::string& output_dir);
+
+constexpr const char* kBestAdapterFolder = "best";
+constexpr const char* kBestAdapterNote = "best.json";
+
+// OUTPUT_DIR/best when it holds a best adapter (best.json), else "".
+std::string BestAdapterDir(const std::string& output_dir);
 
 // Applies the retention rule above (keep >= 1) after checkpoint-<current_step> was saved.
 // Complete here means: its manifest parses and lists every required file (no checksums are

@@ -75,11 +75,15 @@ FluxJob ReadFluxJob(const KeyAt& at) {
   j.warmup_steps = integer("warmup_steps", j.warmup_steps);
   j.weight_decay = real("weight_decay", j.weight_decay);
   j.max_grad_norm = real("max_grad_norm", j.max_grad_norm);
-  j.rank = integer("rank", j.rank);
-  j.alpha = real("alpha", static_cast<double>(j.rank));
+  // Starting from an adapter, what the job leaves out is the adapter's (0 / 0 / []: resolved
+  // by the worker when it reads the file, worker/flux/flux_adapter_io.h ApplyFluxInitFrom).
+  j.init_from = str("init_from", "");
+  const bool from_adapter = !j.init_from.empty();
+  j.rank = integer("rank", from_adapter ? 0 : j.rank);
+  j.alpha = real("alpha", from_adapter ? 0.0 : static_cast<double>(j.rank));
   {
     const auto [section, key] = at("targets");
-    j.targets = section.GetStrings(key, j.targets);
+    j.targets = section.GetStrings(key, from_adapter ? std::vector<std::string>{} : j.targets);
   }
   j.guidance = real("guidance", j.guidance);
   j.timestep_sampling = str("timestep_sampling", j.timestep_sampling);
@@ -126,7 +130,8 @@ FluxJob ParseFluxJob(const TomlSection& t) {
                        "blocks_to_swap",
                        "ring_size",
                        "singles_per_unit",
-                       "gpu_memory_budget"});
+                       "gpu_memory_budget",
+                       "init_from"});
   return ReadFluxJob([&t](const char* k) { return std::make_pair(t, std::string(k)); });
 }
 
@@ -156,6 +161,7 @@ constexpr MovedKey kMovedKeys[] = {
     {"rank", "lora", "rank"},
     {"alpha", "lora", "alpha"},
     {"targets", "lora", "targets"},
+    {"init_from", "lora", "init_from"},
     {"blocks_to_swap", "stream", "blocks_to_swap"},
     {"ring_size", "stream", "ring_size"},
     {"gpu_memory_budget", "stream", "gpu_memory_budget"},
@@ -245,7 +251,8 @@ std::string FluxJobToToml(const FluxJob& j) {
                    {"keep_checkpoints", j.keep_checkpoints},
                    {"dtype", j.dtype},
                    {"blocks_to_swap", j.blocks_to_swap},
-                   {"ring_size", j.ring_size}};
+                   {"ring_size", j.ring_size},
+                   {"init_from", j.init_from}};
   if (j.store.empty()) {
     flux.insert("checkpoint", j.checkpoint);
     flux.insert("singles_per_unit", j.singles_per_unit);
@@ -265,6 +272,7 @@ void ResolveFluxJob(FluxJob& j, const std::string& base_dir) {
   j.checkpoint = ResolveJobPath(j.checkpoint, base_dir);
   j.cache_dir = ResolveJobPath(j.cache_dir, base_dir);
   j.output_dir = ResolveJobPath(j.output_dir, base_dir);
+  j.init_from = ResolveJobPath(j.init_from, base_dir);
 }
 
 namespace {
@@ -299,7 +307,11 @@ std::vector<std::string> FluxJobProblems(const FluxJob& j, const std::string& so
   if (j.steps > kMaxTrainSteps)
     refuse("steps", "is above the limit of " + std::to_string(kMaxTrainSteps));
   if (j.batch_size < 1) refuse("batch_size", "must be at least 1");
-  if (j.rank < 1) refuse("rank", "must be at least 1");
+  const bool from_adapter = !j.init_from.empty();
+  if (from_adapter && !std::filesystem::exists(j.init_from, ec))
+    refuse("init_from", "names no kohya LoRA file (or folder holding adapter_kohya.safetensors): " +
+                            j.init_from);
+  if (j.rank < 1 && !(from_adapter && j.rank == 0)) refuse("rank", "must be at least 1");
   if (j.rank > kMaxLoraRank)
     refuse("rank", "is above the limit of " + std::to_string(kMaxLoraRank));
   // Every float key finite first: a NaN or an infinity passes `> 0`-style checks one way or
@@ -313,7 +325,8 @@ std::vector<std::string> FluxJobProblems(const FluxJob& j, const std::string& so
                                                    {"discrete_flow_shift", j.discrete_flow_shift}};
   for (const auto& [name, value] : floats)
     if (!std::isfinite(value)) refuse(name, "must be a finite number (found " + Num(value) + ")");
-  if (!(j.learning_rate > 0)) refuse("learning_rate", "must be positive");
+  // 0 leaves the adapter as it is (with init_from: re-saved bit for bit).
+  if (!(j.learning_rate >= 0)) refuse("learning_rate", "must be 0 or more");
   if (!(j.weight_decay >= 0)) refuse("weight_decay", "must be 0 or more");
   if (!(j.max_grad_norm >= 0)) refuse("max_grad_norm", "must be 0 (no clipping) or more");
   if (!(j.alpha > 0)) refuse("alpha", "must be positive");

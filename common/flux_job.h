@@ -19,6 +19,10 @@
 //   rank = 16
 //   alpha = 16.0
 //   targets = ["all"]            # ["attention"] or block-relative linear names
+//   init_from = ""               # a kohya LoRA file (or a FLUX job's output_dir) to start
+//                                #   from: not a resume (step 0, a fresh optimizer); its rank,
+//                                #   alpha and targets must equal the job's, or are taken
+//                                #   from it when left out (written out as 0, 0, [])
 //   guidance = 1.0               # the guidance value FLUX.1-dev is trained with
 //   timestep_sampling = "sigmoid"  # uniform | sigmoid | shift | flux_shift
 //   sigmoid_scale = 1.0
@@ -67,12 +71,13 @@ struct FluxJob {
   int64_t blocks_to_swap = 0;
   int64_t ring_size = 2;
   int64_t singles_per_unit = 2;
+  std::string init_from;  // "" or a kohya file (rank 0 / alpha 0 / no targets: the file's)
   template <class A>
   void serialize(A& ar) {
     ar(checkpoint, store, cache_dir, output_dir, steps, batch_size, seed, learning_rate,
        lr_schedule, warmup_steps, weight_decay, max_grad_norm, rank, alpha, targets, guidance,
        timestep_sampling, sigmoid_scale, discrete_flow_shift, save_every, keep_checkpoints, dtype,
-       gpu_memory_budget, budget_auto, blocks_to_swap, ring_size, singles_per_unit);
+       gpu_memory_budget, budget_auto, blocks_to_swap, ring_size, singles_per_unit, init_from);
   }
 };
 

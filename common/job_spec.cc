@@ -151,11 +151,16 @@ JobSpec ParseJobSpec(const std::string& toml_text, const std::string& source) {
   s.data.pad_id = d.GetInt("pad_id", s.data.pad_id);
 
   TomlSection l = doc.Section("lora");
-  l.RejectUnknownKeys({"rank", "alpha", "dropout", "targets", "rslora"});
-  s.lora.rank = l.GetInt("rank", s.lora.rank);
-  s.lora.alpha = l.GetDouble("alpha", s.lora.alpha);
+  l.RejectUnknownKeys({"rank", "alpha", "dropout", "targets", "rslora", "init_from"});
+  s.lora.init_from = l.GetString("init_from", "");
+  // Starting from an adapter, what the job leaves out is the adapter's (0 / 0 / []: resolved
+  // by the worker when it reads the adapter, worker/model/lora.h ApplyInitFrom).
+  const bool from_adapter = !s.lora.init_from.empty();
+  s.lora.rank = l.GetInt("rank", from_adapter ? 0 : s.lora.rank);
+  s.lora.alpha = l.GetDouble("alpha", from_adapter ? 0.0 : s.lora.alpha);
   s.lora.dropout = l.GetDouble("dropout", s.lora.dropout);
-  s.lora.targets = l.GetStrings("targets", s.lora.targets);
+  s.lora.targets =
+      l.GetStrings("targets", from_adapter ? std::vector<std::string>{} : s.lora.targets);
   s.lora.rslora = l.GetBool("rslora", s.lora.rslora);
 
   TomlSection o = doc.Section("optim");
@@ -255,7 +260,8 @@ std::string JobSpecToToml(const JobSpec& s) {
                            {"alpha", s.lora.alpha},
                            {"dropout", s.lora.dropout},
                            {"targets", strings(s.lora.targets)},
-                           {"rslora", s.lora.rslora}}},
+                           {"rslora", s.lora.rslora},
+                           {"init_from", s.lora.init_from}}},
       {"optim", toml::table{{"lr", s.optim.lr},
                             {"beta1", s.optim.beta1},
                             {"beta2", s.optim.beta2},
@@ -311,6 +317,7 @@ void ResolveJobSpecIn(JobSpec& s, const std::string& base_dir) {
   absolute(s.train.output_dir);
   absolute(s.train.stats_file);
   absolute(s.eval.path);
+  absolute(s.lora.init_from);
   auto format_from_extension = [](const std::string& path, std::string& format) {
     if (!format.empty()) return;
     std::string ext = fs::path(path).extension().string();
@@ -420,19 +427,26 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
     p.push_back(key("data.pad_id") + "must be a token id in [0, vocab_size) (found " +
                 std::to_string(s.data.pad_id) + ")");
 
-  // [lora]
-  if (s.lora.rank <= 0)
+  // [lora] (with init_from, rank 0 / alpha 0 / no targets mean "the adapter's")
+  const bool from_adapter = !s.lora.init_from.empty();
+  if (from_adapter && !fs::is_regular_file(fs::path(s.lora.init_from) / "adapter_config.json", ec))
+    p.push_back(key("lora.init_from") + "names no peft adapter folder (adapter_config.json and " +
+                "adapter_model.safetensors): " + s.lora.init_from);
+  if (from_adapter && s.lora.rank == 0)
+    ;  // the adapter's
+  else if (s.lora.rank <= 0)
     p.push_back(key("lora.rank") + "must be > 0 (found " + std::to_string(s.lora.rank) + ")");
   else if (s.lora.rank > kMaxLoraRank)
     above("lora.rank", s.lora.rank, kMaxLoraRank);
   else if (model && model->hidden_size > 0 && s.lora.rank > model->hidden_size)
     p.push_back(key("lora.rank") + "is " + std::to_string(s.lora.rank) +
                 ", above the model's hidden_size of " + std::to_string(model->hidden_size));
-  if (!(s.lora.alpha > 0) || !std::isfinite(s.lora.alpha))
+  if (!(s.lora.alpha > 0 || (from_adapter && s.lora.alpha == 0)) || !std::isfinite(s.lora.alpha))
     p.push_back(key("lora.alpha") + "must be > 0 (found " + num(s.lora.alpha) + ")");
   if (!(s.lora.dropout >= 0 && s.lora.dropout < 1))
     p.push_back(key("lora.dropout") + "must be in [0, 1) (found " + num(s.lora.dropout) + ")");
-  if (s.lora.targets.empty()) p.push_back(key("lora.targets") + "must name at least one module");
+  if (s.lora.targets.empty() && !from_adapter)
+    p.push_back(key("lora.targets") + "must name at least one module");
   std::set<std::string> seen;
   for (const auto& t : s.lora.targets) {
     const auto& names = LoraTargetNames();
@@ -444,8 +458,9 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
   }
 
   // [optim]
-  if (!(s.optim.lr > 0) || !std::isfinite(s.optim.lr))
-    p.push_back(key("optim.lr") + "must be > 0 (found " + num(s.optim.lr) + ")");
+  // lr = 0 leaves the adapter as it is (with lora.init_from: re-saved bit for bit).
+  if (!(s.optim.lr >= 0) || !std::isfinite(s.optim.lr))
+    p.push_back(key("optim.lr") + "must be >= 0 (found " + num(s.optim.lr) + ")");
   if (!(s.optim.beta1 >= 0 && s.optim.beta1 < 1))
     p.push_back(key("optim.beta1") + "must be in [0, 1) (found " + num(s.optim.beta1) + ")");
   if (!(s.optim.beta2 >= 0 && s.optim.beta2 < 1))

@@ -27,6 +27,12 @@
 //   dropout = 0.0                 # lora_dropout, in [0, 1)
 //   targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 //   rslora = false                # use_rslora
+//   init_from = ""                # a peft adapter folder to start from instead of peft's
+//                                 #   init (not a resume: step 0, a fresh optimizer); its
+//                                 #   rank, alpha, targets and rslora must equal the job's,
+//                                 #   or are taken from it when rank/alpha/targets are left
+//                                 #   out (the file then holds rank = 0, alpha = 0,
+//                                 #   targets = [], which mean "the adapter's")
 //
 //   [optim]
 //   lr = 2e-4                     # peak learning rate
@@ -125,9 +131,10 @@ struct LoraSpec {
   std::vector<std::string> targets = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
                                       "gate_proj", "up_proj", "down_proj"};
   bool rslora = false;
+  std::string init_from;  // "" or a peft adapter folder (rank 0 / alpha 0 / no targets: its)
   template <class A>
   void serialize(A& ar) {
-    ar(rank, alpha, dropout, targets, rslora);
+    ar(rank, alpha, dropout, targets, rslora, init_from);
   }
 };
 

@@ -17,6 +17,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "common/adapter_consumers.h"
 #include "common/checkpoint_dir.h"
 #include "common/cli_main.h"
 #include "common/error.h"
@@ -149,6 +150,10 @@ int RunSubmit(const GlobalOptions& g, const std::string& path, int64_t* priority
   req.spec = ParseJobSpec(req.spec_toml, source);
   ResolveJobSpecIn(req.spec, JobFileDir(source));
   if (priority) req.spec.priority = *priority;
+  // What the adapter's consumers require (vLLM's ranks, llama.cpp's scale): warnings only.
+  if (!req.spec.is_flux && !quiet)
+    for (const std::string& w : AdapterConsumerWarnings(AdapterFactsOf(req.spec.lora)))
+      std::cerr << "lorastream submit: warning: " << w << "\n";
   // A name or a file too long to send (refused here, before a request over the message size
   // limit would hide why); data prepared for another tokenizer than the store's, when the
   // store is on this host (a checkpoint's tokenizer is checked by ValidateJobSpec, in the
@@ -214,8 +219,12 @@ void PrintList(const std::vector<Item>& items, bool json, const Table& table) {
 }
 
 void PrintJob(const ShowJobReply& reply, const std::string& best_checkpoint, bool json) {
+  // train.keep_best: the best checkpoint's adapter at its stable path (OUTPUT_DIR/best/).
+  const std::string best_adapter =
+      reply.job.output_dir.empty() ? "" : BestAdapterDir(reply.job.output_dir);
   if (!json) {
     std::cout << JobDetails(reply, best_checkpoint);
+    if (!best_adapter.empty()) std::cout << "  best adapter: " << best_adapter << "\n";
     return;
   }
   nlohmann::json out = ToJson(reply.job);
@@ -223,6 +232,8 @@ void PrintJob(const ShowJobReply& reply, const std::string& best_checkpoint, boo
   out["spec_toml"] = reply.spec_toml;
   out["best_checkpoint"] =
       best_checkpoint.empty() ? nlohmann::json(nullptr) : nlohmann::json(best_checkpoint);
+  out["best_adapter"] =
+      best_adapter.empty() ? nlohmann::json(nullptr) : nlohmann::json(best_adapter);
   std::cout << out.dump(2) << "\n";
 }
 

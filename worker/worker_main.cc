@@ -20,6 +20,7 @@
 #include "coordinator/curve.h"
 #include "store/attach.h"
 #include "worker/families.h"
+#include "worker/serve/merge.h"
 #include "worker/serve/parity.h"
 #include "worker/serve/plan_command.h"
 #include "worker/serve/quant_report.h"
@@ -146,6 +147,23 @@ int main(int argc, char** argv) {
   report_cmd->add_option("--threads", report.threads, "store packing threads (0: all cores)");
   report_cmd->add_option("--out", report.out_path, "JSON file of the figures");
 
+  MergeOptions merge;
+  auto* merge_cmd = app.add_subcommand(
+      "merge", "fold LoRA adapters into the base and write it as the family's checkpoint");
+  merge_cmd
+      ->add_option("--base", merge.base,
+                   "Hugging Face checkpoint folder (LLM) or BFL's single file (FLUX.1)")
+      ->required();
+  merge_cmd
+      ->add_option("--adapter", merge.adapters,
+                   "DIR[:WEIGHT]: a peft adapter folder (LLM) or a kohya file or the folder "
+                   "holding adapter_kohya.safetensors (FLUX); repeatable, weight 1 by default")
+      ->required();
+  merge_cmd->add_option("--out", merge.out, "output folder (LLM) or file (FLUX)")->required();
+  merge_cmd->add_option("--dtype", merge.dtype, "bf16 | f32")->capture_default_str();
+  merge_cmd->add_flag("--force", merge.force, "replace an existing output");
+  merge_cmd->add_flag("--progress,!--no-progress", merge.progress, "no progress lines on stderr");
+
   // doctor's real test of read-only host registration (hidden: not a user command).
   int probe_device = 0;
   auto* probe_cmd = app.add_subcommand("probe-host-register", "")->group("");
@@ -171,6 +189,10 @@ int main(int argc, char** argv) {
       const nlohmann::json r{{"ok", nullptr}, {"error", "not applicable: a CPU-only build"}};
 #endif
       std::printf("%s\n", r.dump().c_str());
+      return 0;
+    }
+    if (*merge_cmd) {
+      RunMerge(merge);
       return 0;
     }
     InitLogging("worker");

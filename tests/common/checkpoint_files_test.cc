@@ -280,3 +280,35 @@ TEST_CASE("a failed write is reported, naming the file", "[common]") {
   CHECK(Slurp(out.path() / "f") == "hello");
   CHECK(!fs::exists(out.path() / "f.tmp"));
 }
+
+TEST_CASE("keep_best: OUTPUT_DIR/best holds a copy of the best checkpoint's adapter", "[common]") {
+  lorastream::testing::TempDir out("ckpt-best");
+  const std::string dir = out.path().string();
+  WriteCheckpoint(out.path(), 1, 2.5);
+  const fs::path c2 = WriteCheckpoint(out.path(), 2, 1.25);  // the best
+  WriteCheckpoint(out.path(), 3, 1.5);
+  PruneCheckpoints(dir, 3, 1, /*keep_best=*/true);
+  REQUIRE(BestAdapterDir(dir) == (out.path() / "best").string());
+  const fs::path best = out.path() / "best";
+  CHECK(Slurp(best / "adapter_model.safetensors") == Slurp(c2 / "adapter_model.safetensors"));
+  CHECK(Slurp(best / "adapter_config.json") == Slurp(c2 / "adapter_config.json"));
+  CHECK_FALSE(fs::exists(best / kTrainerStateFile));  // the adapter alone
+  CHECK_FALSE(fs::exists(best / kCheckpointManifestFile));
+  CHECK_THAT(Slurp(best / kBestAdapterNote), Catch::Contains("\"checkpoint-2\""));
+  // best/ is not a checkpoint: retention and resume ignore it.
+  std::vector<int64_t> left;
+  for (const auto& c : ListCheckpoints(dir)) left.push_back(c.step);
+  CHECK(left == std::vector<int64_t>{3, 2});
+
+  // A better checkpoint replaces it; without keep_best nothing is written.
+  const fs::path c4 = WriteCheckpoint(out.path(), 4, 1.0);
+  PruneCheckpoints(dir, 4, 1, /*keep_best=*/true);
+  CHECK(Slurp(best / "adapter_model.safetensors") == Slurp(c4 / "adapter_model.safetensors"));
+  CHECK_THAT(Slurp(best / kBestAdapterNote), Catch::Contains("\"checkpoint-4\""));
+  CHECK_FALSE(fs::exists(out.path() / ".best.tmp"));
+  CHECK_FALSE(fs::exists(out.path() / ".best.old"));
+  lorastream::testing::TempDir plain("ckpt-nobest");
+  WriteCheckpoint(plain.path(), 1, 2.5);
+  PruneCheckpoints(plain.path().string(), 1, 1, /*keep_best=*/false);
+  CHECK(BestAdapterDir(plain.path().string()).empty());
+}

@@ -11,9 +11,14 @@
 // Both in f32.
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <vector>
+
+#include <c10/core/Device.h>
 
 #include "common/flux_config.h"
+#include "common/flux_job.h"
 #include "worker/flux/flux_model.h"
 
 namespace lorastream::worker::flux {
@@ -24,5 +29,30 @@ void SaveDiffusersAdapter(const FluxAdapter& adapter, const FluxConfig& config,
 // A kohya file's weights into `adapter` (same modules and rank; alpha must match): resume and
 // tests. Errors name the file and the tensor.
 void LoadKohyaAdapter(const std::string& path, FluxAdapter& adapter);
+
+// What a kohya file holds, read from its keys and shapes: the block-relative modules it adapts
+// (in FluxDoubleLinears / FluxSingleLinears order; every block of a kind must carry the same
+// ones), its rank (lora_down's rows) and alpha. Refuses (kCorrupt / kUnsupported, naming the
+// file and the key) a key of no module of `config`, a module without its three tensors, ranks
+// or alphas that differ between modules.
+struct KohyaAdapterInfo {
+  std::vector<std::string> targets;
+  int64_t rank = 0;
+  double alpha = 0.0;
+};
+KohyaAdapterInfo ReadKohyaAdapterInfo(const std::string& path, const FluxConfig& config);
+// A kohya file as an adapter (f32 on `device`): ReadKohyaAdapterInfo, then LoadKohyaAdapter.
+// `path` may be the folder holding adapter_kohya.safetensors (a FLUX job's output_dir).
+FluxAdapter ReadKohyaAdapter(const std::string& path, const FluxConfig& config, c10::Device device);
+// The kohya file `path` names: itself, or DIR/adapter_kohya.safetensors for a folder.
+std::string KohyaAdapterFile(const std::string& path);
+
+// flux.init_from (common/flux_job.h): what the job leaves to the file (rank 0, alpha 0, no
+// targets) taken from it, and rank, alpha and targets the job sets refused (kRefused) when
+// they differ, each naming the key, both values and the file. A no-op without init_from;
+// idempotent. The trainer calls it before it plans or builds the job's adapter.
+void ApplyFluxInitFrom(FluxJob& job, const FluxConfig& config);
+// The weights of the file flux.init_from names into the job's fresh adapter (LoadKohyaAdapter).
+void LoadFluxInitFrom(const FluxJob& job, FluxAdapter& adapter);
 
 }  // namespace lorastream::worker::flux

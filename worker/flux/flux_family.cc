@@ -56,6 +56,7 @@ class Group final : public FamilyGroup {
     }
     FluxJob planned = first.flux;
     planned.singles_per_unit = base_->singles_per_unit();
+    ApplyFluxInitFrom(planned, base_->config());  // lora.init_from's shape, before planning
     // The caches (this job's and, for the plan, the group's other jobs') are read as the
     // submitter.
     const ActingAs as(options.files_as);
@@ -105,6 +106,7 @@ class Job final : public FamilyJob {
   Job(const JobSpec& spec, Group& group) : name_(spec.name), job_(spec.flux), group_(group) {
     job_.singles_per_unit = group.base().singles_per_unit();  // a store's units are the store's
     const FluxConfig& config = group.base().config();
+    ApplyFluxInitFrom(job_, config);  // lora.init_from: the file's rank, alpha and targets
     data_ = group.data_of(job_.cache_dir);
     if (!data_) data_ = std::make_shared<const FluxDataset>(job_.cache_dir, config);
     sampling_ = {job_.timestep_sampling, job_.sigmoid_scale, job_.discrete_flow_shift};
@@ -118,6 +120,8 @@ class Job final : public FamilyJob {
                                       job_.alpha, MixSeed(job_.seed, 0xada7), group_.device());
     if (!resume_dir.empty())
       LoadKohyaAdapter((fs::path(resume_dir) / kKohyaAdapterFile).string(), *adapter_);
+    else
+      LoadFluxInitFrom(job_, *adapter_);  // lora.init_from: its weights, a fresh optimizer
     LS_LOG_INFO(
         "job {}: FLUX: {} images in {} buckets, {} adapted modules (rank {}, alpha {}), {} of {} "
         "units streamed",

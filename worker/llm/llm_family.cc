@@ -127,8 +127,12 @@ class Job;
 // reverse order: the model before the providers it points at.
 class Group final : public FamilyGroup {
  public:
-  Group(const JobSpec& first, const TrainOptions& options, std::function<bool()> all_stop)
-      : target_(ChooseComputeTarget(first, options.device)) {
+  Group(const JobSpec& first_spec, const TrainOptions& options, std::function<bool()> all_stop)
+      : target_(ChooseComputeTarget(first_spec, options.device)) {
+    // lora.init_from: the adapter's rank, alpha and targets where the job leaves them out,
+    // before anything is planned.
+    JobSpec first = first_spec;
+    ApplyInitFrom(first.lora);
     {
       // A model folder is read as the job's submitter; a store is this worker's to attach.
       const ActingAs as(first.model.checkpoint.empty() ? nullptr : options.files_as);
@@ -196,6 +200,7 @@ class Group final : public FamilyGroup {
 class Job final : public FamilyJob {
  public:
   Job(const JobSpec& spec, Group& group, size_t id) : spec_(spec), group_(group), id_(id) {
+    ApplyInitFrom(spec_.lora);
     const BaseWeights& base = group.base();
     RefuseAgainstModel(spec_, base);
     data_ = LoadJobData(spec_, base.config().vocab_size);
@@ -209,8 +214,11 @@ class Job final : public FamilyJob {
   void StartAdapter(const std::string& resume_dir) override {
     const ModelConfig& config = group_.base().config();
     if (resume_dir.empty()) {
+      // lora.init_from: the adapter's weights instead of peft's init, a fresh optimizer.
       adapter_ = std::make_unique<LoraAdapter>(
-          LoraAdapter::Init(config, settings_, spec_.train.seed, group_.device()));
+          spec_.lora.init_from.empty()
+              ? LoraAdapter::Init(config, settings_, spec_.train.seed, group_.device())
+              : LoraAdapter::InitFrom(spec_.lora.init_from, config, settings_, group_.device()));
     } else {
       adapter_ =
           std::make_unique<LoraAdapter>(LoraAdapter::Load(resume_dir, config, group_.device()));

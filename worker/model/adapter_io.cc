@@ -3,11 +3,13 @@
 // B [out, r]), here, and adapter_config.json (LoraConfig.to_dict()), worker/model/peft_config.h.
 #include <filesystem>
 #include <set>
+#include <sstream>
 
 #include <ATen/ATen.h>
 
 #include "common/durable_file.h"
 #include "common/error.h"
+#include "common/job_spec.h"
 #include "common/safetensors.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/lora.h"
@@ -82,6 +84,67 @@ LoraAdapter LoraAdapter::Load(const std::string& dir, const ModelConfig& model,
     if (!used.count(e.name))
       throw Error(ErrorCode::kUnsupported, st_path + ": unexpected tensor `" + e.name +
                                                "` (not a LoRA weight of this model and config)");
+  return a;
+}
+
+namespace {
+
+std::string Num(double v) {
+  std::ostringstream s;
+  s << v;
+  return s.str();
+}
+
+std::string List(const std::vector<std::string>& names) {
+  std::string s;
+  for (const std::string& n : names) s += (s.empty() ? "" : ", ") + n;
+  return "[" + s + "]";
+}
+
+// Every difference between the adapter's settings and the job's, naming both values.
+std::vector<std::string> Mismatches(const LoraSettings& adapter, const LoraSettings& job,
+                                    const std::string& dir) {
+  std::vector<std::string> m;
+  const std::string from = " but the adapter lora.init_from names (" + dir + ") has ";
+  if (adapter.rank != job.rank)
+    m.push_back("lora.rank is " + std::to_string(job.rank) + from + "rank " +
+                std::to_string(adapter.rank) + " (adapter_config.json `r`)");
+  if (adapter.alpha != job.alpha)
+    m.push_back("lora.alpha is " + Num(job.alpha) + from + "alpha " + Num(adapter.alpha) +
+                " (`lora_alpha`)");
+  if (adapter.TargetNames() != job.TargetNames())
+    m.push_back("lora.targets is " + List(job.TargetNames()) + from + "targets " +
+                List(adapter.TargetNames()) + " (`target_modules`)");
+  if (adapter.rslora != job.rslora)
+    m.push_back(std::string("lora.rslora is ") + (job.rslora ? "true" : "false") + from +
+                "use_rslora " + (adapter.rslora ? "true" : "false"));
+  return m;
+}
+
+void RefuseMismatches(const std::vector<std::string>& m) {
+  if (m.empty()) return;
+  std::string text;
+  for (const std::string& line : m) text += (text.empty() ? "" : "\n") + line;
+  throw Error(ErrorCode::kRefused, text);
+}
+
+}  // namespace
+
+void ApplyInitFrom(LoraSpec& spec) {
+  if (spec.init_from.empty()) return;
+  const LoraSettings a =
+      ReadPeftConfig((fs::path(spec.init_from) / "adapter_config.json").string());
+  if (spec.rank == 0) spec.rank = a.rank;
+  if (spec.alpha == 0) spec.alpha = a.alpha;
+  if (spec.targets.empty()) spec.targets = a.TargetNames();
+  RefuseMismatches(Mismatches(a, LoraSettingsFromSpec(spec), spec.init_from));
+}
+
+LoraAdapter LoraAdapter::InitFrom(const std::string& dir, const ModelConfig& config,
+                                  const LoraSettings& settings, c10::Device device) {
+  LoraAdapter a = Load(dir, config, device);
+  RefuseMismatches(Mismatches(a.settings(), settings, dir));
+  a.settings_.dropout = settings.dropout;  // the job's: a training setting, not the adapter's
   return a;
 }
 

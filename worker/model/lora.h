@@ -29,6 +29,10 @@ class LoraAdapter {
   // Loads a peft adapter folder (adapter_config.json + adapter_model.safetensors; F32, BF16 or
   // F16 weights, converted to f32). Errors name the file and the key.
   static LoraAdapter Load(const std::string& dir, const ModelConfig& config, c10::Device device);
+  // A job's start from the adapter its lora.init_from names (Load), refused (kRefused, naming
+  // both values) when its settings are not `settings` (the job's, after ApplyInitFrom).
+  static LoraAdapter InitFrom(const std::string& dir, const ModelConfig& config,
+                              const LoraSettings& settings, c10::Device device);
   // Writes adapter_model.safetensors and adapter_config.json into `dir` (created), each file
   // written to a temporary name and renamed.
   void Save(const std::string& dir, const std::string& base_model_name_or_path) const;
@@ -49,5 +53,11 @@ class LoraAdapter {
   LoraSettings settings_;
   std::vector<LoraBlock> blocks_;
 };
+
+// lora.init_from (common/job_spec.h): what the job leaves to the adapter (rank 0, alpha 0, no
+// targets) taken from its adapter_config.json, and rank, alpha, targets and rslora the job sets
+// refused (kRefused) when they differ, each naming the key, both values and the file. A no-op
+// without init_from; idempotent. The worker calls it before it plans or trains.
+void ApplyInitFrom(LoraSpec& spec);
 
 }  // namespace lorastream::worker

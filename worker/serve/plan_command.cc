@@ -9,6 +9,7 @@
 #include "common/job_spec.h"
 #include "common/quant_format.h"
 #include "worker/model/base_weights.h"
+#include "worker/model/lora.h"
 #include "worker/model/torch_device.h"
 #include "worker/stream/stream_cost.h"
 #include "worker/stream/stream_engine.h"
@@ -106,12 +107,15 @@ int PrintPlans(const std::vector<JobSpec>& specs, const PlanCommandOptions& opti
 }  // namespace
 
 int RunPlanCommand(const std::string& job_path, const PlanCommandOptions& options) {
-  return PrintPlans({LoadJobSpec(job_path)}, options);
+  return RunPlanCommand(std::vector<std::string>{job_path}, options);
 }
 
 int RunPlanCommand(const std::vector<std::string>& job_paths, const PlanCommandOptions& options) {
   std::vector<JobSpec> specs;
-  for (const std::string& path : job_paths) specs.push_back(LoadJobSpec(path));
+  for (const std::string& path : job_paths) {
+    specs.push_back(LoadJobSpec(path));
+    ApplyInitFrom(specs.back().lora);  // lora.init_from: the adapter's rank and targets
+  }
   if (specs.empty()) throw Error(ErrorCode::kInvalidArgument, "plan: no job file");
   return PrintPlans(specs, options);
 }

@@ -5,10 +5,15 @@
 #include <cmath>
 #include <cstdio>
 #include <exception>
+#include <fstream>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
+#include "common/adapter_consumers.h"
+#include "common/checkpoint_dir.h"
 #include "common/error.h"
 #include "common/format_bytes.h"
 #include "worker/train/group_members.h"
@@ -78,7 +83,30 @@ std::function<void(const StepStats&)> PrintProgress(std::string prefix) {
   };
 }
 
-// The line a job ends with; returns the command's status for it.
+// What the adapter's consumers require (common/adapter_consumers.h), on stderr.
+void WarnForConsumers(const JobSpec& spec) {
+  for (const std::string& w : AdapterConsumerWarnings(AdapterFactsOf(spec.lora)))
+    std::fprintf(stderr, "%s: warning: %s\n", spec.name.c_str(), w.c_str());
+}
+
+// With train.keep_best: where the best checkpoint's adapter is (OUTPUT_DIR/best/), the line
+// after the last.
+void PrintBest(const std::string& prefix, const std::string& output_dir) {
+  const std::string best = output_dir.empty() ? "" : BestAdapterDir(output_dir);
+  if (best.empty()) return;
+  std::string which;
+  try {
+    std::ifstream in(best + "/" + kBestAdapterNote);
+    const nlohmann::json note = nlohmann::json::parse(in);
+    which = " (" + note.value("checkpoint", std::string("?")) + ", eval loss " +
+            std::to_string(note.value("eval_loss", 0.0)).substr(0, 6) + ")";
+  } catch (const std::exception&) {
+    // best.json unreadable: the folder is still named
+  }
+  std::printf("%sbest adapter%s in %s\n", prefix.c_str(), which.c_str(), best.c_str());
+}
+
+// The lines a job ends with; returns the command's status for it.
 int PrintEnd(const std::string& prefix, const TrainResult& r, int stop_signal, int64_t steps) {
   if (r.stopped) {
     std::printf(
@@ -93,6 +121,7 @@ int PrintEnd(const std::string& prefix, const TrainResult& r, int stop_signal, i
                 prefix.c_str(), r.checkpoint_dir.c_str(), static_cast<long long>(r.start_step));
     if (steps > 0) std::printf(" (train.steps = %lld)", static_cast<long long>(steps));
     std::printf("; nothing trained, adapter in %s\n", r.adapter_dir.c_str());
+    PrintBest(prefix, r.adapter_dir);
     return 0;
   }
   // The family's end line (its steps, loss and adapter files), each line under the prefix.
@@ -102,6 +131,7 @@ int PrintEnd(const std::string& prefix, const TrainResult& r, int stop_signal, i
     std::printf("%s%s\n", prefix.c_str(), r.done_line.substr(from, end - from).c_str());
     from = end + 1;
   }
+  PrintBest(prefix, r.adapter_dir);
   return 0;
 }
 
@@ -110,6 +140,7 @@ int PrintEnd(const std::string& prefix, const TrainResult& r, int stop_signal, i
 int RunTrainCommand(const std::string& job_path, const TrainOptions& options,
                     const std::atomic<int>* stop_signal) {
   JobSpec spec = LoadJobSpec(job_path);
+  WarnForConsumers(spec);
   auto should_stop = [stop_signal] { return stop_signal && stop_signal->load() != 0; };
   TrainResult r = RunTraining(spec, options, PrintProgress(""), should_stop);
   return PrintEnd("", r, r.stopped ? stop_signal->load() : 0, spec.train.steps);
@@ -124,6 +155,7 @@ int RunGroupTrainCommand(const std::vector<std::string>& job_paths, const TrainO
   for (const std::string& path : job_paths) {
     GroupJob job;
     job.spec = LoadJobSpec(path);
+    WarnForConsumers(job.spec);
     steps.push_back(job.spec.train.steps);
     job.on_step = PrintProgress(job.spec.name + ": ");
     job.should_stop = should_stop;

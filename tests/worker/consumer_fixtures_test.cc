@@ -1,0 +1,215 @@
+// The programs that load our LLM adapters, proven on the CPU from fixtures they computed on the
+// CUDA machine (tests/fixtures/consumers/llm/):
+//   inputs, made here by our own code and committed (LORASTREAM_WRITE_CONSUMER_INPUTS=1 runs
+//   this test in the mode that writes them): model/ (a tiny Llama, bf16), adapter/ (our peft
+//   folder: rank 8, all seven projections, A and B random), tokens.safetensors;
+//   outputs, made by tools/gpu/consumer_fixtures.py there: peft_logits.safetensors (transformers
+//   + PeftModel.from_pretrained on our adapter, f32) and consumers.json (versions; llama.cpp's
+//   convert_lora_to_gguf.py run on our adapter and the GGUF tensors it wrote).
+// And for FLUX.1 (tests/fixtures/consumers/flux/): our kohya and diffusers files for
+// tests/fixtures/flux/flux_d1s2_model (made here, committed), and diffusers' transformer output
+// with each loaded as FluxPipeline.load_lora_weights loads it (the script's
+// diffusers_output.safetensors).
+// Until the outputs exist the checks say so and pass.
+#include "torch_catch.h"  // first: see there
+
+#include <c10/core/GradMode.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "common/safetensors.h"
+#include "common/step_stats.h"
+#include "store/synth.h"
+#include "worker/flux/flux_adapter_io.h"
+#include "worker/flux/flux_base.h"
+#include "worker/flux/flux_model.h"
+#include "worker/model/base_weights.h"
+#include "worker/model/lora.h"
+#include "worker/model/model.h"
+#include "worker/stream/resident_provider.h"
+#include "worker_test_util.h"
+
+using namespace lorastream;
+using namespace lorastream::worker;
+
+namespace {
+
+const std::string kDir = std::string(LORASTREAM_SOURCE_DIR) + "/tests/fixtures/consumers/llm";
+const std::string kFluxDir = std::string(LORASTREAM_SOURCE_DIR) + "/tests/fixtures/consumers/flux";
+const std::string kFluxModel =
+    std::string(LORASTREAM_SOURCE_DIR) + "/tests/fixtures/flux/flux_d1s2_model.safetensors";
+const std::string kFluxCase =
+    std::string(LORASTREAM_SOURCE_DIR) + "/tests/fixtures/flux/flux_d1s2_case.safetensors";
+
+at::Tensor Read(const std::string& path, const std::string& name) {
+  const SafetensorsFile f = SafetensorsFile::Open(path);
+  const SafetensorsEntry* e = f.Find(name);
+  REQUIRE(e != nullptr);
+  return at::from_blob(const_cast<uint8_t*>(f.Data(*e)), e->shape,
+                       at::TensorOptions().dtype(ScalarTypeOf(e->dtype, name)))
+      .clone();
+}
+
+// The inputs, written by our code (run once, then committed).
+void WriteInputs() {
+  std::filesystem::create_directories(kDir);
+  const std::string preset = kDir + "/model.toml";
+  std::ofstream(preset)
+      << "# The consumers' fixture model (tests/worker/consumer_fixtures_test.cc)\n"
+         "model_type = \"llama\"\nhidden_size = 64\nintermediate_size = 128\n"
+         "num_hidden_layers = 2\nnum_attention_heads = 4\n"
+         "num_key_value_heads = 2\nvocab_size = 128\n"
+         "max_position_embeddings = 64\nrope_theta = 10000.0\n"
+         "rms_norm_eps = 1e-5\ntie_word_embeddings = false\ndtype = \"bf16\"\n";
+  store::SynthOptions o;
+  o.preset = preset;
+  o.out_dir = kDir + "/model";
+  o.presets_dir = std::string(LORASTREAM_SOURCE_DIR) + "/configs/models";
+  o.seed = 40;
+  o.dtype = "bf16";
+  o.threads = 1;
+  o.force = true;
+  store::RunSynth(o);
+  const BaseWeights base = BaseWeights::FromCheckpoint(kDir + "/model");
+  LoraSettings s;
+  s.rank = 8;
+  s.alpha = 16;
+  s.targets.fill(true);
+  LoraAdapter adapter = LoraAdapter::Init(base.config(), s, 40, at::kCPU);
+  {
+    c10::NoGradGuard g;
+    at::Generator gen = at::detail::createCPUGenerator(41);
+    for (auto& p : adapter.Params()) p.uniform_(-0.1, 0.1, gen);
+  }
+  adapter.Save(kDir + "/adapter", "model");
+  at::Tensor ids = at::randint(0, base.config().vocab_size, {2, 16},
+                               at::detail::createCPUGenerator(42), at::kLong);
+  WriteSafetensors(kDir + "/tokens.safetensors",
+                   {{"input_ids", DType::kI64, {2, 16}, ids.data_ptr()}});
+}
+
+// Our FLUX files for flux_d1s2 (rank 4, alpha 8, every linear, B random).
+void WriteFluxInputs() {
+  using namespace lorastream::worker::flux;
+  std::filesystem::create_directories(kFluxDir);
+  const FluxBase base = FluxBase::Load(kFluxModel, 2, at::kFloat, at::kCPU);
+  FluxAdapter adapter(base.config(), FluxTargets({"all"}, "fixture"), 4, 8.0, 40, at::kCPU);
+  {
+    c10::NoGradGuard g;
+    at::Generator gen = at::detail::createCPUGenerator(43);
+    for (auto& [name, m] : adapter.modules()) m.b.normal_(0, 0.05, gen);
+  }
+  SaveKohyaAdapter(adapter, kFluxDir + "/adapter_kohya.safetensors");
+  SaveDiffusersAdapter(adapter, base.config(), kFluxDir + "/pytorch_lora_weights.safetensors");
+}
+
+}  // namespace
+
+TEST_CASE("peft (PeftModel.from_pretrained) loads our adapter and computes our logits",
+          "[worker][consumers]") {
+  if (std::getenv("LORASTREAM_WRITE_CONSUMER_INPUTS")) {
+    WriteInputs();
+    WriteFluxInputs();
+    WARN("wrote the consumers' fixture inputs into " << kDir);
+    return;
+  }
+  REQUIRE(std::filesystem::exists(kDir + "/adapter/adapter_model.safetensors"));
+  const std::string peft = kDir + "/peft_logits.safetensors";
+  if (!std::filesystem::exists(peft)) {
+    WARN(peft << " is not made yet: on the CUDA machine run tools/gpu/consumer_fixtures.py");
+    return;
+  }
+  BaseWeights base = BaseWeights::FromCheckpoint(kDir + "/model");
+  ResidentProvider provider(base, at::kCPU, at::kFloat);
+  CausalLm model(base.config(), base.rest(), &provider, at::kCPU, at::kFloat);
+  const LoraAdapter adapter = LoraAdapter::Load(kDir + "/adapter", base.config(), at::kCPU);
+  const at::Tensor ids = Read(kDir + "/tokens.safetensors", "input_ids");
+  c10::NoGradGuard no_grad;
+  const at::Tensor ours = model.Logits(model.Hidden(ids, adapter, false, false, 0));
+  const at::Tensor theirs = Read(peft, "logits").to(at::kFloat);
+  REQUIRE(theirs.sizes() == ours.sizes());
+  const double err = (ours - theirs).abs().max().item<double>() / theirs.abs().max().item<double>();
+  INFO("relative error " << err);
+  CHECK(err <= 1e-4);
+}
+
+TEST_CASE(
+    "llama.cpp's convert_lora_to_gguf.py converts our adapter: a lora_a and lora_b per "
+    "adapted weight",
+    "[worker][consumers]") {
+  const std::string path = kDir + "/consumers.json";
+  if (!std::filesystem::exists(path)) {
+    WARN(path << " is not made yet: on the CUDA machine run tools/gpu/consumer_fixtures.py");
+    return;
+  }
+  const nlohmann::json j = nlohmann::json::parse(std::ifstream(path));
+  if (!j.contains("llama_cpp") || j["llama_cpp"].is_null()) {
+    WARN("consumers.json has no llama.cpp result (run the script with --llama-cpp DIR)");
+    return;
+  }
+  const nlohmann::json& l = j["llama_cpp"];
+  INFO(l.dump(2));
+  REQUIRE(l["returncode"] == 0);
+  std::set<std::string> names;
+  for (const auto& t : l["tensors"]) names.insert(t.get<std::string>());
+  // GGUF names: blk.N.attn_q / attn_k / attn_v / attn_output / ffn_gate / ffn_up / ffn_down.
+  const ModelConfig c = BaseWeights::FromCheckpoint(kDir + "/model").config();
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+    for (const char* w :
+         {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"})
+      for (const char* ab : {".lora_a", ".lora_b"}) {
+        const std::string name = "blk." + std::to_string(i) + "." + w + ".weight" + ab;
+        INFO(name);
+        CHECK(names.count(name) == 1);
+      }
+  CHECK(names.size() == static_cast<size_t>(c.num_hidden_layers * 7 * 2));
+}
+
+TEST_CASE(
+    "diffusers (FluxPipeline.load_lora_weights' loaders) loads our FLUX files and computes "
+    "our output",
+    "[worker][flux][consumers]") {
+  using namespace lorastream::worker::flux;
+  const std::string theirs_path = kFluxDir + "/diffusers_output.safetensors";
+  if (!std::filesystem::exists(theirs_path)) {
+    WARN(theirs_path << " is not made yet: on the CUDA machine run tools/gpu/consumer_fixtures.py "
+                        "with diffusers' src on PYTHONPATH");
+    return;
+  }
+  INFO(testing::ReadFile(kFluxDir + "/flux_consumers.json"));
+  FluxBase base = FluxBase::Load(kFluxModel, 2, at::kFloat, at::kCPU);
+  const FluxAdapter adapter =
+      ReadKohyaAdapter(kFluxDir + "/adapter_kohya.safetensors", base.config(), at::kCPU);
+  FluxBatch b;
+  b.img = Read(kFluxCase, "img");
+  b.txt = Read(kFluxCase, "txt");
+  b.y = Read(kFluxCase, "y");
+  b.img_ids = Read(kFluxCase, "img_ids");
+  b.txt_ids = Read(kFluxCase, "txt_ids");
+  b.timesteps = Read(kFluxCase, "timesteps");
+  b.guidance = Read(kFluxCase, "guidance");
+  auto engine = base.MakeEngine(0, 1, at::kCPU);
+  FluxModel model(base.config(), base.rest(), engine.get(), 2, at::kCPU, at::kFloat);
+  c10::NoGradGuard no_grad;
+  engine->BeginStep();
+  const at::Tensor ours = model.Forward(b, adapter, false);
+  StepStats stats;
+  engine->EndStep(stats);
+  const SafetensorsFile theirs = SafetensorsFile::Open(theirs_path);
+  for (const char* key : {"from_diffusers_file", "from_kohya_file"}) {
+    INFO(key);
+    const SafetensorsEntry* e = theirs.Find(key);
+    REQUIRE(e != nullptr);  // flux_consumers.json says why diffusers could not load it
+    const at::Tensor t = Read(theirs_path, key);
+    REQUIRE(t.sizes() == ours.sizes());
+    const double err = (ours - t).abs().max().item<double>() / t.abs().max().item<double>();
+    INFO("relative error " << err);
+    CHECK(err <= 1e-4);
+  }
+}

@@ -1,0 +1,46 @@
+// `lorastream-worker merge`: a base model with one or more LoRA adapters folded in, written in
+// the family's checkpoint format, so that a user without lorastream or peft can serve it.
+//
+//   LLM:  base = a Hugging Face checkpoint folder; adapters = peft folders (our output_dir or
+//         a checkpoint-N/); out = a Hugging Face folder: config.json (its dtype set to the
+//         output's), every other file of the base's folder that is not a weight (tokenizer,
+//         generation config, chat template) copied, model-0000i-of-0000N.safetensors shards
+//         and model.safetensors.index.json.
+//   FLUX: base = BFL's single file; adapters = kohya files (adapter_kohya.safetensors, or the
+//         folder holding one); out = one BFL file, the base's metadata kept.
+//
+// Each target weight becomes W + sum_k weight_k * scale_k * B_k A_k, computed in f32 and then
+// cast to the output dtype; every other floating tensor is cast, others are copied. One tensor
+// is held at a time (the writer streams), so bases larger than memory merge. The output is
+// written under a temporary name beside it and renamed into place; an existing output is
+// refused unless `force`. Torch-free header.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace lorastream::worker {
+
+struct MergeOptions {
+  std::string base;                       // checkpoint folder (LLM) or BFL file (FLUX)
+  std::vector<std::string> adapters;      // "PATH" or "PATH:WEIGHT" (weight 1 by default)
+  std::string out;                        // folder (LLM) or file (FLUX)
+  std::string dtype = "bf16";             // bf16 | f32
+  bool force = false;                     // replace an existing output
+  uint64_t max_shard_bytes = 5ull << 30;  // LLM shards (Hugging Face's default is 5 GB)
+  bool progress = true;                   // progress lines on stderr
+};
+
+// An adapter argument "PATH[:WEIGHT]": the weight is what follows the last ':' when it parses
+// as a number (a path may itself hold ':'). Error(kInvalidArgument) for a non-finite weight.
+struct AdapterArg {
+  std::string path;
+  double weight = 1.0;
+};
+AdapterArg ParseAdapterArg(const std::string& arg);
+
+// Merges and prints one summary line; errors name the file, the tensor or the option.
+void RunMerge(const MergeOptions& options);
+
+}  // namespace lorastream::worker
