@@ -559,8 +559,15 @@ Verb SlurmVerb(CLI::App& app) {
   slurm->add_option("--gpus-per-node", o->gpus_per_node, "GPUs per node: one worker each");
   slurm->add_option("--cpu-workers-per-node", o->cpu_workers_per_node,
                     "or CPU workers per node (no GPUs)");
-  slurm->add_option("--threads", o->worker_threads, "CPU threads per worker (0: every core)")
+  slurm
+      ->add_option("--threads", o->worker_threads,
+                   "CPU threads per worker (0: --cpus-per-task, else the node's CPUs shared "
+                   "among its workers)")
       ->capture_default_str();
+  slurm->add_option("--cpus-per-task", o->cpus_per_task,
+                    "CPUs Slurm allots each worker (default: Slurm's; CPU workers: --threads)");
+  slurm->add_option("--mem", o->mem, "memory per node, e.g. 500G (#SBATCH --mem)");
+  slurm->add_flag("--exclusive", o->exclusive, "the nodes are the pilot's alone");
   slurm
       ->add_option("--jobs-per-gpu", o->jobs_per_gpu,
                    "jobs each worker trains at once as one job group (`serve --jobs`; "
@@ -597,9 +604,11 @@ Verb SlurmVerb(CLI::App& app) {
                     "runs/slurm-DATE-TIME; on shared storage)");
   slurm->add_option("--bin", o->bin_dir,
                     "folder of the lorastream executables on the nodes (default: this one's)");
-  slurm->add_flag("--print", o->print, "print the script");
+  slurm->add_flag("--print", o->print,
+                  "print the script on stdout (what to do next goes to stderr): "
+                  "`lorastream slurm --print ... > pilot.sbatch`");
   slurm->add_flag("--submit", o->submit, "submit it with sbatch");
-  return {slurm, [o] { return RunSlurm(*o, std::cout); }};
+  return {slurm, [o] { return RunSlurm(*o, std::cout, o->print ? std::cerr : std::cout); }};
 }
 
 Verb DoctorVerb(CLI::App& app, const GlobalOptions& g) {
