@@ -496,7 +496,13 @@ Verb KeygenVerb(CLI::App& app) {
                       << "  clients: --curve-keys DIR, where DIR holds copies of "
                          "coordinator.pub, client.pub and client.key\n"
                       << "  workers: --curve-keys DIR, where DIR holds copies of "
-                         "coordinator.pub, worker.pub and worker.key (never coordinator.key)\n";
+                         "coordinator.pub, worker.pub and worker.key (never coordinator.key)\n"
+                      << "  authorized_clients: the client keys the coordinator admits, one a "
+                         "line; `KEY alice` maps a key to the local user alice (its jobs run as "
+                         "alice), a bare key is the operator (the coordinator's user: every job)\n"
+                      << "  authorized_workers: the keys that may register as workers; add a "
+                         "line per worker key pair you make. Both are read when the "
+                         "coordinator starts\n";
             return 0;
           }};
 }
