@@ -2,6 +2,7 @@
 // model.safetensors.index.json). The index is cross-checked against the shards' headers.
 #include <sys/stat.h>
 
+#include <filesystem>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -95,8 +96,24 @@ SafetensorsFolder SafetensorsFolder::Open(const std::string& dir, const std::str
     for (const SafetensorsEntry& e : f.files_.back()->tensors())
       f.by_name_[e.name] = Ref{f.files_.back().get(), &e};
   } else {
+    // Say what the folder holds instead: a PyTorch pickle checkpoint is the usual case, and
+    // converting it is one call.
+    std::string found;
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+      const std::string name = entry.path().filename().string();
+      const std::string ext = entry.path().extension().string();
+      if (ext == ".bin" || ext == ".pt" || ext == ".pth" || ext == ".ckpt" || ext == ".gguf" ||
+          ext == ".safetensors" || name == "pytorch_model.bin.index.json")
+        found += (found.empty() ? "" : ", ") + name;
+    }
     throw Error(ErrorCode::kNotFound,
-                dir + ": neither " + stem + ".safetensors nor " + stem + ".safetensors.index.json");
+                dir + ": neither " + stem + ".safetensors nor " + stem + ".safetensors.index.json" +
+                    (found.empty() ? std::string(" (and no other weights file)")
+                                   : "; found " + found +
+                                         ": lorastream reads safetensors only; convert with "
+                                         "transformers: AutoModelForCausalLM.from_pretrained(DIR)"
+                                         ".save_pretrained(DIR, safe_serialization=True)"));
   }
   return f;
 }

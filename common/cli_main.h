@@ -11,6 +11,7 @@
 #include <functional>
 #include <new>
 
+#include "common/build_version.h"
 #include "common/error.h"
 
 namespace lorastream {
@@ -33,10 +34,14 @@ inline int RunMainBody(const char* program, const std::function<int()>& body) {
   }
 }
 
-// Parses the command line into `app` (0 after --help, 2 for a parse error, which CLI11 has
-// printed with the usage), then runs `body` as RunMainBody does.
+// Parses the command line into `app` (0 after --help or --version, 2 for a parse error, which
+// CLI11 has printed with the usage), then runs `body` as RunMainBody does. Every executable
+// answers --version (common/build_version.h).
 inline int RunMain(const char* program, CLI::App& app, int argc, char** argv,
                    const std::function<int()>& body) {
+  std::string version = VersionText(program);
+  version.pop_back();  // CLI11 ends the line itself
+  app.set_version_flag("--version", version, "print the version, commit, LibTorch and CUDA");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

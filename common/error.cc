@@ -47,6 +47,8 @@ const char* ErrorCodeName(ErrorCode code) {
   return "unknown error";
 }
 
+// (error.h's list, in full: a job file's value of the wrong type is kInvalidArgument, 2; what
+// this build or model type cannot do, kUnsupported, is refused as kRefused is, 5.)
 int ExitCodeFor(ErrorCode code) {
   switch (code) {
     case ErrorCode::kOk:
@@ -58,6 +60,7 @@ int ExitCodeFor(ErrorCode code) {
     case ErrorCode::kCorrupt:
       return 4;
     case ErrorCode::kRefused:
+    case ErrorCode::kUnsupported:  // refused as well: the same 5 from every command
       return 5;
     default:
       return 1;

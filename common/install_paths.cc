@@ -38,4 +38,17 @@ std::string ConfigsDir() {
                   "LORASTREAM_CONFIGS_DIR");
 }
 
+std::string BundledTokenizerDir(const std::string& name) {
+  if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..") return "";
+  std::error_code ec;
+  const std::string self = SelfExeDir();
+  if (!self.empty()) {
+    const fs::path installed = fs::path(self).parent_path() / "share/lorastream/tokenizers" / name;
+    if (fs::is_regular_file(installed / "tokenizer.json", ec)) return installed.string();
+  }
+  const fs::path source = fs::path(LORASTREAM_SOURCE_DIR) / "tests/fixtures/tokenizers" / name;
+  if (fs::is_regular_file(source / "tokenizer.json", ec)) return source.string();
+  return "";
+}
+
 }  // namespace lorastream

@@ -16,4 +16,10 @@ std::string SelfExeDir();
 // the places it looked when none exists.
 std::string ConfigsDir();
 
+// The folder of a small Hugging Face tokenizer bundled with lorastream (`name`: "llama3"), as
+// the README's walk-through gives `lorastream-synth --tokenizer llama3`: installed, it is
+// SelfExeDir()/../share/lorastream/tokenizers/NAME; in the build tree, the source tree's test
+// fixture tests/fixtures/tokenizers/NAME. "" when neither exists.
+std::string BundledTokenizerDir(const std::string& name);
+
 }  // namespace lorastream

@@ -12,6 +12,7 @@
 #include "common/error.h"
 #include "common/job_paths.h"
 #include "common/log.h"
+#include "common/quant_format.h"
 #include "common/regular_file.h"
 #include "common/tokenizer_id.h"
 #include "common/toml_file.h"
@@ -388,6 +389,14 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
       } catch (const Error& e) {
         p.push_back(key("model.checkpoint") + "has no usable config.json: " + e.what());
       }
+      // A pre-quantised checkpoint (fp8, bitsandbytes nf4) is read by a store, not by a worker
+      // directly: say so here rather than refuse its first tensor's dtype later.
+      if (model == &loaded && loaded.checkpoint_quant.compressed())
+        p.push_back(key("model.checkpoint") + s.model.checkpoint + " is a pre-quantised (" +
+                    QuantMethodName(loaded.checkpoint_quant.method) +
+                    ") checkpoint, which a worker does not read itself: a store serves it "
+                    "(`lorastream-store serve " +
+                    s.model.checkpoint + " --name NAME`); name that store as `model.store`");
     }
   }
 

@@ -168,7 +168,8 @@ std::string TomlSection::Where(const std::string& key) const {
 }
 
 void TomlSection::Mismatch(const std::string& key, const char* expected) const {
-  throw Error(ErrorCode::kCorrupt,
+  // A value of the wrong type is invalid input (exit 2), not a damaged file.
+  throw Error(ErrorCode::kInvalidArgument,
               Where(key) + " must be " + expected + ", found " + TypeName(*table_->get(key)));
 }
 
@@ -186,7 +187,7 @@ TomlSection TomlSection::Section(const std::string& key) const {
 }
 
 std::string TomlSection::RequireString(const std::string& key) const {
-  if (!Find(key)) throw Error(ErrorCode::kCorrupt, Where(key) + " is required (a string)");
+  if (!Find(key)) throw Error(ErrorCode::kInvalidArgument, Where(key) + " is required (a string)");
   return GetString(key, "");
 }
 
@@ -198,7 +199,8 @@ std::string TomlSection::GetString(const std::string& key, const std::string& fa
 }
 
 int64_t TomlSection::RequireInt(const std::string& key) const {
-  if (!Find(key)) throw Error(ErrorCode::kCorrupt, Where(key) + " is required (an integer)");
+  if (!Find(key))
+    throw Error(ErrorCode::kInvalidArgument, Where(key) + " is required (an integer)");
   return GetInt(key, 0);
 }
 
@@ -232,7 +234,7 @@ std::vector<std::string> TomlSection::GetStrings(const std::string& key,
   std::vector<std::string> out;
   for (const toml::node& item : *node->as_array()) {
     if (!item.is_string())
-      throw Error(ErrorCode::kCorrupt,
+      throw Error(ErrorCode::kInvalidArgument,
                   Where(key) + " must be an array of strings, found " + TypeName(item) + " inside");
     out.push_back(item.as_string()->get());
   }
@@ -246,7 +248,7 @@ void TomlSection::RejectUnknownKeys(const std::vector<std::string>& known) const
     if (std::find(known.begin(), known.end(), name) == known.end()) {
       std::string list;
       for (const auto& k : known) list += (list.empty() ? "" : ", ") + k;
-      throw Error(ErrorCode::kCorrupt,
+      throw Error(ErrorCode::kInvalidArgument,
                   Where(name) + " is not a known key here (known: " + list + ")");
     }
   }

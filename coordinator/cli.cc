@@ -6,6 +6,7 @@
 #include <atomic>
 #include <charconv>
 #include <csignal>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -34,6 +35,7 @@
 #include "coordinator/coordinator_server.h"
 #include "coordinator/curve.h"
 #include "coordinator/doctor.h"
+#include "coordinator/down.h"
 #include "coordinator/prepare.h"
 #include "coordinator/slurm.h"
 #include "coordinator/tensorboard.h"
@@ -51,10 +53,22 @@ struct GlobalOptions {
   std::string endpoint = client::DefaultEndpoint();
   std::string curve_keys;
   double timeout_s = 10;
-  CLI::Option* timeout_given = nullptr;  // count() > 0 when --timeout was given
+  CLI::Option* timeout_given = nullptr;   // count() > 0 when --timeout was given
+  CLI::Option* endpoint_given = nullptr;  // count() > 0 when --coordinator was given
 };
 
 client::Client Connect(const GlobalOptions& g) {
+  // A missing ipc socket file means no coordinator: say so at once rather than wait for a reply
+  // (the folder's own problems are the client's to name, before it connects).
+  if (g.endpoint.rfind("ipc://", 0) == 0 && client::EndpointDirProblem(g.endpoint).empty()) {
+    const std::string path = g.endpoint.substr(6);
+    std::error_code ec;
+    if (!std::filesystem::exists(path, ec) && !ec)
+      throw Error(ErrorCode::kNotFound,
+                  "no coordinator at " + g.endpoint + ": the socket file " + path +
+                      " does not exist (start one: `lorastream coordinator`, or `lorastream up "
+                      "--detach`; or point --coordinator / LORASTREAM_COORDINATOR at yours)");
+  }
   return client::Client(
       client::ClientOptions{g.endpoint, g.curve_keys, static_cast<int>(g.timeout_s * 1000)});
 }
@@ -507,7 +521,13 @@ Verb KeygenVerb(CLI::App& app) {
                       << "  clients: --curve-keys DIR, where DIR holds copies of "
                          "coordinator.pub, client.pub and client.key\n"
                       << "  workers: --curve-keys DIR, where DIR holds copies of "
-                         "coordinator.pub, worker.pub and worker.key (never coordinator.key)\n";
+                         "coordinator.pub, worker.pub and worker.key (never coordinator.key)\n"
+                      << "  authorized_clients: the client keys the coordinator admits, one a "
+                         "line; `KEY alice` maps a key to the local user alice (its jobs run as "
+                         "alice), a bare key is the operator (the coordinator's user: every job)\n"
+                      << "  authorized_workers: the keys that may register as workers; add a "
+                         "line per worker key pair you make. Both are read when the "
+                         "coordinator starts\n";
             return 0;
           }};
 }
@@ -526,10 +546,12 @@ Verb UpVerb(CLI::App& app) {
                  "Hugging Face checkpoint folder, or FLUX.1's (BFL's flux1-dev.safetensors, "
                  "a folder holding it, or a diffusers folder: FLUX jobs are submitted) "
                  "(default: synthesize --preset)");
-  up->add_option("--preset", o->up.preset, "configs/models preset to synthesize")
-      ->capture_default_str();
+  CLI::Option* preset = up->add_option("--preset", o->up.preset,
+                                       "configs/models preset to synthesize (default: tiny, or "
+                                       "flux-tiny for FLUX jobs)");
   up->add_option("--job", o->up.jobs,
-                 "job file(s) to submit (default: the configs/jobs/*.toml of the model's family)");
+                 "job file(s) to submit (default: the configs/jobs/*.toml of the model's family); "
+                 "without --model, the base they name (or their family's tiny preset) is served");
   up->add_option("--run-dir", o->up.run_dir,
                  "folder for logs, model, jobs, adapters (default: runs/up-DATE-TIME)");
   up->add_option("--device", o->up.devices,
@@ -542,15 +564,31 @@ Verb UpVerb(CLI::App& app) {
                  "jobs each worker trains at once as one job group (`serve --jobs`; default: "
                  "the worker's, from its GPU's memory, 1 on the CPU)")
       ->check(CLI::Range(1, 64));
-  up->add_flag("--keep", o->up.keep, "leave the cluster running at the end");
+  CLI::Option* keep = up->add_flag("--keep", o->up.keep, "leave the cluster running at the end");
+  up->add_flag("--detach", o->up.detach,
+               "return once the jobs are submitted, the cluster running (`lorastream down` "
+               "stops it)")
+      ->excludes(keep);
   up->add_flag("--no-watch", o->no_watch, "no live view; wait quietly for the jobs");
   up->add_option("--tensorboard", o->up.tensorboard_dir,
                  "the coordinator writes TensorBoard event files here, one run per job");
-  return {up, [o] {
+  return {up, [o, preset] {
             UpOptions options = o->up;
             options.watch = !o->no_watch;
+            options.preset_given = preset->count() > 0;
             return RunUp(options);
           }};
+}
+
+Verb DownVerb(CLI::App& app) {
+  auto run_dir = std::make_shared<std::string>();
+  CLI::App* down = app.add_subcommand(
+      "down",
+      "stop a cluster that `lorastream up --detach` (or --keep) left running: its workers, "
+      "coordinator and store");
+  down->add_option("RUN_DIR", *run_dir,
+                   "the cluster's run folder (default: the one cluster recorded for this user)");
+  return {down, [run_dir] { return RunDown(*run_dir, 30, std::cout); }};
 }
 
 Verb SlurmVerb(CLI::App& app) {
@@ -570,8 +608,15 @@ Verb SlurmVerb(CLI::App& app) {
   slurm->add_option("--gpus-per-node", o->gpus_per_node, "GPUs per node: one worker each");
   slurm->add_option("--cpu-workers-per-node", o->cpu_workers_per_node,
                     "or CPU workers per node (no GPUs)");
-  slurm->add_option("--threads", o->worker_threads, "CPU threads per worker (0: every core)")
+  slurm
+      ->add_option("--threads", o->worker_threads,
+                   "CPU threads per worker (0: --cpus-per-task, else the node's CPUs shared "
+                   "among its workers)")
       ->capture_default_str();
+  slurm->add_option("--cpus-per-task", o->cpus_per_task,
+                    "CPUs Slurm allots each worker (default: Slurm's; CPU workers: --threads)");
+  slurm->add_option("--mem", o->mem, "memory per node, e.g. 500G (#SBATCH --mem)");
+  slurm->add_flag("--exclusive", o->exclusive, "the nodes are the pilot's alone");
   slurm
       ->add_option("--jobs-per-gpu", o->jobs_per_gpu,
                    "jobs each worker trains at once as one job group (`serve --jobs`; "
@@ -608,9 +653,11 @@ Verb SlurmVerb(CLI::App& app) {
                     "runs/slurm-DATE-TIME; on shared storage)");
   slurm->add_option("--bin", o->bin_dir,
                     "folder of the lorastream executables on the nodes (default: this one's)");
-  slurm->add_flag("--print", o->print, "print the script");
+  slurm->add_flag("--print", o->print,
+                  "print the script on stdout (what to do next goes to stderr): "
+                  "`lorastream slurm --print ... > pilot.sbatch`");
   slurm->add_flag("--submit", o->submit, "submit it with sbatch");
-  return {slurm, [o] { return RunSlurm(*o, std::cout); }};
+  return {slurm, [o] { return RunSlurm(*o, std::cout, o->print ? std::cerr : std::cout); }};
 }
 
 Verb DoctorVerb(CLI::App& app, const GlobalOptions& g) {
@@ -619,13 +666,18 @@ Verb DoctorVerb(CLI::App& app, const GlobalOptions& g) {
       "doctor",
       "what this machine and build can do (build, GPUs, memlock, /dev/shm, huge "
       "pages, host registration, stores, coordinator), each problem with its fix; "
-      "exit 1 when it finds a problem");
+      "exit 1 when it finds a problem (no coordinator is one only when --coordinator or "
+      "LORASTREAM_COORDINATOR names one)");
   doctor->add_flag("--json", *json, "JSON object");
   return {
       doctor, [json, &g] {
         // A short wait for the coordinator unless --timeout says otherwise: doctor
         // reports, it does not wait.
         DoctorOptions d{g.endpoint, g.curve_keys, g.timeout_given->count() ? g.timeout_s : 2.0, ""};
+        // A coordinator is expected where the user named one; at the default endpoint none
+        // running is information, not a problem of the machine.
+        d.expect_coordinator =
+            g.endpoint_given->count() > 0 || std::getenv("LORASTREAM_COORDINATOR") != nullptr;
         return RunDoctor(d, *json, std::cout);
       }};
 }
@@ -639,9 +691,9 @@ int RunLorastreamCli(int argc, char** argv) {
   app.require_subcommand(1);
   app.fallthrough();  // global options may follow the verb: `lorastream jobs --coordinator X`
   GlobalOptions g;
-  app.add_option("--coordinator", g.endpoint, "coordinator endpoint (ZeroMQ)")
-      ->envname("LORASTREAM_COORDINATOR")
-      ->capture_default_str();
+  g.endpoint_given = app.add_option("--coordinator", g.endpoint, "coordinator endpoint (ZeroMQ)")
+                         ->envname("LORASTREAM_COORDINATOR")
+                         ->capture_default_str();
   app.add_option("--curve-keys", g.curve_keys,
                  "folder of CURVE keys from `lorastream keygen` (the daemon loads "
                  "coordinator.*, clients load coordinator.pub + client.*)")
@@ -652,8 +704,8 @@ int RunLorastreamCli(int argc, char** argv) {
   const std::vector<Verb> verbs = {
       CoordinatorVerb(app, g), SubmitVerb(app, g), JobsVerb(app, g),    ShowVerb(app, g),
       StatsVerb(app, g),       CancelVerb(app, g), WorkersVerb(app, g), WatchVerb(app, g),
-      PrepareVerb(app),        KeygenVerb(app),    UpVerb(app),         DoctorVerb(app, g),
-      SlurmVerb(app),
+      PrepareVerb(app),        KeygenVerb(app),    UpVerb(app),         DownVerb(app),
+      DoctorVerb(app, g),      SlurmVerb(app),
   };
   return RunMain("lorastream", app, argc, argv, [&]() -> int {
     for (const Verb& verb : verbs)

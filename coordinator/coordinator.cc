@@ -14,6 +14,9 @@
 namespace lorastream::coordinator {
 namespace {
 
+// The weight of each new step in the moving average of the step time (the ETA).
+constexpr double kStepRateEmaWeight = 0.2;
+
 bool Fits(const JobRecord& job, const WorkerEntry& worker) {
   const JobSummary& s = job.summary;
   // A job on a checkpoint folder (no store) reads it directly: any worker may take it.
@@ -298,8 +301,12 @@ WorkerAck Coordinator::Step(const StepReport& req, double now) {
   s.has_stats = true;
   s.NoteEval(x);
   if (x.step_seconds > 0) {
-    auto [it, fresh] = step_seconds_ema_.emplace(s.id, x.step_seconds);
-    if (!fresh) it->second = 0.8 * it->second + 0.2 * x.step_seconds;
+    // The first step of an attempt carries its start-up (allocation, calibration, a CUDA
+    // graph's capture): the second replaces it outright; later steps weigh 0.2.
+    StepRateEma& e = step_seconds_ema_[s.id];
+    const double w = e.samples <= 1 ? 1.0 : kStepRateEmaWeight;
+    e.step_seconds = w * x.step_seconds + (1 - w) * e.step_seconds;
+    ++e.samples;
   }
   // Downsampling: about stats_rows_per_job rows per job, always the first and the last step
   // and every step that evaluated.
@@ -467,7 +474,7 @@ JobSummary Coordinator::View(const JobRecord& job) const {
   JobSummary s = job.summary;
   auto it = step_seconds_ema_.find(s.id);
   if (s.state == JobState::kRunning && it != step_seconds_ema_.end() && s.total_steps > 0)
-    s.eta_seconds = std::max<int64_t>(0, s.total_steps - s.step) * it->second;
+    s.eta_seconds = std::max<int64_t>(0, s.total_steps - s.step) * it->second.step_seconds;
   // A queued job that no live worker can take says why (its store offered nowhere, or with
   // other weights than its first run's); a requeued one keeps its own reason.
   if (s.state == JobState::kQueued && s.reason.empty() && !s.store_name.empty()) {

@@ -118,7 +118,13 @@ class Coordinator {
   WorkerRegistry workers_;
   std::map<int64_t, JobRecord> jobs_;
   JobQueue queue_;
-  std::map<int64_t, double> step_seconds_ema_;  // per running job, for the ETA
+  // Per running job: the exponential moving average of the step time, for the ETA (its first
+  // sample, the start-up step, is replaced by the second: Coordinator::Step).
+  struct StepRateEma {
+    double step_seconds = 0;
+    int samples = 0;
+  };
+  std::map<int64_t, StepRateEma> step_seconds_ema_;
   int64_t next_job_id_ = 1;
   double reconcile_deadline_ = 0;
   // The head of the queue that no group fits, and the worker draining for it ("": none).

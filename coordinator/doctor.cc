@@ -196,6 +196,13 @@ nlohmann::json CoordinatorCheck(nlohmann::json& report, const DoctorOptions& o) 
   } catch (const Error& e) {
     j["reachable"] = false;
     j["error"] = e.what();
+    if (!o.expect_coordinator) {
+      report["notes"].push_back(
+          {{"check", "coordinator"},
+           {"note", "no coordinator runs at " + o.endpoint},
+           {"hint", "`lorastream up` starts a local cluster; `lorastream coordinator` one alone"}});
+      return j;
+    }
     AddProblem(report, "coordinator", "no coordinator answers at " + o.endpoint,
                "start one (`lorastream coordinator`, or `lorastream up --keep`), or point "
                "--coordinator / LORASTREAM_COORDINATOR at yours");
@@ -206,7 +213,7 @@ nlohmann::json CoordinatorCheck(nlohmann::json& report, const DoctorOptions& o) 
 }  // namespace
 
 nlohmann::json DoctorReport(const DoctorOptions& options) {
-  nlohmann::json report{{"problems", nlohmann::json::array()}};
+  nlohmann::json report{{"problems", nlohmann::json::array()}, {"notes", nlohmann::json::array()}};
   const std::vector<GpuInfo> gpus = ListGpus();
   report["build"] = BuildCheck(report, gpus.size());
   report["gpus"] = GpuCheck(gpus);
@@ -272,6 +279,9 @@ std::string DoctorText(const nlohmann::json& r) {
                          (c.value("reachable", false)
                               ? "reachable, " + std::to_string(c.value("workers", 0)) + " worker(s)"
                               : std::string("not reachable")));
+  if (r.contains("notes"))
+    for (const auto& n : r["notes"])
+      out << "  note: " << n.value("note", "") << " (" << n.value("hint", "") << ")\n";
   const auto& problems = r["problems"];
   if (problems.empty()) {
     out << "no problems found\n";

@@ -15,10 +15,14 @@ struct DoctorOptions {
   std::string curve_keys;  // its CURVE keys folder ("" = none)
   double timeout_s = 2;    // for the coordinator's reply and the probe
   std::string bin_dir;     // where lorastream-worker is; "" = beside this executable
+  // No coordinator answering is a problem (exit 1) only when one is expected (the user named
+  // its endpoint); otherwise a note, under "notes".
+  bool expect_coordinator = true;
 };
 
 // Every check as JSON: build, gpus, memlock, dev_shm, shmem_huge_pages, host_register,
-// stores, coordinator, and problems: [{check, problem, fix}].
+// stores, coordinator, problems: [{check, problem, fix}] and notes: [{check, note, hint}]
+// (what is not wrong but worth knowing: no coordinator running when none was named).
 nlohmann::json DoctorReport(const DoctorOptions& options);
 
 // The report on one screen.

@@ -212,6 +212,7 @@ void LocalCluster::StartWorker(size_t index) {
   }
   if (options_.jobs_per_worker > 0)
     argv.insert(argv.end(), {"--jobs", std::to_string(options_.jobs_per_worker)});
+  if (options_.offer_own_store_only) argv.insert(argv.end(), {"--store", store_name_});
   workers_[index] = Subprocess::Spawn(argv, so);
 }
 
@@ -270,7 +271,7 @@ std::string LocalCluster::Client(const std::vector<std::string>& args, int* exit
   return out;
 }
 
-int64_t LocalCluster::Submit(const std::string& job_path) {
+int64_t LocalCluster::Submit(const std::string& job_path, std::string* replaced_output_dir) {
   toml::table job;
   try {
     const std::string text = ReadRegularFile(job_path, kMaxTomlBytes, "job file");
@@ -281,6 +282,14 @@ int64_t LocalCluster::Submit(const std::string& job_path) {
   }
   const std::string stem = fs::path(job_path).stem().string();
   const std::string output_dir = options_.run_dir + "/adapters/" + stem;
+  const std::string job_dir = JobFileDir(job_path);
+  if (replaced_output_dir) {
+    const toml::node* named =
+        job.at_path(job.contains("flux") ? "flux.output_dir" : "train.output_dir").node();
+    const std::string before =
+        named && named->is_string() ? ResolveJobPath(named->as_string()->get(), job_dir) : "";
+    *replaced_output_dir = before == output_dir ? "" : before;
+  }
   if (job.contains("flux")) {
     // A FLUX job: its [flux] section names the store (its units are the store's) and the
     // output folder.
@@ -303,8 +312,8 @@ int64_t LocalCluster::Submit(const std::string& job_path) {
   }
   // The copy lives in another folder: the relative paths it holds are made absolute against
   // the original's folder, where they pointed (ResolveJobPath, the rule LoadJobSpec follows).
-  const std::string job_dir = JobFileDir(job_path);
-  for (const char* key : {"data.path", "train.stats_file", "flux.cache_dir"}) {
+  // Every path a job file holds but the ones replaced above (model and output folders).
+  for (const char* key : {"data.path", "eval.path", "train.stats_file", "flux.cache_dir"}) {
     toml::node* node = job.at_path(key).node();
     if (node && node->is_string()) {
       std::string& path = node->as_string()->get();
@@ -374,10 +383,30 @@ void LocalCluster::WritePidFile(const std::string& path) {
   if (!out) throw Error(ErrorCode::kIo, "cannot write " + path);
 }
 
+void LocalCluster::WriteClusterFile() {
+  nlohmann::json parts = nlohmann::json::array();
+  for (size_t i = 0; i < workers_.size(); ++i)
+    if (workers_[i].Running())
+      parts.push_back({{"part", "worker " + devices_[i]}, {"pid", workers_[i].pid()}});
+  if (coordinator_.Running())
+    parts.push_back({{"part", "coordinator"}, {"pid", coordinator_.pid()}});
+  if (store_.Running()) parts.push_back({{"part", "store"}, {"pid", store_.pid()}});
+  const nlohmann::json j{{"endpoint", endpoint_}, {"store", store_name_}, {"parts", parts}};
+  const std::string path = options_.run_dir + "/cluster.json";
+  std::ofstream out(path);
+  out << j.dump(2) << "\n";
+  if (!out) throw Error(ErrorCode::kIo, "cannot write " + path);
+}
+
 void LocalCluster::Stop() {
   for (size_t i = 0; i < workers_.size(); ++i)
     if (workers_[i].valid()) workers_[i].Stop(30);
-  if (coordinator_.valid()) coordinator_.Stop(30);
+  if (coordinator_.valid()) {
+    coordinator_.Stop(30);
+    // A coordinator that had to be killed leaves its socket file: remove it (it was ours).
+    std::error_code ec;
+    fs::remove(endpoint_.substr(std::string("ipc://").size()), ec);
+  }
   if (store_.valid()) store_.Stop(30);
 }
 

@@ -31,6 +31,9 @@ struct LocalClusterOptions {
   // Store, coordinator and workers keep running when this process dies (`up --keep` hands
   // them over with Detach()); else the kernel sends them SIGTERM then (common/subprocess.h).
   bool outlive_parent = false;
+  // Each worker offers only this cluster's store (`serve --store NAME`), not every store of
+  // the host (`lorastream up`); false: the worker's default, every live store.
+  bool offer_own_store_only = false;
 };
 
 // Devices of this host: "cuda:i" for each visible GPU (common/gpu_info.h: nvidia-smi or the
@@ -66,8 +69,10 @@ class LocalCluster {
   // Copies a job file into run_dir/jobs/ with [model] store set to this cluster's store and
   // [train] output_dir set to run_dir/adapters/<file stem> (a FLUX job: flux.store and
   // flux.output_dir), then submits it; returns the job id. Relative paths in the job (its
-  // data, a FLUX job's caches) are made absolute against the job file's folder.
-  int64_t Submit(const std::string& job_path);
+  // data and eval data, stats file, a FLUX job's caches) are made absolute against the job
+  // file's folder. *replaced_output_dir gets the output folder the job named, when it named
+  // one other than the cluster's ("" otherwise).
+  int64_t Submit(const std::string& job_path, std::string* replaced_output_dir = nullptr);
   // Runs `lorastream ARGS --coordinator ENDPOINT` and returns its stdout; *exit_code gets its
   // exit status (throws when null and the status is not 0).
   std::string Client(const std::vector<std::string>& args, int* exit_code = nullptr,
@@ -76,8 +81,12 @@ class LocalCluster {
   nlohmann::json WaitForJobs(double timeout_s);
   // `lorastream show ID --json`.
   nlohmann::json ShowJob(int64_t id) const;
-  // Writes the pids of every running part, one per line (for `up --keep`).
+  // Writes the pids of every running part, one per line, workers first, then the coordinator
+  // and the store (for `up --keep`: `kill $(cat FILE)`).
   void WritePidFile(const std::string& path);
+  // Writes run_dir/cluster.json ({endpoint, store, parts: [{part, pid}]} in the order they
+  // stop: workers, coordinator, store), which `lorastream down` reads.
+  void WriteClusterFile();
 
   const std::string& endpoint() const { return endpoint_; }
   const std::string& store_name() const { return store_name_; }

@@ -98,9 +98,10 @@ SlurmOptions Checked(SlurmOptions o) {
   if ((o.gpus_per_node > 0) == (o.cpu_workers_per_node > 0))
     bad("give exactly one of --gpus-per-node (a worker per GPU) and --cpu-workers-per-node");
   if (o.gpus_per_node < 0 || o.cpu_workers_per_node < 0 || o.worker_threads < 0 ||
-      o.jobs_per_gpu < 0)
-    bad("--gpus-per-node, --cpu-workers-per-node, --threads and --jobs-per-gpu cannot be "
-        "negative");
+      o.jobs_per_gpu < 0 || o.cpus_per_task < 0)
+    bad("--gpus-per-node, --cpu-workers-per-node, --threads, --cpus-per-task and "
+        "--jobs-per-gpu cannot be negative");
+  RequireOneLine("--mem", o.mem);
   if (o.port < 1 || o.port > 65535) bad("--port must be in 1..65535");
   if (o.keys_dir.empty()) bad("--keys names the folder of the CURVE keys (on shared storage)");
   if (!o.model_dir.empty()) {
@@ -162,6 +163,11 @@ SlurmOptions Checked(SlurmOptions o) {
   return o;
 }
 
+// The CPUs of a CPU worker's task: --cpus-per-task, else its threads (at least one).
+int CpuWorkerCpus(const SlurmOptions& o) {
+  return o.cpus_per_task > 0 ? o.cpus_per_task : std::max(1, o.worker_threads);
+}
+
 std::string SbatchLines(const SlurmOptions& o) {
   std::ostringstream s;
   auto line = [&](const std::string& option, const std::string& why = "") {
@@ -172,10 +178,14 @@ std::string SbatchLines(const SlurmOptions& o) {
   if (o.gpus_per_node > 0) {
     line("--ntasks-per-node=" + std::to_string(o.gpus_per_node), "one worker per GPU");
     line("--gpus-per-node=" + std::to_string(o.gpus_per_node));
+    if (o.cpus_per_task > 0) line("--cpus-per-task=" + std::to_string(o.cpus_per_task));
   } else {
     line("--ntasks-per-node=" + std::to_string(o.cpu_workers_per_node), "CPU workers");
-    line("--cpus-per-task=" + std::to_string(std::max(1, o.worker_threads)));
+    line("--cpus-per-task=" + std::to_string(CpuWorkerCpus(o)));
   }
+  if (!o.mem.empty())
+    line("--mem=" + o.mem, "memory per node: the store's copy of the model and more");
+  if (o.exclusive) line("--exclusive", "the nodes are the pilot's alone");
   line("--no-kill", "a lost node ends its own tasks; the pilot goes on with the others");
   line(o.requeue ? "--requeue" : "--no-requeue",
        o.requeue ? "restarted when its first node is lost; workers register again" : "");
@@ -264,10 +274,15 @@ std::string RenderPilotScript(const std::string& template_text, const SlurmOptio
       {"PORT", std::to_string(o.port)},
       {"HEARTBEAT_TIMEOUT", Seconds(o.heartbeat_timeout_s)},
       {"WORKERS_PER_NODE", std::to_string(gpus ? o.gpus_per_node : o.cpu_workers_per_node)},
-      {"WORKER_STEP", gpus ? "--gpus-per-task=1"
-                           : "--cpus-per-task=" + std::to_string(std::max(1, o.worker_threads))},
+      {"WORKER_STEP",
+       gpus ? "--gpus-per-task=1" + (o.cpus_per_task > 0
+                                         ? " --cpus-per-task=" + std::to_string(o.cpus_per_task)
+                                         : std::string())
+            : "--cpus-per-task=" + std::to_string(CpuWorkerCpus(o))},
       {"WORKER_DEVICE", gpus ? "cuda:0" : "cpu"},
-      {"WORKER_THREADS", std::to_string(o.worker_threads)},
+      // 0 is resolved by the script on each node (the CPUs Slurm allots, shared among the
+      // node's workers): never every core for each of eight workers.
+      {"WORKER_THREADS", std::to_string(o.worker_threads > 0 ? o.worker_threads : o.cpus_per_task)},
       {"WORKER_JOBS", std::to_string(o.jobs_per_gpu)},
       {"STORE_WAIT", Seconds(o.store_wait_s)},
   };
@@ -286,7 +301,7 @@ std::string RenderPilotScript(const std::string& template_text, const SlurmOptio
   return text + template_text.substr(last);
 }
 
-int RunSlurm(SlurmOptions options, std::ostream& out) {
+int RunSlurm(SlurmOptions options, std::ostream& script_out, std::ostream& out) {
   const SlurmOptions o = Checked(std::move(options));
   const std::string template_path = o.configs_dir + "/slurm/pilot.sbatch.in";
   const std::string template_text = ReadTemplate(template_path);
@@ -303,7 +318,7 @@ int RunSlurm(SlurmOptions options, std::ostream& out) {
   }
   fs::permissions(script, fs::perms::owner_exec | fs::perms::group_exec | fs::perms::others_exec,
                   fs::perm_options::add, ec);
-  if (o.print) out << ReadTemplate(script);
+  if (o.print) script_out << ReadTemplate(script) << std::flush;
   const std::string endpoint =
       o.coordinator.empty() ? "$(cat " + o.run_dir + "/coordinator.endpoint)" : o.coordinator;
   out << "pilot script: " << script << "\n"

@@ -18,8 +18,13 @@ struct SlurmOptions {
   int nodes = 1;
   int gpus_per_node = 0;         // one worker per GPU (--gpus-per-task=1) ...
   int cpu_workers_per_node = 0;  // ... or this many CPU workers: exactly one of the two
-  int worker_threads = 0;        // CPU threads per worker (0: every core)
-  int jobs_per_gpu = 0;          // each worker's job slots, `serve --jobs` (0: its default)
+  int worker_threads = 0;        // CPU threads per worker (0: --cpus-per-task, else the node's CPUs
+                                 // that Slurm allots shared among its workers)
+  int cpus_per_task = 0;         // CPUs Slurm allots each worker (0: Slurm's default; a CPU worker
+                                 // gets max(1, worker_threads))
+  std::string mem;         // #SBATCH --mem (memory per node, e.g. "500G"; "": Slurm's default)
+  bool exclusive = false;  // #SBATCH --exclusive: the nodes are the pilot's alone
+  int jobs_per_gpu = 0;    // each worker's job slots, `serve --jobs` (0: its default)
   std::string partition, time, account, job_name = "lorastream";
   std::vector<std::string> sbatch_lines;  // more #SBATCH lines, e.g. "--constraint=h200"
   bool requeue = false;                   // Slurm restarts the pilot when its first node fails
@@ -59,8 +64,12 @@ PilotKeys PreparePilotKeys(const std::string& keys_dir, const std::string& run_n
 std::string RenderPilotScript(const std::string& template_text, const SlurmOptions& options,
                               const PilotKeys& keys, const std::string& script_path);
 
-// Checks the options, prepares the keys, writes RUN_DIR/pilot.sbatch, prints what to do next
-// (and the script with `print`), submits it with `submit`. Returns the exit status.
-int RunSlurm(SlurmOptions options, std::ostream& out);
+// Checks the options, prepares the keys, writes RUN_DIR/pilot.sbatch, prints the script on
+// `out` with `print`, what to do next on `notes` (so that `--print > pilot.sbatch` leaves only
+// the script in the file), submits it with `submit`. Returns the exit status.
+int RunSlurm(SlurmOptions options, std::ostream& out, std::ostream& notes);
+inline int RunSlurm(SlurmOptions options, std::ostream& out) {
+  return RunSlurm(std::move(options), out, out);
+}
 
 }  // namespace lorastream::cli

@@ -11,14 +11,21 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include <toml++/toml.h>
+
 #include "common/error.h"
+#include "common/flux_config.h"
 #include "common/flux_job.h"
 #include "common/gpu_info.h"
 #include "common/install_paths.h"
+#include "common/job_paths.h"
 #include "common/log.h"
 #include "coordinator/build_info.h"
+#include "coordinator/curve.h"
+#include "coordinator/down.h"
 #include "coordinator/local_cluster.h"
 #include "coordinator/tensorboard.h"
+#include "store/synth_flux.h"
 
 namespace lorastream::cli {
 
@@ -50,6 +57,18 @@ std::vector<std::string> ExampleJobs(const std::string& configs_dir, bool flux) 
   return jobs;
 }
 
+// Whether `model_dir` is served as FLUX.1: BFL's file or a diffusers folder, or a folder
+// holding the single file that lorastream-synth writes for a FLUX preset (as LocalCluster).
+bool IsFluxModel(const std::string& model_dir) {
+  std::error_code ec;
+  if (fs::is_directory(model_dir, ec) && !fs::exists(model_dir + "/config.json", ec) &&
+      fs::exists(model_dir + "/" + store::kSynthFluxFile, ec))
+    return true;
+  return IsFluxCheckpointPath(model_dir);
+}
+
+std::string Family(bool flux) { return flux ? "a FLUX.1 job ([flux])" : "an LLM job"; }
+
 // "step 24/24, 9356 tok/s, stall 16%  eval loss 2.1034  " from a job's last step statistics
 // and evaluation ("" before any).
 std::string LastStepSummary(const nlohmann::json& job) {
@@ -78,15 +97,97 @@ std::string LastStepSummary(const nlohmann::json& job) {
 
 }  // namespace
 
+UpModel ChooseUpModel(const UpOptions& options, const std::vector<std::string>& jobs,
+                      const std::string& configs_dir) {
+  // Each job's family and the checkpoint it names (absolute), read before anything starts.
+  struct JobBase {
+    std::string path, checkpoint;
+    bool flux = false;
+  };
+  std::vector<JobBase> bases;
+  for (const std::string& path : jobs) {
+    std::error_code ec;
+    if (!fs::is_regular_file(path, ec))
+      throw Error(ErrorCode::kNotFound, "job file " + path + " does not exist");
+    toml::table job;
+    try {
+      job = toml::parse_file(path);
+    } catch (const toml::parse_error& e) {
+      throw Error(ErrorCode::kInvalidArgument, path + ": " + std::string(e.description()));
+    }
+    JobBase b{path, "", job.contains("flux")};
+    const toml::node* checkpoint =
+        job.at_path(b.flux ? "flux.checkpoint" : "model.checkpoint").node();
+    if (checkpoint && checkpoint->is_string() && !checkpoint->as_string()->get().empty())
+      b.checkpoint = ResolveJobPath(checkpoint->as_string()->get(), JobFileDir(path));
+    bases.push_back(std::move(b));
+  }
+  for (const JobBase& b : bases)
+    if (b.flux != bases.front().flux)
+      throw Error(ErrorCode::kInvalidArgument,
+                  "`up` serves one base for all its jobs: " + b.path + " is " + Family(b.flux) +
+                      " but " + bases.front().path + " is " + Family(bases.front().flux) +
+                      "; run them with two `lorastream up`s");
+
+  UpModel model;
+  model.preset = options.preset;
+  if (!options.model_dir.empty()) {
+    model.model_dir = options.model_dir;
+    model.flux = IsFluxModel(options.model_dir);
+    for (const JobBase& b : bases)
+      if (b.flux != model.flux)
+        throw Error(ErrorCode::kInvalidArgument,
+                    b.path + " is " + Family(b.flux) + " but --model " + options.model_dir +
+                        " is " + (model.flux ? "a FLUX.1 checkpoint" : "an LLM checkpoint") +
+                        ": give --model the jobs' base, or leave it out to serve " +
+                        (b.checkpoint.empty() ? "the tiny preset of their family"
+                                              : "the checkpoint they name"));
+    return model;
+  }
+  for (const JobBase& b : bases) {
+    if (b.checkpoint.empty()) continue;
+    if (model.model_dir.empty()) {
+      model.model_dir = b.checkpoint;
+      model.flux = b.flux;
+    } else if (b.checkpoint != model.model_dir) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "`up` serves one base for all its jobs: " + b.path + " names " + b.checkpoint +
+                      " but another job names " + model.model_dir +
+                      "; run them with two `lorastream up`s, or give --model");
+    }
+  }
+  if (!model.model_dir.empty()) return model;
+  // A synthetic preset: the jobs' family picks it unless --preset was given.
+  const bool jobs_flux = !bases.empty() && bases.front().flux;
+  if (!options.preset_given && !bases.empty()) model.preset = jobs_flux ? "flux-tiny" : "tiny";
+  model.flux = store::IsFluxPreset(store::PresetPath(model.preset, configs_dir + "/models"));
+  for (const JobBase& b : bases)
+    if (b.flux != model.flux)
+      throw Error(ErrorCode::kInvalidArgument,
+                  b.path + " is " + Family(b.flux) + " but --preset " + model.preset + " is " +
+                      (model.flux ? "a FLUX.1 model" : "an LLM") + ": name a preset of the " +
+                      "jobs' family (" + (b.flux ? "flux-tiny" : "tiny") + "), or leave it out");
+  return model;
+}
+
 int RunUp(const UpOptions& options) {
+  // The base and the jobs, decided before anything starts: a job `up` cannot serve is refused
+  // now, naming it.
+  const std::string configs = options.configs_dir.empty() ? ConfigsDir() : options.configs_dir;
+  std::vector<std::string> jobs = options.jobs;
+  UpModel model = ChooseUpModel(options, jobs, configs);
+  if (jobs.empty()) jobs = ExampleJobs(configs, model.flux);
+
   LocalClusterOptions co;
   co.bin_dir = options.bin_dir.empty() ? SelfExeDir() : options.bin_dir;
-  co.model_dir = options.model_dir;
-  co.preset = options.preset;
+  co.model_dir = model.model_dir;
+  co.preset = model.preset;
+  co.offer_own_store_only = true;  // its workers take only its jobs' base
   co.devices = options.devices.empty() ? DetectGpus() : options.devices;
   co.cpu_workers = options.cpu_workers;
   co.jobs_per_worker = options.jobs_per_worker;
-  co.outlive_parent = options.keep;  // --keep leaves the cluster running after `up` ends
+  // --keep and --detach leave the cluster running after `up` ends.
+  co.outlive_parent = options.keep || options.detach;
   if (!options.tensorboard_dir.empty()) {
     // Checked here, before anything starts: a bad folder is an error of this command.
     co.tensorboard_dir = coordinator::TensorBoardWriter(options.tensorboard_dir).dir();
@@ -96,7 +197,6 @@ int RunUp(const UpOptions& options) {
     std::string problem = client::CudaBuildProblem(co.devices, ListGpus().size());
     if (!problem.empty()) throw Error(ErrorCode::kUnsupported, problem);
   }
-  std::string configs = options.configs_dir.empty() ? ConfigsDir() : options.configs_dir;
   co.run_dir = fs::absolute(options.run_dir.empty() ? DefaultRunDir("up") : options.run_dir);
 
   // The cluster's processes run in sessions of their own, so Ctrl-C reaches only `up` (and
@@ -110,8 +210,6 @@ int RunUp(const UpOptions& options) {
   std::printf("lorastream up: logs in %s\n", cluster.log_dir().c_str());
   std::fflush(stdout);
   cluster.Start();
-  const std::vector<std::string> jobs =
-      options.jobs.empty() ? ExampleJobs(configs, cluster.flux()) : options.jobs;
   std::printf("store `%s` (%s), coordinator %s, %zu worker(s):", cluster.store_name().c_str(),
               cluster.model_dir().c_str(), cluster.endpoint().c_str(), cluster.num_workers());
   for (const auto& d : cluster.devices()) std::printf(" %s", d.c_str());
@@ -120,10 +218,27 @@ int RunUp(const UpOptions& options) {
   std::printf("\n");
   for (const auto& job : jobs) {
     if (g_stop_signal) break;  // Ctrl-C during start-up: submit nothing more
-    int64_t id = cluster.Submit(job);
+    std::string replaced;
+    int64_t id = cluster.Submit(job, &replaced);
     std::printf("submitted %s as job %lld\n", job.c_str(), static_cast<long long>(id));
+    if (!replaced.empty())
+      std::printf("  its output_dir %s is replaced by %s/adapters/%s\n", replaced.c_str(),
+                  cluster.run_dir().c_str(), fs::path(job).stem().c_str());
   }
   std::fflush(stdout);
+  if (options.detach && !g_stop_signal) {
+    cluster.WritePidFile(cluster.run_dir() + "/pids");
+    cluster.WriteClusterFile();
+    WriteUpRecord(cluster.run_dir());
+    std::printf(
+        "--detach: the cluster runs on (coordinator %s, store `%s`).\n"
+        "  lorastream --coordinator %s watch   # the live view\n"
+        "  lorastream down %s   # stop it\n",
+        cluster.endpoint().c_str(), cluster.store_name().c_str(), cluster.endpoint().c_str(),
+        cluster.run_dir().c_str());
+    cluster.Detach();
+    return 0;
+  }
 
   Subprocess watch;
   if (options.watch)
@@ -168,12 +283,14 @@ int RunUp(const UpOptions& options) {
   if (options.keep && !g_stop_signal) {
     std::string pids = cluster.run_dir() + "/pids";
     cluster.WritePidFile(pids);
+    cluster.WriteClusterFile();
+    WriteUpRecord(cluster.run_dir());
     std::printf(
         "--keep: the cluster stays up (coordinator %s, store `%s`).\n"
         "  lorastream --coordinator %s submit JOB.toml   # more jobs\n"
-        "  kill $(cat %s)                                 # stop it\n",
+        "  lorastream down %s   # stop it\n",
         cluster.endpoint().c_str(), cluster.store_name().c_str(), cluster.endpoint().c_str(),
-        pids.c_str());
+        cluster.run_dir().c_str());
     cluster.Detach();
   } else {
     cluster.Stop();

@@ -49,6 +49,21 @@ bool Watched(const std::vector<int64_t>& watched, int64_t id) {
 
 }  // namespace
 
+void TokenRateSmoother::Apply(WatchReply& reply) {
+  for (JobSummary& j : reply.jobs) {
+    if (!j.has_stats) continue;
+    State& s = jobs_[j.id];
+    if (s.attempt != j.attempt) s = State{-1, j.attempt, 0, 0};  // a new run: start afresh
+    if (j.last_stats.step != s.step) {
+      const double w = s.samples <= 1 ? 1.0 : kWeight;
+      s.tokens_per_second = w * j.last_stats.tokens_per_second + (1 - w) * s.tokens_per_second;
+      s.step = j.last_stats.step;
+      ++s.samples;
+    }
+    j.last_stats.tokens_per_second = s.tokens_per_second;
+  }
+}
+
 std::string RenderLine(const JobSummary& j) {
   std::ostringstream out;
   out << "job " << j.id << " " << TerminalSafe(j.name) << ": " << JobStateName(j.state) << " "
@@ -102,6 +117,7 @@ int RunWatch(client::Client& client, const WatchOptions& options, std::ostream& 
   std::map<int64_t, std::string> last_text;                  // plain mode: no repeats
   std::string last_workers;
   double unreachable_since = -1;
+  TokenRateSmoother smoother;
   while (true) {
     WatchReply reply;
     try {
@@ -119,6 +135,7 @@ int RunWatch(client::Client& client, const WatchOptions& options, std::ostream& 
       continue;
     }
     req.since_version = reply.version;
+    smoother.Apply(reply);
     if (options.job_ids.empty()) {
       // All jobs: those not ended at the start, and every job that appears later.
       for (const JobSummary& j : reply.jobs) {

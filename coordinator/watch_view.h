@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <ostream>
 #include <vector>
 
@@ -21,6 +22,26 @@ struct WatchOptions {
   double line_interval_s = 1.0;  // plain mode: at most one progress line per job this often
   int poll_wait_ms = 1000;       // long-poll wait per request
   double reconnect_s = 60;       // keep retrying this long while the coordinator is away
+};
+
+// tokens/s as `watch` shows it: per job, an exponential moving average over the steps the view
+// sees (each new step weighs kWeight; the first step of an attempt, which carries its
+// start-up, is replaced by the next), so that the figure does not jump with each step. The
+// raw per-step figures stay in `lorastream stats`.
+class TokenRateSmoother {
+ public:
+  static constexpr double kWeight = 0.2;
+  // Rewrites each job's last_stats.tokens_per_second in `reply` with its average.
+  void Apply(WatchReply& reply);
+
+ private:
+  struct State {
+    int64_t step = -1;
+    int32_t attempt = 0;
+    double tokens_per_second = 0;
+    int samples = 0;
+  };
+  std::map<int64_t, State> jobs_;
 };
 
 // Returns the exit status: 0 when every watched job succeeded, 1 when one failed or was

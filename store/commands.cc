@@ -24,7 +24,8 @@ void RunLs(std::ostream& out) {
   for (const StoreListing& s : stores) {
     out << s.name << ": " << StoreStateName(s);
     if (s.record) out << ", owner pid " << s.record->owner_pid;
-    out << ", " << s.objects.size() << " shm objects, " << FormatGiB(StoreBytes(s), 3);
+    // The largest unit in which the size is at least 1 ("12.50 MiB", not "0.012 GiB").
+    out << ", " << s.objects.size() << " shm objects, " << FormatBytes(StoreBytes(s), 2);
     if (const std::string format = StoreFormat(s); !format.empty()) out << ", " << format;
     out << "\n";
     const std::vector<int64_t> attached = AttachedPids(s);
@@ -34,7 +35,7 @@ void RunLs(std::ostream& out) {
     if (!s.mapping_pids.empty()) {
       const uint64_t pss = StorePssBytes(s);
       const size_t n = s.mapping_pids.size();
-      out << "  in RAM: " << FormatGiB(pss, 3) << " (" << pss << " bytes), the PSS summed over "
+      out << "  in RAM: " << FormatBytes(pss, 2) << " (" << pss << " bytes), the PSS summed over "
           << n << (n == 1 ? " process" : " processes") << " mapping it\n";
     }
     for (const ShmObject& o : s.objects) {
@@ -68,7 +69,7 @@ void RunVerify(const std::string& name, int threads, std::ostream& out, bool hol
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const Manifest& m = store.manifest();
   out << "store `" << name << "`: " << (m.is_flux() ? "FLUX.1, " : "") << m.blocks.size()
-      << (m.is_flux() ? " units + rest, " : " blocks + rest, ") << FormatGiB(m.total_bytes(), 3)
+      << (m.is_flux() ? " units + rest, " : " blocks + rest, ") << FormatBytes(m.total_bytes(), 2)
       << ", " << DTypeName(m.dtype) << m.DescribeCompression() << ", fingerprint " << m.fingerprint
       << ": every checksum matches (" << s << " s)\n";
   if (!hold) return;

@@ -211,11 +211,23 @@ SynthResult RunSynth(const SynthOptions& options) {
   const DType dtype =
       options.dtype.empty() ? preset.dtype : ParseSynthDType(options.dtype, "--dtype");
   config.torch_dtype = TorchDTypeName(dtype);
-  if (!options.tokenizer_dir.empty()) {  // a model that `lorastream prepare` can make data for
-    std::optional<TokenizerId> tokenizer = ModelTokenizerId(options.tokenizer_dir);
+  // --tokenizer: a folder, or the name of a tokenizer bundled with lorastream ("llama3").
+  std::string tokenizer_dir = options.tokenizer_dir;
+  std::error_code ec;
+  if (!tokenizer_dir.empty() && !std::filesystem::exists(tokenizer_dir, ec)) {
+    const std::string bundled = BundledTokenizerDir(tokenizer_dir);
+    if (bundled.empty())
+      throw Error(ErrorCode::kNotFound,
+                  "--tokenizer " + tokenizer_dir +
+                      " does not exist: name a Hugging Face tokenizer folder (tokenizer.json, "
+                      "tokenizer_config.json), or a tokenizer bundled with lorastream (llama3)");
+    tokenizer_dir = bundled;
+  }
+  if (!tokenizer_dir.empty()) {  // a model that `lorastream prepare` can make data for
+    std::optional<TokenizerId> tokenizer = ModelTokenizerId(tokenizer_dir);
     if (!tokenizer)
       throw Error(ErrorCode::kNotFound,
-                  "--tokenizer " + options.tokenizer_dir +
+                  "--tokenizer " + tokenizer_dir +
                       " has no tokenizer.json (a Hugging Face tokenizer folder)");
     config.vocab_size = std::max(config.vocab_size, tokenizer->vocab_size);
   }
@@ -275,10 +287,10 @@ SynthResult RunSynth(const SynthOptions& options) {
   nlohmann::json cj;
   ToJson(cj, config);
   WriteTextFile(options.out_dir + "/config.json", cj.dump(2));
-  if (!options.tokenizer_dir.empty())
+  if (!tokenizer_dir.empty())
     for (const char* name : {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                              "special_tokens_map.json"}) {
-      const std::filesystem::path from = std::filesystem::path(options.tokenizer_dir) / name;
+      const std::filesystem::path from = std::filesystem::path(tokenizer_dir) / name;
       if (std::filesystem::exists(from))
         CopyFileThroughTemp(from, std::filesystem::path(options.out_dir) / name);
     }

@@ -29,7 +29,8 @@ int main(int argc, char** argv) {
                  "uploads) | bnb-nf4 (bitsandbytes 4-bit nf4, as the -bnb-4bit uploads)")
       ->check(CLI::IsMember({"fp8", "bnb-nf4"}));
   app.add_option("--tokenizer", o.tokenizer_dir,
-                 "a Hugging Face tokenizer folder to copy in (vocab_size grows to fit it)");
+                 "a Hugging Face tokenizer folder to copy in (vocab_size grows to fit it), or "
+                 "the name of one bundled with lorastream: llama3");
   app.add_flag("--force", o.force,
                "write into an --out folder that is not empty, replacing its checkpoint files");
   app.add_option("--flux-format", o.flux_format,

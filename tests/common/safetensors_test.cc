@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <numeric>
 #include <set>
@@ -161,6 +162,15 @@ TEST_CASE("sharded checkpoint with an index is read and cross-checked", "[common
   std::remove((dir + "/model.safetensors.index.json").c_str());
   CHECK_THAT(open_error(),
              Catch::Contains("neither model.safetensors nor model.safetensors.index.json"));
+  // Only PyTorch's pickle: the message names it and the conversion.
+  std::vector<std::string> shards;
+  for (const auto& e : std::filesystem::directory_iterator(dir))
+    if (e.path().extension() == ".safetensors") shards.push_back(e.path().string());
+  for (const std::string& shard : shards) std::remove(shard.c_str());
+  std::ofstream(dir + "/pytorch_model.bin") << "pickle";
+  CHECK_THAT(open_error(), Catch::Contains("found pytorch_model.bin") &&
+                               Catch::Contains("save_pretrained(DIR, safe_serialization=True)"));
+  std::remove((dir + "/pytorch_model.bin").c_str());
   std::remove((dir + "/config.json").c_str());
   CHECK_THAT(open_error(), Catch::Contains("no config.json"));
 }

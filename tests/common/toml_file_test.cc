@@ -38,3 +38,26 @@ TEST_CASE("TOML errors name the file, the key and what was expected", "[common]"
                     Catch::StartsWith("bad.toml:1:") && Catch::Contains("TOML syntax error"));
   CHECK_THROWS_AS(TomlSection::Load("/nonexistent/job.toml"), Error);
 }
+
+TEST_CASE("a job file's wrong type is invalid input (exit 2), not a corrupt file", "[common]") {
+  auto doc = TomlSection::Parse("[optim]\nlr = \"fast\"\nranke = 1\n", "job.toml");
+  auto code_of = [](const auto& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return e.code();
+    }
+    return lorastream::ErrorCode::kOk;
+  };
+  const auto optim = doc.Section("optim");
+  CHECK(code_of([&] { optim.GetDouble("lr", 0); }) == lorastream::ErrorCode::kInvalidArgument);
+  CHECK_THROWS_WITH(optim.GetDouble("lr", 0),
+                    "job.toml: key `optim.lr` must be a number, found a string");
+  CHECK(code_of([&] { optim.RejectUnknownKeys({"lr"}); }) ==
+        lorastream::ErrorCode::kInvalidArgument);
+  CHECK(code_of([&] { doc.RequireString("name"); }) == lorastream::ErrorCode::kInvalidArgument);
+  CHECK(lorastream::ExitCodeFor(lorastream::ErrorCode::kInvalidArgument) == 2);
+  // An unsupported model is refused with the same status by every command (store serve, train).
+  CHECK(lorastream::ExitCodeFor(lorastream::ErrorCode::kUnsupported) ==
+        lorastream::ExitCodeFor(lorastream::ErrorCode::kRefused));
+}

@@ -273,3 +273,30 @@ TEST_CASE("submit returns every problem and refuses a shared output folder", "[c
   REQUIRE(dup.problems.size() == 1);
   CHECK_THAT(dup.problems[0], Catch::Contains("already used by job 1"));
 }
+
+TEST_CASE("the ETA follows a moving average of the step time, the start-up step replaced",
+          "[coordinator]") {
+  TempDb db;
+  Coordinator c(Options(), Journal(db.path()), 0);
+  int64_t id = c.Submit(Job("ema", 0)).job_id;
+  std::string w = c.Register(Worker("a", {{"tiny", ""}}), 0).worker_id;
+  REQUIRE(c.Heartbeat(HeartbeatRequest{w, {}, 1}, 0).assignment.job_id == id);
+  auto report = [&](int64_t step, double step_seconds) {
+    StepReport r{w, id, 1, {}};
+    r.stats.step = step;
+    r.stats.total_steps = 100;
+    r.stats.step_seconds = step_seconds;
+    r.stats.tokens_per_second = 1000 / step_seconds;
+    c.Step(r, 1);
+    return c.ShowJob(ShowJobRequest{id}, 1).job;
+  };
+  CHECK(report(1, 10.0).eta_seconds == Approx(99 * 10.0));  // the start-up step, alone
+  CHECK(report(2, 1.0).eta_seconds == Approx(98 * 1.0));    // replaces it outright
+  // A jumpy step moves the average by a fifth; the raw figure stays in the job's statistics.
+  const JobSummary j = report(3, 0.1);
+  CHECK(j.eta_seconds == Approx(97 * (0.8 * 1.0 + 0.2 * 0.1)));
+  CHECK(j.last_stats.step_seconds == Approx(0.1));
+  const std::vector<StepStats> rows = c.Stats(StatsRequest{id}).stats;
+  REQUIRE_FALSE(rows.empty());
+  CHECK(rows.back().step_seconds == Approx(0.1));
+}

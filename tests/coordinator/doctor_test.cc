@@ -169,3 +169,24 @@ TEST_CASE("GPU detection reads the folder LORASTREAM_NVIDIA_GPUS_DIR names",
   CHECK(visible == std::vector<std::string>{"cuda:0", "cuda:1"});
   CHECK(one == std::vector<std::string>{"cuda:0"});
 }
+
+TEST_CASE("doctor: no coordinator where none was named is a note, not a problem",
+          "[coordinator][doctor]") {
+  Cluster c("doctor-note");  // no coordinator on its endpoint
+  DoctorOptions o;
+  o.endpoint = c.endpoint();
+  o.timeout_s = 0.2;
+  o.expect_coordinator = false;  // as `lorastream doctor` without --coordinator
+  const nlohmann::json r = DoctorReport(o);
+  CHECK(r["coordinator"]["reachable"] == false);
+  CHECK(FindProblem(r, "coordinator") == nullptr);
+  REQUIRE(r["notes"].size() == 1);
+  CHECK(r["notes"][0]["check"] == "coordinator");
+  CHECK_THAT(r["notes"][0].value("note", ""), Catch::Contains(c.endpoint()));
+  std::ostringstream text;
+  const int code = RunDoctor(o, false, text);
+  INFO(text.str());
+  // Healthy unless the machine itself has a problem; the missing coordinator is not one.
+  CHECK(code == (DoctorReport(o)["problems"].empty() ? 0 : 1));
+  CHECK_THAT(text.str(), Catch::Contains("  note: no coordinator runs at " + c.endpoint()));
+}

@@ -98,3 +98,29 @@ TEST_CASE("statistics export as CSV and JSON", "[coordinator]") {
   CHECK(json["stats"].size() == 2);
   CHECK(json["stats"][1]["loss"] == 3.25);
 }
+
+TEST_CASE("watch smooths tokens/s over steps; a repeated step or a new attempt is handled",
+          "[coordinator]") {
+  TokenRateSmoother smoother;
+  auto shown = [&](int64_t step, double tps, int32_t attempt = 1) {
+    WatchReply reply;
+    JobSummary j;
+    j.id = 7;
+    j.state = JobState::kRunning;
+    j.attempt = attempt;
+    j.has_stats = true;
+    j.last_stats.step = step;
+    j.last_stats.tokens_per_second = tps;
+    reply.jobs.push_back(j);
+    smoother.Apply(reply);
+    return reply.jobs[0].last_stats.tokens_per_second;
+  };
+  CHECK(shown(1, 100) == Approx(100));    // the start-up step, alone
+  CHECK(shown(2, 1217) == Approx(1217));  // replaces it outright
+  // The jumps (1217 -> 14581 -> 2722 tok/s) move the shown figure by a fifth each.
+  const double after_jump = 0.8 * 1217 + 0.2 * 14581;
+  CHECK(shown(3, 14581) == Approx(after_jump));
+  CHECK(shown(3, 14581) == Approx(after_jump));  // the same step seen again: no change
+  CHECK(shown(4, 2722) == Approx(0.8 * after_jump + 0.2 * 2722));
+  CHECK(shown(1, 500, 2) == Approx(500));  // a requeued job's new attempt starts afresh
+}

@@ -242,3 +242,50 @@ TEST_CASE("store offers: NAME or AS=NAME, both names checked", "[coordinator][sl
   REQUIRE_THROWS_WITH(ParseStoreOffer("qwen=node.7"), Catch::Contains("--store `qwen=node.7`"));
   REQUIRE_THROWS_WITH(ParseStoreOffer("=x"), Catch::Contains("store name ``"));
 }
+
+TEST_CASE("slurm --print: stdout is the script alone, what to do next goes to the other stream",
+          "[coordinator][slurm]") {
+  const testing::TempDir dir("slurm-print");
+  SlurmOptions o = Options(dir);
+  o.print = true;
+  std::ostringstream script, notes;
+  REQUIRE(RunSlurm(o, script, notes) == 0);
+  CHECK(script.str() == ReadAll(dir / "run/pilot.sbatch"));  // `> pilot.sbatch` gives it whole
+  CHECK(script.str().find("pilot script:") == std::string::npos);
+  CHECK(notes.str().find("pilot script: " + dir / "run/pilot.sbatch") != std::string::npos);
+}
+
+TEST_CASE("slurm: --mem, --exclusive, --cpus-per-task; threads shared among a node's workers",
+          "[coordinator][slurm]") {
+  const testing::TempDir dir("slurm-cpus");
+  SlurmOptions o = Options(dir);
+  o.sbatch_lines.clear();
+  o.mem = "500G";
+  o.exclusive = true;
+  o.cpus_per_task = 12;
+  std::string script = Render(o);
+  INFO(script);
+  CHECK(script.find("#SBATCH --mem=500G") != std::string::npos);
+  CHECK(script.find("#SBATCH --exclusive") != std::string::npos);
+  CHECK(script.find("#SBATCH --cpus-per-task=12") != std::string::npos);
+  CHECK(script.find("WORKER_STEP=(--gpus-per-task=1 --cpus-per-task=12)") != std::string::npos);
+  CHECK(script.find("WORKER_THREADS=12\n") != std::string::npos);  // threads follow the CPUs
+  int code = -1;
+  RunAndCapture({"bash", "-n", (dir / "run/pilot.sbatch")}, &code, 30);
+  CHECK(code == 0);
+
+  // No --threads and no --cpus-per-task: the script shares the node's CPUs among its eight
+  // workers (not every core for each).
+  const testing::TempDir dir2("slurm-threads");
+  script = Render(Options(dir2));
+  CHECK(script.find("WORKER_THREADS=0\n") != std::string::npos);
+  const std::string share =
+      "WORKER_THREADS=$(( ${SLURM_CPUS_ON_NODE:-$(nproc)} / WORKERS_PER_NODE ))";
+  REQUIRE(script.find(share) != std::string::npos);
+  // What that line computes for 64 CPUs and eight workers.
+  const std::string out = RunAndCapture(
+      {"bash", "-c",
+       "SLURM_CPUS_ON_NODE=64; WORKERS_PER_NODE=8; " + share + "; echo $WORKER_THREADS"},
+      &code, 30);
+  CHECK(out == "8\n");
+}

@@ -77,8 +77,45 @@ TEST_CASE("installed by `cmake --install`, `lorastream up` trains the examples f
                         "share/lorastream/configs/jobs/tiny_llama.toml",
                         "share/lorastream/configs/data/tiny.jsonl"})
     CHECK(fs::exists(dir / "prefix" / f));
+  // The installed example jobs point no output folder inside the prefix, and cite nothing that
+  // is not installed; the walk-through's tokenizer is there.
+  for (const auto& e : fs::directory_iterator(dir / "prefix/share/lorastream/configs/jobs")) {
+    const std::string job = ReadAll(e.path());
+    INFO(e.path() << "\n" << job);
+    CHECK_FALSE(std::regex_search(job, std::regex("\noutput_dir *=")));
+    CHECK(job.find("common/") == std::string::npos);
+  }
+  CHECK(fs::exists(dir / "prefix/share/lorastream/tokenizers/llama3/tokenizer.json"));
+  CHECK(fs::exists(dir / "prefix/share/doc/lorastream/README.md"));
   fs::create_directories(dir / "elsewhere");
   UpTrainsTheExamples(dir / "elsewhere", (dir / "prefix/bin/lorastream").string());
+  // The README's walk-through, step 1: the bundled tokenizer by name, from another folder.
+  RunIn(dir / "elsewhere",
+        {(dir / "prefix/bin/lorastream-synth").string(), "--preset", "tiny", "--tokenizer",
+         "llama3", "--out", "runs/walk/model"},
+        &code, (dir / "synth.stderr").string(), 300);
+  INFO(ReadAll(dir / "synth.stderr"));
+  CHECK(code == 0);
+  CHECK(fs::exists(dir / "elsewhere/runs/walk/model/tokenizer.json"));
+}
+
+TEST_CASE("every executable answers --version: version, commit, LibTorch, CUDA", "[e2e]") {
+  const std::string expected_torch =
+      lorastream::client::ThisBuild().libtorch_version.empty()
+          ? "no LibTorch"
+          : "LibTorch " + lorastream::client::ThisBuild().libtorch_version;
+  for (const char* exe :
+       {"lorastream", "lorastream-store", "lorastream-synth", "lorastream-worker"}) {
+    int code = -1;
+    const std::string out = lorastream::RunAndCapture(
+        {std::string(LORASTREAM_BIN_DIR) + "/" + exe, "--version"}, &code, 60);
+    INFO(exe << ": " << out);
+    CHECK(code == 0);
+    CHECK_THAT(
+        out, Catch::StartsWith(std::string(exe) + " ") && Catch::Contains("(commit ") &&
+                 Catch::Contains(expected_torch) &&
+                 Catch::Contains(lorastream::client::ThisBuild().cuda ? ", CUDA " : ", CPU only"));
+  }
 }
 
 TEST_CASE("a CPU-only build on a machine with GPUs refuses CUDA workers in one line",
@@ -121,7 +158,7 @@ TEST_CASE("a CPU-only build on a machine with GPUs refuses CUDA workers in one l
     const std::string out = lorastream::RunAndCapture(argv, &code, 60, err_path.string());
     const std::string err = ReadAll(err_path);
     INFO(c.argv[0] << " " << c.argv[1] << ": " << out << err);
-    CHECK(code == 1);
+    CHECK(code == 5);  // refused: what this build cannot do (kUnsupported)
     CHECK(out.empty());
     CHECK(std::count(err.begin(), err.end(), '\n') == 1);  // one line
     CHECK_THAT(err, Catch::Contains("this build is CPU-only") &&
@@ -137,4 +174,12 @@ TEST_CASE("a CPU-only build on a machine with GPUs refuses CUDA workers in one l
                              (dir / "job.toml").string(), "--device", "cpu"},
                             &code, 60, (dir / "err-cpu").string());
   CHECK_THAT(ReadAll(dir / "err-cpu"), !Catch::Contains("CPU-only"));
+  // `train` without --device on this CPU-only build trains on the CPU, and warns that the
+  // machine has GPUs it cannot use.
+  lorastream::RunAndCapture(
+      {"/usr/bin/env", env, bin + "/lorastream-worker", "train", (dir / "job.toml").string()},
+      &code, 60, (dir / "err-default").string());
+  CHECK_THAT(ReadAll(dir / "err-default"),
+             Catch::Contains("training on the CPU although this machine has 2 NVIDIA GPU(s)") &&
+                 Catch::Contains("rebuild for CUDA with `tools/setup.sh`"));
 }

@@ -109,3 +109,28 @@ test("an --out that is an input or exists is refused unless --force", () => {
   assert.deepEqual(fs.readdirSync(tmp).filter((f) => f.includes(".tmp")), [], "no temporary left");
   fs.rmSync(tmp, { recursive: true });
 });
+
+test("text data with a tokenizer that names no EOS trains with a warning, not silently", () => {
+  const tmp = fs.mkdtempSync(path.join(os.tmpdir(), "prepare-eos-"));
+  try {
+    const dir = path.join(tmp, "model");
+    fs.mkdirSync(dir);
+    fs.copyFileSync(path.join(qwen, "tokenizer.json"), path.join(dir, "tokenizer.json"));
+    const config = JSON.parse(fs.readFileSync(path.join(qwen, "tokenizer_config.json"), "utf8"));
+    delete config.eos_token;
+    fs.writeFileSync(path.join(dir, "tokenizer_config.json"), JSON.stringify(config));
+    const input = path.join(tmp, "text.jsonl");
+    fs.writeFileSync(input, JSON.stringify({ text: "hello world" }) + "\n");
+    const r = run(["--model", dir, "--in", input, "--format", "text", "--out",
+                   path.join(tmp, "out.jsonl")]);
+    assert.equal(r.status, 0, r.stderr);
+    assert.match(r.stderr, /warning: .*names no eos_token.*text documents get no end-of-sequence/);
+    // With the EOS named, no warning.
+    const ok = run(["--model", qwen, "--in", input, "--format", "text", "--out",
+                    path.join(tmp, "ok.jsonl")]);
+    assert.equal(ok.status, 0, ok.stderr);
+    assert.doesNotMatch(ok.stderr, /warning/);
+  } finally {
+    fs.rmSync(tmp, { recursive: true, force: true });
+  }
+});

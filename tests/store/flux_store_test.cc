@@ -102,6 +102,12 @@ TEST_CASE("a FLUX.1 checkpoint is served per streaming unit, from BFL's file or 
   store::RunLs(ls);
   CHECK_THAT(ls.str(), Catch::Contains(bfl_name + ": "));
   CHECK_THAT(ls.str(), Catch::Contains("flux, 4 units, F32"));
+  // A small store's size in the unit it is read in ("1.95 MiB"), never "0.002 GiB".
+  const std::string listing = ls.str();
+  const size_t line_at = listing.find(bfl_name + ": ");
+  REQUIRE(line_at != std::string::npos);
+  const std::string line = listing.substr(line_at, listing.find('\n', line_at) - line_at);
+  CHECK_THAT(line, Catch::Matches(".*shm objects, [0-9.]+ (KiB|MiB).*"));
 
   // The manifest round-trips; a FLUX manifest whose layout was altered is refused.
   const Manifest back = ManifestFromJson(ManifestToJson(m), "test");

@@ -1,4 +1,5 @@
 #include <cstring>
+#include <filesystem>
 #include <set>
 
 #include <catch2/catch.hpp>
@@ -153,4 +154,23 @@ TEST_CASE("synth --tokenizer copies a tokenizer in and the store's plan records 
   o.tokenizer_dir = plain.str();
   o.force = true;  // refused for the tokenizer folder, not for the non-empty --out
   CHECK_THROWS_WITH(RunSynth(o), Catch::Contains("has no tokenizer.json"));
+}
+
+TEST_CASE("synth --tokenizer NAME: the tokenizer bundled with lorastream (the README's llama3)",
+          "[store][tokenizer]") {
+  TempDir dir("store");
+  SynthOptions o;
+  o.preset = "tiny";
+  o.out_dir = dir.str();
+  o.presets_dir = PresetsDir();
+  o.threads = 2;
+  o.tokenizer_dir = "llama3";  // no such folder here: the bundled one (build tree: the fixture)
+  RunSynth(o);
+  CHECK(Checkpoint::Open(dir.str()).config().vocab_size == 700);
+  CHECK(std::filesystem::exists(dir.path() / "tokenizer.json"));
+  // Neither a folder nor a bundled name: says so, not "has no tokenizer.json".
+  o.tokenizer_dir = "no-such-tokenizer";
+  o.force = true;
+  CHECK_THROWS_WITH(RunSynth(o), Catch::Contains("--tokenizer no-such-tokenizer does not exist") &&
+                                     Catch::Contains("bundled with lorastream (llama3)"));
 }

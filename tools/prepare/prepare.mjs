@@ -207,6 +207,14 @@ export function conversationDocument(model, messages, trainOnAll, where) {
   return { ids, labels };
 }
 
+// Why text documents will have no EOS with this tokenizer ("" when they will).
+export function eosProblem(model, format) {
+  if (format !== "text" || model.eosId !== null) return "";
+  return `${model.dir}: the tokenizer names no eos_token (or it is not in its vocabulary), so ` +
+         "text documents get no end-of-sequence token: set eos_token in tokenizer_config.json, " +
+         "or add the end marker to the text yourself";
+}
+
 export function textDocument(model, text) {
   const ids = encode(model, text, true);
   if (model.eosId !== null && ids[ids.length - 1] !== model.eosId) ids.push(model.eosId);
@@ -449,6 +457,10 @@ function main(argv) {
   checkOutputs(o);
   const model = loadModelTokenizer(o.model);
   const docs = [];
+  // Text documents end with the tokenizer's EOS, so that the model learns where one stops;
+  // a tokenizer without one leaves them open: say so rather than train that silently.
+  const eosWarning = eosProblem(model, o.format);
+  if (eosWarning) process.stderr.write(`lorastream prepare: warning: ${eosWarning}\n`);
   let records = 0, truncated = 0, untrained = 0;
   for (const file of o.inputs) {
     for (const [rec, where] of readRecords(file, o.format)) {

@@ -1,0 +1,160 @@
+// A user's first hour with `up`, `down` and the client verbs: `up` serves the base its jobs
+// need (or refuses before starting anything, naming the job), `down` stops a detached cluster,
+// and a verb with no coordinator fails at once naming the socket file.
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+
+#include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
+
+#include "cluster_fixture.h"
+#include "common/error.h"
+#include "coordinator/up.h"
+
+using namespace lorastream;
+using namespace lorastream::cli;
+using lorastream::testing::Cluster;
+using lorastream::testing::TempDir;
+using lorastream::testing::WaitFor;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kConfigs = std::string(LORASTREAM_SOURCE_DIR) + "/configs";
+const std::string kFluxJob = kConfigs + "/jobs/flux_tiny.toml";
+const std::string kLlamaJob = kConfigs + "/jobs/tiny_llama.toml";
+
+std::string Write(const std::string& path, const std::string& text) {
+  std::ofstream(path) << text;
+  return path;
+}
+
+std::string ReadText(const fs::path& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+}  // namespace
+
+TEST_CASE("up serves the family and the base its jobs name", "[coordinator][up]") {
+  UpOptions o;
+  UpModel m = ChooseUpModel(o, {kFluxJob}, kConfigs);
+  CHECK(m.flux);
+  CHECK(m.preset == "flux-tiny");
+  CHECK(m.model_dir.empty());
+  m = ChooseUpModel(o, {kLlamaJob}, kConfigs);
+  CHECK_FALSE(m.flux);
+  CHECK(m.preset == "tiny");
+  m = ChooseUpModel(o, {}, kConfigs);  // the example jobs of the default preset's family
+  CHECK_FALSE(m.flux);
+
+  // A job naming a checkpoint (relative to its own folder): that checkpoint is served.
+  TempDir dir("up-base");
+  fs::create_directories(dir / "model");
+  const std::string a = Write(dir / "a.toml", "name = \"a\"\n[model]\ncheckpoint = \"model\"\n");
+  m = ChooseUpModel(o, {a, kLlamaJob}, kConfigs);
+  CHECK(m.model_dir == dir / "model");
+  CHECK_FALSE(m.flux);
+}
+
+TEST_CASE("up refuses, before starting anything, jobs it cannot serve, naming the job",
+          "[coordinator][up]") {
+  UpOptions o;
+  auto refusal = [&](const UpOptions& options, const std::vector<std::string>& jobs) {
+    try {
+      ChooseUpModel(options, jobs, kConfigs);
+    } catch (const Error& e) {
+      return std::make_pair(e.code(), std::string(e.what()));
+    }
+    FAIL("not refused");
+    return std::make_pair(ErrorCode::kOk, std::string());
+  };
+  auto [code, why] = refusal(o, {kLlamaJob, kFluxJob});  // LLM and FLUX jobs mixed
+  CHECK(code == ErrorCode::kInvalidArgument);
+  CHECK_THAT(why, Catch::Contains(kFluxJob) && Catch::Contains("a FLUX.1 job"));
+
+  UpOptions tiny = o;  // --preset tiny named for a FLUX job
+  tiny.preset_given = true;
+  std::tie(code, why) = refusal(tiny, {kFluxJob});
+  CHECK_THAT(why, Catch::Contains(kFluxJob) && Catch::Contains("--preset tiny") &&
+                      Catch::Contains("flux-tiny"));
+
+  TempDir dir("up-refuse");
+  fs::create_directories(dir / "llm");
+  Write(dir / "llm/config.json", "{\"model_type\": \"llama\"}");
+  UpOptions llm = o;  // --model an LLM's folder for a FLUX job
+  llm.model_dir = dir / "llm";
+  std::tie(code, why) = refusal(llm, {kFluxJob});
+  CHECK_THAT(why, Catch::Contains(kFluxJob) && Catch::Contains("an LLM checkpoint"));
+
+  const std::string a = Write(dir / "a.toml", "[model]\ncheckpoint = \"/models/a\"\n");
+  const std::string b = Write(dir / "b.toml", "[model]\ncheckpoint = \"/models/b\"\n");
+  std::tie(code, why) = refusal(o, {a, b});  // two bases
+  CHECK_THAT(why, Catch::Contains(b) && Catch::Contains("/models/a"));
+
+  std::tie(code, why) = refusal(o, {dir / "missing.toml"});
+  CHECK(code == ErrorCode::kNotFound);
+  CHECK_THAT(why, Catch::Contains(dir / "missing.toml"));
+}
+
+TEST_CASE("a verb with no coordinator fails at once, naming the socket file",
+          "[coordinator][cluster]") {
+  Cluster c("no-socket");  // nothing listens, and no socket file exists
+  int code = -1;
+  const auto start = std::chrono::steady_clock::now();
+  c.Cli({"--timeout", "60", "jobs"}, &code, 120);
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const std::string err = ReadText(c.dir() / "cli.stderr");
+  INFO(err);
+  CHECK(code == ExitCodeFor(ErrorCode::kNotFound));
+  CHECK_THAT(err, Catch::Contains((c.dir() / "coordinator.sock").string() + " does not exist"));
+  CHECK(took < 30);  // not the 60 s --timeout: it did not wait for a reply
+}
+
+TEST_CASE("down stops a detached cluster's parts in order and removes its socket",
+          "[coordinator][cluster][up]") {
+  Cluster c("down");
+  c.StartCoordinator();
+  Subprocess& worker = c.StartWorker("h", {"tiny:fp"});
+  const fs::path socket = c.dir() / "coordinator.sock";
+  REQUIRE(WaitFor([&] { return fs::exists(socket); }, 30));
+  const fs::path run = c.dir() / "run";
+  fs::create_directories(run);
+  const nlohmann::json cluster{{"endpoint", c.endpoint()},
+                               {"store", "tiny"},
+                               {"parts",
+                                {{{"part", "worker cpu"}, {"pid", worker.pid()}},
+                                 {{"part", "coordinator"}, {"pid", c.coordinator().pid()}}}}};
+  std::ofstream(run / "cluster.json") << cluster.dump();
+  int code = -1;
+  const std::string out =
+      RunAndCapture({lorastream::testing::Bin("lorastream"), "down", run.string()}, &code, 120,
+                    (c.dir() / "down.stderr").string());
+  INFO(out << ReadText(c.dir() / "down.stderr"));
+  CHECK(code == 0);
+  CHECK_THAT(out, Catch::Contains("stopped worker cpu") && Catch::Contains("stopped coordinator"));
+  CHECK(out.find("stopped worker cpu") < out.find("stopped coordinator"));
+  CHECK_FALSE(worker.Running());
+  CHECK_FALSE(c.coordinator().Running());
+  CHECK_FALSE(fs::exists(socket));
+  CHECK_FALSE(fs::exists(run / "cluster.json"));
+
+  // A folder that holds no cluster: said so, exit 3.
+  RunAndCapture({lorastream::testing::Bin("lorastream"), "down", run.string()}, &code, 60,
+                (c.dir() / "down.stderr").string());
+  CHECK(code == ExitCodeFor(ErrorCode::kNotFound));
+  CHECK_THAT(ReadText(c.dir() / "down.stderr"), Catch::Contains("cluster.json does not exist"));
+}
+
+TEST_CASE("lorastream --version names the version, commit, LibTorch and CUDA", "[coordinator]") {
+  int code = -1;
+  const std::string out =
+      RunAndCapture({lorastream::testing::Bin("lorastream"), "--version"}, &code, 60);
+  INFO(out);
+  CHECK(code == 0);
+  CHECK_THAT(out, Catch::StartsWith("lorastream ") && Catch::Contains("(commit "));
+  CHECK_THAT(
+      out, Catch::Contains("LibTorch") && (Catch::Contains("CPU only") || Catch::Contains("CUDA")));
+}
