@@ -90,7 +90,7 @@ std::string ConfigError(const std::string& path) {
 }  // namespace
 
 TEST_CASE("a TOML text nesting past the limit is refused naming the file, before the parser",
-          "[common][issue42]") {
+          "[common][hostile]") {
   // 50,000 levels: toml++ overflowed the stack on this (SIGSEGV in submit, the worker and the
   // coordinator reading its journal).
   std::string e = ErrorMessageOf([] { TomlSection::Parse(DeepHeader(50000), "deep.toml"); });
@@ -145,7 +145,7 @@ TEST_CASE("a TOML text nesting past the limit is refused naming the file, before
 TEST_CASE(
     "files named as input are opened only when regular: a FIFO or /dev/zero is refused "
     "at once by name",
-    "[common][issue42]") {
+    "[common][hostile]") {
   TempDir dir("regular-files");
   const std::string fifo = dir / "cache_0032x0032_flux.npz";
   REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
@@ -202,7 +202,7 @@ TEST_CASE(
 TEST_CASE(
     "FLUX caches: a bucket or a text above the limits is refused naming the file, "
     "before allocation",
-    "[common][flux][issue42]") {
+    "[common][flux][hostile]") {
   TempDir dir("flux-cache-limits");
   FluxCacheShape s = lorastream::testing::TinyCacheShape();
   // A 4096x4096 bucket: the name alone refuses it (the file is never read).
@@ -243,7 +243,7 @@ TEST_CASE(
 }
 
 TEST_CASE("a FLUX checkpoint's block indices and metadata are checked by name before use",
-          "[common][flux][issue42]") {
+          "[common][flux][hostile]") {
   TempDir dir("flux-names");
   const FluxConfig tiny = Tiny();
   // double_blocks.100000000.*: the index sized every later allocation (out of memory).
@@ -280,7 +280,7 @@ TEST_CASE("a FLUX checkpoint's block indices and metadata are checked by name be
 }
 
 TEST_CASE("a FLUX job's every float key must be finite, and warmup_steps within the steps",
-          "[common][flux][issue42]") {
+          "[common][flux][hostile]") {
   TempDir dir("flux-floats");
   FluxJob ok;
   ok.store = "flux";
@@ -326,7 +326,7 @@ TEST_CASE("a FLUX job's every float key must be finite, and warmup_steps within 
 }
 
 TEST_CASE("an LLM job's warmup_steps is bounded even when steps come from epochs",
-          "[common][issue42]") {
+          "[common][hostile]") {
   TempDir dir("llm-warmup");
   WriteText(dir / "d.jsonl", "{\"input_ids\": [1, 2, 3]}\n");
   JobSpec spec;
@@ -343,7 +343,7 @@ TEST_CASE("an LLM job's warmup_steps is bounded even when steps come from epochs
 }
 
 TEST_CASE("LibTorch's backtrace is cut from a message, leaving what went wrong",
-          "[common][issue42]") {
+          "[common][hostile]") {
   const std::string c10 =
       "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: you "
       "tried to allocate 6402560256 bytes.\nException raised from alloc_cpu at "
@@ -357,7 +357,7 @@ TEST_CASE("LibTorch's backtrace is cut from a message, leaving what went wrong",
 }
 
 TEST_CASE("a command's internal error prints LibTorch's message without its backtrace",
-          "[common][issue42]") {
+          "[common][hostile]") {
   TempDir dir("main-stderr");
   const std::string err = dir / "stderr";
   int code = 0;

@@ -9,7 +9,7 @@
 using namespace lorastream;
 
 TEST_CASE("a LibTorch error becomes a one-line job reason without its backtrace",
-          "[coordinator][issue42]") {
+          "[coordinator][hostile]") {
   // c10::Error's what(): the message (here of two lines), then the backtrace.
   const std::string what =
       "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory:\n"

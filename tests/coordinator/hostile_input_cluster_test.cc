@@ -33,7 +33,7 @@ std::string DeepTable() {
 }  // namespace
 
 TEST_CASE("submit refuses a 50,000-level table and a FIFO as data.path at once, naming them",
-          "[coordinator][cluster][issue42]") {
+          "[coordinator][cluster][hostile]") {
   Cluster c("hostile-submit");
   c.StartCoordinator();
   const std::string deep = c.WriteJob("deep", 5);
@@ -62,7 +62,7 @@ TEST_CASE("submit refuses a 50,000-level table and a FIFO as data.path at once, 
 }
 
 TEST_CASE("a coordinator whose journal holds an unreadable job starts and skips it by name",
-          "[coordinator][cluster][issue42]") {
+          "[coordinator][cluster][hostile]") {
   Cluster c("hostile-journal");
   const fs::path db = c.dir() / "journal.db";
   {

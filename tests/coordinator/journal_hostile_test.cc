@@ -69,7 +69,7 @@ std::vector<std::string> NoProblems(const JobSpec&) { return {}; }
 }  // namespace
 
 TEST_CASE("a journal of a negative version or without a jobs table is refused saying so",
-          "[coordinator][journal][issue42]") {
+          "[coordinator][journal][hostile]") {
   const testing::TempDir dir("journal-hostile");
   const fs::path negative = dir.path() / "negative.db";
   { Journal journal(negative.string()); }
@@ -103,7 +103,7 @@ TEST_CASE("a journal of a negative version or without a jobs table is refused sa
 TEST_CASE(
     "a journal job whose spec is NULL or cannot be read is skipped, named, never "
     "dispatched",
-    "[coordinator][journal][issue42]") {
+    "[coordinator][journal][hostile]") {
   const testing::TempDir dir("journal-rows");
   const fs::path path = dir.path() / "j.db";
   {

@@ -313,7 +313,7 @@ TEST_CASE("an fp8 FLUX.1 checkpoint is served as it is: fp8 with scales of 1", "
 TEST_CASE(
     "a FLUX.1 checkpoint naming a block index past any model is refused by inspect, by "
     "name",
-    "[store][flux][issue42]") {
+    "[store][flux][hostile]") {
   TempDir dir("flux-store-index");
   SynthFlux(dir.str() + "/bfl", "bfl");
   const std::string path = dir.str() + "/bfl/flux1.safetensors";

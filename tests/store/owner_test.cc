@@ -118,7 +118,7 @@ TEST_CASE("a segment of another user inside an own store is refused by name", "[
   store.Stop(30);
 }
 
-TEST_CASE("ls as another user: a store it cannot read is not called orphaned", "[store][issue42]") {
+TEST_CASE("ls as another user: a store it cannot read is not called orphaned", "[store][hostile]") {
   TempUser user("ls");
   SKIP_UNLESS_ROOT(user);
   TempDir dir("store");

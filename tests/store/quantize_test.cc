@@ -464,7 +464,7 @@ TEST_CASE(
 }
 
 TEST_CASE("a pre-quantised nf4 checkpoint whose nested_offset is absurd is refused naming the key",
-          "[store][issue42]") {
+          "[store][hostile]") {
   // 1e300: a float cannot hold it; the store published it and the job failed later as "loss
   // is -nan (lower optim.lr ...)".
   for (const std::string value : {"1e300", "-1e300", "5e7"}) {
