@@ -6,6 +6,8 @@
 #include <atomic>
 #include <csignal>
 #include <cstdio>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -14,11 +16,16 @@
 #include "common/cli_main.h"
 #include "common/error.h"
 #include "common/gpu_info.h"
+#include "common/job_spec.h"
 #include "common/log.h"
+#include "common/manifest.h"
+#include "common/regular_file.h"
+#include "common/toml_file.h"
 #include "common/user_access.h"
 #include "coordinator/build_info.h"
 #include "coordinator/curve.h"
 #include "store/attach.h"
+#include "store/manifest_object.h"
 #include "worker/families.h"
 #include "worker/serve/merge.h"
 #include "worker/serve/parity.h"
@@ -57,7 +64,10 @@ int main(int argc, char** argv) {
   auto* train_cmd = app.add_subcommand(
       "train", "run a job file standalone; several: one group (each block copied once for all)");
   train_cmd->add_option("jobs", job_paths, "the job files (TOML)")->required();
-  train_cmd->add_option("--device", train.device, "cpu | cuda | cuda:N")->capture_default_str();
+  CLI::Option* train_device =
+      train_cmd->add_option("--device", train.device,
+                            "cpu | cuda | cuda:N (default: cuda:0 when this CUDA build sees a "
+                            "GPU, else cpu)");
   train_cmd->add_option("--threads", train.threads, "CPU threads (0 = every core)");
   train_cmd->add_flag("--no-resume", no_resume,
                       "start fresh even when output_dir has a checkpoint");
@@ -170,6 +180,21 @@ int main(int argc, char** argv) {
   probe_cmd->add_option("--device-index", probe_device, "CUDA device index");
 
   return RunMain("lorastream-worker", app, argc, argv, [&]() -> int {
+    // `train` without --device: the GPU when there is one this build can use, said in a line;
+    // a CPU-only build on a GPU machine trains on the CPU, and warns.
+    std::string device_note;
+    if (*train_cmd && train_device->count() == 0) {
+      const size_t gpus = ListGpus().size();
+      if (gpus > 0 && client::ThisBuild().cuda) {
+        train.device = "cuda:0";
+        device_note = "training on cuda:0: this machine has " + std::to_string(gpus) +
+                      " NVIDIA GPU(s) (--device cpu trains on the CPU)";
+      } else if (gpus > 0) {
+        device_note = "training on the CPU although this machine has " + std::to_string(gpus) +
+                      " NVIDIA GPU(s): this build is CPU-only (" + client::BuildSummary() +
+                      "); rebuild for CUDA with `tools/setup.sh`";
+      }
+    }
     // A CPU-only build asked for a GPU says so in one line before it starts anything.
     const std::string device = *train_cmd    ? train.device
                                : *serve_cmd  ? serve.device
@@ -196,9 +221,30 @@ int main(int argc, char** argv) {
       return 0;
     }
     InitLogging("worker");
+    if (!device_note.empty() && train.device == "cpu")
+      LS_LOG_WARN("{}", device_note);
+    else if (!device_note.empty())
+      LS_LOG_INFO("{}", device_note);
     if (!store_user.empty()) store::SetTrustedStoreOwner(LookupUser(store_user).uid);
     if (*train_cmd) {
       train.resume = !no_resume;
+      // Say when a job's base is compressed (fp8, NF4): its weights are approximate.
+      for (const std::string& path : job_paths) {
+        try {
+          const JobSpec spec = ParseJobSpec(ReadRegularFile(path, kMaxTomlBytes, "job file"), path);
+          if (spec.model.store.empty()) continue;
+          const auto record = store::ReadManifestObject(spec.model.store);
+          if (!record || record->json.empty()) continue;
+          const Manifest m = ManifestFromJson(record->json, "store `" + spec.model.store + "`");
+          if (const std::string c = m.DescribeCompression(); !c.empty())
+            LS_LOG_INFO(
+                "{}: the base, store `{}`, is compressed ({}): its weights approximate "
+                "the original's (`lorastream-worker quant-report` measures how closely)",
+                path, spec.model.store, c.substr(2));
+        } catch (const Error&) {
+          // The trainer reports what is wrong with the job or its store.
+        }
+      }
       // The job's [stream] section plans residency and streaming, as under `serve`.
       if (!train_resident)
         train.make_provider = [](const JobSpec& spec, const BaseWeights& base,

@@ -373,6 +373,50 @@ TEST_CASE("`lorastream up` trains a job end to end, says where the adapter is, l
     CHECK(entry.path().filename().string().rfind(lorastream::ShmPrefix(store), 0) != 0);
 }
 
+TEST_CASE(
+    "`up --detach` returns with the job submitted; `down` stops the cluster, leaves no socket",
+    "[e2e]") {
+  const lorastream::testing::TempDir run_dir("e2e-detach");
+  const std::string& dir = run_dir.str();
+  // A relative eval.path next to a relative data.path: both made absolute in up's copy.
+  const std::string data = fs::path(WriteData(dir, 30, 41)).filename().string();
+  fs::copy_file(dir + "/" + data, dir + "/val.jsonl");
+  const std::string job = dir + "/detached.toml";
+  std::ofstream(job) << "name = \"detached\"\n[model]\nstore = \"replaced-by-up\"\n"
+                     << "[data]\npath = \"" << data << "\"\nseq_len = 32\n[lora]\nrank = 4\n"
+                     << "[train]\nsteps = 4\noutput_dir = \"mine\"\n[eval]\npath = \"val.jsonl\"\n";
+  const std::string bin = std::string(LORASTREAM_BIN_DIR) + "/lorastream";
+  int code = -1;
+  const std::string out = lorastream::RunAndCapture(
+      {bin, "up", "--run-dir", dir + "/run", "--detach", "--device", "cpu", "--job", job}, &code,
+      600, dir + "/up.stderr");
+  INFO(out << lorastream::testing::ReadAll(dir + "/up.stderr"));
+  REQUIRE(code == 0);
+  CHECK_THAT(out, Catch::Contains("its output_dir " + dir + "/mine is replaced by " + dir +
+                                  "/run/adapters/detached"));
+  const nlohmann::json cluster =
+      nlohmann::json::parse(lorastream::testing::ReadAll(dir + "/run/cluster.json"));
+  const std::string endpoint = cluster["endpoint"];
+  const std::string socket = endpoint.substr(6);
+  CHECK(fs::exists(socket));
+  // The job trains on while `up` is gone.
+  WaitUntil(
+      [&] {
+        int c = -1;
+        const std::string jobs =
+            lorastream::RunAndCapture({bin, "--coordinator", endpoint, "jobs", "--json"}, &c, 30);
+        return c == 0 && jobs.find("\"succeeded\"") != std::string::npos;
+      },
+      300, "the detached job to succeed");
+  const std::string down =
+      lorastream::RunAndCapture({bin, "down", dir + "/run"}, &code, 120, dir + "/down.stderr");
+  INFO(down << lorastream::testing::ReadAll(dir + "/down.stderr"));
+  CHECK(code == 0);
+  CHECK_THAT(down, Catch::Contains("stopped coordinator") && Catch::Contains("stopped store"));
+  for (const auto& part : cluster["parts"]) CHECK(::kill(part["pid"].get<pid_t>(), 0) != 0);
+  CHECK_FALSE(fs::exists(socket));
+}
+
 TEST_CASE("`lorastream up --jobs-per-gpu 2` gives its workers two job slots", "[e2e]") {
   const lorastream::testing::TempDir run_dir("e2e-upslots");
   const std::string& dir = run_dir.str();

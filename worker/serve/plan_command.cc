@@ -101,6 +101,19 @@ int PrintPlans(const std::vector<JobSpec>& specs, const PlanCommandOptions& opti
   std::printf("measured: %s; resident step predicted %.1f ms\n", costs.Describe().c_str(),
               costs.ResidentStepSeconds(layers) * 1e3);
   std::printf("budget from %s\n%s", budget_from.c_str(), DescribeChoice(choice, budget).c_str());
+  std::printf(
+      "legend: one row per plan the cost model weighed; * marks the one chosen (the fastest "
+      "whose peak fits).\n"
+      "  swap N ring R: N blocks streamed from the store through R device slots (swap 0: all "
+      "resident);\n"
+      "  fwd/head/bwd: slots held in the forward, across the LM head and in the backward; taped "
+      "T: the last T blocks\n"
+      "  keep their activations (no recompute); head streamed: the LM head is copied too. "
+      "resident = blocks kept on\n"
+      "  the device, copied GB = bytes copied per step, stall ms = compute waiting on copies, "
+      "peak GiB = estimated\n"
+      "  device memory. Rows that differ only in slots or taped blocks are variants of one "
+      "residency.\n");
   return 0;
 }
 

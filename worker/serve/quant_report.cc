@@ -262,6 +262,18 @@ int RunQuantReport(const QuantReportOptions& o) {
                 r["base_eval_loss"].get<double>(), r["trained_eval_loss"].get<double>(),
                 r["expand_ms_per_block"].get<double>());
   }
+  std::printf(
+      "legend: blocks = one transformer block's bytes in the store; q_proj..down_proj and all "
+      "dB = the\n"
+      "  weights' signal-to-quantisation-noise ratio (higher is closer to bf16; about 6 dB per "
+      "bit)\n"
+      "  KL mean / max = the base model's next-token distributions against bf16's on the eval "
+      "tokens (nats; 0 = same)\n"
+      "  base eval / trained eval = eval loss before and after the job's training on that base; "
+      "expand ms = one block's\n"
+      "  expansion to bf16 on the device. A trained eval loss close to bf16's says the format "
+      "serves this job;\n"
+      "  fp8 keeps more of the weights, NF4 halves fp8's bytes again.\n");
   std::fflush(stdout);
   if (!o.out_path.empty()) {
     std::ofstream f(o.out_path);
