@@ -55,8 +55,8 @@ std::vector<int32_t> IntArray(const Json& j, const char* field, const std::strin
 
 std::vector<Document> LoadJsonl(const std::string& path, int64_t vocab) {
   // A FIFO or a device named as data would block or never end: refused at once, naming it.
-  OpenRegularFile(path, "data.path");
-  std::ifstream in(path, std::ios::binary);
+  const UniqueFd fd = OpenRegularFile(path, "data.path");
+  std::ifstream in(DescriptorPath(fd, path), std::ios::binary);
   if (!in) throw Error(ErrorCode::kNotFound, "data.path: cannot open " + path);
   std::vector<Document> docs;
   std::string line;
@@ -110,8 +110,8 @@ T ReadLe(const uint8_t* p) {
 
 std::vector<Document> LoadTokenFile(const std::string& path, int64_t vocab) {
   // A FIFO or a device named as data would block or never end: refused at once, naming it.
-  OpenRegularFile(path, "data.path");
-  std::ifstream in(path, std::ios::binary);
+  const UniqueFd fd = OpenRegularFile(path, "data.path");
+  std::ifstream in(DescriptorPath(fd, path), std::ios::binary);
   if (!in) throw Error(ErrorCode::kNotFound, "data.path: cannot open " + path);
   std::vector<uint8_t> buf((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   auto bad = [&](const std::string& why) {

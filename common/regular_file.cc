@@ -39,6 +39,12 @@ const char* FileKindName(unsigned mode) {
   }
 }
 
+std::string DescriptorPath(const UniqueFd& fd, const std::string& path) {
+  const std::string proc = "/proc/self/fd/" + std::to_string(fd.get());
+  struct stat st {};
+  return ::stat(proc.c_str(), &st) == 0 ? proc : path;
+}
+
 std::string RegularFileProblem(const std::string& path) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0)

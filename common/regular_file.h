@@ -28,6 +28,12 @@ UniqueFd OpenRegularFile(const std::string& path, const std::string& what = "");
 std::string ReadRegularFile(const std::string& path, uint64_t max_bytes,
                             const std::string& what = "");
 
+// A path that opens the file `fd` holds again, whatever its own path names by then
+// ("/proc/self/fd/N", Linux): for readers that stream through std::ifstream, which must read
+// the file OpenRegularFile checked, not one swapped in after. `path` itself where /proc is
+// not mounted.
+std::string DescriptorPath(const UniqueFd& fd, const std::string& path);
+
 // "" when `path` (links followed) is a regular file, else why not, for a message that names
 // the key before it: "does not exist", "is not a regular file (it is a FIFO)". Opens nothing.
 std::string RegularFileProblem(const std::string& path);

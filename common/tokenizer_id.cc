@@ -55,8 +55,8 @@ TokenizerId RecordFromJson(const Json& r, const std::string& where) {
 
 std::optional<TokenizerId> JsonlRecord(const std::string& path) {
   // A FIFO or a device named as data would block or never end: refused at once, naming it.
-  OpenRegularFile(path, "data.path");
-  std::ifstream in(path, std::ios::binary);
+  const UniqueFd fd = OpenRegularFile(path, "data.path");
+  std::ifstream in(DescriptorPath(fd, path), std::ios::binary);
   if (!in) throw Error(ErrorCode::kNotFound, "data.path: cannot open " + path);
   std::string line;
   for (int64_t line_no = 1; std::getline(in, line); ++line_no) {
@@ -73,8 +73,8 @@ std::optional<TokenizerId> JsonlRecord(const std::string& path) {
 
 std::optional<TokenizerId> TokenFileRecord(const std::string& path) {
   // A FIFO or a device named as data would block or never end: refused at once, naming it.
-  OpenRegularFile(path, "data.path");
-  std::ifstream in(path, std::ios::binary);
+  const UniqueFd fd = OpenRegularFile(path, "data.path");
+  std::ifstream in(DescriptorPath(fd, path), std::ios::binary);
   if (!in) throw Error(ErrorCode::kNotFound, "data.path: cannot open " + path);
   uint8_t header[40];
   if (!in.read(reinterpret_cast<char*>(header), sizeof(header))) return std::nullopt;

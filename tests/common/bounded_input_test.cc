@@ -186,6 +186,20 @@ TEST_CASE(
                   p.find(data_fifo + " is not a regular file (it is a FIFO)") != std::string::npos);
   CHECK(named);
 
+  // A streaming reader reads the file that was checked, not a FIFO swapped in after.
+  const std::string swapped = dir / "swapped.jsonl";
+  WriteText(swapped, "checked\n");
+  {
+    const UniqueFd fd = OpenRegularFile(swapped);
+    REQUIRE(std::remove(swapped.c_str()) == 0);
+    REQUIRE(::mkfifo(swapped.c_str(), 0600) == 0);
+    std::string line;
+    CHECK(SecondsOf([&] {
+            std::ifstream in(DescriptorPath(fd, swapped), std::ios::binary);
+            std::getline(in, line);
+          }) < 5);
+    CHECK(line == "checked");
+  }
   // A directory read as a file names it (it was "basic_filebuf::underflow ... Is a directory").
   const std::string folder = dir / "job.toml";
   std::filesystem::create_directory(folder);
