@@ -273,21 +273,23 @@ TEST_CASE(
   CHECK_THROWS_WITH(
       ParseJobSpec("[train]\noutput_dir = \"o\"\n[flux]\ncache_dir = \"c\"\n", "f.toml"),
       Catch::Contains("exactly one of model.checkpoint") && Catch::Contains("model.store"));
-  TEST_CASE("a pre-quantised checkpoint named as model.checkpoint: a store serves it, says why",
-            "[worker]") {
-    testing::TempDir dir("spec-fp8");
-    store::SynthOptions o;
-    o.preset = "tiny";
-    o.out_dir = dir / "fp8";
-    o.presets_dir = std::string(LORASTREAM_SOURCE_DIR) + "/configs/models";
-    o.dtype = "bf16";
-    o.threads = 1;
-    o.prequantized = "fp8";
-    store::RunSynth(o);
-    testing::WriteJsonl(dir / "d.jsonl", 4, 8, 16, 512);
-    JobSpec s = testing::TinyJob(dir / "fp8", dir / "d.jsonl", dir / "out");
-    const std::vector<std::string> problems = ValidateJobSpec(s);
-    INFO(problems.size());
-    CHECK(Mentions(problems, "`model.checkpoint` " + dir / "fp8" + " is a pre-quantised (fp8)"));
-    CHECK(Mentions(problems, "lorastream-store serve " + dir / "fp8" + " --name NAME"));
-  }
+}
+
+TEST_CASE("a pre-quantised checkpoint named as model.checkpoint: a store serves it, says why",
+          "[worker]") {
+  testing::TempDir dir("spec-fp8");
+  store::SynthOptions o;
+  o.preset = "tiny";
+  o.out_dir = dir / "fp8";
+  o.presets_dir = std::string(LORASTREAM_SOURCE_DIR) + "/configs/models";
+  o.dtype = "bf16";
+  o.threads = 1;
+  o.prequantized = "fp8";
+  store::RunSynth(o);
+  testing::WriteJsonl(dir / "d.jsonl", 4, 8, 16, 512);
+  JobSpec s = testing::TinyJob(dir / "fp8", dir / "d.jsonl", dir / "out");
+  const std::vector<std::string> problems = ValidateJobSpec(s);
+  INFO(problems.size());
+  CHECK(Mentions(problems, "`model.checkpoint` " + dir / "fp8" + " is a pre-quantised (fp8)"));
+  CHECK(Mentions(problems, "lorastream-store serve " + dir / "fp8" + " --name NAME"));
+}
