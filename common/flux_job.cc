@@ -329,7 +329,8 @@ std::vector<std::string> FluxJobProblems(const FluxJob& j, const std::string& so
   if (!(j.learning_rate >= 0)) refuse("learning_rate", "must be 0 or more");
   if (!(j.weight_decay >= 0)) refuse("weight_decay", "must be 0 or more");
   if (!(j.max_grad_norm >= 0)) refuse("max_grad_norm", "must be 0 (no clipping) or more");
-  if (!(j.alpha > 0)) refuse("alpha", "must be positive");
+  if (!(j.alpha > 0) && !(from_adapter && j.alpha == 0))  // 0 with init_from: the file's
+    refuse("alpha", "must be positive");
   if (!(j.sigmoid_scale > 0)) refuse("sigmoid_scale", "must be positive");
   if (j.warmup_steps < 0 || j.warmup_steps > j.steps)
     refuse("warmup_steps", "must be in [0, flux.steps = " + std::to_string(j.steps) + "] (found " +

@@ -51,8 +51,9 @@ at::Tensor Read(const std::string& path, const std::string& name) {
   const SafetensorsFile f = SafetensorsFile::Open(path);
   const SafetensorsEntry* e = f.Find(name);
   REQUIRE(e != nullptr);
-  return at::from_blob(const_cast<uint8_t*>(f.Data(*e)), e->shape,
-                       at::TensorOptions().dtype(ScalarTypeOf(e->dtype, name)))
+  const at::ScalarType type =
+      e->dtype == DType::kI64 ? at::kLong : ScalarTypeOf(e->dtype, name);  // token ids
+  return at::from_blob(const_cast<uint8_t*>(f.Data(*e)), e->shape, at::TensorOptions().dtype(type))
       .clone();
 }
 
@@ -202,9 +203,21 @@ TEST_CASE(
   StepStats stats;
   engine->EndStep(stats);
   const SafetensorsFile theirs = SafetensorsFile::Open(theirs_path);
+  const nlohmann::json report =
+      nlohmann::json::parse(std::ifstream(kFluxDir + "/flux_consumers.json"));
   for (const char* key : {"from_diffusers_file", "from_kohya_file"}) {
     INFO(key);
     const SafetensorsEntry* e = theirs.Find(key);
+    if (e == nullptr && std::string(key) == "from_kohya_file") {
+      // diffusers reads a kohya FLUX file through _convert_sd_scripts_to_ai_toolkit, whose
+      // widths and block counts are FLUX.1-dev's (3072, 12288; 19 + 38 blocks): a file for a
+      // smaller model fails its shape assertion there. Only that failure is accepted.
+      const std::string why = report[key].value("error", "");
+      CHECK_THAT(
+          why, Catch::Contains("_convert_to_ai_toolkit_cat") && Catch::Contains("AssertionError"));
+      WARN("diffusers' kohya converter is fixed to FLUX.1-dev's widths: not exercised here");
+      continue;
+    }
     REQUIRE(e != nullptr);  // flux_consumers.json says why diffusers could not load it
     const at::Tensor t = Read(theirs_path, key);
     REQUIRE(t.sizes() == ours.sizes());
