@@ -110,8 +110,9 @@ def flux_diffusers(root):
                       ("from_kohya_file", "adapter_kohya.safetensors")]:
         try:
             model = base_model()
-            loaded = FluxPipeline.lora_state_dict(os.path.join(d, file))
-            state_dict, alphas = loaded[0], loaded[1]
+            # v0.39 returns the state dict alone unless return_alphas asks for the pair.
+            loaded = FluxPipeline.lora_state_dict(os.path.join(d, file), return_alphas=True)
+            state_dict, alphas = (loaded[0], loaded[1]) if isinstance(loaded, tuple) else (loaded, None)
             FluxPipeline.load_lora_into_transformer(state_dict, network_alphas=alphas,
                                                     transformer=model)
             with torch.no_grad():
