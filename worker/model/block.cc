@@ -79,6 +79,14 @@ class GroupRows {
   std::vector<int64_t> offset_, count_;
 };
 
+// Whether the base GEMMs over a group's rows run per job: on the CPU, where a GEMM's row sums
+// may depend on its row count (OpenBLAS's kernels for some CPUs, Zen and Haswell among them,
+// sum an input gradient's rows otherwise than a GEMM of fewer rows would), so that each job
+// computes bit for bit what it computes alone. On CUDA one GEMM covers every job's rows.
+bool PerJobBaseGemms(const at::Tensor& t, const GroupRows& rows) {
+  return rows.size() > 1 && t.device().is_cpu();
+}
+
 // Each job's dropout masks from its own seed, drawn from the device's default generator (as
 // native_dropout draws them): alone, the generator is seeded once, as a job's pass always
 // did; in a group, each job's generator state is kept here and restored around its draws, so
@@ -175,8 +183,17 @@ std::array<at::Tensor, N> ProjectGroup(const at::Tensor& x, const GroupRows& row
   std::array<at::Tensor, N> ys;
   for (size_t i = 0; i < N; ++i) {
     const Projection& p = ps[i];
-    ys[i] = p.bias && p.bias->defined() ? at::addmm(*p.bias, x, p.weight->t())
-                                        : at::mm(x, p.weight->t());
+    const auto base = [&](const at::Tensor& xj) {
+      return p.bias && p.bias->defined() ? at::addmm(*p.bias, xj, p.weight->t())
+                                         : at::mm(xj, p.weight->t());
+    };
+    if (PerJobBaseGemms(x, rows)) {
+      std::vector<at::Tensor> parts;
+      for (size_t j = 0; j < rows.size(); ++j) parts.push_back(base(rows.Of(x, j)));
+      ys[i] = rows.Cat(parts);
+    } else {
+      ys[i] = base(x);
+    }
   }
   const auto dtype = x.scalar_type();
   if (const std::optional<LoraBatch> batch = BatchedLora(x, rows, ps, group, jobs)) {
@@ -236,8 +253,19 @@ at::Tensor BackpropGroup(const at::Tensor& x, const GroupRows& rows,
                          std::vector<LoraBlockGrads>& grads, bool need_dx) {
   at::Tensor dx;
   if (need_dx) {
-    dx = at::mm(dys[0], *ps[0].weight);
-    for (size_t i = 1; i < N; ++i) dx.addmm_(dys[i], *ps[i].weight);
+    const auto base = [&](const auto& dy_of) {
+      at::Tensor d = at::mm(dy_of(0), *ps[0].weight);
+      for (size_t i = 1; i < N; ++i) d.addmm_(dy_of(i), *ps[i].weight);
+      return d;
+    };
+    if (PerJobBaseGemms(dys[0], rows)) {
+      std::vector<at::Tensor> parts;
+      for (size_t j = 0; j < rows.size(); ++j)
+        parts.push_back(base([&](size_t i) { return rows.Of(dys[i], j); }));
+      dx = rows.Cat(parts);
+    } else {
+      dx = base([&](size_t i) { return dys[i]; });
+    }
   }
   const auto dtype = dys[0].scalar_type();
   if (const std::optional<LoraBatch> batch = BatchedLora(x, rows, ps, group, jobs)) {
