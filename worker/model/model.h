@@ -69,8 +69,8 @@ struct GroupBlockInput {
 
 // CheckpointedBlockForward for a group of jobs: one autograd node, the block acquired once
 // per pass (forward, and recompute with backward) for every job, its base GEMMs over every
-// job's rows (worker/model/block.h: GroupBlockForwardTaped). Returns each job's output. A group
-// of one is CheckpointedBlockForward.
+// job's rows on CUDA, per job on the CPU (worker/model/block.h: GroupBlockForwardTaped). Returns
+// each job's output. A group of one is CheckpointedBlockForward.
 std::vector<at::Tensor> CheckpointedGroupBlockForward(const std::vector<GroupBlockInput>& inputs,
                                                       int block, BlockProvider& provider,
                                                       bool keep_tape = false);
@@ -129,9 +129,9 @@ class CausalLm {
                              const LoraAdapter& adapter, const at::Tensor& loss_divisor,
                              uint64_t dropout_seed);
   // TrainMicroBatch for a group of jobs: each block acquired once per pass for all of them,
-  // its base GEMMs over every job's rows; each job's own head and loss (the head acquired
-  // once for the group), divided by its own divisor; one backward through every job's loss
-  // (the jobs share no parameter: each job's gradients are its own). Returns each job's
+  // its base GEMMs over every job's rows (per job on the CPU); each job's own head and loss (the
+  // head acquired once for the group), divided by its own divisor; one backward through every job's
+  // loss (the jobs share no parameter: each job's gradients are its own). Returns each job's
   // divided loss. A group of one is TrainMicroBatch.
   std::vector<at::Tensor> TrainGroupMicroBatch(const std::vector<GroupMicroBatch>& jobs);
   // TrainMicroBatch's loss_divisor for a step of `targets` target tokens (at least 1), on the

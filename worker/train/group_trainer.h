@@ -4,13 +4,13 @@
 // the other jobs' (micro-batch m of the group holds every job whose step has more than m
 // micro-batches: a job with fewer sits out the group's later ones): each block is acquired
 // once per pass for every job in it, and its base projections run once over the rows of all
-// of them (worker/model/model.h: CausalLm::TrainGroupMicroBatch). Everything else is the
-// job's own, as RunTraining (worker/train/trainer.h) describes it for one job: data and its
-// order, seq_len, batch_size, grad_accum, adapter (rank, alpha, targets, dropout and its
-// masks), AdamW, schedule, clipping by its own gradient norm, steps, evaluation, checkpoints,
-// statistics and output folder. A job trained in a group computes what it computes alone
-// (bit for bit on the CPU where the BLAS gives each GEMM row the same sums whatever the
-// number of rows), and its checkpoints resume alone or in another group.
+// of them on CUDA, per job on the CPU (worker/model/model.h: CausalLm::TrainGroupMicroBatch).
+// Everything else is the job's own, as RunTraining (worker/train/trainer.h) describes it for one
+// job: data and its order, seq_len, batch_size, grad_accum, adapter (rank, alpha, targets, dropout
+// and its masks), AdamW, schedule, clipping by its own gradient norm, steps, evaluation,
+// checkpoints, statistics and output folder. A job trained in a group computes what it computes
+// alone (bit for bit on the CPU, whatever the BLAS: its base GEMMs run on its own rows there; to
+// bf16 rounding on CUDA), and its checkpoints resume alone or in another group.
 //
 // Jobs join (Add) and leave at step boundaries: a job leaves when it has finished, when its
 // should_stop says so (after a checkpoint), or when it fails (bad data, a non-finite loss, an
