@@ -47,7 +47,9 @@ TEST_CASE("slots cluster: two jobs train as one group of a 2-slot worker; one fa
           "[coordinator][cluster][slots]") {
   Cluster c("slots-group");
   c.StartCoordinator();
-  c.StartWorker("hosta", {"tiny:fp"}, 20, {"--jobs", "2", "--fail-at-step", "30"});
+  // 50 ms a step: job a (20 steps) is still running when `workers` lists its two busy slots,
+  // also under a sanitizer's slowdown.
+  c.StartWorker("hosta", {"tiny:fp"}, 50, {"--jobs", "2", "--fail-at-step", "30"});
   const int64_t a = c.Submit(c.WriteJob("a", 20, 5));
   const int64_t b = c.Submit(c.WriteJob("b", 60, 5));  // fails at step 30, alone
   REQUIRE(WaitFor([&] { return c.Job(a).step >= 3 && c.Job(b).step >= 3; }, 30));
