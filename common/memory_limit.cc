@@ -19,4 +19,12 @@ std::string MemoryLimitProblem(uint64_t estimate, uint64_t limit, const std::str
          "step), or train a smaller model";
 }
 
+std::string GroupJoinProblem(const std::string& joiner, size_t members, uint64_t estimate,
+                             uint64_t limit, const std::string& limit_what) {
+  if (limit == 0 || estimate <= limit) return "";
+  return "job " + joiner + " does not fit beside the group's " + std::to_string(members) +
+         " job(s) under its plan: the group's estimated peak memory with it, " +
+         FormatBytes(estimate) + ", exceeds " + limit_what + ", " + FormatBytes(limit);
+}
+
 }  // namespace lorastream

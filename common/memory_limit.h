@@ -15,4 +15,10 @@ uint64_t HostMemoryBytes();
 // ("cpu (the host's memory)", "cuda:0") and the job keys that lower the estimate.
 std::string MemoryLimitProblem(uint64_t estimate, uint64_t limit, const std::string& device);
 
+// "" when a running group's estimated peak with a job joining it, `estimate`, fits `limit`
+// (`limit_what`: "the budget (gpu_memory_budget)", "the host's memory (cpu)"); otherwise why job
+// `joiner` cannot join the group's `others` other jobs now (it trains once the group drains).
+std::string GroupJoinProblem(const std::string& joiner, size_t others, uint64_t estimate,
+                             uint64_t limit, const std::string& limit_what);
+
 }  // namespace lorastream

@@ -237,8 +237,7 @@ void PrintJob(const ShowJobReply& reply, const std::string& best_checkpoint, boo
   const std::string best_adapter =
       reply.job.output_dir.empty() ? "" : BestAdapterDir(reply.job.output_dir);
   if (!json) {
-    std::cout << JobDetails(reply, best_checkpoint);
-    if (!best_adapter.empty()) std::cout << "  best adapter: " << best_adapter << "\n";
+    std::cout << JobDetails(reply, best_checkpoint, best_adapter);
     return;
   }
   nlohmann::json out = ToJson(reply.job);

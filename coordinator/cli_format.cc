@@ -143,7 +143,8 @@ std::string WorkersTable(const std::vector<WorkerSummary>& workers) {
   return out.str();
 }
 
-std::string JobDetails(const ShowJobReply& r, const std::string& best_checkpoint) {
+std::string JobDetails(const ShowJobReply& r, const std::string& best_checkpoint,
+                       const std::string& best_adapter) {
   const JobSummary& j = r.job;
   const auto safe = [](const std::string& text) { return TerminalSafe(text); };
   std::ostringstream out;
@@ -171,6 +172,7 @@ std::string JobDetails(const ShowJobReply& r, const std::string& best_checkpoint
         << j.last_eval_step << " (lowest " << Printf("%.4f", j.best_eval_loss) << " at step "
         << j.best_eval_step << ")";
   if (!best_checkpoint.empty()) out << "\n  best:        " << safe(best_checkpoint);
+  if (!best_adapter.empty()) out << "\n  best adapter: " << safe(best_adapter);
   out << "\n  job file:    " << safe(j.spec_source) << "\n";
   if (j.has_stats) {
     const StepStats& s = j.last_stats;

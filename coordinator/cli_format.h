@@ -18,7 +18,8 @@ nlohmann::json ToJson(const WorkerSummary& worker);
 std::string JobsTable(const std::vector<JobSummary>& jobs);
 std::string WorkersTable(const std::vector<WorkerSummary>& workers);
 // best_checkpoint: where the checkpoint with the lowest eval loss is ("" = not known).
-std::string JobDetails(const ShowJobReply& reply, const std::string& best_checkpoint = "");
+std::string JobDetails(const ShowJobReply& reply, const std::string& best_checkpoint = "",
+                       const std::string& best_adapter = "");
 
 // One header line, then one line per step; columns named as the StepStats fields.
 std::string StatsCsv(const std::vector<StepStats>& stats);

@@ -103,6 +103,10 @@ TEST_CASE("eval losses reach show, watch and stats, survive downsampling and res
     CHECK_THAT(details,
                Catch::Contains("eval loss:   2.0000 at step 111 (lowest 1.7500 at step 74)"));
     CHECK_THAT(details, Catch::Contains("best:        /tmp/out-e/checkpoint-74"));
+    CHECK_THAT(details, !Catch::Contains("best adapter"));
+    CHECK_THAT(JobDetails(shown, "/tmp/out-e/checkpoint-74", "/tmp/out-e/best"),
+               Catch::Contains("best:        /tmp/out-e/checkpoint-74\n  best adapter: "
+                               "/tmp/out-e/best"));
     CHECK(ToJson(shown.job)["best_eval_step"] == 74);
     CHECK_THAT(RenderLine(shown.job), Catch::Contains("eval 2.0000 @111"));
   }

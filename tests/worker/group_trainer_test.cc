@@ -444,7 +444,8 @@ TEST_CASE("group: a memory budget plans for the whole group while it trains", "[
   write_job("b", 24, exact);
   CHECK(run("train " + (dir / "a.toml") + " --threads 1", "alone") == 0);
   INFO(testing::ReadFile(dir / "alone"));
-  // Together they cannot fit: the training run is refused before any step, naming b.
+  // Together they cannot fit: the group is planned for a alone, b cannot join it (named) and
+  // trains after, alone, where it does not fit either.
   CHECK(run("train " + (dir / "a.toml") + " " + (dir / "b.toml") + " --threads 1 --no-resume",
             "group") != 0);
   const std::string group = testing::ReadFile(dir / "group");

@@ -3,6 +3,7 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <tuple>
 
 #include <torch/csrc/autograd/autograd.h>
 
@@ -11,7 +12,9 @@
 #include "common/acting_as.h"
 #include "common/checkpoint_dir.h"
 #include "common/error.h"
+#include "common/format_bytes.h"
 #include "common/log.h"
+#include "common/memory_limit.h"
 #include "worker/flux/flux_adapter_io.h"
 #include "worker/flux/flux_base.h"
 #include "worker/flux/flux_calibrate.h"
@@ -24,6 +27,7 @@
 #include "worker/model/torch_device.h"
 #include "worker/train/adamw.h"
 #include "worker/train/stoppable_provider.h"
+#include "worker/train/stream_provider.h"
 
 namespace lorastream::worker::flux {
 
@@ -46,7 +50,7 @@ struct FluxStepInput {
 class Group final : public FamilyGroup {
  public:
   Group(const JobSpec& first, const TrainOptions& options, std::function<bool()> all_stop)
-      : first_(first) {
+      : first_(first), files_as_(options.files_as) {
     device_ = TorchDevice(ParseDevice(options.device));
     dtype_ = ComputeDtype(first.flux);
     {
@@ -65,6 +69,35 @@ class Group final : public FamilyGroup {
         *base_, planned, *first_data_, device_, dtype_,
         /*predict=*/false, FluxPlanGroupOf(*base_, first, options.plan_group, device_, dtype_));
     streamed_ = planning.plan.num_streamed();
+    // The memory the plan was made for, kept for the jobs that ask to join later; without a
+    // budget, the group given (options.plan_group) is refused beyond the device's memory now,
+    // naming the job, before anything is allocated.
+    plan_ = planning.plan;
+    memory_ = planning.budget > 0
+                  ? planning.inputs
+                  : FluxMemoryInputsFor(*base_, planned, *first_data_, device_, dtype_);
+    memory_.group.clear();
+    if (planning.budget > 0) {
+      limit_ = planning.budget;
+      limit_what_ = "the plan's budget (gpu_memory_budget)";
+    } else {
+      std::tie(limit_, limit_what_) = DeviceMemory(device_);
+      const uint64_t peak = EstimateFluxMemory(memory_, plan_).total();
+      if (limit_ > 0 && peak > limit_)
+        throw Error(ErrorCode::kRefused,
+                    "job " + first.name + ": the estimated peak memory, " + FormatBytes(peak) +
+                        " (its largest bucket: " + std::to_string(memory_.image_tokens) +
+                        " image tokens), exceeds the " + FormatBytes(limit_) + " of " +
+                        limit_what_ +
+                        ": lower train.batch_size or the caches' resolution, or stream units "
+                        "(stream.gpu_memory_budget)");
+      std::vector<JobSpec> others;
+      for (const JobSpec& spec : options.plan_group) {
+        others.push_back(spec);
+        if (const std::string why = JoinRefusal(others); !why.empty())
+          throw Error(ErrorCode::kRefused, why);
+      }
+    }
     provider_ = std::make_unique<StoppableProvider>(
         base_->MakeEngine(planning.plan, device_, options.engine), std::move(all_stop),
         device_.is_cuda());
@@ -77,6 +110,14 @@ class Group final : public FamilyGroup {
   std::vector<std::string> CheckpointFiles() const override { return FluxCheckpointFiles(); }
   StoppableProvider& provider() override { return *provider_; }
   std::vector<std::vector<at::Tensor>> RunStep(const std::vector<FamilyJob*>& jobs) override;
+  std::string JoinRefusal(const std::vector<JobSpec>& others) const override {
+    if (others.empty()) return "";
+    FluxMemoryInputs in = memory_;
+    const ActingAs as(files_as_);  // their caches, as the submitter
+    in.group = FluxMembersOf(*base_, others, device_, dtype_);
+    return GroupJoinProblem(others.back().name, others.size(),
+                            EstimateFluxMemory(in, plan_).total(), limit_, limit_what_);
+  }
 
   const FluxBase& base() const { return *base_; }
   FluxModel& model() { return *model_; }
@@ -98,6 +139,12 @@ class Group final : public FamilyGroup {
   std::unique_ptr<StoppableProvider> provider_;
   std::unique_ptr<FluxModel> model_;
   int64_t streamed_ = 0;
+  // The plan and the memory it was made for (the first job's inputs), and its limit.
+  ResidencyPlan plan_;
+  FluxMemoryInputs memory_;
+  uint64_t limit_ = 0;
+  std::string limit_what_;
+  const UserIdentity* files_as_ = nullptr;
 };
 
 // One job: its caches, its adapter, its step's inputs and loss.

@@ -35,10 +35,26 @@ FluxPlanGroup FluxPlanGroupOf(const FluxBase& base, const JobSpec& first,
     job.singles_per_unit = base.singles_per_unit();
     const FluxDataset data(job.cache_dir, base.config());
     const FluxMemoryInputs in = FluxMemoryInputsFor(base, job, data, device, dtype);
-    group.members.push_back({spec.name, in.lora_params, in.batch, in.image_tokens, in.text_tokens});
+    group.members.push_back(FluxMemberOf(spec.name, in));
     group.costs.push_back(MeasureFluxCosts(base, job, in, data, device, dtype));
   }
   return group;
+}
+
+FluxGroupMember FluxMemberOf(const std::string& name, const FluxMemoryInputs& in) {
+  return {name, in.lora_params, in.batch, in.image_tokens, in.text_tokens};
+}
+
+std::vector<FluxGroupMember> FluxMembersOf(const FluxBase& base, const std::vector<JobSpec>& specs,
+                                           c10::Device device, c10::ScalarType dtype) {
+  std::vector<FluxGroupMember> out;
+  for (const JobSpec& spec : specs) {
+    FluxJob job = spec.flux;
+    job.singles_per_unit = base.singles_per_unit();
+    const FluxDataset data(job.cache_dir, base.config());
+    out.push_back(FluxMemberOf(spec.name, FluxMemoryInputsFor(base, job, data, device, dtype)));
+  }
+  return out;
 }
 
 int RunFluxGroupPlanCommand(const std::vector<std::string>& job_paths,

@@ -39,6 +39,13 @@ FluxPlanGroup FluxPlanGroupOf(const FluxBase& base, const JobSpec& first,
                               const std::vector<JobSpec>& others, c10::Device device,
                               c10::ScalarType dtype, bool always = false);
 
+// A group member's part of the memory estimate, from its own inputs.
+FluxGroupMember FluxMemberOf(const std::string& name, const FluxMemoryInputs& in);
+// The members `specs` (their caches read for their largest buckets), for the memory estimate
+// only (no costs measured).
+std::vector<FluxGroupMember> FluxMembersOf(const FluxBase& base, const std::vector<JobSpec>& specs,
+                                           c10::Device device, c10::ScalarType dtype);
+
 // `lorastream-worker plan A.toml B.toml ...` on FLUX jobs: the group's plans (the first job's
 // table with every job's memory and measured compute); jobs that cannot share a group are
 // refused naming the key.

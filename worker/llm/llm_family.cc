@@ -172,6 +172,10 @@ class Group final : public FamilyGroup {
   std::vector<std::string> CheckpointFiles() const override { return CheckpointRequiredFiles(); }
   StoppableProvider& provider() override { return *stoppable_; }
   std::vector<std::vector<at::Tensor>> RunStep(const std::vector<FamilyJob*>& jobs) override;
+  // The streaming provider keeps the estimate its plan was checked with.
+  std::string JoinRefusal(const std::vector<JobSpec>& others) const override {
+    return stoppable_->JoinRefusal(others);
+  }
   void MembersChanged() override {
     if (group_runner_) group_runner_->Forget();
   }

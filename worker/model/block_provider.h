@@ -6,8 +6,15 @@
 // where each block's forward is recomputed just before its backward.
 #pragma once
 
+#include <string>
+#include <vector>
+
 #include "common/step_stats.h"
 #include "worker/model/block_weights.h"
+
+namespace lorastream {
+struct JobSpec;
+}
 
 namespace lorastream::worker {
 
@@ -38,6 +45,15 @@ class BlockProvider {
   // head are resident, so a training micro-batch's device work is the same at every step and
   // may be captured once as a CUDA graph and replayed (worker/train/micro_batch_runner.h).
   virtual bool step_is_host_only() const { return false; }
+  // Why the memory this provider's plan was made for cannot also hold `others`, a group's jobs
+  // beside the one it was planned for (a job joining a running group, after those already
+  // there): the group's estimated peak under this plan beyond the plan's limit (its budget, or
+  // the device's memory), naming the last of `others`. "" when it can, or when this provider
+  // keeps no estimate (everything resident, no plan).
+  virtual std::string JoinRefusal(const std::vector<JobSpec>& others) const {
+    (void)others;
+    return "";
+  }
 };
 
 }  // namespace lorastream::worker

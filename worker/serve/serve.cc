@@ -199,6 +199,7 @@ class GroupRunner {
     if (why.empty() && uid(FilesAs(job)) != uid(group_files_as_))
       why = "job " + job.spec.name + " belongs to another submitter than the group's, whose " +
             "thread acts as one user";
+    if (why.empty()) why = group_->JoinRefusal(job.spec);  // the group's memory holds it too
     return why;
   }
 

@@ -100,6 +100,11 @@ class FamilyGroup {
   // forward and backward, the gradients accumulated into each job's Params(). Returns per job
   // its micro-batches' losses (device scalars; a job with fewer micro-batches has fewer).
   virtual std::vector<std::vector<at::Tensor>> RunStep(const std::vector<FamilyJob*>& jobs) = 0;
+  // Why the memory the group was planned for cannot also hold `others` beside the job it was
+  // planned for: the jobs of a running group, then one that asks to join it last. The group's
+  // estimated peak under its plan with them all, against the plan's limit (its budget, else
+  // the device's memory); "" when it fits. A refused job waits for the group to drain.
+  virtual std::string JoinRefusal(const std::vector<JobSpec>& others) const = 0;
   // A job joined or is about to leave (what the group keeps of its jobs' tensors is dropped).
   virtual void MembersChanged() {}
   // Before the jobs are destroyed at the group's end.

@@ -4,7 +4,6 @@
 // its own), and the group reports the leavers in the order they left. Torch-free.
 #pragma once
 
-#include <algorithm>
 #include <exception>
 #include <functional>
 #include <memory>
@@ -120,23 +119,5 @@ class GroupMembers {
   std::vector<GroupJobOutcome> left_;
   size_t added_ = 0;
 };
-
-// Outcomes in the order their jobs were added.
-inline std::vector<GroupJobOutcome> InOrderAdded(std::vector<GroupJobOutcome> left) {
-  std::sort(left.begin(), left.end(),
-            [](const GroupJobOutcome& a, const GroupJobOutcome& b) { return a.index < b.index; });
-  return left;
-}
-
-// Trains `jobs` as one Group (GroupTrainer, flux::FluxGroupTrainer) made from the first job's
-// spec and `options`, until each has left; their outcomes in the order given.
-template <class Group, class Options>
-std::vector<GroupJobOutcome> TrainAsGroup(std::vector<GroupJob> jobs, const Options& options) {
-  LS_CHECK(!jobs.empty(), "a group needs at least one job");
-  Group group(jobs.front().spec, options);
-  for (GroupJob& job : jobs) group.Add(std::move(job));
-  group.Run();
-  return InOrderAdded(group.TakeLeft());
-}
 
 }  // namespace lorastream::worker

@@ -79,6 +79,7 @@ class GroupTrainer::Job {
 
   size_t index() const { return index_; }
   const std::string& name() const { return spec_.name; }
+  const JobSpec& spec() const { return spec_; }
   FamilyJob& family_job() { return *job_; }
   bool done() const { return state_.step >= total_; }
   bool StopRequested() const { return in_.should_stop && in_.should_stop(); }
@@ -268,6 +269,16 @@ size_t GroupTrainer::Add(GroupJob job) {
   });
 }
 
+std::string GroupTrainer::JoinRefusal(const JobSpec& spec) const {
+  // The plan's memory counts the first job (index 0) whether or not it is still training.
+  std::vector<JobSpec> others;
+  for (const auto& job : members_->jobs())
+    if (job->index() != 0) others.push_back(job->spec());
+  others.push_back(spec);
+  ResolveJobSpec(others.back());
+  return family_->JoinRefusal(others);
+}
+
 std::vector<GroupJobOutcome> GroupTrainer::TakeLeft() { return members_->TakeLeft(); }
 
 bool GroupTrainer::Step() {
@@ -395,10 +406,60 @@ void GroupTrainer::Run() {
 
 std::vector<GroupJobOutcome> RunGroupTraining(std::vector<GroupJob> jobs,
                                               const TrainOptions& options) {
-  TrainOptions group_options = options;
-  if (group_options.plan_group.empty())  // the plan leaves room for every job given
-    for (size_t j = 1; j < jobs.size(); ++j) group_options.plan_group.push_back(jobs[j].spec);
-  return TrainAsGroup<GroupTrainer>(std::move(jobs), group_options);
+  LS_CHECK(!jobs.empty(), "a group needs at least one job");
+  std::vector<GroupJobOutcome> out(jobs.size());
+  std::vector<size_t> left(jobs.size());  // positions in `jobs` not trained yet
+  for (size_t j = 0; j < jobs.size(); ++j) left[j] = j;
+  while (!left.empty()) {
+    GroupJob& first = jobs[left.front()];
+    TrainOptions group_options = options;
+    if (group_options.plan_group.empty())  // the plan leaves room for every job left
+      for (size_t k = 1; k < left.size(); ++k)
+        group_options.plan_group.push_back(jobs[left[k]].spec);
+    std::unique_ptr<GroupTrainer> group;
+    for (bool alone : {false, true}) {
+      if (alone) group_options.plan_group.clear();
+      try {
+        group = std::make_unique<GroupTrainer>(first.spec, group_options);
+        break;
+      } catch (const Error& e) {
+        // One job alone keeps its error as it was; in a group, a refusal is one job's.
+        if (jobs.size() == 1 || e.code() != ErrorCode::kRefused) throw;
+        if (!alone && !group_options.plan_group.empty()) {
+          LS_LOG_INFO(
+              "the group of {} jobs cannot be planned ({}); planned for job {} alone, the "
+              "others join as its memory allows",
+              left.size(), e.what(), first.spec.name);
+          continue;
+        }
+        out[left.front()] = {first.spec.name, left.front(), {}, std::current_exception()};
+        break;
+      }
+    }
+    if (!group) {
+      left.erase(left.begin());
+      continue;
+    }
+    std::map<size_t, size_t> position;  // the group's index of a job -> its place in `jobs`
+    std::vector<size_t> waiting;
+    for (size_t k = 0; k < left.size(); ++k) {
+      if (k > 0)
+        if (const std::string why = group->JoinRefusal(jobs[left[k]].spec); !why.empty()) {
+          LS_LOG_INFO("{}: it trains after the group", why);
+          waiting.push_back(left[k]);
+          continue;
+        }
+      position[group->Add(std::move(jobs[left[k]]))] = left[k];
+    }
+    group->Run();
+    for (GroupJobOutcome& o : group->TakeLeft()) {
+      const size_t at = position.at(o.index);
+      o.index = at;
+      out[at] = std::move(o);
+    }
+    left = std::move(waiting);
+  }
+  return out;
 }
 
 }  // namespace lorastream::worker

@@ -56,7 +56,8 @@ struct GroupJob {
 // What became of a job that left the group: its result, or the error that ended it.
 struct GroupJobOutcome {
   std::string name;  // the job's spec.name
-  size_t index = 0;  // the order in which it was added (0 = the first)
+  size_t index = 0;  // the order in which it was added (0 = the first); RunGroupTraining:
+                     // its place in the jobs given
   TrainResult result;
   std::exception_ptr error;  // set when it failed
 };
@@ -85,6 +86,11 @@ class GroupTrainer final {
   // (GroupRefusal) or cannot start (an invalid spec, missing or bad data, a locked output
   // folder) leaves at once with its error (TakeLeft); the group goes on. Returns its index.
   size_t Add(GroupJob job);
+  // Why `spec` cannot join now: the memory the group's plan was made for (the first job's and
+  // those given with it) cannot also hold it beside the jobs training now
+  // (FamilyGroup::JoinRefusal); "" when it can. Callers ask before Add; a refused job waits
+  // for a group of its own.
+  std::string JoinRefusal(const JobSpec& spec) const;
   // One group step: every job's next optimizer step. Returns false when no job is left.
   bool Step();
   // Runs Step() until every job has left.
@@ -108,9 +114,13 @@ class GroupTrainer final {
   bool split_ = false;  // a shared step failed: each job's step runs alone
 };
 
-// Trains `jobs` as one group until each has finished, stopped or failed; their outcomes in
-// the order they were given. The plan leaves room for every job (options.plan_group, unless
-// the caller set it).
+// Trains `jobs` until each has finished, stopped or failed; their outcomes in the order they
+// were given. One group when its plan can hold them all (options.plan_group, unless the caller
+// set it): the plan leaves room for every job. When it cannot (refused: a job beyond the
+// budget or the device's memory), the group is planned for its first job alone and each other
+// job joins while the plan's memory holds it (GroupTrainer::JoinRefusal); the others train
+// after, in a group of their own, planned the same way. A job refused alone fails alone, naming
+// it; the others train as they would alone.
 std::vector<GroupJobOutcome> RunGroupTraining(std::vector<GroupJob> jobs,
                                               const TrainOptions& options);
 

@@ -39,6 +39,9 @@ class StoppableProvider final : public BlockProvider {
   HeadProvider* lm_head() override { return inner_->lm_head(); }
   int taped_blocks() const override { return inner_->taped_blocks(); }
   bool step_is_host_only() const override { return inner_->step_is_host_only(); }
+  std::string JoinRefusal(const std::vector<JobSpec>& others) const override {
+    return inner_->JoinRefusal(others);
+  }
   bool stopped() const { return stopped_; }
 
  private:

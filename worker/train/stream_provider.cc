@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <tuple>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <torch/version.h>
@@ -77,14 +79,24 @@ class PackedBlocks {
 // The engine plus, when the base had to be packed, the host buffers it streams from
 // (declared first: destroyed after the engine, whose copies read them), and the LM head
 // when the plan streams it.
+// The memory a plan was checked against: the planned job's inputs (without its group) and the
+// limit, the job's budget or else the device's memory.
+struct PlannedMemory {
+  MemoryModelInputs inputs;
+  uint64_t limit = 0;
+  std::string limit_what;  // "the plan's budget (...)", "the host's memory (cpu)"
+};
+
 class StreamProvider : public BlockProvider {
  public:
   StreamProvider(std::unique_ptr<PackedBlocks> packed, std::unique_ptr<StreamEngine> engine,
-                 std::unique_ptr<HeadProvider> head, double predicted_step_seconds)
+                 std::unique_ptr<HeadProvider> head, double predicted_step_seconds,
+                 PlannedMemory memory)
       : packed_(std::move(packed)),
         engine_(std::move(engine)),
         head_(std::move(head)),
-        predicted_(predicted_step_seconds) {}
+        predicted_(predicted_step_seconds),
+        memory_(std::move(memory)) {}
   int num_blocks() const override { return engine_->num_blocks(); }
   void BeginStep() override {
     // A step runs from one BeginStep to the next (optimizer included): the planner's
@@ -121,12 +133,21 @@ class StreamProvider : public BlockProvider {
   bool step_is_host_only() const override {
     return head_ == nullptr && engine_->residency().num_streamed() == 0;
   }
+  std::string JoinRefusal(const std::vector<JobSpec>& others) const override {
+    if (others.empty()) return "";
+    MemoryModelInputs in = memory_.inputs;
+    AddGroupJobs(others, &in);
+    return GroupJoinProblem(others.back().name, others.size(),
+                            EstimateMemory(in, engine_->residency()).total(), memory_.limit,
+                            memory_.limit_what);
+  }
 
  private:
   std::unique_ptr<PackedBlocks> packed_;
   std::unique_ptr<StreamEngine> engine_;
   std::unique_ptr<HeadProvider> head_;  // null: the head stays resident (the trainer's)
   const double predicted_;              // seconds per step; 0: no prediction
+  const PlannedMemory memory_;
   std::chrono::steady_clock::time_point last_begin_;
   int64_t steps_ = 0;
 };
@@ -134,21 +155,23 @@ class StreamProvider : public BlockProvider {
 // A plan whose estimated peak exceeds the device's memory (the host's on the CPU) would only
 // grow until the machine gives out: refused before anything is allocated.
 void RefuseBeyondDeviceMemory(uint64_t estimate, const c10::Device& device) {
-  uint64_t limit = 0;
-  std::string what = "the host's memory (" + device.str() + ")";
-  if (device.is_cuda()) {
-#ifdef LORASTREAM_HAVE_CUDA
-    limit = CudaTotalBytes(device.has_index() ? device.index() : 0);
-    what = device.str();
-#endif
-  } else {
-    limit = HostMemoryBytes();
-  }
+  const auto [limit, what] = DeviceMemory(device);
   if (std::string why = MemoryLimitProblem(estimate, limit, what); !why.empty())
     throw Error(ErrorCode::kRefused, why);
 }
 
 }  // namespace
+
+std::pair<uint64_t, std::string> DeviceMemory(const c10::Device& device) {
+  if (device.is_cuda()) {
+#ifdef LORASTREAM_HAVE_CUDA
+    return {CudaTotalBytes(device.has_index() ? device.index() : 0), device.str()};
+#else
+    return {0, device.str()};
+#endif
+  }
+  return {HostMemoryBytes(), "the host's memory (" + device.str() + ")"};
+}
 
 std::unique_ptr<BlockProvider> MakeStreamProvider(const JobSpec& spec, const BaseWeights& base,
                                                   const std::string& device_name,
@@ -179,10 +202,18 @@ std::unique_ptr<BlockProvider> MakeStreamProvider(const JobSpec& spec, const Bas
     pointers = packed->pointers();
   }
 
-  MemoryModelInputs inputs = JobMemoryInputs(spec, *manifest, device, dtype);
+  PlannedMemory memory;
+  memory.inputs = JobMemoryInputs(spec, *manifest, device, dtype);
+  MemoryModelInputs inputs = memory.inputs;
   AddGroupJobs(group, &inputs);
   const StreamPlanning planning = PlanJobStream(spec, base, inputs, device, dtype, group);
   RefuseBeyondDeviceMemory(EstimateMemory(inputs, planning.plan).total(), device);
+  if (planning.budget > 0) {
+    memory.limit = planning.budget;
+    memory.limit_what = "the plan's budget (stream.gpu_memory_budget)";
+  } else {
+    std::tie(memory.limit, memory.limit_what) = DeviceMemory(device);
+  }
   // The trainer always checkpoints every block (worker/model/checkpointed_block.cc).
   RequireCheckpointingForStreaming(planning.plan, /*gradient_checkpointing=*/true);
   auto engine = MakeStreamEngine(*manifest, pointers, planning.plan, device, options);
@@ -190,7 +221,7 @@ std::unique_ptr<BlockProvider> MakeStreamProvider(const JobSpec& spec, const Bas
   // A tied model's head is its embedding table (BaseWeights::rest().lm_head is that view).
   if (planning.plan.head_streamed) head = MakeStreamedHead(base.rest(), device, dtype, options);
   return std::make_unique<StreamProvider>(std::move(packed), std::move(engine), std::move(head),
-                                          planning.predicted_step_seconds);
+                                          planning.predicted_step_seconds, std::move(memory));
 }
 
 MemoryModelInputs JobMemoryInputs(const JobSpec& spec, const Manifest& manifest,
@@ -263,6 +294,7 @@ StreamPlanning PlanJobStream(const JobSpec& spec, const BaseWeights& base,
   StreamPlanning out;
   const StreamSpec& st = spec.stream;
   const uint64_t budget = JobMemoryBudget(st, device);
+  out.budget = budget;
   if (budget == 0) {
     out.plan = PlanResidency(st.blocks_to_swap, 0, st.ring_size, inputs, st.forward_slots,
                              st.backward_slots, st.taped_blocks);

@@ -15,6 +15,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <c10/core/ScalarType.h>
@@ -50,7 +51,12 @@ Manifest ComputeLayout(const BaseWeights& base, c10::ScalarType dtype);
 struct StreamPlanning {
   ResidencyPlan plan;
   double predicted_step_seconds = 0;  // the cost model's prediction; 0: none made
+  uint64_t budget = 0;                // the budget it was planned within (JobMemoryBudget)
 };
+
+// The device's memory (the host's on the CPU) in bytes, and its name in messages ("cuda:0",
+// "the host's memory (cpu)"); 0 where it cannot be known (CUDA in a build without it).
+std::pair<uint64_t, std::string> DeviceMemory(const c10::Device& device);
 
 // The job's memory budget in bytes (0: none, plan from blocks_to_swap):
 // stream.gpu_memory_budget, or with stream.budget_auto on a GPU AutoMemoryBudget of the
