@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/block_names.h"
 #include "common/error.h"
 #include "common/regular_file.h"
 
@@ -31,47 +32,6 @@ bool StartsWith(const std::string& s, const std::string& prefix) {
 void AddLinear(TensorShapes& out, const std::string& name, int64_t out_dim, int64_t in_dim) {
   out.push_back({name + ".weight", {out_dim, in_dim}});
   out.push_back({name + ".bias", {out_dim}});
-}
-
-const std::vector<int64_t>* ShapeOf(const SafetensorsHeader& h, const std::string& name) {
-  for (const auto& t : h.tensors)
-    if (t.name == name) return &t.shape;
-  return nullptr;
-}
-
-// A decimal integer of at most 18 digits (no sign, no space), else nullopt.
-std::optional<int64_t> Decimal(const std::string& text) {
-  if (text.empty() || text.size() > 18) return std::nullopt;
-  for (char ch : text)
-    if (ch < '0' || ch > '9') return std::nullopt;
-  return std::stoll(text);
-}
-
-// The blocks of a kind: one more than the highest index a tensor name gives. The index sizes
-// every later allocation (a shape per block), so it is checked here, by name: a number, and
-// below both kMaxFluxBlocks and the tensors the file holds (each block has several).
-int64_t CountBlocks(const SafetensorsHeader& h, const std::string& prefix,
-                    const std::string& source) {
-  int64_t n = 0;
-  for (const auto& t : h.tensors)
-    if (StartsWith(t.name, prefix)) {
-      const size_t dot = t.name.find('.', prefix.size());
-      const std::string digits = t.name.substr(prefix.size(), dot - prefix.size());
-      const std::optional<int64_t> index = Decimal(digits);
-      if (!index)
-        throw Error(ErrorCode::kCorrupt, source + ": tensor `" + t.name + "`: block index `" +
-                                             digits + "` is not a number");
-      const int64_t limit =
-          std::min<int64_t>(kMaxFluxBlocks, static_cast<int64_t>(h.tensors.size()));
-      if (*index >= limit)
-        throw Error(ErrorCode::kCorrupt,
-                    source + ": tensor `" + t.name + "`: block index " + digits + " is not below " +
-                        std::to_string(limit) + " (at most " + std::to_string(kMaxFluxBlocks) +
-                        " blocks of a kind, and no more than " + "the file's " +
-                        std::to_string(h.tensors.size()) + " tensors)");
-      n = std::max<int64_t>(n, *index + 1);
-    }
-  return n;
 }
 
 bool IsFile(const std::string& p) {
@@ -212,7 +172,7 @@ std::map<std::string, std::string> FluxMetadata(const FluxConfig& c) {
 
 FluxConfig FluxConfigFromHeader(const SafetensorsHeader& header, const std::string& source) {
   auto need = [&](const std::string& name, size_t rank) -> const std::vector<int64_t>& {
-    const auto* s = ShapeOf(header, name);
+    const auto* s = HeaderShape(header, name);
     if (s == nullptr)
       throw Error(ErrorCode::kCorrupt,
                   source + ": no tensor `" + name + "` (not FLUX.1 in BFL's single-file naming)");
@@ -228,9 +188,9 @@ FluxConfig FluxConfigFromHeader(const SafetensorsHeader& header, const std::stri
   c.in_channels = img_in[1];
   c.vec_in_dim = need("vector_in.in_layer.weight", 2)[1];
   c.context_in_dim = need("txt_in.weight", 2)[1];
-  c.depth = CountBlocks(header, "double_blocks.", source);
-  c.depth_single = CountBlocks(header, "single_blocks.", source);
-  c.guidance_embed = ShapeOf(header, "guidance_in.in_layer.weight") != nullptr;
+  c.depth = CountNumberedBlocks(header, "double_blocks.", kMaxFluxBlocks, source);
+  c.depth_single = CountNumberedBlocks(header, "single_blocks.", kMaxFluxBlocks, source);
+  c.guidance_embed = HeaderShape(header, "guidance_in.in_layer.weight") != nullptr;
   const std::string norm = c.depth > 0 ? "double_blocks.0.img_attn.norm.query_norm.scale"
                                        : "single_blocks.0.norm.query_norm.scale";
   const int64_t head_dim = need(norm, 1)[0];
@@ -243,21 +203,7 @@ FluxConfig FluxConfigFromHeader(const SafetensorsHeader& header, const std::stri
                              : need("single_blocks.0.linear1.weight", 2)[0] - 3 * c.hidden_size;
   const auto meta = header.metadata;
   if (auto it = meta.find("flux.axes_dim"); it != meta.end()) {
-    std::stringstream ss(it->second);
-    std::string part;
-    for (int i = 0; i < 3; ++i) {
-      const std::optional<int64_t> v =
-          std::getline(ss, part, ',') ? Decimal(part) : std::optional<int64_t>();
-      if (!v || *v <= 0 || *v % 2 != 0 || *v > head_dim)
-        throw Error(ErrorCode::kCorrupt, source + ": metadata `flux.axes_dim` `" + it->second +
-                                             "` is not three positive even numbers of at most "
-                                             "head_dim (" +
-                                             std::to_string(head_dim) + ") each, like 16,56,56");
-      c.axes_dim[i] = *v;
-    }
-    if (std::getline(ss, part, ','))
-      throw Error(ErrorCode::kCorrupt, source + ": metadata `flux.axes_dim` `" + it->second +
-                                           "` holds more than three numbers");
+    c.axes_dim = ParseAxesDim(it->second, "flux.axes_dim", head_dim, source);
   } else if (head_dim != 128) {
     throw Error(ErrorCode::kCorrupt,
                 source + ": head_dim " + std::to_string(head_dim) +
@@ -275,19 +221,9 @@ FluxConfig FluxConfigFromHeader(const SafetensorsHeader& header, const std::stri
   c.Validate(source);
 
   // Every tensor present, none extra, each of its shape.
-  std::set<std::string> seen;
-  for (const auto& [name, shape] : FluxAllShapes(c)) {
-    const auto* s = ShapeOf(header, name);
-    if (s == nullptr) throw Error(ErrorCode::kCorrupt, source + ": missing tensor `" + name + "`");
-    if (*s != shape)
-      throw Error(ErrorCode::kCorrupt, source + ": tensor `" + name + "` has shape " +
-                                           ShapeString(*s) + ", expected " + ShapeString(shape));
-    seen.insert(name);
-  }
-  for (const auto& t : header.tensors)
-    if (!seen.count(t.name))
-      throw Error(ErrorCode::kCorrupt, source + ": unexpected tensor `" + t.name +
-                                           "` (not part of FLUX.1's transformer)");
+  TensorShapes have;
+  for (const auto& t : header.tensors) have.push_back({t.name, t.shape});
+  RequireExactTensors(have, FluxAllShapes(c), source, "FLUX.1's transformer");
   return c;
 }
 
@@ -334,12 +270,8 @@ std::vector<std::string> FluxSingleLinears() { return {"linear1", "linear2", "mo
 bool IsFluxBlockLinearWeight(const std::string& name) {
   // "<kind>_blocks.<index>.<linear>.weight", the linear one of its kind's.
   for (const bool is_double : {true, false}) {
-    const std::string prefix = is_double ? "double_blocks." : "single_blocks.";
-    if (name.compare(0, prefix.size(), prefix) != 0) continue;
-    size_t i = prefix.size();
-    while (i < name.size() && i - prefix.size() < 9 && name[i] >= '0' && name[i] <= '9') ++i;
-    if (i == prefix.size() || i >= name.size() || name[i] != '.') return false;
-    const std::string rel = name.substr(i + 1);
+    std::string rel;
+    if (!SplitNumberedName(name, is_double ? "double_blocks." : "single_blocks.", &rel)) continue;
     for (const std::string& linear : is_double ? FluxDoubleLinears() : FluxSingleLinears())
       if (rel == linear + ".weight") return true;
     return false;
@@ -358,17 +290,7 @@ std::vector<std::string> FluxTargets(const std::vector<std::string>& spec,
     return {"img_attn.qkv", "img_attn.proj", "txt_attn.qkv", "txt_attn.proj", "linear1", "linear2"};
   std::vector<std::string> known = FluxDoubleLinears();
   for (auto& s : FluxSingleLinears()) known.push_back(s);
-  if (spec.empty()) throw Error(ErrorCode::kRefused, where + ": names no module to adapt");
-  for (const auto& s : spec)
-    if (std::find(known.begin(), known.end(), s) == known.end()) {
-      std::string list;
-      for (auto& k : known) list += (list.empty() ? "" : ", ") + k;
-      throw Error(ErrorCode::kRefused, where + ": `" + s +
-                                           "` is not a linear layer of a FLUX block (\"all\", "
-                                           "\"attention\" or some of: " +
-                                           list + ")");
-    }
-  return spec;
+  return RequireKnownTargets(spec, known, "\"all\", \"attention\"", "a FLUX block", where);
 }
 
 std::string KohyaModuleName(const std::string& module) {

@@ -6,6 +6,7 @@
 
 #include "common/flux_config.h"
 #include "common/manifest.h"
+#include "common/qwen_image_config.h"
 #include "common/safetensors.h"
 
 namespace lorastream {
@@ -73,7 +74,8 @@ bool IsProjectionWeight(const std::string& name) {
                                                "self_attn.v_proj.weight", "self_attn.o_proj.weight",
                                                "mlp.gate_proj.weight",    "mlp.up_proj.weight",
                                                "mlp.down_proj.weight"};
-  return kNames.count(name) > 0 || IsFluxBlockLinearWeight(name);
+  return kNames.count(name) > 0 || IsFluxBlockLinearWeight(name) ||
+         IsQwenImageBlockLinearWeight(name);
 }
 
 bool IsCompressibleRestWeight(const std::string& name) {

@@ -26,6 +26,7 @@
 #include "store/convert.h"
 #include "store/quantize.h"
 #include "store/synth_flux.h"
+#include "store/synth_qwen_image.h"
 
 namespace lorastream::store {
 
@@ -203,6 +204,7 @@ SynthResult RunSynth(const SynthOptions& options) {
   const std::string preset_path = PresetPath(
       options.preset, options.presets_dir.empty() ? DefaultPresetsDir() : options.presets_dir);
   if (IsFluxPreset(preset_path)) return RunSynthFlux(options, preset_path);
+  if (IsQwenImagePreset(preset_path)) return RunSynthQwenImage(options, preset_path);
   Preset preset = LoadPreset(
       options.preset, options.presets_dir.empty() ? DefaultPresetsDir() : options.presets_dir);
   ModelConfig config = preset.config;

@@ -45,6 +45,9 @@ struct SynthOptions {
   // 16) instead of the demo's three; and the T5 tokens per caption.
   std::string flux_cache_pixels;
   int64_t flux_text_tokens = 8;
+  // Qwen-Image presets: "comfyui" (OUT/qwen_image.safetensors, bare names),
+  // "comfyui-prefixed" (the same under "diffusion_model.") or "diffusers" (OUT/transformer/).
+  std::string qwen_image_format = "comfyui";
 };
 
 struct SynthResult {

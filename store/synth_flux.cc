@@ -152,6 +152,28 @@ uint64_t WriteFluxDiffusers(const SynthOptions& options, const FluxConfig& confi
 
 }  // namespace
 
+uint64_t WriteSynthFile(const std::string& path, const TensorShapes& shapes,
+                        const std::string& prefix, DType dtype, const SynthOptions& options,
+                        const std::map<std::string, std::string>& metadata) {
+  std::vector<TensorToWrite> tensors;
+  uint64_t total = 0;
+  for (const auto& [name, shape] : shapes) {
+    tensors.push_back({prefix + name, dtype, shape, nullptr});
+    total += TensorBytes(tensors.back());
+  }
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path());
+  const size_t esize = DTypeSize(dtype);
+  const int threads = SynthThreads(options);
+  // The values of a tensor are its canonical name's, whatever prefix the file gives it.
+  auto fill = [&](size_t index, uint64_t offset, uint8_t* out, size_t n) {
+    const TensorToWrite& t = tensors[index];
+    SynthFill(shapes[index].first, t.shape.size(), options.seed, offset / esize, n / esize, dtype,
+              out, threads);
+  };
+  WriteSafetensorsStreamed(path, tensors, fill, metadata, 64);
+  return total;
+}
+
 SynthResult RunSynthFlux(const SynthOptions& options, const std::string& preset_path) {
   const auto start = std::chrono::steady_clock::now();
   if (options.layers != 0)
@@ -169,23 +191,10 @@ SynthResult RunSynthFlux(const SynthOptions& options, const std::string& preset_
     r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return r;
   }
-  std::vector<TensorToWrite> tensors;
-  uint64_t total = 0;
-  for (const auto& [name, shape] : FluxAllShapes(config)) {
-    tensors.push_back({name, dtype, shape, nullptr});
-    total += TensorBytes(tensors.back());
-  }
-  std::filesystem::create_directories(options.out_dir);
-  const size_t esize = DTypeSize(dtype);
-  const int threads = SynthThreads(options);
-  auto fill = [&](size_t index, uint64_t offset, uint8_t* out, size_t n) {
-    const TensorToWrite& t = tensors[index];
-    SynthFill(t.name, t.shape.size(), options.seed, offset / esize, n / esize, dtype, out, threads);
-  };
   auto metadata = FluxMetadata(config);
   metadata["format"] = "pt";
-  WriteSafetensorsStreamed(options.out_dir + "/" + kSynthFluxFile, tensors, fill, metadata, 64);
-  r.bytes = total;
+  r.bytes = WriteSynthFile(options.out_dir + "/" + kSynthFluxFile, FluxAllShapes(config), "", dtype,
+                           options, metadata);
   r.shards = 1;
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return r;

@@ -5,6 +5,7 @@
 // (SynthValue) and the RoPE axes in its metadata (common/flux_config.h).
 #pragma once
 
+#include <map>
 #include <string>
 
 #include "common/flux_config.h"
@@ -21,6 +22,11 @@ std::string PresetPath(const std::string& name_or_path, const std::string& prese
 bool IsFluxPreset(const std::string& path);
 // The FLUX shape of a preset file; errors name the file and the key.
 FluxConfig LoadFluxPreset(const std::string& path, DType* dtype);
+// A safetensors file of `shapes` (each named `prefix` + its name, its values SynthFill's of
+// the name without the prefix) in `dtype`; returns the data bytes.
+uint64_t WriteSynthFile(const std::string& path, const TensorShapes& shapes,
+                        const std::string& prefix, DType dtype, const SynthOptions& options,
+                        const std::map<std::string, std::string>& metadata);
 SynthResult RunSynthFlux(const SynthOptions& options, const std::string& preset_path);
 // Three images' caches (common/flux_cache.h) for the FLUX preset of `options`: two of 32x32
 // pixels and one of 48x32 (two buckets), random latents and text features of its widths.

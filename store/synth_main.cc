@@ -37,6 +37,11 @@ int main(int argc, char** argv) {
                  "FLUX presets: bfl (flux1.safetensors, BFL's single file) | diffusers "
                  "(transformer/ with config.json and shards, as diffusers saves it)")
       ->capture_default_str();
+  app.add_option("--qwen-image-format", o.qwen_image_format,
+                 "Qwen-Image presets: comfyui (qwen_image.safetensors, ComfyUI's single file) | "
+                 "comfyui-prefixed (its names under diffusion_model.) | diffusers (transformer/ "
+                 "with config.json)")
+      ->capture_default_str();
   std::string flux_caches;
   app.add_option("--flux-caches", flux_caches,
                  "FLUX presets: also write random sd-scripts-style caches (three images, two "

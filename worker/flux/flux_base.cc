@@ -11,7 +11,7 @@
 #include "common/safetensors.h"
 #include "store/attach.h"
 #include "worker/model/base_weights.h"
-#include "worker/stream/host_bytes.h"
+#include "worker/model/unit_pack.h"
 
 namespace lorastream::worker::flux {
 
@@ -36,15 +36,6 @@ at::Tensor BflTensor(const FluxCheckpointReader& source, const std::string& name
 
 }  // namespace
 
-at::Tensor PageAlignedHostBytes(uint64_t n) {
-  auto owner = std::make_shared<HostBytes>(HostBytes::Allocate(n, "FLUX unit"));
-  // The tensor's storage is every page of the allocation; the view is the `n` bytes asked for.
-  const at::Tensor pages = at::from_blob(
-      owner->data(), {static_cast<int64_t>(owner->mapped_size())}, [owner](void*) {},
-      at::TensorOptions().dtype(at::kByte));
-  return pages.narrow(0, 0, static_cast<int64_t>(n));
-}
-
 FluxBase FluxBase::Load(const std::string& path, int64_t singles_per_unit, c10::ScalarType dtype,
                         c10::Device device) {
   const FluxCheckpointReader source = FluxCheckpointReader::Open(path);
@@ -63,22 +54,11 @@ FluxBase FluxBase::Load(const std::string& path, int64_t singles_per_unit, c10::
   b.manifest_ = FluxManifest(b.config_, singles_per_unit, DTypeOf(dtype), Manifest{}.alignment);
   b.manifest_.store_name = "flux";
   b.manifest_.source_dir = path;
-  for (size_t u = 0; u < b.manifest_.blocks.size(); ++u) {
-    SegmentInfo& seg = b.manifest_.blocks[u];
-    seg.shm_name = "flux-unit-" + std::to_string(u);
-    at::Tensor bytes = PageAlignedHostBytes(seg.nbytes);
-    for (const auto& t : seg.tensors)
-      bytes.narrow(0, static_cast<int64_t>(t.offset), static_cast<int64_t>(t.nbytes))
-          .view(dtype)
-          .view(t.shape)
-          .copy_(BflTensor(source, t.name));
-    b.unit_buffers_.push_back(bytes);
-  }
+  const SourceTensor tensor = [&](const std::string& name) { return BflTensor(source, name); };
+  b.unit_buffers_ = PackUnitBuffers(b.manifest_, tensor, "flux");
   b.layouts_ = b.manifest_.blocks;
-  for (const auto& [name, shape] : FluxRestShapes(b.config_))
-    b.rest_[name] =
-        BflTensor(source, name).to(device, dtype, /*non_blocking=*/false, /*copy=*/true);
-  b.unit_data_ = b.UnitBufferPointers();
+  b.rest_ = LoadRestTensors(b.manifest_.rest, tensor, device, dtype);
+  b.unit_data_ = BufferPointers(b.unit_buffers_);
   b.LogLoaded(path + (source.is_diffusers() ? " (diffusers folder)" : " (BFL file)"));
   return b;
 }
@@ -128,12 +108,6 @@ FluxBase FluxBase::ForJob(const FluxJob& job, c10::ScalarType dtype, c10::Device
                            : FromStore(job.store, dtype, device);
 }
 
-std::vector<const uint8_t*> FluxBase::UnitBufferPointers() const {
-  std::vector<const uint8_t*> out;
-  for (const auto& t : unit_buffers_) out.push_back(t.data_ptr<uint8_t>());
-  return out;
-}
-
 void FluxBase::LogLoaded(const std::string& from) const {
   uint64_t double_bytes = 0, unit_max = 0;
   const auto units = FluxUnits(config_, singles_per_unit_);
@@ -150,11 +124,8 @@ void FluxBase::LogLoaded(const std::string& from) const {
 }
 
 ResidencyPlan FluxBase::SwapPlan(int64_t blocks_to_swap, int64_t ring_size) const {
-  const int units = static_cast<int>(manifest_.blocks.size());
-  if (blocks_to_swap > units)
-    throw Error(ErrorCode::kRefused, "flux.blocks_to_swap must be at most " +
-                                         std::to_string(units) + " (the model's streaming units)");
-  return PlanFromSwapCount(units, static_cast<int>(blocks_to_swap), static_cast<int>(ring_size));
+  return UnitSwapPlan(static_cast<int>(manifest_.blocks.size()), blocks_to_swap, ring_size,
+                      "flux.blocks_to_swap");
 }
 
 std::unique_ptr<StreamEngine> FluxBase::MakeEngine(int64_t blocks_to_swap, int64_t ring_size,

@@ -19,6 +19,7 @@
 #include "common/manifest.h"
 #include "worker/flux/flux_model.h"
 #include "worker/model/block_provider.h"
+#include "worker/model/unit_pack.h"
 #include "worker/stream/stream_engine.h"
 
 namespace lorastream::store {
@@ -27,10 +28,7 @@ class AttachedStore;
 
 namespace lorastream::worker::flux {
 
-// `n` zeroed host bytes starting on a page boundary, as a store's segments do (a unit's host
-// buffer when FluxBase::Load packs a checkpoint): a view of a HostBytes
-// (worker/stream/host_bytes.h: every page the bytes touch is its own) that the tensor keeps.
-at::Tensor PageAlignedHostBytes(uint64_t n);
+using worker::PageAlignedHostBytes;
 
 class FluxBase {
  public:
@@ -74,7 +72,6 @@ class FluxBase {
   ResidencyPlan SwapPlan(int64_t blocks_to_swap, int64_t ring_size) const;
 
  private:
-  std::vector<const uint8_t*> UnitBufferPointers() const;
   void LogLoaded(const std::string& from) const;
 
   FluxConfig config_;

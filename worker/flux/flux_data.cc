@@ -4,7 +4,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
-#include "worker/model/model.h"
+#include "worker/model/bucket_order.h"
 
 namespace lorastream::worker::flux {
 
@@ -12,14 +12,6 @@ namespace {
 
 at::Tensor FromFloats(const std::vector<float>& v, std::vector<int64_t> shape) {
   return at::from_blob(const_cast<float*>(v.data()), shape, at::kFloat).clone();
-}
-
-std::vector<int64_t> Shuffled(std::vector<int64_t> v, uint64_t seed) {
-  at::Generator gen = at::detail::createCPUGenerator(seed);
-  const at::Tensor perm = at::randperm(static_cast<int64_t>(v.size()), gen, at::kLong);
-  std::vector<int64_t> out;
-  for (int64_t i = 0; i < perm.numel(); ++i) out.push_back(v[perm[i].item<int64_t>()]);
-  return out;
 }
 
 }  // namespace
@@ -56,27 +48,11 @@ FluxDataset::FluxDataset(const std::string& cache_dir, const FluxConfig& config)
 }
 
 int64_t FluxDataset::batches_per_epoch(int64_t batch_size) const {
-  int64_t n = 0;
-  for (const auto& b : buckets_)
-    n += (static_cast<int64_t>(b.size()) + batch_size - 1) / batch_size;
-  return n;
+  return BucketBatchesPerEpoch(buckets_, batch_size);
 }
 
 FluxDataBatch FluxDataset::Batch(int64_t step, int64_t batch_size, uint64_t seed) const {
-  const int64_t per_epoch = batches_per_epoch(batch_size);
-  const uint64_t epoch = static_cast<uint64_t>(step / per_epoch);
-  std::vector<std::vector<int64_t>> batches;
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    const auto order = Shuffled(buckets_[b], MixSeed(seed, 0xda7a, epoch, b));
-    for (size_t i = 0; i < order.size(); i += static_cast<size_t>(batch_size))
-      batches.emplace_back(order.begin() + static_cast<int64_t>(i),
-                           order.begin() + static_cast<int64_t>(std::min(
-                                               order.size(), i + static_cast<size_t>(batch_size))));
-  }
-  std::vector<int64_t> which(batches.size());
-  for (size_t i = 0; i < which.size(); ++i) which[i] = static_cast<int64_t>(i);
-  which = Shuffled(which, MixSeed(seed, 0xba7c, epoch));
-  const auto& chosen = batches[static_cast<size_t>(which[static_cast<size_t>(step % per_epoch)])];
+  const std::vector<int64_t> chosen = BucketBatch(buckets_, step, batch_size, seed);
   FluxDataBatch out;
   std::vector<at::Tensor> lat, t5, ids, pooled;
   for (int64_t i : chosen) {

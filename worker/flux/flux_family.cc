@@ -198,10 +198,9 @@ class Job final : public FamilyJob {
     const c10::ScalarType dtype = group_.dtype();
     const FluxDataBatch b = data_->Batch(step, job_.batch_size, job_.seed);
     const int64_t n = b.latents.size(0), h = b.latents.size(2), w = b.latents.size(3);
-    at::Generator gen = at::detail::createCPUGenerator(MixSeed(job_.seed, 0x5eed, step));
-    const at::Tensor noise = at::empty(b.latents.sizes(), at::kFloat).normal_(0.0, 1.0, gen);
-    const at::Tensor t = SampleTimesteps(sampling_, n, h, w, gen);
-    const FlowMatch fm = MakeFlowMatch(b.latents, noise, t);
+    const dit::NoisedStep noised = dit::NoiseForStep(b.latents, job_.seed, step, sampling_);
+    const FlowMatch& fm = noised.fm;
+    const at::Tensor& t = noised.t;
     FluxStepInput in;
     in.batch.img = PackLatents(fm.noisy).to(device, dtype);
     in.batch.img_ids = ImageIds(n, h, w, device);

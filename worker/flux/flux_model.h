@@ -32,44 +32,31 @@
 #include "common/flux_config.h"
 #include "common/manifest.h"
 #include "worker/model/block_provider.h"
+#include "worker/model/dit_ops.h"
 
 namespace lorastream::worker::flux {
 
 // Tensors by name: a unit's base weights as the provider serves them (BlockWeights::named,
 // full BFL names) and the tensors outside the blocks.
-using NamedTensors = std::map<std::string, at::Tensor>;
+using NamedTensors = dit::NamedTensors;
 
 // The adapter: per adapted module (full BFL name, "double_blocks.0.img_attn.qkv") A [r, in]
 // and B [out, r], f32 master weights that require grad; y = base(x) + B(A x) * alpha / r.
 // A starts as peft and sd-scripts start it (kaiming-uniform, bound 1/sqrt(in)), B at zero.
-class FluxAdapter {
+class FluxAdapter : public dit::LoraAdapter {
  public:
-  struct Module {
-    at::Tensor a, b;
-  };
+  using Module = dit::LoraModule;
   // targets: block-relative names (FluxTargets); init from `seed` on the CPU, then to `device`.
   FluxAdapter(const FluxConfig& config, const std::vector<std::string>& targets, int64_t rank,
               double alpha, uint64_t seed, c10::Device device);
 
-  const std::map<std::string, Module>& modules() const { return modules_; }
-  std::map<std::string, Module>& modules() { return modules_; }
-  int64_t rank() const { return rank_; }
-  double alpha() const { return alpha_; }
-  double scale() const { return alpha_ / static_cast<double>(rank_); }
-  // Every A and B, in module-name order.
-  std::vector<at::Tensor> Params() const;
   // The modules of a unit (full names), in name order.
   std::vector<std::string> UnitModules(const FluxUnit& unit) const;
-
- private:
-  std::map<std::string, Module> modules_;
-  int64_t rank_;
-  double alpha_;
 };
 
 // The LoRA weights a unit's forward reads, by module name (the adapter's own, or the
 // detached leaves the checkpointed backward recomputes with).
-using LoraMap = std::map<std::string, FluxAdapter::Module>;
+using LoraMap = dit::LoraMap;
 
 // What every block of a step reads besides its streams: the conditioning vector [B, H] and
 // the rotary table pe [B, 1, L, head_dim / 2, 2, 2] (f32), both without grad.
@@ -132,20 +119,15 @@ class FluxModel {
   c10::ScalarType dtype_;
 };
 
-// On a GPU: keeps LibTorch's scaled_dot_product_attention off cuDNN's kernels, whose backward
-// failed at FLUX.1's lengths (4608 tokens, head_dim 128) in LibTorch 2.11 (flash attention
-// ran); a no-op on the CPU and where LibTorch has no such switch. Process-wide: a FLUX job
-// trains alone in its process.
-void AvoidCudnnAttention(c10::Device device);
+using dit::AvoidCudnnAttention;
 
 // BFL's timestep_embedding(t, 256) with time_factor 1000: [cos | sin] of 1000 t * freqs, f32.
 at::Tensor TimestepEmbedding(const at::Tensor& t, int64_t dim);
 // BFL's EmbedND: ids [B, L, 3] -> pe [B, 1, L, head_dim / 2, 2, 2] (f32).
 at::Tensor RopeTable(const at::Tensor& ids, const FluxConfig& config);
 
-// Latents [B, C, H, W] -> [B, (H/2)(W/2), 4C] ("b c (h 2) (w 2) -> b (h w) (c 2 2)") and back.
-at::Tensor PackLatents(const at::Tensor& latents);
-at::Tensor UnpackLatents(const at::Tensor& packed, int64_t height, int64_t width);
+using dit::PackLatents;
+using dit::UnpackLatents;
 // img_ids [B, (H/2)(W/2), 3] of a latent of H x W: (0, row, column), f32.
 at::Tensor ImageIds(int64_t batch, int64_t height, int64_t width, c10::Device device);
 

@@ -1,0 +1,53 @@
+#include "common/qwen_image_layout.h"
+
+#include <sys/stat.h>
+
+#include "common/error.h"
+#include "common/regular_file.h"
+
+namespace lorastream {
+
+Manifest QwenImageManifest(const QwenImageConfig& c, DType dtype, uint64_t alignment,
+                           const QuantInfo& linears) {
+  Manifest m;
+  m.config.model_type = kQwenImageModelType;
+  m.dtype = dtype;
+  m.alignment = alignment;
+  for (int64_t i = 0; i < c.num_layers; ++i)
+    m.blocks.push_back(LayoutSegment(QwenImageUnitShapes(c, i), "", dtype, alignment, linears));
+  m.rest = LayoutSegment(QwenImageRestShapes(c), "", dtype, alignment);
+  m.config.num_hidden_layers = c.num_layers;
+  return m;
+}
+
+QwenImageCheckpointReader QwenImageCheckpointReader::Open(const std::string& path) {
+  QwenImageCheckpointReader r;
+  r.path_ = path;
+  if (DetectQwenImageCheckpoint(path) == QwenImageCheckpointKind::kSingleFile) {
+    r.file_.emplace(SafetensorsFile::Open(path));
+    r.prefix_ = QwenImageKeyPrefix(r.file_->header(), path);
+    r.config_ = QwenImageConfigFromHeader(r.file_->header(), r.prefix_, path);
+    return r;
+  }
+  std::string dir = path;
+  struct stat st {};
+  if (::stat((dir + "/transformer/config.json").c_str(), &st) == 0) dir += "/transformer";
+  const std::string config_path = dir + "/config.json";
+  r.config_ = QwenImageConfigFromJson(
+      ReadRegularFile(config_path, kMaxTextFileBytes, "config.json"), config_path);
+  r.folder_.emplace(SafetensorsFolder::Open(dir, "diffusion_pytorch_model"));
+  TensorShapes have;
+  for (const SafetensorsFolder::Ref& ref : r.folder_->AllTensors())
+    have.push_back({ref.entry->name, ref.entry->shape});
+  RequireExactTensors(have, QwenImageAllShapes(r.config_), dir, "Qwen-Image's transformer");
+  return r;
+}
+
+SafetensorsFolder::Ref QwenImageCheckpointReader::Get(const std::string& name) const {
+  if (folder_) return folder_->Get(name);
+  const SafetensorsEntry* e = file_->Find(prefix_ + name);
+  LS_CHECK(e != nullptr, "validated Qwen-Image file lacks " + prefix_ + name);
+  return {&*file_, e};
+}
+
+}  // namespace lorastream

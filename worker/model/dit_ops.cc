@@ -1,0 +1,325 @@
+#include "worker/model/dit_ops.h"
+
+#include <cmath>
+#include <limits>
+
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/version.h>
+
+#include <ATen/ATen.h>
+
+#include "common/error.h"
+#include "worker/model/fused_ops.h"
+
+namespace lorastream::worker::dit {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// On CUDA the per-head RMSNorm of q and k and the rotary embedding run as fused kernels
+// (worker/model/fused_ops.h), each one autograd node, where the ATen ops below take about a
+// dozen memory-bound kernels forward and more backward; they round where those ops round. On
+// the CPU (and with LORASTREAM_FUSED_KERNELS=0) the ATen ops run, as the parity tests check.
+bool FusedDitOps(const at::Tensor& x) {
+  return x.is_cuda() && x.scalar_type() != at::kDouble && FusedKernelsEnabled();
+}
+
+// RMSNorm through the fused forward and backward of the LLMs' RMSNorm: its arithmetic,
+// w * (x * rstd).to(dtype) with rstd in f32, is (x * rrms).to(dtype) * scale.
+struct FusedRmsNorm : public torch::autograd::Function<FusedRmsNorm> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& scale) {
+    const at::Tensor xc = x.contiguous();
+    at::Tensor rstd;
+    at::Tensor y = RmsNormRstd(xc, scale, 1e-6, &rstd);
+    ctx->save_for_backward({xc, rstd, scale});
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    const variable_list saved = ctx->get_saved_variables();
+    return {RmsNormBackward(grad[0].contiguous(), saved[0], saved[1], saved[2]), at::Tensor()};
+  }
+};
+
+// The rotary embedding through the fused kernel, forward and backward (the caller checked
+// that it applies: FusedPairRope's conditions depend only on shapes, dtypes and the device).
+struct FusedRope : public torch::autograd::Function<FusedRope> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& pe) {
+    at::Tensor out;
+    LS_CHECK(FusedPairRope(false, x, pe, &out), "the fused rotary kernel refused its input");
+    ctx->save_for_backward({pe});
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    const at::Tensor g = grad[0].stride(3) == 1 ? grad[0] : grad[0].contiguous();
+    at::Tensor dx;
+    LS_CHECK(FusedPairRope(true, g, ctx->get_saved_variables()[0], &dx),
+             "the fused rotary kernel refused its gradient");
+    return {dx, at::Tensor()};
+  }
+};
+
+// What a checkpointed unit keeps of its jobs besides the saved tensors: their forwards and
+// their modules' names (the LoRA tensors are saved variables).
+struct UnitArgs {
+  int index = 0;
+  BlockProvider* provider = nullptr;
+  std::vector<std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&,
+                                                    const NamedTensors&, const LoraMap&)>>
+      forwards;
+  std::vector<std::vector<std::string>> modules;  // per job, in LoraMap order
+  std::vector<int64_t> streams;                   // per job, its input streams
+};
+
+class UnitArgsHolder : public torch::CustomClassHolder {
+ public:
+  explicit UnitArgsHolder(UnitArgs a) : args(std::move(a)) {}
+  UnitArgs args;
+};
+
+// A unit as one checkpointed autograd node for every job of a group: the unit is acquired
+// once for the forward of all of them and once for their recomputes. Its inputs are the
+// jobs' streams one job after another, then their LoRA weights (A, B per module) one job
+// after another; its outputs, each job's output streams in the same order.
+struct CheckpointedUnit : public torch::autograd::Function<CheckpointedUnit> {
+  static variable_list forward(AutogradContext* ctx, at::TensorList streams, at::TensorList params,
+                               const UnitArgs* args) {
+    const NamedTensors& w = args->provider->Acquire(args->index).named;
+    variable_list out;
+    size_t s = 0, p = 0;
+    for (size_t j = 0; j < args->forwards.size(); ++j) {
+      LoraMap lora;
+      for (const auto& m : args->modules[j]) {
+        lora[m] = {params[p], params[p + 1]};
+        p += 2;
+      }
+      const std::vector<at::Tensor> in(streams.begin() + s, streams.begin() + s + args->streams[j]);
+      s += args->streams[j];
+      for (at::Tensor& t : args->forwards[j](in, w, lora)) out.push_back(std::move(t));
+    }
+    args->provider->Release(args->index);
+    variable_list saved(streams.begin(), streams.end());
+    for (const auto& t : params) saved.push_back(t);
+    ctx->save_for_backward(saved);
+    ctx->saved_data["args"] = c10::IValue::make_capsule(c10::make_intrusive<UnitArgsHolder>(*args));
+    ctx->saved_data["streams"] = static_cast<int64_t>(streams.size());
+    return out;
+  }
+
+  // Each job's recompute and backward in turn, within one acquisition of the unit: only one
+  // job's graph of the unit exists at a time.
+  static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
+    auto capsule = ctx->saved_data["args"].toCapsule();
+    const UnitArgs& args = static_cast<UnitArgsHolder*>(capsule.get())->args;
+    const int64_t n_streams = ctx->saved_data["streams"].toInt();
+    variable_list saved = ctx->get_saved_variables();
+    const NamedTensors& w = args.provider->Acquire(args.index).named;
+    variable_list stream_grads(n_streams), param_grads;
+    int64_t s = 0;
+    size_t p = static_cast<size_t>(n_streams);
+    for (size_t j = 0; j < args.forwards.size(); ++j) {
+      at::AutoGradMode grad_on(true);
+      const int64_t job_streams = args.streams[j];
+      std::vector<at::Tensor> streams, wrt;
+      std::vector<int> stream_slot(job_streams, -1);
+      for (int64_t i = 0; i < job_streams; ++i) {
+        at::Tensor t = saved[s + i].detach();
+        if (ctx->needs_input_grad(s + i)) {
+          t.requires_grad_(true);
+          stream_slot[i] = static_cast<int>(wrt.size());
+          wrt.push_back(t);
+        }
+        streams.push_back(t);
+      }
+      LoraMap lora;
+      const size_t first_param = wrt.size();
+      for (const auto& m : args.modules[j]) {
+        at::Tensor a = saved[p].detach().requires_grad_(true);
+        at::Tensor b = saved[p + 1].detach().requires_grad_(true);
+        p += 2;
+        lora[m] = {a, b};
+        wrt.push_back(a);
+        wrt.push_back(b);
+      }
+      std::vector<at::Tensor> out = args.forwards[j](streams, w, lora);
+      variable_list outs, grads_in;
+      for (size_t i = 0; i < out.size(); ++i) {
+        const at::Tensor& g = grad_out[s + static_cast<int64_t>(i)];
+        outs.push_back(out[i]);
+        grads_in.push_back(g.defined() ? g : at::zeros_like(out[i]));
+      }
+      variable_list g = wrt.empty() ? variable_list{}
+                                    : torch::autograd::grad(outs, wrt, grads_in,
+                                                            /*retain_graph=*/false,
+                                                            /*create_graph=*/false,
+                                                            /*allow_unused=*/true);
+      for (int64_t i = 0; i < job_streams; ++i)
+        if (stream_slot[i] >= 0) stream_grads[s + i] = g[stream_slot[i]];
+      for (size_t k = first_param; k < g.size(); ++k) param_grads.push_back(g[k]);
+      s += job_streams;
+    }
+    args.provider->Release(args.index);
+    variable_list result = std::move(stream_grads);
+    result.insert(result.end(), param_grads.begin(), param_grads.end());
+    result.push_back(at::Tensor());  // the UnitArgs pointer
+    return result;
+  }
+};
+
+}  // namespace
+
+LoraAdapter::LoraAdapter(const std::vector<Shape>& modules, int64_t rank, double alpha,
+                         uint64_t seed, c10::Device device, const std::string& rank_key)
+    : rank_(rank), alpha_(alpha) {
+  if (rank < 1) throw Error(ErrorCode::kRefused, rank_key + " must be at least 1");
+  at::Generator gen = at::detail::createCPUGenerator(seed);
+  for (const Shape& s : modules) {
+    const double bound = 1.0 / std::sqrt(static_cast<double>(s.in));
+    LoraModule m;
+    m.a = at::empty({rank, s.in}, at::kFloat).uniform_(-bound, bound, gen).to(device);
+    m.b = at::zeros({s.out, rank}, at::TensorOptions(device).dtype(at::kFloat));
+    m.a.requires_grad_(true);
+    m.b.requires_grad_(true);
+    modules_[s.name] = m;
+  }
+}
+
+std::vector<at::Tensor> LoraAdapter::Params() const {
+  std::vector<at::Tensor> out;
+  for (const auto& [name, m] : modules_) {
+    out.push_back(m.a);
+    out.push_back(m.b);
+  }
+  return out;
+}
+
+std::vector<std::string> LoraAdapter::ModulesUnder(const std::string& prefix) const {
+  std::vector<std::string> out;
+  for (auto it = modules_.lower_bound(prefix);
+       it != modules_.end() && it->first.compare(0, prefix.size(), prefix) == 0; ++it)
+    out.push_back(it->first);
+  return out;
+}
+
+LoraMap LoraAdapter::MapUnder(const std::string& prefix) const {
+  LoraMap out;
+  for (const auto& m : ModulesUnder(prefix)) out[m] = modules_.at(m);
+  return out;
+}
+
+const at::Tensor& Weight(const NamedTensors& w, const std::string& name) {
+  auto it = w.find(name);
+  if (it == w.end() || !it->second.defined())
+    throw Error(ErrorCode::kInternal, "unit weights: no tensor `" + name + "`");
+  return it->second;
+}
+
+at::Tensor LoraLinear(const at::Tensor& x, const NamedTensors& w, const std::string& module,
+                      const LoraMap& lora, double scale) {
+  at::Tensor y = at::linear(x, Weight(w, module + ".weight"), Weight(w, module + ".bias"));
+  auto it = lora.find(module);
+  if (it == lora.end()) return y;
+  const auto dtype = x.scalar_type();
+  return y + at::linear(at::linear(x, it->second.a.to(dtype)), it->second.b.to(dtype)) * scale;
+}
+
+at::ScalarType AtLeastFloat(const at::Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& scale) {
+  if (FusedDitOps(x) && scale.scalar_type() == x.scalar_type())
+    return FusedRmsNorm::apply(x, scale);
+  const at::Tensor xf = x.to(AtLeastFloat(x));
+  const at::Tensor rrms = at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + 1e-6);
+  return (xf * rrms).to(x.scalar_type()) * scale;
+}
+
+at::Tensor LayerNorm(const at::Tensor& x) { return at::layer_norm(x, {x.size(-1)}, {}, {}, 1e-6); }
+
+at::Tensor ApplyRope(const at::Tensor& x, const at::Tensor& pe) {
+  if (FusedDitOps(x) && PairRopeFusable(x, pe)) return FusedRope::apply(x, pe);
+  auto sizes = x.sizes().vec();
+  sizes.back() /= 2;
+  sizes.push_back(1);
+  sizes.push_back(2);
+  const at::Tensor xf = x.to(AtLeastFloat(x)).reshape(sizes);
+  const at::Tensor out = pe.select(-1, 0) * xf.select(-1, 0) + pe.select(-1, 1) * xf.select(-1, 1);
+  return out.reshape(x.sizes()).to(x.scalar_type());
+}
+
+at::Tensor Attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& pe, const at::Tensor& key_mask) {
+  const at::Tensor qr = ApplyRope(q, pe), kr = ApplyRope(k, pe);
+  const at::Tensor mask =
+      key_mask.defined() ? key_mask.view({key_mask.size(0), 1, 1, key_mask.size(1)}) : key_mask;
+#if TORCH_VERSION_MAJOR >= 2
+  at::Tensor o = mask.defined() ? at::scaled_dot_product_attention(qr, kr, v, mask)
+                                : at::scaled_dot_product_attention(qr, kr, v);
+#else
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+  at::Tensor scores = at::matmul(qr, kr.transpose(-2, -1)) * scale;
+  if (mask.defined())
+    scores = scores.masked_fill(mask.logical_not(), -std::numeric_limits<double>::infinity());
+  at::Tensor probs = at::softmax(scores, -1, AtLeastFloat(q)).to(q.scalar_type());
+  at::Tensor o = at::matmul(probs, v);
+#endif
+  return o.permute({0, 2, 1, 3}).reshape({q.size(0), q.size(2), q.size(1) * q.size(3)});
+}
+
+void AvoidCudnnAttention(c10::Device device) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+  if (device.is_cuda()) at::globalContext().setSDPUseCuDNN(false);
+#else
+  (void)device;
+#endif
+}
+
+at::Tensor PackLatents(const at::Tensor& x) {
+  const int64_t b = x.size(0), c = x.size(1), h = x.size(2), w = x.size(3);
+  return x.view({b, c, h / 2, 2, w / 2, 2})
+      .permute({0, 2, 4, 1, 3, 5})
+      .reshape({b, h / 2 * (w / 2), c * 4});
+}
+
+at::Tensor UnpackLatents(const at::Tensor& x, int64_t h, int64_t w) {
+  const int64_t b = x.size(0), c = x.size(2) / 4;
+  return x.view({b, h / 2, w / 2, c, 2, 2}).permute({0, 3, 1, 4, 2, 5}).reshape({b, c, h, w});
+}
+
+void ForwardUnit(BlockProvider& provider, int index, const std::vector<UnitJob>& jobs,
+                 std::vector<std::vector<at::Tensor>>* streams, bool checkpointed) {
+  LS_CHECK(streams->size() == jobs.size(), "a unit's forward takes one job per stream set");
+  if (!checkpointed) {
+    const NamedTensors& w = provider.Acquire(index).named;
+    for (size_t j = 0; j < jobs.size(); ++j)
+      (*streams)[j] = jobs[j].forward((*streams)[j], w, jobs[j].lora);
+    provider.Release(index);
+    return;
+  }
+  UnitArgs args;
+  args.index = index;
+  args.provider = &provider;
+  std::vector<at::Tensor> in, params;
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    args.forwards.push_back(jobs[j].forward);
+    args.streams.push_back(static_cast<int64_t>((*streams)[j].size()));
+    in.insert(in.end(), (*streams)[j].begin(), (*streams)[j].end());
+    std::vector<std::string> names;
+    for (const auto& [m, lora] : jobs[j].lora) {
+      names.push_back(m);
+      params.push_back(lora.a);
+      params.push_back(lora.b);
+    }
+    args.modules.push_back(std::move(names));
+  }
+  const variable_list out =
+      CheckpointedUnit::apply(at::TensorList(in), at::TensorList(params), &args);
+  size_t o = 0;
+  for (auto& s : *streams)
+    for (auto& t : s) t = out[o++];
+}
+
+}  // namespace lorastream::worker::dit

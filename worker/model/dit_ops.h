@@ -1,0 +1,111 @@
+// What the diffusion families' transformers (FLUX.1, Qwen-Image) compute alike: LoRA linears
+// over weights served by name, the per-head RMSNorm and the paired rotary embedding (fused
+// kernels on CUDA), the plain LayerNorm, full attention over [text; image] (with a key mask
+// when captions are padded), 2x2 latent packing, and a streaming unit run for a group of
+// jobs either with plain autograd or as one checkpointed autograd node per pass (its forward
+// keeps only the unit's input streams; its backward re-acquires the unit from the provider,
+// recomputes each job in turn with autograd on and takes the gradients of the streams and of
+// the job's LoRA weights). A family supplies the unit's forward.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include "worker/model/block_provider.h"
+
+namespace lorastream::worker::dit {
+
+// Tensors by name: a unit's base weights as the provider serves them (BlockWeights::named)
+// and the tensors outside the units.
+using NamedTensors = std::map<std::string, at::Tensor>;
+
+// One adapted module's LoRA: A [r, in], B [out, r]; y = base(x) + B(A x) * scale.
+struct LoraModule {
+  at::Tensor a, b;
+};
+// By full module name: a job's modules of a unit (its own tensors, or the detached leaves
+// the checkpointed backward recomputes with).
+using LoraMap = std::map<std::string, LoraModule>;
+
+// An adapter: per adapted module (full name) A [r, in] and B [out, r], f32 master weights
+// that require grad; y = base(x) + B(A x) * alpha / r. A starts as peft and sd-scripts start
+// it (kaiming-uniform, bound 1/sqrt(in)), B at zero, the modules drawn in the order given (so
+// that the initial values depend on the seed and the module only).
+class LoraAdapter {
+ public:
+  struct Shape {
+    std::string name;
+    int64_t out = 0, in = 0;
+  };
+  // `rank_key` names the job's key in the refusal of a rank below 1.
+  LoraAdapter(const std::vector<Shape>& modules, int64_t rank, double alpha, uint64_t seed,
+              c10::Device device, const std::string& rank_key);
+
+  const LoraMap& modules() const { return modules_; }
+  LoraMap& modules() { return modules_; }
+  int64_t rank() const { return rank_; }
+  double alpha() const { return alpha_; }
+  double scale() const { return alpha_ / static_cast<double>(rank_); }
+  // Every A and B, in module-name order.
+  std::vector<at::Tensor> Params() const;
+  // The modules whose names start with `prefix` ("transformer_blocks.3."), in name order.
+  std::vector<std::string> ModulesUnder(const std::string& prefix) const;
+  // Those modules with their tensors (a unit's LoraMap).
+  LoraMap MapUnder(const std::string& prefix) const;
+
+ private:
+  LoraMap modules_;
+  int64_t rank_;
+  double alpha_;
+};
+
+// w[name], refused (kInternal) when absent.
+const at::Tensor& Weight(const NamedTensors& w, const std::string& name);
+// base(x) + B(A x) * scale with `module`.weight/.bias of `w`, the adapter cast to x's dtype
+// as under autocast; the base alone when `lora` has no such module.
+at::Tensor LoraLinear(const at::Tensor& x, const NamedTensors& w, const std::string& module,
+                      const LoraMap& lora, double scale);
+// f32 (f64 for an f64 model: the tests' finite differences).
+at::ScalarType AtLeastFloat(const at::Tensor& x);
+// RMSNorm over the last dim, eps 1e-6: in f32, then (x * rrms).to(dtype) * scale (BFL's and
+// diffusers' RMSNorm alike); fused on CUDA.
+at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& scale);
+// LayerNorm over the last dim without affine, eps 1e-6.
+at::Tensor LayerNorm(const at::Tensor& x);
+// Pairs (x0, x1) of the last dim rotated by pe [.., D/2, 2, 2]: pe[..., 0] x0 + pe[..., 1] x1
+// (in f32); fused on CUDA.
+at::Tensor ApplyRope(const at::Tensor& x, const at::Tensor& pe);
+// Full attention over q, k, v [B, H, L, D] after RoPE (pe) on q and k; `key_mask` [B, L]
+// bool (true: attend) or undefined (every key). Returns [B, L, H * D].
+at::Tensor Attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& pe, const at::Tensor& key_mask = {});
+// Keeps LibTorch's scaled_dot_product_attention off cuDNN's kernels on a GPU (their backward
+// failed at FLUX.1's lengths in LibTorch 2.11); a no-op elsewhere. Process-wide.
+void AvoidCudnnAttention(c10::Device device);
+
+// Latents [B, C, H, W] -> [B, (H/2)(W/2), 4C] ("b c (h 2) (w 2) -> b (h w) (c 2 2)") and back.
+at::Tensor PackLatents(const at::Tensor& latents);
+at::Tensor UnpackLatents(const at::Tensor& packed, int64_t height, int64_t width);
+
+// One job's part of a unit: its forward (streams -> streams over the unit's weights `w`,
+// with its LoRA `lora`) and its LoRA modules of the unit.
+struct UnitJob {
+  std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>& streams,
+                                        const NamedTensors& w, const LoraMap& lora)>
+      forward;
+  LoraMap lora;
+};
+// Unit `index` of `provider` over every job's streams (*streams)[j], replaced by its outputs.
+// checkpointed: one autograd node for all the jobs (the unit acquired once for their forward
+// and once for their recomputes); else plain autograd (the provider's weights must stay
+// valid until the backward: resident units).
+void ForwardUnit(BlockProvider& provider, int index, const std::vector<UnitJob>& jobs,
+                 std::vector<std::vector<at::Tensor>>* streams, bool checkpointed);
+
+}  // namespace lorastream::worker::dit

@@ -1,0 +1,33 @@
+// A Qwen-Image adapter in the two formats its users load, both f32:
+//   ComfyUI (and musubi-tuner's converted "other" form, ai-toolkit's): per module
+//     diffusion_model.transformer_blocks.0.attn.to_q.lora_down.weight  A [r, in]
+//     diffusion_model.transformer_blocks.0.attn.to_q.lora_up.weight    B [out, r]
+//     diffusion_model.transformer_blocks.0.attn.to_q.alpha             alpha (a scalar)
+//   diffusers/peft (QwenImagePipeline.load_lora_weights): per module
+//     transformer.transformer_blocks.0.attn.to_q.lora_A.weight / .lora_B.weight
+//     diffusers reads such a file with lora_alpha = r, so B is saved multiplied by alpha / r:
+//     the same update.
+// The ComfyUI file is also the checkpoint's adapter (read back exactly on resume).
+#pragma once
+
+#include <string>
+
+#include "common/qwen_image_config.h"
+#include "worker/qwen_image/qwen_image_model.h"
+
+namespace lorastream::worker::qwen_image {
+
+inline constexpr const char* kComfyAdapterFile = "adapter_comfyui.safetensors";
+inline constexpr const char* kQwenDiffusersAdapterFile = "pytorch_lora_weights.safetensors";
+
+// "transformer_blocks.0.attn.to_q" -> "diffusion_model.transformer_blocks.0.attn.to_q".
+std::string ComfyModuleName(const std::string& module);
+void SaveComfyAdapter(const QwenImageAdapter& adapter, const std::string& path);
+void SaveQwenDiffusersAdapter(const QwenImageAdapter& adapter, const std::string& path);
+// Both files into `dir`.
+void SaveQwenImageAdapters(const QwenImageAdapter& adapter, const std::string& dir);
+// A ComfyUI file's weights into `adapter` (same modules, rank and alpha); errors name the file
+// and the tensor.
+void LoadComfyAdapter(const std::string& path, QwenImageAdapter& adapter);
+
+}  // namespace lorastream::worker::qwen_image

@@ -1,0 +1,59 @@
+#include "worker/qwen_image/qwen_image_base.h"
+
+#include <ATen/ATen.h>
+
+#include "common/error.h"
+#include "common/format_bytes.h"
+#include "common/log.h"
+#include "common/qwen_image_layout.h"
+#include "worker/model/base_weights.h"
+
+namespace lorastream::worker::qwen_image {
+
+QwenImageBase QwenImageBase::Load(const std::string& path, c10::ScalarType dtype,
+                                  c10::Device device) {
+  const QwenImageCheckpointReader source = QwenImageCheckpointReader::Open(path);
+  for (const auto& [name, shape] : QwenImageAllShapes(source.config())) {
+    const SafetensorsFolder::Ref ref = source.Get(name);
+    if (ref.entry->dtype == DType::kF8E4M3)
+      throw Error(ErrorCode::kUnsupported,
+                  path + ": tensor `" + ref.entry->name +
+                      "` is fp8 (F8_E4M3): an fp8 Qwen-Image checkpoint is not read yet; use "
+                      "the bf16 file (qwen_image_bf16.safetensors) or the diffusers folder");
+  }
+  QwenImageBase b;
+  b.config_ = source.config();
+  b.manifest_ = QwenImageManifest(b.config_, DTypeOf(dtype), Manifest{}.alignment);
+  b.manifest_.store_name = "qwen_image";
+  b.manifest_.source_dir = path;
+  const SourceTensor tensor = [&](const std::string& name) {
+    const SafetensorsFolder::Ref ref = source.Get(name);
+    // from_blob over the read-only mapping: only read (converted into our own buffers).
+    return at::from_blob(const_cast<uint8_t*>(ref.file->Data(*ref.entry)), ref.entry->shape,
+                         at::TensorOptions().dtype(ScalarTypeOf(ref.entry->dtype, name)));
+  };
+  b.unit_buffers_ = PackUnitBuffers(b.manifest_, tensor, "qwen_image");
+  b.rest_ = LoadRestTensors(b.manifest_.rest, tensor, device, dtype);
+  b.unit_data_ = BufferPointers(b.unit_buffers_);
+  const QwenImageConfig& c = b.config_;
+  LS_LOG_INFO("Qwen-Image {} ({}): {} blocks (hidden {}, {} heads, text {}), a block {}", path,
+              source.is_diffusers() ? "diffusers folder" : "single file", c.num_layers, c.hidden(),
+              c.num_heads, c.joint_attention_dim, FormatBytes(b.manifest_.blocks.front().nbytes));
+  return b;
+}
+
+std::unique_ptr<StreamEngine> QwenImageBase::MakeEngine(int64_t blocks_to_swap, int64_t ring_size,
+                                                        c10::Device device,
+                                                        const StreamEngineOptions& options) const {
+  return MakeEngine(UnitSwapPlan(static_cast<int>(manifest_.blocks.size()), blocks_to_swap,
+                                 ring_size, "stream.blocks_to_swap"),
+                    device, options);
+}
+
+std::unique_ptr<StreamEngine> QwenImageBase::MakeEngine(const ResidencyPlan& plan,
+                                                        c10::Device device,
+                                                        const StreamEngineOptions& options) const {
+  return MakeStreamEngine(manifest_, unit_data_, plan, device, options);
+}
+
+}  // namespace lorastream::worker::qwen_image

@@ -1,0 +1,206 @@
+#include "worker/qwen_image/qwen_image_model.h"
+
+#include <cmath>
+
+#include <ATen/ATen.h>
+
+#include "common/error.h"
+
+namespace lorastream::worker::qwen_image {
+
+namespace {
+
+using dit::LayerNorm;
+using dit::LoraLinear;
+using dit::RmsNorm;
+using dit::Weight;
+
+std::vector<dit::LoraAdapter::Shape> QwenLoraShapes(const QwenImageConfig& config,
+                                                    const std::vector<std::string>& targets) {
+  std::vector<dit::LoraAdapter::Shape> out;
+  const TensorShapes shapes = QwenImageBlockShapes(config);
+  for (int64_t i = 0; i < config.num_layers; ++i)
+    for (const auto& t : targets)
+      for (const auto& [name, shape] : shapes)
+        if (name == t + ".weight")
+          out.push_back({"transformer_blocks." + std::to_string(i) + "." + t, shape[0], shape[1]});
+  return out;
+}
+
+std::string BlockPrefix(int64_t index) {
+  return "transformer_blocks." + std::to_string(index) + ".";
+}
+
+// x [B, L, D] -> [B, H, L, head_dim].
+at::Tensor Heads(const at::Tensor& x, const QwenImageConfig& c) {
+  return x.view({x.size(0), x.size(1), c.num_heads, c.head_dim}).permute({0, 2, 1, 3});
+}
+
+// (shift, scale, gate) [B, 1, D] each, of the modulation's half `half` (0: attention, 1: MLP).
+std::vector<at::Tensor> ModParams(const at::Tensor& mod, int half) {
+  return mod.chunk(2, -1)[half].unsqueeze(1).chunk(3, -1);
+}
+
+}  // namespace
+
+QwenImageAdapter::QwenImageAdapter(const QwenImageConfig& config,
+                                   const std::vector<std::string>& targets, int64_t rank,
+                                   double alpha, uint64_t seed, c10::Device device)
+    : dit::LoraAdapter(QwenLoraShapes(config, targets), rank, alpha, seed, device, "lora.rank") {}
+
+LoraMap QwenImageAdapter::UnitLora(int64_t index) const { return MapUnder(BlockPrefix(index)); }
+
+std::vector<at::Tensor> QwenImageBlockForward(int64_t index, const std::vector<at::Tensor>& streams,
+                                              const NamedTensors& w, const LoraMap& lora,
+                                              const QwenImageCompute& c) {
+  LS_CHECK(streams.size() == 2, "a Qwen-Image block takes {img, txt}");
+  const std::string p = BlockPrefix(index);
+  const double s = c.lora_scale;
+  const QwenImageConfig& cfg = *c.config;
+  const at::Tensor& img = streams[0];
+  const at::Tensor& txt = streams[1];
+  const at::Tensor cond = at::silu(c.temb);
+  const at::Tensor img_mod = LoraLinear(cond, w, p + "img_mod.1", lora, s);
+  const at::Tensor txt_mod = LoraLinear(cond, w, p + "txt_mod.1", lora, s);
+  const auto im1 = ModParams(img_mod, 0), tm1 = ModParams(txt_mod, 0);
+  const at::Tensor img_x = LayerNorm(img) * (1 + im1[1]) + im1[0];
+  const at::Tensor txt_x = LayerNorm(txt) * (1 + tm1[1]) + tm1[0];
+  auto qk = [&](const at::Tensor& x, const std::string& proj, const std::string& norm) {
+    const at::Tensor h = Heads(LoraLinear(x, w, p + proj, lora, s), cfg);
+    return RmsNorm(h, Weight(w, p + norm + ".weight")).to(h.scalar_type());
+  };
+  const at::Tensor q = at::cat(
+      {qk(txt_x, "attn.add_q_proj", "attn.norm_added_q"), qk(img_x, "attn.to_q", "attn.norm_q")},
+      2);
+  const at::Tensor k = at::cat(
+      {qk(txt_x, "attn.add_k_proj", "attn.norm_added_k"), qk(img_x, "attn.to_k", "attn.norm_k")},
+      2);
+  const at::Tensor v = at::cat({Heads(LoraLinear(txt_x, w, p + "attn.add_v_proj", lora, s), cfg),
+                                Heads(LoraLinear(img_x, w, p + "attn.to_v", lora, s), cfg)},
+                               2);
+  const at::Tensor attn = dit::Attention(q, k, v, c.pe, c.key_mask);
+  const int64_t lt = txt.size(1);
+  const at::Tensor txt_attn = attn.narrow(1, 0, lt).contiguous();
+  const at::Tensor img_attn = attn.narrow(1, lt, attn.size(1) - lt).contiguous();
+  auto mlp = [&](const at::Tensor& x, const std::string& m) {
+    return LoraLinear(at::gelu(LoraLinear(x, w, p + m + ".net.0.proj", lora, s), "tanh"), w,
+                      p + m + ".net.2", lora, s);
+  };
+  at::Tensor img_out = img + im1[2] * LoraLinear(img_attn, w, p + "attn.to_out.0", lora, s);
+  at::Tensor txt_out = txt + tm1[2] * LoraLinear(txt_attn, w, p + "attn.to_add_out", lora, s);
+  const auto im2 = ModParams(img_mod, 1), tm2 = ModParams(txt_mod, 1);
+  img_out = img_out + im2[2] * mlp(LayerNorm(img_out) * (1 + im2[1]) + im2[0], "img_mlp");
+  txt_out = txt_out + tm2[2] * mlp(LayerNorm(txt_out) * (1 + tm2[1]) + tm2[0], "txt_mlp");
+  return {img_out, txt_out};
+}
+
+at::Tensor QwenTimestepEmbedding(const at::Tensor& t, int64_t dim) {
+  const int64_t half = dim / 2;
+  const at::Tensor exponent = at::arange(half, t.options().dtype(at::kFloat)) *
+                              (-std::log(10000.0)) / static_cast<double>(half);
+  const at::Tensor args = t.to(at::kFloat).unsqueeze(1) * at::exp(exponent).unsqueeze(0) * 1000.0;
+  return at::cat({at::cos(args), at::sin(args)}, -1);
+}
+
+at::Tensor QwenRopeTable(const QwenImageConfig& config, int64_t grid_h, int64_t grid_w,
+                         int64_t txt_len, c10::Device device) {
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  const int64_t n = grid_h * grid_w;
+  // Positions per axis of every token, [txt; img]: text at max(H/2, W/2) + i on all three
+  // axes; image (frame 0, row - (H - H/2), col - (W - W/2)).
+  const int64_t text_start = std::max(grid_h / 2, grid_w / 2);
+  const at::Tensor txt_pos = at::arange(text_start, text_start + txt_len, f32);
+  const at::Tensor rows = (at::arange(grid_h, f32) - static_cast<double>(grid_h - grid_h / 2))
+                              .unsqueeze(1)
+                              .expand({grid_h, grid_w})
+                              .reshape({n});
+  const at::Tensor cols = (at::arange(grid_w, f32) - static_cast<double>(grid_w - grid_w / 2))
+                              .unsqueeze(0)
+                              .expand({grid_h, grid_w})
+                              .reshape({n});
+  const std::array<at::Tensor, 3> img_pos = {at::zeros({n}, f32), rows, cols};
+  std::vector<at::Tensor> angles;
+  for (int i = 0; i < 3; ++i) {
+    const int64_t dim = config.axes_dim[i];
+    // rope_params: 1 / theta^(arange(0, dim, 2) / dim) in f32, outer with the positions.
+    const at::Tensor inv =
+        1.0 / at::pow(config.theta, at::arange(0, dim, 2, f32) / static_cast<double>(dim));
+    angles.push_back(at::cat({txt_pos, img_pos[i]}).unsqueeze(1) * inv.unsqueeze(0));
+  }
+  const at::Tensor a = at::cat(angles, 1);  // [L, head_dim / 2]
+  const at::Tensor cos = at::cos(a), sin = at::sin(a);
+  return at::stack({cos, -sin, sin, cos}, -1).view({1, 1, a.size(0), a.size(1), 2, 2}).to(device);
+}
+
+QwenImageModel::QwenImageModel(const QwenImageConfig& config, NamedTensors rest,
+                               BlockProvider* provider, c10::Device device, c10::ScalarType dtype)
+    : config_(config), rest_(std::move(rest)), provider_(provider), device_(device), dtype_(dtype) {
+  dit::AvoidCudnnAttention(device_);
+  LS_CHECK(provider_->num_blocks() == static_cast<int>(config_.num_layers),
+           "the provider serves " + std::to_string(provider_->num_blocks()) +
+               " units, the model has " + std::to_string(config_.num_layers) + " blocks");
+}
+
+at::Tensor QwenImageModel::Forward(const QwenImageBatch& batch, const QwenImageAdapter& adapter,
+                                   bool checkpointed) {
+  return ForwardGroup({&batch}, {&adapter}, checkpointed)[0];
+}
+
+std::vector<at::Tensor> QwenImageModel::ForwardGroup(
+    const std::vector<const QwenImageBatch*>& batches,
+    const std::vector<const QwenImageAdapter*>& adapters, bool checkpointed) {
+  LS_CHECK(batches.size() == adapters.size() && !batches.empty(),
+           "a group forward takes one adapter per batch");
+  const NamedTensors& r = rest_;
+  const LoraMap none;
+  std::vector<QwenImageCompute> computes;
+  std::vector<std::vector<at::Tensor>> streams;
+  for (size_t j = 0; j < batches.size(); ++j) {
+    const QwenImageBatch& b = *batches[j];
+    LS_CHECK(b.img.size(1) == b.grid_h * b.grid_w,
+             "a Qwen-Image batch's image tokens are its grid's");
+    const std::string te = "time_text_embed.timestep_embedder.";
+    const at::Tensor temb =
+        LoraLinear(at::silu(LoraLinear(QwenTimestepEmbedding(b.timesteps, 256).to(dtype_), r,
+                                       te + "linear_1", none, 0)),
+                   r, te + "linear_2", none, 0);
+    QwenImageCompute c;
+    c.config = &config_;
+    c.temb = temb;
+    c.pe = QwenRopeTable(config_, b.grid_h, b.grid_w, b.txt.size(1), device_);
+    if (b.txt_mask.defined())
+      c.key_mask = at::cat({b.txt_mask.to(at::kBool),
+                            at::ones({b.img.size(0), b.img.size(1)},
+                                     at::TensorOptions(b.txt_mask.device()).dtype(at::kBool))},
+                           1);
+    c.lora_scale = adapters[j]->scale();
+    computes.push_back(c);
+    const at::Tensor txt = RmsNorm(b.txt.to(dtype_), Weight(r, "txt_norm.weight"));
+    streams.push_back({LoraLinear(b.img.to(dtype_), r, "img_in", none, 0),
+                       LoraLinear(txt, r, "txt_in", none, 0)});
+  }
+  for (int64_t u = 0; u < config_.num_layers; ++u) {
+    std::vector<dit::UnitJob> jobs;
+    for (size_t j = 0; j < batches.size(); ++j) {
+      dit::UnitJob job;
+      const QwenImageCompute& c = computes[j];
+      job.forward = [u, c](const std::vector<at::Tensor>& in, const NamedTensors& w,
+                           const LoraMap& lora) {
+        return QwenImageBlockForward(u, in, w, lora, c);
+      };
+      job.lora = adapters[j]->UnitLora(u);
+      jobs.push_back(std::move(job));
+    }
+    dit::ForwardUnit(*provider_, static_cast<int>(u), jobs, &streams, checkpointed);
+  }
+  std::vector<at::Tensor> out;
+  for (size_t j = 0; j < batches.size(); ++j) {
+    const auto mod =
+        LoraLinear(at::silu(computes[j].temb), r, "norm_out.linear", none, 0).chunk(2, 1);
+    const at::Tensor x = LayerNorm(streams[j][0]) * (1 + mod[0].unsqueeze(1)) + mod[1].unsqueeze(1);
+    out.push_back(LoraLinear(x, r, "proj_out", none, 0));
+  }
+  return out;
+}
+
+}  // namespace lorastream::worker::qwen_image
