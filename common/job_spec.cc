@@ -22,8 +22,11 @@ namespace lorastream {
 namespace fs = std::filesystem;
 
 const std::vector<std::string>& LoraTargetNames() {
-  static const std::vector<std::string> names = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
-                                                 "gate_proj", "up_proj", "down_proj"};
+  // A mixture of experts: "experts" names every expert's gate, up and down projections, and
+  // mixtral's w1, w3, w2 are its gate_proj, up_proj, down_proj.
+  static const std::vector<std::string> names = {"q_proj",    "k_proj",  "v_proj",    "o_proj",
+                                                 "gate_proj", "up_proj", "down_proj", "experts",
+                                                 "w1",        "w3",      "w2"};
   return names;
 }
 
@@ -461,7 +464,8 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
     const auto& names = LoraTargetNames();
     if (std::find(names.begin(), names.end(), t) == names.end())
       p.push_back(key("lora.targets") + "names an unknown module `" + t +
-                  "` (known: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)");
+                  "` (known: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; "
+                  "for a mixture of experts also experts, w1, w3, w2)");
     else if (!seen.insert(t).second)
       p.push_back(key("lora.targets") + "names `" + t + "` twice");
   }

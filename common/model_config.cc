@@ -59,7 +59,55 @@ bool GetBool(const Json& j, const std::string& source, const char* field, bool f
   return it->get<bool>();
 }
 
+[[noreturn]] void Refuse(const std::string& source, const std::string& field,
+                         const std::string& why) {
+  throw Error(ErrorCode::kUnsupported, source + ": field `" + field + "` " + why);
+}
+
+// The experts of a qwen3_moe or mixtral config.json (ModelConfig's MoE fields).
+void ParseMoe(const Json& j, const std::string& source, ModelConfig& c) {
+  if (c.model_type != "qwen3_moe" && c.model_type != "mixtral") return;
+  const bool qwen = c.model_type == "qwen3_moe";
+  c.num_experts = RequirePositiveInt(j, source, qwen ? "num_experts" : "num_local_experts");
+  c.num_experts_per_tok = RequirePositiveInt(j, source, "num_experts_per_tok");
+  if (c.num_experts_per_tok > c.num_experts)
+    Bad(source, "num_experts_per_tok", "must not exceed the number of experts");
+  if (c.num_experts > 4096) Refuse(source, qwen ? "num_experts" : "num_local_experts", "> 4096");
+  c.moe_intermediate_size =
+      qwen ? RequirePositiveInt(j, source, "moe_intermediate_size") : c.intermediate_size;
+  c.norm_topk_prob = qwen ? GetBool(j, source, "norm_topk_prob", false) : true;
+  if (qwen) {
+    if (GetCount(j, source, "decoder_sparse_step", 1) != 1)
+      Refuse(source, "decoder_sparse_step",
+             "must be 1: dense MLP layers among the sparse ones are not supported");
+    auto only = j.find("mlp_only_layers");
+    if (only != j.end() && !only->is_null() && !(only->is_array() && only->empty()))
+      Refuse(source, "mlp_only_layers",
+             "must be empty: dense MLP layers among the sparse ones are not supported");
+    if (GetCount(j, source, "shared_expert_intermediate_size", 0) != 0)
+      Refuse(source, "shared_expert_intermediate_size",
+             "is not 0: shared experts are not supported");
+  } else if (GetNumber(j, source, "router_jitter_noise", 0.0) != 0.0) {
+    Refuse(source, "router_jitter_noise", "is not 0: router jitter is not supported");
+  }
+}
+
 }  // namespace
+
+std::string ModelConfig::MoeModule() const {
+  return model_type == "mixtral" ? "block_sparse_moe" : "mlp";
+}
+
+const char* ModelConfig::ExpertProjName(int proj) const {
+  static const char* kQwen[] = {"gate_proj", "up_proj", "down_proj"};
+  static const char* kMixtral[] = {"w1", "w3", "w2"};
+  LS_CHECK(proj >= 0 && proj < 3, "expert projection index");
+  return model_type == "mixtral" ? kMixtral[proj] : kQwen[proj];
+}
+
+std::string ModelConfig::ExpertModule(int64_t expert, int proj) const {
+  return MoeModule() + ".experts." + std::to_string(expert) + "." + ExpertProjName(proj);
+}
 
 // quantization_config of a pre-quantised checkpoint (ModelConfig::checkpoint_quant).
 QuantInfo ParseQuantizationConfig(const Json& q, const std::string& source) {
@@ -121,12 +169,14 @@ ModelConfig ModelConfigFromJson(const Json& j, const std::string& source) {
   if (mt == j.end() || !mt->is_string()) Bad(source, "model_type", "is missing or not a string");
   c.model_type = mt->get<std::string>();
   if (c.model_type != "llama" && c.model_type != "mistral" && c.model_type != "qwen2" &&
-      c.model_type != "qwen3")
+      c.model_type != "qwen3" && c.model_type != "qwen3_moe" && c.model_type != "mixtral")
     throw Error(ErrorCode::kUnsupported,
                 source + ": model_type `" + c.model_type +
-                    "` is not supported (supported: llama, mistral, qwen2, qwen3)");
+                    "` is not supported (supported: llama, mistral, qwen2, qwen3, qwen3_moe, "
+                    "mixtral)");
   c.hidden_size = RequirePositiveInt(j, source, "hidden_size");
   c.intermediate_size = RequirePositiveInt(j, source, "intermediate_size");
+  ParseMoe(j, source, c);
   c.num_hidden_layers = RequirePositiveInt(j, source, "num_hidden_layers");
   c.num_attention_heads = RequirePositiveInt(j, source, "num_attention_heads");
   c.num_key_value_heads = j.contains("num_key_value_heads") && !j["num_key_value_heads"].is_null()
@@ -150,12 +200,12 @@ ModelConfig ModelConfigFromJson(const Json& j, const std::string& source) {
   c.rope_theta = GetPositiveNumber(j, source, "rope_theta", 10000.0);
   c.tie_word_embeddings = GetBool(j, source, "tie_word_embeddings", false);
   c.attention_bias = c.model_type == "qwen2" || GetBool(j, source, "attention_bias", false);
-  c.qk_norm = c.model_type == "qwen3";
+  c.qk_norm = c.model_type == "qwen3" || c.model_type == "qwen3_moe";
   auto sw = j.find("sliding_window");
   if (sw != j.end() && !sw->is_null() && c.model_type != "llama") {
     int64_t window = RequirePositiveInt(j, source, "sliding_window");
-    bool used = c.model_type == "mistral";
-    if (c.model_type == "qwen2" || c.model_type == "qwen3") {
+    bool used = c.model_type == "mistral" || c.model_type == "mixtral";
+    if (c.model_type == "qwen2" || c.model_type == "qwen3" || c.model_type == "qwen3_moe") {
       const int64_t first = GetCount(j, source, "max_window_layers", 0);
       used = GetBool(j, source, "use_sliding_window", false) && first < c.num_hidden_layers;
     }
@@ -212,10 +262,12 @@ ModelConfig LoadModelConfig(const std::string& path) {
 }
 
 void ToJson(Json& out, const ModelConfig& c) {
-  std::string arch = c.model_type == "llama"     ? "LlamaForCausalLM"
-                     : c.model_type == "mistral" ? "MistralForCausalLM"
-                     : c.model_type == "qwen2"   ? "Qwen2ForCausalLM"
-                                                 : "Qwen3ForCausalLM";
+  std::string arch = c.model_type == "llama"       ? "LlamaForCausalLM"
+                     : c.model_type == "mistral"   ? "MistralForCausalLM"
+                     : c.model_type == "qwen2"     ? "Qwen2ForCausalLM"
+                     : c.model_type == "qwen3_moe" ? "Qwen3MoeForCausalLM"
+                     : c.model_type == "mixtral"   ? "MixtralForCausalLM"
+                                                   : "Qwen3ForCausalLM";
   out = Json{{"architectures", {arch}},
              {"model_type", c.model_type},
              {"hidden_size", c.hidden_size},
@@ -234,8 +286,22 @@ void ToJson(Json& out, const ModelConfig& c) {
              {"torch_dtype", c.torch_dtype.empty() ? "bfloat16" : c.torch_dtype}};
   if (c.model_type != "llama")
     out["sliding_window"] = c.sliding_window > 0 ? Json(c.sliding_window) : Json(nullptr);
-  if (c.model_type == "qwen2" || c.model_type == "qwen3")
+  if (c.model_type == "qwen2" || c.model_type == "qwen3" || c.model_type == "qwen3_moe")
     out["use_sliding_window"] = c.sliding_window > 0;
+  if (c.model_type == "qwen3_moe") {
+    out["num_experts"] = c.num_experts;
+    out["moe_intermediate_size"] = c.moe_intermediate_size;
+    out["norm_topk_prob"] = c.norm_topk_prob;
+    out["decoder_sparse_step"] = 1;
+    out["mlp_only_layers"] = Json::array();
+  } else if (c.model_type == "mixtral") {
+    out["num_local_experts"] = c.num_experts;
+    out["router_jitter_noise"] = 0.0;
+  }
+  if (c.is_moe()) {
+    out["num_experts_per_tok"] = c.num_experts_per_tok;
+    out["output_router_logits"] = false;
+  }
   if (c.rope_scaling.type.empty()) {
     out["rope_scaling"] = nullptr;
   } else {
@@ -268,6 +334,17 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> ModelConfig::BlockTens
     t.push_back({"self_attn.k_norm.weight", {head_dim}});
   }
   t.push_back({"post_attention_layernorm.weight", {hidden_size}});
+  if (is_moe()) {
+    // The router, then each expert's gate, up and down (the checkpoint's names).
+    t.push_back({MoeModule() + ".gate.weight", {num_experts, hidden_size}});
+    const int64_t inter = moe_intermediate_size;
+    for (int64_t e = 0; e < num_experts; ++e) {
+      t.push_back({ExpertModule(e, 0) + ".weight", {inter, hidden_size}});
+      t.push_back({ExpertModule(e, 1) + ".weight", {inter, hidden_size}});
+      t.push_back({ExpertModule(e, 2) + ".weight", {hidden_size, inter}});
+    }
+    return t;
+  }
   t.push_back({"mlp.gate_proj.weight", {intermediate_size, hidden_size}});
   t.push_back({"mlp.up_proj.weight", {intermediate_size, hidden_size}});
   t.push_back({"mlp.down_proj.weight", {hidden_size, intermediate_size}});

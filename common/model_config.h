@@ -1,6 +1,7 @@
-// Architecture of a Hugging Face causal LM of the Llama family (llama, mistral, qwen2, qwen3),
-// read from config.json. Torch-free: the store validates shapes with it, the worker builds
-// its model from it, and it travels inside the store's manifest.
+// Architecture of a Hugging Face causal LM of the Llama family (llama, mistral, qwen2, qwen3)
+// or one of its mixtures of experts (qwen3_moe, mixtral: the block's MLP is a router and
+// experts), read from config.json. Torch-free: the store validates shapes with it, the worker
+// builds its model from it, and it travels inside the store's manifest.
 #pragma once
 
 #include <cstdint>
@@ -22,7 +23,7 @@ struct RopeScaling {
 };
 
 struct ModelConfig {
-  std::string model_type;  // llama | mistral | qwen2 | qwen3
+  std::string model_type;  // llama | mistral | qwen2 | qwen3 | qwen3_moe | mixtral
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
   int64_t num_hidden_layers = 0;
@@ -44,11 +45,32 @@ struct ModelConfig {
   // transformers 5 may list "sliding_attention" in `layer_types`.
   int64_t sliding_window = 0;
   std::string torch_dtype;  // as written in config.json ("bfloat16", ...)
+  // Mixture of experts (qwen3_moe, mixtral; 0 experts: a dense MLP). Every block's MLP is a
+  // router (`gate`, [num_experts, hidden]) choosing num_experts_per_tok experts per token from
+  // a softmax over all experts (renormalised over the chosen ones when norm_topk_prob:
+  // qwen3_moe's setting, always for mixtral), each expert a gated MLP of
+  // moe_intermediate_size (mixtral: intermediate_size), their outputs summed with those
+  // weights. Shared experts, dense layers among sparse ones (decoder_sparse_step != 1,
+  // mlp_only_layers) and router jitter are refused by name.
+  int64_t num_experts = 0;
+  int64_t num_experts_per_tok = 0;
+  int64_t moe_intermediate_size = 0;
+  bool norm_topk_prob = false;
   // config.json's quantization_config: how a pre-quantised checkpoint stores its projection
   // weights (quant_method "fp8" with weight_block_size; "bitsandbytes" 4-bit nf4 with double
   // quantisation, its block sizes per tensor in quant_state). Anything else is refused by
   // name. Not part of ToJson: a store records each tensor's format in its manifest instead.
   QuantInfo checkpoint_quant;
+
+  bool is_moe() const { return num_experts > 0; }
+  // Where a MoE block's router and experts live in the checkpoint: "mlp" (qwen3_moe) or
+  // "block_sparse_moe" (mixtral).
+  std::string MoeModule() const;
+  // An expert projection's name (proj 0 gate, 1 up, 2 down): gate_proj, up_proj, down_proj
+  // (qwen3_moe) or w1, w3, w2 (mixtral).
+  const char* ExpertProjName(int proj) const;
+  // "{MoeModule}.experts.{expert}.{ExpertProjName}" (without ".weight").
+  std::string ExpertModule(int64_t expert, int proj) const;
 
   // The tensors of block `i` as (name relative to "model.layers.{i}.", shape), in the
   // canonical order in which the store packs them.

@@ -72,9 +72,16 @@ void RunInspect(const std::string& path, std::ostream& out) {
     const PackPlan plan =
         PlanPack(cp, PackOptions{});  // the store's own checks against config.json
     out << "config: " << c.model_type << ", " << c.num_hidden_layers << " layers, hidden "
-        << c.hidden_size << ", intermediate " << c.intermediate_size << ", heads "
-        << c.num_attention_heads << "/" << c.num_key_value_heads << " (head_dim " << c.head_dim
-        << "), vocab " << c.vocab_size << (c.tie_word_embeddings ? ", tied embeddings" : "")
+        << c.hidden_size << ", intermediate " << c.intermediate_size
+        << (c.is_moe() ? ", " + std::to_string(c.num_experts) + " experts of intermediate " +
+                             std::to_string(c.moe_intermediate_size) + " (" +
+                             std::to_string(c.num_experts_per_tok) + " per token" +
+                             (c.norm_topk_prob ? ", weights renormalised" : "") +
+                             "; a block's segment holds its router and every expert)"
+                       : "")
+        << ", heads " << c.num_attention_heads << "/" << c.num_key_value_heads << " (head_dim "
+        << c.head_dim << "), vocab " << c.vocab_size
+        << (c.tie_word_embeddings ? ", tied embeddings" : "")
         << (c.checkpoint_quant.compressed()
                 ? ", projections pre-quantised " + DescribeQuant(plan.manifest.quant())
                 : "")

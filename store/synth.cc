@@ -163,10 +163,26 @@ Preset LoadPreset(const std::string& name_or_path, const std::string& presets_di
     throw Error(ErrorCode::kNotFound, "preset `" + name_or_path + "`: " + path +
                                           " does not exist (presets live in " + presets_dir + ")");
   TomlSection t = TomlSection::Load(path);
-  t.RejectUnknownKeys({"model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
-                       "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-                       "max_position_embeddings", "rope_theta", "rms_norm_eps",
-                       "tie_word_embeddings", "attention_bias", "dtype", "rope_scaling"});
+  t.RejectUnknownKeys({"model_type",
+                       "hidden_size",
+                       "intermediate_size",
+                       "num_hidden_layers",
+                       "num_attention_heads",
+                       "num_key_value_heads",
+                       "head_dim",
+                       "vocab_size",
+                       "max_position_embeddings",
+                       "rope_theta",
+                       "rms_norm_eps",
+                       "tie_word_embeddings",
+                       "attention_bias",
+                       "dtype",
+                       "rope_scaling",
+                       "num_experts",
+                       "num_local_experts",
+                       "num_experts_per_tok",
+                       "moe_intermediate_size",
+                       "norm_topk_prob"});
   nlohmann::json j = {
       {"model_type", t.RequireString("model_type")},
       {"hidden_size", t.RequireInt("hidden_size")},
@@ -181,6 +197,11 @@ Preset LoadPreset(const std::string& name_or_path, const std::string& presets_di
       {"tie_word_embeddings", t.GetBool("tie_word_embeddings", false)},
       {"attention_bias", t.GetBool("attention_bias", false)}};
   if (t.Has("head_dim")) j["head_dim"] = t.RequireInt("head_dim");
+  // A mixture of experts (qwen3_moe, mixtral): config.json's own keys.
+  for (const char* key :
+       {"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size"})
+    if (t.Has(key)) j[key] = t.RequireInt(key);
+  if (t.Has("norm_topk_prob")) j["norm_topk_prob"] = t.GetBool("norm_topk_prob", false);
   if (t.Has("rope_scaling")) {
     TomlSection rs = t.Section("rope_scaling");
     rs.RejectUnknownKeys({"rope_type", "factor", "low_freq_factor", "high_freq_factor",

@@ -40,7 +40,7 @@ void LoraAdapter::Save(const std::string& dir, const std::string& base_model) co
                    {{"format", "pt"}});
 
   WriteFileDurably((fs::path(dir) / "adapter_config.json").string(),
-                   PeftConfigJson(settings_, base_model));
+                   PeftConfigJson(settings_, base_model, &config_));
 }
 
 LoraAdapter LoraAdapter::Load(const std::string& dir, const ModelConfig& model,
@@ -55,15 +55,13 @@ LoraAdapter LoraAdapter::Load(const std::string& dir, const ModelConfig& model,
   std::set<std::string> used;
   for (int64_t i = 0; i < model.num_hidden_layers; ++i) {
     LoraBlock blk;
-    for (int t = 0; t < kNumLoraTargets; ++t) {
-      if (!s.targets[t]) continue;
-      auto [fan_in, fan_out] = LoraTargetShape(model, t);
+    for (const LoraSlot& slot : LoraSlots(model, s, blk)) {
       for (bool is_b : {false, true}) {
-        const std::string key = LoraKey(static_cast<int>(i), t, is_b);
+        const std::string key = LoraModuleKey(static_cast<int>(i), slot.module, is_b);
         const SafetensorsEntry* e = file.Find(key);
         if (!e) throw Error(ErrorCode::kCorrupt, st_path + ": tensor `" + key + "` is missing");
         std::vector<int64_t> want =
-            is_b ? std::vector<int64_t>{fan_out, s.rank} : std::vector<int64_t>{s.rank, fan_in};
+            is_b ? std::vector<int64_t>{slot.out, s.rank} : std::vector<int64_t>{s.rank, slot.in};
         if (e->shape != want)
           throw Error(ErrorCode::kCorrupt,
                       st_path + ": tensor `" + key + "` has shape [" +
@@ -74,7 +72,7 @@ LoraAdapter LoraAdapter::Load(const std::string& dir, const ModelConfig& model,
         at::Tensor view = at::from_blob(const_cast<uint8_t*>(file.Data(*e)), want,
                                         at::TensorOptions().dtype(type));
         at::Tensor master = view.to(at::kFloat).clone().to(device).requires_grad_(true);
-        (is_b ? blk.b[t] : blk.a[t]) = master;
+        *(is_b ? slot.b : slot.a) = master;
         used.insert(key);
       }
     }

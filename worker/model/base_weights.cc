@@ -47,23 +47,10 @@ RestWeights RestOnDevice(const RestWeights& rest, const ModelConfig& config, c10
 }
 
 BlockWeights ConvertBlock(const BlockWeights& w, c10::Device device, c10::ScalarType dtype) {
-  auto conv = [&](const at::Tensor& t) { return t.defined() ? t.to(device, dtype) : at::Tensor(); };
-  BlockWeights o;
-  o.input_norm = conv(w.input_norm);
-  o.q_proj = conv(w.q_proj);
-  o.k_proj = conv(w.k_proj);
-  o.v_proj = conv(w.v_proj);
-  o.o_proj = conv(w.o_proj);
-  o.q_bias = conv(w.q_bias);
-  o.k_bias = conv(w.k_bias);
-  o.v_bias = conv(w.v_bias);
-  o.q_norm = conv(w.q_norm);
-  o.k_norm = conv(w.k_norm);
-  o.post_norm = conv(w.post_norm);
-  o.gate_proj = conv(w.gate_proj);
-  o.up_proj = conv(w.up_proj);
-  o.down_proj = conv(w.down_proj);
-  for (const auto& [name, t] : w.named) o.named[name] = conv(t);
+  BlockWeights o = w;
+  o.ForEachSlot([&](at::Tensor& t) {
+    if (t.defined()) t = t.to(device, dtype);
+  });
   return o;
 }
 
@@ -100,37 +87,9 @@ BaseWeights BaseWeights::FromCheckpoint(const std::string& dir) {
     BlockWeights w;
     const std::string prefix = "model.layers." + std::to_string(i) + ".";
     for (const auto& [name, shape] : block_shapes) {
-      at::Tensor t = view(prefix + name, shape);
-      if (name == "input_layernorm.weight")
-        w.input_norm = t;
-      else if (name == "self_attn.q_proj.weight")
-        w.q_proj = t;
-      else if (name == "self_attn.k_proj.weight")
-        w.k_proj = t;
-      else if (name == "self_attn.v_proj.weight")
-        w.v_proj = t;
-      else if (name == "self_attn.o_proj.weight")
-        w.o_proj = t;
-      else if (name == "self_attn.q_proj.bias")
-        w.q_bias = t;
-      else if (name == "self_attn.k_proj.bias")
-        w.k_bias = t;
-      else if (name == "self_attn.v_proj.bias")
-        w.v_bias = t;
-      else if (name == "self_attn.q_norm.weight")
-        w.q_norm = t;
-      else if (name == "self_attn.k_norm.weight")
-        w.k_norm = t;
-      else if (name == "post_attention_layernorm.weight")
-        w.post_norm = t;
-      else if (name == "mlp.gate_proj.weight")
-        w.gate_proj = t;
-      else if (name == "mlp.up_proj.weight")
-        w.up_proj = t;
-      else if (name == "mlp.down_proj.weight")
-        w.down_proj = t;
-      else
-        LS_CHECK(false, "unknown block tensor " + name);
+      at::Tensor* field = BlockWeightField(w, name);
+      LS_CHECK(field != nullptr, "unknown block tensor " + name);
+      *field = view(prefix + name, shape);
     }
     b.blocks_.push_back(std::move(w));
   }

@@ -66,6 +66,7 @@ class GroupRows {
     return std::all_of(count_.begin(), count_.end(), [&](int64_t c) { return c == count_[0]; });
   }
   int64_t rows(size_t j) const { return count_[j]; }
+  int64_t offset(size_t j) const { return offset_[j]; }
   // parts[j] [n_j, ...] as one [N, ...].
   at::Tensor Cat(const std::vector<at::Tensor>& parts) const {
     return parts.size() == 1 ? parts[0] : at::cat(parts, 0);
@@ -335,6 +336,20 @@ at::Tensor BackpropGroup(const at::Tensor& x, const GroupRows& rows,
   return dx;
 }
 
+// Each job's rows and expert adapters for the mixture-of-experts MLP.
+std::vector<MoeJob> MoeJobs(const GroupRows& rows, const std::vector<BlockJob>& jobs) {
+  std::vector<MoeJob> out;
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    const BlockCompute& c = *jobs[j].compute;
+    if (DropoutActive(c))
+      throw Error(ErrorCode::kRefused,
+                  "lora.dropout must be 0 for a mixture of experts (" + c.config->model_type +
+                      "): peft applies no dropout to transformers 5's fused experts");
+    out.push_back({rows.offset(j), rows.rows(j), &jobs[j].lora->lora, c.lora_scale});
+  }
+  return out;
+}
+
 std::array<Projection, 3> Qkv(const BlockWeights& w) {
   return {{{kQProj, &w.q_proj, &w.q_bias},
            {kKProj, &w.k_proj, &w.k_bias},
@@ -423,17 +438,25 @@ std::vector<at::Tensor> Forward(const std::vector<at::Tensor>& xs, const BlockWe
   at::Tensor out = x2 + o;
 
   at::Tensor h2 = RmsNormRstd(out, w.post_norm, eps, &rstd);
-  auto [gate, up] = ProjectGroup(h2, rows, GateUp(w), kGateUpGroup, jobs, rng, tape);
-  at::Tensor z = SwiGlu(gate, up);
-  auto [down] = ProjectGroup(z, rows, Down(w), kDownGroup, jobs, rng, tape);
+  at::Tensor down;
+  if (cfg.is_moe()) {
+    down = MoeForward(h2, w, cfg, MoeJobs(rows, jobs), PerJobBaseGemms(h2, rows),
+                      tape ? &tape->moe : nullptr);
+  } else {
+    auto [gate, up] = ProjectGroup(h2, rows, GateUp(w), kGateUpGroup, jobs, rng, tape);
+    at::Tensor z = SwiGlu(gate, up);
+    down = std::get<0>(ProjectGroup(z, rows, Down(w), kDownGroup, jobs, rng, tape));
+    if (tape) {
+      tape->gate = gate;
+      tape->up = up;
+      tape->z = z;
+    }
+  }
   if (tape) {
     tape->attn_flat = attn_flat;
     tape->out = out;
     tape->rstd_post = rstd;
     tape->h2 = h2;
-    tape->gate = gate;
-    tape->up = up;
-    tape->z = z;
   }
   // Summed as [B, S, H] views so that each result is a tensor of its own, not a view: a
   // custom autograd function may not return a view created without grad.
@@ -468,6 +491,13 @@ LoraBlockCast CastLoraBlock(const LoraBlock& lora, c10::ScalarType dtype) {
   cast.stacked[kOGroup] = stack(OProj(none));
   cast.stacked[kGateUpGroup] = stack(GateUp(none));
   cast.stacked[kDownGroup] = stack(Down(none));
+  cast.lora.experts.resize(lora.experts.size());
+  for (size_t e = 0; e < lora.experts.size(); ++e)
+    for (int p = 0; p < 3; ++p) {
+      if (!lora.experts[e].a[p].defined()) continue;
+      cast.lora.experts[e].a[p] = lora.experts[e].a[p].to(dtype);
+      cast.lora.experts[e].b[p] = lora.experts[e].b[p].to(dtype);
+    }
   return cast;
 }
 
@@ -504,14 +534,21 @@ std::vector<at::Tensor> GroupBlockBackward(BlockTape& tape, const BlockWeights& 
   at::Tensor dy2 = rows.Cat(dy2s);
   dy2s.clear();
 
-  // MLP: y = out + down(silu(gate) * up).
-  at::Tensor dz = BackpropGroup(tape.z, rows, Down(w), {dy2}, kDownGroup, jobs, tape, grads, true);
-  tape.z = at::Tensor();
-  auto [dgate, dup] = SwiGluBackward(dz, tape.gate, tape.up);
-  tape.gate = tape.up = at::Tensor();
-  at::Tensor dh2 =
-      BackpropGroup(tape.h2, rows, GateUp(w), {dgate, dup}, kGateUpGroup, jobs, tape, grads, true);
-  dgate = dup = dz = tape.h2 = at::Tensor();
+  // MLP: y = out + down(silu(gate) * up), or the experts' weighted sum.
+  at::Tensor dh2;
+  if (cfg.is_moe()) {
+    dh2 = MoeBackward(tape.moe, tape.h2, w, MoeJobs(rows, jobs), PerJobBaseGemms(dy2, rows), dy2,
+                      grads);
+  } else {
+    at::Tensor dz =
+        BackpropGroup(tape.z, rows, Down(w), {dy2}, kDownGroup, jobs, tape, grads, true);
+    tape.z = at::Tensor();
+    auto [dgate, dup] = SwiGluBackward(dz, tape.gate, tape.up);
+    tape.gate = tape.up = at::Tensor();
+    dh2 = BackpropGroup(tape.h2, rows, GateUp(w), {dgate, dup}, kGateUpGroup, jobs, tape, grads,
+                        true);
+  }
+  tape.h2 = at::Tensor();
   at::Tensor dout = dy2 + RmsNormBackward(dh2, tape.out, tape.rstd_post, w.post_norm);
   dh2 = tape.out = tape.rstd_post = dy2 = at::Tensor();
 

@@ -22,13 +22,13 @@
 
 #include "worker/model/lora.h"
 #include "worker/model/model.h"
+#include "worker/model/moe_mlp.h"
 
 namespace lorastream::worker {
 
-// The adapter gradients of one block (f32, undefined where the projection has no adapter).
-struct LoraBlockGrads {
-  std::array<at::Tensor, kNumLoraTargets> a, b;
-};
+// The adapter gradients of one block (f32, undefined where the projection has no adapter),
+// laid out as the adapter (LoraSlots enumerates both alike).
+using LoraBlockGrads = LoraBlock;
 
 // What one recompute of a block keeps for its backward, in the compute dtype: h1, the
 // attention output (twice: the kernel's and o_proj's layout), out and h2 ([tokens, hidden]
@@ -56,6 +56,7 @@ struct BlockTape {
   at::Tensor out;             // x + o_proj(attention) [N, H]
   at::Tensor rstd_post, h2;   // its norm: 1/rms and output [N, H]
   at::Tensor gate, up, z;     // MLP [N, I]; z = silu(gate) * up, down_proj's input
+  MoeTape moe;                // a mixture of experts' MLP instead (worker/model/moe_mlp.h)
   std::vector<Job> jobs;
 };
 

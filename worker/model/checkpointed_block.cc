@@ -28,8 +28,8 @@ using torch::autograd::variable_list;
 // One job's part of a checkpointed group block.
 struct CheckpointJob {
   BlockCompute compute;
-  std::array<bool, kNumLoraTargets> targets{};
-  LoraBlockCast lora;  // the adapter in the compute dtype, cast once for the three passes
+  LoraSettings settings;  // which of the block's pairs are parameters (LoraSlots)
+  LoraBlockCast lora;     // the adapter in the compute dtype, cast once for the three passes
 };
 
 // What the backward needs besides the saved tensors. Lives on the heap, owned by the node
@@ -97,13 +97,12 @@ struct CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
     }
     args.provider->Release(args.block);
     variable_list result(dxs.begin(), dxs.end());
-    for (size_t j = 0; j < k; ++j) {
-      for (int t = 0; t < kNumLoraTargets; ++t) {
-        if (!args.jobs[j].targets[t]) continue;
-        result.push_back(grads[j].a[t]);
-        result.push_back(grads[j].b[t]);
+    for (size_t j = 0; j < k; ++j)  // in the order of the adapter's BlockParams
+      for (const LoraSlot& slot :
+           LoraSlots(*args.jobs[j].compute.config, args.jobs[j].settings, grads[j])) {
+        result.push_back(*slot.a);
+        result.push_back(*slot.b);
       }
-    }
     result.push_back(at::Tensor());  // the CheckpointArgs pointer
     result.push_back(at::Tensor());  // keep_tape
     return result;
@@ -123,7 +122,7 @@ std::vector<at::Tensor> CheckpointedGroupBlockForward(const std::vector<GroupBlo
   for (const GroupBlockInput& in : inputs) {
     CheckpointJob job;
     job.compute = in.compute;
-    job.targets = in.adapter->settings().targets;
+    job.settings = in.adapter->settings();
     job.lora = CastLoraBlock(in.adapter->block(block), in.x.scalar_type());
     const std::vector<at::Tensor> p = in.adapter->BlockParams(block);
     params.insert(params.end(), p.begin(), p.end());

@@ -16,10 +16,34 @@
 
 namespace lorastream::worker {
 
-// Per-block adapter tensors; undefined where the projection is not targeted.
+// Per-block adapter tensors; undefined where the projection is not targeted. In a mixture of
+// experts (ModelConfig::is_moe) the MLP targets (gate_proj, up_proj, down_proj) are each
+// expert's: `experts[e]` holds them ({gate, up, down}) and a/b[kGateProj..kDownProj] stay
+// undefined.
+struct ExpertLora {
+  std::array<at::Tensor, 3> a, b;
+};
 struct LoraBlock {
   std::array<at::Tensor, kNumLoraTargets> a, b;
+  std::vector<ExpertLora> experts;
 };
+
+// One (A, B) pair of a block's adapter: its module relative to "model.layers.{i}."
+// ("self_attn.q_proj", "mlp.experts.3.gate_proj", "block_sparse_moe.experts.0.w1"), A's
+// [r, in] and B's [out, r] sizes, and where its tensors are.
+struct LoraSlot {
+  std::string module;
+  int64_t in = 0, out = 0;
+  at::Tensor* a = nullptr;
+  at::Tensor* b = nullptr;
+};
+// Every pair `settings` targets in `blk` (sized to hold the experts), in parameter order: the
+// targeted projections in LoraTarget order, in a mixture of experts the attention ones and
+// then each expert's gate, up and down. The one enumeration of an adapter's tensors: its
+// initialisation, parameters, peft names, files and a block's gradients (whose LoraBlock has
+// the same layout) all follow it.
+std::vector<LoraSlot> LoraSlots(const ModelConfig& config, const LoraSettings& settings,
+                                LoraBlock& blk);
 
 class LoraAdapter {
  public:

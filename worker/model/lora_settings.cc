@@ -30,9 +30,9 @@ std::pair<int64_t, int64_t> LoraTargetShape(const ModelConfig& c, int t) {
       return {q, c.hidden_size};
     case kGateProj:
     case kUpProj:
-      return {c.hidden_size, c.intermediate_size};
+      return {c.hidden_size, c.is_moe() ? c.moe_intermediate_size : c.intermediate_size};
     case kDownProj:
-      return {c.intermediate_size, c.hidden_size};
+      return {c.is_moe() ? c.moe_intermediate_size : c.intermediate_size, c.hidden_size};
   }
   LS_CHECK(false, "target index");
   return {0, 0};
@@ -50,6 +50,26 @@ std::vector<std::string> LoraSettings::TargetNames() const {
   return names;
 }
 
+std::vector<std::string> LoraSettings::PeftTargetNames(const ModelConfig& config) const {
+  std::vector<std::string> names;
+  for (int t = 0; t < kNumLoraTargets; ++t)
+    if (targets[t])
+      names.push_back(config.model_type == "mixtral" && t >= kGateProj
+                          ? config.ExpertProjName(t - kGateProj)
+                          : LoraTargetName(t));
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+int LoraTargetOf(const std::string& name) {
+  for (int t = 0; t < kNumLoraTargets; ++t)
+    if (name == LoraTargetName(t)) return t;
+  if (name == "w1") return kGateProj;
+  if (name == "w3") return kUpProj;
+  if (name == "w2") return kDownProj;
+  return -1;
+}
+
 LoraSettings LoraSettingsFromSpec(const LoraSpec& spec) {
   LoraSettings s;
   s.rank = spec.rank;
@@ -57,17 +77,25 @@ LoraSettings LoraSettingsFromSpec(const LoraSpec& spec) {
   s.dropout = spec.dropout;
   s.rslora = spec.rslora;
   for (const auto& name : spec.targets) {
-    bool found = false;
-    for (int t = 0; t < kNumLoraTargets; ++t)
-      if (name == LoraTargetName(t)) s.targets[t] = found = true;
-    if (!found) throw Error(ErrorCode::kRefused, "lora.targets: unknown module `" + name + "`");
+    if (name == "experts") {  // a mixture of experts' gate, up and down projections, per expert
+      s.targets[kGateProj] = s.targets[kUpProj] = s.targets[kDownProj] = true;
+      continue;
+    }
+    const int t = LoraTargetOf(name);
+    if (t < 0) throw Error(ErrorCode::kRefused, "lora.targets: unknown module `" + name + "`");
+    s.targets[t] = true;
   }
   return s;
 }
 
+std::string LoraModuleKey(int block, const std::string& module, bool is_b) {
+  return "base_model.model.model.layers." + std::to_string(block) + "." + module +
+         (is_b ? ".lora_B.weight" : ".lora_A.weight");
+}
+
 std::string LoraKey(int block, int target, bool is_b) {
-  return "base_model.model.model.layers." + std::to_string(block) + "." + LoraTargetModule(target) +
-         "." + LoraTargetName(target) + (is_b ? ".lora_B.weight" : ".lora_A.weight");
+  return LoraModuleKey(block, std::string(LoraTargetModule(target)) + "." + LoraTargetName(target),
+                       is_b);
 }
 
 }  // namespace lorastream::worker

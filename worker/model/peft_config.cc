@@ -12,7 +12,8 @@ namespace lorastream::worker {
 
 using Json = nlohmann::json;
 
-std::string PeftConfigJson(const LoraSettings& settings, const std::string& base_model) {
+std::string PeftConfigJson(const LoraSettings& settings, const std::string& base_model,
+                           const ModelConfig* model) {
   Json alpha = settings.alpha == std::floor(settings.alpha) && std::fabs(settings.alpha) < 1e15
                    ? Json(static_cast<int64_t>(settings.alpha))
                    : Json(settings.alpha);
@@ -37,7 +38,7 @@ std::string PeftConfigJson(const LoraSettings& settings, const std::string& base
       {"r", settings.rank},
       {"rank_pattern", Json::object()},
       {"revision", nullptr},
-      {"target_modules", settings.TargetNames()},
+      {"target_modules", model ? settings.PeftTargetNames(*model) : settings.TargetNames()},
       {"task_type", "CAUSAL_LM"},
       {"use_dora", false},
       {"use_rslora", settings.rslora},
@@ -102,14 +103,19 @@ LoraSettings ReadPeftConfig(const std::string& cfg_path) {
   else
     throw bad("target_modules", "must be a list of module names");
   for (const auto& name : targets) {
-    bool found = false;
-    for (int t = 0; t < kNumLoraTargets; ++t)
-      if (name == LoraTargetName(t)) s.targets[t] = found = true;
-    if (!found)
+    const int t = LoraTargetOf(name);
+    if (t < 0)
       throw Error(ErrorCode::kUnsupported, cfg_path + ": target module `" + name +
                                                "` is not one of q_proj, k_proj, v_proj, o_proj, "
-                                               "gate_proj, up_proj, down_proj");
+                                               "gate_proj, up_proj, down_proj (mixtral: w1, w3, "
+                                               "w2)");
+    s.targets[t] = true;
   }
+  if ((v = get("target_parameters")) && !(v->is_array() && v->empty()))
+    throw Error(ErrorCode::kUnsupported,
+                cfg_path +
+                    ": field `target_parameters` is not supported (experts are read per "
+                    "expert, as target_modules gate_proj/up_proj/down_proj name them)");
   return s;
 }
 

@@ -10,8 +10,10 @@
 
 namespace lorastream::worker {
 
-// The JSON text peft writes for `settings` (keys sorted, as peft's to_dict() gives them).
-std::string PeftConfigJson(const LoraSettings& settings, const std::string& base_model);
+// The JSON text peft writes for `settings` (keys sorted, as peft's to_dict() gives them);
+// target_modules in `model`'s names when given (mixtral's experts: w1, w3, w2).
+std::string PeftConfigJson(const LoraSettings& settings, const std::string& base_model,
+                           const ModelConfig* model = nullptr);
 
 // Reads and validates the adapter_config.json at `path`: Error(kNotFound) when it cannot be
 // opened, Error(kCorrupt) naming the field for a wrong type or value, Error(kUnsupported)

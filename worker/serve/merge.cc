@@ -209,12 +209,6 @@ std::string Describe(const std::vector<AdapterArg>& adapters) {
 
 // ---- LLM: a Hugging Face folder ---------------------------------------------------------
 
-// "model.layers.3.self_attn.q_proj.weight": the base weight a peft key adapts.
-std::string LlmWeightName(int block, int target) {
-  return "model.layers." + std::to_string(block) + "." + LoraTargetModule(target) + "." +
-         LoraTargetName(target) + ".weight";
-}
-
 // config.json with its dtype set to the output's (transformers 4: torch_dtype; 5: dtype).
 std::string ConfigWithDtype(const std::string& path, const std::string& dtype) {
   std::ifstream in(path);
@@ -234,16 +228,16 @@ Updates LlmUpdates(const std::vector<AdapterArg>& args, const ModelConfig& confi
                    const std::function<bool(const std::string&)>& has, const std::string& base) {
   Updates updates;
   for (const AdapterArg& arg : args) {
-    const LoraAdapter a = LoraAdapter::Load(arg.path, config, at::kCPU);
+    LoraAdapter a = LoraAdapter::Load(arg.path, config, at::kCPU);
     for (int i = 0; i < a.num_blocks(); ++i)
-      for (int t = 0; t < kNumLoraTargets; ++t) {
-        if (!a.settings().targets[t]) continue;
-        const std::string name = LlmWeightName(i, t);
+      for (const LoraSlot& slot : LoraSlots(config, a.settings(), a.block(i))) {
+        const std::string name =
+            "model.layers." + std::to_string(i) + "." + slot.module + ".weight";
         if (!has(name))
           throw Error(ErrorCode::kRefused,
                       arg.path + " adapts `" + name + "`, which " + base + " does not hold");
-        updates[name].push_back({a.block(i).a[t].detach(), a.block(i).b[t].detach(),
-                                 arg.weight * a.settings().Scale()});
+        updates[name].push_back(
+            {slot.a->detach(), slot.b->detach(), arg.weight * a.settings().Scale()});
       }
   }
   return updates;

@@ -65,10 +65,24 @@ int64_t LoraParameterCount(const ModelConfig& c, int64_t rank,
                            const std::vector<std::string>& targets) {
   const int64_t q = c.num_attention_heads * c.head_dim;
   const int64_t kv = c.num_key_value_heads * c.head_dim;
-  const int64_t h = c.hidden_size, inter = c.intermediate_size;
-  int64_t per_block = 0;
+  const int64_t h = c.hidden_size;
+  // A mixture of experts' MLP targets are every expert's (mixtral's w1, w3, w2 the same).
+  const int64_t inter = c.is_moe() ? c.moe_intermediate_size : c.intermediate_size;
+  const int64_t copies = c.is_moe() ? c.num_experts : 1;
+  std::vector<std::string> names;
   for (const std::string& t : targets) {
-    int64_t in = 0, out = 0;
+    if (t == "experts") {
+      names.insert(names.end(), {"gate_proj", "up_proj", "down_proj"});
+    } else {
+      names.push_back(t == "w1"   ? "gate_proj"
+                      : t == "w3" ? "up_proj"
+                      : t == "w2" ? "down_proj"
+                                  : t);
+    }
+  }
+  int64_t per_block = 0;
+  for (const std::string& t : names) {
+    int64_t in = 0, out = 0, n = 1;
     if (t == "q_proj") {
       in = h;
       out = q;
@@ -81,15 +95,17 @@ int64_t LoraParameterCount(const ModelConfig& c, int64_t rank,
     } else if (t == "gate_proj" || t == "up_proj") {
       in = h;
       out = inter;
+      n = copies;
     } else if (t == "down_proj") {
       in = inter;
       out = h;
+      n = copies;
     } else {
       throw Error(ErrorCode::kRefused, "lora.targets: unknown target module `" + t +
                                            "` (known: q_proj k_proj v_proj o_proj gate_proj "
-                                           "up_proj down_proj)");
+                                           "up_proj down_proj; experts, w1, w3, w2)");
     }
-    per_block += rank * (in + out);
+    per_block += n * rank * (in + out);
   }
   return per_block * c.num_hidden_layers;
 }
@@ -99,7 +115,14 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& 
   LS_CHECK(static_cast<int>(in.block_bytes.size()) == plan.num_blocks(),
            "block sizes and plan disagree on the number of blocks");
   const uint64_t b = static_cast<uint64_t>(in.compute_bytes);
-  const uint64_t h = c.hidden_size, inter = c.intermediate_size;
+  const uint64_t h = c.hidden_size;
+  // A mixture of experts: each token's MLP activations are its top-k experts' (the dispatch
+  // buffers: tokens x top-k rows of the expert width), and each routed row also gathers its
+  // input and keeps its expert's output (2 x hidden per routed row, in `routed`).
+  const uint64_t k = c.is_moe() ? static_cast<uint64_t>(c.num_experts_per_tok) : 0;
+  const uint64_t inter = c.is_moe() ? k * static_cast<uint64_t>(c.moe_intermediate_size)
+                                    : static_cast<uint64_t>(c.intermediate_size);
+  const uint64_t routed = 2 * k * h + (c.is_moe() ? static_cast<uint64_t>(c.num_experts) : 0);
   const uint64_t q = c.num_attention_heads * c.head_dim;
   const uint64_t kv = c.num_key_value_heads * c.head_dim;
   const uint64_t heads = c.num_attention_heads;
@@ -138,7 +161,8 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& 
         dropout += t * (b + 1) * (target == "o_proj" ? q : target == "down_proj" ? inter : h);
     }
     const uint64_t lora_pieces = t * b * static_cast<uint64_t>(rank) * targets.size();
-    e.block_working += t * b * (8 * h + 4 * (q + 2 * kv) + 6 * inter) + 2 * lora_pieces + dropout;
+    e.block_working +=
+        t * b * (8 * h + 4 * (q + 2 * kv) + 6 * inter + routed) + 2 * lora_pieces + dropout;
     // attention's saved probabilities where it materialises them, else its logsumexp.
     e.tape += t * b * (3 * h + 4 * q + 3 * kv + 3 * inter) + lora_pieces +
               (in.attention_materialized ? heads * t * seq * b : heads * t * 4) +

@@ -47,7 +47,7 @@ std::vector<SegmentInfo> CheckedLayouts(const Manifest& manifest,
   return manifest.blocks;
 }
 
-void RefuseIfTrainable(const at::Tensor& t, int block, const char* name) {
+void RefuseIfTrainable(const at::Tensor& t, int block, const std::string& name) {
   if (t.defined() && t.requires_grad()) {
     RefuseTrainableBaseWeight(t, "model.layers." + std::to_string(block) + "." + name);
   }
@@ -79,6 +79,10 @@ void RefuseTrainableBaseWeights(const BlockWeights& w, int block) {
   RefuseIfTrainable(w.gate_proj, block, "mlp.gate_proj.weight");
   RefuseIfTrainable(w.up_proj, block, "mlp.up_proj.weight");
   RefuseIfTrainable(w.down_proj, block, "mlp.down_proj.weight");
+  RefuseIfTrainable(w.router, block, "router");
+  for (size_t e = 0; e < w.experts.size(); ++e)
+    for (const at::Tensor& t : w.experts[e])
+      RefuseIfTrainable(t, block, "expert " + std::to_string(e));
   for (const auto& [name, t] : w.named)
     if (t.requires_grad())
       RefuseTrainableBaseWeight(t, "block " + std::to_string(block) + " " + name);

@@ -36,8 +36,8 @@ bool CudaGraphsEnabled() {
 #endif
 }
 
-bool CudaGraphsApply(const c10::Device& device, double lora_dropout) {
-  return device.is_cuda() && CudaGraphsEnabled() && lora_dropout == 0;
+bool CudaGraphsApply(const c10::Device& device, double lora_dropout, bool moe) {
+  return device.is_cuda() && CudaGraphsEnabled() && lora_dropout == 0 && !moe;
 }
 
 #ifdef LORASTREAM_HAVE_CUDA
@@ -197,8 +197,10 @@ MicroBatchRunner::MicroBatchRunner(CausalLm& model, const LoraAdapter& adapter, 
     : model_(model),
       adapter_(adapter),
       // What does not change during a job: the device, the dropout, whether anything streams.
-      may_graph_(allow_graphs && CudaGraphsApply(model.device(), adapter.settings().dropout) &&
-                 model.provider().step_is_host_only()) {}
+      may_graph_(
+          allow_graphs &&
+          CudaGraphsApply(model.device(), adapter.settings().dropout, model.config().is_moe()) &&
+          model.provider().step_is_host_only()) {}
 
 MicroBatchRunner::~MicroBatchRunner() = default;
 
@@ -268,7 +270,8 @@ struct GroupMicroBatchRunner::Graphs {
 
 GroupMicroBatchRunner::GroupMicroBatchRunner(CausalLm& model)
     : model_(model),
-      may_graph_(CudaGraphsApply(model.device(), 0.0) && model.provider().step_is_host_only()),
+      may_graph_(CudaGraphsApply(model.device(), 0.0, model.config().is_moe()) &&
+                 model.provider().step_is_host_only()),
       graphs_(std::make_unique<Graphs>()) {}
 
 GroupMicroBatchRunner::~GroupMicroBatchRunner() = default;

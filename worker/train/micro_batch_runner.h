@@ -39,8 +39,9 @@ struct GroupMicroBatch;
 // Whether CUDA graphs may be used: a CUDA build, LORASTREAM_CUDA_GRAPHS not "0".
 bool CudaGraphsEnabled();
 // Whether a micro-batch on `device` with LoRA dropout `lora_dropout` may be graphed when
-// nothing streams: CUDA, CudaGraphsEnabled(), no dropout (the calibration asks the same).
-bool CudaGraphsApply(const c10::Device& device, double lora_dropout);
+// nothing streams: CUDA, CudaGraphsEnabled(), no dropout, not a mixture of experts (`moe`:
+// its routing is read to the host, which a capture cannot do); the calibration asks the same.
+bool CudaGraphsApply(const c10::Device& device, double lora_dropout, bool moe);
 
 class MicroBatchRunner {
  public:

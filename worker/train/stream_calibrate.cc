@@ -69,18 +69,16 @@ double TimeIt(const c10::Device& device, int reps, Fn fn) {
 BlockWeights BlockOnDevice(const BlockWeights& w, const c10::Device& device,
                            c10::ScalarType dtype) {
   BlockWeights out = w;
-  for (at::Tensor* t : {&out.input_norm, &out.q_proj, &out.k_proj, &out.v_proj, &out.o_proj,
-                        &out.q_bias, &out.k_bias, &out.v_bias, &out.q_norm, &out.k_norm,
-                        &out.post_norm, &out.gate_proj, &out.up_proj, &out.down_proj}) {
-    if (t->defined()) *t = t->to(device, dtype).contiguous();
-  }
+  out.ForEachSlot([&](at::Tensor& t) {
+    if (t.defined()) t = t.to(device, dtype).contiguous();
+  });
   return out;
 }
 
 // Whether a job's steps that stream nothing run as CUDA graphs (MicroBatchRunner's rule):
 // then the calibration measures them so too.
-bool CalibratesGraphs(const JobSpec& spec, const c10::Device& device) {
-  return CudaGraphsApply(device, spec.lora.dropout);
+bool CalibratesGraphs(const JobSpec& spec, const ModelConfig& config, const c10::Device& device) {
+  return CudaGraphsApply(device, spec.lora.dropout, config.is_moe());
 }
 
 }  // namespace
@@ -123,7 +121,7 @@ std::string CalibrationKey(const JobSpec& spec, const BaseWeights& base, const c
          // From whole steps, each ending in its one wait, after warm-ups that raise the
          // clocks (older entries: a block alone, or steps that waited twice, measured cold);
          // with the steps that stream nothing measured as CUDA graphs where they run so.
-         "-steps2" + (CalibratesGraphs(spec, device) ? "-graphs" : "") +
+         "-steps2" + (CalibratesGraphs(spec, c, device) ? "-graphs" : "") +
          // A compressed store expands its blocks at their uses.
          (base.manifest() != nullptr && base.manifest()->quant().compressed()
               ? std::string("-") + QuantMethodName(base.manifest()->quant().method)
@@ -277,17 +275,16 @@ StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c
   // A plan that streams nothing trains from a CUDA graph (worker/train/micro_batch_runner.h): its
   // full-depth step measured so, against the eager one.
   double graphed_step = 0;
-  if (CalibratesGraphs(spec, device)) {
+  if (CalibratesGraphs(spec, config, device)) {
     graphed_step = RepeatedModelStepSeconds(parts, deep, reps, /*allow_graphs=*/true);
     if (long_step > 0) costs.graph_factor = graphed_step / long_step;
   }
 
   uint64_t block_bytes = 0;
-  for (const at::Tensor* t :
-       {&w.input_norm, &w.q_proj, &w.k_proj, &w.v_proj, &w.o_proj, &w.q_bias, &w.k_bias, &w.v_bias,
-        &w.q_norm, &w.k_norm, &w.post_norm, &w.gate_proj, &w.up_proj, &w.down_proj}) {
-    if (t->defined()) block_bytes += t->nbytes();
-  }
+  BlockWeights sized = w;
+  sized.ForEachSlot([&](at::Tensor& t) {
+    if (t.defined()) block_bytes += t.nbytes();
+  });
   costs.h2d_bytes_per_second = MeasureH2DBandwidth(block_bytes, device);
   // A compressed store's block is copied compressed and expanded on the device at its uses.
   const Manifest* stored = base.manifest();
