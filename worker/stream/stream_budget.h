@@ -82,9 +82,9 @@ struct MemoryModelInputs {
   double lora_dropout = 0;  // > 0: each adapted projection keeps its dropped input and mask
   std::vector<std::string> lora_targets = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
                                            "gate_proj", "up_proj", "down_proj"};
-  int64_t tokens = 0;                            // batch_size x seq_len of one micro-batch
+  int64_t tokens = 0;        // batch_size x seq_len of one micro-batch
   int64_t sequence_len = 0;  // seq_len: attention scores are per sequence (0: one of `tokens`)
-  int compute_bytes = 2;                         // 2: bf16 compute; 4: f32
+  int compute_bytes = 2;     // 2: bf16 compute; 4: f32
   bool attention_materialized = false;           // true where attention has no fused kernel
   uint64_t reserve_bytes = uint64_t{512} << 20;  // allocator slack; lower = tighter plans
   // A job group (worker/train/group_trainer.h): the other jobs beside the one above. Each
