@@ -231,6 +231,20 @@ TEST_CASE(
   CHECK(left["a"].result.steps_done == 2);
   CHECK(std::filesystem::path(left["a"].result.checkpoint_dir).filename() == "checkpoint-2");
 
+  // Given together from the start (the group planned for both, no budget), a job whose caches
+  // cannot be read fails alone, naming them, and the other trains.
+  FluxJob a2 = a;
+  a2.output_dir = d + "/a2";
+  const std::vector<GroupJobOutcome> given =
+      RunFluxGroupTraining({GroupJob{FluxJobSpec(a2, "a2"), {}, {}, ""},
+                            GroupJob{FluxJobSpec(missing, "missing"), {}, {}, ""}},
+                           {});
+  REQUIRE(given.size() == 2);
+  CHECK(!given[0].error);
+  REQUIRE(given[1].error);
+  CHECK_THAT(lorastream::testing::ErrorMessageOf([&] { std::rethrow_exception(given[1].error); }),
+             Catch::Contains("no-such-cache"));
+
   // Resumed alone, it ends as the uninterrupted job does.
   const FluxTrainResult resumed = TrainFlux(a, {});
   CHECK(resumed.first_step == 2);

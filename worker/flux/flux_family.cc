@@ -114,7 +114,13 @@ class Group final : public FamilyGroup {
     if (others.empty()) return "";
     FluxMemoryInputs in = memory_;
     const ActingAs as(files_as_);  // their caches, as the submitter
-    in.group = FluxMembersOf(*base_, others, device_, dtype_);
+    for (const JobSpec& spec : others) {
+      try {
+        in.group.push_back(FluxMembersOf(*base_, {spec}, device_, dtype_).front());
+      } catch (const std::exception&) {
+        // Caches that cannot be read: the job fails alone when it starts, naming them.
+      }
+    }
     return GroupJoinProblem(others.back().name, others.size(),
                             EstimateFluxMemory(in, plan_).total(), limit_, limit_what_);
   }

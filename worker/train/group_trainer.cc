@@ -274,9 +274,16 @@ std::string GroupTrainer::JoinRefusal(const JobSpec& spec) const {
   std::vector<JobSpec> others;
   for (const auto& job : members_->jobs())
     if (job->index() != 0) others.push_back(job->spec());
-  others.push_back(spec);
-  ResolveJobSpec(others.back());
-  return family_->JoinRefusal(others);
+  try {
+    others.push_back(spec);
+    ResolveJobSpec(others.back());
+    return family_->JoinRefusal(others);
+  } catch (const std::exception& e) {
+    // No estimate can be made (its files cannot be read, say): it joins, and fails alone when
+    // it starts, with its own error.
+    LS_LOG_DEBUG("job {}: no memory estimate to admit it by ({})", spec.name, e.what());
+    return "";
+  }
 }
 
 std::vector<GroupJobOutcome> GroupTrainer::TakeLeft() { return members_->TakeLeft(); }

@@ -88,8 +88,9 @@ class GroupTrainer final {
   size_t Add(GroupJob job);
   // Why `spec` cannot join now: the memory the group's plan was made for (the first job's and
   // those given with it) cannot also hold it beside the jobs training now
-  // (FamilyGroup::JoinRefusal); "" when it can. Callers ask before Add; a refused job waits
-  // for a group of its own.
+  // (FamilyGroup::JoinRefusal); "" when it can, or when no estimate can be made (the job then
+  // fails alone when it starts). Callers ask before Add; a refused job waits for a group of its
+  // own.
   std::string JoinRefusal(const JobSpec& spec) const;
   // One group step: every job's next optimizer step. Returns false when no job is left.
   bool Step();
