@@ -68,11 +68,16 @@ bool GetBool(const Json& j, const std::string& source, const char* field, bool f
 void ParseMoe(const Json& j, const std::string& source, ModelConfig& c) {
   if (c.model_type != "qwen3_moe" && c.model_type != "mixtral") return;
   const bool qwen = c.model_type == "qwen3_moe";
-  c.num_experts = RequirePositiveInt(j, source, qwen ? "num_experts" : "num_local_experts");
+  // The Hub's Qwen3-MoE configs say num_experts; transformers 5 saves it as num_local_experts
+  // (Mixtral's name), which it maps back.
+  const char* experts_key = qwen && (j.contains("num_experts") || !j.contains("num_local_experts"))
+                                ? "num_experts"
+                                : "num_local_experts";
+  c.num_experts = RequirePositiveInt(j, source, experts_key);
   c.num_experts_per_tok = RequirePositiveInt(j, source, "num_experts_per_tok");
   if (c.num_experts_per_tok > c.num_experts)
     Bad(source, "num_experts_per_tok", "must not exceed the number of experts");
-  if (c.num_experts > 4096) Refuse(source, qwen ? "num_experts" : "num_local_experts", "> 4096");
+  if (c.num_experts > 4096) Refuse(source, experts_key, "> 4096");
   c.moe_intermediate_size =
       qwen ? RequirePositiveInt(j, source, "moe_intermediate_size") : c.intermediate_size;
   c.norm_topk_prob = qwen ? GetBool(j, source, "norm_topk_prob", false) : true;

@@ -139,6 +139,13 @@ TEST_CASE("moe: model_config reads qwen3_moe and mixtral and refuses what it can
   CHECK(refused("mlp_only_layers", nlohmann::json::array({0})));
   CHECK(refused("shared_expert_intermediate_size", 64));
   CHECK(refused("num_experts_per_tok", 5));
+  // transformers 5.17 saves Qwen3-MoE's num_experts as num_local_experts.
+  nlohmann::json saved = qwen;
+  saved.erase("num_experts");
+  saved["num_local_experts"] = 4;
+  CHECK(ModelConfigFromJson(saved, "q.json").num_experts == 4);
+  saved.erase("num_local_experts");
+  CHECK_THROWS_WITH(ModelConfigFromJson(saved, "q.json"), Catch::Contains("`num_experts`"));
   nlohmann::json missing = qwen;
   missing.erase("moe_intermediate_size");
   CHECK_THROWS_WITH(ModelConfigFromJson(missing, "q.json"),
