@@ -100,7 +100,7 @@ TEST_CASE(
     "group: a job whose estimate exceeds the host's memory is refused alone, naming it, in "
     "either order; the other trains as it does alone",
     "[worker]") {
-  // 256 sequences of 4096 tokens a micro-batch: 256 GiB of attention scores by the estimate.
+  // 256 sequences of 4096 tokens a micro-batch: terabytes of attention scores by the estimate.
   HostileGroup g("group-hostile-estimate", 256, 4096);
   REQUIRE(g.Run("train a-alone.toml") == 0);
   for (const char* order : {"a.toml b.toml", "b.toml a.toml"}) {

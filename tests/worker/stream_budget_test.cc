@@ -86,11 +86,6 @@ TEST_CASE("the memory estimate follows its documented formula", "[worker]") {
   MemoryModelInputs materialized = in;
   materialized.attention_materialized = true;
   REQUIRE(EstimateMemory(materialized, plan).attention == 32ULL * 2048 * 2048 * 2 * 2);
-  // Scores are per sequence: 4 sequences of 512 tokens hold a quarter of one of 2048's.
-  materialized.sequence_len = 512;
-  REQUIRE(EstimateMemory(materialized, plan).attention == 32ULL * 2048 * 512 * 2 * 2);
-  materialized.sequence_len = 4096;  // longer than the micro-batch: one sequence of its tokens
-  REQUIRE(EstimateMemory(materialized, plan).attention == 32ULL * 2048 * 2048 * 2 * 2);
   REQUIRE(e.Describe().find("slots") != std::string::npos);
   // Taped blocks: each tape is held through the forward and the LM head; the backward's
   // first block's tape is part of its working set.

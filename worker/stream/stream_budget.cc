@@ -146,11 +146,9 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& 
   e.head_ring = static_cast<uint64_t>(plan.head_slots) * largest_streamed;
   // One job's share of the activations and its adapter; a group's are summed.
   uint64_t head_chunk = 0, head_kept = 0;
-  auto add_job = [&](int64_t tokens, int64_t sequence_len, int64_t rank, double lora_dropout,
+  auto add_job = [&](int64_t tokens, int64_t rank, double lora_dropout,
                      const std::vector<std::string>& targets) {
     const uint64_t t = static_cast<uint64_t>(std::max<int64_t>(tokens, 0));
-    // Attention's scores are per sequence: T / S sequences of S x S.
-    const uint64_t seq = sequence_len > 0 ? std::min(t, static_cast<uint64_t>(sequence_len)) : t;
     e.forward_working += t * b * (4 * h + q + 2 * kv + 3 * inter);
     e.adapter += static_cast<uint64_t>(LoraParameterCount(c, rank, targets)) * 16;
     e.checkpoints += static_cast<uint64_t>(plan.num_blocks()) * t * h * b;
@@ -165,9 +163,9 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& 
         t * b * (8 * h + 4 * (q + 2 * kv) + 6 * inter + routed) + 2 * lora_pieces + dropout;
     // attention's saved probabilities where it materialises them, else its logsumexp.
     e.tape += t * b * (3 * h + 4 * q + 3 * kv + 3 * inter) + lora_pieces +
-              (in.attention_materialized ? heads * t * seq * b : heads * t * 4) +
+              (in.attention_materialized ? heads * t * t * b : heads * t * 4) +
               (2 + heads + static_cast<uint64_t>(c.num_key_value_heads)) * t * 4 + dropout;
-    e.attention += in.attention_materialized ? heads * t * seq * b * 2 : heads * t * 4;
+    e.attention += in.attention_materialized ? heads * t * t * b * 2 : heads * t * 4;
     const int64_t chunk_rows = HeadChunkRows(tokens, c.vocab_size, c.hidden_size,
                                              in.head_chunk_bytes, in.fused_cross_entropy);
     head_chunk = std::max(
@@ -176,10 +174,9 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& 
     head_kept += 2 * t * h * b;
     return chunk_rows;
   };
-  e.head_chunk_rows =
-      add_job(in.tokens, in.sequence_len, in.lora_rank, in.lora_dropout, in.lora_targets);
+  e.head_chunk_rows = add_job(in.tokens, in.lora_rank, in.lora_dropout, in.lora_targets);
   for (const MemoryModelInputs::GroupMember& m : in.group)
-    add_job(m.tokens, m.sequence_len, m.lora_rank, m.lora_dropout, m.lora_targets);
+    add_job(m.tokens, m.lora_rank, m.lora_dropout, m.lora_targets);
   e.taped_blocks = plan.taped_blocks;
   e.head_weights = in.head_bytes;
   e.head_streamed = plan.head_streamed;

@@ -17,8 +17,7 @@
 //                  its backward (norm outputs, q/k/v, attention output, gate/up/act/product,
 //                  and the gradients flowing through them), plus LoRA's T x rank pieces
 //                  (and LoRA dropout's, below)
-//   attention      heads x T x S x b x 2 (scores and probabilities of T / S sequences of S
-//                  tokens) where attention
+//   attention      heads x T x T x b x 2 (scores and probabilities) where attention
 //                  materialises them (no fused kernel); else heads x T x 4 (logsumexp)
 //   lm head        the chunked head (worker/model/lm_head.h): one chunk of C rows at a time,
 //                  C x (8 V + 16 H) (its f32 logits and log-probabilities, the final norm's
@@ -82,9 +81,8 @@ struct MemoryModelInputs {
   double lora_dropout = 0;  // > 0: each adapted projection keeps its dropped input and mask
   std::vector<std::string> lora_targets = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
                                            "gate_proj", "up_proj", "down_proj"};
-  int64_t tokens = 0;        // batch_size x seq_len of one micro-batch
-  int64_t sequence_len = 0;  // seq_len: attention scores are per sequence (0: one of `tokens`)
-  int compute_bytes = 2;     // 2: bf16 compute; 4: f32
+  int64_t tokens = 0;                            // batch_size x seq_len of one micro-batch
+  int compute_bytes = 2;                         // 2: bf16 compute; 4: f32
   bool attention_materialized = false;           // true where attention has no fused kernel
   uint64_t reserve_bytes = uint64_t{512} << 20;  // allocator slack; lower = tighter plans
   // A job group (worker/train/group_trainer.h): the other jobs beside the one above. Each
@@ -98,7 +96,6 @@ struct MemoryModelInputs {
     int64_t lora_rank = 16;
     double lora_dropout = 0;
     std::vector<std::string> lora_targets;
-    int64_t sequence_len = 0;  // as above
   };
   std::vector<GroupMember> group;
 };
