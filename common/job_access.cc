@@ -110,6 +110,11 @@ void CheckJobPathsAs(const JobSpec& spec, const UserIdentity& who) {
              {"model.checkpoint", spec.model.checkpoint, PathAccess::kRead},
              {"train.output_dir", spec.train.output_dir, PathAccess::kWrite},
              {"train.stats_file", spec.train.stats_file, PathAccess::kWrite}};
+    if (spec.is_qwen_image) {
+      items.push_back({"qwen_image.cache_dir", spec.qwen_image.cache_dir, PathAccess::kRead});
+      for (const std::string& file : Entries(spec.qwen_image.cache_dir))
+        items.push_back({"qwen_image.cache_dir", file, PathAccess::kRead});
+    }
   }
   // Every file of a model folder, and where its links lead (a weights file may be a link).
   if (!spec.model.checkpoint.empty())

@@ -39,6 +39,10 @@ std::string GroupRefusal(const JobSpec& first, const JobSpec& job, const std::st
     return why + "job " + (job.is_flux ? job.name : first.name) +
            " is a FLUX.1 job: FLUX.1 jobs share a group only with FLUX.1 jobs on their base";
   if (job.is_flux) return FluxGroupRefusal(why, first.flux, job.flux);
+  if (job.is_qwen_image != first.is_qwen_image)
+    return why + "job " + (job.is_qwen_image ? job.name : first.name) +
+           " is a Qwen-Image job: Qwen-Image jobs share a group only with Qwen-Image jobs on "
+           "their base";
   if (job.model.store != first.model.store)
     return why + "model.store differs (`" + job.model.store + "`, `" + first.model.store +
            "`): a group shares one base";

@@ -13,6 +13,7 @@
 #include "common/job_paths.h"
 #include "common/log.h"
 #include "common/quant_format.h"
+#include "common/qwen_image_config.h"
 #include "common/regular_file.h"
 #include "common/tokenizer_id.h"
 #include "common/toml_file.h"
@@ -136,8 +137,15 @@ JobSpec ParseJobSpec(const std::string& toml_text, const std::string& source) {
     MirrorFluxJob(s);
     return s;
   }
-  doc.RejectUnknownKeys(
-      {"name", "priority", "model", "data", "lora", "optim", "train", "stream", "eval"});
+  // A Qwen-Image job: the shared sections and its own; the LLM family's [data] and [eval]
+  // are not among them.
+  s.is_qwen_image = doc.Has("qwen_image");
+  if (s.is_qwen_image)
+    doc.RejectUnknownKeys(
+        {"name", "priority", "model", "lora", "optim", "train", "stream", "qwen_image"});
+  else
+    doc.RejectUnknownKeys(
+        {"name", "priority", "model", "data", "lora", "optim", "train", "stream", "eval"});
   s.name = doc.GetString("name", s.name);
   s.priority = doc.GetInt("priority", s.priority);
 
@@ -163,6 +171,7 @@ JobSpec ParseJobSpec(const std::string& toml_text, const std::string& source) {
   s.lora.rank = l.GetInt("rank", from_adapter ? 0 : s.lora.rank);
   s.lora.alpha = l.GetDouble("alpha", from_adapter ? 0.0 : s.lora.alpha);
   s.lora.dropout = l.GetDouble("dropout", s.lora.dropout);
+  if (s.is_qwen_image) s.lora.targets = {"default"};  // musubi-tuner's (QwenImageTargets)
   s.lora.targets =
       l.GetStrings("targets", from_adapter ? std::vector<std::string>{} : s.lora.targets);
   s.lora.rslora = l.GetBool("rslora", s.lora.rslora);
@@ -222,8 +231,10 @@ JobSpec ParseJobSpec(const std::string& toml_text, const std::string& source) {
     for (const char* k :
          {"blocks_to_swap", "ring_size", "forward_slots", "backward_slots", "taped_blocks"})
       hand_plan = hand_plan || st.Has(k);
-    s.stream.budget_auto = !hand_plan;
+    // A Qwen-Image job is not planned from a budget: without a plan it is resident.
+    s.stream.budget_auto = !hand_plan && !s.is_qwen_image;
   }
+  if (s.is_qwen_image) s.qwen_image = ParseQwenImageSection(doc.Section("qwen_image"));
   return s;
 }
 
@@ -251,7 +262,7 @@ std::string JobSpecToToml(const JobSpec& s) {
     stream.insert("gpu_memory_budget", "auto");
   else
     stream.insert("gpu_memory_budget", integer(s.stream.gpu_memory_budget));
-  const toml::table doc{
+  toml::table doc{
       {"name", s.name},
       {"priority", s.priority},
       {"model", toml::table{{"store", s.model.store}, {"checkpoint", s.model.checkpoint}}},
@@ -291,6 +302,15 @@ std::string JobSpecToToml(const JobSpec& s) {
                            {"every", s.eval.every},
                            {"batches", s.eval.batches}}},
       {"stream", std::move(stream)}};
+  if (s.is_qwen_image) {
+    doc.erase("data");
+    doc.erase("eval");
+    const QwenImageJob& q = s.qwen_image;
+    doc.insert("qwen_image", toml::table{{"cache_dir", q.cache_dir},
+                                         {"timestep_sampling", q.timestep_sampling},
+                                         {"sigmoid_scale", q.sigmoid_scale},
+                                         {"discrete_flow_shift", q.discrete_flow_shift}});
+  }
   std::ostringstream out;
   out << doc << "\n";
   return out.str();
@@ -322,6 +342,7 @@ void ResolveJobSpecIn(JobSpec& s, const std::string& base_dir) {
   absolute(s.train.stats_file);
   absolute(s.eval.path);
   absolute(s.lora.init_from);
+  absolute(s.qwen_image.cache_dir);
   auto format_from_extension = [](const std::string& path, std::string& format) {
     if (!format.empty()) return;
     std::string ext = fs::path(path).extension().string();
@@ -352,6 +373,59 @@ std::string JobNameProblem(const JobSpec& s) {
          std::to_string(kMaxJobNameBytes) + " bytes";
 }
 
+namespace {
+
+// What a Qwen-Image job's shared sections may not hold (the rest is checked as for every
+// job), and its own section's problems.
+std::vector<std::string> QwenImageSharedProblems(const JobSpec& s, const std::string& src) {
+  std::vector<std::string> p;
+  auto key = [&](const std::string& k) { return src + ": key `" + k + "` "; };
+  if (!s.model.store.empty())
+    p.push_back(key("model.store") +
+                "names a store, but a Qwen-Image job reads its checkpoint itself "
+                "(model.checkpoint: ComfyUI's single file or a diffusers folder); a store of "
+                "Qwen-Image is not served yet");
+  else if (s.model.checkpoint.empty())
+    p.push_back(key("model.checkpoint") +
+                "is required (ComfyUI's qwen_image_bf16.safetensors or a diffusers folder)");
+  else
+    try {
+      DetectQwenImageCheckpoint(s.model.checkpoint);
+    } catch (const Error& e) {
+      p.push_back(key("model.checkpoint") + e.what());
+    }
+  if (!s.lora.init_from.empty())
+    p.push_back(key("lora.init_from") + "is not read for a Qwen-Image job yet");
+  if (s.lora.dropout != 0.0) p.push_back(key("lora.dropout") + "must be 0 for a Qwen-Image job");
+  if (s.lora.rslora) p.push_back(key("lora.rslora") + "must be false for a Qwen-Image job");
+  try {
+    QwenImageTargets(s.lora.targets, key("lora.targets"));
+  } catch (const Error& e) {
+    p.push_back(e.what());
+  }
+  if (s.train.epochs != 0.0)
+    p.push_back(key("train.epochs") + "is not read for a Qwen-Image job: give train.steps");
+  if (s.train.grad_accum != 1)
+    p.push_back(key("train.grad_accum") + "must be 1 for a Qwen-Image job (found " +
+                std::to_string(s.train.grad_accum) + ")");
+  if (s.train.keep_best)
+    p.push_back(key("train.keep_best") +
+                "needs an evaluation set, which a Qwen-Image job does not have");
+  if (s.stream.gpu_memory_budget > 0 || s.stream.budget_auto)
+    p.push_back(key("stream.gpu_memory_budget") +
+                "is not read for a Qwen-Image job yet (it is not planned from a budget): set "
+                "stream.blocks_to_swap");
+  for (const auto& [name, value] :
+       {std::pair<const char*, int64_t>{"stream.forward_slots", s.stream.forward_slots},
+        {"stream.backward_slots", s.stream.backward_slots},
+        {"stream.taped_blocks", s.stream.taped_blocks}})
+    if (value != 0) p.push_back(key(name) + "must be 0 for a Qwen-Image job");
+  for (std::string& why : QwenImageJobProblems(s.qwen_image, src)) p.push_back(std::move(why));
+  return p;
+}
+
+}  // namespace
+
 std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* model) {
   std::vector<std::string> p;
   if (std::string why = JobNameProblem(s); !why.empty()) p.push_back(std::move(why));
@@ -375,7 +449,9 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
 
   // [model]
   ModelConfig loaded;
-  if (s.model.store.empty() == s.model.checkpoint.empty()) {
+  if (s.is_qwen_image) {
+    for (std::string& why : QwenImageSharedProblems(s, src)) p.push_back(std::move(why));
+  } else if (s.model.store.empty() == s.model.checkpoint.empty()) {
     p.push_back(key("model") +
                 "must name exactly one of `model.store` (a published store) or "
                 "`model.checkpoint` (a Hugging Face folder)");
@@ -405,14 +481,16 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
 
   // [data]
   std::error_code ec;
-  if (s.data.path.empty()) {
+  if (s.is_qwen_image) {
+    // no [data]: the caches of [qwen_image]
+  } else if (s.data.path.empty()) {
     p.push_back(key("data.path") + "is required (a .jsonl or token file)");
   } else if (const std::string why = RegularFileProblem(s.data.path); !why.empty()) {
     p.push_back(key("data.path") + (why == "does not exist"
                                         ? "names a file that does not exist: " + s.data.path
                                         : s.data.path + " " + why));
   }
-  if (s.data.format != "jsonl" && s.data.format != "tokens")
+  if (!s.is_qwen_image && s.data.format != "jsonl" && s.data.format != "tokens")
     p.push_back(key("data.format") + "must be \"jsonl\" or \"tokens\" (found \"" + s.data.format +
                 "\"; it is taken from the extension .jsonl/.tok/.bin when absent)");
   if (s.data.seq_len < 2 || s.data.seq_len > (int64_t{1} << 22))
@@ -441,7 +519,8 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
 
   // [lora] (with init_from, rank 0 / alpha 0 / no targets mean "the adapter's")
   const bool from_adapter = !s.lora.init_from.empty();
-  if (from_adapter && !fs::is_regular_file(fs::path(s.lora.init_from) / "adapter_config.json", ec))
+  if (from_adapter && !s.is_qwen_image &&
+      !fs::is_regular_file(fs::path(s.lora.init_from) / "adapter_config.json", ec))
     p.push_back(key("lora.init_from") + "names no peft adapter folder (adapter_config.json and " +
                 "adapter_model.safetensors): " + s.lora.init_from);
   if (from_adapter && s.lora.rank == 0)
@@ -460,7 +539,7 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
   if (s.lora.targets.empty() && !from_adapter)
     p.push_back(key("lora.targets") + "must name at least one module");
   std::set<std::string> seen;
-  for (const auto& t : s.lora.targets) {
+  for (const auto& t : s.is_qwen_image ? std::vector<std::string>{} : s.lora.targets) {
     const auto& names = LoraTargetNames();
     if (std::find(names.begin(), names.end(), t) == names.end())
       p.push_back(key("lora.targets") + "names an unknown module `" + t +
@@ -515,7 +594,7 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
                 std::to_string(s.train.batch_size) + ")");
   else if (s.train.batch_size > kMaxMicroBatchTokens)
     above("train.batch_size", s.train.batch_size, kMaxMicroBatchTokens);
-  else if (s.data.seq_len >= 2 && s.data.seq_len <= (int64_t{1} << 22) &&
+  else if (!s.is_qwen_image && s.data.seq_len >= 2 && s.data.seq_len <= (int64_t{1} << 22) &&
            s.train.batch_size * s.data.seq_len > kMaxMicroBatchTokens)
     p.push_back(key("train.batch_size") + "times `data.seq_len` is " +
                 std::to_string(s.train.batch_size) + " x " + std::to_string(s.data.seq_len) +

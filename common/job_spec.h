@@ -87,8 +87,9 @@
 //                                 #   backward instead of being recomputed: 0 = none (with a
 //                                 #   budget: the cost model's choice), -1 = as many as fit
 //
-// A FLUX.1 job is a file with a [flux] section instead (common/flux_job.h), beside which it
-// may hold only `name` and `priority`.
+// A FLUX.1 job is a file with a [flux] section (common/flux_job.h), a Qwen-Image job one with
+// a [qwen_image] section (common/qwen_image_job.h): the sections above hold their shared
+// settings, [data] and [eval] are the LLM family's.
 //
 // Relative paths inside the file resolve against the file's own folder (common/job_paths.h;
 // LoadJobSpec makes them absolute, so a spec travelling to a worker stays valid).
@@ -100,6 +101,7 @@
 
 #include "common/flux_job.h"
 #include "common/model_config.h"
+#include "common/qwen_image_job.h"
 
 namespace lorastream {
 
@@ -228,9 +230,14 @@ struct JobSpec {
   // file logs ("" otherwise; not kept).
   std::string flux_form_note;
   FluxJob flux;
+  // A Qwen-Image job (a [qwen_image] section): its own keys; the shared sections above hold
+  // the rest as written ([data] and [eval] unused).
+  bool is_qwen_image = false;
+  QwenImageJob qwen_image;
   template <class A>
   void serialize(A& ar) {
-    ar(name, priority, model, data, lora, optim, train, stream, source, eval, is_flux, flux);
+    ar(name, priority, model, data, lora, optim, train, stream, source, eval, is_flux, flux,
+       is_qwen_image, qwen_image);
   }
 };
 

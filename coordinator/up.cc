@@ -115,6 +115,13 @@ UpModel ChooseUpModel(const UpOptions& options, const std::vector<std::string>& 
     } catch (const toml::parse_error& e) {
       throw Error(ErrorCode::kInvalidArgument, path + ": " + std::string(e.description()));
     }
+    if (job.contains("qwen_image"))
+      throw Error(ErrorCode::kUnsupported,
+                  path +
+                      " is a Qwen-Image job, which `lorastream up` does not run yet (up "
+                      "serves a store, and a Qwen-Image job reads its checkpoint): train it "
+                      "with `lorastream-worker train " +
+                      path + "`, or submit it to a running coordinator");
     JobBase b{path, "", job.contains("flux")};
     const toml::node* checkpoint =
         job.at_path(b.flux ? "flux.checkpoint" : "model.checkpoint").node();

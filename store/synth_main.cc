@@ -9,6 +9,7 @@
 #include "common/log.h"
 #include "store/synth.h"
 #include "store/synth_flux.h"
+#include "store/synth_qwen_image.h"
 
 int main(int argc, char** argv) {
   using namespace lorastream;
@@ -42,20 +43,28 @@ int main(int argc, char** argv) {
                  "comfyui-prefixed (its names under diffusion_model.) | diffusers (transformer/ "
                  "with config.json)")
       ->capture_default_str();
-  std::string flux_caches;
-  app.add_option("--flux-caches", flux_caches,
-                 "FLUX presets: also write random sd-scripts-style caches (three images, two "
-                 "buckets) of the preset's widths into this folder, for a demo job");
+  std::string caches;
+  app.add_option("--caches,--flux-caches", caches,
+                 "FLUX and Qwen-Image presets: also write random caches (sd-scripts' for FLUX, "
+                 "musubi-tuner's for Qwen-Image; three images, two buckets) of the preset's "
+                 "widths into this folder, for a demo job");
   app.add_option("--flux-cache-size", o.flux_cache_pixels,
-                 "with --flux-caches: one image of WIDTHxHEIGHT pixels (1024x1024: 4096 image "
+                 "with --caches (FLUX): one image of WIDTHxHEIGHT pixels (1024x1024: 4096 image "
                  "tokens) instead of the demo's three");
   app.add_option("--flux-text-tokens", o.flux_text_tokens,
-                 "with --flux-caches: T5 tokens per caption (FLUX.1-dev trains with 512)")
+                 "with --caches (FLUX): T5 tokens per caption (FLUX.1-dev trains with 512)")
       ->capture_default_str();
   return RunMain("lorastream-synth", app, argc, argv, [&] {
     InitLogging("synth");
     SynthResult r = RunSynth(o);
-    if (!flux_caches.empty()) WriteFluxDemoCaches(o, flux_caches);
+    if (!caches.empty()) {
+      const std::string preset =
+          PresetPath(o.preset, o.presets_dir.empty() ? DefaultPresetsDir() : o.presets_dir);
+      if (IsQwenImagePreset(preset))
+        WriteQwenImageDemoCaches(o, preset, caches);
+      else
+        WriteFluxDemoCaches(o, caches);
+    }
     std::printf("wrote %s: %llu bytes in %d shard(s), %.2f s (%.2f GB/s)\n", o.out_dir.c_str(),
                 static_cast<unsigned long long>(r.bytes), r.shards, r.seconds,
                 r.bytes / r.seconds / 1e9);

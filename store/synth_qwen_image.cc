@@ -9,6 +9,7 @@
 #include "common/block_names.h"
 #include "common/device.h"
 #include "common/error.h"
+#include "common/qwen_image_cache.h"
 #include "common/toml_file.h"
 #include "store/synth_flux.h"
 
@@ -77,6 +78,16 @@ SynthResult RunSynthQwenImage(const SynthOptions& options, const std::string& pr
   }
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return r;
+}
+
+void WriteQwenImageDemoCaches(const SynthOptions& options, const std::string& preset_path,
+                              const std::string& dir) {
+  DType dtype;
+  const QwenImageConfig c = LoadQwenImagePreset(preset_path, &dtype);
+  std::filesystem::create_directories(dir);
+  WriteQwenImageCacheFiles(dir, "cat", 32, 32, 5, c.joint_attention_dim, options.seed + 1);
+  WriteQwenImageCacheFiles(dir, "dog", 32, 32, 3, c.joint_attention_dim, options.seed + 2);
+  WriteQwenImageCacheFiles(dir, "wide", 48, 32, 4, c.joint_attention_dim, options.seed + 3);
 }
 
 }  // namespace lorastream::store

@@ -19,5 +19,10 @@ bool IsQwenImagePreset(const std::string& path);
 // The shape of a preset file; errors name the file and the key.
 QwenImageConfig LoadQwenImagePreset(const std::string& path, DType* dtype);
 SynthResult RunSynthQwenImage(const SynthOptions& options, const std::string& preset_path);
+// Random musubi-tuner-style caches for a demo job into `dir`: three images in two buckets
+// (32x32 "cat" and "dog" with captions of 5 and 3 tokens, 48x32 "wide" with 4), of the
+// preset's text width.
+void WriteQwenImageDemoCaches(const SynthOptions& options, const std::string& preset_path,
+                              const std::string& dir);
 
 }  // namespace lorastream::store

@@ -13,6 +13,7 @@
 #include "worker/flux/flux_family.h"
 #include "worker/flux/flux_group.h"
 #include "worker/llm/llm_family.h"
+#include "worker/qwen_image/qwen_image_family.h"
 #include "worker/train/family.h"
 
 namespace lorastream::worker {
@@ -40,6 +41,7 @@ const std::vector<FamilyRow>& Families() {
   static const std::vector<FamilyRow> rows = {
       {"FLUX", flux::Accepts, flux::MakeGroup, PlanFlux},
       {"LLM", llm::Accepts, llm::MakeGroup, PlanLlm},
+      {"Qwen-Image", qwen_image::Accepts, qwen_image::MakeGroup, qwen_image::RunPlan},
   };
   return rows;
 }
@@ -77,7 +79,8 @@ void RequireOneFamily(const std::vector<std::string>& job_paths) {
       throw Error(ErrorCode::kInvalidArgument,
                   job_paths[i] + " is not a " + first + " job but " + job_paths[0] +
                       " is: a group trains one family on one base (FLUX.1 jobs share a group "
-                      "only with FLUX.1 jobs on their base, LLM jobs with LLM jobs)");
+                      "only with FLUX.1 jobs, Qwen-Image jobs with Qwen-Image jobs, LLM jobs "
+                      "with LLM jobs)");
   }
 }
 

@@ -293,3 +293,66 @@ TEST_CASE("a pre-quantised checkpoint named as model.checkpoint: a store serves 
   CHECK(Mentions(problems, "`model.checkpoint` " + dir / "fp8" + " is a pre-quantised (fp8)"));
   CHECK(Mentions(problems, "lorastream-store serve " + dir / "fp8" + " --name NAME"));
 }
+
+TEST_CASE(
+    "Qwen-Image job files: every family's sections and [qwen_image]; written back equal; what it "
+    "does not read refused by name",
+    "[worker][qwen_image]") {
+  const std::string configs = std::string(LORASTREAM_SOURCE_DIR) + "/configs";
+  const std::string model =
+      std::string(LORASTREAM_SOURCE_DIR) + "/tests/fixtures/qwen_image/qi_l2_model.safetensors";
+  const std::string text = "name = \"qi\"\n[model]\ncheckpoint = \"" + model +
+                           "\"\n[train]\nsteps = 3\noutput_dir = \"out\"\n[qwen_image]\n"
+                           "cache_dir = \"cache\"\n";
+  JobSpec s = ParseJobSpec(text, "/jobs/qi.toml");
+  ResolveJobSpecIn(s, "/jobs");
+  REQUIRE(s.is_qwen_image);
+  CHECK(!s.is_flux);
+  CHECK(s.qwen_image.cache_dir == "/jobs/cache");
+  CHECK(s.qwen_image.timestep_sampling == "shift");
+  CHECK(s.qwen_image.discrete_flow_shift == 2.2);
+  CHECK(s.lora.targets == std::vector<std::string>{"default"});
+  CHECK(s.train.output_dir == "/jobs/out");
+  CHECK(!s.stream.budget_auto);  // not planned from a budget: resident unless blocks_to_swap
+  CHECK(ValidateJobSpec(s).empty());
+  const JobSpec back = ParseJobSpec(JobSpecToToml(s), s.source);
+  CHECK(back.is_qwen_image);
+  CHECK(JobSpecToToml(back) == JobSpecToToml(s));
+  CHECK(JobSpecToToml(s).find("[data]") == std::string::npos);
+
+  // The example job file parses and names its cache folder.
+  const JobSpec example = ParseJobSpec(testing::ReadFile(configs + "/jobs/qwen_image_tiny.toml"),
+                                       configs + "/jobs/x.toml");
+  CHECK(example.is_qwen_image);
+  CHECK(example.qwen_image.cache_dir == "cache");
+
+  // What a Qwen-Image job does not read: refused, each naming the key.
+  JobSpec bad = s;
+  bad.model.checkpoint = configs + "/jobs/flux_tiny.toml";
+  bad.lora.targets = {"attn.to_q", "nope"};
+  bad.lora.dropout = 0.1;
+  bad.train.grad_accum = 2;
+  bad.stream.gpu_memory_budget = 1 << 30;
+  bad.stream.taped_blocks = 1;
+  bad.qwen_image.timestep_sampling = "flux_shift";
+  bad.qwen_image.cache_dir.clear();
+  const auto problems = ValidateJobSpec(bad);
+  CHECK(problems.size() == 8);
+  CHECK(Mentions(problems, "key `model.checkpoint` " + configs +
+                               "/jobs/flux_tiny.toml: not a .safetensors file"));
+  CHECK(Mentions(problems, "`nope`"));
+  CHECK(Mentions(problems, "key `lora.dropout` must be 0 for a Qwen-Image job"));
+  CHECK(Mentions(problems, "key `train.grad_accum` must be 1"));
+  CHECK(Mentions(problems, "key `stream.gpu_memory_budget` is not read for a Qwen-Image job"));
+  CHECK(Mentions(problems, "key `stream.taped_blocks` must be 0"));
+  CHECK(Mentions(problems, "key `qwen_image.timestep_sampling` must be uniform, sigmoid, shift"));
+  CHECK(Mentions(problems, "key `qwen_image.cache_dir` is required"));
+  bad = s;
+  bad.model.checkpoint.clear();
+  bad.model.store = "qi";
+  CHECK(Mentions(ValidateJobSpec(bad), "key `model.store` names a store"));
+  // The LLM family's sections, and an unknown key of its own section.
+  CHECK_THROWS_WITH(ParseJobSpec(text + "[data]\npath = \"d.jsonl\"\n", "q.toml"),
+                    Catch::Contains("data"));
+  CHECK_THROWS_WITH(ParseJobSpec(text + "guidance = 1.0\n", "q.toml"), Catch::Contains("guidance"));
+}

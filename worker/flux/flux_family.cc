@@ -5,8 +5,6 @@
 #include <filesystem>
 #include <tuple>
 
-#include <torch/csrc/autograd/autograd.h>
-
 #include <ATen/ATen.h>
 
 #include "common/acting_as.h"
@@ -248,21 +246,15 @@ std::unique_ptr<FamilyJob> Group::MakeJob(const JobSpec& spec) {
 std::vector<std::vector<at::Tensor>> Group::RunStep(const std::vector<FamilyJob*>& family_jobs) {
   std::vector<const FluxBatch*> batches;
   std::vector<const FluxAdapter*> adapters;
+  std::vector<const at::Tensor*> targets;
   for (FamilyJob* j : family_jobs) {
     const Job& job = static_cast<const Job&>(*j);
     batches.push_back(&job.batch());
     adapters.push_back(&job.adapter());
+    targets.push_back(&job.target());
   }
-  const std::vector<at::Tensor> predictions =
-      model_->ForwardGroup(batches, adapters, /*checkpointed=*/true);
-  std::vector<at::Tensor> losses;
-  for (size_t j = 0; j < family_jobs.size(); ++j)
-    losses.push_back(FlowLoss(predictions[j], static_cast<const Job&>(*family_jobs[j]).target()));
-  // Each loss's gradient is 1, as its own backward would seed it.
-  torch::autograd::backward(losses);
-  std::vector<std::vector<at::Tensor>> out;
-  for (const at::Tensor& loss : losses) out.push_back({loss.detach()});
-  return out;
+  return dit::FlowLossesBackward(model_->ForwardGroup(batches, adapters, /*checkpointed=*/true),
+                                 targets);
 }
 
 }  // namespace

@@ -356,7 +356,7 @@ std::vector<std::vector<at::Tensor>> Group::RunStep(const std::vector<FamilyJob*
 
 }  // namespace
 
-bool Accepts(const JobSpec& spec) { return !spec.is_flux; }
+bool Accepts(const JobSpec& spec) { return !spec.is_flux && !spec.is_qwen_image; }
 
 std::unique_ptr<FamilyGroup> MakeGroup(const JobSpec& first, const TrainOptions& options,
                                        std::function<bool()> all_stop) {

@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include <torch/csrc/autograd/autograd.h>
+
 #include <ATen/ATen.h>
 
 #include "common/error.h"
@@ -57,6 +59,17 @@ NoisedStep NoiseForStep(const at::Tensor& latents, uint64_t seed, int64_t step,
 at::Tensor FlowLoss(const at::Tensor& pred, const at::Tensor& target) {
   const auto type = pred.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;  // f64 tests
   return (pred.to(type) - target.to(type)).pow(2).mean();
+}
+
+std::vector<std::vector<at::Tensor>> FlowLossesBackward(
+    const std::vector<at::Tensor>& predictions, const std::vector<const at::Tensor*>& targets) {
+  std::vector<at::Tensor> losses;
+  for (size_t j = 0; j < predictions.size(); ++j)
+    losses.push_back(FlowLoss(predictions[j], *targets[j]));
+  torch::autograd::backward(losses);
+  std::vector<std::vector<at::Tensor>> out;
+  for (const at::Tensor& loss : losses) out.push_back({loss.detach()});
+  return out;
 }
 
 }  // namespace lorastream::worker::dit

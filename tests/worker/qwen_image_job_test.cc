@@ -1,0 +1,202 @@
+// Qwen-Image as a family of the one trainer, on the CPU: a job file with a [qwen_image]
+// section trains through RunGroupTraining and `lorastream-worker train`; streamed equals
+// resident, a group of two jobs of different shapes equals each alone, a stopped job resumed
+// equals the uninterrupted one (all bit for bit); `plan` shows its blocks; a Qwen-Image job
+// shares a group with no other family.
+#include "tests/worker/torch_catch.h"
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include "common/error.h"
+#include "common/job_group.h"
+#include "common/job_spec.h"
+#include "common/qwen_image_cache.h"
+#include "common/qwen_image_layout.h"
+#include "common/subprocess.h"
+#include "tests/support/test_support.h"
+#include "tests/worker/worker_test_util.h"
+#include "worker/qwen_image/qwen_image_adapter_io.h"
+#include "worker/train/family.h"
+#include "worker/train/group_trainer.h"
+
+using namespace lorastream;
+using namespace lorastream::worker;
+using lorastream::testing::ReadFile;
+using lorastream::testing::TempDir;
+
+namespace {
+
+const std::string kModel =
+    std::string(LORASTREAM_SOURCE_DIR) + "/tests/fixtures/qwen_image/qi_l2_model.safetensors";
+
+// DIR/cache-a: "cat" and "dog" (32x32; captions of 5 and 3 tokens) and "wide" (48x32);
+// DIR/cache-b: "big" (48x48) and "tall" (32x48).
+void WriteCaches(const std::string& dir) {
+  const int64_t jd = QwenImageCheckpointReader::Open(kModel).config().joint_attention_dim;
+  std::filesystem::create_directories(dir + "/cache-a");
+  std::filesystem::create_directories(dir + "/cache-b");
+  WriteQwenImageCacheFiles(dir + "/cache-a", "cat", 32, 32, 5, jd, 1);
+  WriteQwenImageCacheFiles(dir + "/cache-a", "dog", 32, 32, 3, jd, 2);
+  WriteQwenImageCacheFiles(dir + "/cache-a", "wide", 48, 32, 4, jd, 3);
+  WriteQwenImageCacheFiles(dir + "/cache-b", "big", 48, 48, 6, jd, 4);
+  WriteQwenImageCacheFiles(dir + "/cache-b", "tall", 32, 48, 2, jd, 5);
+}
+
+// Job A: 4 steps of 2 images, rank 4 on musubi-tuner's default targets, shift sampling, a
+// checkpoint every 2 steps. Job B: 2 steps of 1 image, rank 8 on attention, qwen_shift,
+// another seed and learning rate.
+std::string JobA(const std::string& dir, const std::string& out, const std::string& stream = "") {
+  return "name = \"a\"\n[model]\ncheckpoint = \"" + kModel +
+         "\"\n[lora]\nrank = 4\nalpha = 8.0\n[optim]\nlr = 1e-3\n[train]\nsteps = 4\n"
+         "batch_size = 2\nseed = 7\ncheckpoint_every = 2\noutput_dir = \"" +
+         out + "\"\n" + stream + "[qwen_image]\ncache_dir = \"" + dir + "/cache-a\"\n";
+}
+
+std::string JobB(const std::string& dir, const std::string& out, const std::string& stream = "") {
+  return "name = \"b\"\n[model]\ncheckpoint = \"" + kModel +
+         "\"\n[lora]\nrank = 8\nalpha = 4.0\ntargets = [\"attention\"]\n[optim]\nlr = 2e-3\n"
+         "[train]\nsteps = 2\nseed = 3\noutput_dir = \"" +
+         out + "\"\n" + stream + "[qwen_image]\ncache_dir = \"" + dir +
+         "/cache-b\"\ntimestep_sampling = \"qwen_shift\"\n";
+}
+
+JobSpec Spec(const std::string& text) {
+  JobSpec s = ParseJobSpec(text, "job.toml");
+  ResolveJobSpec(s);
+  RequireValidJobSpec(s);
+  return s;
+}
+
+struct Run {
+  std::map<std::string, std::vector<StepStats>> steps;  // by job name
+  std::vector<GroupJobOutcome> outcomes;
+};
+
+Run Train(const std::vector<std::string>& texts, std::function<bool()> stop = {},
+          std::function<void()> each_step = {}) {
+  Run run;
+  std::vector<GroupJob> jobs;
+  for (const std::string& text : texts) {
+    GroupJob g;
+    g.spec = Spec(text);
+    g.on_step = [&run, each_step, name = g.spec.name](const StepStats& s) {
+      run.steps[name].push_back(s);
+      if (each_step) each_step();
+    };
+    g.should_stop = stop;
+    jobs.push_back(std::move(g));
+  }
+  TrainOptions options;
+  options.device = "cpu";
+  run.outcomes = RunGroupTraining(std::move(jobs), options);
+  for (const GroupJobOutcome& out : run.outcomes) {
+    INFO(out.name);
+    if (out.error) std::rethrow_exception(out.error);
+  }
+  return run;
+}
+
+void CheckSame(const std::vector<StepStats>& got, const std::vector<StepStats>& want,
+               const std::string& got_dir, const std::string& want_dir) {
+  REQUIRE(got.size() == want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    INFO("step " << i + 1);
+    CHECK(got[i].loss == want[i].loss);
+    CHECK(got[i].grad_norm == want[i].grad_norm);
+    CHECK(got[i].tokens == want[i].tokens);
+  }
+  for (const char* file : {qwen_image::kComfyAdapterFile, qwen_image::kQwenDiffusersAdapterFile})
+    CHECK(ReadFile(got_dir + "/" + file) == ReadFile(want_dir + "/" + file));
+}
+
+}  // namespace
+
+TEST_CASE(
+    "qwen_image job: trains through the one trainer; streamed = resident, a group of two = each "
+    "alone, resumed = uninterrupted, bit for bit",
+    "[worker][qwen_image][group]") {
+  TempDir dir("qwen-image-job");
+  const std::string d = dir.str();
+  WriteCaches(d);
+  CHECK(FamilyName(Spec(JobA(d, d + "/x"))) == "Qwen-Image");
+  const Run alone_a = Train({JobA(d, d + "/alone-a")});
+  const Run alone_b = Train({JobB(d, d + "/alone-b")});
+  const std::vector<StepStats>& sa = alone_a.steps.at("a");
+  REQUIRE(sa.size() == 4);
+  REQUIRE(alone_b.steps.at("b").size() == 2);
+  for (const StepStats& s : sa) CHECK(std::isfinite(s.loss));
+  CHECK(sa[0].tokens != alone_b.steps.at("b")[0].tokens);
+  CHECK(alone_a.outcomes[0].result.steps_done == 4);
+  CHECK_THAT(alone_a.outcomes[0].result.done_line,
+             Catch::Contains("adapter (ComfyUI): " + d + "/alone-a/adapter_comfyui.safetensors"));
+  CHECK(std::filesystem::is_directory(d + "/alone-a/checkpoint-2"));
+  CHECK(std::filesystem::exists(d + "/alone-a/stats.jsonl"));
+
+  SECTION("streamed: both blocks through one slot") {
+    const std::string stream = "[stream]\nblocks_to_swap = 2\nring_size = 1\n";
+    const Run streamed = Train({JobA(d, d + "/streamed-a", stream)});
+    CheckSame(streamed.steps.at("a"), sa, d + "/streamed-a", d + "/alone-a");
+    CHECK(streamed.steps.at("a")[0].h2d_bytes > 0);
+    CHECK(sa[0].h2d_bytes == 0);
+  }
+  SECTION("a group of two, B leaving after its second step") {
+    const Run group = Train({JobA(d, d + "/group-a"), JobB(d, d + "/group-b")});
+    CheckSame(group.steps.at("a"), sa, d + "/group-a", d + "/alone-a");
+    CheckSame(group.steps.at("b"), alone_b.steps.at("b"), d + "/group-b", d + "/alone-b");
+  }
+  SECTION("stopped after step 2, then resumed") {
+    int steps = 0;
+    const Run stopped = Train(
+        {JobA(d, d + "/resumed-a")}, [&steps] { return steps >= 2; }, [&steps] { ++steps; });
+    CHECK(stopped.outcomes[0].result.stopped);
+    CHECK(stopped.outcomes[0].result.steps_done == 2);
+    const Run resumed = Train({JobA(d, d + "/resumed-a")});
+    CHECK(resumed.outcomes[0].result.start_step == 2);
+    const std::vector<StepStats>& sr = resumed.steps.at("a");
+    REQUIRE(sr.size() == 2);
+    CHECK(sr[0].loss == sa[2].loss);
+    CHECK(sr[1].loss == sa[3].loss);
+    for (const char* file : {qwen_image::kComfyAdapterFile, qwen_image::kQwenDiffusersAdapterFile})
+      CHECK(ReadFile(d + "/resumed-a/" + file) == ReadFile(d + "/alone-a/" + file));
+  }
+}
+
+TEST_CASE(
+    "lorastream-worker train and plan of Qwen-Image job files; a Qwen-Image job shares a group "
+    "with no other family",
+    "[worker][qwen_image][group]") {
+  TempDir dir("qwen-image-cmd");
+  const std::string d = dir.str();
+  WriteCaches(d);
+  std::ofstream(d + "/a.toml") << JobA(d, "out-a", "[stream]\nblocks_to_swap = 1\n");
+  std::ofstream(d + "/b.toml") << JobB(d, "out-b", "[stream]\nblocks_to_swap = 1\n");
+  std::ofstream(d + "/llm.toml") << "[model]\ncheckpoint = \"model\"\n";
+  const std::string bin = std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker";
+  int code = -1;
+  const std::string out = RunAndCapture(
+      {bin, "train", d + "/a.toml", d + "/b.toml", "--device", "cpu"}, &code, 120, d + "/log");
+  INFO(out << ReadFile(d + "/log"));
+  CHECK(code == 0);
+  CHECK_THAT(out, Catch::Contains("a: done: steps 1..4") && Catch::Contains("b: done: steps 1..2"));
+  CHECK_THAT(ReadFile(d + "/log"), Catch::Contains("joins the Qwen-Image group (2 jobs)"));
+  CHECK(std::filesystem::exists(d + "/out-b/" + qwen_image::kComfyAdapterFile));
+  RunAndCapture({bin, "train", d + "/a.toml", d + "/llm.toml", "--device", "cpu"}, &code, 60,
+                d + "/log2");
+  CHECK(code != 0);
+  CHECK_THAT(ReadFile(d + "/log2"), Catch::Contains("is not a Qwen-Image job"));
+  const std::string plan =
+      RunAndCapture({bin, "plan", d + "/a.toml", "--device", "cpu"}, &code, 60, d + "/log3");
+  INFO(plan << ReadFile(d + "/log3"));
+  CHECK(code == 0);
+  CHECK_THAT(plan, Catch::Contains("job a: Qwen-Image, 2 blocks of") &&
+                       Catch::Contains("1 streamed through 2 slots"));
+  // The coordinator's rule: another family never joins.
+  JobSpec llm;
+  llm.name = "llm";
+  llm.model.checkpoint = d + "/model";
+  CHECK_THAT(GroupRefusal(Spec(JobA(d, d + "/x")), llm, "cpu"),
+             Catch::Contains("Qwen-Image jobs share a group only with Qwen-Image jobs"));
+  CHECK(GroupRefusal(Spec(JobA(d, d + "/x")), Spec(JobB(d, d + "/y")), "cpu").empty());
+}

@@ -1,0 +1,215 @@
+// The Qwen-Image family's part of a group (worker/qwen_image/qwen_image_family.h).
+#include "worker/qwen_image/qwen_image_family.h"
+
+#include <cstdio>
+#include <filesystem>
+#include <sstream>
+
+#include <ATen/ATen.h>
+
+#include "common/acting_as.h"
+#include "common/checkpoint_dir.h"
+#include "common/device.h"
+#include "common/error.h"
+#include "common/format_bytes.h"
+#include "common/log.h"
+#include "common/qwen_image_config.h"
+#include "common/qwen_image_layout.h"
+#include "worker/model/base_weights.h"
+#include "worker/model/flow_match.h"
+#include "worker/model/model.h"
+#include "worker/model/torch_device.h"
+#include "worker/qwen_image/qwen_image_adapter_io.h"
+#include "worker/qwen_image/qwen_image_base.h"
+#include "worker/qwen_image/qwen_image_data.h"
+#include "worker/qwen_image/qwen_image_model.h"
+#include "worker/train/adamw.h"
+#include "worker/train/stoppable_provider.h"
+
+namespace lorastream::worker::qwen_image {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+class Group final : public FamilyGroup {
+ public:
+  Group(const JobSpec& first, const TrainOptions& options, std::function<bool()> all_stop) {
+    const Device device = ParseDevice(options.device);
+    device_ = TorchDevice(device);
+    dtype_ = ScalarTypeOf(ComputeDType(first.train.dtype, device), "train.dtype");
+    // The spec was validated (a checkpoint, no budget: common/job_spec.cc).
+    {
+      const ActingAs as(options.files_as);  // the checkpoint is read as the job's submitter
+      base_ = std::make_unique<QwenImageBase>(
+          QwenImageBase::Load(first.model.checkpoint, dtype_, device_));
+    }
+    const int64_t swap = first.stream.blocks_to_swap;
+    provider_ = std::make_unique<StoppableProvider>(
+        base_->MakeEngine(swap, first.stream.ring_size, device_, options.engine),
+        std::move(all_stop), device_.is_cuda());
+    model_ = std::make_unique<QwenImageModel>(base_->config(), base_->rest(), provider_.get(),
+                                              device_, dtype_);
+    files_as_ = options.files_as;
+    LS_LOG_INFO("Qwen-Image group: {} of {} blocks streamed{}", swap, base_->config().num_layers,
+                swap > 0 ? " through " + std::to_string(first.stream.ring_size) + " slots" : "");
+  }
+
+  std::string log_name() const override { return "Qwen-Image group"; }
+  std::unique_ptr<FamilyJob> MakeJob(const JobSpec& spec) override;
+  std::vector<std::string> CheckpointFiles() const override {
+    return {kComfyAdapterFile, kQwenDiffusersAdapterFile, kTrainerStateFile};
+  }
+  StoppableProvider& provider() override { return *provider_; }
+  std::vector<std::vector<at::Tensor>> RunStep(const std::vector<FamilyJob*>& jobs) override;
+  // No memory estimate for Qwen-Image yet: every job joins; one that does not fit fails alone
+  // when its step runs out of memory (the group trainer's failure of one job).
+  std::string JoinRefusal(const std::vector<JobSpec>&) const override { return ""; }
+
+  const QwenImageBase& base() const { return *base_; }
+  c10::Device device() const { return device_; }
+  c10::ScalarType dtype() const { return dtype_; }
+  const UserIdentity* files_as() const { return files_as_; }
+
+ private:
+  c10::Device device_{c10::kCPU};
+  c10::ScalarType dtype_ = at::kFloat;
+  std::unique_ptr<QwenImageBase> base_;
+  std::unique_ptr<StoppableProvider> provider_;
+  std::unique_ptr<QwenImageModel> model_;
+  const UserIdentity* files_as_ = nullptr;
+};
+
+class Job final : public FamilyJob {
+ public:
+  Job(const JobSpec& spec, Group& group) : spec_(spec), group_(group) {
+    targets_ = QwenImageTargets(spec.lora.targets, spec.source + ": key `lora.targets`");
+    const ActingAs as(group.files_as());
+    data_ = std::make_unique<QwenImageDataset>(spec.qwen_image.cache_dir, group.base().config());
+    const QwenImageJob& q = spec.qwen_image;
+    sampling_ = {q.timestep_sampling, q.sigmoid_scale, q.discrete_flow_shift};
+  }
+
+  std::string Fingerprint() const override {
+    std::ostringstream s;
+    s << "qwen_image rank=" << spec_.lora.rank << " alpha=" << spec_.lora.alpha << " targets=";
+    for (const auto& t : targets_) s << t << ",";
+    const QwenImageJob& q = spec_.qwen_image;
+    s << " seed=" << spec_.train.seed << " batch=" << spec_.train.batch_size
+      << " sampling=" << q.timestep_sampling << "/" << q.sigmoid_scale << "/"
+      << q.discrete_flow_shift << " cache=" << q.cache_dir;
+    return s.str();
+  }
+  void StartAdapter(const std::string& resume_dir) override {
+    adapter_ = std::make_unique<QwenImageAdapter>(
+        group_.base().config(), targets_, spec_.lora.rank, spec_.lora.alpha,
+        MixSeed(spec_.train.seed, 0xada7), group_.device());
+    if (!resume_dir.empty())
+      LoadComfyAdapter((fs::path(resume_dir) / kComfyAdapterFile).string(), *adapter_);
+    LS_LOG_INFO(
+        "job {}: Qwen-Image: {} images in {} buckets, {} adapted modules (rank {}, "
+        "alpha {})",
+        spec_.name, data_->size(), data_->buckets(), adapter_->modules().size(), spec_.lora.rank,
+        spec_.lora.alpha);
+  }
+  std::vector<at::Tensor> Params() const override { return adapter_->Params(); }
+  std::vector<std::string> ParamNames() const override {
+    std::vector<std::string> out;
+    for (const auto& [module, m] : adapter_->modules()) {
+      out.push_back(ComfyModuleName(module) + ".lora_down.weight");
+      out.push_back(ComfyModuleName(module) + ".lora_up.weight");
+    }
+    return out;
+  }
+  void SaveAdapter(const std::string& dir) const override { SaveQwenImageAdapters(*adapter_, dir); }
+  std::string DescribeDone(int64_t first_step, int64_t last_step, double loss,
+                           double) const override {
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "done: steps %lld..%lld, final loss %.6f",
+                  static_cast<long long>(first_step), static_cast<long long>(last_step), loss);
+    const std::string& dir = spec_.train.output_dir;
+    return std::string(buf) + "\nadapter (ComfyUI): " + dir + "/" + kComfyAdapterFile +
+           "\nadapter (diffusers load_lora_weights): " + dir + "/" + kQwenDiffusersAdapterFile;
+  }
+  int64_t total_steps() const override { return spec_.train.steps; }
+  void Begin(int64_t step, int64_t) override {
+    input_ = MakeQwenImageStep(data_->Batch(step, spec_.train.batch_size, spec_.train.seed),
+                               spec_.train.seed, step, sampling_, group_.device(), group_.dtype());
+  }
+  int64_t step_samples() const override { return input_.images; }
+  int64_t step_tokens() const override { return input_.image_tokens; }
+  void AfterUpdate(AdamW& optimizer, int64_t, int64_t) override { optimizer.ZeroGrad(); }
+
+  const QwenImageStepInput& input() const { return input_; }
+  const QwenImageAdapter& adapter() const { return *adapter_; }
+
+ private:
+  JobSpec spec_;
+  Group& group_;
+  std::vector<std::string> targets_;
+  std::unique_ptr<QwenImageDataset> data_;
+  std::unique_ptr<QwenImageAdapter> adapter_;
+  dit::TimestepSampling sampling_;
+  QwenImageStepInput input_;
+};
+
+std::unique_ptr<FamilyJob> Group::MakeJob(const JobSpec& spec) {
+  return std::make_unique<Job>(spec, *this);
+}
+
+std::vector<std::vector<at::Tensor>> Group::RunStep(const std::vector<FamilyJob*>& family_jobs) {
+  std::vector<const QwenImageBatch*> batches;
+  std::vector<const QwenImageAdapter*> adapters;
+  std::vector<const at::Tensor*> targets;
+  for (FamilyJob* j : family_jobs) {
+    const Job& job = static_cast<const Job&>(*j);
+    batches.push_back(&job.input().batch);
+    adapters.push_back(&job.adapter());
+    targets.push_back(&job.input().target);
+  }
+  return dit::FlowLossesBackward(model_->ForwardGroup(batches, adapters, /*checkpointed=*/true),
+                                 targets);
+}
+
+}  // namespace
+
+bool Accepts(const JobSpec& spec) { return spec.is_qwen_image; }
+
+int RunPlan(const std::vector<std::string>& job_paths, const PlanCommandOptions& options) {
+  const Device device = ParseDevice(options.device);
+  for (const std::string& path : job_paths) {
+    const JobSpec spec = LoadJobSpec(path);
+    const QwenImageCheckpointReader source = QwenImageCheckpointReader::Open(spec.model.checkpoint);
+    const DType dtype = ComputeDType(spec.train.dtype, device);
+    const Manifest m = QwenImageManifest(source.config(), dtype, Manifest{}.alignment);
+    const int64_t blocks = static_cast<int64_t>(m.blocks.size());
+    const int64_t swap = spec.stream.blocks_to_swap;
+    if (swap > blocks)
+      throw Error(ErrorCode::kRefused, spec.source + ": key `stream.blocks_to_swap` is " +
+                                           std::to_string(swap) + ", more than the model's " +
+                                           std::to_string(blocks) + " blocks");
+    const uint64_t block = m.blocks.front().nbytes;
+    const int64_t slots = swap > 0 ? spec.stream.ring_size : 0;
+    std::printf(
+        "job %s: Qwen-Image, %lld blocks of %s (%s), %lld streamed through %lld slots\n"
+        "  on the device for the base: %lld resident blocks %s + ring %s + outside the blocks "
+        "%s = %s\n"
+        "  in host memory: the %lld streamed blocks, %s\n"
+        "  not planned from a budget: activations, the adapter and its optimizer state come on "
+        "top (no memory estimate for Qwen-Image yet)\n",
+        spec.name.c_str(), static_cast<long long>(blocks), FormatBytes(block).c_str(),
+        ShortDTypeName(dtype), static_cast<long long>(swap), static_cast<long long>(slots),
+        static_cast<long long>(blocks - swap), FormatBytes(block * (blocks - swap)).c_str(),
+        FormatBytes(block * slots).c_str(), FormatBytes(m.rest.nbytes).c_str(),
+        FormatBytes(block * (blocks - swap + slots) + m.rest.nbytes).c_str(),
+        static_cast<long long>(swap), FormatBytes(block * swap).c_str());
+  }
+  return 0;
+}
+
+std::unique_ptr<FamilyGroup> MakeGroup(const JobSpec& first, const TrainOptions& options,
+                                       std::function<bool()> all_stop) {
+  return std::make_unique<Group>(first, options, std::move(all_stop));
+}
+
+}  // namespace lorastream::worker::qwen_image
