@@ -26,7 +26,7 @@
 #   MOE_BENCH_TOKENS (2048)  MOE_BENCH_STEPS (8)  MOE_BENCH_WARMUP (3)  MOE_BENCH_BUDGET
 #   (24GiB)  MOE_BENCH_GROUP (4; 0 or 1: no group run)  MOE_BENCH_DEVICE (cuda:0)
 #   MOE_BENCH_DTYPE (bf16: the checkpoint and the jobs' train.dtype)  MOE_BENCH_RUNS (resident,
-#   auto, streamed, group, peer: a comma list of those to run)  MOE_BENCH_PEER_ARGS (more options of
+#   streamed, group, peer, auto: a comma list of those to run, in its order)  MOE_BENCH_PEER_ARGS (more options of
 #   bench_moe_peer.py, e.g. "--compile --deadline 300")  MOE_BENCH_TIMEOUT (600: seconds
 #   per run)  MOE_BENCH_PEER_TIMEOUT (MOE_BENCH_TIMEOUT: the peer's, every configuration)
 #   MOE_BENCH_WORK (a folder under /dev/shm, removed at the end)  LORASTREAM_BUILD_DIR (build/)
@@ -45,7 +45,7 @@ BUDGET="${MOE_BENCH_BUDGET:-24GiB}"
 GROUP="${MOE_BENCH_GROUP:-4}"
 DEVICE="${MOE_BENCH_DEVICE:-cuda:0}"
 DTYPE="${MOE_BENCH_DTYPE:-bf16}"
-RUNS=",${MOE_BENCH_RUNS:-resident,auto,streamed,group,peer},"
+RUNS="${MOE_BENCH_RUNS:-resident,streamed,group,peer,auto}"
 TIMEOUT="${MOE_BENCH_TIMEOUT:-600}"
 PEER_TIMEOUT="${MOE_BENCH_PEER_TIMEOUT:-$TIMEOUT}"
 WORK="${MOE_BENCH_WORK:-/dev/shm/lorastream-moe-bench-$$}"
@@ -53,7 +53,6 @@ TARGETS='["q_proj", "k_proj", "v_proj", "o_proj", "experts"]'
 rm -rf "$OUT"  # this run's figures only
 mkdir -p "$OUT" "$WORK"
 trap 'rm -rf "$WORK"' EXIT
-wants() { [[ "$RUNS" == *",$1,"* ]]; }
 
 echo "== synth $PRESET, $LAYERS layers ($DTYPE) in $WORK"
 start=$(date +%s%N)
@@ -111,39 +110,42 @@ train() {  # LABEL JOB-NAMES...: one lorastream-worker train; keeps each job's s
   grep -E "stream plan|step $STEPS/" "$OUT/train_$label.log" | cut -c1-400
 }
 
-if wants resident; then
-  job resident "blocks_to_swap = 0"
-  train resident resident
-fi
-if wants auto; then
-  job auto "gpu_memory_budget = \"auto\""
-  train auto auto
-fi
-if wants streamed; then
-  job streamed "gpu_memory_budget = \"$BUDGET\""
-  train streamed streamed
-fi
-if wants group && [ "$GROUP" -ge 2 ]; then
-  names=()
-  for k in $(seq 1 "$GROUP"); do
-    job "group$k" "gpu_memory_budget = \"$BUDGET\"" "$k"
-    names+=("group$k")
-  done
-  train group "${names[@]}"
-fi
-if wants peer; then
-  if python3 -c "import torch, transformers, peft" 2>/dev/null; then
-    echo "== peer: transformers + peft"
-    # shellcheck disable=SC2086
-    timeout "$PEER_TIMEOUT" python3 "$ROOT/tools/gpu/bench_moe_peer.py" --model "$WORK/model" \
-      --data "$WORK/data.jsonl" --tokens "$TOKENS" --steps "$STEPS" --warmup "$WARMUP" \
-      --device "$DEVICE" --out "$OUT/peer.json" ${MOE_BENCH_PEER_ARGS:-} 2>&1 \
-      | tee "$OUT/peer.log" | grep -vE "^\s*$" | tail -30
-    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
-  else
-    echo "== peer: skipped (torch, transformers or peft does not import)"
-  fi
-fi
+IFS=',' read -ra run_list <<< "$RUNS"
+for run in "${run_list[@]}"; do
+  case "$run" in
+    "") ;;
+    resident)
+      job resident "blocks_to_swap = 0"
+      train resident resident ;;
+    auto)
+      job auto "gpu_memory_budget = \"auto\""
+      train auto auto ;;
+    streamed)
+      job streamed "gpu_memory_budget = \"$BUDGET\""
+      train streamed streamed ;;
+    group)
+      [ "$GROUP" -ge 2 ] || continue
+      names=()
+      for k in $(seq 1 "$GROUP"); do
+        job "group$k" "gpu_memory_budget = \"$BUDGET\"" "$k"
+        names+=("group$k")
+      done
+      train group "${names[@]}" ;;
+    peer)
+      if python3 -c "import torch, transformers, peft" 2>/dev/null; then
+        echo "== peer: transformers + peft"
+        # shellcheck disable=SC2086
+        timeout "$PEER_TIMEOUT" python3 "$ROOT/tools/gpu/bench_moe_peer.py" --model "$WORK/model" \
+          --data "$WORK/data.jsonl" --tokens "$TOKENS" --steps "$STEPS" --warmup "$WARMUP" \
+          --device "$DEVICE" --out "$OUT/peer.json" ${MOE_BENCH_PEER_ARGS:-} 2>&1 \
+          | tee "$OUT/peer.log" | grep -vE "^\s*$" | tail -30
+        [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+      else
+        echo "== peer: skipped (torch, transformers or peft does not import)"
+      fi ;;
+    *) echo "MOE_BENCH_RUNS: unknown run $run"; status=1 ;;
+  esac
+done
 
 python3 "$ROOT/tools/gpu/bench_moe_table.py" "$OUT" --steps "$STEPS" --warmup "$WARMUP" \
   --preset "$PRESET" --layers "$LAYERS" --tokens "$TOKENS" --budget "$BUDGET" \
