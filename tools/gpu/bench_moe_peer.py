@@ -95,6 +95,7 @@ def run(model, cfg, args, ids, device):
         torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
         losses.append(float(out.loss))
+        del out
         print(f"  {cfg['name']}: step {step + 1}/{args.steps} {times[-1]:.3f} s loss {losses[-1]:.4f}",
               flush=True)
     peak = torch.cuda.max_memory_allocated(device) / 2**30
@@ -142,7 +143,16 @@ def main():
     report["load_seconds"] = time.time() - start
     report["experts_implementation_default"] = getattr(model.config, "_experts_implementation", None)
     model.requires_grad_(False)
-    model = get_peft_model(model, lora_config(args.rank, args.alpha))
+    try:
+        peft_model = get_peft_model(model, lora_config(args.rank, args.alpha))
+    except Exception as e:  # noqa: BLE001 - without the rank 2r of gate_up_proj, recorded
+        report["peft_rank_pattern_error"] = f"{type(e).__name__}: {e}"[:600]
+        from peft import LoraConfig
+        peft_model = get_peft_model(model, LoraConfig(
+            r=args.rank, lora_alpha=args.alpha, lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+            target_parameters=["gate_up_proj", "down_proj"]))
+    model = peft_model
     for p in model.parameters():  # f32 LoRA weights, as lorastream keeps them
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()
