@@ -138,7 +138,7 @@ def main():
     ids = load_tokens(args.data)
     start = time.time()
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16,
-                                                 device_map={"": device},
+                                                 device_map={"": str(device)},
                                                  attn_implementation="sdpa")
     report["load_seconds"] = time.time() - start
     report["experts_implementation_default"] = getattr(model.config, "_experts_implementation", None)
