@@ -18,7 +18,10 @@
 #                         test), flux (tools/gpu/bench_flux.sh: FLUX.1-dev's shape resident
 #                         and streamed within 8 GiB, with diffusers + peft from
 #                         .diffusers/src when there; FLUX_BENCH_QUANTIZE=fp8|nf4: both again
-#                         on a compressed store). Default: test
+#                         on a compressed store), moe (tools/gpu/bench_moe.sh: a 16-layer
+#                         Qwen3-30B-A3B-shaped model at 2048 tokens resident against
+#                         transformers + peft, streamed within 24 GiB against its PCIe floor,
+#                         and 4 jobs as one group; MOE_BENCH_*: see the script). Default: test
 #   LORASTREAM_GPU_TARGETS  build only these targets (default: all)
 #   LORASTREAM_BUILD_DIR  build folder (default: build/); LORASTREAM_BUILD_TYPE (default
 #                         here: Release); LORASTREAM_DEBS, LORASTREAM_LIBTORCH: see setup.sh
@@ -76,6 +79,9 @@ for s in "${steps[@]}"; do
     flux)
       step "FLUX.1 resident and streamed"
       "$ROOT/tools/gpu/bench_flux.sh" "$OUT" || status=1 ;;
+    moe)
+      step "mixture of experts: resident, streamed, grouped, transformers + peft"
+      "$ROOT/tools/gpu/bench_moe.sh" "$OUT" || status=1 ;;
     multi)
       step "several GPUs, one store"
       python3 "$ROOT/tools/gpu/bench_multi_gpu.py" "$OUT" || status=1 ;;

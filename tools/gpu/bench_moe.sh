@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# Mixture-of-experts LoRA training on one GPU (issue 38's targets), side by side in one run:
+#   resident  one job, every block resident and checkpointed (blocks_to_swap = 0)
+#   auto      the same job planned within 90% of the free GPU memory (gpu_memory_budget =
+#             "auto": the planner may keep blocks' activations, no recompute)
+#   streamed  the same job within MOE_BENCH_BUDGET (gpu_memory_budget: the planner's choice);
+#             its PCIe floor = H2D bytes per step / the H2D bandwidth its calibration measured
+#   group     MOE_BENCH_GROUP such jobs (each its own seed and output) as one group within the
+#             same budget (`lorastream-worker train a.toml b.toml ...`): aggregate tokens/s
+#             against K x one streamed job's
+#   peer      transformers + peft on the same checkpoint (tools/gpu/bench_moe_peer.py: bf16,
+#             LoRA on the same targets, gradient checkpointing on and off, sdpa and every
+#             experts backend that runs; its best configuration is the ratio's denominator)
+# The model: random Qwen3-30B-A3B-shaped weights (lorastream-synth --preset qwen3-30b-a3b
+# --layers MOE_BENCH_LAYERS --dtype bf16; 128 experts of 3 x 2048 x 768 per block, 8 per
+# token), MOE_BENCH_TOKENS tokens of random ids, batch 1, rank 16 (alpha 32) on
+# q/k/v/o_proj and every expert's gate/up/down, AdamW, bf16 compute (f32 LoRA and optimizer).
+# Each figure: the median per-step time (stats.jsonl's step_seconds; the peer's synchronised
+# steps) after MOE_BENCH_WARMUP warm-up steps. Writes OUT/moe/: the job files, the logs, each
+# run's stats.jsonl, peer.json and bench_moe.md (tools/gpu/bench_moe_table.py: the table, the
+# ratios against the issue's targets and the commands).
+#
+# Usage: tools/gpu/bench_moe.sh OUT_DIR
+#   MOE_BENCH_PRESET (qwen3-30b-a3b)  MOE_BENCH_LAYERS (16: fits resident on an 80 GB card in
+#   lorastream and in transformers + peft, and a group of 4 within 24 GiB)
+#   MOE_BENCH_TOKENS (2048)  MOE_BENCH_STEPS (8)  MOE_BENCH_WARMUP (3)  MOE_BENCH_BUDGET
+#   (24GiB)  MOE_BENCH_GROUP (4; 0 or 1: no group run)  MOE_BENCH_DEVICE (cuda:0)
+#   MOE_BENCH_DTYPE (bf16: the checkpoint and the jobs' train.dtype)  MOE_BENCH_RUNS (resident,
+#   streamed, group, peer, auto: a comma list of those to run, in its order)  MOE_BENCH_PEER_ARGS (more options of
+#   bench_moe_peer.py, e.g. "--compile --deadline 300")  MOE_BENCH_TIMEOUT (600: seconds
+#   per run)  MOE_BENCH_PEER_TIMEOUT (MOE_BENCH_TIMEOUT: the peer's, every configuration)
+#   MOE_BENCH_WORK (a folder under /dev/shm, removed at the end)  LORASTREAM_BUILD_DIR (build/)
+# On a CPU, with tiny-moe: MOE_BENCH_PRESET=tiny-moe MOE_BENCH_LAYERS=4 MOE_BENCH_TOKENS=64
+#   MOE_BENCH_DEVICE=cpu MOE_BENCH_DTYPE=f32 MOE_BENCH_BUDGET=1MiB MOE_BENCH_RUNS=resident,streamed,group
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+OUT="${1:?usage: bench_moe.sh OUT_DIR}/moe"
+BIN="${LORASTREAM_BUILD_DIR:-$ROOT/build}/bin"
+PRESET="${MOE_BENCH_PRESET:-qwen3-30b-a3b}"
+LAYERS="${MOE_BENCH_LAYERS:-16}"
+TOKENS="${MOE_BENCH_TOKENS:-2048}"
+STEPS="${MOE_BENCH_STEPS:-8}"
+WARMUP="${MOE_BENCH_WARMUP:-3}"
+BUDGET="${MOE_BENCH_BUDGET:-24GiB}"
+GROUP="${MOE_BENCH_GROUP:-4}"
+DEVICE="${MOE_BENCH_DEVICE:-cuda:0}"
+DTYPE="${MOE_BENCH_DTYPE:-bf16}"
+RUNS="${MOE_BENCH_RUNS:-resident,streamed,group,peer,auto}"
+TIMEOUT="${MOE_BENCH_TIMEOUT:-600}"
+PEER_TIMEOUT="${MOE_BENCH_PEER_TIMEOUT:-$TIMEOUT}"
+WORK="${MOE_BENCH_WORK:-/dev/shm/lorastream-moe-bench-$$}"
+TARGETS='["q_proj", "k_proj", "v_proj", "o_proj", "experts"]'
+rm -rf "$OUT"  # this run's figures only
+mkdir -p "$OUT" "$WORK"
+trap 'rm -rf "$WORK"' EXIT
+
+echo "== synth $PRESET, $LAYERS layers ($DTYPE) in $WORK"
+start=$(date +%s%N)
+"$BIN/lorastream-synth" --preset "$PRESET" --layers "$LAYERS" --presets-dir "$ROOT/configs/models" \
+  --out "$WORK/model" --dtype "$DTYPE" || exit 1
+echo "synth: $(( ($(date +%s%N) - start) / 1000000 )) ms"
+VOCAB=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['vocab_size'])" "$WORK/model/config.json")
+# Random token ids: enough documents for every step of every job (packing cuts TOKENS-chunks).
+DOCS=$(( (STEPS * TOKENS) / 1000 + 4 ))
+PYTHONPATH="$ROOT/tools/gpu" python3 -c "import sys; from bench_multi_gpu import write_data; \
+write_data(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), 1000, seed=7)" \
+  "$WORK/data.jsonl" "$VOCAB" "$DOCS" || exit 1
+
+job() {  # NAME PLAN-LINES [SEED]
+  cat > "$OUT/$1.toml" <<JOB
+name = "$1"
+[model]
+checkpoint = "$WORK/model"
+[data]
+path = "$WORK/data.jsonl"
+seq_len = $TOKENS
+[lora]
+rank = 16
+alpha = 32.0
+targets = $TARGETS
+[optim]
+lr = 1e-4
+[train]
+steps = $STEPS
+batch_size = 1
+seed = ${3:-1}
+checkpoint_every = 0
+dtype = "$DTYPE"
+output_dir = "$WORK/out-$1"
+[stream]
+$2
+JOB
+}
+
+status=0
+train() {  # LABEL JOB-NAMES...: one lorastream-worker train; keeps each job's stats.jsonl
+  local label=$1
+  shift
+  local files=() name
+  for name in "$@"; do files+=("$OUT/$name.toml"); done
+  echo "== train: $label ($*)"
+  local t0
+  t0=$(date +%s%N)
+  timeout "$TIMEOUT" "$BIN/lorastream-worker" train "${files[@]}" --device "$DEVICE" --no-resume \
+    > "$OUT/train_$label.txt" 2> "$OUT/train_$label.log" || { tail -20 "$OUT/train_$label.log"; status=1; }
+  echo "$label: $(( ($(date +%s%N) - t0) / 1000000 )) ms wall"
+  for name in "$@"; do
+    cp "$WORK/out-$name/stats.jsonl" "$OUT/stats_$name.jsonl" 2>/dev/null || true
+  done
+  grep -E "stream plan|step $STEPS/" "$OUT/train_$label.log" | cut -c1-400
+}
+
+IFS=',' read -ra run_list <<< "$RUNS"
+for run in "${run_list[@]}"; do
+  case "$run" in
+    "") ;;
+    resident)
+      job resident "blocks_to_swap = 0"
+      train resident resident ;;
+    auto)
+      job auto "gpu_memory_budget = \"auto\""
+      train auto auto ;;
+    streamed)
+      job streamed "gpu_memory_budget = \"$BUDGET\""
+      train streamed streamed ;;
+    group)
+      [ "$GROUP" -ge 2 ] || continue
+      names=()
+      for k in $(seq 1 "$GROUP"); do
+        job "group$k" "gpu_memory_budget = \"$BUDGET\"" "$k"
+        names+=("group$k")
+      done
+      train group "${names[@]}" ;;
+    peer)
+      if python3 -c "import torch, transformers, peft" 2>/dev/null; then
+        echo "== peer: transformers + peft"
+        # shellcheck disable=SC2086
+        timeout "$PEER_TIMEOUT" python3 "$ROOT/tools/gpu/bench_moe_peer.py" --model "$WORK/model" \
+          --data "$WORK/data.jsonl" --tokens "$TOKENS" --steps "$STEPS" --warmup "$WARMUP" \
+          --device "$DEVICE" --out "$OUT/peer.json" ${MOE_BENCH_PEER_ARGS:-} 2>&1 \
+          | tee "$OUT/peer.log" | grep -vE "^\s*$" | tail -30
+        [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+      else
+        echo "== peer: skipped (torch, transformers or peft does not import)"
+      fi ;;
+    *) echo "MOE_BENCH_RUNS: unknown run $run"; status=1 ;;
+  esac
+done
+
+python3 "$ROOT/tools/gpu/bench_moe_table.py" "$OUT" --steps "$STEPS" --warmup "$WARMUP" \
+  --preset "$PRESET" --layers "$LAYERS" --tokens "$TOKENS" --budget "$BUDGET" \
+  --device "$DEVICE" --dtype "$DTYPE" | tee "$OUT/bench_moe.md" || status=1
+exit $status

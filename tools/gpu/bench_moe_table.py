@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+"""The table of tools/gpu/bench_moe.sh: reads OUT/moe/stats_NAME.jsonl (each job's per-step
+statistics), train_LABEL.log (the plan the worker chose: its line "stream plan from ...", with
+the H2D bandwidth its calibration measured, its prediction and memory estimate) and peer.json
+(transformers + peft), and prints markdown: per run the median step after the warm-up steps,
+tokens/s, the bytes copied per step and their PCIe floor (bytes / the calibrated bandwidth),
+the stall, the peak device memory beside the plan's estimate; the peer's configurations; then
+the ratios issue 38 names, each against its target.
+
+Usage: bench_moe_table.py OUT/moe --steps 8 --warmup 3 [--preset P --layers N --tokens T
+       --budget B --device D --dtype T]  (the last ones only label the table)
+"""
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+
+PLAN = re.compile(r"stream plan from (.*?)(?: by the cost model \((\d+) candidates; (.*?)\))?: (.*?)"
+                  r"(?:; predicted ([\d.]+) ms per step \(resident ([\d.]+) ms\))?; estimate ([\d.]+) GiB at the peak")
+BANDWIDTH = re.compile(r"H2D ([\d.]+) GB/s")
+NOT_PLANNED = re.compile(r"the group of (\d+) jobs cannot be planned")
+
+
+def read_stats(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def median(rows, key, warmup):
+    rows = rows[warmup:] if len(rows) > warmup else rows
+    return statistics.median(r[key] for r in rows) if rows else float("nan")
+
+
+def plan_of(log):
+    """The first plan line of a run's log: what it chose, predicted and estimated."""
+    out = {}
+    if not os.path.exists(log):
+        return out
+    text = open(log, errors="replace").read()
+    m = PLAN.search(text)
+    if m:
+        desc = re.sub(r"resident \[([\d ]*)\]",
+                      lambda r: f"{len(r.group(1).split())} resident", m.group(4))
+        desc = re.sub(r"\s*\[[\d ]*\]", "", desc)  # the streamed blocks' list
+        out = {"from": m.group(1), "plan": desc, "costs": m.group(3),
+               "predicted_ms": float(m.group(5)) if m.group(5) else None,
+               "resident_predicted_ms": float(m.group(6)) if m.group(6) else None,
+               "estimate_gib": float(m.group(7))}
+        bw = BANDWIDTH.search(m.group(3) or "")
+        out["bandwidth_gbps"] = float(bw.group(1)) if bw else None
+    unplanned = NOT_PLANNED.findall(text)
+    if unplanned:
+        out["unplanned_groups"] = unplanned
+    return out
+
+
+def fmt(x, digits=3):
+    return "—" if x is None or x != x else f"{x:.{digits}f}"
+
+
+def ratio(a, b):
+    return None if a is None or b is None or a != a or b != b or b == 0 else a / b
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--layers", default="16")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--budget", default="24GiB")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--dtype", default="bf16")
+    args = ap.parse_args()
+    out, w = args.out, args.warmup
+
+    runs = {}  # label -> figures
+    for label, jobs in (("resident", ["resident"]), ("auto", ["auto"]), ("streamed", ["streamed"]),
+                        ("group", sorted((f[len("stats_"):-len(".jsonl")] for f in os.listdir(out)
+                                          if re.fullmatch(r"stats_group\d+\.jsonl", f)),
+                                         key=lambda n: int(n[len("group"):])))):
+        stats = [read_stats(os.path.join(out, f"stats_{j}.jsonl")) for j in jobs]
+        stats = [s for s in stats if s]
+        if not stats:
+            continue
+        plan = plan_of(os.path.join(out, f"train_{label}.log"))
+        first = stats[0]
+        step = median(first, "step_seconds", w)
+        h2d = median(first, "h2d_bytes", w)
+        bw = plan.get("bandwidth_gbps")
+        busy = median(first, "h2d_busy_seconds", w)
+        runs[label] = {
+            "jobs": len(stats), "steps": min(len(s) for s in stats), "step_s": step,
+            "tok_s": sum(args.tokens / median(s, "step_seconds", w) for s in stats),
+            "h2d_gb": h2d / 1e9, "busy_gbps": h2d / busy / 1e9 if busy > 0 else None,
+            "stall_ms": median(first, "stall_seconds", w) * 1e3,
+            "peak_gib": max(r["peak_device_bytes"] for s in stats for r in s) / 2**30,
+            "pcie_floor_s": h2d / (bw * 1e9) if bw else None,
+            "loss_last": first[-1]["loss"], **plan}
+    peer = None
+    if os.path.exists(os.path.join(out, "peer.json")):
+        peer = json.load(open(os.path.join(out, "peer.json")))
+
+    print(f"# Mixture of experts: {args.preset}, {args.layers} layers, {args.tokens} tokens")
+    print()
+    print(f"`tools/gpu/bench_moe.sh OUT` on {peer['device'] if peer else args.device}: batch 1, "
+          f"rank 16 on q/k/v/o_proj and every expert's gate/up/down, {args.dtype}, {args.steps} steps "
+          f"per run, medians of steps {w + 1}-{args.steps}; streamed runs within "
+          f"gpu_memory_budget = \"{args.budget}\"; PCIe floor = H2D bytes per step / the "
+          f"bandwidth the run's calibration measured.")
+    print()
+    print("| run | plan | steps | step s (median) | tokens/s | predicted s | H2D GB / step | "
+          "PCIe floor s | stall ms | peak GiB | estimated GiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    names = {"resident": "lorastream resident (blocks_to_swap = 0, checkpointed)",
+             "auto": "lorastream, gpu_memory_budget = \"auto\" (the planner's choice)",
+             "streamed": f"lorastream within {args.budget}",
+             "group": f"lorastream, a group of {runs.get('group', {}).get('jobs', 0)} within {args.budget}"}
+    for label, r in runs.items():
+        pred = r.get("predicted_ms")
+        print(f"| {names[label]} | {r.get('plan', '—')} | {r['steps']}/{args.steps} | "
+              f"{fmt(r['step_s'])} | {r['tok_s']:.0f} | {fmt(pred / 1e3 if pred else None)} | "
+              f"{fmt(r['h2d_gb'], 2)} | {fmt(r['pcie_floor_s'])} | {fmt(r['stall_ms'], 1)} | "
+              f"{fmt(r['peak_gib'], 2)} | {fmt(r.get('estimate_gib'), 2)} |")
+    best_peer = best_ckpt = None
+    if peer:
+        for name, v in peer.get("runs", {}).items():
+            if "step_seconds" in v:
+                print(f"| transformers + peft: {name} | resident | {v['steps']}/{args.steps} | "
+                      f"{fmt(v['step_seconds'])} | {v['tokens_per_second']:.0f} | | | | | "
+                      f"{fmt(v['peak_gib'], 2)} | |")
+                if best_peer is None or v["step_seconds"] < best_peer[1]["step_seconds"]:
+                    best_peer = (name, v)
+                if v["config"].get("checkpointing") and (
+                        best_ckpt is None or v["step_seconds"] < best_ckpt[1]["step_seconds"]):
+                    best_ckpt = (name, v)
+            else:
+                print(f"| transformers + peft: {name} | failed: {v.get('error', '?')[:160]} | "
+                      f"| | | | | | | | |")
+    print()
+    if runs.get("streamed", {}).get("bandwidth_gbps"):
+        print(f"H2D bandwidth measured by the streamed run's calibration: "
+              f"{runs['streamed']['bandwidth_gbps']} GB/s; its copies ran at "
+              f"{fmt(runs['streamed']['busy_gbps'], 1)} GB/s while busy.")
+    for label in ("streamed", "group"):
+        if runs.get(label, {}).get("costs"):
+            print(f"{label} run's calibrated costs: {runs[label]['costs']}.")
+    if runs.get("group", {}).get("unplanned_groups"):
+        print(f"The group run's log says groups of {', '.join(runs['group']['unplanned_groups'])} "
+              f"jobs could not be planned within the budget (jobs joined as memory allowed).")
+    if peer:
+        print(f"Peer: torch {peer['torch']}, transformers {peer['transformers']}, peft "
+              f"{peer['peft']}; {peer.get('lora_parameters')} LoRA parameters; peft config "
+              f"{json.dumps(peer.get('peft_config'))}; load {fmt(peer.get('load_seconds'), 1)} s.")
+    print()
+    print("| ratio | value | target |")
+    print("| --- | --- | --- |")
+    res, st, gr = runs.get("resident"), runs.get("streamed"), runs.get("group")
+    if res and best_peer:
+        print(f"| resident / transformers + peft at its best ({best_peer[0]}) | "
+              f"{fmt(ratio(res['step_s'], best_peer[1]['step_seconds']))} | <= 0.6 |")
+    if res and best_ckpt:
+        print(f"| resident / transformers + peft checkpointed, like with like ({best_ckpt[0]}) | "
+              f"{fmt(ratio(res['step_s'], best_ckpt[1]['step_seconds']))} | |")
+    if runs.get("auto") and best_peer:
+        print(f"| planner's choice (\"auto\") / transformers + peft at its best | "
+              f"{fmt(ratio(runs['auto']['step_s'], best_peer[1]['step_seconds']))} | |")
+    if st:
+        print(f"| streamed within {args.budget} / its PCIe floor | "
+              f"{fmt(ratio(st['step_s'], st['pcie_floor_s']))} | <= 1.1 |")
+        if res:
+            floor = max(x for x in (st["pcie_floor_s"] or 0, res["step_s"]))
+            print(f"| streamed / max(PCIe floor, resident step) | "
+                  f"{fmt(ratio(st['step_s'], floor))} | |")
+            print(f"| streamed / resident | {fmt(ratio(st['step_s'], res['step_s']))} | |")
+    if gr:
+        print(f"| group of {gr['jobs']} within {args.budget} / its PCIe floor | "
+              f"{fmt(ratio(gr['step_s'], gr['pcie_floor_s']))} | |")
+    if gr and st:
+        print(f"| group of {gr['jobs']}: tokens/s / one streamed job's | "
+              f"{fmt(ratio(gr['tok_s'], st['tok_s']), 2)} | >= 3 (4 jobs) |")
+        print(f"| group of {gr['jobs']}: tokens/s / ({gr['jobs']} x one streamed job's) | "
+              f"{fmt(ratio(gr['tok_s'], gr['jobs'] * st['tok_s']), 3)} | |")
+        print(f"| group of {gr['jobs']}: H2D bytes per step / one streamed job's | "
+              f"{fmt(ratio(gr['h2d_gb'], st['h2d_gb']), 3)} | |")
+    ok = all(r["steps"] == args.steps for r in runs.values()) and bool(runs)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
