@@ -326,6 +326,18 @@ TEST_CASE(
   CHECK_THAT(why, Catch::Contains("job b does not fit in the FLUX group beside the 1 before it") &&
                       Catch::Contains(std::to_string(both.total() - budget) + " bytes) more"));
   for (FluxJob* j : {&a, &b}) j->gpu_memory_budget = budget;
+  {
+    // A serving worker asks for each waiting job at every step: a job's caches are read once,
+    // so the answer stands with them gone.
+    FluxJob first = a;
+    first.output_dir = d + "/join-a";
+    FluxGroupTrainer group(FluxJobSpec(first, "a"), {});
+    const std::string refused = group.JoinRefusal(FluxJobSpec(b, "b"));
+    CHECK_THAT(refused, Catch::Contains("job b does not fit"));
+    std::filesystem::rename(d + "/cache-b", d + "/cache-b-away");
+    CHECK(group.JoinRefusal(FluxJobSpec(b, "b")) == refused);
+    std::filesystem::rename(d + "/cache-b-away", d + "/cache-b");
+  }
   a.output_dir = d + "/a";
   b.output_dir = d + "/b";
   // Trained together, the group is planned for a alone; b, which does not fit beside it but

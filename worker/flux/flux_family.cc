@@ -3,6 +3,9 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <map>
+#include <mutex>
+#include <optional>
 #include <tuple>
 
 #include <ATen/ATen.h>
@@ -111,16 +114,27 @@ class Group final : public FamilyGroup {
   std::string JoinRefusal(const std::vector<JobSpec>& others) const override {
     if (others.empty()) return "";
     FluxMemoryInputs in = memory_;
-    const ActingAs as(files_as_);  // their caches, as the submitter
-    for (const JobSpec& spec : others) {
-      try {
-        in.group.push_back(FluxMembersOf(*base_, {spec}, device_, dtype_).front());
-      } catch (const std::exception&) {
-        // Caches that cannot be read: the job fails alone when it starts, naming them.
-      }
-    }
+    for (const JobSpec& spec : others)
+      if (const std::optional<FluxGroupMember>& m = MemberOf(spec)) in.group.push_back(*m);
     return GroupJoinProblem(others.back().name, others.size(),
                             EstimateFluxMemory(in, plan_).total(), limit_, limit_what_);
+  }
+
+  // A job's figures for the estimate (its caches' largest bucket), read once per job: a
+  // serving worker asks for every waiting job at every step. nullopt: its caches cannot be
+  // read (the job fails alone when it starts, naming them).
+  const std::optional<FluxGroupMember>& MemberOf(const JobSpec& spec) const {
+    const std::lock_guard<std::mutex> lock(members_mutex_);
+    const std::string key = JobSpecToToml(spec);
+    auto it = members_.find(key);
+    if (it != members_.end()) return it->second;
+    std::optional<FluxGroupMember> member;
+    try {
+      const ActingAs as(files_as_);  // its caches, as the submitter
+      member = FluxMembersOf(*base_, {spec}, device_, dtype_).front();
+    } catch (const std::exception&) {
+    }
+    return members_.emplace(key, std::move(member)).first->second;
   }
 
   const FluxBase& base() const { return *base_; }
@@ -149,6 +163,8 @@ class Group final : public FamilyGroup {
   uint64_t limit_ = 0;
   std::string limit_what_;
   const UserIdentity* files_as_ = nullptr;
+  mutable std::mutex members_mutex_;
+  mutable std::map<std::string, std::optional<FluxGroupMember>> members_;  // by job file text
 };
 
 // One job: its caches, its adapter, its step's inputs and loss.
