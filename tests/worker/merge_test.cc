@@ -1,5 +1,5 @@
 // `lorastream-worker merge`: the merged model computes what the base with the adapter computes
-// (f32, <= 1e-5 relative), for an LLM's Hugging Face folder and
+// (f32, <= 1e-5 relative), for an LLM's Hugging Face folder (a mixture of experts' too) and
 // FLUX.1's BFL file or diffusers folder, from a checkpoint or a store (a compressed one's
 // dequantised weights, as it says); FLUX's two forms hold the same merged weights key for key;
 // the output is complete (shards, index, config, tokenizer files) and never overwritten
@@ -18,6 +18,7 @@
 #include "common/flux_layout.h"
 #include "common/safetensors.h"
 #include "common/step_stats.h"
+#include "moe_train_cli.h"
 #include "tests/support/flux_checkpoint.h"
 #include "worker/flux/flux_adapter_io.h"
 #include "worker/flux/flux_base.h"
@@ -397,6 +398,55 @@ TEST_CASE("merge: a compressed FLUX.1 store merges into its dequantised weights 
       CHECK(ReadText(dir / "stdout").find("compressed") != std::string::npos);
       CHECK(ReadText(dir / "stdout").find("dequantised") != std::string::npos);
       CHECK(ReadText(dir / "stderr").find("is compressed") != std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("merge: a trained mixture-of-experts adapter merges into base + adapter",
+          "[worker][merge][moe]") {
+  for (const char* preset : {"tiny-moe", "tiny-mixtral"}) {
+    DYNAMIC_SECTION(preset) {
+      testing::TempDir dir("merge-moe");
+      const std::string model = testing::MakeCheckpoint(dir / "m", preset);
+      testing::WriteJsonl(dir / "d.jsonl", 4, 12, 30, 512);
+      testing::TrainMoeCli(dir, dir / "out", 4, 0, 1e-2);  // attention and every expert
+      const ModelConfig c = BaseWeights::FromCheckpoint(model).config();
+      const LoraAdapter adapter = LoraAdapter::Load(dir / "out", c, at::kCPU);
+      at::Generator gen = at::detail::createCPUGenerator(9);
+      const at::Tensor ids = at::randint(0, c.vocab_size, {2, 16}, gen, at::kLong);
+      // Computed in f64 over the f32 merged weights: an f32 forward's own rounding is about
+      // 1e-5 of these logits (the trained updates are large), either way round.
+      const at::Tensor want = Logits(model, ids, &adapter, at::kDouble);
+
+      MergeOptions o = F32Merge(model, {dir / "out"}, dir / "merged");
+      RunMerge(o);
+      double err = RelativeError(Logits(dir / "merged", ids, nullptr, at::kDouble), want);
+      INFO("relative error " << err);
+      CHECK(err <= 1e-5);
+      CHECK(RelativeError(Logits(model, ids, nullptr, at::kDouble), want) > 1e-3);
+      // In f32 the two agree to that rounding.
+      CHECK(RelativeError(Logits(dir / "merged", ids, nullptr), Logits(model, ids, &adapter)) <=
+            1e-4);
+      // Every expert's three projections took their update.
+      const Checkpoint merged = Checkpoint::Open(dir / "merged"),
+                       original = Checkpoint::Open(model);
+      for (int64_t e = 0; e < c.num_experts; ++e)
+        for (int p = 0; p < 3; ++p) {
+          const std::string name = "model.layers.1." + c.ExpertModule(e, p) + ".weight";
+          INFO(name);
+          CHECK_FALSE(
+              at::allclose(CheckpointTensor(merged, name), CheckpointTensor(original, name)));
+        }
+
+      // From a store of it, the same.
+      const auto store = testing::ServeForTest(model, QuantMethod::kNone, "merge-moe");
+      o.base = store->manifest().store_name;
+      o.out = dir / "merged-store";
+      RunMerge(o);
+      err = RelativeError(Logits(dir / "merged-store", ids, nullptr, at::kDouble),
+                          Logits(BaseWeights::FromStore(o.base), ids, &adapter, at::kDouble));
+      INFO("from a store: relative error " << err);
+      CHECK(err <= 1e-5);
     }
   }
 }
