@@ -339,6 +339,12 @@ TEST_CASE("merge: FLUX.1 from and into a diffusers folder holds the BFL merge's 
   o.dtype = "bf16";
   merge(file, dir / "one-file", "diffusers");
   CHECK(RelativeError(FluxForward(dir / "one-file", b), want) < 3e-2);
+  // A file replaced by a folder, and back.
+  merge(file, dir / "swap.safetensors", "bfl");
+  merge(file, dir / "swap.safetensors", "diffusers");
+  CHECK(std::filesystem::is_directory(dir / "swap.safetensors/transformer"));
+  merge(file, dir / "swap.safetensors", "bfl");
+  CHECK(std::filesystem::is_regular_file(dir / "swap.safetensors"));
   for (const auto& e : std::filesystem::directory_iterator(dir.str()))
     CHECK(e.path().filename().string()[0] != '.');  // no temporary left
 

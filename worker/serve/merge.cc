@@ -213,10 +213,11 @@ std::string PrepareOutput(const MergeOptions& o) {
       .string();
 }
 
-// Moves `tmp` to `out`, replacing what is there (PrepareOutput refused it without --force).
+// Moves `tmp` to `out`, replacing what is there (PrepareOutput refused it without --force): a
+// file by a file in one rename; a folder, or anything by a folder, moved aside first.
 void Publish(const std::string& tmp, const std::string& out) {
   std::error_code ec;
-  if (fs::is_directory(out, ec)) {
+  if (fs::is_directory(out, ec) || (fs::is_directory(tmp, ec) && fs::exists(out, ec))) {
     const std::string old = tmp + ".old";
     fs::rename(out, old, ec);
     if (ec) throw Error(ErrorCode::kIo, "cannot move " + out + " aside: " + ec.message());
