@@ -263,6 +263,17 @@ TEST_CASE("merge: FLUX.1 merged into BFL's file computes base + adapter", "[work
   CHECK_FALSE(std::filesystem::exists(o.out));
   for (const auto& e : std::filesystem::directory_iterator(dir.str()))
     CHECK(e.path().filename().string()[0] != '.');  // no temporary left
+  {  // As the refusal says: a store of it merges (into its expanded weights).
+    const auto store = testing::ServeForTest(dir / "fp8.safetensors", QuantMethod::kNone, "fp8");
+    o.base = store->manifest().store_name;
+    o.format = "";
+    RunMerge(o);
+    const double fp8_err =
+        RelativeError(FluxForward(o.out, b),
+                      FluxForward(FluxBase::FromStore(o.base, at::kFloat, at::kCPU), b, adapter));
+    INFO("fp8 store: relative error " << fp8_err);
+    CHECK(fp8_err <= 1e-5);
+  }
   // An unknown form, and a form for an LLM, are refused naming --format.
   o.base = file;
   o.format = "onnx";

@@ -121,6 +121,16 @@ at::Tensor OutputTensor(const Source& s, const Updates& updates, c10::ScalarType
   return merged.to(out).contiguous();
 }
 
+// A tensor merge cannot compute with (an fp8 FLUX file's linear): a store of the base can.
+[[noreturn]] void RefuseNotFloating(const std::string& base, const std::string& tensor,
+                                    DType dtype) {
+  throw Error(ErrorCode::kUnsupported,
+              base + ": tensor `" + tensor + "` is stored as " + DTypeName(dtype) +
+                  ", which merge does not compute with; publish the base as a store "
+                  "(lorastream-store serve " +
+                  base + " --name NAME, which expands it) and merge with --base NAME");
+}
+
 // Refuses (before anything is written) an update of a tensor the base does not hold, of one
 // that is not floating (an fp8 file's weight) or of another shape than its B A.
 void CheckUpdates(const std::vector<Source>& sources, const Updates& updates,
@@ -133,11 +143,7 @@ void CheckUpdates(const std::vector<Source>& sources, const Updates& updates,
       throw Error(ErrorCode::kRefused,
                   "an adapter adapts `" + name + "`, which " + base + " does not hold");
     const Source& s = *it->second;
-    if (!IsFloating(s.dtype))
-      throw Error(ErrorCode::kUnsupported,
-                  base + ": `" + name + "` is stored as " + DTypeName(s.dtype) +
-                      ", which merge cannot fold an adapter into; publish the base as a store "
-                      "(lorastream-store serve BASE --name NAME) and merge with --base NAME");
+    if (!IsFloating(s.dtype)) RefuseNotFloating(base, name, s.dtype);
     for (const Update& u : list)
       if (s.shape.size() != 2 || u.a.dim() != 2 || u.b.dim() != 2 || u.a.size(1) != s.shape[1] ||
           u.row < 0 || u.row + u.b.size(0) > s.shape[0])
@@ -480,14 +486,6 @@ struct FluxSources {
   std::shared_ptr<const void> keep;             // what the sources read from
 };
 
-[[noreturn]] void RefuseFp8(const std::string& base, const std::string& tensor, DType dtype,
-                            const std::string& what) {
-  throw Error(ErrorCode::kUnsupported, base + ": tensor `" + tensor + "` is " + DTypeName(dtype) +
-                                           ", which merge " + what +
-                                           " only from a store: lorastream-store serve " + base +
-                                           " --name NAME, then --base NAME");
-}
-
 FluxSources FluxFromCheckpoint(const std::string& path) {
   auto reader = std::make_shared<const FluxCheckpointReader>(FluxCheckpointReader::Open(path));
   FluxSources f;
@@ -503,8 +501,7 @@ FluxSources FluxFromCheckpoint(const std::string& path) {
       continue;
     }
     for (const FluxCheckpointReader::Piece& p : pieces) {
-      if (!IsFloating(p.entry->dtype))
-        RefuseFp8(path, p.entry->name, p.entry->dtype, "reads in a diffusers folder");
+      if (!IsFloating(p.entry->dtype)) RefuseNotFloating(path, p.entry->name, p.entry->dtype);
       own[p.entry->name] = p;
     }
     // BFL's tensor: the diffusers tensors' runs of rows, joined.
@@ -590,7 +587,7 @@ std::vector<Source> FluxDiffusersSources(const FluxConfig& c, const std::vector<
       return x.first.diffusers_row < y.first.diffusers_row;
     });
     for (const auto& [p, src] : runs)
-      if (!IsFloating(src->dtype)) RefuseFp8(base, p.bfl, src->dtype, "writes as diffusers'");
+      if (!IsFloating(src->dtype)) RefuseNotFloating(base, p.bfl, src->dtype);
     const DType dtype = runs[0].second->dtype;
     out.push_back({name, dtype, shape, [runs, dtype, name] {
                      std::vector<at::Tensor> rows;
