@@ -1,7 +1,8 @@
 // `lorastream-worker merge`: a base model with one or more LoRA adapters folded in, written in
 // the family's checkpoint format, so that a user without lorastream or peft can serve it.
 //
-//   LLM:  base = a Hugging Face checkpoint folder; adapters = peft folders (our output_dir or
+//   LLM:  base = a Hugging Face checkpoint folder (a mixture of experts' too: each expert's
+//         projections adapted as peft names them); adapters = peft folders (our output_dir or
 //         a checkpoint-N/); out = a Hugging Face folder: config.json (its dtype set to the
 //         output's), every other file of the base's folder that is not a weight (tokenizer,
 //         generation config, chat template) copied, model-0000i-of-0000N.safetensors shards
@@ -36,7 +37,7 @@ struct MergeOptions {
   std::string format;                     // FLUX: "bfl" | "diffusers" ("": the base's form)
   std::string dtype = "bf16";             // bf16 | f32
   bool force = false;                     // replace an existing output
-  uint64_t max_shard_bytes = 5ull << 30;  // LLM shards (Hugging Face's default is 5 GB)
+  uint64_t max_shard_bytes = 5ull << 30;  // a folder's shards (Hugging Face's default: 5 GB)
   bool progress = true;                   // progress lines on stderr
 };
 
