@@ -162,14 +162,21 @@ int main(int argc, char** argv) {
       "merge", "fold LoRA adapters into the base and write it as the family's checkpoint");
   merge_cmd
       ->add_option("--base", merge.base,
-                   "Hugging Face checkpoint folder (LLM) or BFL's single file (FLUX.1)")
+                   "Hugging Face checkpoint folder (LLM), BFL's single file or a diffusers "
+                   "folder (FLUX.1), or the name of a store lorastream-store serves")
       ->required();
   merge_cmd
       ->add_option("--adapter", merge.adapters,
                    "DIR[:WEIGHT]: a peft adapter folder (LLM) or a kohya file or the folder "
                    "holding adapter_kohya.safetensors (FLUX); repeatable, weight 1 by default")
       ->required();
-  merge_cmd->add_option("--out", merge.out, "output folder (LLM) or file (FLUX)")->required();
+  merge_cmd
+      ->add_option("--out", merge.out,
+                   "output folder (LLM; FLUX.1 as diffusers) or file (FLUX.1 as BFL's)")
+      ->required();
+  merge_cmd->add_option("--format", merge.format,
+                        "FLUX.1: bfl (one file) | diffusers (a folder with transformer/); "
+                        "default: the base's own form (a store's: bfl)");
   merge_cmd->add_option("--dtype", merge.dtype, "bf16 | f32")->capture_default_str();
   merge_cmd->add_flag("--force", merge.force, "replace an existing output");
   merge_cmd->add_flag("--progress,!--no-progress", merge.progress, "no progress lines on stderr");

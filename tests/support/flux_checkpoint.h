@@ -14,16 +14,21 @@
 namespace lorastream::testing {
 
 // Writes DIR/flux1.safetensors (and its folder) with lorastream-synth's flux-tiny preset in
-// `dtype` (f32 | bf16); returns the file.
-inline std::string MakeFluxCheckpoint(const std::string& dir, const std::string& dtype = "f32") {
+// `dtype` (f32 | bf16); returns the file. With `format` "diffusers": the same weights as a
+// diffusers folder (DIR/transformer/, shards of at most `shard_bytes`); returns DIR.
+inline std::string MakeFluxCheckpoint(const std::string& dir, const std::string& dtype = "f32",
+                                      const std::string& format = "bfl",
+                                      uint64_t shard_bytes = 4ull << 30) {
   store::SynthOptions o;
   o.preset = "flux-tiny";
   o.out_dir = dir;
   o.presets_dir = std::string(LORASTREAM_SOURCE_DIR) + "/configs/models";
   o.seed = 3;
   o.dtype = dtype;
+  o.flux_format = format;
+  o.shard_bytes = shard_bytes;
   store::RunSynth(o);
-  return dir + "/flux1.safetensors";
+  return format == "diffusers" ? dir : dir + "/flux1.safetensors";
 }
 
 // The f32 BFL file at `from` rewritten to `to` with every block linear's weight cast to e4m3

@@ -20,6 +20,7 @@
 #include "common/job_spec.h"
 #include "common/model_config.h"
 #include "common/safetensors.h"
+#include "moe_train_cli.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/block.h"
 #include "worker/model/lora.h"
@@ -241,29 +242,6 @@ TEST_CASE("moe: a job in a group computes what it computes alone, bit for bit", 
   }
 }
 
-namespace {
-
-// A tiny MoE job file trained by `lorastream-worker train`; returns the adapter's bytes.
-std::string TrainCli(const testing::TempDir& dir, const std::string& out, int steps, int swap) {
-  {
-    std::ofstream job(dir / "job.toml", std::ios::trunc);
-    job << "name = \"moe\"\n[model]\ncheckpoint = \"" << (dir / "m") << "\"\n[data]\npath = \""
-        << (dir / "d.jsonl") << "\"\nseq_len = 16\n[lora]\nrank = 4\n"
-        << "targets = [\"q_proj\", \"k_proj\", \"v_proj\", \"o_proj\", \"experts\"]\n"
-        << "[train]\nsteps = " << steps << "\ncheckpoint_every = 2\noutput_dir = \"" << out
-        << "\"\n[stream]\nblocks_to_swap = " << swap << "\n";
-  }
-  const std::string bin = std::string(LORASTREAM_BIN_DIR) + "/lorastream-worker";
-  const std::string cmd =
-      bin + " train " + (dir / "job.toml") + " --threads 1 > " + (dir / "log") + " 2>&1";
-  const int rc = std::system(cmd.c_str());
-  INFO(testing::ReadFile(dir / "log"));
-  REQUIRE(rc == 0);
-  return testing::ReadFile(out + "/adapter_model.safetensors");
-}
-
-}  // namespace
-
 TEST_CASE("moe: lorastream-worker train trains a tiny MoE, streamed as resident, and resumes",
           "[moe]") {
   for (const char* preset : kPresets) {
@@ -271,13 +249,13 @@ TEST_CASE("moe: lorastream-worker train trains a tiny MoE, streamed as resident,
       testing::TempDir dir("moe-cli");
       testing::MakeCheckpoint(dir / "m", preset);
       testing::WriteJsonl(dir / "d.jsonl", 4, 12, 30, 512);
-      const std::string whole = TrainCli(dir, dir / "whole", 4, 0);
+      const std::string whole = testing::TrainMoeCli(dir, dir / "whole", 4, 0);
       CHECK(testing::ReadFile(dir / "log").find("step 4/4 loss ") != std::string::npos);
       // Streamed (3 of 4 blocks through the engine): the same adapter, bit for bit.
-      CHECK(TrainCli(dir, dir / "streamed", 4, 3) == whole);
+      CHECK(testing::TrainMoeCli(dir, dir / "streamed", 4, 3) == whole);
       // 2 steps, then the job extended to 4: resumes from checkpoint-2 to the same adapter.
-      TrainCli(dir, dir / "resumed", 2, 0);
-      CHECK(TrainCli(dir, dir / "resumed", 4, 0) == whole);
+      testing::TrainMoeCli(dir, dir / "resumed", 2, 0);
+      CHECK(testing::TrainMoeCli(dir, dir / "resumed", 4, 0) == whole);
       // The adapter is peft's per-expert layout, target_modules in the model's names.
       SafetensorsFile f = SafetensorsFile::Open(dir / "whole/adapter_model.safetensors");
       const ModelConfig c = LoadModelConfig(dir / "m/config.json");
