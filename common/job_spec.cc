@@ -394,12 +394,19 @@ std::vector<std::string> QwenImageSharedProblems(const JobSpec& s, const std::st
     } catch (const Error& e) {
       p.push_back(key("model.checkpoint") + e.what());
     }
-  if (!s.lora.init_from.empty())
-    p.push_back(key("lora.init_from") + "is not read for a Qwen-Image job yet");
+  std::error_code ec;
+  const std::string& from = s.lora.init_from;
+  if (!from.empty() && !fs::is_regular_file(from, ec) &&
+      !fs::is_regular_file(fs::path(from) / "adapter_comfyui.safetensors", ec))
+    p.push_back(key("lora.init_from") +
+                "names neither a ComfyUI LoRA file nor a folder holding "
+                "adapter_comfyui.safetensors: " +
+                from);
   if (s.lora.dropout != 0.0) p.push_back(key("lora.dropout") + "must be 0 for a Qwen-Image job");
   if (s.lora.rslora) p.push_back(key("lora.rslora") + "must be false for a Qwen-Image job");
   try {
-    QwenImageTargets(s.lora.targets, key("lora.targets"));
+    if (from.empty() || !s.lora.targets.empty())  // none with init_from: the file's
+      QwenImageTargets(s.lora.targets, key("lora.targets"));
   } catch (const Error& e) {
     p.push_back(e.what());
   }

@@ -15,6 +15,7 @@
 #include "common/qwen_image_cache.h"
 #include "common/qwen_image_layout.h"
 #include "common/subprocess.h"
+#include "tests/support/flux_cache_files.h"
 #include "tests/support/test_support.h"
 #include "tests/worker/worker_test_util.h"
 #include "worker/qwen_image/qwen_image_adapter_io.h"
@@ -199,4 +200,33 @@ TEST_CASE(
   CHECK_THAT(GroupRefusal(Spec(JobA(d, d + "/x")), llm, "cpu"),
              Catch::Contains("Qwen-Image jobs share a group only with Qwen-Image jobs"));
   CHECK(GroupRefusal(Spec(JobA(d, d + "/x")), Spec(JobB(d, d + "/y")), "cpu").empty());
+}
+
+TEST_CASE(
+    "qwen_image job: lora.init_from starts from a ComfyUI file (its rank, alpha and targets); "
+    "with lr 0 the adapter comes out as it went in, bit for bit; a shape that differs is refused",
+    "[worker][qwen_image]") {
+  TempDir dir("qwen-image-init-from");
+  const std::string d = dir.str();
+  WriteCaches(d);
+  Train({JobA(d, d + "/a")});
+  const std::string from =
+      "name = \"c\"\n[model]\ncheckpoint = \"" + kModel + "\"\n[lora]\ninit_from = \"" + d +
+      "/a\"\n[optim]\nlr = 0.0\n[train]\nsteps = 2\nseed = 9\noutput_dir = \"" + d +
+      "/c\"\n[qwen_image]\ncache_dir = \"" + d + "/cache-b\"\n";
+  const Run c = Train({from});
+  CHECK(c.outcomes[0].result.steps_done == 2);
+  CHECK(ReadFile(d + "/c/" + qwen_image::kComfyAdapterFile) ==
+        ReadFile(d + "/a/" + qwen_image::kComfyAdapterFile));
+  std::string other = from;
+  other.replace(other.find("[lora]\n"), 7, "[lora]\nrank = 8\ntargets = [\"attention\"]\n");
+  other.replace(other.find(d + "/c\""), d.size() + 3, d + "/c2\"");
+  const std::string why = lorastream::testing::ErrorMessageOf([&] { Train({other}); });
+  CHECK_THAT(why, Catch::Contains("lora.rank is 8 but the file lora.init_from names (" + d + "/a/" +
+                                  qwen_image::kComfyAdapterFile + ") has rank 4") &&
+                      Catch::Contains("lora.targets is [attn.add_k_proj"));
+  JobSpec missing = ParseJobSpec(from, "j.toml");
+  missing.lora.init_from = d + "/nothing";
+  CHECK_THAT(ValidateJobSpec(missing).front(),
+             Catch::Contains("key `lora.init_from` names neither a ComfyUI LoRA file"));
 }

@@ -20,6 +20,7 @@
 #include "common/flux_config.h"
 #include "common/flux_job.h"
 #include "worker/flux/flux_model.h"
+#include "worker/model/dit_adapter_io.h"
 
 namespace lorastream::worker::flux {
 
@@ -35,11 +36,7 @@ void LoadKohyaAdapter(const std::string& path, FluxAdapter& adapter);
 // ones), its rank (lora_down's rows) and alpha. Refuses (kCorrupt / kUnsupported, naming the
 // file and the key) a key of no module of `config`, a module without its three tensors, ranks
 // or alphas that differ between modules.
-struct KohyaAdapterInfo {
-  std::vector<std::string> targets;
-  int64_t rank = 0;
-  double alpha = 0.0;
-};
+using KohyaAdapterInfo = dit::DownUpAdapterInfo;
 KohyaAdapterInfo ReadKohyaAdapterInfo(const std::string& path, const FluxConfig& config);
 // A kohya file as an adapter (f32 on `device`): ReadKohyaAdapterInfo, then LoadKohyaAdapter.
 // `path` may be the folder holding adapter_kohya.safetensors (a FLUX job's output_dir).

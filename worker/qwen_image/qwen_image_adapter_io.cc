@@ -1,5 +1,7 @@
 #include "worker/qwen_image/qwen_image_adapter_io.h"
 
+#include <filesystem>
+
 #include <ATen/ATen.h>
 
 #include "common/safetensors.h"
@@ -34,6 +36,24 @@ void SaveQwenImageAdapters(const QwenImageAdapter& adapter, const std::string& d
 
 void LoadComfyAdapter(const std::string& path, QwenImageAdapter& adapter) {
   dit::LoadDownUpAdapter(path, ComfyModuleName, adapter);
+}
+
+std::string ComfyAdapterFile(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    return (std::filesystem::path(path) / kComfyAdapterFile).string();
+  return path;
+}
+
+dit::DownUpAdapterInfo ReadComfyAdapterInfo(const std::string& path,
+                                            const QwenImageConfig& config) {
+  return dit::ReadDownUpAdapterInfo(
+      path,
+      {{"", config.num_layers, QwenImageBlockLinears(),
+        [](int64_t i, const std::string& m) {
+          return ComfyModuleName("transformer_blocks." + std::to_string(i) + "." + m);
+        }}},
+      "Qwen-Image (ComfyUI names: diffusion_model.transformer_blocks.N.<module>)");
 }
 
 }  // namespace lorastream::worker::qwen_image

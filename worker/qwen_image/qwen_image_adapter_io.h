@@ -13,6 +13,7 @@
 #include <string>
 
 #include "common/qwen_image_config.h"
+#include "worker/model/dit_adapter_io.h"
 #include "worker/qwen_image/qwen_image_model.h"
 
 namespace lorastream::worker::qwen_image {
@@ -29,5 +30,11 @@ void SaveQwenImageAdapters(const QwenImageAdapter& adapter, const std::string& d
 // A ComfyUI file's weights into `adapter` (same modules, rank and alpha); errors name the file
 // and the tensor.
 void LoadComfyAdapter(const std::string& path, QwenImageAdapter& adapter);
+// The ComfyUI file `path` names: itself, or DIR/adapter_comfyui.safetensors for a folder (a
+// Qwen-Image job's output_dir or checkpoint).
+std::string ComfyAdapterFile(const std::string& path);
+// What a ComfyUI (or musubi-tuner) file holds: its modules, rank and alpha
+// (dit::ReadDownUpAdapterInfo over the blocks of `config`).
+dit::DownUpAdapterInfo ReadComfyAdapterInfo(const std::string& path, const QwenImageConfig& config);
 
 }  // namespace lorastream::worker::qwen_image

@@ -83,8 +83,16 @@ class Group final : public FamilyGroup {
 class Job final : public FamilyJob {
  public:
   Job(const JobSpec& spec, Group& group) : spec_(spec), group_(group) {
-    targets_ = QwenImageTargets(spec.lora.targets, spec.source + ": key `lora.targets`");
     const ActingAs as(group.files_as());
+    if (!spec_.lora.init_from.empty()) {
+      // lora.init_from: the file's rank, alpha and targets where the job leaves them out.
+      init_file_ = ComfyAdapterFile(spec_.lora.init_from);
+      dit::ApplyDownUpInitFrom(
+          ReadComfyAdapterInfo(init_file_, group.base().config()), init_file_, "lora.",
+          [](const std::vector<std::string>& t) { return QwenImageTargets(t, "lora.targets"); },
+          spec_.lora.rank, spec_.lora.alpha, spec_.lora.targets);
+    }
+    targets_ = QwenImageTargets(spec_.lora.targets, spec.source + ": key `lora.targets`");
     data_ = std::make_unique<QwenImageDataset>(spec.qwen_image.cache_dir, group.base().config());
     const QwenImageJob& q = spec.qwen_image;
     sampling_ = {q.timestep_sampling, q.sigmoid_scale, q.discrete_flow_shift};
@@ -104,8 +112,12 @@ class Job final : public FamilyJob {
     adapter_ = std::make_unique<QwenImageAdapter>(
         group_.base().config(), targets_, spec_.lora.rank, spec_.lora.alpha,
         MixSeed(spec_.train.seed, 0xada7), group_.device());
-    if (!resume_dir.empty())
+    if (!resume_dir.empty()) {
       LoadComfyAdapter((fs::path(resume_dir) / kComfyAdapterFile).string(), *adapter_);
+    } else if (!init_file_.empty()) {  // its weights, a fresh optimizer (not a resume)
+      const ActingAs as(group_.files_as());
+      LoadComfyAdapter(init_file_, *adapter_);
+    }
     LS_LOG_INFO(
         "job {}: Qwen-Image: {} images in {} buckets, {} adapted modules (rank {}, "
         "alpha {})",
@@ -147,6 +159,7 @@ class Job final : public FamilyJob {
   JobSpec spec_;
   Group& group_;
   std::vector<std::string> targets_;
+  std::string init_file_;  // lora.init_from's ComfyUI file, or ""
   std::unique_ptr<QwenImageDataset> data_;
   std::unique_ptr<QwenImageAdapter> adapter_;
   dit::TimestepSampling sampling_;
