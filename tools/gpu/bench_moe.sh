@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Mixture-of-experts LoRA training on one GPU (issue 38's targets), side by side in one run:
+# Mixture-of-experts LoRA training on one GPU, side by side in one run:
 #   resident  one job, every block resident and checkpointed (blocks_to_swap = 0)
 #   auto      the same job planned within 90% of the free GPU memory (gpu_memory_budget =
 #             "auto": the planner may keep blocks' activations, no recompute)
@@ -18,7 +18,7 @@
 # Each figure: the median per-step time (stats.jsonl's step_seconds; the peer's synchronised
 # steps) after MOE_BENCH_WARMUP warm-up steps. Writes OUT/moe/: the job files, the logs, each
 # run's stats.jsonl, peer.json and bench_moe.md (tools/gpu/bench_moe_table.py: the table, the
-# ratios against the issue's targets and the commands).
+# ratios against the targets and the commands).
 #
 # Usage: tools/gpu/bench_moe.sh OUT_DIR
 #   MOE_BENCH_PRESET (qwen3-30b-a3b)  MOE_BENCH_LAYERS (16: fits resident on an 80 GB card in

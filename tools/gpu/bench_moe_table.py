@@ -5,7 +5,7 @@ the H2D bandwidth its calibration measured, its prediction and memory estimate) 
 (transformers + peft), and prints markdown: per run the median step after the warm-up steps,
 tokens/s, the bytes copied per step and their PCIe floor (bytes / the calibrated bandwidth),
 the stall, the peak device memory beside the plan's estimate; the peer's configurations; then
-the ratios issue 38 names, each against its target.
+the ratios the mixture-of-experts targets name, each against its target.
 
 Usage: bench_moe_table.py OUT/moe --steps 8 --warmup 3 [--preset P --layers N --tokens T
        --budget B --device D --dtype T]  (the last ones only label the table)
