@@ -43,13 +43,27 @@ namespace {
 std::atomic<int> g_stop_signal{0};
 void OnSignal(int sig) { g_stop_signal = sig; }
 
+// Whether the job file at `path` is a Qwen-Image job (a [qwen_image] section); false when it
+// cannot be read or parsed.
+bool IsQwenImageJobFile(const std::string& path) {
+  try {
+    return toml::parse_file(path).contains("qwen_image");
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 // The example jobs of the model's family: FLUX jobs for a FLUX.1 store, LLM jobs otherwise.
 std::vector<std::string> ExampleJobs(const std::string& configs_dir, bool flux) {
   std::vector<std::string> jobs;
   std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(configs_dir + "/jobs", ec))
-    if (entry.path().extension() == ".toml" && IsFluxJobFile(entry.path().string()) == flux)
-      jobs.push_back(entry.path().string());
+  for (const auto& entry : fs::directory_iterator(configs_dir + "/jobs", ec)) {
+    const std::string path = entry.path().string();
+    // The family `up` serves; a Qwen-Image example is not one (it reads its checkpoint).
+    if (entry.path().extension() == ".toml" && IsFluxJobFile(path) == flux &&
+        !IsQwenImageJobFile(path))
+      jobs.push_back(path);
+  }
   std::sort(jobs.begin(), jobs.end());
   if (jobs.empty())
     throw Error(ErrorCode::kNotFound, "no " + std::string(flux ? "FLUX " : "") + "job files in " +

@@ -35,13 +35,11 @@ std::string ExampleJob(const std::string& dir, const std::string& name, const st
                               &code, 120, dir + "/synth.log");
     REQUIRE(code == 0);
   }
-  std::string job =
-      ReadAll(std::string(LORASTREAM_SOURCE_DIR) + "/configs/jobs/qwen_image_tiny.toml");
-  const size_t at = job.find("output_dir = \"out\"");
-  REQUIRE(at != std::string::npos);
-  job.replace(at, 18, "output_dir = \"" + output + "\"");
+  // As the README shows: copied, its output folder appended ([train] is its last section).
   const std::string path = dir + "/qi/" + name + ".toml";
-  std::ofstream(path) << job;
+  std::ofstream(path) << ReadAll(std::string(LORASTREAM_SOURCE_DIR) +
+                                 "/configs/jobs/qwen_image_tiny.toml")
+                      << "output_dir = \"" << output << "\"\n";
   return path;
 }
 
