@@ -1,5 +1,6 @@
 #include "common/adapter_consumers.h"
 
+#include "common/job_kind.h"
 #include "common/job_spec.h"
 
 namespace lorastream {
@@ -47,6 +48,11 @@ std::vector<std::string> AdapterConsumerWarnings(const AdapterFacts& f) {
         "a GGUF made of this adapter applies it at sqrt(r) times its trained strength; merge it "
         "first (lorastream-worker merge) and convert the merged model instead");
   return w;
+}
+
+std::vector<std::string> AdapterConsumerWarnings(const JobSpec& spec) {
+  if (!IsLanguageModelJob(spec)) return {};
+  return AdapterConsumerWarnings(AdapterFactsOf(spec.lora));
 }
 
 }  // namespace lorastream

@@ -16,6 +16,7 @@
 
 namespace lorastream {
 
+struct JobSpec;
 struct LoraSpec;
 
 // What the rules look at.
@@ -32,5 +33,9 @@ const std::vector<int64_t>& VllmMaxLoraRanks();
 
 // One line per rule broken, each starting with the consumer's name ("vLLM: ...").
 std::vector<std::string> AdapterConsumerWarnings(const AdapterFacts& facts);
+
+// A job's warnings: its LoRA's facts against the rules, for a language-model job (the rules
+// are LLM adapters'); none for a diffusion family's job (common/job_kind.h).
+std::vector<std::string> AdapterConsumerWarnings(const JobSpec& spec);
 
 }  // namespace lorastream

@@ -431,34 +431,28 @@ std::vector<std::string> QwenImageSharedProblems(const JobSpec& s, const std::st
   return p;
 }
 
-}  // namespace
+std::string KeyOf(const std::string& src, const std::string& k) {
+  return src + ": key `" + k + "` ";
+}
 
-std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* model) {
+std::string Num(double v) {
+  std::ostringstream o;
+  o << v;
+  return o.str();
+}
+
+// The checks of a language-model job's own sections ([model], [data], lora.init_from's peft
+// folder and the modules' names, the micro-batch's tokens, [eval]). `model` is the model's
+// config when the caller has it; otherwise it is read from model.checkpoint into `loaded`,
+// for the shared checks too.
+std::vector<std::string> LanguageModelProblems(const JobSpec& s, const ModelConfig*& model,
+                                               ModelConfig& loaded, const std::string& src) {
   std::vector<std::string> p;
-  if (std::string why = JobNameProblem(s); !why.empty()) p.push_back(std::move(why));
-  const std::string src = s.source.empty() ? std::string("job") : s.source;
-  if (s.is_flux) {
-    for (std::string& why : FluxJobProblems(s.flux, src)) p.push_back(std::move(why));
-    return p;
-  }
-  auto key = [&](const std::string& k) { return src + ": key `" + k + "` "; };
-  auto num = [](double v) {
-    std::ostringstream o;
-    o << v;
-    return o.str();
-  };
-  // Every size that reaches an allocation is bounded here, before any memory is taken:
-  // `above` names the key, the value and the limit.
-  auto above = [&](const std::string& k, int64_t value, int64_t limit) {
-    p.push_back(key(k) + "is " + std::to_string(value) + ", above the limit of " +
-                std::to_string(limit));
-  };
+  auto key = [&](const std::string& k) { return KeyOf(src, k); };
+  auto num = Num;
 
   // [model]
-  ModelConfig loaded;
-  if (s.is_qwen_image) {
-    for (std::string& why : QwenImageSharedProblems(s, src)) p.push_back(std::move(why));
-  } else if (s.model.store.empty() == s.model.checkpoint.empty()) {
+  if (s.model.store.empty() == s.model.checkpoint.empty()) {
     p.push_back(key("model") +
                 "must name exactly one of `model.store` (a published store) or "
                 "`model.checkpoint` (a Hugging Face folder)");
@@ -471,7 +465,7 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
     } else {
       try {
         loaded = LoadModelConfig(cfg.string());
-        model = &loaded;
+        model = &loaded;  // the caller's: the shared checks read it too
       } catch (const Error& e) {
         p.push_back(key("model.checkpoint") + "has no usable config.json: " + e.what());
       }
@@ -488,16 +482,14 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
 
   // [data]
   std::error_code ec;
-  if (s.is_qwen_image) {
-    // no [data]: the caches of [qwen_image]
-  } else if (s.data.path.empty()) {
+  if (s.data.path.empty()) {
     p.push_back(key("data.path") + "is required (a .jsonl or token file)");
   } else if (const std::string why = RegularFileProblem(s.data.path); !why.empty()) {
     p.push_back(key("data.path") + (why == "does not exist"
                                         ? "names a file that does not exist: " + s.data.path
                                         : s.data.path + " " + why));
   }
-  if (!s.is_qwen_image && s.data.format != "jsonl" && s.data.format != "tokens")
+  if (s.data.format != "jsonl" && s.data.format != "tokens")
     p.push_back(key("data.format") + "must be \"jsonl\" or \"tokens\" (found \"" + s.data.format +
                 "\"; it is taken from the extension .jsonl/.tok/.bin when absent)");
   if (s.data.seq_len < 2 || s.data.seq_len > (int64_t{1} << 22))
@@ -524,12 +516,87 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
     p.push_back(key("data.pad_id") + "must be a token id in [0, vocab_size) (found " +
                 std::to_string(s.data.pad_id) + ")");
 
-  // [lora] (with init_from, rank 0 / alpha 0 / no targets mean "the adapter's")
+  // [lora]: a peft adapter folder to start from, the modules' names
   const bool from_adapter = !s.lora.init_from.empty();
-  if (from_adapter && !s.is_qwen_image &&
-      !fs::is_regular_file(fs::path(s.lora.init_from) / "adapter_config.json", ec))
+  if (from_adapter && !fs::is_regular_file(fs::path(s.lora.init_from) / "adapter_config.json", ec))
     p.push_back(key("lora.init_from") + "names no peft adapter folder (adapter_config.json and " +
                 "adapter_model.safetensors): " + s.lora.init_from);
+  std::set<std::string> seen;
+  for (const auto& t : s.lora.targets) {
+    const auto& names = LoraTargetNames();
+    if (std::find(names.begin(), names.end(), t) == names.end())
+      p.push_back(key("lora.targets") + "names an unknown module `" + t +
+                  "` (known: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; "
+                  "for a mixture of experts also experts, w1, w3, w2)");
+    else if (!seen.insert(t).second)
+      p.push_back(key("lora.targets") + "names `" + t + "` twice");
+  }
+
+  // [train]: the micro-batch's tokens and their logits
+  if (s.train.batch_size > 0 && s.train.batch_size <= kMaxMicroBatchTokens) {
+    if (s.data.seq_len >= 2 && s.data.seq_len <= (int64_t{1} << 22) &&
+        s.train.batch_size * s.data.seq_len > kMaxMicroBatchTokens)
+      p.push_back(key("train.batch_size") + "times `data.seq_len` is " +
+                  std::to_string(s.train.batch_size) + " x " + std::to_string(s.data.seq_len) +
+                  " = " + std::to_string(s.train.batch_size * s.data.seq_len) +
+                  " tokens per micro-batch, above the limit of " +
+                  std::to_string(kMaxMicroBatchTokens) + " (lower one of them)");
+    else if (model && model->vocab_size > 0 &&
+             s.train.batch_size * s.data.seq_len > kMaxLogitsPerMicroBatch / model->vocab_size)
+      p.push_back(key("train.batch_size") + "times `data.seq_len` is " +
+                  std::to_string(s.train.batch_size * s.data.seq_len) +
+                  " tokens per micro-batch: their logits over the model's vocabulary of " +
+                  std::to_string(model->vocab_size) + " would exceed the limit of " +
+                  std::to_string(kMaxLogitsPerMicroBatch) + " values (lower one of them)");
+  }
+
+  // [eval]
+  if (!s.eval.path.empty() && s.eval.split != 0.0)
+    p.push_back(key("eval.path") +
+                "and `eval.split` are both given: evaluate on a file or on a "
+                "held-out split of the training data, not both");
+  if (!(s.eval.split >= 0 && s.eval.split <= 0.5))
+    p.push_back(key("eval.split") +
+                "must be in (0, 0.5] (a fraction of the training "
+                "documents; found " +
+                num(s.eval.split) + ")");
+  if (!s.eval.path.empty()) {
+    if (const std::string why = RegularFileProblem(s.eval.path); !why.empty())
+      p.push_back(key("eval.path") + (why == "does not exist"
+                                          ? "names a file that does not exist: " + s.eval.path
+                                          : s.eval.path + " " + why));
+    if (s.eval.format != "jsonl" && s.eval.format != "tokens")
+      p.push_back(key("eval.format") + "must be \"jsonl\" or \"tokens\" (found \"" + s.eval.format +
+                  "\"; it is taken from the extension .jsonl/.tok/.bin when "
+                  "absent)");
+  }
+  if (s.eval.every < 0)
+    p.push_back(key("eval.every") + "must be >= 0 (0 = only at checkpoints and the end; found " +
+                std::to_string(s.eval.every) + ")");
+  if (s.eval.batches < 0)
+    p.push_back(key("eval.batches") + "must be >= 0 (0 = the whole eval set; found " +
+                std::to_string(s.eval.batches) + ")");
+  if (!s.eval.enabled() && (s.eval.every != 0 || s.eval.batches != 0))
+    p.push_back(key("eval.every") + "needs an evaluation set: `eval.path` or `eval.split`");
+  return p;
+}
+
+// The checks of the sections every job has ([lora], [optim], [train], [stream]), against the
+// model's config where there is one.
+std::vector<std::string> SharedSectionProblems(const JobSpec& s, const ModelConfig* model,
+                                               const std::string& src) {
+  std::vector<std::string> p;
+  auto key = [&](const std::string& k) { return KeyOf(src, k); };
+  auto num = Num;
+  // Every size that reaches an allocation is bounded here, before any memory is taken:
+  // `above` names the key, the value and the limit.
+  auto above = [&](const std::string& k, int64_t value, int64_t limit) {
+    p.push_back(key(k) + "is " + std::to_string(value) + ", above the limit of " +
+                std::to_string(limit));
+  };
+
+  // [lora] (with init_from, rank 0 / alpha 0 / no targets mean "the adapter's")
+  const bool from_adapter = !s.lora.init_from.empty();
   if (from_adapter && s.lora.rank == 0)
     ;  // the adapter's
   else if (s.lora.rank <= 0)
@@ -545,16 +612,6 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
     p.push_back(key("lora.dropout") + "must be in [0, 1) (found " + num(s.lora.dropout) + ")");
   if (s.lora.targets.empty() && !from_adapter)
     p.push_back(key("lora.targets") + "must name at least one module");
-  std::set<std::string> seen;
-  for (const auto& t : s.is_qwen_image ? std::vector<std::string>{} : s.lora.targets) {
-    const auto& names = LoraTargetNames();
-    if (std::find(names.begin(), names.end(), t) == names.end())
-      p.push_back(key("lora.targets") + "names an unknown module `" + t +
-                  "` (known: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; "
-                  "for a mixture of experts also experts, w1, w3, w2)");
-    else if (!seen.insert(t).second)
-      p.push_back(key("lora.targets") + "names `" + t + "` twice");
-  }
 
   // [optim]
   // lr = 0 leaves the adapter as it is (with lora.init_from: re-saved bit for bit).
@@ -601,20 +658,6 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
                 std::to_string(s.train.batch_size) + ")");
   else if (s.train.batch_size > kMaxMicroBatchTokens)
     above("train.batch_size", s.train.batch_size, kMaxMicroBatchTokens);
-  else if (!s.is_qwen_image && s.data.seq_len >= 2 && s.data.seq_len <= (int64_t{1} << 22) &&
-           s.train.batch_size * s.data.seq_len > kMaxMicroBatchTokens)
-    p.push_back(key("train.batch_size") + "times `data.seq_len` is " +
-                std::to_string(s.train.batch_size) + " x " + std::to_string(s.data.seq_len) +
-                " = " + std::to_string(s.train.batch_size * s.data.seq_len) +
-                " tokens per micro-batch, above the limit of " +
-                std::to_string(kMaxMicroBatchTokens) + " (lower one of them)");
-  else if (model && model->vocab_size > 0 &&
-           s.train.batch_size * s.data.seq_len > kMaxLogitsPerMicroBatch / model->vocab_size)
-    p.push_back(key("train.batch_size") + "times `data.seq_len` is " +
-                std::to_string(s.train.batch_size * s.data.seq_len) +
-                " tokens per micro-batch: their logits over the model's vocabulary of " +
-                std::to_string(model->vocab_size) + " would exceed the limit of " +
-                std::to_string(kMaxLogitsPerMicroBatch) + " values (lower one of them)");
   if (s.train.grad_accum <= 0)
     p.push_back(key("train.grad_accum") + "must be > 0 (found " +
                 std::to_string(s.train.grad_accum) + ")");
@@ -641,35 +684,6 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
     p.push_back(key("train.dtype") + "must be \"auto\", \"bf16\" or \"f32\" (found \"" +
                 s.train.dtype + "\")");
 
-  // [eval]
-  if (!s.eval.path.empty() && s.eval.split != 0.0)
-    p.push_back(key("eval.path") +
-                "and `eval.split` are both given: evaluate on a file or on a "
-                "held-out split of the training data, not both");
-  if (!(s.eval.split >= 0 && s.eval.split <= 0.5))
-    p.push_back(key("eval.split") +
-                "must be in (0, 0.5] (a fraction of the training "
-                "documents; found " +
-                num(s.eval.split) + ")");
-  if (!s.eval.path.empty()) {
-    if (const std::string why = RegularFileProblem(s.eval.path); !why.empty())
-      p.push_back(key("eval.path") + (why == "does not exist"
-                                          ? "names a file that does not exist: " + s.eval.path
-                                          : s.eval.path + " " + why));
-    if (s.eval.format != "jsonl" && s.eval.format != "tokens")
-      p.push_back(key("eval.format") + "must be \"jsonl\" or \"tokens\" (found \"" + s.eval.format +
-                  "\"; it is taken from the extension .jsonl/.tok/.bin when "
-                  "absent)");
-  }
-  if (s.eval.every < 0)
-    p.push_back(key("eval.every") + "must be >= 0 (0 = only at checkpoints and the end; found " +
-                std::to_string(s.eval.every) + ")");
-  if (s.eval.batches < 0)
-    p.push_back(key("eval.batches") + "must be >= 0 (0 = the whole eval set; found " +
-                std::to_string(s.eval.batches) + ")");
-  if (!s.eval.enabled() && (s.eval.every != 0 || s.eval.batches != 0))
-    p.push_back(key("eval.every") + "needs an evaluation set: `eval.path` or `eval.split`");
-
   // [stream]
   if (s.stream.blocks_to_swap < 0 || (model && s.stream.blocks_to_swap > model->num_hidden_layers))
     p.push_back(key("stream.blocks_to_swap") + "must be in [0, num_hidden_layers" +
@@ -694,6 +708,29 @@ std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* mo
                 "count up to num_hidden_layers" +
                 (model ? " = " + std::to_string(model->num_hidden_layers) : std::string()) +
                 " (found " + std::to_string(s.stream.taped_blocks) + ")");
+  return p;
+}
+
+}  // namespace
+
+std::vector<std::string> ValidateJobSpec(const JobSpec& s, const ModelConfig* model) {
+  std::vector<std::string> p;
+  auto add = [&p](std::vector<std::string> more) {
+    for (std::string& why : more) p.push_back(std::move(why));
+  };
+  if (std::string why = JobNameProblem(s); !why.empty()) p.push_back(std::move(why));
+  const std::string src = s.source.empty() ? std::string("job") : s.source;
+  if (s.is_flux) {  // its own form (common/flux_job.h)
+    add(FluxJobProblems(s.flux, src));
+    return p;
+  }
+  // The family's own sections, then the shared ones.
+  ModelConfig loaded;
+  if (s.is_qwen_image)
+    add(QwenImageSharedProblems(s, src));
+  else
+    add(LanguageModelProblems(s, model, loaded, src));
+  add(SharedSectionProblems(s, model, src));
   return p;
 }
 

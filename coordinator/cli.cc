@@ -165,8 +165,8 @@ int RunSubmit(const GlobalOptions& g, const std::string& path, int64_t* priority
   ResolveJobSpecIn(req.spec, JobFileDir(source));
   if (priority) req.spec.priority = *priority;
   // What the adapter's consumers require (vLLM's ranks, llama.cpp's scale): warnings only.
-  if (!req.spec.is_flux && !req.spec.is_qwen_image && !quiet)
-    for (const std::string& w : AdapterConsumerWarnings(AdapterFactsOf(req.spec.lora)))
+  if (!quiet)
+    for (const std::string& w : AdapterConsumerWarnings(req.spec))
       std::cerr << "lorastream submit: warning: " << w << "\n";
   // A name or a file too long to send (refused here, before a request over the message size
   // limit would hide why); data prepared for another tokenizer than the store's, when the

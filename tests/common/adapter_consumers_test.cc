@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include "common/adapter_consumers.h"
+#include "common/job_kind.h"
 #include "common/job_spec.h"
 
 using namespace lorastream;
@@ -55,4 +56,23 @@ TEST_CASE("adapter consumers: vLLM's rank, bias and modules_to_save rules, llama
   lora.rslora = false;
   lora.rank = 0;
   CHECK(AdapterConsumerWarnings(AdapterFactsOf(lora)).empty());
+}
+
+TEST_CASE(
+    "adapter consumers: a job's warnings are its LoRA's for a language model, none for a "
+    "diffusion family's job",
+    "[common]") {
+  JobSpec job;
+  job.lora.rank = 48;  // above vLLM's default --max-lora-rank
+  REQUIRE(IsLanguageModelJob(job));
+  CHECK(All(AdapterConsumerWarnings(job)) ==
+        All(AdapterConsumerWarnings(AdapterFactsOf(job.lora))));
+  CHECK_FALSE(AdapterConsumerWarnings(job).empty());
+  job.is_qwen_image = true;  // ComfyUI and diffusers load it: vLLM's rules are not theirs
+  CHECK_FALSE(IsLanguageModelJob(job));
+  CHECK(AdapterConsumerWarnings(job).empty());
+  job.is_qwen_image = false;
+  job.is_flux = true;
+  CHECK_FALSE(IsLanguageModelJob(job));
+  CHECK(AdapterConsumerWarnings(job).empty());
 }

@@ -12,6 +12,7 @@
 #include "common/checkpoint_dir.h"
 #include "common/error.h"
 #include "common/job_data.h"
+#include "common/job_kind.h"
 #include "common/log.h"
 #include "common/manifest_tokenizer.h"
 #include "common/tokenizer_id.h"
@@ -356,7 +357,7 @@ std::vector<std::vector<at::Tensor>> Group::RunStep(const std::vector<FamilyJob*
 
 }  // namespace
 
-bool Accepts(const JobSpec& spec) { return !spec.is_flux && !spec.is_qwen_image; }
+bool Accepts(const JobSpec& spec) { return IsLanguageModelJob(spec); }
 
 std::unique_ptr<FamilyGroup> MakeGroup(const JobSpec& first, const TrainOptions& options,
                                        std::function<bool()> all_stop) {

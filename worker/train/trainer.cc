@@ -85,8 +85,7 @@ std::function<void(const StepStats&)> PrintProgress(std::string prefix) {
 
 // What the adapter's consumers require (common/adapter_consumers.h), on stderr.
 void WarnForConsumers(const JobSpec& spec) {
-  if (spec.is_flux || spec.is_qwen_image) return;  // the rules are for LLM adapters (vLLM's)
-  for (const std::string& w : AdapterConsumerWarnings(AdapterFactsOf(spec.lora)))
+  for (const std::string& w : AdapterConsumerWarnings(spec))
     std::fprintf(stderr, "%s: warning: %s\n", spec.name.c_str(), w.c_str());
 }
 
