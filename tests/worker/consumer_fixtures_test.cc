@@ -170,6 +170,11 @@ TEST_CASE(
         CHECK(names.count(name) == 1);
       }
   CHECK(names.size() == static_cast<size_t>(c.num_hidden_layers * 7 * 2));
+  // Its scale is alpha / r: the GGUF carries our adapter_config.json's lora_alpha.
+  const nlohmann::json config =
+      nlohmann::json::parse(std::ifstream(kDir + "/adapter/adapter_config.json"));
+  REQUIRE(l.contains("lora_alpha"));
+  CHECK(l["lora_alpha"].get<double>() == config["lora_alpha"].get<double>());
 }
 
 TEST_CASE(
