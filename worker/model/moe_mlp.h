@@ -37,6 +37,18 @@ struct MoeJob {
   double scale = 1.0;
 };
 
+// How the experts' GEMMs run. kPerExpert: one GEMM per expert and projection over its tokens
+// (every LibTorch, every device and dtype; on the CPU a job computes bit for bit what it
+// computes alone). kGrouped (CUDA, bf16, LibTorch >= 2.9): the routed tokens sorted by
+// expert (and job), each projection one grouped GEMM over every expert (at::_grouped_mm), the
+// jobs' low-rank terms likewise over (expert, job) groups, no host synchronisation; the
+// experts' outputs summed per token in slot order. kAuto: kGrouped where it runs, else
+// kPerExpert. The two agree to the rounding of the compute dtype (tests/gpu).
+enum class MoeGemms { kAuto, kPerExpert, kGrouped };
+
+// Whether kGrouped runs for x here (its device, its dtype, this LibTorch).
+bool GroupedMoeAvailable(const at::Tensor& x);
+
 // What a taped MoE pass keeps for its backward.
 struct MoeTape {
   // One expert's GEMMs over one run of tokens (every job's on CUDA, one job's on the CPU).
@@ -52,6 +64,16 @@ struct MoeTape {
     };
     std::vector<Part> parts;
   };
+  // Of a grouped pass: the routed slots (token * k + slot) sorted by (expert, job), their
+  // tokens, the int32 end offsets of each expert's and each (expert, job)'s run of them, the
+  // projections' outputs over the sorted slots and each adapted projection's x A^T [M, r].
+  struct Grouped {
+    at::Tensor order, tokens, expert_ends, group_ends;
+    at::Tensor gate, up, z, d;
+    std::array<at::Tensor, 3> u;
+  };
+  bool grouped = false;
+  Grouped g;
   at::Tensor logits;   // the router's logits as an f32 leaf [N, E] (autograd)
   at::Tensor chosen;   // the routing weights in f32 [N, k], a function of `logits`
   at::Tensor weights;  // the same in the compute dtype (detached)
@@ -62,10 +84,12 @@ struct MoeTape {
 // `jobs`; per_job_gemms: each job's tokens get their own GEMMs (the CPU in a group). With
 // `tape` null and grad mode on, autograd differentiates everything (the reference path).
 at::Tensor MoeForward(const at::Tensor& x, const BlockWeights& w, const ModelConfig& config,
-                      const std::vector<MoeJob>& jobs, bool per_job_gemms, MoeTape* tape);
+                      const std::vector<MoeJob>& jobs, bool per_job_gemms, MoeTape* tape,
+                      MoeGemms gemms = MoeGemms::kAuto);
 
 // dL/dx for the output gradient dy [N, H], each job's expert LoRA gradients (f32, zeros for
-// an expert no token of the job reached) into grads[j].experts. Consumes the tape.
+// an expert no token of the job reached) into grads[j].experts, by the GEMMs the forward
+// used. Consumes the tape.
 at::Tensor MoeBackward(MoeTape& tape, const at::Tensor& x, const BlockWeights& w,
                        const std::vector<MoeJob>& jobs, bool per_job_gemms, const at::Tensor& dy,
                        std::vector<LoraBlock>& grads);
