@@ -81,6 +81,14 @@ double RelErr(const at::Tensor& got, const at::Tensor& want) {
   return (got - want).abs().max().item<double>() / want.abs().max().item<double>();
 }
 
+// Our output against a consumer's: the same shape, within 1e-4 of its largest value (f32).
+void CheckMatches(const at::Tensor& ours, const at::Tensor& theirs) {
+  REQUIRE(theirs.sizes() == ours.sizes());
+  const double err = RelErr(ours, theirs);
+  INFO("relative error " << err);
+  CHECK(err <= 1e-4);
+}
+
 // The inputs, written by our code (run once, then committed).
 void WriteInputs() {
   std::filesystem::create_directories(kDir);
@@ -188,10 +196,7 @@ TEST_CASE("peft (PeftModel.from_pretrained) loads our adapter and computes our l
   c10::NoGradGuard no_grad;
   const at::Tensor ours = model.Logits(model.Hidden(ids, adapter, false, false, 0));
   const at::Tensor theirs = Read(peft, "logits").to(at::kFloat);
-  REQUIRE(theirs.sizes() == ours.sizes());
-  const double err = RelErr(ours, theirs);
-  INFO("relative error " << err);
-  CHECK(err <= 1e-4);
+  CheckMatches(ours, theirs);
 }
 
 TEST_CASE(
@@ -273,11 +278,7 @@ TEST_CASE(
       continue;
     }
     REQUIRE(e != nullptr);  // flux_consumers.json says why diffusers could not load it
-    const at::Tensor t = Read(theirs_path, key);
-    REQUIRE(t.sizes() == ours.sizes());
-    const double err = RelErr(ours, t);
-    INFO("relative error " << err);
-    CHECK(err <= 1e-4);
+    CheckMatches(ours, Read(theirs_path, key));
   }
 }
 
@@ -363,10 +364,6 @@ TEST_CASE(
     CHECK(r.at("not_in_file").empty());
     CHECK(r.at("max_value_diff").get<double>() == 0.0);  // the file's (converted) values, as read
     REQUIRE(theirs.Find(key) != nullptr);
-    const at::Tensor t = Read(theirs_path, key);
-    REQUIRE(t.sizes() == ours.sizes());
-    const double err = RelErr(ours, t);
-    INFO("relative error " << err);
-    CHECK(err <= 1e-4);
+    CheckMatches(ours, Read(theirs_path, key));
   }
 }
