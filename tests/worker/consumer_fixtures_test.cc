@@ -10,6 +10,11 @@
 // tests/fixtures/flux/flux_d1s2_model (made here, committed), and diffusers' transformer output
 // with each loaded as FluxPipeline.load_lora_weights loads it (the script's
 // diffusers_output.safetensors).
+// And for Qwen-Image (tests/fixtures/consumers/qwen_image/): our ComfyUI and diffusers files for
+// tests/fixtures/qwen_image/qi_l2_model (made here, committed:
+// LORASTREAM_WRITE_CONSUMER_INPUTS=1 build/bin/worker_tests "[qwen_image][consumers]"), and
+// diffusers' transformer output with each loaded as QwenImagePipeline.load_lora_weights loads
+// it (the script's diffusers_output.safetensors and qwen_image_consumers.json).
 // Until the outputs exist the checks say so and pass.
 #include "torch_catch.h"  // first: see there
 
@@ -23,6 +28,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/qwen_image_cache.h"
+#include "common/qwen_image_config.h"
 #include "common/safetensors.h"
 #include "common/step_stats.h"
 #include "store/synth.h"
@@ -30,9 +37,15 @@
 #include "worker/flux/flux_base.h"
 #include "worker/flux/flux_model.h"
 #include "worker/model/base_weights.h"
+#include "worker/model/flow_match.h"
 #include "worker/model/lora.h"
 #include "worker/model/model.h"
+#include "worker/qwen_image/qwen_image_adapter_io.h"
+#include "worker/qwen_image/qwen_image_base.h"
+#include "worker/qwen_image/qwen_image_data.h"
+#include "worker/qwen_image/qwen_image_model.h"
 #include "worker/stream/resident_provider.h"
+#include "worker/train/adamw.h"
 #include "worker_test_util.h"
 
 using namespace lorastream;
@@ -46,6 +59,12 @@ const std::string kFluxModel =
     std::string(LORASTREAM_SOURCE_DIR) + "/tests/fixtures/flux/flux_d1s2_model.safetensors";
 const std::string kFluxCase =
     std::string(LORASTREAM_SOURCE_DIR) + "/tests/fixtures/flux/flux_d1s2_case.safetensors";
+const std::string kQwenDir =
+    std::string(LORASTREAM_SOURCE_DIR) + "/tests/fixtures/consumers/qwen_image";
+const std::string kQwenModel =
+    std::string(LORASTREAM_SOURCE_DIR) + "/tests/fixtures/qwen_image/qi_l2_model.safetensors";
+const std::string kQwenCase =
+    std::string(LORASTREAM_SOURCE_DIR) + "/tests/fixtures/qwen_image/qi_l2_case.safetensors";
 
 at::Tensor Read(const std::string& path, const std::string& name) {
   const SafetensorsFile f = SafetensorsFile::Open(path);
@@ -55,6 +74,19 @@ at::Tensor Read(const std::string& path, const std::string& name) {
       e->dtype == DType::kI64 ? at::kLong : ScalarTypeOf(e->dtype, name);  // token ids
   return at::from_blob(const_cast<uint8_t*>(f.Data(*e)), e->shape, at::TensorOptions().dtype(type))
       .clone();
+}
+
+// max |got - want| relative to max |want|.
+double RelErr(const at::Tensor& got, const at::Tensor& want) {
+  return (got - want).abs().max().item<double>() / want.abs().max().item<double>();
+}
+
+// Our output against a consumer's: the same shape, within 1e-4 of its largest value (f32).
+void CheckMatches(const at::Tensor& ours, const at::Tensor& theirs) {
+  REQUIRE(theirs.sizes() == ours.sizes());
+  const double err = RelErr(ours, theirs);
+  INFO("relative error " << err);
+  CHECK(err <= 1e-4);
 }
 
 // The inputs, written by our code (run once, then committed).
@@ -110,6 +142,36 @@ void WriteFluxInputs() {
   SaveDiffusersAdapter(adapter, base.config(), kFluxDir + "/pytorch_lora_weights.safetensors");
 }
 
+// Our Qwen-Image files for qi_l2 (rank 4, alpha 8, musubi-tuner's default targets: every linear
+// of a block but the modulations), trained by our code from its initialisation (A drawn, B
+// zero): 5 AdamW steps (lr 1e-2) on two random cached images, as a short job trains.
+void WriteQwenImageInputs() {
+  using namespace lorastream::worker::qwen_image;
+  std::filesystem::create_directories(kQwenDir);
+  const QwenImageBase base = QwenImageBase::Load(kQwenModel, at::kFloat, at::kCPU);
+  const QwenImageConfig& cfg = base.config();
+  testing::TempDir caches("qwen-image-consumer-caches");
+  WriteQwenImageCacheFiles(caches.str(), "cat", 32, 32, 5, cfg.joint_attention_dim, 1);
+  WriteQwenImageCacheFiles(caches.str(), "dog", 32, 32, 3, cfg.joint_attention_dim, 2);
+  const QwenImageDataset data(caches.str(), cfg);
+  auto engine = base.MakeEngine(0, 1, at::kCPU);
+  QwenImageModel model(cfg, base.rest(), engine.get(), at::kCPU, at::kFloat);
+  QwenImageAdapter adapter(cfg, QwenImageTargets({"default"}, "fixture"), 4, 8.0, 40, at::kCPU);
+  AdamW optimizer(adapter.Params(), AdamWOptions{});
+  for (int64_t step = 0; step < 5; ++step) {
+    const QwenImageStepInput in = MakeQwenImageStep(data.Batch(step, 2, 0), 0, step,
+                                                    {"shift", 1.0, 2.2}, at::kCPU, at::kFloat);
+    engine->BeginStep();
+    const at::Tensor loss = dit::FlowLoss(model.Forward(in.batch, adapter, true), in.target);
+    loss.backward();
+    StepStats stats;
+    engine->EndStep(stats);
+    optimizer.Step(1e-2);
+    optimizer.ZeroGrad();
+  }
+  SaveQwenImageAdapters(adapter, kQwenDir);
+}
+
 }  // namespace
 
 TEST_CASE("peft (PeftModel.from_pretrained) loads our adapter and computes our logits",
@@ -134,10 +196,7 @@ TEST_CASE("peft (PeftModel.from_pretrained) loads our adapter and computes our l
   c10::NoGradGuard no_grad;
   const at::Tensor ours = model.Logits(model.Hidden(ids, adapter, false, false, 0));
   const at::Tensor theirs = Read(peft, "logits").to(at::kFloat);
-  REQUIRE(theirs.sizes() == ours.sizes());
-  const double err = (ours - theirs).abs().max().item<double>() / theirs.abs().max().item<double>();
-  INFO("relative error " << err);
-  CHECK(err <= 1e-4);
+  CheckMatches(ours, theirs);
 }
 
 TEST_CASE(
@@ -224,10 +283,92 @@ TEST_CASE(
       continue;
     }
     REQUIRE(e != nullptr);  // flux_consumers.json says why diffusers could not load it
-    const at::Tensor t = Read(theirs_path, key);
-    REQUIRE(t.sizes() == ours.sizes());
-    const double err = (ours - t).abs().max().item<double>() / t.abs().max().item<double>();
-    INFO("relative error " << err);
-    CHECK(err <= 1e-4);
+    CheckMatches(ours, Read(theirs_path, key));
+  }
+}
+
+TEST_CASE(
+    "diffusers (QwenImagePipeline.load_lora_weights' loaders) loads our Qwen-Image files and "
+    "computes our output",
+    "[worker][qwen_image][consumers]") {
+  using namespace lorastream::worker::qwen_image;
+  if (std::getenv("LORASTREAM_WRITE_CONSUMER_INPUTS")) {
+    WriteQwenImageInputs();
+    WARN("wrote our Qwen-Image adapter files into " << kQwenDir);
+    return;
+  }
+  const std::string comfy = kQwenDir + "/" + kComfyAdapterFile;
+  const std::string ours_diffusers = kQwenDir + "/" + kQwenDiffusersAdapterFile;
+  REQUIRE(std::filesystem::exists(comfy));
+  REQUIRE(std::filesystem::exists(ours_diffusers));
+  const QwenImageBase base = QwenImageBase::Load(kQwenModel, at::kFloat, at::kCPU);
+  const QwenImageConfig& cfg = base.config();
+  // Our loader, as init_from reads a file: its rank, alpha and targets, then its weights.
+  const dit::DownUpAdapterInfo info = ReadComfyAdapterInfo(comfy, cfg);
+  const std::vector<std::string> targets = QwenImageTargets(info.targets, comfy);
+  // What docs/ADAPTERS.md says the fixture is: rank 4, alpha 8, musubi-tuner's default targets.
+  CHECK(info.rank == 4);
+  CHECK(info.alpha == 8.0);
+  CHECK(targets == QwenImageTargets({"default"}, "test"));
+  QwenImageAdapter adapter(cfg, targets, info.rank, info.alpha, 0, at::kCPU);
+  LoadComfyAdapter(comfy, adapter);
+  // The diffusers file holds the same adapter (A, and B times alpha / r): our output is each
+  // file's.
+  CHECK(SafetensorsFile::Open(ours_diffusers).tensors().size() == 2 * adapter.modules().size());
+  for (const auto& [module, m] : adapter.modules()) {
+    INFO(module);
+    CHECK(at::equal(Read(ours_diffusers, "transformer." + module + ".lora_A.weight"), m.a));
+    CHECK(at::allclose(Read(ours_diffusers, "transformer." + module + ".lora_B.weight"),
+                       m.b * adapter.scale()));
+  }
+  const std::string theirs_path = kQwenDir + "/diffusers_output.safetensors";
+  if (!std::filesystem::exists(theirs_path)) {
+    WARN(theirs_path << " is not made yet: on the CUDA machine run tools/gpu/consumer_fixtures.py "
+                        "with diffusers' src on PYTHONPATH");
+    return;
+  }
+  const std::string report_path = kQwenDir + "/qwen_image_consumers.json";
+  INFO(testing::ReadFile(report_path));
+  const nlohmann::json report = nlohmann::json::parse(std::ifstream(report_path));
+  QwenImageBatch b;
+  b.img = Read(kQwenCase, "img");
+  b.txt = Read(kQwenCase, "txt");
+  b.timesteps = Read(kQwenCase, "timesteps");
+  REQUIRE(Read(kQwenCase, "use_mask").item<float>() < 0.5f);  // the script passes no mask
+  const at::Tensor grid = Read(kQwenCase, "grid");
+  b.grid_h = static_cast<int64_t>(grid[0].item<float>());
+  b.grid_w = static_cast<int64_t>(grid[1].item<float>());
+  auto engine = base.MakeEngine(0, 1, at::kCPU);
+  QwenImageModel model(cfg, base.rest(), engine.get(), at::kCPU, at::kFloat);
+  c10::NoGradGuard no_grad;
+  const auto forward = [&](const QwenImageAdapter& a) {
+    engine->BeginStep();
+    at::Tensor out = model.Forward(b, a, false);
+    StepStats stats;
+    engine->EndStep(stats);
+    return out;
+  };
+  const at::Tensor ours = forward(adapter);
+  // The same modules with B zero (our initialisation): the model without the adapter, which the
+  // script ran too. The adapter moves the output far beyond the bound below, so an adapter lost
+  // on diffusers' side cannot pass.
+  const at::Tensor without =
+      forward(QwenImageAdapter(cfg, targets, info.rank, info.alpha, 0, at::kCPU));
+  CHECK(RelErr(without, Read(theirs_path, "without_adapter")) <= 1e-4);
+  CHECK(RelErr(ours, without) > 1e-2);
+  const SafetensorsFile theirs = SafetensorsFile::Open(theirs_path);
+  const size_t keys = 2 * adapter.modules().size();
+  for (const char* key : {"from_diffusers_file", "from_comfy_file"}) {
+    INFO(key);
+    REQUIRE(report.contains(key));
+    const nlohmann::json& r = report[key];
+    REQUIRE(r.value("ok", false));  // else r["error"] says why diffusers refused the file
+    CHECK(r.at("keys").get<size_t>() == keys);
+    CHECK(r.at("loaded").get<size_t>() == keys);
+    CHECK(r.at("unloaded").empty());
+    CHECK(r.at("not_in_file").empty());
+    CHECK(r.at("max_value_diff").get<double>() == 0.0);  // the file's (converted) values, as read
+    REQUIRE(theirs.Find(key) != nullptr);
+    CheckMatches(ours, Read(theirs_path, key));
   }
 }
