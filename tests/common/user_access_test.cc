@@ -188,6 +188,32 @@ TEST_CASE("AccessProblem walks every component with the user's ids and groups", 
   flux.model.checkpoint = secret_file;  // mirrored, as ParseJobSpec does
   CHECK_THROWS_WITH(CheckJobPathsAs(flux, who),
                     Catch::Contains("key `flux.checkpoint` (" + secret_file + ")"));
+
+  // A Qwen-Image job's caches (the folder and each file in it) under `qwen_image.cache_dir`,
+  // its single-file checkpoint under `model.checkpoint`.
+  JobSpec qwen;
+  qwen.source = "qwen.toml";
+  qwen.is_qwen_image = true;
+  qwen.qwen_image.cache_dir = box.Make("mine/qcache", 0755, true, who.uid, who.gid);
+  box.Make("mine/qcache/cat_1024x1024_qi.safetensors", 0644, false, who.uid, who.gid);
+  qwen.model.checkpoint =
+      box.Make("mine/qwen_image_bf16.safetensors", 0644, false, who.uid, who.gid);
+  qwen.train.output_dir = box.dir + "/mine/qwen-out";
+  CHECK_NOTHROW(CheckJobPathsAs(qwen, who));
+  fs::create_symlink(secret_file, qwen.qwen_image.cache_dir + "/cat_qi_te.safetensors");
+  CHECK_THROWS_WITH(CheckJobPathsAs(qwen, who),
+                    Catch::Contains("qwen.toml: key `qwen_image.cache_dir` (" +
+                                    qwen.qwen_image.cache_dir + "/cat_qi_te.safetensors)") &&
+                        Catch::Contains("stranger (uid 54321)"));
+  fs::remove(qwen.qwen_image.cache_dir + "/cat_qi_te.safetensors");
+  const std::string root_cache = box.Make("secret/qcache", 0755, true);
+  qwen.qwen_image.cache_dir = root_cache;  // behind root's 0700 folder
+  CHECK_THROWS_WITH(CheckJobPathsAs(qwen, who),
+                    Catch::Contains("key `qwen_image.cache_dir` (" + root_cache + ")"));
+  qwen.qwen_image.cache_dir = box.dir + "/mine/qcache";
+  qwen.model.checkpoint = secret_file;
+  CHECK_THROWS_WITH(CheckJobPathsAs(qwen, who),
+                    Catch::Contains("key `model.checkpoint` (" + secret_file + ")"));
 }
 
 TEST_CASE("ActingAs: this thread opens and creates as the user; links lead only where it may go",
