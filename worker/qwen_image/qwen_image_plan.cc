@@ -1,5 +1,10 @@
 #include "worker/qwen_image/qwen_image_plan.h"
 
+#include <algorithm>
+#include <tuple>
+
+#include "common/qwen_image_cache.h"
+
 namespace lorastream::worker::qwen_image {
 
 DitMemoryModel QwenImageMemoryModel(const QwenImageMemoryInputs& in) {
@@ -39,6 +44,30 @@ int64_t QwenImageLoraParams(const QwenImageConfig& config, const std::vector<std
     for (const auto& [name, shape] : shapes)
       if (name == t + ".weight") n += config.num_layers * rank * (shape[0] + shape[1]);
   return n;
+}
+
+std::pair<int64_t, int64_t> QwenImageCacheTokens(const std::string& dir,
+                                                 const QwenImageConfig& config) {
+  int64_t image = 0, text = 0;
+  for (const QwenImageCacheItem& item : ScanQwenImageCache(dir)) {
+    const QwenImageCacheCheck c =
+        CheckQwenImageCache(item, config.out_channels, config.joint_attention_dim);
+    image = std::max(image, (c.latent_h / config.patch_size) * (c.latent_w / config.patch_size));
+    text = std::max(text, c.txt_len);
+  }
+  return {image, text};
+}
+
+DitJob QwenImageDitJob(const JobSpec& spec, const QwenImageConfig& config) {
+  DitJob job;
+  job.name = spec.name;
+  job.lora_params = QwenImageLoraParams(
+      config, QwenImageTargets(spec.lora.targets, spec.source + ": key `lora.targets`"),
+      spec.lora.rank);
+  job.batch = spec.train.batch_size;
+  std::tie(job.image_tokens, job.text_tokens) =
+      QwenImageCacheTokens(spec.qwen_image.cache_dir, config);
+  return job;
 }
 
 PlanChoice ChooseQwenImagePlan(const QwenImageMemoryInputs& in, const StepCosts& costs,

@@ -45,8 +45,10 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "common/job_spec.h"
 #include "common/qwen_image_config.h"
 #include "worker/stream/dit_plan.h"
 #include "worker/stream/stream_cost.h"
@@ -76,6 +78,16 @@ DitMemoryEstimate EstimateQwenImageMemory(const QwenImageMemoryInputs& in,
 // (targets block-relative, as QwenImageTargets returns them).
 int64_t QwenImageLoraParams(const QwenImageConfig& config, const std::vector<std::string>& targets,
                             int64_t rank);
+
+// The most tokens a step of cache folder `dir` has, from its files' headers: the largest
+// bucket's image tokens ((h / 2) (w / 2) of its latent) and the longest caption's text tokens.
+// A file CheckQwenImageCache refuses is refused naming it.
+std::pair<int64_t, int64_t> QwenImageCacheTokens(const std::string& dir,
+                                                 const QwenImageConfig& config);
+
+// A job's shape for the estimate: its adapter (lora.rank and lora.targets as the job file
+// gives them), train.batch_size latents of its cache's most tokens.
+DitJob QwenImageDitJob(const JobSpec& spec, const QwenImageConfig& config);
 
 // The least streaming that fits `budget_bytes` as the cost model predicts it (ChooseDitPlan).
 PlanChoice ChooseQwenImagePlan(const QwenImageMemoryInputs& in, const StepCosts& costs,

@@ -1,5 +1,6 @@
 #include "worker/stream/dit_plan.h"
 
+#include <cstdio>
 #include <sstream>
 
 #include "common/error.h"
@@ -203,6 +204,49 @@ PlanChoice ChooseDitPlan(const DitMemoryModel& m, const DitJob& job,
     choice.candidates.push_back(all[k]);
   }
   return choice;
+}
+
+std::string DescribeDitPlanning(const DitMemoryModel& m, const DitJob& job,
+                                const std::vector<DitJob>& group, const PlanChoice& choice,
+                                const StepCosts& costs, uint64_t budget) {
+  std::ostringstream s;
+  const double bw = costs.h2d_bytes_per_second;
+  s << (budget > 0 ? "budget " + FormatBytes(budget) : std::string("no budget: the job's plan"))
+    << "; H2D " << bw / 1e9 << " GB/s\n";
+  s << "  plan                                   resident  predicted ms  copied GB  floor ms  "
+       "stall ms  peak GiB  fits\n";
+  for (int i = 0; i < static_cast<int>(choice.candidates.size()); ++i) {
+    const CandidatePlan& c = choice.candidates[i];
+    char line[256];
+    std::snprintf(line, sizeof line, "%s %-38s %8d  %12.1f  %9.2f  %8.1f  %8.1f  %8.2f  %s\n",
+                  i == choice.chosen ? "*" : " ", DitPlanLabel(m, c.plan).c_str(),
+                  c.plan.num_blocks() - c.plan.num_streamed(), c.predicted.step_seconds * 1e3,
+                  c.predicted.h2d_bytes / 1e9, bw > 0 ? c.predicted.h2d_bytes / bw * 1e3 : 0.0,
+                  c.predicted.stall_seconds * 1e3, c.peak_bytes / double(1ULL << 30),
+                  c.fits ? "yes" : "no");
+    s << line;
+  }
+  if (choice.chosen >= 0) {
+    const CandidatePlan& c = choice.candidates[choice.chosen];
+    const ResidencyPlan resident = DitResidency(m, std::vector<int>(Kinds(m), 0), 1);
+    const double resident_s = PredictStep(resident, m.unit_bytes, costs).step_seconds;
+    const double floor_s = bw > 0 ? c.predicted.h2d_bytes / bw : 0.0;
+    char line[512];
+    std::snprintf(line, sizeof line,
+                  "chosen: %s; predicted %.1f ms per step, PCIe floor %.1f ms, resident step "
+                  "%.1f ms (resident peak %.2f GiB)\n",
+                  DitPlanLabel(m, c.plan).c_str(), c.predicted.step_seconds * 1e3, floor_s * 1e3,
+                  resident_s * 1e3,
+                  EstimateDitMemory(m, job, group, resident).total() / double(1ULL << 30));
+    s << line << "estimate: " << EstimateDitMemory(m, job, group, c.plan).Describe() << "\n";
+    std::snprintf(line, sizeof line,
+                  "plan-summary streamed=%d ring=%d predicted_ms=%.3f floor_ms=%.3f "
+                  "resident_ms=%.3f peak_gib=%.3f\n",
+                  c.plan.num_streamed(), c.plan.ring_size, c.predicted.step_seconds * 1e3,
+                  floor_s * 1e3, resident_s * 1e3, c.peak_bytes / double(1ULL << 30));
+    s << line;
+  }
+  return s.str();
 }
 
 }  // namespace lorastream::worker

@@ -120,4 +120,12 @@ PlanChoice ChooseDitPlan(const DitMemoryModel& m, const DitJob& job,
 // "swap 20 (double 4, single 16) ring 2" (several kinds), "swap 20 ring 2" (one).
 std::string DitPlanLabel(const DitMemoryModel& m, const ResidencyPlan& plan);
 
+// A planning's table: the budget ("no budget: the job's plan" for 0) and the bandwidth; per
+// candidate its label, resident units, predicted step, copied bytes and their PCIe floor
+// (bytes / bandwidth), stall, estimated peak and whether it fits; the chosen plan, its
+// prediction and the resident step's; its estimate (Describe()); a plan-summary line.
+std::string DescribeDitPlanning(const DitMemoryModel& m, const DitJob& job,
+                                const std::vector<DitJob>& group, const PlanChoice& choice,
+                                const StepCosts& costs, uint64_t budget);
+
 }  // namespace lorastream::worker
