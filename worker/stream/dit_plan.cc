@@ -206,6 +206,25 @@ PlanChoice ChooseDitPlan(const DitMemoryModel& m, const DitJob& job,
   return choice;
 }
 
+PlanChoice PlanDitJob(const DitMemoryModel& m, const DitJob& job, const std::vector<DitJob>& group,
+                      const StepCosts& costs, uint64_t budget_bytes, const ResidencyPlan& hand) {
+  if (budget_bytes > 0) {
+    if (!group.empty())
+      if (const std::string why = DitGroupBudgetRefusal(m, job, group, budget_bytes); !why.empty())
+        throw Error(ErrorCode::kRefused, why);
+    return ChooseDitPlan(m, job, group, costs, budget_bytes);
+  }
+  PlanChoice choice;
+  CandidatePlan c;
+  c.plan = hand;
+  c.peak_bytes = EstimateDitMemory(m, job, group, c.plan).total();
+  c.fits = true;
+  c.predicted = PredictStep(c.plan, m.unit_bytes, costs);
+  choice.candidates.push_back(c);
+  choice.chosen = 0;
+  return choice;
+}
+
 std::string DescribeDitPlanning(const DitMemoryModel& m, const DitJob& job,
                                 const std::vector<DitJob>& group, const PlanChoice& choice,
                                 const StepCosts& costs, uint64_t budget) {

@@ -117,6 +117,13 @@ PlanChoice ChooseDitPlan(const DitMemoryModel& m, const DitJob& job,
                          const std::vector<DitJob>& group, const StepCosts& costs,
                          uint64_t budget_bytes, int max_ring = 3);
 
+// A job's plan: within `budget_bytes` (> 0) ChooseDitPlan's choice, a group (`group` not empty)
+// that does not fit even its smallest plan refused first naming the job (DitGroupBudgetRefusal,
+// Error kRefused); without a budget `hand` (the job file's plan) as the one candidate, with its
+// estimate and prediction.
+PlanChoice PlanDitJob(const DitMemoryModel& m, const DitJob& job, const std::vector<DitJob>& group,
+                      const StepCosts& costs, uint64_t budget_bytes, const ResidencyPlan& hand);
+
 // "swap 20 (double 4, single 16) ring 2" (several kinds), "swap 20 ring 2" (one).
 std::string DitPlanLabel(const DitMemoryModel& m, const ResidencyPlan& plan);
 
