@@ -299,18 +299,20 @@ TEST_CASE(
                              " is below the smallest plan's estimate") &&
                  Catch::Contains(FormatBytes(minimum)));
 
-  // A group planned within the budget for A: B does not fit beside it and waits, naming the
-  // figures; within a budget that holds both, and without a budget, it joins.
+  // A group planned for A within A's minimum (every block streamed): B does not fit beside it
+  // and waits, naming the figures; within a budget that holds both, and without a budget, it
+  // joins.
   TrainOptions options;
   options.device = "cpu";
-  const JobSpec b = Spec(JobB(d, d + "/b", budget));
+  const std::string tight = "[stream]\ngpu_memory_budget = " + std::to_string(minimum) + "\n";
+  const JobSpec b = Spec(JobB(d, d + "/b", tight));
   {
     const auto group =
-        MakeFamilyGroup(Spec(JobA(d, d + "/ga", budget)), options, [] { return false; });
+        MakeFamilyGroup(Spec(JobA(d, d + "/ga", tight)), options, [] { return false; });
     const std::string why = group->JoinRefusal({b});
     CHECK_THAT(why, Catch::Contains("job b does not fit beside the group's 1 job(s)") &&
                         Catch::Contains("exceeds the plan's budget (stream.gpu_memory_budget), " +
-                                        FormatBytes(peak - 1)));
+                                        FormatBytes(minimum)));
   }
   {
     const std::string roomy = "[stream]\ngpu_memory_budget = \"64GiB\"\n";
