@@ -231,8 +231,7 @@ JobSpec ParseJobSpec(const std::string& toml_text, const std::string& source) {
     for (const char* k :
          {"blocks_to_swap", "ring_size", "forward_slots", "backward_slots", "taped_blocks"})
       hand_plan = hand_plan || st.Has(k);
-    // A Qwen-Image job is not planned from a budget: without a plan it is resident.
-    s.stream.budget_auto = !hand_plan && !s.is_qwen_image;
+    s.stream.budget_auto = !hand_plan;
   }
   if (s.is_qwen_image) s.qwen_image = ParseQwenImageSection(doc.Section("qwen_image"));
   return s;
@@ -418,10 +417,6 @@ std::vector<std::string> QwenImageSharedProblems(const JobSpec& s, const std::st
   if (s.train.keep_best)
     p.push_back(key("train.keep_best") +
                 "needs an evaluation set, which a Qwen-Image job does not have");
-  if (s.stream.gpu_memory_budget > 0 || s.stream.budget_auto)
-    p.push_back(key("stream.gpu_memory_budget") +
-                "is not read for a Qwen-Image job yet (it is not planned from a budget): set "
-                "stream.blocks_to_swap");
   for (const auto& [name, value] :
        {std::pair<const char*, int64_t>{"stream.forward_slots", s.stream.forward_slots},
         {"stream.backward_slots", s.stream.backward_slots},

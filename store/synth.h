@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "common/dtype.h"
 #include "common/model_config.h"
@@ -41,8 +42,9 @@ struct SynthOptions {
   // FLUX presets: "bfl" (OUT/flux1.safetensors) or "diffusers" (OUT/transformer/: config.json
   // and diffusion_pytorch_model shards, FluxTransformer2DModel's names; the same weights).
   std::string flux_format = "bfl";
-  // --flux-caches: one image of this many pixels ("1024x1024", width x height, multiples of
-  // 16) instead of the demo's three; and the T5 tokens per caption.
+  // --caches of a FLUX or Qwen-Image preset: one image of this many pixels ("1024x1024",
+  // width x height, multiples of 16) instead of the demo's three; and the text tokens of its
+  // caption (FLUX: T5's).
   std::string flux_cache_pixels;
   int64_t flux_text_tokens = 8;
   // Qwen-Image presets: "comfyui" (OUT/qwen_image.safetensors, bare names),
@@ -57,6 +59,10 @@ struct SynthResult {
 };
 
 SynthResult RunSynth(const SynthOptions& options);
+
+// SynthOptions::flux_cache_pixels as (width, height); Error(kInvalidArgument) naming
+// --flux-cache-size unless WIDTHxHEIGHT in positive multiples of 16.
+std::pair<int64_t, int64_t> CacheImagePixels(const std::string& pixels);
 
 // Rewrites the checkpoint in `dir` as a pre-quantised upload stores it, with the store's own
 // quantisation (store/quantize.h): "fp8" (quant_method "fp8", weight_block_size [128, 128]:

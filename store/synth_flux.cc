@@ -216,25 +216,29 @@ void WriteFluxDemoCaches(const SynthOptions& options, const std::string& dir) {
   if (shape.txt_len < 1)
     throw Error(ErrorCode::kInvalidArgument, "--flux-text-tokens must be at least 1");
   if (!options.flux_cache_pixels.empty()) {
-    const std::string& p = options.flux_cache_pixels;
-    const size_t x = p.find('x');
-    int64_t w = 0, h = 0;
-    try {
-      if (x == std::string::npos) throw std::invalid_argument(p);
-      w = std::stoll(p.substr(0, x));
-      h = std::stoll(p.substr(x + 1));
-    } catch (const std::exception&) {
-      w = h = 0;
-    }
-    if (w <= 0 || h <= 0 || w % 16 != 0 || h % 16 != 0)
-      throw Error(ErrorCode::kInvalidArgument,
-                  "--flux-cache-size `" + p + "`: WIDTHxHEIGHT in pixels, multiples of 16");
+    const auto [w, h] = CacheImagePixels(options.flux_cache_pixels);
     WriteFluxCacheFiles(dir, "image", w, h, shape, options.seed + 1);
     return;
   }
   WriteFluxCacheFiles(dir, "cat", 32, 32, shape, options.seed + 1);
   WriteFluxCacheFiles(dir, "dog", 32, 32, shape, options.seed + 2);
   WriteFluxCacheFiles(dir, "wide", 48, 32, shape, options.seed + 3);
+}
+
+std::pair<int64_t, int64_t> CacheImagePixels(const std::string& p) {
+  const size_t x = p.find('x');
+  int64_t w = 0, h = 0;
+  try {
+    if (x == std::string::npos) throw std::invalid_argument(p);
+    w = std::stoll(p.substr(0, x));
+    h = std::stoll(p.substr(x + 1));
+  } catch (const std::exception&) {
+    w = h = 0;
+  }
+  if (w <= 0 || h <= 0 || w % 16 != 0 || h % 16 != 0)
+    throw Error(ErrorCode::kInvalidArgument,
+                "--flux-cache-size `" + p + "`: WIDTHxHEIGHT in pixels, multiples of 16");
+  return {w, h};
 }
 
 }  // namespace lorastream::store

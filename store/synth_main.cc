@@ -49,10 +49,11 @@ int main(int argc, char** argv) {
                  "musubi-tuner's for Qwen-Image; three images, two buckets) of the preset's "
                  "widths into this folder, for a demo job");
   app.add_option("--flux-cache-size", o.flux_cache_pixels,
-                 "with --caches (FLUX): one image of WIDTHxHEIGHT pixels (1024x1024: 4096 image "
-                 "tokens) instead of the demo's three");
+                 "with --caches (FLUX, Qwen-Image): one image of WIDTHxHEIGHT pixels (1024x1024: "
+                 "4096 image tokens) instead of the demo's three");
   app.add_option("--flux-text-tokens", o.flux_text_tokens,
-                 "with --caches (FLUX): T5 tokens per caption (FLUX.1-dev trains with 512)")
+                 "with --caches and --flux-cache-size: text tokens per caption (FLUX.1-dev's T5: "
+                 "512)")
       ->capture_default_str();
   return RunMain("lorastream-synth", app, argc, argv, [&] {
     InitLogging("synth");

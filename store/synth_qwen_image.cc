@@ -85,6 +85,14 @@ void WriteQwenImageDemoCaches(const SynthOptions& options, const std::string& pr
   DType dtype;
   const QwenImageConfig c = LoadQwenImagePreset(preset_path, &dtype);
   std::filesystem::create_directories(dir);
+  if (!options.flux_cache_pixels.empty()) {  // one image of that size, its caption's tokens
+    if (options.flux_text_tokens < 1)
+      throw Error(ErrorCode::kInvalidArgument, "--flux-text-tokens must be at least 1");
+    const auto [w, h] = CacheImagePixels(options.flux_cache_pixels);
+    WriteQwenImageCacheFiles(dir, "image", w, h, options.flux_text_tokens, c.joint_attention_dim,
+                             options.seed + 1);
+    return;
+  }
   WriteQwenImageCacheFiles(dir, "cat", 32, 32, 5, c.joint_attention_dim, options.seed + 1);
   WriteQwenImageCacheFiles(dir, "dog", 32, 32, 3, c.joint_attention_dim, options.seed + 2);
   WriteQwenImageCacheFiles(dir, "wide", 48, 32, 4, c.joint_attention_dim, options.seed + 3);

@@ -21,7 +21,8 @@ QwenImageConfig LoadQwenImagePreset(const std::string& path, DType* dtype);
 SynthResult RunSynthQwenImage(const SynthOptions& options, const std::string& preset_path);
 // Random musubi-tuner-style caches for a demo job into `dir`: three images in two buckets
 // (32x32 "cat" and "dog" with captions of 5 and 3 tokens, 48x32 "wide" with 4), of the
-// preset's text width.
+// preset's text width; with options.flux_cache_pixels one image of that size whose caption
+// has options.flux_text_tokens tokens.
 void WriteQwenImageDemoCaches(const SynthOptions& options, const std::string& preset_path,
                               const std::string& dir);
 

@@ -313,8 +313,17 @@ TEST_CASE(
   CHECK(s.qwen_image.discrete_flow_shift == 2.2);
   CHECK(s.lora.targets == std::vector<std::string>{"default"});
   CHECK(s.train.output_dir == "/jobs/out");
-  CHECK(!s.stream.budget_auto);  // not planned from a budget: resident unless blocks_to_swap
+  // As every job: planned within the GPU's free memory unless [stream] names a plan; a
+  // budget given is read.
+  CHECK(s.stream.budget_auto);
   CHECK(ValidateJobSpec(s).empty());
+  for (const char* budget : {"\"24GiB\"", "\"auto\""}) {
+    const JobSpec b =
+        ParseJobSpec(text + "[stream]\ngpu_memory_budget = " + budget + "\n", "q.toml");
+    CHECK(ValidateJobSpec(b).empty());
+    CHECK((b.stream.budget_auto || b.stream.gpu_memory_budget == (uint64_t{24} << 30)));
+  }
+  CHECK(!ParseJobSpec(text + "[stream]\nblocks_to_swap = 1\n", "q.toml").stream.budget_auto);
   const JobSpec back = ParseJobSpec(JobSpecToToml(s), s.source);
   CHECK(back.is_qwen_image);
   CHECK(JobSpecToToml(back) == JobSpecToToml(s));
@@ -332,18 +341,16 @@ TEST_CASE(
   bad.lora.targets = {"attn.to_q", "nope"};
   bad.lora.dropout = 0.1;
   bad.train.grad_accum = 2;
-  bad.stream.gpu_memory_budget = 1 << 30;
   bad.stream.taped_blocks = 1;
   bad.qwen_image.timestep_sampling = "flux_shift";
   bad.qwen_image.cache_dir.clear();
   const auto problems = ValidateJobSpec(bad);
-  CHECK(problems.size() == 8);
+  CHECK(problems.size() == 7);
   CHECK(Mentions(problems, "key `model.checkpoint` " + configs +
                                "/jobs/flux_tiny.toml: not a .safetensors file"));
   CHECK(Mentions(problems, "`nope`"));
   CHECK(Mentions(problems, "key `lora.dropout` must be 0 for a Qwen-Image job"));
   CHECK(Mentions(problems, "key `train.grad_accum` must be 1"));
-  CHECK(Mentions(problems, "key `stream.gpu_memory_budget` is not read for a Qwen-Image job"));
   CHECK(Mentions(problems, "key `stream.taped_blocks` must be 0"));
   CHECK(Mentions(problems, "key `qwen_image.timestep_sampling` must be uniform, sigmoid, shift"));
   CHECK(Mentions(problems, "key `qwen_image.cache_dir` is required"));

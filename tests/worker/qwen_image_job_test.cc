@@ -9,16 +9,22 @@
 #include <fstream>
 #include <map>
 
+#include "common/device.h"
+#include "common/dtype.h"
 #include "common/error.h"
+#include "common/format_bytes.h"
 #include "common/job_group.h"
 #include "common/job_spec.h"
 #include "common/qwen_image_cache.h"
+#include "common/qwen_image_config.h"
 #include "common/qwen_image_layout.h"
 #include "common/subprocess.h"
 #include "tests/support/flux_cache_files.h"
 #include "tests/support/test_support.h"
 #include "tests/worker/worker_test_util.h"
+#include "worker/model/base_weights.h"
 #include "worker/qwen_image/qwen_image_adapter_io.h"
+#include "worker/qwen_image/qwen_image_calibrate.h"
 #include "worker/train/family.h"
 #include "worker/train/group_trainer.h"
 
@@ -192,7 +198,10 @@ TEST_CASE(
   INFO(plan << ReadFile(d + "/log3"));
   CHECK(code == 0);
   CHECK_THAT(plan, Catch::Contains("job a: Qwen-Image, 2 blocks of") &&
-                       Catch::Contains("1 streamed through 2 slots"));
+                       Catch::Contains("1 streamed through 1 slots") &&
+                       Catch::Contains("no budget: the job's plan") &&
+                       Catch::Contains("chosen: swap 1 ring 1") &&
+                       Catch::Contains("estimate: rest ") && Catch::Contains("+ checkpoints "));
   // The coordinator's rule: another family never joins.
   JobSpec llm;
   llm.name = "llm";
@@ -229,4 +238,91 @@ TEST_CASE(
   missing.lora.init_from = d + "/nothing";
   CHECK_THAT(ValidateJobSpec(missing).front(),
              Catch::Contains("key `lora.init_from` names neither a ComfyUI LoRA file"));
+}
+
+namespace {
+
+// The planning of a job file's text on the CPU, as its group makes it.
+qwen_image::QwenImagePlanning PlanOnCpu(const std::string& text) {
+  const JobSpec spec = Spec(text);
+  const QwenImageCheckpointReader source = QwenImageCheckpointReader::Open(spec.model.checkpoint);
+  const DType dtype = ComputeDType(spec.train.dtype, ParseDevice("cpu"));
+  return qwen_image::PlanQwenImageJob(
+      source.config(), QwenImageManifest(source.config(), dtype, Manifest{}.alignment), spec, {},
+      at::kCPU, ScalarTypeOf(dtype, "train.dtype"), /*predict=*/true);
+}
+
+}  // namespace
+
+TEST_CASE(
+    "qwen_image job: planned from stream.gpu_memory_budget it trains as the plan's blocks_to_swap "
+    "written by hand, bit for bit; a budget below the smallest plan is refused; a joiner beyond "
+    "the budget waits",
+    "[worker][qwen_image][group]") {
+  TempDir dir("qwen-image-budget");
+  const std::string d = dir.str();
+  WriteCaches(d);
+  // Every block resident: its estimate; one byte less streams blocks.
+  const qwen_image::QwenImagePlanning resident = PlanOnCpu(JobA(d, d + "/x"));
+  REQUIRE(resident.plan.num_streamed() == 0);
+  const uint64_t peak = resident.choice.candidates.front().peak_bytes;
+  INFO(DescribeQwenImagePlanning(resident));
+  CHECK(peak == qwen_image::EstimateQwenImageMemory(resident.inputs, resident.plan).total());
+  // cache-a: 48x32 pixels the largest bucket (3 x 2 tokens), 5 tokens the longest caption.
+  CHECK(resident.inputs.job.image_tokens == 6);
+  CHECK(resident.inputs.job.text_tokens == 5);
+  CHECK(resident.inputs.job.batch == 2);
+  const std::string budget = "[stream]\ngpu_memory_budget = " + std::to_string(peak - 1) + "\n";
+  const qwen_image::QwenImagePlanning planned = PlanOnCpu(JobA(d, d + "/x", budget));
+  CHECK(planned.budget == peak - 1);
+  const ResidencyPlan& plan = planned.plan;
+  REQUIRE(plan.num_streamed() > 0);
+  CHECK(planned.choice.candidates[planned.choice.chosen].peak_bytes <= peak - 1);
+
+  const Run by_budget = Train({JobA(d, d + "/budget-a", budget)});
+  const Run by_hand =
+      Train({JobA(d, d + "/hand-a",
+                  "[stream]\nblocks_to_swap = " + std::to_string(plan.num_streamed()) +
+                      "\nring_size = " + std::to_string(plan.ring_size) + "\n")});
+  CheckSame(by_budget.steps.at("a"), by_hand.steps.at("a"), d + "/budget-a", d + "/hand-a");
+  CHECK(by_budget.steps.at("a")[0].h2d_bytes > 0);
+  CHECK(by_budget.steps.at("a")[0].h2d_bytes == by_hand.steps.at("a")[0].h2d_bytes);
+
+  // Below every block streamed through one slot: refused naming the key and the minimum.
+  const uint64_t minimum =
+      qwen_image::EstimateQwenImageMemory(
+          planned.inputs, DitSmallestPlan(qwen_image::QwenImageMemoryModel(planned.inputs)))
+          .total();
+  const std::string small = "[stream]\ngpu_memory_budget = " + std::to_string(minimum - 1) + "\n";
+  CHECK_THAT(lorastream::testing::ErrorMessageOf([&] { Train({JobA(d, d + "/small", small)}); }),
+             Catch::Contains("stream.gpu_memory_budget " + FormatBytes(minimum - 1) +
+                             " is below the smallest plan's estimate") &&
+                 Catch::Contains(FormatBytes(minimum)));
+
+  // A group planned for A within A's minimum (every block streamed): B does not fit beside it
+  // and waits, naming the figures; within a budget that holds both, and without a budget, it
+  // joins.
+  TrainOptions options;
+  options.device = "cpu";
+  const std::string tight = "[stream]\ngpu_memory_budget = " + std::to_string(minimum) + "\n";
+  const JobSpec b = Spec(JobB(d, d + "/b", tight));
+  {
+    const auto group =
+        MakeFamilyGroup(Spec(JobA(d, d + "/ga", tight)), options, [] { return false; });
+    const std::string why = group->JoinRefusal({b});
+    CHECK_THAT(why, Catch::Contains("job b does not fit beside the group's 1 job(s)") &&
+                        Catch::Contains("exceeds the plan's budget (stream.gpu_memory_budget), " +
+                                        FormatBytes(minimum)));
+  }
+  {
+    const std::string roomy = "[stream]\ngpu_memory_budget = \"64GiB\"\n";
+    const auto group =
+        MakeFamilyGroup(Spec(JobA(d, d + "/gr", roomy)), options, [] { return false; });
+    CHECK(group->JoinRefusal({b}).empty());
+  }
+  {
+    const auto group = MakeFamilyGroup(Spec(JobA(d, d + "/gn", "[stream]\nblocks_to_swap = 1\n")),
+                                       options, [] { return false; });
+    CHECK(group->JoinRefusal({b}).empty());
+  }
 }

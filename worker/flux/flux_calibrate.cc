@@ -1,15 +1,12 @@
 #include "worker/flux/flux_calibrate.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <sstream>
 #include <thread>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/core/GradMode.h>
-#include <torch/csrc/autograd/autograd.h>
 #include <torch/version.h>
 
 #include "common/error.h"
@@ -19,30 +16,13 @@
 #include "worker/flux/flux_model.h"
 #include "worker/model/quant_expand.h"
 #include "worker/model/torch_device.h"
-#include "worker/train/adamw.h"
+#include "worker/train/dit_calibrate.h"
 #include "worker/train/stream_calibrate.h"
 #include "worker/train/stream_provider.h"
 
 namespace lorastream::worker::flux {
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-// Waits for the device's work on `t` (a scalar read syncs the current stream).
-void WaitFor(const at::Tensor& t) { (void)t.sum().item<double>(); }
-
-// Seconds per run of `fn` (which returns a tensor computed by the run), after `warmup` runs,
-// over `reps` runs.
-template <class Fn>
-double SecondsPerRun(int warmup, int reps, Fn fn) {
-  for (int i = 0; i < warmup; ++i) WaitFor(fn());
-  const auto start = Clock::now();
-  at::Tensor last;
-  for (int i = 0; i < reps; ++i) last = fn();
-  WaitFor(last);
-  return std::chrono::duration<double>(Clock::now() - start).count() / reps;
-}
 
 int64_t LoraParams(const FluxConfig& c, const std::vector<std::string>& targets, int64_t rank) {
   int64_t n = 0;
@@ -89,7 +69,6 @@ StepCosts MeasureFluxCosts(const FluxBase& base, const FluxJob& job, const FluxM
   const FluxConfig& config = base.config();
   AvoidCudnnAttention(device);
   const bool gpu = device.is_cuda();
-  const int warmup = gpu ? 3 : 1, reps = gpu ? 5 : 2;
   const int64_t b = job.batch_size, lt = data.text_tokens();
   const auto [lh, lw] = data.largest_latent();
   const int64_t n = (lh / 2) * (lw / 2);
@@ -135,21 +114,11 @@ StepCosts MeasureFluxCosts(const FluxBase& base, const FluxJob& job, const FluxM
     const std::vector<at::Tensor> streams = unit.is_double
                                                 ? std::vector<at::Tensor>{img, txt}
                                                 : std::vector<at::Tensor>{at::cat({txt, img}, 1)};
-    *fwd = SecondsPerRun(warmup, reps, [&] {
-      c10::NoGradGuard no_grad;
-      return UnitForward(unit, streams, w, lora, c)[0];
-    });
-    *bwd = SecondsPerRun(warmup, reps, [&] {
-      at::AutoGradMode grad_on(true);
-      std::vector<at::Tensor> s, wrt;
-      for (const auto& t : streams) s.push_back(t.detach().requires_grad_(true));
-      wrt = s;
-      for (const auto& p : params) wrt.push_back(p);
-      const std::vector<at::Tensor> out = UnitForward(unit, s, w, lora, c);
-      std::vector<at::Tensor> grads_out;
-      for (const auto& o : out) grads_out.push_back(at::ones_like(o));
-      return torch::autograd::grad(out, wrt, grads_out, false, false, true)[0];
-    });
+    const UnitSeconds t = MeasureUnitSeconds(
+        [&](const std::vector<at::Tensor>& s) { return UnitForward(unit, s, w, lora, c); }, streams,
+        params, gpu);
+    *fwd = t.forward;
+    *bwd = t.backward;
   };
   double double_fwd = 0, double_bwd = 0, single_fwd = 0, single_bwd = 0;
   int64_t single_count = 0;
@@ -176,13 +145,7 @@ StepCosts MeasureFluxCosts(const FluxBase& base, const FluxJob& job, const FluxM
       in, costs.block_backward_seconds > 0 ? per_single / costs.block_backward_seconds : 1.0);
 
   // The optimizer's step over the adapter with its clipping: the step's tail.
-  AdamW optimizer(adapter.Params(), {});
-  for (auto& p : adapter.Params()) p.mutable_grad() = at::ones_like(p);
-  costs.tail_seconds = SecondsPerRun(1, reps, [&] {
-    const at::Tensor norm = ClipGradNormAsync(adapter.Params(), job.max_grad_norm);
-    optimizer.Step(1e-12);
-    return norm;
-  });
+  costs.tail_seconds = MeasureOptimizerSeconds(adapter.Params(), job.max_grad_norm, gpu);
   uint64_t largest = 0;
   for (uint64_t bytes : in.unit_bytes) largest = std::max(largest, bytes);
   costs.h2d_bytes_per_second = MeasureH2DBandwidth(largest, device);
@@ -229,24 +192,11 @@ FluxPlanning PlanFluxJob(const FluxBase& base, const FluxJob& job, const FluxDat
     std::vector<StepCosts> jobs{p.costs};
     jobs.insert(jobs.end(), group.costs.begin(), group.costs.end());
     p.costs = GroupStepCosts(jobs);
-    if (p.budget > 0)
-      if (const std::string why = FluxGroupBudgetRefusal(p.inputs, p.budget, group.first_name);
-          !why.empty())
-        throw Error(ErrorCode::kRefused, why);
   }
-  if (p.budget > 0) {
-    p.choice = ChooseFluxPlan(p.inputs, p.costs, p.budget);
-    p.plan = p.choice.candidates[p.choice.chosen].plan;
-  } else {
-    CandidatePlan c;
-    c.plan = base.SwapPlan(job.blocks_to_swap, job.ring_size);
-    c.peak_bytes = EstimateFluxMemory(p.inputs, c.plan).total();
-    c.fits = true;
-    c.predicted = PredictStep(c.plan, p.inputs.unit_bytes, p.costs);
-    p.choice.candidates.push_back(c);
-    p.choice.chosen = 0;
-    p.plan = c.plan;
-  }
+  p.choice = PlanDitJob(
+      FluxMemoryModel(p.inputs), FluxDitJob(p.inputs, group.first_name), p.inputs.group, p.costs,
+      p.budget, p.budget > 0 ? ResidencyPlan{} : base.SwapPlan(job.blocks_to_swap, job.ring_size));
+  p.plan = p.choice.candidates[p.choice.chosen].plan;
   LS_LOG_INFO("FLUX plan:\n{}", DescribeFluxPlanning(p));
   return p;
 }
@@ -271,41 +221,8 @@ std::string DescribeFluxPlanning(const FluxPlanning& p) {
   if (!in.expanded_bytes.empty())
     s << "compressed linears: copied as stored, expanded to " << FormatBytes(in.expanded_bytes[0])
       << " (unit 0) at each use, " << p.costs.block_expand_seconds * 1e3 << " ms\n";
-  const double bw = p.costs.h2d_bytes_per_second;
-  s << (p.budget > 0 ? "budget " + FormatBytes(p.budget) : std::string("no budget: the job's plan"))
-    << "; H2D " << bw / 1e9 << " GB/s\n";
-  s << "  plan                                   resident  predicted ms  copied GB  floor ms  "
-       "stall ms  peak GiB  fits\n";
-  for (int i = 0; i < static_cast<int>(p.choice.candidates.size()); ++i) {
-    const CandidatePlan& c = p.choice.candidates[i];
-    char line[256];
-    std::snprintf(line, sizeof line, "%s %-38s %8d  %12.1f  %9.2f  %8.1f  %8.1f  %8.2f  %s\n",
-                  i == p.choice.chosen ? "*" : " ", FluxPlanLabel(in, c.plan).c_str(),
-                  c.plan.num_blocks() - c.plan.num_streamed(), c.predicted.step_seconds * 1e3,
-                  c.predicted.h2d_bytes / 1e9, bw > 0 ? c.predicted.h2d_bytes / bw * 1e3 : 0.0,
-                  c.predicted.stall_seconds * 1e3, c.peak_bytes / double(1ULL << 30),
-                  c.fits ? "yes" : "no");
-    s << line;
-  }
-  if (p.choice.chosen >= 0) {
-    const CandidatePlan& c = p.choice.candidates[p.choice.chosen];
-    const ResidencyPlan resident = FluxResidency(in, 0, 0, 1);
-    const double resident_s = PredictStep(resident, in.unit_bytes, p.costs).step_seconds;
-    const double floor_s = bw > 0 ? c.predicted.h2d_bytes / bw : 0.0;
-    char line[512];
-    std::snprintf(line, sizeof line,
-                  "chosen: %s; predicted %.1f ms per step, PCIe floor %.1f ms, resident step "
-                  "%.1f ms (resident peak %.2f GiB)\n",
-                  FluxPlanLabel(in, c.plan).c_str(), c.predicted.step_seconds * 1e3, floor_s * 1e3,
-                  resident_s * 1e3, EstimateFluxMemory(in, resident).total() / double(1ULL << 30));
-    s << line << "estimate: " << EstimateFluxMemory(in, c.plan).Describe() << "\n";
-    std::snprintf(line, sizeof line,
-                  "plan-summary streamed=%d ring=%d predicted_ms=%.3f floor_ms=%.3f "
-                  "resident_ms=%.3f peak_gib=%.3f\n",
-                  c.plan.num_streamed(), c.plan.ring_size, c.predicted.step_seconds * 1e3,
-                  floor_s * 1e3, resident_s * 1e3, c.peak_bytes / double(1ULL << 30));
-    s << line;
-  }
+  s << DescribeDitPlanning(FluxMemoryModel(in), FluxDitJob(in), in.group, p.choice, p.costs,
+                           p.budget);
   return s.str();
 }
 

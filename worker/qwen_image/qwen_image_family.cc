@@ -3,6 +3,9 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <map>
+#include <mutex>
+#include <optional>
 #include <sstream>
 
 #include <ATen/ATen.h>
@@ -13,6 +16,7 @@
 #include "common/error.h"
 #include "common/format_bytes.h"
 #include "common/log.h"
+#include "common/memory_limit.h"
 #include "common/qwen_image_config.h"
 #include "common/qwen_image_layout.h"
 #include "worker/model/base_weights.h"
@@ -21,6 +25,7 @@
 #include "worker/model/torch_device.h"
 #include "worker/qwen_image/qwen_image_adapter_io.h"
 #include "worker/qwen_image/qwen_image_base.h"
+#include "worker/qwen_image/qwen_image_calibrate.h"
 #include "worker/qwen_image/qwen_image_data.h"
 #include "worker/qwen_image/qwen_image_model.h"
 #include "worker/train/adamw.h"
@@ -38,21 +43,31 @@ class Group final : public FamilyGroup {
     const Device device = ParseDevice(options.device);
     device_ = TorchDevice(device);
     dtype_ = ScalarTypeOf(ComputeDType(first.train.dtype, device), "train.dtype");
-    // The spec was validated (a checkpoint, no budget: common/job_spec.cc).
+    // The spec was validated (a checkpoint: common/job_spec.cc).
     {
       const ActingAs as(options.files_as);  // the checkpoint is read as the job's submitter
       base_ = std::make_unique<QwenImageBase>(
           QwenImageBase::Load(first.model.checkpoint, dtype_, device_));
     }
-    const int64_t swap = first.stream.blocks_to_swap;
+    files_as_ = options.files_as;
+    {
+      // The plan: the planner's within the budget (the jobs given with the first counted),
+      // else stream.blocks_to_swap; the caches' headers are read as the submitter.
+      const ActingAs as(options.files_as);
+      planning_ = PlanQwenImageJob(base_->config(), base_->engine_manifest(), first,
+                                   options.plan_group, device_, dtype_, /*predict=*/false);
+    }
+    // Joiners are admitted against the first job's estimate under this plan (no budget: all).
+    planning_.inputs.group.clear();
+    const ResidencyPlan& plan = planning_.plan;
     provider_ = std::make_unique<StoppableProvider>(
-        base_->MakeEngine(swap, first.stream.ring_size, device_, options.engine),
-        std::move(all_stop), device_.is_cuda());
+        base_->MakeEngine(plan, device_, options.engine), std::move(all_stop), device_.is_cuda());
     model_ = std::make_unique<QwenImageModel>(base_->config(), base_->rest(), provider_.get(),
                                               device_, dtype_);
-    files_as_ = options.files_as;
-    LS_LOG_INFO("Qwen-Image group: {} of {} blocks streamed{}", swap, base_->config().num_layers,
-                swap > 0 ? " through " + std::to_string(first.stream.ring_size) + " slots" : "");
+    LS_LOG_INFO(
+        "Qwen-Image group: {} of {} blocks streamed{}", plan.num_streamed(),
+        base_->config().num_layers,
+        plan.num_streamed() > 0 ? " through " + std::to_string(plan.ring_size) + " slots" : "");
   }
 
   std::string log_name() const override { return "Qwen-Image group"; }
@@ -62,9 +77,33 @@ class Group final : public FamilyGroup {
   }
   StoppableProvider& provider() override { return *provider_; }
   std::vector<std::vector<at::Tensor>> RunStep(const std::vector<FamilyJob*>& jobs) override;
-  // No memory estimate for Qwen-Image yet: every job joins; one that does not fit fails alone
-  // when its step runs out of memory (the group trainer's failure of one job).
-  std::string JoinRefusal(const std::vector<JobSpec>&) const override { return ""; }
+  // Within a budget, a joiner whose estimate beside the group's jobs exceeds it waits (it
+  // trains once the group drains); without one, every job joins.
+  std::string JoinRefusal(const std::vector<JobSpec>& others) const override {
+    if (others.empty() || planning_.budget == 0) return "";
+    QwenImageMemoryInputs in = planning_.inputs;
+    for (const JobSpec& spec : others)
+      if (const std::optional<DitJob>& m = MemberOf(spec)) in.group.push_back(*m);
+    return GroupJoinProblem(others.back().name, others.size(),
+                            EstimateQwenImageMemory(in, planning_.plan).total(), planning_.budget,
+                            "the plan's budget (stream.gpu_memory_budget)");
+  }
+  // A job's shape for the estimate (its caches' headers), read once per job: a serving worker
+  // asks for every waiting job at every step. nullopt: its caches cannot be read (the job
+  // fails alone when it starts, naming them).
+  const std::optional<DitJob>& MemberOf(const JobSpec& spec) const {
+    const std::lock_guard<std::mutex> lock(members_mutex_);
+    const std::string key = JobSpecToToml(spec);
+    auto it = members_.find(key);
+    if (it != members_.end()) return it->second;
+    std::optional<DitJob> member;
+    try {
+      const ActingAs as(files_as_);
+      member = QwenImageDitJob(spec, base_->config());
+    } catch (const std::exception&) {
+    }
+    return members_.emplace(key, std::move(member)).first->second;
+  }
 
   const QwenImageBase& base() const { return *base_; }
   c10::Device device() const { return device_; }
@@ -78,6 +117,9 @@ class Group final : public FamilyGroup {
   std::unique_ptr<StoppableProvider> provider_;
   std::unique_ptr<QwenImageModel> model_;
   const UserIdentity* files_as_ = nullptr;
+  QwenImagePlanning planning_;  // the plan and the first job's estimate inputs
+  mutable std::mutex members_mutex_;
+  mutable std::map<std::string, std::optional<DitJob>> members_;  // by job file text
 };
 
 class Job final : public FamilyJob {
@@ -190,32 +232,19 @@ bool Accepts(const JobSpec& spec) { return spec.is_qwen_image; }
 
 int RunPlan(const std::vector<std::string>& job_paths, const PlanCommandOptions& options) {
   const Device device = ParseDevice(options.device);
+  const c10::Device torch_device = TorchDevice(device);
   for (const std::string& path : job_paths) {
     const JobSpec spec = LoadJobSpec(path);
     const QwenImageCheckpointReader source = QwenImageCheckpointReader::Open(spec.model.checkpoint);
     const DType dtype = ComputeDType(spec.train.dtype, device);
     const Manifest m = QwenImageManifest(source.config(), dtype, Manifest{}.alignment);
-    const int64_t blocks = static_cast<int64_t>(m.blocks.size());
-    const int64_t swap = spec.stream.blocks_to_swap;
-    if (swap > blocks)
-      throw Error(ErrorCode::kRefused, spec.source + ": key `stream.blocks_to_swap` is " +
-                                           std::to_string(swap) + ", more than the model's " +
-                                           std::to_string(blocks) + " blocks");
-    const uint64_t block = m.blocks.front().nbytes;
-    const int64_t slots = swap > 0 ? spec.stream.ring_size : 0;
-    std::printf(
-        "job %s: Qwen-Image, %lld blocks of %s (%s), %lld streamed through %lld slots\n"
-        "  on the device for the base: %lld resident blocks %s + ring %s + outside the blocks "
-        "%s = %s\n"
-        "  in host memory: the %lld streamed blocks, %s\n"
-        "  not planned from a budget: activations, the adapter and its optimizer state come on "
-        "top (no memory estimate for Qwen-Image yet)\n",
-        spec.name.c_str(), static_cast<long long>(blocks), FormatBytes(block).c_str(),
-        ShortDTypeName(dtype), static_cast<long long>(swap), static_cast<long long>(slots),
-        static_cast<long long>(blocks - swap), FormatBytes(block * (blocks - swap)).c_str(),
-        FormatBytes(block * slots).c_str(), FormatBytes(m.rest.nbytes).c_str(),
-        FormatBytes(block * (blocks - swap + slots) + m.rest.nbytes).c_str(),
-        static_cast<long long>(swap), FormatBytes(block * swap).c_str());
+    const QwenImagePlanning p =
+        PlanQwenImageJob(source.config(), m, spec, {}, torch_device,
+                         ScalarTypeOf(dtype, "train.dtype"), /*predict=*/true);
+    std::printf("job %s: Qwen-Image, %zu blocks of %s (%s), %d streamed through %d slots\n%s",
+                spec.name.c_str(), m.blocks.size(), FormatBytes(m.blocks.front().nbytes).c_str(),
+                ShortDTypeName(dtype), p.plan.num_streamed(), p.plan.ring_size,
+                DescribeQwenImagePlanning(p).c_str());
   }
   return 0;
 }

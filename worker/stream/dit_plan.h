@@ -1,0 +1,138 @@
+// Planning a diffusion transformer's streaming from a GPU memory budget (torch-free), for the
+// families whose units are DiT blocks run once per step over image and text tokens (FLUX.1:
+// worker/flux/flux_plan.h; Qwen-Image: worker/qwen_image/qwen_image_plan.h). A family says
+// what its units weigh and what they keep per token (DitMemoryModel); the estimate, the
+// choice of plan and a group's admission are this file's, the same for every such family.
+//
+// Units come in kinds (FLUX.1: double-stream blocks and units of single-stream blocks;
+// Qwen-Image: one kind): a plan streams some units of each kind, spread over that kind's depth
+// as PlanFromSwapCount spreads them, through a ring whose slot holds the largest streamed unit.
+//
+// The estimate per step for a job of B latents of N image tokens and L text tokens (T = N + L,
+// P LoRA parameters), from the family's per-token figures (bytes per token of B T):
+//   weights      rest + resident units + R x (largest streamed unit); a compressed store's
+//                units as stored, every use expanding into one scratch of the largest
+//                unit's expanded bytes
+//   adapter      P x 16 (f32 master weights, gradients and AdamW's two moments)
+//   checkpoints  B T checkpoint_per_token + (B T or T) table_per_token (the rotary table:
+//                per latent, or one for the batch)
+//   forward      B T forward_per_token: one unit's forward without grad
+//   backward     B T max over units of backward_per_token[u] (one unit recomputed with grad
+//                and its backward) + B T stream_grads_per_token (the streams' gradients)
+//   attention    fused kernels: B heads T x 8 (log-sum-exp); materialised scores (LibTorch
+//                1.13, the CPU): B heads T^2 x score_bytes
+//   reserve      allocator slack
+// peak = max(forward phase, backward phase), each fixed + ring + its working set + attention.
+// A group's other jobs add their adapters, checkpoints and streams' gradients; the weights,
+// ring and reserve count once, and the largest job's working sets and attention (a unit runs,
+// and is recomputed with its backward, for one job after another).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "worker/stream/stream_cost.h"
+#include "worker/stream/stream_plan.h"
+
+namespace lorastream::worker {
+
+// A dual-stream (MMDiT) block's working sets per token (H hidden, M MLP width, b bytes per
+// compute element): FLUX.1's double blocks and Qwen-Image's blocks (their derivation:
+// worker/qwen_image/qwen_image_plan.h). Forward without grad: b (6H + 2M) + 32H; recomputed
+// with grad and its backward: b (20H + 4M) + 32H (the 32H: the f32 copies of q and k that the
+// RMSNorm and rotary steps make).
+inline uint64_t DualStreamForwardPerToken(uint64_t h, uint64_t m, uint64_t b) {
+  return b * (6 * h + 2 * m) + 32 * h;
+}
+inline uint64_t DualStreamBackwardPerToken(uint64_t h, uint64_t m, uint64_t b) {
+  return b * (20 * h + 4 * m) + 32 * h;
+}
+
+// One job's shape in a DiT estimate: its adapter and its step's tokens.
+struct DitJob {
+  std::string name;
+  int64_t lora_params = 0;
+  int64_t batch = 1;
+  int64_t image_tokens = 0;  // of the largest bucket
+  int64_t text_tokens = 0;   // of the longest caption
+};
+
+// What a family's units weigh and keep, the same for every job of a group.
+struct DitMemoryModel {
+  std::vector<int> unit_kind;            // each unit's kind, 0..kind_names.size()-1
+  std::vector<std::string> kind_names;   // "double", "single"; one kind: its blocks
+  std::vector<uint64_t> unit_bytes;      // each unit's bytes as copied
+  std::vector<uint64_t> expanded_bytes;  // of a compressed store (else empty)
+  uint64_t rest_bytes = 0;               // the tensors outside the units, on the device
+  uint64_t reserve_bytes = uint64_t{512} << 20;
+  uint64_t checkpoint_per_token = 0;         // every unit's input streams
+  uint64_t table_per_token = 0;              // the rotary table
+  bool table_per_latent = true;              // false: one table for the batch (T rows)
+  uint64_t forward_per_token = 0;            // one unit's forward without grad
+  std::vector<uint64_t> backward_per_token;  // each unit's recompute+backward
+  uint64_t stream_grads_per_token = 0;       // the streams' gradients
+  int64_t heads = 0;
+  uint64_t score_bytes = 0;  // per materialised score; 0: fused attention (log-sum-exp)
+  // Names in refusals: the budget's key ("stream.gpu_memory_budget"), what lowers the
+  // activations ("train.batch_size"), the family ("FLUX").
+  std::string budget_key, batch_key, family;
+};
+
+struct DitMemoryEstimate {
+  uint64_t rest = 0, resident = 0, ring = 0, adapter = 0, checkpoints = 0, forward_working = 0,
+           backward_working = 0, attention = 0, reserve = 0;
+  uint64_t slot = 0;       // one slot: the largest streamed unit (0: none streams)
+  uint64_t expansion = 0;  // a compressed store's one expansion scratch (its largest unit's)
+  uint64_t fixed() const { return rest + resident + expansion + adapter + checkpoints + reserve; }
+  uint64_t forward() const { return fixed() + ring + forward_working + attention; }
+  uint64_t backward() const { return fixed() + ring + backward_working + attention; }
+  uint64_t total() const { return std::max(forward(), backward()); }
+  std::string Describe() const;  // "rest 0.1 GiB + resident 7.2 GiB + ..."
+};
+
+// `job` alone (group empty), or with a group's other jobs.
+DitMemoryEstimate EstimateDitMemory(const DitMemoryModel& m, const DitJob& job,
+                                    const std::vector<DitJob>& group, const ResidencyPlan& plan);
+
+// `streamed[k]` units of kind k streamed (each kind's resident units spread over its depth),
+// through a ring of min(ring, streamed) slots (at least 1).
+ResidencyPlan DitResidency(const DitMemoryModel& m, const std::vector<int>& streamed, int ring);
+// Every unit streamed through one slot: the smallest plan.
+ResidencyPlan DitSmallestPlan(const DitMemoryModel& m);
+
+// "" when `job` with `group` fits `budget_bytes` under the smallest plan; else which job does
+// not fit beside the ones before it and by how much (figures in bytes).
+std::string DitGroupBudgetRefusal(const DitMemoryModel& m, const DitJob& job,
+                                  const std::vector<DitJob>& group, uint64_t budget_bytes);
+
+// Every split of the streamed units between the kinds, with rings 1..max_ring: of those whose
+// estimate fits `budget_bytes`, the ones predicted within kPlanTieFraction of the fastest,
+// then the one copying the fewest bytes, then the lowest peak (PickPlan). The candidates kept
+// for the table: per streamed-unit count the best of its splits and rings (the chosen one
+// among them). Error(kRefused) naming m.budget_key, the budget and the minimum when nothing
+// fits.
+PlanChoice ChooseDitPlan(const DitMemoryModel& m, const DitJob& job,
+                         const std::vector<DitJob>& group, const StepCosts& costs,
+                         uint64_t budget_bytes, int max_ring = 3);
+
+// A job's plan: within `budget_bytes` (> 0) ChooseDitPlan's choice, a group (`group` not empty)
+// that does not fit even its smallest plan refused first naming the job (DitGroupBudgetRefusal,
+// Error kRefused); without a budget `hand` (the job file's plan) as the one candidate, with its
+// estimate and prediction.
+PlanChoice PlanDitJob(const DitMemoryModel& m, const DitJob& job, const std::vector<DitJob>& group,
+                      const StepCosts& costs, uint64_t budget_bytes, const ResidencyPlan& hand);
+
+// "swap 20 (double 4, single 16) ring 2" (several kinds), "swap 20 ring 2" (one).
+std::string DitPlanLabel(const DitMemoryModel& m, const ResidencyPlan& plan);
+
+// A planning's table: the budget ("no budget: the job's plan" for 0) and the bandwidth; per
+// candidate its label, resident units, predicted step, copied bytes and their PCIe floor
+// (bytes / bandwidth), stall, estimated peak and whether it fits; the chosen plan, its
+// prediction and the resident step's; its estimate (Describe()); a plan-summary line.
+std::string DescribeDitPlanning(const DitMemoryModel& m, const DitJob& job,
+                                const std::vector<DitJob>& group, const PlanChoice& choice,
+                                const StepCosts& costs, uint64_t budget);
+
+}  // namespace lorastream::worker
