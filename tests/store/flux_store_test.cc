@@ -135,45 +135,6 @@ TEST_CASE("a FLUX.1 store refuses a file that is not FLUX, by name", "[store][fl
                      [&](const store::StoreListing& s) { return s.name == name; }));
 }
 
-namespace {
-
-// The bytes `serve --quantize` must store for weight `w` ([rows, cols] f32) in `quant`: the
-// weight and each of its scales (QuantAuxTensors order), from store/quantize.h's functions
-// applied to the whole weight at once.
-std::vector<std::vector<uint8_t>> ReferenceQuantized(const std::vector<float>& w, int64_t rows,
-                                                     int64_t cols, const QuantInfo& quant) {
-  auto bytes_of = [](const auto& v) {
-    const auto* p = reinterpret_cast<const uint8_t*>(v.data());
-    return std::vector<uint8_t>(p, p + v.size() * sizeof(v[0]));
-  };
-  if (quant.method == QuantMethod::kFp8) {
-    const int64_t tiles = (cols + quant.block_cols - 1) / quant.block_cols;
-    std::vector<uint8_t> q(rows * cols);
-    std::vector<float> scale(((rows + quant.block_rows - 1) / quant.block_rows) * tiles);
-    for (int64_t r = 0; r < rows; r += quant.block_rows)
-      store::QuantizeFp8Band(w.data() + r * cols, std::min(quant.block_rows, rows - r), cols,
-                             quant.block_cols, q.data() + r * cols,
-                             scale.data() + r / quant.block_rows * tiles);
-    return {q, bytes_of(scale)};
-  }
-  const int64_t n = rows * cols, blocks = (n + quant.blocksize - 1) / quant.blocksize;
-  std::vector<uint8_t> packed(n / 2), absmax_q(blocks);
-  std::vector<float> absmax(blocks),
-      nested((blocks + quant.nested_blocksize - 1) / quant.nested_blocksize), offset(1);
-  store::QuantizeNf4(w.data(), n, quant.blocksize, packed.data(), absmax.data());
-  store::DoubleQuantizeAbsmax(absmax.data(), blocks, quant.nested_blocksize, absmax_q.data(),
-                              nested.data(), offset.data());
-  return {
-      packed,
-      absmax_q,
-      bytes_of(nested),
-      bytes_of(std::vector<float>(store::kNf4Code.begin(), store::kNf4Code.end())),
-      bytes_of(std::vector<float>(store::DynamicMap8Bit().begin(), store::DynamicMap8Bit().end())),
-      bytes_of(offset)};
-}
-
-}  // namespace
-
 TEST_CASE("serve --quantize fp8|nf4 of a FLUX.1 checkpoint: its block linears compressed",
           "[store][flux]") {
   TempDir dir("flux-store-quant");
