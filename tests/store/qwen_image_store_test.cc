@@ -42,17 +42,6 @@ std::string SynthQwenImage(const std::string& out, const std::string& format) {
   return format == "diffusers" ? out : out + "/" + store::kSynthQwenImageFile;
 }
 
-std::unique_ptr<store::PublishedStore> Serve(const std::string& path, const std::string& name,
-                                             QuantMethod quantize = QuantMethod::kNone) {
-  store::ServeOptions o;
-  o.model_dir = path;
-  o.name = name;
-  o.threads = 2;
-  o.lock = false;
-  o.quantize = quantize;
-  return store::PublishedStore::Build(o);
-}
-
 // Every segment of store `a` holds the bytes of the same segment of store `b`.
 void CheckSameSegments(const std::string& a, const std::string& b) {
   const store::AttachedStore x = store::AttachedStore::Attach(a);
@@ -78,9 +67,9 @@ TEST_CASE(
   const std::string folder = SynthQwenImage(dir.str() + "/diffusers", "diffusers");
   const std::string name = UniqueName("qi"), prefixed_name = UniqueName("qi-prefixed"),
                     folder_name = UniqueName("qi-diffusers");
-  auto published = Serve(single, name);
-  auto from_prefixed = Serve(prefixed, prefixed_name);
-  auto from_folder = Serve(folder + "/transformer", folder_name);
+  auto published = ServeInProcess(single, name);
+  auto from_prefixed = ServeInProcess(prefixed, prefixed_name);
+  auto from_folder = ServeInProcess(folder + "/transformer", folder_name);
 
   const Manifest& m = published->manifest();
   REQUIRE(m.is_qwen_image());
@@ -118,7 +107,8 @@ TEST_CASE(
   CHECK_THAT(verify.str(), Catch::Contains("Qwen-Image, 2 blocks + rest") &&
                                Catch::Contains("every checksum matches"));
   store::RunLs(ls);
-  CHECK_THAT(ls.str(), Catch::Contains(name + ": ") && Catch::Contains("qwen_image, 2 blocks, F32"));
+  CHECK_THAT(ls.str(),
+             Catch::Contains(name + ": ") && Catch::Contains("qwen_image, 2 blocks, F32"));
   store::RunInspect(single, inspect_file);
   CHECK_THAT(inspect_file.str(), Catch::Contains("Qwen-Image (single file): 2 blocks") &&
                                      Catch::Contains("every tensor matches it"));
@@ -144,14 +134,14 @@ TEST_CASE("serve --quantize fp8|nf4 of a Qwen-Image checkpoint: its block linear
   const std::string folder = SynthQwenImage(dir.str() + "/diffusers", "diffusers");
   const SafetensorsFile source = SafetensorsFile::Open(single);
   const std::string plain_name = UniqueName("qi-plain");
-  auto plain = Serve(single, plain_name);
+  auto plain = ServeInProcess(single, plain_name);
   const Manifest& pm = plain->manifest();
   store::AttachedStore plain_store = store::AttachedStore::Attach(plain_name, pm.fingerprint);
   for (QuantMethod method : {QuantMethod::kFp8, QuantMethod::kNf4}) {
     INFO(QuantMethodName(method));
     const QuantInfo format = StoreQuantFormat(method);
     const std::string name = UniqueName("qi-q"), folder_name = UniqueName("qi-qd");
-    auto published = Serve(single, name, method);
+    auto published = ServeInProcess(single, name, method);
     const Manifest& m = published->manifest();
     REQUIRE(m.is_qwen_image());
     CHECK(m.quant() == format);
@@ -160,47 +150,21 @@ TEST_CASE("serve --quantize fp8|nf4 of a Qwen-Image checkpoint: its block linear
     REQUIRE(m.blocks.size() == layout.blocks.size());
     for (size_t u = 0; u < m.blocks.size(); ++u)
       CHECK(m.blocks[u].nbytes == layout.blocks[u].nbytes);
-    auto from_folder = Serve(folder, folder_name, method);
+    auto from_folder = ServeInProcess(folder, folder_name, method);
     CHECK(from_folder->manifest().fingerprint == m.fingerprint);
     CheckSameSegments(name, folder_name);
 
     store::AttachedStore store = store::AttachedStore::Attach(name, m.fingerprint);
     store::VerifyChecksums(store, 2);
-    for (size_t u = 0; u < m.blocks.size(); ++u) {
-      int compressed = 0;
-      const int b = static_cast<int>(u);
-      for (const TensorSlice& t : m.blocks[u].tensors) {
-        INFO(t.name);
-        if (t.quant.compressed()) {
-          ++compressed;
-          CHECK(IsQwenImageBlockLinearWeight(t.name));
-          const SafetensorsEntry* e = source.Find(t.name);
-          REQUIRE(e != nullptr);
-          const auto* src = reinterpret_cast<const float*>(source.Data(*e));
-          const std::vector<float> w(src, src + e->numel());
-          const auto want = ReferenceQuantized(w, t.shape[0], t.shape[1], t.quant);
-          const auto aux = QuantAuxTensors(t.name, t.shape, t.quant);
-          REQUIRE(want.size() == aux.size() + 1);
-          CHECK(std::memcmp(store.tensor_data(b, t.name), want[0].data(), t.nbytes) == 0);
-          for (size_t k = 0; k < aux.size(); ++k) {
-            const TensorSlice* a = m.blocks[u].Find(aux[k].name);
-            REQUIRE(a != nullptr);
-            REQUIRE(a->nbytes == want[k + 1].size());
-            CHECK(std::memcmp(store.tensor_data(b, a->name), want[k + 1].data(), a->nbytes) == 0);
-          }
-        } else if (const TensorSlice* p = pm.blocks[u].Find(t.name)) {
-          REQUIRE(p->nbytes == t.nbytes);  // a norm or a bias: the plain store's bytes
-          CHECK(std::memcmp(store.tensor_data(b, t.name), plain_store.tensor_data(b, t.name),
-                            t.nbytes) == 0);
-        }
-      }
-      CHECK(compressed == 14);  // a block's 14 linears, the modulations too
-    }
+    // A block's 14 linears, the modulations too.
+    CHECK(CheckCompressedBlocks(m, store, source, pm, plain_store, IsQwenImageBlockLinearWeight) ==
+          std::vector<int>{14, 14});
     REQUIRE(m.rest.nbytes == pm.rest.nbytes);
     CHECK(std::memcmp(store.rest_data(), plain_store.rest_data(), m.rest.nbytes) == 0);
     std::ostringstream ls;
     store::RunLs(ls);
-    CHECK_THAT(ls.str(), Catch::Contains("qwen_image, 2 blocks, F32, blocks " + DescribeQuant(format)));
+    CHECK_THAT(ls.str(),
+               Catch::Contains("qwen_image, 2 blocks, F32, blocks " + DescribeQuant(format)));
     CHECK(ManifestFromJson(ManifestToJson(m), "test").quant() == format);
   }
 }
@@ -213,41 +177,32 @@ TEST_CASE("ComfyUI's fp8 Qwen-Image file is served as it is: fp8 with scales of 
   WriteFp8Checkpoint(single, path, IsQwenImageBlockLinearWeight);
   const SafetensorsFile source = SafetensorsFile::Open(path);
   const std::string name = UniqueName("qi-fp8-file");
-  auto published = Serve(path, name);
+  auto published = ServeInProcess(path, name);
   const Manifest& m = published->manifest();
   REQUIRE(m.is_qwen_image());
   CHECK(m.quant() == StoreQuantFormat(QuantMethod::kFp8));
   CHECK(m.dtype == DType::kF32);
   store::AttachedStore store = store::AttachedStore::Attach(name, m.fingerprint);
   store::VerifyChecksums(store, 2);
-  int compressed = 0;
-  for (size_t u = 0; u < m.blocks.size(); ++u)
-    for (const TensorSlice& t : m.blocks[u].tensors) {
-      if (!t.quant.compressed()) continue;
-      INFO(t.name);
-      ++compressed;
-      const SafetensorsEntry* e = source.Find(t.name);
-      REQUIRE(e != nullptr);
-      CHECK(std::memcmp(store.tensor_data(static_cast<int>(u), t.name), source.Data(*e),
-                        t.nbytes) == 0);
-      const TensorSlice* scale = m.blocks[u].Find(t.name + "_scale_inv");
-      REQUIRE(scale != nullptr);
-      const auto* s =
-          reinterpret_cast<const float*>(store.tensor_data(static_cast<int>(u), scale->name));
-      for (uint64_t i = 0; i < scale->nbytes / 4; ++i) REQUIRE(s[i] == 1.0f);
-    }
-  CHECK(compressed == 2 * 14);
+  CHECK(CheckFp8AsFile(m, store, source) == 2 * 14);
   std::ostringstream inspect;
   store::RunInspect(path, inspect);
-  CHECK_THAT(inspect.str(), Catch::Contains("Qwen-Image (single file)") &&
-                                Catch::Contains("pre-quantised fp8"));
+  CHECK_THAT(inspect.str(),
+             Catch::Contains("Qwen-Image (single file)") && Catch::Contains("pre-quantised fp8"));
   // nf4 of fp8 weights, and a file mixing fp8 and f32 linear weights, are refused by name.
-  CHECK_THROWS_WITH(Serve(path, UniqueName("qi-fp8-nf4"), QuantMethod::kNf4),
+  CHECK_THROWS_WITH(ServeInProcess(path, UniqueName("qi-fp8-nf4"), QuantMethod::kNf4),
                     Catch::Contains("are fp8 (F8_E4M3) already"));
   const std::string mixed = dir.str() + "/qwen_image_mixed.safetensors";
   WriteFp8Checkpoint(single, mixed, IsQwenImageBlockLinearWeight,
                      "transformer_blocks.1.img_mlp.net.2.weight");
-  CHECK_THROWS_WITH(Serve(mixed, UniqueName("qi-fp8-mixed")),
+  CHECK_THROWS_WITH(ServeInProcess(mixed, UniqueName("qi-fp8-mixed")),
                     Catch::Contains("tensor `transformer_blocks.1.img_mlp.net.2.weight` is F32") &&
                         Catch::Contains("F8_E4M3"));
+  // Only the block linears may be fp8: a tensor outside them in fp8 is refused by name.
+  const std::string outside = dir.str() + "/qwen_image_img_in_fp8.safetensors";
+  WriteFp8Checkpoint(single, outside, [](const std::string& tensor) {
+    return IsQwenImageBlockLinearWeight(tensor) || tensor == "img_in.weight";
+  });
+  CHECK_THROWS_WITH(ServeInProcess(outside, UniqueName("qi-fp8-outside")),
+                    Catch::Contains("tensor `img_in.weight` is F8_E4M3"));
 }
