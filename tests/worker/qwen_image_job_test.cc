@@ -2,10 +2,15 @@
 // section trains through RunGroupTraining and `lorastream-worker train`; streamed equals
 // resident, a group of two jobs of different shapes equals each alone, a stopped job resumed
 // equals the uninterrupted one (all bit for bit); `plan` shows its blocks; a Qwen-Image job
-// shares a group with no other family.
+// shares a group with no other family. On a store (model.store): equal to the checkpoint's
+// run bit for bit, fp8/nf4 stores close to it, stores of other families or dtypes refused.
 #include "tests/worker/torch_catch.h"
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <cmath>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -273,11 +278,23 @@ TEST_CASE(
   const store::AttachedStore attached = store::AttachedStore::Attach(name);
   REQUIRE(served.unit_bytes().size() == packed.unit_bytes().size());
   for (size_t u = 0; u < packed.unit_bytes().size(); ++u) {
-    CHECK(served.unit_bytes()[u] == attached.block_data(static_cast<int>(u)));
+    CHECK(std::memcmp(served.unit_bytes()[u], attached.block_data(static_cast<int>(u)),
+                      attached.block_size(static_cast<int>(u))) == 0);
     CHECK(std::memcmp(served.unit_bytes()[u], packed.unit_bytes()[u], packed.layouts()[u].nbytes) ==
           0);
   }
   for (const auto& [tensor, t] : packed.rest()) CHECK(at::equal(t, served.rest().at(tensor)));
+  // Read-only: a write into a unit faults.
+  const pid_t child = ::fork();
+  if (child == 0) {
+    std::signal(SIGSEGV, SIG_DFL);  // not Catch's handler: the child dies of the fault
+    *const_cast<uint8_t*>(served.unit_bytes()[0]) = 1;
+    ::_exit(0);
+  }
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  CHECK(WIFSIGNALED(status));
+  CHECK(WTERMSIG(status) == SIGSEGV);
 }
 
 TEST_CASE(
