@@ -28,17 +28,6 @@ int64_t GetInt(const Json& j, const char* key, const std::string& source,
 
 constexpr int64_t kMaxFluxDepth = 4096;  // blocks of a kind (FLUX.1: 19 and 38)
 
-bool SameSlices(const SegmentInfo& a, const SegmentInfo& b) {
-  if (a.nbytes != b.nbytes || a.tensors.size() != b.tensors.size()) return false;
-  for (size_t i = 0; i < a.tensors.size(); ++i) {
-    const TensorSlice &x = a.tensors[i], &y = b.tensors[i];
-    if (x.name != y.name || x.dtype != y.dtype || x.shape != y.shape || x.offset != y.offset ||
-        x.nbytes != y.nbytes || !(x.quant == y.quant))
-      return false;
-  }
-  return true;
-}
-
 }  // namespace
 
 Manifest FluxManifest(const FluxConfig& c, int64_t singles_per_unit, DType dtype,
@@ -106,18 +95,6 @@ void FluxManifestFromJson(const Json& j, Manifest& m, const std::string& source)
   m.config = ModelConfig{};
   m.config.model_type = kFluxModelType;
   m.config.num_hidden_layers = static_cast<int64_t>(FluxUnits(c, singles).size());
-}
-
-void ValidateFluxLayout(const Manifest& m, const std::string& source) {
-  const Manifest want =
-      FluxManifest(m.flux, m.flux_singles_per_unit, m.dtype, m.alignment, m.quant());
-  if (m.blocks.size() != want.blocks.size())
-    Bad(source, "has " + std::to_string(m.blocks.size()) + " FLUX units but its shape has " +
-                    std::to_string(want.blocks.size()));
-  for (size_t u = 0; u < m.blocks.size(); ++u)
-    if (!SameSlices(m.blocks[u], want.blocks[u]))
-      Bad(source, "unit " + std::to_string(u) + " is not the FLUX layout of its shape");
-  if (!SameSlices(m.rest, want.rest)) Bad(source, "rest is not the FLUX layout of its shape");
 }
 
 FluxCheckpointReader FluxCheckpointReader::Open(const std::string& path) {

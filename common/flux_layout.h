@@ -40,9 +40,6 @@ Manifest FluxManifest(const FluxConfig& c, int64_t singles_per_unit, DType dtype
 // the shape (Error(kCorrupt) naming `source` and the field).
 void FluxManifestToJson(nlohmann::json& out, const Manifest& m);
 void FluxManifestFromJson(const nlohmann::json& in, Manifest& m, const std::string& source);
-// Error(kCorrupt) naming `source` and the segment unless every segment of FLUX manifest `m`
-// is exactly FluxManifest's layout (so that an attacher hands out each unit's tensors by name).
-void ValidateFluxLayout(const Manifest& m, const std::string& source);
 
 // A FLUX.1 checkpoint opened for reading by BFL name (DetectFluxCheckpoint: BFL's single
 // file, or a diffusers folder; every tensor checked against the shape).
@@ -56,11 +53,7 @@ class FluxCheckpointReader {
 
   // A run of rows of BFL tensor `name`: its rows [row, row + rows) are the checkpoint
   // tensor `entry`'s rows [source_row, source_row + rows) in `file`.
-  struct Piece {
-    const SafetensorsFile* file = nullptr;
-    const SafetensorsEntry* entry = nullptr;
-    int64_t source_row = 0, row = 0, rows = 0;
-  };
+  using Piece = SafetensorsRows;
   // The pieces of BFL tensor `name`, in row order (one for every tensor of a BFL file).
   std::vector<Piece> Pieces(const std::string& name) const;
 

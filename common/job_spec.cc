@@ -379,15 +379,15 @@ namespace {
 std::vector<std::string> QwenImageSharedProblems(const JobSpec& s, const std::string& src) {
   std::vector<std::string> p;
   auto key = [&](const std::string& k) { return src + ": key `" + k + "` "; };
-  if (!s.model.store.empty())
-    p.push_back(key("model.store") +
-                "names a store, but a Qwen-Image job reads its checkpoint itself "
-                "(model.checkpoint: ComfyUI's single file or a diffusers folder); a store of "
-                "Qwen-Image is not served yet");
-  else if (s.model.checkpoint.empty())
+  if (!s.model.store.empty() && !s.model.checkpoint.empty())
+    p.push_back(key("model") +
+                "must name exactly one of `model.store` (a store serving Qwen-Image) or "
+                "`model.checkpoint`");
+  else if (s.model.store.empty() && s.model.checkpoint.empty())
     p.push_back(key("model.checkpoint") +
-                "is required (ComfyUI's qwen_image_bf16.safetensors or a diffusers folder)");
-  else
+                "is required (ComfyUI's qwen_image_bf16.safetensors or a diffusers folder), or "
+                "`model.store` naming a store serving one");
+  else if (s.model.store.empty())
     try {
       DetectQwenImageCheckpoint(s.model.checkpoint);
     } catch (const Error& e) {

@@ -12,6 +12,7 @@
 
 #include "common/error.h"
 #include "common/flux_layout.h"
+#include "common/qwen_image_layout.h"
 
 namespace lorastream {
 
@@ -230,8 +231,58 @@ uint64_t Manifest::total_bytes() const {
 }
 
 const TensorSlice* Manifest::head() const {
-  if (is_flux()) return nullptr;
+  if (is_diffusion()) return nullptr;
   return rest.Find(config.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");
+}
+
+std::string Manifest::family() const {
+  if (is_flux()) return "FLUX.1";
+  if (is_qwen_image()) return "Qwen-Image";
+  return "LLM (" + config.model_type + ")";
+}
+
+std::string Manifest::block_prefix(size_t i) const {
+  return is_diffusion() ? "" : "model.layers." + std::to_string(i) + ".";
+}
+
+std::string ManifestShapeJson(const Manifest& m) {
+  Json shape;
+  if (m.is_flux())
+    FluxManifestToJson(shape, m);
+  else if (m.is_qwen_image())
+    shape = Json::parse(QwenImageConfigJson(m.qwen_image));
+  else
+    ToJson(shape, m.config);
+  return shape.dump();
+}
+
+namespace {
+
+bool SameSlices(const SegmentInfo& a, const SegmentInfo& b) {
+  if (a.nbytes != b.nbytes || a.tensors.size() != b.tensors.size()) return false;
+  for (size_t i = 0; i < a.tensors.size(); ++i) {
+    const TensorSlice &x = a.tensors[i], &y = b.tensors[i];
+    if (x.name != y.name || x.dtype != y.dtype || x.shape != y.shape || x.offset != y.offset ||
+        x.nbytes != y.nbytes || !(x.quant == y.quant))
+      return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+void RequireManifestLayout(const Manifest& m, const Manifest& want, const std::string& source,
+                           const std::string& unit) {
+  const std::string family = m.family();
+  const std::string layout =
+      " is not the " + (m.is_flux() ? std::string("FLUX") : family) + " layout of its shape";
+  if (m.blocks.size() != want.blocks.size())
+    Bad(source, "has " + std::to_string(m.blocks.size()) + " " + family + " " + unit +
+                    "s but its shape has " + std::to_string(want.blocks.size()));
+  for (size_t u = 0; u < m.blocks.size(); ++u)
+    if (!SameSlices(m.blocks[u], want.blocks[u]))
+      Bad(source, unit + " " + std::to_string(u) + layout);
+  if (!SameSlices(m.rest, want.rest)) Bad(source, "rest" + layout);
 }
 
 std::string Manifest::DescribeCompression() const {
@@ -253,8 +304,8 @@ QuantInfo Manifest::quant() const {
 
 std::string ManifestToJson(const Manifest& m) {
   Json config;
-  if (m.is_flux())
-    config = {{"model_type", kFluxModelType}};  // its shape is under "flux"
+  if (m.is_diffusion())
+    config = {{"model_type", m.config.model_type}};  // its shape is under "flux"/"qwen_image"
   else
     ToJson(config, m.config);
   Json blocks = Json::array();
@@ -272,6 +323,7 @@ std::string ManifestToJson(const Manifest& m) {
             {"owner_start_time", m.owner_start_time},
             {"source_dir", m.source_dir}};
   if (m.is_flux()) FluxManifestToJson(j["flux"], m);
+  if (m.is_qwen_image()) j["qwen_image"] = Json::parse(QwenImageConfigJson(m.qwen_image));
   if (!m.tokenizer.fingerprint.empty())
     j["tokenizer"] = {{"name", m.tokenizer.name},
                       {"fingerprint", m.tokenizer.fingerprint},
@@ -290,8 +342,11 @@ Manifest ManifestFromJson(const std::string& text, const std::string& source) {
   m.generation = GetHex(j, "generation", source);
   m.fingerprint = GetString(j, "fingerprint", source);
   const Json& config = Field(j, "config", source, "");
-  if (config.is_object() && config.value("model_type", Json()) == kFluxModelType)
+  const Json model_type = config.is_object() ? config.value("model_type", Json()) : Json();
+  if (model_type == kFluxModelType)
     FluxManifestFromJson(Field(j, "flux", source, ""), m, source);  // sets config too
+  else if (model_type == kQwenImageModelType)
+    QwenImageManifestFromJson(Field(j, "qwen_image", source, ""), m, source);  // and config
   else
     m.config = ModelConfigFromJson(config, source + " (config)");
   m.dtype = GetDType(j, "dtype", source);
@@ -309,7 +364,13 @@ Manifest ManifestFromJson(const std::string& text, const std::string& source) {
                     std::to_string(m.config.num_hidden_layers) + " layers");
   m.rest = SegmentFromJson(Field(j, "rest", source, ""), m.alignment, source, "rest: ",
                            /*rest_segment=*/true);
-  if (m.is_flux()) ValidateFluxLayout(m, source);
+  if (m.is_flux())
+    RequireManifestLayout(
+        m, FluxManifest(m.flux, m.flux_singles_per_unit, m.dtype, m.alignment, m.quant()), source,
+        "unit");
+  if (m.is_qwen_image())
+    RequireManifestLayout(m, QwenImageManifest(m.qwen_image, m.dtype, m.alignment, m.quant()),
+                          source, "block");
   const Json& pid = Field(j, "owner_pid", source, top);
   if (!pid.is_number_integer()) Bad(source, "`owner_pid` must be an integer");
   m.owner_pid = pid.get<int64_t>();

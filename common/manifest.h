@@ -10,6 +10,7 @@
 #include "common/flux_config.h"
 #include "common/model_config.h"
 #include "common/quant_format.h"
+#include "common/qwen_image_config.h"
 #include "common/tokenizer_id.h"
 
 namespace lorastream {
@@ -58,8 +59,21 @@ struct Manifest {
   // FluxUnits(flux, flux_singles_per_unit).
   FluxConfig flux;
   int64_t flux_singles_per_unit = 0;
+  // A Qwen-Image store (config.model_type kQwenImageModelType, config's other fields unused):
+  // its shape; blocks[u] is transformer block u (common/qwen_image_layout.h).
+  QwenImageConfig qwen_image;
 
   bool is_flux() const { return config.model_type == kFluxModelType; }
+  bool is_qwen_image() const { return config.model_type == kQwenImageModelType; }
+  // A diffusion transformer's store (FLUX.1 or Qwen-Image): its units name their tensors in
+  // full ("double_blocks.0.img_attn.qkv.weight"), and it has no LM head.
+  bool is_diffusion() const { return is_flux() || is_qwen_image(); }
+  // The model family, as logs, listings and refusals name it: "FLUX.1", "Qwen-Image", or
+  // "LLM (MODEL_TYPE)".
+  std::string family() const;
+  // What block i's tensor names are relative to: "model.layers.I." for an LLM, "" for a
+  // diffusion store (its names are full).
+  std::string block_prefix(size_t i) const;
 
   uint64_t total_bytes() const;  // sum of every segment's nbytes
   QuantInfo quant() const;       // the blocks' compression (none when uncompressed)
@@ -86,6 +100,17 @@ SegmentInfo LayoutSegment(const std::vector<std::pair<std::string, std::vector<i
 SegmentInfo LayoutSegment(const std::vector<std::pair<std::string, std::vector<int64_t>>>& shapes,
                           const std::string& shm_name, DType dtype, uint64_t alignment,
                           const QuantInfo& format, const std::vector<std::string>& compressed);
+
+// The family's shape as JSON text, as the manifest records it: an LLM's config, FLUX.1's
+// ({shape..., "singles_per_unit": n}) or Qwen-Image's (its diffusers config.json); what a
+// store's fingerprint covers besides the bytes.
+std::string ManifestShapeJson(const Manifest& manifest);
+// Error(kCorrupt) naming `source` and the segment unless every segment of `m` is exactly
+// `want`'s layout (`m` a diffusion manifest, `want` its family's layout of m's shape, dtype,
+// alignment and compression), so that an attacher hands out each unit's tensors by name.
+// `unit` names a segment in the message ("unit", "block").
+void RequireManifestLayout(const Manifest& m, const Manifest& want, const std::string& source,
+                           const std::string& unit);
 
 // The manifest as JSON text (uint64 values as 16-digit hex strings, so that every JSON reader
 // keeps them exact) and back. ManifestFromJson validates everything a reader relies on

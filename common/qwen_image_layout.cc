@@ -2,6 +2,8 @@
 
 #include <sys/stat.h>
 
+#include <nlohmann/json.hpp>
+
 #include "common/error.h"
 #include "common/regular_file.h"
 
@@ -11,6 +13,7 @@ Manifest QwenImageManifest(const QwenImageConfig& c, DType dtype, uint64_t align
                            const QuantInfo& linears) {
   Manifest m;
   m.config.model_type = kQwenImageModelType;
+  m.qwen_image = c;
   m.dtype = dtype;
   m.alignment = alignment;
   for (int64_t i = 0; i < c.num_layers; ++i)
@@ -18,6 +21,15 @@ Manifest QwenImageManifest(const QwenImageConfig& c, DType dtype, uint64_t align
   m.rest = LayoutSegment(QwenImageRestShapes(c), "", dtype, alignment);
   m.config.num_hidden_layers = c.num_layers;
   return m;
+}
+
+void QwenImageManifestFromJson(const nlohmann::json& in, Manifest& m, const std::string& source) {
+  if (!in.is_object())
+    throw Error(ErrorCode::kCorrupt, source + ": manifest `qwen_image` must be an object");
+  m.qwen_image = QwenImageConfigFromJson(in.dump(), source + " (qwen_image)");
+  m.config = ModelConfig{};
+  m.config.model_type = kQwenImageModelType;
+  m.config.num_hidden_layers = m.qwen_image.num_layers;
 }
 
 QwenImageCheckpointReader QwenImageCheckpointReader::Open(const std::string& path) {

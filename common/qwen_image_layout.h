@@ -11,6 +11,8 @@
 #include <optional>
 #include <string>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include "common/manifest.h"
 #include "common/qwen_image_config.h"
 #include "common/safetensors.h"
@@ -21,14 +23,14 @@ namespace lorastream {
 // tensors under their full names in QwenImageUnitShapes order, `rest` QwenImageRestShapes,
 // each laid out by LayoutSegment (a compressed `linears` format: each block linear's weight,
 // IsQwenImageBlockLinearWeight, stored in it). model_type kQwenImageModelType,
-// num_hidden_layers the block count.
+// num_hidden_layers the block count, `qwen_image` the shape (Manifest::is_qwen_image()).
 Manifest QwenImageManifest(const QwenImageConfig& c, DType dtype, uint64_t alignment,
                            const QuantInfo& linears = {});
 
-// Whether `m`'s blocks are Qwen-Image units (model_type kQwenImageModelType).
-inline bool IsQwenImageManifest(const Manifest& m) {
-  return m.config.model_type == kQwenImageModelType;
-}
+// The Qwen-Image part of a manifest's JSON (its diffusers config.json, QwenImageConfigJson)
+// read back: sets m.qwen_image and m.config (model_type, the block count), validating the
+// shape (errors name `source` and the key).
+void QwenImageManifestFromJson(const nlohmann::json& in, Manifest& m, const std::string& source);
 
 class QwenImageCheckpointReader {
  public:

@@ -70,6 +70,15 @@ class SafetensorsFile {
   MemoryMapping mapping_;
 };
 
+// A run of rows of a model's tensor as a checkpoint holds it: the tensor's rows
+// [row, row + rows) are the checkpoint tensor `entry`'s rows [source_row, source_row + rows)
+// in `file` (one piece covering it all when the checkpoint holds the tensor whole).
+struct SafetensorsRows {
+  const SafetensorsFile* file = nullptr;
+  const SafetensorsEntry* entry = nullptr;
+  int64_t source_row = 0, row = 0, rows = 0;
+};
+
 // The tensors of a folder stored as STEM.safetensors or as the shards that
 // STEM.safetensors.index.json lists (every listed shard must exist and hold the tensors the
 // index assigns it; no tensor may appear twice): Hugging Face's model.*, diffusers'

@@ -117,13 +117,15 @@ std::string StoreProblem(const JobSpec& spec) {
   if (!record || record->json.empty())
     return "";  // not here or not yet published: the worker checks
   const Manifest m = ManifestFromJson(record->json, "store `" + spec.model.store + "`");
-  if (spec.is_flux != m.is_flux())
+  if (spec.is_flux != m.is_flux() || spec.is_qwen_image != m.is_qwen_image())
     return spec.source + ": key `" + (spec.is_flux ? "flux.store" : "model.store") + "`: store `" +
-           spec.model.store + "` serves " +
-           (m.is_flux() ? std::string("FLUX.1") : "a " + m.config.model_type + " model") +
+           spec.model.store + "` serves " + m.family() +
            (spec.is_flux ? ", not FLUX.1 (serve a FLUX checkpoint: lorastream-store serve PATH)"
-                         : "; an LLM job names an LLM's store (a FLUX job has a [flux] section)");
-  if (spec.is_flux) return "";
+            : spec.is_qwen_image
+                ? ", not Qwen-Image (serve a Qwen-Image checkpoint: lorastream-store serve PATH)"
+                : "; an LLM job names an LLM's store (a FLUX job has a [flux] section, a "
+                  "Qwen-Image job a [qwen_image] section)");
+  if (spec.is_flux || spec.is_qwen_image) return "";
   return DataTokenizerProblem(
       spec.data.path, spec.data.format, [&] { return ManifestTokenizer(m); },
       "store `" + spec.model.store + "`", m.config.vocab_size);

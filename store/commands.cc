@@ -62,16 +62,15 @@ void RunVerify(const std::string& name, int threads, std::ostream& out, bool hol
                                              std::to_string(bad) + ")");
     }
   };
-  for (int i = 0; i < store.num_blocks(); ++i)  // a FLUX unit's tensors carry their full names
-    scan(manifest.blocks[i], store.block_data(i),
-         manifest.is_flux() ? "" : "model.layers." + std::to_string(i) + ".");
+  for (int i = 0; i < store.num_blocks(); ++i)
+    scan(manifest.blocks[i], store.block_data(i), manifest.block_prefix(i));
   scan(manifest.rest, store.rest_data(), "");
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const Manifest& m = store.manifest();
-  out << "store `" << name << "`: " << (m.is_flux() ? "FLUX.1, " : "") << m.blocks.size()
-      << (m.is_flux() ? " units + rest, " : " blocks + rest, ") << FormatBytes(m.total_bytes(), 2)
-      << ", " << DTypeName(m.dtype) << m.DescribeCompression() << ", fingerprint " << m.fingerprint
-      << ": every checksum matches (" << s << " s)\n";
+  out << "store `" << name << "`: " << (m.is_diffusion() ? m.family() + ", " : "")
+      << m.blocks.size() << (m.is_flux() ? " units + rest, " : " blocks + rest, ")
+      << FormatBytes(m.total_bytes(), 2) << ", " << DTypeName(m.dtype) << m.DescribeCompression()
+      << ", fingerprint " << m.fingerprint << ": every checksum matches (" << s << " s)\n";
   if (!hold) return;
   sigset_t signals;
   sigemptyset(&signals);

@@ -129,9 +129,7 @@ DequantizeResult WriteDequantized(const DequantizeOptions& options) {
     }
   };
   for (int b = 0; b < store.num_blocks(); ++b)
-    // A FLUX unit names its tensors in full already.
-    add_segment(store.block_data(b), m.blocks[b],
-                m.is_flux() ? "" : "model.layers." + std::to_string(b) + ".");
+    add_segment(store.block_data(b), m.blocks[b], m.block_prefix(b));
   add_segment(store.rest_data(), m.rest, "");
 
   std::vector<std::pair<size_t, int64_t>> pieces;  // (job, first element)
@@ -153,6 +151,15 @@ DequantizeResult WriteDequantized(const DequantizeOptions& options) {
     metadata["format"] = "pt";
     WriteSafetensors((fs::path(options.out_dir) / "flux1.safetensors").string(), tensors, metadata);
     LS_LOG_INFO("dequantize: {} FLUX.1 linear weights of {} expanded to bf16 -> {}",
+                result.expanded_tensors, DescribeQuant(result.format), options.out_dir);
+    return result;
+  }
+  if (m.is_qwen_image()) {  // ComfyUI's single file, whichever form the source was
+    std::map<std::string, std::string> metadata = QwenImageMetadata(m.qwen_image);
+    metadata["format"] = "pt";
+    WriteSafetensors((fs::path(options.out_dir) / "qwen_image_bf16.safetensors").string(), tensors,
+                     metadata);
+    LS_LOG_INFO("dequantize: {} Qwen-Image linear weights of {} expanded to bf16 -> {}",
                 result.expanded_tensors, DescribeQuant(result.format), options.out_dir);
     return result;
   }

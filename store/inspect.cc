@@ -8,7 +8,7 @@
 #include "common/error.h"
 #include "common/format_bytes.h"
 #include "common/safetensors.h"
-#include "store/flux_pack.h"
+#include "store/dit_pack.h"
 #include "store/layout.h"
 
 namespace lorastream::store {
@@ -38,6 +38,21 @@ bool IsFluxSafetensors(const std::string& path) {
   }
 }
 
+// The files a plan reads, in the order it first reads them.
+std::vector<const SafetensorsFile*> SourceFiles(const PackPlan& plan) {
+  std::vector<const SafetensorsFile*> files;
+  auto add = [&](const Checkpoint::Ref& ref) {
+    if (ref.file != nullptr && std::find(files.begin(), files.end(), ref.file) == files.end())
+      files.push_back(ref.file);
+  };
+  for (const auto& block : plan.block_sources)
+    for (const Checkpoint::Ref& ref : block) add(ref);
+  for (const Checkpoint::Ref& ref : plan.rest_sources) add(ref);
+  for (const PackPlan::Quantize& q : plan.quantize)
+    for (const Checkpoint::Ref& ref : q.sources) add(ref);
+  return files;
+}
+
 }  // namespace
 
 void RunInspect(const std::string& path, std::ostream& out) {
@@ -46,21 +61,33 @@ void RunInspect(const std::string& path, std::ostream& out) {
     throw Error(ErrorCode::kNotFound, path + ": no such file or folder");
   uint64_t total = 0;
   size_t count = 0;
-  if (S_ISDIR(st.st_mode) ? IsFluxCheckpointPath(path) : IsFluxSafetensors(path)) {
-    // The store's own checks (FLUX.1's shape, every tensor; one dtype).
-    const FluxPackPlan plan = PlanFluxPack(path, PackOptions{});
-    const FluxConfig& c = plan.reader->config();
-    std::vector<const SafetensorsFile*> files;
-    for (const auto& [name, shape] : FluxAllShapes(c))
-      for (const FluxCheckpointReader::Piece& p : plan.reader->Pieces(name))
-        if (std::find(files.begin(), files.end(), p.file) == files.end()) files.push_back(p.file);
+  const bool folder = S_ISDIR(st.st_mode);
+  const bool qwen_image = IsQwenImageCheckpointPath(path);
+  const bool flux = !qwen_image && (folder ? IsFluxCheckpointPath(path) : IsFluxSafetensors(path));
+  if (flux || qwen_image) {
+    // The store's own checks (the family's shape, every tensor; one dtype).
+    const DitPackPlan plan =
+        flux ? PlanFluxPack(path, PackOptions{}) : PlanQwenImagePack(path, PackOptions{});
+    const std::vector<const SafetensorsFile*> files = SourceFiles(plan.load);
     for (const SafetensorsFile* f : files) ListFile(*f, out, &total, &count);
-    out << "FLUX.1 (" << (plan.reader->is_diffusers() ? "diffusers folder" : "BFL file")
-        << "): " << c.depth << " double + " << c.depth_single << " single blocks, hidden "
-        << c.hidden_size << ", heads " << c.num_heads << ", guidance "
-        << (c.guidance_embed ? "embedded" : "none") << "; a store packs "
-        << plan.load.manifest.blocks.size() << " units of up to " << kFluxDefaultSinglesPerUnit
-        << " single blocks; every tensor matches it\n";
+    const Manifest& m = plan.layout;
+    if (flux) {
+      const FluxConfig& c = m.flux;
+      out << "FLUX.1 (" << (folder ? "diffusers folder" : "BFL file") << "): " << c.depth
+          << " double + " << c.depth_single << " single blocks, hidden " << c.hidden_size
+          << ", heads " << c.num_heads << ", guidance " << (c.guidance_embed ? "embedded" : "none")
+          << "; a store packs " << m.blocks.size() << " units of up to "
+          << kFluxDefaultSinglesPerUnit << " single blocks";
+    } else {
+      const QwenImageConfig& c = m.qwen_image;
+      out << "Qwen-Image (" << (folder ? "diffusers folder" : "single file")
+          << "): " << c.num_layers << " blocks, hidden " << c.hidden() << ", heads " << c.num_heads
+          << ", text " << c.joint_attention_dim << "; a store packs " << m.blocks.size()
+          << " units of one block (" << FormatBytes(m.blocks.front().nbytes) << " each)";
+    }
+    out << (m.quant().compressed() ? ", block linears pre-quantised " + DescribeQuant(m.quant())
+                                   : "")
+        << "; every tensor matches it\n";
     out << "total: " << files.size() << " file(s), ";
   } else if (S_ISDIR(st.st_mode)) {
     Checkpoint cp = Checkpoint::Open(path);

@@ -136,7 +136,9 @@ std::string StoreFormat(const StoreListing& s) {
   if (!s.record || s.record->json.empty()) return "";
   try {
     const Manifest m = ManifestFromJson(s.record->json, "store `" + s.name + "`");
-    return (m.is_flux() ? "flux, " + std::to_string(m.blocks.size()) + " units, " : "") +
+    return (m.is_flux()         ? "flux, " + std::to_string(m.blocks.size()) + " units, "
+            : m.is_qwen_image() ? "qwen_image, " + std::to_string(m.blocks.size()) + " blocks, "
+                                : std::string()) +
            std::string(DTypeName(m.dtype)) + m.DescribeCompression();
   } catch (const Error& e) {
     return std::string("unreadable manifest (") + e.what() + ")";

@@ -22,7 +22,7 @@
 #include "common/safetensors.h"
 #include "common/shm_names.h"
 #include "store/checksum.h"
-#include "store/flux_pack.h"
+#include "store/dit_pack.h"
 #include "store/layout.h"
 #include "store/loader.h"
 #include "store/parallel.h"
@@ -70,12 +70,8 @@ std::string ShmemThpSetting() {
 }  // namespace
 
 std::string ComputeFingerprint(const Manifest& m) {
-  nlohmann::json config;
-  if (m.is_flux())
-    FluxManifestToJson(config, m);
-  else
-    ToJson(config, m.config);
-  std::string text = config.dump() + "|" + DTypeName(m.dtype) + "|" + std::to_string(m.alignment);
+  std::string text =
+      ManifestShapeJson(m) + "|" + DTypeName(m.dtype) + "|" + std::to_string(m.alignment);
   auto add = [&](const SegmentInfo& s) {
     text += "|" + std::to_string(s.nbytes) + ":" + std::to_string(s.checksum);
     for (const TensorSlice& t : s.tensors) {
@@ -135,17 +131,22 @@ std::unique_ptr<PublishedStore> PublishedStore::Build(const ServeOptions& option
   pack.quantize = options.quantize;
   pack.quantize_head = options.quantize_head;
   pack.quantize_embedding = options.quantize_embedding;
-  // A FLUX.1 checkpoint (a BFL file or a diffusers folder) is packed per streaming unit.
+  // A diffusion checkpoint (FLUX.1: a BFL file or a diffusers folder; Qwen-Image: ComfyUI's
+  // single file or a diffusers folder) is packed per streaming unit.
   std::optional<Checkpoint> checkpoint;
-  std::optional<FluxPackPlan> flux;
+  std::optional<DitPackPlan> dit;
   PackPlan llm;
-  if (IsFluxCheckpointPath(options.model_dir)) {
-    flux.emplace(PlanFluxPack(options.model_dir, pack));
+  // Qwen-Image's names are asked for first: any other single file is taken for FLUX's (and
+  // refused naming what FLUX.1 lacks).
+  if (IsQwenImageCheckpointPath(options.model_dir)) {
+    dit.emplace(PlanQwenImagePack(options.model_dir, pack));
+  } else if (IsFluxCheckpointPath(options.model_dir)) {
+    dit.emplace(PlanFluxPack(options.model_dir, pack));
   } else {
     checkpoint.emplace(Checkpoint::Open(options.model_dir));
     llm = PlanPack(*checkpoint, pack);
   }
-  PackPlan& plan = flux ? flux->load : llm;
+  PackPlan& plan = dit ? dit->load : llm;
   uint64_t needed = 0;
   for (const SegmentInfo& b : plan.manifest.blocks) needed += RoundUpToPage(b.nbytes);
   needed += RoundUpToPage(plan.manifest.rest.nbytes);
@@ -218,7 +219,7 @@ std::unique_ptr<PublishedStore> PublishedStore::Build(const ServeOptions& option
   const LoadResult quantized = QuantizeSegments(plan, pointers, threads, should_stop, progress);
   LoadResult load = LoadSegments(plan, pointers, threads, should_stop, progress);
   for (ShmSegment& s : store->segments_) s.MakeReadOnly();  // never written after publishing
-  if (flux) m = FluxPublishedManifest(*flux);  // the layout's whole tensors, not the pieces
+  if (dit) m = DitPublishedManifest(*dit);  // the layout's whole tensors, not the pieces
 
   m.fingerprint = ComputeFingerprint(m);
   m.owner_start_time = 0;  // filled from the claim's header below
@@ -273,7 +274,8 @@ int RunServe(const ServeOptions& options) {
               m.store_name, m.blocks.size(),
               m.is_flux() ? "FLUX.1 units (" + std::to_string(m.flux_singles_per_unit) +
                                 " single blocks per unit)"
-                          : std::string("blocks"),
+              : m.is_qwen_image() ? std::string("Qwen-Image blocks")
+                                  : std::string("blocks"),
               FormatGiB(r.bytes), DTypeName(m.dtype), m.DescribeCompression(), m.fingerprint,
               m.generation, r.locked ? "locked in RAM" : "not locked");
   std::printf(

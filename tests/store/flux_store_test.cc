@@ -45,17 +45,6 @@ store::SynthResult SynthFlux(const std::string& out, const std::string& format) 
   return store::RunSynth(o);
 }
 
-std::unique_ptr<store::PublishedStore> Serve(const std::string& path, const std::string& name,
-                                             QuantMethod quantize = QuantMethod::kNone) {
-  store::ServeOptions o;
-  o.model_dir = path;
-  o.name = name;
-  o.threads = 2;
-  o.lock = false;
-  o.quantize = quantize;
-  return store::PublishedStore::Build(o);
-}
-
 }  // namespace
 
 TEST_CASE("a FLUX.1 checkpoint is served per streaming unit, from BFL's file or diffusers'",
@@ -64,8 +53,8 @@ TEST_CASE("a FLUX.1 checkpoint is served per streaming unit, from BFL's file or 
   SynthFlux(dir.str() + "/bfl", "bfl");
   SynthFlux(dir.str() + "/diffusers", "diffusers");
   const std::string bfl_name = UniqueName("flux-bfl"), diffusers_name = UniqueName("flux-diff");
-  auto bfl = Serve(dir.str() + "/bfl/flux1.safetensors", bfl_name);
-  auto diffusers = Serve(dir.str() + "/diffusers/transformer", diffusers_name);
+  auto bfl = ServeInProcess(dir.str() + "/bfl/flux1.safetensors", bfl_name);
+  auto diffusers = ServeInProcess(dir.str() + "/diffusers/transformer", diffusers_name);
 
   const Manifest& m = bfl->manifest();
   REQUIRE(m.is_flux());
@@ -128,51 +117,12 @@ TEST_CASE("a FLUX.1 store refuses a file that is not FLUX, by name", "[store][fl
   TempDir dir("flux-store-refusals");
   const std::string name = UniqueName("flux-refused");
   { std::ofstream(dir.str() + "/notes.txt") << "not a checkpoint"; }
-  CHECK_THROWS_WITH(Serve(dir.str() + "/notes.txt", name),
+  CHECK_THROWS_WITH(ServeInProcess(dir.str() + "/notes.txt", name),
                     Catch::Contains("not a .safetensors file"));
   const std::vector<store::StoreListing> stores = store::ListStores();
   CHECK(std::none_of(stores.begin(), stores.end(),
                      [&](const store::StoreListing& s) { return s.name == name; }));
 }
-
-namespace {
-
-// The bytes `serve --quantize` must store for weight `w` ([rows, cols] f32) in `quant`: the
-// weight and each of its scales (QuantAuxTensors order), from store/quantize.h's functions
-// applied to the whole weight at once.
-std::vector<std::vector<uint8_t>> ReferenceQuantized(const std::vector<float>& w, int64_t rows,
-                                                     int64_t cols, const QuantInfo& quant) {
-  auto bytes_of = [](const auto& v) {
-    const auto* p = reinterpret_cast<const uint8_t*>(v.data());
-    return std::vector<uint8_t>(p, p + v.size() * sizeof(v[0]));
-  };
-  if (quant.method == QuantMethod::kFp8) {
-    const int64_t tiles = (cols + quant.block_cols - 1) / quant.block_cols;
-    std::vector<uint8_t> q(rows * cols);
-    std::vector<float> scale(((rows + quant.block_rows - 1) / quant.block_rows) * tiles);
-    for (int64_t r = 0; r < rows; r += quant.block_rows)
-      store::QuantizeFp8Band(w.data() + r * cols, std::min(quant.block_rows, rows - r), cols,
-                             quant.block_cols, q.data() + r * cols,
-                             scale.data() + r / quant.block_rows * tiles);
-    return {q, bytes_of(scale)};
-  }
-  const int64_t n = rows * cols, blocks = (n + quant.blocksize - 1) / quant.blocksize;
-  std::vector<uint8_t> packed(n / 2), absmax_q(blocks);
-  std::vector<float> absmax(blocks),
-      nested((blocks + quant.nested_blocksize - 1) / quant.nested_blocksize), offset(1);
-  store::QuantizeNf4(w.data(), n, quant.blocksize, packed.data(), absmax.data());
-  store::DoubleQuantizeAbsmax(absmax.data(), blocks, quant.nested_blocksize, absmax_q.data(),
-                              nested.data(), offset.data());
-  return {
-      packed,
-      absmax_q,
-      bytes_of(nested),
-      bytes_of(std::vector<float>(store::kNf4Code.begin(), store::kNf4Code.end())),
-      bytes_of(std::vector<float>(store::DynamicMap8Bit().begin(), store::DynamicMap8Bit().end())),
-      bytes_of(offset)};
-}
-
-}  // namespace
 
 TEST_CASE("serve --quantize fp8|nf4 of a FLUX.1 checkpoint: its block linears compressed",
           "[store][flux]") {
@@ -182,14 +132,14 @@ TEST_CASE("serve --quantize fp8|nf4 of a FLUX.1 checkpoint: its block linears co
   const std::string bfl_path = dir.str() + "/bfl/flux1.safetensors";
   const SafetensorsFile source = SafetensorsFile::Open(bfl_path);
   const std::string plain_name = UniqueName("flux-plain");
-  auto plain = Serve(bfl_path, plain_name);
+  auto plain = ServeInProcess(bfl_path, plain_name);
   const Manifest& pm = plain->manifest();
   store::AttachedStore plain_store = store::AttachedStore::Attach(plain_name, pm.fingerprint);
   for (QuantMethod method : {QuantMethod::kFp8, QuantMethod::kNf4}) {
     INFO(QuantMethodName(method));
     const QuantInfo format = StoreQuantFormat(method);
     const std::string name = UniqueName("flux-q"), diffusers_name = UniqueName("flux-qd");
-    auto published = Serve(bfl_path, name, method);
+    auto published = ServeInProcess(bfl_path, name, method);
     const Manifest& m = published->manifest();
     REQUIRE(m.is_flux());
     CHECK(m.quant() == format);
@@ -202,42 +152,14 @@ TEST_CASE("serve --quantize fp8|nf4 of a FLUX.1 checkpoint: its block linears co
       CHECK(m.blocks[u].nbytes == layout.blocks[u].nbytes);
     // Quantised from the whole weight: a diffusers folder's runs of rows (its qkv as to_q,
     // to_k, to_v) give the very same bytes.
-    auto diffusers = Serve(dir.str() + "/diffusers/transformer", diffusers_name, method);
+    auto diffusers = ServeInProcess(dir.str() + "/diffusers/transformer", diffusers_name, method);
     CHECK(diffusers->manifest().fingerprint == m.fingerprint);
 
     store::AttachedStore store = store::AttachedStore::Attach(name, m.fingerprint);
     store::VerifyChecksums(store, 2);
-    for (size_t u = 0; u < m.blocks.size(); ++u) {
-      int compressed = 0;
-      for (const TensorSlice& t : m.blocks[u].tensors) {
-        INFO(t.name);
-        const int b = static_cast<int>(u);
-        if (t.quant.compressed()) {
-          ++compressed;
-          CHECK(IsFluxBlockLinearWeight(t.name));
-          const SafetensorsEntry* e = source.Find(t.name);
-          REQUIRE(e != nullptr);
-          const auto* src = reinterpret_cast<const float*>(source.Data(*e));
-          const std::vector<float> w(src, src + e->numel());
-          const auto want = ReferenceQuantized(w, t.shape[0], t.shape[1], t.quant);
-          const auto aux = QuantAuxTensors(t.name, t.shape, t.quant);
-          REQUIRE(want.size() == aux.size() + 1);
-          CHECK(std::memcmp(store.tensor_data(b, t.name), want[0].data(), t.nbytes) == 0);
-          for (size_t k = 0; k < aux.size(); ++k) {
-            const TensorSlice* a = m.blocks[u].Find(aux[k].name);
-            REQUIRE(a != nullptr);
-            REQUIRE(a->nbytes == want[k + 1].size());
-            CHECK(std::memcmp(store.tensor_data(b, a->name), want[k + 1].data(), a->nbytes) == 0);
-          }
-        } else if (const TensorSlice* p = pm.blocks[u].Find(t.name)) {
-          // A norm or a bias: the plain store's bytes.
-          REQUIRE(p->nbytes == t.nbytes);
-          CHECK(std::memcmp(store.tensor_data(b, t.name), plain_store.tensor_data(b, t.name),
-                            t.nbytes) == 0);
-        }
-      }
-      CHECK(compressed == (u < 2 ? 10 : 2 * 3));  // a double block's 10 linears, a single's 3
-    }
+    // A double block's 10 linears, a unit of two single blocks' 3 each.
+    CHECK(CheckCompressedBlocks(m, store, source, pm, plain_store, IsFluxBlockLinearWeight) ==
+          std::vector<int>{10, 10, 6, 6});
     // Everything outside the blocks as the plain store has it.
     REQUIRE(m.rest.nbytes == pm.rest.nbytes);
     CHECK(std::memcmp(store.rest_data(), plain_store.rest_data(), m.rest.nbytes) == 0);
@@ -273,39 +195,23 @@ TEST_CASE("an fp8 FLUX.1 checkpoint is served as it is: fp8 with scales of 1", "
   WriteFp8FluxCheckpoint(dir.str() + "/bfl/flux1.safetensors", path);
   const SafetensorsFile source = SafetensorsFile::Open(path);
   const std::string name = UniqueName("flux-fp8-file");
-  auto published = Serve(path, name);
+  auto published = ServeInProcess(path, name);
   const Manifest& m = published->manifest();
   CHECK(m.quant() == StoreQuantFormat(QuantMethod::kFp8));
   CHECK(m.dtype == DType::kF32);  // the other tensors' dtype
   store::AttachedStore store = store::AttachedStore::Attach(name, m.fingerprint);
   store::VerifyChecksums(store, 2);
-  int compressed = 0;
-  for (size_t u = 0; u < m.blocks.size(); ++u)
-    for (const TensorSlice& t : m.blocks[u].tensors) {
-      if (!t.quant.compressed()) continue;
-      INFO(t.name);
-      ++compressed;
-      const SafetensorsEntry* e = source.Find(t.name);
-      REQUIRE(e != nullptr);
-      CHECK(std::memcmp(store.tensor_data(static_cast<int>(u), t.name), source.Data(*e),
-                        t.nbytes) == 0);
-      const TensorSlice* scale = m.blocks[u].Find(t.name + "_scale_inv");
-      REQUIRE(scale != nullptr);
-      const auto* s =
-          reinterpret_cast<const float*>(store.tensor_data(static_cast<int>(u), scale->name));
-      for (uint64_t i = 0; i < scale->nbytes / 4; ++i) REQUIRE(s[i] == 1.0f);
-    }
-  CHECK(compressed == 2 * 10 + 4 * 3);
+  CHECK(CheckFp8AsFile(m, store, source) == 2 * 10 + 4 * 3);
   // --quantize fp8 holds the same; nf4 of fp8 weights, and a checkpoint mixing fp8 and f32
   // linear weights, are refused by name.
-  auto again = Serve(path, UniqueName("flux-fp8-file"), QuantMethod::kFp8);
+  auto again = ServeInProcess(path, UniqueName("flux-fp8-file"), QuantMethod::kFp8);
   CHECK(again->manifest().fingerprint == m.fingerprint);
-  CHECK_THROWS_WITH(Serve(path, UniqueName("flux-fp8-nf4"), QuantMethod::kNf4),
+  CHECK_THROWS_WITH(ServeInProcess(path, UniqueName("flux-fp8-nf4"), QuantMethod::kNf4),
                     Catch::Contains("are fp8 (F8_E4M3) already"));
   const std::string mixed = dir.str() + "/flux1-mixed.safetensors";
   WriteFp8FluxCheckpoint(dir.str() + "/bfl/flux1.safetensors", mixed,
                          "single_blocks.1.linear2.weight");
-  CHECK_THROWS_WITH(Serve(mixed, UniqueName("flux-fp8-mixed")),
+  CHECK_THROWS_WITH(ServeInProcess(mixed, UniqueName("flux-fp8-mixed")),
                     Catch::Contains("tensor `single_blocks.1.linear2.weight` is F32") &&
                         Catch::Contains("F8_E4M3"));
 }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -31,18 +32,19 @@ inline std::string MakeFluxCheckpoint(const std::string& dir, const std::string&
   return format == "diffusers" ? dir : dir + "/flux1.safetensors";
 }
 
-// The f32 BFL file at `from` rewritten to `to` with every block linear's weight cast to e4m3
-// (round to nearest), as the fp8 FLUX checkpoints users download hold them; the weight named
-// `keep` stays as it is.
-inline void WriteFp8FluxCheckpoint(const std::string& from, const std::string& to,
-                                   const std::string& keep = "") {
+// The f32 single file at `from` rewritten to `to` with every weight `is_linear` names cast to
+// e4m3 (round to nearest), as the fp8 checkpoints users download hold them (flux1-dev-fp8,
+// qwen_image_fp8_e4m3fn: no scales); the weight named `keep` stays as it is.
+inline void WriteFp8Checkpoint(const std::string& from, const std::string& to,
+                               const std::function<bool(const std::string&)>& is_linear,
+                               const std::string& keep = "") {
   const SafetensorsFile f = SafetensorsFile::Open(from);
   std::vector<TensorToWrite> tensors;
   std::vector<std::vector<uint8_t>> fp8;
   fp8.reserve(f.tensors().size());
   for (const SafetensorsEntry& e : f.tensors()) {
     tensors.push_back({e.name, e.dtype, e.shape, f.Data(e)});
-    if (!IsFluxBlockLinearWeight(e.name) || e.name == keep) continue;
+    if (!is_linear(e.name) || e.name == keep) continue;
     const auto* values = reinterpret_cast<const float*>(f.Data(e));
     fp8.emplace_back(e.numel());
     for (size_t i = 0; i < fp8.back().size(); ++i) fp8.back()[i] = store::FloatToE4M3(values[i]);
@@ -50,6 +52,12 @@ inline void WriteFp8FluxCheckpoint(const std::string& from, const std::string& t
     tensors.back().data = fp8.back().data();
   }
   WriteSafetensors(to, tensors, f.header().metadata);
+}
+
+// The f32 BFL file at `from` as an fp8 FLUX checkpoint (every block linear's weight in e4m3).
+inline void WriteFp8FluxCheckpoint(const std::string& from, const std::string& to,
+                                   const std::string& keep = "") {
+  WriteFp8Checkpoint(from, to, IsFluxBlockLinearWeight, keep);
 }
 
 }  // namespace lorastream::testing

@@ -2,9 +2,16 @@
 // section trains through RunGroupTraining and `lorastream-worker train`; streamed equals
 // resident, a group of two jobs of different shapes equals each alone, a stopped job resumed
 // equals the uninterrupted one (all bit for bit); `plan` shows its blocks; a Qwen-Image job
-// shares a group with no other family.
+// shares a group with no other family. On a store (model.store): equal to the checkpoint's
+// run bit for bit, fp8/nf4 stores close to it, stores of other families or dtypes refused.
 #include "tests/worker/torch_catch.h"
 
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <csignal>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -19,11 +26,16 @@
 #include "common/qwen_image_config.h"
 #include "common/qwen_image_layout.h"
 #include "common/subprocess.h"
+#include "store/attach.h"
+#include "store/server.h"
 #include "tests/support/flux_cache_files.h"
+#include "tests/support/flux_checkpoint.h"
 #include "tests/support/test_support.h"
 #include "tests/worker/worker_test_util.h"
+#include "worker/flux/flux_base.h"
 #include "worker/model/base_weights.h"
 #include "worker/qwen_image/qwen_image_adapter_io.h"
+#include "worker/qwen_image/qwen_image_base.h"
 #include "worker/qwen_image/qwen_image_calibrate.h"
 #include "worker/train/family.h"
 #include "worker/train/group_trainer.h"
@@ -67,6 +79,13 @@ std::string JobB(const std::string& dir, const std::string& out, const std::stri
          "[train]\nsteps = 2\nseed = 3\noutput_dir = \"" +
          out + "\"\n" + stream + "[qwen_image]\ncache_dir = \"" + dir +
          "/cache-b\"\ntimestep_sampling = \"qwen_shift\"\n";
+}
+
+// A job's text with its [model] naming store `name` instead of the checkpoint.
+std::string OnStore(std::string text, const std::string& name) {
+  const std::string from = "checkpoint = \"" + kModel + "\"";
+  text.replace(text.find(from), from.size(), "store = \"" + name + "\"");
+  return text;
 }
 
 JobSpec Spec(const std::string& text) {
@@ -325,4 +344,131 @@ TEST_CASE(
                                        options, [] { return false; });
     CHECK(group->JoinRefusal({b}).empty());
   }
+}
+
+TEST_CASE(
+    "qwen_image job on a store trains as on the checkpoint, bit for bit, resident and streamed; "
+    "its blocks are the store's read-only bytes",
+    "[worker][qwen_image][store]") {
+  TempDir dir("qwen-image-store-job");
+  const std::string d = dir.str();
+  WriteCaches(d);
+  const auto published = lorastream::testing::ServeForTest(kModel, QuantMethod::kNone, "qi-job");
+  const std::string name = published->manifest().store_name;
+  CHECK(ValidateJobSpec(ParseJobSpec(OnStore(JobA(d, d + "/x"), name), "job.toml")).empty());
+
+  const Run checkpoint = Train({JobA(d, d + "/checkpoint")});
+  const Run resident = Train({OnStore(JobA(d, d + "/resident"), name)});
+  CheckSame(resident.steps.at("a"), checkpoint.steps.at("a"), d + "/resident", d + "/checkpoint");
+  const std::string stream = "[stream]\nblocks_to_swap = 2\nring_size = 1\n";
+  const Run streamed = Train({OnStore(JobA(d, d + "/streamed", stream), name)});
+  CheckSame(streamed.steps.at("a"), checkpoint.steps.at("a"), d + "/streamed", d + "/checkpoint");
+  CHECK(streamed.steps.at("a")[0].h2d_bytes > 0);
+
+  // The units are the store's mapping, the bytes the worker packs from the checkpoint itself.
+  const qwen_image::QwenImageBase packed =
+      qwen_image::QwenImageBase::Load(kModel, at::kFloat, at::kCPU);
+  const qwen_image::QwenImageBase served =
+      qwen_image::QwenImageBase::FromStore(name, at::kFloat, at::kCPU);
+  const store::AttachedStore attached = store::AttachedStore::Attach(name);
+  REQUIRE(served.unit_bytes().size() == packed.unit_bytes().size());
+  for (size_t u = 0; u < packed.unit_bytes().size(); ++u) {
+    CHECK(std::memcmp(served.unit_bytes()[u], attached.block_data(static_cast<int>(u)),
+                      attached.block_size(static_cast<int>(u))) == 0);
+    CHECK(std::memcmp(served.unit_bytes()[u], packed.unit_bytes()[u], packed.layouts()[u].nbytes) ==
+          0);
+  }
+  for (const auto& [tensor, t] : packed.rest()) CHECK(at::equal(t, served.rest().at(tensor)));
+  // Read-only: a write into a unit faults.
+  const pid_t child = ::fork();
+  if (child == 0) {
+    std::signal(SIGSEGV, SIG_DFL);  // not Catch's handler: the child dies of the fault
+    *const_cast<uint8_t*>(served.unit_bytes()[0]) = 1;
+    ::_exit(0);
+  }
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  CHECK(WIFSIGNALED(status));
+  CHECK(WTERMSIG(status) == SIGSEGV);
+}
+
+TEST_CASE(
+    "qwen_image job on an fp8 or nf4 store trains: streamed equals resident bit for bit, the "
+    "loss finite and within 5% of the plain base's",
+    "[worker][qwen_image][store][quant]") {
+  TempDir dir("qwen-image-quant-job");
+  const std::string d = dir.str();
+  WriteCaches(d);
+  const Run plain = Train({JobA(d, d + "/plain")});
+  const std::vector<StepStats>& sp = plain.steps.at("a");
+  for (QuantMethod method : {QuantMethod::kFp8, QuantMethod::kNf4}) {
+    const std::string format = QuantMethodName(method);
+    INFO(format);
+    const auto published = lorastream::testing::ServeForTest(kModel, method, "qi-" + format);
+    const std::string name = published->manifest().store_name;
+    const Run resident = Train({OnStore(JobA(d, d + "/resident-" + format), name)});
+    const Run streamed = Train({OnStore(
+        JobA(d, d + "/streamed-" + format, "[stream]\nblocks_to_swap = 2\nring_size = 1\n"),
+        name)});
+    const std::vector<StepStats>& sr = resident.steps.at("a");
+    CheckSame(streamed.steps.at("a"), sr, d + "/streamed-" + format, d + "/resident-" + format);
+    REQUIRE(sr.size() == sp.size());
+    for (size_t i = 0; i < sr.size(); ++i) {
+      INFO("step " << i + 1 << ": " << sr[i].loss << " against " << sp[i].loss);
+      CHECK(std::isfinite(sr[i].loss));
+      CHECK(sr[i].loss != sp[i].loss);  // the compressed base is not the plain one
+      CHECK(std::fabs(sr[i].loss - sp[i].loss) < 0.05 * std::fabs(sp[i].loss));
+    }
+  }
+}
+
+TEST_CASE(
+    "a Qwen-Image job refuses a store of another family or dtype, and other families refuse a "
+    "Qwen-Image store, naming the family",
+    "[worker][qwen_image][store]") {
+  TempDir dir("qwen-image-store-refusals");
+  const std::string d = dir.str();
+  WriteCaches(d);
+  const auto qwen = lorastream::testing::ServeForTest(kModel, QuantMethod::kNone, "qi-refused");
+  const std::string qwen_name = qwen->manifest().store_name;
+  const auto flux_store = lorastream::testing::ServeForTest(
+      lorastream::testing::MakeFluxCheckpoint(d + "/flux"), QuantMethod::kNone, "qi-flux");
+  const auto llm = lorastream::testing::ServeForTest(
+      lorastream::testing::MakeCheckpoint(d + "/llm", "tiny"), QuantMethod::kNone, "qi-llm");
+  using lorastream::testing::ErrorMessageOf;
+
+  // A plain f32 store, a job computing in bf16: both named, and the key that fixes it.
+  std::string bf16 = OnStore(JobA(d, d + "/bf16"), qwen_name);
+  bf16.replace(bf16.find("[train]\n"), 8, "[train]\ndtype = \"bf16\"\n");
+  CHECK_THAT(ErrorMessageOf([&] { Train({bf16}); }),
+             Catch::Contains("store `" + qwen_name + "` holds F32 weights") &&
+                 Catch::Contains("computes in BF16") &&
+                 Catch::Contains("set train.dtype = \"f32\""));
+  // A FLUX or an LLM store named by a Qwen-Image job.
+  CHECK_THAT(ErrorMessageOf([&] {
+               Train({OnStore(JobA(d, d + "/on-flux"), flux_store->manifest().store_name)});
+             }),
+             Catch::Contains("serves FLUX.1, not Qwen-Image"));
+  CHECK_THAT(
+      ErrorMessageOf([&] { Train({OnStore(JobA(d, d + "/on-llm"), llm->manifest().store_name)}); }),
+      Catch::Contains("serves LLM (llama), not Qwen-Image"));
+  // The Qwen-Image store named by an LLM job or a FLUX job.
+  CHECK_THAT(
+      ErrorMessageOf([&] { BaseWeights::FromStore(qwen_name); }),
+      Catch::Contains("serves Qwen-Image, not an LLM") && Catch::Contains("[qwen_image] section"));
+  CHECK_THAT(ErrorMessageOf([&] { flux::FluxBase::FromStore(qwen_name, at::kFloat, at::kCPU); }),
+             Catch::Contains("serves Qwen-Image, not FLUX.1"));
+  // An fp8 file named as the checkpoint: refused naming the tensor and the store's command.
+  const std::string fp8 = d + "/qwen_image_fp8_e4m3fn.safetensors";
+  lorastream::testing::WriteFp8Checkpoint(kModel, fp8, IsQwenImageBlockLinearWeight);
+  CHECK_THAT(ErrorMessageOf([&] { qwen_image::QwenImageBase::Load(fp8, at::kFloat, at::kCPU); }),
+             Catch::Contains("is fp8 (F8_E4M3)") &&
+                 Catch::Contains("lorastream-store serve " + fp8 + " --name NAME"));
+  // A job naming both a store and a checkpoint.
+  std::string both = JobA(d, d + "/both");
+  both.replace(both.find("[model]\n"), 8, "[model]\nstore = \"" + qwen_name + "\"\n");
+  const std::vector<std::string> problems = ValidateJobSpec(ParseJobSpec(both, "both.toml"));
+  REQUIRE_FALSE(problems.empty());
+  CHECK_THAT(problems.front(), Catch::Contains("both.toml: key `model` must name exactly one of "
+                                               "`model.store`"));
 }

@@ -92,6 +92,17 @@ TEST_CASE(
   CHECK(er.backward_working == e.backward_working);
   // musubi-tuner's default targets: every linear of a block but the modulations.
   CHECK(in.job.lora_params == 60 * 16 * (8 * 2 * d + 2 * (d + m) + 2 * (m + d)));
+  // A compressed store's blocks: copied as stored, one expansion scratch of the largest block's
+  // expanded bytes on top; plain blocks have none.
+  CHECK(e.expansion == 0);
+  QwenImageMemoryInputs fp8 = FullInputs();
+  for (uint64_t& bytes : fp8.block_bytes) bytes /= 2;
+  fp8.expanded_bytes.assign(60, in.block_bytes[0] - 4096);
+  fp8.expanded_bytes[7] = in.block_bytes[0];
+  const DitMemoryEstimate ef = EstimateQwenImageMemory(fp8, plan);
+  CHECK(ef.expansion == in.block_bytes[0]);
+  CHECK(ef.resident == 50 * fp8.block_bytes[0]);
+  CHECK(ef.fixed() == e.fixed() - e.resident + ef.resident + in.block_bytes[0]);
 }
 
 TEST_CASE(

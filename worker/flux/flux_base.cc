@@ -9,7 +9,6 @@
 #include "common/format_bytes.h"
 #include "common/log.h"
 #include "common/safetensors.h"
-#include "store/attach.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/unit_pack.h"
 
@@ -64,42 +63,19 @@ FluxBase FluxBase::Load(const std::string& path, int64_t singles_per_unit, c10::
 }
 
 FluxBase FluxBase::FromStore(const std::string& name, c10::ScalarType dtype, c10::Device device) {
-  auto store = std::make_shared<store::AttachedStore>(store::AttachedStore::Attach(name));
-  const Manifest& m = store->manifest();
-  const std::string where = "store `" + name + "`";
-  if (!m.is_flux())
-    throw Error(ErrorCode::kRefused, where + " holds a " + m.config.model_type +
-                                         " model, not FLUX.1 (flux.store names a store of a "
-                                         "FLUX checkpoint: lorastream-store serve FLUX_PATH)");
-  // A compressed store's units are copied as stored and expanded into the compute dtype where
-  // they are used (the engine's manifest says that dtype); a plain store's are served as
-  // stored, so its dtype must be the job's.
-  const bool compressed = m.quant().compressed();
-  if (!compressed && m.dtype != DTypeOf(dtype))
-    throw Error(ErrorCode::kRefused, where + " holds " + DTypeName(m.dtype) +
-                                         " weights but the job computes in " +
-                                         DTypeName(DTypeOf(dtype)) + ": set flux.dtype = \"" +
-                                         (m.dtype == DType::kBF16 ? "bf16" : "f32") +
-                                         "\" (a FLUX job computes in its store's dtype)");
+  AttachedUnits a = AttachUnitStore(
+      name, "FLUX.1",
+      "flux.store names a store of a FLUX checkpoint: lorastream-store serve FLUX_PATH",
+      "flux.dtype", dtype, device);
   FluxBase b;
-  b.config_ = m.flux;
-  b.singles_per_unit_ = m.flux_singles_per_unit;
-  b.manifest_ = m;  // the units stream straight from the read-only mapping
-  b.manifest_.dtype = DTypeOf(dtype);
-  b.layouts_ = m.blocks;
-  for (int u = 0; u < store->num_blocks(); ++u) b.unit_data_.push_back(store->block_data(u));
-  for (const TensorSlice& t : m.rest.tensors) {
-    const at::Tensor view =
-        at::from_blob(const_cast<uint8_t*>(store->rest_data() + t.offset), t.shape,
-                      at::TensorOptions().dtype(ScalarTypeOf(t.dtype, t.name)));
-    b.rest_[t.name] = view.to(device, dtype, /*non_blocking=*/false, /*copy=*/true);
-  }
-  b.store_ = std::move(store);
-  b.LogLoaded(where + " (" + (m.source_dir.empty() ? "shared memory" : m.source_dir) +
-              (compressed ? ", linears " + DescribeQuant(m.quant()) + ", expanded to " +
-                                DTypeName(DTypeOf(dtype)) + " at each use"
-                          : std::string()) +
-              ")");
+  b.config_ = a.manifest.flux;
+  b.singles_per_unit_ = a.manifest.flux_singles_per_unit;
+  b.manifest_ = std::move(a.manifest);
+  b.layouts_ = b.manifest_.blocks;
+  b.unit_data_ = std::move(a.unit_data);
+  b.rest_ = std::move(a.rest);
+  b.store_ = std::move(a.store);
+  b.LogLoaded(a.description);
   return b;
 }
 

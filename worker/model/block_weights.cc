@@ -2,7 +2,6 @@
 #include <ATen/ATen.h>
 
 #include "common/error.h"
-#include "common/qwen_image_layout.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/block_weights.h"
 
@@ -76,8 +75,7 @@ at::Tensor* BlockWeightSlot(BlockWeights& w, const std::string& name, BlockNamin
 }
 
 BlockNaming BlockNamingOf(const Manifest& manifest) {
-  return manifest.is_flux() || IsQwenImageManifest(manifest) ? BlockNaming::kByName
-                                                             : BlockNaming::kLlmFields;
+  return manifest.is_diffusion() ? BlockNaming::kByName : BlockNaming::kLlmFields;
 }
 
 BlockWeights BlockWeightsFromBytes(const at::Tensor& bytes, const SegmentInfo& layout,

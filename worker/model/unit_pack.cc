@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include "common/error.h"
+#include "store/attach.h"
 #include "worker/model/base_weights.h"
 #include "worker/stream/host_bytes.h"
 
@@ -57,6 +58,49 @@ ResidencyPlan UnitSwapPlan(int units, int64_t blocks_to_swap, int64_t ring_size,
     throw Error(ErrorCode::kRefused, key + " must be at most " + std::to_string(units) +
                                          " (the model's streaming units)");
   return PlanFromSwapCount(units, static_cast<int>(blocks_to_swap), static_cast<int>(ring_size));
+}
+
+void RequireStoreFamily(const Manifest& m, const std::string& name, const std::string& family,
+                        const std::string& serve_hint) {
+  if (m.family() != family)
+    throw Error(ErrorCode::kRefused, "store `" + name + "` serves " + m.family() + ", not " +
+                                         family + " (" + serve_hint + ")");
+}
+
+AttachedUnits AttachUnitStore(const std::string& name, const std::string& family,
+                              const std::string& serve_hint, const std::string& dtype_key,
+                              c10::ScalarType dtype, c10::Device device) {
+  auto store = std::make_shared<store::AttachedStore>(store::AttachedStore::Attach(name));
+  const Manifest& m = store->manifest();
+  RequireStoreFamily(m, name, family, serve_hint);
+  const std::string where = "store `" + name + "`";
+  // A compressed store's units are copied as stored and expanded into the compute dtype where
+  // they are used (the engine's manifest says that dtype); a plain store's are served as
+  // stored, so its dtype must be the job's.
+  const bool compressed = m.quant().compressed();
+  if (!compressed && m.dtype != DTypeOf(dtype))
+    throw Error(ErrorCode::kRefused, where + " holds " + DTypeName(m.dtype) +
+                                         " weights but the job computes in " +
+                                         DTypeName(DTypeOf(dtype)) + ": set " + dtype_key +
+                                         " = \"" + (m.dtype == DType::kBF16 ? "bf16" : "f32") +
+                                         "\" (a " + family + " job computes in its store's dtype)");
+  AttachedUnits a;
+  a.manifest = m;  // the units stream straight from the read-only mapping
+  a.manifest.dtype = DTypeOf(dtype);
+  for (int u = 0; u < store->num_blocks(); ++u) a.unit_data.push_back(store->block_data(u));
+  for (const TensorSlice& t : m.rest.tensors) {
+    const at::Tensor view =
+        at::from_blob(const_cast<uint8_t*>(store->rest_data() + t.offset), t.shape,
+                      at::TensorOptions().dtype(ScalarTypeOf(t.dtype, t.name)));
+    a.rest[t.name] = view.to(device, dtype, /*non_blocking=*/false, /*copy=*/true);
+  }
+  a.description = where + " (" + (m.source_dir.empty() ? "shared memory" : m.source_dir) +
+                  (compressed ? ", linears " + DescribeQuant(m.quant()) + ", expanded to " +
+                                    DTypeName(DTypeOf(dtype)) + " at each use"
+                              : std::string()) +
+                  ")";
+  a.store = std::move(store);
+  return a;
 }
 
 }  // namespace lorastream::worker

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,10 @@
 #include "common/manifest.h"
 #include "worker/model/dit_ops.h"
 #include "worker/stream/stream_plan.h"
+
+namespace lorastream::store {
+class AttachedStore;
+}
 
 namespace lorastream::worker {
 
@@ -34,6 +39,33 @@ dit::NamedTensors LoadRestTensors(const SegmentInfo& rest, const SourceTensor& s
                                   c10::Device device, c10::ScalarType dtype);
 // The buffers' first bytes.
 std::vector<const uint8_t*> BufferPointers(const std::vector<at::Tensor>& buffers);
+// A diffusion family's store (lorastream-store serve PATH) attached read-only for training:
+// its units stream from the shared mapping (nothing of them is copied in this process); the
+// tensors outside the blocks are copied to `device` in `dtype`.
+struct AttachedUnits {
+  std::shared_ptr<const store::AttachedStore> store;  // the mapping the units are in
+  // The store's manifest with `dtype` as its dtype: what the streaming engine is given (a
+  // compressed unit's linears expanded into it at each use: worker/model/quant_expand.h).
+  Manifest manifest;
+  std::vector<const uint8_t*> unit_data;  // unit u's bytes
+  dit::NamedTensors rest;
+  std::string description;  // for the log: "store `NAME` (SOURCE[, linears ...])"
+};
+// Refuses (kRefused) store `name`, whose manifest is `m`, unless it serves model family
+// `family` (Manifest::family(): "FLUX.1", "Qwen-Image"), naming the store's family and
+// `serve_hint` (how the job names its family's store).
+void RequireStoreFamily(const Manifest& m, const std::string& name, const std::string& family,
+                        const std::string& serve_hint);
+// Store `name` of model family `family` (Manifest::family(): "FLUX.1", "Qwen-Image"),
+// attached. Refuses (kRefused) a store of another family, naming the store's family and
+// `serve_hint` (how the job names its family's store), and a plain store of another dtype
+// than `dtype`, naming both and `dtype_key` (the job's key that sets it). A compressed store
+// (`serve --quantize`) goes with any dtype: its units are copied compressed and expanded on
+// the device (worker/stream/stream_engine.h).
+AttachedUnits AttachUnitStore(const std::string& name, const std::string& family,
+                              const std::string& serve_hint, const std::string& dtype_key,
+                              c10::ScalarType dtype, c10::Device device);
+
 // The plan of `blocks_to_swap` of `units` streamed through `ring_size` slots; more than the
 // model has refused (kRefused) naming `key` ("flux.blocks_to_swap").
 ResidencyPlan UnitSwapPlan(int units, int64_t blocks_to_swap, int64_t ring_size,

@@ -10,6 +10,10 @@
 
 namespace lorastream::worker::qwen_image {
 
+const char* const kQwenImageServeHint =
+    "model.store names a store of a Qwen-Image checkpoint: lorastream-store serve "
+    "QWEN_IMAGE_PATH";
+
 QwenImageBase QwenImageBase::Load(const std::string& path, c10::ScalarType dtype,
                                   c10::Device device) {
   const QwenImageCheckpointReader source = QwenImageCheckpointReader::Open(path);
@@ -18,8 +22,9 @@ QwenImageBase QwenImageBase::Load(const std::string& path, c10::ScalarType dtype
     if (ref.entry->dtype == DType::kF8E4M3)
       throw Error(ErrorCode::kUnsupported,
                   path + ": tensor `" + ref.entry->name +
-                      "` is fp8 (F8_E4M3): an fp8 Qwen-Image checkpoint is not read yet; use "
-                      "the bf16 file (qwen_image_bf16.safetensors) or the diffusers folder");
+                      "` is fp8 (F8_E4M3); a job reads an fp8 Qwen-Image checkpoint through a "
+                      "store: lorastream-store serve " +
+                      path + " --name NAME, then model.store = \"NAME\"");
   }
   QwenImageBase b;
   b.config_ = source.config();
@@ -35,11 +40,29 @@ QwenImageBase QwenImageBase::Load(const std::string& path, c10::ScalarType dtype
   b.unit_buffers_ = PackUnitBuffers(b.manifest_, tensor, "qwen_image");
   b.rest_ = LoadRestTensors(b.manifest_.rest, tensor, device, dtype);
   b.unit_data_ = BufferPointers(b.unit_buffers_);
-  const QwenImageConfig& c = b.config_;
-  LS_LOG_INFO("Qwen-Image {} ({}): {} blocks (hidden {}, {} heads, text {}), a block {}", path,
-              source.is_diffusers() ? "diffusers folder" : "single file", c.num_layers, c.hidden(),
-              c.num_heads, c.joint_attention_dim, FormatBytes(b.manifest_.blocks.front().nbytes));
+  b.LogLoaded(path + (source.is_diffusers() ? " (diffusers folder)" : " (single file)"));
   return b;
+}
+
+QwenImageBase QwenImageBase::FromStore(const std::string& name, c10::ScalarType dtype,
+                                       c10::Device device) {
+  AttachedUnits a =
+      AttachUnitStore(name, "Qwen-Image", kQwenImageServeHint, "train.dtype", dtype, device);
+  QwenImageBase b;
+  b.config_ = a.manifest.qwen_image;
+  b.manifest_ = std::move(a.manifest);
+  b.unit_data_ = std::move(a.unit_data);
+  b.rest_ = std::move(a.rest);
+  b.store_ = std::move(a.store);
+  b.LogLoaded(a.description);
+  return b;
+}
+
+void QwenImageBase::LogLoaded(const std::string& from) const {
+  const QwenImageConfig& c = config_;
+  LS_LOG_INFO("Qwen-Image {}: {} blocks (hidden {}, {} heads, text {}), a block {}", from,
+              c.num_layers, c.hidden(), c.num_heads, c.joint_attention_dim,
+              FormatBytes(manifest_.blocks.front().nbytes));
 }
 
 std::unique_ptr<StreamEngine> QwenImageBase::MakeEngine(int64_t blocks_to_swap, int64_t ring_size,

@@ -1,7 +1,8 @@
 // Qwen-Image's frozen base for training: read from ComfyUI's single file or a diffusers folder
 // (common/qwen_image_layout.h validates either), its blocks packed one per streaming unit into
 // host buffers in the layout a store would serve (one contiguous region per unit), converted
-// to the compute dtype once; the tensors outside the blocks on the device.
+// to the compute dtype once, or attached from a store serving it (the units then the store's
+// read-only segments); the tensors outside the blocks on the device.
 #pragma once
 
 #include <cstdint>
@@ -17,13 +18,27 @@
 #include "worker/model/unit_pack.h"
 #include "worker/stream/stream_engine.h"
 
+namespace lorastream::store {
+class AttachedStore;
+}
+
 namespace lorastream::worker::qwen_image {
+
+// How a Qwen-Image job names its store, for refusals of a store of another family.
+extern const char* const kQwenImageServeHint;
 
 class QwenImageBase {
  public:
   // ComfyUI's single file or a diffusers folder; anything else refused by name, and so is an
-  // fp8 checkpoint (Error(kUnsupported) naming the tensor: not read yet).
+  // fp8 checkpoint (Error(kUnsupported) naming the tensor: a store serves it, FromStore).
   static QwenImageBase Load(const std::string& path, c10::ScalarType dtype, c10::Device device);
+  // The Qwen-Image store `name` (lorastream-store serve QWEN_IMAGE_PATH), attached read-only:
+  // its blocks stream from the shared mapping, the tensors outside them are copied to
+  // `device` (worker/model/unit_pack.h AttachUnitStore). Refuses (kRefused) a store of another
+  // family naming it, and a plain store of another dtype than `dtype` naming both; a
+  // compressed store's (`serve --quantize`) linears are expanded into `dtype` at each use.
+  static QwenImageBase FromStore(const std::string& name, c10::ScalarType dtype,
+                                 c10::Device device);
 
   const QwenImageConfig& config() const { return config_; }
   // Block u's packed layout (full tensor names), one contiguous segment per unit.
@@ -42,10 +57,13 @@ class QwenImageBase {
                                            const StreamEngineOptions& options = {}) const;
 
  private:
+  void LogLoaded(const std::string& from) const;
+
   QwenImageConfig config_;
   Manifest manifest_;
-  std::vector<at::Tensor> unit_buffers_;
-  std::vector<const uint8_t*> unit_data_;
+  std::vector<at::Tensor> unit_buffers_;               // Load: host bytes, one per unit
+  std::shared_ptr<const store::AttachedStore> store_;  // FromStore: the mapping units are in
+  std::vector<const uint8_t*> unit_data_;              // unit u's bytes, either way
   dit::NamedTensors rest_;
 };
 

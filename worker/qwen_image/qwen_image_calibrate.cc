@@ -8,6 +8,7 @@
 #include "common/error.h"
 #include "common/format_bytes.h"
 #include "common/log.h"
+#include "common/quant_format.h"
 #include "worker/model/unit_pack.h"
 #include "worker/qwen_image/qwen_image_model.h"
 #include "worker/train/dit_calibrate.h"
@@ -22,7 +23,13 @@ QwenImageMemoryInputs QwenImageMemoryInputsFor(const QwenImageConfig& config,
                                                c10::Device device, c10::ScalarType dtype) {
   QwenImageMemoryInputs in;
   in.config = config;
-  for (const SegmentInfo& block : manifest.blocks) in.block_bytes.push_back(block.nbytes);
+  const bool compressed = manifest.quant().compressed();  // a store's fp8 or nf4 blocks
+  for (const SegmentInfo& block : manifest.blocks) {
+    in.block_bytes.push_back(block.nbytes);
+    if (compressed)
+      in.expanded_bytes.push_back(static_cast<uint64_t>(ExpandedElements(block)) *
+                                  c10::elementSize(dtype));
+  }
   in.rest_bytes = manifest.rest.nbytes;
   in.job = QwenImageDitJob(spec, config);
   for (const JobSpec& other : others) in.group.push_back(QwenImageDitJob(other, config));

@@ -19,6 +19,7 @@
 #include "common/memory_limit.h"
 #include "common/qwen_image_config.h"
 #include "common/qwen_image_layout.h"
+#include "store/attach.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/flow_match.h"
 #include "worker/model/model.h"
@@ -43,8 +44,11 @@ class Group final : public FamilyGroup {
     const Device device = ParseDevice(options.device);
     device_ = TorchDevice(device);
     dtype_ = ScalarTypeOf(ComputeDType(first.train.dtype, device), "train.dtype");
-    // The spec was validated (a checkpoint: common/job_spec.cc).
-    {
+    // The spec was validated (a checkpoint or a store: common/job_spec.cc).
+    if (!first.model.store.empty()) {  // a store is this worker's to attach
+      base_ = std::make_unique<QwenImageBase>(
+          QwenImageBase::FromStore(first.model.store, dtype_, device_));
+    } else {
       const ActingAs as(options.files_as);  // the checkpoint is read as the job's submitter
       base_ = std::make_unique<QwenImageBase>(
           QwenImageBase::Load(first.model.checkpoint, dtype_, device_));
@@ -226,6 +230,17 @@ std::vector<std::vector<at::Tensor>> Group::RunStep(const std::vector<FamilyJob*
                                  targets);
 }
 
+// The layout a job's base has: its store's (refused naming the store's family unless it
+// serves Qwen-Image), or its checkpoint's packed in `dtype`.
+Manifest QwenImageJobManifest(const JobSpec& spec, DType dtype) {
+  if (spec.model.store.empty())
+    return QwenImageManifest(QwenImageCheckpointReader::Open(spec.model.checkpoint).config(), dtype,
+                             Manifest{}.alignment);
+  const store::AttachedStore store = store::AttachedStore::Attach(spec.model.store);
+  RequireStoreFamily(store.manifest(), spec.model.store, "Qwen-Image", kQwenImageServeHint);
+  return store.manifest();
+}
+
 }  // namespace
 
 bool Accepts(const JobSpec& spec) { return spec.is_qwen_image; }
@@ -235,11 +250,10 @@ int RunPlan(const std::vector<std::string>& job_paths, const PlanCommandOptions&
   const c10::Device torch_device = TorchDevice(device);
   for (const std::string& path : job_paths) {
     const JobSpec spec = LoadJobSpec(path);
-    const QwenImageCheckpointReader source = QwenImageCheckpointReader::Open(spec.model.checkpoint);
     const DType dtype = ComputeDType(spec.train.dtype, device);
-    const Manifest m = QwenImageManifest(source.config(), dtype, Manifest{}.alignment);
+    const Manifest m = QwenImageJobManifest(spec, dtype);
     const QwenImagePlanning p =
-        PlanQwenImageJob(source.config(), m, spec, {}, torch_device,
+        PlanQwenImageJob(m.qwen_image, m, spec, {}, torch_device,
                          ScalarTypeOf(dtype, "train.dtype"), /*predict=*/true);
     std::printf("job %s: Qwen-Image, %zu blocks of %s (%s), %d streamed through %d slots\n%s",
                 spec.name.c_str(), m.blocks.size(), FormatBytes(m.blocks.front().nbytes).c_str(),

@@ -15,6 +15,7 @@ DitMemoryModel QwenImageMemoryModel(const QwenImageMemoryInputs& in) {
   out.kind_names = {"blocks"};
   out.unit_kind.assign(in.block_bytes.size(), 0);
   out.unit_bytes = in.block_bytes;
+  out.expanded_bytes = in.expanded_bytes;
   out.rest_bytes = in.rest_bytes;
   out.reserve_bytes = in.reserve_bytes;
   out.checkpoint_per_token = in.block_bytes.size() * d * b;

@@ -59,9 +59,12 @@ namespace lorastream::worker::qwen_image {
 struct QwenImageMemoryInputs {
   QwenImageConfig config;
   std::vector<uint64_t> block_bytes;  // each block's bytes as copied
-  uint64_t rest_bytes = 0;            // the tensors outside the blocks, on the device
-  DitJob job;                         // P, B, N (largest bucket), L (longest caption)
-  int compute_bytes = 2;              // 2: bf16; 4: f32
+  // Of a compressed store: each block's linears expanded, in bytes of the compute dtype (one
+  // expansion scratch of the largest); empty: the blocks are plain.
+  std::vector<uint64_t> expanded_bytes;
+  uint64_t rest_bytes = 0;  // the tensors outside the blocks, on the device
+  DitJob job;               // P, B, N (largest bucket), L (longest caption)
+  int compute_bytes = 2;    // 2: bf16; 4: f32
   bool attention_materialized = false;
   uint64_t reserve_bytes = uint64_t{512} << 20;
   std::vector<DitJob> group;  // a group's other jobs

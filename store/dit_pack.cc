@@ -1,4 +1,4 @@
-#include "store/flux_pack.h"
+#include "store/dit_pack.h"
 
 #include <optional>
 
@@ -7,21 +7,21 @@
 
 namespace lorastream::store {
 
-FluxPackPlan PlanFluxPack(const std::string& path, const PackOptions& options,
-                          int64_t singles_per_unit) {
-  FluxPackPlan plan;
-  plan.reader = std::make_unique<FluxCheckpointReader>(FluxCheckpointReader::Open(path));
-  const FluxCheckpointReader& reader = *plan.reader;
+DitPackPlan PlanDitPack(const std::string& path, const PackOptions& options,
+                        DitCheckpoint checkpoint) {
+  DitPackPlan plan;
+  plan.reader = checkpoint.reader;
   auto fail = [&](const std::string& what) {
     throw Error(ErrorCode::kCorrupt, path + ": " + what);
   };
 
-  // An fp8 checkpoint (flux1-dev-fp8: its block linears' weights cast to e4m3, as
-  // sd-scripts' --fp8_base computes with them) is stored as it is, in the fp8 format with
-  // scales of 1 (exact: every e4m3 value is a bf16 one).
+  // An fp8 checkpoint (flux1-dev-fp8, qwen_image_fp8_e4m3fn: its block linears' weights cast
+  // to e4m3, without scales) is stored as it is, in the fp8 format with scales of 1 (exact:
+  // every e4m3 value is a bf16 one).
   const bool fp8_checkpoint = [&] {
-    for (const auto& [name, shape] : FluxAllShapes(reader.config()))
-      if (IsFluxBlockLinearWeight(name) && reader.Pieces(name)[0].entry->dtype == DType::kF8E4M3)
+    for (const auto& [name, shape] : checkpoint.shapes)
+      if (checkpoint.is_block_linear(name) &&
+          checkpoint.pieces(name)[0].entry->dtype == DType::kF8E4M3)
         return true;
     return false;
   }();
@@ -33,10 +33,10 @@ FluxPackPlan PlanFluxPack(const std::string& path, const PackOptions& options,
   // One dtype for the store: the checkpoint's (refused when mixed, unless converted).
   std::optional<DType> source_dtype;
   std::string first_tensor;
-  for (const auto& [name, shape] : FluxAllShapes(reader.config()))
-    for (const FluxCheckpointReader::Piece& p : reader.Pieces(name)) {
+  for (const auto& [name, shape] : checkpoint.shapes)
+    for (const SafetensorsRows& p : checkpoint.pieces(name)) {
       const DType dt = p.entry->dtype;
-      if (fp8_checkpoint && IsFluxBlockLinearWeight(name)) {
+      if (fp8_checkpoint && checkpoint.is_block_linear(name)) {
         if (dt != DType::kF8E4M3)
           fail("tensor `" + p.entry->name + "` is " + DTypeName(dt) +
                " but the checkpoint's other block linear weights are F8_E4M3; an fp8 "
@@ -58,13 +58,13 @@ FluxPackPlan PlanFluxPack(const std::string& path, const PackOptions& options,
   const DType dtype = options.to_bf16 ? DType::kBF16 : *source_dtype;
   // With --quantize, every block linear's weight is stored compressed (LayoutSegment puts its
   // scales right after it); the loader computes them (QuantizeSegments) from its pieces.
-  const Manifest layout =
-      FluxManifest(reader.config(), singles_per_unit, dtype, options.alignment,
-                   StoreQuantFormat(fp8_checkpoint ? QuantMethod::kFp8 : options.quantize));
+  plan.layout = checkpoint.layout(
+      dtype, StoreQuantFormat(fp8_checkpoint ? QuantMethod::kFp8 : options.quantize));
+  const Manifest& layout = plan.layout;
 
   // A piece of a checkpoint tensor: its rows [source_row, source_row + rows) as an entry of
   // its own (same file), kept in plan.pieces.
-  auto piece_source = [&](const FluxCheckpointReader::Piece& p) -> Checkpoint::Ref {
+  auto piece_source = [&](const SafetensorsRows& p) -> Checkpoint::Ref {
     SafetensorsEntry entry = *p.entry;
     const uint64_t source_row_bytes =
         entry.shape.empty() ? entry.nbytes() : entry.nbytes() / entry.shape[0];
@@ -96,7 +96,7 @@ FluxPackPlan PlanFluxPack(const std::string& path, const PackOptions& options,
       if (!fp8_checkpoint && (t.quant.compressed() || scales_left > 0)) {
         if (t.quant.compressed()) {
           PackPlan::Quantize q{unit, out.tensors.size(), {}};
-          for (const FluxCheckpointReader::Piece& p : reader.Pieces(t.name))
+          for (const SafetensorsRows& p : checkpoint.pieces(t.name))
             q.sources.push_back(piece_source(p));
           plan.load.quantize.push_back(std::move(q));
           scales_left = QuantAuxTensors(t.name, t.shape, t.quant).size();
@@ -108,7 +108,7 @@ FluxPackPlan PlanFluxPack(const std::string& path, const PackOptions& options,
         continue;
       }
       const uint64_t row_bytes = t.shape.empty() ? t.nbytes : t.nbytes / t.shape[0];
-      for (const FluxCheckpointReader::Piece& p : reader.Pieces(t.name)) {
+      for (const SafetensorsRows& p : checkpoint.pieces(t.name)) {
         sources.push_back(piece_source(p));
         TensorSlice piece = t;
         piece.offset = t.offset + static_cast<uint64_t>(p.row) * row_bytes;
@@ -130,17 +130,46 @@ FluxPackPlan PlanFluxPack(const std::string& path, const PackOptions& options,
   return plan;
 }
 
-Manifest FluxPublishedManifest(const FluxPackPlan& plan) {
-  const Manifest& loaded = plan.load.manifest;
-  Manifest m = loaded;
-  const Manifest layout = FluxManifest(loaded.flux, loaded.flux_singles_per_unit, loaded.dtype,
-                                       loaded.alignment, loaded.quant());
+DitPackPlan PlanFluxPack(const std::string& path, const PackOptions& options,
+                         int64_t singles_per_unit) {
+  auto reader = std::make_shared<const FluxCheckpointReader>(FluxCheckpointReader::Open(path));
+  DitCheckpoint c;
+  c.reader = reader;
+  c.shapes = FluxAllShapes(reader->config());
+  c.pieces = [r = reader.get()](const std::string& name) { return r->Pieces(name); };
+  c.is_block_linear = IsFluxBlockLinearWeight;
+  c.layout = [&, r = reader.get()](DType dtype, const QuantInfo& linears) {
+    return FluxManifest(r->config(), singles_per_unit, dtype, options.alignment, linears);
+  };
+  return PlanDitPack(path, options, std::move(c));
+}
+
+DitPackPlan PlanQwenImagePack(const std::string& path, const PackOptions& options) {
+  auto reader =
+      std::make_shared<const QwenImageCheckpointReader>(QwenImageCheckpointReader::Open(path));
+  DitCheckpoint c;
+  c.reader = reader;
+  c.shapes = QwenImageAllShapes(reader->config());
+  c.pieces = [r = reader.get()](const std::string& name) {
+    const SafetensorsFolder::Ref ref = r->Get(name);
+    const int64_t rows = ref.entry->shape.empty() ? 1 : ref.entry->shape[0];
+    return std::vector<SafetensorsRows>{{ref.file, ref.entry, 0, 0, rows}};
+  };
+  c.is_block_linear = IsQwenImageBlockLinearWeight;
+  c.layout = [&, r = reader.get()](DType dtype, const QuantInfo& linears) {
+    return QwenImageManifest(r->config(), dtype, options.alignment, linears);
+  };
+  return PlanDitPack(path, options, std::move(c));
+}
+
+Manifest DitPublishedManifest(const DitPackPlan& plan) {
+  Manifest m = plan.load.manifest;
   auto place = [](SegmentInfo& out, const SegmentInfo& tensors) {
-    LS_CHECK(out.nbytes == tensors.nbytes, "a FLUX segment's pieces cover its layout");
+    LS_CHECK(out.nbytes == tensors.nbytes, "a segment's pieces cover its layout");
     out.tensors = tensors.tensors;
   };
-  for (size_t u = 0; u < m.blocks.size(); ++u) place(m.blocks[u], layout.blocks[u]);
-  place(m.rest, layout.rest);
+  for (size_t u = 0; u < m.blocks.size(); ++u) place(m.blocks[u], plan.layout.blocks[u]);
+  place(m.rest, plan.layout.rest);
   return m;
 }
 
