@@ -354,10 +354,17 @@ TEST_CASE(
   CHECK(Mentions(problems, "key `stream.taped_blocks` must be 0"));
   CHECK(Mentions(problems, "key `qwen_image.timestep_sampling` must be uniform, sigmoid, shift"));
   CHECK(Mentions(problems, "key `qwen_image.cache_dir` is required"));
+  // A store instead of the checkpoint is read (the store's family is checked where it is
+  // attached); both, or neither, are refused.
   bad = s;
   bad.model.checkpoint.clear();
   bad.model.store = "qi";
-  CHECK(Mentions(ValidateJobSpec(bad), "key `model.store` names a store"));
+  CHECK(ValidateJobSpec(bad).empty());
+  bad.model.checkpoint = s.model.checkpoint;
+  CHECK(Mentions(ValidateJobSpec(bad), "must name exactly one of `model.store`"));
+  bad.model.checkpoint.clear();
+  bad.model.store.clear();
+  CHECK(Mentions(ValidateJobSpec(bad), "key `model.checkpoint` is required"));
   // The LLM family's sections, and an unknown key of its own section.
   CHECK_THROWS_WITH(ParseJobSpec(text + "[data]\npath = \"d.jsonl\"\n", "q.toml"),
                     Catch::Contains("data"));
