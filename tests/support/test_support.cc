@@ -1,8 +1,11 @@
 #include "tests/support/test_support.h"
 
 #include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
+#include <csignal>
 #include <cstdlib>
 #include <fstream>
 #include <thread>
@@ -76,6 +79,19 @@ std::filesystem::path WriteTestCheckpoint(const std::filesystem::path& out, int6
   const fs::path final_dir = out / CheckpointFolderName(step);
   fs::rename(tmp, final_dir);
   return final_dir;
+}
+
+bool WriteFaults(const uint8_t* byte) {
+  const pid_t child = ::fork();
+  if (child < 0) return false;
+  if (child == 0) {
+    std::signal(SIGSEGV, SIG_DFL);
+    *const_cast<volatile uint8_t*>(byte) = 1;
+    ::_exit(0);
+  }
+  int status = 0;
+  if (::waitpid(child, &status, 0) != child) return false;
+  return WIFSIGNALED(status) && WTERMSIG(status) == SIGSEGV;
 }
 
 bool HaveNode() {

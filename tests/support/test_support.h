@@ -47,6 +47,11 @@ std::string Bin(const std::string& name);
 std::filesystem::path WriteTestCheckpoint(const std::filesystem::path& out, int64_t step,
                                           double eval_loss = NAN, int64_t recorded_step = -1);
 
+// Whether writing one byte at `byte` kills a forked child with SIGSEGV: a read-only mapping
+// (a store's segments as a worker sees them) faults on a write. The child dies with the
+// default handler (not the test framework's); this process's bytes are untouched.
+bool WriteFaults(const uint8_t* byte);
+
 // Whether Node.js is here (LORASTREAM_NODE, or node / nodejs on PATH): `lorastream prepare`
 // runs its tokenizer under node. tools/setup.sh installs it; a machine without a package
 // archive (the GPU machine) may lack it, and the tests that need it say so and stop.

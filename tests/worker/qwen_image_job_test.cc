@@ -6,11 +6,7 @@
 // run bit for bit, fp8/nf4 stores close to it, stores of other families or dtypes refused.
 #include "tests/worker/torch_catch.h"
 
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <cmath>
-#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -380,16 +376,7 @@ TEST_CASE(
   }
   for (const auto& [tensor, t] : packed.rest()) CHECK(at::equal(t, served.rest().at(tensor)));
   // Read-only: a write into a unit faults.
-  const pid_t child = ::fork();
-  if (child == 0) {
-    std::signal(SIGSEGV, SIG_DFL);  // not Catch's handler: the child dies of the fault
-    *const_cast<uint8_t*>(served.unit_bytes()[0]) = 1;
-    ::_exit(0);
-  }
-  int status = 0;
-  REQUIRE(::waitpid(child, &status, 0) == child);
-  CHECK(WIFSIGNALED(status));
-  CHECK(WTERMSIG(status) == SIGSEGV);
+  CHECK(lorastream::testing::WriteFaults(served.unit_bytes()[0]));
 }
 
 TEST_CASE(
