@@ -71,6 +71,16 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--threads", train.threads, "CPU threads (0 = every core)");
   train_cmd->add_flag("--no-resume", no_resume,
                       "start fresh even when output_dir has a checkpoint");
+  train_cmd->add_option("--profile", train.profile.path,
+                        "record steps with LibTorch's profiler: FILE gets the Chrome trace, "
+                        "FILE.md the kernels (on the CPU, the operators) that took the time");
+  train_cmd
+      ->add_option("--profile-from", train.profile.first,
+                   "the first profiled step of this run, counting from 1 (earlier steps "
+                   "warm up)")
+      ->capture_default_str();
+  train_cmd->add_option("--profile-steps", train.profile.steps, "how many steps to profile")
+      ->capture_default_str();
   bool train_resident = false;
   train_cmd->add_flag("--resident", train_resident,
                       "keep every block resident, ignoring [stream] (no streaming engine)");
@@ -235,6 +245,7 @@ int main(int argc, char** argv) {
     if (!store_user.empty()) store::SetTrustedStoreOwner(LookupUser(store_user).uid);
     if (*train_cmd) {
       train.resume = !no_resume;
+      CheckStepProfile(train.profile);  // before the model loads
       // Say when a job's base is compressed (fp8, NF4): its weights are approximate.
       for (const std::string& path : job_paths) {
         try {

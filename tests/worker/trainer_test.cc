@@ -489,3 +489,52 @@ TEST_CASE("a stop asked in the middle of a step ends it at the next block", "[wo
   // Resumed, it trains to the end.
   CHECK(RunTraining(spec, o).steps_done == 3);
 }
+
+TEST_CASE("--profile records the asked steps: a Chrome trace and a table of operators",
+          "[worker]") {
+  testing::TempDir dir("profile");
+  testing::MakeCheckpoint(dir / "m", "tiny");
+  testing::WriteJsonl(dir / "d.jsonl", 2, 32, 32, 512);
+  JobSpec spec = testing::TinyJob(dir / "m", dir / "d.jsonl", dir / "a");
+  spec.train.steps = 5;
+  TrainOptions o;
+  o.threads = 1;
+  o.profile.path = dir / "trace.json";
+  o.profile.first = 2;
+  o.profile.steps = 3;
+  std::vector<double> profiled_losses, plain_losses;
+  RunTraining(spec, o, [&](const StepStats& s) { profiled_losses.push_back(s.loss); });
+  // The trace is JSON with the operators of the window; the table names the window and
+  // its heaviest operators, the matrix products among them.
+  const nlohmann::json trace = nlohmann::json::parse(testing::ReadFile(dir / "trace.json"));
+  REQUIRE(trace.contains("traceEvents"));
+  size_t mm = 0;
+  for (const auto& e : trace["traceEvents"])
+    if (e.value("name", "") == "aten::mm" || e.value("name", "") == "aten::addmm") ++mm;
+  CHECK(mm > 0);
+  const std::string table = testing::ReadFile(dir / "trace.json.md");
+  CHECK_THAT(table, Catch::Contains("# Profile of steps 2 to 4") && Catch::Contains("| aten::") &&
+                        Catch::Contains("ms a step"));
+  // Profiling changes no result.
+  spec.train.output_dir = dir / "b";
+  o.profile.path.clear();
+  RunTraining(spec, o, [&](const StepStats& s) { plain_losses.push_back(s.loss); });
+  CHECK(profiled_losses == plain_losses);
+  CHECK(Adapter(dir / "a") == Adapter(dir / "b"));
+
+  // Bad options are refused before anything trains, naming the option or the file.
+  for (auto [first, steps, path, words] :
+       std::vector<std::tuple<int64_t, int64_t, std::string, std::string>>{
+           {0, 1, dir / "t.json", "--profile-from must be 1 or more"},
+           {1, 0, dir / "t.json", "--profile-steps must be 1 or more"},
+           {1, 1, dir / "no/such/t.json", "cannot write " + (dir / "no/such/t.json")}}) {
+    StepProfileOptions p{path, first, steps};
+    try {
+      CheckStepProfile(p);
+      FAIL("accepted " << words);
+    } catch (const Error& e) {
+      CHECK(e.code() == ErrorCode::kInvalidArgument);
+      CHECK_THAT(e.what(), Catch::Contains(words));
+    }
+  }
+}

@@ -19,6 +19,9 @@
 #   no group row)  FLUX_BENCH_GROUP_BUDGET (FLUX_BENCH_BUDGET)  FLUX_BENCH_PEER (1: diffusers +
 #   peft when $ROOT/.diffusers/src imports; 0: skip)  FLUX_BENCH_QUANTIZE (none; fp8 | nf4:
 #   also the runs on a compressed store)  LORASTREAM_BUILD_DIR (build/)
+#   FLUX_BENCH_PROFILE (0; 1: steps 3 and 4 of each single-job run profiled with
+#   `lorastream-worker train --profile` into OUT/flux/profile_RUN.json(.md), the peer's with
+#   torch.profiler into OUT/flux/profile_peer-CONFIGURATION.md)
 # On a CPU, with flux-tiny: FLUX_BENCH_PRESET=flux-tiny FLUX_BENCH_DEVICE=cpu
 #   FLUX_BENCH_DTYPE=f32 FLUX_BENCH_PIXELS=64x64 FLUX_BENCH_TEXT_TOKENS=8 FLUX_BENCH_BUDGET=4MiB
 #   (with FLUX_BENCH_QUANTIZE=fp8: FLUX_BENCH_BUDGET=5MiB, for its expansion scratch)
@@ -104,8 +107,11 @@ for name in $RUNS; do
 done
 for name in $RUNS; do
   echo "== train: $name"
+  profile=()
+  [ "${FLUX_BENCH_PROFILE:-0}" = 1 ] && profile=(--profile "$OUT/profile_$name.json"
+    --profile-from 3 --profile-steps 2)
   "$BIN/lorastream-worker" train "$WORK/$name.toml" --device "$DEVICE" --no-resume \
-    > "$OUT/train_$name.txt" 2> "$OUT/train_$name.log" || { tail -20 "$OUT/train_$name.log"; status=1; }
+    "${profile[@]}" > "$OUT/train_$name.txt" 2> "$OUT/train_$name.log" || { tail -20 "$OUT/train_$name.log"; status=1; }
   grep -oE "step [0-9]+/.*" "$OUT/train_$name.log"
 done
 
@@ -128,7 +134,8 @@ if [ "$PEER" = 1 ] && PYTHONPATH="$ROOT/.diffusers/src" python3 -c "import diffu
   echo "== peer: diffusers + peft"
   PYTHONPATH="$ROOT/.diffusers/src" python3 "$ROOT/tools/gpu/bench_flux_peer.py" --preset "$PRESET" \
     --pixels "$PIXELS" --text-tokens "$TEXT" --steps "$STEPS" --device "$DEVICE" \
-    --out "$OUT/peer.json" 2>&1 | tail -20 || status=1
+    --out "$OUT/peer.json" $([ "${FLUX_BENCH_PROFILE:-0}" = 1 ] && echo "--profile $OUT/profile_peer") \
+    2>&1 | tail -20 || status=1
 else
   echo "== peer: skipped (FLUX_BENCH_PEER=$PEER, or diffusers/peft/torch do not import with" \
        "PYTHONPATH=$ROOT/.diffusers/src)"

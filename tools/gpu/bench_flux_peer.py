@@ -19,6 +19,7 @@ import statistics
 import time
 
 import torch
+from peer_profile import StepWindow
 from peft import LoraConfig
 
 from diffusers import FluxTransformer2DModel
@@ -88,7 +89,9 @@ def run(cfg, args, checkpointing, autocast):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times = []
-    for _ in range(args.steps):
+    window = StepWindow(args.profile, "checkpointed" if checkpointing else "no checkpointing", 2)
+    for step in range(args.steps):
+        window.before(step)
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             pred = model(hidden_states=img, encoder_hidden_states=txt, pooled_projections=pooled,
@@ -102,6 +105,7 @@ def run(cfg, args, checkpointing, autocast):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
+        window.after(step)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     del model, opt, params
     if device.type == "cuda":
@@ -118,6 +122,9 @@ def main():
     ap.add_argument("--text-tokens", type=int, default=512)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", default="",
+                    help="PREFIX: profile steps 3 and 4 of each configuration into "
+                         "PREFIX-<configuration>.md (torch.profiler's kernel table)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if torch.cuda.is_available():

@@ -30,6 +30,9 @@
 #   bench_moe_peer.py, e.g. "--compile --deadline 300")  MOE_BENCH_TIMEOUT (600: seconds
 #   per run)  MOE_BENCH_PEER_TIMEOUT (MOE_BENCH_TIMEOUT: the peer's, every configuration)
 #   MOE_BENCH_WORK (a folder under /dev/shm, removed at the end)  LORASTREAM_BUILD_DIR (build/)
+#   MOE_BENCH_PROFILE (0; 1: the two steps after the warm-up of each run profiled, ours with
+#   `lorastream-worker train --profile` into OUT/moe/profile_RUN.json(.md), the peer's with
+#   torch.profiler into OUT/moe/profile_peer-CONFIGURATION.md)
 # On a CPU, with tiny-moe: MOE_BENCH_PRESET=tiny-moe MOE_BENCH_LAYERS=4 MOE_BENCH_TOKENS=64
 #   MOE_BENCH_DEVICE=cpu MOE_BENCH_DTYPE=f32 MOE_BENCH_BUDGET=1MiB MOE_BENCH_RUNS=resident,streamed,group
 set -uo pipefail
@@ -101,8 +104,11 @@ train() {  # LABEL JOB-NAMES...: one lorastream-worker train; keeps each job's s
   echo "== train: $label ($*)"
   local t0
   t0=$(date +%s%N)
+  local profile=()
+  [ "${MOE_BENCH_PROFILE:-0}" = 1 ] && profile=(--profile "$OUT/profile_$label.json"
+    --profile-from $((WARMUP + 1)) --profile-steps 2)
   timeout "$TIMEOUT" "$BIN/lorastream-worker" train "${files[@]}" --device "$DEVICE" --no-resume \
-    > "$OUT/train_$label.txt" 2> "$OUT/train_$label.log" || { tail -20 "$OUT/train_$label.log"; status=1; }
+    "${profile[@]}" > "$OUT/train_$label.txt" 2> "$OUT/train_$label.log" || { tail -20 "$OUT/train_$label.log"; status=1; }
   echo "$label: $(( ($(date +%s%N) - t0) / 1000000 )) ms wall"
   for name in "$@"; do
     cp "$WORK/out-$name/stats.jsonl" "$OUT/stats_$name.jsonl" 2>/dev/null || true
@@ -137,7 +143,8 @@ for run in "${run_list[@]}"; do
         # shellcheck disable=SC2086
         timeout "$PEER_TIMEOUT" python3 "$ROOT/tools/gpu/bench_moe_peer.py" --model "$WORK/model" \
           --data "$WORK/data.jsonl" --tokens "$TOKENS" --steps "$STEPS" --warmup "$WARMUP" \
-          --device "$DEVICE" --out "$OUT/peer.json" ${MOE_BENCH_PEER_ARGS:-} 2>&1 \
+          --device "$DEVICE" --out "$OUT/peer.json" ${MOE_BENCH_PEER_ARGS:-} \
+          $([ "${MOE_BENCH_PROFILE:-0}" = 1 ] && echo "--profile $OUT/profile_peer") 2>&1 \
           | tee "$OUT/peer.log" | grep -vE "^\s*$" | tail -30
         [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
       else

@@ -31,6 +31,7 @@ import time
 import traceback
 
 import torch
+from peer_profile import StepWindow
 
 
 def load_tokens(path):
@@ -82,7 +83,9 @@ def run(model, cfg, args, ids, device):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     times, losses = [], []
+    window = StepWindow(args.profile, cfg["name"], args.warmup)
     for step in range(args.steps):
+        window.before(step)
         off = (step * t) % max(1, len(ids) - t)
         x = torch.tensor(ids[off:off + t], device=device).unsqueeze(0)
         start = time.perf_counter()
@@ -96,6 +99,7 @@ def run(model, cfg, args, ids, device):
         times.append(time.perf_counter() - start)
         losses.append(float(out.loss))
         del out
+        window.after(step)
         print(f"  {cfg['name']}: step {step + 1}/{args.steps} {times[-1]:.3f} s loss {losses[-1]:.4f}",
               flush=True)
     peak = torch.cuda.max_memory_allocated(device) / 2**30
@@ -121,6 +125,9 @@ def main():
                     help="semicolon list of configuration names to run (default: all)")
     ap.add_argument("--deadline", type=float, default=0,
                     help="seconds after which no further configuration starts (0: none)")
+    ap.add_argument("--profile", default="",
+                    help="PREFIX: profile the two steps after the warm-up of each configuration "
+                         "into PREFIX-<configuration>.md (torch.profiler's kernel table)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     t0 = time.time()

@@ -26,6 +26,7 @@
 #include "worker/train/adamw.h"
 #include "worker/train/family.h"
 #include "worker/train/group_members.h"
+#include "worker/train/step_profile.h"
 #include "worker/train/stoppable_provider.h"
 #include "worker/train/train_state.h"
 
@@ -408,7 +409,14 @@ void GroupTrainer::RunTogether(const std::vector<Job*>& jobs) {
 }
 
 void GroupTrainer::Run() {
-  while (!members_->empty()) Step();
+  std::unique_ptr<StepProfile> profile;
+  if (!options_.profile.path.empty())
+    profile = std::make_unique<StepProfile>(options_.profile, options_.device);
+  while (!members_->empty()) {
+    if (profile) profile->BeforeStep();
+    Step();
+    if (profile) profile->AfterStep();
+  }
 }
 
 std::vector<GroupJobOutcome> RunGroupTraining(std::vector<GroupJob> jobs,
@@ -417,9 +425,12 @@ std::vector<GroupJobOutcome> RunGroupTraining(std::vector<GroupJob> jobs,
   std::vector<GroupJobOutcome> out(jobs.size());
   std::vector<size_t> left(jobs.size());  // positions in `jobs` not trained yet
   for (size_t j = 0; j < jobs.size(); ++j) left[j] = j;
+  bool profiled = false;  // --profile records the first group's steps
   while (!left.empty()) {
     GroupJob& first = jobs[left.front()];
     TrainOptions group_options = options;
+    if (profiled) group_options.profile.path.clear();
+    profiled = true;
     if (group_options.plan_group.empty())  // the plan leaves room for every job left
       for (size_t k = 1; k < left.size(); ++k)
         group_options.plan_group.push_back(jobs[left[k]].spec);

@@ -36,6 +36,7 @@
 #include "common/step_stats.h"
 #include "common/user_access.h"
 #include "worker/stream/stream_engine_options.h"
+#include "worker/train/step_profile.h"
 
 namespace lorastream::worker {
 
@@ -75,6 +76,9 @@ struct TrainOptions {
   // Tests: the job of this name fails inside every forward and backward it takes part in, as
   // an allocation failure would (the group's split and retry, worker/train/group_trainer.h).
   std::string debug_fail_job;
+  // `train --profile`: a window of group steps recorded by LibTorch's profiler
+  // (worker/train/step_profile.h); path "" = none.
+  StepProfileOptions profile;
 };
 
 struct TrainResult {
