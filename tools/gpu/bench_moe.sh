@@ -30,6 +30,8 @@
 #   bench_moe_peer.py, e.g. "--compile --deadline 300")  MOE_BENCH_TIMEOUT (600: seconds
 #   per run)  MOE_BENCH_PEER_TIMEOUT (MOE_BENCH_TIMEOUT: the peer's, every configuration)
 #   MOE_BENCH_WORK (a folder under /dev/shm, removed at the end)  LORASTREAM_BUILD_DIR (build/)
+#   MOE_BENCH_PEER_CONFIGS (the peer's configurations to run, a semicolon list of their names,
+#   e.g. "sdpa, experts grouped_mm, checkpointed"; default: all)
 #   MOE_BENCH_PROFILE (0; 1: the two steps after the warm-up of each run profiled, ours with
 #   `lorastream-worker train --profile` into OUT/moe/profile_RUN.json(.md), the peer's with
 #   torch.profiler into OUT/moe/profile_peer-CONFIGURATION.md)
@@ -144,6 +146,7 @@ for run in "${run_list[@]}"; do
         timeout "$PEER_TIMEOUT" python3 "$ROOT/tools/gpu/bench_moe_peer.py" --model "$WORK/model" \
           --data "$WORK/data.jsonl" --tokens "$TOKENS" --steps "$STEPS" --warmup "$WARMUP" \
           --device "$DEVICE" --out "$OUT/peer.json" ${MOE_BENCH_PEER_ARGS:-} \
+          ${MOE_BENCH_PEER_CONFIGS:+--configs "$MOE_BENCH_PEER_CONFIGS"} \
           $([ "${MOE_BENCH_PROFILE:-0}" = 1 ] && echo "--profile $OUT/profile_peer") 2>&1 \
           | tee "$OUT/peer.log" | grep -vE "^\s*$" | tail -30
         [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
