@@ -197,7 +197,10 @@ at::Tensor GroupedForward(const at::Tensor& x, const BlockWeights& w, const Mode
   const at::Tensor flat = key.reshape({-1});
   const at::Tensor order = std::get<1>(flat.sort(/*stable=*/true, 0, /*descending=*/false));
   const at::Tensor tokens = at::floor_divide(order, k);
-  const at::Tensor counts = at::bincount(flat, {}, experts * groups_per_expert);
+  // Slots per group, without waiting for the device (at::bincount reads its input's range on
+  // the host): a CUDA graph may capture the pass.
+  const at::Tensor counts = at::zeros({experts * groups_per_expert}, flat.options())
+                                .index_add_(0, flat, at::ones_like(flat));
   const at::Tensor group_ends = counts.cumsum(0).to(at::kInt);
   const at::Tensor expert_ends =
       counts.view({experts, groups_per_expert}).sum(1).cumsum(0).to(at::kInt);
@@ -293,8 +296,12 @@ bool UseGrouped(const at::Tensor& x, bool per_job_gemms, MoeGemms gemms) {
 
 }  // namespace
 
+bool GroupedMoeAvailable(const c10::Device& device, c10::ScalarType dtype) {
+  return LORASTREAM_GROUPED_MM && device.is_cuda() && dtype == at::kBFloat16;
+}
+
 bool GroupedMoeAvailable(const at::Tensor& x) {
-  return LORASTREAM_GROUPED_MM && x.is_cuda() && x.scalar_type() == at::kBFloat16;
+  return GroupedMoeAvailable(x.device(), x.scalar_type());
 }
 
 at::Tensor MoeForward(const at::Tensor& x, const BlockWeights& w, const ModelConfig& config,

@@ -15,6 +15,7 @@
 #include "common/log.h"
 #include "worker/model/lora.h"
 #include "worker/model/model.h"
+#include "worker/model/moe_mlp.h"
 #include "worker/train/adamw.h"
 #ifdef LORASTREAM_HAVE_CUDA
 #include <ATen/cuda/CUDAEvent.h>
@@ -36,8 +37,10 @@ bool CudaGraphsEnabled() {
 #endif
 }
 
-bool CudaGraphsApply(const c10::Device& device, double lora_dropout, bool moe) {
-  return device.is_cuda() && CudaGraphsEnabled() && lora_dropout == 0 && !moe;
+bool CudaGraphsApply(const c10::Device& device, c10::ScalarType dtype, double lora_dropout,
+                     const ModelConfig& config) {
+  return device.is_cuda() && CudaGraphsEnabled() && lora_dropout == 0 &&
+         (!config.is_moe() || GroupedMoeAvailable(device, dtype));
 }
 
 #ifdef LORASTREAM_HAVE_CUDA
@@ -197,10 +200,10 @@ MicroBatchRunner::MicroBatchRunner(CausalLm& model, const LoraAdapter& adapter, 
     : model_(model),
       adapter_(adapter),
       // What does not change during a job: the device, the dropout, whether anything streams.
-      may_graph_(
-          allow_graphs &&
-          CudaGraphsApply(model.device(), adapter.settings().dropout, model.config().is_moe()) &&
-          model.provider().step_is_host_only()) {}
+      may_graph_(allow_graphs &&
+                 CudaGraphsApply(model.device(), model.dtype(), adapter.settings().dropout,
+                                 model.config()) &&
+                 model.provider().step_is_host_only()) {}
 
 MicroBatchRunner::~MicroBatchRunner() = default;
 
@@ -270,7 +273,7 @@ struct GroupMicroBatchRunner::Graphs {
 
 GroupMicroBatchRunner::GroupMicroBatchRunner(CausalLm& model)
     : model_(model),
-      may_graph_(CudaGraphsApply(model.device(), 0.0, model.config().is_moe()) &&
+      may_graph_(CudaGraphsApply(model.device(), model.dtype(), 0.0, model.config()) &&
                  model.provider().step_is_host_only()),
       graphs_(std::make_unique<Graphs>()) {}
 

@@ -28,6 +28,9 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include "common/model_config.h"
 
 namespace lorastream::worker {
 
@@ -38,10 +41,12 @@ struct GroupMicroBatch;
 
 // Whether CUDA graphs may be used: a CUDA build, LORASTREAM_CUDA_GRAPHS not "0".
 bool CudaGraphsEnabled();
-// Whether a micro-batch on `device` with LoRA dropout `lora_dropout` may be graphed when
-// nothing streams: CUDA, CudaGraphsEnabled(), no dropout, not a mixture of experts (`moe`:
-// its routing is read to the host, which a capture cannot do); the calibration asks the same.
-bool CudaGraphsApply(const c10::Device& device, double lora_dropout, bool moe);
+// Whether a micro-batch of `config` on `device` in `dtype` with LoRA dropout `lora_dropout`
+// may be graphed when nothing streams: CUDA, CudaGraphsEnabled(), no dropout, and for a
+// mixture of experts the grouped expert GEMMs (GroupedMoeAvailable: the per-expert ones read
+// the routing to the host, which a capture cannot do); the calibration asks the same.
+bool CudaGraphsApply(const c10::Device& device, c10::ScalarType dtype, double lora_dropout,
+                     const ModelConfig& config);
 
 class MicroBatchRunner {
  public:

@@ -8,9 +8,9 @@
 #include <utility>
 #include <vector>
 
-#include <nlohmann/json.hpp>
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/version.h>
+#include <nlohmann/json.hpp>
 
 #include "common/error.h"
 #include "common/log.h"
@@ -45,14 +45,14 @@ std::string KindOf(const std::string& name) {
   if (has("Memset") || has("memset")) return "memset";
   if (has("flash") || has("fmha") || has("attention") || has("Attention") || has("sdpa"))
     return "attention";
-  if (has("gemm") || has("Gemm") || has("GEMM") || has("cutlass") || has("nvjet") ||
-      has("xmma") || has("cublas") || has("grouped_mm") || has("GroupedMm") || has("wgmma") ||
-      has("aten::mm") || has("aten::addmm") || has("aten::bmm"))
+  if (has("gemm") || has("Gemm") || has("GEMM") || has("cutlass") || has("nvjet") || has("xmma") ||
+      has("cublas") || has("grouped_mm") || has("GroupedMm") || has("wgmma") || has("aten::mm") ||
+      has("aten::addmm") || has("aten::bmm"))
     return "GEMM";
   if (has("reduce") || has("Reduce") || has("softmax") || has("norm") || has("Norm"))
     return "reduction / norm";
-  if (has("sort") || has("Sort") || has("scan") || has("Scan") || has("index") ||
-      has("Index") || has("scatter") || has("gather") || has("cat") || has("Cat"))
+  if (has("sort") || has("Sort") || has("scan") || has("Scan") || has("index") || has("Index") ||
+      has("scatter") || has("gather") || has("cat") || has("Cat"))
     return "index / sort / cat";
   if (has("elementwise") || has("vectorized") || has("unrolled") || has("aten::"))
     return "elementwise / other op";
@@ -180,8 +180,8 @@ void StepProfile::Finish() {
           {"pid", device_event ? "device" : "host"},
           {"tid", device_event ? e.deviceResourceId() : static_cast<int64_t>(e.startThreadId())},
           {"cat", device_event ? "device" : "host"}};
-      trace << (first_event ? "\n" : ",\n") << j.dump(-1, ' ', false,
-                                                       nlohmann::json::error_handler_t::replace);
+      trace << (first_event ? "\n" : ",\n")
+            << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
       first_event = false;
     }
     trace << "\n]}\n";
@@ -229,10 +229,12 @@ void StepProfile::Finish() {
     for (const auto& [kind, t] : kinds)
       md << "| " << kind << " | " << t.calls / steps << " | " << Ms(t.ns / steps) << " | "
          << Percent(t.ns, total) << " |\n";
-    md << "\n| kernel | kind | calls a step | ms a step | share |\n| --- | --- | --- | --- | --- |\n";
+    md << "\n| kernel | kind | calls a step | ms a step | share |\n| --- | --- | --- | --- | --- "
+          "|\n";
   } else {
     md << "- times are inclusive (an operator holds those it calls)\n\n";
-    md << "| operator | calls a step | ms a step | share of the wall |\n| --- | --- | --- | --- |\n";
+    md << "| operator | calls a step | ms a step | share of the wall |\n| --- | --- | --- | --- "
+          "|\n";
   }
   size_t shown = 0;
   for (const auto& [name, t] : rows) {

@@ -15,9 +15,9 @@
 namespace lorastream::worker {
 
 struct StepProfileOptions {
-  std::string path;     // "" = no profile
-  int64_t first = 3;    // the first profiled step of this process (1-based)
-  int64_t steps = 2;    // how many
+  std::string path;   // "" = no profile
+  int64_t first = 3;  // the first profiled step of this process (1-based)
+  int64_t steps = 2;  // how many
 };
 
 // Throws an Error naming what is wrong: a window that starts before step 1 or is empty, or a

@@ -77,8 +77,9 @@ BlockWeights BlockOnDevice(const BlockWeights& w, const c10::Device& device,
 
 // Whether a job's steps that stream nothing run as CUDA graphs (MicroBatchRunner's rule):
 // then the calibration measures them so too.
-bool CalibratesGraphs(const JobSpec& spec, const ModelConfig& config, const c10::Device& device) {
-  return CudaGraphsApply(device, spec.lora.dropout, config.is_moe());
+bool CalibratesGraphs(const JobSpec& spec, const ModelConfig& config, const c10::Device& device,
+                      c10::ScalarType dtype) {
+  return CudaGraphsApply(device, dtype, spec.lora.dropout, config);
 }
 
 }  // namespace
@@ -121,7 +122,7 @@ std::string CalibrationKey(const JobSpec& spec, const BaseWeights& base, const c
          // From whole steps, each ending in its one wait, after warm-ups that raise the
          // clocks (older entries: a block alone, or steps that waited twice, measured cold);
          // with the steps that stream nothing measured as CUDA graphs where they run so.
-         "-steps2" + (CalibratesGraphs(spec, c, device) ? "-graphs" : "") +
+         "-steps2" + (CalibratesGraphs(spec, c, device, dtype) ? "-graphs" : "") +
          // A compressed store expands its blocks at their uses.
          (base.manifest() != nullptr && base.manifest()->quant().compressed()
               ? std::string("-") + QuantMethodName(base.manifest()->quant().method)
@@ -275,7 +276,7 @@ StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c
   // A plan that streams nothing trains from a CUDA graph (worker/train/micro_batch_runner.h): its
   // full-depth step measured so, against the eager one.
   double graphed_step = 0;
-  if (CalibratesGraphs(spec, config, device)) {
+  if (CalibratesGraphs(spec, config, device, dtype)) {
     graphed_step = RepeatedModelStepSeconds(parts, deep, reps, /*allow_graphs=*/true);
     if (long_step > 0) costs.graph_factor = graphed_step / long_step;
   }
