@@ -13,8 +13,9 @@ Usage: bench_flux_table.py OUT/flux STEPS
 import json
 import os
 import re
-import statistics
 import sys
+
+from bench_common import fmt, median_after, plan_summary, ratio  # this folder is on sys.path
 
 UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 STEP = re.compile(r"(?:job (\S+): )?step (\d+)/(\d+) loss ([-\d.e+naif]+) .* ([\d.]+) s, H2D ([\d.]+) (\w+) in "
@@ -41,28 +42,8 @@ def steps(path):
     return next(iter(by_job.values())) if by_job else []
 
 
-def summary(path):
-    if not os.path.exists(path):
-        return {}
-    for line in open(path, errors="replace"):
-        # (the worker's log file writes a message's newlines as \x0a)
-        for part in line.replace("\\x0a", "\n").split("\n"):
-            if part.startswith("plan-summary "):
-                return {k: float(v) for k, v in (kv.split("=") for kv in part.split()[1:])}
-    return {}
-
-
 def median_after_warmup(rows, key):
-    rows = rows[2:] if len(rows) > 2 else rows
-    return statistics.median(r[key] for r in rows) if rows else float("nan")
-
-
-def fmt(x, digits=3):
-    return "—" if x is None or x != x else f"{x:.{digits}f}"
-
-
-def ratio(a, b):
-    return None if a is None or b is None or a != a or b != b or b == 0 else a / b
+    return median_after(rows, key, 2)
 
 
 def main():
@@ -76,8 +57,8 @@ def main():
         suffix = name[len("resident"):] if name.startswith("resident") else name[len("streamed"):]
         # The streamed run's own plan (its log holds the table it chose from), else the plan
         # command's; the resident step's prediction from the same figures.
-        planned = (summary(os.path.join(out, f"train_streamed{suffix}.log"))
-                   or summary(os.path.join(out, f"plan_streamed{suffix}.txt")))
+        planned = (plan_summary(os.path.join(out, f"train_streamed{suffix}.log"))
+                   or plan_summary(os.path.join(out, f"plan_streamed{suffix}.txt")))
         rows = steps(os.path.join(out, f"train_{name}.log"))
         plan = planned if name.startswith("streamed") else {
             "predicted_ms": planned.get("resident_ms", float("nan")), "streamed": 0, "ring": 0}
@@ -135,7 +116,7 @@ def main():
     if group:
         k = len(group)
         first = group[sorted(group)[0]]
-        plan = summary(os.path.join(out, "train_group.log"))
+        plan = plan_summary(os.path.join(out, "train_group.log"))
         g_seconds = median_after_warmup(first, "seconds")
         g_h2d = median_after_warmup(first, "h2d") / 1e9
         print()

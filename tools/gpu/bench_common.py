@@ -1,0 +1,101 @@
+"""What the GPU benchmarks' tables and peers share (tools/gpu/bench_*_table.py, bench_*_peer.py).
+
+The table helpers need nothing beyond the standard library (the tables run where torch is
+absent); the peer helpers import torch when called.
+"""
+import json
+import os
+import signal
+import statistics
+import time
+
+
+def read_stats(path):
+    """The rows of a job's stats.jsonl (one dict per step); [] when the file is missing."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def median_after(rows, key, warmup):
+    """The median of rows[key] after the first `warmup` rows (all of them when no more)."""
+    rows = rows[warmup:] if len(rows) > warmup else rows
+    return statistics.median(r[key] for r in rows) if rows else float("nan")
+
+
+def fmt(x, digits=3):
+    return "—" if x is None or x != x else f"{x:.{digits}f}"
+
+
+def ratio(a, b):
+    return None if a is None or b is None or a != a or b != b or b == 0 else a / b
+
+
+def plan_summary(path):
+    """The `plan-summary k=v ...` line of a DiT family's plan (the output of `lorastream-worker
+    plan`, or a training log, whose messages write their newlines as \\x0a), as floats; {}
+    when there is none."""
+    if not os.path.exists(path):
+        return {}
+    for line in open(path, errors="replace"):
+        for part in line.replace("\\x0a", "\n").split("\n"):
+            if part.startswith("plan-summary "):
+                return {k: float(v) for k, v in (kv.split("=") for kv in part.split()[1:])}
+    return {}
+
+
+class Deadline(Exception):
+    """A peer configuration ran past its time."""
+
+
+def time_steps(step, steps, warmup, device, deadline_s=0, label=""):
+    """Runs `step()` (one training step; returns the loss as a tensor or a float) `steps` times,
+    the device synchronised after each, and returns the steps' seconds, their median after
+    `warmup`, the losses and the device's peak allocated memory (GiB; None on the CPU). With
+    deadline_s > 0, raises Deadline when the steps together run past it (checked by a timer
+    signal, so a compilation that runs past it is stopped too)."""
+    import torch
+
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def expired(*_):
+        raise Deadline(f"past its deadline of {deadline_s:g} s")
+
+    old = signal.signal(signal.SIGALRM, expired) if deadline_s > 0 else None
+    if deadline_s > 0:
+        signal.setitimer(signal.ITIMER_REAL, deadline_s)
+    times, losses = [], []
+    try:
+        for i in range(steps):
+            start = time.perf_counter()
+            loss = step()
+            if cuda:
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+            losses.append(float(loss))
+            print(f"  {label}: step {i + 1}/{steps} {times[-1]:.3f} s loss {losses[-1]:.4f}",
+                  flush=True)
+    finally:
+        if deadline_s > 0:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+    timed = times[warmup:] if len(times) > warmup else times
+    return {"steps": len(times), "step_seconds": statistics.median(timed), "all_seconds": times,
+            "losses": losses, "loss": losses[-1],
+            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None}
+
+
+def lora_params_f32(model):
+    """The trainable (LoRA) parameters, made f32 (the master weights lorastream keeps)."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.dtype != torch.float32:
+            p.data = p.data.float()
+    return params
