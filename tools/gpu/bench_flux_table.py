@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""The table of tools/gpu/bench_flux.sh: reads OUT/flux/train_{resident,streamed}.log,
+"""The table of tools/gpu/bench_flux.sh: reads OUT/flux/stats_{resident,streamed}.jsonl (each
+job's per-step statistics: step_seconds, h2d_bytes, peak_device_bytes), train_streamed.log or
 plan_streamed.txt (the streamed plan and the resident step's prediction), the same of a
-compressed store's runs when they ran (train_resident_fp8.log, plan_streamed_fp8.txt; nf4
-alike), train_group.log (a job group of K streamed jobs, when it ran) and peer.json when the
-peer ran, and prints markdown: per run the measured step (median of the steps after the first
+compressed store's runs when they ran (stats_resident_fp8.jsonl, plan_streamed_fp8.txt; nf4
+alike), stats_groupK.jsonl and train_group.log (a job group of K streamed jobs, when it ran)
+and peer.json when the peer ran, and prints markdown: per run the measured step (median of the steps after the first
 two), the planner's prediction, the peak memory measured and estimated, the bytes copied per
 step; then the ratios the FLUX targets name, a compressed store's steps against the plain
 store's, and the group's step against K x one job's.
@@ -15,31 +16,14 @@ import os
 import re
 import sys
 
-from bench_common import fmt, median_after, plan_summary, ratio  # this folder is on sys.path
+from bench_common import fmt, median_after, plan_summary, ratio, read_stats  # this folder is on sys.path
 
-UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
-STEP = re.compile(r"(?:job (\S+): )?step (\d+)/(\d+) loss ([-\d.e+naif]+) .* ([\d.]+) s, H2D ([\d.]+) (\w+) in "
-                  r"(\d+) copies \((\d+) saved\), peak ([\d.]+) GiB")
-
-
-def steps_by_job(path):
-    """Each job's step rows, by the job's name ("" for a line without one)."""
-    out = {}
-    if not os.path.exists(path):
-        return out
-    for line in open(path, errors="replace"):
-        m = STEP.search(line)
-        if m:
-            out.setdefault(m.group(1) or "", []).append(
-                {"step": int(m.group(2)), "loss": m.group(4), "seconds": float(m.group(5)),
-                 "h2d": float(m.group(6)) * UNITS.get(m.group(7), 1),
-                 "peak_gib": float(m.group(10))})
-    return out
-
-
-def steps(path):
-    by_job = steps_by_job(path)
-    return next(iter(by_job.values())) if by_job else []
+def steps(out, name):
+    """The job's step rows from its stats.jsonl (OUT/stats_NAME.jsonl, which the script copies
+    from the job's output folder)."""
+    return [{"step": r["step"], "loss": r["loss"], "seconds": r["step_seconds"],
+             "h2d": r["h2d_bytes"], "peak_gib": r["peak_device_bytes"] / 2**30}
+            for r in read_stats(os.path.join(out, f"stats_{name}.jsonl"))]
 
 
 def median_after_warmup(rows, key):
@@ -51,7 +35,7 @@ def main():
     runs = {}
     names = ["resident", "streamed"]
     for fmt_name in ("fp8", "nf4"):
-        if os.path.exists(os.path.join(out, f"train_resident_{fmt_name}.log")):
+        if os.path.exists(os.path.join(out, f"stats_resident_{fmt_name}.jsonl")):
             names += [f"resident_{fmt_name}", f"streamed_{fmt_name}"]
     for name in names:
         suffix = name[len("resident"):] if name.startswith("resident") else name[len("streamed"):]
@@ -59,7 +43,7 @@ def main():
         # command's; the resident step's prediction from the same figures.
         planned = (plan_summary(os.path.join(out, f"train_streamed{suffix}.log"))
                    or plan_summary(os.path.join(out, f"plan_streamed{suffix}.txt")))
-        rows = steps(os.path.join(out, f"train_{name}.log"))
+        rows = steps(out, name)
         plan = planned if name.startswith("streamed") else {
             "predicted_ms": planned.get("resident_ms", float("nan")), "streamed": 0, "ring": 0}
         runs[name] = {
@@ -112,7 +96,9 @@ def main():
         print(f"| resident / diffusers+peft best | {fmt(ratio(r['seconds'], best), 3)} | |")
     ok = all(x["steps"] == total for x in runs.values())
 
-    group = steps_by_job(os.path.join(out, "train_group.log"))
+    group = {f[len("stats_"):-len(".jsonl")]: None for f in os.listdir(out)
+             if re.fullmatch(r"stats_group\d+\.jsonl", f)}
+    group = {name: steps(out, name) for name in sorted(group, key=lambda n: int(n[5:]))}
     if group:
         k = len(group)
         first = group[sorted(group)[0]]
