@@ -38,7 +38,8 @@
 #   the jobs' train.dtype)  QI_BENCH_PEER_DEADLINE (60: seconds per peer configuration)
 #   QI_BENCH_PEER_ARGS (more options of bench_qwen_image_peer.py, e.g. "--compile")
 #   QI_BENCH_PEAK_TFLOPS (790: the compute floors' rate)  QI_BENCH_TIMEOUT (600: seconds per
-#   run, the peer's too)  QI_BENCH_WORK (a folder under /dev/shm, removed at the end)
+#   run)  QI_BENCH_PEER_TIMEOUT (QI_BENCH_TIMEOUT: the peer's, every configuration; what ran
+#   before it stays in peer.json)  QI_BENCH_WORK (a folder under /dev/shm, removed at the end)
 #   LORASTREAM_BUILD_DIR (build/)
 # On a CPU, with qwen-image-tiny: QI_BENCH_PRESET=qwen-image-tiny QI_BENCH_LAYERS=4
 #   QI_BENCH_DEVICE=cpu QI_BENCH_DTYPE=f32 QI_BENCH_PIXELS=64x64 QI_BENCH_TEXT_TOKENS=8
@@ -65,6 +66,7 @@ DTYPE="${QI_BENCH_DTYPE:-bf16}"
 PEER_DEADLINE="${QI_BENCH_PEER_DEADLINE:-60}"
 PEAK_TFLOPS="${QI_BENCH_PEAK_TFLOPS:-790}"
 TIMEOUT="${QI_BENCH_TIMEOUT:-600}"
+PEER_TIMEOUT="${QI_BENCH_PEER_TIMEOUT:-$TIMEOUT}"
 WORK="${QI_BENCH_WORK:-/dev/shm/lorastream-qi-bench-$$}"
 PRESET_FILE="$PRESET"
 [ -f "$PRESET_FILE" ] || PRESET_FILE="$ROOT/configs/models/$PRESET.toml"
@@ -166,7 +168,7 @@ for run in "${run_list[@]}"; do
       if PYTHONPATH="$ROOT/.diffusers/src" python3 -c "import torch, peft, diffusers" 2>/dev/null; then
         echo "== peer: diffusers + peft"
         # shellcheck disable=SC2086
-        PYTHONPATH="$ROOT/.diffusers/src" timeout "$TIMEOUT" python3 \
+        PYTHONPATH="$ROOT/.diffusers/src" timeout "$PEER_TIMEOUT" python3 \
           "$ROOT/tools/gpu/bench_qwen_image_peer.py" --model "$WORK/model/transformer" \
           --pixels "$PIXELS" --text-tokens "$TEXT" --steps "$STEPS" --warmup "$WARMUP" \
           --device "$DEVICE" --deadline "$PEER_DEADLINE" --out "$OUT/peer.json" \

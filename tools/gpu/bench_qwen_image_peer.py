@@ -18,11 +18,11 @@ or without a backward, past its deadline) records its error and the others still
   - gradient checkpointing on (like lorastream's checkpointed blocks), attention by torch's SDPA
     as it chooses, and forced to each of its flash, cuDNN and memory-efficient kernels
     (torch.nn.attention.sdpa_kernel around forward and backward, so the recompute too);
+  - off (every activation kept), with the fastest of those;
   - on, with each attention backend of diffusers' dispatcher that is not torch's SDPA
     (model.set_attention_backend: flash-attn 2, 3, sageattention, xformers; its _native_*
     backends are the SDPA kernels above);
   - on, SDPA, with the all-ones text mask QwenImagePipeline passes (masked attention: no flash);
-  - off (every activation kept), with the fastest checkpointed attention;
   - with --compile, the fastest configuration again with every block under torch.compile
     (model.compile_repeated_blocks).
 A batch of one caption needs no mask (nothing is padded), so the other configurations pass
@@ -58,7 +58,7 @@ def load(path, device):
     try:
         return QwenImageTransformer2DModel.from_pretrained(path, torch_dtype=torch.bfloat16,
                                                            device_map=str(device))
-    except (ValueError, ImportError, NotImplementedError) as e:
+    except Exception as e:  # noqa: BLE001 - e.g. accelerate missing: the plain way
         print(f"from_pretrained with device_map={device} failed ({e}); loading on the host",
               flush=True)
         return QwenImageTransformer2DModel.from_pretrained(
@@ -145,7 +145,8 @@ def main():
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "config": {k: v for k, v in cfg.items() if not k.startswith("_")},
               "pixels": args.pixels, "text_tokens": args.text_tokens, "steps": args.steps,
-              "warmup": args.warmup, "rank": args.rank, "load_seconds": time.time() - start,
+              "warmup": args.warmup, "rank": args.rank, "deadline_seconds": args.deadline,
+              "load_seconds": time.time() - start,
               "lora_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
               "lora_modules": sum(1 for n, _ in model.named_modules() if n.endswith(".lora_A")),
               "runs": {}}
@@ -163,13 +164,6 @@ def main():
     mask = torch.ones(1, args.text_tokens, dtype=torch.bool, device=device)
     inputs = (x, txt, mask, [(1, h // 16, w // 16)])
 
-    configs = [{"name": "checkpointed, SDPA", "checkpointing": True}]
-    configs += [{"name": f"checkpointed, SDPA {k}", "checkpointing": True, "sdpa": k}
-                for k in ("flash", "cudnn", "efficient")]
-    configs += [{"name": f"checkpointed, diffusers backend {b}", "checkpointing": True,
-                 "backend": b} for b in DISPATCHER]
-    configs += [{"name": "checkpointed, SDPA, all-ones text mask", "checkpointing": True,
-                 "mask": True}]
     wanted = set(args.configs.split(";")) if args.configs else None  # names hold commas
 
     def attempt(c):
@@ -187,20 +181,26 @@ def main():
         r = report["runs"][c["name"]]
         print(c["name"], json.dumps({k: v for k, v in r.items() if k not in ("config", "losses")}),
               flush=True)
-        with open(args.out, "w") as f:
+        with open(args.out, "w") as f:  # after each: a run stopped by a timeout keeps these
             json.dump(report, f, indent=1)
-
-    for c in configs:
-        attempt(c)
 
     def fastest(pred):
         done = [r for r in report["runs"].values() if "step_seconds" in r and pred(r["config"])]
         return dict(min(done, key=lambda r: r["step_seconds"])["config"]) if done else None
 
-    best = fastest(lambda c: c["checkpointing"]) or configs[0]
+    # The likeliest fastest first: a timeout of the whole run keeps what ran.
+    attempt({"name": "checkpointed, SDPA", "checkpointing": True})
+    for k in ("flash", "cudnn", "efficient"):
+        attempt({"name": f"checkpointed, SDPA {k}", "checkpointing": True, "sdpa": k})
+    best = fastest(lambda c: True) or {"name": "checkpointed, SDPA", "checkpointing": True}
     off = {k: v for k, v in best.items() if k != "name"}
     off.update(checkpointing=False, name=best["name"].replace("checkpointed", "no checkpointing"))
     attempt(off)
+    for b in DISPATCHER:
+        attempt({"name": f"checkpointed, diffusers backend {b}", "checkpointing": True,
+                 "backend": b})
+    attempt({"name": "checkpointed, SDPA, all-ones text mask", "checkpointing": True,
+             "mask": True})
     if args.compile:
         best = fastest(lambda c: True)
         if best:

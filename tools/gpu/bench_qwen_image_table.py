@@ -205,7 +205,10 @@ def main():
     if peer:
         print(f"Peer: torch {peer['torch']}, diffusers {peer['diffusers']}, peft {peer['peft']}; "
               f"{peer.get('lora_modules')} LoRA modules, {peer.get('lora_parameters')} LoRA "
-              f"parameters; load {fmt(peer.get('load_seconds'), 1)} s.")
+              f"parameters; load {fmt(peer.get('load_seconds'), 1)} s; each configuration within "
+              f"its deadline, a failure (out of memory, a backend missing) is its row's error.")
+        if "wall_seconds" not in peer:
+            print("The peer was stopped (QI_BENCH_PEER_TIMEOUT) before every configuration ran.")
     else:
         print(f"Peer (diffusers + peft): not run here ({peer_note or 'not in QI_BENCH_RUNS'}).")
     for label in ("streamed", "auto", "one", "group"):
