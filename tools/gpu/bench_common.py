@@ -3,11 +3,13 @@
 The table helpers need nothing beyond the standard library (the tables run where torch is
 absent); the peer helpers import torch when called.
 """
+import gc
 import json
 import os
 import signal
 import statistics
 import time
+import traceback
 
 
 def read_stats(path):
@@ -99,3 +101,34 @@ def lora_params_f32(model):
         if p.dtype != torch.float32:
             p.data = p.data.float()
     return params
+
+
+def record_run(report, cfg, fn, out_path):
+    """Runs `fn()` (a peer configuration; returns its figures) and records the figures, or the
+    error that stopped it (out of memory, a backend missing, past its deadline: the other
+    configurations still run), as report["runs"][cfg["name"]] with the configuration; prints
+    it and writes the report to out_path (after each configuration, so that a run stopped by
+    a timeout keeps what ran)."""
+    import torch
+
+    try:
+        report["runs"][cfg["name"]] = {"config": cfg, **fn()}
+    except Exception as e:  # noqa: BLE001 - recorded as the configuration's row
+        report["runs"][cfg["name"]] = {"config": cfg, "error": f"{type(e).__name__}: {e}"[:600]}
+        if not isinstance(e, (torch.OutOfMemoryError, Deadline)):
+            traceback.print_exc()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    r = report["runs"][cfg["name"]]
+    print(cfg["name"], json.dumps({k: v for k, v in r.items() if k not in ("config", "losses")}),
+          flush=True)
+    with open(out_path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+def fastest_config(report, pred=lambda c: True):
+    """A copy of the configuration of the fastest recorded run whose configuration passes
+    `pred`; None when none ran."""
+    done = [r for r in report["runs"].values() if "step_seconds" in r and pred(r["config"])]
+    return dict(min(done, key=lambda r: r["step_seconds"])["config"]) if done else None

@@ -35,15 +35,14 @@ Usage (diffusers v0.39's src/ on PYTHONPATH, torch with CUDA, peft):
 """
 import argparse
 import contextlib
-import gc
 import json
 import time
-import traceback
 
 import torch
 from peft import LoraConfig
 
-from bench_common import Deadline, lora_params_f32, time_steps  # this folder is on sys.path
+# (this folder is on sys.path)
+from bench_common import fastest_config, lora_params_f32, record_run, time_steps
 from diffusers import QwenImageTransformer2DModel
 
 # lorastream's Qwen-Image `targets = ["default"]` (worker/qwen_image/qwen_image_adapter_io.h)
@@ -167,32 +166,14 @@ def main():
     wanted = set(args.configs.split(";")) if args.configs else None  # names hold commas
 
     def attempt(c):
-        if wanted is not None and c["name"] not in wanted:
-            return
-        try:
-            report["runs"][c["name"]] = {"config": c, **run(model, c, args, inputs, device)}
-        except Exception as e:  # noqa: BLE001 - the other configurations still run
-            report["runs"][c["name"]] = {"config": c, "error": f"{type(e).__name__}: {e}"[:600]}
-            if not isinstance(e, (torch.OutOfMemoryError, Deadline)):
-                traceback.print_exc()
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        r = report["runs"][c["name"]]
-        print(c["name"], json.dumps({k: v for k, v in r.items() if k not in ("config", "losses")}),
-              flush=True)
-        with open(args.out, "w") as f:  # after each: a run stopped by a timeout keeps these
-            json.dump(report, f, indent=1)
-
-    def fastest(pred):
-        done = [r for r in report["runs"].values() if "step_seconds" in r and pred(r["config"])]
-        return dict(min(done, key=lambda r: r["step_seconds"])["config"]) if done else None
+        if wanted is None or c["name"] in wanted:
+            record_run(report, c, lambda: run(model, c, args, inputs, device), args.out)
 
     # The likeliest fastest first: a timeout of the whole run keeps what ran.
     attempt({"name": "checkpointed, SDPA", "checkpointing": True})
     for k in ("flash", "cudnn", "efficient"):
         attempt({"name": f"checkpointed, SDPA {k}", "checkpointing": True, "sdpa": k})
-    best = fastest(lambda c: True) or {"name": "checkpointed, SDPA", "checkpointing": True}
+    best = fastest_config(report) or {"name": "checkpointed, SDPA", "checkpointing": True}
     off = {k: v for k, v in best.items() if k != "name"}
     off.update(checkpointing=False, name=best["name"].replace("checkpointed", "no checkpointing"))
     attempt(off)
@@ -202,7 +183,7 @@ def main():
     attempt({"name": "checkpointed, SDPA, all-ones text mask", "checkpointing": True,
              "mask": True})
     if args.compile:
-        best = fastest(lambda c: True)
+        best = fastest_config(report)
         if best:
             best.update(compile=True, name=best["name"] + ", torch.compile per block")
             attempt(best)

@@ -21,9 +21,11 @@ import os
 import re
 import sys
 
-from bench_common import fmt, median_after, plan_summary, ratio, read_stats  # this folder is on sys.path
+# (this folder is on sys.path)
+from bench_common import fmt, median_after, plan_summary, ratio, read_stats
 
-GROUP_LINE = re.compile(r"Qwen-Image group: (\d+) of (\d+) blocks streamed(?: through (\d+) slots)?")
+GROUP_LINE = re.compile(
+    r"Qwen-Image group: (\d+) of (\d+) blocks streamed(?: through (\d+) slots)?")
 BANDWIDTH = re.compile(r"calibration on .*?H2D ([\d.]+) GB/s")
 JOINED = re.compile(r"joins the Qwen-Image group \((\d+) jobs?\)")
 
@@ -199,8 +201,8 @@ def main():
                 if ckpt and (best_ckpt is None or v["step_seconds"] < best_ckpt[1]["step_seconds"]):
                     best_ckpt = (name, v)
             else:
-                print(f"| diffusers + peft: {name} | failed: {v.get('error', '?')[:160]} | | | | | | "
-                      f"| {fmt(floor)} | | | |")
+                print(f"| diffusers + peft: {name} | failed: {v.get('error', '?')[:160]} | "
+                      f"| | | | | | {fmt(floor)} | | | |")
     print()
     if peer:
         print(f"Peer: torch {peer['torch']}, diffusers {peer['diffusers']}, peft {peer['peft']}; "
