@@ -123,6 +123,14 @@ def record_run(report, cfg, fn, out_path):
     r = report["runs"][cfg["name"]]
     print(cfg["name"], json.dumps({k: v for k, v in r.items() if k not in ("config", "losses")}),
           flush=True)
+    write_report(report, out_path)
+
+
+def write_report(report, out_path, started=None):
+    """Writes a peer's report as JSON; with `started` (time.time() at its start), as the
+    finished report, with its wall_seconds (a report without them was stopped)."""
+    if started is not None:
+        report["wall_seconds"] = time.time() - started
     with open(out_path, "w") as f:
         json.dump(report, f, indent=1)
 

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from bench_common import fastest_config, record_run  # this folder is on sys.path
+from bench_common import fastest_config, record_run, write_report  # this folder is on sys.path
 
 
 def load_tokens(path):
@@ -195,9 +195,7 @@ def main():
             best["name"] = best["name"] + ", torch.compile per decoder layer"
             best["compile"] = True
             attempt(best)
-    report["wall_seconds"] = time.time() - t0
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_report(report, args.out, t0)
 
 
 if __name__ == "__main__":

@@ -35,14 +35,13 @@ Usage (diffusers v0.39's src/ on PYTHONPATH, torch with CUDA, peft):
 """
 import argparse
 import contextlib
-import json
 import time
 
 import torch
 from peft import LoraConfig
 
 # (this folder is on sys.path)
-from bench_common import fastest_config, lora_params_f32, record_run, time_steps
+from bench_common import fastest_config, lora_params_f32, record_run, time_steps, write_report
 from diffusers import QwenImageTransformer2DModel
 
 # lorastream's Qwen-Image `targets = ["default"]` (worker/qwen_image/qwen_image_adapter_io.h)
@@ -187,9 +186,7 @@ def main():
         if best:
             best.update(compile=True, name=best["name"] + ", torch.compile per block")
             attempt(best)
-    report["wall_seconds"] = time.time() - t0
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_report(report, args.out, t0)
 
 
 if __name__ == "__main__":
