@@ -8,8 +8,8 @@
 # every linear layer of the blocks, batch 1, bf16. With FLUX_BENCH_QUANTIZE=fp8 (or nf4) the
 # same two runs again on a store of the checkpoint served with `--quantize` (its block linears
 # compressed, copied so and expanded on the GPU at each use), each with its plan's prediction.
-# Writes OUT/flux/: the plans, the training logs and bench_flux.md (a markdown table of the
-# figures and their ratios).
+# Writes OUT/flux/: the plans, the training logs, each job's stats.jsonl (stats_NAME.jsonl) and
+# bench_flux.md (a markdown table of the figures and their ratios).
 #
 # Usage: tools/gpu/bench_flux.sh OUT_DIR
 #   FLUX_BENCH_PRESET (flux1-dev)  FLUX_BENCH_DEVICE (cuda)  FLUX_BENCH_DTYPE (bf16)
@@ -43,6 +43,7 @@ QUANTIZE="${FLUX_BENCH_QUANTIZE:-none}"
 WORK="${FLUX_BENCH_WORK:-/dev/shm/lorastream-flux-bench-$$}"
 case "$QUANTIZE" in none|fp8|nf4) ;; *) echo "FLUX_BENCH_QUANTIZE must be none, fp8 or nf4"; exit 2 ;; esac
 mkdir -p "$OUT" "$WORK"
+rm -f "$OUT"/stats_*.jsonl  # this run's figures only
 STORE_PID=""
 cleanup() {
   if [ -n "$STORE_PID" ]; then kill -TERM "$STORE_PID" 2>/dev/null; wait "$STORE_PID" 2>/dev/null; fi
@@ -112,7 +113,8 @@ for name in $RUNS; do
     --profile-from 3 --profile-steps 2)
   "$BIN/lorastream-worker" train "$WORK/$name.toml" --device "$DEVICE" --no-resume \
     "${profile[@]}" > "$OUT/train_$name.txt" 2> "$OUT/train_$name.log" || { tail -20 "$OUT/train_$name.log"; status=1; }
-  grep -oE "step [0-9]+/.*" "$OUT/train_$name.log"
+  cp "$WORK/out-$name/stats.jsonl" "$OUT/stats_$name.jsonl" 2>/dev/null || true
+  grep -E "^step $STEPS/" "$OUT/train_$name.txt"
 done
 
 # The group: K jobs of the streamed job's shape (each its own seed and output) as one group
@@ -127,7 +129,10 @@ seed = $k"
   echo "== train: a group of $GROUP jobs within $GROUP_BUDGET"
   "$BIN/lorastream-worker" train "${group_jobs[@]}" --device "$DEVICE" --no-resume \
     > "$OUT/train_group.txt" 2> "$OUT/train_group.log" || { tail -20 "$OUT/train_group.log"; status=1; }
-  grep -oE "job group1: step [0-9]+/.*" "$OUT/train_group.log"
+  for k in $(seq 1 "$GROUP"); do
+    cp "$WORK/out-group$k/stats.jsonl" "$OUT/stats_group$k.jsonl" 2>/dev/null || true
+  done
+  grep -E "^group1: step $STEPS/" "$OUT/train_group.txt"
 fi
 
 if [ "$PEER" = 1 ] && PYTHONPATH="$ROOT/.diffusers/src" python3 -c "import diffusers, peft, torch" 2>/dev/null; then

@@ -15,13 +15,11 @@ Usage (diffusers v0.39.0's src/ on PYTHONPATH, torch with CUDA, peft):
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
-from peer_profile import StepWindow
 from peft import LoraConfig
 
+from bench_common import lora_params_f32, time_steps  # this folder is on sys.path
 from diffusers import FluxTransformer2DModel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -63,9 +61,7 @@ def run(cfg, args, checkpointing, autocast):
     model.requires_grad_(False)
     model.add_adapter(LoraConfig(r=16, lora_alpha=16, init_lora_weights=True,
                                  target_modules=TARGETS))
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:  # f32 master weights, as lorastream keeps them
-        p.data = p.data.float()
+    params = lora_params_f32(model)
     if checkpointing:
         model.enable_gradient_checkpointing()
     model.train()
@@ -86,13 +82,8 @@ def run(cfg, args, checkpointing, autocast):
     txt_ids = torch.zeros(lt, 3, device=device)
     t = torch.tensor([0.5], device=device)
     guidance = torch.tensor([1.0], device=device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    window = StepWindow(args.profile, "checkpointed" if checkpointing else "no checkpointing", 2)
-    for step in range(args.steps):
-        window.before(step)
-        start = time.perf_counter()
+
+    def step():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             pred = model(hidden_states=img, encoder_hidden_states=txt, pooled_projections=pooled,
                          timestep=t, img_ids=img_ids, txt_ids=txt_ids, guidance=guidance,
@@ -102,17 +93,15 @@ def run(cfg, args, checkpointing, autocast):
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-        window.after(step)
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        return loss.detach()
+
+    result = time_steps(step, args.steps, 2, device,
+                        label="checkpointed" if checkpointing else "no checkpointing",
+                        profile=args.profile)
     del model, opt, params
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    timed = times[2:] if len(times) > 2 else times
-    return {"steps": len(times), "step_seconds": statistics.median(timed), "all_seconds": times,
-            "peak_gib": peak, "loss": float(loss)}
+    return result
 
 
 def main():

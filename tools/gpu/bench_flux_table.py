@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""The table of tools/gpu/bench_flux.sh: reads OUT/flux/train_{resident,streamed}.log,
+"""The table of tools/gpu/bench_flux.sh: reads OUT/flux/stats_{resident,streamed}.jsonl (each
+job's per-step statistics: step_seconds, h2d_bytes, peak_device_bytes), train_streamed.log or
 plan_streamed.txt (the streamed plan and the resident step's prediction), the same of a
-compressed store's runs when they ran (train_resident_fp8.log, plan_streamed_fp8.txt; nf4
-alike), train_group.log (a job group of K streamed jobs, when it ran) and peer.json when the
-peer ran, and prints markdown: per run the measured step (median of the steps after the first
+compressed store's runs when they ran (stats_resident_fp8.jsonl, plan_streamed_fp8.txt; nf4
+alike), stats_groupK.jsonl and train_group.log (a job group of K streamed jobs, when it ran)
+and peer.json when the peer ran, and prints markdown: per run the measured step (median of the steps after the first
 two), the planner's prediction, the peak memory measured and estimated, the bytes copied per
 step; then the ratios the FLUX targets name, a compressed store's steps against the plain
 store's, and the group's step against K x one job's.
@@ -13,56 +14,20 @@ Usage: bench_flux_table.py OUT/flux STEPS
 import json
 import os
 import re
-import statistics
 import sys
 
-UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
-STEP = re.compile(r"(?:job (\S+): )?step (\d+)/(\d+) loss ([-\d.e+naif]+) .* ([\d.]+) s, H2D ([\d.]+) (\w+) in "
-                  r"(\d+) copies \((\d+) saved\), peak ([\d.]+) GiB")
+from bench_common import fmt, median_after, plan_summary, ratio, read_stats  # this folder is on sys.path
 
-
-def steps_by_job(path):
-    """Each job's step rows, by the job's name ("" for a line without one)."""
-    out = {}
-    if not os.path.exists(path):
-        return out
-    for line in open(path, errors="replace"):
-        m = STEP.search(line)
-        if m:
-            out.setdefault(m.group(1) or "", []).append(
-                {"step": int(m.group(2)), "loss": m.group(4), "seconds": float(m.group(5)),
-                 "h2d": float(m.group(6)) * UNITS.get(m.group(7), 1),
-                 "peak_gib": float(m.group(10))})
-    return out
-
-
-def steps(path):
-    by_job = steps_by_job(path)
-    return next(iter(by_job.values())) if by_job else []
-
-
-def summary(path):
-    if not os.path.exists(path):
-        return {}
-    for line in open(path, errors="replace"):
-        # (the worker's log file writes a message's newlines as \x0a)
-        for part in line.replace("\\x0a", "\n").split("\n"):
-            if part.startswith("plan-summary "):
-                return {k: float(v) for k, v in (kv.split("=") for kv in part.split()[1:])}
-    return {}
+def steps(out, name):
+    """The job's step rows from its stats.jsonl (OUT/stats_NAME.jsonl, which the script copies
+    from the job's output folder)."""
+    return [{"step": r["step"], "loss": r["loss"], "seconds": r["step_seconds"],
+             "h2d": r["h2d_bytes"], "peak_gib": r["peak_device_bytes"] / 2**30}
+            for r in read_stats(os.path.join(out, f"stats_{name}.jsonl"))]
 
 
 def median_after_warmup(rows, key):
-    rows = rows[2:] if len(rows) > 2 else rows
-    return statistics.median(r[key] for r in rows) if rows else float("nan")
-
-
-def fmt(x, digits=3):
-    return "—" if x is None or x != x else f"{x:.{digits}f}"
-
-
-def ratio(a, b):
-    return None if a is None or b is None or a != a or b != b or b == 0 else a / b
+    return median_after(rows, key, 2)
 
 
 def main():
@@ -70,15 +35,15 @@ def main():
     runs = {}
     names = ["resident", "streamed"]
     for fmt_name in ("fp8", "nf4"):
-        if os.path.exists(os.path.join(out, f"train_resident_{fmt_name}.log")):
+        if os.path.exists(os.path.join(out, f"stats_resident_{fmt_name}.jsonl")):
             names += [f"resident_{fmt_name}", f"streamed_{fmt_name}"]
     for name in names:
         suffix = name[len("resident"):] if name.startswith("resident") else name[len("streamed"):]
         # The streamed run's own plan (its log holds the table it chose from), else the plan
         # command's; the resident step's prediction from the same figures.
-        planned = (summary(os.path.join(out, f"train_streamed{suffix}.log"))
-                   or summary(os.path.join(out, f"plan_streamed{suffix}.txt")))
-        rows = steps(os.path.join(out, f"train_{name}.log"))
+        planned = (plan_summary(os.path.join(out, f"train_streamed{suffix}.log"))
+                   or plan_summary(os.path.join(out, f"plan_streamed{suffix}.txt")))
+        rows = steps(out, name)
         plan = planned if name.startswith("streamed") else {
             "predicted_ms": planned.get("resident_ms", float("nan")), "streamed": 0, "ring": 0}
         runs[name] = {
@@ -131,11 +96,13 @@ def main():
         print(f"| resident / diffusers+peft best | {fmt(ratio(r['seconds'], best), 3)} | |")
     ok = all(x["steps"] == total for x in runs.values())
 
-    group = steps_by_job(os.path.join(out, "train_group.log"))
+    group = {f[len("stats_"):-len(".jsonl")]: None for f in os.listdir(out)
+             if re.fullmatch(r"stats_group\d+\.jsonl", f)}
+    group = {name: steps(out, name) for name in sorted(group, key=lambda n: int(n[5:]))}
     if group:
         k = len(group)
         first = group[sorted(group)[0]]
-        plan = summary(os.path.join(out, "train_group.log"))
+        plan = plan_summary(os.path.join(out, "train_group.log"))
         g_seconds = median_after_warmup(first, "seconds")
         g_h2d = median_after_warmup(first, "h2d") / 1e9
         print()

@@ -98,24 +98,12 @@ JOB
 }
 
 status=0
-train() {  # LABEL JOB-NAMES...: one lorastream-worker train; keeps each job's stats.jsonl
-  local label=$1
-  shift
-  local files=() name
-  for name in "$@"; do files+=("$OUT/$name.toml"); done
-  echo "== train: $label ($*)"
-  local t0
-  t0=$(date +%s%N)
-  local profile=()
-  [ "${MOE_BENCH_PROFILE:-0}" = 1 ] && profile=(--profile "$OUT/profile_$label.json"
-    --profile-from $((WARMUP + 1)) --profile-steps 2)
-  timeout "$TIMEOUT" "$BIN/lorastream-worker" train "${files[@]}" --device "$DEVICE" --no-resume \
-    "${profile[@]}" > "$OUT/train_$label.txt" 2> "$OUT/train_$label.log" || { tail -20 "$OUT/train_$label.log"; status=1; }
-  echo "$label: $(( ($(date +%s%N) - t0) / 1000000 )) ms wall"
-  for name in "$@"; do
-    cp "$WORK/out-$name/stats.jsonl" "$OUT/stats_$name.jsonl" 2>/dev/null || true
-  done
-  grep -E "stream plan|step $STEPS/" "$OUT/train_$label.log" | cut -c1-400
+# shellcheck source=tools/gpu/bench_train.sh
+source "$ROOT/tools/gpu/bench_train.sh"
+BENCH_PROFILE="${MOE_BENCH_PROFILE:-0}"
+train() {  # LABEL JOB-NAMES...: bench_train, then the plan and the last step
+  bench_train "$@"
+  grep -E "stream plan|step $STEPS/" "$OUT/train_$1.log" | cut -c1-400
 }
 
 IFS=',' read -ra run_list <<< "$RUNS"

@@ -28,10 +28,10 @@ import importlib.util
 import json
 import statistics
 import time
-import traceback
 
 import torch
-from peer_profile import StepWindow
+
+from bench_common import StepWindow, fastest_config, record_run, write_report  # this folder is on sys.path
 
 
 def load_tokens(path):
@@ -189,31 +189,19 @@ def main():
     def attempt(cfg):
         if args.deadline and time.time() - t0 > args.deadline:
             report["runs"][cfg["name"]] = {"config": cfg, "error": "skipped: past the deadline"}
+            print(cfg["name"], "skipped: past the deadline", flush=True)
         else:
-            try:
-                report["runs"][cfg["name"]] = run(model, cfg, args, ids, device)
-            except Exception as e:  # noqa: BLE001 - the other configurations still run
-                report["runs"][cfg["name"]] = {"config": cfg, "error": f"{type(e).__name__}: {e}"[:600]}
-                traceback.print_exc()
-                torch.cuda.empty_cache()
-        r = report["runs"][cfg["name"]]
-        print(cfg["name"], json.dumps({k: v for k, v in r.items() if k not in ("config", "losses")}),
-              flush=True)
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+            record_run(report, cfg, lambda: run(model, cfg, args, ids, device), args.out)
 
     for cfg in configs:
         attempt(cfg)
     if args.compile:
-        done = [r for r in report["runs"].values() if "step_seconds" in r]
-        if done:
-            best = dict(min(done, key=lambda r: r["step_seconds"])["config"])
+        best = fastest_config(report)
+        if best:
             best["name"] = best["name"] + ", torch.compile per decoder layer"
             best["compile"] = True
             attempt(best)
-    report["wall_seconds"] = time.time() - t0
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_report(report, args.out, t0)
 
 
 if __name__ == "__main__":

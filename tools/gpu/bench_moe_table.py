@@ -14,25 +14,14 @@ import argparse
 import json
 import os
 import re
-import statistics
 import sys
+
+from bench_common import fmt, median_after, ratio, read_stats  # this folder is on sys.path
 
 PLAN = re.compile(r"stream plan from (.*?)(?: by the cost model \((\d+) candidates; (.*?)\))?: (.*?)"
                   r"(?:; predicted ([\d.]+) ms per step \(resident ([\d.]+) ms\))?; estimate ([\d.]+) GiB at the peak")
 BANDWIDTH = re.compile(r"H2D ([\d.]+) GB/s")
 NOT_PLANNED = re.compile(r"the group of (\d+) jobs cannot be planned")
-
-
-def read_stats(path):
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def median(rows, key, warmup):
-    rows = rows[warmup:] if len(rows) > warmup else rows
-    return statistics.median(r[key] for r in rows) if rows else float("nan")
 
 
 def plan_of(log):
@@ -56,14 +45,6 @@ def plan_of(log):
     if unplanned:
         out["unplanned_groups"] = unplanned
     return out
-
-
-def fmt(x, digits=3):
-    return "—" if x is None or x != x else f"{x:.{digits}f}"
-
-
-def ratio(a, b):
-    return None if a is None or b is None or a != a or b != b or b == 0 else a / b
 
 
 def main():
@@ -91,15 +72,15 @@ def main():
             continue
         plan = plan_of(os.path.join(out, f"train_{label}.log"))
         first = stats[0]
-        step = median(first, "step_seconds", w)
-        h2d = median(first, "h2d_bytes", w)
+        step = median_after(first, "step_seconds", w)
+        h2d = median_after(first, "h2d_bytes", w)
         bw = plan.get("bandwidth_gbps")
-        busy = median(first, "h2d_busy_seconds", w)
+        busy = median_after(first, "h2d_busy_seconds", w)
         runs[label] = {
             "jobs": len(stats), "steps": min(len(s) for s in stats), "step_s": step,
-            "tok_s": sum(args.tokens / median(s, "step_seconds", w) for s in stats),
+            "tok_s": sum(args.tokens / median_after(s, "step_seconds", w) for s in stats),
             "h2d_gb": h2d / 1e9, "busy_gbps": h2d / busy / 1e9 if busy > 0 else None,
-            "stall_ms": median(first, "stall_seconds", w) * 1e3,
+            "stall_ms": median_after(first, "stall_seconds", w) * 1e3,
             "peak_gib": max(r["peak_device_bytes"] for s in stats for r in s) / 2**30,
             "pcie_floor_s": h2d / (bw * 1e9) if bw else None,
             "loss_last": first[-1]["loss"], **plan}

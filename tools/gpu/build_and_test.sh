@@ -21,7 +21,10 @@
 #                         on a compressed store), moe (tools/gpu/bench_moe.sh: a 16-layer
 #                         Qwen3-30B-A3B-shaped model at 2048 tokens resident against
 #                         transformers + peft, streamed within 24 GiB against its PCIe floor,
-#                         and 4 jobs as one group; MOE_BENCH_*: see the script). Default: test
+#                         and 4 jobs as one group; MOE_BENCH_*: see the script),
+#                         qwen_image (tools/gpu/bench_qwen_image.sh: all 60 blocks at 1024x1024
+#                         resident against diffusers + peft, within 24 GiB, "auto", a group
+#                         of 4 at 512x512; QI_BENCH_*: see the script). Default: test
 #   LORASTREAM_GPU_TARGETS  build only these targets (default: all)
 #   LORASTREAM_BUILD_DIR  build folder (default: build/); LORASTREAM_BUILD_TYPE (default
 #                         here: Release); LORASTREAM_DEBS, LORASTREAM_LIBTORCH: see setup.sh
@@ -82,6 +85,9 @@ for s in "${steps[@]}"; do
     moe)
       step "mixture of experts: resident, streamed, grouped, transformers + peft"
       "$ROOT/tools/gpu/bench_moe.sh" "$OUT" || status=1 ;;
+    qwen_image)
+      step "Qwen-Image: resident, streamed, auto, a group at 512x512, diffusers + peft"
+      "$ROOT/tools/gpu/bench_qwen_image.sh" "$OUT" || status=1 ;;
     multi)
       step "several GPUs, one store"
       python3 "$ROOT/tools/gpu/bench_multi_gpu.py" "$OUT" || status=1 ;;

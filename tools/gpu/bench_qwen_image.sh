@@ -1,0 +1,185 @@
+#!/usr/bin/env bash
+# Qwen-Image LoRA training on one GPU, side by side in one run:
+#   resident  one job at QI_BENCH_PIXELS, every block resident and checkpointed
+#             (blocks_to_swap = 0)
+#   streamed  the same job within QI_BENCH_BUDGET (gpu_memory_budget: the planner's choice);
+#             its PCIe floor = the plan's bytes copied per step / the H2D bandwidth its
+#             calibration measured
+#   auto      the same job with gpu_memory_budget = "auto" (90% of the free GPU memory; the
+#             planner's choice)
+#   group     one job at QI_BENCH_GROUP_PIXELS alone, then QI_BENCH_GROUP such jobs (each its
+#             own seed and output) as one group (`lorastream-worker train a.toml b.toml ...`),
+#             both within QI_BENCH_GROUP_BUDGET: the group's image tokens/s against one job's
+#   peer      diffusers + peft on the same checkpoint (tools/gpu/bench_qwen_image_peer.py: bf16,
+#             LoRA on the same targets, gradient checkpointing on and off, each SDPA kernel and
+#             diffusers' other attention backends, each configuration within
+#             QI_BENCH_PEER_DEADLINE seconds; its fastest checkpointed configuration is the
+#             like-with-like denominator)
+# The model: random Qwen-Image-shaped weights (lorastream-synth --preset qwen-image with
+# num_layers = QI_BENCH_LAYERS, --qwen-image-format diffusers: transformer/config.json and the
+# weights, which the peer loads with from_pretrained), musubi-tuner-style caches of one image
+# (--caches: one latent of the size, QI_BENCH_TEXT_TOKENS caption tokens of 3584 features),
+# batch 1, rank 16 (alpha 16) on musubi-tuner's targets (targets = ["default"]), AdamW, the
+# flow-matching loss, QI_BENCH_DTYPE compute (f32 LoRA and optimizer).
+# Each figure: the median per-step time (stats.jsonl's step_seconds; the peer's synchronised
+# steps) after QI_BENCH_WARMUP warm-up steps, the peak device memory (stats.jsonl's
+# peak_device_bytes; the peer's max_memory_allocated), beside each row's compute floor (FLOPs
+# counted from the shape at QI_BENCH_PEAK_TFLOPS; tools/gpu/bench_qwen_image_table.py says
+# how). Writes OUT/qwen_image/: the job files, the logs, each run's stats.jsonl, peer.json and
+# bench_qwen_image.md (the table, the ratios against the targets and the command).
+#
+# Usage: tools/gpu/bench_qwen_image.sh OUT_DIR
+#   QI_BENCH_PRESET (qwen-image: a name in configs/models or a .toml path)  QI_BENCH_LAYERS
+#   (60: every block)  QI_BENCH_PIXELS (1024x1024: 4096 image tokens)  QI_BENCH_TEXT_TOKENS
+#   (256)  QI_BENCH_STEPS (6)  QI_BENCH_WARMUP (2)  QI_BENCH_BUDGET (24GiB)  QI_BENCH_GROUP
+#   (4; 0 or 1: no group run)  QI_BENCH_GROUP_PIXELS (512x512)  QI_BENCH_GROUP_BUDGET
+#   (QI_BENCH_BUDGET)  QI_BENCH_RUNS (resident,streamed,auto,group,peer: a comma list of those
+#   to run, in its order)  QI_BENCH_DEVICE (cuda:0)  QI_BENCH_DTYPE (bf16: the checkpoint and
+#   the jobs' train.dtype)  QI_BENCH_PEER_DEADLINE (60: seconds per peer configuration)
+#   QI_BENCH_PEER_ARGS (more options of bench_qwen_image_peer.py, e.g. "--compile")
+#   QI_BENCH_PROFILE (0; 1: the two steps after the warm-up of each run profiled: ours into
+#   OUT/qwen_image/profile_RUN.json(.md), the peer's into profile_peer-CONFIGURATION.md)
+#   QI_BENCH_PEAK_TFLOPS (790: the compute floors' rate)  QI_BENCH_TIMEOUT (600: seconds per
+#   run)  QI_BENCH_PEER_TIMEOUT (QI_BENCH_TIMEOUT: the peer's, every configuration; what ran
+#   before it stays in peer.json)  QI_BENCH_WORK (a folder under /dev/shm, removed at the end)
+#   LORASTREAM_BUILD_DIR (build/)
+# On a CPU, with qwen-image-tiny: QI_BENCH_PRESET=qwen-image-tiny QI_BENCH_LAYERS=4
+#   QI_BENCH_DEVICE=cpu QI_BENCH_DTYPE=f32 QI_BENCH_PIXELS=64x64 QI_BENCH_TEXT_TOKENS=8
+#   QI_BENCH_GROUP_PIXELS=32x32 QI_BENCH_BUDGET=1600KiB
+#   QI_BENCH_GROUP_BUDGET=8MiB QI_BENCH_STEPS=4 QI_BENCH_WARMUP=1
+#   (the peer runs when torch, peft and diffusers import, else the table says it was skipped)
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+OUT="${1:?usage: bench_qwen_image.sh OUT_DIR}/qwen_image"
+BIN="${LORASTREAM_BUILD_DIR:-$ROOT/build}/bin"
+PRESET="${QI_BENCH_PRESET:-qwen-image}"
+LAYERS="${QI_BENCH_LAYERS:-60}"
+PIXELS="${QI_BENCH_PIXELS:-1024x1024}"
+TEXT="${QI_BENCH_TEXT_TOKENS:-256}"
+STEPS="${QI_BENCH_STEPS:-6}"
+WARMUP="${QI_BENCH_WARMUP:-2}"
+BUDGET="${QI_BENCH_BUDGET:-24GiB}"
+GROUP="${QI_BENCH_GROUP:-4}"
+GROUP_PIXELS="${QI_BENCH_GROUP_PIXELS:-512x512}"
+GROUP_BUDGET="${QI_BENCH_GROUP_BUDGET:-$BUDGET}"
+RUNS="${QI_BENCH_RUNS:-resident,streamed,auto,group,peer}"
+DEVICE="${QI_BENCH_DEVICE:-cuda:0}"
+DTYPE="${QI_BENCH_DTYPE:-bf16}"
+PEER_DEADLINE="${QI_BENCH_PEER_DEADLINE:-60}"
+PEAK_TFLOPS="${QI_BENCH_PEAK_TFLOPS:-790}"
+TIMEOUT="${QI_BENCH_TIMEOUT:-600}"
+PEER_TIMEOUT="${QI_BENCH_PEER_TIMEOUT:-$TIMEOUT}"
+WORK="${QI_BENCH_WORK:-/dev/shm/lorastream-qi-bench-$$}"
+PRESET_FILE="$PRESET"
+[ -f "$PRESET_FILE" ] || PRESET_FILE="$ROOT/configs/models/$PRESET.toml"
+[ -f "$PRESET_FILE" ] || { echo "QI_BENCH_PRESET: no $PRESET_FILE"; exit 2; }
+rm -rf "$OUT"  # this run's figures only
+mkdir -p "$OUT" "$WORK"
+trap 'rm -rf "$WORK"' EXIT
+COMMAND="QI_BENCH_PRESET=$PRESET QI_BENCH_LAYERS=$LAYERS QI_BENCH_PIXELS=$PIXELS \
+QI_BENCH_TEXT_TOKENS=$TEXT QI_BENCH_STEPS=$STEPS QI_BENCH_WARMUP=$WARMUP QI_BENCH_BUDGET=$BUDGET \
+QI_BENCH_GROUP=$GROUP QI_BENCH_GROUP_PIXELS=$GROUP_PIXELS QI_BENCH_GROUP_BUDGET=$GROUP_BUDGET \
+QI_BENCH_RUNS=$RUNS QI_BENCH_DEVICE=$DEVICE QI_BENCH_DTYPE=$DTYPE \
+QI_BENCH_PEER_DEADLINE=$PEER_DEADLINE${QI_BENCH_PEER_ARGS:+ QI_BENCH_PEER_ARGS=\"$QI_BENCH_PEER_ARGS\"} \
+tools/gpu/bench_qwen_image.sh OUT"
+
+synth() {  # LAYERS OUT-DIR CACHE-DIR PIXELS: a checkpoint of LAYERS blocks, one image's caches
+  sed "s/^num_layers = .*/num_layers = $1/" "$PRESET_FILE" > "$WORK/preset_$1.toml"
+  "$BIN/lorastream-synth" --preset "$WORK/preset_$1.toml" --out "$2" --dtype "$DTYPE" \
+    --qwen-image-format diffusers --caches "$3" --flux-cache-size "$4" --flux-text-tokens "$TEXT"
+}
+echo "== synth $PRESET, $LAYERS blocks ($DTYPE), one $PIXELS image ($TEXT text tokens) in $WORK"
+start=$(date +%s%N)
+synth "$LAYERS" "$WORK/model" "$WORK/cache" "$PIXELS" || exit 1
+echo "synth: $(( ($(date +%s%N) - start) / 1000000 )) ms"
+cp "$WORK/model/transformer/config.json" "$OUT/config.json"
+if [[ ",$RUNS," == *,group,* ]] && [ "$GROUP" -ge 2 ]; then
+  # The caches depend on the text width alone: a one-block checkpoint writes them quickly.
+  synth 1 "$WORK/scratch" "$WORK/cache_group" "$GROUP_PIXELS" > /dev/null || exit 1
+  rm -rf "$WORK/scratch"
+fi
+
+job() {  # NAME CACHE-DIR PLAN-LINES [SEED]
+  cat > "$OUT/$1.toml" <<JOB
+name = "$1"
+[model]
+checkpoint = "$WORK/model/transformer"
+[lora]
+rank = 16
+alpha = 16.0
+targets = ["default"]
+[optim]
+lr = 1e-4
+[train]
+steps = $STEPS
+batch_size = 1
+seed = ${4:-1}
+checkpoint_every = 0
+dtype = "$DTYPE"
+output_dir = "$WORK/out-$1"
+[stream]
+$3
+[qwen_image]
+cache_dir = "$2"
+JOB
+}
+
+status=0
+# shellcheck source=tools/gpu/bench_train.sh
+source "$ROOT/tools/gpu/bench_train.sh"
+BENCH_PROFILE="${QI_BENCH_PROFILE:-0}"
+train() {  # LABEL JOB-NAMES...: bench_train, then the plan and the last step
+  bench_train "$@"
+  sed 's/\\x0a/\n/g' "$OUT/train_$1.log" | grep -E "^chosen:" | head -1
+  grep -E "step $STEPS/" "$OUT/train_$1.txt" | cut -c1-200
+}
+
+IFS=',' read -ra run_list <<< "$RUNS"
+for run in "${run_list[@]}"; do
+  case "$run" in
+    "") ;;
+    resident)
+      job resident "$WORK/cache" "blocks_to_swap = 0"
+      train resident resident ;;
+    streamed)
+      job streamed "$WORK/cache" "gpu_memory_budget = \"$BUDGET\""
+      train streamed streamed ;;
+    auto)
+      job auto "$WORK/cache" "gpu_memory_budget = \"auto\""
+      train auto auto ;;
+    group)
+      [ "$GROUP" -ge 2 ] || continue
+      job one "$WORK/cache_group" "gpu_memory_budget = \"$GROUP_BUDGET\""
+      train one one
+      names=()
+      for k in $(seq 1 "$GROUP"); do
+        job "group$k" "$WORK/cache_group" "gpu_memory_budget = \"$GROUP_BUDGET\"" "$k"
+        names+=("group$k")
+      done
+      train group "${names[@]}" ;;
+    peer)
+      if PYTHONPATH="$ROOT/.diffusers/src" python3 -c "import torch, peft, diffusers" 2>/dev/null; then
+        echo "== peer: diffusers + peft"
+        # shellcheck disable=SC2086
+        PYTHONPATH="$ROOT/.diffusers/src" timeout "$PEER_TIMEOUT" python3 \
+          "$ROOT/tools/gpu/bench_qwen_image_peer.py" --model "$WORK/model/transformer" \
+          --pixels "$PIXELS" --text-tokens "$TEXT" --steps "$STEPS" --warmup "$WARMUP" \
+          --device "$DEVICE" --deadline "$PEER_DEADLINE" --out "$OUT/peer.json" \
+          $([ "${QI_BENCH_PROFILE:-0}" = 1 ] && echo "--profile $OUT/profile_peer") \
+          ${QI_BENCH_PEER_ARGS:-} 2>&1 | tee "$OUT/peer.log" | grep -vE "^\s*$|step [0-9]+/" | tail -30
+        [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+      else
+        echo "== peer: skipped (torch, peft or diffusers does not import with" \
+             "PYTHONPATH=$ROOT/.diffusers/src)"
+        echo "torch, peft or diffusers ($ROOT/.diffusers/src) does not import on this machine" \
+          > "$OUT/peer_skipped.txt"
+      fi ;;
+    *) echo "QI_BENCH_RUNS: unknown run $run"; status=1 ;;
+  esac
+done
+
+python3 "$ROOT/tools/gpu/bench_qwen_image_table.py" "$OUT" --steps "$STEPS" --warmup "$WARMUP" \
+  --pixels "$PIXELS" --text-tokens "$TEXT" --group-pixels "$GROUP_PIXELS" --budget "$BUDGET" \
+  --group-budget "$GROUP_BUDGET" --device "$DEVICE" --dtype "$DTYPE" --rank 16 \
+  --peak-tflops "$PEAK_TFLOPS" --command "$COMMAND" | tee "$OUT/bench_qwen_image.md" || status=1
+exit $status

@@ -1,0 +1,261 @@
+#!/usr/bin/env python3
+"""The table of tools/gpu/bench_qwen_image.sh: reads OUT/qwen_image/stats_NAME.jsonl (each job's
+per-step statistics), train_LABEL.log (the plan the worker chose: its "Qwen-Image group" line,
+the H2D bandwidth its calibration measured and the plan-summary of a budget's plan),
+config.json (the checkpoint's shape) and peer.json (diffusers + peft) or peer_skipped.txt, and
+prints markdown: per run the median step after the warm-up steps, image tokens/s, the bytes
+copied per step and the plan's PCIe floor, the peak device memory beside the plan's estimate,
+and the compute floor of the step; the peer's configurations; then the ratios the Qwen-Image
+targets name, each against its target, and the command.
+
+The compute floor counts the FLOPs of one step from the shape (step_flops below) at
+--peak-tflops (790: an H100 SXM's dense bf16 rate as the other benchmarks take it).
+
+Usage: bench_qwen_image_table.py OUT/qwen_image --steps 6 --warmup 2 --pixels 1024x1024
+       --text-tokens 256 --group-pixels 512x512 [--budget B --group-budget B --device D
+       --dtype T --rank 16 --peak-tflops 790 --command "..."]
+"""
+import argparse
+import json
+import os
+import re
+import sys
+
+# (this folder is on sys.path)
+from bench_common import fmt, median_after, plan_summary, ratio, read_stats
+
+GROUP_LINE = re.compile(
+    r"Qwen-Image group: (\d+) of (\d+) blocks streamed(?: through (\d+) slots)?")
+BANDWIDTH = re.compile(r"calibration on .*?H2D ([\d.]+) GB/s")
+JOINED = re.compile(r"joins the Qwen-Image group \((\d+) jobs?\)")
+
+
+def image_tokens(pixels):
+    """Image tokens of a WIDTHxHEIGHT image: the VAE's 8x downscale, then 2x2 patches."""
+    w, h = (int(v) for v in pixels.split("x"))
+    return (w // 16) * (h // 16)
+
+
+def step_flops(cfg, img, txt, rank, checkpointed=True):
+    """FLOPs of one training step of one latent of `img` image tokens and `txt` text tokens,
+    counted from the shape (a multiply-add is 2 FLOPs), for LoRA of `rank` on musubi-tuner's
+    targets. Per block, with D = heads x head_dim and N = img + txt:
+      - the frozen linears: each stream's q, k, v, out (4 D^2) and MLP (D -> 4D -> D: 8 D^2)
+        over its own tokens: 2 x 12 D^2 x N forward;
+      - attention over the joint sequence: Q K^T and P V, 2 N^2 D each: 4 N^2 D forward;
+      - the LoRA: A and B of the 6 adapted linears per stream (their in + out widths add to
+        4 x 2D + 2 x 5D = 18 D): 2 x r x 18 D x N forward;
+      - backward: the frozen linears' input gradients (1x their forward), the LoRA's input and
+        weight gradients (2x), attention's backward 2.5x its forward (5 of its matmuls against
+        the forward's 2);
+      - checkpointed: the forward again (the recompute) before the backward.
+    The modulations (6 D x D per stream on the one timestep token), the norms, RoPE and the
+    element-wise work are left out; outside the blocks, img_in, txt_in and proj_out forward
+    and proj_out's input gradient are counted."""
+    d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    n = img + txt
+    linear = 2 * 12 * d * d * n
+    attention = 4 * n * n * d
+    lora = 2 * rank * 18 * d * n
+    forward = linear + attention + lora
+    backward = linear + 2.5 * attention + 2 * lora
+    block = forward * (2 if checkpointed else 1) + backward
+    out = cfg.get("patch_size", 2) ** 2 * cfg.get("out_channels", 16)
+    rest = 2 * d * (cfg["in_channels"] * img + cfg["joint_attention_dim"] * txt + 2 * out * img)
+    return cfg["num_layers"] * block + rest
+
+
+def plan_of(log):
+    """What a run's log says of its plan: the streamed blocks, ring slots, the calibrated
+    bandwidth and a budget's plan-summary (predicted_ms, floor_ms, resident_ms, peak_gib)."""
+    out = plan_summary(log)
+    if not os.path.exists(log):
+        return out
+    text = open(log, errors="replace").read()
+    groups = GROUP_LINE.findall(text)
+    if groups:  # the last: the group's plan once every job joined
+        streamed, blocks, ring = groups[-1]
+        out.update(streamed=int(streamed), blocks=int(blocks), ring=int(ring or 0))
+    bw = BANDWIDTH.search(text)
+    if bw:
+        out["bandwidth_gbps"] = float(bw.group(1))
+    joined = [int(j) for j in JOINED.findall(text)]
+    if joined:  # the most jobs that trained together (a joiner beyond the budget waits)
+        out["together"] = max(joined)
+    return out
+
+
+def plan_label(p):
+    if "streamed" not in p:
+        return "—"
+    if p["streamed"] == 0:
+        return f"{p['blocks']} resident"
+    extra = "".join(f", {k} {int(v)}" for k, v in p.items()
+                    if k not in ("streamed", "ring", "blocks", "bandwidth_gbps", "predicted_ms",
+                                 "floor_ms", "resident_ms", "peak_gib", "together"))
+    return f"{p['streamed']} of {p['blocks']} streamed, ring {p['ring']}{extra}"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--pixels", default="1024x1024")
+    ap.add_argument("--text-tokens", type=int, default=256)
+    ap.add_argument("--group-pixels", default="512x512")
+    ap.add_argument("--budget", default="24GiB")
+    ap.add_argument("--group-budget", default="")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--peak-tflops", type=float, default=790)
+    ap.add_argument("--command", default="tools/gpu/bench_qwen_image.sh OUT")
+    args = ap.parse_args()
+    out, w = args.out, args.warmup
+    group_budget = args.group_budget or args.budget
+    cfg_path = os.path.join(out, "config.json")
+    if not os.path.exists(cfg_path):
+        print(f"{cfg_path}: missing (the checkpoint's config.json, which the script copies)")
+        return 1
+    cfg = json.load(open(cfg_path))
+    rate = args.peak_tflops * 1e12
+    img, img_group, txt = (image_tokens(args.pixels), image_tokens(args.group_pixels),
+                           args.text_tokens)
+
+    runs = {}  # label -> figures
+    group_jobs = sorted((f[len("stats_"):-len(".jsonl")] for f in os.listdir(out)
+                         if re.fullmatch(r"stats_group\d+\.jsonl", f)),
+                        key=lambda n: int(n[len("group"):]))
+    for label, jobs, tokens in (("resident", ["resident"], img), ("streamed", ["streamed"], img),
+                                ("auto", ["auto"], img), ("one", ["one"], img_group),
+                                ("group", group_jobs, img_group)):
+        stats = [s for s in (read_stats(os.path.join(out, f"stats_{j}.jsonl")) for j in jobs) if s]
+        if not stats:
+            continue
+        plan = plan_of(os.path.join(out, f"train_{label}.log"))
+        first = stats[0]
+        step = median_after(first, "step_seconds", w)
+        runs[label] = {
+            "jobs": len(stats), "steps": min(len(s) for s in stats), "step_s": step,
+            "tok_s": sum(median_after(s, "tokens", w) / median_after(s, "step_seconds", w)
+                         for s in stats),
+            "h2d_gb": median_after(first, "h2d_bytes", w) / 1e9,
+            "peak_gib": max(r["peak_device_bytes"] for s in stats for r in s) / 2**30,
+            "compute_floor_s": len(stats) * step_flops(cfg, tokens, txt, args.rank) / rate,
+            "plan": plan}
+
+    peer, peer_note = None, None
+    if os.path.exists(os.path.join(out, "peer.json")):
+        peer = json.load(open(os.path.join(out, "peer.json")))
+    elif os.path.exists(os.path.join(out, "peer_skipped.txt")):
+        peer_note = open(os.path.join(out, "peer_skipped.txt")).read().strip()
+
+    layers = cfg["num_layers"]
+    print(f"# Qwen-Image LoRA training: {layers} blocks, {args.pixels} ({img} image tokens), "
+          f"{txt} text tokens")
+    print()
+    print(f"`tools/gpu/bench_qwen_image.sh OUT` on {peer['device'] if peer else args.device}: "
+          f"random weights of the checkpoint's shape (hidden "
+          f"{cfg['num_attention_heads'] * cfg['attention_head_dim']}, text "
+          f"{cfg['joint_attention_dim']} wide), batch 1, rank {args.rank} on musubi-tuner's "
+          f"targets, {args.dtype}, {args.steps} steps per run, medians of steps {w + 1}-"
+          f"{args.steps}. PCIe floor: the plan's bytes copied per step / the H2D bandwidth its "
+          f"calibration measured. Compute floor: the step's FLOPs counted from the shape "
+          f"(bench_qwen_image_table.py `step_flops`; checkpointed steps count the recompute) at "
+          f"{args.peak_tflops:g} TFLOP/s.")
+    print()
+    print("| run | plan | steps | step s (median) | image tokens/s | predicted s | H2D GB / step | "
+          "PCIe floor s | compute floor s | step / compute floor | peak GiB | estimated GiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    names = {"resident": "lorastream resident (blocks_to_swap = 0, checkpointed)",
+             "streamed": f"lorastream within {args.budget}",
+             "auto": "lorastream, gpu_memory_budget = \"auto\"",
+             "one": f"lorastream, one job at {args.group_pixels} within {group_budget}",
+             "group": f"lorastream, a group of {runs.get('group', {}).get('jobs', 0)} at "
+                      f"{args.group_pixels} within {group_budget}"}
+    for label, r in runs.items():
+        p = r["plan"]
+        pred = p.get("predicted_ms")
+        if label == "resident" and pred is None:  # the streamed plan's prediction of it
+            pred = runs.get("streamed", {}).get("plan", {}).get("resident_ms")
+        floor = p.get("floor_ms", 0.0 if p.get("streamed") == 0 else None)
+        r["pcie_floor_s"] = floor / 1e3 if floor is not None else None
+        print(f"| {names[label]} | {plan_label(p)} | {r['steps']}/{args.steps} | "
+              f"{fmt(r['step_s'])} | {r['tok_s']:.0f} | {fmt(pred / 1e3 if pred else None)} | "
+              f"{fmt(r['h2d_gb'], 2)} | {fmt(r['pcie_floor_s'])} | {fmt(r['compute_floor_s'])} | "
+              f"{fmt(ratio(r['step_s'], r['compute_floor_s']), 2)} | {fmt(r['peak_gib'], 2)} | "
+              f"{fmt(p.get('peak_gib'), 2)} |")
+    best = best_ckpt = None
+    if peer:
+        for name, v in peer.get("runs", {}).items():
+            ckpt = v["config"].get("checkpointing", True)
+            floor = step_flops(cfg, img, txt, args.rank, ckpt) / rate
+            if "step_seconds" in v:
+                print(f"| diffusers + peft: {name} | resident | {v['steps']}/{args.steps} | "
+                      f"{fmt(v['step_seconds'])} | {img / v['step_seconds']:.0f} | | | | "
+                      f"{fmt(floor)} | {fmt(ratio(v['step_seconds'], floor), 2)} | "
+                      f"{fmt(v.get('peak_gib'), 2)} | |")
+                if best is None or v["step_seconds"] < best[1]["step_seconds"]:
+                    best = (name, v)
+                if ckpt and (best_ckpt is None or v["step_seconds"] < best_ckpt[1]["step_seconds"]):
+                    best_ckpt = (name, v)
+            else:
+                print(f"| diffusers + peft: {name} | failed: {v.get('error', '?')[:160]} | "
+                      f"| | | | | | {fmt(floor)} | | | |")
+    print()
+    if peer:
+        print(f"Peer: torch {peer['torch']}, diffusers {peer['diffusers']}, peft {peer['peft']}; "
+              f"{peer.get('lora_modules')} LoRA modules, {peer.get('lora_parameters')} LoRA "
+              f"parameters; load {fmt(peer.get('load_seconds'), 1)} s; each configuration within "
+              f"its deadline, a failure (out of memory, a backend missing) is its row's error.")
+        if "wall_seconds" not in peer:
+            print("The peer was stopped (QI_BENCH_PEER_TIMEOUT) before every configuration ran.")
+    else:
+        print(f"Peer (diffusers + peft): not run here ({peer_note or 'not in QI_BENCH_RUNS'}).")
+    for label in ("streamed", "auto", "one", "group"):
+        bw = runs.get(label, {}).get("plan", {}).get("bandwidth_gbps")
+        if bw:
+            print(f"The {label} run's calibration measured H2D at {bw:g} GB/s.")
+    print()
+    print("| ratio | value | target |")
+    print("| --- | --- | --- |")
+    res, st, one, gr = (runs.get(k) for k in ("resident", "streamed", "one", "group"))
+    if res and best_ckpt:
+        print(f"| resident / diffusers + peft checkpointed at its fastest, like with like "
+              f"({best_ckpt[0]}) | {fmt(ratio(res['step_s'], best_ckpt[1]['step_seconds']))} | "
+              f"<= 0.8 |")
+    if res and best:
+        print(f"| resident / diffusers + peft at its fastest ({best[0]}) | "
+              f"{fmt(ratio(res['step_s'], best[1]['step_seconds']))} | |")
+    if runs.get("auto") and best:
+        print(f"| \"auto\" / diffusers + peft at its fastest | "
+              f"{fmt(ratio(runs['auto']['step_s'], best[1]['step_seconds']))} | |")
+    if res and not best:
+        print("| resident / diffusers + peft | — (no peer figures) | <= 0.8 like with like |")
+    if st:
+        print(f"| streamed within {args.budget} / its PCIe floor | "
+              f"{fmt(ratio(st['step_s'], st['pcie_floor_s']))} | |")
+        if res:
+            print(f"| streamed within {args.budget} / resident | "
+                  f"{fmt(ratio(st['step_s'], res['step_s']))} | |")
+            floor = max(st["pcie_floor_s"] or 0.0, res["step_s"])
+            print(f"| streamed / max(its PCIe floor, the resident step) | "
+                  f"{fmt(ratio(st['step_s'], floor))} | |")
+    if gr and gr["plan"].get("together", gr["jobs"]) < gr["jobs"]:
+        print(f"| group: jobs that trained together | {gr['plan']['together']} of {gr['jobs']} "
+              f"(the others waited: the budget admitted no more) | {gr['jobs']} |")
+    if gr and one:
+        k = gr["jobs"]
+        print(f"| group of {k} at {args.group_pixels}: image tokens/s over one job's | "
+              f"{fmt(ratio(gr['tok_s'], one['tok_s']), 2)} | >= {k} ({k}-fold) |")
+        print(f"| group of {k}: H2D bytes per step / one job's | "
+              f"{fmt(ratio(gr['h2d_gb'], one['h2d_gb']), 3)} | |")
+    print()
+    print(f"Command: `{args.command}`")
+    complete = all(r["steps"] == args.steps for r in runs.values())
+    return 0 if complete else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
