@@ -76,36 +76,28 @@ std::vector<std::string> ExampleJobs(const std::string& configs_dir, ModelFamily
   return jobs;
 }
 
-// A job of the family, as refusals name it: "an LLM job", "a FLUX.1 job ([flux])".
-std::string JobOf(ModelFamily f) {
-  switch (f) {
-    case ModelFamily::kFlux:
-      return "a FLUX.1 job ([flux])";
-    case ModelFamily::kQwenImage:
-      return "a Qwen-Image job ([qwen_image])";
-    case ModelFamily::kLlm:
-      break;
-  }
-  return "an LLM job";
+// What `up` says of a family's jobs in refusals, and the preset it synthesizes for them when
+// neither --model nor --preset is given and they name no checkpoint.
+struct UpFamily {
+  ModelFamily family;
+  const char* job;  // "an LLM job", "a FLUX.1 job ([flux])"
+  const char* tiny_preset;
+};
+
+const UpFamily& Up(ModelFamily f) {
+  static const UpFamily rows[] = {
+      {ModelFamily::kLlm, "an LLM job", "tiny"},
+      {ModelFamily::kFlux, "a FLUX.1 job ([flux])", "flux-tiny"},
+      {ModelFamily::kQwenImage, "a Qwen-Image job ([qwen_image])", "qwen-image-tiny"},
+  };
+  for (const UpFamily& row : rows)
+    if (row.family == f) return row;
+  return rows[0];
 }
 
 // "an LLM", "a FLUX.1", "a Qwen-Image", before "checkpoint" or "model".
 std::string Article(ModelFamily f) {
   return std::string(f == ModelFamily::kLlm ? "an " : "a ") + ModelFamilyName(f);
-}
-
-// The preset `up` synthesizes for jobs of the family when neither --model nor --preset is
-// given and they name no checkpoint.
-const char* TinyPreset(ModelFamily f) {
-  switch (f) {
-    case ModelFamily::kFlux:
-      return "flux-tiny";
-    case ModelFamily::kQwenImage:
-      return "qwen-image-tiny";
-    case ModelFamily::kLlm:
-      break;
-  }
-  return "tiny";
 }
 
 ModelFamily PresetFamily(const std::string& preset_path) {
@@ -169,8 +161,8 @@ UpModel ChooseUpModel(const UpOptions& options, const std::vector<std::string>& 
   for (const JobBase& b : bases)
     if (b.family != bases.front().family)
       throw Error(ErrorCode::kInvalidArgument,
-                  "`up` serves one base for all its jobs: " + b.path + " is " + JobOf(b.family) +
-                      " but " + bases.front().path + " is " + JobOf(bases.front().family) +
+                  "`up` serves one base for all its jobs: " + b.path + " is " + Up(b.family).job +
+                      " but " + bases.front().path + " is " + Up(bases.front().family).job +
                       "; run them with two `lorastream up`s");
 
   UpModel model;
@@ -181,7 +173,7 @@ UpModel ChooseUpModel(const UpOptions& options, const std::vector<std::string>& 
     for (const JobBase& b : bases)
       if (b.family != model.family)
         throw Error(ErrorCode::kInvalidArgument,
-                    b.path + " is " + JobOf(b.family) + " but --model " + options.model_dir +
+                    b.path + " is " + Up(b.family).job + " but --model " + options.model_dir +
                         " is " + Article(model.family) + " checkpoint" +
                         ": give --model the jobs' base, or leave it out to serve " +
                         (b.checkpoint.empty() ? "the tiny preset of their family"
@@ -202,14 +194,14 @@ UpModel ChooseUpModel(const UpOptions& options, const std::vector<std::string>& 
   }
   if (!model.model_dir.empty()) return model;
   // A synthetic preset: the jobs' family picks it unless --preset was given.
-  if (!options.preset_given && !bases.empty()) model.preset = TinyPreset(bases.front().family);
+  if (!options.preset_given && !bases.empty()) model.preset = Up(bases.front().family).tiny_preset;
   model.family = PresetFamily(store::PresetPath(model.preset, configs_dir + "/models"));
   for (const JobBase& b : bases)
     if (b.family != model.family)
       throw Error(ErrorCode::kInvalidArgument,
-                  b.path + " is " + JobOf(b.family) + " but --preset " + model.preset + " is " +
+                  b.path + " is " + Up(b.family).job + " but --preset " + model.preset + " is " +
                       Article(model.family) + " model: name a preset of the jobs' family (" +
-                      TinyPreset(b.family) + "), or leave it out");
+                      Up(b.family).tiny_preset + "), or leave it out");
   return model;
 }
 

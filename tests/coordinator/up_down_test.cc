@@ -90,13 +90,14 @@ TEST_CASE("up serves the family and the base its jobs name", "[coordinator][up]"
   // ... and --model: the folder lorastream-synth wrote (its single file is served), the file
   // itself, or a diffusers folder.
   SynthQwenImage(dir / "qi-model");
-  for (const fs::path& model : {dir / "qi-model", dir / "qi-model" / store::kSynthQwenImageFile}) {
+  const std::string file = dir / "qi-model" + "/" + store::kSynthQwenImageFile;
+  for (const std::string& model : {dir / "qi-model", file}) {
     UpOptions given = o;
     given.model_dir = model;
     m = ChooseUpModel(given, {qi, kQwenImageJob}, kConfigs);
     CHECK(m.family == ModelFamily::kQwenImage);
     CHECK(m.model_dir == model);
-    CHECK(ServedCheckpoint(model) == dir / "qi-model" / store::kSynthQwenImageFile);
+    CHECK(ServedCheckpoint(model) == file);
   }
   fs::create_directories(dir / "qi-diffusers/transformer");
   Write(dir / "qi-diffusers/transformer/config.json",

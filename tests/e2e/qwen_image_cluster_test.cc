@@ -119,6 +119,10 @@ TEST_CASE(
                        Catch::Contains(dir + "/qi/cache"));
   CHECK_THAT(ReadAll(dir + "/run/logs/store.log"),
              Catch::Contains("published: 2 Qwen-Image blocks + rest"));
+  // The worker trains from the store's mapping, not from the checkpoint.
+  CHECK_THAT(
+      ReadAll(dir + "/run/logs/worker-0.log"),
+      Catch::Contains("Qwen-Image store `") && Catch::Contains("joins the Qwen-Image group"));
 
   TrainStandalone(ExampleJob(dir, "alone", "out-alone"), dir + "/alone.log");
   for (const char* file : {"adapter_comfyui.safetensors", "pytorch_lora_weights.safetensors"}) {
