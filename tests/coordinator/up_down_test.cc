@@ -152,10 +152,13 @@ TEST_CASE("up refuses, before starting anything, jobs it cannot serve, naming th
   CHECK(code == ErrorCode::kInvalidArgument);
   CHECK_THAT(why, Catch::Contains(kQwenImageJob) && Catch::Contains("a Qwen-Image job") &&
                       Catch::Contains(kFluxJob) && Catch::Contains("a FLUX.1 job"));
-  // --preset of another family: named, with the jobs' family's preset.
-  std::tie(code, why) = refusal(tiny, {kQwenImageJob});
+  // --preset of another family for jobs naming no checkpoint: named, with the jobs' family's
+  // preset.
+  const std::string qi =
+      Write(dir / "qi.toml", "[model]\nstore = \"any\"\n[qwen_image]\ncache_dir = \"c\"\n");
+  std::tie(code, why) = refusal(tiny, {qi});
   CHECK(code == ErrorCode::kInvalidArgument);
-  CHECK_THAT(why, Catch::Contains(kQwenImageJob) && Catch::Contains("--preset tiny is an LLM") &&
+  CHECK_THAT(why, Catch::Contains(qi) && Catch::Contains("--preset tiny is an LLM") &&
                       Catch::Contains("(qwen-image-tiny)"));
   UpOptions qi_preset = o;
   qi_preset.preset = "qwen-image-tiny";
