@@ -134,6 +134,22 @@ TEST_CASE(
   const std::map<int64_t, double> losses = Losses(dir + "/run/adapters/qi/stats.jsonl");
   CHECK(losses.size() == 20);
   CHECK(losses == Losses(dir + "/qi/out-alone/stats.jsonl"));
+
+  // A job starting from an adapter named relative to its folder (lora.init_from): the copy
+  // `up` sends names it absolute, and the job trains from it.
+  std::string from = ReadAll(job);
+  from.replace(from.find("[lora]\n"), 7, "[lora]\ninit_from = \"out-alone\"\n");
+  std::ofstream(dir + "/qi/from.toml") << from;
+  const std::string again =
+      lorastream::RunAndCapture({kBin + "/lorastream", "up", "--job", dir + "/qi/from.toml",
+                                 "--device", "cpu", "--run-dir", dir + "/run-from", "--no-watch"},
+                                &code, 600, dir + "/up-from.stderr");
+  INFO(again << ReadAll(dir + "/up-from.stderr"));
+  CHECK(code == 0);
+  CHECK_THAT(ReadAll(dir + "/run-from/jobs/from.toml"),
+             Catch::Contains("init_from = '" + dir + "/qi/out-alone'") ||
+                 Catch::Contains("init_from = \"" + dir + "/qi/out-alone\""));
+  CHECK_THAT(again, Catch::Contains("succeeded  step 20/20, "));
 }
 
 TEST_CASE("`lorastream up` of Qwen-Image without a job names one to give, starting nothing",
