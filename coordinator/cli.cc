@@ -544,12 +544,14 @@ Verb UpVerb(CLI::App& app) {
       "start a store, workers (one per GPU, else CPU workers) and a coordinator, submit "
       "the example jobs, watch them to the end, print the adapters, stop everything");
   up->add_option("--model", o->up.model_dir,
-                 "Hugging Face checkpoint folder, or FLUX.1's (BFL's flux1-dev.safetensors, "
-                 "a folder holding it, or a diffusers folder: FLUX jobs are submitted) "
-                 "(default: synthesize --preset)");
+                 "Hugging Face checkpoint folder, FLUX.1's (BFL's flux1-dev.safetensors, a "
+                 "folder holding it, or a diffusers folder: FLUX jobs are submitted) or "
+                 "Qwen-Image's (ComfyUI's qwen_image_bf16.safetensors or a diffusers folder: "
+                 "its --job files are submitted) (default: synthesize --preset)");
   CLI::Option* preset = up->add_option("--preset", o->up.preset,
-                                       "configs/models preset to synthesize (default: tiny, or "
-                                       "flux-tiny for FLUX jobs)");
+                                       "configs/models preset to synthesize (default: tiny, "
+                                       "flux-tiny for FLUX jobs, qwen-image-tiny for Qwen-Image "
+                                       "jobs)");
   up->add_option("--job", o->up.jobs,
                  "job file(s) to submit (default: the configs/jobs/*.toml of the model's family); "
                  "without --model, the base they name (or their family's tiny preset) is served");

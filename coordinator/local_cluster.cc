@@ -19,12 +19,14 @@
 #include "common/gpu_info.h"
 #include "common/job_paths.h"
 #include "common/log.h"
+#include "common/qwen_image_config.h"
 #include "common/regular_file.h"
 #include "common/toml_file.h"
 #include "common/unique_fd.h"
 #include "coordinator/curve.h"
 #include "store/attach.h"
 #include "store/synth_flux.h"
+#include "store/synth_qwen_image.h"
 
 namespace lorastream::cli {
 
@@ -54,6 +56,22 @@ std::string Tail(const std::string& path, size_t max_lines = 15) {
 }  // namespace
 
 std::vector<std::string> DetectGpus() { return VisibleCudaDevices(); }
+
+std::string ServedCheckpoint(const std::string& model_dir) {
+  std::error_code ec;
+  if (!fs::is_directory(model_dir, ec) || fs::exists(model_dir + "/config.json", ec))
+    return model_dir;
+  for (const char* file : {store::kSynthFluxFile, store::kSynthQwenImageFile})
+    if (fs::exists(model_dir + "/" + file, ec)) return model_dir + "/" + file;
+  return model_dir;
+}
+
+ModelFamily CheckpointFamily(const std::string& path) {
+  // Qwen-Image first: IsFluxCheckpointPath takes any file (and names what is wrong with it).
+  if (IsQwenImageCheckpointPath(path)) return ModelFamily::kQwenImage;
+  if (IsFluxCheckpointPath(path)) return ModelFamily::kFlux;
+  return ModelFamily::kLlm;
+}
 
 LocalCluster::LocalCluster(LocalClusterOptions options) : options_(std::move(options)) {
   if (options_.run_dir.empty())
@@ -86,8 +104,7 @@ std::string LocalCluster::Bin(const std::string& name) const {
 void LocalCluster::Start() {
   if (options_.model_dir.empty()) {
     model_dir_ = options_.run_dir + "/model";
-    if (!fs::exists(model_dir_ + "/config.json") &&
-        !fs::exists(model_dir_ + "/" + store::kSynthFluxFile)) {
+    if (!fs::exists(model_dir_ + "/config.json") && ServedCheckpoint(model_dir_) == model_dir_) {
       std::string log = log_dir() + "/synth.log";
       LS_LOG_INFO("writing a synthetic `{}` model to {}", options_.preset, model_dir_);
       SpawnOptions so;
@@ -100,12 +117,10 @@ void LocalCluster::Start() {
   } else {
     model_dir_ = fs::absolute(options_.model_dir).string();
   }
-  // A folder holding BFL's single file (as lorastream-synth writes a FLUX preset) is served
-  // as that file.
-  if (fs::is_directory(model_dir_) && !fs::exists(model_dir_ + "/config.json") &&
-      fs::exists(model_dir_ + "/" + store::kSynthFluxFile))
-    model_dir_ += std::string("/") + store::kSynthFluxFile;
-  flux_ = IsFluxCheckpointPath(model_dir_);
+  // A folder holding the single file lorastream-synth writes for a FLUX or Qwen-Image preset
+  // is served as that file.
+  model_dir_ = ServedCheckpoint(model_dir_);
+  family_ = CheckpointFamily(model_dir_);
   StartStore();
   StartCoordinator();
   for (size_t i = 0; i < workers_.size(); ++i) StartWorker(i);
@@ -313,7 +328,8 @@ int64_t LocalCluster::Submit(const std::string& job_path, std::string* replaced_
   // The copy lives in another folder: the relative paths it holds are made absolute against
   // the original's folder, where they pointed (ResolveJobPath, the rule LoadJobSpec follows).
   // Every path a job file holds but the ones replaced above (model and output folders).
-  for (const char* key : {"data.path", "eval.path", "train.stats_file", "flux.cache_dir"}) {
+  for (const char* key : {"data.path", "eval.path", "train.stats_file", "lora.init_from",
+                          "flux.cache_dir", "qwen_image.cache_dir"}) {
     toml::node* node = job.at_path(key).node();
     if (node && node->is_string()) {
       std::string& path = node->as_string()->get();

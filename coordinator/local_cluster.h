@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/job_kind.h"
 #include "common/subprocess.h"
 
 namespace lorastream::cli {
@@ -16,8 +17,9 @@ namespace lorastream::cli {
 struct LocalClusterOptions {
   std::string bin_dir;  // where lorastream, lorastream-store, -worker, -synth live
   std::string run_dir;  // logs/, model/, jobs/, adapters/, journal.db (created)
-  // A Hugging Face checkpoint, or a FLUX.1 one (BFL's single file or a diffusers folder);
-  // "" = synthesize `preset` (a FLUX preset's BFL file is served).
+  // A Hugging Face checkpoint, a FLUX.1 one (BFL's single file or a diffusers folder) or a
+  // Qwen-Image one (ComfyUI's single file or a diffusers folder); "" = synthesize `preset` (a
+  // FLUX or Qwen-Image preset's single file is served).
   std::string model_dir;
   std::string preset = "tiny";  // configs/models/<preset>.toml, for a synthesized model
   std::string store_name;       // "" = "up-<pid>"
@@ -39,6 +41,15 @@ struct LocalClusterOptions {
 // Devices of this host: "cuda:i" for each visible GPU (common/gpu_info.h: nvidia-smi or the
 // driver's /proc folder, CUDA_VISIBLE_DEVICES respected), none when there is no GPU.
 std::vector<std::string> DetectGpus();
+
+// What the store serves for `model_dir`: the single file that lorastream-synth writes for a
+// FLUX or Qwen-Image preset when `model_dir` is a folder holding it (and no config.json),
+// else `model_dir` itself.
+std::string ServedCheckpoint(const std::string& model_dir);
+// The family of a checkpoint the store serves (after ServedCheckpoint): Qwen-Image's single
+// file or diffusers folder, FLUX.1's, else an LLM's folder; as `lorastream-store serve` tells
+// them apart.
+ModelFamily CheckpointFamily(const std::string& path);
 
 class LocalCluster {
  public:
@@ -68,10 +79,11 @@ class LocalCluster {
 
   // Copies a job file into run_dir/jobs/ with [model] store set to this cluster's store and
   // [train] output_dir set to run_dir/adapters/<file stem> (a FLUX job: flux.store and
-  // flux.output_dir), then submits it; returns the job id. Relative paths in the job (its
-  // data and eval data, stats file, a FLUX job's caches) are made absolute against the job
-  // file's folder. *replaced_output_dir gets the output folder the job named, when it named
-  // one other than the cluster's ("" otherwise).
+  // flux.output_dir; a Qwen-Image job as an LLM job), then submits it; returns the job id.
+  // Relative paths in the job (its data and eval data, stats file, the adapter it starts
+  // from, a FLUX or Qwen-Image job's caches) are made absolute against the job file's folder.
+  // *replaced_output_dir gets the output folder the job named, when it named one other than the
+  // cluster's ("" otherwise).
   int64_t Submit(const std::string& job_path, std::string* replaced_output_dir = nullptr);
   // Runs `lorastream ARGS --coordinator ENDPOINT` and returns its stdout; *exit_code gets its
   // exit status (throws when null and the status is not 0).
@@ -91,7 +103,8 @@ class LocalCluster {
   const std::string& endpoint() const { return endpoint_; }
   const std::string& store_name() const { return store_name_; }
   const std::string& model_dir() const { return model_dir_; }
-  bool flux() const { return flux_; }  // the store serves FLUX.1 (known once Start() ran)
+  // The family of the base the store serves (known once Start() ran).
+  ModelFamily family() const { return family_; }
   const std::string& run_dir() const { return options_.run_dir; }
   std::string log_dir() const { return options_.run_dir + "/logs"; }
   const std::vector<std::string>& devices() const { return devices_; }
@@ -103,7 +116,7 @@ class LocalCluster {
 
   LocalClusterOptions options_;
   std::string model_dir_;
-  bool flux_ = false;
+  ModelFamily family_ = ModelFamily::kLlm;
   std::string store_name_;
   std::string endpoint_;
   std::vector<std::string> devices_;

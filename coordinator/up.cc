@@ -14,8 +14,6 @@
 #include <toml++/toml.h>
 
 #include "common/error.h"
-#include "common/flux_config.h"
-#include "common/flux_job.h"
 #include "common/gpu_info.h"
 #include "common/install_paths.h"
 #include "common/job_paths.h"
@@ -26,6 +24,7 @@
 #include "coordinator/local_cluster.h"
 #include "coordinator/tensorboard.h"
 #include "store/synth_flux.h"
+#include "store/synth_qwen_image.h"
 
 namespace lorastream::cli {
 
@@ -43,45 +42,68 @@ namespace {
 std::atomic<int> g_stop_signal{0};
 void OnSignal(int sig) { g_stop_signal = sig; }
 
-// Whether the job file at `path` is a Qwen-Image job (a [qwen_image] section); false when it
-// cannot be read or parsed.
-bool IsQwenImageJobFile(const std::string& path) {
+// The family of the job file at `path` (its sections); LLM when it cannot be read or parsed.
+ModelFamily JobFileFamily(const std::string& path) {
   try {
-    return toml::parse_file(path).contains("qwen_image");
+    const toml::table job = toml::parse_file(path);
+    return JobFamily(job.contains("flux"), job.contains("qwen_image"));
   } catch (const std::exception&) {
-    return false;
+    return ModelFamily::kLlm;
   }
 }
 
-// The example jobs of the model's family: FLUX jobs for a FLUX.1 store, LLM jobs otherwise.
-std::vector<std::string> ExampleJobs(const std::string& configs_dir, bool flux) {
+// The example jobs of the model's family: FLUX jobs for a FLUX.1 store, LLM jobs for an
+// LLM's. The Qwen-Image example reads caches beside it (configs/jobs/qwen_image_tiny.toml):
+// none to send without them.
+std::vector<std::string> ExampleJobs(const std::string& configs_dir, ModelFamily family) {
+  if (family == ModelFamily::kQwenImage)
+    throw Error(ErrorCode::kInvalidArgument,
+                "`up` has no Qwen-Image example job to send (the example reads caches beside "
+                "it): name one with --job, e.g. " +
+                    configs_dir +
+                    "/jobs/qwen_image_tiny.toml copied beside `lorastream-synth --preset "
+                    "qwen-image-tiny --out DIR --caches DIR/cache` (docs/QWEN_IMAGE.md)");
   std::vector<std::string> jobs;
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(configs_dir + "/jobs", ec)) {
     const std::string path = entry.path().string();
-    // The family `up` serves; a Qwen-Image example is not one (it reads its checkpoint).
-    if (entry.path().extension() == ".toml" && IsFluxJobFile(path) == flux &&
-        !IsQwenImageJobFile(path))
-      jobs.push_back(path);
+    if (entry.path().extension() == ".toml" && JobFileFamily(path) == family) jobs.push_back(path);
   }
   std::sort(jobs.begin(), jobs.end());
   if (jobs.empty())
-    throw Error(ErrorCode::kNotFound, "no " + std::string(flux ? "FLUX " : "") + "job files in " +
-                                          configs_dir + "/jobs; name some");
+    throw Error(ErrorCode::kNotFound, "no " + std::string(ModelFamilyName(family)) +
+                                          " job files in " + configs_dir + "/jobs; name some");
   return jobs;
 }
 
-// Whether `model_dir` is served as FLUX.1: BFL's file or a diffusers folder, or a folder
-// holding the single file that lorastream-synth writes for a FLUX preset (as LocalCluster).
-bool IsFluxModel(const std::string& model_dir) {
-  std::error_code ec;
-  if (fs::is_directory(model_dir, ec) && !fs::exists(model_dir + "/config.json", ec) &&
-      fs::exists(model_dir + "/" + store::kSynthFluxFile, ec))
-    return true;
-  return IsFluxCheckpointPath(model_dir);
+// What `up` says of a family's jobs in refusals, and the preset it synthesizes for them when
+// neither --model nor --preset is given and they name no checkpoint.
+struct UpFamily {
+  ModelFamily family;
+  const char* job;  // "an LLM job", "a FLUX.1 job ([flux])"
+  const char* tiny_preset;
+};
+
+const UpFamily& Up(ModelFamily f) {
+  static const UpFamily rows[] = {
+      {ModelFamily::kLlm, "an LLM job", "tiny"},
+      {ModelFamily::kFlux, "a FLUX.1 job ([flux])", "flux-tiny"},
+      {ModelFamily::kQwenImage, "a Qwen-Image job ([qwen_image])", "qwen-image-tiny"},
+  };
+  for (const UpFamily& row : rows)
+    if (row.family == f) return row;
+  return rows[0];
 }
 
-std::string Family(bool flux) { return flux ? "a FLUX.1 job ([flux])" : "an LLM job"; }
+// "an LLM", "a FLUX.1", "a Qwen-Image", before "checkpoint" or "model".
+std::string Article(ModelFamily f) {
+  return std::string(f == ModelFamily::kLlm ? "an " : "a ") + ModelFamilyName(f);
+}
+
+ModelFamily PresetFamily(const std::string& preset_path) {
+  if (store::IsQwenImagePreset(preset_path)) return ModelFamily::kQwenImage;
+  return store::IsFluxPreset(preset_path) ? ModelFamily::kFlux : ModelFamily::kLlm;
+}
 
 // "step 24/24, 9356 tok/s, stall 16%  eval loss 2.1034  " from a job's last step statistics
 // and evaluation ("" before any).
@@ -116,7 +138,7 @@ UpModel ChooseUpModel(const UpOptions& options, const std::vector<std::string>& 
   // Each job's family and the checkpoint it names (absolute), read before anything starts.
   struct JobBase {
     std::string path, checkpoint;
-    bool flux = false;
+    ModelFamily family = ModelFamily::kLlm;
   };
   std::vector<JobBase> bases;
   for (const std::string& path : jobs) {
@@ -129,37 +151,30 @@ UpModel ChooseUpModel(const UpOptions& options, const std::vector<std::string>& 
     } catch (const toml::parse_error& e) {
       throw Error(ErrorCode::kInvalidArgument, path + ": " + std::string(e.description()));
     }
-    if (job.contains("qwen_image"))
-      throw Error(ErrorCode::kUnsupported,
-                  path +
-                      " is a Qwen-Image job, which `lorastream up` does not run yet (up "
-                      "serves a store, and a Qwen-Image job reads its checkpoint): train it "
-                      "with `lorastream-worker train " +
-                      path + "`, or submit it to a running coordinator");
-    JobBase b{path, "", job.contains("flux")};
+    JobBase b{path, "", JobFamily(job.contains("flux"), job.contains("qwen_image"))};
     const toml::node* checkpoint =
-        job.at_path(b.flux ? "flux.checkpoint" : "model.checkpoint").node();
+        job.at_path(b.family == ModelFamily::kFlux ? "flux.checkpoint" : "model.checkpoint").node();
     if (checkpoint && checkpoint->is_string() && !checkpoint->as_string()->get().empty())
       b.checkpoint = ResolveJobPath(checkpoint->as_string()->get(), JobFileDir(path));
     bases.push_back(std::move(b));
   }
   for (const JobBase& b : bases)
-    if (b.flux != bases.front().flux)
+    if (b.family != bases.front().family)
       throw Error(ErrorCode::kInvalidArgument,
-                  "`up` serves one base for all its jobs: " + b.path + " is " + Family(b.flux) +
-                      " but " + bases.front().path + " is " + Family(bases.front().flux) +
+                  "`up` serves one base for all its jobs: " + b.path + " is " + Up(b.family).job +
+                      " but " + bases.front().path + " is " + Up(bases.front().family).job +
                       "; run them with two `lorastream up`s");
 
   UpModel model;
   model.preset = options.preset;
   if (!options.model_dir.empty()) {
     model.model_dir = options.model_dir;
-    model.flux = IsFluxModel(options.model_dir);
+    model.family = CheckpointFamily(ServedCheckpoint(options.model_dir));
     for (const JobBase& b : bases)
-      if (b.flux != model.flux)
+      if (b.family != model.family)
         throw Error(ErrorCode::kInvalidArgument,
-                    b.path + " is " + Family(b.flux) + " but --model " + options.model_dir +
-                        " is " + (model.flux ? "a FLUX.1 checkpoint" : "an LLM checkpoint") +
+                    b.path + " is " + Up(b.family).job + " but --model " + options.model_dir +
+                        " is " + Article(model.family) + " checkpoint" +
                         ": give --model the jobs' base, or leave it out to serve " +
                         (b.checkpoint.empty() ? "the tiny preset of their family"
                                               : "the checkpoint they name"));
@@ -169,7 +184,7 @@ UpModel ChooseUpModel(const UpOptions& options, const std::vector<std::string>& 
     if (b.checkpoint.empty()) continue;
     if (model.model_dir.empty()) {
       model.model_dir = b.checkpoint;
-      model.flux = b.flux;
+      model.family = b.family;
     } else if (b.checkpoint != model.model_dir) {
       throw Error(ErrorCode::kInvalidArgument,
                   "`up` serves one base for all its jobs: " + b.path + " names " + b.checkpoint +
@@ -179,15 +194,14 @@ UpModel ChooseUpModel(const UpOptions& options, const std::vector<std::string>& 
   }
   if (!model.model_dir.empty()) return model;
   // A synthetic preset: the jobs' family picks it unless --preset was given.
-  const bool jobs_flux = !bases.empty() && bases.front().flux;
-  if (!options.preset_given && !bases.empty()) model.preset = jobs_flux ? "flux-tiny" : "tiny";
-  model.flux = store::IsFluxPreset(store::PresetPath(model.preset, configs_dir + "/models"));
+  if (!options.preset_given && !bases.empty()) model.preset = Up(bases.front().family).tiny_preset;
+  model.family = PresetFamily(store::PresetPath(model.preset, configs_dir + "/models"));
   for (const JobBase& b : bases)
-    if (b.flux != model.flux)
+    if (b.family != model.family)
       throw Error(ErrorCode::kInvalidArgument,
-                  b.path + " is " + Family(b.flux) + " but --preset " + model.preset + " is " +
-                      (model.flux ? "a FLUX.1 model" : "an LLM") + ": name a preset of the " +
-                      "jobs' family (" + (b.flux ? "flux-tiny" : "tiny") + "), or leave it out");
+                  b.path + " is " + Up(b.family).job + " but --preset " + model.preset + " is " +
+                      Article(model.family) + " model: name a preset of the jobs' family (" +
+                      Up(b.family).tiny_preset + "), or leave it out");
   return model;
 }
 
@@ -197,7 +211,7 @@ int RunUp(const UpOptions& options) {
   const std::string configs = options.configs_dir.empty() ? ConfigsDir() : options.configs_dir;
   std::vector<std::string> jobs = options.jobs;
   UpModel model = ChooseUpModel(options, jobs, configs);
-  if (jobs.empty()) jobs = ExampleJobs(configs, model.flux);
+  if (jobs.empty()) jobs = ExampleJobs(configs, model.family);
 
   LocalClusterOptions co;
   co.bin_dir = options.bin_dir.empty() ? SelfExeDir() : options.bin_dir;

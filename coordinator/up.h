@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "common/job_kind.h"
+
 namespace lorastream::cli {
 
 struct UpOptions {
@@ -29,14 +31,15 @@ struct UpOptions {
 struct UpModel {
   std::string model_dir;  // "" = synthesize `preset`
   std::string preset;
-  bool flux = false;  // a FLUX.1 store (the jobs are FLUX jobs)
+  ModelFamily family = ModelFamily::kLlm;  // of the store, and of every job
 };
 
 // The base `up` serves for `jobs`: --model when given; else the checkpoint the jobs name
-// (model.checkpoint, flux.checkpoint; relative to the job file's folder); else --preset, or,
-// when none was given, the tiny preset of the jobs' family ("tiny", "flux-tiny"). Refused
-// (Error kInvalidArgument, naming the job file) before anything starts: LLM and FLUX jobs
-// mixed, two different checkpoints, or a job of another family than --model or --preset.
+// (model.checkpoint, a FLUX job's flux.checkpoint; relative to the job file's folder); else
+// --preset, or, when none was given, the tiny preset of the jobs' family ("tiny",
+// "flux-tiny", "qwen-image-tiny"). Refused (Error kInvalidArgument, naming the job file)
+// before anything starts: jobs of two families mixed (LLM, FLUX.1, Qwen-Image), two
+// different checkpoints, or a job of another family than --model or --preset.
 UpModel ChooseUpModel(const UpOptions& options, const std::vector<std::string>& jobs,
                       const std::string& configs_dir);
 

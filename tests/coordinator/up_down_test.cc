@@ -10,7 +10,10 @@
 
 #include "cluster_fixture.h"
 #include "common/error.h"
+#include "coordinator/local_cluster.h"
 #include "coordinator/up.h"
+#include "store/synth_flux.h"
+#include "store/synth_qwen_image.h"
 
 using namespace lorastream;
 using namespace lorastream::cli;
@@ -24,10 +27,22 @@ namespace {
 const std::string kConfigs = std::string(LORASTREAM_SOURCE_DIR) + "/configs";
 const std::string kFluxJob = kConfigs + "/jobs/flux_tiny.toml";
 const std::string kLlamaJob = kConfigs + "/jobs/tiny_llama.toml";
+// Names its checkpoint, qwen_image.safetensors beside it (configs/jobs/).
+const std::string kQwenImageJob = kConfigs + "/jobs/qwen_image_tiny.toml";
 
 std::string Write(const std::string& path, const std::string& text) {
   std::ofstream(path) << text;
   return path;
+}
+
+// A synthetic qwen-image-tiny checkpoint written into `dir` (its single file,
+// DIR/qwen_image.safetensors, as `lorastream-synth --preset qwen-image-tiny --out DIR`).
+void SynthQwenImage(const std::string& dir) {
+  store::SynthOptions so;
+  so.preset = "qwen-image-tiny";
+  so.out_dir = dir;
+  so.presets_dir = kConfigs + "/models";
+  store::RunSynthQwenImage(so, store::PresetPath(so.preset, so.presets_dir));
 }
 
 std::string ReadText(const fs::path& path) {
@@ -40,14 +55,14 @@ std::string ReadText(const fs::path& path) {
 TEST_CASE("up serves the family and the base its jobs name", "[coordinator][up]") {
   UpOptions o;
   UpModel m = ChooseUpModel(o, {kFluxJob}, kConfigs);
-  CHECK(m.flux);
+  CHECK(m.family == ModelFamily::kFlux);
   CHECK(m.preset == "flux-tiny");
   CHECK(m.model_dir.empty());
   m = ChooseUpModel(o, {kLlamaJob}, kConfigs);
-  CHECK_FALSE(m.flux);
+  CHECK(m.family == ModelFamily::kLlm);
   CHECK(m.preset == "tiny");
   m = ChooseUpModel(o, {}, kConfigs);  // the example jobs of the default preset's family
-  CHECK_FALSE(m.flux);
+  CHECK(m.family == ModelFamily::kLlm);
 
   // A job naming a checkpoint (relative to its own folder): that checkpoint is served.
   TempDir dir("up-base");
@@ -55,7 +70,41 @@ TEST_CASE("up serves the family and the base its jobs name", "[coordinator][up]"
   const std::string a = Write(dir / "a.toml", "name = \"a\"\n[model]\ncheckpoint = \"model\"\n");
   m = ChooseUpModel(o, {a, kLlamaJob}, kConfigs);
   CHECK(m.model_dir == dir / "model");
-  CHECK_FALSE(m.flux);
+  CHECK(m.family == ModelFamily::kLlm);
+
+  // Qwen-Image: the checkpoint its job names (model.checkpoint, beside the job file) ...
+  m = ChooseUpModel(o, {kQwenImageJob}, kConfigs);
+  CHECK(m.family == ModelFamily::kQwenImage);
+  CHECK(m.model_dir == kConfigs + "/jobs/qwen_image.safetensors");
+  // ... without one (model.store), its family's tiny preset ...
+  const std::string qi =
+      Write(dir / "qi.toml", "[model]\nstore = \"any\"\n[qwen_image]\ncache_dir = \"c\"\n");
+  m = ChooseUpModel(o, {qi}, kConfigs);
+  CHECK(m.family == ModelFamily::kQwenImage);
+  CHECK(m.preset == "qwen-image-tiny");
+  CHECK(m.model_dir.empty());
+  UpOptions preset = o;  // ... or that preset named, with no job
+  preset.preset = "qwen-image-tiny";
+  preset.preset_given = true;
+  CHECK(ChooseUpModel(preset, {}, kConfigs).family == ModelFamily::kQwenImage);
+  // ... and --model: the folder lorastream-synth wrote (its single file is served), the file
+  // itself, or a diffusers folder.
+  SynthQwenImage(dir / "qi-model");
+  const std::string file = dir / "qi-model" + "/" + store::kSynthQwenImageFile;
+  for (const std::string& model : {dir / "qi-model", file}) {
+    UpOptions given = o;
+    given.model_dir = model;
+    m = ChooseUpModel(given, {qi, kQwenImageJob}, kConfigs);
+    CHECK(m.family == ModelFamily::kQwenImage);
+    CHECK(m.model_dir == model);
+    CHECK(ServedCheckpoint(model) == file);
+  }
+  fs::create_directories(dir / "qi-diffusers/transformer");
+  Write(dir / "qi-diffusers/transformer/config.json",
+        "{\"_class_name\": \"QwenImageTransformer2DModel\"}");
+  UpOptions diffusers = o;
+  diffusers.model_dir = dir / "qi-diffusers";
+  CHECK(ChooseUpModel(diffusers, {qi}, kConfigs).family == ModelFamily::kQwenImage);
 }
 
 TEST_CASE("up refuses, before starting anything, jobs it cannot serve, naming the job",
@@ -92,6 +141,50 @@ TEST_CASE("up refuses, before starting anything, jobs it cannot serve, naming th
   const std::string b = Write(dir / "b.toml", "[model]\ncheckpoint = \"/models/b\"\n");
   std::tie(code, why) = refusal(o, {a, b});  // two bases
   CHECK_THAT(why, Catch::Contains(b) && Catch::Contains("/models/a"));
+
+  // Qwen-Image beside another family, either way round: both files named.
+  std::tie(code, why) = refusal(o, {kQwenImageJob, kLlamaJob});
+  CHECK(code == ErrorCode::kInvalidArgument);
+  CHECK_THAT(why, Catch::Contains(kLlamaJob) && Catch::Contains("an LLM job") &&
+                      Catch::Contains(kQwenImageJob) &&
+                      Catch::Contains("a Qwen-Image job ([qwen_image])"));
+  std::tie(code, why) = refusal(o, {kFluxJob, kQwenImageJob});
+  CHECK(code == ErrorCode::kInvalidArgument);
+  CHECK_THAT(why, Catch::Contains(kQwenImageJob) && Catch::Contains("a Qwen-Image job") &&
+                      Catch::Contains(kFluxJob) && Catch::Contains("a FLUX.1 job"));
+  // --preset of another family for jobs naming no checkpoint: named, with the jobs' family's
+  // preset.
+  const std::string qi =
+      Write(dir / "qi.toml", "[model]\nstore = \"any\"\n[qwen_image]\ncache_dir = \"c\"\n");
+  std::tie(code, why) = refusal(tiny, {qi});
+  CHECK(code == ErrorCode::kInvalidArgument);
+  CHECK_THAT(why, Catch::Contains(qi) && Catch::Contains("--preset tiny is an LLM") &&
+                      Catch::Contains("(qwen-image-tiny)"));
+  UpOptions qi_preset = o;
+  qi_preset.preset = "qwen-image-tiny";
+  qi_preset.preset_given = true;
+  std::tie(code, why) = refusal(qi_preset, {kFluxJob});
+  CHECK_THAT(why, Catch::Contains(kFluxJob) &&
+                      Catch::Contains("--preset qwen-image-tiny is a Qwen-Image model") &&
+                      Catch::Contains("(flux-tiny)"));
+  // --model of another family, either way round.
+  std::tie(code, why) = refusal(llm, {kQwenImageJob});
+  CHECK(code == ErrorCode::kInvalidArgument);
+  CHECK_THAT(why, Catch::Contains(kQwenImageJob) && Catch::Contains("an LLM checkpoint"));
+  SynthQwenImage(dir / "qi");
+  UpOptions qi_model = o;
+  qi_model.model_dir = dir / "qi";
+  std::tie(code, why) = refusal(qi_model, {kLlamaJob});
+  CHECK(code == ErrorCode::kInvalidArgument);
+  CHECK_THAT(why, Catch::Contains(kLlamaJob) && Catch::Contains("is a Qwen-Image checkpoint"));
+  std::tie(code, why) = refusal(qi_model, {kFluxJob});
+  CHECK_THAT(why, Catch::Contains(kFluxJob) && Catch::Contains("is a Qwen-Image checkpoint"));
+  // Two Qwen-Image jobs naming different checkpoints.
+  const std::string c = Write(dir / "c.toml",
+                              "[model]\ncheckpoint = \"/models/c.safetensors\"\n"
+                              "[qwen_image]\ncache_dir = \"x\"\n");
+  std::tie(code, why) = refusal(o, {kQwenImageJob, c});
+  CHECK_THAT(why, Catch::Contains(c) && Catch::Contains(kConfigs + "/jobs/qwen_image.safetensors"));
 
   std::tie(code, why) = refusal(o, {dir / "missing.toml"});
   CHECK(code == ErrorCode::kNotFound);

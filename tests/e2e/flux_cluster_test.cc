@@ -53,7 +53,7 @@ TEST_CASE(
   const std::string& dir = run_dir.str();
   LocalCluster cluster(FluxCluster(dir, "e2e-flux-"));
   cluster.Start();
-  REQUIRE(cluster.flux());
+  REQUIRE(cluster.family() == lorastream::ModelFamily::kFlux);
   CHECK(fs::path(cluster.model_dir()).filename() == "flux1.safetensors");
 
   // A FLUX job on a store no worker offers waits, saying why, until cancelled.

@@ -1,14 +1,19 @@
 // Qwen-Image end to end: the example Qwen-Image job (configs/jobs/qwen_image_tiny.toml, beside
-// a synthesized qwen-image-tiny checkpoint and caches, as the README shows) submitted to a
-// coordinator and trained by a CPU worker, which reads the job's checkpoint itself: its
-// adapters equal the same job trained standalone, byte for byte; `lorastream up` refuses it,
-// saying what to use.
+// a synthesized qwen-image-tiny checkpoint and caches, as docs/QWEN_IMAGE.md shows) submitted
+// to a coordinator and trained by a CPU worker, which reads the job's checkpoint itself; and
+// `lorastream up --job` serving the checkpoint the job names from a store, its CPU worker
+// training the job from the store's one copy. Either way the adapters equal the same job
+// trained standalone from the checkpoint, byte for byte, and so does every step's loss.
 #include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <sstream>
 
 #include <catch2/catch.hpp>
+
+#include <nlohmann/json.hpp>
 
 #include "common/subprocess.h"
 #include "coordinator/local_cluster.h"
@@ -43,11 +48,23 @@ std::string ExampleJob(const std::string& dir, const std::string& name, const st
   return path;
 }
 
+// Every step's loss in a job's stats.jsonl, by step.
+std::map<int64_t, double> Losses(const std::string& stats_file) {
+  std::map<int64_t, double> losses;
+  std::istringstream in(ReadAll(stats_file));
+  for (std::string line; std::getline(in, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_object() && j.contains("step") && j.contains("loss"))
+      losses[j["step"].get<int64_t>()] = j["loss"].get<double>();
+  }
+  return losses;
+}
+
 }  // namespace
 
 TEST_CASE(
     "Qwen-Image through the coordinator: the example job trains on a CPU worker as it does "
-    "standalone, byte for byte; `up` refuses it, naming what to use",
+    "standalone, byte for byte",
     "[e2e][qwen_image]") {
   const lorastream::testing::TempDir run_dir("e2e-qwen-image");
   const std::string& dir = run_dir.str();
@@ -75,10 +92,76 @@ TEST_CASE(
     CHECK(a == ReadAll(dir + "/qi/out-alone/" + file));
   }
   CHECK(fs::is_directory(dir + "/qi/out-cluster/checkpoint-20"));
+}
 
+TEST_CASE(
+    "`lorastream up --job` trains a Qwen-Image job from a store of the checkpoint it names, equal "
+    "to the job trained standalone from the checkpoint, byte for byte",
+    "[e2e][qwen_image][up]") {
+  const lorastream::testing::TempDir run_dir("e2e-qwen-image-up");
+  const std::string& dir = run_dir.str();
+  const std::string job = ExampleJob(dir, "qi", "replaced-by-up");
   int code = -1;
-  lorastream::RunAndCapture({kBin + "/lorastream", "up", "--job", job}, &code, 60, dir + "/up.log");
+  const std::string out =
+      lorastream::RunAndCapture({kBin + "/lorastream", "up", "--job", job, "--device", "cpu",
+                                 "--run-dir", dir + "/run", "--no-watch"},
+                                &code, 600, dir + "/up.stderr");
+  INFO(out << ReadAll(dir + "/up.stderr"));
+  REQUIRE(code == 0);
+  // The store serves the checkpoint the job names; the job sent names the store instead.
+  CHECK_THAT(out, Catch::Contains("(" + dir + "/qi/qwen_image.safetensors)"));
+  CHECK_THAT(out, Catch::Contains("1 worker(s): cpu"));
+  CHECK_THAT(out, Catch::Contains("qwen-image-tiny-demo     succeeded  step 20/20, "));
+  CHECK_THAT(out, Catch::Contains(dir + "/run/adapters/qi"));
+  const std::string sent = ReadAll(dir + "/run/jobs/qi.toml");
+  INFO(sent);
+  CHECK_THAT(sent, Catch::Contains("store = ") && !Catch::Contains("checkpoint = ") &&
+                       Catch::Contains(dir + "/qi/cache"));
+  CHECK_THAT(ReadAll(dir + "/run/logs/store.log"),
+             Catch::Contains("published: 2 Qwen-Image blocks + rest"));
+  // The worker trains from the store's mapping, not from the checkpoint.
+  CHECK_THAT(
+      ReadAll(dir + "/run/logs/worker-0.log"),
+      Catch::Contains("Qwen-Image store `") && Catch::Contains("joins the Qwen-Image group"));
+
+  TrainStandalone(ExampleJob(dir, "alone", "out-alone"), dir + "/alone.log");
+  for (const char* file : {"adapter_comfyui.safetensors", "pytorch_lora_weights.safetensors"}) {
+    INFO(file);
+    const std::string a = ReadAll(dir + "/run/adapters/qi/" + file);
+    CHECK(!a.empty());
+    CHECK(a == ReadAll(dir + "/qi/out-alone/" + file));
+  }
+  const std::map<int64_t, double> losses = Losses(dir + "/run/adapters/qi/stats.jsonl");
+  CHECK(losses.size() == 20);
+  CHECK(losses == Losses(dir + "/qi/out-alone/stats.jsonl"));
+
+  // A job starting from an adapter named relative to its folder (lora.init_from): the copy
+  // `up` sends names it absolute, and the job trains from it.
+  std::string from = ReadAll(job);
+  from.replace(from.find("[lora]\n"), 7, "[lora]\ninit_from = \"out-alone\"\n");
+  std::ofstream(dir + "/qi/from.toml") << from;
+  const std::string again =
+      lorastream::RunAndCapture({kBin + "/lorastream", "up", "--job", dir + "/qi/from.toml",
+                                 "--device", "cpu", "--run-dir", dir + "/run-from", "--no-watch"},
+                                &code, 600, dir + "/up-from.stderr");
+  INFO(again << ReadAll(dir + "/up-from.stderr"));
+  CHECK(code == 0);
+  CHECK_THAT(ReadAll(dir + "/run-from/jobs/from.toml"),
+             Catch::Contains("init_from = '" + dir + "/qi/out-alone'") ||
+                 Catch::Contains("init_from = \"" + dir + "/qi/out-alone\""));
+  CHECK_THAT(again, Catch::Contains("succeeded  step 20/20, "));
+}
+
+TEST_CASE("`lorastream up` of Qwen-Image without a job names one to give, starting nothing",
+          "[e2e][qwen_image][up]") {
+  const lorastream::testing::TempDir run_dir("e2e-qwen-image-up-nojob");
+  const std::string& dir = run_dir.str();
+  int code = -1;
+  lorastream::RunAndCapture({kBin + "/lorastream", "up", "--preset", "qwen-image-tiny", "--device",
+                             "cpu", "--run-dir", dir + "/run", "--no-watch"},
+                            &code, 120, dir + "/up.log");
   CHECK(code != 0);
   CHECK_THAT(ReadAll(dir + "/up.log"),
-             Catch::Contains("is a Qwen-Image job, which `lorastream up` does not run yet"));
+             Catch::Contains("no Qwen-Image example job") && Catch::Contains("--job"));
+  CHECK_FALSE(fs::exists(dir + "/run/logs"));  // nothing started
 }
