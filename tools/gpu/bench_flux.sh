@@ -21,7 +21,8 @@
 #   also the runs on a compressed store)  LORASTREAM_BUILD_DIR (build/)
 #   FLUX_BENCH_PROFILE (0; 1: steps 3 and 4 of each single-job run profiled with
 #   `lorastream-worker train --profile` into OUT/flux/profile_RUN.json(.md), the peer's with
-#   torch.profiler into OUT/flux/profile_peer-CONFIGURATION.md)
+#   torch.profiler into OUT/flux/profile_peer-CONFIGURATION.md; profiled steps run slower, so a profiled run's
+#   medians are no timings: profile in a run of its own)
 # On a CPU, with flux-tiny: FLUX_BENCH_PRESET=flux-tiny FLUX_BENCH_DEVICE=cpu
 #   FLUX_BENCH_DTYPE=f32 FLUX_BENCH_PIXELS=64x64 FLUX_BENCH_TEXT_TOKENS=8 FLUX_BENCH_BUDGET=4MiB
 #   (with FLUX_BENCH_QUANTIZE=fp8: FLUX_BENCH_BUDGET=5MiB, for its expansion scratch)

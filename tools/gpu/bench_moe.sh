@@ -34,7 +34,8 @@
 #   e.g. "sdpa, experts grouped_mm, checkpointed"; default: all)
 #   MOE_BENCH_PROFILE (0; 1: the two steps after the warm-up of each run profiled, ours with
 #   `lorastream-worker train --profile` into OUT/moe/profile_RUN.json(.md), the peer's with
-#   torch.profiler into OUT/moe/profile_peer-CONFIGURATION.md)
+#   torch.profiler into OUT/moe/profile_peer-CONFIGURATION.md; profiled steps run slower, so a profiled run's
+#   medians are no timings: profile in a run of its own)
 # On a CPU, with tiny-moe: MOE_BENCH_PRESET=tiny-moe MOE_BENCH_LAYERS=4 MOE_BENCH_TOKENS=64
 #   MOE_BENCH_DEVICE=cpu MOE_BENCH_DTYPE=f32 MOE_BENCH_BUDGET=1MiB MOE_BENCH_RUNS=resident,streamed,group
 set -uo pipefail

@@ -38,7 +38,8 @@
 #   the jobs' train.dtype)  QI_BENCH_PEER_DEADLINE (60: seconds per peer configuration)
 #   QI_BENCH_PEER_ARGS (more options of bench_qwen_image_peer.py, e.g. "--compile")
 #   QI_BENCH_PROFILE (0; 1: the two steps after the warm-up of each run profiled: ours into
-#   OUT/qwen_image/profile_RUN.json(.md), the peer's into profile_peer-CONFIGURATION.md)
+#   OUT/qwen_image/profile_RUN.json(.md), the peer's into profile_peer-CONFIGURATION.md; profiled steps run slower, so a profiled run's
+#   medians are no timings: profile in a run of its own)
 #   QI_BENCH_PEAK_TFLOPS (790: the compute floors' rate)  QI_BENCH_TIMEOUT (600: seconds per
 #   run)  QI_BENCH_PEER_TIMEOUT (QI_BENCH_TIMEOUT: the peer's, every configuration; what ran
 #   before it stays in peer.json)  QI_BENCH_WORK (a folder under /dev/shm, removed at the end)
