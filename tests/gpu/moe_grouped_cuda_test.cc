@@ -7,6 +7,7 @@
 // views of one buffer (the store's layout) and as separate tensors give the same bits.
 #include "tests/worker/torch_catch.h"  // first: see there
 
+#include <array>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -142,4 +143,48 @@ TEST_CASE("CUDA: grouped expert GEMMs equal the per-expert GEMMs to bf16 roundin
   }
   // kAuto takes the grouped GEMMs here.
   CHECK(at::equal(Run(x, dy, packed, c, jobs, MoeGemms::kAuto).y, got.y));
+
+  // Jobs whose experts' factors come stacked (LoraBlockCast::experts_a/b, as a training step
+  // hands them over) give the bits of the same factors one by one: alone, and two jobs of one
+  // rank at different scales.
+  std::array<at::Tensor, 3> stacked_a, stacked_b;
+  for (int p = 0; p < 3; ++p) {
+    std::vector<at::Tensor> as, bs;
+    for (const ExpertLora& e : loras[0].experts) {
+      as.push_back(e.a[p]);
+      bs.push_back(e.b[p]);
+    }
+    stacked_a[static_cast<size_t>(p)] = at::stack(as);
+    stacked_b[static_cast<size_t>(p)] = at::stack(bs);
+  }
+  LoraBlock views;  // loras[0] as views of the stacks, as CastLoraBlock makes them
+  views.experts.resize(static_cast<size_t>(e_count));
+  for (int64_t e = 0; e < e_count; ++e)
+    for (int p = 0; p < 3; ++p) {
+      views.experts[static_cast<size_t>(e)].a[p] = stacked_a[static_cast<size_t>(p)][e];
+      views.experts[static_cast<size_t>(e)].b[p] = stacked_b[static_cast<size_t>(p)][e];
+    }
+  for (const std::vector<double>& scales : {std::vector<double>{2.0}, {2.0, 0.5}}) {
+    std::vector<MoeJob> loose, whole;
+    int64_t offset = 0;
+    for (double scale : scales) {
+      const int64_t rows = scales.size() == 1 ? 64 : 32;
+      loose.push_back({offset, rows, &loras[0], scale});
+      whole.push_back({offset, rows, &views, scale, stacked_a, stacked_b});
+      offset += rows;
+    }
+    INFO(scales.size() << " job(s)");
+    const Pass a = Run(x, dy, packed, c, loose, MoeGemms::kGrouped);
+    const Pass b = Run(x, dy, packed, c, whole, MoeGemms::kGrouped);
+    CHECK(at::equal(a.y, b.y));
+    CHECK(at::equal(a.dx, b.dx));
+    for (size_t j = 0; j < scales.size(); ++j)
+      for (int64_t e = 0; e < e_count; ++e)
+        for (int p = 0; p < 3; ++p) {
+          CHECK(at::equal(a.grads[j].experts[static_cast<size_t>(e)].a[p],
+                          b.grads[j].experts[static_cast<size_t>(e)].a[p]));
+          CHECK(at::equal(a.grads[j].experts[static_cast<size_t>(e)].b[p],
+                          b.grads[j].experts[static_cast<size_t>(e)].b[p]));
+        }
+  }
 }

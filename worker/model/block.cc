@@ -345,7 +345,8 @@ std::vector<MoeJob> MoeJobs(const GroupRows& rows, const std::vector<BlockJob>& 
       throw Error(ErrorCode::kRefused,
                   "lora.dropout must be 0 for a mixture of experts (" + c.config->model_type +
                       "): peft applies no dropout to transformers 5's fused experts");
-    out.push_back({rows.offset(j), rows.rows(j), &jobs[j].lora->lora, c.lora_scale});
+    out.push_back({rows.offset(j), rows.rows(j), &jobs[j].lora->lora, c.lora_scale,
+                   jobs[j].lora->experts_a, jobs[j].lora->experts_b});
   }
   return out;
 }
@@ -492,12 +493,32 @@ LoraBlockCast CastLoraBlock(const LoraBlock& lora, c10::ScalarType dtype) {
   cast.stacked[kGateUpGroup] = stack(GateUp(none));
   cast.stacked[kDownGroup] = stack(Down(none));
   cast.lora.experts.resize(lora.experts.size());
-  for (size_t e = 0; e < lora.experts.size(); ++e)
-    for (int p = 0; p < 3; ++p) {
+  for (int p = 0; p < 3; ++p) {
+    // Stacked when every expert adapts the projection at one shape (as every adapter we make
+    // does): two kernels for the experts instead of two per expert.
+    std::vector<at::Tensor> as, bs;
+    for (const ExpertLora& e : lora.experts) {
+      if (!e.a[p].defined() || !e.a[p].sizes().equals(lora.experts.front().a[p].sizes()) ||
+          !e.b[p].sizes().equals(lora.experts.front().b[p].sizes()))
+        break;
+      as.push_back(e.a[p]);
+      bs.push_back(e.b[p]);
+    }
+    if (!as.empty() && as.size() == lora.experts.size()) {
+      cast.experts_a[p] = at::stack(as).to(dtype);
+      cast.experts_b[p] = at::stack(bs).to(dtype);
+      for (size_t e = 0; e < lora.experts.size(); ++e) {
+        cast.lora.experts[e].a[p] = cast.experts_a[p][static_cast<int64_t>(e)];
+        cast.lora.experts[e].b[p] = cast.experts_b[p][static_cast<int64_t>(e)];
+      }
+      continue;
+    }
+    for (size_t e = 0; e < lora.experts.size(); ++e) {
       if (!lora.experts[e].a[p].defined()) continue;
       cast.lora.experts[e].a[p] = lora.experts[e].a[p].to(dtype);
       cast.lora.experts[e].b[p] = lora.experts[e].b[p].to(dtype);
     }
+  }
   return cast;
 }
 

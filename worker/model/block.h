@@ -68,6 +68,10 @@ constexpr int kNumGroups = 4;
 struct LoraBlockCast {
   LoraBlock lora;
   std::array<at::Tensor, kNumGroups> stacked;
+  // A mixture of experts: every expert's A [E, r, in] and B [E, out, r] of gate, up and down
+  // (undefined where not adapted), cast in one kernel each; lora.experts[e] holds views of
+  // them. The grouped expert GEMMs read them whole.
+  std::array<at::Tensor, 3> experts_a, experts_b;
 };
 LoraBlockCast CastLoraBlock(const LoraBlock& lora, c10::ScalarType dtype);
 

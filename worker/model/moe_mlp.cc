@@ -154,6 +154,28 @@ StackedLowRank StackLowRank(const std::vector<MoeJob>& jobs, int64_t experts, in
     for (int64_t e = 0; e < experts; ++e)
       if (const at::Tensor* a = ExpertA(job, e, proj)) s.rank = std::max(s.rank, a->size(0));
   if (s.rank == 0) return s;
+  // Every job's experts stacked at the full rank (the adapters we make): their stacks
+  // interleaved by expert, one kernel for A and one for B, a job's scale folded into a copy.
+  bool whole = true;
+  for (const MoeJob& job : jobs)
+    whole = whole && job.stacked_a[proj].defined() && job.stacked_a[proj].size(1) == s.rank;
+  if (whole) {
+    if (jobs.size() == 1) {
+      s.a = jobs[0].stacked_a[proj];
+      s.b =
+          jobs[0].scale == 1.0 ? jobs[0].stacked_b[proj] : jobs[0].stacked_b[proj] * jobs[0].scale;
+      return s;
+    }
+    std::vector<at::Tensor> as, bs;
+    for (const MoeJob& job : jobs) {
+      as.push_back(job.stacked_a[proj]);
+      bs.push_back(job.stacked_b[proj]);
+    }
+    s.a = at::stack(as, 1).view({experts * static_cast<int64_t>(jobs.size()), s.rank, in});
+    s.b = at::stack(bs, 1).view({experts * static_cast<int64_t>(jobs.size()), out, s.rank});
+    ScaleByJob(s.b, jobs, experts);
+    return s;
+  }
   std::vector<at::Tensor> as, bs;
   for (int64_t e = 0; e < experts; ++e)
     for (const MoeJob& job : jobs) {

@@ -30,11 +30,13 @@ namespace lorastream::worker {
 
 // One job's part of a group's MoE pass: its rows [offset, offset + rows) of the group's
 // concatenated tokens, its block adapter in the compute dtype (experts[e] sized when it
-// targets the experts), its LoRA scale.
+// targets the experts), its LoRA scale, and where the adapter has them, its experts' A and B
+// of gate, up and down stacked ([E, r, in], [E, out, r]; lora->experts[e] are views of them).
 struct MoeJob {
   int64_t offset = 0, rows = 0;
   const LoraBlock* lora = nullptr;
   double scale = 1.0;
+  std::array<at::Tensor, 3> stacked_a, stacked_b;
 };
 
 // How the experts' GEMMs run. kPerExpert: one GEMM per expert and projection over its tokens
