@@ -140,7 +140,8 @@ void ScaleByJob(const at::Tensor& t, const std::vector<MoeJob>& jobs, int64_t ex
 }
 
 // The (expert, job) groups' low-rank factors of `proj` as [E J, r, in] and [E J, out, r] (B
-// times its job's scale), r the largest rank of the jobs adapting it, a smaller rank's padded
+// times its job's scale), r the largest rank of the jobs adapting it rounded up to a multiple
+// of 8, a smaller rank's padded
 // with zeros (they add nothing), a job not adapting it all zeros; undefined where no job
 // adapts it.
 struct StackedLowRank {
@@ -154,6 +155,8 @@ StackedLowRank StackLowRank(const std::vector<MoeJob>& jobs, int64_t experts, in
     for (int64_t e = 0; e < experts; ++e)
       if (const at::Tensor* a = ExpertA(job, e, proj)) s.rank = std::max(s.rank, a->size(0));
   if (s.rank == 0) return s;
+  // A multiple of 8: at::_grouped_mm takes rows of 16-byte multiples ([M, r] in bf16).
+  s.rank = (s.rank + 7) / 8 * 8;
   // Every job's experts stacked at the full rank (the adapters we make): their stacks
   // interleaved by expert, one kernel for A and one for B, a job's scale folded into a copy.
   bool whole = true;
@@ -306,13 +309,14 @@ at::Tensor GroupedBackward(MoeTape& tape, const at::Tensor& x, const BlockWeight
 }
 #endif
 
-bool UseGrouped(const at::Tensor& x, bool per_job_gemms, MoeGemms gemms) {
+bool UseGrouped(const at::Tensor& x, const ModelConfig& config, bool per_job_gemms,
+                MoeGemms gemms) {
   if (gemms == MoeGemms::kPerExpert) return false;
-  const bool available = GroupedMoeAvailable(x) && !per_job_gemms;
+  const bool available = GroupedMoeAvailable(config, x.device(), x.scalar_type()) && !per_job_gemms;
   if (gemms == MoeGemms::kGrouped && !available)
     throw Error(ErrorCode::kUnsupported,
-                "grouped expert GEMMs need CUDA, bf16 and LibTorch 2.9 or later, and one GEMM "
-                "over every job's tokens");
+                "grouped expert GEMMs need CUDA, bf16, LibTorch 2.9 or later, widths that are "
+                "multiples of 8, and one GEMM over every job's tokens");
   return available;
 }
 
@@ -326,13 +330,21 @@ bool GroupedMoeAvailable(const at::Tensor& x) {
   return GroupedMoeAvailable(x.device(), x.scalar_type());
 }
 
+bool GroupedMoeAvailable(const ModelConfig& config, const c10::Device& device,
+                         c10::ScalarType dtype) {
+  // Rows of 16-byte multiples for at::_grouped_mm.
+  return GroupedMoeAvailable(device, dtype) && config.hidden_size % 8 == 0 &&
+         config.moe_intermediate_size % 8 == 0;
+}
+
 at::Tensor MoeForward(const at::Tensor& x, const BlockWeights& w, const ModelConfig& config,
                       const std::vector<MoeJob>& jobs, bool per_job_gemms, MoeTape* tape,
                       MoeGemms gemms) {
   CheckWeights(w, config);
   // Grouped where it runs, for a taped pass or one without autograd (the reference path, an
   // untaped pass under grad mode, is autograd's over per-expert GEMMs).
-  const bool grouped = UseGrouped(x, per_job_gemms, gemms) && (tape || !at::GradMode::is_enabled());
+  const bool grouped =
+      UseGrouped(x, config, per_job_gemms, gemms) && (tape || !at::GradMode::is_enabled());
   const int64_t n = x.size(0), k = config.num_experts_per_tok;
   const std::vector<Segment> segments = Segments(jobs, per_job_gemms, n);
   const at::Tensor logits = SegmentedMm(x, w.router, segments);  // [N, E]

@@ -50,9 +50,12 @@ enum class MoeGemms { kAuto, kPerExpert, kGrouped };
 
 // Whether kGrouped runs for x here (its device, its dtype, this LibTorch).
 bool GroupedMoeAvailable(const at::Tensor& x);
-// The same for a computation on `device` in `dtype`. Where it runs (and kAuto), a
-// mixture-of-experts pass never waits for the device: its steps may run as CUDA graphs.
+// The same for a computation on `device` in `dtype`.
 bool GroupedMoeAvailable(const c10::Device& device, c10::ScalarType dtype);
+// And for a model of `config` (its widths multiples of 8). Where this holds, kAuto groups, and
+// a mixture-of-experts pass never waits for the device: its steps may run as CUDA graphs.
+bool GroupedMoeAvailable(const ModelConfig& config, const c10::Device& device,
+                         c10::ScalarType dtype);
 
 // What a taped MoE pass keeps for its backward.
 struct MoeTape {

@@ -40,7 +40,7 @@ bool CudaGraphsEnabled() {
 bool CudaGraphsApply(const c10::Device& device, c10::ScalarType dtype, double lora_dropout,
                      const ModelConfig& config) {
   return device.is_cuda() && CudaGraphsEnabled() && lora_dropout == 0 &&
-         (!config.is_moe() || GroupedMoeAvailable(device, dtype));
+         (!config.is_moe() || GroupedMoeAvailable(config, device, dtype));
 }
 
 #ifdef LORASTREAM_HAVE_CUDA
