@@ -369,3 +369,28 @@ TEST_CASE("Qwen3-8B with NF4 blocks and an NF4 LM head trains at 2048 tokens wit
   CHECK(HeadSliceRows(100000, 64, StoreQuantFormat(QuantMethod::kNf4), 1000) == 256);
   CHECK(HeadSliceRows(300, 64, StoreQuantFormat(QuantMethod::kNf4)) == 300);
 }
+
+TEST_CASE("a mixture of experts' tape holds its routed rows", "[worker]") {
+  // Qwen3-30B-A3B's block: 128 experts of width 768, 8 per token; the taped block keeps each
+  // routed row's gate, up and product (the dispatch width k x 768 per token) and its expert's
+  // output before the routing weight (k x hidden), the router's f32 logits and the sorted
+  // slots (int64 order and token per routed row).
+  ModelConfig c = Qwen3_8bShape();
+  c.model_type = "qwen3_moe";
+  c.hidden_size = 2048;
+  c.num_attention_heads = 32;
+  c.num_key_value_heads = 4;
+  c.head_dim = 128;
+  c.num_experts = 128;
+  c.num_experts_per_tok = 8;
+  c.moe_intermediate_size = 768;
+  REQUIRE(c.is_moe());
+  const MemoryModelInputs in = InputsFor(c, 2048);
+  const MemoryEstimate e = EstimateMemory(in, PlanFromSwapCount(c.num_hidden_layers, 0, 1));
+  const uint64_t t = 2048, b = 2, h = 2048, q = 4096, kv = 512, inter = 8 * 768;
+  const uint64_t lora_pieces = t * b * 16 * 7;  // InputsFor's rank 16 on the 7 default targets
+  REQUIRE(e.tape == t * b * (3 * h + 4 * q + 3 * kv + 3 * inter + 8 * h) + lora_pieces +
+                        32 * t * 4 + (2 + 32 + 4) * t * 4 + t * (4 * 128 + 16 * 8));
+  // The expert outputs alone are 64 MiB of the block's tape at 2048 tokens.
+  REQUIRE(t * b * 8 * h == 64ULL << 20);
+}

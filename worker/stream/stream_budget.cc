@@ -162,9 +162,14 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& 
     e.block_working +=
         t * b * (8 * h + 4 * (q + 2 * kv) + 6 * inter + routed) + 2 * lora_pieces + dropout;
     // attention's saved probabilities where it materialises them, else its logsumexp.
-    e.tape += t * b * (3 * h + 4 * q + 3 * kv + 3 * inter) + lora_pieces +
+    // A mixture of experts' tape also keeps each routed row's expert output before its
+    // routing weight (k x hidden per token), the router's f32 logits and the sorted slots'
+    // order and tokens (int64).
+    const uint64_t experts = c.is_moe() ? static_cast<uint64_t>(c.num_experts) : 0;
+    e.tape += t * b * (3 * h + 4 * q + 3 * kv + 3 * inter + k * h) + lora_pieces +
               (in.attention_materialized ? heads * t * t * b : heads * t * 4) +
-              (2 + heads + static_cast<uint64_t>(c.num_key_value_heads)) * t * 4 + dropout;
+              (2 + heads + static_cast<uint64_t>(c.num_key_value_heads)) * t * 4 +
+              t * (4 * experts + 16 * k) + dropout;
     e.attention += in.attention_materialized ? heads * t * t * b * 2 : heads * t * 4;
     const int64_t chunk_rows = HeadChunkRows(tokens, c.vocab_size, c.hidden_size,
                                              in.head_chunk_bytes, in.fused_cross_entropy);
