@@ -7,10 +7,9 @@
 #pragma once
 
 #include "common/job_spec.h"
+#include "common/model_family.h"
 
 namespace lorastream {
-
-enum class ModelFamily { kLlm, kFlux, kQwenImage };
 
 // The family of a job with (or without) a [flux] and a [qwen_image] section; [flux] first,
 // as ParseJobSpec reads them.
@@ -19,20 +18,6 @@ inline ModelFamily JobFamily(bool has_flux_section, bool has_qwen_image_section)
   return has_qwen_image_section ? ModelFamily::kQwenImage : ModelFamily::kLlm;
 }
 inline ModelFamily JobFamily(const JobSpec& s) { return JobFamily(s.is_flux, s.is_qwen_image); }
-
-// As logs and refusals name it (Manifest::family() adds an LLM's model_type): "LLM",
-// "FLUX.1", "Qwen-Image".
-inline const char* ModelFamilyName(ModelFamily f) {
-  switch (f) {
-    case ModelFamily::kFlux:
-      return "FLUX.1";
-    case ModelFamily::kQwenImage:
-      return "Qwen-Image";
-    case ModelFamily::kLlm:
-      break;
-  }
-  return "LLM";
-}
 
 inline bool IsLanguageModelJob(const JobSpec& s) { return JobFamily(s) == ModelFamily::kLlm; }
 

@@ -236,9 +236,8 @@ const TensorSlice* Manifest::head() const {
 }
 
 std::string Manifest::family() const {
-  if (is_flux()) return "FLUX.1";
-  if (is_qwen_image()) return "Qwen-Image";
-  return "LLM (" + config.model_type + ")";
+  const ModelFamily f = model_family();
+  return f == ModelFamily::kLlm ? "LLM (" + config.model_type + ")" : ModelFamilyName(f);
 }
 
 std::string Manifest::block_prefix(size_t i) const {

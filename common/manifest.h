@@ -9,6 +9,7 @@
 #include "common/dtype.h"
 #include "common/flux_config.h"
 #include "common/model_config.h"
+#include "common/model_family.h"
 #include "common/quant_format.h"
 #include "common/qwen_image_config.h"
 #include "common/tokenizer_id.h"
@@ -68,8 +69,13 @@ struct Manifest {
   // A diffusion transformer's store (FLUX.1 or Qwen-Image): its units name their tensors in
   // full ("double_blocks.0.img_attn.qkv.weight"), and it has no LM head.
   bool is_diffusion() const { return is_flux() || is_qwen_image(); }
-  // The model family, as logs, listings and refusals name it: "FLUX.1", "Qwen-Image", or
-  // "LLM (MODEL_TYPE)".
+  // The model family its units belong to, and as logs, listings and refusals name it:
+  // "FLUX.1", "Qwen-Image", or "LLM (MODEL_TYPE)".
+  ModelFamily model_family() const {
+    return is_flux()         ? ModelFamily::kFlux
+           : is_qwen_image() ? ModelFamily::kQwenImage
+                             : ModelFamily::kLlm;
+  }
   std::string family() const;
   // What block i's tensor names are relative to: "model.layers.I." for an LLM, "" for a
   // diffusion store (its names are full).

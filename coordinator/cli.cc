@@ -23,6 +23,7 @@
 #include "common/cli_main.h"
 #include "common/error.h"
 #include "common/job_data.h"
+#include "common/job_kind.h"
 #include "common/job_paths.h"
 #include "common/job_spec.h"
 #include "common/log.h"
@@ -117,7 +118,7 @@ std::string StoreProblem(const JobSpec& spec) {
   if (!record || record->json.empty())
     return "";  // not here or not yet published: the worker checks
   const Manifest m = ManifestFromJson(record->json, "store `" + spec.model.store + "`");
-  if (spec.is_flux != m.is_flux() || spec.is_qwen_image != m.is_qwen_image())
+  if (JobFamily(spec) != m.model_family())
     return spec.source + ": key `" + (spec.is_flux ? "flux.store" : "model.store") + "`: store `" +
            spec.model.store + "` serves " + m.family() +
            (spec.is_flux ? ", not FLUX.1 (serve a FLUX checkpoint: lorastream-store serve PATH)"

@@ -64,7 +64,7 @@ FluxBase FluxBase::Load(const std::string& path, int64_t singles_per_unit, c10::
 
 FluxBase FluxBase::FromStore(const std::string& name, c10::ScalarType dtype, c10::Device device) {
   AttachedUnits a = AttachUnitStore(
-      name, "FLUX.1",
+      name, ModelFamily::kFlux,
       "flux.store names a store of a FLUX checkpoint: lorastream-store serve FLUX_PATH",
       "flux.dtype", dtype, device);
   FluxBase b;

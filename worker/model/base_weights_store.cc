@@ -33,7 +33,7 @@ const BlockWeights& BaseWeights::block(int i) const {
 BaseWeights BaseWeights::FromStore(const std::string& name) {
   auto store = std::make_shared<store::AttachedStore>(store::AttachedStore::Attach(name));
   const Manifest& m = store->manifest();
-  if (m.is_diffusion())
+  if (m.model_family() != ModelFamily::kLlm)
     throw Error(ErrorCode::kRefused,
                 "store `" + name + "` serves " + m.family() + ", not an LLM: " +
                     (m.is_flux() ? "a FLUX job names it as flux.store in its [flux] section"

@@ -60,14 +60,14 @@ ResidencyPlan UnitSwapPlan(int units, int64_t blocks_to_swap, int64_t ring_size,
   return PlanFromSwapCount(units, static_cast<int>(blocks_to_swap), static_cast<int>(ring_size));
 }
 
-void RequireStoreFamily(const Manifest& m, const std::string& name, const std::string& family,
+void RequireStoreFamily(const Manifest& m, const std::string& name, ModelFamily family,
                         const std::string& serve_hint) {
-  if (m.family() != family)
+  if (m.model_family() != family)
     throw Error(ErrorCode::kRefused, "store `" + name + "` serves " + m.family() + ", not " +
-                                         family + " (" + serve_hint + ")");
+                                         ModelFamilyName(family) + " (" + serve_hint + ")");
 }
 
-AttachedUnits AttachUnitStore(const std::string& name, const std::string& family,
+AttachedUnits AttachUnitStore(const std::string& name, ModelFamily family,
                               const std::string& serve_hint, const std::string& dtype_key,
                               c10::ScalarType dtype, c10::Device device) {
   auto store = std::make_shared<store::AttachedStore>(store::AttachedStore::Attach(name));
@@ -79,11 +79,11 @@ AttachedUnits AttachUnitStore(const std::string& name, const std::string& family
   // stored, so its dtype must be the job's.
   const bool compressed = m.quant().compressed();
   if (!compressed && m.dtype != DTypeOf(dtype))
-    throw Error(ErrorCode::kRefused, where + " holds " + DTypeName(m.dtype) +
-                                         " weights but the job computes in " +
-                                         DTypeName(DTypeOf(dtype)) + ": set " + dtype_key +
-                                         " = \"" + (m.dtype == DType::kBF16 ? "bf16" : "f32") +
-                                         "\" (a " + family + " job computes in its store's dtype)");
+    throw Error(ErrorCode::kRefused,
+                where + " holds " + DTypeName(m.dtype) + " weights but the job computes in " +
+                    DTypeName(DTypeOf(dtype)) + ": set " + dtype_key + " = \"" +
+                    (m.dtype == DType::kBF16 ? "bf16" : "f32") + "\" (a " +
+                    ModelFamilyName(family) + " job computes in its store's dtype)");
   AttachedUnits a;
   a.manifest = m;  // the units stream straight from the read-only mapping
   a.manifest.dtype = DTypeOf(dtype);

@@ -52,17 +52,17 @@ struct AttachedUnits {
   std::string description;  // for the log: "store `NAME` (SOURCE[, linears ...])"
 };
 // Refuses (kRefused) store `name`, whose manifest is `m`, unless it serves model family
-// `family` (Manifest::family(): "FLUX.1", "Qwen-Image"), naming the store's family and
+// `family` (Manifest::model_family()), naming the store's family and
 // `serve_hint` (how the job names its family's store).
-void RequireStoreFamily(const Manifest& m, const std::string& name, const std::string& family,
+void RequireStoreFamily(const Manifest& m, const std::string& name, ModelFamily family,
                         const std::string& serve_hint);
-// Store `name` of model family `family` (Manifest::family(): "FLUX.1", "Qwen-Image"),
+// Store `name` of model family `family` (Manifest::model_family()),
 // attached. Refuses (kRefused) a store of another family, naming the store's family and
 // `serve_hint` (how the job names its family's store), and a plain store of another dtype
 // than `dtype`, naming both and `dtype_key` (the job's key that sets it). A compressed store
 // (`serve --quantize`) goes with any dtype: its units are copied compressed and expanded on
 // the device (worker/stream/stream_engine.h).
-AttachedUnits AttachUnitStore(const std::string& name, const std::string& family,
+AttachedUnits AttachUnitStore(const std::string& name, ModelFamily family,
                               const std::string& serve_hint, const std::string& dtype_key,
                               c10::ScalarType dtype, c10::Device device);
 

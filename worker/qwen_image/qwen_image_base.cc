@@ -46,8 +46,8 @@ QwenImageBase QwenImageBase::Load(const std::string& path, c10::ScalarType dtype
 
 QwenImageBase QwenImageBase::FromStore(const std::string& name, c10::ScalarType dtype,
                                        c10::Device device) {
-  AttachedUnits a =
-      AttachUnitStore(name, "Qwen-Image", kQwenImageServeHint, "train.dtype", dtype, device);
+  AttachedUnits a = AttachUnitStore(name, ModelFamily::kQwenImage, kQwenImageServeHint,
+                                    "train.dtype", dtype, device);
   QwenImageBase b;
   b.config_ = a.manifest.qwen_image;
   b.manifest_ = std::move(a.manifest);

@@ -237,7 +237,8 @@ Manifest QwenImageJobManifest(const JobSpec& spec, DType dtype) {
     return QwenImageManifest(QwenImageCheckpointReader::Open(spec.model.checkpoint).config(), dtype,
                              Manifest{}.alignment);
   const store::AttachedStore store = store::AttachedStore::Attach(spec.model.store);
-  RequireStoreFamily(store.manifest(), spec.model.store, "Qwen-Image", kQwenImageServeHint);
+  RequireStoreFamily(store.manifest(), spec.model.store, ModelFamily::kQwenImage,
+                     kQwenImageServeHint);
   return store.manifest();
 }
 
