@@ -54,6 +54,7 @@ FluxMemoryInputs FluxMemoryInputsFor(const FluxBase& base, const FluxJob& job,
   for (const auto& [name, t] : base.rest())
     in.rest_bytes += static_cast<uint64_t>(t.numel() * t.element_size());
   in.lora_params = LoraParams(in.config, FluxTargets(job.targets, "flux.targets"), job.rank);
+  in.lora_rank = job.rank;
   in.batch = job.batch_size;
   const auto [h, w] = data.largest_latent();
   in.image_tokens = (h / 2) * (w / 2);
