@@ -76,7 +76,7 @@ std::string DitMemoryEstimate::Describe() const {
     << " + working max(fwd " << FormatBytes(forward_working) << ", bwd "
     << FormatBytes(backward_working) << ") + attention " << FormatBytes(attention);
   if (taped > 0)
-    s << " + " << taped << " taped unit" << (taped == 1 ? "" : "s") << "' activations "
+    s << " + activations of " << taped << " taped unit" << (taped == 1 ? "" : "s") << " "
       << FormatBytes(tapes) << " (" << FormatBytes(tapes - first_backward) << " in the backward)";
   s << " + reserve " << FormatBytes(reserve) << " = " << FormatBytes(total());
   return s.str();
@@ -157,6 +157,27 @@ ResidencyPlan DitFillTapedUnits(const DitMemoryModel& m, const DitJob& job,
 }
 
 ResidencyPlan DitSmallestPlan(const DitMemoryModel& m) { return DitResidency(m, KindCounts(m), 1); }
+
+ResidencyPlan DitApplyTapedUnits(const DitMemoryModel& m, const DitJob& job,
+                                 const std::vector<DitJob>& group, ResidencyPlan plan,
+                                 uint64_t budget_bytes, int64_t taped, const std::string& key) {
+  if (taped < -1)
+    throw Error(ErrorCode::kRefused, key +
+                                         " must be 0 (the plan's), -1 (as many as fit) or a "
+                                         "count (found " +
+                                         std::to_string(taped) + ")");
+  plan.tape_resident_only = true;
+  if (taped > 0) {
+    const int resident = m.expanded_bytes.empty() ? plan.num_blocks() - plan.num_streamed() : 0;
+    plan.taped_blocks = static_cast<int>(std::min<int64_t>(taped, resident));
+  } else if (taped == -1) {
+    plan.taped_blocks = 0;
+    const uint64_t bound =
+        budget_bytes > 0 ? budget_bytes : EstimateDitMemory(m, job, group, plan).total();
+    plan = DitFillTapedUnits(m, job, group, plan, bound);
+  }
+  return plan;
+}
 
 std::string DitGroupBudgetRefusal(const DitMemoryModel& m, const DitJob& job,
                                   const std::vector<DitJob>& group, uint64_t budget_bytes) {
@@ -269,21 +290,27 @@ PlanChoice ChooseDitPlan(const DitMemoryModel& m, const DitJob& job,
 }
 
 PlanChoice PlanDitJob(const DitMemoryModel& m, const DitJob& job, const std::vector<DitJob>& group,
-                      const StepCosts& costs, uint64_t budget_bytes, const ResidencyPlan& hand) {
+                      const StepCosts& costs, uint64_t budget_bytes, const ResidencyPlan& hand,
+                      int64_t taped) {
+  PlanChoice choice;
   if (budget_bytes > 0) {
     if (!group.empty())
       if (const std::string why = DitGroupBudgetRefusal(m, job, group, budget_bytes); !why.empty())
         throw Error(ErrorCode::kRefused, why);
-    return ChooseDitPlan(m, job, group, costs, budget_bytes);
+    choice = ChooseDitPlan(m, job, group, costs, budget_bytes);
+  } else {
+    CandidatePlan c;
+    c.plan = hand;
+    choice.candidates.push_back(c);
+    choice.chosen = 0;
   }
-  PlanChoice choice;
-  CandidatePlan c;
-  c.plan = hand;
-  c.peak_bytes = EstimateDitMemory(m, job, group, c.plan).total();
-  c.fits = true;
-  c.predicted = PredictStep(c.plan, m.unit_bytes, costs);
-  choice.candidates.push_back(c);
-  choice.chosen = 0;
+  CandidatePlan& c = choice.candidates[choice.chosen];
+  if (budget_bytes == 0 || taped != 0) {
+    c.plan = DitApplyTapedUnits(m, job, group, c.plan, budget_bytes, taped, "stream.taped_blocks");
+    c.peak_bytes = EstimateDitMemory(m, job, group, c.plan).total();
+    c.fits = budget_bytes == 0 || c.peak_bytes <= budget_bytes;
+    c.predicted = PredictStep(c.plan, m.unit_bytes, costs);
+  }
   return choice;
 }
 

@@ -157,6 +157,15 @@ ResidencyPlan DitSmallestPlan(const DitMemoryModel& m);
 std::string DitGroupBudgetRefusal(const DitMemoryModel& m, const DitJob& job,
                                   const std::vector<DitJob>& group, uint64_t budget_bytes);
 
+// A job's `stream.taped_blocks` (the LLMs' key and meaning, common/job_spec.h) on `plan`: 0
+// keeps the plan's (none for a job's own plan, the planner's choice within a budget); N > 0
+// tapes the last N resident units (all of them when fewer are resident; none of a compressed
+// store's); -1 as many as fit `budget_bytes`, or without a budget (0) within the plan's own
+// estimated peak. Below -1: Error(kRefused) naming `key`.
+ResidencyPlan DitApplyTapedUnits(const DitMemoryModel& m, const DitJob& job,
+                                 const std::vector<DitJob>& group, ResidencyPlan plan,
+                                 uint64_t budget_bytes, int64_t taped, const std::string& key);
+
 // Every split of the streamed units between the kinds, with rings 1..max_ring, each as it is
 // and with as many taped units as fit (DitFillTapedUnits): of those whose estimate fits
 // `budget_bytes`, the ones predicted within kPlanTieFraction of the fastest,
@@ -171,9 +180,11 @@ PlanChoice ChooseDitPlan(const DitMemoryModel& m, const DitJob& job,
 // A job's plan: within `budget_bytes` (> 0) ChooseDitPlan's choice, a group (`group` not empty)
 // that does not fit even its smallest plan refused first naming the job (DitGroupBudgetRefusal,
 // Error kRefused); without a budget `hand` (the job file's plan) as the one candidate, with its
-// estimate and prediction.
+// estimate and prediction. Either with the job's stream.taped_blocks `taped` applied
+// (DitApplyTapedUnits: 0 keeps it as it is).
 PlanChoice PlanDitJob(const DitMemoryModel& m, const DitJob& job, const std::vector<DitJob>& group,
-                      const StepCosts& costs, uint64_t budget_bytes, const ResidencyPlan& hand);
+                      const StepCosts& costs, uint64_t budget_bytes, const ResidencyPlan& hand,
+                      int64_t taped = 0);
 
 // "swap 20 (double 4, single 16) ring 2" (several kinds), "swap 20 ring 2" (one); then
 // " taped 3" when units are taped.
