@@ -29,6 +29,7 @@
 #include "tests/support/flux_cache_files.h"
 #include "tests/support/flux_checkpoint.h"
 #include "tests/support/test_support.h"
+#include "tests/worker/autograd_graph.h"
 #include "tests/worker/worker_test_util.h"
 #include "worker/flux/flux_adapter_io.h"
 #include "worker/flux/flux_base.h"
@@ -171,6 +172,91 @@ TEST_CASE("flux: checkpointed units give plain autograd's loss and gradients", "
     max_rel = std::max(max_rel, rel);
   }
   CHECK(max_rel < 1e-5);
+}
+
+TEST_CASE(
+    "flux: taped units equal checkpointed ones bit for bit (alone and in a group of two, "
+    "resident and beside streamed units, over AdamW steps)",
+    "[worker][flux]") {
+  TempDir dir("flux-taped");
+  const FluxBase base = FluxBase::Load(MakeFluxCheckpoint(dir.str()), 2, at::kFloat, at::kCPU);
+  const FluxConfig& c = base.config();
+  const FluxBatch batches[2] = {TinyBatch(c, 5), TinyBatch(c, 6)};
+  const at::Tensor targets[2] = {
+      at::randn(batches[0].img.sizes(), at::detail::createCPUGenerator(9)),
+      at::randn(batches[1].img.sizes(), at::detail::createCPUGenerator(10))};
+  const int units = static_cast<int>(FluxUnits(c, 2).size());
+  REQUIRE(units >= 4);
+  struct Run {
+    std::vector<at::Tensor> losses, grads, params;  // every step's, then the last params
+  };
+  // `jobs` jobs trained together for three AdamW steps, `swap` units streamed through one
+  // slot, the last `taped` resident units taped.
+  auto train = [&](int jobs, int swap, int taped) {
+    ResidencyPlan plan = PlanFromSwapCount(units, swap, 1);
+    plan.tape_resident_only = true;
+    plan.taped_blocks = taped;
+    StreamEngineOptions o;
+    o.log_plan = false;
+    o.debug_poison = swap > 0;
+    auto engine = base.MakeEngine(plan, at::kCPU, o);
+    FluxModel model(c, base.rest(), engine.get(), 2, at::kCPU, at::kFloat);
+    model.SetTapedUnits(TapedBlocks(plan));
+    std::vector<FluxAdapter> adapters;
+    std::vector<at::Tensor> params;
+    for (int j = 0; j < jobs; ++j) adapters.push_back(RandomAdapter(c, 11 + j));
+    std::vector<const FluxBatch*> bs;
+    std::vector<const FluxAdapter*> as;
+    for (int j = 0; j < jobs; ++j) {
+      bs.push_back(&batches[j]);
+      as.push_back(&adapters[j]);
+      for (const auto& p : adapters[j].Params()) params.push_back(p);
+    }
+    AdamW optimizer(params, AdamWOptions{});
+    Run r;
+    for (int step = 0; step < 3; ++step) {
+      engine->BeginStep();
+      const std::vector<at::Tensor> preds = model.ForwardGroup(bs, as, /*checkpointed=*/true);
+      // How the units ran: the taped ones under plain autograd, the others checkpointed.
+      // (At most the resident units are taped.)
+      const int runs_taped = std::min(taped, units - swap);
+      CHECK(lorastream::testing::CountGraphNodes(preds[0], "CheckpointedUnit") ==
+            units - runs_taped);
+      CHECK(lorastream::testing::CountGraphNodes(preds[0], "TapedUnitUse") == runs_taped);
+      at::Tensor total;
+      for (int j = 0; j < jobs; ++j) {
+        const at::Tensor loss = FlowLoss(preds[j], targets[j]);
+        r.losses.push_back(loss.detach().clone());
+        total = j == 0 ? loss : total + loss;
+      }
+      total.backward();
+      StepStats stats;
+      engine->EndStep(stats);
+      for (const auto& p : params) r.grads.push_back(p.grad().clone());
+      optimizer.Step(1e-2);
+      optimizer.ZeroGrad();
+    }
+    for (const auto& p : params) r.params.push_back(p.detach().clone());
+    return r;
+  };
+  auto same = [](const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+    REQUIRE(a.size() == b.size());
+    for (size_t i = 0; i < a.size(); ++i)
+      if (!at::equal(a[i], b[i])) return false;
+    return true;
+  };
+  for (int jobs : {1, 2}) {
+    for (int swap : {0, 2}) {
+      const Run want = train(jobs, swap, 0);
+      for (int taped : {1, 3, units - swap}) {
+        INFO(jobs << " job(s), " << swap << " units streamed, " << taped << " taped");
+        const Run got = train(jobs, swap, taped);
+        CHECK(same(got.losses, want.losses));
+        CHECK(same(got.grads, want.grads));
+        CHECK(same(got.params, want.params));
+      }
+    }
+  }
 }
 
 TEST_CASE("flux: AdamW on the LoRA weights lowers the loss of a fixed batch", "[worker][flux]") {

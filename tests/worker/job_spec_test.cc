@@ -341,7 +341,7 @@ TEST_CASE(
   bad.lora.targets = {"attn.to_q", "nope"};
   bad.lora.dropout = 0.1;
   bad.train.grad_accum = 2;
-  bad.stream.taped_blocks = 1;
+  bad.stream.taped_blocks = -2;  // a count of taped blocks, or -1, is read (as the LLMs')
   bad.qwen_image.timestep_sampling = "flux_shift";
   bad.qwen_image.cache_dir.clear();
   const auto problems = ValidateJobSpec(bad);
