@@ -29,7 +29,7 @@
 #include "tests/support/flux_cache_files.h"
 #include "tests/support/flux_checkpoint.h"
 #include "tests/support/test_support.h"
-#include "tests/worker/autograd_graph.h"
+#include "tests/worker/dit_taped_steps.h"
 #include "tests/worker/worker_test_util.h"
 #include "worker/flux/flux_adapter_io.h"
 #include "worker/flux/flux_base.h"
@@ -187,9 +187,6 @@ TEST_CASE(
       at::randn(batches[1].img.sizes(), at::detail::createCPUGenerator(10))};
   const int units = static_cast<int>(FluxUnits(c, 2).size());
   REQUIRE(units >= 4);
-  struct Run {
-    std::vector<at::Tensor> losses, grads, params;  // every step's, then the last params
-  };
   // `jobs` jobs trained together for three AdamW steps, `swap` units streamed through one
   // slot, the last `taped` resident units taped.
   auto train = [&](int jobs, int swap, int taped) {
@@ -212,48 +209,21 @@ TEST_CASE(
       as.push_back(&adapters[j]);
       for (const auto& p : adapters[j].Params()) params.push_back(p);
     }
-    AdamW optimizer(params, AdamWOptions{});
-    Run r;
-    for (int step = 0; step < 3; ++step) {
-      engine->BeginStep();
+    return lorastream::testing::TrainSteps(*engine, params, 3, [&] {
       const std::vector<at::Tensor> preds = model.ForwardGroup(bs, as, /*checkpointed=*/true);
-      // How the units ran: the taped ones under plain autograd, the others checkpointed.
-      // (At most the resident units are taped.)
-      const int runs_taped = std::min(taped, units - swap);
-      CHECK(lorastream::testing::CountGraphNodes(preds[0], "CheckpointedUnit") ==
-            units - runs_taped);
-      CHECK(lorastream::testing::CountGraphNodes(preds[0], "TapedUnitUse") == runs_taped);
-      at::Tensor total;
-      for (int j = 0; j < jobs; ++j) {
-        const at::Tensor loss = FlowLoss(preds[j], targets[j]);
-        r.losses.push_back(loss.detach().clone());
-        total = j == 0 ? loss : total + loss;
-      }
-      total.backward();
-      StepStats stats;
-      engine->EndStep(stats);
-      for (const auto& p : params) r.grads.push_back(p.grad().clone());
-      optimizer.Step(1e-2);
-      optimizer.ZeroGrad();
-    }
-    for (const auto& p : params) r.params.push_back(p.detach().clone());
-    return r;
-  };
-  auto same = [](const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
-    REQUIRE(a.size() == b.size());
-    for (size_t i = 0; i < a.size(); ++i)
-      if (!at::equal(a[i], b[i])) return false;
-    return true;
+      // The taped units ran under plain autograd (at most the resident ones).
+      lorastream::testing::CheckTapedGraph(preds[0], units, std::min(taped, units - swap));
+      std::vector<at::Tensor> losses;
+      for (int j = 0; j < jobs; ++j) losses.push_back(FlowLoss(preds[j], targets[j]));
+      return losses;
+    });
   };
   for (int jobs : {1, 2}) {
     for (int swap : {0, 2}) {
-      const Run want = train(jobs, swap, 0);
+      const auto want = train(jobs, swap, 0);
       for (int taped : {1, 3, units - swap}) {
         INFO(jobs << " job(s), " << swap << " units streamed, " << taped << " taped");
-        const Run got = train(jobs, swap, taped);
-        CHECK(same(got.losses, want.losses));
-        CHECK(same(got.grads, want.grads));
-        CHECK(same(got.params, want.params));
+        lorastream::testing::CheckSameSteps(train(jobs, swap, taped), want);
       }
     }
   }
@@ -400,6 +370,13 @@ TEST_CASE(
   job.ring_size = 1;
   job.output_dir = dir.str() + "/out-streamed";
   const FluxTrainResult streamed = TrainFlux(job, {});
+  // stream.taped_blocks: the last two resident units taped, beside two streamed.
+  job.blocks_to_swap = 2;
+  job.taped_blocks = 2;
+  job.output_dir = dir.str() + "/out-taped";
+  const FluxTrainResult taped = TrainFlux(job, {});
+  job.blocks_to_swap = 3;
+  job.taped_blocks = 0;
   // A budget of 2.5 MiB: the planner streams units (flux-tiny's step at rank 4 takes about
   // 3.1 MiB with every unit resident); the plan command prints its table.
   job.output_dir = dir.str() + "/out-budget";
@@ -409,6 +386,8 @@ TEST_CASE(
     CHECK(again.steps[i].loss == a.steps[i].loss);
     CHECK(streamed.steps[i].loss == a.steps[i].loss);
     CHECK(streamed.steps[i].copies > 0);
+    CHECK(taped.steps[i].loss == a.steps[i].loss);
+    CHECK(taped.steps[i].copies > 0);
     CHECK(budgeted.steps[i].loss == a.steps[i].loss);
     CHECK(budgeted.steps[i].copies > 0);
   }

@@ -24,7 +24,7 @@
 #include "store/synth.h"
 #include "tests/support/flux_cache_files.h"
 #include "tests/support/test_support.h"
-#include "tests/worker/autograd_graph.h"
+#include "tests/worker/dit_taped_steps.h"
 #include "worker/model/flow_match.h"
 #include "worker/qwen_image/qwen_image_adapter_io.h"
 #include "worker/qwen_image/qwen_image_base.h"
@@ -240,9 +240,6 @@ TEST_CASE(
   const at::Tensor targets[2] = {Get(c, "target"), Get(c, "target").flip(1)};
   const int units = static_cast<int>(cfg.num_layers);
   REQUIRE(units >= 3);
-  struct Run {
-    std::vector<at::Tensor> losses, grads, params;  // every step's, then the last params
-  };
   // `jobs` jobs trained together for three AdamW steps, `swap` blocks streamed through one
   // slot, the last `taped` resident blocks taped.
   auto train = [&](int jobs, int swap, int taped) {
@@ -265,46 +262,21 @@ TEST_CASE(
       as.push_back(&adapters[j]);
       for (const auto& p : adapters[j].Params()) params.push_back(p);
     }
-    AdamW optimizer(params, AdamWOptions{});
-    Run r;
-    for (int step = 0; step < 3; ++step) {
-      engine->BeginStep();
+    return lorastream::testing::TrainSteps(*engine, params, 3, [&] {
       const std::vector<at::Tensor> preds = model.ForwardGroup(bs, as, /*checkpointed=*/true);
-      // How the blocks ran: the taped ones under plain autograd, the others checkpointed.
-      CHECK(lorastream::testing::CountGraphNodes(preds[0], "CheckpointedUnit") == units - taped);
-      CHECK(lorastream::testing::CountGraphNodes(preds[0], "TapedUnitUse") == taped);
-      at::Tensor total;
-      for (int j = 0; j < jobs; ++j) {
-        const at::Tensor loss = (preds[j] - targets[j]).pow(2).mean();
-        r.losses.push_back(loss.detach().clone());
-        total = j == 0 ? loss : total + loss;
-      }
-      total.backward();
-      StepStats stats;
-      engine->EndStep(stats);
-      for (const auto& p : params)
-        r.grads.push_back(p.grad().defined() ? p.grad().clone() : at::zeros_like(p));
-      optimizer.Step(1e-2);
-      optimizer.ZeroGrad();
-    }
-    for (const auto& p : params) r.params.push_back(p.detach().clone());
-    return r;
-  };
-  auto same = [](const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
-    REQUIRE(a.size() == b.size());
-    for (size_t i = 0; i < a.size(); ++i)
-      if (!at::equal(a[i], b[i])) return false;
-    return true;
+      // The taped blocks ran under plain autograd.
+      lorastream::testing::CheckTapedGraph(preds[0], units, taped);
+      std::vector<at::Tensor> losses;
+      for (int j = 0; j < jobs; ++j) losses.push_back((preds[j] - targets[j]).pow(2).mean());
+      return losses;
+    });
   };
   for (int jobs : {1, 2}) {
     for (int swap : {0, 1}) {
-      const Run want = train(jobs, swap, 0);
+      const auto want = train(jobs, swap, 0);
       for (int taped : {1, units - swap}) {
         INFO(jobs << " job(s), " << swap << " blocks streamed, " << taped << " taped");
-        const Run got = train(jobs, swap, taped);
-        CHECK(same(got.losses, want.losses));
-        CHECK(same(got.grads, want.grads));
-        CHECK(same(got.params, want.params));
+        lorastream::testing::CheckSameSteps(train(jobs, swap, taped), want);
       }
     }
   }
