@@ -13,6 +13,8 @@
 
 #include "common/step_stats.h"
 #include "worker/model/block_provider.h"
+#include "worker/stream/stream_engine_options.h"
+#include "worker/stream/stream_plan.h"
 #include "worker/train/adamw.h"
 
 namespace lorastream::testing {
@@ -40,6 +42,37 @@ inline void CheckTapedGraph(const at::Tensor& out, int units, int taped) {
   CHECK(CountGraphNodes(out, "CheckpointedUnit") == units - taped);
   CHECK(CountGraphNodes(out, "TapedUnitUse") == taped);
 }
+
+// `swap` of `units` units streamed through one slot (their copies poisoned when released), the
+// last `taped` resident ones taped.
+inline worker::ResidencyPlan TapedPlan(int units, int swap, int taped) {
+  worker::ResidencyPlan plan = worker::PlanFromSwapCount(units, swap, 1);
+  plan.tape_resident_only = true;
+  plan.taped_blocks = taped;
+  return plan;
+}
+inline worker::StreamEngineOptions TapedEngineOptions(const worker::ResidencyPlan& plan) {
+  worker::StreamEngineOptions o;
+  o.log_plan = false;
+  o.debug_poison = plan.num_streamed() > 0;
+  return o;
+}
+
+// A group of the first `jobs` batches with their adapters, as ForwardGroup takes them, and
+// every adapter's parameters in that order.
+template <class Batch, class Adapter>
+struct GroupJobs {
+  GroupJobs(int jobs, const Batch* batches, const std::vector<Adapter>& adapters) {
+    for (int j = 0; j < jobs; ++j) {
+      this->batches.push_back(&batches[j]);
+      this->adapters.push_back(&adapters[j]);
+      for (const auto& p : adapters[j].Params()) params.push_back(p);
+    }
+  }
+  std::vector<const Batch*> batches;
+  std::vector<const Adapter*> adapters;
+  std::vector<at::Tensor> params;
+};
 
 struct TrainedSteps {
   std::vector<at::Tensor> losses, grads, params;  // every step's, then the last params

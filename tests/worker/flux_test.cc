@@ -190,27 +190,16 @@ TEST_CASE(
   // `jobs` jobs trained together for three AdamW steps, `swap` units streamed through one
   // slot, the last `taped` resident units taped.
   auto train = [&](int jobs, int swap, int taped) {
-    ResidencyPlan plan = PlanFromSwapCount(units, swap, 1);
-    plan.tape_resident_only = true;
-    plan.taped_blocks = taped;
-    StreamEngineOptions o;
-    o.log_plan = false;
-    o.debug_poison = swap > 0;
-    auto engine = base.MakeEngine(plan, at::kCPU, o);
+    const ResidencyPlan plan = lorastream::testing::TapedPlan(units, swap, taped);
+    auto engine = base.MakeEngine(plan, at::kCPU, lorastream::testing::TapedEngineOptions(plan));
     FluxModel model(c, base.rest(), engine.get(), 2, at::kCPU, at::kFloat);
     model.SetTapedUnits(TapedBlocks(plan));
     std::vector<FluxAdapter> adapters;
-    std::vector<at::Tensor> params;
     for (int j = 0; j < jobs; ++j) adapters.push_back(RandomAdapter(c, 11 + j));
-    std::vector<const FluxBatch*> bs;
-    std::vector<const FluxAdapter*> as;
-    for (int j = 0; j < jobs; ++j) {
-      bs.push_back(&batches[j]);
-      as.push_back(&adapters[j]);
-      for (const auto& p : adapters[j].Params()) params.push_back(p);
-    }
-    return lorastream::testing::TrainSteps(*engine, params, 3, [&] {
-      const std::vector<at::Tensor> preds = model.ForwardGroup(bs, as, /*checkpointed=*/true);
+    const lorastream::testing::GroupJobs<FluxBatch, FluxAdapter> group(jobs, batches, adapters);
+    return lorastream::testing::TrainSteps(*engine, group.params, 3, [&] {
+      const std::vector<at::Tensor> preds =
+          model.ForwardGroup(group.batches, group.adapters, /*checkpointed=*/true);
       // The taped units ran under plain autograd (at most the resident ones).
       lorastream::testing::CheckTapedGraph(preds[0], units, std::min(taped, units - swap));
       std::vector<at::Tensor> losses;

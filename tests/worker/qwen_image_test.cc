@@ -243,27 +243,17 @@ TEST_CASE(
   // `jobs` jobs trained together for three AdamW steps, `swap` blocks streamed through one
   // slot, the last `taped` resident blocks taped.
   auto train = [&](int jobs, int swap, int taped) {
-    ResidencyPlan plan = PlanFromSwapCount(units, swap, 1);
-    plan.tape_resident_only = true;
-    plan.taped_blocks = taped;
-    StreamEngineOptions o;
-    o.log_plan = false;
-    o.debug_poison = swap > 0;
-    auto engine = base.MakeEngine(plan, at::kCPU, o);
+    const ResidencyPlan plan = lorastream::testing::TapedPlan(units, swap, taped);
+    auto engine = base.MakeEngine(plan, at::kCPU, lorastream::testing::TapedEngineOptions(plan));
     QwenImageModel model(cfg, base.rest(), engine.get(), at::kCPU, at::kFloat);
     model.SetTapedUnits(TapedBlocks(plan));
     std::vector<QwenImageAdapter> adapters;
-    std::vector<at::Tensor> params;
     for (int j = 0; j < jobs; ++j) adapters.push_back(RandomAdapter(cfg, "all", 11 + j));
-    std::vector<const QwenImageBatch*> bs;
-    std::vector<const QwenImageAdapter*> as;
-    for (int j = 0; j < jobs; ++j) {
-      bs.push_back(&batches[j]);
-      as.push_back(&adapters[j]);
-      for (const auto& p : adapters[j].Params()) params.push_back(p);
-    }
-    return lorastream::testing::TrainSteps(*engine, params, 3, [&] {
-      const std::vector<at::Tensor> preds = model.ForwardGroup(bs, as, /*checkpointed=*/true);
+    const lorastream::testing::GroupJobs<QwenImageBatch, QwenImageAdapter> group(jobs, batches,
+                                                                                 adapters);
+    return lorastream::testing::TrainSteps(*engine, group.params, 3, [&] {
+      const std::vector<at::Tensor> preds =
+          model.ForwardGroup(group.batches, group.adapters, /*checkpointed=*/true);
       // The taped blocks ran under plain autograd.
       lorastream::testing::CheckTapedGraph(preds[0], units, taped);
       std::vector<at::Tensor> losses;
