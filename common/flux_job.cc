@@ -98,6 +98,7 @@ FluxJob ReadFluxJob(const KeyAt& at) {
     ParseMemoryBudget(section, key, &j.gpu_memory_budget, &j.budget_auto);
   }
   j.ring_size = integer("ring_size", j.ring_size);
+  j.taped_blocks = integer("taped_blocks", j.taped_blocks);
   j.singles_per_unit = integer("singles_per_unit", j.singles_per_unit);
   return j;
 }
@@ -129,6 +130,7 @@ FluxJob ParseFluxJob(const TomlSection& t) {
                        "dtype",
                        "blocks_to_swap",
                        "ring_size",
+                       "taped_blocks",
                        "singles_per_unit",
                        "gpu_memory_budget",
                        "init_from"});
@@ -164,6 +166,7 @@ constexpr MovedKey kMovedKeys[] = {
     {"init_from", "lora", "init_from"},
     {"blocks_to_swap", "stream", "blocks_to_swap"},
     {"ring_size", "stream", "ring_size"},
+    {"taped_blocks", "stream", "taped_blocks"},
     {"gpu_memory_budget", "stream", "gpu_memory_budget"},
 };
 // What only FLUX.1 has: the [flux] section of the shared form.
@@ -252,6 +255,7 @@ std::string FluxJobToToml(const FluxJob& j) {
                    {"dtype", j.dtype},
                    {"blocks_to_swap", j.blocks_to_swap},
                    {"ring_size", j.ring_size},
+                   {"taped_blocks", j.taped_blocks},
                    {"init_from", j.init_from}};
   if (j.store.empty()) {
     flux.insert("checkpoint", j.checkpoint);
@@ -344,6 +348,9 @@ std::vector<std::string> FluxJobProblems(const FluxJob& j, const std::string& so
   if (!(j.discrete_flow_shift > 0)) refuse("discrete_flow_shift", "must be positive");
   if (j.dtype != "f32" && j.dtype != "bf16") refuse("dtype", "`" + j.dtype + "`: f32 or bf16");
   if (j.blocks_to_swap < 0) refuse("blocks_to_swap", "must be 0 or more");
+  if (j.taped_blocks < -1)
+    refuse("taped_blocks",
+           "must be 0 (none, or the budget planner's choice), -1 (as many as fit) or a count");
   if (j.ring_size < 1 || j.ring_size > kMaxRingSize)
     refuse("ring_size", "must be between 1 and " + std::to_string(kMaxRingSize));
   if (j.singles_per_unit < 1) refuse("singles_per_unit", "must be at least 1");

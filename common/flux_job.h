@@ -34,6 +34,9 @@
 //                                # streamed and the ring (worker/flux/flux_plan.h); 0: none
 //   blocks_to_swap = 0           # without a budget: units streamed through the ring
 //   ring_size = 2
+//   taped_blocks = 0             # the last N resident units keep their activations into the
+//                                #   backward (no recompute): -1 = as many as fit; 0 = none
+//                                #   (with a budget: the planner's choice), as stream.taped_blocks
 //   singles_per_unit = 2         # single-stream blocks per streamed unit (a store's: fixed
 //                                #   when it was served)
 #pragma once
@@ -70,6 +73,7 @@ struct FluxJob {
   bool budget_auto = false;        // "auto": a share of the GPU's free memory (none on a CPU)
   int64_t blocks_to_swap = 0;
   int64_t ring_size = 2;
+  int64_t taped_blocks = 0;  // 0: none (a budget: the planner's); -1: as many as fit
   int64_t singles_per_unit = 2;
   std::string init_from;  // "" or a kohya file (rank 0 / alpha 0 / no targets: the file's)
   template <class A>
@@ -77,7 +81,8 @@ struct FluxJob {
     ar(checkpoint, store, cache_dir, output_dir, steps, batch_size, seed, learning_rate,
        lr_schedule, warmup_steps, weight_decay, max_grad_norm, rank, alpha, targets, guidance,
        timestep_sampling, sigmoid_scale, discrete_flow_shift, save_every, keep_checkpoints, dtype,
-       gpu_memory_budget, budget_auto, blocks_to_swap, ring_size, singles_per_unit, init_from);
+       gpu_memory_budget, budget_auto, blocks_to_swap, ring_size, singles_per_unit, init_from,
+       taped_blocks);
   }
 };
 
@@ -89,8 +94,8 @@ FluxJob ParseFluxJob(const TomlSection& flux);
 // The shared form of a FLUX.1 job: every family's sections ([model] store or checkpoint;
 // [lora] rank, alpha, targets; [optim] lr, schedule, warmup_steps, weight_decay, grad_clip;
 // [train] steps, batch_size, seed, output_dir, checkpoint_every, keep_checkpoints, dtype;
-// [stream] gpu_memory_budget, blocks_to_swap, ring_size) and a [flux] section holding only
-// what is FLUX.1's own (cache_dir, guidance, timestep_sampling, sigmoid_scale,
+// [stream] gpu_memory_budget, blocks_to_swap, ring_size, taped_blocks) and a [flux] section holding
+// only what is FLUX.1's own (cache_dir, guidance, timestep_sampling, sigmoid_scale,
 // discrete_flow_shift, singles_per_unit). Keys absent take FluxJob's defaults. A moved key
 // left in [flux], an LLM-only section ([data], [eval]) or key is refused naming it.
 FluxJob ParseFluxJobSections(const TomlSection& doc);

@@ -24,7 +24,8 @@ std::string FluxGroupRefusal(const std::string& why, const FluxJob& first, const
       {"flux.gpu_memory_budget",
        job.gpu_memory_budget != first.gpu_memory_budget || job.budget_auto != first.budget_auto},
       {"flux.blocks_to_swap", job.blocks_to_swap != first.blocks_to_swap},
-      {"flux.ring_size", job.ring_size != first.ring_size}};
+      {"flux.ring_size", job.ring_size != first.ring_size},
+      {"flux.taped_blocks", job.taped_blocks != first.taped_blocks}};
   for (const auto& [field, differs] : fields)
     if (differs) return why + field + " differs: a group streams one packing and one plan";
   return "";

@@ -419,8 +419,7 @@ std::vector<std::string> QwenImageSharedProblems(const JobSpec& s, const std::st
                 "needs an evaluation set, which a Qwen-Image job does not have");
   for (const auto& [name, value] :
        {std::pair<const char*, int64_t>{"stream.forward_slots", s.stream.forward_slots},
-        {"stream.backward_slots", s.stream.backward_slots},
-        {"stream.taped_blocks", s.stream.taped_blocks}})
+        {"stream.backward_slots", s.stream.backward_slots}})
     if (value != 0) p.push_back(key(name) + "must be 0 for a Qwen-Image job");
   for (std::string& why : QwenImageJobProblems(s.qwen_image, src)) p.push_back(std::move(why));
   return p;

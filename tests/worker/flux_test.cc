@@ -29,6 +29,7 @@
 #include "tests/support/flux_cache_files.h"
 #include "tests/support/flux_checkpoint.h"
 #include "tests/support/test_support.h"
+#include "tests/worker/dit_taped_steps.h"
 #include "tests/worker/worker_test_util.h"
 #include "worker/flux/flux_adapter_io.h"
 #include "worker/flux/flux_base.h"
@@ -173,6 +174,50 @@ TEST_CASE("flux: checkpointed units give plain autograd's loss and gradients", "
   CHECK(max_rel < 1e-5);
 }
 
+TEST_CASE(
+    "flux: taped units equal checkpointed ones bit for bit (alone and in a group of two, "
+    "resident and beside streamed units, over AdamW steps)",
+    "[worker][flux]") {
+  TempDir dir("flux-taped");
+  const FluxBase base = FluxBase::Load(MakeFluxCheckpoint(dir.str()), 2, at::kFloat, at::kCPU);
+  const FluxConfig& c = base.config();
+  const FluxBatch batches[2] = {TinyBatch(c, 5), TinyBatch(c, 6)};
+  const at::Tensor targets[2] = {
+      at::randn(batches[0].img.sizes(), at::detail::createCPUGenerator(9)),
+      at::randn(batches[1].img.sizes(), at::detail::createCPUGenerator(10))};
+  const int units = static_cast<int>(FluxUnits(c, 2).size());
+  REQUIRE(units >= 4);
+  // `jobs` jobs trained together for three AdamW steps, `swap` units streamed through one
+  // slot, the last `taped` resident units taped.
+  auto train = [&](int jobs, int swap, int taped) {
+    const ResidencyPlan plan = lorastream::testing::TapedPlan(units, swap, taped);
+    auto engine = base.MakeEngine(plan, at::kCPU, lorastream::testing::TapedEngineOptions(plan));
+    FluxModel model(c, base.rest(), engine.get(), 2, at::kCPU, at::kFloat);
+    model.SetTapedUnits(TapedBlocks(plan));
+    std::vector<FluxAdapter> adapters;
+    for (int j = 0; j < jobs; ++j) adapters.push_back(RandomAdapter(c, 11 + j));
+    const lorastream::testing::GroupJobs<FluxBatch, FluxAdapter> group(jobs, batches, adapters);
+    return lorastream::testing::TrainSteps(*engine, group.params, 3, [&] {
+      const std::vector<at::Tensor> preds =
+          model.ForwardGroup(group.batches, group.adapters, /*checkpointed=*/true);
+      // The taped units ran under plain autograd (at most the resident ones).
+      lorastream::testing::CheckTapedGraph(preds[0], units, std::min(taped, units - swap));
+      std::vector<at::Tensor> losses;
+      for (int j = 0; j < jobs; ++j) losses.push_back(FlowLoss(preds[j], targets[j]));
+      return losses;
+    });
+  };
+  for (int jobs : {1, 2}) {
+    for (int swap : {0, 2}) {
+      const auto want = train(jobs, swap, 0);
+      for (int taped : {1, 3, units - swap}) {
+        INFO(jobs << " job(s), " << swap << " units streamed, " << taped << " taped");
+        lorastream::testing::CheckSameSteps(train(jobs, swap, taped), want);
+      }
+    }
+  }
+}
+
 TEST_CASE("flux: AdamW on the LoRA weights lowers the loss of a fixed batch", "[worker][flux]") {
   TinySetup t(at::kFloat);
   AdamW optimizer(t.adapter.Params(), AdamWOptions{});
@@ -314,6 +359,13 @@ TEST_CASE(
   job.ring_size = 1;
   job.output_dir = dir.str() + "/out-streamed";
   const FluxTrainResult streamed = TrainFlux(job, {});
+  // stream.taped_blocks: the last two resident units taped, beside two streamed.
+  job.blocks_to_swap = 2;
+  job.taped_blocks = 2;
+  job.output_dir = dir.str() + "/out-taped";
+  const FluxTrainResult taped = TrainFlux(job, {});
+  job.blocks_to_swap = 3;
+  job.taped_blocks = 0;
   // A budget of 2.5 MiB: the planner streams units (flux-tiny's step at rank 4 takes about
   // 3.1 MiB with every unit resident); the plan command prints its table.
   job.output_dir = dir.str() + "/out-budget";
@@ -323,6 +375,8 @@ TEST_CASE(
     CHECK(again.steps[i].loss == a.steps[i].loss);
     CHECK(streamed.steps[i].loss == a.steps[i].loss);
     CHECK(streamed.steps[i].copies > 0);
+    CHECK(taped.steps[i].loss == a.steps[i].loss);
+    CHECK(taped.steps[i].copies > 0);
     CHECK(budgeted.steps[i].loss == a.steps[i].loss);
     CHECK(budgeted.steps[i].copies > 0);
   }

@@ -218,7 +218,7 @@ TEST_CASE(
       "rank = 8\nalpha = 4\ntargets = [\"attention\"]\nguidance = 3.5\n"
       "timestep_sampling = \"shift\"\nsigmoid_scale = 2.0\ndiscrete_flow_shift = 1.5\n"
       "save_every = 4\nkeep_checkpoints = 3\ndtype = \"bf16\"\nblocks_to_swap = 5\n"
-      "ring_size = 3\nsingles_per_unit = 4\n";
+      "ring_size = 3\ntaped_blocks = 2\nsingles_per_unit = 4\n";
   const std::string shared =
       "name = \"f\"\n[model]\ncheckpoint = \"m.safetensors\"\n"
       "[lora]\nrank = 8\nalpha = 4\ntargets = [\"attention\"]\n"
@@ -226,7 +226,7 @@ TEST_CASE(
       "grad_clip = 0.5\n"
       "[train]\nsteps = 12\nbatch_size = 2\nseed = 7\noutput_dir = \"out\"\n"
       "checkpoint_every = 4\nkeep_checkpoints = 3\ndtype = \"bf16\"\n"
-      "[stream]\nblocks_to_swap = 5\nring_size = 3\n"
+      "[stream]\nblocks_to_swap = 5\nring_size = 3\ntaped_blocks = 2\n"
       "[flux]\ncache_dir = \"" +
       cache +
       "\"\nguidance = 3.5\ntimestep_sampling = \"shift\"\nsigmoid_scale = 2.0\n"
@@ -245,6 +245,7 @@ TEST_CASE(
   CHECK(b.optim.lr == 3e-4);
   CHECK(b.optim.grad_clip == 0.5);
   CHECK(b.lora.rank == 8);
+  CHECK(b.flux.taped_blocks == 2);
   CHECK(b.train.seed == 7);
   CHECK(b.train.keep_checkpoints == 3);
   CHECK(b.train.output_dir == "/jobs/out");
@@ -341,7 +342,7 @@ TEST_CASE(
   bad.lora.targets = {"attn.to_q", "nope"};
   bad.lora.dropout = 0.1;
   bad.train.grad_accum = 2;
-  bad.stream.taped_blocks = 1;
+  bad.stream.taped_blocks = -2;  // a count of taped blocks, or -1, is read (as the LLMs')
   bad.qwen_image.timestep_sampling = "flux_shift";
   bad.qwen_image.cache_dir.clear();
   const auto problems = ValidateJobSpec(bad);

@@ -163,6 +163,20 @@ TEST_CASE(
     CHECK(streamed.steps.at("a")[0].h2d_bytes > 0);
     CHECK(sa[0].h2d_bytes == 0);
   }
+  SECTION("taped: every block, or one beside a streamed one (stream.taped_blocks)") {
+    const Run taped = Train({JobA(d, d + "/taped-a", "[stream]\ntaped_blocks = 2\n")});
+    CheckSame(taped.steps.at("a"), sa, d + "/taped-a", d + "/alone-a");
+    const Run beside =
+        Train({JobA(d, d + "/beside-a", "[stream]\nblocks_to_swap = 1\ntaped_blocks = 1\n")});
+    CheckSame(beside.steps.at("a"), sa, d + "/beside-a", d + "/alone-a");
+    CHECK(beside.steps.at("a")[0].h2d_bytes > 0);
+  }
+  SECTION("a group of two, every block taped") {
+    const std::string stream = "[stream]\ntaped_blocks = 2\n";
+    const Run group = Train({JobA(d, d + "/gtaped-a", stream), JobB(d, d + "/gtaped-b", stream)});
+    CheckSame(group.steps.at("a"), sa, d + "/gtaped-a", d + "/alone-a");
+    CheckSame(group.steps.at("b"), alone_b.steps.at("b"), d + "/gtaped-b", d + "/alone-b");
+  }
   SECTION("a group of two, B leaving after its second step") {
     const Run group = Train({JobA(d, d + "/group-a"), JobB(d, d + "/group-b")});
     CheckSame(group.steps.at("a"), sa, d + "/group-a", d + "/alone-a");
@@ -217,6 +231,16 @@ TEST_CASE(
                        Catch::Contains("no budget: the job's plan") &&
                        Catch::Contains("chosen: swap 1 ring 1") &&
                        Catch::Contains("estimate: rest ") && Catch::Contains("+ checkpoints "));
+  // A taped block: in the plan's label, its summary and its estimate.
+  std::ofstream(d + "/t.toml") << JobA(d, "out-t",
+                                       "[stream]\nblocks_to_swap = 1\ntaped_blocks = 1\n");
+  const std::string taped =
+      RunAndCapture({bin, "plan", d + "/t.toml", "--device", "cpu"}, &code, 60, d + "/log4");
+  INFO(taped << ReadFile(d + "/log4"));
+  CHECK(code == 0);
+  CHECK_THAT(taped, Catch::Contains("chosen: swap 1 ring 1 taped 1") &&
+                        Catch::Contains("taped=1") &&
+                        Catch::Contains("activations of 1 taped unit "));
   // The coordinator's rule: another family never joins.
   JobSpec llm;
   llm.name = "llm";

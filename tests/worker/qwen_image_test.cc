@@ -24,6 +24,7 @@
 #include "store/synth.h"
 #include "tests/support/flux_cache_files.h"
 #include "tests/support/test_support.h"
+#include "tests/worker/dit_taped_steps.h"
 #include "worker/model/flow_match.h"
 #include "worker/qwen_image/qwen_image_adapter_io.h"
 #include "worker/qwen_image/qwen_image_base.h"
@@ -220,6 +221,52 @@ TEST_CASE(
         CHECK(at::equal(got.loss, want.loss));
         for (size_t i = 0; i < want.grads.size(); ++i)
           REQUIRE(at::equal(got.grads[i], want.grads[i]));
+      }
+    }
+  }
+}
+
+TEST_CASE(
+    "qwen_image: taped blocks equal checkpointed ones bit for bit (alone and in a group of two, "
+    "resident and beside streamed blocks, over AdamW steps)",
+    "[worker][qwen_image]") {
+  const QwenImageBase base =
+      QwenImageBase::Load(kFixtures + "qi_l3m_model.safetensors", at::kFloat, at::kCPU);
+  const QwenImageConfig& cfg = base.config();
+  const SafetensorsFile c = SafetensorsFile::Open(kFixtures + "qi_l3m_case.safetensors");
+  QwenImageBatch batches[2] = {CaseBatch(c), CaseBatch(c)};
+  batches[1].img = batches[1].img.flip(1);  // another job's latents and timesteps
+  batches[1].timesteps = batches[1].timesteps * 0.5;
+  const at::Tensor targets[2] = {Get(c, "target"), Get(c, "target").flip(1)};
+  const int units = static_cast<int>(cfg.num_layers);
+  REQUIRE(units >= 3);
+  // `jobs` jobs trained together for three AdamW steps, `swap` blocks streamed through one
+  // slot, the last `taped` resident blocks taped.
+  auto train = [&](int jobs, int swap, int taped) {
+    const ResidencyPlan plan = lorastream::testing::TapedPlan(units, swap, taped);
+    auto engine = base.MakeEngine(plan, at::kCPU, lorastream::testing::TapedEngineOptions(plan));
+    QwenImageModel model(cfg, base.rest(), engine.get(), at::kCPU, at::kFloat);
+    model.SetTapedUnits(TapedBlocks(plan));
+    std::vector<QwenImageAdapter> adapters;
+    for (int j = 0; j < jobs; ++j) adapters.push_back(RandomAdapter(cfg, "all", 11 + j));
+    const lorastream::testing::GroupJobs<QwenImageBatch, QwenImageAdapter> group(jobs, batches,
+                                                                                 adapters);
+    return lorastream::testing::TrainSteps(*engine, group.params, 3, [&] {
+      const std::vector<at::Tensor> preds =
+          model.ForwardGroup(group.batches, group.adapters, /*checkpointed=*/true);
+      // The taped blocks ran under plain autograd.
+      lorastream::testing::CheckTapedGraph(preds[0], units, taped);
+      std::vector<at::Tensor> losses;
+      for (int j = 0; j < jobs; ++j) losses.push_back((preds[j] - targets[j]).pow(2).mean());
+      return losses;
+    });
+  };
+  for (int jobs : {1, 2}) {
+    for (int swap : {0, 1}) {
+      const auto want = train(jobs, swap, 0);
+      for (int taped : {1, units - swap}) {
+        INFO(jobs << " job(s), " << swap << " blocks streamed, " << taped << " taped");
+        lorastream::testing::CheckSameSteps(train(jobs, swap, taped), want);
       }
     }
   }

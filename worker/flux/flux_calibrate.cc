@@ -54,6 +54,7 @@ FluxMemoryInputs FluxMemoryInputsFor(const FluxBase& base, const FluxJob& job,
   for (const auto& [name, t] : base.rest())
     in.rest_bytes += static_cast<uint64_t>(t.numel() * t.element_size());
   in.lora_params = LoraParams(in.config, FluxTargets(job.targets, "flux.targets"), job.rank);
+  in.lora_rank = job.rank;
   in.batch = job.batch_size;
   const auto [h, w] = data.largest_latent();
   in.image_tokens = (h / 2) * (w / 2);
@@ -183,6 +184,13 @@ FluxPlanning PlanFluxJob(const FluxBase& base, const FluxJob& job, const FluxDat
   p.budget = FluxJobBudget(job, device);
   if (p.budget == 0 && !predict) {
     p.plan = base.SwapPlan(job.blocks_to_swap, job.ring_size);
+    if (job.taped_blocks != 0) {  // the job's taped units (-1: as many as fit the estimate)
+      p.inputs = FluxMemoryInputsFor(base, job, data, device, dtype);
+      p.inputs.group = group.members;
+      p.plan =
+          DitApplyTapedUnits(FluxMemoryModel(p.inputs), FluxDitJob(p.inputs, group.first_name),
+                             p.inputs.group, p.plan, 0, job.taped_blocks, "stream.taped_blocks");
+    }
     return p;
   }
   p.inputs = FluxMemoryInputsFor(base, job, data, device, dtype);
@@ -195,7 +203,8 @@ FluxPlanning PlanFluxJob(const FluxBase& base, const FluxJob& job, const FluxDat
   }
   p.choice = PlanDitJob(
       FluxMemoryModel(p.inputs), FluxDitJob(p.inputs, group.first_name), p.inputs.group, p.costs,
-      p.budget, p.budget > 0 ? ResidencyPlan{} : base.SwapPlan(job.blocks_to_swap, job.ring_size));
+      p.budget, p.budget > 0 ? ResidencyPlan{} : base.SwapPlan(job.blocks_to_swap, job.ring_size),
+      job.taped_blocks);
   p.plan = p.choice.candidates[p.choice.chosen].plan;
   LS_LOG_INFO("FLUX plan:\n{}", DescribeFluxPlanning(p));
   return p;

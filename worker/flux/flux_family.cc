@@ -104,6 +104,8 @@ class Group final : public FamilyGroup {
         device_.is_cuda());
     model_ = std::make_unique<FluxModel>(base_->config(), base_->rest(), provider_.get(),
                                          planned.singles_per_unit, device_, dtype_);
+    model_->SetTapedUnits(TapedBlocks(planning.plan));
+    LS_LOG_INFO("FLUX group: {}", planning.plan.Describe());
   }
 
   std::string log_name() const override { return "FLUX group"; }

@@ -171,6 +171,11 @@ FluxModel::FluxModel(const FluxConfig& config, NamedTensors rest, BlockProvider*
                " units, the model has " + std::to_string(units_.size()));
 }
 
+void FluxModel::SetTapedUnits(std::vector<bool> taped) {
+  LS_CHECK(taped.empty() || taped.size() == units_.size(), "a taped flag per FLUX unit");
+  taped_ = std::move(taped);
+}
+
 at::Tensor FluxModel::Forward(const FluxBatch& batch, const FluxAdapter& adapter,
                               bool checkpointed) {
   return ForwardGroup({&batch}, {&adapter}, checkpointed)[0];
@@ -220,7 +225,10 @@ std::vector<at::Tensor> FluxModel::ForwardGroup(const std::vector<const FluxBatc
         job.lora[m] = adapters[j]->modules().at(m);
       jobs.push_back(std::move(job));
     }
-    dit::ForwardUnit(*provider_, static_cast<int>(u), jobs, &streams, checkpointed);
+    if (checkpointed && u < taped_.size() && taped_[u])
+      dit::ForwardUnitTaped(*provider_, static_cast<int>(u), jobs, &streams);
+    else
+      dit::ForwardUnit(*provider_, static_cast<int>(u), jobs, &streams, checkpointed);
   }
   std::vector<at::Tensor> out;
   for (size_t j = 0; j < batches.size(); ++j) {

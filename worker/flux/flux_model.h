@@ -109,11 +109,17 @@ class FluxModel {
   std::vector<at::Tensor> ForwardGroup(const std::vector<const FluxBatch*>& batches,
                                        const std::vector<const FluxAdapter*>& adapters,
                                        bool checkpointed);
+  // Units that a checkpointed forward runs taped instead: under plain autograd, which keeps
+  // their activations into their backward (no recompute there). taped[u] for unit u (the
+  // plan's TapedBlocks, worker/stream/stream_plan.h); only resident units may be taped (a
+  // streamed unit's slot is overwritten before its backward). Empty: none.
+  void SetTapedUnits(std::vector<bool> taped);
 
  private:
   FluxConfig config_;
   NamedTensors rest_;
   BlockProvider* provider_;
+  std::vector<bool> taped_;
   std::vector<FluxUnit> units_;
   c10::Device device_;
   c10::ScalarType dtype_;

@@ -20,6 +20,15 @@ DitMemoryModel FluxMemoryModel(const FluxMemoryInputs& in) {
     const uint64_t per_block =
         unit.is_double ? DualStreamBackwardPerToken(h, m, b) : b * (15 * h + 5 * m) + 32 * h;
     out.backward_per_token.push_back(per_block * static_cast<uint64_t>(unit.count));
+    // Taped: a double block's token-wise linears are qkv, proj and the MLP's two (per stream);
+    // a single block's linear1 and linear2.
+    const uint64_t heads = static_cast<uint64_t>(c.num_heads),
+                   count = static_cast<uint64_t>(unit.count);
+    out.tape_per_token.push_back(count * (unit.is_double
+                                              ? DualStreamTapePerToken(h, m, b, heads)
+                                              : SingleStreamTapePerToken(h, m, b, heads)));
+    out.tape_lora.push_back(count * b * (unit.is_double ? 4 : 2));
+    out.tape_attentions.push_back(count);
   }
   out.stream_grads_per_token = 2 * h * b;
   out.heads = c.num_heads;
@@ -31,7 +40,7 @@ DitMemoryModel FluxMemoryModel(const FluxMemoryInputs& in) {
 }
 
 DitJob FluxDitJob(const FluxMemoryInputs& in, const std::string& name) {
-  return {name, in.lora_params, in.batch, in.image_tokens, in.text_tokens};
+  return {name, in.lora_params, in.batch, in.image_tokens, in.text_tokens, in.lora_rank};
 }
 
 FluxMemoryEstimate EstimateFluxMemory(const FluxMemoryInputs& in, const ResidencyPlan& plan) {

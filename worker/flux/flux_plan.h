@@ -25,6 +25,13 @@
 //                the RMSNorm and rotary steps make
 //   attention    fused kernels: B heads T x 8 (log-sum-exp); where attention materialises
 //                its scores (LibTorch 1.13, the CPU): B heads T^2 x 2b
+//   tapes        per taped unit (the last resident units, run under plain autograd: no
+//                recompute), what autograd keeps from its forward to its backward: B T
+//                (b (16H + 2M) + 32H + 4 heads + 16 + 4 rank b) per double block
+//                (DualStreamTapePerToken and its qkv, proj and MLP LoRAs' A x), B T (b (13H +
+//                3M) + 32H + 4 heads + 8 + 2 rank b) per single block (SingleStreamTapePerToken,
+//                linear1's and linear2's A x); where attention materialises its scores, B heads
+//                T^2 x 2b per block more
 //   reserve      allocator slack
 // peak = max(forward phase, backward phase), each fixed + ring + its working set + attention.
 // It is an estimate: the benchmark prints the measured peak next to it.
@@ -53,6 +60,7 @@ struct FluxMemoryInputs {
   std::vector<uint64_t> expanded_bytes;
   uint64_t rest_bytes = 0;  // the tensors outside the blocks, on the device
   int64_t lora_params = 0;  // A and B of every adapted module
+  int64_t lora_rank = 0;    // their rank (a taped unit keeps each linear's A x)
   int64_t batch = 1;
   int64_t image_tokens = 0;  // of the largest bucket: (H / 16) (W / 16)
   int64_t text_tokens = 0;   // T5 tokens per caption (512 for FLUX.1-dev)

@@ -168,6 +168,29 @@ struct CheckpointedUnit : public torch::autograd::Function<CheckpointedUnit> {
   }
 };
 
+// A taped unit's backward use of the provider: its outputs pass through unchanged, and their
+// gradients too, after the unit has been acquired and released (the provider's order of
+// uses: forward 0..L-1, backward L-1..0, taped units included).
+struct TapedUnitUse : public torch::autograd::Function<TapedUnitUse> {
+  static variable_list forward(AutogradContext* ctx, at::TensorList outs, BlockProvider* provider,
+                               int64_t index) {
+    ctx->saved_data["provider"] = reinterpret_cast<int64_t>(provider);
+    ctx->saved_data["index"] = index;
+    variable_list same;
+    for (const at::Tensor& t : outs) same.push_back(t.view_as(t));
+    return same;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
+    auto* provider = reinterpret_cast<BlockProvider*>(ctx->saved_data["provider"].toInt());
+    const int index = static_cast<int>(ctx->saved_data["index"].toInt());
+    provider->Acquire(index);
+    provider->Release(index);
+    grad_out.push_back(at::Tensor());  // the provider
+    grad_out.push_back(at::Tensor());  // the index
+    return grad_out;
+  }
+};
+
 }  // namespace
 
 LoraAdapter::LoraAdapter(const std::vector<Shape>& modules, int64_t rank, double alpha,
@@ -320,6 +343,17 @@ void ForwardUnit(BlockProvider& provider, int index, const std::vector<UnitJob>&
   size_t o = 0;
   for (auto& s : *streams)
     for (auto& t : s) t = out[o++];
+}
+
+void ForwardUnitTaped(BlockProvider& provider, int index, const std::vector<UnitJob>& jobs,
+                      std::vector<std::vector<at::Tensor>>* streams) {
+  ForwardUnit(provider, index, jobs, streams, /*checkpointed=*/false);
+  std::vector<at::Tensor> outs;
+  for (const auto& s : *streams) outs.insert(outs.end(), s.begin(), s.end());
+  const variable_list passed = TapedUnitUse::apply(at::TensorList(outs), &provider, index);
+  size_t o = 0;
+  for (auto& s : *streams)
+    for (auto& t : s) t = passed[o++];
 }
 
 }  // namespace lorastream::worker::dit

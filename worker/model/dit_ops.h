@@ -107,5 +107,14 @@ struct UnitJob {
 // valid until the backward: resident units).
 void ForwardUnit(BlockProvider& provider, int index, const std::vector<UnitJob>& jobs,
                  std::vector<std::vector<at::Tensor>>* streams, bool checkpointed);
+// A taped unit in training: its forward under plain autograd, which keeps every job's
+// activations (and the weights they read) into the unit's backward, so nothing is recomputed
+// there; the same arithmetic as the checkpointed unit's forward and recompute. Its outputs
+// pass through one autograd node whose backward acquires and releases the unit, as a
+// checkpointed unit's backward does, so the provider sees the step's order of uses. Only for a
+// resident, uncompressed unit: its weights must stay as they are until the backward (the plan
+// tapes nothing else, ResidencyPlan::tape_resident_only).
+void ForwardUnitTaped(BlockProvider& provider, int index, const std::vector<UnitJob>& jobs,
+                      std::vector<std::vector<at::Tensor>>* streams);
 
 }  // namespace lorastream::worker::dit

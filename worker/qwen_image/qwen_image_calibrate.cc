@@ -112,8 +112,14 @@ QwenImagePlanning PlanQwenImageJob(const QwenImageConfig& config, const Manifest
           ? ResidencyPlan{}
           : UnitSwapPlan(static_cast<int>(manifest.blocks.size()), spec.stream.blocks_to_swap,
                          spec.stream.ring_size, "stream.blocks_to_swap");
+  const int64_t taped = spec.stream.taped_blocks;
   if (p.budget == 0 && !predict) {
     p.plan = hand;
+    if (taped != 0) {  // the job's taped blocks (-1: as many as fit the plan's estimate)
+      p.inputs = QwenImageMemoryInputsFor(config, manifest, spec, others, device, dtype);
+      p.plan = DitApplyTapedUnits(QwenImageMemoryModel(p.inputs), p.inputs.job, p.inputs.group,
+                                  hand, 0, taped, "stream.taped_blocks");
+    }
     return p;
   }
   p.inputs = QwenImageMemoryInputsFor(config, manifest, spec, others, device, dtype);
@@ -125,7 +131,7 @@ QwenImagePlanning PlanQwenImageJob(const QwenImageConfig& config, const Manifest
     p.costs = GroupStepCosts(jobs);
   }
   p.choice = PlanDitJob(QwenImageMemoryModel(p.inputs), p.inputs.job, p.inputs.group, p.costs,
-                        p.budget, hand);
+                        p.budget, hand, taped);
   p.plan = p.choice.candidates[p.choice.chosen].plan;
   LS_LOG_INFO("Qwen-Image plan:\n{}", DescribeQwenImagePlanning(p));
   return p;

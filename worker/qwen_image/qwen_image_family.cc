@@ -68,10 +68,12 @@ class Group final : public FamilyGroup {
         base_->MakeEngine(plan, device_, options.engine), std::move(all_stop), device_.is_cuda());
     model_ = std::make_unique<QwenImageModel>(base_->config(), base_->rest(), provider_.get(),
                                               device_, dtype_);
+    model_->SetTapedUnits(TapedBlocks(plan));
     LS_LOG_INFO(
-        "Qwen-Image group: {} of {} blocks streamed{}", plan.num_streamed(),
+        "Qwen-Image group: {} of {} blocks streamed{}, {} taped", plan.num_streamed(),
         base_->config().num_layers,
-        plan.num_streamed() > 0 ? " through " + std::to_string(plan.ring_size) + " slots" : "");
+        plan.num_streamed() > 0 ? " through " + std::to_string(plan.ring_size) + " slots" : "",
+        plan.taped_blocks);
   }
 
   std::string log_name() const override { return "Qwen-Image group"; }

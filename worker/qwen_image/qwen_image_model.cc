@@ -141,6 +141,12 @@ QwenImageModel::QwenImageModel(const QwenImageConfig& config, NamedTensors rest,
                " units, the model has " + std::to_string(config_.num_layers) + " blocks");
 }
 
+void QwenImageModel::SetTapedUnits(std::vector<bool> taped) {
+  LS_CHECK(taped.empty() || taped.size() == static_cast<size_t>(config_.num_layers),
+           "a taped flag per Qwen-Image block");
+  taped_ = std::move(taped);
+}
+
 at::Tensor QwenImageModel::Forward(const QwenImageBatch& batch, const QwenImageAdapter& adapter,
                                    bool checkpointed) {
   return ForwardGroup({&batch}, {&adapter}, checkpointed)[0];
@@ -191,7 +197,10 @@ std::vector<at::Tensor> QwenImageModel::ForwardGroup(
       job.lora = adapters[j]->UnitLora(u);
       jobs.push_back(std::move(job));
     }
-    dit::ForwardUnit(*provider_, static_cast<int>(u), jobs, &streams, checkpointed);
+    if (checkpointed && u < static_cast<int64_t>(taped_.size()) && taped_[u])
+      dit::ForwardUnitTaped(*provider_, static_cast<int>(u), jobs, &streams);
+    else
+      dit::ForwardUnit(*provider_, static_cast<int>(u), jobs, &streams, checkpointed);
   }
   std::vector<at::Tensor> out;
   for (size_t j = 0; j < batches.size(); ++j) {

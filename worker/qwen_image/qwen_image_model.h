@@ -95,11 +95,17 @@ class QwenImageModel {
   std::vector<at::Tensor> ForwardGroup(const std::vector<const QwenImageBatch*>& batches,
                                        const std::vector<const QwenImageAdapter*>& adapters,
                                        bool checkpointed);
+  // Blocks that a checkpointed forward runs taped instead: under plain autograd, which keeps
+  // their activations into their backward (no recompute there). taped[u] for block u (the
+  // plan's TapedBlocks, worker/stream/stream_plan.h); only resident blocks may be taped (a
+  // streamed block's slot is overwritten before its backward). Empty: none.
+  void SetTapedUnits(std::vector<bool> taped);
 
  private:
   QwenImageConfig config_;
   NamedTensors rest_;
   BlockProvider* provider_;
+  std::vector<bool> taped_;
   c10::Device device_;
   c10::ScalarType dtype_;
 };

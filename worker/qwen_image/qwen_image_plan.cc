@@ -23,6 +23,12 @@ DitMemoryModel QwenImageMemoryModel(const QwenImageMemoryInputs& in) {
   out.table_per_latent = false;  // QwenRopeTable: [1, 1, T, head_dim / 2, 2, 2]
   out.forward_per_token = DualStreamForwardPerToken(d, m, b);
   out.backward_per_token.assign(in.block_bytes.size(), DualStreamBackwardPerToken(d, m, b));
+  // Taped: a block's token-wise linears are to_q, to_k, to_v, to_out.0 and the MLP's two (or
+  // their text-stream twins).
+  out.tape_per_token.assign(in.block_bytes.size(),
+                            DualStreamTapePerToken(d, m, b, static_cast<uint64_t>(c.num_heads)));
+  out.tape_lora.assign(in.block_bytes.size(), 6 * b);
+  out.tape_attentions.assign(in.block_bytes.size(), 1);
   out.stream_grads_per_token = 2 * d * b;
   out.heads = c.num_heads;
   out.score_bytes = in.attention_materialized ? 3 * b : 0;
@@ -65,6 +71,7 @@ DitJob QwenImageDitJob(const JobSpec& spec, const QwenImageConfig& config) {
   job.lora_params = QwenImageLoraParams(
       config, QwenImageTargets(spec.lora.targets, spec.source + ": key `lora.targets`"),
       spec.lora.rank);
+  job.lora_rank = spec.lora.rank;
   job.batch = spec.train.batch_size;
   std::tie(job.image_tokens, job.text_tokens) =
       QwenImageCacheTokens(spec.qwen_image.cache_dir, config);

@@ -37,6 +37,12 @@
 //   attention    fused kernels: B heads T x 8 (log-sum-exp); where attention materialises
 //                its scores (LibTorch 1.13, the CPU): B heads T^2 x 3b (the scaled scores,
 //                the masked scores (padded captions) or their gradient, the probabilities)
+//   tapes        per taped block (the last resident blocks, run under plain autograd: no
+//                recompute), the kept list above, what autograd holds from the block's forward
+//                to its backward: B T (b (16D + 2M) + 32D + 4 heads + 16 + 6 rank b)
+//                (DualStreamTapePerToken; the LayerNorms' f32 mean and rstd; the A x of to_q,
+//                to_k, to_v, to_out.0 and the MLP's two linears' LoRAs); where attention
+//                materialises its scores, B heads T^2 x 3b more
 //   reserve      allocator slack (0 on the CPU)
 // peak = max(forward phase, backward phase), each fixed + ring + its working set + attention.
 // It is an estimate: lorastream-worker plan prints it, and the GPU check compares it with the

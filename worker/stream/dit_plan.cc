@@ -42,6 +42,22 @@ DitMemoryEstimate EstimateAlone(const DitMemoryModel& m, const DitJob& job,
     largest_backward = std::max(largest_backward, m.backward_per_token[u]);
   }
   e.ring = e.slot * static_cast<uint64_t>(plan.ring_size);
+  // Each taped unit's activations, from its forward to its backward.
+  const std::vector<bool> taped = TapedBlocks(plan);
+  for (size_t u = 0; u < taped.size(); ++u) {
+    if (!taped[u]) continue;
+    LS_CHECK(!plan.streamed[u] && m.expanded_bytes.empty(),
+             "a streamed or compressed DiT unit is never taped");
+    const uint64_t attentions = m.tape_attentions[u];
+    const uint64_t tape =
+        bt * (m.tape_per_token[u] + static_cast<uint64_t>(job.lora_rank) * m.tape_lora[u]) +
+        (m.score_bytes > 0
+             ? attentions * batch * static_cast<uint64_t>(m.heads) * t * t * m.score_bytes
+             : 0);
+    ++e.taped;
+    e.tapes += tape;
+    if (u + 1 == taped.size()) e.first_backward = tape;
+  }
   e.forward_working = bt * m.forward_per_token;
   e.backward_working = bt * largest_backward + bt * m.stream_grads_per_token;
   const uint64_t heads = static_cast<uint64_t>(m.heads);
@@ -58,8 +74,11 @@ std::string DitMemoryEstimate::Describe() const {
   if (expansion > 0) s << " + expansion scratch " << FormatBytes(expansion);
   s << " + adapter " << FormatBytes(adapter) << " + checkpoints " << FormatBytes(checkpoints)
     << " + working max(fwd " << FormatBytes(forward_working) << ", bwd "
-    << FormatBytes(backward_working) << ") + attention " << FormatBytes(attention) << " + reserve "
-    << FormatBytes(reserve) << " = " << FormatBytes(total());
+    << FormatBytes(backward_working) << ") + attention " << FormatBytes(attention);
+  if (taped > 0)
+    s << " + activations of " << taped << " taped unit" << (taped == 1 ? "" : "s") << " "
+      << FormatBytes(tapes) << " (" << FormatBytes(tapes - first_backward) << " in the backward)";
+  s << " + reserve " << FormatBytes(reserve) << " = " << FormatBytes(total());
   return s.str();
 }
 
@@ -67,7 +86,10 @@ DitMemoryEstimate EstimateDitMemory(const DitMemoryModel& m, const DitJob& job,
                                     const std::vector<DitJob>& group, const ResidencyPlan& plan) {
   LS_CHECK(plan.num_blocks() == static_cast<int>(m.unit_bytes.size()) &&
                m.unit_kind.size() == m.unit_bytes.size() &&
-               m.backward_per_token.size() == m.unit_bytes.size(),
+               m.backward_per_token.size() == m.unit_bytes.size() &&
+               m.tape_per_token.size() == m.unit_bytes.size() &&
+               m.tape_lora.size() == m.unit_bytes.size() &&
+               m.tape_attentions.size() == m.unit_bytes.size(),
            "a DiT plan covers every unit");
   DitMemoryEstimate e = EstimateAlone(m, job, plan);
   for (const DitJob& other : group) {
@@ -78,6 +100,9 @@ DitMemoryEstimate EstimateDitMemory(const DitMemoryModel& m, const DitJob& job,
                                   m.stream_grads_per_token;
     e.adapter += j.adapter;
     e.checkpoints += j.checkpoints + stream_grads;
+    // Every job's tapes live together; the first backward unit frees one job's at a time.
+    e.tapes += j.tapes;
+    e.first_backward = std::min(e.first_backward, j.first_backward);
     e.forward_working = std::max(e.forward_working, j.forward_working);
     e.backward_working = std::max(e.backward_working, j.backward_working);
     e.attention = std::max(e.attention, j.attention);
@@ -85,7 +110,8 @@ DitMemoryEstimate EstimateDitMemory(const DitMemoryModel& m, const DitJob& job,
   return e;
 }
 
-ResidencyPlan DitResidency(const DitMemoryModel& m, const std::vector<int>& streamed, int ring) {
+ResidencyPlan DitResidency(const DitMemoryModel& m, const std::vector<int>& streamed, int ring,
+                           int taped) {
   const std::vector<int> counts = KindCounts(m);
   LS_CHECK(streamed.size() == counts.size(), "a DiT plan streams a count of every kind");
   std::vector<std::vector<bool>> per_kind;
@@ -103,10 +129,55 @@ ResidencyPlan DitResidency(const DitMemoryModel& m, const std::vector<int>& stre
     const int k = m.unit_kind[u];
     plan.streamed[u] = per_kind[k][next[k]++];
   }
+  plan.tape_resident_only = true;
+  plan.taped_blocks =
+      m.expanded_bytes.empty() ? std::clamp(taped, 0, plan.num_blocks() - plan.num_streamed()) : 0;
+  return plan;
+}
+
+ResidencyPlan DitFillTapedUnits(const DitMemoryModel& m, const DitJob& job,
+                                const std::vector<DitJob>& group, ResidencyPlan plan,
+                                uint64_t budget_bytes) {
+  plan.tape_resident_only = true;
+  // A compressed unit's weights are expanded into one scratch that the next unit's use
+  // overwrites: never taped.
+  const int resident = m.expanded_bytes.empty() ? plan.num_blocks() - plan.num_streamed() : 0;
+  // Each taped unit only adds to the estimate: the most that fit, by bisection.
+  int lo = 0, hi = resident;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    plan.taped_blocks = mid;
+    if (EstimateDitMemory(m, job, group, plan).total() <= budget_bytes)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  plan.taped_blocks = lo;
   return plan;
 }
 
 ResidencyPlan DitSmallestPlan(const DitMemoryModel& m) { return DitResidency(m, KindCounts(m), 1); }
+
+ResidencyPlan DitApplyTapedUnits(const DitMemoryModel& m, const DitJob& job,
+                                 const std::vector<DitJob>& group, ResidencyPlan plan,
+                                 uint64_t budget_bytes, int64_t taped, const std::string& key) {
+  if (taped < -1)
+    throw Error(ErrorCode::kRefused, key +
+                                         " must be 0 (the plan's), -1 (as many as fit) or a "
+                                         "count (found " +
+                                         std::to_string(taped) + ")");
+  plan.tape_resident_only = true;
+  if (taped > 0) {
+    const int resident = m.expanded_bytes.empty() ? plan.num_blocks() - plan.num_streamed() : 0;
+    plan.taped_blocks = static_cast<int>(std::min<int64_t>(taped, resident));
+  } else if (taped == -1) {
+    plan.taped_blocks = 0;
+    const uint64_t bound =
+        budget_bytes > 0 ? budget_bytes : EstimateDitMemory(m, job, group, plan).total();
+    plan = DitFillTapedUnits(m, job, group, plan, bound);
+  }
+  return plan;
+}
 
 std::string DitGroupBudgetRefusal(const DitMemoryModel& m, const DitJob& job,
                                   const std::vector<DitJob>& group, uint64_t budget_bytes) {
@@ -140,6 +211,7 @@ std::string DitPlanLabel(const DitMemoryModel& m, const ResidencyPlan& plan) {
     s << ")";
   }
   s << " ring " << plan.ring_size;
+  if (plan.taped_blocks > 0) s << " taped " << plan.taped_blocks;
   return s.str();
 }
 
@@ -164,7 +236,18 @@ PlanChoice ChooseDitPlan(const DitMemoryModel& m, const DitJob& job,
       minimum = std::min(minimum, c.peak_bytes);
       if (!c.fits && n < units) continue;  // kept: the all-streamed plans
       c.predicted = PredictStep(c.plan, m.unit_bytes, costs);
+      // The budget's headroom as taped units: their forward is not recomputed.
+      CandidatePlan taped;
+      if (c.fits) {
+        taped.plan = DitFillTapedUnits(m, job, group, c.plan, budget_bytes);
+        if (taped.plan.taped_blocks > 0) {
+          taped.peak_bytes = EstimateDitMemory(m, job, group, taped.plan).total();
+          taped.fits = true;
+          taped.predicted = PredictStep(taped.plan, m.unit_bytes, costs);
+        }
+      }
       all.push_back(std::move(c));
+      if (taped.plan.taped_blocks > 0) all.push_back(std::move(taped));
     }
     more = false;
     for (int k = static_cast<int>(split.size()) - 1; k >= 0; --k) {
@@ -207,21 +290,27 @@ PlanChoice ChooseDitPlan(const DitMemoryModel& m, const DitJob& job,
 }
 
 PlanChoice PlanDitJob(const DitMemoryModel& m, const DitJob& job, const std::vector<DitJob>& group,
-                      const StepCosts& costs, uint64_t budget_bytes, const ResidencyPlan& hand) {
+                      const StepCosts& costs, uint64_t budget_bytes, const ResidencyPlan& hand,
+                      int64_t taped) {
+  PlanChoice choice;
   if (budget_bytes > 0) {
     if (!group.empty())
       if (const std::string why = DitGroupBudgetRefusal(m, job, group, budget_bytes); !why.empty())
         throw Error(ErrorCode::kRefused, why);
-    return ChooseDitPlan(m, job, group, costs, budget_bytes);
+    choice = ChooseDitPlan(m, job, group, costs, budget_bytes);
+  } else {
+    CandidatePlan c;
+    c.plan = hand;
+    choice.candidates.push_back(c);
+    choice.chosen = 0;
   }
-  PlanChoice choice;
-  CandidatePlan c;
-  c.plan = hand;
-  c.peak_bytes = EstimateDitMemory(m, job, group, c.plan).total();
-  c.fits = true;
-  c.predicted = PredictStep(c.plan, m.unit_bytes, costs);
-  choice.candidates.push_back(c);
-  choice.chosen = 0;
+  CandidatePlan& c = choice.candidates[choice.chosen];
+  if (budget_bytes == 0 || taped != 0) {
+    c.plan = DitApplyTapedUnits(m, job, group, c.plan, budget_bytes, taped, "stream.taped_blocks");
+    c.peak_bytes = EstimateDitMemory(m, job, group, c.plan).total();
+    c.fits = budget_bytes == 0 || c.peak_bytes <= budget_bytes;
+    c.predicted = PredictStep(c.plan, m.unit_bytes, costs);
+  }
   return choice;
 }
 
@@ -232,17 +321,17 @@ std::string DescribeDitPlanning(const DitMemoryModel& m, const DitJob& job,
   const double bw = costs.h2d_bytes_per_second;
   s << (budget > 0 ? "budget " + FormatBytes(budget) : std::string("no budget: the job's plan"))
     << "; H2D " << bw / 1e9 << " GB/s\n";
-  s << "  plan                                   resident  predicted ms  copied GB  floor ms  "
-       "stall ms  peak GiB  fits\n";
+  s << "  plan                                   resident  taped  predicted ms  copied GB  floor "
+       "ms  stall ms  peak GiB  fits\n";
   for (int i = 0; i < static_cast<int>(choice.candidates.size()); ++i) {
     const CandidatePlan& c = choice.candidates[i];
     char line[256];
-    std::snprintf(line, sizeof line, "%s %-38s %8d  %12.1f  %9.2f  %8.1f  %8.1f  %8.2f  %s\n",
+    std::snprintf(line, sizeof line, "%s %-38s %8d  %5d  %12.1f  %9.2f  %8.1f  %8.1f  %8.2f  %s\n",
                   i == choice.chosen ? "*" : " ", DitPlanLabel(m, c.plan).c_str(),
-                  c.plan.num_blocks() - c.plan.num_streamed(), c.predicted.step_seconds * 1e3,
-                  c.predicted.h2d_bytes / 1e9, bw > 0 ? c.predicted.h2d_bytes / bw * 1e3 : 0.0,
-                  c.predicted.stall_seconds * 1e3, c.peak_bytes / double(1ULL << 30),
-                  c.fits ? "yes" : "no");
+                  c.plan.num_blocks() - c.plan.num_streamed(), c.plan.taped_blocks,
+                  c.predicted.step_seconds * 1e3, c.predicted.h2d_bytes / 1e9,
+                  bw > 0 ? c.predicted.h2d_bytes / bw * 1e3 : 0.0, c.predicted.stall_seconds * 1e3,
+                  c.peak_bytes / double(1ULL << 30), c.fits ? "yes" : "no");
     s << line;
   }
   if (choice.chosen >= 0) {
@@ -259,10 +348,11 @@ std::string DescribeDitPlanning(const DitMemoryModel& m, const DitJob& job,
                   EstimateDitMemory(m, job, group, resident).total() / double(1ULL << 30));
     s << line << "estimate: " << EstimateDitMemory(m, job, group, c.plan).Describe() << "\n";
     std::snprintf(line, sizeof line,
-                  "plan-summary streamed=%d ring=%d predicted_ms=%.3f floor_ms=%.3f "
+                  "plan-summary streamed=%d ring=%d taped=%d predicted_ms=%.3f floor_ms=%.3f "
                   "resident_ms=%.3f peak_gib=%.3f\n",
-                  c.plan.num_streamed(), c.plan.ring_size, c.predicted.step_seconds * 1e3,
-                  floor_s * 1e3, resident_s * 1e3, c.peak_bytes / double(1ULL << 30));
+                  c.plan.num_streamed(), c.plan.ring_size, c.plan.taped_blocks,
+                  c.predicted.step_seconds * 1e3, floor_s * 1e3, resident_s * 1e3,
+                  c.peak_bytes / double(1ULL << 30));
     s << line;
   }
   return s.str();

@@ -21,11 +21,20 @@
 //                and its backward) + B T stream_grads_per_token (the streams' gradients)
 //   attention    fused kernels: B heads T x 8 (log-sum-exp); materialised scores (LibTorch
 //                1.13, the CPU): B heads T^2 x score_bytes
+//   tapes        per taped unit (ResidencyPlan::taped_blocks: the last resident units in
+//                forward order, run under plain autograd instead of checkpointed, so their
+//                activations live from their forward to their backward and their forward is
+//                not recomputed): B T (tape_per_token[u] + rank x tape_lora[u]) (what
+//                autograd saves for the unit's linears, norms, modulation, attention and MLP,
+//                and the LoRA's A x of each token-wise linear), plus, where attention
+//                materialises its scores, B heads T^2 x score_bytes per attention
 //   reserve      allocator slack
-// peak = max(forward phase, backward phase), each fixed + ring + its working set + attention.
-// A group's other jobs add their adapters, checkpoints and streams' gradients; the weights,
-// ring and reserve count once, and the largest job's working sets and attention (a unit runs,
-// and is recomputed with its backward, for one job after another).
+// peak = max(forward phase, backward phase), each fixed + ring + its working set + attention;
+// the forward phase holds every tape, the backward every tape but that of the unit whose
+// backward comes first when it is taped (its tape is part of its working set).
+// A group's other jobs add their adapters, checkpoints, streams' gradients and tapes; the
+// weights, ring and reserve count once, and the largest job's working sets and attention (a
+// unit runs, and is recomputed with its backward, for one job after another).
 #pragma once
 
 #include <algorithm>
@@ -49,6 +58,25 @@ inline uint64_t DualStreamForwardPerToken(uint64_t h, uint64_t m, uint64_t b) {
 inline uint64_t DualStreamBackwardPerToken(uint64_t h, uint64_t m, uint64_t b) {
   return b * (20 * h + 4 * m) + 32 * h;
 }
+// What a taped dual-stream block keeps per token (b bytes each unless said; `heads`
+// attention heads), the list of its derivation (worker/qwen_image/qwen_image_plan.h) that
+// the recompute holds: the LayerNorm's output H, the modulated input H, q and k projected 2H,
+// q and k normalised and v 3H, q and k after the rotary step 2H, attention's output and its
+// per-stream slices 2H, the projections' outputs H, the residual, its LayerNorm's output and
+// the modulated MLP input 3H, the MLP's two M-wide activations 2M, its output H: b (16H + 2M);
+// the f32 copies of q and k the RMSNorm and rotary steps make, 32H; attention's log-sum-exp,
+// 4 heads; the two LayerNorms' mean and rstd (f32), 16.
+inline uint64_t DualStreamTapePerToken(uint64_t h, uint64_t m, uint64_t b, uint64_t heads) {
+  return b * (16 * h + 2 * m) + 32 * h + 4 * heads + 16;
+}
+// The same for FLUX.1's single-stream block: the LayerNorm's output H, the modulated input H
+// (linear1's), linear1's output 3H + M (the MLP half's GELU reads a view of it), the q, k, v
+// copy 3H, q and k after the rotary step 2H, attention's output H, GELU's output M, the
+// concatenation linear2 reads H + M, linear2's output H: b (13H + 3M); then 32H, 4 heads and
+// one LayerNorm's 8 as above.
+inline uint64_t SingleStreamTapePerToken(uint64_t h, uint64_t m, uint64_t b, uint64_t heads) {
+  return b * (13 * h + 3 * m) + 32 * h + 4 * heads + 8;
+}
 
 // One job's shape in a DiT estimate: its adapter and its step's tokens.
 struct DitJob {
@@ -57,6 +85,7 @@ struct DitJob {
   int64_t batch = 1;
   int64_t image_tokens = 0;  // of the largest bucket
   int64_t text_tokens = 0;   // of the longest caption
+  int64_t lora_rank = 0;     // its adapter's rank (a taped unit keeps each linear's A x)
 };
 
 // What a family's units weigh and keep, the same for every job of a group.
@@ -73,6 +102,13 @@ struct DitMemoryModel {
   uint64_t forward_per_token = 0;            // one unit's forward without grad
   std::vector<uint64_t> backward_per_token;  // each unit's recompute+backward
   uint64_t stream_grads_per_token = 0;       // the streams' gradients
+  // A taped unit's activations per token (DualStreamTapePerToken, SingleStreamTapePerToken:
+  // a unit of c blocks c times); its LoRA's per token and unit of rank: b x its token-wise
+  // linears (each keeps rank elements of A x per token when adapted: counted as if every one
+  // is); its attentions.
+  std::vector<uint64_t> tape_per_token;
+  std::vector<uint64_t> tape_lora;
+  std::vector<uint64_t> tape_attentions;
   int64_t heads = 0;
   uint64_t score_bytes = 0;  // per materialised score; 0: fused attention (log-sum-exp)
   // Names in refusals: the budget's key ("stream.gpu_memory_budget"), what lowers the
@@ -83,11 +119,17 @@ struct DitMemoryModel {
 struct DitMemoryEstimate {
   uint64_t rest = 0, resident = 0, ring = 0, adapter = 0, checkpoints = 0, forward_working = 0,
            backward_working = 0, attention = 0, reserve = 0;
-  uint64_t slot = 0;       // one slot: the largest streamed unit (0: none streams)
-  uint64_t expansion = 0;  // a compressed store's one expansion scratch (its largest unit's)
+  int taped = 0;                // taped units
+  uint64_t tapes = 0;           // their activations, every job's
+  uint64_t first_backward = 0;  // of those, the part the first backward unit frees (0 when
+                                // that unit is not taped)
+  uint64_t slot = 0;            // one slot: the largest streamed unit (0: none streams)
+  uint64_t expansion = 0;       // a compressed store's one expansion scratch (its largest unit's)
   uint64_t fixed() const { return rest + resident + expansion + adapter + checkpoints + reserve; }
-  uint64_t forward() const { return fixed() + ring + forward_working + attention; }
-  uint64_t backward() const { return fixed() + ring + backward_working + attention; }
+  uint64_t forward() const { return fixed() + ring + forward_working + attention + tapes; }
+  uint64_t backward() const {
+    return fixed() + ring + backward_working + attention + tapes - first_backward;
+  }
   uint64_t total() const { return std::max(forward(), backward()); }
   std::string Describe() const;  // "rest 0.1 GiB + resident 7.2 GiB + ..."
 };
@@ -97,8 +139,16 @@ DitMemoryEstimate EstimateDitMemory(const DitMemoryModel& m, const DitJob& job,
                                     const std::vector<DitJob>& group, const ResidencyPlan& plan);
 
 // `streamed[k]` units of kind k streamed (each kind's resident units spread over its depth),
-// through a ring of min(ring, streamed) slots (at least 1).
-ResidencyPlan DitResidency(const DitMemoryModel& m, const std::vector<int>& streamed, int ring);
+// through a ring of min(ring, streamed) slots (at least 1); the last `taped` resident units
+// taped (ResidencyPlan::tape_resident_only; at most the resident ones).
+ResidencyPlan DitResidency(const DitMemoryModel& m, const std::vector<int>& streamed, int ring,
+                           int taped = 0);
+// `plan` with as many of its last resident units taped as fit `budget_bytes` in the estimate
+// (none when even one does not, and none of a compressed store's: their expanded weights
+// share one scratch).
+ResidencyPlan DitFillTapedUnits(const DitMemoryModel& m, const DitJob& job,
+                                const std::vector<DitJob>& group, ResidencyPlan plan,
+                                uint64_t budget_bytes);
 // Every unit streamed through one slot: the smallest plan.
 ResidencyPlan DitSmallestPlan(const DitMemoryModel& m);
 
@@ -107,8 +157,18 @@ ResidencyPlan DitSmallestPlan(const DitMemoryModel& m);
 std::string DitGroupBudgetRefusal(const DitMemoryModel& m, const DitJob& job,
                                   const std::vector<DitJob>& group, uint64_t budget_bytes);
 
-// Every split of the streamed units between the kinds, with rings 1..max_ring: of those whose
-// estimate fits `budget_bytes`, the ones predicted within kPlanTieFraction of the fastest,
+// A job's `stream.taped_blocks` (the LLMs' key and meaning, common/job_spec.h) on `plan`: 0
+// keeps the plan's (none for a job's own plan, the planner's choice within a budget); N > 0
+// tapes the last N resident units (all of them when fewer are resident; none of a compressed
+// store's); -1 as many as fit `budget_bytes`, or without a budget (0) within the plan's own
+// estimated peak. Below -1: Error(kRefused) naming `key`.
+ResidencyPlan DitApplyTapedUnits(const DitMemoryModel& m, const DitJob& job,
+                                 const std::vector<DitJob>& group, ResidencyPlan plan,
+                                 uint64_t budget_bytes, int64_t taped, const std::string& key);
+
+// Every split of the streamed units between the kinds, with rings 1..max_ring, each as it is
+// and with as many taped units as fit (DitFillTapedUnits): of those whose estimate fits
+// `budget_bytes`, the ones predicted within kPlanTieFraction of the fastest,
 // then the one copying the fewest bytes, then the lowest peak (PickPlan). The candidates kept
 // for the table: per streamed-unit count the best of its splits and rings (the chosen one
 // among them). Error(kRefused) naming m.budget_key, the budget and the minimum when nothing
@@ -120,11 +180,14 @@ PlanChoice ChooseDitPlan(const DitMemoryModel& m, const DitJob& job,
 // A job's plan: within `budget_bytes` (> 0) ChooseDitPlan's choice, a group (`group` not empty)
 // that does not fit even its smallest plan refused first naming the job (DitGroupBudgetRefusal,
 // Error kRefused); without a budget `hand` (the job file's plan) as the one candidate, with its
-// estimate and prediction.
+// estimate and prediction. Either with the job's stream.taped_blocks `taped` applied
+// (DitApplyTapedUnits: 0 keeps it as it is).
 PlanChoice PlanDitJob(const DitMemoryModel& m, const DitJob& job, const std::vector<DitJob>& group,
-                      const StepCosts& costs, uint64_t budget_bytes, const ResidencyPlan& hand);
+                      const StepCosts& costs, uint64_t budget_bytes, const ResidencyPlan& hand,
+                      int64_t taped = 0);
 
-// "swap 20 (double 4, single 16) ring 2" (several kinds), "swap 20 ring 2" (one).
+// "swap 20 (double 4, single 16) ring 2" (several kinds), "swap 20 ring 2" (one); then
+// " taped 3" when units are taped.
 std::string DitPlanLabel(const DitMemoryModel& m, const ResidencyPlan& plan);
 
 // A planning's table: the budget ("no budget: the job's plan" for 0) and the bandwidth; per

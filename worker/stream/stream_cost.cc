@@ -85,6 +85,7 @@ PredictedStep PredictStep(const ResidencyPlan& plan, const std::vector<uint64_t>
                static_cast<int>(costs.block_expand_scale.size()) == num_blocks,
            "block expansion scales and plan differ");
   const double bandwidth = costs.h2d_bytes_per_second;
+  const std::vector<bool> taped_blocks = TapedBlocks(plan);
   std::vector<int> slots(plan.max_slots(), -1);
   std::vector<double> slot_ready(plan.max_slots(), 0.0);  // when the slot's last copy lands
   double compute = 0, copy = 0, last_release = 0;
@@ -124,7 +125,7 @@ PredictedStep PredictStep(const ResidencyPlan& plan, const std::vector<uint64_t>
       if (use.slot >= 0) begin = std::max(begin, slot_ready[use.slot]);
       now.stall_seconds += begin - compute;
       // A taped block's backward runs without its recompute.
-      const bool taped = use.block >= num_blocks - plan.taped_blocks;
+      const bool taped = taped_blocks[use.block];
       // A compressed block expands at every use but the turnaround (the engine's scratch
       // still holds it). Blocks of several sizes (FLUX's units) scale the measured block's
       // compute.

@@ -31,10 +31,32 @@ std::string ResidencyPlan::Describe() const {
       << backward_slots << " in the backward)";
   s << "; resident [" << resident.str() << "]";
   if (head_streamed) s << "; LM head streamed";
-  if (taped_blocks > 0)
+  if (taped_blocks > 0 && tape_resident_only) {
+    const std::vector<bool> taped = TapedBlocks(*this);
+    s << "; taped (keep their activations) [";
+    bool first = true;
+    for (int i = 0; i < num_blocks(); ++i)
+      if (taped[i]) {
+        s << (first ? "" : " ") << i;
+        first = false;
+      }
+    s << "]";
+  } else if (taped_blocks > 0) {
     s << "; the last " << taped_blocks << " block"
       << (taped_blocks == 1 ? " keeps its" : "s keep their") << " activations";
+  }
   return s.str();
+}
+
+std::vector<bool> TapedBlocks(const ResidencyPlan& plan) {
+  std::vector<bool> taped(plan.streamed.size(), false);
+  int left = plan.taped_blocks;
+  for (int i = plan.num_blocks() - 1; i >= 0 && left > 0; --i) {
+    if (plan.tape_resident_only && plan.streamed[i]) continue;
+    taped[i] = true;
+    --left;
+  }
+  return taped;
 }
 
 void RequireValidRingSize(int ring_size) {

@@ -48,6 +48,11 @@ struct ResidencyPlan {
   // its forward through the LM head and saves a block's forward per step (the cost model
   // weighs that against slots and resident blocks). 0: every block is recomputed.
   int taped_blocks = 0;
+  // The diffusion families' units (worker/stream/dit_plan.h): the taped ones are the last
+  // taped_blocks *resident* units in forward order. Their tape is plain autograd's, which
+  // holds the unit's base weights too, and a streamed unit's weights are a ring slot that is
+  // overwritten before its backward: a streamed unit is never taped.
+  bool tape_resident_only = false;
 
   int num_blocks() const { return static_cast<int>(streamed.size()); }
   int num_streamed() const;
@@ -62,6 +67,11 @@ struct ResidencyPlan {
   // [2 ...]" (and "; LM head streamed" when it is).
   std::string Describe() const;
 };
+
+// Which blocks keep their activations into their backward: the last plan.taped_blocks
+// blocks, or with plan.tape_resident_only the last plan.taped_blocks resident ones (fewer when
+// fewer are resident).
+std::vector<bool> TapedBlocks(const ResidencyPlan& plan);
 
 // Refusals that hold for every plan (Error kRefused, naming the field and the fix).
 void RequireValidRingSize(int ring_size);
