@@ -110,6 +110,41 @@ TrainedRun Train(const JobSpec& spec, bool streamed) {
 
 }  // namespace
 
+namespace {
+
+// `spec` trained resident with CUDA graphs and again eagerly (into `eager_dir`): the first
+// micro-batch runs eagerly, the second is captured and every later one replayed; every step's
+// loss and gradient norm and the final adapter are the same bits, and a replay's memory is
+// reported (the allocator sees none of it).
+void CheckGraphedEqualsEager(const JobSpec& spec, const std::string& model,
+                             const std::string& eager_dir) {
+  const TrainedRun graphed = Train(spec, /*streamed=*/false);
+  CHECK(graphed.result.graphed_micro_batches == spec.train.steps * spec.train.grad_accum - 1);
+  JobSpec eager_spec = spec;
+  eager_spec.train.output_dir = eager_dir;
+  TrainedRun eager;
+  {
+    EagerOnly off;
+    eager = Train(eager_spec, /*streamed=*/false);
+  }
+  CHECK(eager.result.graphed_micro_batches == 0);
+  REQUIRE(graphed.steps.size() == eager.steps.size());
+  for (size_t i = 0; i < eager.steps.size(); ++i) {
+    CAPTURE(i);
+    CHECK(graphed.steps[i].loss == eager.steps[i].loss);
+    CHECK(graphed.steps[i].grad_norm == eager.steps[i].grad_norm);
+    CHECK(graphed.steps[i].peak_device_bytes > 0);
+  }
+  const c10::Device cuda("cuda:0");
+  const ModelConfig config = LoadModelConfig(model + "/config.json");
+  const auto pa = LoraAdapter::Load(spec.train.output_dir, config, cuda).Params();
+  const auto pb = LoraAdapter::Load(eager_spec.train.output_dir, config, cuda).Params();
+  REQUIRE(pa.size() == pb.size());
+  for (size_t i = 0; i < pa.size(); ++i) CHECK(at::equal(pa[i], pb[i]));
+}
+
+}  // namespace
+
 TEST_CASE("CUDA: a resident job replays its micro-batches from a CUDA graph, equal to eager",
           "[gpu]") {
   const TinyModelAndData tiny("cuda-graphs", 24);
@@ -118,39 +153,14 @@ TEST_CASE("CUDA: a resident job replays its micro-batches from a CUDA graph, equ
   spec.train.grad_accum = 2;  // replays accumulate into the gradients, zeroed in place
   spec.train.checkpoint_every = 2;
   spec.optim.grad_clip = 0.5;  // the clip reads the graph's gradients
-  const TrainedRun graphed = Train(spec, /*streamed=*/false);
-  // The first micro-batch runs eagerly; the second is captured and every later one replayed.
-  CHECK(graphed.result.graphed_micro_batches == spec.train.steps * spec.train.grad_accum - 1);
-
-  JobSpec eager_spec = spec;
-  eager_spec.train.output_dir = tiny.dir / "eager";
-  TrainedRun eager;
-  {
-    EagerOnly off;
-    eager = Train(eager_spec, /*streamed=*/false);
-  }
-  CHECK(eager.result.graphed_micro_batches == 0);
-  REQUIRE(graphed.steps.size() == eager.steps.size());
-  for (size_t i = 0; i < eager.steps.size(); ++i) {
-    CAPTURE(i);
-    CHECK(graphed.steps[i].loss == eager.steps[i].loss);
-    CHECK(graphed.steps[i].grad_norm == eager.steps[i].grad_norm);
-    // A replay's memory is reported (the allocator sees none of it).
-    CHECK(graphed.steps[i].peak_device_bytes > 0);
-  }
-  const c10::Device cuda("cuda:0");
-  const ModelConfig config = LoadModelConfig(tiny.model + "/config.json");
-  const LoraAdapter a = LoraAdapter::Load(spec.train.output_dir, config, cuda);
-  const LoraAdapter b = LoraAdapter::Load(eager_spec.train.output_dir, config, cuda);
-  const auto pa = a.Params(), pb = b.Params();
-  REQUIRE(pa.size() == pb.size());
-  for (size_t i = 0; i < pa.size(); ++i) CHECK(at::equal(pa[i], pb[i]));
+  CheckGraphedEqualsEager(spec, tiny.model, tiny.dir / "eager");
 }
 
 TEST_CASE("CUDA: a mixture-of-experts job in bf16 replays from a CUDA graph, equal to eager",
           "[gpu]") {
-  // The grouped expert GEMMs never wait for the device, so the step can be captured; in f32
-  // (per-expert GEMMs, which read the routing on the host) it runs eagerly.
+  // The grouped expert GEMMs never wait for the device, so the step can be captured (rank 4:
+  // padded to 8 inside the grouped GEMMs); in f32 (per-expert GEMMs, which read the routing
+  // on the host) it runs eagerly.
   TempDir dir("cuda-moe-graphs");
   const std::string model = MakeCheckpoint(dir / "model", "tiny-moe");
   const std::string data = WriteJsonl(dir / "d.jsonl", 24, 40, 80, 512);
@@ -159,28 +169,7 @@ TEST_CASE("CUDA: a mixture-of-experts job in bf16 replays from a CUDA graph, equ
   spec.train.grad_accum = 2;
   spec.train.dtype = "bf16";
   spec.optim.grad_clip = 0.5;
-  const TrainedRun graphed = Train(spec, /*streamed=*/false);
-  CHECK(graphed.result.graphed_micro_batches == spec.train.steps * spec.train.grad_accum - 1);
-  JobSpec eager_spec = spec;
-  eager_spec.train.output_dir = dir / "eager";
-  TrainedRun eager;
-  {
-    EagerOnly off;
-    eager = Train(eager_spec, /*streamed=*/false);
-  }
-  CHECK(eager.result.graphed_micro_batches == 0);
-  REQUIRE(graphed.steps.size() == eager.steps.size());
-  for (size_t i = 0; i < eager.steps.size(); ++i) {
-    CAPTURE(i);
-    CHECK(graphed.steps[i].loss == eager.steps[i].loss);
-    CHECK(graphed.steps[i].grad_norm == eager.steps[i].grad_norm);
-  }
-  const c10::Device cuda("cuda:0");
-  const ModelConfig config = LoadModelConfig(model + "/config.json");
-  const auto pa = LoraAdapter::Load(spec.train.output_dir, config, cuda).Params();
-  const auto pb = LoraAdapter::Load(eager_spec.train.output_dir, config, cuda).Params();
-  REQUIRE(pa.size() == pb.size());
-  for (size_t i = 0; i < pa.size(); ++i) CHECK(at::equal(pa[i], pb[i]));
+  CheckGraphedEqualsEager(spec, model, dir / "eager");
 
   JobSpec f32 = spec;
   f32.train.dtype = "f32";
