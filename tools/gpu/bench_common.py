@@ -21,9 +21,11 @@ def read_stats(path):
 
 
 def median_after(rows, key, warmup):
-    """The median of rows[key] after the first `warmup` rows (all of them when no more)."""
+    """The median of rows[key] (key None: of the rows themselves) after the first `warmup` rows
+    (all of them when no more); NaN when there are none."""
     rows = rows[warmup:] if len(rows) > warmup else rows
-    return statistics.median(r[key] for r in rows) if rows else float("nan")
+    return (statistics.median(r if key is None else r[key] for r in rows) if rows
+            else float("nan"))
 
 
 def fmt(x, digits=3):
@@ -177,3 +179,74 @@ def fastest_config(report, pred=lambda c: True):
     `pred`; None when none ran."""
     done = [r for r in report["runs"].values() if "step_seconds" in r and pred(r["config"])]
     return dict(min(done, key=lambda r: r["step_seconds"])["config"]) if done else None
+
+
+def load_musubi_offloading(path):
+    """musubi-tuner's offloading module, imported from its file: src/musubi_tuner/modules/
+    custom_offloading_utils.py of a checkout of https://github.com/kohya-ss/musubi-tuner (it
+    needs torch only; it is no part of this repository)."""
+    import importlib.util
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"musubi-tuner's custom_offloading_utils.py: no file {path}")
+    spec = importlib.util.spec_from_file_location("musubi_custom_offloading_utils", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def musubi_offloader(offloading, block_type, blocks, swap, ring, device):
+    """musubi-tuner's H2D-only block swap (LoRAStreamOffloader: pinned host masters streamed into
+    `ring` device slots) over `blocks`, built as musubi-tuner's models build it (BlockSwapConfig,
+    create_offloader: `swap` blocks streamed, at even intervals; a full backward hook on each
+    block that prefetches during the backward). `offloading`: load_musubi_offloading's module.
+
+    Call it with the base frozen and before peft wraps the blocks' Linear modules: the offloader
+    streams a block's modules whose class name ends in Linear, found (and cached) by name.
+    musubi-tuner's own LoRA patches those modules' forward and leaves them in place; peft wraps
+    them in modules of its own, also named Linear (holding LoRA's trainable ones). The frozen
+    originals (peft's base layers) are cached here first, so that the offloader streams what
+    musubi-tuner's would.
+
+    The driver then calls, as musubi-tuner's models do, wait_for_block(i) before block i's
+    forward, submit_move_blocks_forward(blocks, i) after it (outside its gradient checkpoint),
+    and prepare_block_devices_before_forward(blocks) once before the first step.
+    offloader.h2d_bytes_copied counts the bytes its copier has submitted host to device."""
+    config = offloading.BlockSwapConfig(device=device, supports_backward=True,
+                                        use_pinned_memory=True, h2d_only=True, ring_size=ring)
+    offloader = offloading.create_offloader(block_type, blocks, len(blocks), swap, config)
+    for i in offloader.stream_idx:
+        offloader._modules(i)
+    offloader.h2d_bytes_copied = 0
+    submit = offloader.copier.submit
+
+    def counted(key, dst_flat, src_flat, *rest, **kwargs):
+        offloader.h2d_bytes_copied += src_flat.numel() * src_flat.element_size()
+        return submit(key, dst_flat, src_flat, *rest, **kwargs)
+
+    offloader.copier.submit = counted
+    return offloader
+
+
+def h2d_bandwidth(nbytes, device, repeats=5):
+    """Host-to-device bandwidth (bytes/s) of one copy of `nbytes` from pinned host memory (the
+    median of `repeats` timed copies after one untimed), as a streaming offloader copies a
+    block."""
+    import torch
+
+    with torch.cuda.device(device):
+        src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        seconds = []
+        for _ in range(repeats):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            seconds.append(start.elapsed_time(end) / 1e3)
+        del src, dst
+    return nbytes / statistics.median(seconds)

@@ -26,10 +26,10 @@ With --ours, the table puts our row of the same plan (blocks_to_swap, ring) next
 import argparse
 import functools
 import gc
-import importlib.util
 import json
 import os
 import statistics
+import sys
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -37,12 +37,10 @@ from torch.utils.checkpoint import checkpoint
 # tools/parity/speed.py: the peer's model loading, LoRA and timed step, shared.
 from speed import dtype_kwarg, peft_lora, timed_steps, write_table
 
-
-def load_module(path):
-    spec = importlib.util.spec_from_file_location("musubi_custom_offloading_utils", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+# tools/gpu/bench_common.py: musubi-tuner's offloader, loaded and built as the Qwen-Image
+# benchmark's peer builds it.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "gpu"))
+from bench_common import load_musubi_offloading, musubi_offloader  # noqa: E402
 
 
 def checkpointed(forward, *args, **kwargs):
@@ -60,15 +58,8 @@ def peer_step_times(offloading, model_dir, tokens, swap, ring, repeat, warmup, d
     for module in (hf.model.embed_tokens, hf.model.norm, hf.model.rotary_emb, hf.lm_head):
         module.to(dev)
     layers = list(hf.model.layers)
-    config = offloading.BlockSwapConfig(device=dev, supports_backward=True,
-                                        use_pinned_memory=True, h2d_only=True, ring_size=ring)
-    offloader = offloading.create_offloader("llama", layers, len(layers), swap, config)
-    # The offloader streams each block's Linear modules, found (and cached) by class name.
-    # musubi-tuner's own LoRA patches those modules' forward and leaves them in place; peft
-    # wraps them in modules of its own, also named Linear. Cache the frozen originals (peft's
-    # base layers) before peft wraps them, so that the offloader streams what musubi's would.
-    for i in offloader.stream_idx:
-        offloader._modules(i)
+    # Built before peft wraps the layers' Linear modules (musubi_offloader says why).
+    offloader = musubi_offloader(offloading, "llama", layers, swap, ring, dev)
     model = peft_lora(hf)
     for i, layer in enumerate(layers):
         layer.forward = functools.partial(checkpointed, layer.forward)
@@ -129,7 +120,7 @@ def main():
     if args.repeat < 5 or args.warmup < 2:
         ap.error("--repeat must be >= 5 and --warmup >= 2")
     os.makedirs(args.out, exist_ok=True)
-    offloading = load_module(args.offloader)
+    offloading = load_musubi_offloading(args.offloader)
     rows = []
     for n in [int(x) for x in args.tokens.split(",")]:
         r = peer_step_times(offloading, args.model_dir, n, args.swap, args.ring, args.repeat,
