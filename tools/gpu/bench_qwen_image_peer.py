@@ -28,10 +28,25 @@ or without a backward, past its deadline) records its error and the others still
 A batch of one caption needs no mask (nothing is padded), so the other configurations pass
 none, as lorastream does.
 
+With --musubi-offloader PATH (musubi-tuner's src/musubi_tuner/modules/custom_offloading_utils.py,
+no part of this repository) the model streams instead, as musubi-tuner trains Qwen-Image with
+--blocks_to_swap N --block_swap_h2d_only --gradient_checkpointing: loaded on the host, --swap
+of its blocks streamed Host->Device by musubi-tuner's LoRAStreamOffloader (pinned host masters,
+--ring device slots, the streamed blocks at even intervals: its placement), the other blocks
+and the rest resident, wired around diffusers' block loop as musubi-tuner's own Qwen-Image model
+drives it: diffusers calls its gradient-checkpointing function (given here) with each block and
+its inputs, and that function waits for the block (wait_for_block), runs it checkpointed
+(non-reentrant) and frees its slot and prefetches (submit_move_blocks_forward); the offloader's
+backward hooks on the blocks prefetch during the backward. The configurations then: checkpointed
+with SDPA as torch chooses and forced to each of its kernels; each records the bytes the
+offloader copied per step; the report adds "musubi" (the offloader's plan and the measured
+pinned H2D bandwidth of one block's copy).
+
 Usage (diffusers v0.39's src/ on PYTHONPATH, torch with CUDA, peft):
   PYTHONPATH=.diffusers/src python3 tools/gpu/bench_qwen_image_peer.py \
       --model WORK/model/transformer --pixels 1024x1024 --text-tokens 256 --steps 6 \
       --warmup 2 --out peer.json [--deadline 60] [--compile] [--configs 'NAME;NAME']
+      [--musubi-offloader PATH --swap 45 --ring 2]
 """
 import argparse
 import contextlib
@@ -39,9 +54,11 @@ import time
 
 import torch
 from peft import LoraConfig
+from torch.utils.checkpoint import checkpoint
 
 # (this folder is on sys.path)
-from bench_common import fastest_config, lora_params_f32, record_run, time_steps, write_report
+from bench_common import (fastest_config, h2d_bandwidth, load_musubi_offloading, lora_params_f32,
+                          musubi_offloader, record_run, time_steps, write_report)
 from diffusers import QwenImageTransformer2DModel
 
 # lorastream's Qwen-Image `targets = ["default"]` (worker/qwen_image/qwen_image_adapter_io.h)
@@ -63,6 +80,57 @@ def load(path, device):
             path, torch_dtype=torch.bfloat16).to(device)
 
 
+def add_lora(model, rank):
+    """peft LoRA of `rank` (alpha = rank) on TARGETS, its weights in f32; the base frozen."""
+    model.requires_grad_(False)
+    model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights=True,
+                                 target_modules=TARGETS))
+    lora_params_f32(model)
+
+
+def load_streamed(args, device):
+    """The checkpoint's model streamed by musubi-tuner's LoRAStreamOffloader, with LoRA, as
+    musubi-tuner sets it up (training/trainer_base.py: the model loaded on the host,
+    enable_block_swap, move_to_device_except_swap_blocks, the network, then
+    prepare_block_swap_before_forward once). Returns the model, the offloader and the
+    gradient-checkpointing function that drives it around diffusers' block loop."""
+    offloading = load_musubi_offloading(args.musubi_offloader)  # a wrong path: before the load
+    if device.type != "cuda":
+        raise SystemExit("--musubi-offloader: musubi-tuner's LoRAStreamOffloader runs on CUDA only")
+    model = QwenImageTransformer2DModel.from_pretrained(args.model, torch_dtype=torch.bfloat16)
+    model.requires_grad_(False)  # the offloader refuses a trainable streamed weight
+    blocks = list(model.transformer_blocks)
+    if not 1 <= args.swap < len(blocks):  # musubi-tuner's enable_block_swap: at most N - 1
+        raise SystemExit(f"--swap {args.swap}: must be 1 to {len(blocks) - 1} "
+                         f"(the model has {len(blocks)} blocks)")
+    offloader = musubi_offloader(offloading, "qwen-image-block", blocks, args.swap, args.ring,
+                                 device)
+    add_lora(model, args.rank)
+    for name, child in model.named_children():  # move_to_device_except_swap_blocks
+        if name != "transformer_blocks":
+            child.to(device)
+    index = {id(b): i for i, b in enumerate(blocks)}
+
+    def checkpointed_block(block, *inputs):
+        # musubi-tuner's QwenModel.forward around each block: the wait and the prefetch outside
+        # the checkpoint, so that the backward's recompute neither waits nor prefetches again
+        # (its backward hooks do, block by block).
+        i = index[id(block)]
+        offloader.wait_for_block(i)
+        out = checkpoint(block, *inputs, use_reentrant=False)
+        offloader.submit_move_blocks_forward(blocks, i)
+        return out
+
+    offloader.prepare_block_devices_before_forward(blocks)
+    # Everything but the streamed blocks' frozen weights (on the host between their uses).
+    off_device = [n for n, p in model.named_parameters()
+                  if p.device.type != device.type and not (n.startswith("transformer_blocks.") and
+                                                           not p.requires_grad)]
+    if off_device:
+        raise SystemExit(f"not on {device} after the offloader's preparation: {off_device[:4]}")
+    return model, offloader, checkpointed_block
+
+
 def sdpa_context(kernel):
     if not kernel:
         return contextlib.nullcontext()
@@ -71,10 +139,13 @@ def sdpa_context(kernel):
                         "efficient": SDPBackend.EFFICIENT_ATTENTION}[kernel])
 
 
-def run(model, cfg, args, inputs, device):
+def run(model, cfg, args, inputs, device, checkpoint_func=None, h2d_meter=None):
+    """One configuration's timed steps. checkpoint_func: diffusers' gradient-checkpointing
+    function (None: its own); h2d_meter: the bytes an offloader has copied so far (its figures
+    then hold h2d_bytes, the bytes each step copied)."""
     model.set_attention_backend(cfg.get("backend", "native"))
     if cfg["checkpointing"]:
-        model.enable_gradient_checkpointing()
+        model.enable_gradient_checkpointing(checkpoint_func)
     else:
         model.disable_gradient_checkpointing()
     if cfg.get("compile"):
@@ -84,8 +155,10 @@ def run(model, cfg, args, inputs, device):
     opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
     x, txt, mask, shapes = inputs
     g = torch.Generator(device=device).manual_seed(3)
+    h2d_bytes = []
 
     def step():
+        copied = h2d_meter() if h2d_meter else 0
         noise = torch.randn(x.shape, generator=g, device=device, dtype=torch.float32)
         t = torch.rand(1, generator=g, device=device)
         noisy = ((1 - t) * x.float() + t * noise).to(torch.bfloat16)
@@ -99,11 +172,16 @@ def run(model, cfg, args, inputs, device):
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if h2d_meter:
+            h2d_bytes.append(h2d_meter() - copied)
         return loss.detach()
 
     try:
-        return time_steps(step, args.steps, args.warmup, device, args.deadline, cfg["name"],
-                          profile=args.profile)
+        figures = time_steps(step, args.steps, args.warmup, device, args.deadline, cfg["name"],
+                             profile=args.profile)
+        if h2d_meter:
+            figures["h2d_bytes"] = h2d_bytes
+        return figures
     finally:
         opt.zero_grad(set_to_none=True)
         del opt, params
@@ -126,8 +204,20 @@ def main():
     ap.add_argument("--profile", default="",
                     help="PREFIX: profile the two steps after the warm-up of each configuration "
                          "into PREFIX-<configuration>.md (torch.profiler's kernel table)")
+    ap.add_argument("--musubi-offloader", default="",
+                    help="musubi-tuner's src/musubi_tuner/modules/custom_offloading_utils.py: "
+                         "stream --swap blocks by its LoRAStreamOffloader instead (above)")
+    ap.add_argument("--swap", type=int, default=0,
+                    help="with --musubi-offloader: the blocks streamed (musubi-tuner's "
+                         "--blocks_to_swap)")
+    ap.add_argument("--ring", type=int, default=2,
+                    help="with --musubi-offloader: its device slots (--block_swap_ring_size)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.musubi_offloader and args.swap < 1:
+        ap.error("--musubi-offloader needs --swap N (N >= 1)")
+    if args.musubi_offloader and args.ring < 1:
+        ap.error("--ring must be >= 1")
     t0 = time.time()
     import diffusers
     import peft
@@ -136,11 +226,13 @@ def main():
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     start = time.time()
-    model = load(args.model, device)
-    model.requires_grad_(False)
-    model.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.rank, init_lora_weights=True,
-                                 target_modules=TARGETS))
-    lora_params_f32(model)
+    offloader = checkpoint_func = h2d_meter = None
+    if args.musubi_offloader:
+        model, offloader, checkpoint_func = load_streamed(args, device)
+        h2d_meter = lambda: offloader.h2d_bytes_copied  # noqa: E731
+    else:
+        model = load(args.model, device)
+        add_lora(model, args.rank)
     cfg = dict(model.config)
     report = {"diffusers": diffusers.__version__, "peft": peft.__version__,
               "torch": torch.__version__,
@@ -152,6 +244,23 @@ def main():
               "lora_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
               "lora_modules": sum(1 for n, _ in model.named_modules() if n.endswith(".lora_A")),
               "runs": {}}
+    if offloader is not None:
+        block_bytes = offloader._layout[1]  # one streamed block's Linear weights, as copied
+        try:  # the PCIe floor's rate; without it the table prints no floor
+            bandwidth = h2d_bandwidth(block_bytes, device)
+        except RuntimeError as e:
+            print(f"the H2D bandwidth could not be measured: {e}", flush=True)
+            bandwidth = None
+        report["musubi"] = {
+            "offloader": args.musubi_offloader, "class": type(offloader).__name__,
+            "swap": args.swap, "streamed": offloader.S, "ring": offloader.B,
+            "blocks": len(model.transformer_blocks), "stream_idx": offloader.stream_idx,
+            "pinned": offloader.use_pinned_memory, "block_bytes": block_bytes,
+            "h2d_bytes_per_second": bandwidth}
+        print(f"musubi-tuner {report['musubi']['class']}: {offloader.S} of "
+              f"{report['musubi']['blocks']} blocks streamed through {offloader.B} slots "
+              f"(blocks {offloader.stream_idx}), {block_bytes / 2**20:.0f} MiB each; pinned H2D "
+              f"{bandwidth / 1e9 if bandwidth else float('nan'):.1f} GB/s", flush=True)
     print(f"loaded in {report['load_seconds']:.1f} s; {report['lora_modules']} LoRA modules, "
           f"{report['lora_parameters']} parameters", flush=True)
 
@@ -170,7 +279,21 @@ def main():
 
     def attempt(c):
         if wanted is None or c["name"] in wanted:
-            record_run(report, c, lambda: run(model, c, args, inputs, device), args.out)
+            record_run(report, c, lambda: run(model, c, args, inputs, device, checkpoint_func,
+                                              h2d_meter), args.out)
+
+    if offloader is not None:
+        # musubi-tuner's H2D-only swap trains checkpointed only (it refuses otherwise).
+        for k in ("", "flash", "cudnn", "efficient"):
+            attempt({"name": f"musubi-tuner LoRAStreamOffloader, swap {args.swap} ring "
+                             f"{args.ring}, checkpointed, SDPA{' ' + k if k else ''}",
+                     "checkpointing": True, "sdpa": k, "musubi": True})
+        # Between steps the ring holds its slots' blocks and every other streamed block's
+        # weights are its host master (a check that the blocks stream at all).
+        report["musubi"]["streamed_on_host_between_steps"] = sum(
+            1 for i in offloader.stream_idx if offloader._modules(i)[0].weight.device.type == "cpu")
+        write_report(report, args.out, t0)
+        return
 
     # The likeliest fastest first: a timeout of the whole run keeps what ran.
     attempt({"name": "checkpointed, SDPA", "checkpointing": True})
