@@ -15,6 +15,14 @@
 #             diffusers' other attention backends, each configuration within
 #             QI_BENCH_PEER_DEADLINE seconds; its fastest checkpointed configuration is the
 #             like-with-like denominator)
+#   musubi    musubi-tuner's streaming as a peer, both in this run: our job with blocks_to_swap =
+#             QI_BENCH_SWAP and ring_size = 2 (no budget: the plan by hand), and diffusers' model
+#             + peft with QI_BENCH_SWAP blocks streamed by musubi-tuner's H2D-only offloader
+#             (LoRAStreamOffloader, 2 slots, pinned; bench_qwen_image_peer.py --musubi-offloader:
+#             its own placement, at even intervals), the rest resident, checkpointed, each SDPA
+#             kernel; each row's PCIe floor = its bytes copied per step / the pinned H2D bandwidth
+#             the peer measured. Its file (QI_BENCH_MUSUBI) is musubi-tuner's, not ours: without
+#             it the run is off by default, and named, it runs ours alone and the table says why
 # The model: random Qwen-Image-shaped weights (lorastream-synth --preset qwen-image with
 # num_layers = QI_BENCH_LAYERS, --qwen-image-format diffusers: transformer/config.json and the
 # weights, which the peer loads with from_pretrained), musubi-tuner-style caches of one image
@@ -34,15 +42,19 @@
 #   (256)  QI_BENCH_STEPS (6)  QI_BENCH_WARMUP (2)  QI_BENCH_BUDGET (24GiB)  QI_BENCH_GROUP
 #   (4; 0 or 1: no group run)  QI_BENCH_GROUP_PIXELS (512x512)  QI_BENCH_GROUP_BUDGET
 #   (QI_BENCH_BUDGET)  QI_BENCH_RUNS (resident,streamed,auto,group,peer: a comma list of those
-#   to run, in its order)  QI_BENCH_DEVICE (cuda:0)  QI_BENCH_DTYPE (bf16: the checkpoint and
+#   to run, in its order; musubi too where QI_BENCH_MUSUBI is a file and the device CUDA)
+#   QI_BENCH_SWAP (3/4 of QI_BENCH_LAYERS rounded up, at most QI_BENCH_LAYERS - 1: 45 of 60;
+#   1 to QI_BENCH_LAYERS - 1: musubi-tuner streams at most that many)  QI_BENCH_MUSUBI
+#   (.musubi/custom_offloading_utils.py: src/musubi_tuner/modules/custom_offloading_utils.py of
+#   a musubi-tuner checkout)  QI_BENCH_DEVICE (cuda:0)  QI_BENCH_DTYPE (bf16: the checkpoint and
 #   the jobs' train.dtype)  QI_BENCH_PEER_DEADLINE (60: seconds per peer configuration)
 #   QI_BENCH_PEER_ARGS (more options of bench_qwen_image_peer.py, e.g. "--compile")
 #   QI_BENCH_PROFILE (0; 1: the two steps after the warm-up of each run profiled: ours into
 #   OUT/qwen_image/profile_RUN.json(.md), the peer's into profile_peer-CONFIGURATION.md; profiled steps run slower, so a profiled run's
 #   medians are no timings: profile in a run of its own)
 #   QI_BENCH_PEAK_TFLOPS (790: the compute floors' rate)  QI_BENCH_TIMEOUT (600: seconds per
-#   run)  QI_BENCH_PEER_TIMEOUT (QI_BENCH_TIMEOUT: the peer's, every configuration; what ran
-#   before it stays in peer.json)  QI_BENCH_WORK (a folder under /dev/shm, removed at the end)
+#   run)  QI_BENCH_PEER_TIMEOUT (QI_BENCH_TIMEOUT: the peer's, every configuration, and the
+#   musubi peer's; what ran before it stays in peer.json, peer_musubi.json)  QI_BENCH_WORK (a folder under /dev/shm, removed at the end)
 #   LORASTREAM_BUILD_DIR (build/)
 # On a CPU, with qwen-image-tiny: QI_BENCH_PRESET=qwen-image-tiny QI_BENCH_LAYERS=4
 #   QI_BENCH_DEVICE=cpu QI_BENCH_DTYPE=f32 QI_BENCH_PIXELS=64x64 QI_BENCH_TEXT_TOKENS=8
@@ -55,6 +67,7 @@ OUT="${1:?usage: bench_qwen_image.sh OUT_DIR}/qwen_image"
 BIN="${LORASTREAM_BUILD_DIR:-$ROOT/build}/bin"
 PRESET="${QI_BENCH_PRESET:-qwen-image}"
 LAYERS="${QI_BENCH_LAYERS:-60}"
+[[ "$LAYERS" =~ ^[1-9][0-9]*$ ]] || { echo "QI_BENCH_LAYERS: not a block count: $LAYERS"; exit 2; }
 PIXELS="${QI_BENCH_PIXELS:-1024x1024}"
 TEXT="${QI_BENCH_TEXT_TOKENS:-256}"
 STEPS="${QI_BENCH_STEPS:-6}"
@@ -63,8 +76,16 @@ BUDGET="${QI_BENCH_BUDGET:-24GiB}"
 GROUP="${QI_BENCH_GROUP:-4}"
 GROUP_PIXELS="${QI_BENCH_GROUP_PIXELS:-512x512}"
 GROUP_BUDGET="${QI_BENCH_GROUP_BUDGET:-$BUDGET}"
-RUNS="${QI_BENCH_RUNS:-resident,streamed,auto,group,peer}"
+SWAP_DEFAULT=$(( (LAYERS * 3 + 3) / 4 ))  # 3/4 rounded up, at most LAYERS - 1 (musubi-tuner's)
+[ "$SWAP_DEFAULT" -lt "$LAYERS" ] || SWAP_DEFAULT=$(( LAYERS - 1 ))
+SWAP="${QI_BENCH_SWAP:-$SWAP_DEFAULT}"
+MUSUBI="${QI_BENCH_MUSUBI:-$ROOT/.musubi/custom_offloading_utils.py}"
+MUSUBI_RING=2  # the target's: musubi-tuner's default --block_swap_ring_size
 DEVICE="${QI_BENCH_DEVICE:-cuda:0}"
+DEFAULT_RUNS=resident,streamed,auto,group,peer
+# musubi-tuner's offloader runs on CUDA only, and streams at least one block of two.
+[ -f "$MUSUBI" ] && [[ "$DEVICE" == cuda* ]] && [ "$LAYERS" -ge 2 ] && DEFAULT_RUNS+=",musubi"
+RUNS="${QI_BENCH_RUNS:-$DEFAULT_RUNS}"
 DTYPE="${QI_BENCH_DTYPE:-bf16}"
 PEER_DEADLINE="${QI_BENCH_PEER_DEADLINE:-60}"
 PEAK_TFLOPS="${QI_BENCH_PEAK_TFLOPS:-790}"
@@ -80,7 +101,7 @@ trap 'rm -rf "$WORK"' EXIT
 COMMAND="QI_BENCH_PRESET=$PRESET QI_BENCH_LAYERS=$LAYERS QI_BENCH_PIXELS=$PIXELS \
 QI_BENCH_TEXT_TOKENS=$TEXT QI_BENCH_STEPS=$STEPS QI_BENCH_WARMUP=$WARMUP QI_BENCH_BUDGET=$BUDGET \
 QI_BENCH_GROUP=$GROUP QI_BENCH_GROUP_PIXELS=$GROUP_PIXELS QI_BENCH_GROUP_BUDGET=$GROUP_BUDGET \
-QI_BENCH_RUNS=$RUNS QI_BENCH_DEVICE=$DEVICE QI_BENCH_DTYPE=$DTYPE \
+QI_BENCH_RUNS=$RUNS${QI_BENCH_SWAP:+ QI_BENCH_SWAP=$SWAP} QI_BENCH_DEVICE=$DEVICE QI_BENCH_DTYPE=$DTYPE \
 QI_BENCH_PEER_DEADLINE=$PEER_DEADLINE${QI_BENCH_PEER_ARGS:+ QI_BENCH_PEER_ARGS=\"$QI_BENCH_PEER_ARGS\"} \
 tools/gpu/bench_qwen_image.sh OUT"
 
@@ -135,6 +156,10 @@ train() {  # LABEL JOB-NAMES...: bench_train, then the plan and the last step
   grep -E "step $STEPS/" "$OUT/train_$1.txt" | cut -c1-200
 }
 
+peer_imports() {  # torch, peft and diffusers import (else the peers are skipped)
+  PYTHONPATH="$ROOT/.diffusers/src" python3 -c "import torch, peft, diffusers" 2>/dev/null
+}
+
 IFS=',' read -ra run_list <<< "$RUNS"
 for run in "${run_list[@]}"; do
   case "$run" in
@@ -159,7 +184,7 @@ for run in "${run_list[@]}"; do
       done
       train group "${names[@]}" ;;
     peer)
-      if PYTHONPATH="$ROOT/.diffusers/src" python3 -c "import torch, peft, diffusers" 2>/dev/null; then
+      if peer_imports; then
         echo "== peer: diffusers + peft"
         # shellcheck disable=SC2086
         PYTHONPATH="$ROOT/.diffusers/src" timeout "$PEER_TIMEOUT" python3 \
@@ -175,12 +200,44 @@ for run in "${run_list[@]}"; do
         echo "torch, peft or diffusers ($ROOT/.diffusers/src) does not import on this machine" \
           > "$OUT/peer_skipped.txt"
       fi ;;
+    musubi)
+      if ! [[ "$SWAP" =~ ^[1-9][0-9]*$ ]] || [ "$SWAP" -ge "$LAYERS" ]; then
+        echo "QI_BENCH_SWAP=$SWAP: must be 1 to $((LAYERS - 1)) (QI_BENCH_LAYERS=$LAYERS)" |
+          tee "$OUT/musubi_skipped.txt"
+        status=1
+        continue
+      fi
+      job musubi "$WORK/cache" "blocks_to_swap = $SWAP
+ring_size = $MUSUBI_RING"
+      train musubi musubi
+      if [ ! -f "$MUSUBI" ]; then
+        echo "no musubi-tuner offloader at $MUSUBI (QI_BENCH_MUSUBI: a musubi-tuner checkout's" \
+             "src/musubi_tuner/modules/custom_offloading_utils.py)" | tee "$OUT/musubi_skipped.txt"
+      elif [[ "$DEVICE" != cuda* ]]; then
+        echo "musubi-tuner's LoRAStreamOffloader runs on CUDA only (QI_BENCH_DEVICE=$DEVICE)" |
+          tee "$OUT/musubi_skipped.txt"
+      elif peer_imports; then
+        echo "== musubi-tuner LoRAStreamOffloader: $SWAP of $LAYERS blocks streamed, ring" \
+             "$MUSUBI_RING (diffusers + peft)"
+        # shellcheck disable=SC2046
+        PYTHONPATH="$ROOT/.diffusers/src" timeout "$PEER_TIMEOUT" python3 \
+          "$ROOT/tools/gpu/bench_qwen_image_peer.py" --model "$WORK/model/transformer" \
+          --pixels "$PIXELS" --text-tokens "$TEXT" --steps "$STEPS" --warmup "$WARMUP" \
+          --device "$DEVICE" --deadline "$PEER_DEADLINE" --out "$OUT/peer_musubi.json" \
+          --musubi-offloader "$MUSUBI" --swap "$SWAP" --ring "$MUSUBI_RING" \
+          $([ "${QI_BENCH_PROFILE:-0}" = 1 ] && echo "--profile $OUT/profile_musubi") \
+          2>&1 | tee "$OUT/peer_musubi.log" | grep -vE "^\s*$|step [0-9]+/" | tail -30
+        [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+      else
+        echo "torch, peft or diffusers ($ROOT/.diffusers/src) does not import on this machine" |
+          tee "$OUT/musubi_skipped.txt"
+      fi ;;
     *) echo "QI_BENCH_RUNS: unknown run $run"; status=1 ;;
   esac
 done
 
 python3 "$ROOT/tools/gpu/bench_qwen_image_table.py" "$OUT" --steps "$STEPS" --warmup "$WARMUP" \
   --pixels "$PIXELS" --text-tokens "$TEXT" --group-pixels "$GROUP_PIXELS" --budget "$BUDGET" \
-  --group-budget "$GROUP_BUDGET" --device "$DEVICE" --dtype "$DTYPE" --rank 16 \
+  --group-budget "$GROUP_BUDGET" --device "$DEVICE" --dtype "$DTYPE" --rank 16 --swap "$SWAP" \
   --peak-tflops "$PEAK_TFLOPS" --command "$COMMAND" | tee "$OUT/bench_qwen_image.md" || status=1
 exit $status

@@ -2,18 +2,22 @@
 """The table of tools/gpu/bench_qwen_image.sh: reads OUT/qwen_image/stats_NAME.jsonl (each job's
 per-step statistics), train_LABEL.log (the plan the worker chose: its "Qwen-Image group" line,
 the H2D bandwidth its calibration measured and the plan-summary of a budget's plan),
-config.json (the checkpoint's shape) and peer.json (diffusers + peft) or peer_skipped.txt, and
-prints markdown: per run the median step after the warm-up steps, image tokens/s, the bytes
-copied per step and the plan's PCIe floor, the peak device memory beside the plan's estimate,
-and the compute floor of the step; the peer's configurations; then the ratios the Qwen-Image
-targets name, each against its target, and the command.
+config.json (the checkpoint's shape), peer.json (diffusers + peft) or peer_skipped.txt, and
+peer_musubi.json (diffusers + peft streamed by musubi-tuner's LoRAStreamOffloader), else
+musubi_skipped.txt or the end of peer_musubi.log, and prints markdown: per run the median step
+after the warm-up steps, image tokens/s, the bytes copied per step and the plan's PCIe floor,
+the peak device memory beside the plan's estimate, and the compute floor of the step; the
+peers' configurations; our streamed-by-hand run beside musubi-tuner's of the same blocks_to_swap
+(each PCIe floor its bytes copied per step / the pinned H2D bandwidth the musubi peer measured,
+else the one our streamed run's calibration measured); then the ratios the Qwen-Image targets
+name, each against its target, and the command.
 
 The compute floor counts the FLOPs of one step from the shape (step_flops below) at
 --peak-tflops (790: an H100 SXM's dense bf16 rate as the other benchmarks take it).
 
 Usage: bench_qwen_image_table.py OUT/qwen_image --steps 6 --warmup 2 --pixels 1024x1024
        --text-tokens 256 --group-pixels 512x512 [--budget B --group-budget B --device D
-       --dtype T --rank 16 --peak-tflops 790 --command "..."]
+       --dtype T --rank 16 --swap N --peak-tflops 790 --command "..."]
 """
 import argparse
 import json
@@ -96,6 +100,34 @@ def plan_label(p):
     return f"{p['streamed']} of {p['blocks']} streamed, ring {p['ring']}{extra}"
 
 
+def peer_row(label, plan, v, steps, img, floor, h2d_gb=None, pcie_floor_s=None):
+    """A peer configuration's row of the table: its figures (`v`, its entry of the peer's
+    "runs"; h2d_gb and pcie_floor_s where it streams), or its plan and its error."""
+    if "step_seconds" not in v:
+        return (f"| {label} | {plan}; failed: {v.get('error', '?')[:160]} | | | | | | | "
+                f"{fmt(floor)} | | | |")
+    streamed = f"{fmt(h2d_gb, 2)} | {fmt(pcie_floor_s)}" if h2d_gb is not None else "|"
+    return (f"| {label} | {plan} | {v['steps']}/{steps} | {fmt(v['step_seconds'])} | "
+            f"{img / v['step_seconds']:.0f} | | {streamed} | {fmt(floor)} | "
+            f"{fmt(ratio(v['step_seconds'], floor), 2)} | {fmt(v.get('peak_gib'), 2)} | |")
+
+
+def musubi_peer(out):
+    """peer_musubi.json, or None and why it is missing (musubi_skipped.txt, else the last line
+    of peer_musubi.log: the error that stopped it before its first configuration)."""
+    path = os.path.join(out, "peer_musubi.json")
+    if os.path.exists(path):
+        return json.load(open(path)), None
+    skipped = os.path.join(out, "musubi_skipped.txt")
+    if os.path.exists(skipped):
+        return None, open(skipped).read().strip()
+    log = os.path.join(out, "peer_musubi.log")
+    if os.path.exists(log):
+        lines = [line.strip() for line in open(log, errors="replace") if line.strip()]
+        return None, f"failed: {lines[-1][:300] if lines else 'no output'} (peer_musubi.log)"
+    return None, "not in QI_BENCH_RUNS"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -109,6 +141,8 @@ def main():
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--swap", default="?",
+                    help="the musubi run's blocks_to_swap (QI_BENCH_SWAP; its labels only)")
     ap.add_argument("--peak-tflops", type=float, default=790)
     ap.add_argument("--command", default="tools/gpu/bench_qwen_image.sh OUT")
     args = ap.parse_args()
@@ -128,7 +162,8 @@ def main():
                          if re.fullmatch(r"stats_group\d+\.jsonl", f)),
                         key=lambda n: int(n[len("group"):]))
     for label, jobs, tokens in (("resident", ["resident"], img), ("streamed", ["streamed"], img),
-                                ("auto", ["auto"], img), ("one", ["one"], img_group),
+                                ("auto", ["auto"], img), ("musubi", ["musubi"], img),
+                                ("one", ["one"], img_group),
                                 ("group", group_jobs, img_group)):
         stats = [s for s in (read_stats(os.path.join(out, f"stats_{j}.jsonl")) for j in jobs) if s]
         if not stats:
@@ -150,12 +185,26 @@ def main():
         peer = json.load(open(os.path.join(out, "peer.json")))
     elif os.path.exists(os.path.join(out, "peer_skipped.txt")):
         peer_note = open(os.path.join(out, "peer_skipped.txt")).read().strip()
+    musubi, musubi_note = musubi_peer(out)
+    # The rate of the streamed-by-hand rows' PCIe floors: the musubi peer's pinned H2D copy of
+    # one block, else our streamed run's calibration (GB/s).
+    floor_bw, floor_bw_source = None, None
+    if musubi and musubi.get("musubi", {}).get("h2d_bytes_per_second"):
+        floor_bw = musubi["musubi"]["h2d_bytes_per_second"] / 1e9
+        floor_bw_source = "the musubi peer's pinned H2D copy of one block"
+    else:
+        for label in ("streamed", "auto"):
+            bw = runs.get(label, {}).get("plan", {}).get("bandwidth_gbps")
+            if bw:
+                floor_bw, floor_bw_source = bw, f"the {label} run's calibration"
+                break
 
     layers = cfg["num_layers"]
     print(f"# Qwen-Image LoRA training: {layers} blocks, {args.pixels} ({img} image tokens), "
           f"{txt} text tokens")
     print()
-    print(f"`tools/gpu/bench_qwen_image.sh OUT` on {peer['device'] if peer else args.device}: "
+    device = (peer or musubi or {}).get("device", args.device)
+    print(f"`tools/gpu/bench_qwen_image.sh OUT` on {device}: "
           f"random weights of the checkpoint's shape (hidden "
           f"{cfg['num_attention_heads'] * cfg['attention_head_dim']}, text "
           f"{cfg['joint_attention_dim']} wide), batch 1, rank {args.rank} on musubi-tuner's "
@@ -171,6 +220,8 @@ def main():
     names = {"resident": "lorastream resident (blocks_to_swap = 0, checkpointed)",
              "streamed": f"lorastream within {args.budget}",
              "auto": "lorastream, gpu_memory_budget = \"auto\"",
+             "musubi": f"lorastream, blocks_to_swap = {args.swap}, ring_size = 2 (beside "
+                       f"musubi-tuner's)",
              "one": f"lorastream, one job at {args.group_pixels} within {group_budget}",
              "group": f"lorastream, a group of {runs.get('group', {}).get('jobs', 0)} at "
                       f"{args.group_pixels} within {group_budget}"}
@@ -180,6 +231,8 @@ def main():
         if label == "resident" and pred is None:  # the streamed plan's prediction of it
             pred = runs.get("streamed", {}).get("plan", {}).get("resident_ms")
         floor = p.get("floor_ms", 0.0 if p.get("streamed") == 0 else None)
+        if floor is None and label == "musubi" and floor_bw:  # a plan by hand: no calibration
+            floor = r["h2d_gb"] / floor_bw * 1e3
         r["pcie_floor_s"] = floor / 1e3 if floor is not None else None
         print(f"| {names[label]} | {plan_label(p)} | {r['steps']}/{args.steps} | "
               f"{fmt(r['step_s'])} | {r['tok_s']:.0f} | {fmt(pred / 1e3 if pred else None)} | "
@@ -191,18 +244,27 @@ def main():
         for name, v in peer.get("runs", {}).items():
             ckpt = v["config"].get("checkpointing", True)
             floor = step_flops(cfg, img, txt, args.rank, ckpt) / rate
+            print(peer_row(f"diffusers + peft: {name}", "resident", v, args.steps, img, floor))
             if "step_seconds" in v:
-                print(f"| diffusers + peft: {name} | resident | {v['steps']}/{args.steps} | "
-                      f"{fmt(v['step_seconds'])} | {img / v['step_seconds']:.0f} | | | | "
-                      f"{fmt(floor)} | {fmt(ratio(v['step_seconds'], floor), 2)} | "
-                      f"{fmt(v.get('peak_gib'), 2)} | |")
                 if best is None or v["step_seconds"] < best[1]["step_seconds"]:
                     best = (name, v)
                 if ckpt and (best_ckpt is None or v["step_seconds"] < best_ckpt[1]["step_seconds"]):
                     best_ckpt = (name, v)
-            else:
-                print(f"| diffusers + peft: {name} | failed: {v.get('error', '?')[:160]} | "
-                      f"| | | | | | {fmt(floor)} | | | |")
+    best_musubi = None
+    if musubi:
+        m = musubi.get("musubi", {})
+        plan = (f"{m.get('streamed')} of {m.get('blocks')} streamed, ring {m.get('ring')}"
+                f"{', pinned' if m.get('pinned') else ''}")
+        floor = step_flops(cfg, img, txt, args.rank) / rate
+        for name, v in musubi.get("runs", {}).items():
+            v["h2d_gb"] = median_after(v.get("h2d_bytes", []), None, w) / 1e9
+            v["pcie_floor_s"] = v["h2d_gb"] / floor_bw if floor_bw else None
+            print(peer_row(f"diffusers + peft, {name}", plan, v, args.steps, img, floor,
+                           v["h2d_gb"], v["pcie_floor_s"]))
+            if "step_seconds" not in v:
+                continue
+            if best_musubi is None or v["step_seconds"] < best_musubi[1]["step_seconds"]:
+                best_musubi = (name, v)
     print()
     if peer:
         print(f"Peer: torch {peer['torch']}, diffusers {peer['diffusers']}, peft {peer['peft']}; "
@@ -217,6 +279,45 @@ def main():
         bw = runs.get(label, {}).get("plan", {}).get("bandwidth_gbps")
         if bw:
             print(f"The {label} run's calibration measured H2D at {bw:g} GB/s.")
+    mu = runs.get("musubi")
+    if musubi:
+        m = musubi.get("musubi", {})
+        print(f"musubi-tuner's streaming: its {m.get('class')} ({m.get('offloader')}) driving "
+              f"diffusers' model + peft (torch {musubi.get('torch')}, diffusers "
+              f"{musubi.get('diffusers')}, peft {musubi.get('peft')}) around diffusers' block "
+              f"loop as its own Qwen-Image model drives it: {m.get('streamed')} of "
+              f"{m.get('blocks')} blocks streamed (blocks {m.get('stream_idx')}: its placement, at "
+              f"even intervals) through {m.get('ring')} slots from "
+              f"{'pinned' if m.get('pinned') else 'pageable'} host masters, "
+              f"{fmt((m.get('block_bytes') or float('nan')) / 2**20, 0)} MiB a block; between "
+              f"steps {m.get('streamed_on_host_between_steps', '?')} of the streamed blocks' "
+              f"weights were on the host (the ring holds the others); checkpointed, each SDPA "
+              f"kernel (each row); load {fmt(musubi.get('load_seconds'), 1)} s.")
+        if "wall_seconds" not in musubi:
+            print("The musubi peer was stopped (QI_BENCH_PEER_TIMEOUT) before every configuration "
+                  "ran.")
+    elif mu or musubi_note != "not in QI_BENCH_RUNS":
+        print(f"musubi-tuner's streaming: not run here ({musubi_note}).")
+    if floor_bw and (mu or musubi):
+        print(f"The streamed-by-hand rows' PCIe floors: their bytes copied per step / "
+              f"{floor_bw:.1f} GB/s ({floor_bw_source}).")
+    if mu or musubi:
+        theirs = best_musubi[1] if best_musubi else {}
+        print()
+        print(f"| against musubi-tuner | ours: step s | H2D GB / step | PCIe floor s | peak GiB | "
+              f"musubi-tuner LoRAStreamOffloader"
+              f"{' (' + best_musubi[0].split(', checkpointed, ')[-1] + ')' if best_musubi else ''}"
+              f": step s | H2D GB / step | "
+              f"PCIe floor s | peak GiB | ours / musubi-tuner | target |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        streamed = (mu or {}).get("plan", {}).get("streamed", args.swap)
+        print(f"| ours streamed {streamed}/{layers}, ring 2 beside musubi-tuner's "
+              f"{(musubi or {}).get('musubi', {}).get('streamed', args.swap)}/{layers}, ring 2 "
+              f"| {fmt((mu or {}).get('step_s'))} | {fmt((mu or {}).get('h2d_gb'), 2)} | "
+              f"{fmt((mu or {}).get('pcie_floor_s'))} | {fmt((mu or {}).get('peak_gib'), 2)} | "
+              f"{fmt(theirs.get('step_seconds'))} | {fmt(theirs.get('h2d_gb'), 2)} | "
+              f"{fmt(theirs.get('pcie_floor_s'))} | {fmt(theirs.get('peak_gib'), 2)} | "
+              f"{fmt(ratio((mu or {}).get('step_s'), theirs.get('step_seconds')))} | <= 0.8 |")
     print()
     print("| ratio | value | target |")
     print("| --- | --- | --- |")
@@ -242,6 +343,18 @@ def main():
             floor = max(st["pcie_floor_s"] or 0.0, res["step_s"])
             print(f"| streamed / max(its PCIe floor, the resident step) | "
                   f"{fmt(ratio(st['step_s'], floor))} | |")
+    if mu or musubi:
+        why = ("" if mu and best_musubi else
+               " (no figures of ours)" if best_musubi else
+               " (musubi-tuner's: not run, above)" if musubi_note else
+               " (musubi-tuner's: no configuration ran)")
+        value = fmt(ratio(mu["step_s"], best_musubi[1]["step_seconds"])) if mu and best_musubi \
+            else "—"
+        print(f"| ours streamed {args.swap}/{layers}, ring 2 / musubi-tuner's LoRAStreamOffloader "
+              f"with the same blocks_to_swap, ring 2, at its fastest{why} | {value} | <= 0.8 |")
+    if mu:
+        print(f"| ours streamed {args.swap}/{layers}, ring 2: peak GiB | {fmt(mu['peak_gib'], 2)} "
+              f"| <= 16 (the target's, at 60 blocks and 1024x1024) |")
     if gr and gr["plan"].get("together", gr["jobs"]) < gr["jobs"]:
         print(f"| group: jobs that trained together | {gr['plan']['together']} of {gr['jobs']} "
               f"(the others waited: the budget admitted no more) | {gr['jobs']} |")

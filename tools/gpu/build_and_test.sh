@@ -24,7 +24,9 @@
 #                         and 4 jobs as one group; MOE_BENCH_*: see the script),
 #                         qwen_image (tools/gpu/bench_qwen_image.sh: all 60 blocks at 1024x1024
 #                         resident against diffusers + peft, within 24 GiB, "auto", a group
-#                         of 4 at 512x512; QI_BENCH_*: see the script). Default: test
+#                         of 4 at 512x512, and 45 of 60 streamed beside musubi-tuner's
+#                         streaming where .musubi/ holds its offloader; QI_BENCH_*: see the
+#                         script). Default: test
 #   LORASTREAM_GPU_TARGETS  build only these targets (default: all)
 #   LORASTREAM_BUILD_DIR  build folder (default: build/); LORASTREAM_BUILD_TYPE (default
 #                         here: Release); LORASTREAM_DEBS, LORASTREAM_LIBTORCH: see setup.sh
