@@ -3,20 +3,23 @@
 // to a coordinator and trained by a CPU worker, which reads the job's checkpoint itself; and
 // `lorastream up --job` serving the checkpoint the job names from a store, its CPU worker
 // training the job from the store's one copy. Either way the adapters equal the same job
-// trained standalone from the checkpoint, byte for byte, and so does every step's loss.
+// trained standalone from the checkpoint, byte for byte, and so does every step's loss. And a
+// store of the preset with two workers training from it: the host holds the base once.
 #include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include <catch2/catch.hpp>
 
 #include <nlohmann/json.hpp>
 
-#include "common/subprocess.h"
-#include "coordinator/local_cluster.h"
+#include "common/posix/subprocess.h"
+#include "coordinator/cli/local_cluster.h"
 #include "tests/e2e/e2e_jobs.h"
 #include "tests/support/test_support.h"
 
@@ -164,4 +167,35 @@ TEST_CASE("`lorastream up` of Qwen-Image without a job names one to give, starti
   CHECK_THAT(ReadAll(dir + "/up.log"),
              Catch::Contains("no Qwen-Image example job") && Catch::Contains("--job"));
   CHECK_FALSE(fs::exists(dir + "/run/logs"));  // nothing started
+}
+
+TEST_CASE("a Qwen-Image store and two workers training from it hold the base weights once",
+          "[e2e][qwen_image]") {
+  const lorastream::testing::TempDir run_dir("e2e-qwen-image-pss");
+  const std::string& dir = run_dir.str();
+  LocalClusterOptions o;
+  o.bin_dir = kBin;
+  o.run_dir = dir + "/cluster";
+  o.preset = "qwen-image-tiny";
+  o.devices.assign(2, "cpu");
+  o.heartbeat_timeout_s = 3;
+  o.store_name = "e2e-qi-pss-" + std::to_string(getpid());
+  LocalCluster cluster(o);
+  cluster.Start();
+  REQUIRE(cluster.family() == lorastream::ModelFamily::kQwenImage);
+  // The example job (its caches beside it), long enough to be running when measured; Submit
+  // names the cluster's store instead of the checkpoint.
+  std::string text = ReadAll(ExampleJob(dir, "example", "unused"));
+  text.replace(text.find("steps = 20"), 10, "steps = 100000");
+  std::vector<int64_t> ids;
+  for (int j = 0; j < 2; ++j) {
+    std::string job = text;
+    job.replace(job.find("seed = 0"), 8, "seed = " + std::to_string(j));
+    const std::string path = dir + "/qi/m" + std::to_string(j) + ".toml";
+    std::ofstream(path) << job;
+    ids.push_back(cluster.Submit(path));
+  }
+  lorastream::testing::CheckBaseHeldOnce(cluster, ids, 64);  // each job alone on its worker
+  for (int64_t id : ids) cluster.Client({"cancel", std::to_string(id)});
+  cluster.WaitForJobs(300);
 }

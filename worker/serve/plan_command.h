@@ -9,12 +9,9 @@
 #include <string>
 #include <vector>
 
-namespace lorastream::worker {
+#include "worker/train/plan_options.h"
 
-struct PlanCommandOptions {
-  std::string device = "cpu";  // "cpu" | "cuda" | "cuda:N"
-  bool recalibrate = false;    // measure again even when cached figures exist
-};
+namespace lorastream::worker {
 
 // Prints to stdout; returns the exit code (0). Errors are thrown (lorastream::Error).
 int RunPlanCommand(const std::string& job_path, const PlanCommandOptions& options);
