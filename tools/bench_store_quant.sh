@@ -39,17 +39,8 @@ if [[ ! -f "$CKPT/config.json" ]]; then
 fi
 cat "$CKPT"/*.safetensors > /dev/null  # into the page cache: we measure the store, not the disk
 
-# Polls FILE for a line matching PATTERN while PID lives (10 min at most).
-wait_for_line() {
-  local file=$1 pattern=$2 pid=$3
-  for _ in $(seq 3000); do
-    grep -qs "$pattern" "$file" && return 0
-    kill -0 "$pid" 2>/dev/null || { echo "process $pid exited:" >&2; cat "$file" >&2; return 1; }
-    sleep 0.2
-  done
-  echo "no '$pattern' in $file after 10 min" >&2
-  return 1
-}
+# shellcheck source=tools/store_bench.sh
+source "$ROOT/tools/store_bench.sh"  # wait_for_line, store_listing, store_figures
 
 FORMATS=(${LORASTREAM_BENCH_QUANT_FORMATS:-none fp8 nf4 fp8-head nf4-head fp8-all nf4-all})
 [[ "${FORMATS[0]}" == none ]] || { echo "the formats must start with none (the baseline)" >&2; exit 1; }
@@ -73,16 +64,8 @@ for q in "${FORMATS[@]}"; do
   for r in $(seq "$READERS"); do
     wait_for_line "$WORK/reader-$q-$r.out" '^holding' "${PIDS[$r]}"
   done
-  # The store's listing: its segment objects (the manifest left out) and the PSS line.
-  "$BIN/lorastream-store" ls | awk -v n="$name" '
-    $0 ~ "^" n ": " { inside = 1; next }
-    /^[^ ]/ { inside = 0 }
-    inside' > "$WORK/ls-$q.txt"
-  store_bytes=$(awk '$2 ~ /\.(block\.[0-9]+|rest)$/ { s += $1 } END { printf "%.0f\n", s }' "$WORK/ls-$q.txt")
-  block_bytes=$(awk '$2 ~ /\.block\.[0-9]+$/ { s += $1 } END { printf "%.0f\n", s }' "$WORK/ls-$q.txt")
-  pss_line=$(grep 'in RAM:' "$WORK/ls-$q.txt")
-  pss_bytes=$(sed -n 's/.*(\([0-9]*\) bytes).*/\1/p' <<< "$pss_line")
-  mapping=$(sed -n 's/.* over \([0-9]*\) process.*/\1/p' <<< "$pss_line")
+  store_listing "$BIN" "$name" > "$WORK/ls-$q.txt"
+  read -r store_bytes block_bytes pss_bytes mapping < <(store_figures "$WORK/ls-$q.txt")
   [[ "$mapping" == $((READERS + 1)) ]] || { echo "$q: $mapping processes map the store, not $((READERS + 1))" >&2; exit 1; }
   ROW[$q]="$store_bytes $block_bytes $pss_bytes $(field load_s) $(field quantize_s) $(field total_s)"
   for pid in "${PIDS[@]}"; do kill -TERM "$pid"; done

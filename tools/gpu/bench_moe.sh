@@ -8,6 +8,13 @@
 #   group     MOE_BENCH_GROUP such jobs (each its own seed and output) as one group within the
 #             same budget (`lorastream-worker train a.toml b.toml ...`): aggregate tokens/s
 #             against K x one streamed job's
+#   nf4       (not by default: the full model needs a big host) the checkpoint served as an NF4
+#             store (`lorastream-store serve --quantize nf4 MOE_BENCH_NF4_ARGS`): its bytes
+#             (`lorastream-store ls`) and the PSS of its segments beside the bf16 checkpoint's bytes
+#             and the 18 GB target, each block's segment extrapolated to the preset's depth where
+#             MOE_BENCH_LAYERS is less; then one such job on the store (`[model] store`) within
+#             MOE_BENCH_NF4_BUDGET: its step, plan and peak device memory against that budget.
+#             The store is stopped and its segments removed at the end, also on failure
 #   peer      transformers + peft on the same checkpoint (tools/gpu/bench_moe_peer.py: bf16,
 #             LoRA on the same targets, gradient checkpointing on and off, sdpa and every
 #             experts backend that runs; its best configuration is the ratio's denominator)
@@ -26,8 +33,10 @@
 #   MOE_BENCH_TOKENS (2048)  MOE_BENCH_STEPS (8)  MOE_BENCH_WARMUP (3)  MOE_BENCH_BUDGET
 #   (24GiB)  MOE_BENCH_GROUP (4; 0 or 1: no group run)  MOE_BENCH_DEVICE (cuda:0)
 #   MOE_BENCH_DTYPE (bf16: the checkpoint and the jobs' train.dtype)  MOE_BENCH_RUNS (resident,
-#   streamed, group, peer, auto: a comma list of those to run, in its order)  MOE_BENCH_PEER_ARGS (more options of
-#   bench_moe_peer.py, e.g. "--compile --deadline 300")  MOE_BENCH_TIMEOUT (600: seconds
+#   streamed, group, peer, auto: a comma list of those to run, in its order; also nf4)
+#   MOE_BENCH_NF4_BUDGET (16GiB: the nf4 run's gpu_memory_budget)  MOE_BENCH_NF4_ARGS (more
+#   options of its `lorastream-store serve`, e.g. "--quantize-head --quantize-embedding")
+#   MOE_BENCH_PEER_ARGS (more options of bench_moe_peer.py, e.g. "--compile --deadline 300")  MOE_BENCH_TIMEOUT (600: seconds
 #   per run)  MOE_BENCH_PEER_TIMEOUT (MOE_BENCH_TIMEOUT: the peer's, every configuration)
 #   MOE_BENCH_WORK (a folder under /dev/shm, removed at the end)  LORASTREAM_BUILD_DIR (build/)
 #   MOE_BENCH_PEER_CONFIGS (the peer's configurations to run, a semicolon list of their names,
@@ -38,6 +47,9 @@
 #   medians are no timings: profile in a run of its own)
 # On a CPU, with tiny-moe: MOE_BENCH_PRESET=tiny-moe MOE_BENCH_LAYERS=4 MOE_BENCH_TOKENS=64
 #   MOE_BENCH_DEVICE=cpu MOE_BENCH_DTYPE=f32 MOE_BENCH_BUDGET=1MiB MOE_BENCH_RUNS=resident,streamed,group
+#   (,nf4 with MOE_BENCH_NF4_BUDGET=600MiB). The full model as an NF4 store: MOE_BENCH_LAYERS=48
+#   MOE_BENCH_RUNS=nf4 (61 GB of bf16 checkpoint in MOE_BENCH_WORK, then the store in /dev/shm:
+#   both fit a host whose /dev/shm holds 125 GB, or put MOE_BENCH_WORK on a disk)
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="${1:?usage: bench_moe.sh OUT_DIR}/moe"
@@ -52,13 +64,32 @@ GROUP="${MOE_BENCH_GROUP:-4}"
 DEVICE="${MOE_BENCH_DEVICE:-cuda:0}"
 DTYPE="${MOE_BENCH_DTYPE:-bf16}"
 RUNS="${MOE_BENCH_RUNS:-resident,streamed,group,peer,auto}"
+NF4_BUDGET="${MOE_BENCH_NF4_BUDGET:-16GiB}"
 TIMEOUT="${MOE_BENCH_TIMEOUT:-600}"
 PEER_TIMEOUT="${MOE_BENCH_PEER_TIMEOUT:-$TIMEOUT}"
 WORK="${MOE_BENCH_WORK:-/dev/shm/lorastream-moe-bench-$$}"
 TARGETS='["q_proj", "k_proj", "v_proj", "o_proj", "experts"]'
 rm -rf "$OUT"  # this run's figures only
 mkdir -p "$OUT" "$WORK"
-trap 'rm -rf "$WORK"' EXIT
+# shellcheck source=tools/store_bench.sh
+source "$ROOT/tools/store_bench.sh"  # wait_for_line, store_listing, store_figures
+NF4_NAME="moe-bench-nf4-$$"
+NF4_PID=
+nf4_store_stop() {  # the nf4 run's store stopped; any segment of it still in /dev/shm removed
+  if [ -n "$NF4_PID" ]; then
+    kill -TERM "$NF4_PID" 2>/dev/null
+    wait "$NF4_PID" 2>/dev/null
+    NF4_PID=
+  fi
+  local left
+  left=$(compgen -G "/dev/shm/lorastream.$NF4_NAME.*")
+  if [ -n "$left" ]; then
+    echo "nf4: the store left $(wc -l <<< "$left") segment(s) in /dev/shm; removing them"
+    xargs rm -f <<< "$left"
+  fi
+}
+trap 'nf4_store_stop; rm -rf "$WORK"' EXIT
+trap 'exit 130' INT TERM
 
 echo "== synth $PRESET, $LAYERS layers ($DTYPE) in $WORK"
 start=$(date +%s%N)
@@ -72,11 +103,13 @@ PYTHONPATH="$ROOT/tools/gpu" python3 -c "import sys; from bench_multi_gpu import
 write_data(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), 1000, seed=7)" \
   "$WORK/data.jsonl" "$VOCAB" "$DOCS" || exit 1
 
-job() {  # NAME PLAN-LINES [SEED]
+job() {  # NAME PLAN-LINES [SEED] [MODEL-LINE (default: checkpoint = the synthesized one)]
+  local model="${4:-}"
+  [ -n "$model" ] || model="checkpoint = \"$WORK/model\""
   cat > "$OUT/$1.toml" <<JOB
 name = "$1"
 [model]
-checkpoint = "$WORK/model"
+$model
 [data]
 path = "$WORK/data.jsonl"
 seq_len = $TOKENS
@@ -107,6 +140,47 @@ train() {  # LABEL JOB-NAMES...: bench_train, then the plan and the last step
   grep -E "stream plan|step $STEPS/" "$OUT/train_$1.log" | cut -c1-400
 }
 
+json_of() {  # OUT-FILE KEY=VALUE...: a JSON object of strings
+  python3 -c 'import json, sys
+json.dump(dict(a.split("=", 1) for a in sys.argv[2:]), open(sys.argv[1], "w"), indent=1)' "$@"
+}
+nf4_run() {  # the checkpoint as an NF4 store, its RAM, then one job on it
+  echo "== store: $NF4_NAME, nf4 ${MOE_BENCH_NF4_ARGS:-}"
+  local ckpt_bytes t0 figures=() published
+  ckpt_bytes=$(stat -c %s "$WORK/model"/*.safetensors | awk '{ s += $1 } END { printf "%.0f", s }')
+  t0=$(date +%s%N)
+  # shellcheck disable=SC2086
+  "$BIN/lorastream-store" serve "$WORK/model" --name "$NF4_NAME" --quantize nf4 \
+    ${MOE_BENCH_NF4_ARGS:-} > "$OUT/store_nf4.out" 2> "$OUT/store_nf4.log" &
+  NF4_PID=$!
+  if ! wait_for_line "$OUT/store_nf4.out" '^published' "$NF4_PID" "$TIMEOUT" 2> /dev/null; then
+    local why="not published after $TIMEOUT s"
+    kill -0 "$NF4_PID" 2>/dev/null || { wait "$NF4_PID"; why="serve exited ($?)"; NF4_PID=; }
+    json_of "$OUT/store_nf4.json" checkpoint_bytes="$ckpt_bytes" \
+      error="the store failed, $why: $(grep -v -e '^\s*$' -e 'Run with --help' "$OUT/store_nf4.log" \
+        | tail -1 | cut -c1-300)"
+    echo "nf4: $(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["error"])' \
+      "$OUT/store_nf4.json")"
+    nf4_store_stop
+    status=1
+    return
+  fi
+  published=$(grep '^published' "$OUT/store_nf4.out")
+  store_listing "$BIN" "$NF4_NAME" > "$OUT/store_nf4_ls.txt"
+  read -ra figures < <(store_figures "$OUT/store_nf4_ls.txt")
+  json_of "$OUT/store_nf4.json" checkpoint_bytes="$ckpt_bytes" store_bytes="${figures[0]}" \
+    block_bytes="${figures[1]}" pss_bytes="${figures[2]}" processes="${figures[3]}" \
+    serve_wall_s="$(( ($(date +%s%N) - t0) / 1000000 ))e-3" published="$published" \
+    quantised="$(grep -o 'quantising [0-9]* weights ([0-9.]* GB) to nf4' "$OUT/store_nf4.log" \
+      | head -1)" \
+    args="${MOE_BENCH_NF4_ARGS:-}"
+  echo "nf4: checkpoint $ckpt_bytes bytes; store ${figures[0]} bytes (blocks ${figures[1]})," \
+    "PSS ${figures[2]} bytes over ${figures[3]} process(es)"
+  job nf4 "gpu_memory_budget = \"$NF4_BUDGET\"" 1 "store = \"$NF4_NAME\""
+  train nf4 nf4
+  nf4_store_stop
+}
+
 IFS=',' read -ra run_list <<< "$RUNS"
 for run in "${run_list[@]}"; do
   case "$run" in
@@ -128,6 +202,8 @@ for run in "${run_list[@]}"; do
         names+=("group$k")
       done
       train group "${names[@]}" ;;
+    nf4)
+      nf4_run ;;
     peer)
       if python3 -c "import torch, transformers, peft" 2>/dev/null; then
         echo "== peer: transformers + peft"
@@ -146,7 +222,11 @@ for run in "${run_list[@]}"; do
   esac
 done
 
+# The preset's own depth (what an nf4 store of fewer layers is extrapolated to).
+FULL_LAYERS=$(sed -n 's/^num_hidden_layers *= *\([0-9]*\).*/\1/p' \
+  "$ROOT/configs/models/$PRESET.toml" 2>/dev/null)
 python3 "$ROOT/tools/gpu/bench_moe_table.py" "$OUT" --steps "$STEPS" --warmup "$WARMUP" \
   --preset "$PRESET" --layers "$LAYERS" --tokens "$TOKENS" --budget "$BUDGET" \
-  --device "$DEVICE" --dtype "$DTYPE" | tee "$OUT/bench_moe.md" || status=1
+  --device "$DEVICE" --dtype "$DTYPE" --nf4-budget "$NF4_BUDGET" --full-layers "${FULL_LAYERS:-0}" \
+  | tee "$OUT/bench_moe.md" || status=1
 exit $status

@@ -2,13 +2,16 @@
 """The table of tools/gpu/bench_moe.sh: reads OUT/moe/stats_NAME.jsonl (each job's per-step
 statistics), train_LABEL.log (the plan the worker chose: its line "stream plan from ...", with
 the H2D bandwidth its calibration measured, its prediction and memory estimate) and peer.json
-(transformers + peft), and prints markdown: per run the median step after the warm-up steps,
+(transformers + peft), and for the nf4 run store_nf4.json and store_nf4_ls.txt (the store's
+bytes, PSS and segments), and prints markdown: per run the median step after the warm-up steps,
 tokens/s, the bytes copied per step and their PCIe floor (bytes / the calibrated bandwidth),
 the stall, the peak device memory beside the plan's estimate; the peer's configurations; then
-the ratios the mixture-of-experts targets name, each against its target.
+the ratios the mixture-of-experts targets name, each against its target; the NF4 store's RAM
+against 18 GB (extrapolated to --full-layers blocks where the run had fewer) and its job's peak
+against --nf4-budget.
 
 Usage: bench_moe_table.py OUT/moe --steps 8 --warmup 3 [--preset P --layers N --tokens T
-       --budget B --device D --dtype T]  (the last ones only label the table)
+       --budget B --device D --dtype T --nf4-budget B --full-layers N]
 """
 import argparse
 import json
@@ -22,6 +25,58 @@ PLAN = re.compile(r"stream plan from (.*?)(?: by the cost model \((\d+) candidat
                   r"(?:; predicted ([\d.]+) ms per step \(resident ([\d.]+) ms\))?; estimate ([\d.]+) GiB at the peak")
 BANDWIDTH = re.compile(r"H2D ([\d.]+) GB/s")
 NOT_PLANNED = re.compile(r"the group of (\d+) jobs cannot be planned")
+SIZE = re.compile(r"\s*([\d.]+)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*")
+UNITS = {None: 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
+         "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+NF4_TARGET_GB = 18
+
+
+def size_bytes(text):
+    """A budget such as "16GiB" in bytes; None for anything else ("auto")."""
+    m = SIZE.fullmatch(text or "")
+    return float(m.group(1)) * UNITS[m.group(2)] if m else None
+
+
+def last_error(log):
+    """The last line of a log that says error (else its last line): why a run failed."""
+    if not os.path.exists(log):
+        return "no log"
+    lines = [x.strip() for x in open(log, errors="replace") if x.strip()]
+    errors = [x for x in lines if re.search(r"\berror\b|what\(\)|terminate", x, re.I)]
+    return ((errors or lines or ["empty log"])[-1])[:240]
+
+
+def nf4_store(out, full_layers):
+    """The nf4 run's store: store_nf4.json's figures (numbers where they are), its segments'
+    bytes (store_nf4_ls.txt) and, where every block's segment has the same bytes and the run
+    had fewer than full_layers, the store extrapolated to full_layers blocks. None: no nf4 run."""
+    path = os.path.join(out, "store_nf4.json")
+    if not os.path.exists(path):
+        return None
+    store = json.load(open(path))
+    for key, value in list(store.items()):
+        try:
+            store[key] = float(value)
+        except (TypeError, ValueError):
+            pass
+    ls = os.path.join(out, "store_nf4_ls.txt")
+    blocks, rest = [], None
+    if os.path.exists(ls):
+        for line in open(ls):
+            f = line.split()
+            if len(f) == 2 and f[0].isdigit():
+                if re.search(r"\.block\.\d+$", f[1]):
+                    blocks.append(int(f[0]))
+                elif f[1].endswith(".rest"):
+                    rest = int(f[0])
+    store["blocks"] = len(blocks)
+    if blocks and rest is not None and 0 < len(blocks) < full_layers:
+        if len(set(blocks)) == 1:
+            store["extrapolated_bytes"] = rest + full_layers * blocks[0]
+            store["block_segment_bytes"], store["rest_bytes"] = blocks[0], rest
+        else:
+            store["not_extrapolated"] = "its block segments differ in bytes"
+    return store
 
 
 def plan_of(log):
@@ -58,11 +113,15 @@ def main():
     ap.add_argument("--budget", default="24GiB")
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--nf4-budget", default="16GiB")
+    ap.add_argument("--full-layers", type=int, default=0,
+                    help="the preset's depth: the nf4 store is extrapolated to it (0: not)")
     args = ap.parse_args()
     out, w = args.out, args.warmup
 
     runs = {}  # label -> figures
     for label, jobs in (("resident", ["resident"]), ("auto", ["auto"]), ("streamed", ["streamed"]),
+                        ("nf4", ["nf4"]),
                         ("group", sorted((f[len("stats_"):-len(".jsonl")] for f in os.listdir(out)
                                           if re.fullmatch(r"stats_group\d+\.jsonl", f)),
                                          key=lambda n: int(n[len("group"):])))):
@@ -84,6 +143,7 @@ def main():
             "peak_gib": max(r["peak_device_bytes"] for s in stats for r in s) / 2**30,
             "pcie_floor_s": h2d / (bw * 1e9) if bw else None,
             "loss_last": first[-1]["loss"], **plan}
+    nf4 = nf4_store(out, args.full_layers)
     peer = None
     if os.path.exists(os.path.join(out, "peer.json")):
         peer = json.load(open(os.path.join(out, "peer.json")))
@@ -102,6 +162,7 @@ def main():
     names = {"resident": "lorastream resident (blocks_to_swap = 0, checkpointed)",
              "auto": "lorastream, gpu_memory_budget = \"auto\" (the planner's choice)",
              "streamed": f"lorastream within {args.budget}",
+             "nf4": f"lorastream on an NF4 store within {args.nf4_budget}",
              "group": f"lorastream, a group of {runs.get('group', {}).get('jobs', 0)} within {args.budget}"}
     for label, r in runs.items():
         pred = r.get("predicted_ms")
@@ -109,6 +170,10 @@ def main():
               f"{fmt(r['step_s'])} | {r['tok_s']:.0f} | {fmt(pred / 1e3 if pred else None)} | "
               f"{fmt(r['h2d_gb'], 2)} | {fmt(r['pcie_floor_s'])} | {fmt(r['stall_ms'], 1)} | "
               f"{fmt(r['peak_gib'], 2)} | {fmt(r.get('estimate_gib'), 2)} |")
+    if nf4 is not None and "nf4" not in runs:
+        why = (nf4.get("error")
+               or f"the job failed: {last_error(os.path.join(out, 'train_nf4.log'))}")
+        print(f"| {names['nf4']} | failed: {why.replace('|', '/')} | | | | | | | | | |")
     best_peer = best_ckpt = None
     if peer:
         for name, v in peer.get("runs", {}).items():
@@ -135,6 +200,24 @@ def main():
     if runs.get("group", {}).get("unplanned_groups"):
         print(f"The group run's log says groups of {', '.join(runs['group']['unplanned_groups'])} "
               f"jobs could not be planned within the budget (jobs joined as memory allowed).")
+    if nf4 is not None and "store_bytes" in nf4:
+        ckpt = nf4["checkpoint_bytes"]
+        serve = f"lorastream-store serve --quantize nf4 {nf4.get('args', '')}".strip()
+        print(f"NF4 store (`{serve}`, {nf4['blocks']} blocks): {nf4['store_bytes'] / 1e9:.3f} GB "
+              f"({fmt(ratio(nf4['store_bytes'], ckpt))}x the {args.dtype} checkpoint's "
+              f"{ckpt / 1e9:.3f} GB; blocks {nf4['block_bytes'] / 1e9:.3f} GB), PSS of its "
+              f"segments {nf4['pss_bytes'] / 1e9:.3f} GB over {nf4['processes']:.0f} process(es) "
+              f"({fmt(ratio(nf4['pss_bytes'], nf4['store_bytes']))}x its bytes); serve "
+              f"{fmt(nf4.get('serve_wall_s'), 1)} s, "
+              f"{nf4.get('quantised') or 'no quantising line in its log'}.")
+        if "extrapolated_bytes" in nf4:
+            print(f"Extrapolated to {args.full_layers} blocks (not measured: the rest segment "
+                  f"{nf4['rest_bytes'] / 1e9:.3f} GB + {args.full_layers} x one block's "
+                  f"{nf4['block_segment_bytes'] / 1e9:.3f} GB): "
+                  f"{nf4['extrapolated_bytes'] / 1e9:.2f} GB "
+                  f"({nf4['extrapolated_bytes']:.0f} bytes).")
+        elif nf4.get("not_extrapolated"):
+            print(f"Not extrapolated to {args.full_layers} blocks: {nf4['not_extrapolated']}.")
     if peer:
         print(f"Peer: torch {peer['torch']}, transformers {peer['transformers']}, peft "
               f"{peer['peft']}; {peer.get('lora_parameters')} LoRA parameters; peft config "
@@ -170,6 +253,25 @@ def main():
               f"{fmt(ratio(gr['tok_s'], gr['jobs'] * st['tok_s']), 3)} | |")
         print(f"| group of {gr['jobs']}: H2D bytes per step / one streamed job's | "
               f"{fmt(ratio(gr['h2d_gb'], st['h2d_gb']), 3)} | |")
+    if nf4 is not None:
+        if "store_bytes" in nf4:
+            full = nf4.get("extrapolated_bytes")
+            ram = (f"NF4 store RAM {nf4['pss_bytes'] / 1e9:.2f} GB (PSS, {args.layers} layers"
+                   + (f"; {full / 1e9:.2f} GB extrapolated to {args.full_layers}" if full else "")
+                   + f") (target ≤ {NF4_TARGET_GB} GB: "
+                   + ("yes" if (full or nf4["pss_bytes"]) <= NF4_TARGET_GB * 1e9 else "no") + ")")
+        else:
+            ram = f"NF4 store RAM — ({nf4.get('error', 'no figures')})"
+        n, budget = runs.get("nf4"), size_bytes(args.nf4_budget)
+        if n is None:
+            peak = "peak — (the job did not train)"
+        elif n["peak_gib"] == 0:
+            peak = f"peak — ({args.device} reports no device memory)"
+        else:
+            within = ("yes" if n["peak_gib"] * 2**30 <= budget else "no") if budget else "—"
+            peak = f"peak {n['peak_gib']:.2f} GiB within {args.nf4_budget}: {within}"
+        print(f"| NF4 store's RAM; its job's peak device memory | {ram}; {peak} | "
+              f"≤ {NF4_TARGET_GB} GB; within 16 GiB |")
     ok = all(r["steps"] == args.steps for r in runs.values()) and bool(runs)
     return 0 if ok else 1
 

@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Checks tools/gpu/bench_moe.sh's nf4 run on the CPU (ctest `bench_moe`), with tiny-moe:
+- the streamed and nf4 runs train every step; the NF4 store's figures: fewer bytes than the
+  checkpoint, its PSS within 1.1x of its bytes, 4 weights quantised per block (the attention
+  projections: docs/MOE.md says the experts stay bf16), the ratios line against 18 GB;
+- the store extrapolated from 2 of tiny-moe's 4 blocks equals the 4-block store's bytes;
+- a store that fails to serve: the table says why, the streamed row stays, the script exits 1;
+- nothing of the stores left in /dev/shm.
+
+Usage: check_bench_moe.py BUILD_DIR
+"""
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+failures = []
+
+
+def check(ok, what):
+    print(("ok   " if ok else "FAIL ") + what)
+    if not ok:
+        failures.append(what)
+
+
+def bench(build, tmp, label, **env):
+    """bench_moe.sh on the CPU with tiny-moe into tmp/label: (exit status, bench_moe.md,
+    store_nf4.json or {}, the stores' segments left in /dev/shm)."""
+    base = dict(os.environ, LORASTREAM_BUILD_DIR=build, MOE_BENCH_PRESET="tiny-moe",
+                MOE_BENCH_LAYERS="4", MOE_BENCH_TOKENS="64", MOE_BENCH_DEVICE="cpu",
+                MOE_BENCH_DTYPE="f32", MOE_BENCH_BUDGET="600MiB", MOE_BENCH_NF4_BUDGET="600MiB",
+                MOE_BENCH_STEPS="3", MOE_BENCH_WARMUP="1", MOE_BENCH_TIMEOUT="300",
+                MOE_BENCH_WORK=os.path.join(tmp, label, "work"))
+    base.update(env)
+    out = os.path.join(tmp, label)
+    r = subprocess.run([os.path.join(ROOT, "tools", "gpu", "bench_moe.sh"), out], env=base,
+                       capture_output=True, text=True, timeout=900)
+    print(f"--- {label}\n{r.stdout[-4000:]}{r.stderr[-2000:]}")
+    md_path = os.path.join(out, "moe", "bench_moe.md")
+    md = open(md_path).read() if os.path.exists(md_path) else ""
+    store_path = os.path.join(out, "moe", "store_nf4.json")
+    store = json.load(open(store_path)) if os.path.exists(store_path) else {}
+    left = glob.glob("/dev/shm/lorastream.moe-bench-nf4-*")
+    return r.returncode, md, store, left
+
+
+def rows(md):
+    return {line.split("|")[1].strip(): line for line in md.splitlines()
+            if line.startswith("| lorastream")}
+
+
+def main():
+    build = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "build")
+    nf4_row = "lorastream on an NF4 store within 600MiB"
+    with tempfile.TemporaryDirectory() as tmp:
+        rc, md, store, left = bench(build, tmp, "four", MOE_BENCH_RUNS="streamed,nf4")
+        check(rc == 0, f"streamed and nf4 runs exit 0 (got {rc})")
+        found = rows(md)
+        for name in ("lorastream within 600MiB", nf4_row):
+            check(name in found and "| 3/3 |" in found[name], f"row {name!r} with 3 of 3 steps")
+        size = {k: float(store.get(k, "nan")) for k in ("checkpoint_bytes", "store_bytes",
+                                                          "pss_bytes")}
+        check(0 < size["store_bytes"] < size["checkpoint_bytes"],
+              f"the NF4 store is smaller than the checkpoint: {size}")
+        check(0.9 <= size["pss_bytes"] / size["store_bytes"] <= 1.1,
+              f"the PSS of its segments within 1.1x of its bytes: {size}")
+        check(store.get("quantised", "").startswith("quantising 16 weights"),
+              f"4 blocks x 4 attention projections quantised: {store.get('quantised')!r}")
+        check(re.search(r"\| NF4 store RAM 0\.00 GB \(PSS, 4 layers\) \(target ≤ 18 GB: yes\); "
+                        r"peak .* \| ≤ 18 GB; within 16 GiB \|", md) is not None,
+              "the ratios line: the store's RAM against 18 GB, the peak against the budget")
+        check("Extrapolated" not in md, "no extrapolation at the preset's own depth")
+        check(not left, f"nothing left in /dev/shm: {left}")
+
+        # Two of tiny-moe's four blocks, extrapolated to four: the four-block store's bytes.
+        rc, md, _, left = bench(build, tmp, "two", MOE_BENCH_RUNS="nf4", MOE_BENCH_LAYERS="2")
+        m = re.search(r"Extrapolated to 4 blocks \(not measured: .*\): [\d.]+ GB \((\d+) bytes\)",
+                      md)
+        check(rc == 0 and m is not None, f"two blocks extrapolated to four (exit {rc})")
+        check(m is not None and float(m.group(1)) == size["store_bytes"],
+              f"the extrapolation {m.group(1) if m else None} bytes = the four-block store's "
+              f"{size['store_bytes']:.0f}")
+        check(not left, f"nothing left in /dev/shm: {left}")
+
+        # A store that cannot be served: the table says why, the streamed row stays.
+        rc, md, store, left = bench(build, tmp, "fail", MOE_BENCH_RUNS="streamed,nf4",
+                                    MOE_BENCH_NF4_ARGS="--no-such-option")
+        found = rows(md)
+        check(rc == 1, f"a failed store: exit 1 (got {rc})")
+        check("serve exited" in store.get("error", ""), f"the error: {store.get('error')!r}")
+        check(nf4_row in found and "| failed: the store failed, serve exited" in found[nf4_row],
+              "the nf4 row says why")
+        check("lorastream within 600MiB" in found and "| 3/3 |" in found["lorastream within 600MiB"],
+              "the streamed row is unaffected")
+        check("NF4 store RAM — (the store failed" in md
+              and "peak — (the job did not train)" in md,
+              "the ratios line says the store failed")
+        check(not left, f"nothing left in /dev/shm: {left}")
+    print(f"{len(failures)} failed" if failures else "all passed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
