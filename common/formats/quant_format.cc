@@ -4,6 +4,7 @@
 #include <numeric>
 #include <set>
 
+#include "common/formats/expert_names.h"
 #include "common/formats/flux_config.h"
 #include "common/formats/manifest.h"
 #include "common/formats/qwen_image_config.h"
@@ -74,8 +75,9 @@ bool IsProjectionWeight(const std::string& name) {
                                                "self_attn.v_proj.weight", "self_attn.o_proj.weight",
                                                "mlp.gate_proj.weight",    "mlp.up_proj.weight",
                                                "mlp.down_proj.weight"};
-  return kNames.count(name) > 0 || IsFluxBlockLinearWeight(name) ||
-         IsQwenImageBlockLinearWeight(name);
+  int64_t expert = 0;
+  return kNames.count(name) > 0 || ExpertProjectionOf(name, &expert) >= 0 ||
+         IsFluxBlockLinearWeight(name) || IsQwenImageBlockLinearWeight(name);
 }
 
 bool IsCompressibleRestWeight(const std::string& name) {

@@ -59,8 +59,9 @@ std::string DescribeQuant(const QuantInfo& quant);
 QuantInfo StoreQuantFormat(QuantMethod method);
 
 // True for the names of the projection weights a store may compress: an LLM block's,
-// block-relative ("self_attn.q_proj.weight"), and a FLUX.1 unit's, by full BFL name
-// ("double_blocks.0.img_mlp.0.weight": a FLUX segment names its tensors so).
+// block-relative ("self_attn.q_proj.weight"; in a mixture of experts every expert's,
+// "mlp.experts.3.up_proj.weight", not the router's), and a FLUX.1 or Qwen-Image unit's, by
+// full name ("double_blocks.0.img_mlp.0.weight": a DiT segment names its tensors so).
 bool IsProjectionWeight(const std::string& name);
 
 // True for the full names of the weights outside the blocks a store may compress on request:

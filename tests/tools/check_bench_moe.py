@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Checks tools/gpu/bench_moe.sh's nf4 run on the CPU (ctest `bench_moe`), with tiny-moe:
 - the streamed and nf4 runs train every step; the NF4 store's figures: fewer bytes than the
-  checkpoint, its PSS within 1.1x of its bytes, 4 weights quantised per block (the attention
-  projections: docs/MOE.md says the experts stay bf16), the ratios line against 18 GB;
+  checkpoint, its PSS within 1.1x of its bytes, 28 weights quantised per block (the 4 attention
+  projections and every expert's 3), the ratios line against 18 GB;
 - the store extrapolated from 2 of tiny-moe's 4 blocks equals the 4-block store's bytes;
 - a store that fails to serve: the table says why, the streamed row stays, the script exits 1;
 - nothing of the stores left in /dev/shm.
@@ -68,8 +68,9 @@ def main():
               f"the NF4 store is smaller than the checkpoint: {size}")
         check(0.9 <= size["pss_bytes"] / size["store_bytes"] <= 1.1,
               f"the PSS of its segments within 1.1x of its bytes: {size}")
-        check(store.get("quantised", "").startswith("quantising 16 weights"),
-              f"4 blocks x 4 attention projections quantised: {store.get('quantised')!r}")
+        check(store.get("quantised", "").startswith("quantising 112 weights"),
+              f"4 blocks x (4 attention projections + 8 experts x 3) quantised: "
+              f"{store.get('quantised')!r}")
         check(re.search(r"\| NF4 store RAM 0\.00 GB \(PSS, 4 layers\) \(target ≤ 18 GB: yes\); "
                         r"peak .* \| ≤ 18 GB; within 16 GiB \|", md) is not None,
               "the ratios line: the store's RAM against 18 GB, the peak against the budget")

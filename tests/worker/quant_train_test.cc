@@ -1,7 +1,8 @@
 // Training against a compressed store (fp8, nf4) on the CPU: a block's expanded weights
 // equal a plain reference dequantisation written here with ATen ops (invariant 7), streamed
 // runs equal the resident run bit for bit (invariant 4), and a resumed run ends where an
-// uninterrupted one does.
+// uninterrupted one does; a mixture of experts' blocks (qwen3_moe, mixtral) compress every
+// expert's projections as a dense block's, and train so too.
 #include "tests/worker/torch_catch.h"  // first: see there
 
 #include <unistd.h>
@@ -64,15 +65,22 @@ TrainOptions Streamed(bool streamed) {
 }  // namespace
 
 TEST_CASE("a compressed block expands to its reference dequantisation bit for bit", "[worker]") {
+  for (const char* preset : {"tiny-qwen2", "tiny-moe", "tiny-mixtral"})
   for (QuantMethod method : {QuantMethod::kFp8, QuantMethod::kNf4}) {
-    INFO(QuantMethodName(method));
-    QuantStore q("tiny-qwen2", method);
+    INFO(preset << " " << QuantMethodName(method));
+    QuantStore q(preset, method);
     const BaseWeights base = BaseWeights::FromStore(q.store->manifest().store_name);
     const Manifest& m = *base.manifest();
     const SegmentInfo& layout = m.blocks[1];
     const at::Tensor bytes =
         at::from_blob(const_cast<uint8_t*>(base.block_bytes()[1]),
                       {static_cast<int64_t>(layout.nbytes)}, at::TensorOptions().dtype(at::kByte));
+    const bool moe = base.config().is_moe();
+    // Every projection of the block is compressed: its attention's and, in a mixture of
+    // experts, each expert's three (the router stays as it is).
+    int compressed = 0;
+    for (const TensorSlice& t : layout.tensors) compressed += t.quant.compressed() ? 1 : 0;
+    CHECK(compressed == (moe ? 4 + 3 * base.config().num_experts : 7));
     for (at::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
       at::Tensor buffer;
       const BlockWeights w = ExpandBlock(bytes, layout, dtype, &buffer);
@@ -91,17 +99,21 @@ TEST_CASE("a compressed block expands to its reference dequantisation bit for bi
       CHECK(buffer.numel() == ExpandedElements(layout));
     }
     // The base's own view of the block (the resident path) is the same expansion.
-    CHECK(at::equal(base.block(1).down_proj.to(at::kBFloat16),
-                    ReferenceDequant(bytes, layout, *layout.Find("mlp.down_proj.weight"))));
+    const std::string down = moe ? base.config().ExpertModule(1, 2) + ".weight"
+                                 : std::string("mlp.down_proj.weight");
+    const at::Tensor* seen = BlockWeightField(base.block(1), down);
+    REQUIRE(seen != nullptr);
+    CHECK(at::equal(seen->to(at::kBFloat16), ReferenceDequant(bytes, layout, *layout.Find(down))));
     CHECK(base.block(1).input_norm.scalar_type() == ScalarTypeOf(m.dtype, "the store"));
   }
 }
 
 TEST_CASE("training on a compressed store: streamed equals resident bit for bit, resume works",
           "[worker]") {
+  for (const char* preset : {"tiny", "tiny-moe"})
   for (QuantMethod method : {QuantMethod::kFp8, QuantMethod::kNf4}) {
-    INFO(QuantMethodName(method));
-    QuantStore q("tiny", method);
+    INFO(preset << " " << QuantMethodName(method));
+    QuantStore q(preset, method);
     std::vector<double> resident_losses;
     JobSpec spec = q.Job("resident");
     RunTraining(spec, Streamed(false),

@@ -2,33 +2,13 @@
 #include <ATen/ATen.h>
 
 #include "common/base/error.h"
+#include "common/formats/expert_names.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/block_weights.h"
 
 namespace lorastream::worker {
 
 namespace {
-
-// An expert's projection name ("mlp.experts.E.gate_proj.weight", mixtral's
-// "block_sparse_moe.experts.E.w1.weight"): 0 gate, 1 up, 2 down and *expert, or -1.
-int ParseExpertName(const std::string& name, int64_t* expert) {
-  std::string rest;
-  for (const char* prefix : {"mlp.experts.", "block_sparse_moe.experts."})
-    if (name.rfind(prefix, 0) == 0) rest = name.substr(std::string(prefix).size());
-  const size_t dot = rest.find('.');
-  if (rest.empty() || dot == 0 || dot == std::string::npos || dot > 6) return -1;
-  for (size_t i = 0; i < dot; ++i)
-    if (rest[i] < '0' || rest[i] > '9') return -1;
-  if (dot > 1 && rest[0] == '0') return -1;
-  *expert = std::stoll(rest.substr(0, dot));
-  const std::string proj = rest.substr(dot + 1);
-  const bool mixtral = name[0] == 'b';
-  static const char* kQwen[] = {"gate_proj.weight", "up_proj.weight", "down_proj.weight"};
-  static const char* kMixtral[] = {"w1.weight", "w3.weight", "w2.weight"};
-  for (int p = 0; p < 3; ++p)
-    if (proj == (mixtral ? kMixtral : kQwen)[p]) return p;
-  return -1;
-}
 
 at::Tensor* Field(BlockWeights& w, const std::string& name, bool grow) {
   static const std::pair<const char*, at::Tensor BlockWeights::*> kFields[] = {
@@ -51,7 +31,7 @@ at::Tensor* Field(BlockWeights& w, const std::string& name, bool grow) {
     if (name == n) return &(w.*field);
   if (name == "mlp.gate.weight" || name == "block_sparse_moe.gate.weight") return &w.router;
   int64_t expert = 0;
-  const int proj = ParseExpertName(name, &expert);
+  const int proj = ExpertProjectionOf(name, &expert);
   if (proj < 0) return nullptr;
   if (static_cast<size_t>(expert) >= w.experts.size()) {
     if (!grow) return nullptr;
