@@ -66,93 +66,94 @@ TrainOptions Streamed(bool streamed) {
 
 TEST_CASE("a compressed block expands to its reference dequantisation bit for bit", "[worker]") {
   for (const char* preset : {"tiny-qwen2", "tiny-moe", "tiny-mixtral"})
-  for (QuantMethod method : {QuantMethod::kFp8, QuantMethod::kNf4}) {
-    INFO(preset << " " << QuantMethodName(method));
-    QuantStore q(preset, method);
-    const BaseWeights base = BaseWeights::FromStore(q.store->manifest().store_name);
-    const Manifest& m = *base.manifest();
-    const SegmentInfo& layout = m.blocks[1];
-    const at::Tensor bytes =
-        at::from_blob(const_cast<uint8_t*>(base.block_bytes()[1]),
-                      {static_cast<int64_t>(layout.nbytes)}, at::TensorOptions().dtype(at::kByte));
-    const bool moe = base.config().is_moe();
-    // Every projection of the block is compressed: its attention's and, in a mixture of
-    // experts, each expert's three (the router stays as it is).
-    int compressed = 0;
-    for (const TensorSlice& t : layout.tensors) compressed += t.quant.compressed() ? 1 : 0;
-    CHECK(compressed == (moe ? 4 + 3 * base.config().num_experts : 7));
-    for (at::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
-      at::Tensor buffer;
-      const BlockWeights w = ExpandBlock(bytes, layout, dtype, &buffer);
-      for (const TensorSlice& t : layout.tensors) {
-        const at::Tensor* field = BlockWeightField(w, t.name);
-        if (!t.quant.compressed()) {
-          if (field != nullptr) CHECK(field->scalar_type() == dtype);  // biases, norms
-          continue;
+    for (QuantMethod method : {QuantMethod::kFp8, QuantMethod::kNf4}) {
+      INFO(preset << " " << QuantMethodName(method));
+      QuantStore q(preset, method);
+      const BaseWeights base = BaseWeights::FromStore(q.store->manifest().store_name);
+      const Manifest& m = *base.manifest();
+      const SegmentInfo& layout = m.blocks[1];
+      const at::Tensor bytes = at::from_blob(const_cast<uint8_t*>(base.block_bytes()[1]),
+                                             {static_cast<int64_t>(layout.nbytes)},
+                                             at::TensorOptions().dtype(at::kByte));
+      const bool moe = base.config().is_moe();
+      // Every projection of the block is compressed: its attention's and, in a mixture of
+      // experts, each expert's three (the router stays as it is).
+      int compressed = 0;
+      for (const TensorSlice& t : layout.tensors) compressed += t.quant.compressed() ? 1 : 0;
+      CHECK(compressed == (moe ? 4 + 3 * base.config().num_experts : 7));
+      for (at::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
+        at::Tensor buffer;
+        const BlockWeights w = ExpandBlock(bytes, layout, dtype, &buffer);
+        for (const TensorSlice& t : layout.tensors) {
+          const at::Tensor* field = BlockWeightField(w, t.name);
+          if (!t.quant.compressed()) {
+            if (field != nullptr) CHECK(field->scalar_type() == dtype);  // biases, norms
+            continue;
+          }
+          INFO(t.name);
+          const at::Tensor ref = ReferenceDequant(bytes, layout, t);
+          REQUIRE(field->scalar_type() == dtype);
+          CHECK(at::equal(field->to(at::kBFloat16), ref));  // bf16 exactly, f32 its widening
+          CHECK(at::equal(*field, ref.to(dtype)));
         }
-        INFO(t.name);
-        const at::Tensor ref = ReferenceDequant(bytes, layout, t);
-        REQUIRE(field->scalar_type() == dtype);
-        CHECK(at::equal(field->to(at::kBFloat16), ref));  // bf16 exactly, f32 its widening
-        CHECK(at::equal(*field, ref.to(dtype)));
+        CHECK(buffer.numel() == ExpandedElements(layout));
       }
-      CHECK(buffer.numel() == ExpandedElements(layout));
+      // The base's own view of the block (the resident path) is the same expansion.
+      const std::string down =
+          moe ? base.config().ExpertModule(1, 2) + ".weight" : std::string("mlp.down_proj.weight");
+      const at::Tensor* seen = BlockWeightField(base.block(1), down);
+      REQUIRE(seen != nullptr);
+      CHECK(
+          at::equal(seen->to(at::kBFloat16), ReferenceDequant(bytes, layout, *layout.Find(down))));
+      CHECK(base.block(1).input_norm.scalar_type() == ScalarTypeOf(m.dtype, "the store"));
     }
-    // The base's own view of the block (the resident path) is the same expansion.
-    const std::string down = moe ? base.config().ExpertModule(1, 2) + ".weight"
-                                 : std::string("mlp.down_proj.weight");
-    const at::Tensor* seen = BlockWeightField(base.block(1), down);
-    REQUIRE(seen != nullptr);
-    CHECK(at::equal(seen->to(at::kBFloat16), ReferenceDequant(bytes, layout, *layout.Find(down))));
-    CHECK(base.block(1).input_norm.scalar_type() == ScalarTypeOf(m.dtype, "the store"));
-  }
 }
 
 TEST_CASE("training on a compressed store: streamed equals resident bit for bit, resume works",
           "[worker]") {
   for (const char* preset : {"tiny", "tiny-moe"})
-  for (QuantMethod method : {QuantMethod::kFp8, QuantMethod::kNf4}) {
-    INFO(preset << " " << QuantMethodName(method));
-    QuantStore q(preset, method);
-    std::vector<double> resident_losses;
-    JobSpec spec = q.Job("resident");
-    RunTraining(spec, Streamed(false),
-                [&](const StepStats& s) { resident_losses.push_back(s.loss); });
-    REQUIRE(resident_losses.size() == 4);
-    REQUIRE(std::isfinite(resident_losses.back()));
-    const std::string want =
-        testing::ReadFile(spec.train.output_dir + "/adapter_model.safetensors");
-    for (int swap : {0, 3, 4}) {
-      for (int ring : {1, 2}) {
-        INFO("swap " << swap << " ring " << ring);
-        spec = q.Job("s" + std::to_string(swap) + "r" + std::to_string(ring));
-        spec.stream.blocks_to_swap = swap;
-        spec.stream.ring_size = ring;
-        std::vector<double> losses;
-        StepStats last;
-        RunTraining(spec, Streamed(true), [&](const StepStats& s) {
-          losses.push_back(s.loss);
-          last = s;
-        });
-        CHECK(losses == resident_losses);
-        CHECK(testing::ReadFile(spec.train.output_dir + "/adapter_model.safetensors") == want);
-        // The bytes copied per step are the compressed blocks'.
-        CHECK(last.h2d_bytes ==
-              static_cast<uint64_t>(last.copies) * q.store->manifest().blocks[0].nbytes);
-        CHECK((swap > ring) == (last.copies > 0));
+    for (QuantMethod method : {QuantMethod::kFp8, QuantMethod::kNf4}) {
+      INFO(preset << " " << QuantMethodName(method));
+      QuantStore q(preset, method);
+      std::vector<double> resident_losses;
+      JobSpec spec = q.Job("resident");
+      RunTraining(spec, Streamed(false),
+                  [&](const StepStats& s) { resident_losses.push_back(s.loss); });
+      REQUIRE(resident_losses.size() == 4);
+      REQUIRE(std::isfinite(resident_losses.back()));
+      const std::string want =
+          testing::ReadFile(spec.train.output_dir + "/adapter_model.safetensors");
+      for (int swap : {0, 3, 4}) {
+        for (int ring : {1, 2}) {
+          INFO("swap " << swap << " ring " << ring);
+          spec = q.Job("s" + std::to_string(swap) + "r" + std::to_string(ring));
+          spec.stream.blocks_to_swap = swap;
+          spec.stream.ring_size = ring;
+          std::vector<double> losses;
+          StepStats last;
+          RunTraining(spec, Streamed(true), [&](const StepStats& s) {
+            losses.push_back(s.loss);
+            last = s;
+          });
+          CHECK(losses == resident_losses);
+          CHECK(testing::ReadFile(spec.train.output_dir + "/adapter_model.safetensors") == want);
+          // The bytes copied per step are the compressed blocks'.
+          CHECK(last.h2d_bytes ==
+                static_cast<uint64_t>(last.copies) * q.store->manifest().blocks[0].nbytes);
+          CHECK((swap > ring) == (last.copies > 0));
+        }
       }
+      // Stopped after step 3 and resumed: the same adapter as the uninterrupted run.
+      spec = q.Job("split");
+      spec.stream.blocks_to_swap = 3;
+      int polls = 0;
+      TrainResult first = RunTraining(spec, Streamed(true), {}, [&] { return ++polls > 3; });
+      CHECK(first.stopped);
+      TrainResult second = RunTraining(spec, Streamed(true));
+      CHECK(second.start_step == first.steps_done);
+      CHECK(second.steps_done == 4);
+      CHECK(testing::ReadFile(spec.train.output_dir + "/adapter_model.safetensors") == want);
     }
-    // Stopped after step 3 and resumed: the same adapter as the uninterrupted run.
-    spec = q.Job("split");
-    spec.stream.blocks_to_swap = 3;
-    int polls = 0;
-    TrainResult first = RunTraining(spec, Streamed(true), {}, [&] { return ++polls > 3; });
-    CHECK(first.stopped);
-    TrainResult second = RunTraining(spec, Streamed(true));
-    CHECK(second.start_step == first.steps_done);
-    CHECK(second.steps_done == 4);
-    CHECK(testing::ReadFile(spec.train.output_dir + "/adapter_model.safetensors") == want);
-  }
 }
 
 TEST_CASE("compressed blocks stay compressed and expand at each use into one scratch", "[worker]") {
