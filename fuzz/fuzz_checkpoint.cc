@@ -8,10 +8,10 @@
 #include <cstdlib>
 #include <string>
 
-#include "common/checkpoint_manifest.h"
-#include "common/error.h"
-#include "common/safetensors.h"
-#include "common/trainer_state_meta.h"
+#include "common/formats/checkpoint_manifest.h"
+#include "common/base/error.h"
+#include "common/formats/safetensors.h"
+#include "common/formats/trainer_state_meta.h"
 
 using namespace lorastream;
 

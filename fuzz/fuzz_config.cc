@@ -8,9 +8,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/error.h"
-#include "common/job_spec.h"
-#include "common/model_config.h"
+#include "common/base/error.h"
+#include "common/job/job_spec.h"
+#include "common/formats/model_config.h"
 
 using namespace lorastream;
 

@@ -5,7 +5,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "common/messages.h"
+#include "common/protocol/messages.h"
 
 using namespace lorastream;
 

@@ -5,8 +5,8 @@
 #include <cstdint>
 #include <cstdlib>
 
-#include "common/error.h"
-#include "common/npz.h"
+#include "common/base/error.h"
+#include "common/formats/npz.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {

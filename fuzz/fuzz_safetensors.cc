@@ -4,8 +4,8 @@
 #include <cstdint>
 #include <cstdlib>
 
-#include "common/error.h"
-#include "common/safetensors.h"
+#include "common/base/error.h"
+#include "common/formats/safetensors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {

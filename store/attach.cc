@@ -8,9 +8,9 @@
 #include <cstdio>
 #include <thread>
 
-#include "common/error.h"
-#include "common/shm_names.h"
-#include "common/user_access.h"
+#include "common/base/error.h"
+#include "common/posix/shm_names.h"
+#include "common/posix/user_access.h"
 #include "store/checksum.h"
 #include "store/manifest_object.h"
 #include "store/process.h"

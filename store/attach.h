@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "common/manifest.h"
+#include "common/formats/manifest.h"
 #include "store/shm_segment.h"
 
 namespace lorastream::store {

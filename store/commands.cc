@@ -7,9 +7,9 @@
 #include <cstdio>
 #include <thread>
 
-#include "common/error.h"
-#include "common/finite_scan.h"
-#include "common/format_bytes.h"
+#include "common/base/error.h"
+#include "common/base/finite_scan.h"
+#include "common/base/format_bytes.h"
 #include "store/attach.h"
 #include "store/registry.h"
 

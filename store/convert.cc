@@ -3,7 +3,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "common/error.h"
+#include "common/base/error.h"
 
 namespace lorastream::store {
 

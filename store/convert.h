@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "common/dtype.h"
+#include "common/base/dtype.h"
 
 namespace lorastream::store {
 

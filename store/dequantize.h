@@ -15,8 +15,8 @@
 #include <cstdint>
 #include <string>
 
-#include "common/manifest.h"
-#include "common/quant_format.h"
+#include "common/formats/manifest.h"
+#include "common/formats/quant_format.h"
 
 namespace lorastream::store {
 

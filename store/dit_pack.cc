@@ -2,7 +2,7 @@
 
 #include <optional>
 
-#include "common/error.h"
+#include "common/base/error.h"
 #include "store/convert.h"
 
 namespace lorastream::store {

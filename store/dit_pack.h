@@ -1,5 +1,5 @@
 // Planning a store of a diffusion transformer (FLUX.1, Qwen-Image): its checkpoint, in any of
-// the family's forms (common/flux_layout.h's and common/qwen_image_layout.h's readers), packed
+// the family's forms (common/formats/flux_layout.h's and common/formats/qwen_image_layout.h's readers), packed
 // into one segment per streaming unit and one for the tensors outside the blocks, in the
 // family's layout (FluxManifest, QwenImageManifest): the very bytes a worker packing the
 // checkpoint itself lays out. Nothing is allocated here, so a bad checkpoint is refused before
@@ -12,8 +12,8 @@
 #include <memory>
 #include <string>
 
-#include "common/flux_layout.h"
-#include "common/qwen_image_layout.h"
+#include "common/formats/flux_layout.h"
+#include "common/formats/qwen_image_layout.h"
 #include "store/layout.h"
 
 namespace lorastream::store {

@@ -5,9 +5,9 @@
 #include <algorithm>
 #include <cstdio>
 
-#include "common/error.h"
-#include "common/format_bytes.h"
-#include "common/safetensors.h"
+#include "common/base/error.h"
+#include "common/base/format_bytes.h"
+#include "common/formats/safetensors.h"
 #include "store/dit_pack.h"
 #include "store/layout.h"
 

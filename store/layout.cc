@@ -9,10 +9,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/error.h"
-#include "common/finite_scan.h"
-#include "common/log.h"
-#include "common/tokenizer_id.h"
+#include "common/base/error.h"
+#include "common/base/finite_scan.h"
+#include "common/base/log.h"
+#include "common/formats/tokenizer_id.h"
 #include "store/convert.h"
 #include "store/parallel.h"
 #include "store/progress.h"

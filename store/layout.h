@@ -7,8 +7,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "common/manifest.h"
-#include "common/safetensors.h"
+#include "common/formats/manifest.h"
+#include "common/formats/safetensors.h"
 
 namespace lorastream::store {
 
@@ -48,7 +48,7 @@ struct PackOptions {
   // on disk). Serve turns it off and calls RefuseNonFiniteWeights once the cheap checks have
   // passed (the store fits /dev/shm), so that a refusal that needs no weight comes at once.
   bool scan_weights = true;
-  // Store each block's projection weights compressed (common/quant_format.h); kNone: as they are.
+  // Store each block's projection weights compressed (common/formats/quant_format.h); kNone: as they are.
   QuantMethod quantize = QuantMethod::kNone;
   // With `quantize`: the LM head's weights and the embedding table stored compressed too, in
   // the same format (a tied model's one table, which is both, by either flag).

@@ -11,8 +11,8 @@
 #include <mutex>
 #include <thread>
 
-#include "common/error.h"
-#include "common/unique_fd.h"
+#include "common/base/error.h"
+#include "common/posix/unique_fd.h"
 #include "store/checksum.h"
 #include "store/convert.h"
 #include "store/progress.h"

@@ -10,10 +10,10 @@
 #include <cstring>
 #include <utility>
 
-#include "common/error.h"
-#include "common/shm_names.h"
-#include "common/unique_fd.h"
-#include "common/user_access.h"
+#include "common/base/error.h"
+#include "common/posix/shm_names.h"
+#include "common/posix/unique_fd.h"
+#include "common/posix/user_access.h"
 #include "store/process.h"
 
 namespace lorastream::store {

@@ -11,8 +11,8 @@
 #include <optional>
 #include <string>
 
-#include "common/manifest.h"
-#include "common/unique_fd.h"
+#include "common/formats/manifest.h"
+#include "common/posix/unique_fd.h"
 
 namespace lorastream::store {
 

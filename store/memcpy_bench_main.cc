@@ -11,8 +11,8 @@
 
 #include <CLI/CLI.hpp>
 
-#include "common/cli_main.h"
-#include "common/error.h"
+#include "common/base/cli_main.h"
+#include "common/base/error.h"
 
 namespace {
 

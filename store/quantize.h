@@ -1,4 +1,4 @@
-// The arithmetic of the compressed formats (common/quant_format.h), torch-free: quantising a
+// The arithmetic of the compressed formats (common/formats/quant_format.h), torch-free: quantising a
 // weight as `lorastream-store serve --quantize` does, and expanding it back to the bf16
 // weights a block computes with (the worker's CPU path; its CUDA kernels do the same
 // arithmetic and are tested against this).

@@ -5,7 +5,7 @@
 #include <cstring>
 #include <vector>
 
-#include "common/error.h"
+#include "common/base/error.h"
 #include "store/convert.h"
 #include "store/loader.h"
 #include "store/parallel.h"

@@ -8,12 +8,12 @@
 #include <algorithm>
 #include <map>
 
-#include "common/error.h"
-#include "common/log.h"
-#include "common/manifest.h"
-#include "common/quant_format.h"
-#include "common/shm_names.h"
-#include "common/user_access.h"
+#include "common/base/error.h"
+#include "common/base/log.h"
+#include "common/formats/manifest.h"
+#include "common/formats/quant_format.h"
+#include "common/posix/shm_names.h"
+#include "common/posix/user_access.h"
 #include "store/process.h"
 
 namespace lorastream::store {

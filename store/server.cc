@@ -16,11 +16,11 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/error.h"
-#include "common/format_bytes.h"
-#include "common/log.h"
-#include "common/safetensors.h"
-#include "common/shm_names.h"
+#include "common/base/error.h"
+#include "common/base/format_bytes.h"
+#include "common/base/log.h"
+#include "common/formats/safetensors.h"
+#include "common/posix/shm_names.h"
 #include "store/checksum.h"
 #include "store/dit_pack.h"
 #include "store/layout.h"

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "common/manifest.h"
+#include "common/formats/manifest.h"
 #include "store/manifest_object.h"
 #include "store/shm_segment.h"
 

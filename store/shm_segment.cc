@@ -8,10 +8,10 @@
 #include <cerrno>
 #include <utility>
 
-#include "common/error.h"
-#include "common/format_bytes.h"
-#include "common/unique_fd.h"
-#include "common/user_access.h"
+#include "common/base/error.h"
+#include "common/base/format_bytes.h"
+#include "common/posix/unique_fd.h"
+#include "common/posix/user_access.h"
 
 namespace lorastream::store {
 

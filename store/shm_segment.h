@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <string>
 
-#include "common/memory_mapping.h"
+#include "common/posix/memory_mapping.h"
 
 namespace lorastream::store {
 

@@ -16,12 +16,12 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/device.h"
-#include "common/error.h"
-#include "common/install_paths.h"
-#include "common/safetensors.h"
-#include "common/tokenizer_id.h"
-#include "common/toml_file.h"
+#include "common/base/device.h"
+#include "common/base/error.h"
+#include "common/posix/install_paths.h"
+#include "common/formats/safetensors.h"
+#include "common/formats/tokenizer_id.h"
+#include "common/formats/toml_file.h"
 #include "store/checksum.h"
 #include "store/convert.h"
 #include "store/quantize.h"

@@ -8,8 +8,8 @@
 #include <string>
 #include <utility>
 
-#include "common/dtype.h"
-#include "common/model_config.h"
+#include "common/base/dtype.h"
+#include "common/formats/model_config.h"
 
 namespace lorastream::store {
 

@@ -15,12 +15,12 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/device.h"
-#include "common/error.h"
-#include "common/flux_cache.h"
-#include "common/flux_diffusers.h"
-#include "common/safetensors.h"
-#include "common/toml_file.h"
+#include "common/base/device.h"
+#include "common/base/error.h"
+#include "common/formats/flux_cache.h"
+#include "common/formats/flux_diffusers.h"
+#include "common/formats/safetensors.h"
+#include "common/formats/toml_file.h"
 #include "store/convert.h"
 
 namespace lorastream::store {

@@ -1,14 +1,14 @@
 // `lorastream-synth` for FLUX.1-shaped checkpoints: a preset with model_type = "flux"
 // (configs/models/flux-tiny.toml, flux1-dev.toml) is written as BFL's single file,
 // OUT/flux1.safetensors, or (flux_format "diffusers") as a diffusers folder, OUT/transformer/
-// (common/flux_diffusers.h), with the same deterministic values as every synth checkpoint
-// (SynthValue) and the RoPE axes in its metadata (common/flux_config.h).
+// (common/formats/flux_diffusers.h), with the same deterministic values as every synth checkpoint
+// (SynthValue) and the RoPE axes in its metadata (common/formats/flux_config.h).
 #pragma once
 
 #include <map>
 #include <string>
 
-#include "common/flux_config.h"
+#include "common/formats/flux_config.h"
 #include "store/synth.h"
 
 namespace lorastream::store {
@@ -28,7 +28,7 @@ uint64_t WriteSynthFile(const std::string& path, const TensorShapes& shapes,
                         const std::string& prefix, DType dtype, const SynthOptions& options,
                         const std::map<std::string, std::string>& metadata);
 SynthResult RunSynthFlux(const SynthOptions& options, const std::string& preset_path);
-// Three images' caches (common/flux_cache.h) for the FLUX preset of `options`: two of 32x32
+// Three images' caches (common/formats/flux_cache.h) for the FLUX preset of `options`: two of 32x32
 // pixels and one of 48x32 (two buckets), random latents and text features of its widths.
 void WriteFluxDemoCaches(const SynthOptions& options, const std::string& dir);
 

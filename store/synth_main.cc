@@ -4,9 +4,9 @@
 
 #include <CLI/CLI.hpp>
 
-#include "common/cli_main.h"
-#include "common/error.h"
-#include "common/log.h"
+#include "common/base/cli_main.h"
+#include "common/base/error.h"
+#include "common/base/log.h"
 #include "store/synth.h"
 #include "store/synth_flux.h"
 #include "store/synth_qwen_image.h"

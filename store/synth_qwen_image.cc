@@ -6,11 +6,11 @@
 #include <filesystem>
 #include <fstream>
 
-#include "common/block_names.h"
-#include "common/device.h"
-#include "common/error.h"
-#include "common/qwen_image_cache.h"
-#include "common/toml_file.h"
+#include "common/formats/block_names.h"
+#include "common/base/device.h"
+#include "common/base/error.h"
+#include "common/formats/qwen_image_cache.h"
+#include "common/formats/toml_file.h"
 #include "store/synth_flux.h"
 
 namespace lorastream::store {

@@ -8,7 +8,7 @@
 
 #include <string>
 
-#include "common/qwen_image_config.h"
+#include "common/formats/qwen_image_config.h"
 #include "store/synth.h"
 
 namespace lorastream::store {

@@ -12,8 +12,8 @@
 
 #include <catch2/catch.hpp>
 
-#include "common/subprocess.h"
-#include "common/user_access.h"
+#include "common/posix/subprocess.h"
+#include "common/posix/user_access.h"
 
 namespace lorastream::testing {
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Turns text into lorastream's training data (formats: common/data.h).
+"""Turns text into lorastream's training data (formats: common/formats/data.h).
 
   tokenize.py --tokenizer DIR_OR_NAME --in corpus.jsonl --field text --out train.jsonl
   tokenize.py --tokenizer DIR --in corpus.txt --out train.tok       # binary token file

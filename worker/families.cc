@@ -5,10 +5,10 @@
 #include <functional>
 #include <memory>
 
-#include "common/error.h"
-#include "common/job_spec.h"
-#include "common/regular_file.h"
-#include "common/toml_file.h"
+#include "common/base/error.h"
+#include "common/job/job_spec.h"
+#include "common/posix/regular_file.h"
+#include "common/formats/toml_file.h"
 #include "worker/flux/flux_calibrate.h"
 #include "worker/flux/flux_family.h"
 #include "worker/flux/flux_group.h"

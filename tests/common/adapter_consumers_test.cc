@@ -1,10 +1,10 @@
-// The rules of the programs that load our LLM adapters (common/adapter_consumers.h): each
+// The rules of the programs that load our LLM adapters (common/job/adapter_consumers.h): each
 // broken rule is one warning naming the consumer and the rule.
 #include <catch2/catch.hpp>
 
-#include "common/adapter_consumers.h"
-#include "common/job_kind.h"
-#include "common/job_spec.h"
+#include "common/job/adapter_consumers.h"
+#include "common/job/job_kind.h"
+#include "common/job/job_spec.h"
 
 using namespace lorastream;
 

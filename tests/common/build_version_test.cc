@@ -1,4 +1,4 @@
-#include "common/build_version.h"
+#include "common/base/build_version.h"
 
 #include <algorithm>
 

@@ -1,9 +1,9 @@
-// The one parser of device names and compute dtypes (common/device.h, common/dtype.h).
-#include "common/device.h"
+// The one parser of device names and compute dtypes (common/base/device.h, common/base/dtype.h).
+#include "common/base/device.h"
 
 #include <catch2/catch.hpp>
 
-#include "common/error.h"
+#include "common/base/error.h"
 
 namespace lorastream {
 

@@ -4,7 +4,7 @@
 
 #include <random>
 
-#include "common/messages.h"
+#include "common/protocol/messages.h"
 
 using namespace lorastream;
 

@@ -5,7 +5,7 @@
 
 #include <catch2/catch.hpp>
 
-#include "common/finite_scan.h"
+#include "common/base/finite_scan.h"
 
 using namespace lorastream;
 

@@ -1,13 +1,13 @@
-#include "common/flux_cache.h"
+#include "common/formats/flux_cache.h"
 
 #include <algorithm>
 #include <functional>
 
 #include <catch2/catch.hpp>
 
-#include "common/error.h"
-#include "common/flux_config.h"
-#include "common/safetensors.h"
+#include "common/base/error.h"
+#include "common/formats/flux_config.h"
+#include "common/formats/safetensors.h"
 #include "tests/support/flux_cache_files.h"
 #include "tests/support/test_support.h"
 

@@ -1,4 +1,4 @@
-#include "common/format_bytes.h"
+#include "common/base/format_bytes.h"
 
 #include <catch2/catch.hpp>
 

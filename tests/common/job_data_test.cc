@@ -1,6 +1,6 @@
 // The job keys of evaluation and epochs, the held-out split, the step count from epochs and
 // the statistics' eval fields in JSON.
-#include "common/job_data.h"
+#include "common/job/job_data.h"
 
 #include <unistd.h>
 
@@ -9,8 +9,8 @@
 #include <fstream>
 #include <set>
 
-#include "common/error.h"
-#include "common/step_stats_json.h"
+#include "common/base/error.h"
+#include "common/job/step_stats_json.h"
 
 using namespace lorastream;
 namespace fs = std::filesystem;

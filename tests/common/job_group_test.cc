@@ -5,7 +5,7 @@
 #include <functional>
 #include <utility>
 
-#include "common/job_group.h"
+#include "common/job/job_group.h"
 
 using namespace lorastream;
 

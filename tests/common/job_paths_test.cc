@@ -6,7 +6,7 @@
 
 #include <catch2/catch.hpp>
 
-#include "common/job_paths.h"
+#include "common/job/job_paths.h"
 #include "tests/support/test_support.h"
 
 namespace fs = std::filesystem;

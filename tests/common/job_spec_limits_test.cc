@@ -2,9 +2,9 @@
 // train` refuse them before any memory is taken), and the retention keys are checked.
 #include <catch2/catch.hpp>
 
-#include "common/error.h"
-#include "common/job_spec.h"
-#include "common/model_config.h"
+#include "common/base/error.h"
+#include "common/job/job_spec.h"
+#include "common/formats/model_config.h"
 
 using namespace lorastream;
 

@@ -1,11 +1,11 @@
-#include "common/manifest.h"
+#include "common/formats/manifest.h"
 
 #include <functional>
 
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
-#include "common/error.h"
+#include "common/base/error.h"
 
 using namespace lorastream;
 

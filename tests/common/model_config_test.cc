@@ -1,13 +1,13 @@
 // config.json parsing: sliding-window attention is recognised the way transformers applies it,
 // survives the manifest's JSON, and a job whose sequences do not fit the window is refused.
-#include "common/model_config.h"
+#include "common/formats/model_config.h"
 
 #include <fstream>
 
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
-#include "common/job_spec.h"
+#include "common/job/job_spec.h"
 
 using namespace lorastream;
 

@@ -1,11 +1,11 @@
-#include "common/npz.h"
+#include "common/formats/npz.h"
 
 #include <cstring>
 #include <fstream>
 
 #include <catch2/catch.hpp>
 
-#include "common/error.h"
+#include "common/base/error.h"
 #include "tests/support/flux_cache_files.h"
 #include "tests/support/test_support.h"
 

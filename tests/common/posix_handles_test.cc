@@ -8,9 +8,9 @@
 
 #include <catch2/catch.hpp>
 
-#include "common/error.h"
-#include "common/memory_mapping.h"
-#include "common/unique_fd.h"
+#include "common/base/error.h"
+#include "common/posix/memory_mapping.h"
+#include "common/posix/unique_fd.h"
 
 using lorastream::MemoryMapping;
 using lorastream::UniqueFd;

@@ -1,4 +1,4 @@
-#include "common/remove_tree.h"
+#include "common/posix/remove_tree.h"
 
 #include <sys/stat.h>
 #include <unistd.h>

@@ -1,4 +1,4 @@
-#include "common/safetensors.h"
+#include "common/formats/safetensors.h"
 
 #include <unistd.h>
 
@@ -11,7 +11,7 @@
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
-#include "common/error.h"
+#include "common/base/error.h"
 #include "tests/support/test_support.h"
 
 using namespace lorastream;

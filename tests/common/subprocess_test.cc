@@ -1,4 +1,4 @@
-#include "common/subprocess.h"
+#include "common/posix/subprocess.h"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -14,7 +14,7 @@
 
 #include <catch2/catch.hpp>
 
-#include "common/error.h"
+#include "common/base/error.h"
 #include "tests/support/test_support.h"
 
 using lorastream::Error;

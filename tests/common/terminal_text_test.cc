@@ -1,4 +1,4 @@
-#include "common/terminal_text.h"
+#include "common/base/terminal_text.h"
 
 #include <catch2/catch.hpp>
 

@@ -1,6 +1,6 @@
 // Tokenizer fingerprints of model folders and the records in data files, and the refusal of
-// data made for another tokenizer (common/tokenizer_id.h, ValidateJobSpec).
-#include "common/tokenizer_id.h"
+// data made for another tokenizer (common/formats/tokenizer_id.h, ValidateJobSpec).
+#include "common/formats/tokenizer_id.h"
 
 #include <catch2/catch.hpp>
 #include <cstring>
@@ -9,8 +9,8 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
-#include "common/error.h"
-#include "common/job_spec.h"
+#include "common/base/error.h"
+#include "common/job/job_spec.h"
 #include "tests/support/test_support.h"
 #include "tests/tokenizer_fixtures.h"
 
@@ -30,7 +30,7 @@ void WriteJsonlWithRecord(const fs::path& p, const TokenizerId& id) {
     << "\n{\"input_ids\": [1, 2, 3]}\n";
 }
 
-// A token file as common/data.h lays it out: one document [5, 6, 7], u16 ids, no mask, then
+// A token file as common/formats/data.h lays it out: one document [5, 6, 7], u16 ids, no mask, then
 // the tokenizer record (flags bit 1).
 void WriteTokenFileWithRecord(const fs::path& p, const std::string& record_json) {
   std::ofstream f(p, std::ios::binary);

@@ -1,8 +1,8 @@
-#include "common/toml_file.h"
+#include "common/formats/toml_file.h"
 
 #include <catch2/catch.hpp>
 
-#include "common/error.h"
+#include "common/base/error.h"
 
 using lorastream::Error;
 using lorastream::TomlSection;

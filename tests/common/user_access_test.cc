@@ -1,7 +1,7 @@
 // Trust model helpers (docs/TRUST.md): the permission walk a worker makes as a job's
 // submitter, canonical paths, opening files as the submitter, the output folder's lock and
 // its takeover, and the memory limit.
-#include "common/user_access.h"
+#include "common/posix/user_access.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -15,12 +15,12 @@
 
 #include <catch2/catch.hpp>
 
-#include "common/acting_as.h"
-#include "common/error.h"
-#include "common/file_lock.h"
-#include "common/job_access.h"
-#include "common/memory_limit.h"
-#include "common/remove_tree.h"
+#include "common/posix/acting_as.h"
+#include "common/base/error.h"
+#include "common/posix/file_lock.h"
+#include "common/job/job_access.h"
+#include "common/posix/memory_limit.h"
+#include "common/posix/remove_tree.h"
 
 using namespace lorastream;
 namespace fs = std::filesystem;

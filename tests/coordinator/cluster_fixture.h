@@ -13,8 +13,8 @@
 #include <thread>
 #include <vector>
 
-#include "common/subprocess.h"
-#include "coordinator/client.h"
+#include "common/posix/subprocess.h"
+#include "coordinator/client/client.h"
 #include "tests/support/test_support.h"
 
 namespace lorastream::testing {

@@ -6,7 +6,7 @@
 
 #include <filesystem>
 
-#include "coordinator/coordinator.h"
+#include "coordinator/daemon/coordinator.h"
 #include "tests/support/test_support.h"
 
 using namespace lorastream;

@@ -11,9 +11,9 @@
 #include <nlohmann/json.hpp>
 
 #include "cluster_fixture.h"
-#include "common/gpu_info.h"
-#include "coordinator/build_info.h"
-#include "coordinator/doctor.h"
+#include "common/posix/gpu_info.h"
+#include "coordinator/client/build_info.h"
+#include "coordinator/cli/doctor.h"
 #include "store/server.h"
 #include "store/shm_segment.h"
 #include "store/synth.h"

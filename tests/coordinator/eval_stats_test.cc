@@ -8,9 +8,9 @@
 #include <cmath>
 #include <filesystem>
 
-#include "coordinator/cli_format.h"
-#include "coordinator/coordinator.h"
-#include "coordinator/watch_view.h"
+#include "coordinator/cli/cli_format.h"
+#include "coordinator/daemon/coordinator.h"
+#include "coordinator/cli/watch_view.h"
 
 using namespace lorastream;
 using namespace lorastream::coordinator;

@@ -4,7 +4,7 @@
 
 #include <stdexcept>
 
-#include "coordinator/worker_agent.h"
+#include "coordinator/client/worker_agent.h"
 
 using namespace lorastream;
 

@@ -4,10 +4,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "coordinator/cli_format.h"
-#include "coordinator/curve.h"
-#include "coordinator/scheduler.h"
-#include "coordinator/watch_view.h"
+#include "coordinator/cli/cli_format.h"
+#include "coordinator/client/curve.h"
+#include "coordinator/daemon/scheduler.h"
+#include "coordinator/cli/watch_view.h"
 
 using namespace lorastream;
 using namespace lorastream::client;

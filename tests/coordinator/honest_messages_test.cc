@@ -13,9 +13,9 @@
 #include <cstring>
 #include <thread>
 
-#include "common/job_paths.h"
-#include "common/job_spec.h"
-#include "common/unique_fd.h"
+#include "common/job/job_paths.h"
+#include "common/job/job_spec.h"
+#include "common/posix/unique_fd.h"
 #include "tests/coordinator/cluster_fixture.h"
 
 using namespace lorastream;

@@ -10,7 +10,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "coordinator/journal.h"
+#include "coordinator/daemon/journal.h"
 #include "tests/coordinator/cluster_fixture.h"
 
 using namespace lorastream;

@@ -7,9 +7,9 @@
 
 #include <filesystem>
 
-#include "common/error.h"
-#include "coordinator/coordinator.h"
-#include "coordinator/journal.h"
+#include "common/base/error.h"
+#include "coordinator/daemon/coordinator.h"
+#include "coordinator/daemon/journal.h"
 #include "tests/support/test_support.h"
 
 using namespace lorastream;

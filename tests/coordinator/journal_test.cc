@@ -6,7 +6,7 @@
 
 #include <sqlite3.h>
 
-#include "coordinator/journal.h"
+#include "coordinator/daemon/journal.h"
 #include "tests/support/test_support.h"
 
 using namespace lorastream;

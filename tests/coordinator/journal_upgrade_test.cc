@@ -10,10 +10,10 @@
 #include <iterator>
 #include <sstream>
 
-#include "common/error.h"
-#include "common/job_paths.h"
-#include "common/job_spec.h"
-#include "coordinator/journal.h"
+#include "common/base/error.h"
+#include "common/job/job_paths.h"
+#include "common/job/job_spec.h"
+#include "coordinator/daemon/journal.h"
 #include "tests/support/test_support.h"
 
 using namespace lorastream;

@@ -1,7 +1,7 @@
-// `lorastream prepare` through its C++ side (coordinator/prepare.h), which runs
+// `lorastream prepare` through its C++ side (coordinator/cli/prepare.h), which runs
 // tools/prepare/prepare.mjs under node: the written data holds transformers' ids and masks
 // (tests/fixtures/tokenizers/) and the model folder's tokenizer fingerprint.
-#include "coordinator/prepare.h"
+#include "coordinator/cli/prepare.h"
 
 #include <catch2/catch.hpp>
 #include <cstdlib>
@@ -9,8 +9,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "common/error.h"
-#include "common/tokenizer_id.h"
+#include "common/base/error.h"
+#include "common/formats/tokenizer_id.h"
 #include "tests/support/test_support.h"
 #include "tests/tokenizer_fixtures.h"
 

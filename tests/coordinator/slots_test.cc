@@ -6,8 +6,8 @@
 
 #include <algorithm>
 
-#include "coordinator/cli_format.h"
-#include "coordinator/coordinator.h"
+#include "coordinator/cli/cli_format.h"
+#include "coordinator/daemon/coordinator.h"
 #include "tests/support/test_support.h"
 
 using namespace lorastream;

@@ -11,11 +11,11 @@
 
 #include <catch2/catch.hpp>
 
-#include "common/error.h"
-#include "common/shm_names.h"
-#include "common/subprocess.h"
-#include "coordinator/curve.h"
-#include "coordinator/slurm.h"
+#include "common/base/error.h"
+#include "common/posix/shm_names.h"
+#include "common/posix/subprocess.h"
+#include "coordinator/client/curve.h"
+#include "coordinator/cli/slurm.h"
 #include "tests/support/test_support.h"
 
 using namespace lorastream;

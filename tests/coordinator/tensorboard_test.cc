@@ -2,7 +2,7 @@
 // values, and the files a real `lorastream coordinator --tensorboard DIR` writes as step
 // statistics arrive, read back by an independent reader (tests/tools/read_tfevents.py: its own
 // CRC32C and protobuf decoding, standard-library Python).
-#include "coordinator/tensorboard.h"
+#include "coordinator/daemon/tensorboard.h"
 
 #include <unistd.h>
 
@@ -12,7 +12,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "common/subprocess.h"
+#include "common/posix/subprocess.h"
 #include "tests/coordinator/cluster_fixture.h"
 
 using namespace lorastream;

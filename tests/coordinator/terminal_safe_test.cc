@@ -4,8 +4,8 @@
 
 #include <sstream>
 
-#include "coordinator/cli_format.h"
-#include "coordinator/watch_view.h"
+#include "coordinator/cli/cli_format.h"
+#include "coordinator/cli/watch_view.h"
 
 using namespace lorastream;
 using namespace lorastream::cli;

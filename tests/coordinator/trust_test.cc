@@ -14,14 +14,14 @@
 #include <sstream>
 #include <thread>
 
-#include "common/remove_tree.h"
-#include "common/subprocess.h"
-#include "common/user_access.h"
-#include "coordinator/client.h"
-#include "coordinator/coordinator.h"
-#include "coordinator/coordinator_server.h"
-#include "coordinator/curve.h"
-#include "coordinator/tensorboard.h"
+#include "common/posix/remove_tree.h"
+#include "common/posix/subprocess.h"
+#include "common/posix/user_access.h"
+#include "coordinator/client/client.h"
+#include "coordinator/daemon/coordinator.h"
+#include "coordinator/daemon/coordinator_server.h"
+#include "coordinator/client/curve.h"
+#include "coordinator/daemon/tensorboard.h"
 #include "tests/support/test_support.h"
 #include "tests/temp_user.h"
 

@@ -9,9 +9,9 @@
 #include <nlohmann/json.hpp>
 
 #include "cluster_fixture.h"
-#include "common/error.h"
-#include "coordinator/local_cluster.h"
-#include "coordinator/up.h"
+#include "common/base/error.h"
+#include "coordinator/cli/local_cluster.h"
+#include "coordinator/cli/up.h"
 #include "store/synth_flux.h"
 #include "store/synth_qwen_image.h"
 

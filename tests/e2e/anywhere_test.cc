@@ -9,8 +9,8 @@
 
 #include <catch2/catch.hpp>
 
-#include "common/subprocess.h"
-#include "coordinator/build_info.h"
+#include "common/posix/subprocess.h"
+#include "coordinator/client/build_info.h"
 #include "tests/support/test_support.h"
 
 namespace fs = std::filesystem;

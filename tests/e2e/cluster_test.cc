@@ -17,10 +17,10 @@
 
 #include <catch2/catch.hpp>
 
-#include "common/safetensors.h"
-#include "common/shm_names.h"
-#include "common/subprocess.h"
-#include "coordinator/local_cluster.h"
+#include "common/formats/safetensors.h"
+#include "common/posix/shm_names.h"
+#include "common/posix/subprocess.h"
+#include "coordinator/cli/local_cluster.h"
 #include "store/attach.h"
 #include "store/manifest_object.h"
 #include "tests/e2e/e2e_jobs.h"
@@ -347,7 +347,7 @@ TEST_CASE("`lorastream up` trains a job end to end, says where the adapter is, l
   std::string job = WriteJob(dir, "upjob", "replaced-by-up", data, 6, 3, 1);
   int code = -1;
   // CPU workers, whatever this machine has: an empty GPU folder hides its GPUs from `up`
-  // (common/gpu_info.h), so that the two CPU workers and their split of the cores are tested.
+  // (common/posix/gpu_info.h), so that the two CPU workers and their split of the cores are tested.
   fs::create_directories(dir + "/no-gpus");
   ::setenv("LORASTREAM_NVIDIA_GPUS_DIR", (dir + "/no-gpus").c_str(), 1);
   std::string out =

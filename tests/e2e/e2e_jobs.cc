@@ -12,10 +12,10 @@
 
 #include <catch2/catch.hpp>
 
-#include "common/safetensors.h"
-#include "common/shm_names.h"
-#include "common/subprocess.h"
-#include "coordinator/local_cluster.h"
+#include "common/formats/safetensors.h"
+#include "common/posix/shm_names.h"
+#include "common/posix/subprocess.h"
+#include "coordinator/cli/local_cluster.h"
 #include "store/attach.h"
 #include "store/process.h"
 #include "tests/support/test_support.h"

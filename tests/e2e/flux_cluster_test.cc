@@ -15,10 +15,10 @@
 
 #include <catch2/catch.hpp>
 
-#include "common/job_spec.h"
-#include "common/safetensors.h"
-#include "common/subprocess.h"
-#include "coordinator/local_cluster.h"
+#include "common/job/job_spec.h"
+#include "common/formats/safetensors.h"
+#include "common/posix/subprocess.h"
+#include "coordinator/cli/local_cluster.h"
 #include "tests/e2e/e2e_jobs.h"
 #include "tests/support/test_support.h"
 

@@ -15,8 +15,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/subprocess.h"
-#include "coordinator/local_cluster.h"
+#include "common/posix/subprocess.h"
+#include "coordinator/cli/local_cluster.h"
 #include "tests/e2e/e2e_jobs.h"
 #include "tests/support/test_support.h"
 

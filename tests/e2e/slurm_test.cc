@@ -26,8 +26,8 @@
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
-#include "common/shm_names.h"
-#include "common/subprocess.h"
+#include "common/posix/shm_names.h"
+#include "common/posix/subprocess.h"
 #include "tests/e2e/e2e_jobs.h"
 #include "tests/support/test_support.h"
 

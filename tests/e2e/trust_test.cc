@@ -21,10 +21,10 @@
 
 #include <catch2/catch.hpp>
 
-#include "common/file_lock.h"
-#include "common/remove_tree.h"
-#include "common/subprocess.h"
-#include "coordinator/client.h"
+#include "common/posix/file_lock.h"
+#include "common/posix/remove_tree.h"
+#include "common/posix/subprocess.h"
+#include "coordinator/client/client.h"
 #include "store/attach.h"
 #include "tests/coordinator/cluster_fixture.h"
 #include "tests/e2e/e2e_jobs.h"

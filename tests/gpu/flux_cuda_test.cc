@@ -6,8 +6,8 @@
 
 #include <ATen/ATen.h>
 
-#include "common/flux_config.h"
-#include "common/step_stats.h"
+#include "common/formats/flux_config.h"
+#include "common/job/step_stats.h"
 #include "tests/support/flux_checkpoint.h"
 #include "tests/support/test_support.h"
 #include "worker/flux/flux_base.h"

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "common/flux_job.h"
+#include "common/job/flux_job.h"
 #include "store/server.h"
 #include "tests/support/flux_checkpoint.h"
 #include "tests/support/test_support.h"

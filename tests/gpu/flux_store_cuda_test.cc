@@ -9,7 +9,7 @@
 
 #include <catch2/catch.hpp>
 
-#include "common/flux_job.h"
+#include "common/job/flux_job.h"
 #include "store/server.h"
 #include "tests/support/flux_checkpoint.h"
 #include "tests/support/test_support.h"

@@ -11,7 +11,7 @@
 
 #include <catch2/catch.hpp>
 
-#include "common/safetensors.h"
+#include "common/formats/safetensors.h"
 #include "tests/gpu/cuda_train_options.h"
 #include "tests/worker/worker_test_util.h"
 #include "worker/train/group_trainer.h"

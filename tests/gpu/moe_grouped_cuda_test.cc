@@ -13,7 +13,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
-#include "common/model_config.h"
+#include "common/formats/model_config.h"
 #include "worker/model/block_weights.h"
 #include "worker/model/lora.h"
 #include "worker/model/moe_mlp.h"

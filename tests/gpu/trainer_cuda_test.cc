@@ -2,7 +2,7 @@
 // statistics carry the peak device memory (DESIGN.md: statistics per step), the streamed
 // run's loss stays within bf16 rounding of the resident one, and checkpoints every step
 // replace the older ones (with the wheel's LibTorch, std::filesystem::remove_all crashed
-// there: common/remove_tree.h).
+// there: common/posix/remove_tree.h).
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -12,7 +12,7 @@
 
 #include <catch2/catch.hpp>
 
-#include "common/model_config.h"
+#include "common/formats/model_config.h"
 #include "tests/gpu/cuda_train_options.h"
 #include "tests/worker/worker_test_util.h"
 #include "worker/model/lora.h"

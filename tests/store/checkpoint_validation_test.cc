@@ -1,7 +1,7 @@
 // One validation of a checkpoint folder (store/layout.h PlanPack) behind serve and inspect:
 // NaN/inf weights and a config.json that disagrees with the tensors are refused, naming the
 // tensor. The worker's direct load runs the same function (tests/worker/trainer_test.cc).
-// Also the exit statuses of lorastream-store and lorastream-synth (common/cli_main.h).
+// Also the exit statuses of lorastream-store and lorastream-synth (common/base/cli_main.h).
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <filesystem>
@@ -10,9 +10,9 @@
 #include <regex>
 #include <sstream>
 
-#include "common/error.h"
-#include "common/safetensors.h"
-#include "common/subprocess.h"
+#include "common/base/error.h"
+#include "common/formats/safetensors.h"
+#include "common/posix/subprocess.h"
 #include "store/inspect.h"
 #include "store/layout.h"
 #include "test_util.h"

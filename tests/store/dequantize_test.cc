@@ -9,8 +9,8 @@
 
 #include <catch2/catch.hpp>
 
-#include "common/error.h"
-#include "common/safetensors.h"
+#include "common/base/error.h"
+#include "common/formats/safetensors.h"
 #include "store/attach.h"
 #include "store/convert.h"
 #include "store/dequantize.h"

@@ -1,5 +1,5 @@
 // A FLUX.1 checkpoint served by the store: one segment per streaming unit in the layout the
-// worker packs itself (common/flux_layout.h), from BFL's file and a diffusers folder alike,
+// worker packs itself (common/formats/flux_layout.h), from BFL's file and a diffusers folder alike,
 // published, verified and listed as FLUX; with --quantize fp8|nf4, every block linear's weight
 // stored compressed (the bytes a plain reference quantisation of the whole weight gives) and
 // everything else as the plain store holds it.
@@ -13,10 +13,10 @@
 
 #include <catch2/catch.hpp>
 
-#include "common/error.h"
-#include "common/flux_layout.h"
-#include "common/safetensors.h"
-#include "common/subprocess.h"
+#include "common/base/error.h"
+#include "common/formats/flux_layout.h"
+#include "common/formats/safetensors.h"
+#include "common/posix/subprocess.h"
 #include "store/attach.h"
 #include "store/commands.h"
 #include "store/convert.h"

@@ -11,9 +11,9 @@
 
 #include <catch2/catch.hpp>
 
-#include "common/error.h"
-#include "common/shm_names.h"
-#include "common/subprocess.h"
+#include "common/base/error.h"
+#include "common/posix/shm_names.h"
+#include "common/posix/subprocess.h"
 #include "store/attach.h"
 #include "store/manifest_object.h"
 #include "store/registry.h"

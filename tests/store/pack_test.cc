@@ -12,8 +12,8 @@
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
-#include "common/error.h"
-#include "common/safetensors.h"
+#include "common/base/error.h"
+#include "common/formats/safetensors.h"
 #include "store/attach.h"
 #include "store/convert.h"
 #include "store/registry.h"

@@ -13,9 +13,9 @@
 
 #include <catch2/catch.hpp>
 
-#include "common/error.h"
-#include "common/manifest.h"
-#include "common/safetensors.h"
+#include "common/base/error.h"
+#include "common/formats/manifest.h"
+#include "common/formats/safetensors.h"
 #include "store/attach.h"
 #include "store/commands.h"
 #include "store/convert.h"

@@ -1,5 +1,5 @@
 // A Qwen-Image checkpoint served by the store: one segment per transformer block in the layout
-// the worker packs itself (common/qwen_image_layout.h), from ComfyUI's single file (bare or
+// the worker packs itself (common/formats/qwen_image_layout.h), from ComfyUI's single file (bare or
 // prefixed names) and a diffusers folder alike, published, verified, listed and inspected as
 // Qwen-Image; with --quantize fp8|nf4, every block linear's weight stored compressed (the
 // bytes a plain reference quantisation of the whole weight gives); ComfyUI's fp8 file (its
@@ -11,8 +11,8 @@
 
 #include <catch2/catch.hpp>
 
-#include "common/qwen_image_layout.h"
-#include "common/safetensors.h"
+#include "common/formats/qwen_image_layout.h"
+#include "common/formats/safetensors.h"
 #include "store/attach.h"
 #include "store/commands.h"
 #include "store/inspect.h"

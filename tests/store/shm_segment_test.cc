@@ -6,7 +6,7 @@
 
 #include <catch2/catch.hpp>
 
-#include "common/error.h"
+#include "common/base/error.h"
 #include "test_util.h"
 
 using namespace lorastream;

@@ -4,9 +4,9 @@
 
 #include <catch2/catch.hpp>
 
-#include "common/error.h"
-#include "common/safetensors.h"
-#include "common/tokenizer_id.h"
+#include "common/base/error.h"
+#include "common/formats/safetensors.h"
+#include "common/formats/tokenizer_id.h"
 #include "store/convert.h"
 #include "store/layout.h"
 #include "test_util.h"

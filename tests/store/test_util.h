@@ -16,9 +16,9 @@
 
 #include <catch2/catch.hpp>
 
-#include "common/manifest.h"
-#include "common/quant_format.h"
-#include "common/safetensors.h"
+#include "common/formats/manifest.h"
+#include "common/formats/quant_format.h"
+#include "common/formats/safetensors.h"
 #include "store/attach.h"
 #include "store/quantize.h"
 #include "store/server.h"

@@ -1,4 +1,4 @@
-// Writes sd-scripts-style FLUX caches (common/flux_cache.h) of deterministic random values:
+// Writes sd-scripts-style FLUX caches (common/formats/flux_cache.h) of deterministic random values:
 // NAME_WWWWxHHHH_flux.npz and NAME_flux_te.npz, as its caching scripts lay them out.
 #pragma once
 
@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "common/error.h"
-#include "common/flux_cache.h"
-#include "common/npz.h"
+#include "common/base/error.h"
+#include "common/formats/flux_cache.h"
+#include "common/formats/npz.h"
 
 namespace lorastream::testing {
 

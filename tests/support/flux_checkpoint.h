@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "common/flux_config.h"
-#include "common/safetensors.h"
+#include "common/formats/flux_config.h"
+#include "common/formats/safetensors.h"
 #include "store/quantize.h"
 #include "store/synth.h"
 

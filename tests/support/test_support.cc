@@ -11,12 +11,12 @@
 #include <thread>
 #include <vector>
 
-#include "common/checkpoint_dir.h"
-#include "common/checkpoint_manifest.h"
-#include "common/error.h"
-#include "common/remove_tree.h"
-#include "common/safetensors.h"
-#include "common/trainer_state_meta.h"
+#include "common/formats/checkpoint_dir.h"
+#include "common/formats/checkpoint_manifest.h"
+#include "common/base/error.h"
+#include "common/posix/remove_tree.h"
+#include "common/formats/safetensors.h"
+#include "common/formats/trainer_state_meta.h"
 
 namespace lorastream::testing {
 
@@ -38,7 +38,7 @@ TempDir::TempDir(TempDir&& other) noexcept
 
 TempDir::~TempDir() {
   if (str_.empty() || std::getenv("LORASTREAM_KEEP_TEST_DIRS") != nullptr) return;
-  RemoveTree(str_);  // not std::filesystem::remove_all: common/remove_tree.h says why
+  RemoveTree(str_);  // not std::filesystem::remove_all: common/posix/remove_tree.h says why
 }
 
 bool WaitFor(const std::function<bool()>& done, double timeout_s, int poll_ms) {

@@ -5,9 +5,9 @@
 #include <c10/core/GradMode.h>
 #include <nlohmann/json.hpp>
 
-#include "common/error.h"
-#include "common/model_config.h"
-#include "common/safetensors.h"
+#include "common/base/error.h"
+#include "common/formats/model_config.h"
+#include "common/formats/safetensors.h"
 #include "worker/model/lora.h"
 #include "worker_test_util.h"
 

@@ -9,7 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/checkpoint_dir.h"
+#include "common/formats/checkpoint_dir.h"
 #include "worker_test_util.h"
 
 using namespace lorastream;

@@ -20,8 +20,8 @@
 #include <set>
 #include <string>
 
-#include "common/flux_config.h"
-#include "common/safetensors.h"
+#include "common/formats/flux_config.h"
+#include "common/formats/safetensors.h"
 #include "tests/support/flux_checkpoint.h"
 #include "worker/flux/flux_adapter_io.h"
 #include "worker/flux/flux_model.h"

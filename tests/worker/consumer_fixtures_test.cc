@@ -28,10 +28,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/qwen_image_cache.h"
-#include "common/qwen_image_config.h"
-#include "common/safetensors.h"
-#include "common/step_stats.h"
+#include "common/formats/qwen_image_cache.h"
+#include "common/formats/qwen_image_config.h"
+#include "common/formats/safetensors.h"
+#include "common/job/step_stats.h"
 #include "store/synth.h"
 #include "worker/flux/flux_adapter_io.h"
 #include "worker/flux/flux_base.h"

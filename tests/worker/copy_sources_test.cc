@@ -6,7 +6,7 @@
 #include <catch2/catch.hpp>
 #include <set>
 
-#include "common/error.h"
+#include "common/base/error.h"
 
 namespace lorastream::worker {
 namespace {

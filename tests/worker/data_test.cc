@@ -1,4 +1,4 @@
-#include "common/data.h"
+#include "common/formats/data.h"
 
 #include <catch2/catch.hpp>
 
@@ -7,8 +7,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/error.h"
-#include "common/subprocess.h"
+#include "common/base/error.h"
+#include "common/posix/subprocess.h"
 #include "worker_test_util.h"
 
 using namespace lorastream;

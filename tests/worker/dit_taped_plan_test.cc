@@ -6,9 +6,9 @@
 // a compressed store's units and a plan without a budget are never taped.
 #include <catch2/catch.hpp>
 
-#include "common/flux_config.h"
-#include "common/manifest.h"
-#include "common/qwen_image_config.h"
+#include "common/formats/flux_config.h"
+#include "common/formats/manifest.h"
+#include "common/formats/qwen_image_config.h"
 #include "worker/flux/flux_plan.h"
 #include "worker/qwen_image/qwen_image_plan.h"
 

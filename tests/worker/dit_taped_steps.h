@@ -11,7 +11,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/function.h>
 
-#include "common/step_stats.h"
+#include "common/job/step_stats.h"
 #include "worker/model/block_provider.h"
 #include "worker/stream/stream_engine_options.h"
 #include "worker/stream/stream_plan.h"

@@ -10,7 +10,7 @@
 #include <c10/core/GradMode.h>
 #include <nlohmann/json.hpp>
 
-#include "common/job_data.h"
+#include "common/job/job_data.h"
 #include "worker/model/base_weights.h"
 #include "worker/stream/resident_provider.h"
 #include "worker/train/evaluate.h"

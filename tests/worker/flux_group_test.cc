@@ -10,10 +10,10 @@
 #include <fstream>
 #include <map>
 
-#include "common/error.h"
-#include "common/flux_job.h"
-#include "common/job_spec.h"
-#include "common/subprocess.h"
+#include "common/base/error.h"
+#include "common/job/flux_job.h"
+#include "common/job/job_spec.h"
+#include "common/posix/subprocess.h"
 #include "tests/support/flux_cache_files.h"
 #include "tests/support/flux_checkpoint.h"
 #include "tests/support/test_support.h"

@@ -13,7 +13,7 @@
 
 #include <filesystem>
 
-#include "common/safetensors.h"
+#include "common/formats/safetensors.h"
 #include "tests/support/test_support.h"
 #include "worker/flux/flux_adapter_io.h"
 #include "worker/flux/flux_base.h"

@@ -4,9 +4,9 @@
 // scaled by kind; a budget below the smallest plan is refused naming the key.
 #include <catch2/catch.hpp>
 
-#include "common/error.h"
-#include "common/flux_config.h"
-#include "common/manifest.h"
+#include "common/base/error.h"
+#include "common/formats/flux_config.h"
+#include "common/formats/manifest.h"
 #include "worker/flux/flux_plan.h"
 
 using namespace lorastream;

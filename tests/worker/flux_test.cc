@@ -18,11 +18,11 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/checkpoint_dir.h"
-#include "common/error.h"
-#include "common/flux_job.h"
-#include "common/safetensors.h"
-#include "common/subprocess.h"
+#include "common/formats/checkpoint_dir.h"
+#include "common/base/error.h"
+#include "common/job/flux_job.h"
+#include "common/formats/safetensors.h"
+#include "common/posix/subprocess.h"
 #include "store/attach.h"
 #include "store/server.h"
 #include "store/synth.h"

@@ -11,7 +11,7 @@
 #include <fstream>
 #include <string>
 
-#include "common/job_spec.h"
+#include "common/job/job_spec.h"
 #include "worker/train/group_trainer.h"
 #include "worker/train/stream_provider.h"
 #include "worker_test_util.h"

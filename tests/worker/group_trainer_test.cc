@@ -16,7 +16,7 @@
 #include <filesystem>
 #include <map>
 
-#include "common/error.h"
+#include "common/base/error.h"
 #include "worker/model/base_weights.h"
 #include "worker/train/stream_provider.h"
 #include "worker_test_util.h"

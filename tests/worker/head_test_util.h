@@ -6,7 +6,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/GradMode.h>
 
-#include "common/data.h"
+#include "common/formats/data.h"
 #include "worker/model/lora.h"
 #include "worker/model/model.h"
 

@@ -9,10 +9,10 @@
 #include <map>
 #include <string>
 
-#include "common/error.h"
-#include "common/flux_job.h"
-#include "common/job_spec.h"
-#include "common/safetensors.h"
+#include "common/base/error.h"
+#include "common/job/flux_job.h"
+#include "common/job/job_spec.h"
+#include "common/formats/safetensors.h"
 #include "tests/support/flux_cache_files.h"
 #include "tests/support/flux_checkpoint.h"
 #include "worker/flux/flux_adapter_io.h"

@@ -1,9 +1,9 @@
-#include "common/job_spec.h"
+#include "common/job/job_spec.h"
 
 #include <catch2/catch.hpp>
 
-#include "common/error.h"
-#include "common/job_paths.h"
+#include "common/base/error.h"
+#include "common/job/job_paths.h"
 #include "worker_test_util.h"
 
 using namespace lorastream;

@@ -4,7 +4,7 @@
 
 #include <utility>
 
-#include "common/error.h"
+#include "common/base/error.h"
 #include "head_test_util.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/lm_head.h"

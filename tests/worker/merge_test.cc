@@ -14,10 +14,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/error.h"
-#include "common/flux_layout.h"
-#include "common/safetensors.h"
-#include "common/step_stats.h"
+#include "common/base/error.h"
+#include "common/formats/flux_layout.h"
+#include "common/formats/safetensors.h"
+#include "common/job/step_stats.h"
 #include "moe_train_cli.h"
 #include "tests/support/flux_checkpoint.h"
 #include "worker/flux/flux_adapter_io.h"

@@ -10,7 +10,7 @@
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
 
-#include "common/error.h"
+#include "common/base/error.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/block.h"
 #include "worker/model/lora.h"

@@ -7,7 +7,7 @@
 #include <c10/core/GradMode.h>
 #include <nlohmann/json.hpp>
 
-#include "common/safetensors.h"
+#include "common/formats/safetensors.h"
 #include "parity_test_util.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/lora.h"

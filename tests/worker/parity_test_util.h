@@ -8,8 +8,8 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
-#include "common/model_config.h"
-#include "common/safetensors.h"
+#include "common/formats/model_config.h"
+#include "common/formats/safetensors.h"
 #include "worker/model/lora.h"
 
 namespace lorastream::testing {

@@ -8,8 +8,8 @@
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
-#include "common/error.h"
-#include "common/job_spec.h"
+#include "common/base/error.h"
+#include "common/job/job_spec.h"
 #include "tests/support/test_support.h"
 #include "worker/model/lora_settings.h"
 #include "worker/model/peft_config.h"

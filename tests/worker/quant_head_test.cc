@@ -12,8 +12,8 @@
 #include <fstream>
 #include <vector>
 
-#include "common/error.h"
-#include "common/format_bytes.h"
+#include "common/base/error.h"
+#include "common/base/format_bytes.h"
 #include "store/dequantize.h"
 #include "store/server.h"
 #include "tests/worker/head_test_util.h"

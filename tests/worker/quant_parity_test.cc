@@ -12,7 +12,7 @@
 
 #include <ATen/ATen.h>
 
-#include "common/safetensors.h"
+#include "common/formats/safetensors.h"
 #include "parity_test_util.h"
 #include "store/dequantize.h"
 #include "worker/model/base_weights.h"

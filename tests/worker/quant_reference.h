@@ -1,5 +1,5 @@
 // A plain reference dequantisation of the store's formats in f32 ATen ops, rounded once to
-// bf16 (common/quant_format.h's definitions, the store's 128x128 tiles and 64/256 nf4
+// bf16 (common/formats/quant_format.h's definitions, the store's 128x128 tiles and 64/256 nf4
 // blocks), that the worker's expansions are tested against bit for bit.
 #pragma once
 
@@ -10,7 +10,7 @@
 
 #include <ATen/ATen.h>
 
-#include "common/manifest.h"
+#include "common/formats/manifest.h"
 
 namespace lorastream::testing {
 

@@ -12,7 +12,7 @@
 #include <fstream>
 #include <vector>
 
-#include "common/error.h"
+#include "common/base/error.h"
 #include "store/server.h"
 #include "tests/worker/quant_reference.h"
 #include "tests/worker/worker_test_util.h"

@@ -6,10 +6,10 @@
 // the cache files' headers.
 #include <catch2/catch.hpp>
 
-#include "common/error.h"
-#include "common/format_bytes.h"
-#include "common/manifest.h"
-#include "common/qwen_image_cache.h"
+#include "common/base/error.h"
+#include "common/base/format_bytes.h"
+#include "common/formats/manifest.h"
+#include "common/formats/qwen_image_cache.h"
 #include "store/synth.h"
 #include "store/synth_qwen_image.h"
 #include "tests/support/flux_cache_files.h"

@@ -17,11 +17,11 @@
 #include <fstream>
 #include <set>
 
-#include "common/error.h"
-#include "common/qwen_image_cache.h"
-#include "common/qwen_image_config.h"
-#include "common/qwen_image_layout.h"
-#include "common/safetensors.h"
+#include "common/base/error.h"
+#include "common/formats/qwen_image_cache.h"
+#include "common/formats/qwen_image_config.h"
+#include "common/formats/qwen_image_layout.h"
+#include "common/formats/safetensors.h"
 #include "store/synth.h"
 #include "tests/support/flux_cache_files.h"
 #include "tests/support/test_support.h"

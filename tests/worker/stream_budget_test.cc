@@ -4,8 +4,8 @@
 
 #include <catch2/catch.hpp>
 
-#include "common/error.h"
-#include "common/manifest.h"
+#include "common/base/error.h"
+#include "common/formats/manifest.h"
 #include "tests/worker/stream_test_shapes.h"
 #include "worker/stream/stream_budget.h"
 

@@ -10,8 +10,8 @@
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
-#include "common/error.h"
-#include "common/remove_tree.h"
+#include "common/base/error.h"
+#include "common/posix/remove_tree.h"
 #include "tests/worker/stream_test_shapes.h"
 #include "worker/stream/stream_cost.h"
 

@@ -11,7 +11,7 @@
 #include <ATen/ATen.h>
 #include <catch2/catch.hpp>
 
-#include "common/error.h"
+#include "common/base/error.h"
 #include "tests/worker/stream_chain.h"
 #include "tests/worker/stream_test_blocks.h"
 #include "worker/stream/stream_cpu_backend.h"

@@ -5,7 +5,7 @@
 
 #include <catch2/catch.hpp>
 
-#include "common/error.h"
+#include "common/base/error.h"
 #include "worker/stream/stream_plan.h"
 
 using namespace lorastream;

@@ -12,11 +12,11 @@
 #include <string>
 #include <vector>
 
-#include "common/error.h"
-#include "common/manifest.h"
-#include "common/memory_mapping.h"
-#include "common/model_config.h"
-#include "common/unique_fd.h"
+#include "common/base/error.h"
+#include "common/formats/manifest.h"
+#include "common/posix/memory_mapping.h"
+#include "common/formats/model_config.h"
+#include "common/posix/unique_fd.h"
 #include "store/shm_segment.h"
 
 namespace lorastream::testing {

@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "common/model_config.h"
+#include "common/formats/model_config.h"
 #include "worker/stream/stream_budget.h"
 
 namespace lorastream::testing {

@@ -15,8 +15,8 @@
 
 #include <catch2/catch.hpp>
 
-#include "common/data.h"
-#include "common/job_spec.h"
+#include "common/formats/data.h"
+#include "common/job/job_spec.h"
 #include "store/synth.h"
 #include "tests/support/test_support.h"
 #include "worker/model/base_weights.h"

@@ -13,10 +13,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/checkpoint_dir.h"
-#include "common/error.h"
-#include "common/safetensors.h"
-#include "common/subprocess.h"
+#include "common/formats/checkpoint_dir.h"
+#include "common/base/error.h"
+#include "common/formats/safetensors.h"
+#include "common/posix/subprocess.h"
 #include "worker/train/adamw.h"
 #include "worker_test_util.h"
 

@@ -15,7 +15,7 @@
 #include <utility>
 #include <vector>
 
-#include "common/job_spec.h"
+#include "common/job/job_spec.h"
 #include "store/server.h"
 #include "store/synth.h"
 #include "tests/support/test_support.h"

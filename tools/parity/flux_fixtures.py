@@ -106,7 +106,7 @@ def bfl_from_diffusers(sd, num_layers, num_single):
 
 
 def lora_parts(num_layers, num_single, dim, mlp):
-    """BFL module -> [(diffusers module, row_begin, row_end)], as common/flux_config.cc maps."""
+    """BFL module -> [(diffusers module, row_begin, row_end)], as common/formats/flux_config.cc maps."""
     parts = {}
     for i in range(num_layers):
         d, b = f"double_blocks.{i}.", f"transformer_blocks.{i}."

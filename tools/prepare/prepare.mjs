@@ -368,7 +368,7 @@ function writeAtomically(file, data) {
   }
 }
 
-// The formats of common/data.h. The tokenizer record: JSONL's first line
+// The formats of common/formats/data.h. The tokenizer record: JSONL's first line
 // {"lorastream_tokenizer": {...}}; in a token file flags bit 1 and, after the mask, a u32
 // byte count and the same object as JSON.
 export function writeData(file, docs, record) {

@@ -34,13 +34,13 @@
 
 #include <CLI/CLI.hpp>
 
-#include "common/cli_main.h"
-#include "common/data.h"
-#include "common/device.h"
-#include "common/error.h"
-#include "common/job_spec.h"
-#include "common/log.h"
-#include "common/remove_tree.h"
+#include "common/base/cli_main.h"
+#include "common/formats/data.h"
+#include "common/base/device.h"
+#include "common/base/error.h"
+#include "common/job/job_spec.h"
+#include "common/base/log.h"
+#include "common/posix/remove_tree.h"
 #include "store/attach.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/torch_device.h"

@@ -9,8 +9,8 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
-#include "common/error.h"
-#include "common/safetensors.h"
+#include "common/base/error.h"
+#include "common/formats/safetensors.h"
 #include "worker/model/dit_adapter_io.h"
 
 namespace lorastream::worker::flux {

@@ -17,8 +17,8 @@
 
 #include <c10/core/Device.h>
 
-#include "common/flux_config.h"
-#include "common/flux_job.h"
+#include "common/formats/flux_config.h"
+#include "common/job/flux_job.h"
 #include "worker/flux/flux_model.h"
 #include "worker/model/dit_adapter_io.h"
 
@@ -44,7 +44,7 @@ FluxAdapter ReadKohyaAdapter(const std::string& path, const FluxConfig& config, 
 // The kohya file `path` names: itself, or DIR/adapter_kohya.safetensors for a folder.
 std::string KohyaAdapterFile(const std::string& path);
 
-// flux.init_from (common/flux_job.h): what the job leaves to the file (rank 0, alpha 0, no
+// flux.init_from (common/job/flux_job.h): what the job leaves to the file (rank 0, alpha 0, no
 // targets) taken from it, and rank, alpha and targets the job sets refused (kRefused) when
 // they differ, each naming the key, both values and the file. A no-op without init_from;
 // idempotent. The trainer calls it before it plans or builds the job's adapter.

@@ -4,13 +4,13 @@
 
 #include <ATen/ATen.h>
 
-#include "common/error.h"
-#include "common/flux_layout.h"
-#include "common/format_bytes.h"
-#include "common/log.h"
-#include "common/safetensors.h"
+#include "common/base/error.h"
+#include "common/formats/flux_layout.h"
+#include "common/base/format_bytes.h"
+#include "common/base/log.h"
+#include "common/formats/safetensors.h"
 #include "worker/model/base_weights.h"
-#include "worker/model/unit_pack.h"
+#include "worker/stream/unit_pack.h"
 
 namespace lorastream::worker::flux {
 
@@ -49,7 +49,7 @@ FluxBase FluxBase::Load(const std::string& path, int64_t singles_per_unit, c10::
   FluxBase b;
   b.config_ = source.config();
   b.singles_per_unit_ = singles_per_unit;
-  // The store's layout (common/flux_layout.h), in host buffers of this process.
+  // The store's layout (common/formats/flux_layout.h), in host buffers of this process.
   b.manifest_ = FluxManifest(b.config_, singles_per_unit, DTypeOf(dtype), Manifest{}.alignment);
   b.manifest_.store_name = "flux";
   b.manifest_.source_dir = path;

@@ -1,7 +1,7 @@
-// FLUX.1's frozen base for training: read from BFL's single file (common/flux_config.h
-// validates it) or a diffusers folder (common/flux_diffusers.h: converted by name to BFL's
+// FLUX.1's frozen base for training: read from BFL's single file (common/formats/flux_config.h
+// validates it) or a diffusers folder (common/formats/flux_diffusers.h: converted by name to BFL's
 // layout as it is read), its blocks packed per streaming unit into host buffers in the store's
-// layout (common/flux_layout.h: one contiguous region per unit, one H2D copy moves a unit),
+// layout (common/formats/flux_layout.h: one contiguous region per unit, one H2D copy moves a unit),
 // converted to the compute dtype once; or attached from a store serving it, the units then
 // being the store's read-only segments. The tensors outside the blocks are on the device.
 #pragma once
@@ -14,12 +14,12 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
-#include "common/flux_config.h"
-#include "common/flux_job.h"
-#include "common/manifest.h"
+#include "common/formats/flux_config.h"
+#include "common/job/flux_job.h"
+#include "common/formats/manifest.h"
 #include "worker/flux/flux_model.h"
 #include "worker/model/block_provider.h"
-#include "worker/model/unit_pack.h"
+#include "worker/stream/unit_pack.h"
 #include "worker/stream/stream_engine.h"
 
 namespace lorastream::store {

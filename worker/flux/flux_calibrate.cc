@@ -9,10 +9,10 @@
 #include <ATen/Parallel.h>
 #include <torch/version.h>
 
-#include "common/error.h"
-#include "common/format_bytes.h"
-#include "common/job_spec.h"
-#include "common/log.h"
+#include "common/base/error.h"
+#include "common/base/format_bytes.h"
+#include "common/job/job_spec.h"
+#include "common/base/log.h"
 #include "worker/flux/flux_model.h"
 #include "worker/model/quant_expand.h"
 #include "worker/model/torch_device.h"

@@ -12,7 +12,7 @@
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
-#include "common/flux_job.h"
+#include "common/job/flux_job.h"
 #include "worker/flux/flux_base.h"
 #include "worker/flux/flux_data.h"
 #include "worker/flux/flux_plan.h"

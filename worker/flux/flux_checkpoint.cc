@@ -3,7 +3,7 @@
 #include <filesystem>
 #include <sstream>
 
-#include "common/checkpoint_dir.h"
+#include "common/formats/checkpoint_dir.h"
 #include "worker/flux/flux_adapter_io.h"
 
 namespace lorastream::worker::flux {

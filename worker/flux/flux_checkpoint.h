@@ -2,7 +2,7 @@
 // OUTPUT_DIR/checkpoint-N/ with both adapters (adapter_kohya.safetensors: the f32 master
 // weights, unscaled, which a resume reads back exactly; pytorch_lora_weights.safetensors for
 // diffusers), trainer_state.safetensors (AdamW's moments "exp_avg.<kohya key>" and
-// "exp_avg_sq.<kohya key>" in f32, and the metadata of common/trainer_state_meta.h) and
+// "exp_avg_sq.<kohya key>" in f32, and the metadata of common/formats/trainer_state_meta.h) and
 // checkpoint_manifest.json.
 //
 // A step's batch, noise and timesteps are functions of the job's seed and the step number
@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "common/flux_config.h"
-#include "common/flux_job.h"
+#include "common/formats/flux_config.h"
+#include "common/job/flux_job.h"
 #include "worker/flux/flux_model.h"
 
 namespace lorastream::worker::flux {

@@ -2,8 +2,8 @@
 
 #include <ATen/ATen.h>
 
-#include "common/error.h"
-#include "common/log.h"
+#include "common/base/error.h"
+#include "common/base/log.h"
 #include "worker/model/bucket_order.h"
 
 namespace lorastream::worker::flux {

@@ -1,4 +1,4 @@
-// The training images of a FLUX job: every sample of a cache folder (common/flux_cache.h)
+// The training images of a FLUX job: every sample of a cache folder (common/formats/flux_cache.h)
 // loaded once into host memory, batched by bucket. The order is a function of the job's seed
 // alone: each epoch shuffles every bucket's images, cuts them into batches of one bucket,
 // and shuffles the batches.
@@ -11,8 +11,8 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "common/flux_cache.h"
-#include "common/flux_config.h"
+#include "common/formats/flux_cache.h"
+#include "common/formats/flux_config.h"
 
 namespace lorastream::worker::flux {
 

@@ -1,5 +1,5 @@
 // FLUX.1 as a family of the one trainer (worker/train/family.h). A job's part: its caches
-// (sd-scripts' latents and text-encoder outputs, common/flux_cache.h), per step a batch of one
+// (sd-scripts' latents and text-encoder outputs, common/formats/flux_cache.h), per step a batch of one
 // bucket with noise and timesteps drawn from the job's seed and the step alone (a run is
 // reproducible and its steps independent), the rectified-flow objective, its adapter
 // (FluxAdapter; files in kohya and diffusers formats). The group's part: the base (a store, or
@@ -13,7 +13,7 @@
 #include <functional>
 #include <memory>
 
-#include "common/job_spec.h"
+#include "common/job/job_spec.h"
 #include "worker/train/family.h"
 #include "worker/train/trainer.h"
 

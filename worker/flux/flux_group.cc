@@ -7,8 +7,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include "common/error.h"
-#include "common/job_group.h"
+#include "common/base/error.h"
+#include "common/job/job_group.h"
 #include "worker/flux/flux_base.h"
 #include "worker/flux/flux_data.h"
 #include "worker/model/torch_device.h"

@@ -2,7 +2,7 @@
 // (worker/flux/flux_family.h). What a group's jobs share and what is each job's own is said
 // there; two FLUX jobs may share a group when they share the base (flux.store, or
 // flux.checkpoint with flux.singles_per_unit), flux.dtype and the plan (flux.gpu_memory_budget,
-// blocks_to_swap, ring_size): GroupRefusal (common/job_group.h) refuses a job that differs,
+// blocks_to_swap, ring_size): GroupRefusal (common/job/job_group.h) refuses a job that differs,
 // naming the key. A job trained in a group computes what it computes alone (bit for bit on the
 // CPU: its units run on its own rows only).
 #pragma once
@@ -13,8 +13,8 @@
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
-#include "common/flux_job.h"
-#include "common/job_spec.h"
+#include "common/job/flux_job.h"
+#include "common/job/job_spec.h"
 #include "worker/flux/flux_calibrate.h"
 #include "worker/train/group_trainer.h"
 

@@ -4,7 +4,7 @@
 
 #include <ATen/ATen.h>
 
-#include "common/error.h"
+#include "common/base/error.h"
 
 namespace lorastream::worker::flux {
 

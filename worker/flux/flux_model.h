@@ -11,7 +11,7 @@
 //     linear2([attn; gelu(mlp)]), gated
 //   final layer on the image tokens: AdaLN (shift, scale) then a linear to 64 channels.
 //
-// The blocks come from a BlockProvider in units (common/flux_config.h: one double block, or
+// The blocks come from a BlockProvider in units (common/formats/flux_config.h: one double block, or
 // `singles_per_unit` single blocks), so that the streaming engine serves them as it serves an
 // LLM's blocks. Training checkpoints each unit: its forward keeps only its input streams, its
 // backward re-acquires the unit, recomputes it with autograd on and takes the gradients of the
@@ -29,8 +29,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
-#include "common/flux_config.h"
-#include "common/manifest.h"
+#include "common/formats/flux_config.h"
+#include "common/formats/manifest.h"
 #include "worker/model/block_provider.h"
 #include "worker/model/dit_ops.h"
 

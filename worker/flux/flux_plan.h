@@ -41,7 +41,7 @@
 #include <string>
 #include <vector>
 
-#include "common/flux_config.h"
+#include "common/formats/flux_config.h"
 #include "worker/stream/dit_plan.h"
 #include "worker/stream/stream_cost.h"
 #include "worker/stream/stream_plan.h"

@@ -1,6 +1,6 @@
 #include "worker/flux/flux_train.h"
 
-#include "common/job_spec.h"
+#include "common/job/job_spec.h"
 #include "worker/flux/flux_checkpoint.h"
 #include "worker/flux/flux_group.h"
 #include "worker/train/group_members.h"

@@ -9,9 +9,9 @@
 #include <string>
 #include <vector>
 
-#include "common/flux_job.h"
-#include "common/job_spec.h"
-#include "common/step_stats.h"
+#include "common/job/flux_job.h"
+#include "common/job/job_spec.h"
+#include "common/job/step_stats.h"
 #include "worker/train/trainer.h"
 
 namespace lorastream::worker::flux {

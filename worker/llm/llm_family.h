@@ -11,7 +11,7 @@
 #include <functional>
 #include <memory>
 
-#include "common/job_spec.h"
+#include "common/job/job_spec.h"
 #include "worker/train/family.h"
 #include "worker/train/trainer.h"
 

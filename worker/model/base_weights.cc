@@ -4,9 +4,9 @@
 
 #include <ATen/ATen.h>
 
-#include "common/error.h"
-#include "common/job_spec.h"
-#include "common/safetensors.h"
+#include "common/base/error.h"
+#include "common/job/job_spec.h"
+#include "common/formats/safetensors.h"
 #include "store/layout.h"
 
 namespace lorastream::worker {

@@ -1,5 +1,5 @@
 // The frozen base model's weights as at::Tensor views, from either source:
-//  - a Hugging Face checkpoint folder (common/safetensors.h, mmapped read-only), or
+//  - a Hugging Face checkpoint folder (common/formats/safetensors.h, mmapped read-only), or
 //  - a store published by `lorastream-store serve` (store/attach.h, shared memory).
 // On the host the views are zero-copy (at::from_blob over the mapping; each view keeps the
 // mapping alive). Base weights never require grad and are never written: the mappings are
@@ -13,9 +13,9 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "common/dtype.h"
-#include "common/manifest.h"
-#include "common/model_config.h"
+#include "common/base/dtype.h"
+#include "common/formats/manifest.h"
+#include "common/formats/model_config.h"
 #include "worker/model/block_weights.h"
 #include "worker/model/packed_weight.h"
 

@@ -4,7 +4,7 @@
 
 #include <ATen/ATen.h>
 
-#include "common/error.h"
+#include "common/base/error.h"
 #include "store/attach.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/quant_expand.h"

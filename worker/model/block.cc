@@ -10,7 +10,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
-#include "common/error.h"
+#include "common/base/error.h"
 #include "worker/model/fused_ops.h"
 #include "worker/model/torch_compat.h"
 

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "common/step_stats.h"
+#include "common/job/step_stats.h"
 #include "worker/model/block_weights.h"
 
 namespace lorastream {

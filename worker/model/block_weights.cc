@@ -1,7 +1,7 @@
 // BlockWeightsFromBytes: tensor views at the manifest's offsets inside one block's bytes.
 #include <ATen/ATen.h>
 
-#include "common/error.h"
+#include "common/base/error.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/block_weights.h"
 

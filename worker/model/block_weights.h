@@ -10,7 +10,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "common/manifest.h"
+#include "common/formats/manifest.h"
 
 namespace lorastream::worker {
 

@@ -14,7 +14,7 @@
 
 #include <ATen/ATen.h>
 
-#include "common/error.h"
+#include "common/base/error.h"
 #include "worker/model/block.h"
 #include "worker/model/model.h"
 

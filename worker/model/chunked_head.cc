@@ -14,8 +14,8 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
-#include "common/error.h"
-#include "common/log.h"
+#include "common/base/error.h"
+#include "common/base/log.h"
 #include "worker/model/fused_ops.h"
 #include "worker/model/lm_head.h"
 #include "worker/model/model.h"

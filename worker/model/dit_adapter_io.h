@@ -11,7 +11,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "common/safetensors.h"
+#include "common/formats/safetensors.h"
 #include "worker/model/dit_ops.h"
 
 namespace lorastream::worker::dit {

@@ -9,7 +9,7 @@
 
 #include <ATen/ATen.h>
 
-#include "common/error.h"
+#include "common/base/error.h"
 #include "worker/model/fused_ops.h"
 
 namespace lorastream::worker::dit {

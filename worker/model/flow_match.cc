@@ -6,7 +6,7 @@
 
 #include <ATen/ATen.h>
 
-#include "common/error.h"
+#include "common/base/error.h"
 #include "worker/model/model.h"
 
 namespace lorastream::worker::dit {

@@ -7,7 +7,7 @@
 #include <ATen/core/Reduction.h>
 #include <c10/core/GradMode.h>
 
-#include "common/data.h"
+#include "common/formats/data.h"
 
 #if LORASTREAM_HAVE_CUDA
 #include <c10/cuda/CUDAStream.h>

@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "common/quant_format.h"
+#include "common/formats/quant_format.h"
 
 namespace lorastream::worker {
 

@@ -7,8 +7,8 @@
 
 #include <ATen/ATen.h>
 
-#include "common/error.h"
-#include "common/log.h"
+#include "common/base/error.h"
+#include "common/base/log.h"
 #include "worker/model/head_rows.h"
 #include "worker/model/packed_weight.h"
 

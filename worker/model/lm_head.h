@@ -13,7 +13,7 @@
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
-#include "common/step_stats.h"
+#include "common/job/step_stats.h"
 #include "worker/model/base_weights.h"
 
 namespace lorastream::worker {

@@ -5,7 +5,7 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
-#include "common/error.h"
+#include "common/base/error.h"
 
 namespace lorastream::worker {
 

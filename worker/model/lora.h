@@ -11,7 +11,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "common/model_config.h"
+#include "common/formats/model_config.h"
 #include "worker/model/lora_settings.h"
 
 namespace lorastream::worker {
@@ -78,7 +78,7 @@ class LoraAdapter {
   std::vector<LoraBlock> blocks_;
 };
 
-// lora.init_from (common/job_spec.h): what the job leaves to the adapter (rank 0, alpha 0, no
+// lora.init_from (common/job/job_spec.h): what the job leaves to the adapter (rank 0, alpha 0, no
 // targets) taken from its adapter_config.json, and rank, alpha, targets and rslora the job sets
 // refused (kRefused) when they differ, each naming the key, both values and the file. A no-op
 // without init_from; idempotent. The worker calls it before it plans or trains.

@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
-#include "common/error.h"
-#include "common/job_spec.h"
+#include "common/base/error.h"
+#include "common/job/job_spec.h"
 
 namespace lorastream::worker {
 

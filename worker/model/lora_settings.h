@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "common/model_config.h"
+#include "common/formats/model_config.h"
 
 namespace lorastream {
 struct LoraSpec;

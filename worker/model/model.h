@@ -13,7 +13,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "common/model_config.h"
+#include "common/formats/model_config.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/block_provider.h"
 #include "worker/model/lm_head.h"

@@ -9,7 +9,7 @@
 #include <c10/core/GradMode.h>
 #include <torch/version.h>
 
-#include "common/error.h"
+#include "common/base/error.h"
 #include "worker/model/fused_ops.h"
 
 // at::_grouped_mm: LibTorch 2.9 and later.

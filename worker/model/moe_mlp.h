@@ -22,7 +22,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "common/model_config.h"
+#include "common/formats/model_config.h"
 #include "worker/model/block_weights.h"
 #include "worker/model/lora.h"
 

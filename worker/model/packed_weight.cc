@@ -5,7 +5,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include "common/error.h"
+#include "common/base/error.h"
 #include "store/dequantize.h"
 #include "worker/model/quant_expand.h"
 

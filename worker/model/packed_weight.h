@@ -2,7 +2,7 @@
 // --quantize fp8|nf4 --quantize-head / --quantize-embedding`): the LM head, expanded per
 // vocabulary slice on the device that computes it (worker/model/lm_head.h), and the
 // embedding table, whose batch rows are expanded on the host (a tied model's one table is
-// both). The expansion is common/quant_format.h's, exactly as a block's.
+// both). The expansion is common/formats/quant_format.h's, exactly as a block's.
 #pragma once
 
 #include <cstdint>
@@ -11,7 +11,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
-#include "common/manifest.h"
+#include "common/formats/manifest.h"
 
 namespace lorastream::worker {
 

@@ -6,7 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/error.h"
+#include "common/base/error.h"
 
 namespace lorastream::worker {
 

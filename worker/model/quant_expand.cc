@@ -7,7 +7,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include "common/error.h"
+#include "common/base/error.h"
 #include "store/quantize.h"
 #ifdef LORASTREAM_HAVE_CUDA
 #include <c10/cuda/CUDAStream.h>

@@ -1,4 +1,4 @@
-// A compressed block's weights as the model computes with them (common/quant_format.h): the
+// A compressed block's weights as the model computes with them (common/formats/quant_format.h): the
 // projection weights expanded from the copied compressed bytes into a buffer on the same
 // device (the CPU with store/quantize.h's arithmetic, a GPU with
 // worker/model/cuda/quant_kernels.cu, which equal it bit for bit), the other tensors viewed in
@@ -14,7 +14,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
-#include "common/manifest.h"
+#include "common/formats/manifest.h"
 #include "worker/model/block_weights.h"
 
 namespace lorastream::worker {

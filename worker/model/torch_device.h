@@ -1,11 +1,11 @@
-// The typed device (common/device.h) as LibTorch names it: the one place where the worker's
+// The typed device (common/base/device.h) as LibTorch names it: the one place where the worker's
 // torch files get a c10::Device (a compute dtype's c10::ScalarType: ScalarTypeOf in
 // worker/model/base_weights.h).
 #pragma once
 
 #include <c10/core/Device.h>
 
-#include "common/device.h"
+#include "common/base/device.h"
 
 namespace lorastream::worker {
 

@@ -4,7 +4,7 @@
 
 #include <ATen/ATen.h>
 
-#include "common/safetensors.h"
+#include "common/formats/safetensors.h"
 #include "worker/model/dit_adapter_io.h"
 
 namespace lorastream::worker::qwen_image {

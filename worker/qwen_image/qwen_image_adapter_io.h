@@ -12,7 +12,7 @@
 
 #include <string>
 
-#include "common/qwen_image_config.h"
+#include "common/formats/qwen_image_config.h"
 #include "worker/model/dit_adapter_io.h"
 #include "worker/qwen_image/qwen_image_model.h"
 

@@ -2,10 +2,10 @@
 
 #include <ATen/ATen.h>
 
-#include "common/error.h"
-#include "common/format_bytes.h"
-#include "common/log.h"
-#include "common/qwen_image_layout.h"
+#include "common/base/error.h"
+#include "common/base/format_bytes.h"
+#include "common/base/log.h"
+#include "common/formats/qwen_image_layout.h"
 #include "worker/model/base_weights.h"
 
 namespace lorastream::worker::qwen_image {

@@ -1,5 +1,5 @@
 // Qwen-Image's frozen base for training: read from ComfyUI's single file or a diffusers folder
-// (common/qwen_image_layout.h validates either), its blocks packed one per streaming unit into
+// (common/formats/qwen_image_layout.h validates either), its blocks packed one per streaming unit into
 // host buffers in the layout a store would serve (one contiguous region per unit), converted
 // to the compute dtype once, or attached from a store serving it (the units then the store's
 // read-only segments); the tensors outside the blocks on the device.
@@ -13,9 +13,9 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
-#include "common/manifest.h"
-#include "common/qwen_image_config.h"
-#include "worker/model/unit_pack.h"
+#include "common/formats/manifest.h"
+#include "common/formats/qwen_image_config.h"
+#include "worker/stream/unit_pack.h"
 #include "worker/stream/stream_engine.h"
 
 namespace lorastream::store {
@@ -34,7 +34,7 @@ class QwenImageBase {
   static QwenImageBase Load(const std::string& path, c10::ScalarType dtype, c10::Device device);
   // The Qwen-Image store `name` (lorastream-store serve QWEN_IMAGE_PATH), attached read-only:
   // its blocks stream from the shared mapping, the tensors outside them are copied to
-  // `device` (worker/model/unit_pack.h AttachUnitStore). Refuses (kRefused) a store of another
+  // `device` (worker/stream/unit_pack.h AttachUnitStore). Refuses (kRefused) a store of another
   // family naming it, and a plain store of another dtype than `dtype` naming both; a
   // compressed store's (`serve --quantize`) linears are expanded into `dtype` at each use.
   static QwenImageBase FromStore(const std::string& name, c10::ScalarType dtype,

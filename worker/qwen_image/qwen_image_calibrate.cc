@@ -5,11 +5,11 @@
 #include <ATen/ATen.h>
 #include <torch/version.h>
 
-#include "common/error.h"
-#include "common/format_bytes.h"
-#include "common/log.h"
-#include "common/quant_format.h"
-#include "worker/model/unit_pack.h"
+#include "common/base/error.h"
+#include "common/base/format_bytes.h"
+#include "common/base/log.h"
+#include "common/formats/quant_format.h"
+#include "worker/stream/unit_pack.h"
 #include "worker/qwen_image/qwen_image_model.h"
 #include "worker/train/dit_calibrate.h"
 #include "worker/train/stream_calibrate.h"

@@ -5,10 +5,10 @@
 
 #include <ATen/ATen.h>
 
-#include "common/error.h"
-#include "common/log.h"
-#include "common/qwen_image_cache.h"
-#include "common/safetensors.h"
+#include "common/base/error.h"
+#include "common/base/log.h"
+#include "common/formats/qwen_image_cache.h"
+#include "common/formats/safetensors.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/bucket_order.h"
 #include "worker/model/model.h"

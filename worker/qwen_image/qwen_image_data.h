@@ -1,5 +1,5 @@
 // The training images of a Qwen-Image job: every image of a musubi-tuner cache folder
-// (common/qwen_image_cache.h) loaded once into host memory (f32), batched by bucket (latent
+// (common/formats/qwen_image_cache.h) loaded once into host memory (f32), batched by bucket (latent
 // size) in the order worker/model/bucket_order.h gives; captions of several lengths in one
 // batch padded with zeros and masked, as musubi batches them. An edit job's images carry their
 // control latents (musubi's Qwen-Image-Edit caches) and batch by their bucket and every
@@ -15,7 +15,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
-#include "common/qwen_image_config.h"
+#include "common/formats/qwen_image_config.h"
 #include "worker/model/flow_match.h"
 #include "worker/qwen_image/qwen_image_model.h"
 

@@ -10,15 +10,15 @@
 
 #include <ATen/ATen.h>
 
-#include "common/acting_as.h"
-#include "common/checkpoint_dir.h"
-#include "common/device.h"
-#include "common/error.h"
-#include "common/format_bytes.h"
-#include "common/log.h"
-#include "common/memory_limit.h"
-#include "common/qwen_image_config.h"
-#include "common/qwen_image_layout.h"
+#include "common/posix/acting_as.h"
+#include "common/formats/checkpoint_dir.h"
+#include "common/base/device.h"
+#include "common/base/error.h"
+#include "common/base/format_bytes.h"
+#include "common/base/log.h"
+#include "common/posix/memory_limit.h"
+#include "common/formats/qwen_image_config.h"
+#include "common/formats/qwen_image_layout.h"
 #include "store/attach.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/flow_match.h"
@@ -44,7 +44,7 @@ class Group final : public FamilyGroup {
     const Device device = ParseDevice(options.device);
     device_ = TorchDevice(device);
     dtype_ = ScalarTypeOf(ComputeDType(first.train.dtype, device), "train.dtype");
-    // The spec was validated (a checkpoint or a store: common/job_spec.cc).
+    // The spec was validated (a checkpoint or a store: common/job/job_spec.cc).
     if (!first.model.store.empty()) {  // a store is this worker's to attach
       base_ = std::make_unique<QwenImageBase>(
           QwenImageBase::FromStore(first.model.store, dtype_, device_));

@@ -30,7 +30,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
-#include "common/qwen_image_config.h"
+#include "common/formats/qwen_image_config.h"
 #include "worker/model/block_provider.h"
 #include "worker/model/dit_ops.h"
 

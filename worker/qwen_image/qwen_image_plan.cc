@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <tuple>
 
-#include "common/qwen_image_cache.h"
+#include "common/formats/qwen_image_cache.h"
 
 namespace lorastream::worker::qwen_image {
 

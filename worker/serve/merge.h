@@ -12,7 +12,7 @@
 //         (adapter_kohya.safetensors, or the folder holding one); out = `format`: one BFL file
 //         (a BFL base's metadata kept) or a diffusers folder (OUT/transformer/: config.json,
 //         diffusion_pytorch_model.safetensors or shards and their index, FluxTransformer2DModel's
-//         names: common/flux_diffusers.h), by default the base's own form (a store's: BFL).
+//         names: common/formats/flux_diffusers.h), by default the base's own form (a store's: BFL).
 //   A store (`base` names one that lorastream-store serves, of either family): its weights as
 //         the worker computes with them, a compressed store's linears dequantised into its
 //         dtype (said on stderr and in the summary line).

@@ -12,12 +12,12 @@
 #include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>
 
-#include "common/data.h"
-#include "common/device.h"
-#include "common/error.h"
-#include "common/log.h"
-#include "common/safetensors.h"
-#include "common/step_stats.h"
+#include "common/formats/data.h"
+#include "common/base/device.h"
+#include "common/base/error.h"
+#include "common/base/log.h"
+#include "common/formats/safetensors.h"
+#include "common/job/step_stats.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/lora.h"
 #include "worker/model/model.h"

@@ -4,10 +4,10 @@
 
 #include <ATen/Context.h>
 
-#include "common/error.h"
-#include "common/format_bytes.h"
-#include "common/job_spec.h"
-#include "common/quant_format.h"
+#include "common/base/error.h"
+#include "common/base/format_bytes.h"
+#include "common/job/job_spec.h"
+#include "common/formats/quant_format.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/lora.h"
 #include "worker/model/torch_device.h"

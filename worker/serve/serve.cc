@@ -11,15 +11,15 @@
 #include <thread>
 #include <vector>
 
-#include "common/device.h"
-#include "common/error.h"
-#include "common/format_bytes.h"
-#include "common/job_access.h"
-#include "common/job_group.h"
-#include "common/log.h"
-#include "common/shm_names.h"
-#include "coordinator/curve.h"
-#include "coordinator/worker_agent.h"
+#include "common/base/device.h"
+#include "common/base/error.h"
+#include "common/base/format_bytes.h"
+#include "common/job/job_access.h"
+#include "common/job/job_group.h"
+#include "common/base/log.h"
+#include "common/posix/shm_names.h"
+#include "coordinator/client/curve.h"
+#include "coordinator/client/worker_agent.h"
 #include "store/attach.h"
 #include "store/registry.h"
 #include "worker/train/group_trainer.h"
@@ -137,7 +137,7 @@ void HoldAtCheckpoint(const std::atomic<bool>& hold, const client::JobContext& c
 }
 
 // The jobs of this worker's slots, trained as one job group on the agent's training thread.
-// A job joins the group at a step boundary when it may share it (common/job_group.h, and the
+// A job joins the group at a step boundary when it may share it (common/job/job_group.h, and the
 // same submitter when a root worker acts as one); otherwise it waits, and the jobs behind it
 // too, until the group has drained, and a new group starts from it. Every job ends through
 // the slots on its own: completed, stopped or failed.
@@ -183,7 +183,7 @@ class GroupRunner {
     SetJobStore(job.spec, stores_.Local(job.spec.model.store));
     try {
       // Another user's job on a root worker: its files are opened and created as that user
-      // (common/acting_as.h), never handed over afterwards.
+      // (common/posix/acting_as.h), never handed over afterwards.
       job.submitter = SubmitterToServe(job.ctx->assignment);
     } catch (...) {
       slots.Finish(*job.ctx, client::FailedResult(std::current_exception(), job.ctx->assignment));
@@ -218,7 +218,7 @@ class GroupRunner {
         continue;
       }
       // Each job's output-folder lock names its own attempt: a later attempt of the job takes
-      // the folder over from this one (common/job_access.h).
+      // the folder over from this one (common/job/job_access.h).
       const std::string holder =
           AttemptHolder(a.job_id, a.attempt, "lorastream-worker pid " + std::to_string(::getpid()));
       if (!group_) {

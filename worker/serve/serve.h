@@ -1,5 +1,5 @@
 // `lorastream-worker serve`: the worker taking jobs from the coordinator. The protocol lives
-// in the torch-free WorkerAgent (coordinator/worker_agent.h); this file plugs the job group
+// in the torch-free WorkerAgent (coordinator/client/worker_agent.h); this file plugs the job group
 // (GroupTrainer) in as the runner of its job slots and describes this worker (device, GPU,
 // stores, slots).
 #pragma once
@@ -18,7 +18,7 @@ struct ServeOptions {
   double store_wait_s = 30;         // how long a named store may still be loading
   int threads = 0;                  // CPU threads for training (0 = every core)
   // Job slots: jobs trained at once as one job group (0: DefaultJobSlots of the device,
-  // common/job_group.h).
+  // common/job/job_group.h).
   int jobs = 0;
   bool stream = true;            // stream blocks through the engine (false: resident)
   double request_timeout_s = 5;  // per coordinator request

@@ -1,7 +1,7 @@
 #include "worker/stream/copy_sources.h"
 
-#include "common/error.h"
-#include "common/log.h"
+#include "common/base/error.h"
+#include "common/base/log.h"
 
 namespace lorastream::worker {
 

@@ -3,8 +3,8 @@
 #include <cstdio>
 #include <sstream>
 
-#include "common/error.h"
-#include "common/format_bytes.h"
+#include "common/base/error.h"
+#include "common/base/format_bytes.h"
 
 namespace lorastream::worker {
 

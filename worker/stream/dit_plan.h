@@ -157,7 +157,7 @@ ResidencyPlan DitSmallestPlan(const DitMemoryModel& m);
 std::string DitGroupBudgetRefusal(const DitMemoryModel& m, const DitJob& job,
                                   const std::vector<DitJob>& group, uint64_t budget_bytes);
 
-// A job's `stream.taped_blocks` (the LLMs' key and meaning, common/job_spec.h) on `plan`: 0
+// A job's `stream.taped_blocks` (the LLMs' key and meaning, common/job/job_spec.h) on `plan`: 0
 // keeps the plan's (none for a job's own plan, the planner's choice within a budget); N > 0
 // tapes the last N resident units (all of them when fewer are resident; none of a compressed
 // store's); -1 as many as fit `budget_bytes`, or without a budget (0) within the plan's own

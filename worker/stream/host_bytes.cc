@@ -3,7 +3,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "common/error.h"
+#include "common/base/error.h"
 
 namespace lorastream::worker {
 

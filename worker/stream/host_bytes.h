@@ -11,7 +11,7 @@
 #include <string>
 #include <utility>
 
-#include "common/memory_mapping.h"
+#include "common/posix/memory_mapping.h"
 
 namespace lorastream::worker {
 

@@ -2,7 +2,7 @@
 
 #include <ATen/ATen.h>
 
-#include "common/error.h"
+#include "common/base/error.h"
 #ifdef LORASTREAM_HAVE_CUDA
 #include "worker/stream/cuda/cuda_memory.h"
 #endif

@@ -3,9 +3,9 @@
 #include <algorithm>
 #include <cstdio>
 
-#include "common/error.h"
-#include "common/format_bytes.h"
-#include "common/log.h"
+#include "common/base/error.h"
+#include "common/base/format_bytes.h"
+#include "common/base/log.h"
 
 namespace lorastream::worker {
 

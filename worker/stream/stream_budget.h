@@ -53,8 +53,8 @@
 #include <string>
 #include <vector>
 
-#include "common/model_config.h"
-#include "common/quant_format.h"
+#include "common/formats/model_config.h"
+#include "common/formats/quant_format.h"
 #include "worker/model/head_rows.h"
 #include "worker/stream/stream_plan.h"
 

@@ -11,9 +11,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/error.h"
-#include "common/format_bytes.h"
-#include "common/log.h"
+#include "common/base/error.h"
+#include "common/base/format_bytes.h"
+#include "common/base/log.h"
 
 namespace lorastream::worker {
 

@@ -5,8 +5,8 @@
 
 #include <ATen/ops/empty.h>
 
-#include "common/error.h"
-#include "common/log.h"
+#include "common/base/error.h"
+#include "common/base/log.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/quant_expand.h"
 #include "worker/stream/stream_cpu_backend.h"

@@ -27,7 +27,7 @@
 
 #include <c10/core/Device.h>
 
-#include "common/manifest.h"
+#include "common/formats/manifest.h"
 #include "worker/model/block_provider.h"
 #include "worker/stream/stream_backend.h"
 #include "worker/stream/stream_budget.h"

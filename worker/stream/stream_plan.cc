@@ -4,7 +4,7 @@
 #include <sstream>
 #include <tuple>
 
-#include "common/error.h"
+#include "common/base/error.h"
 
 namespace lorastream::worker {
 

@@ -2,7 +2,7 @@
 
 #include <cstdio>
 
-#include "common/format_bytes.h"
+#include "common/base/format_bytes.h"
 #include "worker/stream/stream_budget.h"
 
 namespace lorastream::worker {

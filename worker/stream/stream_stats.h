@@ -1,11 +1,11 @@
 // Rendering of per-step statistics (torch-free): the streaming part of the worker's progress
-// line. (The JSON form is common/step_stats_json.h.)
+// line. (The JSON form is common/job/step_stats_json.h.)
 #pragma once
 
 #include <string>
 
-#include "common/step_stats.h"
-#include "common/step_stats_json.h"
+#include "common/job/step_stats.h"
+#include "common/job/step_stats_json.h"
 
 namespace lorastream::worker {
 

@@ -9,8 +9,8 @@
 
 #include <ATen/ATen.h>
 
-#include "common/error.h"
-#include "common/log.h"
+#include "common/base/error.h"
+#include "common/base/log.h"
 #include "worker/stream/host_bytes.h"
 #include "worker/stream/stream_backend.h"
 #include "worker/stream/stream_engine.h"

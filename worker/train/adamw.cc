@@ -6,7 +6,7 @@
 #include <c10/core/GradMode.h>
 #include <torch/version.h>
 
-#include "common/error.h"
+#include "common/base/error.h"
 
 namespace lorastream::worker {
 

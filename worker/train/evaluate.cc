@@ -5,7 +5,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
-#include "common/error.h"
+#include "common/base/error.h"
 
 namespace lorastream::worker {
 

@@ -8,7 +8,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "common/data.h"
+#include "common/formats/data.h"
 #include "worker/model/model.h"
 
 namespace lorastream::worker {

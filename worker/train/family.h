@@ -24,8 +24,8 @@
 #include <functional>
 #include <memory>
 
-#include "common/job_spec.h"
-#include "common/step_stats.h"
+#include "common/job/job_spec.h"
+#include "common/job/step_stats.h"
 #include "worker/train/trainer.h"
 
 namespace lorastream::worker {

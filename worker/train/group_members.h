@@ -11,8 +11,8 @@
 #include <utility>
 #include <vector>
 
-#include "common/error.h"
-#include "common/log.h"
+#include "common/base/error.h"
+#include "common/base/log.h"
 #include "worker/train/group_trainer.h"
 
 namespace lorastream::worker {

@@ -32,13 +32,13 @@
 #include <string>
 #include <vector>
 
-#include "common/job_group.h"
-#include "common/job_spec.h"
-#include "common/step_stats.h"
+#include "common/job/job_group.h"
+#include "common/job/job_spec.h"
+#include "common/job/step_stats.h"
 #include "worker/train/trainer.h"
 
 namespace lorastream {
-class ActingAs;  // common/acting_as.h
+class ActingAs;  // common/posix/acting_as.h
 }  // namespace lorastream
 
 namespace lorastream::worker {
@@ -62,7 +62,7 @@ struct GroupJobOutcome {
   std::exception_ptr error;  // set when it failed
 };
 
-// Whether two jobs may share a group: common/job_group.h (the coordinator applies it too).
+// Whether two jobs may share a group: common/job/job_group.h (the coordinator applies it too).
 using ::lorastream::GroupRefusal;
 
 template <class Job>

@@ -12,7 +12,7 @@
 
 #include <ATen/ATen.h>
 
-#include "common/log.h"
+#include "common/base/log.h"
 #include "worker/model/lora.h"
 #include "worker/model/model.h"
 #include "worker/model/moe_mlp.h"

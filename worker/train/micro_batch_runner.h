@@ -30,7 +30,7 @@
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
-#include "common/model_config.h"
+#include "common/formats/model_config.h"
 
 namespace lorastream::worker {
 

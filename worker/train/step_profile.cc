@@ -12,8 +12,8 @@
 #include <torch/version.h>
 #include <nlohmann/json.hpp>
 
-#include "common/error.h"
-#include "common/log.h"
+#include "common/base/error.h"
+#include "common/base/log.h"
 
 namespace lorastream::worker {
 namespace {

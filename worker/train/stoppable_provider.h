@@ -8,7 +8,7 @@
 #include <string>
 #include <utility>
 
-#include "common/error.h"
+#include "common/base/error.h"
 #include "worker/model/block_provider.h"
 
 namespace lorastream::worker {

@@ -8,10 +8,10 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
-#include "common/error.h"
-#include "common/job_spec.h"
-#include "common/log.h"
-#include "common/step_stats.h"
+#include "common/base/error.h"
+#include "common/job/job_spec.h"
+#include "common/base/log.h"
+#include "common/job/step_stats.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/block.h"
 #include "worker/model/lm_head.h"

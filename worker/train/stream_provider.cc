@@ -9,11 +9,11 @@
 #include <ATen/ATen.h>
 #include <torch/version.h>
 
-#include "common/error.h"
-#include "common/format_bytes.h"
-#include "common/job_spec.h"
-#include "common/log.h"
-#include "common/memory_limit.h"
+#include "common/base/error.h"
+#include "common/base/format_bytes.h"
+#include "common/job/job_spec.h"
+#include "common/base/log.h"
+#include "common/posix/memory_limit.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/fused_ops.h"
 #include "worker/model/torch_device.h"

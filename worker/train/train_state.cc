@@ -4,10 +4,10 @@
 
 #include <ATen/ATen.h>
 
-#include "common/checkpoint_dir.h"
-#include "common/checkpoint_manifest.h"
-#include "common/error.h"
-#include "common/safetensors.h"
+#include "common/formats/checkpoint_dir.h"
+#include "common/formats/checkpoint_manifest.h"
+#include "common/base/error.h"
+#include "common/formats/safetensors.h"
 
 namespace lorastream::worker {
 

@@ -2,9 +2,9 @@
 // holding the adapter's files (FamilyJob::SaveAdapter: f32 master weights, so a resume
 // continues from the exact values), trainer_state.safetensors: tensors "exp_avg.<name>" and
 // "exp_avg_sq.<name>" (f32) by FamilyJob::ParamNames, metadata as
-// common/trainer_state_meta.h describes (step, samples_seen, seed, fingerprint, eval_loss),
+// common/formats/trainer_state_meta.h describes (step, samples_seen, seed, fingerprint, eval_loss),
 // and checkpoint_manifest.json (the checksums of the family's files, written last;
-// common/checkpoint_dir.h has the folder's rules: verification on resume, fallback,
+// common/formats/checkpoint_dir.h has the folder's rules: verification on resume, fallback,
 // retention).
 #pragma once
 
@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "common/trainer_state_meta.h"
+#include "common/formats/trainer_state_meta.h"
 #include "worker/train/adamw.h"
 #include "worker/train/family.h"
 
@@ -29,7 +29,7 @@ struct CheckpointRetention {
 // Writes OUTPUT_DIR/checkpoint-<state.step>: files and manifest (listing `files`, the
 // family's FamilyGroup::CheckpointFiles) into a temporary folder, each file and the folder
 // fsynced, renamed into place, the parent fsynced; then applies `retention`
-// (common/checkpoint_dir.h). Leftover temporaries of a crashed save are removed first.
+// (common/formats/checkpoint_dir.h). Leftover temporaries of a crashed save are removed first.
 // Returns the folder.
 std::string SaveCheckpoint(const std::string& output_dir, const FamilyJob& job, AdamW& optimizer,
                            const TrainState& state, const CheckpointRetention& retention,

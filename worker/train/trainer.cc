@@ -12,10 +12,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/adapter_consumers.h"
-#include "common/checkpoint_dir.h"
-#include "common/error.h"
-#include "common/format_bytes.h"
+#include "common/job/adapter_consumers.h"
+#include "common/formats/checkpoint_dir.h"
+#include "common/base/error.h"
+#include "common/base/format_bytes.h"
 #include "worker/train/group_members.h"
 #include "worker/train/group_trainer.h"
 
@@ -83,7 +83,7 @@ std::function<void(const StepStats&)> PrintProgress(std::string prefix) {
   };
 }
 
-// What the adapter's consumers require (common/adapter_consumers.h), on stderr.
+// What the adapter's consumers require (common/job/adapter_consumers.h), on stderr.
 void WarnForConsumers(const JobSpec& spec) {
   for (const std::string& w : AdapterConsumerWarnings(spec))
     std::fprintf(stderr, "%s: warning: %s\n", spec.name.c_str(), w.c_str());

@@ -18,7 +18,7 @@
 //                                                  checkpoint_manifest.json (checksums)
 //   stats.jsonl                                    one StepStats JSON object per step
 // A checkpoint is written to a temporary folder, fsynced and renamed, then the ones retention
-// does not keep are removed; a resume verifies the checksums (common/checkpoint_dir.h).
+// does not keep are removed; a resume verifies the checksums (common/formats/checkpoint_dir.h).
 // Randomness is counter-based: LoRA init from the seed, data order from (seed, epoch),
 // dropout masks from (seed, step, micro-batch, block); so step + samples_seen are the whole
 // RNG state, and a resumed CPU run ends bit-identical to an uninterrupted one.
@@ -32,9 +32,9 @@
 #include <string>
 #include <vector>
 
-#include "common/job_spec.h"
-#include "common/step_stats.h"
-#include "common/user_access.h"
+#include "common/job/job_spec.h"
+#include "common/job/step_stats.h"
+#include "common/posix/user_access.h"
 #include "worker/stream/stream_engine_options.h"
 #include "worker/train/step_profile.h"
 
@@ -62,11 +62,11 @@ struct TrainOptions {
   std::vector<JobSpec> plan_group;
   // Who OUTPUT_DIR/.lorastream.lock says holds the folder while this job trains (a second job
   // into it is refused naming this; a later attempt of the same job takes it over, and this
-  // one then stops at its next step: common/job_access.h); "": "lorastream-worker pid N".
+  // one then stops at its next step: common/job/job_access.h); "": "lorastream-worker pid N".
   std::string lock_holder;
   // A root worker running another user's job: the job's files (its data and eval data, a
   // model folder, the output folder with its checkpoints, adapter and statistics) are opened
-  // and created as this user (common/acting_as.h). nullptr: as this process.
+  // and created as this user (common/posix/acting_as.h). nullptr: as this process.
   const UserIdentity* files_as = nullptr;
   // A compressed LM head's vocabulary slice when it stays resident (rows; 0: HeadSliceRows's):
   // tests use small ones (a streamed head's is StreamEngineOptions::head_slice_rows).

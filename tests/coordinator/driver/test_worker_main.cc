@@ -17,8 +17,8 @@
 
 #include <CLI/CLI.hpp>
 
-#include "common/log.h"
-#include "coordinator/worker_agent.h"
+#include "common/base/log.h"
+#include "coordinator/client/worker_agent.h"
 
 namespace {
 

@@ -5,7 +5,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "common/error.h"
+#include "common/base/error.h"
 #include "worker/stream/cuda/cuda_handles.h"
 
 namespace lorastream::worker {

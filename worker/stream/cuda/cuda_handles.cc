@@ -5,8 +5,8 @@
 
 #include <cstdint>
 
-#include "common/error.h"
-#include "common/log.h"
+#include "common/base/error.h"
+#include "common/base/log.h"
 
 namespace lorastream::worker {
 

@@ -8,7 +8,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include "common/error.h"
+#include "common/base/error.h"
 
 namespace lorastream::worker {
 

@@ -14,7 +14,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
-#include "common/error.h"
+#include "common/base/error.h"
 #include "worker/stream/copy_sources.h"
 #include "worker/stream/cuda/cuda_handles.h"
 #include "worker/stream/cuda/cuda_memory.h"

@@ -8,7 +8,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "common/error.h"
+#include "common/base/error.h"
 #include "store/shm_segment.h"
 #include "worker/stream/cuda/cuda_handles.h"
 
