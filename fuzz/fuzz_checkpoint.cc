@@ -8,8 +8,8 @@
 #include <cstdlib>
 #include <string>
 
-#include "common/formats/checkpoint_manifest.h"
 #include "common/base/error.h"
+#include "common/formats/checkpoint_manifest.h"
 #include "common/formats/safetensors.h"
 #include "common/formats/trainer_state_meta.h"
 

@@ -9,8 +9,8 @@
 #include <nlohmann/json.hpp>
 
 #include "common/base/error.h"
-#include "common/job/job_spec.h"
 #include "common/formats/model_config.h"
+#include "common/job/job_spec.h"
 
 using namespace lorastream;
 

@@ -12,11 +12,11 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/posix/durable_file.h"
 #include "common/base/error.h"
-#include "common/formats/flux_config.h"
 #include "common/base/log.h"
+#include "common/formats/flux_config.h"
 #include "common/formats/safetensors.h"
+#include "common/posix/durable_file.h"
 #include "store/attach.h"
 #include "store/parallel.h"
 #include "store/quantize.h"

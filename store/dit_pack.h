@@ -1,7 +1,7 @@
 // Planning a store of a diffusion transformer (FLUX.1, Qwen-Image): its checkpoint, in any of
-// the family's forms (common/formats/flux_layout.h's and common/formats/qwen_image_layout.h's readers), packed
-// into one segment per streaming unit and one for the tensors outside the blocks, in the
-// family's layout (FluxManifest, QwenImageManifest): the very bytes a worker packing the
+// the family's forms (common/formats/flux_layout.h's and common/formats/qwen_image_layout.h's
+// readers), packed into one segment per streaming unit and one for the tensors outside the blocks,
+// in the family's layout (FluxManifest, QwenImageManifest): the very bytes a worker packing the
 // checkpoint itself lays out. Nothing is allocated here, so a bad checkpoint is refused before
 // anything exists in /dev/shm.
 #pragma once

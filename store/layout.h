@@ -48,7 +48,8 @@ struct PackOptions {
   // on disk). Serve turns it off and calls RefuseNonFiniteWeights once the cheap checks have
   // passed (the store fits /dev/shm), so that a refusal that needs no weight comes at once.
   bool scan_weights = true;
-  // Store each block's projection weights compressed (common/formats/quant_format.h); kNone: as they are.
+  // Store each block's projection weights compressed (common/formats/quant_format.h); kNone: as
+  // they are.
   QuantMethod quantize = QuantMethod::kNone;
   // With `quantize`: the LM head's weights and the embedding table stored compressed too, in
   // the same format (a tied model's one table, which is both, by either flag).

@@ -1,7 +1,7 @@
-// The arithmetic of the compressed formats (common/formats/quant_format.h), torch-free: quantising a
-// weight as `lorastream-store serve --quantize` does, and expanding it back to the bf16
-// weights a block computes with (the worker's CPU path; its CUDA kernels do the same
-// arithmetic and are tested against this).
+// The arithmetic of the compressed formats (common/formats/quant_format.h), torch-free: quantising
+// a weight as `lorastream-store serve --quantize` does, and expanding it back to the bf16 weights a
+// block computes with (the worker's CPU path; its CUDA kernels do the same arithmetic and are
+// tested against this).
 //
 // The expanded value is defined as the f32 product rounded once to bf16 (nearest, ties to
 // even), as the official fp8 and bitsandbytes dequantisations compute it:

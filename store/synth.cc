@@ -18,10 +18,10 @@
 
 #include "common/base/device.h"
 #include "common/base/error.h"
-#include "common/posix/install_paths.h"
 #include "common/formats/safetensors.h"
 #include "common/formats/tokenizer_id.h"
 #include "common/formats/toml_file.h"
+#include "common/posix/install_paths.h"
 #include "store/checksum.h"
 #include "store/convert.h"
 #include "store/quantize.h"

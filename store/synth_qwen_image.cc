@@ -6,9 +6,9 @@
 #include <filesystem>
 #include <fstream>
 
-#include "common/formats/block_names.h"
 #include "common/base/device.h"
 #include "common/base/error.h"
+#include "common/formats/block_names.h"
 #include "common/formats/qwen_image_cache.h"
 #include "common/formats/toml_file.h"
 #include "store/synth_flux.h"

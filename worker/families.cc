@@ -6,9 +6,9 @@
 #include <memory>
 
 #include "common/base/error.h"
+#include "common/formats/toml_file.h"
 #include "common/job/job_spec.h"
 #include "common/posix/regular_file.h"
-#include "common/formats/toml_file.h"
 #include "worker/flux/flux_calibrate.h"
 #include "worker/flux/flux_family.h"
 #include "worker/flux/flux_group.h"

@@ -10,8 +10,8 @@
 #include <nlohmann/json.hpp>
 
 #include "common/base/error.h"
-#include "common/posix/regular_file.h"
 #include "common/formats/safetensors.h"
+#include "common/posix/regular_file.h"
 
 namespace lorastream {
 

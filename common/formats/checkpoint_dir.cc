@@ -9,12 +9,12 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/formats/checkpoint_manifest.h"
-#include "common/posix/durable_file.h"
 #include "common/base/error.h"
 #include "common/base/log.h"
-#include "common/posix/remove_tree.h"
+#include "common/formats/checkpoint_manifest.h"
 #include "common/formats/safetensors.h"
+#include "common/posix/durable_file.h"
+#include "common/posix/remove_tree.h"
 
 namespace lorastream {
 
@@ -220,7 +220,8 @@ std::string PublishCheckpoint(const std::string& output_dir, int64_t step,
   if (ec) throw Error(ErrorCode::kIo, "cannot create " + tmp_dir.string() + ": " + ec.message());
   write_files(tmp_dir.string());
   WriteCheckpointManifest(tmp_dir.string());  // last; fsyncs every file and the folder
-  RemoveTree(final_dir.string());  // never std::filesystem::remove_all here: common/posix/remove_tree.h
+  RemoveTree(
+      final_dir.string());  // never std::filesystem::remove_all here: common/posix/remove_tree.h
   fs::rename(tmp_dir, final_dir, ec);
   if (ec) throw Error(ErrorCode::kIo, "cannot rename " + tmp_dir.string() + ": " + ec.message());
   FsyncPath(output_dir);  // the rename itself survives a power loss only now

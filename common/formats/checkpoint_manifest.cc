@@ -9,10 +9,10 @@
 #include <set>
 #include <sstream>
 
-#include "common/posix/durable_file.h"
 #include "common/base/error.h"
-#include "common/posix/regular_file.h"
 #include "common/base/sha256.h"
+#include "common/posix/durable_file.h"
+#include "common/posix/regular_file.h"
 
 namespace lorastream {
 

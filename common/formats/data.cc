@@ -72,7 +72,8 @@ std::vector<Document> LoadJsonl(const std::string& path, int64_t vocab) {
     Json j = Json::parse(line, nullptr, /*allow_exceptions=*/false);
     if (j.is_discarded() || !j.is_object())
       throw Error(ErrorCode::kCorrupt, where + ": not a JSON object");
-    // `lorastream prepare`'s record of the tokenizer (common/formats/tokenizer_id.h), not a document.
+    // `lorastream prepare`'s record of the tokenizer (common/formats/tokenizer_id.h), not a
+    // document.
     if (may_be_record && j.contains("lorastream_tokenizer") && !j.contains("input_ids")) continue;
     if (!j.contains("input_ids"))
       throw Error(ErrorCode::kCorrupt, where + ": `input_ids` is missing");

@@ -12,8 +12,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/formats/block_names.h"
 #include "common/base/error.h"
+#include "common/formats/block_names.h"
 #include "common/posix/regular_file.h"
 
 namespace lorastream {

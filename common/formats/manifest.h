@@ -16,7 +16,8 @@
 
 namespace lorastream {
 
-// The model_type of a manifest whose blocks are FLUX.1 streaming units (common/formats/flux_layout.h).
+// The model_type of a manifest whose blocks are FLUX.1 streaming units
+// (common/formats/flux_layout.h).
 inline constexpr const char* kFluxModelType = "flux";
 
 // One tensor inside a segment: bytes [offset, offset + nbytes) of the segment.
@@ -26,8 +27,8 @@ struct TensorSlice {
   std::vector<int64_t> shape;
   uint64_t offset = 0;  // a multiple of Manifest::alignment
   uint64_t nbytes = 0;
-  // A compressed projection weight (common/formats/quant_format.h): `dtype` is then the stored element
-  // type, `shape` the weight's own, and its scales are the slices QuantAuxTensors names.
+  // A compressed projection weight (common/formats/quant_format.h): `dtype` is then the stored
+  // element type, `shape` the weight's own, and its scales are the slices QuantAuxTensors names.
   QuantInfo quant;
 };
 

@@ -7,8 +7,8 @@
 #include <fstream>
 #include <limits>
 
-#include "common/posix/durable_file.h"
 #include "common/base/error.h"
+#include "common/posix/durable_file.h"
 #include "common/posix/regular_file.h"
 
 namespace lorastream {

@@ -4,8 +4,8 @@
 // store/quantize.h's.
 //
 // A block's projection weights are compressed (an LLM block's q, k, v, o, gate, up and down; a
-// FLUX.1 block's linear layers: common/formats/flux_config.h IsFluxBlockLinearWeight), and on request
-// an LLM's LM head and embedding table of the rest segment (`--quantize-head`,
+// FLUX.1 block's linear layers: common/formats/flux_config.h IsFluxBlockLinearWeight), and on
+// request an LLM's LM head and embedding table of the rest segment (`--quantize-head`,
 // `--quantize-embedding`); norms and biases stay in the store's floating dtype.
 //
 //   fp8  e4m3 (F8_E4M3) in the weight's own [out, in] shape, one F32 per block_rows x

@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "common/base/dtype.h"
-#include "common/posix/memory_mapping.h"
 #include "common/formats/model_config.h"
+#include "common/posix/memory_mapping.h"
 
 namespace lorastream {
 

@@ -8,8 +8,8 @@
 #include <cerrno>
 
 #include "common/base/error.h"
-#include "common/posix/regular_file.h"
 #include "common/formats/safetensors.h"
+#include "common/posix/regular_file.h"
 #include "common/posix/unique_fd.h"
 
 namespace lorastream {

@@ -8,15 +8,16 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "common/formats/data.h"
 #include "common/base/error.h"
+#include "common/formats/data.h"
 #include "common/posix/regular_file.h"
 
 namespace lorastream {
 namespace {
 
 using Json = nlohmann::json;
-constexpr uint32_t kFlagTokenizerRecord = 2;  // common/formats/data.h: a tokenizer record ends the file
+constexpr uint32_t kFlagTokenizerRecord =
+    2;  // common/formats/data.h: a tokenizer record ends the file
 
 uint64_t Fnv1a64(const std::string& text) {
   uint64_t h = 0xcbf29ce484222325ull;

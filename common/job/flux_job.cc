@@ -9,9 +9,9 @@
 
 #include "common/base/error.h"
 #include "common/formats/flux_config.h"
+#include "common/formats/toml_file.h"
 #include "common/job/job_paths.h"
 #include "common/job/job_spec.h"
-#include "common/formats/toml_file.h"
 
 namespace lorastream {
 

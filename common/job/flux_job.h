@@ -6,20 +6,15 @@
 //   [flux]
 //   checkpoint = "flux1-dev.safetensors"  # BFL's single file or a diffusers folder, or
 //   store = "flux"               #   a store of one (lorastream-store serve): exactly one
-//   cache_dir = "cache"          # sd-scripts' latent and text-encoder caches (common/formats/flux_cache.h)
-//   output_dir = "out"           # adapter_kohya.safetensors, pytorch_lora_weights.safetensors
-//   steps = 100
-//   batch_size = 1               # images of one bucket per step
-//   seed = 0                     # adapter init, batch order, noise and timesteps of every step
-//   learning_rate = 1e-4
-//   lr_schedule = "constant"     # constant | linear | cosine (with warmup_steps)
-//   warmup_steps = 0
-//   weight_decay = 0.01          # AdamW
-//   max_grad_norm = 1.0          # 0: no clipping
-//   rank = 16
-//   alpha = 16.0
-//   targets = ["all"]            # ["attention"] or block-relative linear names
-//   init_from = ""               # a kohya LoRA file (or a FLUX job's output_dir) to start
+//   cache_dir = "cache"          # sd-scripts' latent and text-encoder caches
+//   (common/formats/flux_cache.h) output_dir = "out"           # adapter_kohya.safetensors,
+//   pytorch_lora_weights.safetensors steps = 100 batch_size = 1               # images of one
+//   bucket per step seed = 0                     # adapter init, batch order, noise and timesteps
+//   of every step learning_rate = 1e-4 lr_schedule = "constant"     # constant | linear | cosine
+//   (with warmup_steps) warmup_steps = 0 weight_decay = 0.01          # AdamW max_grad_norm = 1.0
+//   # 0: no clipping rank = 16 alpha = 16.0 targets = ["all"]            # ["attention"] or
+//   block-relative linear names init_from = ""               # a kohya LoRA file (or a FLUX job's
+//   output_dir) to start
 //                                #   from: not a resume (step 0, a fresh optimizer); its rank,
 //                                #   alpha and targets must equal the job's, or are taken
 //                                #   from it when left out (written out as 0, 0, [])

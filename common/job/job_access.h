@@ -8,8 +8,8 @@
 #include <cstdint>
 #include <string>
 
-#include "common/posix/file_lock.h"
 #include "common/job/job_spec.h"
+#include "common/posix/file_lock.h"
 #include "common/posix/user_access.h"
 
 namespace lorastream {

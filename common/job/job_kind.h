@@ -6,8 +6,8 @@
 // here. Torch-free.
 #pragma once
 
-#include "common/job/job_spec.h"
 #include "common/formats/model_family.h"
+#include "common/job/job_spec.h"
 
 namespace lorastream {
 

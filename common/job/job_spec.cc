@@ -10,13 +10,13 @@
 
 #include "common/base/device.h"
 #include "common/base/error.h"
-#include "common/job/job_paths.h"
 #include "common/base/log.h"
 #include "common/formats/quant_format.h"
 #include "common/formats/qwen_image_config.h"
-#include "common/posix/regular_file.h"
 #include "common/formats/tokenizer_id.h"
 #include "common/formats/toml_file.h"
+#include "common/job/job_paths.h"
+#include "common/posix/regular_file.h"
 
 namespace lorastream {
 

@@ -99,8 +99,8 @@
 #include <string>
 #include <vector>
 
-#include "common/job/flux_job.h"
 #include "common/formats/model_config.h"
+#include "common/job/flux_job.h"
 #include "common/job/qwen_image_job.h"
 
 namespace lorastream {

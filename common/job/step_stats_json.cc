@@ -3,8 +3,8 @@
 #include <filesystem>
 #include <fstream>
 
-#include "common/posix/durable_file.h"
 #include "common/base/error.h"
+#include "common/posix/durable_file.h"
 
 namespace lorastream {
 

@@ -12,11 +12,11 @@
 #include <string>
 #include <vector>
 
-#include "common/protocol/envelope.h"
 #include "common/base/error.h"
 #include "common/job/job_spec.h"
-#include "common/protocol/message_archive.h"
 #include "common/job/step_stats.h"
+#include "common/protocol/envelope.h"
+#include "common/protocol/message_archive.h"
 
 namespace lorastream {
 

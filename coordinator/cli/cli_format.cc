@@ -5,8 +5,8 @@
 #include <sstream>
 
 #include "common/base/format_bytes.h"
-#include "common/job/step_stats_json.h"
 #include "common/base/terminal_text.h"
+#include "common/job/step_stats_json.h"
 
 namespace lorastream::cli {
 namespace {

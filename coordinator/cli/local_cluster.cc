@@ -15,13 +15,13 @@
 #include <nlohmann/json.hpp>
 
 #include "common/base/error.h"
-#include "common/formats/flux_config.h"
-#include "common/posix/gpu_info.h"
-#include "common/job/job_paths.h"
 #include "common/base/log.h"
+#include "common/formats/flux_config.h"
 #include "common/formats/qwen_image_config.h"
-#include "common/posix/regular_file.h"
 #include "common/formats/toml_file.h"
+#include "common/job/job_paths.h"
+#include "common/posix/gpu_info.h"
+#include "common/posix/regular_file.h"
 #include "common/posix/unique_fd.h"
 #include "coordinator/client/curve.h"
 #include "store/attach.h"

@@ -8,9 +8,9 @@
 #include <sstream>
 
 #include "common/base/error.h"
+#include "common/formats/tokenizer_id.h"
 #include "common/posix/install_paths.h"
 #include "common/posix/subprocess.h"
-#include "common/formats/tokenizer_id.h"
 
 namespace lorastream::cli {
 

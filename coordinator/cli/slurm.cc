@@ -17,9 +17,9 @@
 #include "common/posix/install_paths.h"
 #include "common/posix/shm_names.h"
 #include "common/posix/subprocess.h"
-#include "coordinator/daemon/coordinator.h"
-#include "coordinator/client/curve.h"
 #include "coordinator/cli/up.h"
+#include "coordinator/client/curve.h"
+#include "coordinator/daemon/coordinator.h"
 
 namespace lorastream::cli {
 namespace fs = std::filesystem;

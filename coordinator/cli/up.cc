@@ -14,14 +14,14 @@
 #include <toml++/toml.h>
 
 #include "common/base/error.h"
+#include "common/base/log.h"
+#include "common/job/job_paths.h"
 #include "common/posix/gpu_info.h"
 #include "common/posix/install_paths.h"
-#include "common/job/job_paths.h"
-#include "common/base/log.h"
-#include "coordinator/client/build_info.h"
-#include "coordinator/client/curve.h"
 #include "coordinator/cli/down.h"
 #include "coordinator/cli/local_cluster.h"
+#include "coordinator/client/build_info.h"
+#include "coordinator/client/curve.h"
 #include "coordinator/daemon/tensorboard.h"
 #include "store/synth_flux.h"
 #include "store/synth_qwen_image.h"

@@ -7,8 +7,8 @@
 
 #include <unistd.h>
 
-#include "common/job/job_group.h"
 #include "common/base/log.h"
+#include "common/job/job_group.h"
 #include "common/posix/user_access.h"
 
 namespace lorastream::coordinator {

@@ -12,8 +12,8 @@
 #include <zmq_addon.hpp>
 
 #include "common/base/log.h"
-#include "common/protocol/messages.h"
 #include "common/posix/user_access.h"
+#include "common/protocol/messages.h"
 #include "coordinator/client/curve.h"
 
 namespace lorastream::coordinator {

@@ -9,8 +9,8 @@
 #include <memory>
 #include <string>
 
-#include "coordinator/daemon/coordinator.h"
 #include "coordinator/client/curve.h"
+#include "coordinator/daemon/coordinator.h"
 
 namespace lorastream::coordinator {
 

@@ -10,8 +10,8 @@
 #include <utility>
 
 #include "common/base/error.h"
-#include "common/job/job_paths.h"
 #include "common/base/log.h"
+#include "common/job/job_paths.h"
 #include "common/protocol/message_archive.h"
 
 namespace lorastream::coordinator {

@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "common/posix/file_lock.h"
 #include "common/job/step_stats.h"
+#include "common/posix/file_lock.h"
 #include "coordinator/daemon/job_record.h"
 
 struct sqlite3;

@@ -10,9 +10,9 @@
 #include <cstring>
 #include <filesystem>
 
-#include "common/posix/durable_file.h"
 #include "common/base/error.h"
 #include "common/base/log.h"
+#include "common/posix/durable_file.h"
 #include "common/posix/user_access.h"
 
 namespace lorastream::coordinator {

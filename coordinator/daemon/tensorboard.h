@@ -24,8 +24,8 @@
 #include <utility>
 #include <vector>
 
-#include "common/protocol/messages.h"
 #include "common/posix/unique_fd.h"
+#include "common/protocol/messages.h"
 
 namespace lorastream::coordinator {
 

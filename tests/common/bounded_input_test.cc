@@ -17,17 +17,17 @@
 #include <catch2/catch.hpp>
 
 #include "common/base/cli_main.h"
-#include "common/formats/data.h"
 #include "common/base/error.h"
+#include "common/formats/data.h"
 #include "common/formats/flux_cache.h"
 #include "common/formats/flux_config.h"
-#include "common/job/flux_job.h"
-#include "common/job/job_spec.h"
 #include "common/formats/npz.h"
-#include "common/posix/regular_file.h"
 #include "common/formats/safetensors.h"
 #include "common/formats/tokenizer_id.h"
 #include "common/formats/toml_file.h"
+#include "common/job/flux_job.h"
+#include "common/job/job_spec.h"
+#include "common/posix/regular_file.h"
 #include "tests/support/flux_cache_files.h"
 #include "tests/support/test_support.h"
 

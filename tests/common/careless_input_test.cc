@@ -11,13 +11,13 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
-#include "common/formats/data.h"
 #include "common/base/error.h"
+#include "common/base/terminal_text.h"
+#include "common/formats/data.h"
+#include "common/formats/tokenizer_id.h"
 #include "common/job/job_data.h"
 #include "common/job/job_spec.h"
 #include "common/job/step_stats_json.h"
-#include "common/base/terminal_text.h"
-#include "common/formats/tokenizer_id.h"
 #include "tests/support/test_support.h"
 
 using namespace lorastream;

@@ -12,14 +12,14 @@
 #include <limits>
 #include <sstream>
 
+#include "common/base/error.h"
+#include "common/base/sha256.h"
 #include "common/formats/checkpoint_dir.h"
 #include "common/formats/checkpoint_manifest.h"
-#include "common/posix/durable_file.h"
-#include "common/base/error.h"
-#include "common/posix/remove_tree.h"
 #include "common/formats/safetensors.h"
-#include "common/base/sha256.h"
 #include "common/formats/trainer_state_meta.h"
+#include "common/posix/durable_file.h"
+#include "common/posix/remove_tree.h"
 #include "common/posix/unique_fd.h"
 #include "tests/support/test_support.h"
 

@@ -3,8 +3,8 @@
 #include <catch2/catch.hpp>
 
 #include "common/base/error.h"
-#include "common/job/job_spec.h"
 #include "common/formats/model_config.h"
+#include "common/job/job_spec.h"
 
 using namespace lorastream;
 

@@ -15,10 +15,10 @@
 
 #include <catch2/catch.hpp>
 
-#include "common/posix/acting_as.h"
 #include "common/base/error.h"
-#include "common/posix/file_lock.h"
 #include "common/job/job_access.h"
+#include "common/posix/acting_as.h"
+#include "common/posix/file_lock.h"
 #include "common/posix/memory_limit.h"
 #include "common/posix/remove_tree.h"
 

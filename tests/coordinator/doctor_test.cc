@@ -12,8 +12,8 @@
 
 #include "cluster_fixture.h"
 #include "common/posix/gpu_info.h"
-#include "coordinator/client/build_info.h"
 #include "coordinator/cli/doctor.h"
+#include "coordinator/client/build_info.h"
 #include "store/server.h"
 #include "store/shm_segment.h"
 #include "store/synth.h"

@@ -9,8 +9,8 @@
 #include <filesystem>
 
 #include "coordinator/cli/cli_format.h"
-#include "coordinator/daemon/coordinator.h"
 #include "coordinator/cli/watch_view.h"
+#include "coordinator/daemon/coordinator.h"
 
 using namespace lorastream;
 using namespace lorastream::coordinator;

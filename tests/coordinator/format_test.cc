@@ -5,9 +5,9 @@
 #include <nlohmann/json.hpp>
 
 #include "coordinator/cli/cli_format.h"
+#include "coordinator/cli/watch_view.h"
 #include "coordinator/client/curve.h"
 #include "coordinator/daemon/scheduler.h"
-#include "coordinator/cli/watch_view.h"
 
 using namespace lorastream;
 using namespace lorastream::client;

@@ -14,8 +14,8 @@
 #include "common/base/error.h"
 #include "common/posix/shm_names.h"
 #include "common/posix/subprocess.h"
-#include "coordinator/client/curve.h"
 #include "coordinator/cli/slurm.h"
+#include "coordinator/client/curve.h"
 #include "tests/support/test_support.h"
 
 using namespace lorastream;

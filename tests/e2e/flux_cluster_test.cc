@@ -15,8 +15,8 @@
 
 #include <catch2/catch.hpp>
 
-#include "common/job/job_spec.h"
 #include "common/formats/safetensors.h"
+#include "common/job/job_spec.h"
 #include "common/posix/subprocess.h"
 #include "coordinator/cli/local_cluster.h"
 #include "tests/e2e/e2e_jobs.h"

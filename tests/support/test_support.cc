@@ -11,12 +11,12 @@
 #include <thread>
 #include <vector>
 
+#include "common/base/error.h"
 #include "common/formats/checkpoint_dir.h"
 #include "common/formats/checkpoint_manifest.h"
-#include "common/base/error.h"
-#include "common/posix/remove_tree.h"
 #include "common/formats/safetensors.h"
 #include "common/formats/trainer_state_meta.h"
+#include "common/posix/remove_tree.h"
 
 namespace lorastream::testing {
 

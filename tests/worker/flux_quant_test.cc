@@ -12,8 +12,8 @@
 #include <filesystem>
 #include <fstream>
 
-#include "common/job/flux_job.h"
 #include "common/formats/safetensors.h"
+#include "common/job/flux_job.h"
 #include "store/attach.h"
 #include "store/convert.h"
 #include "store/dequantize.h"

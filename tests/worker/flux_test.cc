@@ -18,10 +18,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/formats/checkpoint_dir.h"
 #include "common/base/error.h"
-#include "common/job/flux_job.h"
+#include "common/formats/checkpoint_dir.h"
 #include "common/formats/safetensors.h"
+#include "common/job/flux_job.h"
 #include "common/posix/subprocess.h"
 #include "store/attach.h"
 #include "store/server.h"

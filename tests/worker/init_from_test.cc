@@ -10,9 +10,9 @@
 #include <string>
 
 #include "common/base/error.h"
+#include "common/formats/safetensors.h"
 #include "common/job/flux_job.h"
 #include "common/job/job_spec.h"
-#include "common/formats/safetensors.h"
 #include "tests/support/flux_cache_files.h"
 #include "tests/support/flux_checkpoint.h"
 #include "worker/flux/flux_adapter_io.h"

@@ -15,11 +15,11 @@
 #include <c10/core/GradMode.h>
 #include <nlohmann/json.hpp>
 
-#include "common/formats/data.h"
 #include "common/base/error.h"
-#include "common/job/job_spec.h"
+#include "common/formats/data.h"
 #include "common/formats/model_config.h"
 #include "common/formats/safetensors.h"
+#include "common/job/job_spec.h"
 #include "moe_train_cli.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/block.h"

@@ -14,8 +14,8 @@
 
 #include "common/base/error.h"
 #include "common/formats/manifest.h"
-#include "common/posix/memory_mapping.h"
 #include "common/formats/model_config.h"
+#include "common/posix/memory_mapping.h"
 #include "common/posix/unique_fd.h"
 #include "store/shm_segment.h"
 

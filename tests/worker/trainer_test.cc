@@ -13,8 +13,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/formats/checkpoint_dir.h"
 #include "common/base/error.h"
+#include "common/formats/checkpoint_dir.h"
 #include "common/formats/safetensors.h"
 #include "common/posix/subprocess.h"
 #include "worker/train/adamw.h"

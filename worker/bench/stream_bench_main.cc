@@ -35,11 +35,11 @@
 #include <CLI/CLI.hpp>
 
 #include "common/base/cli_main.h"
-#include "common/formats/data.h"
 #include "common/base/device.h"
 #include "common/base/error.h"
-#include "common/job/job_spec.h"
 #include "common/base/log.h"
+#include "common/formats/data.h"
+#include "common/job/job_spec.h"
 #include "common/posix/remove_tree.h"
 #include "store/attach.h"
 #include "worker/model/base_weights.h"

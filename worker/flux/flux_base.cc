@@ -5,9 +5,9 @@
 #include <ATen/ATen.h>
 
 #include "common/base/error.h"
-#include "common/formats/flux_layout.h"
 #include "common/base/format_bytes.h"
 #include "common/base/log.h"
+#include "common/formats/flux_layout.h"
 #include "common/formats/safetensors.h"
 #include "worker/model/base_weights.h"
 #include "worker/stream/unit_pack.h"

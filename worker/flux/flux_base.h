@@ -15,12 +15,12 @@
 #include <c10/core/Device.h>
 
 #include "common/formats/flux_config.h"
-#include "common/job/flux_job.h"
 #include "common/formats/manifest.h"
+#include "common/job/flux_job.h"
 #include "worker/flux/flux_model.h"
 #include "worker/model/block_provider.h"
-#include "worker/stream/unit_pack.h"
 #include "worker/stream/stream_engine.h"
+#include "worker/stream/unit_pack.h"
 
 namespace lorastream::store {
 class AttachedStore;

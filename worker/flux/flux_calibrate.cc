@@ -11,8 +11,8 @@
 
 #include "common/base/error.h"
 #include "common/base/format_bytes.h"
-#include "common/job/job_spec.h"
 #include "common/base/log.h"
+#include "common/job/job_spec.h"
 #include "worker/flux/flux_model.h"
 #include "worker/model/quant_expand.h"
 #include "worker/model/torch_device.h"

@@ -10,11 +10,11 @@
 
 #include <ATen/ATen.h>
 
-#include "common/posix/acting_as.h"
-#include "common/formats/checkpoint_dir.h"
 #include "common/base/error.h"
 #include "common/base/format_bytes.h"
 #include "common/base/log.h"
+#include "common/formats/checkpoint_dir.h"
+#include "common/posix/acting_as.h"
 #include "common/posix/memory_limit.h"
 #include "worker/flux/flux_adapter_io.h"
 #include "worker/flux/flux_base.h"

@@ -1,6 +1,6 @@
 // FLUX.1 as a family of the one trainer (worker/train/family.h). A job's part: its caches
-// (sd-scripts' latents and text-encoder outputs, common/formats/flux_cache.h), per step a batch of one
-// bucket with noise and timesteps drawn from the job's seed and the step alone (a run is
+// (sd-scripts' latents and text-encoder outputs, common/formats/flux_cache.h), per step a batch of
+// one bucket with noise and timesteps drawn from the job's seed and the step alone (a run is
 // reproducible and its steps independent), the rectified-flow objective, its adapter
 // (FluxAdapter; files in kohya and diffusers formats). The group's part: the base (a store, or
 // a checkpoint packed per streaming unit), the engine planned for every job of the group

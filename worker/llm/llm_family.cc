@@ -8,14 +8,14 @@
 
 #include <ATen/ATen.h>
 
-#include "common/posix/acting_as.h"
-#include "common/formats/checkpoint_dir.h"
 #include "common/base/error.h"
-#include "common/job/job_data.h"
-#include "common/job/job_kind.h"
 #include "common/base/log.h"
+#include "common/formats/checkpoint_dir.h"
 #include "common/formats/manifest_tokenizer.h"
 #include "common/formats/tokenizer_id.h"
+#include "common/job/job_data.h"
+#include "common/job/job_kind.h"
+#include "common/posix/acting_as.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/lm_head.h"
 #include "worker/model/lora.h"

@@ -7,10 +7,10 @@
 
 #include <ATen/ATen.h>
 
-#include "common/posix/durable_file.h"
 #include "common/base/error.h"
-#include "common/job/job_spec.h"
 #include "common/formats/safetensors.h"
+#include "common/job/job_spec.h"
+#include "common/posix/durable_file.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/lora.h"
 #include "worker/model/peft_config.h"

@@ -5,8 +5,8 @@
 #include <ATen/ATen.h>
 
 #include "common/base/error.h"
-#include "common/job/job_spec.h"
 #include "common/formats/safetensors.h"
+#include "common/job/job_spec.h"
 #include "store/layout.h"
 
 namespace lorastream::worker {

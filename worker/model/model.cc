@@ -9,9 +9,9 @@
 #include <ATen/core/Reduction.h>
 #include <c10/core/GradMode.h>
 
-#include "common/formats/data.h"
 #include "common/base/error.h"
 #include "common/base/log.h"
+#include "common/formats/data.h"
 #include "worker/model/fused_ops.h"
 #include "worker/model/head_rows.h"
 

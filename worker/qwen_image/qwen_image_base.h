@@ -1,6 +1,6 @@
 // Qwen-Image's frozen base for training: read from ComfyUI's single file or a diffusers folder
-// (common/formats/qwen_image_layout.h validates either), its blocks packed one per streaming unit into
-// host buffers in the layout a store would serve (one contiguous region per unit), converted
+// (common/formats/qwen_image_layout.h validates either), its blocks packed one per streaming unit
+// into host buffers in the layout a store would serve (one contiguous region per unit), converted
 // to the compute dtype once, or attached from a store serving it (the units then the store's
 // read-only segments); the tensors outside the blocks on the device.
 #pragma once
@@ -15,8 +15,8 @@
 
 #include "common/formats/manifest.h"
 #include "common/formats/qwen_image_config.h"
-#include "worker/stream/unit_pack.h"
 #include "worker/stream/stream_engine.h"
+#include "worker/stream/unit_pack.h"
 
 namespace lorastream::store {
 class AttachedStore;

@@ -12,8 +12,8 @@
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
-#include "common/job/job_spec.h"
 #include "common/formats/manifest.h"
+#include "common/job/job_spec.h"
 #include "worker/qwen_image/qwen_image_plan.h"
 #include "worker/stream/stream_cost.h"
 

@@ -10,15 +10,15 @@
 
 #include <ATen/ATen.h>
 
-#include "common/posix/acting_as.h"
-#include "common/formats/checkpoint_dir.h"
 #include "common/base/device.h"
 #include "common/base/error.h"
 #include "common/base/format_bytes.h"
 #include "common/base/log.h"
-#include "common/posix/memory_limit.h"
+#include "common/formats/checkpoint_dir.h"
 #include "common/formats/qwen_image_config.h"
 #include "common/formats/qwen_image_layout.h"
+#include "common/posix/acting_as.h"
+#include "common/posix/memory_limit.h"
 #include "store/attach.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/flow_match.h"

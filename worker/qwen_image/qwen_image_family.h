@@ -1,6 +1,6 @@
 // Qwen-Image as a family of the one trainer (worker/train/family.h). A job's part: its caches
-// (musubi-tuner's, common/formats/qwen_image_cache.h), per step a batch of one bucket with noise and
-// timesteps from the job's seed and the step alone, flow matching, its adapter (ComfyUI and
+// (musubi-tuner's, common/formats/qwen_image_cache.h), per step a batch of one bucket with noise
+// and timesteps from the job's seed and the step alone, flow matching, its adapter (ComfyUI and
 // diffusers files). The group's part: the base (a checkpoint packed one block per streaming
 // unit), the engine (stream.blocks_to_swap through stream.ring_size slots), the model; per
 // group step each block is acquired once for the forward of every job and once for the

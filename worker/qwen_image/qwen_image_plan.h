@@ -54,8 +54,8 @@
 #include <utility>
 #include <vector>
 
-#include "common/job/job_spec.h"
 #include "common/formats/qwen_image_config.h"
+#include "common/job/job_spec.h"
 #include "worker/stream/dit_plan.h"
 #include "worker/stream/stream_cost.h"
 #include "worker/stream/stream_plan.h"

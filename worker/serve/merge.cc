@@ -20,17 +20,17 @@
 #include <c10/core/GradMode.h>
 #include <nlohmann/json.hpp>
 
-#include "common/posix/durable_file.h"
 #include "common/base/error.h"
+#include "common/base/format_bytes.h"
 #include "common/formats/flux_config.h"
 #include "common/formats/flux_diffusers.h"
 #include "common/formats/flux_layout.h"
-#include "common/base/format_bytes.h"
 #include "common/formats/manifest.h"
 #include "common/formats/quant_format.h"
+#include "common/formats/safetensors.h"
+#include "common/posix/durable_file.h"
 #include "common/posix/regular_file.h"
 #include "common/posix/remove_tree.h"
-#include "common/formats/safetensors.h"
 #include "store/attach.h"
 #include "worker/flux/flux_adapter_io.h"
 #include "worker/flux/flux_model.h"

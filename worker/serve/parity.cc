@@ -12,10 +12,10 @@
 #include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>
 
-#include "common/formats/data.h"
 #include "common/base/device.h"
 #include "common/base/error.h"
 #include "common/base/log.h"
+#include "common/formats/data.h"
 #include "common/formats/safetensors.h"
 #include "common/job/step_stats.h"
 #include "worker/model/base_weights.h"

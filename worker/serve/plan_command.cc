@@ -6,8 +6,8 @@
 
 #include "common/base/error.h"
 #include "common/base/format_bytes.h"
-#include "common/job/job_spec.h"
 #include "common/formats/quant_format.h"
+#include "common/job/job_spec.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/lora.h"
 #include "worker/model/torch_device.h"

@@ -16,13 +16,13 @@
 #include <c10/core/GradMode.h>
 #include <nlohmann/json.hpp>
 
-#include "common/formats/data.h"
 #include "common/base/device.h"
 #include "common/base/error.h"
 #include "common/base/format_bytes.h"
+#include "common/base/log.h"
+#include "common/formats/data.h"
 #include "common/job/job_data.h"
 #include "common/job/job_spec.h"
-#include "common/base/log.h"
 #include "common/job/step_stats.h"
 #include "store/server.h"
 #include "worker/model/base_weights.h"

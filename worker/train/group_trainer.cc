@@ -16,12 +16,12 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "common/base/error.h"
+#include "common/base/log.h"
+#include "common/job/job_access.h"
+#include "common/job/step_stats_json.h"
 #include "common/posix/acting_as.h"
 #include "common/posix/durable_file.h"
-#include "common/base/error.h"
-#include "common/job/job_access.h"
-#include "common/base/log.h"
-#include "common/job/step_stats_json.h"
 #include "common/posix/unique_fd.h"
 #include "worker/train/adamw.h"
 #include "worker/train/family.h"

@@ -9,8 +9,8 @@
 #include <c10/core/GradMode.h>
 
 #include "common/base/error.h"
-#include "common/job/job_spec.h"
 #include "common/base/log.h"
+#include "common/job/job_spec.h"
 #include "common/job/step_stats.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/block.h"

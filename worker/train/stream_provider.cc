@@ -11,8 +11,8 @@
 
 #include "common/base/error.h"
 #include "common/base/format_bytes.h"
-#include "common/job/job_spec.h"
 #include "common/base/log.h"
+#include "common/job/job_spec.h"
 #include "common/posix/memory_limit.h"
 #include "worker/model/base_weights.h"
 #include "worker/model/fused_ops.h"

@@ -4,9 +4,9 @@
 
 #include <ATen/ATen.h>
 
+#include "common/base/error.h"
 #include "common/formats/checkpoint_dir.h"
 #include "common/formats/checkpoint_manifest.h"
-#include "common/base/error.h"
 #include "common/formats/safetensors.h"
 
 namespace lorastream::worker {

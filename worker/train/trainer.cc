@@ -12,10 +12,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/job/adapter_consumers.h"
-#include "common/formats/checkpoint_dir.h"
 #include "common/base/error.h"
 #include "common/base/format_bytes.h"
+#include "common/formats/checkpoint_dir.h"
+#include "common/job/adapter_consumers.h"
 #include "worker/train/group_members.h"
 #include "worker/train/group_trainer.h"
 
