@@ -308,7 +308,8 @@ std::string JobSpecToToml(const JobSpec& s) {
     doc.insert("qwen_image", toml::table{{"cache_dir", q.cache_dir},
                                          {"timestep_sampling", q.timestep_sampling},
                                          {"sigmoid_scale", q.sigmoid_scale},
-                                         {"discrete_flow_shift", q.discrete_flow_shift}});
+                                         {"discrete_flow_shift", q.discrete_flow_shift},
+                                         {"edit", q.edit}});
   }
   std::ostringstream out;
   out << doc << "\n";

@@ -7,12 +7,14 @@
 namespace lorastream {
 
 QwenImageJob ParseQwenImageSection(const TomlSection& s) {
-  s.RejectUnknownKeys({"cache_dir", "timestep_sampling", "sigmoid_scale", "discrete_flow_shift"});
+  s.RejectUnknownKeys(
+      {"cache_dir", "timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "edit"});
   QwenImageJob j;
   j.cache_dir = s.GetString("cache_dir", "");
   j.timestep_sampling = s.GetString("timestep_sampling", j.timestep_sampling);
   j.sigmoid_scale = s.GetDouble("sigmoid_scale", j.sigmoid_scale);
   j.discrete_flow_shift = s.GetDouble("discrete_flow_shift", j.discrete_flow_shift);
+  j.edit = s.GetBool("edit", j.edit);
   return j;
 }
 

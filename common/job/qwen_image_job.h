@@ -11,6 +11,8 @@
 //   timestep_sampling = "shift"   # uniform | sigmoid | shift | qwen_shift
 //   sigmoid_scale = 1.0
 //   discrete_flow_shift = 2.2     # for `shift` (musubi-tuner's example)
+//   edit = false                  # true: a Qwen-Image-Edit LoRA, on musubi's _qie caches (each
+//                                 # image's control latents in the sequence after its own)
 //
 // [lora] targets default to ["default"] for a Qwen-Image job (musubi-tuner's: every block
 // linear but the modulations); ["attention"], ["all"] or block-relative names
@@ -29,9 +31,10 @@ struct QwenImageJob {
   std::string timestep_sampling = "shift";
   double sigmoid_scale = 1.0;
   double discrete_flow_shift = 2.2;
+  bool edit = false;
   template <class A>
   void serialize(A& ar) {
-    ar(cache_dir, timestep_sampling, sigmoid_scale, discrete_flow_shift);
+    ar(cache_dir, timestep_sampling, sigmoid_scale, discrete_flow_shift, edit);
   }
 };
 

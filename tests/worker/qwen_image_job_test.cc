@@ -483,3 +483,119 @@ TEST_CASE(
   CHECK_THAT(problems.front(), Catch::Contains("both.toml: key `model` must name exactly one of "
                                                "`model.store`"));
 }
+
+namespace {
+
+// DIR/cache-e, musubi-tuner's Qwen-Image-Edit caches: "cat" and "dog" (32x32, a 32x32
+// control), "pair" (32x32, two controls: Edit-2509's), "wide" (48x32, a 32x48 control).
+void WriteEditCaches(const std::string& dir) {
+  const int64_t jd = QwenImageCheckpointReader::Open(kModel).config().joint_attention_dim;
+  const std::string d = dir + "/cache-e";
+  std::filesystem::create_directories(d);
+  WriteQwenImageCacheFiles(d, "cat", 32, 32, 5, jd, 11, DType::kBF16, {{32, 32}});
+  WriteQwenImageCacheFiles(d, "dog", 32, 32, 3, jd, 12, DType::kBF16, {{32, 32}});
+  WriteQwenImageCacheFiles(d, "pair", 32, 32, 4, jd, 13, DType::kBF16, {{32, 32}, {16, 48}});
+  WriteQwenImageCacheFiles(d, "wide", 48, 32, 4, jd, 14, DType::kBF16, {{32, 48}});
+}
+
+// Job E: job A's settings on the edit caches, `qwen_image.edit = true` (unless `edit` says
+// otherwise), 6 steps so that every bucket comes.
+std::string JobE(const std::string& dir, const std::string& out, const std::string& stream = "",
+                 const std::string& edit = "true") {
+  std::string text = JobA(dir, out, stream);
+  text.replace(text.find("steps = 4"), 9, "steps = 6");
+  text.replace(text.find("name = \"a\""), 10, "name = \"e\"");
+  return text.replace(text.find("/cache-a\""), 9, "/cache-e\"\nedit = " + edit);
+}
+
+}  // namespace
+
+TEST_CASE(
+    "qwen_image edit job: control latents in the sequence; streamed = resident, in a group = "
+    "alone, resumed = uninterrupted, bit for bit; the key and the caches must agree",
+    "[worker][qwen_image][group]") {
+  TempDir dir("qwen-image-edit-job");
+  const std::string d = dir.str();
+  WriteCaches(d);
+  WriteEditCaches(d);
+  const JobSpec spec = Spec(JobE(d, d + "/x"));
+  CHECK(spec.qwen_image.edit);
+  CHECK(Spec(JobSpecToToml(spec)).qwen_image.edit);  // written back (the journal's form)
+  const Run alone = Train({JobE(d, d + "/alone-e")});
+  const std::vector<StepStats>& se = alone.steps.at("e");
+  REQUIRE(se.size() == 6);
+  for (const StepStats& s : se) CHECK(std::isfinite(s.loss));
+  CHECK(alone.outcomes[0].result.steps_done == 6);
+
+  SECTION("streamed: both blocks through one slot") {
+    const Run streamed = Train({JobE(d, d + "/streamed-e", "[stream]\nblocks_to_swap = 2\n")});
+    CheckSame(streamed.steps.at("e"), se, d + "/streamed-e", d + "/alone-e");
+    CHECK(streamed.steps.at("e")[0].h2d_bytes > 0);
+  }
+  SECTION("taped: every block") {
+    const Run taped = Train({JobE(d, d + "/taped-e", "[stream]\ntaped_blocks = 2\n")});
+    CheckSame(taped.steps.at("e"), se, d + "/taped-e", d + "/alone-e");
+  }
+  SECTION("a group with a plain Qwen-Image job: each equals itself alone") {
+    const Run alone_b = Train({JobB(d, d + "/alone-b")});
+    const Run group = Train({JobE(d, d + "/group-e"), JobB(d, d + "/group-b")});
+    CheckSame(group.steps.at("e"), se, d + "/group-e", d + "/alone-e");
+    CheckSame(group.steps.at("b"), alone_b.steps.at("b"), d + "/group-b", d + "/alone-b");
+  }
+  SECTION("stopped after step 4, then resumed") {
+    int steps = 0;
+    const Run stopped = Train(
+        {JobE(d, d + "/resumed-e")}, [&steps] { return steps >= 4; }, [&steps] { ++steps; });
+    CHECK(stopped.outcomes[0].result.steps_done == 4);
+    const Run resumed = Train({JobE(d, d + "/resumed-e")});
+    CHECK(resumed.outcomes[0].result.start_step == 4);
+    REQUIRE(resumed.steps.at("e").size() == 2);
+    for (size_t i = 0; i < 2; ++i) CHECK(resumed.steps.at("e")[i].loss == se[4 + i].loss);
+    for (const char* file : {qwen_image::kComfyAdapterFile, qwen_image::kQwenDiffusersAdapterFile})
+      CHECK(ReadFile(d + "/resumed-e/" + file) == ReadFile(d + "/alone-e/" + file));
+  }
+  SECTION("other control latents: other losses") {
+    // cat's and dog's files rewritten with their control latents negated (bf16: the sign bit
+    // of each element's high byte), the images and captions as they were.
+    for (const std::string name : {"cat", "dog"}) {
+      const std::string path = d + "/cache-e/" + name + "_0032x0032_qie.safetensors";
+      const SafetensorsFile f = SafetensorsFile::Open(path);
+      std::vector<std::vector<uint8_t>> bytes;
+      std::vector<TensorToWrite> w;
+      for (const auto& e : f.tensors()) {
+        const uint8_t* p = f.Data(e);
+        bytes.emplace_back(p, p + e.nbytes());
+        REQUIRE(e.dtype == DType::kBF16);
+        if (e.name.find("control") != std::string::npos)
+          for (size_t i = 1; i < bytes.back().size(); i += 2) bytes.back()[i] ^= 0x80;
+      }
+      for (size_t i = 0; i < f.tensors().size(); ++i)
+        w.push_back(
+            {f.tensors()[i].name, f.tensors()[i].dtype, f.tensors()[i].shape, bytes[i].data()});
+      const auto metadata = f.header().metadata;
+      WriteSafetensors(path + ".new", w, metadata);
+      std::filesystem::rename(path + ".new", path);
+    }
+    const Run changed = Train({JobE(d, d + "/changed-e")});
+    int same_bucket_steps = 0, differ = 0;
+    for (size_t i = 0; i < se.size(); ++i) {
+      if (se[i].tokens != 2 * 4) continue;  // the cat and dog batch: 2 x (2 x 2) image tokens
+      ++same_bucket_steps;
+      if (changed.steps.at("e")[i].loss != se[i].loss) ++differ;
+    }
+    CHECK(same_bucket_steps > 0);
+    CHECK(differ == same_bucket_steps);
+  }
+  SECTION("the key and the caches disagree: refused naming both") {
+    using lorastream::testing::ErrorMessageOf;
+    CHECK_THAT(ErrorMessageOf([&] { Train({JobE(d, d + "/plain-e", "", "false")}); }),
+               Catch::Contains(d + "/cache-e: the folder holds Qwen-Image-Edit caches (" + d +
+                               "/cache-e/") &&
+                   Catch::Contains("set `qwen_image.edit = true`"));
+    std::string on_plain = JobA(d, d + "/edit-a");
+    on_plain.replace(on_plain.find("/cache-a\""), 9, "/cache-a\"\nedit = true");
+    CHECK_THAT(ErrorMessageOf([&] { Train({on_plain}); }),
+               Catch::Contains(d + "/cache-a: `qwen_image.edit = true` but the folder holds "
+                                   "Qwen-Image caches without control images"));
+  }
+}

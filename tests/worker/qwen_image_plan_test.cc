@@ -214,3 +214,41 @@ TEST_CASE("qwen_image plan: a job's tokens are its cache's largest bucket and lo
   spec.qwen_image.cache_dir = dir.str() + "/none";
   CHECK_THROWS_WITH(QwenImageDitJob(spec, config), Catch::Contains(dir.str() + "/none"));
 }
+
+TEST_CASE(
+    "qwen_image plan: an edit job's image stream counts its control images' tokens; the key and "
+    "the caches must agree",
+    "[worker_core][qwen_image]") {
+  lorastream::testing::TempDir dir("qi-plan-edit-tokens");
+  QwenImageConfig config;
+  config.joint_attention_dim = 16;
+  // 32x32 with a 48x32 control: 2 x 2 + 3 x 2 tokens; 48x32 with two 16x16 controls:
+  // 3 x 2 + 1 + 1. The largest stream: 10.
+  WriteQwenImageCacheFiles(dir.str(), "cat", 32, 32, 5, 16, 1, DType::kBF16, {{48, 32}});
+  WriteQwenImageCacheFiles(dir.str(), "wide", 48, 32, 3, 16, 2, DType::kBF16, {{16, 16}, {16, 16}});
+  CHECK(QwenImageCacheTokens(dir.str(), config, true) == std::pair<int64_t, int64_t>{10, 5});
+  JobSpec spec;
+  spec.name = "q";
+  spec.is_qwen_image = true;
+  spec.train.batch_size = 2;
+  spec.lora.rank = 4;
+  spec.lora.targets = {"attention"};
+  spec.qwen_image.cache_dir = dir.str();
+  spec.qwen_image.edit = true;
+  const DitJob job = QwenImageDitJob(spec, config);
+  CHECK(job.image_tokens == 10);
+  CHECK(job.text_tokens == 5);
+  // The estimate of the longer stream exceeds the same job's on the image tokens alone.
+  QwenImageMemoryInputs in;
+  in.config = config;
+  in.block_bytes.assign(static_cast<size_t>(config.num_layers), uint64_t{1} << 20);
+  in.job = job;
+  const ResidencyPlan resident = PlanFromSwapCount(static_cast<int>(config.num_layers), 0, 1);
+  const uint64_t edit_total = EstimateQwenImageMemory(in, resident).total();
+  in.job.image_tokens = 6;
+  CHECK(edit_total > EstimateQwenImageMemory(in, resident).total());
+  spec.qwen_image.edit = false;
+  CHECK_THROWS_WITH(QwenImageDitJob(spec, config),
+                    Catch::Contains("set `qwen_image.edit = true`") &&
+                        Catch::Contains(dir.str() + "/cat_0032x0032_qie.safetensors"));
+}

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include "common/base/error.h"
 #include "common/formats/qwen_image_cache.h"
@@ -640,4 +641,247 @@ TEST_CASE("qwen_image synth: a tiny random Qwen-Image in ComfyUI's and diffusers
   bad.qwen_image_format = "bfl";
   CHECK_THAT(ErrorMessageOf([&] { store::RunSynth(bad); }),
              Catch::Contains("--qwen-image-format `bfl`"));
+}
+
+namespace {
+
+// The qi_l3m case as a Qwen-Image-Edit batch: its image and padded captions, then two control
+// images of other grids (Edit-2509's several; the first larger than the image's 3 x 5, so that
+// the text's positions move), random latents from `seed`.
+QwenImageBatch EditBatch(const SafetensorsFile& c, uint64_t seed) {
+  QwenImageBatch b = CaseBatch(c);
+  at::Generator g = at::detail::createCPUGenerator(seed);
+  b.control_grids = {{4, 7}, {2, 3}};
+  b.control = at::empty({b.img.size(0), 4 * 7 + 2 * 3, b.img.size(2)}).normal_(0, 1, g);
+  return b;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "qwen_image edit: control images at frames 1, 2, ... on their own centred grids, the text "
+    "after the largest",
+    "[worker][qwen_image]") {
+  const QwenImageConfig cfg =
+      QwenImageCheckpointReader::Open(kFixtures + "qi_l2_model.safetensors").config();
+  const int64_t lt = 4, n = 3 * 5, nc = 4 * 7;
+  const at::Tensor edit = QwenRopeTable(cfg, {{3, 5}, {4, 7}}, lt, at::kCPU);
+  const at::Tensor image = QwenRopeTable(cfg, {{3, 5}}, lt, at::kCPU);
+  const at::Tensor control = QwenRopeTable(cfg, {{4, 7}}, lt, at::kCPU);
+  REQUIRE(edit.size(2) == lt + n + nc);
+  // The image's tokens where they are alone; the text where the larger control puts it
+  // (max(4/2, 7/2) = 3, not the image's 2).
+  CHECK(at::equal(edit.narrow(2, lt, n), image.narrow(2, lt, n)));
+  CHECK(at::equal(edit.narrow(2, 0, lt), control.narrow(2, 0, lt)));
+  CHECK_FALSE(at::equal(image.narrow(2, 0, lt), control.narrow(2, 0, lt)));
+  // The control's rows and columns as alone; its frame 1 where alone it is 0.
+  const int64_t frame = cfg.axes_dim[0] / 2;
+  const at::Tensor got = edit.narrow(2, lt + n, nc), alone = control.narrow(2, lt, nc);
+  CHECK(at::equal(got.narrow(3, frame, got.size(3) - frame),
+                  alone.narrow(3, frame, alone.size(3) - frame)));
+  const at::Tensor inv = 1.0 / at::pow(cfg.theta, at::arange(0, cfg.axes_dim[0], 2, at::kFloat) /
+                                                      static_cast<double>(cfg.axes_dim[0]));
+  const at::Tensor cos1 = got.narrow(3, 0, frame).select(-1, 0).select(-1, 0);  // [1, 1, nc, f]
+  CHECK(at::allclose(cos1, at::cos(inv).expand_as(cos1)));
+  CHECK(at::equal(alone.narrow(3, 0, frame).select(-1, 0).select(-1, 0), at::ones_like(cos1)));
+}
+
+TEST_CASE(
+    "qwen_image edit: control tokens reach attention; the prediction and loss are the image's "
+    "tokens; checkpointed = plain autograd; streamed = resident bit for bit",
+    "[worker][qwen_image]") {
+  const QwenImageBase base =
+      QwenImageBase::Load(kFixtures + "qi_l3m_model.safetensors", at::kFloat, at::kCPU);
+  const QwenImageConfig& cfg = base.config();
+  const SafetensorsFile c = SafetensorsFile::Open(kFixtures + "qi_l3m_case.safetensors");
+  const at::Tensor target = Get(c, "target");
+  auto resident_engine = base.MakeEngine(0, 1, at::kCPU);
+  QwenImageModel resident(cfg, base.rest(), resident_engine.get(), at::kCPU, at::kFloat);
+  QwenImageAdapter adapter = RandomAdapter(cfg, "all", 5);
+  const QwenImageBatch edit = EditBatch(c, 1);
+  const LossAndGrads plain = Run(resident, CaseBatch(c), adapter, true, target);
+  const LossAndGrads want = Run(resident, edit, adapter, true, target);
+  const LossAndGrads other = Run(resident, EditBatch(c, 2), adapter, true, target);
+  // The image's tokens alone, whatever the controls; the controls change them, the loss and
+  // the gradients.
+  CHECK(want.output.sizes() == plain.output.sizes());
+  CHECK(RelErr(want.output, plain.output) > 1e-3);
+  CHECK(RelErr(other.output, want.output) > 1e-3);
+  CHECK(want.loss.item<double>() != other.loss.item<double>());
+  double grads_moved = 0;
+  for (size_t i = 0; i < want.grads.size(); ++i)
+    grads_moved = std::max(grads_moved, RelErr(other.grads[i], want.grads[i]));
+  CHECK(grads_moved > 1e-3);
+  // A padded caption's mask covers the longer image stream.
+  QwenImageBatch unmasked = edit;
+  unmasked.txt_mask = at::Tensor();
+  CHECK(RelErr(Run(resident, unmasked, adapter, true, target).output, want.output) > 1e-6);
+  SECTION("checkpointed blocks give plain autograd's loss and gradients") {
+    const LossAndGrads taped = Run(resident, edit, adapter, false, target);
+    CHECK(taped.loss.item<double>() == want.loss.item<double>());
+    for (size_t i = 0; i < want.grads.size(); ++i)
+      CHECK(RelErr(taped.grads[i], want.grads[i]) < 1e-5);
+  }
+  SECTION("streamed blocks equal resident ones bit for bit") {
+    const int units = static_cast<int>(cfg.num_layers);
+    for (int ring : {1, 2}) {
+      StreamEngineOptions o;
+      o.debug_poison = true;
+      o.log_plan = false;
+      auto engine = base.MakeEngine(units, ring, at::kCPU, o);
+      QwenImageModel streamed(cfg, base.rest(), engine.get(), at::kCPU, at::kFloat);
+      INFO("ring " << ring);
+      const LossAndGrads got = Run(streamed, edit, adapter, true, target);
+      CHECK(at::equal(got.output, want.output));
+      CHECK(at::equal(got.loss, want.loss));
+      for (size_t i = 0; i < want.grads.size(); ++i)
+        REQUIRE(at::equal(got.grads[i], want.grads[i]));
+    }
+  }
+  SECTION("a batch whose control tokens are not its grids' is refused") {
+    QwenImageBatch bad = edit;
+    bad.control_grids.pop_back();
+    CHECK_THAT(ErrorMessageOf([&] { resident.Forward(bad, adapter, false); }),
+               Catch::Contains("control tokens are its control grids'"));
+  }
+}
+
+TEST_CASE(
+    "qwen_image edit data: musubi-tuner's Qwen-Image-Edit caches with their control latents, "
+    "batched by bucket and control sizes",
+    "[worker][qwen_image]") {
+  TempDir dir("qwen-image-edit-cache");
+  const QwenImageConfig cfg =
+      QwenImageCheckpointReader::Open(kFixtures + "qi_l2_model.safetensors").config();
+  const int64_t jd = cfg.joint_attention_dim;
+  // cat and dog: 32x32 with a 32x32 control; pair: 32x32 with two controls (Edit-2509);
+  // wide: 48x32 with a 32x48 control. Three buckets.
+  WriteQwenImageCacheFiles(dir.str(), "cat", 32, 32, 5, jd, 1, DType::kBF16, {{32, 32}});
+  WriteQwenImageCacheFiles(dir.str(), "dog", 32, 32, 3, jd, 2, DType::kBF16, {{32, 32}});
+  WriteQwenImageCacheFiles(dir.str(), "pair", 32, 32, 4, jd, 3, DType::kF32, {{32, 32}, {16, 48}});
+  WriteQwenImageCacheFiles(dir.str(), "wide", 48, 32, 4, jd, 4, DType::kBF16, {{32, 48}});
+  CHECK(std::filesystem::exists(dir.str() + "/pair_0032x0032_qie.safetensors"));
+  CHECK(std::filesystem::exists(dir.str() + "/pair_qie_te.safetensors"));
+  const QwenImageDataset data(dir.str(), cfg, /*edit=*/true);
+  CHECK(data.size() == 4);
+  CHECK(data.buckets() == 3);
+  std::set<std::string> seen;
+  for (int64_t step = 0; step < 6; ++step) {
+    INFO("step " << step);
+    const QwenImageDataBatch b = data.Batch(step, 2, 7);
+    for (const auto& n : b.names) seen.insert(n);
+    const QwenImageStepInput in =
+        MakeQwenImageStep(b, 7, step, {"shift", 1.0, 2.2}, at::kCPU, at::kFloat);
+    REQUIRE(in.batch.control.defined());
+    CHECK(in.batch.control_grids.size() == b.controls.size());
+    CHECK(in.image_tokens == in.batch.img.size(0) * in.batch.img.size(1));
+    int64_t tokens = 0;
+    for (size_t k = 0; k < b.controls.size(); ++k) {
+      CHECK(b.controls[k].size(0) == static_cast<int64_t>(b.names.size()));
+      tokens += b.controls[k].size(2) * b.controls[k].size(3) / 4;
+    }
+    CHECK(in.batch.control.size(1) == tokens);
+    // The controls are packed clean (not noised), each image's after the previous one's.
+    CHECK(
+        at::equal(in.batch.control.narrow(1, 0, b.controls[0].size(2) * b.controls[0].size(3) / 4),
+                  dit::PackLatents(b.controls[0])));
+    if (b.names.size() == 2) {
+      CHECK(b.controls.size() == 1);
+      CHECK(b.controls[0].sizes() == at::IntArrayRef({2, 16, 4, 4}));
+    } else if (b.names[0] == "pair") {
+      REQUIRE(b.controls.size() == 2);
+      CHECK(b.controls[1].sizes() == at::IntArrayRef({1, 16, 6, 2}));
+      CHECK(in.batch.control_grids == std::vector<std::pair<int64_t, int64_t>>{{2, 2}, {3, 1}});
+    } else {
+      CHECK(b.names[0] == "wide");
+      CHECK(b.controls[0].sizes() == at::IntArrayRef({1, 16, 6, 4}));
+    }
+  }
+  CHECK(seen.size() == 4);
+  // The key and the caches must agree: each refused naming the key and a file of the folder.
+  CHECK_THAT(ErrorMessageOf([&] { QwenImageDataset(dir.str(), cfg); }),
+             Catch::Contains("holds Qwen-Image-Edit caches (" + dir.str() + "/") &&
+                 Catch::Contains("_qie.safetensors") &&
+                 Catch::Contains("set `qwen_image.edit = true`"));
+  TempDir plain("qwen-image-plain-cache");
+  WriteQwenImageCacheFiles(plain.str(), "cat", 32, 32, 5, jd, 1);
+  CHECK_THAT(ErrorMessageOf([&] { QwenImageDataset(plain.str(), cfg, true); }),
+             Catch::Contains("`qwen_image.edit = true` but the folder holds Qwen-Image caches") &&
+                 Catch::Contains(plain.str() + "/cat_0032x0032_qi.safetensors"));
+}
+
+TEST_CASE("qwen_image edit data: bad or mismatched edit caches are refused naming the file",
+          "[worker][qwen_image]") {
+  TempDir dir("qwen-image-bad-edit-cache");
+  const QwenImageConfig cfg =
+      QwenImageCheckpointReader::Open(kFixtures + "qi_l2_model.safetensors").config();
+  const int64_t jd = cfg.joint_attention_dim;
+  const std::string d = dir.str() + "/c", latents = d + "/cat_0032x0032_qie.safetensors";
+  // The cat's edit cache, then its latent file rewritten with `tensors` (f32 [16, 1, 4, 4]
+  // unless the shape says otherwise).
+  auto refused = [&](const std::vector<std::pair<std::string, std::vector<int64_t>>>& tensors) {
+    std::filesystem::remove_all(d);
+    std::filesystem::create_directories(d);
+    WriteQwenImageCacheFiles(d, "cat", 32, 32, 5, jd, 1, DType::kBF16, {{32, 32}});
+    if (!tensors.empty()) {
+      static const std::vector<float> v(16 * 8 * 8, 0.5f);
+      std::vector<TensorToWrite> w;
+      for (const auto& [name, shape] : tensors) w.push_back({name, DType::kF32, shape, v.data()});
+      WriteSafetensors(latents, w, {{"architecture", "qwen_image"}});
+    }
+    return ErrorMessageOf([&] { QwenImageDataset(d, cfg, true); });
+  };
+  const std::vector<int64_t> s4{16, 1, 4, 4};
+  CHECK(refused({}).empty());
+  CHECK_THAT(refused({{"latents_1x4x4_float32", s4}}),
+             Catch::Contains(latents + ": no control latents (`latents_control_0_"));
+  CHECK_THAT(refused({{"latents_1x4x4_float32", s4}, {"latents_control_1_1x4x4_float32", s4}}),
+             Catch::Contains(latents + ": no tensor `latents_control_0_1x{h}x{w}_{dtype}`"));
+  CHECK_THAT(refused({{"latents_1x4x4_float32", s4}, {"latents_control_0_1x4x6_float32", s4}}),
+             Catch::Contains("tensor `latents_control_0_1x4x6_float32` of shape [16, 1, 4, 4] is "
+                             "not named for it (`latents_control_0_1x4x4_float32`)"));
+  CHECK_THAT(
+      refused({{"latents_1x4x4_float32", s4}, {"latents_control_0_1x3x4_float32", {16, 1, 3, 4}}}),
+      Catch::Contains("latent 3x4 is not even"));
+  CHECK_THAT(
+      refused({{"latents_1x4x4_float32", s4}, {"latents_control_0_1x4x4_float32", {8, 1, 4, 4}}}),
+      Catch::Contains("`latents_control_0_1x4x4_float32` has shape [8, 1, 4, 4], expected "
+                      "[16, 1, h, w]"));
+  CHECK_THAT(refused({{"latents_1x4x4_float32", s4}, {"latents_control_0_1x4x4_bfloat16", s4}}),
+             Catch::Contains("tensor `latents_control_0_1x4x4_bfloat16` is F32"));
+  CHECK_THAT(refused({{"latents_1x4x4_float32", s4}, {"latents_control_x_1x4x4_float32", s4}}),
+             Catch::Contains("`latents_control_x_1x4x4_float32`: not a control latent of index"));
+  CHECK_THAT(
+      refused(
+          {{"latents_1x4x4_float32", s4}, {"latents_control_0_1x4x4_float32", s4}, {"mask", {4}}}),
+      Catch::Contains("unexpected tensor `mask`"));
+  std::filesystem::remove(d + "/cat_qie_te.safetensors");
+  CHECK_THAT(ErrorMessageOf([&] { QwenImageDataset(d, cfg, true); }),
+             Catch::Contains(latents + ": no text-encoder file cat_qie_te.safetensors") &&
+                 Catch::Contains("--model_version edit"));
+}
+
+TEST_CASE(
+    "qwen_image edit: Edit-2511 (per-token modulation) is refused: ComfyUI's file by its "
+    "__index_timestep_zero__ marker, diffusers' config by zero_cond_t",
+    "[worker][qwen_image]") {
+  TempDir dir("qwen-image-2511");
+  FileTensors t = ReadAll(kFixtures + "qi_l2_model.safetensors");
+  t.names.push_back("__index_timestep_zero__");
+  t.shapes.push_back({0});
+  t.bytes.emplace_back();
+  WriteAll(dir.str() + "/qwen_image_edit_2511.safetensors", t);
+  CHECK_THAT(ErrorMessageOf([&] {
+               QwenImageBase::Load(dir.str() + "/qwen_image_edit_2511.safetensors", at::kFloat,
+                                   at::kCPU);
+             }),
+             Catch::Contains("`__index_timestep_zero__`"));
+  const QwenImageConfig cfg =
+      QwenImageCheckpointReader::Open(kFixtures + "qi_l2_model.safetensors").config();
+  std::string json = QwenImageConfigJson(cfg);
+  const std::string off = "\"zero_cond_t\": false";
+  REQUIRE(json.find(off) != std::string::npos);
+  json.replace(json.find(off), off.size(), "\"zero_cond_t\": true");
+  CHECK_THAT(ErrorMessageOf([&] { QwenImageConfigFromJson(json, "config.json"); }),
+             Catch::Contains("`zero_cond_t` is true"));
 }

@@ -14,7 +14,14 @@ Writes, per small random Qwen-Image config, into OUT/:
                           (MODULE.grad_A / .grad_B)
   NAME_peft.safetensors   peft's state dict with diffusers' "transformer." prefix (what
                           QwenImagePipeline.load_lora_weights reads)
-  qwen_image_fixtures.json  versions and a summary per case (written last)
+  qwen_image_fixtures.json  versions and a summary per case (written last; with --only, the
+                          cases run replace theirs in the file and the others stay)
+An edit case (qie_*) is Qwen-Image-Edit's: its case file also holds the control images'
+packed latents (control [B, Nc, 64], concatenated after img as QwenImageEditPipeline and
+QwenImageEditPlusPipeline concatenate image_latents) and their grids (control_grids [K, 2]);
+the transformer runs on cat([img, control], 1) with img_shapes [[(1, H, W), (1, Hc, Wc), ...]]
+per sample, and output, loss and gradients are of the image's tokens alone
+(noise_pred[:, :N], as the pipelines and musubi-tuner's trainer slice it).
 All in f32 on the CPU. lorastream's tests/worker/qwen_image_test.cc compares, from
 tests/fixtures/qwen_image/ (commit the folder).
 
@@ -24,9 +31,14 @@ qi_l3m: 3 blocks, every Linear of a block adapted (the modulations too), the sec
 shorter: padded, with encoder_hidden_states_mask (as musubi batches captions of several
 lengths). Latent grids of odd halves (3 x 5 tokens) so that the centred RoPE positions'
 asymmetry shows.
+qie_l2: Qwen-Image-Edit, qi_l2's settings, one control image of a larger grid (4 x 7: the
+text's RoPE start moves to max(4/2, 7/2) = 3).
+qie_l3m: Edit-2509's several control images (4 x 7 and 2 x 3) with qi_l3m's settings (every
+Linear adapted, a padded, masked caption).
 
 Usage (diffusers v0.39.0's src/ on PYTHONPATH, torch, peft, safetensors installed):
   PYTHONPATH=.diffusers/src python3 tools/parity/qwen_image_fixtures.py --out tests/fixtures/qwen_image
+  (--only qie_l2,qie_l3m: those cases alone)
 """
 import argparse
 import json
@@ -55,7 +67,18 @@ CASES = {
     "qi_l2": dict(layers=2, modules=ATTENTION + MLP, prefix="", lengths=(7, 7)),
     "qi_l3m": dict(layers=3, modules=ATTENTION + MLP + MOD, prefix="diffusion_model.",
                    lengths=(7, 4)),
+    "qie_l2": dict(layers=2, modules=ATTENTION + MLP, prefix="", lengths=(7, 7),
+                   controls=[(8, 14)]),
+    "qie_l3m": dict(layers=3, modules=ATTENTION + MLP + MOD, prefix="diffusion_model.",
+                    lengths=(7, 4), controls=[(8, 14), (4, 6)]),
 }
+
+
+def pack(latents):
+    """The pipeline's _pack_latents: [B, C, H, W] -> [B, (H/2)(W/2), 4C]."""
+    bsz, c, h, w = latents.shape
+    return latents.view(bsz, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(
+        bsz, (h // 2) * (w // 2), 4 * c)
 
 
 def make_case(name, spec, out_dir, seed):
@@ -94,9 +117,7 @@ def make_case(name, spec, out_dir, seed):
     lt = max(spec["lengths"])
     n = (lh // 2) * (lw // 2)
     latents = torch.randn(bsz, 16, lh, lw, generator=g)
-    # the pipeline's _pack_latents: [B, C, H, W] -> [B, (H/2)(W/2), 4C]
-    img = latents.view(bsz, 16, lh // 2, 2, lw // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(
-        bsz, n, 64)
+    img = pack(latents)
     txt = torch.randn(bsz, lt, COMMON["joint_attention_dim"], generator=g)
     mask = torch.zeros(bsz, lt, dtype=torch.bool)
     for i, length in enumerate(spec["lengths"]):
@@ -106,10 +127,20 @@ def make_case(name, spec, out_dir, seed):
     timesteps = torch.tensor([0.3, 0.8])
     target = torch.randn(bsz, n, 64, generator=g)
 
+    # Qwen-Image-Edit: the control images' latents (clean) after the image's in the sequence,
+    # each image's shape in img_shapes (control k at RoPE frame k + 1), the prediction sliced
+    # to the image's tokens.
+    controls = [pack(torch.randn(bsz, 16, ch, cw, generator=g))
+                for ch, cw in spec.get("controls", [])]
+    shapes = [(1, lh // 2, lw // 2)] + [(1, ch // 2, cw // 2) for ch, cw in spec.get("controls", [])]
+    hidden = torch.cat([img] + controls, dim=1)
+
     model.train()
-    pred = model(hidden_states=img, encoder_hidden_states=txt,
+    pred = model(hidden_states=hidden, encoder_hidden_states=txt,
                  encoder_hidden_states_mask=mask if use_mask else None, timestep=timesteps,
-                 img_shapes=[(1, lh // 2, lw // 2)] * bsz, return_dict=False)[0]
+                 img_shapes=[shapes] * bsz if controls else [shapes[0]] * bsz,
+                 return_dict=False)[0]
+    pred = pred[:, :n]
     loss = torch.nn.functional.mse_loss(pred.float(), target.float())
     loss.backward()
     for module in targets:
@@ -124,6 +155,10 @@ def make_case(name, spec, out_dir, seed):
         "use_mask": torch.tensor([1.0 if use_mask else 0.0]),
         "output": pred.detach(), "loss": loss.detach().reshape(1),
     })
+    if controls:
+        case["control"] = torch.cat(controls, dim=1)
+        case["control_grids"] = torch.tensor([[ch // 2, cw // 2] for ch, cw in spec["controls"]],
+                                             dtype=torch.float32)
     case = {k: v.detach().float().contiguous().clone() for k, v in case.items()}
     save_file(case, os.path.join(out_dir, f"{name}_case.safetensors"),
               metadata={"rank": str(RANK), "alpha": str(ALPHA)})
@@ -132,27 +167,43 @@ def make_case(name, spec, out_dir, seed):
                for k, v in peft_sd.items()}
     save_file(peft_sd, os.path.join(out_dir, f"{name}_peft.safetensors"))
     return {"name": name, "loss": float(loss), "tensors": len(case), "peft_keys": len(peft_sd),
-            "output_abs_max": float(pred.abs().max()), "masked": use_mask}
+            "output_abs_max": float(pred.abs().max()), "masked": use_mask,
+            "controls": [list(c) for c in spec.get("controls", [])]}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--only", default="", help="comma-separated case names (default: every case)")
     args = ap.parse_args()
+    only = [c for c in args.only.split(",") if c]
+    unknown = [c for c in only if c not in CASES]
+    if unknown:
+        ap.error(f"--only: unknown case(s) {unknown}; the cases: {list(CASES)}")
     os.makedirs(args.out, exist_ok=True)
     torch.set_num_threads(8)
     import diffusers
     import peft
-    report = {"torch": torch.__version__, "diffusers": diffusers.__version__,
-              "peft": peft.__version__, "cases": []}
+    versions = {"torch": torch.__version__, "diffusers": diffusers.__version__,
+                "peft": peft.__version__}
+    report_path = os.path.join(args.out, "qwen_image_fixtures.json")
+    report = dict(versions, cases=[])
+    if only and os.path.exists(report_path):  # keep the cases not run, each with its versions
+        with open(report_path) as f:
+            old = json.load(f)
+        old_versions = {k: old.get(k) for k in versions}
+        report["cases"] = [dict(c, **{k: c.get(k, old_versions[k]) for k in versions})
+                           for c in old.get("cases", []) if c.get("name") not in only]
     status = 0
     for i, (name, spec) in enumerate(CASES.items()):
+        if only and name not in only:
+            continue
         try:
-            report["cases"].append(make_case(name, spec, args.out, seed=200 + i))
+            report["cases"].append(dict(make_case(name, spec, args.out, seed=200 + i), **versions))
         except Exception:  # keep the other case's fixtures; the report says what failed
             report["cases"].append({"name": name, "error": traceback.format_exc()})
             status = 1
-    with open(os.path.join(args.out, "qwen_image_fixtures.json"), "w") as f:
+    with open(report_path, "w") as f:
         json.dump(report, f, indent=1)
     print(json.dumps(report, indent=1))
     return status

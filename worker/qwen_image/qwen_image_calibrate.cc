@@ -71,7 +71,7 @@ StepCosts MeasureJob(const QwenImageConfig& config, const JobSpec& spec, const D
   QwenImageCompute c;
   c.config = &config;
   c.temb = randn({b, config.hidden()}, 1.0);
-  c.pe = QwenRopeTable(config, gh, gw, lt, device);
+  c.pe = QwenRopeTable(config, {{gh, gw}}, lt, device);
   c.lora_scale = adapter.scale();
   const std::vector<at::Tensor> streams = {randn({b, n, config.hidden()}, 1.0),
                                            randn({b, lt, config.hidden()}, 1.0)};

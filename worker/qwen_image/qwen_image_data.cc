@@ -29,22 +29,40 @@ at::Tensor ReadF32(const std::string& path, const std::string& key) {
 
 }  // namespace
 
-QwenImageDataset::QwenImageDataset(const std::string& cache_dir, const QwenImageConfig& config) {
-  std::map<std::pair<int64_t, int64_t>, std::vector<int64_t>> by_bucket;
-  for (const QwenImageCacheItem& item : ScanQwenImageCache(cache_dir)) {
+QwenImageDataset::QwenImageDataset(const std::string& cache_dir, const QwenImageConfig& config,
+                                   bool edit) {
+  // A bucket: the latent's (h, w), then each control's (musubi's buckets for edit caches).
+  std::map<std::vector<int64_t>, std::vector<int64_t>> by_bucket;
+  for (const QwenImageCacheItem& item : ScanQwenImageCache(cache_dir, edit)) {
     const QwenImageCacheCheck c =
         CheckQwenImageCache(item, config.out_channels, config.joint_attention_dim);
-    const at::Tensor lat = ReadF32(item.latents_path, c.latent_key).select(1, 0).contiguous();
-    const at::Tensor emb = ReadF32(item.te_path, c.embed_key);
-    if (!at::isfinite(lat).all().item<bool>() || !at::isfinite(emb).all().item<bool>())
+    Sample s{item.name,
+             ReadF32(item.latents_path, c.latent_key).select(1, 0).contiguous(),
+             ReadF32(item.te_path, c.embed_key),
+             {}};
+    std::vector<int64_t> bucket{c.latent_h, c.latent_w};
+    for (size_t i = 0; i < c.control_keys.size(); ++i) {
+      s.controls.push_back(ReadF32(item.latents_path, c.control_keys[i]).select(1, 0).contiguous());
+      bucket.push_back(c.control_sizes[i].first);
+      bucket.push_back(c.control_sizes[i].second);
+    }
+    bool finite =
+        at::isfinite(s.latents).all().item<bool>() && at::isfinite(s.embeds).all().item<bool>();
+    for (const at::Tensor& control : s.controls)
+      finite = finite && at::isfinite(control).all().item<bool>();
+    if (!finite)
       throw Error(ErrorCode::kCorrupt, item.name + ": a cache value is not finite (" +
                                            item.latents_path + ", " + item.te_path + ")");
-    by_bucket[{c.latent_h, c.latent_w}].push_back(static_cast<int64_t>(samples_.size()));
-    samples_.push_back({item.name, lat, emb});
+    by_bucket[bucket].push_back(static_cast<int64_t>(samples_.size()));
+    samples_.push_back(std::move(s));
   }
   for (auto& [bucket, indices] : by_bucket) {
-    LS_LOG_INFO("Qwen-Image cache {}: bucket {}x{} (latent) holds {} images", cache_dir,
-                bucket.second, bucket.first, indices.size());
+    std::string controls;
+    for (size_t i = 2; i + 1 < bucket.size(); i += 2)
+      controls += (i == 2 ? ", controls " : " ") + std::to_string(bucket[i + 1]) + "x" +
+                  std::to_string(bucket[i]);
+    LS_LOG_INFO("Qwen-Image cache {}: bucket {}x{} (latent{}) holds {} images", cache_dir,
+                bucket[1], bucket[0], controls, indices.size());
     buckets_.push_back(std::move(indices));
   }
 }
@@ -70,6 +88,7 @@ int64_t QwenImageDataset::batches_per_epoch(int64_t batch_size) const {
 QwenImageDataBatch QwenImageDataset::Batch(int64_t step, int64_t batch_size, uint64_t seed) const {
   QwenImageDataBatch out;
   std::vector<at::Tensor> lat;
+  std::vector<std::vector<at::Tensor>> controls;  // per control index, each image's
   int64_t longest = 0;
   bool ragged = false;
   const std::vector<int64_t> chosen = BucketBatch(buckets_, step, batch_size, seed);
@@ -78,9 +97,12 @@ QwenImageDataBatch QwenImageDataset::Batch(int64_t step, int64_t batch_size, uin
     if (longest != 0 && s.embeds.size(0) != longest) ragged = true;
     longest = std::max(longest, s.embeds.size(0));
     lat.push_back(s.latents);
+    controls.resize(s.controls.size());
+    for (size_t k = 0; k < s.controls.size(); ++k) controls[k].push_back(s.controls[k]);
     out.names.push_back(s.name);
   }
   out.latents = at::stack(lat);
+  for (const auto& control : controls) out.controls.push_back(at::stack(control));
   const int64_t n = static_cast<int64_t>(chosen.size());
   out.embeds = at::zeros({n, longest, samples_[static_cast<size_t>(chosen[0])].embeds.size(1)});
   if (ragged) out.txt_mask = at::zeros({n, longest}, at::kBool);
@@ -106,6 +128,14 @@ QwenImageStepInput MakeQwenImageStep(const QwenImageDataBatch& data, uint64_t se
   in.batch.timesteps = t.to(device);
   in.batch.grid_h = h / 2;
   in.batch.grid_w = w / 2;
+  if (!data.controls.empty()) {
+    std::vector<at::Tensor> packed;
+    for (const at::Tensor& control : data.controls) {
+      packed.push_back(dit::PackLatents(control));
+      in.batch.control_grids.push_back({control.size(2) / 2, control.size(3) / 2});
+    }
+    in.batch.control = at::cat(packed, 1).to(device, dtype);
+  }
   in.target = dit::PackLatents(fm.target).to(device);
   in.images = n;
   in.image_tokens = n * (h / 2) * (w / 2);

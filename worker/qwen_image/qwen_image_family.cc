@@ -141,7 +141,8 @@ class Job final : public FamilyJob {
           spec_.lora.rank, spec_.lora.alpha, spec_.lora.targets);
     }
     targets_ = QwenImageTargets(spec_.lora.targets, spec.source + ": key `lora.targets`");
-    data_ = std::make_unique<QwenImageDataset>(spec.qwen_image.cache_dir, group.base().config());
+    data_ = std::make_unique<QwenImageDataset>(spec.qwen_image.cache_dir, group.base().config(),
+                                               spec.qwen_image.edit);
     const QwenImageJob& q = spec.qwen_image;
     sampling_ = {q.timestep_sampling, q.sigmoid_scale, q.discrete_flow_shift};
   }
@@ -153,7 +154,7 @@ class Job final : public FamilyJob {
     const QwenImageJob& q = spec_.qwen_image;
     s << " seed=" << spec_.train.seed << " batch=" << spec_.train.batch_size
       << " sampling=" << q.timestep_sampling << "/" << q.sigmoid_scale << "/"
-      << q.discrete_flow_shift << " cache=" << q.cache_dir;
+      << q.discrete_flow_shift << " cache=" << q.cache_dir << (q.edit ? " edit" : "");
     return s.str();
   }
   void StartAdapter(const std::string& resume_dir) override {

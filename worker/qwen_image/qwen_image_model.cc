@@ -1,5 +1,7 @@
 #include "worker/qwen_image/qwen_image_model.h"
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 
 #include <ATen/ATen.h>
@@ -102,30 +104,38 @@ at::Tensor QwenTimestepEmbedding(const at::Tensor& t, int64_t dim) {
   return at::cat({at::cos(args), at::sin(args)}, -1);
 }
 
-at::Tensor QwenRopeTable(const QwenImageConfig& config, int64_t grid_h, int64_t grid_w,
-                         int64_t txt_len, c10::Device device) {
+at::Tensor QwenRopeTable(const QwenImageConfig& config,
+                         const std::vector<std::pair<int64_t, int64_t>>& grids, int64_t txt_len,
+                         c10::Device device) {
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
-  const int64_t n = grid_h * grid_w;
-  // Positions per axis of every token, [txt; img]: text at max(H/2, W/2) + i on all three
-  // axes; image (frame 0, row - (H - H/2), col - (W - W/2)).
-  const int64_t text_start = std::max(grid_h / 2, grid_w / 2);
+  // Positions per axis of every token, [txt; images]: image k (frame k, row - (H - H/2),
+  // col - (W - W/2)) of its own grid; text at the largest max(H/2, W/2) + i on all three axes.
+  int64_t text_start = 0;
+  std::array<std::vector<at::Tensor>, 3> img_pos;
+  for (size_t k = 0; k < grids.size(); ++k) {
+    const auto [grid_h, grid_w] = grids[k];
+    const int64_t n = grid_h * grid_w;
+    text_start = std::max({text_start, grid_h / 2, grid_w / 2});
+    img_pos[0].push_back(at::full({n}, static_cast<double>(k), f32));
+    img_pos[1].push_back((at::arange(grid_h, f32) - static_cast<double>(grid_h - grid_h / 2))
+                             .unsqueeze(1)
+                             .expand({grid_h, grid_w})
+                             .reshape({n}));
+    img_pos[2].push_back((at::arange(grid_w, f32) - static_cast<double>(grid_w - grid_w / 2))
+                             .unsqueeze(0)
+                             .expand({grid_h, grid_w})
+                             .reshape({n}));
+  }
   const at::Tensor txt_pos = at::arange(text_start, text_start + txt_len, f32);
-  const at::Tensor rows = (at::arange(grid_h, f32) - static_cast<double>(grid_h - grid_h / 2))
-                              .unsqueeze(1)
-                              .expand({grid_h, grid_w})
-                              .reshape({n});
-  const at::Tensor cols = (at::arange(grid_w, f32) - static_cast<double>(grid_w - grid_w / 2))
-                              .unsqueeze(0)
-                              .expand({grid_h, grid_w})
-                              .reshape({n});
-  const std::array<at::Tensor, 3> img_pos = {at::zeros({n}, f32), rows, cols};
   std::vector<at::Tensor> angles;
   for (int i = 0; i < 3; ++i) {
     const int64_t dim = config.axes_dim[i];
     // rope_params: 1 / theta^(arange(0, dim, 2) / dim) in f32, outer with the positions.
     const at::Tensor inv =
         1.0 / at::pow(config.theta, at::arange(0, dim, 2, f32) / static_cast<double>(dim));
-    angles.push_back(at::cat({txt_pos, img_pos[i]}).unsqueeze(1) * inv.unsqueeze(0));
+    std::vector<at::Tensor> pos{txt_pos};
+    pos.insert(pos.end(), img_pos[i].begin(), img_pos[i].end());
+    angles.push_back(at::cat(pos).unsqueeze(1) * inv.unsqueeze(0));
   }
   const at::Tensor a = at::cat(angles, 1);  // [L, head_dim / 2]
   const at::Tensor cos = at::cos(a), sin = at::sin(a);
@@ -165,6 +175,19 @@ std::vector<at::Tensor> QwenImageModel::ForwardGroup(
     const QwenImageBatch& b = *batches[j];
     LS_CHECK(b.img.size(1) == b.grid_h * b.grid_w,
              "a Qwen-Image batch's image tokens are its grid's");
+    // The image stream: the image's tokens, then an edit batch's control images' tokens.
+    std::vector<std::pair<int64_t, int64_t>> grids{{b.grid_h, b.grid_w}};
+    int64_t control_tokens = 0;
+    for (const auto& [h, w] : b.control_grids) {
+      grids.push_back({h, w});
+      control_tokens += h * w;
+    }
+    LS_CHECK(b.control.defined() ? b.control.size(1) == control_tokens && control_tokens > 0
+                                 : control_tokens == 0,
+             "a Qwen-Image-Edit batch's control tokens are its control grids'");
+    const at::Tensor img = b.control.defined()
+                               ? at::cat({b.img.to(dtype_), b.control.to(dtype_)}, 1)
+                               : b.img.to(dtype_);
     const std::string te = "time_text_embed.timestep_embedder.";
     const at::Tensor temb =
         LoraLinear(at::silu(LoraLinear(QwenTimestepEmbedding(b.timesteps, 256).to(dtype_), r,
@@ -173,17 +196,17 @@ std::vector<at::Tensor> QwenImageModel::ForwardGroup(
     QwenImageCompute c;
     c.config = &config_;
     c.temb = temb;
-    c.pe = QwenRopeTable(config_, b.grid_h, b.grid_w, b.txt.size(1), device_);
+    c.pe = QwenRopeTable(config_, grids, b.txt.size(1), device_);
     if (b.txt_mask.defined())
       c.key_mask = at::cat({b.txt_mask.to(at::kBool),
-                            at::ones({b.img.size(0), b.img.size(1)},
+                            at::ones({img.size(0), img.size(1)},
                                      at::TensorOptions(b.txt_mask.device()).dtype(at::kBool))},
                            1);
     c.lora_scale = adapters[j]->scale();
     computes.push_back(c);
     const at::Tensor txt = RmsNorm(b.txt.to(dtype_), Weight(r, "txt_norm.weight"));
-    streams.push_back({LoraLinear(b.img.to(dtype_), r, "img_in", none, 0),
-                       LoraLinear(txt, r, "txt_in", none, 0)});
+    streams.push_back(
+        {LoraLinear(img, r, "img_in", none, 0), LoraLinear(txt, r, "txt_in", none, 0)});
   }
   for (int64_t u = 0; u < config_.num_layers; ++u) {
     std::vector<dit::UnitJob> jobs;
@@ -206,7 +229,12 @@ std::vector<at::Tensor> QwenImageModel::ForwardGroup(
   for (size_t j = 0; j < batches.size(); ++j) {
     const auto mod =
         LoraLinear(at::silu(computes[j].temb), r, "norm_out.linear", none, 0).chunk(2, 1);
-    const at::Tensor x = LayerNorm(streams[j][0]) * (1 + mod[0].unsqueeze(1)) + mod[1].unsqueeze(1);
+    // The prediction of the image's tokens alone (an edit batch's control tokens follow them;
+    // norm_out and proj_out act per token, so slicing first changes no value).
+    const at::Tensor image = batches[j]->control.defined()
+                                 ? streams[j][0].narrow(1, 0, batches[j]->img.size(1))
+                                 : streams[j][0];
+    const at::Tensor x = LayerNorm(image) * (1 + mod[0].unsqueeze(1)) + mod[1].unsqueeze(1);
     out.push_back(LoraLinear(x, r, "proj_out", none, 0));
   }
   return out;

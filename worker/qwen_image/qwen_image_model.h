@@ -7,6 +7,11 @@
 //   RoPE over [txt; img]: image token (row, col) at (0, row - ceil(H/2) .. , col - ceil(W/2)),
 //     centred as diffusers' QwenEmbedRope(scale_rope) computes it; text token i at
 //     max(H/2, W/2) + i on every axis
+//   Qwen-Image-Edit: the control images' packed latents follow the image's tokens in the image
+//     stream (the pipeline's cat([latents, image_latents], 1)), control k at frame k + 1, its
+//     rows and columns centred on its own grid, the text after the largest max(H/2, W/2) of
+//     every image (QwenEmbedRope over img_shapes [(1, H, W), (1, Hc, Wc), ...]); every block
+//     runs on the longer stream unchanged; the prediction is the image's tokens alone
 //   per block: per stream AdaLN (shift, scale, gate) x 2 from img_mod.1 / txt_mod.1 on
 //     silu(temb); q, k, v of each stream (attn.to_* / attn.add_*_proj), per-head RMSNorm of q
 //     and k, one attention over [txt; img] (padded caption tokens masked as keys), to_out.0 /
@@ -19,6 +24,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -64,15 +70,22 @@ struct QwenImageBatch {
   at::Tensor txt_mask;             // [B, L] bool (true: a caption token), or undefined (all tokens)
   at::Tensor timesteps;            // [B] in [0, 1] (the model scales by 1000)
   int64_t grid_h = 0, grid_w = 0;  // latent height and width / 2
+  // Qwen-Image-Edit: the control images' packed latents [B, Nc, in_channels], each image's
+  // tokens after the previous one's, and their grids (Nc = the sum of their products);
+  // undefined and empty for a text-to-image batch.
+  at::Tensor control;
+  std::vector<std::pair<int64_t, int64_t>> control_grids;
 };
 
 // diffusers' Timesteps(256, flip_sin_to_cos, shift 0, scale 1000): [cos | sin] of
 // 1000 (t * freqs), f32.
 at::Tensor QwenTimestepEmbedding(const at::Tensor& t, int64_t dim);
-// The rotary table over [txt (txt_len tokens); img (grid_h x grid_w)], as QwenEmbedRope
-// computes its angles (f32): [1, 1, txt_len + N, head_dim / 2, 2, 2].
-at::Tensor QwenRopeTable(const QwenImageConfig& config, int64_t grid_h, int64_t grid_w,
-                         int64_t txt_len, c10::Device device);
+// The rotary table over [txt (txt_len tokens); images], `grids` each image's (grid_h, grid_w)
+// (the target first, then an edit batch's controls; image k at frame k), as QwenEmbedRope
+// computes its angles (f32): [1, 1, txt_len + N, head_dim / 2, 2, 2], N every image's tokens.
+at::Tensor QwenRopeTable(const QwenImageConfig& config,
+                         const std::vector<std::pair<int64_t, int64_t>>& grids, int64_t txt_len,
+                         c10::Device device);
 
 class QwenImageModel {
  public:

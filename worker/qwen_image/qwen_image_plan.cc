@@ -54,12 +54,15 @@ int64_t QwenImageLoraParams(const QwenImageConfig& config, const std::vector<std
 }
 
 std::pair<int64_t, int64_t> QwenImageCacheTokens(const std::string& dir,
-                                                 const QwenImageConfig& config) {
+                                                 const QwenImageConfig& config, bool edit) {
   int64_t image = 0, text = 0;
-  for (const QwenImageCacheItem& item : ScanQwenImageCache(dir)) {
+  const int64_t p = config.patch_size;
+  for (const QwenImageCacheItem& item : ScanQwenImageCache(dir, edit)) {
     const QwenImageCacheCheck c =
         CheckQwenImageCache(item, config.out_channels, config.joint_attention_dim);
-    image = std::max(image, (c.latent_h / config.patch_size) * (c.latent_w / config.patch_size));
+    int64_t tokens = (c.latent_h / p) * (c.latent_w / p);
+    for (const auto& [h, w] : c.control_sizes) tokens += (h / p) * (w / p);
+    image = std::max(image, tokens);
     text = std::max(text, c.txt_len);
   }
   return {image, text};
@@ -74,7 +77,7 @@ DitJob QwenImageDitJob(const JobSpec& spec, const QwenImageConfig& config) {
   job.lora_rank = spec.lora.rank;
   job.batch = spec.train.batch_size;
   std::tie(job.image_tokens, job.text_tokens) =
-      QwenImageCacheTokens(spec.qwen_image.cache_dir, config);
+      QwenImageCacheTokens(spec.qwen_image.cache_dir, config, spec.qwen_image.edit);
   return job;
 }
 

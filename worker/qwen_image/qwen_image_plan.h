@@ -89,13 +89,15 @@ int64_t QwenImageLoraParams(const QwenImageConfig& config, const std::vector<std
                             int64_t rank);
 
 // The most tokens a step of cache folder `dir` has, from its files' headers: the largest
-// bucket's image tokens ((h / 2) (w / 2) of its latent) and the longest caption's text tokens.
-// A file CheckQwenImageCache refuses is refused naming it.
+// bucket's image tokens ((h / 2) (w / 2) of its latent; with `edit`, its control latents'
+// added: the image stream's length) and the longest caption's text tokens. A file
+// ScanQwenImageCache or CheckQwenImageCache refuses is refused naming it.
 std::pair<int64_t, int64_t> QwenImageCacheTokens(const std::string& dir,
-                                                 const QwenImageConfig& config);
+                                                 const QwenImageConfig& config, bool edit = false);
 
 // A job's shape for the estimate: its adapter (lora.rank and lora.targets as the job file
-// gives them), train.batch_size latents of its cache's most tokens.
+// gives them), train.batch_size latents of its cache's most tokens (an edit job's control
+// tokens counted with its image's).
 DitJob QwenImageDitJob(const JobSpec& spec, const QwenImageConfig& config);
 
 // The least streaming that fits `budget_bytes` as the cost model predicts it (ChooseDitPlan).
