@@ -63,6 +63,19 @@ std::map<int64_t, double> Losses(const std::string& stats_file) {
   return losses;
 }
 
+// A local cluster of `workers` CPU workers under DIR/cluster, its store of `preset`.
+LocalClusterOptions CpuCluster(const std::string& dir, const std::string& preset, size_t workers,
+                               const std::string& store_prefix) {
+  LocalClusterOptions o;
+  o.bin_dir = kBin;
+  o.run_dir = dir + "/cluster";
+  o.preset = preset;
+  o.devices.assign(workers, "cpu");
+  o.heartbeat_timeout_s = 3;
+  o.store_name = store_prefix + std::to_string(getpid());
+  return o;
+}
+
 }  // namespace
 
 TEST_CASE(
@@ -71,14 +84,7 @@ TEST_CASE(
     "[e2e][qwen_image]") {
   const lorastream::testing::TempDir run_dir("e2e-qwen-image");
   const std::string& dir = run_dir.str();
-  LocalClusterOptions o;
-  o.bin_dir = kBin;
-  o.run_dir = dir + "/cluster";
-  o.preset = "tiny";
-  o.devices = {"cpu"};
-  o.heartbeat_timeout_s = 3;
-  o.store_name = "e2e-qi-" + std::to_string(getpid());
-  LocalCluster cluster(o);
+  LocalCluster cluster(CpuCluster(dir, "tiny", 1, "e2e-qi-"));
   cluster.Start();
   const std::string job = ExampleJob(dir, "cluster", "out-cluster");
   const int64_t id = std::stoll(cluster.Client({"submit", job, "--quiet"}));
@@ -173,14 +179,7 @@ TEST_CASE("a Qwen-Image store and two workers training from it hold the base wei
           "[e2e][qwen_image]") {
   const lorastream::testing::TempDir run_dir("e2e-qwen-image-pss");
   const std::string& dir = run_dir.str();
-  LocalClusterOptions o;
-  o.bin_dir = kBin;
-  o.run_dir = dir + "/cluster";
-  o.preset = "qwen-image-tiny";
-  o.devices.assign(2, "cpu");
-  o.heartbeat_timeout_s = 3;
-  o.store_name = "e2e-qi-pss-" + std::to_string(getpid());
-  LocalCluster cluster(o);
+  LocalCluster cluster(CpuCluster(dir, "qwen-image-tiny", 2, "e2e-qi-pss-"));
   cluster.Start();
   REQUIRE(cluster.family() == lorastream::ModelFamily::kQwenImage);
   // The example job (its caches beside it), long enough to be running when measured; Submit
