@@ -49,6 +49,8 @@
 #   a musubi-tuner checkout)  QI_BENCH_DEVICE (cuda:0)  QI_BENCH_DTYPE (bf16: the checkpoint and
 #   the jobs' train.dtype)  QI_BENCH_PEER_DEADLINE (60: seconds per peer configuration)
 #   QI_BENCH_PEER_ARGS (more options of bench_qwen_image_peer.py, e.g. "--compile")
+#   QI_BENCH_PEER_CONFIGS (its configurations to run, by name, ";" between them, e.g.
+#   "checkpointed, SDPA;no checkpointing, SDPA"; default: every one)
 #   QI_BENCH_PROFILE (0; 1: the two steps after the warm-up of each run profiled: ours into
 #   OUT/qwen_image/profile_RUN.json(.md), the peer's into profile_peer-CONFIGURATION.md; profiled steps run slower, so a profiled run's
 #   medians are no timings: profile in a run of its own)
@@ -102,7 +104,7 @@ COMMAND="QI_BENCH_PRESET=$PRESET QI_BENCH_LAYERS=$LAYERS QI_BENCH_PIXELS=$PIXELS
 QI_BENCH_TEXT_TOKENS=$TEXT QI_BENCH_STEPS=$STEPS QI_BENCH_WARMUP=$WARMUP QI_BENCH_BUDGET=$BUDGET \
 QI_BENCH_GROUP=$GROUP QI_BENCH_GROUP_PIXELS=$GROUP_PIXELS QI_BENCH_GROUP_BUDGET=$GROUP_BUDGET \
 QI_BENCH_RUNS=$RUNS${QI_BENCH_SWAP:+ QI_BENCH_SWAP=$SWAP} QI_BENCH_DEVICE=$DEVICE QI_BENCH_DTYPE=$DTYPE \
-QI_BENCH_PEER_DEADLINE=$PEER_DEADLINE${QI_BENCH_PEER_ARGS:+ QI_BENCH_PEER_ARGS=\"$QI_BENCH_PEER_ARGS\"} \
+QI_BENCH_PEER_DEADLINE=$PEER_DEADLINE${QI_BENCH_PEER_ARGS:+ QI_BENCH_PEER_ARGS=\"$QI_BENCH_PEER_ARGS\"}${QI_BENCH_PEER_CONFIGS:+ QI_BENCH_PEER_CONFIGS=\"$QI_BENCH_PEER_CONFIGS\"} \
 tools/gpu/bench_qwen_image.sh OUT"
 
 synth() {  # LAYERS OUT-DIR CACHE-DIR PIXELS: a checkpoint of LAYERS blocks, one image's caches
@@ -192,6 +194,7 @@ for run in "${run_list[@]}"; do
           --pixels "$PIXELS" --text-tokens "$TEXT" --steps "$STEPS" --warmup "$WARMUP" \
           --device "$DEVICE" --deadline "$PEER_DEADLINE" --out "$OUT/peer.json" \
           $([ "${QI_BENCH_PROFILE:-0}" = 1 ] && echo "--profile $OUT/profile_peer") \
+          ${QI_BENCH_PEER_CONFIGS:+--configs "$QI_BENCH_PEER_CONFIGS"} \
           ${QI_BENCH_PEER_ARGS:-} 2>&1 | tee "$OUT/peer.log" | grep -vE "^\s*$|step [0-9]+/" | tail -30
         [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
       else
