@@ -1,7 +1,7 @@
 // FLUX.1 job groups on CUDA: two flux-tiny jobs of different shapes (rank, targets, batch,
-// seed, steps) trained as one streamed group give each job's losses alone (f32: the same
-// kernels on the same rows, within f32 rounding), and the group's steps copy what one job's
-// steps copy.
+// seed, steps), and two of one shape (stacked into one batch where their buckets agree),
+// trained as one streamed group give each job's losses alone (f32, within f32 rounding), and
+// the group's steps copy what one job's steps copy.
 #include <cmath>
 #include <map>
 #include <string>
@@ -37,36 +37,50 @@ TEST_CASE("CUDA: FLUX jobs in a streamed group train as each alone, with one job
   b.targets = {"attention"};
   b.seed = 5;
   b.batch_size = 2;
+  // c: a's shape and adapter settings, another seed and learning rate: a and c run stacked
+  // (one batch through each unit) at the steps where their buckets agree.
+  FluxJob c = a;
+  c.seed = 9;
+  c.learning_rate = 2e-3;
   FluxTrainOptions options;
   options.device = "cuda";
-  std::map<std::string, std::vector<StepStats>> alone, grouped;
-  std::vector<GroupJob> jobs;
-  for (const auto& [name, job] : {std::pair{std::string("a"), a}, std::pair{std::string("b"), b}}) {
+  std::map<std::string, std::vector<StepStats>> alone;
+  for (const auto& [name, job] : {std::pair{std::string("a"), a}, std::pair{std::string("b"), b},
+                                  std::pair{std::string("c"), c}}) {
     FluxJob j = job;
     j.output_dir = dir.str() + "/alone-" + name;
     alone[name] = TrainFlux(j, options).steps;
-    j.output_dir = dir.str() + "/group-" + name;
-    GroupJob g;
-    g.spec = FluxJobSpec(j, name);
-    g.on_step = [&grouped, name = name](const StepStats& s) { grouped[name].push_back(s); };
-    jobs.push_back(std::move(g));
   }
-  for (const GroupJobOutcome& out : RunFluxGroupTraining(std::move(jobs), options)) {
-    INFO(out.name);
-    CHECK(!out.error);
-  }
-  for (const char* name : {"a", "b"}) {
-    CAPTURE(name);
-    REQUIRE(grouped[name].size() == alone[name].size());
-    for (size_t i = 0; i < alone[name].size(); ++i) {
-      CAPTURE(i);
-      CHECK(std::isfinite(grouped[name][i].loss));
-      CHECK(grouped[name][i].loss == Approx(alone[name][i].loss).epsilon(1e-5));
+  for (const std::string second : {"b", "c"}) {
+    CAPTURE(second);
+    std::map<std::string, std::vector<StepStats>> grouped;
+    std::vector<GroupJob> jobs;
+    for (const auto& [name, job] :
+         {std::pair{std::string("a"), a}, std::pair{second, second == "b" ? b : c}}) {
+      FluxJob j = job;
+      j.output_dir = dir.str() + "/group-" + second + "-" + name;
+      GroupJob g;
+      g.spec = FluxJobSpec(j, name);
+      g.on_step = [&grouped, name = name](const StepStats& s) { grouped[name].push_back(s); };
+      jobs.push_back(std::move(g));
     }
-  }
-  for (size_t i = 0; i < grouped["a"].size(); ++i) {
-    CAPTURE(i);
-    CHECK(grouped["a"][i].h2d_bytes > 0);
-    CHECK(grouped["a"][i].h2d_bytes == alone["a"][i].h2d_bytes);
+    for (const GroupJobOutcome& out : RunFluxGroupTraining(std::move(jobs), options)) {
+      INFO(out.name);
+      CHECK(!out.error);
+    }
+    for (const std::string& name : {std::string("a"), second}) {
+      CAPTURE(name);
+      REQUIRE(grouped[name].size() == alone[name].size());
+      for (size_t i = 0; i < alone[name].size(); ++i) {
+        CAPTURE(i);
+        CHECK(std::isfinite(grouped[name][i].loss));
+        CHECK(grouped[name][i].loss == Approx(alone[name][i].loss).epsilon(1e-5));
+      }
+    }
+    for (size_t i = 0; i < grouped["a"].size(); ++i) {
+      CAPTURE(i);
+      CHECK(grouped["a"][i].h2d_bytes > 0);
+      CHECK(grouped["a"][i].h2d_bytes == alone["a"][i].h2d_bytes);
+    }
   }
 }

@@ -1,8 +1,10 @@
-// What the diffusion families' taped-unit tests share (include after torch_catch.h): how a
-// model ran, read from the autograd graph behind its output (its checkpointed units, its
-// taped ones), and a few AdamW steps of a group recorded for a bit-for-bit comparison.
+// What the diffusion families' taped-unit and group tests share (include after torch_catch.h):
+// how a model ran, read from the autograd graph behind its output (its checkpointed units, its
+// taped ones), a few AdamW steps of a group recorded for a bit-for-bit comparison, and one
+// group step's predictions and gradients.
 #pragma once
 
+#include <algorithm>
 #include <functional>
 #include <set>
 #include <string>
@@ -116,6 +118,96 @@ inline void CheckSameSteps(const TrainedSteps& got, const TrainedSteps& want) {
   CHECK(AllEqual(got.losses, want.losses));
   CHECK(AllEqual(got.grads, want.grads));
   CHECK(AllEqual(got.params, want.params));
+}
+
+// One step of a group: each job's prediction and LoRA gradients (its loss the mean square of
+// its prediction against 0.1, as the job alone has it), and whether the model ran the jobs
+// stacked.
+struct GroupStepResult {
+  std::vector<at::Tensor> outputs;
+  std::vector<std::vector<at::Tensor>> grads;
+  bool stacked = false;
+};
+template <class Model, class Batch, class Adapter>
+GroupStepResult GroupStep(Model& model, const std::vector<Batch>& batches,
+                          std::vector<Adapter>& adapters, bool checkpointed) {
+  std::vector<const Batch*> bs;
+  std::vector<const Adapter*> as;
+  for (size_t j = 0; j < batches.size(); ++j) {
+    bs.push_back(&batches[j]);
+    as.push_back(&adapters[j]);
+    for (auto& p : adapters[j].Params())
+      if (p.grad().defined()) p.mutable_grad().zero_();
+  }
+  model.provider().BeginStep();
+  const std::vector<at::Tensor> preds = model.ForwardGroup(bs, as, checkpointed);
+  GroupStepResult r;
+  r.stacked = model.last_forward_stacked();
+  at::Tensor loss;
+  for (size_t j = 0; j < preds.size(); ++j) {
+    const at::Tensor l = (preds[j] - 0.1).pow(2).mean();
+    loss = loss.defined() ? loss + l : l;
+  }
+  loss.backward();
+  StepStats stats;
+  model.provider().EndStep(stats);
+  for (size_t j = 0; j < preds.size(); ++j) {
+    r.outputs.push_back(preds[j].detach());
+    r.grads.emplace_back();
+    for (auto& p : adapters[j].Params())
+      r.grads.back().push_back(p.grad().defined() ? p.grad().clone() : at::zeros_like(p));
+  }
+  return r;
+}
+
+// The worst max|got - want| / max|want| over the tensors.
+inline double WorstRelErr(const std::vector<at::Tensor>& got, const std::vector<at::Tensor>& want) {
+  double worst = 0;
+  for (size_t i = 0; i < want.size(); ++i)
+    worst = std::max(worst, (got[i] - want[i]).abs().max().item<double>() /
+                                std::max(want[i].abs().max().item<double>(), 1e-30));
+  return worst;
+}
+
+// A stacked group of `batches` with `adapters` (`group(batches, adapters, checkpointed, swap)`
+// runs one GroupStep of a model that stacks) against each job alone (`alone(batch, adapter,
+// checkpointed)`): stacked, each job's prediction and gradients within 1e-5 of its own,
+// checkpointed and under plain autograd; every one of `units` units streamed through one slot,
+// the resident stacked group's bits.
+template <class Batch, class Adapter, class GroupFn, class AloneFn>
+void CheckStackedLikeAlone(const GroupFn& group, const AloneFn& alone,
+                           const std::vector<Batch>& batches, std::vector<Adapter>& adapters,
+                           int units) {
+  for (bool checkpointed : {true, false}) {
+    INFO((checkpointed ? "checkpointed" : "plain autograd"));
+    const GroupStepResult got = group(batches, adapters, checkpointed, 0);
+    REQUIRE(got.stacked);
+    for (size_t j = 0; j < batches.size(); ++j) {
+      INFO("job " << j);
+      const GroupStepResult want = alone(batches[j], adapters[j], checkpointed);
+      CHECK_FALSE(want.stacked);
+      CHECK(WorstRelErr({got.outputs[j]}, want.outputs) < 1e-5);
+      CHECK(WorstRelErr(got.grads[j], want.grads[0]) < 1e-5);
+    }
+  }
+  const GroupStepResult resident = group(batches, adapters, true, 0);
+  const GroupStepResult streamed = group(batches, adapters, true, units);
+  REQUIRE(streamed.stacked);
+  CHECK(AllEqual(streamed.outputs, resident.outputs));
+  for (size_t j = 0; j < batches.size(); ++j) CHECK(AllEqual(streamed.grads[j], resident.grads[j]));
+}
+
+// A group that does not stack (`got`) against each job alone: the same bits.
+template <class Batch, class Adapter, class AloneFn>
+void CheckUnstackedLikeAlone(const GroupStepResult& got, const AloneFn& alone,
+                             const std::vector<Batch>& batches,
+                             const std::vector<Adapter>& adapters) {
+  CHECK_FALSE(got.stacked);
+  for (size_t j = 0; j < batches.size(); ++j) {
+    const GroupStepResult want = alone(batches[j], adapters[j], true);
+    CHECK(at::equal(got.outputs[j], want.outputs[0]));
+    CHECK(AllEqual(got.grads[j], want.grads[0]));
+  }
 }
 
 }  // namespace lorastream::testing

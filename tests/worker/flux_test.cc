@@ -759,3 +759,37 @@ TEST_CASE(
     CHECK(s.tokens > 0);
   }
 }
+
+TEST_CASE(
+    "flux group stacked: jobs of one shape run as one batch, each job's output and LoRA "
+    "gradients its own alone within 1e-5; a job of another shape runs alone, bit for bit",
+    "[worker][flux][group]") {
+  using lorastream::testing::GroupStep;
+  TempDir dir("flux-stacked");
+  const FluxBase base = FluxBase::Load(MakeFluxCheckpoint(dir.str()), 2, at::kFloat, at::kCPU);
+  const FluxConfig& c = base.config();
+  const int units = static_cast<int>(FluxUnits(c, 2).size());
+  auto group = [&](const std::vector<FluxBatch>& batches, std::vector<FluxAdapter>& adapters,
+                   bool checkpointed, int swap) {
+    auto engine = base.MakeEngine(swap, 1, at::kCPU);
+    FluxModel model(c, base.rest(), engine.get(), 2, at::kCPU, at::kFloat);
+    model.SetStackJobs(true);
+    return GroupStep(model, batches, adapters, checkpointed);
+  };
+  auto alone = [&](const FluxBatch& batch, const FluxAdapter& adapter, bool checkpointed) {
+    std::vector<FluxAdapter> one{adapter};
+    return group({batch}, one, checkpointed, 0);
+  };
+  std::vector<FluxBatch> batches = {TinyBatch(c, 41), TinyBatch(c, 42), TinyBatch(c, 43)};
+  batches[1].timesteps = at::tensor({0.55f, 0.1f});
+  std::vector<FluxAdapter> adapters;
+  for (uint64_t seed : {51, 52, 53}) adapters.push_back(RandomAdapter(c, seed));
+  lorastream::testing::CheckStackedLikeAlone(group, alone, batches, adapters, units);
+  // A job of another latent size: no stacking, each job's bits alone.
+  FluxBatch small = TinyBatch(c, 44);
+  small.img = PackLatents(at::randn({2, 16, 4, 4}, at::detail::createCPUGenerator(45)));
+  small.img_ids = ImageIds(2, 4, 4, at::kCPU);
+  const std::vector<FluxBatch> mixed = {batches[0], small};
+  std::vector<FluxAdapter> two{adapters[0], adapters[1]};
+  lorastream::testing::CheckUnstackedLikeAlone(group(mixed, two, true, 0), alone, mixed, two);
+}

@@ -171,6 +171,33 @@ TEST_CASE(
   CHECK(QwenImageGroupBudgetRefusal(in, budget).empty());
 }
 
+TEST_CASE(
+    "qwen_image group estimate: stacked jobs' working sets and attention add up; one after "
+    "another, the largest job's",
+    "[worker_core][qwen_image]") {
+  QwenImageMemoryInputs in = FullInputs(1, 1024, 256);
+  const ResidencyPlan plan = DitSmallestPlan(QwenImageMemoryModel(in));
+  const DitMemoryEstimate one = EstimateQwenImageMemory(in, plan);
+  in.group.push_back({"b", in.job.lora_params, 1, 1024, 256});
+  in.group.push_back({"c", in.job.lora_params, 2, 1024, 256});  // twice a's rows
+  const DitMemoryEstimate turns = EstimateQwenImageMemory(in, plan);
+  in.group_stacked = true;
+  const DitMemoryEstimate stacked = EstimateQwenImageMemory(in, plan);
+  // The fixed terms do not depend on how the jobs run.
+  CHECK(stacked.fixed() == turns.fixed());
+  CHECK(stacked.ring == turns.ring);
+  // One after another: c's (the largest) working sets; stacked: a's, b's and c's (4x a's).
+  CHECK(turns.forward_working == 2 * one.forward_working);
+  CHECK(stacked.forward_working == 4 * one.forward_working);
+  CHECK(turns.attention == 2 * one.attention);
+  CHECK(stacked.attention == 4 * one.attention);
+  // The streams' gradients of b and c (3 x a's rows) are counted once, with the checkpoints.
+  const uint64_t grads_per_token = QwenImageMemoryModel(in).stream_grads_per_token;
+  CHECK(turns.backward_working == 2 * one.backward_working);
+  CHECK(stacked.backward_working == 4 * one.backward_working - 3 * 1280 * grads_per_token);
+  CHECK(stacked.total() > turns.total());
+}
+
 TEST_CASE("qwen_image plan: a job's tokens are its cache's largest bucket and longest caption",
           "[worker_core][qwen_image]") {
   lorastream::testing::TempDir dir("qi-plan-tokens");

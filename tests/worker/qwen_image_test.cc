@@ -59,6 +59,14 @@ QwenImageBatch CaseBatch(const SafetensorsFile& c) {
   const at::Tensor grid = Get(c, "grid");
   b.grid_h = static_cast<int64_t>(grid[0].item<float>());
   b.grid_w = static_cast<int64_t>(grid[1].item<float>());
+  // An edit case's control images: packed latents after the image's, one grid per image.
+  if (c.Find("control") != nullptr) {
+    b.control = Get(c, "control");
+    const at::Tensor grids = Get(c, "control_grids");
+    for (int64_t k = 0; k < grids.size(0); ++k)
+      b.control_grids.emplace_back(static_cast<int64_t>(grids[k][0].item<float>()),
+                                   static_cast<int64_t>(grids[k][1].item<float>()));
+  }
   return b;
 }
 
@@ -133,8 +141,9 @@ void WriteAll(const std::string& path, const FileTensors& t) {
 TEST_CASE("qwen_image parity: output, loss and LoRA gradients equal diffusers + peft (f32)",
           "[worker][qwen_image][parity]") {
   REQUIRE(std::filesystem::exists(kFixtures + "qwen_image_fixtures.json"));
-  for (const auto& [name, targets] :
-       std::vector<std::pair<std::string, std::string>>{{"qi_l2", "default"}, {"qi_l3m", "all"}}) {
+  // qie_*: Qwen-Image-Edit's, one control image (qie_l2) and Edit-2509's two (qie_l3m).
+  for (const auto& [name, targets] : std::vector<std::pair<std::string, std::string>>{
+           {"qi_l2", "default"}, {"qi_l3m", "all"}, {"qie_l2", "default"}, {"qie_l3m", "all"}}) {
     INFO(name);
     const QwenImageBase base =
         QwenImageBase::Load(kFixtures + name + "_model.safetensors", at::kFloat, at::kCPU);
@@ -149,7 +158,8 @@ TEST_CASE("qwen_image parity: output, loss and LoRA gradients equal diffusers + 
       }
     }
     const QwenImageBatch batch = CaseBatch(c);
-    CHECK(batch.txt_mask.defined() == (name == "qi_l3m"));
+    CHECK(batch.txt_mask.defined() == (name.substr(name.size() - 1) == "m"));
+    CHECK(batch.control_grids.size() == (name == "qie_l2" ? 1u : name == "qie_l3m" ? 2u : 0u));
     const int units = static_cast<int>(base.layouts().size());
     for (int swap : {0, units}) {
       INFO(swap << " of " << units << " blocks streamed");
@@ -884,4 +894,72 @@ TEST_CASE(
   json.replace(json.find(off), off.size(), "\"zero_cond_t\": true");
   CHECK_THAT(ErrorMessageOf([&] { QwenImageConfigFromJson(json, "config.json"); }),
              Catch::Contains("`zero_cond_t` is true"));
+}
+
+namespace {
+
+// A random batch of `b` latents on a grid_h x grid_w grid with `lt` caption tokens, a padded
+// (masked) caption when `masked`, and one control image of a 2 x 3 grid when `control`.
+QwenImageBatch RandomBatch(const QwenImageConfig& cfg, int64_t b, int64_t grid_h, int64_t grid_w,
+                           int64_t lt, bool masked, bool control, uint64_t seed) {
+  at::Generator g = at::detail::createCPUGenerator(seed);
+  QwenImageBatch x;
+  x.grid_h = grid_h;
+  x.grid_w = grid_w;
+  x.img = at::empty({b, grid_h * grid_w, cfg.in_channels}).normal_(0, 1, g);
+  x.txt = at::empty({b, lt, cfg.joint_attention_dim}).normal_(0, 1, g);
+  x.timesteps = at::empty({b}).uniform_(0, 1, g);
+  if (masked) {
+    x.txt_mask = at::ones({b, lt}, at::kBool);
+    x.txt_mask[b - 1].narrow(0, lt - 3, 3).fill_(false);  // the last caption 3 tokens shorter
+  }
+  if (control) {
+    x.control_grids = {{2, 3}};
+    x.control = at::empty({b, 6, cfg.in_channels}).normal_(0, 1, g);
+  }
+  return x;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "qwen_image group stacked: jobs of one shape run as one batch, each job's output and LoRA "
+    "gradients its own alone within 1e-5; jobs of other shapes or scales run alone, bit for bit",
+    "[worker][qwen_image][group]") {
+  using lorastream::testing::GroupStep;
+  const QwenImageBase base =
+      QwenImageBase::Load(kFixtures + "qi_l3m_model.safetensors", at::kFloat, at::kCPU);
+  const QwenImageConfig& cfg = base.config();
+  const int units = static_cast<int>(cfg.num_layers);
+  // One step of `batches` with `adapters` as a group, `swap` blocks streamed through one slot.
+  auto group = [&](const std::vector<QwenImageBatch>& batches,
+                   std::vector<QwenImageAdapter>& adapters, bool checkpointed, int swap) {
+    auto engine = base.MakeEngine(swap, 1, at::kCPU);
+    QwenImageModel model(cfg, base.rest(), engine.get(), at::kCPU, at::kFloat);
+    model.SetStackJobs(true);
+    return GroupStep(model, batches, adapters, checkpointed);
+  };
+  auto alone = [&](const QwenImageBatch& batch, const QwenImageAdapter& adapter,
+                   bool checkpointed) {
+    std::vector<QwenImageAdapter> one{adapter};
+    return group({batch}, one, checkpointed, 0);
+  };
+  // Three jobs of two latents each: a masked caption, none, a masked one; each its own
+  // adapter (seed) on every linear; text-to-image, then edit batches with a control image.
+  const bool control = GENERATE(false, true);
+  INFO((control ? "edit batches (a control image each)" : "text-to-image batches"));
+  const std::vector<QwenImageBatch> batches = {RandomBatch(cfg, 2, 3, 5, 7, true, control, 21),
+                                               RandomBatch(cfg, 2, 3, 5, 7, false, control, 22),
+                                               RandomBatch(cfg, 2, 3, 5, 7, true, control, 23)};
+  std::vector<QwenImageAdapter> adapters;
+  for (uint64_t seed : {31, 32, 33}) adapters.push_back(RandomAdapter(cfg, "all", seed));
+  lorastream::testing::CheckStackedLikeAlone(group, alone, batches, adapters, units);
+  // Another grid of as many tokens, or another LoRA scale: no stacking, each job's bits alone.
+  std::vector<QwenImageBatch> mixed = batches;
+  mixed[1] = RandomBatch(cfg, 2, 5, 3, 7, false, control, 22);
+  lorastream::testing::CheckUnstackedLikeAlone(group(mixed, adapters, true, 0), alone, mixed,
+                                               adapters);
+  std::vector<QwenImageAdapter> other_scale = adapters;
+  other_scale[2] = QwenImageAdapter(cfg, QwenImageTargets({"all"}, "test"), 4, 4.0, 33, at::kCPU);
+  CHECK_FALSE(group(batches, other_scale, true, 0).stacked);
 }

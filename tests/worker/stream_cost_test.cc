@@ -93,6 +93,20 @@ TEST_CASE("cost model: a group's step takes every job's compute and the copies o
   CHECK(GroupStepCosts({a}).ResidentStepSeconds(16) == Approx(a.ResidentStepSeconds(16)));
 }
 
+TEST_CASE("cost model: a stacked group's blocks and head are the one batch's, its tail every job's",
+          "[worker]") {
+  StepCosts one = H200Like(512), stacked = H200Like(2048);
+  one.h2d_bytes_per_second = 55e9;
+  stacked.h2d_bytes_per_second = 1;  // not stacked's: the first job's
+  one.tail_seconds = 0.004;
+  const StepCosts g = StackedGroupCosts(one, stacked, 4);
+  CHECK(g.block_forward_seconds == stacked.block_forward_seconds);
+  CHECK(g.block_backward_seconds == stacked.block_backward_seconds);
+  CHECK(g.head_seconds == stacked.head_seconds);
+  CHECK(g.tail_seconds == Approx(0.016));
+  CHECK(g.h2d_bytes_per_second == 55e9);
+}
+
 TEST_CASE("cost model: a plan that streams nothing takes the CUDA graph's factor, no other",
           "[worker]") {
   const MemoryModelInputs in = Inputs(16, 512);

@@ -61,6 +61,7 @@ FluxMemoryInputs FluxMemoryInputsFor(const FluxBase& base, const FluxJob& job,
   in.text_tokens = data.text_tokens();
   in.compute_bytes = static_cast<int>(c10::elementSize(dtype));
   in.attention_materialized = TORCH_VERSION_MAJOR < 2 || !device.is_cuda();
+  in.group_stacked = dit::StackJobsByDefault(device);
   if (!device.is_cuda()) in.reserve_bytes = 0;  // the slack is the CUDA caching allocator's
   return in;
 }
@@ -197,9 +198,17 @@ FluxPlanning PlanFluxJob(const FluxBase& base, const FluxJob& job, const FluxDat
   p.costs = MeasureFluxCosts(base, job, p.inputs, data, device, dtype);
   if (!group.members.empty()) {  // a group's step: every job's compute, the copies once
     p.inputs.group = group.members;
-    std::vector<StepCosts> jobs{p.costs};
-    jobs.insert(jobs.end(), group.costs.begin(), group.costs.end());
-    p.costs = GroupStepCosts(jobs);
+    if (p.inputs.group_stacked && SameDitShapes(FluxDitJob(p.inputs), p.inputs.group)) {
+      FluxJob all = job;  // stacked: every job's samples as one batch
+      all.batch_size *= static_cast<int64_t>(group.members.size() + 1);
+      p.costs =
+          StackedGroupCosts(p.costs, MeasureFluxCosts(base, all, p.inputs, data, device, dtype),
+                            group.members.size() + 1);
+    } else {
+      std::vector<StepCosts> jobs{p.costs};
+      jobs.insert(jobs.end(), group.costs.begin(), group.costs.end());
+      p.costs = GroupStepCosts(jobs);
+    }
   }
   p.choice = PlanDitJob(
       FluxMemoryModel(p.inputs), FluxDitJob(p.inputs, group.first_name), p.inputs.group, p.costs,

@@ -42,7 +42,7 @@ FluxPlanGroup FluxPlanGroupOf(const FluxBase& base, const JobSpec& first,
 }
 
 FluxGroupMember FluxMemberOf(const std::string& name, const FluxMemoryInputs& in) {
-  return {name, in.lora_params, in.batch, in.image_tokens, in.text_tokens};
+  return {name, in.lora_params, in.batch, in.image_tokens, in.text_tokens, in.lora_rank};
 }
 
 std::vector<FluxGroupMember> FluxMembersOf(const FluxBase& base, const std::vector<JobSpec>& specs,

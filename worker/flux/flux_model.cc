@@ -162,6 +162,7 @@ FluxModel::FluxModel(const FluxConfig& config, NamedTensors rest, BlockProvider*
     : config_(config),
       rest_(std::move(rest)),
       provider_(provider),
+      stack_jobs_(dit::StackJobsByDefault(device)),
       units_(FluxUnits(config, singles_per_unit)),
       device_(device),
       dtype_(dtype) {
@@ -211,18 +212,43 @@ std::vector<at::Tensor> FluxModel::ForwardGroup(const std::vector<const FluxBatc
                        LoraLinear(batch.txt.to(dtype_), r, "txt_in", none, 0)});
   }
 
+  // Stacked: the jobs as one batch of one compute (conditioning and rotary tables are per
+  // sample, concatenated).
+  const std::vector<const dit::LoraAdapter*> lora_adapters(adapters.begin(), adapters.end());
+  const bool stacked =
+      stack_jobs_ && dit::StackableAdapters(lora_adapters) && dit::SameStreamShapes(streams);
+  std::vector<FluxCompute> unit_computes = computes;
+  if (stacked) {
+    FluxCompute c = computes[0];
+    std::vector<at::Tensor> vecs, pes;
+    const int64_t batch = streams[0][0].size(0);
+    for (const FluxCompute& cj : computes) {
+      vecs.push_back(cj.vec);
+      std::vector<int64_t> sizes = cj.pe.sizes().vec();
+      sizes[0] = batch;  // a table shared by the batch, one per sample
+      pes.push_back(cj.pe.expand(sizes));
+    }
+    c.vec = at::cat(vecs, 0);
+    c.pe = at::cat(pes, 0);
+    unit_computes = {c};
+    streams = {dit::StackStreams(streams)};
+  }
   for (size_t u = 0; u < units_.size(); ++u) {
     const FluxUnit& unit = units_[u];
     for (auto& s : streams)
       if (!unit.is_double && s.size() == 2) s = {at::cat({s[1], s[0]}, 1)};
+    std::vector<LoraMap> loras(adapters.size());
+    for (size_t j = 0; j < adapters.size(); ++j)
+      for (const auto& m : adapters[j]->UnitModules(unit))
+        loras[j][m] = adapters[j]->modules().at(m);
+    if (stacked) loras = {dit::StackLoras(loras)};
     std::vector<dit::UnitJob> jobs;
-    for (size_t j = 0; j < batches.size(); ++j) {
+    for (size_t j = 0; j < unit_computes.size(); ++j) {
       dit::UnitJob job;
-      const FluxCompute& c = computes[j];
+      const FluxCompute& c = unit_computes[j];
       job.forward = [unit, c](const std::vector<at::Tensor>& in, const NamedTensors& w,
                               const LoraMap& lora) { return UnitForward(unit, in, w, lora, c); };
-      for (const auto& m : adapters[j]->UnitModules(unit))
-        job.lora[m] = adapters[j]->modules().at(m);
+      job.lora = std::move(loras[j]);
       jobs.push_back(std::move(job));
     }
     if (checkpointed && u < taped_.size() && taped_[u])
@@ -230,6 +256,8 @@ std::vector<at::Tensor> FluxModel::ForwardGroup(const std::vector<const FluxBatc
     else
       dit::ForwardUnit(*provider_, static_cast<int>(u), jobs, &streams, checkpointed);
   }
+  if (stacked) streams = dit::UnstackStreams(streams[0], batches.size());
+  last_stacked_ = stacked;
   std::vector<at::Tensor> out;
   for (size_t j = 0; j < batches.size(); ++j) {
     const int64_t lt = batches[j]->txt.size(1);

@@ -114,12 +114,20 @@ class FluxModel {
   // plan's TapedBlocks, worker/stream/stream_plan.h); only resident units may be taped (a
   // streamed unit's slot is overwritten before its backward). Empty: none.
   void SetTapedUnits(std::vector<bool> taped);
+  // Whether a group's jobs of the same shapes (latent, caption, batch) with stackable
+  // adapters run stacked, one base GEMM over every job's rows (worker/model/dit_ops.h;
+  // default: dit::StackJobsByDefault(device)).
+  void SetStackJobs(bool stack) { stack_jobs_ = stack; }
+  // Whether the last forward ran its jobs stacked.
+  bool last_forward_stacked() const { return last_stacked_; }
 
  private:
   FluxConfig config_;
   NamedTensors rest_;
   BlockProvider* provider_;
   std::vector<bool> taped_;
+  bool stack_jobs_;
+  bool last_stacked_ = false;
   std::vector<FluxUnit> units_;
   c10::Device device_;
   c10::ScalarType dtype_;

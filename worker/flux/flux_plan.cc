@@ -33,6 +33,7 @@ DitMemoryModel FluxMemoryModel(const FluxMemoryInputs& in) {
   out.stream_grads_per_token = 2 * h * b;
   out.heads = c.num_heads;
   out.score_bytes = in.attention_materialized ? 2 * b : 0;
+  out.group_stacked = in.group_stacked;
   out.budget_key = "flux.gpu_memory_budget";
   out.batch_key = "flux.batch_size";
   out.family = "FLUX";

@@ -66,6 +66,7 @@ struct FluxMemoryInputs {
   int64_t text_tokens = 0;   // T5 tokens per caption (512 for FLUX.1-dev)
   int compute_bytes = 2;     // 2: bf16; 4: f32
   bool attention_materialized = false;
+  bool group_stacked = false;  // a group's jobs run as one batch (dit::StackJobsByDefault)
   uint64_t reserve_bytes = uint64_t{512} << 20;
   // A job group's other jobs (worker/flux/flux_group.h): the estimate adds their adapters,
   // checkpoints and streams' gradients; their working sets take turns with this job's.

@@ -245,7 +245,18 @@ at::Tensor LoraLinear(const at::Tensor& x, const NamedTensors& w, const std::str
   auto it = lora.find(module);
   if (it == lora.end()) return y;
   const auto dtype = x.scalar_type();
-  return y + at::linear(at::linear(x, it->second.a.to(dtype)), it->second.b.to(dtype)) * scale;
+  const at::Tensor a = it->second.a.to(dtype), b = it->second.b.to(dtype);
+  if (a.dim() == 3) {  // stacked jobs: job k's A and B on the k-th part of x's rows
+    const int64_t k = a.size(0);
+    const at::Tensor u = at::bmm(x.reshape({k, -1, x.size(-1)}), a.transpose(1, 2));
+    return at::baddbmm(y.reshape({k, -1, y.size(-1)}), u, b.transpose(1, 2), 1.0, scale)
+        .view(y.sizes());
+  }
+  // The low-rank term added in the up-projection GEMM's epilogue (y + scale (x A^T) B^T): no
+  // separate multiply and add passes over the output.
+  const at::Tensor u = at::linear(x, a);
+  return at::addmm(y.reshape({-1, y.size(-1)}), u.reshape({-1, u.size(-1)}), b.t(), 1.0, scale)
+      .view(y.sizes());
 }
 
 at::ScalarType AtLeastFloat(const at::Tensor& x) {
@@ -298,6 +309,67 @@ void AvoidCudnnAttention(c10::Device device) {
 #else
   (void)device;
 #endif
+}
+
+bool StackJobsByDefault(c10::Device device) { return device.is_cuda(); }
+
+bool StackableAdapters(const std::vector<const LoraAdapter*>& adapters) {
+  if (adapters.size() < 2) return false;
+  const LoraMap& first = adapters[0]->modules();
+  for (const LoraAdapter* a : adapters) {
+    if (a->scale() != adapters[0]->scale() || a->modules().size() != first.size()) return false;
+    for (const auto& [name, m] : a->modules()) {
+      auto it = first.find(name);
+      if (it == first.end() || !m.a.sizes().equals(it->second.a.sizes()) ||
+          !m.b.sizes().equals(it->second.b.sizes()))
+        return false;
+    }
+  }
+  return true;
+}
+
+LoraMap StackLoras(const std::vector<LoraMap>& maps) {
+  LoraMap out;
+  for (const auto& [name, m] : maps.at(0)) {
+    std::vector<at::Tensor> as, bs;
+    for (const LoraMap& map : maps) {
+      const LoraModule& mj = map.at(name);
+      as.push_back(mj.a);
+      bs.push_back(mj.b);
+    }
+    out[name] = {at::stack(as), at::stack(bs)};
+  }
+  return out;
+}
+
+bool SameStreamShapes(const std::vector<std::vector<at::Tensor>>& streams) {
+  for (const auto& s : streams) {
+    if (s.size() != streams[0].size()) return false;
+    for (size_t i = 0; i < s.size(); ++i)
+      if (!s[i].sizes().equals(streams[0][i].sizes())) return false;
+  }
+  return true;
+}
+
+std::vector<at::Tensor> StackStreams(const std::vector<std::vector<at::Tensor>>& streams) {
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < streams.at(0).size(); ++i) {
+    std::vector<at::Tensor> parts;
+    for (const auto& s : streams) parts.push_back(s[i]);
+    out.push_back(at::cat(parts, 0));
+  }
+  return out;
+}
+
+std::vector<std::vector<at::Tensor>> UnstackStreams(const std::vector<at::Tensor>& stacked,
+                                                    size_t jobs) {
+  std::vector<std::vector<at::Tensor>> out(jobs);
+  for (const at::Tensor& t : stacked) {
+    const std::vector<at::Tensor> parts = t.chunk(static_cast<int64_t>(jobs), 0);
+    LS_CHECK(parts.size() == jobs, "stacked streams split into their jobs' equal parts");
+    for (size_t j = 0; j < jobs; ++j) out[j].push_back(parts[j]);
+  }
+  return out;
 }
 
 at::Tensor PackLatents(const at::Tensor& x) {

@@ -25,7 +25,8 @@ namespace lorastream::worker::dit {
 // and the tensors outside the units.
 using NamedTensors = std::map<std::string, at::Tensor>;
 
-// One adapted module's LoRA: A [r, in], B [out, r]; y = base(x) + B(A x) * scale.
+// One adapted module's LoRA: A [r, in], B [out, r]; y = base(x) + B(A x) * scale. Jobs
+// stacked into one batch (StackLoras) carry every job's: A [K, r, in], B [K, out, r].
 struct LoraModule {
   at::Tensor a, b;
 };
@@ -68,7 +69,9 @@ class LoraAdapter {
 // w[name], refused (kInternal) when absent.
 const at::Tensor& Weight(const NamedTensors& w, const std::string& name);
 // base(x) + B(A x) * scale with `module`.weight/.bias of `w`, the adapter cast to x's dtype
-// as under autocast; the base alone when `lora` has no such module.
+// as under autocast; the base alone when `lora` has no such module. A stacked module's A
+// [K, r, in] and B [K, out, r] apply to x's K equal parts along its first dimension (job k's
+// samples), each in the GEMM's epilogue; the base GEMM runs once over every job's rows.
 at::Tensor LoraLinear(const at::Tensor& x, const NamedTensors& w, const std::string& module,
                       const LoraMap& lora, double scale);
 // f32 (f64 for an f64 model: the tests' finite differences).
@@ -88,6 +91,28 @@ at::Tensor Attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // Keeps LibTorch's scaled_dot_product_attention off cuDNN's kernels on a GPU (their backward
 // failed at FLUX.1's lengths in LibTorch 2.11); a no-op elsewhere. Process-wide.
 void AvoidCudnnAttention(c10::Device device);
+
+// A group's jobs as one batch: where every job's unit inputs have the same shapes and its
+// adapter the same modules, ranks and scale (StackableAdapters), the family stacks the jobs'
+// samples along the batch (each stream and per-sample tensor concatenated along dim 0, job
+// after job) and runs each unit once for all of them: one base GEMM over every job's rows,
+// each job's LoRA on its own samples (LoraLinear of StackLoras' modules). Its autograd
+// reaches each job's own A and B through the stack. On CUDA by default; on the CPU each job
+// runs alone (a GEMM's sums may depend on its row count there, and a job in a group computes
+// bit for bit what it computes alone), unless a test asks (the families' SetStackJobs).
+bool StackJobsByDefault(c10::Device device);
+// Whether the adapters stack: two or more, the same module names with the same A and B shapes,
+// and the same scale.
+bool StackableAdapters(const std::vector<const LoraAdapter*>& adapters);
+// Per module, every job's A and B stacked (each map with the same modules).
+LoraMap StackLoras(const std::vector<LoraMap>& maps);
+// Whether every job's streams have the same count and shapes (the batch included).
+bool SameStreamShapes(const std::vector<std::vector<at::Tensor>>& streams);
+// The jobs' streams as one set (each concatenated along dim 0), and back: job j's part of
+// each stacked stream (`jobs` equal parts along dim 0).
+std::vector<at::Tensor> StackStreams(const std::vector<std::vector<at::Tensor>>& streams);
+std::vector<std::vector<at::Tensor>> UnstackStreams(const std::vector<at::Tensor>& stacked,
+                                                    size_t jobs);
 
 // Latents [B, C, H, W] -> [B, (H/2)(W/2), 4C] ("b c (h 2) (w 2) -> b (h w) (c 2 2)") and back.
 at::Tensor PackLatents(const at::Tensor& latents);

@@ -35,6 +35,7 @@ QwenImageMemoryInputs QwenImageMemoryInputsFor(const QwenImageConfig& config,
   for (const JobSpec& other : others) in.group.push_back(QwenImageDitJob(other, config));
   in.compute_bytes = static_cast<int>(c10::elementSize(dtype));
   in.attention_materialized = TORCH_VERSION_MAJOR < 2 || !device.is_cuda();
+  in.group_stacked = dit::StackJobsByDefault(device);
   if (!device.is_cuda()) in.reserve_bytes = 0;  // the slack is the CUDA caching allocator's
   return in;
 }
@@ -124,7 +125,13 @@ QwenImagePlanning PlanQwenImageJob(const QwenImageConfig& config, const Manifest
   }
   p.inputs = QwenImageMemoryInputsFor(config, manifest, spec, others, device, dtype);
   p.costs = MeasureQwenImageCosts(config, spec, p.inputs, device, dtype);
-  if (!others.empty()) {  // a group's step: every job's compute, the copies once
+  if (!others.empty() && p.inputs.group_stacked &&
+      SameDitShapes(p.inputs.job, p.inputs.group)) {  // stacked: every job's samples at once
+    DitJob all = p.inputs.job;
+    all.batch *= static_cast<int64_t>(others.size() + 1);
+    p.costs =
+        StackedGroupCosts(p.costs, MeasureJob(config, spec, all, device, dtype), others.size() + 1);
+  } else if (!others.empty()) {  // a group's step: every job's compute, the copies once
     std::vector<StepCosts> jobs{p.costs};
     for (size_t j = 0; j < others.size(); ++j)
       jobs.push_back(MeasureJob(config, others[j], p.inputs.group[j], device, dtype));

@@ -43,6 +43,20 @@ std::vector<at::Tensor> ModParams(const at::Tensor& mod, int half) {
   return mod.chunk(2, -1)[half].unsqueeze(1).chunk(3, -1);
 }
 
+// Whether a group's jobs run as one batch: stackable adapters, the same stream shapes, and
+// the same image and control grids (so that one rotary table serves them all).
+bool StackableJobs(const std::vector<const QwenImageBatch*>& batches,
+                   const std::vector<const QwenImageAdapter*>& adapters,
+                   const std::vector<std::vector<at::Tensor>>& streams) {
+  const std::vector<const dit::LoraAdapter*> base(adapters.begin(), adapters.end());
+  if (!dit::StackableAdapters(base) || !dit::SameStreamShapes(streams)) return false;
+  for (const QwenImageBatch* b : batches)
+    if (b->grid_h != batches[0]->grid_h || b->grid_w != batches[0]->grid_w ||
+        b->control_grids != batches[0]->control_grids)
+      return false;
+  return true;
+}
+
 }  // namespace
 
 QwenImageAdapter::QwenImageAdapter(const QwenImageConfig& config,
@@ -144,7 +158,12 @@ at::Tensor QwenRopeTable(const QwenImageConfig& config,
 
 QwenImageModel::QwenImageModel(const QwenImageConfig& config, NamedTensors rest,
                                BlockProvider* provider, c10::Device device, c10::ScalarType dtype)
-    : config_(config), rest_(std::move(rest)), provider_(provider), device_(device), dtype_(dtype) {
+    : config_(config),
+      rest_(std::move(rest)),
+      provider_(provider),
+      stack_jobs_(dit::StackJobsByDefault(device)),
+      device_(device),
+      dtype_(dtype) {
   dit::AvoidCudnnAttention(device_);
   LS_CHECK(provider_->num_blocks() == static_cast<int>(config_.num_layers),
            "the provider serves " + std::to_string(provider_->num_blocks()) +
@@ -208,16 +227,42 @@ std::vector<at::Tensor> QwenImageModel::ForwardGroup(
     streams.push_back(
         {LoraLinear(img, r, "img_in", none, 0), LoraLinear(txt, r, "txt_in", none, 0)});
   }
+  // Stacked: the jobs as one batch of one compute (their rotary tables are one when their
+  // grids and caption lengths are).
+  const bool stacked = stack_jobs_ && StackableJobs(batches, adapters, streams);
+  std::vector<QwenImageCompute> unit_computes = computes;
+  if (stacked) {
+    QwenImageCompute c = computes[0];
+    std::vector<at::Tensor> tembs, masks;
+    const bool masked = std::any_of(computes.begin(), computes.end(),
+                                    [](const QwenImageCompute& x) { return x.key_mask.defined(); });
+    for (size_t j = 0; j < computes.size(); ++j) {
+      tembs.push_back(computes[j].temb);
+      if (masked)
+        masks.push_back(
+            computes[j].key_mask.defined()
+                ? computes[j].key_mask
+                : at::ones({streams[j][0].size(0), streams[j][0].size(1) + streams[j][1].size(1)},
+                           streams[j][0].options().dtype(at::kBool)));
+    }
+    c.temb = at::cat(tembs, 0);
+    c.key_mask = masked ? at::cat(masks, 0) : at::Tensor();
+    unit_computes = {c};
+    streams = {dit::StackStreams(streams)};
+  }
   for (int64_t u = 0; u < config_.num_layers; ++u) {
     std::vector<dit::UnitJob> jobs;
-    for (size_t j = 0; j < batches.size(); ++j) {
+    std::vector<LoraMap> loras;
+    for (const QwenImageAdapter* a : adapters) loras.push_back(a->UnitLora(u));
+    if (stacked) loras = {dit::StackLoras(loras)};
+    for (size_t j = 0; j < unit_computes.size(); ++j) {
       dit::UnitJob job;
-      const QwenImageCompute& c = computes[j];
+      const QwenImageCompute& c = unit_computes[j];
       job.forward = [u, c](const std::vector<at::Tensor>& in, const NamedTensors& w,
                            const LoraMap& lora) {
         return QwenImageBlockForward(u, in, w, lora, c);
       };
-      job.lora = adapters[j]->UnitLora(u);
+      job.lora = std::move(loras[j]);
       jobs.push_back(std::move(job));
     }
     if (checkpointed && u < static_cast<int64_t>(taped_.size()) && taped_[u])
@@ -225,6 +270,8 @@ std::vector<at::Tensor> QwenImageModel::ForwardGroup(
     else
       dit::ForwardUnit(*provider_, static_cast<int>(u), jobs, &streams, checkpointed);
   }
+  if (stacked) streams = dit::UnstackStreams(streams[0], batches.size());
+  last_stacked_ = stacked;
   std::vector<at::Tensor> out;
   for (size_t j = 0; j < batches.size(); ++j) {
     const auto mod =

@@ -104,7 +104,9 @@ class QwenImageModel {
   at::Tensor Forward(const QwenImageBatch& batch, const QwenImageAdapter& adapter,
                      bool checkpointed);
   // A group's forward: each block acquired once per pass for every job; each job's
-  // arithmetic is Forward's for it alone.
+  // arithmetic is Forward's for it alone. Jobs of the same shapes (image and control grids,
+  // caption length, batch) and stackable adapters run stacked where SetStackJobs allows
+  // (worker/model/dit_ops.h StackJobsByDefault: one base GEMM over every job's rows).
   std::vector<at::Tensor> ForwardGroup(const std::vector<const QwenImageBatch*>& batches,
                                        const std::vector<const QwenImageAdapter*>& adapters,
                                        bool checkpointed);
@@ -113,12 +115,18 @@ class QwenImageModel {
   // plan's TapedBlocks, worker/stream/stream_plan.h); only resident blocks may be taped (a
   // streamed block's slot is overwritten before its backward). Empty: none.
   void SetTapedUnits(std::vector<bool> taped);
+  // Whether a group's jobs may run stacked (default: dit::StackJobsByDefault(device)).
+  void SetStackJobs(bool stack) { stack_jobs_ = stack; }
+  // Whether the last forward ran its jobs stacked.
+  bool last_forward_stacked() const { return last_stacked_; }
 
  private:
   QwenImageConfig config_;
   NamedTensors rest_;
   BlockProvider* provider_;
   std::vector<bool> taped_;
+  bool stack_jobs_;
+  bool last_stacked_ = false;
   c10::Device device_;
   c10::ScalarType dtype_;
 };

@@ -32,6 +32,7 @@ DitMemoryModel QwenImageMemoryModel(const QwenImageMemoryInputs& in) {
   out.stream_grads_per_token = 2 * d * b;
   out.heads = c.num_heads;
   out.score_bytes = in.attention_materialized ? 3 * b : 0;
+  out.group_stacked = in.group_stacked;
   out.budget_key = "stream.gpu_memory_budget";
   out.batch_key = "train.batch_size";
   out.family = "Qwen-Image";

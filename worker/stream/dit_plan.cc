@@ -82,6 +82,14 @@ std::string DitMemoryEstimate::Describe() const {
   return s.str();
 }
 
+bool SameDitShapes(const DitJob& job, const std::vector<DitJob>& group) {
+  return std::all_of(group.begin(), group.end(), [&](const DitJob& o) {
+    return o.batch == job.batch && o.image_tokens == job.image_tokens &&
+           o.text_tokens == job.text_tokens && o.lora_params == job.lora_params &&
+           o.lora_rank == job.lora_rank;
+  });
+}
+
 DitMemoryEstimate EstimateDitMemory(const DitMemoryModel& m, const DitJob& job,
                                     const std::vector<DitJob>& group, const ResidencyPlan& plan) {
   LS_CHECK(plan.num_blocks() == static_cast<int>(m.unit_bytes.size()) &&
@@ -103,9 +111,15 @@ DitMemoryEstimate EstimateDitMemory(const DitMemoryModel& m, const DitJob& job,
     // Every job's tapes live together; the first backward unit frees one job's at a time.
     e.tapes += j.tapes;
     e.first_backward = std::min(e.first_backward, j.first_backward);
-    e.forward_working = std::max(e.forward_working, j.forward_working);
-    e.backward_working = std::max(e.backward_working, j.backward_working);
-    e.attention = std::max(e.attention, j.attention);
+    if (m.group_stacked) {  // its rows go through each unit beside this job's
+      e.forward_working += j.forward_working;
+      e.backward_working += j.backward_working - stream_grads;  // counted with the checkpoints
+      e.attention += j.attention;
+    } else {
+      e.forward_working = std::max(e.forward_working, j.forward_working);
+      e.backward_working = std::max(e.backward_working, j.backward_working);
+      e.attention = std::max(e.attention, j.attention);
+    }
   }
   return e;
 }

@@ -33,8 +33,10 @@
 // the forward phase holds every tape, the backward every tape but that of the unit whose
 // backward comes first when it is taped (its tape is part of its working set).
 // A group's other jobs add their adapters, checkpoints, streams' gradients and tapes; the
-// weights, ring and reserve count once, and the largest job's working sets and attention (a
-// unit runs, and is recomputed with its backward, for one job after another).
+// weights, ring and reserve count once. Its working sets and attention: where the group's
+// jobs run stacked (group_stacked: one batch through each unit, worker/model/dit_ops.h),
+// every job's together; else the largest job's (a unit runs, and is recomputed with its
+// backward, for one job after another).
 #pragma once
 
 #include <algorithm>
@@ -88,6 +90,10 @@ struct DitJob {
   int64_t lora_rank = 0;     // its adapter's rank (a taped unit keeps each linear's A x)
 };
 
+// Whether every job of `group` has `job`'s shape (batch, tokens, adapter size and rank): a
+// group whose jobs may run stacked, as one batch.
+bool SameDitShapes(const DitJob& job, const std::vector<DitJob>& group);
+
 // What a family's units weigh and keep, the same for every job of a group.
 struct DitMemoryModel {
   std::vector<int> unit_kind;            // each unit's kind, 0..kind_names.size()-1
@@ -110,7 +116,8 @@ struct DitMemoryModel {
   std::vector<uint64_t> tape_lora;
   std::vector<uint64_t> tape_attentions;
   int64_t heads = 0;
-  uint64_t score_bytes = 0;  // per materialised score; 0: fused attention (log-sum-exp)
+  uint64_t score_bytes = 0;    // per materialised score; 0: fused attention (log-sum-exp)
+  bool group_stacked = false;  // a group's jobs run as one batch (their working sets add up)
   // Names in refusals: the budget's key ("stream.gpu_memory_budget"), what lowers the
   // activations ("train.batch_size"), the family ("FLUX").
   std::string budget_key, batch_key, family;

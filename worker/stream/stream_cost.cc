@@ -39,6 +39,15 @@ StepCosts GroupStepCosts(const std::vector<StepCosts>& jobs) {
   return group;
 }
 
+StepCosts StackedGroupCosts(const StepCosts& one, const StepCosts& stacked, size_t jobs) {
+  StepCosts group = one;
+  group.block_forward_seconds = stacked.block_forward_seconds;
+  group.block_backward_seconds = stacked.block_backward_seconds;
+  group.head_seconds = stacked.head_seconds;
+  group.tail_seconds = one.tail_seconds * static_cast<double>(jobs);
+  return group;
+}
+
 std::string StepCosts::Describe() const {
   char buf[256];
   std::snprintf(buf, sizeof buf,

@@ -59,6 +59,11 @@ struct StepCosts {
 // expansion once (the first job's bandwidth and expansion), the CUDA graph factor and the
 // block scales the first job's. Throws on an empty list.
 StepCosts GroupStepCosts(const std::vector<StepCosts>& jobs);
+// A stacked group's costs (jobs of one shape run as one batch, worker/model/dit_ops.h): the
+// block and head figures `stacked`'s, measured once over every job's samples as one batch;
+// the tail `jobs` times `one`'s (each job's optimizer step); the rest `one`'s, the first job's
+// measured alone.
+StepCosts StackedGroupCosts(const StepCosts& one, const StepCosts& stacked, size_t jobs);
 
 // The block and tail costs of `costs` from two measured resident steps, of `deep` and of
 // `half` < deep blocks, and its head_seconds: a block costs the steps' difference per block
