@@ -793,3 +793,17 @@ TEST_CASE(
   std::vector<FluxAdapter> two{adapters[0], adapters[1]};
   lorastream::testing::CheckUnstackedLikeAlone(group(mixed, two, true, 0), alone, mixed, two);
 }
+
+TEST_CASE(
+    "dit: jobs stack on CUDA by default, never on the CPU; LORASTREAM_STACK_JOBS=0 turns it off",
+    "[worker][flux][group]") {
+  const c10::Device cuda(c10::DeviceType::CUDA, 0);
+  ::unsetenv("LORASTREAM_STACK_JOBS");
+  CHECK(dit::StackJobsByDefault(cuda));
+  CHECK_FALSE(dit::StackJobsByDefault(at::kCPU));
+  ::setenv("LORASTREAM_STACK_JOBS", "0", 1);
+  CHECK_FALSE(dit::StackJobsByDefault(cuda));
+  ::setenv("LORASTREAM_STACK_JOBS", "1", 1);
+  CHECK(dit::StackJobsByDefault(cuda));
+  ::unsetenv("LORASTREAM_STACK_JOBS");
+}

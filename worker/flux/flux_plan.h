@@ -69,7 +69,8 @@ struct FluxMemoryInputs {
   bool group_stacked = false;  // a group's jobs run as one batch (dit::StackJobsByDefault)
   uint64_t reserve_bytes = uint64_t{512} << 20;
   // A job group's other jobs (worker/flux/flux_group.h): the estimate adds their adapters,
-  // checkpoints and streams' gradients; their working sets take turns with this job's.
+  // checkpoints and streams' gradients; their working sets take turns with this job's, or add
+  // up with it where the group runs stacked (group_stacked).
   std::vector<FluxGroupMember> group;
 };
 

@@ -1,6 +1,7 @@
 #include "worker/model/dit_ops.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 
 #include <torch/csrc/autograd/autograd.h>
@@ -311,7 +312,10 @@ void AvoidCudnnAttention(c10::Device device) {
 #endif
 }
 
-bool StackJobsByDefault(c10::Device device) { return device.is_cuda(); }
+bool StackJobsByDefault(c10::Device device) {
+  const char* env = std::getenv("LORASTREAM_STACK_JOBS");
+  return device.is_cuda() && !(env != nullptr && std::string(env) == "0");
+}
 
 bool StackableAdapters(const std::vector<const LoraAdapter*>& adapters) {
   if (adapters.size() < 2) return false;

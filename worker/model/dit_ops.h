@@ -5,7 +5,8 @@
 // jobs either with plain autograd or as one checkpointed autograd node per pass (its forward
 // keeps only the unit's input streams; its backward re-acquires the unit from the provider,
 // recomputes each job in turn with autograd on and takes the gradients of the streams and of
-// the job's LoRA weights). A family supplies the unit's forward.
+// the job's LoRA weights), or a group's jobs of one shape stacked into one batch (below). A
+// family supplies the unit's forward.
 #pragma once
 
 #include <cstdint>
@@ -100,6 +101,7 @@ void AvoidCudnnAttention(c10::Device device);
 // reaches each job's own A and B through the stack. On CUDA by default; on the CPU each job
 // runs alone (a GEMM's sums may depend on its row count there, and a job in a group computes
 // bit for bit what it computes alone), unless a test asks (the families' SetStackJobs).
+// LORASTREAM_STACK_JOBS=0 in the environment turns it off on CUDA too (A/B timing, bisecting).
 bool StackJobsByDefault(c10::Device device);
 // Whether the adapters stack: two or more, the same module names with the same A and B shapes,
 // and the same scale.
