@@ -11,6 +11,7 @@ Usage: check_bench_qwen_image.py BUILD_DIR
 """
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -139,7 +140,11 @@ def main():
         check(" of 3 streamed, ring " in streamed and "| 0 of 3" not in streamed,
               "the budget's plan streams blocks")
         check("| resident / diffusers + peft" in md, "the like-with-like ratio's line")
-        check("group of 2 at 32x32: image tokens/s over one job's" in md, "the group's ratio")
+        check("group of 2 at 32x32: image tokens/s over one job's" in md
+              and "| >= 2 (the target's" in md, "the group's ratio with its target")
+        check(re.search(r"\| group of 2: step / its floor, max\(PCIe [0-9.]+ s, compute [0-9.]+ "
+                        r"s\) \| [0-9.]+ \| <= 1.05 \|", md) is not None,
+              "the group's step over its floor, max(copies, compute)")
         check("diffusers + peft: checkpointed" in md or "Peer (diffusers + peft): not run here"
               in md, "the peer's rows, or why there are none")
         ours = rows.get("lorastream, blocks_to_swap = 2, ring_size = 2 (beside musubi-tuner's)", "")
