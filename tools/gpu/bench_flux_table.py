@@ -102,7 +102,16 @@ def main():
     if group:
         k = len(group)
         first = group[sorted(group)[0]]
-        plan = plan_summary(os.path.join(out, "train_group.log"))
+        log_path = os.path.join(out, "train_group.log")
+        plan = plan_summary(log_path)
+        log = open(log_path).read() if os.path.exists(log_path) else ""
+        if not re.search(rf"joins the \S+ group \({k} jobs\)", log):
+            # Planned for the first job alone (the others joined as it left): one after
+            # another, the steps are no group's.
+            print()
+            print(f"The {k} group jobs did not train as one group (no step had all {k}; "
+                  f"train_group.log says why): no group figures.")
+            return 1
         g_seconds = median_after_warmup(first, "seconds")
         g_h2d = median_after_warmup(first, "h2d") / 1e9
         print()

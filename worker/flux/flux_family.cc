@@ -27,6 +27,8 @@
 #include "worker/model/model.h"
 #include "worker/model/torch_device.h"
 #include "worker/train/adamw.h"
+#include "worker/train/graphed_call.h"
+#include "worker/train/micro_batch_runner.h"
 #include "worker/train/stoppable_provider.h"
 #include "worker/train/stream_provider.h"
 
@@ -105,6 +107,9 @@ class Group final : public FamilyGroup {
     model_ = std::make_unique<FluxModel>(base_->config(), base_->rest(), provider_.get(),
                                          planned.singles_per_unit, device_, dtype_);
     model_->SetTapedUnits(TapedBlocks(planning.plan));
+    // Every unit resident: the step's device work repeats, and one CUDA graph replays it.
+    graphs_ = std::make_unique<GraphedStep>(device_.is_cuda() && CudaGraphsEnabled() &&
+                                            provider_->step_is_host_only());
     LS_LOG_INFO("FLUX group: {}", planning.plan.Describe());
   }
 
@@ -113,6 +118,11 @@ class Group final : public FamilyGroup {
   std::vector<std::string> CheckpointFiles() const override { return FluxCheckpointFiles(); }
   StoppableProvider& provider() override { return *provider_; }
   std::vector<std::vector<at::Tensor>> RunStep(const std::vector<FamilyJob*>& jobs) override;
+  void MembersChanged() override { graphs_->Forget(); }
+  void Release() override { graphs_->Forget(); }  // its graph accumulates into the jobs' tensors
+  uint64_t captured_peak_bytes() const override { return graphs_->captured_peak_bytes(); }
+  // Whether steps may replay a graph: the jobs then clear their gradients in place.
+  bool graphs_steps() const { return graphs_->may_graph(); }
   std::string JoinRefusal(const std::vector<JobSpec>& others) const override {
     if (others.empty()) return "";
     FluxMemoryInputs in = memory_;
@@ -158,6 +168,7 @@ class Group final : public FamilyGroup {
   // The engine, interrupted between two units when every job asks to stop.
   std::unique_ptr<StoppableProvider> provider_;
   std::unique_ptr<FluxModel> model_;
+  std::unique_ptr<GraphedStep> graphs_;
   int64_t streamed_ = 0;
   // The plan and the memory it was made for (the first job's inputs), and its limit.
   ResidencyPlan plan_;
@@ -241,7 +252,11 @@ class Job final : public FamilyJob {
   int64_t step_tokens() const override {
     return input_.images * (input_.height / 2) * (input_.width / 2);
   }
-  void AfterUpdate(AdamW& optimizer, int64_t, int64_t) override { optimizer.ZeroGrad(); }
+  void AfterUpdate(AdamW& optimizer, int64_t, int64_t) override {
+    ClearGrads(optimizer, group_.graphs_steps());
+  }
+  int64_t graphed_micro_batches() const override { return graphed_steps_; }
+  void CountGraphedStep() { ++graphed_steps_; }
 
   const FluxBatch& batch() const { return input_.batch; }
   const FluxAdapter& adapter() const { return *adapter_; }
@@ -255,6 +270,7 @@ class Job final : public FamilyJob {
   std::unique_ptr<FluxAdapter> adapter_;
   TimestepSampling sampling_;
   FluxStepInput input_;
+  int64_t graphed_steps_ = 0;
 };
 
 std::unique_ptr<FamilyJob> Group::MakeJob(const JobSpec& spec) {
@@ -262,17 +278,37 @@ std::unique_ptr<FamilyJob> Group::MakeJob(const JobSpec& spec) {
 }
 
 std::vector<std::vector<at::Tensor>> Group::RunStep(const std::vector<FamilyJob*>& family_jobs) {
-  std::vector<const FluxBatch*> batches;
+  // Per job its batch's tensors and its target, in this order: the step's inputs.
+  constexpr size_t kPerJob = 8;
   std::vector<const FluxAdapter*> adapters;
-  std::vector<const at::Tensor*> targets;
+  std::vector<at::Tensor> inputs;
   for (FamilyJob* j : family_jobs) {
     const Job& job = static_cast<const Job&>(*j);
-    batches.push_back(&job.batch());
     adapters.push_back(&job.adapter());
-    targets.push_back(&job.target());
+    const FluxBatch& b = job.batch();
+    inputs.insert(inputs.end(),
+                  {b.img, b.img_ids, b.txt, b.txt_ids, b.y, b.timesteps, b.guidance, job.target()});
   }
-  return dit::FlowLossesBackward(model_->ForwardGroup(batches, adapters, /*checkpointed=*/true),
-                                 targets);
+  const auto step = [&](const std::vector<at::Tensor>& in) {
+    std::vector<FluxBatch> batches(adapters.size());
+    std::vector<const FluxBatch*> batch_ptrs;
+    std::vector<const at::Tensor*> targets;
+    for (size_t j = 0; j < adapters.size(); ++j) {
+      const at::Tensor* t = &in[kPerJob * j];
+      batches[j] = {t[0], t[1], t[2], t[3], t[4], t[5], t[6]};
+      batch_ptrs.push_back(&batches[j]);
+      targets.push_back(&t[7]);
+    }
+    return dit::FlowLossesBackward(
+        model_->ForwardGroup(batch_ptrs, adapters, /*checkpointed=*/true), targets);
+  };
+  // The shapes are the inputs' (the rotary table is computed from the ids on the device).
+  bool graphed = false;
+  std::vector<std::vector<at::Tensor>> losses =
+      RunGroupStep(*graphs_, family_jobs, "", inputs, step, *provider_, "the FLUX step", &graphed);
+  if (graphed)
+    for (FamilyJob* j : family_jobs) static_cast<Job*>(j)->CountGraphedStep();
+  return losses;
 }
 
 }  // namespace

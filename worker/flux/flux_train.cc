@@ -23,6 +23,7 @@ FluxTrainResult TrainFlux(const FluxJob& job, const FluxTrainOptions& options) {
   if (out.error) std::rethrow_exception(out.error);
   result.first_step = out.result.start_step;
   result.checkpoint_dir = out.result.checkpoint_dir;
+  result.graphed_steps = out.result.graphed_micro_batches;
   if (!result.steps.empty() && !out.result.adapter_dir.empty()) {
     result.kohya_path = out.result.adapter_dir + "/" + kKohyaAdapterFile;
     result.diffusers_path = out.result.adapter_dir + "/" + kDiffusersAdapterFile;

@@ -34,6 +34,9 @@ struct FluxTrainResult {
   std::string checkpoint_dir;  // the last checkpoint saved
   // The final adapters in output_dir, once the job's last step is done ("" when stopped).
   std::string kohya_path, diffusers_path;
+  // The steps replayed from a CUDA graph (a resident job on CUDA, from its second step while
+  // its shapes stay those of the captured one; worker/train/graphed_call.h).
+  int64_t graphed_steps = 0;
 };
 
 // The job alone: a group of one (worker/flux/flux_group.h). Errors that keep it from starting

@@ -61,15 +61,14 @@ at::Tensor FlowLoss(const at::Tensor& pred, const at::Tensor& target) {
   return (pred.to(type) - target.to(type)).pow(2).mean();
 }
 
-std::vector<std::vector<at::Tensor>> FlowLossesBackward(
-    const std::vector<at::Tensor>& predictions, const std::vector<const at::Tensor*>& targets) {
+std::vector<at::Tensor> FlowLossesBackward(const std::vector<at::Tensor>& predictions,
+                                           const std::vector<const at::Tensor*>& targets) {
   std::vector<at::Tensor> losses;
   for (size_t j = 0; j < predictions.size(); ++j)
     losses.push_back(FlowLoss(predictions[j], *targets[j]));
   torch::autograd::backward(losses);
-  std::vector<std::vector<at::Tensor>> out;
-  for (const at::Tensor& loss : losses) out.push_back({loss.detach()});
-  return out;
+  for (at::Tensor& loss : losses) loss = loss.detach();
+  return losses;
 }
 
 }  // namespace lorastream::worker::dit

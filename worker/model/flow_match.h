@@ -55,9 +55,8 @@ NoisedStep NoiseForStep(const at::Tensor& latents, uint64_t seed, int64_t step,
 // mean((pred - target)^2) in f32 (f64 for an f64 model).
 at::Tensor FlowLoss(const at::Tensor& pred, const at::Tensor& target);
 // A group step's end: each job's FlowLoss, one backward over them all (each loss's gradient 1,
-// as its own backward would seed it), and per job its loss (detached), as
-// FamilyGroup::RunStep returns them.
-std::vector<std::vector<at::Tensor>> FlowLossesBackward(
-    const std::vector<at::Tensor>& predictions, const std::vector<const at::Tensor*>& targets);
+// as its own backward would seed it), and per job its loss (detached).
+std::vector<at::Tensor> FlowLossesBackward(const std::vector<at::Tensor>& predictions,
+                                           const std::vector<const at::Tensor*>& targets);
 
 }  // namespace lorastream::worker::dit

@@ -156,6 +156,16 @@ at::Tensor QwenRopeTable(const QwenImageConfig& config,
   return at::stack({cos, -sin, sin, cos}, -1).view({1, 1, a.size(0), a.size(1), 2, 2}).to(device);
 }
 
+const at::Tensor& QwenImageModel::RopeTableFor(
+    const std::vector<std::pair<int64_t, int64_t>>& grids, int64_t txt_len) {
+  std::vector<int64_t> key{txt_len};
+  for (const auto& [h, w] : grids) key.insert(key.end(), {h, w});
+  auto it = rope_tables_.find(key);
+  if (it != rope_tables_.end()) return it->second;
+  if (rope_tables_.size() >= 64) rope_tables_.clear();  // a bound on many shapes
+  return rope_tables_.emplace(key, QwenRopeTable(config_, grids, txt_len, device_)).first->second;
+}
+
 QwenImageModel::QwenImageModel(const QwenImageConfig& config, NamedTensors rest,
                                BlockProvider* provider, c10::Device device, c10::ScalarType dtype)
     : config_(config),
@@ -215,7 +225,7 @@ std::vector<at::Tensor> QwenImageModel::ForwardGroup(
     QwenImageCompute c;
     c.config = &config_;
     c.temb = temb;
-    c.pe = QwenRopeTable(config_, grids, b.txt.size(1), device_);
+    c.pe = RopeTableFor(grids, b.txt.size(1));
     if (b.txt_mask.defined())
       c.key_mask = at::cat({b.txt_mask.to(at::kBool),
                             at::ones({img.size(0), img.size(1)},

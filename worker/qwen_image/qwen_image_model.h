@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -121,6 +122,11 @@ class QwenImageModel {
   bool last_forward_stacked() const { return last_stacked_; }
 
  private:
+  // QwenRopeTable of (grids, txt_len) on the device, made once per shape: no copy from the
+  // host inside a step (a CUDA graph's capture cannot copy from pageable memory).
+  const at::Tensor& RopeTableFor(const std::vector<std::pair<int64_t, int64_t>>& grids,
+                                 int64_t txt_len);
+
   QwenImageConfig config_;
   NamedTensors rest_;
   BlockProvider* provider_;
@@ -129,6 +135,7 @@ class QwenImageModel {
   bool last_stacked_ = false;
   c10::Device device_;
   c10::ScalarType dtype_;
+  std::map<std::vector<int64_t>, at::Tensor> rope_tables_;  // by (txt_len, grids)
 };
 
 }  // namespace lorastream::worker::qwen_image

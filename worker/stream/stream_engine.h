@@ -53,6 +53,8 @@ class StreamEngine : public BlockProvider {
   const BlockWeights& Acquire(int block) override;
   void Release(int block) override;
   void EndStep(StepStats& stats) override;
+  // Every block resident: a step issues no copies, events or waits (a CUDA graph may replay it).
+  bool step_is_host_only() const override { return residency_.num_streamed() == 0; }
 
   const ResidencyPlan& residency() const { return residency_; }
   const PassPlan& pass_plan() const { return pass_; }  // the pass in progress

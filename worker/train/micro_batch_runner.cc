@@ -17,6 +17,7 @@
 #include "worker/model/model.h"
 #include "worker/model/moe_mlp.h"
 #include "worker/train/adamw.h"
+#include "worker/train/graphed_call.h"
 #ifdef LORASTREAM_HAVE_CUDA
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
@@ -44,149 +45,6 @@ bool CudaGraphsApply(const c10::Device& device, c10::ScalarType dtype, double lo
 }
 
 #ifdef LORASTREAM_HAVE_CUDA
-
-namespace {
-
-// One capture stream per device for the process. cuBLAS keeps a workspace per handle and
-// stream for the process's life (LibTorch's cache): a stream of the pool's round robin per
-// runner would add one (32 MiB per thread that runs GEMMs) for every job a worker trains.
-c10::cuda::CUDAStream CaptureStream(c10::DeviceIndex index) {
-  static std::mutex mutex;
-  static std::map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;
-  const std::lock_guard<std::mutex> lock(mutex);
-  auto it = streams.find(index);
-  if (it == streams.end())
-    it =
-        streams.emplace(index, c10::cuda::getStreamFromPool(/*isHighPriority=*/false, index)).first;
-  return it->second;
-}
-
-c10::DeviceIndex DeviceIndexOf(const at::Tensor& t) {
-  return t.device().has_index() ? t.device().index() : c10::cuda::current_device();
-}
-
-}  // namespace
-
-namespace {
-
-// fn() on `side` after the work enqueued so far on the current stream; the current stream
-// then waits for it. (Tensors made there and used later are used after that wait; the
-// caching allocator reuses their memory only for work on `side`.)
-template <class Fn>
-void OnStream(const c10::cuda::CUDAStream& side, Fn fn) {
-  const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(side.device_index());
-  at::cuda::CUDAEvent ready;
-  ready.record(current);
-  ready.block(side);
-  {
-    const c10::cuda::CUDAStreamGuard guard(side);
-    fn();
-  }
-  at::cuda::CUDAEvent done;
-  done.record(side);
-  done.block(current);
-}
-
-}  // namespace
-
-// A call whose device work is the same every time, run from a CUDA graph: the first call
-// eagerly on the capture stream (lazy state: rotary tables, cuBLAS's handles and
-// workspaces), the second captured into a private memory pool, later ones replayed after
-// their inputs were copied into the graph's. The parameters' gradients exist before the
-// capture (zeros), so that the graph accumulates into them.
-class GraphedCall {
- public:
-  using Fn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>& inputs)>;
-
-  explicit GraphedCall(c10::DeviceIndex index) : index_(index), stream_(CaptureStream(index)) {}
-
-  bool failed() const { return failed_; }
-  bool captured() const { return graph_ != nullptr; }
-  uint64_t captured_peak_bytes() const { return captured_peak_bytes_; }
-  // Whether `inputs` can be replayed: the captured shapes (anything before the capture).
-  bool Accepts(const std::vector<at::Tensor>& inputs) const {
-    if (failed_) return false;
-    if (!captured()) return true;
-    if (inputs.size() != inputs_.size()) return false;
-    for (size_t i = 0; i < inputs.size(); ++i)
-      if (!inputs_[i].sizes().equals(inputs[i].sizes())) return false;
-    return true;
-  }
-
-  // fn(inputs) (outputs of the caller's own: a replay's are copied). On a failed capture
-  // nothing ran: `restart` is called and fn runs eagerly, now and from then on. `params`
-  // (the parameters fn accumulates gradients into) and `what` (the call's name in the log)
-  // are asked for only when capturing.
-  std::vector<at::Tensor> Run(const std::vector<at::Tensor>& inputs, const Fn& fn,
-                              const std::function<std::vector<at::Tensor>()>& params,
-                              const std::function<void()>& restart,
-                              const std::function<std::string()>& what) {
-    ++calls_;
-    if (calls_ == 1) {
-      std::vector<at::Tensor> out;
-      OnStream(stream_, [&] { out = fn(inputs); });
-      return out;
-    }
-    if (graph_ == nullptr) {
-      inputs_.clear();
-      for (const at::Tensor& t : inputs) inputs_.push_back(t.clone());
-      for (const at::Tensor& p : params()) {
-        if (!p.grad().defined()) {
-          at::Tensor param = p;  // the adapter's tensor: the gradient lands there
-          param.mutable_grad() = at::zeros_like(p);
-        }
-      }
-      // The eager calls' cached memory goes back to the device for the graph's pool to take.
-      c10::cuda::CUDACachingAllocator::emptyCache();
-      c10::cuda::CUDACachingAllocator::resetPeakStats(index_);
-      auto graph = std::make_unique<at::cuda::CUDAGraph>();
-      try {
-        OnStream(stream_, [&] {
-          graph->capture_begin();
-          try {
-            outputs_ = fn(inputs_);
-          } catch (...) {
-            try {
-              graph->capture_end();  // ends the stream's capture; its graph is invalid
-            } catch (const std::exception&) {
-            }
-            throw;
-          }
-          graph->capture_end();
-        });
-      } catch (const std::exception& e) {
-        LS_LOG_WARN("training: capturing {} as a CUDA graph failed, running eagerly: {}", what(),
-                    e.what());
-        failed_ = true;
-        outputs_.clear();
-        inputs_.clear();
-        restart();
-        return fn(inputs);
-      }
-      graph_ = std::move(graph);
-      captured_peak_bytes_ = static_cast<uint64_t>(
-          c10::cuda::CUDACachingAllocator::getDeviceStats(index_).allocated_bytes[0].peak);
-      LS_LOG_INFO("training: {} captured as a CUDA graph (peak {:.2f} GiB)", what(),
-                  static_cast<double>(captured_peak_bytes_) / (1ull << 30));
-    } else {
-      for (size_t i = 0; i < inputs.size(); ++i) inputs_[i].copy_(inputs[i]);
-    }
-    graph_->replay();
-    std::vector<at::Tensor> out;
-    for (const at::Tensor& t : outputs_) out.push_back(t.clone());
-    return out;
-  }
-
- private:
-  c10::DeviceIndex index_;
-  c10::cuda::CUDAStream stream_;
-  std::unique_ptr<at::cuda::CUDAGraph> graph_;  // set once captured
-  std::vector<at::Tensor> inputs_;              // copied in before each replay
-  std::vector<at::Tensor> outputs_;
-  int64_t calls_ = 0;
-  bool failed_ = false;  // a capture failed: eager from then on
-  uint64_t captured_peak_bytes_ = 0;
-};
 
 struct MicroBatchRunner::Graph : GraphedCall {
   using GraphedCall::GraphedCall;
@@ -254,14 +112,7 @@ at::Tensor MicroBatchRunner::Run(const at::Tensor& embeddings, const at::Tensor&
 }
 
 void MicroBatchRunner::ZeroGrad(AdamW& optimizer) {
-  if (!graphed() && !grads_in_place_) {
-    optimizer.ZeroGrad();
-    return;
-  }
-  std::vector<at::Tensor> grads;
-  for (const at::Tensor& p : optimizer.params())
-    if (p.grad().defined()) grads.push_back(p.grad());
-  at::_foreach_zero_(grads);
+  ClearGrads(optimizer, graphed() || grads_in_place_);
 }
 
 // The group's graphs: one per composition (the jobs of a micro-batch, in order).
