@@ -206,7 +206,10 @@ FluxPlanning PlanFluxJob(const FluxBase& base, const FluxJob& job, const FluxDat
                             group.members.size() + 1);
     } else {
       std::vector<StepCosts> jobs{p.costs};
-      jobs.insert(jobs.end(), group.costs.begin(), group.costs.end());
+      if (group.member_costs) {
+        const std::vector<StepCosts> members = group.member_costs();
+        jobs.insert(jobs.end(), members.begin(), members.end());
+      }
       p.costs = GroupStepCosts(jobs);
     }
   }

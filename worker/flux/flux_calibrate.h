@@ -6,6 +6,7 @@
 // step over the job's adapter; the Host->Device bandwidth of a unit's copy. Seconds on a GPU.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -47,7 +48,9 @@ struct FluxPlanning {
 struct FluxPlanGroup {
   std::string first_name;  // the planned job's, for a refusal
   std::vector<FluxGroupMember> members;
-  std::vector<StepCosts> costs;  // each member's (MeasureFluxCosts)
+  // Each member's costs (MeasureFluxCosts), measured only for a group that does not stack
+  // (a stacked group's step is measured as one batch of every job's samples instead).
+  std::function<std::vector<StepCosts>()> member_costs;
 };
 // With `group` (not empty) and a budget, a group that does not fit even with every unit
 // streamed is refused naming the job (FluxGroupBudgetRefusal).

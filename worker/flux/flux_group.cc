@@ -30,14 +30,18 @@ FluxPlanGroup FluxPlanGroupOf(const FluxBase& base, const JobSpec& first,
   FluxPlanGroup group;
   group.first_name = first.name;
   if (others.empty() || (!always && FluxJobBudget(first.flux, device) == 0)) return group;
-  for (const JobSpec& spec : others) {
-    FluxJob job = spec.flux;
-    job.singles_per_unit = base.singles_per_unit();
-    const FluxDataset data(job.cache_dir, base.config());
-    const FluxMemoryInputs in = FluxMemoryInputsFor(base, job, data, device, dtype);
-    group.members.push_back(FluxMemberOf(spec.name, in));
-    group.costs.push_back(MeasureFluxCosts(base, job, in, data, device, dtype));
-  }
+  group.members = FluxMembersOf(base, others, device, dtype);
+  group.member_costs = [&base, others, device, dtype] {
+    std::vector<StepCosts> costs;
+    for (const JobSpec& spec : others) {
+      FluxJob job = spec.flux;
+      job.singles_per_unit = base.singles_per_unit();
+      const FluxDataset data(job.cache_dir, base.config());
+      costs.push_back(MeasureFluxCosts(
+          base, job, FluxMemoryInputsFor(base, job, data, device, dtype), data, device, dtype));
+    }
+    return costs;
+  };
   return group;
 }
 

@@ -34,7 +34,7 @@ inline std::vector<GroupJobOutcome> RunFluxGroupTraining(std::vector<GroupJob> j
 }
 
 // The other jobs a budget plans for (or, with `always`, a plan predicts for): each one's memory
-// and measured costs at its own shape.
+// at its own shape, and its measured costs when planning asks (a group that does not stack).
 FluxPlanGroup FluxPlanGroupOf(const FluxBase& base, const JobSpec& first,
                               const std::vector<JobSpec>& others, c10::Device device,
                               c10::ScalarType dtype, bool always = false);
