@@ -30,7 +30,6 @@
 #include "worker/qwen_image/qwen_image_data.h"
 #include "worker/qwen_image/qwen_image_model.h"
 #include "worker/train/adamw.h"
-#include "worker/train/graphed_call.h"
 #include "worker/train/stoppable_provider.h"
 
 namespace lorastream::worker::qwen_image {
@@ -70,9 +69,6 @@ class Group final : public FamilyGroup {
     model_ = std::make_unique<QwenImageModel>(base_->config(), base_->rest(), provider_.get(),
                                               device_, dtype_);
     model_->SetTapedUnits(TapedBlocks(plan));
-    // Eager steps: no GPU test has captured a Qwen-Image step yet (a failed capture is not
-    // always recoverable), so its steps go through the same path as FLUX.1's with graphs off.
-    graphs_ = std::make_unique<GraphedStep>(/*may_graph=*/false);
     LS_LOG_INFO(
         "Qwen-Image group: {} of {} blocks streamed{}, {} taped", plan.num_streamed(),
         base_->config().num_layers,
@@ -87,11 +83,6 @@ class Group final : public FamilyGroup {
   }
   StoppableProvider& provider() override { return *provider_; }
   std::vector<std::vector<at::Tensor>> RunStep(const std::vector<FamilyJob*>& jobs) override;
-  void MembersChanged() override { graphs_->Forget(); }
-  void Release() override { graphs_->Forget(); }  // its graph accumulates into the jobs' tensors
-  uint64_t captured_peak_bytes() const override { return graphs_->captured_peak_bytes(); }
-  // Whether steps may replay a graph: the jobs then clear their gradients in place.
-  bool graphs_steps() const { return graphs_->may_graph(); }
   // Within a budget, a joiner whose estimate beside the group's jobs exceeds it waits (it
   // trains once the group drains); without one, every job joins.
   std::string JoinRefusal(const std::vector<JobSpec>& others) const override {
@@ -131,7 +122,6 @@ class Group final : public FamilyGroup {
   std::unique_ptr<QwenImageBase> base_;
   std::unique_ptr<StoppableProvider> provider_;
   std::unique_ptr<QwenImageModel> model_;
-  std::unique_ptr<GraphedStep> graphs_;
   const UserIdentity* files_as_ = nullptr;
   QwenImagePlanning planning_;  // the plan and the first job's estimate inputs
   mutable std::mutex members_mutex_;
@@ -209,11 +199,7 @@ class Job final : public FamilyJob {
   }
   int64_t step_samples() const override { return input_.images; }
   int64_t step_tokens() const override { return input_.image_tokens; }
-  void AfterUpdate(AdamW& optimizer, int64_t, int64_t) override {
-    ClearGrads(optimizer, group_.graphs_steps());
-  }
-  int64_t graphed_micro_batches() const override { return graphed_steps_; }
-  void CountGraphedStep() { ++graphed_steps_; }
+  void AfterUpdate(AdamW& optimizer, int64_t, int64_t) override { optimizer.ZeroGrad(); }
 
   const QwenImageStepInput& input() const { return input_; }
   const QwenImageAdapter& adapter() const { return *adapter_; }
@@ -227,7 +213,6 @@ class Job final : public FamilyJob {
   std::unique_ptr<QwenImageAdapter> adapter_;
   dit::TimestepSampling sampling_;
   QwenImageStepInput input_;
-  int64_t graphed_steps_ = 0;
 };
 
 std::unique_ptr<FamilyJob> Group::MakeJob(const JobSpec& spec) {
@@ -235,52 +220,20 @@ std::unique_ptr<FamilyJob> Group::MakeJob(const JobSpec& spec) {
 }
 
 std::vector<std::vector<at::Tensor>> Group::RunStep(const std::vector<FamilyJob*>& family_jobs) {
-  // The step's inputs: per job its image, caption, caption mask (if any), timesteps, control
-  // latents (if any) and target. What the host decides from sizes is the shape key: the
-  // grids (the rotary tables) and which optional inputs there are.
+  std::vector<const QwenImageBatch*> batches;
   std::vector<const QwenImageAdapter*> adapters;
-  std::vector<at::Tensor> inputs;
-  std::string shape_key;
+  std::vector<const at::Tensor*> targets;
   for (FamilyJob* j : family_jobs) {
     const Job& job = static_cast<const Job&>(*j);
+    batches.push_back(&job.input().batch);
     adapters.push_back(&job.adapter());
-    const QwenImageBatch& b = job.input().batch;
-    inputs.insert(inputs.end(), {b.img, b.txt});
-    if (b.txt_mask.defined()) inputs.push_back(b.txt_mask);
-    inputs.push_back(b.timesteps);
-    if (b.control.defined()) inputs.push_back(b.control);
-    inputs.push_back(job.input().target);
-    shape_key += std::to_string(b.grid_h) + "x" + std::to_string(b.grid_w) +
-                 (b.txt_mask.defined() ? "m" : "") + (b.control.defined() ? "c" : "");
-    for (const auto& [h, w] : b.control_grids)
-      shape_key += "," + std::to_string(h) + "x" + std::to_string(w);
-    shape_key += ";";
+    targets.push_back(&job.input().target);
   }
-  const auto step = [&](const std::vector<at::Tensor>& in) {
-    std::vector<QwenImageBatch> batches;
-    std::vector<const at::Tensor*> targets;
-    size_t i = 0;
-    for (FamilyJob* j : family_jobs) {
-      QwenImageBatch b = static_cast<const Job&>(*j).input().batch;  // its grids
-      b.img = in[i++];
-      b.txt = in[i++];
-      if (b.txt_mask.defined()) b.txt_mask = in[i++];
-      b.timesteps = in[i++];
-      if (b.control.defined()) b.control = in[i++];
-      batches.push_back(std::move(b));
-      targets.push_back(&in[i++]);
-    }
-    std::vector<const QwenImageBatch*> batch_ptrs;
-    for (const QwenImageBatch& b : batches) batch_ptrs.push_back(&b);
-    return dit::FlowLossesBackward(
-        model_->ForwardGroup(batch_ptrs, adapters, /*checkpointed=*/true), targets);
-  };
-  bool graphed = false;
-  std::vector<std::vector<at::Tensor>> losses = RunGroupStep(
-      *graphs_, family_jobs, shape_key, inputs, step, *provider_, "the Qwen-Image step", &graphed);
-  if (graphed)
-    for (FamilyJob* j : family_jobs) static_cast<Job*>(j)->CountGraphedStep();
-  return losses;
+  const std::vector<at::Tensor> losses = dit::FlowLossesBackward(
+      model_->ForwardGroup(batches, adapters, /*checkpointed=*/true), targets);
+  std::vector<std::vector<at::Tensor>> out;
+  for (const at::Tensor& loss : losses) out.push_back({loss});
+  return out;
 }
 
 // The layout a job's base has: its store's (refused naming the store's family unless it

@@ -122,8 +122,8 @@ class QwenImageModel {
   bool last_forward_stacked() const { return last_stacked_; }
 
  private:
-  // QwenRopeTable of (grids, txt_len) on the device, made once per shape: no copy from the
-  // host inside a step (a CUDA graph's capture cannot copy from pageable memory).
+  // QwenRopeTable of (grids, txt_len) on the device, made once per shape: no host
+  // computation and copy (a wait for the device) at every step.
   const at::Tensor& RopeTableFor(const std::vector<std::pair<int64_t, int64_t>>& grids,
                                  int64_t txt_len);
 
