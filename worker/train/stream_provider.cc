@@ -131,7 +131,7 @@ class StreamProvider : public BlockProvider {
   HeadProvider* lm_head() override { return head_.get(); }
   int taped_blocks() const override { return engine_->residency().taped_blocks; }
   bool step_is_host_only() const override {
-    return head_ == nullptr && engine_->residency().num_streamed() == 0;
+    return head_ == nullptr && engine_->step_is_host_only();
   }
   std::string JoinRefusal(const std::vector<JobSpec>& others) const override {
     if (others.empty()) return "";
