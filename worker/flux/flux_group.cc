@@ -2,6 +2,7 @@
 #include "worker/flux/flux_group.h"
 
 #include <cstdio>
+#include <memory>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -30,16 +31,26 @@ FluxPlanGroup FluxPlanGroupOf(const FluxBase& base, const JobSpec& first,
   FluxPlanGroup group;
   group.first_name = first.name;
   if (others.empty() || (!always && FluxJobBudget(first.flux, device) == 0)) return group;
-  group.members = FluxMembersOf(base, others, device, dtype);
-  group.member_costs = [&base, others, device, dtype] {
+  // Each member's caches are read once, for its memory now and its costs if asked.
+  struct Member {
+    FluxJob job;
+    std::shared_ptr<const FluxDataset> data;
+    FluxMemoryInputs in;
+  };
+  std::vector<Member> members;
+  for (const JobSpec& spec : others) {
+    Member m;
+    m.job = spec.flux;
+    m.job.singles_per_unit = base.singles_per_unit();
+    m.data = std::make_shared<const FluxDataset>(m.job.cache_dir, base.config());
+    m.in = FluxMemoryInputsFor(base, m.job, *m.data, device, dtype);
+    group.members.push_back(FluxMemberOf(spec.name, m.in));
+    members.push_back(std::move(m));
+  }
+  group.member_costs = [&base, members = std::move(members), device, dtype] {
     std::vector<StepCosts> costs;
-    for (const JobSpec& spec : others) {
-      FluxJob job = spec.flux;
-      job.singles_per_unit = base.singles_per_unit();
-      const FluxDataset data(job.cache_dir, base.config());
-      costs.push_back(MeasureFluxCosts(
-          base, job, FluxMemoryInputsFor(base, job, data, device, dtype), data, device, dtype));
-    }
+    for (const Member& m : members)
+      costs.push_back(MeasureFluxCosts(base, m.job, m.in, *m.data, device, dtype));
     return costs;
   };
   return group;
