@@ -2,7 +2,7 @@
 // work is the same at every call (the LLM micro-batch runners, worker/train/micro_batch_runner.h,
 // keep them). GraphedStep: a family's whole group step (forward and backward of every job),
 // graphed while the group, its shapes and what its host decides stay the same (the diffusion
-// families' steps: worker/flux, worker/qwen_image).
+// families: FLUX.1's, worker/flux; Qwen-Image's steps run eagerly).
 //
 // A graph is captured at the second call (the first runs eagerly on the capture stream: lazy
 // state, cuBLAS's handles and workspaces), into a private memory pool, and replayed from then
