@@ -114,33 +114,64 @@ at::Tensor BflApplyRope(const at::Tensor& x, const at::Tensor& pe) {
 
 }  // namespace
 
-TEST_CASE("fused FLUX rotary forward and backward agree with apply_rope and its autograd",
-          "[gpu]") {
+TEST_CASE(
+    "fused joint-attention heads: per-head RMSNorm, rotation and layout agree with the "
+    "ATen ops and their autograd",
+    "[gpu]") {
   for (auto t : {at::kBFloat16, at::kFloat}) {
-    for (int64_t pe_batch : {1, 2}) {
-      DYNAMIC_SECTION(c10::toString(t) << ", a table per " << (pe_batch == 1 ? "batch" : "item")) {
-        auto o = at::TensorOptions().device(kCuda).dtype(t);
-        const int64_t b = 2, l = 37, h = 3, d = 16;
-        // As SplitQkv has them: q of a [B, L, 3, h, D] projection seen as [B, h, L, D].
-        at::Tensor x = at::randn({b, l, 3, h, d}, o).select(2, 0).transpose(1, 2);
-        at::Tensor pe = at::randn({pe_batch, 1, l, d / 2, 2, 2}, o.dtype(at::kFloat));
-        REQUIRE(PairRopeFusable(x, pe));
-        at::Tensor y, dx;
-        REQUIRE(FusedPairRope(false, x, pe, &y));
-        const at::Tensor leaf = x.detach().clone().requires_grad_(true);
-        const at::Tensor want = BflApplyRope(leaf, pe);
-        CheckClose(y, want.detach(), t);
-        at::Tensor g = at::randn({b, h, l, d}, o);
-        want.backward(g);
-        REQUIRE(FusedPairRope(true, g, pe, &dx));
-        CheckClose(dx, leaf.grad(), t);
+    for (int64_t d : {16, 128}) {
+      for (int64_t pe_batch : {1, 2}) {
+        DYNAMIC_SECTION(c10::toString(t)
+                        << ", D " << d << ", a table per " << (pe_batch == 1 ? "batch" : "item")) {
+          auto o = at::TensorOptions().device(kCuda).dtype(t);
+          const int64_t b = 2, l = 37, h = 3, col = h * d, offset = 5;
+          // A projection with more columns than the part (FLUX.1's single blocks), the part
+          // at a column past the first; positions offset in a joint sequence's table.
+          const at::Tensor src = at::randn({b, l, 4 * h * d}, o) * 3;
+          const at::Tensor scale = at::rand({d}, o) + 0.5;
+          const at::Tensor pe =
+              at::randn({pe_batch, 1, offset + l + 4, d / 2, 2, 2}, o.dtype(at::kFloat));
+          const HeadsPart part{src, col, scale};
+          REQUIRE(HeadsFusable(part, h, d, pe, offset));
+          // Written where a joint [B, L, H, D] tensor keeps this stream's positions.
+          const at::Tensor joint = at::zeros({b, offset + l + 2, h, d}, o);
+          const at::Tensor out = joint.narrow(1, offset, l).permute({0, 2, 1, 3});
+          REQUIRE(FusedHeadsForward(part, h, pe, offset, out));
+
+          const at::Tensor leaf = src.detach().clone().requires_grad_(true);
+          const at::Tensor x = leaf.narrow(-1, col, h * d).view({b, l, h, d}).permute({0, 2, 1, 3});
+          const at::Tensor want = BflApplyRope(reference::RmsNormRstd(x, scale, 1e-6, nullptr),
+                                               pe.narrow(2, offset, l));
+          CheckClose(out, want.detach(), t);
+          CHECK(joint.narrow(1, 0, offset).abs().max().item<double>() == 0);  // nothing else
+
+          const at::Tensor g = at::randn({b, l, h, d}, o).permute({0, 2, 1, 3});
+          want.backward(g);
+          const at::Tensor dsrc = at::zeros_like(src);
+          REQUIRE(FusedHeadsBackward(part, h, pe, offset, g, dsrc));
+          CheckClose(dsrc, leaf.grad(), t);
+
+          // v: copied there and back, exactly.
+          const HeadsPart v{src, 2 * h * d, at::Tensor()};
+          REQUIRE(FusedHeadsForward(v, h, at::Tensor(), offset, out));
+          CHECK(
+              out.equal(src.narrow(-1, 2 * h * d, h * d).view({b, l, h, d}).permute({0, 2, 1, 3})));
+          const at::Tensor dv = at::zeros_like(src);
+          REQUIRE(FusedHeadsBackward(v, h, at::Tensor(), offset, g, dv));
+          CHECK(dv.narrow(-1, 2 * h * d, h * d)
+                    .equal(g.permute({0, 2, 1, 3}).reshape({b, l, h * d})));
+        }
       }
     }
   }
-  // Not for it: a table of another length, an f64 input.
-  at::Tensor x = at::randn({1, 2, 5, 8}, at::TensorOptions().device(kCuda));
-  CHECK_FALSE(PairRopeFusable(x, at::randn({1, 1, 6, 4, 2, 2}, x.options())));
-  CHECK_FALSE(PairRopeFusable(x.to(at::kDouble), at::randn({1, 1, 5, 4, 2, 2}, x.options())));
+  // Not for it: an f64 projection, a head of 258, a table too short, a part past the columns.
+  auto o = at::TensorOptions().device(kCuda);
+  const at::Tensor pe = at::randn({1, 1, 5, 4, 2, 2}, o);
+  CHECK(HeadsFusable({at::randn({1, 5, 16}, o), 0, {}}, 2, 8, pe, 0));
+  CHECK_FALSE(HeadsFusable({at::randn({1, 5, 16}, o.dtype(at::kDouble)), 0, {}}, 2, 8, pe, 0));
+  CHECK_FALSE(HeadsFusable({at::randn({1, 5, 516}, o), 0, {}}, 2, 258, {}, 0));
+  CHECK_FALSE(HeadsFusable({at::randn({1, 5, 16}, o), 0, {}}, 2, 8, pe, 1));
+  CHECK_FALSE(HeadsFusable({at::randn({1, 5, 16}, o), 8, {}}, 2, 8, pe, 0));
 }
 
 TEST_CASE("fused cross entropy: the loss and the gradient over the logits agree with the reference",

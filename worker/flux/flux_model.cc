@@ -10,20 +10,25 @@ namespace lorastream::worker::flux {
 
 namespace {
 
-using dit::Attention;
 using dit::LayerNorm;
 using dit::LoraLinear;
-using dit::RmsNorm;
 using dit::Weight;
 
-// qkv [B, L, 3 H D] -> q, k, v [B, H, L, D] with q and k RMS-normed per head.
-std::array<at::Tensor, 3> SplitQkv(const at::Tensor& qkv, const NamedTensors& w,
-                                   const std::string& norm, const FluxConfig& c) {
-  const at::Tensor t =
-      qkv.view({qkv.size(0), qkv.size(1), 3, c.num_heads, c.head_dim()}).permute({2, 0, 3, 1, 4});
-  const at::Tensor v = t[2];
-  return {RmsNorm(t[0], Weight(w, norm + ".query_norm.scale")).to(v.scalar_type()),
-          RmsNorm(t[1], Weight(w, norm + ".key_norm.scale")).to(v.scalar_type()), v};
+// A stream of joint attention whose q, k and v are the three thirds of qkv's first 3 H D
+// columns, q and k RMS-normed per head with `norm`'s scales.
+dit::AttentionStream QkvStream(const at::Tensor& qkv, const NamedTensors& w,
+                               const std::string& norm, const FluxConfig& c) {
+  dit::AttentionStream s;
+  s.q = s.k = s.v = qkv;
+  s.k_col = c.hidden_size;
+  s.v_col = 2 * c.hidden_size;
+  s.q_scale = Weight(w, norm + ".query_norm.scale");
+  s.k_scale = Weight(w, norm + ".key_norm.scale");
+  return s;
+}
+
+at::Tensor FluxAttention(const std::vector<dit::AttentionStream>& streams, const FluxCompute& c) {
+  return dit::JointAttention(streams, c.config->num_heads, c.config->head_dim(), c.pe);
 }
 
 // Modulation: lin(silu(vec)) [B, k H] -> k chunks [B, 1, H].
@@ -41,12 +46,12 @@ std::vector<at::Tensor> DoubleBlock(const std::string& p, const at::Tensor& img,
   const auto tm = Modulation(c.vec, w, p + "txt_mod.lin", 6, lora, s);
   const at::Tensor img_mod = (1 + im[1]) * LayerNorm(img) + im[0];
   const at::Tensor txt_mod = (1 + tm[1]) * LayerNorm(txt) + tm[0];
-  const auto iq = SplitQkv(LoraLinear(img_mod, w, p + "img_attn.qkv", lora, s), w,
-                           p + "img_attn.norm", *c.config);
-  const auto tq = SplitQkv(LoraLinear(txt_mod, w, p + "txt_attn.qkv", lora, s), w,
-                           p + "txt_attn.norm", *c.config);
-  const at::Tensor attn = Attention(at::cat({tq[0], iq[0]}, 2), at::cat({tq[1], iq[1]}, 2),
-                                    at::cat({tq[2], iq[2]}, 2), c.pe);
+  const at::Tensor attn =
+      FluxAttention({QkvStream(LoraLinear(txt_mod, w, p + "txt_attn.qkv", lora, s), w,
+                               p + "txt_attn.norm", *c.config),
+                     QkvStream(LoraLinear(img_mod, w, p + "img_attn.qkv", lora, s), w,
+                               p + "img_attn.norm", *c.config)},
+                    c);
   const int64_t lt = txt.size(1);
   const at::Tensor txt_attn = attn.narrow(1, 0, lt);
   const at::Tensor img_attn = attn.narrow(1, lt, attn.size(1) - lt);
@@ -67,8 +72,7 @@ at::Tensor SingleBlock(const std::string& p, const at::Tensor& x, const NamedTen
   const auto mod = Modulation(c.vec, w, p + "modulation.lin", 3, lora, s);
   const at::Tensor x_mod = (1 + mod[1]) * LayerNorm(x) + mod[0];
   const at::Tensor l1 = LoraLinear(x_mod, w, p + "linear1", lora, s);
-  const auto qkv = SplitQkv(l1.narrow(-1, 0, 3 * h).contiguous(), w, p + "norm", *c.config);
-  const at::Tensor attn = Attention(qkv[0], qkv[1], qkv[2], c.pe);
+  const at::Tensor attn = FluxAttention({QkvStream(l1, w, p + "norm", *c.config)}, c);
   const at::Tensor mlp = at::gelu(l1.narrow(-1, 3 * h, l1.size(-1) - 3 * h), "tanh");
   return x + mod[2] * LoraLinear(at::cat({attn, mlp}, 2), w, p + "linear2", lora, s);
 }

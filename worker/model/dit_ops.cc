@@ -1,5 +1,7 @@
 #include "worker/model/dit_ops.h"
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -44,21 +46,95 @@ struct FusedRmsNorm : public torch::autograd::Function<FusedRmsNorm> {
   }
 };
 
-// The rotary embedding through the fused kernel, forward and backward (the caller checked
-// that it applies: FusedPairRope's conditions depend only on shapes, dtypes and the device).
-struct FusedRope : public torch::autograd::Function<FusedRope> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& pe) {
-    at::Tensor out;
-    LS_CHECK(FusedPairRope(false, x, pe, &out), "the fused rotary kernel refused its input");
-    ctx->save_for_backward({pe});
+// JointAttention's q, k and v on CUDA as one autograd node: its inputs the distinct
+// projection outputs and the streams' q and k scales (frozen: no gradient), its outputs q, k, v
+// [B, H, L, D] views of [B, L, H, D] tensors (the layout flash attention reads), each part
+// written by FusedHeadsForward and differentiated by FusedHeadsBackward.
+struct JointHeadsPlan {
+  int64_t heads = 0, head_dim = 0, length = 0;  // length: the joint sequence's
+  // Per part (stream s's q, k, v at 3 s + 0, 1, 2): its input, column, first position, length.
+  std::vector<int64_t> source, col, offset, rows;
+};
+
+HeadsPart PartOf(const JointHeadsPlan& plan, size_t p, at::TensorList sources,
+                 at::TensorList scales) {
+  HeadsPart part;
+  part.src = sources[plan.source[p]];
+  part.col = plan.col[p];
+  if (p % 3 != 2) part.scale = scales[(p / 3) * 2 + p % 3];
+  return part;
+}
+
+// Part p's positions of a [B, L, H, D] output (or of its gradient, seen as [B, H, L, D]).
+at::Tensor PartView(const JointHeadsPlan& plan, size_t p, const at::Tensor& whole_bhld) {
+  return whole_bhld.narrow(2, plan.offset[p], plan.rows[p]);
+}
+
+struct JointHeads : public torch::autograd::Function<JointHeads> {
+  static variable_list forward(AutogradContext* ctx, at::TensorList sources, at::TensorList scales,
+                               const at::Tensor& pe, const JointHeadsPlan* plan) {
+    const at::Tensor& first = sources[0];
+    variable_list out;
+    for (int c = 0; c < 3; ++c)
+      out.push_back(
+          at::empty({first.size(0), plan->length, plan->heads, plan->head_dim}, first.options())
+              .permute({0, 2, 1, 3}));
+    for (size_t p = 0; p < plan->source.size(); ++p)
+      LS_CHECK(FusedHeadsForward(PartOf(*plan, p, sources, scales), plan->heads,
+                                 p % 3 == 2 ? at::Tensor() : pe, plan->offset[p],
+                                 PartView(*plan, p, out[p % 3])),
+               "the fused heads kernel refused its input");
+    variable_list saved(sources.begin(), sources.end());
+    saved.insert(saved.end(), scales.begin(), scales.end());
+    saved.push_back(pe);
+    ctx->save_for_backward(saved);
+    ctx->saved_data["sources"] = static_cast<int64_t>(sources.size());
+    ctx->saved_data["dims"] = std::vector<int64_t>{plan->heads, plan->head_dim, plan->length};
+    ctx->saved_data["source"] = plan->source;
+    ctx->saved_data["col"] = plan->col;
+    ctx->saved_data["offset"] = plan->offset;
+    ctx->saved_data["rows"] = plan->rows;
     return out;
   }
+
   static variable_list backward(AutogradContext* ctx, variable_list grad) {
-    const at::Tensor g = grad[0].stride(3) == 1 ? grad[0] : grad[0].contiguous();
-    at::Tensor dx;
-    LS_CHECK(FusedPairRope(true, g, ctx->get_saved_variables()[0], &dx),
-             "the fused rotary kernel refused its gradient");
-    return {dx, at::Tensor()};
+    const variable_list saved = ctx->get_saved_variables();
+    const int64_t n = ctx->saved_data["sources"].toInt();
+    JointHeadsPlan plan;
+    const std::vector<int64_t> dims = ctx->saved_data["dims"].toIntVector();
+    plan.heads = dims[0];
+    plan.head_dim = dims[1];
+    plan.length = dims[2];
+    plan.source = ctx->saved_data["source"].toIntVector();
+    plan.col = ctx->saved_data["col"].toIntVector();
+    plan.offset = ctx->saved_data["offset"].toIntVector();
+    plan.rows = ctx->saved_data["rows"].toIntVector();
+    const at::TensorList sources(saved.data(), n);
+    const at::TensorList scales(saved.data() + n, saved.size() - n - 1);
+    const at::Tensor& pe = saved.back();
+    // A source whose every column is a part gets its gradient written whole; others (FLUX.1's
+    // single blocks: the MLP's columns beside q, k, v) zeros elsewhere.
+    variable_list d(n);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t covered =
+          plan.heads * plan.head_dim * std::count(plan.source.begin(), plan.source.end(), i);
+      d[i] =
+          covered == sources[i].size(2) ? at::empty_like(sources[i]) : at::zeros_like(sources[i]);
+    }
+    for (size_t p = 0; p < plan.source.size(); ++p) {
+      at::Tensor g = grad[p % 3];
+      if (!g.defined())
+        g = at::zeros({sources[0].size(0), plan.heads, plan.length, plan.head_dim},
+                      sources[0].options());
+      if (g.stride(3) != 1) g = g.contiguous();
+      LS_CHECK(FusedHeadsBackward(PartOf(plan, p, sources, scales), plan.heads,
+                                  p % 3 == 2 ? at::Tensor() : pe, plan.offset[p],
+                                  PartView(plan, p, g), d[plan.source[p]]),
+               "the fused heads kernel refused its gradient");
+    }
+    variable_list out(d.begin(), d.end());
+    out.resize(saved.size() + 1);  // no gradient for the scales, pe and the plan
+    return out;
   }
 };
 
@@ -275,7 +351,6 @@ at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& scale) {
 at::Tensor LayerNorm(const at::Tensor& x) { return at::layer_norm(x, {x.size(-1)}, {}, {}, 1e-6); }
 
 at::Tensor ApplyRope(const at::Tensor& x, const at::Tensor& pe) {
-  if (FusedDitOps(x) && PairRopeFusable(x, pe)) return FusedRope::apply(x, pe);
   auto sizes = x.sizes().vec();
   sizes.back() /= 2;
   sizes.push_back(1);
@@ -285,23 +360,85 @@ at::Tensor ApplyRope(const at::Tensor& x, const at::Tensor& pe) {
   return out.reshape(x.sizes()).to(x.scalar_type());
 }
 
-at::Tensor Attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     const at::Tensor& pe, const at::Tensor& key_mask) {
-  const at::Tensor qr = ApplyRope(q, pe), kr = ApplyRope(k, pe);
+namespace {
+
+// Attention over q, k, v [B, H, L, D] (q and k rotated); returns [B, L, H D].
+at::Tensor Attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& key_mask) {
   const at::Tensor mask =
       key_mask.defined() ? key_mask.view({key_mask.size(0), 1, 1, key_mask.size(1)}) : key_mask;
 #if TORCH_VERSION_MAJOR >= 2
-  at::Tensor o = mask.defined() ? at::scaled_dot_product_attention(qr, kr, v, mask)
-                                : at::scaled_dot_product_attention(qr, kr, v);
+  at::Tensor o = mask.defined() ? at::scaled_dot_product_attention(q, k, v, mask)
+                                : at::scaled_dot_product_attention(q, k, v);
 #else
   const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
-  at::Tensor scores = at::matmul(qr, kr.transpose(-2, -1)) * scale;
+  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * scale;
   if (mask.defined())
     scores = scores.masked_fill(mask.logical_not(), -std::numeric_limits<double>::infinity());
   at::Tensor probs = at::softmax(scores, -1, AtLeastFloat(q)).to(q.scalar_type());
   at::Tensor o = at::matmul(probs, v);
 #endif
   return o.permute({0, 2, 1, 3}).reshape({q.size(0), q.size(2), q.size(1) * q.size(3)});
+}
+
+// The H heads of D at column `col` of x [B, L, W], as [B, H, L, D].
+at::Tensor HeadsOf(const at::Tensor& x, int64_t col, int64_t heads, int64_t head_dim) {
+  return x.narrow(-1, col, heads * head_dim)
+      .view({x.size(0), x.size(1), heads, head_dim})
+      .permute({0, 2, 1, 3});
+}
+
+}  // namespace
+
+at::Tensor JointAttention(const std::vector<AttentionStream>& streams, int64_t heads,
+                          int64_t head_dim, const at::Tensor& pe, const at::Tensor& key_mask) {
+  LS_CHECK(!streams.empty(), "joint attention over no stream");
+  JointHeadsPlan plan;
+  plan.heads = heads;
+  plan.head_dim = head_dim;
+  std::vector<at::Tensor> sources, scales;
+  bool fused = FusedDitOps(streams[0].q);
+  for (const AttentionStream& s : streams) {
+    const int64_t rows = s.q.size(1);
+    const std::array<std::pair<const at::Tensor*, int64_t>, 3> parts{
+        {{&s.q, s.q_col}, {&s.k, s.k_col}, {&s.v, s.v_col}}};
+    for (int c = 0; c < 3; ++c) {
+      const at::Tensor& src = *parts[c].first;
+      auto it = std::find_if(sources.begin(), sources.end(),
+                             [&](const at::Tensor& t) { return t.is_same(src); });
+      plan.source.push_back(it - sources.begin());
+      if (it == sources.end()) sources.push_back(src);
+      plan.col.push_back(parts[c].second);
+      plan.offset.push_back(plan.length);
+      plan.rows.push_back(rows);
+      HeadsPart part{src, parts[c].second, c == 0 ? s.q_scale : c == 1 ? s.k_scale : at::Tensor()};
+      fused = fused && src.size(1) == rows &&
+              HeadsFusable(part, heads, head_dim, c == 2 ? at::Tensor() : pe, plan.length);
+    }
+    scales.push_back(s.q_scale);
+    scales.push_back(s.k_scale);
+    plan.length += rows;
+  }
+  fused = fused && !pe.requires_grad() &&
+          std::none_of(scales.begin(), scales.end(),
+                       [](const at::Tensor& t) { return t.requires_grad(); });
+  if (fused) {
+    const variable_list qkv =
+        JointHeads::apply(at::TensorList(sources), at::TensorList(scales), pe, &plan);
+    return Attend(qkv[0], qkv[1], qkv[2], key_mask);
+  }
+  std::array<std::vector<at::Tensor>, 3> joint;
+  for (const AttentionStream& s : streams) {
+    const at::Tensor v = HeadsOf(s.v, s.v_col, heads, head_dim);
+    joint[0].push_back(
+        RmsNorm(HeadsOf(s.q, s.q_col, heads, head_dim), s.q_scale).to(v.scalar_type()));
+    joint[1].push_back(
+        RmsNorm(HeadsOf(s.k, s.k_col, heads, head_dim), s.k_scale).to(v.scalar_type()));
+    joint[2].push_back(v);
+  }
+  auto join = [](const std::vector<at::Tensor>& t) { return t.size() == 1 ? t[0] : at::cat(t, 2); };
+  return Attend(ApplyRope(join(joint[0]), pe), ApplyRope(join(joint[1]), pe), join(joint[2]),
+                key_mask);
 }
 
 void AvoidCudnnAttention(c10::Device device) {

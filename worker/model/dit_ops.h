@@ -83,12 +83,24 @@ at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& scale);
 // LayerNorm over the last dim without affine, eps 1e-6.
 at::Tensor LayerNorm(const at::Tensor& x);
 // Pairs (x0, x1) of the last dim rotated by pe [.., D/2, 2, 2]: pe[..., 0] x0 + pe[..., 1] x1
-// (in f32); fused on CUDA.
+// (in f32).
 at::Tensor ApplyRope(const at::Tensor& x, const at::Tensor& pe);
-// Full attention over q, k, v [B, H, L, D] after RoPE (pe) on q and k; `key_mask` [B, L]
-// bool (true: attend) or undefined (every key). Returns [B, L, H * D].
-at::Tensor Attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     const at::Tensor& pe, const at::Tensor& key_mask = {});
+// One stream's part of joint attention: its q, k and v, each the H heads of D at a column of
+// a projection's output [B, L, W] (one tensor may hold all three: FLUX.1's fused qkv), and
+// the per-head RMSNorm scales of q and k [D].
+struct AttentionStream {
+  at::Tensor q, k, v;
+  int64_t q_col = 0, k_col = 0, v_col = 0;
+  at::Tensor q_scale, k_scale;
+};
+// Full attention over the streams' tokens joined in stream order ([text; image]): each
+// stream's q and k RMS-normed per head with its scales (RmsNorm), the joint q and k rotated by
+// pe [B or 1, 1, L, D / 2, 2, 2] (ApplyRope); `key_mask` [B, L] bool (true: attend) or
+// undefined (every key). Returns [B, L, H D]. On CUDA the norms, the rotations and the joint
+// layout are one kernel per part and one autograd node (FusedHeadsForward), the attention
+// reading q, k and v where that kernel wrote them.
+at::Tensor JointAttention(const std::vector<AttentionStream>& streams, int64_t heads,
+                          int64_t head_dim, const at::Tensor& pe, const at::Tensor& key_mask = {});
 // Keeps LibTorch's scaled_dot_product_attention off cuDNN's kernels on a GPU (their backward
 // failed at FLUX.1's lengths in LibTorch 2.11); a no-op elsewhere. Process-wide.
 void AvoidCudnnAttention(c10::Device device);

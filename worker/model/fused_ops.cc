@@ -259,39 +259,93 @@ bool FusedRope(bool backward, const at::Tensor& x, const at::Tensor& cos, const 
 }  // namespace
 #endif
 
-bool PairRopeFusable(const at::Tensor& x, const at::Tensor& pe) {
+bool HeadsFusable(const HeadsPart& part, int64_t heads, int64_t head_dim, const at::Tensor& pe,
+                  int64_t pos_offset) {
 #if LORASTREAM_HAVE_CUDA
+  const at::Tensor& src = part.src;
   cuda::KernelDtype t;
-  return FusedKernelsEnabled() && x.is_cuda() && KernelDtypeOf(x.scalar_type(), &t) &&
-         x.dim() == 4 && x.stride(3) == 1 && x.size(3) % 2 == 0 && pe.device() == x.device() &&
-         pe.scalar_type() == at::kFloat && pe.is_contiguous() && pe.dim() == 6 &&
-         (pe.size(0) == 1 || pe.size(0) == x.size(0)) && pe.size(1) == 1 &&
-         pe.size(2) == x.size(2) && pe.size(3) == x.size(3) / 2 && pe.size(4) == 2 &&
-         pe.size(5) == 2;
+  if (!FusedKernelsEnabled() || !src.defined() || !src.is_cuda() ||
+      !KernelDtypeOf(src.scalar_type(), &t) || src.dim() != 3 || !src.is_contiguous() ||
+      heads < 1 || head_dim % 2 != 0 || head_dim < 2 || head_dim > 256 || part.col < 0 ||
+      part.col + heads * head_dim > src.size(2))
+    return false;
+  if (part.scale.defined() &&
+      (part.scale.device() != src.device() || part.scale.scalar_type() != src.scalar_type() ||
+       !part.scale.is_contiguous() || part.scale.numel() != head_dim))
+    return false;
+  return !pe.defined() ||
+         (pe.device() == src.device() && pe.scalar_type() == at::kFloat && pe.is_contiguous() &&
+          pe.dim() == 6 && (pe.size(0) == 1 || pe.size(0) == src.size(0)) && pe.size(1) == 1 &&
+          pe.size(2) >= pos_offset + src.size(1) && pe.size(3) == head_dim / 2 && pe.size(4) == 2 &&
+          pe.size(5) == 2);
 #else
-  (void)x, (void)pe;
+  (void)part, (void)heads, (void)head_dim, (void)pe, (void)pos_offset;
   return false;
 #endif
 }
 
-bool FusedPairRope(bool backward, const at::Tensor& x, const at::Tensor& pe, at::Tensor* out) {
+#if LORASTREAM_HAVE_CUDA
+namespace {
+
+// The kernel's shape for `part` into (or from) `view`, a [B, H, L, D] view; false where the
+// kernel does not apply to them.
+bool HeadsShapeOf(const HeadsPart& part, int64_t heads, const at::Tensor& pe, int64_t pos_offset,
+                  const at::Tensor& view, cuda::KernelDtype* t, cuda::HeadsShape* shape) {
+  const at::Tensor& src = part.src;
+  if (view.dim() != 4 || !HeadsFusable(part, heads, view.size(3), pe, pos_offset) ||
+      !KernelDtypeOf(src.scalar_type(), t) || view.stride(3) != 1 ||
+      view.device() != src.device() || view.scalar_type() != src.scalar_type() ||
+      view.size(0) != src.size(0) || view.size(1) != heads || view.size(2) != src.size(1))
+    return false;
+  *shape = cuda::HeadsShape{src.size(0),
+                            src.size(1),
+                            heads,
+                            view.size(3),
+                            {src.stride(0), src.stride(1)},
+                            {view.stride(0), view.stride(1), view.stride(2)},
+                            pos_offset,
+                            pe.defined() && pe.size(0) != 1 ? pe.stride(0) : 0};
+  return true;
+}
+
+}  // namespace
+#endif
+
+bool FusedHeadsForward(const HeadsPart& part, int64_t heads, const at::Tensor& pe,
+                       int64_t pos_offset, const at::Tensor& out) {
 #if LORASTREAM_HAVE_CUDA
   cuda::KernelDtype t;
-  if (!PairRopeFusable(x, pe) || !KernelDtypeOf(x.scalar_type(), &t)) return false;
-  const int64_t b = x.size(0), h = x.size(1), l = x.size(2), d = x.size(3);
-  *out = at::empty({b, h, l, d}, x.options());
-  cuda::PairRopeShape shape{b,
-                            h,
-                            l,
-                            d,
-                            {x.stride(0), x.stride(1), x.stride(2)},
-                            {out->stride(0), out->stride(1), out->stride(2)},
-                            pe.size(0) == 1 ? 0 : pe.stride(0)};
-  cuda::PairRope(t, backward, x.data_ptr(), out->data_ptr(), pe.data_ptr<float>(), shape,
-                 StreamOf(x));
+  cuda::HeadsShape shape;
+  if (!HeadsShapeOf(part, heads, pe, pos_offset, out, &t, &shape)) return false;
+  const char* src = static_cast<const char*>(part.src.data_ptr()) +
+                    part.col * static_cast<int64_t>(part.src.element_size());
+  cuda::HeadsForward(t, src, part.scale.defined() ? part.scale.data_ptr() : nullptr,
+                     pe.defined() ? pe.data_ptr<float>() : nullptr, out.data_ptr(), shape, 1e-6f,
+                     StreamOf(out));
   return true;
 #else
-  (void)backward, (void)x, (void)pe, (void)out;
+  (void)part, (void)heads, (void)pe, (void)pos_offset, (void)out;
+  return false;
+#endif
+}
+
+bool FusedHeadsBackward(const HeadsPart& part, int64_t heads, const at::Tensor& pe,
+                        int64_t pos_offset, const at::Tensor& dy, const at::Tensor& dsrc) {
+#if LORASTREAM_HAVE_CUDA
+  cuda::KernelDtype t;
+  cuda::HeadsShape shape;
+  if (!HeadsShapeOf(part, heads, pe, pos_offset, dy, &t, &shape) ||
+      !dsrc.sizes().equals(part.src.sizes()) || !dsrc.strides().equals(part.src.strides()) ||
+      dsrc.scalar_type() != part.src.scalar_type() || dsrc.device() != part.src.device())
+    return false;
+  const int64_t offset = part.col * static_cast<int64_t>(part.src.element_size());
+  cuda::HeadsBackward(t, dy.data_ptr(), static_cast<const char*>(part.src.data_ptr()) + offset,
+                      part.scale.defined() ? part.scale.data_ptr() : nullptr,
+                      pe.defined() ? pe.data_ptr<float>() : nullptr,
+                      static_cast<char*>(dsrc.data_ptr()) + offset, shape, 1e-6f, StreamOf(dy));
+  return true;
+#else
+  (void)part, (void)heads, (void)pe, (void)pos_offset, (void)dy, (void)dsrc;
   return false;
 #endif
 }

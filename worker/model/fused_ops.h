@@ -32,15 +32,30 @@ std::pair<at::Tensor, at::Tensor> SwiGluBackward(const at::Tensor& dz, const at:
 at::Tensor RopeForward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor RopeBackward(const at::Tensor& g, const at::Tensor& cos, const at::Tensor& sin);
 
-// FLUX.1's rotary embedding (BFL's apply_rope) of x [B, H, L, D] by its table pe, f32
-// [B or 1, 1, L, D / 2, 2, 2]: each pair (x[2j], x[2j+1]) rotated in f32 and rounded once to
-// x's dtype; with `backward`, x is the output's gradient and *out the input's. Through the
-// fused kernel only: returns false, writing nothing, where it does not apply (fused kernels
-// off, not CUDA, a dtype other than f32/bf16/f16, pe not of that shape); the caller then runs
-// the ATen ops (worker/flux/flux_model.cc). *out: contiguous [B, H, L, D].
-bool FusedPairRope(bool backward, const at::Tensor& x, const at::Tensor& pe, at::Tensor* out);
-// Whether FusedPairRope runs for x and pe (its gradient, of x's shape, too).
-bool PairRopeFusable(const at::Tensor& x, const at::Tensor& pe);
+// Joint attention's heads (FLUX.1, Qwen-Image): the H heads of D of one stream's q, k or v,
+// the columns [col, col + H D) of a projection's output `src` [B, L, W] (contiguous), into
+// `out`, a [B, H, L, D] view (last dimension contiguous) of the stream's positions: with
+// `scale` [D] (q and k) each head RMS-normed (eps 1e-6) as RmsNormRstd and rounded, then with
+// `pe` (f32 [B or 1, 1, >= pos_offset + L, D / 2, 2, 2]) each pair (x[2j], x[2j+1]) rotated in f32
+// by its table at position pos_offset + l (FLUX.1's apply_rope) and rounded once; with neither,
+// copied. One kernel, one read and one write. Backward: from dy (out's gradient, a [B, H, L, D]
+// view) into the same columns of `dsrc` (src's shape and strides), from src read again. Both return
+// false, writing nothing, where the kernel does not apply (fused kernels off, not CUDA, dtypes that
+// differ or are not f32/bf16/f16, D odd or above 256, a layout other than these); the caller then
+// runs the ATen ops.
+struct HeadsPart {
+  at::Tensor src;
+  int64_t col = 0;
+  at::Tensor scale;  // undefined: v
+};
+// Whether the kernel runs for `part` of heads of head_dim with pe at pos_offset (into a view
+// of the right shape, its last dimension contiguous).
+bool HeadsFusable(const HeadsPart& part, int64_t heads, int64_t head_dim, const at::Tensor& pe,
+                  int64_t pos_offset);
+bool FusedHeadsForward(const HeadsPart& part, int64_t heads, const at::Tensor& pe,
+                       int64_t pos_offset, const at::Tensor& out);
+bool FusedHeadsBackward(const HeadsPart& part, int64_t heads, const at::Tensor& pe,
+                        int64_t pos_offset, const at::Tensor& dy, const at::Tensor& dsrc);
 
 // The chunked LM head's cross entropy over one chunk: logits [rows, V] (contiguous, the
 // compute dtype) against targets [rows] (int64 on the logits' device; -100: ignored).

@@ -33,11 +33,6 @@ std::string BlockPrefix(int64_t index) {
   return "transformer_blocks." + std::to_string(index) + ".";
 }
 
-// x [B, L, D] -> [B, H, L, head_dim].
-at::Tensor Heads(const at::Tensor& x, const QwenImageConfig& c) {
-  return x.view({x.size(0), x.size(1), c.num_heads, c.head_dim}).permute({0, 2, 1, 3});
-}
-
 // (shift, scale, gate) [B, 1, D] each, of the modulation's half `half` (0: attention, 1: MLP).
 std::vector<at::Tensor> ModParams(const at::Tensor& mod, int half) {
   return mod.chunk(2, -1)[half].unsqueeze(1).chunk(3, -1);
@@ -81,20 +76,21 @@ std::vector<at::Tensor> QwenImageBlockForward(int64_t index, const std::vector<a
   const auto im1 = ModParams(img_mod, 0), tm1 = ModParams(txt_mod, 0);
   const at::Tensor img_x = LayerNorm(img) * (1 + im1[1]) + im1[0];
   const at::Tensor txt_x = LayerNorm(txt) * (1 + tm1[1]) + tm1[0];
-  auto qk = [&](const at::Tensor& x, const std::string& proj, const std::string& norm) {
-    const at::Tensor h = Heads(LoraLinear(x, w, p + proj, lora, s), cfg);
-    return RmsNorm(h, Weight(w, p + norm + ".weight")).to(h.scalar_type());
+  auto stream = [&](const at::Tensor& x, const std::string& q, const std::string& k,
+                    const std::string& v, const std::string& q_norm, const std::string& k_norm) {
+    dit::AttentionStream a;
+    a.q = LoraLinear(x, w, p + q, lora, s);
+    a.k = LoraLinear(x, w, p + k, lora, s);
+    a.v = LoraLinear(x, w, p + v, lora, s);
+    a.q_scale = Weight(w, p + q_norm + ".weight");
+    a.k_scale = Weight(w, p + k_norm + ".weight");
+    return a;
   };
-  const at::Tensor q = at::cat(
-      {qk(txt_x, "attn.add_q_proj", "attn.norm_added_q"), qk(img_x, "attn.to_q", "attn.norm_q")},
-      2);
-  const at::Tensor k = at::cat(
-      {qk(txt_x, "attn.add_k_proj", "attn.norm_added_k"), qk(img_x, "attn.to_k", "attn.norm_k")},
-      2);
-  const at::Tensor v = at::cat({Heads(LoraLinear(txt_x, w, p + "attn.add_v_proj", lora, s), cfg),
-                                Heads(LoraLinear(img_x, w, p + "attn.to_v", lora, s), cfg)},
-                               2);
-  const at::Tensor attn = dit::Attention(q, k, v, c.pe, c.key_mask);
+  const at::Tensor attn = dit::JointAttention(
+      {stream(txt_x, "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.norm_added_q",
+              "attn.norm_added_k"),
+       stream(img_x, "attn.to_q", "attn.to_k", "attn.to_v", "attn.norm_q", "attn.norm_k")},
+      cfg.num_heads, cfg.head_dim, c.pe, c.key_mask);
   const int64_t lt = txt.size(1);
   const at::Tensor txt_attn = attn.narrow(1, 0, lt).contiguous();
   const at::Tensor img_attn = attn.narrow(1, lt, attn.size(1) - lt).contiguous();

@@ -150,26 +150,130 @@ __global__ void RopeKernel(bool backward, const T* in, T* out, const T* cos, con
   }
 }
 
+// Joint attention's heads: one warp per row, each lane holding pairs lane, lane + 32, ...
+constexpr int kHeadsMaxPairsPerLane = 4;  // D <= 256
+constexpr int kHeadsWarpsPerBlock = 8;
+
+__device__ __forceinline__ float WarpSum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+struct HeadsRow {
+  int64_t b, l, h;
+};
+// The warp's row, or false past the last one (the whole warp returns: every lane shuffles).
+__device__ __forceinline__ bool HeadsRowOf(const HeadsShape& s, HeadsRow* row) {
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (warp >= s.batch * s.seq * s.heads) return false;
+  row->h = warp % s.heads;
+  row->l = (warp / s.heads) % s.seq;
+  row->b = warp / (s.heads * s.seq);
+  return true;
+}
+
+// The row's pairs of x in f32 (lanes past D / 2 hold zeros) and its rstd.
 template <typename T>
-__global__ void PairRopeKernel(bool backward, const T* in, T* out, const float* pe,
-                               PairRopeShape s) {
+__device__ __forceinline__ float LoadHeadRow(const T* x, int64_t pairs, float eps, bool norm,
+                                             float (&v0)[kHeadsMaxPairsPerLane],
+                                             float (&v1)[kHeadsMaxPairsPerLane]) {
+  const int lane = threadIdx.x % 32;
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < kHeadsMaxPairsPerLane; ++i) {
+    const int64_t j = lane + 32 * i;
+    v0[i] = j < pairs ? ToF(x[2 * j]) : 0.f;
+    v1[i] = j < pairs ? ToF(x[2 * j + 1]) : 0.f;
+    sum += v0[i] * v0[i];
+    sum += v1[i] * v1[i];
+  }
+  if (!norm) return 1.f;
+  return rsqrtf(WarpSum(sum) / static_cast<float>(2 * pairs) + eps);
+}
+
+template <typename T>
+__global__ void HeadsForwardKernel(const T* src, const T* scale, const float* pe, T* dst,
+                                   HeadsShape s, float eps) {
+  HeadsRow row;
+  if (!HeadsRowOf(s, &row)) return;
+  const int lane = threadIdx.x % 32;
   const int64_t pairs = s.dim / 2;
-  const int64_t total = s.batch * s.heads * s.seq * pairs;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const RotaryIndex at = SplitRotaryIndex(i, pairs, s.seq, s.heads);
-    const int64_t j = at.pair, p = at.pos;
-    const T* src = in + at.b * s.in_stride[0] + at.h * s.in_stride[1] + p * s.in_stride[2] + 2 * j;
-    T* dst = out + at.b * s.out_stride[0] + at.h * s.out_stride[1] + p * s.out_stride[2] + 2 * j;
-    const float* m = pe + at.b * s.pe_batch_stride + (p * pairs + j) * 4;
-    const float x0 = ToF(src[0]), x1 = ToF(src[1]);
-    // ATen multiplies, then adds (no fused multiply-add): the same roundings here.
-    if (!backward) {
-      dst[0] = FromF<T>(__fadd_rn(__fmul_rn(m[0], x0), __fmul_rn(m[1], x1)));
-      dst[1] = FromF<T>(__fadd_rn(__fmul_rn(m[2], x0), __fmul_rn(m[3], x1)));
+  const T* x = src + row.b * s.src_stride[0] + row.l * s.src_stride[1] + row.h * s.dim;
+  T* y = dst + row.b * s.dst_stride[0] + row.h * s.dst_stride[1] + row.l * s.dst_stride[2];
+  const float* m_row =
+      pe ? pe + row.b * s.pe_batch_stride + (s.pos_offset + row.l) * pairs * 4 : nullptr;
+  float v0[kHeadsMaxPairsPerLane], v1[kHeadsMaxPairsPerLane];
+  const float r = LoadHeadRow(x, pairs, eps, scale != nullptr, v0, v1);
+#pragma unroll
+  for (int i = 0; i < kHeadsMaxPairsPerLane; ++i) {
+    const int64_t j = lane + 32 * i;
+    if (j >= pairs) break;
+    float y0 = v0[i], y1 = v1[i];
+    if (scale) {
+      y0 = Round<T>(ToF(scale[2 * j]) * Round<T>(y0 * r));
+      y1 = Round<T>(ToF(scale[2 * j + 1]) * Round<T>(y1 * r));
+    }
+    if (m_row) {
+      const float* m = m_row + j * 4;
+      const float r0 = __fadd_rn(__fmul_rn(m[0], y0), __fmul_rn(m[1], y1));
+      const float r1 = __fadd_rn(__fmul_rn(m[2], y0), __fmul_rn(m[3], y1));
+      y0 = r0;
+      y1 = r1;
+    }
+    y[2 * j] = FromF<T>(y0);
+    y[2 * j + 1] = FromF<T>(y1);
+  }
+}
+
+template <typename T>
+__global__ void HeadsBackwardKernel(const T* dy, const T* src, const T* scale, const float* pe,
+                                    T* dsrc, HeadsShape s, float eps) {
+  HeadsRow row;
+  if (!HeadsRowOf(s, &row)) return;
+  const int lane = threadIdx.x % 32;
+  const int64_t pairs = s.dim / 2;
+  const int64_t src_at = row.b * s.src_stride[0] + row.l * s.src_stride[1] + row.h * s.dim;
+  const T* g = dy + row.b * s.dst_stride[0] + row.h * s.dst_stride[1] + row.l * s.dst_stride[2];
+  const float* m_row =
+      pe ? pe + row.b * s.pe_batch_stride + (s.pos_offset + row.l) * pairs * 4 : nullptr;
+  float v0[kHeadsMaxPairsPerLane], v1[kHeadsMaxPairsPerLane];
+  const float r = LoadHeadRow(src + src_at, pairs, eps, scale != nullptr, v0, v1);
+  float d0[kHeadsMaxPairsPerLane], d1[kHeadsMaxPairsPerLane];
+  float dot = 0.f;
+#pragma unroll
+  for (int i = 0; i < kHeadsMaxPairsPerLane; ++i) {
+    const int64_t j = lane + 32 * i;
+    d0[i] = d1[i] = 0.f;
+    if (j >= pairs) continue;
+    float g0 = ToF(g[2 * j]), g1 = ToF(g[2 * j + 1]);
+    if (m_row) {
+      const float* m = m_row + j * 4;
+      const float r0 = Round<T>(__fadd_rn(__fmul_rn(m[0], g0), __fmul_rn(m[2], g1)));
+      const float r1 = Round<T>(__fadd_rn(__fmul_rn(m[1], g0), __fmul_rn(m[3], g1)));
+      g0 = r0;
+      g1 = r1;
+    }
+    if (scale) {
+      g0 = Round<T>(g0 * ToF(scale[2 * j]));
+      g1 = Round<T>(g1 * ToF(scale[2 * j + 1]));
+      dot += g0 * (v0[i] * r);
+      dot += g1 * (v1[i] * r);
+    }
+    d0[i] = g0;
+    d1[i] = g1;
+  }
+  const float mean = scale ? WarpSum(dot) / static_cast<float>(s.dim) : 0.f;
+  T* dx = dsrc + src_at;
+#pragma unroll
+  for (int i = 0; i < kHeadsMaxPairsPerLane; ++i) {
+    const int64_t j = lane + 32 * i;
+    if (j >= pairs) break;
+    if (scale) {
+      dx[2 * j] = FromF<T>((d0[i] - v0[i] * r * mean) * r);
+      dx[2 * j + 1] = FromF<T>((d1[i] - v1[i] * r * mean) * r);
     } else {
-      dst[0] = FromF<T>(__fadd_rn(__fmul_rn(m[0], x0), __fmul_rn(m[2], x1)));
-      dst[1] = FromF<T>(__fadd_rn(__fmul_rn(m[1], x0), __fmul_rn(m[3], x1)));
+      dx[2 * j] = FromF<T>(d0[i]);
+      dx[2 * j + 1] = FromF<T>(d1[i]);
     }
   }
 }
@@ -314,16 +418,42 @@ void Rope(KernelDtype t, bool backward, const void* in, void* out, const void* c
   Check(cudaGetLastError(), "Rope");
 }
 
-void PairRope(KernelDtype t, bool backward, const void* in, void* out, const float* pe,
-              const PairRopeShape& shape, cudaStream_t stream) {
-  const int64_t n = shape.batch * shape.heads * shape.seq * (shape.dim / 2);
-  if (n == 0) return;
+static unsigned HeadsBlocks(const HeadsShape& s) {
+  const int64_t rows = s.batch * s.seq * s.heads;
+  return static_cast<unsigned>((rows + kHeadsWarpsPerBlock - 1) / kHeadsWarpsPerBlock);
+}
+
+static void CheckHeadsShape(const HeadsShape& s) {
+  if (s.dim % 2 != 0 || s.dim > 2 * 32 * kHeadsMaxPairsPerLane)
+    throw std::invalid_argument("heads kernel: head dim " + std::to_string(s.dim) +
+                                " is odd or above 256");
+}
+
+void HeadsForward(KernelDtype t, const void* src, const void* scale, const float* pe, void* dst,
+                  const HeadsShape& shape, float eps, cudaStream_t stream) {
+  CheckHeadsShape(shape);
+  if (shape.batch * shape.seq * shape.heads == 0) return;
   Dispatch(t, [&](auto v) {
     using T = decltype(v);
-    PairRopeKernel<T><<<ElementwiseBlocks(n, 256), 256, 0, stream>>>(
-        backward, static_cast<const T*>(in), static_cast<T*>(out), pe, shape);
+    HeadsForwardKernel<T><<<HeadsBlocks(shape), 32 * kHeadsWarpsPerBlock, 0, stream>>>(
+        static_cast<const T*>(src), static_cast<const T*>(scale), pe, static_cast<T*>(dst), shape,
+        eps);
   });
-  Check(cudaGetLastError(), "PairRope");
+  Check(cudaGetLastError(), "HeadsForward");
+}
+
+void HeadsBackward(KernelDtype t, const void* dy, const void* src, const void* scale,
+                   const float* pe, void* dsrc, const HeadsShape& shape, float eps,
+                   cudaStream_t stream) {
+  CheckHeadsShape(shape);
+  if (shape.batch * shape.seq * shape.heads == 0) return;
+  Dispatch(t, [&](auto v) {
+    using T = decltype(v);
+    HeadsBackwardKernel<T><<<HeadsBlocks(shape), 32 * kHeadsWarpsPerBlock, 0, stream>>>(
+        static_cast<const T*>(dy), static_cast<const T*>(src), static_cast<const T*>(scale), pe,
+        static_cast<T*>(dsrc), shape, eps);
+  });
+  Check(cudaGetLastError(), "HeadsBackward");
 }
 
 void CrossEntropyRows(KernelDtype t, void* logits, const int64_t* targets, float* row_loss,

@@ -40,20 +40,31 @@ struct RopeShape {
 void Rope(KernelDtype t, bool backward, const void* in, void* out, const void* cos, const void* sin,
           const RopeShape& shape, cudaStream_t stream);
 
-// FLUX.1's rotary embedding (BFL's apply_rope) over x [B, H, L, D], D even: each pair
-// (x[2j], x[2j+1]) of position p rotated by its 2x2 table pe[b, p, j] (f32, [r][c] row-major):
-// out[2j + r] = pe[r][0] * x[2j] + pe[r][1] * x[2j+1] in f32, rounded once to T. Backward, for
-// the output gradient g: dx[2j + c] = pe[0][c] * g[2j] + pe[1][c] * g[2j+1]. x and the output
-// are addressed through their strides (the last dimension contiguous); pe is contiguous
-// [B or 1, L, D / 2, 2, 2] (`pe_batch_stride` 0 for one table shared by the batch).
-struct PairRopeShape {
-  int64_t batch, heads, seq, dim;
-  int64_t in_stride[3];   // of dimensions B, H, L
-  int64_t out_stride[3];  // of dimensions B, H, L
+// The heads of one stream's q, k or v for joint attention (FLUX.1, Qwen-Image), one warp per
+// (batch, position, head) row of D: read from a projection's output (rows of [B, L, W], the
+// head h at column h D of `src`, which points at the part's first column), written through
+// the output's strides. With `scale` (q and k) the row is RMS-normed in f32 and rounded,
+// y = (scale * (x * rstd).to(T)).to(T), rstd = 1 / sqrt(mean(x^2) + eps), as RmsNormForward;
+// with `pe` each pair (x[2j], x[2j+1]) then rotated by its 2x2 table
+// m = pe[b, pos_offset + l, j] (f32, [r][c] row-major), y[2j + r] = m[r][0] y[2j] + m[r][1]
+// y[2j+1] in f32 (multiplied, then added: no fused multiply-add, as ATen), rounded once; with
+// neither, copied. D even and at most 256.
+struct HeadsShape {
+  int64_t batch, seq, heads, dim;
+  int64_t src_stride[2];  // of dimensions B, L of the projection (and of its gradient)
+  int64_t dst_stride[3];  // of dimensions B, H, L of the output (or of its gradient)
+  int64_t pos_offset;     // the stream's first position in pe
   int64_t pe_batch_stride;
 };
-void PairRope(KernelDtype t, bool backward, const void* in, void* out, const float* pe,
-              const PairRopeShape& shape, cudaStream_t stream);
+void HeadsForward(KernelDtype t, const void* src, const void* scale, const float* pe, void* dst,
+                  const HeadsShape& shape, float eps, cudaStream_t stream);
+// Its backward: dy (through dst_stride) to dsrc (through src_stride, at `dsrc`'s part):
+// the rotation's transpose, dy[2j + c] = m[0][c] g[2j] + m[1][c] g[2j+1], rounded to T, then
+// RmsNormBackward with the rstd recomputed from x (the forward's src) exactly as the forward
+// computed it.
+void HeadsBackward(KernelDtype t, const void* dy, const void* src, const void* scale,
+                   const float* pe, void* dsrc, const HeadsShape& shape, float eps,
+                   cudaStream_t stream);
 
 // The chunked LM head's cross entropy, one row of logits [rows, vocab] (contiguous) per
 // block: row_loss[r] = logsumexp(x[r, :]) - x[r, t[r]] in f32 (0 for a target outside
