@@ -1,5 +1,5 @@
-// FLUX.1 on CUDA, where the per-head RMSNorm and the rotary embedding run as fused kernels
-// (worker/flux/flux_model.cc), gives the CPU's ATen arithmetic: flux-tiny in f32, one
+// FLUX.1 on CUDA, where joint attention's per-head RMSNorm and rotary embedding run as fused
+// kernels (worker/model/dit_ops.cc), gives the CPU's ATen arithmetic: flux-tiny in f32, one
 // checkpointed forward and backward, the loss and every LoRA gradient within f32 rounding.
 #include <c10/core/GradMode.h>
 #include <catch2/catch.hpp>
@@ -63,7 +63,7 @@ Result LossAndGrads(const std::string& checkpoint, c10::Device device) {
 
 }  // namespace
 
-TEST_CASE("flux on CUDA (fused RMSNorm and rotary kernels) gives the CPU's loss and gradients",
+TEST_CASE("flux on CUDA (fused joint-attention heads) gives the CPU's loss and gradients",
           "[gpu]") {
   REQUIRE(FusedKernelsEnabled());
   lorastream::testing::TempDir dir("flux-cuda");

@@ -22,10 +22,11 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// On CUDA the per-head RMSNorm of q and k and the rotary embedding run as fused kernels
-// (worker/model/fused_ops.h), each one autograd node, where the ATen ops below take about a
-// dozen memory-bound kernels forward and more backward; they round where those ops round. On
-// the CPU (and with LORASTREAM_FUSED_KERNELS=0) the ATen ops run, as the parity tests check.
+// On CUDA the per-head RMSNorm (of a tensor that is not joint attention's q or k) and joint
+// attention's q, k and v (JointHeads below) run as fused kernels (worker/model/fused_ops.h),
+// where the ATen ops take about a dozen memory-bound kernels forward and more backward; they
+// round where those ops round. On the CPU (and with LORASTREAM_FUSED_KERNELS=0) the ATen ops
+// run, as the parity tests check.
 bool FusedDitOps(const at::Tensor& x) {
   return x.is_cuda() && x.scalar_type() != at::kDouble && FusedKernelsEnabled();
 }
