@@ -10,8 +10,9 @@ namespace lorastream::worker::flux {
 
 namespace {
 
-using dit::LayerNorm;
+using dit::GatedAdd;
 using dit::LoraLinear;
+using dit::Modulate;
 using dit::Weight;
 
 // A stream of joint attention whose q, k and v are the three thirds of qkv's first 3 H D
@@ -44,8 +45,8 @@ std::vector<at::Tensor> DoubleBlock(const std::string& p, const at::Tensor& img,
   const double s = c.lora_scale;
   const auto im = Modulation(c.vec, w, p + "img_mod.lin", 6, lora, s);
   const auto tm = Modulation(c.vec, w, p + "txt_mod.lin", 6, lora, s);
-  const at::Tensor img_mod = (1 + im[1]) * LayerNorm(img) + im[0];
-  const at::Tensor txt_mod = (1 + tm[1]) * LayerNorm(txt) + tm[0];
+  const at::Tensor img_mod = Modulate(img, im[0], im[1]);
+  const at::Tensor txt_mod = Modulate(txt, tm[0], tm[1]);
   const at::Tensor attn =
       FluxAttention({QkvStream(LoraLinear(txt_mod, w, p + "txt_attn.qkv", lora, s), w,
                                p + "txt_attn.norm", *c.config),
@@ -58,10 +59,10 @@ std::vector<at::Tensor> DoubleBlock(const std::string& p, const at::Tensor& img,
   auto mlp = [&](const at::Tensor& x, const std::string& m) {
     return LoraLinear(at::gelu(LoraLinear(x, w, m + ".0", lora, s), "tanh"), w, m + ".2", lora, s);
   };
-  at::Tensor img_out = img + im[2] * LoraLinear(img_attn, w, p + "img_attn.proj", lora, s);
-  img_out = img_out + im[5] * mlp((1 + im[4]) * LayerNorm(img_out) + im[3], p + "img_mlp");
-  at::Tensor txt_out = txt + tm[2] * LoraLinear(txt_attn, w, p + "txt_attn.proj", lora, s);
-  txt_out = txt_out + tm[5] * mlp((1 + tm[4]) * LayerNorm(txt_out) + tm[3], p + "txt_mlp");
+  at::Tensor img_out = GatedAdd(img, im[2], LoraLinear(img_attn, w, p + "img_attn.proj", lora, s));
+  img_out = GatedAdd(img_out, im[5], mlp(Modulate(img_out, im[3], im[4]), p + "img_mlp"));
+  at::Tensor txt_out = GatedAdd(txt, tm[2], LoraLinear(txt_attn, w, p + "txt_attn.proj", lora, s));
+  txt_out = GatedAdd(txt_out, tm[5], mlp(Modulate(txt_out, tm[3], tm[4]), p + "txt_mlp"));
   return {img_out, txt_out};
 }
 
@@ -70,11 +71,11 @@ at::Tensor SingleBlock(const std::string& p, const at::Tensor& x, const NamedTen
   const double s = c.lora_scale;
   const int64_t h = c.config->hidden_size;
   const auto mod = Modulation(c.vec, w, p + "modulation.lin", 3, lora, s);
-  const at::Tensor x_mod = (1 + mod[1]) * LayerNorm(x) + mod[0];
+  const at::Tensor x_mod = Modulate(x, mod[0], mod[1]);
   const at::Tensor l1 = LoraLinear(x_mod, w, p + "linear1", lora, s);
   const at::Tensor attn = FluxAttention({QkvStream(l1, w, p + "norm", *c.config)}, c);
   const at::Tensor mlp = at::gelu(l1.narrow(-1, 3 * h, l1.size(-1) - 3 * h), "tanh");
-  return x + mod[2] * LoraLinear(at::cat({attn, mlp}, 2), w, p + "linear2", lora, s);
+  return GatedAdd(x, mod[2], LoraLinear(at::cat({attn, mlp}, 2), w, p + "linear2", lora, s));
 }
 
 }  // namespace
@@ -270,7 +271,7 @@ std::vector<at::Tensor> FluxModel::ForwardGroup(const std::vector<const FluxBatc
     const auto mod =
         LoraLinear(at::silu(computes[j].vec), r, "final_layer.adaLN_modulation.1", none, 0)
             .chunk(2, 1);
-    x = (1 + mod[1].unsqueeze(1)) * LayerNorm(x) + mod[0].unsqueeze(1);
+    x = Modulate(x, mod[0].unsqueeze(1), mod[1].unsqueeze(1));
     out.push_back(LoraLinear(x, r, "final_layer.linear", none, 0));
   }
   return out;

@@ -351,6 +351,21 @@ at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& scale) {
 
 at::Tensor LayerNorm(const at::Tensor& x) { return at::layer_norm(x, {x.size(-1)}, {}, {}, 1e-6); }
 
+at::Tensor Modulate(const at::Tensor& x, const at::Tensor& shift, const at::Tensor& scale) {
+  const int64_t h = x.size(-1);
+  if (FusedDitOps(x) && x.dim() == 3 && x.size(0) == 1 && shift.numel() == h &&
+      scale.numel() == h && shift.scalar_type() == x.scalar_type() &&
+      scale.scalar_type() == x.scalar_type())
+    return at::layer_norm(x, {h}, (1 + scale).reshape({h}), shift.reshape({h}), 1e-6);
+  return LayerNorm(x) * (1 + scale) + shift;
+}
+
+at::Tensor GatedAdd(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& y) {
+  if (FusedDitOps(x) && gate.scalar_type() == x.scalar_type() && y.scalar_type() == x.scalar_type())
+    return at::addcmul(x, gate, y);
+  return x + gate * y;
+}
+
 at::Tensor ApplyRope(const at::Tensor& x, const at::Tensor& pe) {
   auto sizes = x.sizes().vec();
   sizes.back() /= 2;

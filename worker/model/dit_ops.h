@@ -82,6 +82,13 @@ at::ScalarType AtLeastFloat(const at::Tensor& x);
 at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& scale);
 // LayerNorm over the last dim without affine, eps 1e-6.
 at::Tensor LayerNorm(const at::Tensor& x);
+// Adaptive LayerNorm's modulation, LayerNorm(x) * (1 + scale) + shift, x [B, L, H] with
+// shift and scale [B, 1, H]; and a gated residual, x + gate * y. On CUDA with one sample
+// (B = 1) the modulation is one LayerNorm with (1 + scale, shift) as its affine weights (one
+// kernel forward, one backward, rounded once), the gated residual one addcmul; elsewhere (the
+// CPU, stacked jobs) the ATen ops as diffusers writes them.
+at::Tensor Modulate(const at::Tensor& x, const at::Tensor& shift, const at::Tensor& scale);
+at::Tensor GatedAdd(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& y);
 // Pairs (x0, x1) of the last dim rotated by pe [.., D/2, 2, 2]: pe[..., 0] x0 + pe[..., 1] x1
 // (in f32).
 at::Tensor ApplyRope(const at::Tensor& x, const at::Tensor& pe);

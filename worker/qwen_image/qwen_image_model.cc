@@ -12,8 +12,9 @@ namespace lorastream::worker::qwen_image {
 
 namespace {
 
-using dit::LayerNorm;
+using dit::GatedAdd;
 using dit::LoraLinear;
+using dit::Modulate;
 using dit::RmsNorm;
 using dit::Weight;
 
@@ -74,8 +75,8 @@ std::vector<at::Tensor> QwenImageBlockForward(int64_t index, const std::vector<a
   const at::Tensor img_mod = LoraLinear(cond, w, p + "img_mod.1", lora, s);
   const at::Tensor txt_mod = LoraLinear(cond, w, p + "txt_mod.1", lora, s);
   const auto im1 = ModParams(img_mod, 0), tm1 = ModParams(txt_mod, 0);
-  const at::Tensor img_x = LayerNorm(img) * (1 + im1[1]) + im1[0];
-  const at::Tensor txt_x = LayerNorm(txt) * (1 + tm1[1]) + tm1[0];
+  const at::Tensor img_x = Modulate(img, im1[0], im1[1]);
+  const at::Tensor txt_x = Modulate(txt, tm1[0], tm1[1]);
   auto stream = [&](const at::Tensor& x, const std::string& q, const std::string& k,
                     const std::string& v, const std::string& q_norm, const std::string& k_norm) {
     dit::AttentionStream a;
@@ -98,11 +99,12 @@ std::vector<at::Tensor> QwenImageBlockForward(int64_t index, const std::vector<a
     return LoraLinear(at::gelu(LoraLinear(x, w, p + m + ".net.0.proj", lora, s), "tanh"), w,
                       p + m + ".net.2", lora, s);
   };
-  at::Tensor img_out = img + im1[2] * LoraLinear(img_attn, w, p + "attn.to_out.0", lora, s);
-  at::Tensor txt_out = txt + tm1[2] * LoraLinear(txt_attn, w, p + "attn.to_add_out", lora, s);
+  at::Tensor img_out = GatedAdd(img, im1[2], LoraLinear(img_attn, w, p + "attn.to_out.0", lora, s));
+  at::Tensor txt_out =
+      GatedAdd(txt, tm1[2], LoraLinear(txt_attn, w, p + "attn.to_add_out", lora, s));
   const auto im2 = ModParams(img_mod, 1), tm2 = ModParams(txt_mod, 1);
-  img_out = img_out + im2[2] * mlp(LayerNorm(img_out) * (1 + im2[1]) + im2[0], "img_mlp");
-  txt_out = txt_out + tm2[2] * mlp(LayerNorm(txt_out) * (1 + tm2[1]) + tm2[0], "txt_mlp");
+  img_out = GatedAdd(img_out, im2[2], mlp(Modulate(img_out, im2[0], im2[1]), "img_mlp"));
+  txt_out = GatedAdd(txt_out, tm2[2], mlp(Modulate(txt_out, tm2[0], tm2[1]), "txt_mlp"));
   return {img_out, txt_out};
 }
 
@@ -287,7 +289,7 @@ std::vector<at::Tensor> QwenImageModel::ForwardGroup(
     const at::Tensor image = batches[j]->control.defined()
                                  ? streams[j][0].narrow(1, 0, batches[j]->img.size(1))
                                  : streams[j][0];
-    const at::Tensor x = LayerNorm(image) * (1 + mod[0].unsqueeze(1)) + mod[1].unsqueeze(1);
+    const at::Tensor x = Modulate(image, mod[1].unsqueeze(1), mod[0].unsqueeze(1));
     out.push_back(LoraLinear(x, r, "proj_out", none, 0));
   }
   return out;
