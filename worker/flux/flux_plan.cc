@@ -14,19 +14,20 @@ DitMemoryModel FluxMemoryModel(const FluxMemoryInputs& in) {
   out.reserve_bytes = in.reserve_bytes;
   out.checkpoint_per_token = in.units.size() * h * b;
   out.table_per_token = static_cast<uint64_t>(c.head_dim()) * 8;  // f32 [.., 2, 2] pairs
-  out.forward_per_token = DualStreamForwardPerToken(h, m, b);
+  out.forward_per_token = DualStreamForwardPerToken(h, m, b, in.fused_heads);
   for (const FluxUnit& unit : in.units) {
     out.unit_kind.push_back(unit.is_double ? 0 : 1);
-    const uint64_t per_block =
-        unit.is_double ? DualStreamBackwardPerToken(h, m, b) : b * (15 * h + 5 * m) + 32 * h;
+    const uint64_t per_block = unit.is_double
+                                   ? DualStreamBackwardPerToken(h, m, b, in.fused_heads)
+                                   : b * (15 * h + 5 * m) + QkF32Copies(h, in.fused_heads);
     out.backward_per_token.push_back(per_block * static_cast<uint64_t>(unit.count));
     // Taped: a double block's token-wise linears are qkv, proj and the MLP's two (per stream);
     // a single block's linear1 and linear2.
     const uint64_t heads = static_cast<uint64_t>(c.num_heads),
                    count = static_cast<uint64_t>(unit.count);
-    out.tape_per_token.push_back(count * (unit.is_double
-                                              ? DualStreamTapePerToken(h, m, b, heads)
-                                              : SingleStreamTapePerToken(h, m, b, heads)));
+    out.tape_per_token.push_back(
+        count * (unit.is_double ? DualStreamTapePerToken(h, m, b, heads, in.fused_heads)
+                                : SingleStreamTapePerToken(h, m, b, heads, in.fused_heads)));
     out.tape_lora.push_back(count * b * (unit.is_double ? 4 : 2));
     out.tape_attentions.push_back(count);
   }

@@ -66,6 +66,9 @@ struct FluxMemoryInputs {
   int64_t text_tokens = 0;   // T5 tokens per caption (512 for FLUX.1-dev)
   int compute_bytes = 2;     // 2: bf16; 4: f32
   bool attention_materialized = false;
+  // Joint attention's q, k and v from the fused kernel (dit::JointHeadsFused): no f32
+  // copies of q and k in the working sets and tapes.
+  bool fused_heads = false;
   bool group_stacked = false;  // a group's jobs run as one batch (dit::StackJobsByDefault)
   uint64_t reserve_bytes = uint64_t{512} << 20;
   // A job group's other jobs (worker/flux/flux_group.h): the estimate adds their adapters,

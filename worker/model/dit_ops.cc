@@ -406,6 +406,10 @@ at::Tensor HeadsOf(const at::Tensor& x, int64_t col, int64_t heads, int64_t head
 
 }  // namespace
 
+bool JointHeadsFused(c10::Device device, c10::ScalarType dtype, int64_t head_dim) {
+  return dtype != at::kDouble && HeadsKernelApplies(device, dtype, head_dim);
+}
+
 at::Tensor JointAttention(const std::vector<AttentionStream>& streams, int64_t heads,
                           int64_t head_dim, const at::Tensor& pe, const at::Tensor& key_mask) {
   LS_CHECK(!streams.empty(), "joint attention over no stream");

@@ -108,6 +108,9 @@ struct AttentionStream {
 // reading q, k and v where that kernel wrote them.
 at::Tensor JointAttention(const std::vector<AttentionStream>& streams, int64_t heads,
                           int64_t head_dim, const at::Tensor& pe, const at::Tensor& key_mask = {});
+// Whether JointAttention runs its fused kernel on `device` for a model of `dtype` and heads
+// of head_dim (what the memory estimate counts on: no f32 copies of q and k).
+bool JointHeadsFused(c10::Device device, c10::ScalarType dtype, int64_t head_dim);
 // Keeps LibTorch's scaled_dot_product_attention off cuDNN's kernels on a GPU (their backward
 // failed at FLUX.1's lengths in LibTorch 2.11); a no-op elsewhere. Process-wide.
 void AvoidCudnnAttention(c10::Device device);

@@ -259,14 +259,23 @@ bool FusedRope(bool backward, const at::Tensor& x, const at::Tensor& cos, const 
 }  // namespace
 #endif
 
+bool HeadsKernelApplies(c10::Device device, c10::ScalarType dtype, int64_t head_dim) {
+#if LORASTREAM_HAVE_CUDA
+  cuda::KernelDtype t;
+  return FusedKernelsEnabled() && device.is_cuda() && KernelDtypeOf(dtype, &t) &&
+         head_dim % 2 == 0 && head_dim >= 2 && head_dim <= 256;
+#else
+  (void)device, (void)dtype, (void)head_dim;
+  return false;
+#endif
+}
+
 bool HeadsFusable(const HeadsPart& part, int64_t heads, int64_t head_dim, const at::Tensor& pe,
                   int64_t pos_offset) {
 #if LORASTREAM_HAVE_CUDA
   const at::Tensor& src = part.src;
-  cuda::KernelDtype t;
-  if (!FusedKernelsEnabled() || !src.defined() || !src.is_cuda() ||
-      !KernelDtypeOf(src.scalar_type(), &t) || src.dim() != 3 || !src.is_contiguous() ||
-      heads < 1 || head_dim % 2 != 0 || head_dim < 2 || head_dim > 256 || part.col < 0 ||
+  if (!src.defined() || !HeadsKernelApplies(src.device(), src.scalar_type(), head_dim) ||
+      src.dim() != 3 || !src.is_contiguous() || heads < 1 || part.col < 0 ||
       part.col + heads * head_dim > src.size(2))
     return false;
   if (part.scale.defined() &&

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 namespace lorastream::worker {
 
@@ -48,6 +49,10 @@ struct HeadsPart {
   int64_t col = 0;
   at::Tensor scale;  // undefined: v
 };
+// Whether the heads kernel runs on `device` for `dtype` and heads of head_dim at all (the
+// planner's question: HeadsFusable further checks the tensors' layouts, which the models
+// make as it wants them).
+bool HeadsKernelApplies(c10::Device device, c10::ScalarType dtype, int64_t head_dim);
 // Whether the kernel runs for `part` of heads of head_dim with pe at pos_offset (into a view
 // of the right shape, its last dimension contiguous).
 bool HeadsFusable(const HeadsPart& part, int64_t heads, int64_t head_dim, const at::Tensor& pe,

@@ -35,6 +35,7 @@ QwenImageMemoryInputs QwenImageMemoryInputsFor(const QwenImageConfig& config,
   for (const JobSpec& other : others) in.group.push_back(QwenImageDitJob(other, config));
   in.compute_bytes = static_cast<int>(c10::elementSize(dtype));
   in.attention_materialized = TORCH_VERSION_MAJOR < 2 || !device.is_cuda();
+  in.fused_heads = dit::JointHeadsFused(device, dtype, in.config.head_dim);
   in.group_stacked = dit::StackJobsByDefault(device);
   if (!device.is_cuda()) in.reserve_bytes = 0;  // the slack is the CUDA caching allocator's
   return in;

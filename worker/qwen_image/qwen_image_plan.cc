@@ -21,12 +21,14 @@ DitMemoryModel QwenImageMemoryModel(const QwenImageMemoryInputs& in) {
   out.checkpoint_per_token = in.block_bytes.size() * d * b;
   out.table_per_token = static_cast<uint64_t>(c.head_dim) * 8;
   out.table_per_latent = false;  // QwenRopeTable: [1, 1, T, head_dim / 2, 2, 2]
-  out.forward_per_token = DualStreamForwardPerToken(d, m, b);
-  out.backward_per_token.assign(in.block_bytes.size(), DualStreamBackwardPerToken(d, m, b));
+  out.forward_per_token = DualStreamForwardPerToken(d, m, b, in.fused_heads);
+  out.backward_per_token.assign(in.block_bytes.size(),
+                                DualStreamBackwardPerToken(d, m, b, in.fused_heads));
   // Taped: a block's token-wise linears are to_q, to_k, to_v, to_out.0 and the MLP's two (or
   // their text-stream twins).
-  out.tape_per_token.assign(in.block_bytes.size(),
-                            DualStreamTapePerToken(d, m, b, static_cast<uint64_t>(c.num_heads)));
+  out.tape_per_token.assign(
+      in.block_bytes.size(),
+      DualStreamTapePerToken(d, m, b, static_cast<uint64_t>(c.num_heads), in.fused_heads));
   out.tape_lora.assign(in.block_bytes.size(), 6 * b);
   out.tape_attentions.assign(in.block_bytes.size(), 1);
   out.stream_grads_per_token = 2 * d * b;

@@ -72,6 +72,9 @@ struct QwenImageMemoryInputs {
   DitJob job;               // P, B, N (largest bucket), L (longest caption)
   int compute_bytes = 2;    // 2: bf16; 4: f32
   bool attention_materialized = false;
+  // Joint attention's q, k and v from the fused kernel (dit::JointHeadsFused): no f32
+  // copies of q and k in the working sets and tapes.
+  bool fused_heads = false;
   bool group_stacked = false;  // a group's jobs run as one batch (dit::StackJobsByDefault)
   uint64_t reserve_bytes = uint64_t{512} << 20;
   std::vector<DitJob> group;  // a group's other jobs

@@ -53,12 +53,14 @@ namespace lorastream::worker {
 // compute element): FLUX.1's double blocks and Qwen-Image's blocks (their derivation:
 // worker/qwen_image/qwen_image_plan.h). Forward without grad: b (6H + 2M) + 32H; recomputed
 // with grad and its backward: b (20H + 4M) + 32H (the 32H: the f32 copies of q and k that the
-// RMSNorm and rotary steps make).
-inline uint64_t DualStreamForwardPerToken(uint64_t h, uint64_t m, uint64_t b) {
-  return b * (6 * h + 2 * m) + 32 * h;
+// RMSNorm and rotary steps make). Where joint attention's q, k and v come from the fused
+// kernel (`fused`: CUDA, dit::JointAttention) there are no f32 copies: without the 32H.
+inline uint64_t QkF32Copies(uint64_t h, bool fused) { return fused ? 0 : 32 * h; }
+inline uint64_t DualStreamForwardPerToken(uint64_t h, uint64_t m, uint64_t b, bool fused) {
+  return b * (6 * h + 2 * m) + QkF32Copies(h, fused);
 }
-inline uint64_t DualStreamBackwardPerToken(uint64_t h, uint64_t m, uint64_t b) {
-  return b * (20 * h + 4 * m) + 32 * h;
+inline uint64_t DualStreamBackwardPerToken(uint64_t h, uint64_t m, uint64_t b, bool fused) {
+  return b * (20 * h + 4 * m) + QkF32Copies(h, fused);
 }
 // What a taped dual-stream block keeps per token (b bytes each unless said; `heads`
 // attention heads), the list of its derivation (worker/qwen_image/qwen_image_plan.h) that
@@ -67,17 +69,26 @@ inline uint64_t DualStreamBackwardPerToken(uint64_t h, uint64_t m, uint64_t b) {
 // per-stream slices 2H, the projections' outputs H, the residual, its LayerNorm's output and
 // the modulated MLP input 3H, the MLP's two M-wide activations 2M, its output H: b (16H + 2M);
 // the f32 copies of q and k the RMSNorm and rotary steps make, 32H; attention's log-sum-exp,
-// 4 heads; the two LayerNorms' mean and rstd (f32), 16.
-inline uint64_t DualStreamTapePerToken(uint64_t h, uint64_t m, uint64_t b, uint64_t heads) {
-  return b * (16 * h + 2 * m) + 32 * h + 4 * heads + 16;
+// 4 heads; the two LayerNorms' mean and rstd (f32), 16. With the fused kernel: the
+// LayerNorm's input H and the modulated input H, the projections' q, k and v 3H (the kernel's
+// input), the kernel's q, k and v 3H (attention's), attention's output and its slices 2H, the
+// projection's output H, the residual and the modulated MLP input 2H, 2M, the MLP's output H:
+// b (14H + 2M), no f32 copies.
+inline uint64_t DualStreamTapePerToken(uint64_t h, uint64_t m, uint64_t b, uint64_t heads,
+                                       bool fused) {
+  return b * ((fused ? 14 : 16) * h + 2 * m) + QkF32Copies(h, fused) + 4 * heads + 16;
 }
 // The same for FLUX.1's single-stream block: the LayerNorm's output H, the modulated input H
 // (linear1's), linear1's output 3H + M (the MLP half's GELU reads a view of it), the q, k, v
 // copy 3H, q and k after the rotary step 2H, attention's output H, GELU's output M, the
 // concatenation linear2 reads H + M, linear2's output H: b (13H + 3M); then 32H, 4 heads and
-// one LayerNorm's 8 as above.
-inline uint64_t SingleStreamTapePerToken(uint64_t h, uint64_t m, uint64_t b, uint64_t heads) {
-  return b * (13 * h + 3 * m) + 32 * h + 4 * heads + 8;
+// one LayerNorm's 8 as above. With the fused kernel: the LayerNorm's input H, the modulated
+// input H, linear1's output 3H + M (the kernel's input), the kernel's q, k and v 3H,
+// attention's output H, GELU's output M, the concatenation H + M, linear2's output H:
+// b (11H + 3M), no f32 copies.
+inline uint64_t SingleStreamTapePerToken(uint64_t h, uint64_t m, uint64_t b, uint64_t heads,
+                                         bool fused) {
+  return b * ((fused ? 11 : 13) * h + 3 * m) + QkF32Copies(h, fused) + 4 * heads + 8;
 }
 
 // One job's shape in a DiT estimate: its adapter and its step's tokens.
