@@ -184,42 +184,26 @@ FluxPlanning PlanFluxJob(const FluxBase& base, const FluxJob& job, const FluxDat
                          const FluxPlanGroup& group) {
   FluxPlanning p;
   p.budget = FluxJobBudget(job, device);
-  if (p.budget == 0 && !predict) {
-    p.plan = base.SwapPlan(job.blocks_to_swap, job.ring_size);
-    if (job.taped_blocks != 0) {  // the job's taped units (-1: as many as fit the estimate)
-      p.inputs = FluxMemoryInputsFor(base, job, data, device, dtype);
-      p.inputs.group = group.members;
-      p.plan =
-          DitApplyTapedUnits(FluxMemoryModel(p.inputs), FluxDitJob(p.inputs, group.first_name),
-                             p.inputs.group, p.plan, 0, job.taped_blocks, "stream.taped_blocks");
-    }
-    return p;
-  }
-  p.inputs = FluxMemoryInputsFor(base, job, data, device, dtype);
-  p.costs = MeasureFluxCosts(base, job, p.inputs, data, device, dtype);
-  if (!group.members.empty()) {  // a group's step: every job's compute, the copies once
-    p.inputs.group = group.members;
-    if (p.inputs.group_stacked && SameDitShapes(FluxDitJob(p.inputs), p.inputs.group)) {
-      FluxJob all = job;  // stacked: every job's samples as one batch
-      all.batch_size *= static_cast<int64_t>(group.members.size() + 1);
-      p.costs =
-          StackedGroupCosts(p.costs, MeasureFluxCosts(base, all, p.inputs, data, device, dtype),
-                            group.members.size() + 1);
-    } else {
-      std::vector<StepCosts> jobs{p.costs};
-      if (group.member_costs) {
-        const std::vector<StepCosts> members = group.member_costs();
-        jobs.insert(jobs.end(), members.begin(), members.end());
-      }
-      p.costs = GroupStepCosts(jobs);
-    }
-  }
-  p.choice = PlanDitJob(
-      FluxMemoryModel(p.inputs), FluxDitJob(p.inputs, group.first_name), p.inputs.group, p.costs,
-      p.budget, p.budget > 0 ? ResidencyPlan{} : base.SwapPlan(job.blocks_to_swap, job.ring_size),
-      job.taped_blocks);
-  p.plan = p.choice.candidates[p.choice.chosen].plan;
-  LS_LOG_INFO("FLUX plan:\n{}", DescribeFluxPlanning(p));
+  const DitPlanning d = PlanDitUnits(
+      p.budget, predict,
+      p.budget > 0 ? ResidencyPlan{} : base.SwapPlan(job.blocks_to_swap, job.ring_size),
+      job.taped_blocks,
+      [&] {
+        p.inputs = FluxMemoryInputsFor(base, job, data, device, dtype);
+        p.inputs.group = group.members;
+        return DitPlanInputs{FluxMemoryModel(p.inputs), FluxDitJob(p.inputs, group.first_name),
+                             p.inputs.group};
+      },
+      [&](int64_t batches) {
+        FluxJob all = job;  // stacked: every job's samples as one batch
+        all.batch_size *= batches;
+        return MeasureFluxCosts(base, all, p.inputs, data, device, dtype);
+      },
+      [&] { return group.member_costs ? group.member_costs() : std::vector<StepCosts>{}; });
+  p.plan = d.plan;
+  p.choice = d.choice;
+  p.costs = d.costs;
+  if (!p.choice.candidates.empty()) LS_LOG_INFO("FLUX plan:\n{}", DescribeFluxPlanning(p));
   return p;
 }
 

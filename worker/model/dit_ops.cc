@@ -412,13 +412,15 @@ bool JointHeadsFused(c10::Device device, c10::ScalarType dtype, int64_t head_dim
 
 at::Tensor JointAttention(const std::vector<AttentionStream>& streams, int64_t heads,
                           int64_t head_dim, const at::Tensor& pe, const at::Tensor& key_mask) {
-  LS_CHECK(!streams.empty(), "joint attention over no stream");
+  LS_CHECK(!streams.empty() && pe.defined(), "joint attention over no stream or without RoPE");
   JointHeadsPlan plan;
   plan.heads = heads;
   plan.head_dim = head_dim;
   std::vector<at::Tensor> sources, scales;
-  bool fused = FusedDitOps(streams[0].q);
+  const at::Tensor& first = streams[0].q;
+  bool fused = FusedDitOps(first);
   for (const AttentionStream& s : streams) {
+    LS_CHECK(s.q_scale.defined() && s.k_scale.defined(), "joint attention: q or k without a norm");
     const int64_t rows = s.q.size(1);
     const std::array<std::pair<const at::Tensor*, int64_t>, 3> parts{
         {{&s.q, s.q_col}, {&s.k, s.k_col}, {&s.v, s.v_col}}};
@@ -432,7 +434,8 @@ at::Tensor JointAttention(const std::vector<AttentionStream>& streams, int64_t h
       plan.offset.push_back(plan.length);
       plan.rows.push_back(rows);
       HeadsPart part{src, parts[c].second, c == 0 ? s.q_scale : c == 1 ? s.k_scale : at::Tensor()};
-      fused = fused && src.size(1) == rows &&
+      fused = fused && src.size(0) == first.size(0) && src.size(1) == rows &&
+              src.scalar_type() == first.scalar_type() && src.device() == first.device() &&
               HeadsFusable(part, heads, head_dim, c == 2 ? at::Tensor() : pe, plan.length);
     }
     scales.push_back(s.q_scale);

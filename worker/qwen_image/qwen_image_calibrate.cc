@@ -114,34 +114,29 @@ QwenImagePlanning PlanQwenImageJob(const QwenImageConfig& config, const Manifest
           ? ResidencyPlan{}
           : UnitSwapPlan(static_cast<int>(manifest.blocks.size()), spec.stream.blocks_to_swap,
                          spec.stream.ring_size, "stream.blocks_to_swap");
-  const int64_t taped = spec.stream.taped_blocks;
-  if (p.budget == 0 && !predict) {
-    p.plan = hand;
-    if (taped != 0) {  // the job's taped blocks (-1: as many as fit the plan's estimate)
-      p.inputs = QwenImageMemoryInputsFor(config, manifest, spec, others, device, dtype);
-      p.plan = DitApplyTapedUnits(QwenImageMemoryModel(p.inputs), p.inputs.job, p.inputs.group,
-                                  hand, 0, taped, "stream.taped_blocks");
-    }
-    return p;
-  }
-  p.inputs = QwenImageMemoryInputsFor(config, manifest, spec, others, device, dtype);
-  p.costs = MeasureQwenImageCosts(config, spec, p.inputs, device, dtype);
-  if (!others.empty() && p.inputs.group_stacked &&
-      SameDitShapes(p.inputs.job, p.inputs.group)) {  // stacked: every job's samples at once
-    DitJob all = p.inputs.job;
-    all.batch *= static_cast<int64_t>(others.size() + 1);
-    p.costs =
-        StackedGroupCosts(p.costs, MeasureJob(config, spec, all, device, dtype), others.size() + 1);
-  } else if (!others.empty()) {  // a group's step: every job's compute, the copies once
-    std::vector<StepCosts> jobs{p.costs};
-    for (size_t j = 0; j < others.size(); ++j)
-      jobs.push_back(MeasureJob(config, others[j], p.inputs.group[j], device, dtype));
-    p.costs = GroupStepCosts(jobs);
-  }
-  p.choice = PlanDitJob(QwenImageMemoryModel(p.inputs), p.inputs.job, p.inputs.group, p.costs,
-                        p.budget, hand, taped);
-  p.plan = p.choice.candidates[p.choice.chosen].plan;
-  LS_LOG_INFO("Qwen-Image plan:\n{}", DescribeQwenImagePlanning(p));
+  const DitPlanning d = PlanDitUnits(
+      p.budget, predict, hand, spec.stream.taped_blocks,
+      [&] {
+        p.inputs = QwenImageMemoryInputsFor(config, manifest, spec, others, device, dtype);
+        return DitPlanInputs{QwenImageMemoryModel(p.inputs), p.inputs.job, p.inputs.group};
+      },
+      [&](int64_t batches) {
+        if (batches == 1) return MeasureQwenImageCosts(config, spec, p.inputs, device, dtype);
+        DitJob all = p.inputs.job;  // stacked: every job's samples as one batch
+        all.batch *= batches;
+        return MeasureJob(config, spec, all, device, dtype);
+      },
+      [&] {
+        std::vector<StepCosts> each;
+        for (size_t j = 0; j < others.size(); ++j)
+          each.push_back(MeasureJob(config, others[j], p.inputs.group[j], device, dtype));
+        return each;
+      });
+  p.plan = d.plan;
+  p.choice = d.choice;
+  p.costs = d.costs;
+  if (!p.choice.candidates.empty())
+    LS_LOG_INFO("Qwen-Image plan:\n{}", DescribeQwenImagePlanning(p));
   return p;
 }
 

@@ -212,6 +212,37 @@ std::string DitGroupBudgetRefusal(const DitMemoryModel& m, const DitJob& job,
   return "";
 }
 
+DitPlanning PlanDitUnits(uint64_t budget_bytes, bool predict, const ResidencyPlan& hand,
+                         int64_t taped, const std::function<DitPlanInputs()>& inputs,
+                         const std::function<StepCosts(int64_t)>& measure_job,
+                         const std::function<std::vector<StepCosts>()>& measure_members) {
+  DitPlanning p;
+  if (budget_bytes == 0 && !predict) {
+    p.plan = hand;
+    if (taped != 0) {
+      const DitPlanInputs in = inputs();
+      p.plan =
+          DitApplyTapedUnits(in.model, in.job, in.group, hand, 0, taped, "stream.taped_blocks");
+    }
+    return p;
+  }
+  const DitPlanInputs in = inputs();
+  p.costs = measure_job(1);
+  if (!in.group.empty()) {
+    const size_t jobs = in.group.size() + 1;
+    if (in.model.group_stacked && SameDitShapes(in.job, in.group)) {
+      p.costs = StackedGroupCosts(p.costs, measure_job(static_cast<int64_t>(jobs)), jobs);
+    } else {
+      std::vector<StepCosts> each{p.costs};
+      for (StepCosts& c : measure_members()) each.push_back(std::move(c));
+      p.costs = GroupStepCosts(each);
+    }
+  }
+  p.choice = PlanDitJob(in.model, in.job, in.group, p.costs, budget_bytes, hand, taped);
+  p.plan = p.choice.candidates[p.choice.chosen].plan;
+  return p;
+}
+
 std::string DitPlanLabel(const DitMemoryModel& m, const ResidencyPlan& plan) {
   std::vector<int> streamed(Kinds(m), 0);
   for (size_t u = 0; u < m.unit_kind.size(); ++u)

@@ -41,6 +41,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -203,6 +204,30 @@ PlanChoice ChooseDitPlan(const DitMemoryModel& m, const DitJob& job,
 PlanChoice PlanDitJob(const DitMemoryModel& m, const DitJob& job, const std::vector<DitJob>& group,
                       const StepCosts& costs, uint64_t budget_bytes, const ResidencyPlan& hand,
                       int64_t taped = 0);
+
+// What a family's job feeds the planner: its units' model and the jobs' shapes (a group's
+// other jobs in `group`).
+struct DitPlanInputs {
+  DitMemoryModel model;
+  DitJob job;
+  std::vector<DitJob> group;
+};
+// The planning of a diffusion family's job, the one flow every family runs. Without a budget
+// (0) and not `predict`ing: the job file's plan `hand` with its `taped` units (-1: as many as
+// fit its estimate; `inputs` asked only then). Otherwise the cost model's figures, measured
+// by the family: `measure_job(k)` the job's step with k times its batch (1: the job alone; a
+// group stacked as one batch: every job's samples at once, StackedGroupCosts), and where the
+// group does not stack `measure_members()` each other job's step alone (every job's compute,
+// the copies once: GroupStepCosts); then PlanDitJob within `budget_bytes`.
+struct DitPlanning {
+  ResidencyPlan plan;
+  PlanChoice choice;  // empty without a budget unless predicted
+  StepCosts costs;
+};
+DitPlanning PlanDitUnits(uint64_t budget_bytes, bool predict, const ResidencyPlan& hand,
+                         int64_t taped, const std::function<DitPlanInputs()>& inputs,
+                         const std::function<StepCosts(int64_t)>& measure_job,
+                         const std::function<std::vector<StepCosts>()>& measure_members);
 
 // "swap 20 (double 4, single 16) ring 2" (several kinds), "swap 20 ring 2" (one); then
 // " taped 3" when units are taped.
