@@ -3,7 +3,8 @@
 // grows with the tokens; only resident units are taped, the last ones in forward order; the
 // planner tapes units when the budget leaves room and none when it does not, every plan with
 // taped units fits its budget in the estimate and is predicted a forward faster per unit;
-// a compressed store's units and a plan without a budget are never taped.
+// a compressed store's units and a plan without a budget are never taped. With the fused q, k,
+// v kernel the estimate keeps no f32 copies of q and k; PlanDitUnits measures what it needs.
 #include <catch2/catch.hpp>
 
 #include "common/formats/flux_config.h"
@@ -243,4 +244,94 @@ TEST_CASE(
   } catch (const std::exception& e) {
     CHECK(std::string(e.what()).find("stream.taped_blocks") != std::string::npos);
   }
+}
+
+TEST_CASE(
+    "dit estimate with the fused q, k, v kernel: no f32 copies of q and k, two H fewer kept a "
+    "taped block, the same otherwise",
+    "[worker_core][dit]") {
+  flux::FluxMemoryInputs in = FluxDev();
+  const uint64_t h = 3072, mlp = 12288, b = 2, heads = 24, rank = 16, t = 4096 + 512;
+  flux::FluxMemoryInputs fused = in;
+  fused.fused_heads = true;
+  ResidencyPlan plan = flux::FluxResidency(in, 0, 0, 1);
+  plan.taped_blocks = 1;  // the last unit: two single blocks
+  const DitMemoryEstimate plain = flux::EstimateFluxMemory(in, plan);
+  const DitMemoryEstimate e = flux::EstimateFluxMemory(fused, plan);
+  CHECK(e.tapes == t * 2 * (b * (11 * h + 3 * mlp) + 4 * heads + 8 + 2 * rank * b));
+  CHECK(plain.tapes - e.tapes == t * 2 * (b * 2 * h + 32 * h));
+  CHECK(plain.forward_working - e.forward_working == t * 32 * h);
+  CHECK(plain.backward_working - e.backward_working == 2 * t * 32 * h);  // a unit of two blocks
+  CHECK(e.resident == plain.resident);
+  CHECK(e.adapter == plain.adapter);
+  CHECK(e.checkpoints == plain.checkpoints);
+  // Qwen-Image's dual-stream blocks: 14H + 2M kept.
+  qwen_image::QwenImageMemoryInputs q = QwenDev();
+  q.fused_heads = true;
+  const ResidencyPlan qp = DitResidency(qwen_image::QwenImageMemoryModel(q), {0}, 1, 3);
+  CHECK(qwen_image::EstimateQwenImageMemory(q, qp).tapes ==
+        3 * (4096 + 256) * (b * (14 * h + 2 * mlp) + 4 * heads + 16 + 6 * rank * b));
+}
+
+TEST_CASE(
+    "PlanDitUnits: the job file's plan without a budget, measured only when planning; a stacked "
+    "group measured as one batch, another group job by job",
+    "[worker_core][dit]") {
+  const qwen_image::QwenImageMemoryInputs q = QwenDev();
+  const DitMemoryModel m = qwen_image::QwenImageMemoryModel(q);
+  const ResidencyPlan hand = DitResidency(m, {40}, 2);
+  int inputs_asked = 0, members_asked = 0;
+  std::vector<int64_t> batches;
+  auto run = [&](uint64_t budget, bool predict, int64_t taped, const std::vector<DitJob>& group,
+                 bool stacked) {
+    inputs_asked = members_asked = 0;
+    batches.clear();
+    return PlanDitUnits(
+        budget, predict, hand, taped,
+        [&] {
+          ++inputs_asked;
+          DitPlanInputs in{m, q.job, group};
+          in.model.group_stacked = stacked;
+          return in;
+        },
+        [&](int64_t k) {
+          batches.push_back(k);
+          StepCosts c = Costs(25e9);
+          c.block_backward_seconds *= static_cast<double>(k);
+          return c;
+        },
+        [&] {
+          ++members_asked;
+          return std::vector<StepCosts>(group.size(), Costs(25e9));
+        });
+  };
+  // No budget, not predicting: the hand plan, nothing asked or measured.
+  DitPlanning p = run(0, false, 0, {}, false);
+  CHECK(p.plan.streamed == hand.streamed);
+  CHECK(p.choice.candidates.empty());
+  CHECK(inputs_asked == 0);
+  CHECK(batches.empty());
+  // ... with taped units: the inputs asked for the estimate, still nothing measured.
+  p = run(0, false, 5, {}, false);
+  CHECK(p.plan.taped_blocks == 5);
+  CHECK(inputs_asked == 1);
+  CHECK(batches.empty());
+  // Predicting without a budget: the hand plan as the one candidate, measured once.
+  p = run(0, true, 0, {}, false);
+  REQUIRE(p.choice.candidates.size() == 1);
+  CHECK(p.plan.streamed == hand.streamed);
+  CHECK(batches == std::vector<int64_t>{1});
+  // A group of three of one shape that stacks: the job, then every job's samples as one batch.
+  const std::vector<DitJob> two{q.job, q.job};
+  const uint64_t budget = uint64_t{40} << 30;
+  p = run(budget, false, 0, two, true);
+  CHECK(batches == std::vector<int64_t>{1, 3});
+  CHECK(members_asked == 0);
+  CHECK(p.costs.block_backward_seconds == Approx(Costs(25e9).block_backward_seconds * 3));
+  CHECK(p.choice.candidates[p.choice.chosen].peak_bytes <= budget);
+  // The same group unstacked: the job, then each other job alone (every job's compute).
+  p = run(budget, false, 0, two, false);
+  CHECK(batches == std::vector<int64_t>{1});
+  CHECK(members_asked == 1);
+  CHECK(p.costs.block_backward_seconds == Approx(Costs(25e9).block_backward_seconds * 3));
 }
