@@ -171,19 +171,11 @@ StepCosts MeasureFluxCosts(const FluxBase& base, const FluxJob& job, const FluxM
   return costs;
 }
 
-uint64_t FluxJobBudget(const FluxJob& job, c10::Device device) {
-  if (!job.budget_auto) return job.gpu_memory_budget;
-  if (!device.is_cuda()) return 0;  // "auto" on the CPU: no budget, as for an LLM job
-  StreamSpec st;
-  st.budget_auto = true;
-  return JobMemoryBudget(st, device);
-}
-
 FluxPlanning PlanFluxJob(const FluxBase& base, const FluxJob& job, const FluxDataset& data,
                          c10::Device device, c10::ScalarType dtype, bool predict,
                          const FluxPlanGroup& group) {
   FluxPlanning p;
-  p.budget = FluxJobBudget(job, device);
+  p.budget = JobMemoryBudget(job.gpu_memory_budget, job.budget_auto, device);
   const DitPlanning d = PlanDitUnits(
       p.budget, predict,
       p.budget > 0 ? ResidencyPlan{} : base.SwapPlan(job.blocks_to_swap, job.ring_size),

@@ -29,13 +29,10 @@ FluxMemoryInputs FluxMemoryInputsFor(const FluxBase& base, const FluxJob& job,
 StepCosts MeasureFluxCosts(const FluxBase& base, const FluxJob& job, const FluxMemoryInputs& in,
                            const FluxDataset& data, c10::Device device, c10::ScalarType dtype);
 
-// The budget a job plans within: flux.gpu_memory_budget, or with "auto" the share of the
-// device's free memory that an LLM job's "auto" takes (0: the job names no budget).
-uint64_t FluxJobBudget(const FluxJob& job, c10::Device device);
-
-// The plan for a job: with a budget, the planner's choice (calibrated here, the table logged);
-// without one, blocks_to_swap and ring_size as given, its prediction and estimate computed
-// (calibrated) only when `predict` (the plan command), else an empty table.
+// The plan for a job: with a budget (flux.gpu_memory_budget, or "auto": JobMemoryBudget) the
+// planner's choice (calibrated here, the table logged); without one, blocks_to_swap and
+// ring_size as given, its prediction and estimate computed (calibrated) only when `predict`
+// (the plan command), else an empty table.
 struct FluxPlanning {
   ResidencyPlan plan;
   PlanChoice choice;  // empty without a budget

@@ -13,6 +13,7 @@
 #include "worker/flux/flux_base.h"
 #include "worker/flux/flux_data.h"
 #include "worker/model/torch_device.h"
+#include "worker/train/stream_provider.h"
 
 namespace lorastream::worker::flux {
 
@@ -30,7 +31,9 @@ FluxPlanGroup FluxPlanGroupOf(const FluxBase& base, const JobSpec& first,
                               c10::ScalarType dtype, bool always) {
   FluxPlanGroup group;
   group.first_name = first.name;
-  if (others.empty() || (!always && FluxJobBudget(first.flux, device) == 0)) return group;
+  if (others.empty() || (!always && JobMemoryBudget(first.flux.gpu_memory_budget,
+                                                    first.flux.budget_auto, device) == 0))
+    return group;
   // Each member's caches are read once, for its memory now and its costs if asked.
   struct Member {
     FluxJob job;

@@ -262,7 +262,11 @@ Manifest ComputeLayout(const BaseWeights& base, c10::ScalarType dtype) {
 }
 
 uint64_t JobMemoryBudget(const StreamSpec& st, const c10::Device& device) {
-  if (!st.budget_auto || !device.is_cuda()) return st.gpu_memory_budget;
+  return JobMemoryBudget(st.gpu_memory_budget, st.budget_auto, device);
+}
+
+uint64_t JobMemoryBudget(uint64_t gpu_memory_budget, bool budget_auto, const c10::Device& device) {
+  if (!budget_auto || !device.is_cuda()) return gpu_memory_budget;
 #ifdef LORASTREAM_HAVE_CUDA
   const uint64_t free_bytes = CudaFreeBytes(device.has_index() ? device.index() : 0);
   const uint64_t budget = AutoMemoryBudget(free_bytes);

@@ -62,6 +62,8 @@ std::pair<uint64_t, std::string> DeviceMemory(const c10::Device& device);
 // stream.gpu_memory_budget, or with stream.budget_auto on a GPU AutoMemoryBudget of the
 // memory free on `device` now (logged); on the CPU auto means none.
 uint64_t JobMemoryBudget(const StreamSpec& stream, const c10::Device& device);
+// The same from a budget's two settings (a family section that keeps them itself: [flux]).
+uint64_t JobMemoryBudget(uint64_t gpu_memory_budget, bool budget_auto, const c10::Device& device);
 
 // The job's plan: from blocks_to_swap (and its phase slots) without a budget
 // (JobMemoryBudget); with one (a group's: inputs.group, refused naming the job that does not
