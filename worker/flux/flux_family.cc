@@ -3,9 +3,6 @@
 
 #include <cstdio>
 #include <filesystem>
-#include <map>
-#include <mutex>
-#include <optional>
 #include <tuple>
 
 #include <ATen/ATen.h>
@@ -27,6 +24,7 @@
 #include "worker/model/model.h"
 #include "worker/model/torch_device.h"
 #include "worker/train/adamw.h"
+#include "worker/train/dit_join.h"
 #include "worker/train/graphed_call.h"
 #include "worker/train/micro_batch_runner.h"
 #include "worker/train/stoppable_provider.h"
@@ -75,23 +73,26 @@ class Group final : public FamilyGroup {
     // The memory the plan was made for, kept for the jobs that ask to join later; without a
     // budget, the group given (options.plan_group) is refused beyond the device's memory now,
     // naming the job, before anything is allocated.
-    plan_ = planning.plan;
-    memory_ = planning.budget > 0
-                  ? planning.inputs
-                  : FluxMemoryInputsFor(*base_, planned, *first_data_, device_, dtype_);
-    memory_.group.clear();
-    if (planning.budget > 0) {
-      limit_ = planning.budget;
-      limit_what_ = "the plan's budget (gpu_memory_budget)";
-    } else {
-      std::tie(limit_, limit_what_) = DeviceMemory(device_);
-      const uint64_t peak = EstimateFluxMemory(memory_, plan_).total();
-      if (limit_ > 0 && peak > limit_)
+    FluxMemoryInputs memory =
+        planning.budget > 0 ? planning.inputs
+                            : FluxMemoryInputsFor(*base_, planned, *first_data_, device_, dtype_);
+    memory.group.clear();
+    uint64_t limit = planning.budget;
+    std::string limit_what = "the plan's budget (gpu_memory_budget)";
+    if (planning.budget == 0) std::tie(limit, limit_what) = DeviceMemory(device_);
+    admission_ = std::make_unique<DitJoinAdmission>(
+        FluxMemoryModel(memory), FluxDitJob(memory), planning.plan, limit, limit_what,
+        [this](const JobSpec& spec) {
+          return FluxMembersOf(*base_, {spec}, device_, dtype_).front();
+        },
+        files_as_);
+    if (planning.budget == 0) {
+      const uint64_t peak = EstimateFluxMemory(memory, planning.plan).total();
+      if (limit > 0 && peak > limit)
         throw Error(ErrorCode::kRefused,
                     "job " + first.name + ": the estimated peak memory, " + FormatBytes(peak) +
-                        " (its largest bucket: " + std::to_string(memory_.image_tokens) +
-                        " image tokens), exceeds the " + FormatBytes(limit_) + " of " +
-                        limit_what_ +
+                        " (its largest bucket: " + std::to_string(memory.image_tokens) +
+                        " image tokens), exceeds the " + FormatBytes(limit) + " of " + limit_what +
                         ": lower train.batch_size or the caches' resolution, or stream units "
                         "(stream.gpu_memory_budget)");
       std::vector<JobSpec> others;
@@ -124,29 +125,7 @@ class Group final : public FamilyGroup {
   // Whether steps may replay a graph: the jobs then clear their gradients in place.
   bool graphs_steps() const { return graphs_->may_graph(); }
   std::string JoinRefusal(const std::vector<JobSpec>& others) const override {
-    if (others.empty()) return "";
-    FluxMemoryInputs in = memory_;
-    for (const JobSpec& spec : others)
-      if (const std::optional<FluxGroupMember>& m = MemberOf(spec)) in.group.push_back(*m);
-    return GroupJoinProblem(others.back().name, others.size(),
-                            EstimateFluxMemory(in, plan_).total(), limit_, limit_what_);
-  }
-
-  // A job's figures for the estimate (its caches' largest bucket), read once per job: a
-  // serving worker asks for every waiting job at every step. nullopt: its caches cannot be
-  // read (the job fails alone when it starts, naming them).
-  const std::optional<FluxGroupMember>& MemberOf(const JobSpec& spec) const {
-    const std::lock_guard<std::mutex> lock(members_mutex_);
-    const std::string key = JobSpecToToml(spec);
-    auto it = members_.find(key);
-    if (it != members_.end()) return it->second;
-    std::optional<FluxGroupMember> member;
-    try {
-      const ActingAs as(files_as_);  // its caches, as the submitter
-      member = FluxMembersOf(*base_, {spec}, device_, dtype_).front();
-    } catch (const std::exception&) {
-    }
-    return members_.emplace(key, std::move(member)).first->second;
+    return admission_->JoinRefusal(others);
   }
 
   const FluxBase& base() const { return *base_; }
@@ -170,14 +149,9 @@ class Group final : public FamilyGroup {
   std::unique_ptr<FluxModel> model_;
   std::unique_ptr<GraphedStep> graphs_;
   int64_t streamed_ = 0;
-  // The plan and the memory it was made for (the first job's inputs), and its limit.
-  ResidencyPlan plan_;
-  FluxMemoryInputs memory_;
-  uint64_t limit_ = 0;
-  std::string limit_what_;
   const UserIdentity* files_as_ = nullptr;
-  mutable std::mutex members_mutex_;
-  mutable std::map<std::string, std::optional<FluxGroupMember>> members_;  // by job file text
+  // Joiners against the memory the plan was made for (the first job's) and its limit.
+  std::unique_ptr<DitJoinAdmission> admission_;
 };
 
 // One job: its caches, its adapter, its step's inputs and loss.

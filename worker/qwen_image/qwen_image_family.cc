@@ -3,9 +3,6 @@
 
 #include <cstdio>
 #include <filesystem>
-#include <map>
-#include <mutex>
-#include <optional>
 #include <sstream>
 
 #include <ATen/ATen.h>
@@ -30,6 +27,7 @@
 #include "worker/qwen_image/qwen_image_data.h"
 #include "worker/qwen_image/qwen_image_model.h"
 #include "worker/train/adamw.h"
+#include "worker/train/dit_join.h"
 #include "worker/train/stoppable_provider.h"
 
 namespace lorastream::worker::qwen_image {
@@ -54,16 +52,25 @@ class Group final : public FamilyGroup {
           QwenImageBase::Load(first.model.checkpoint, dtype_, device_));
     }
     files_as_ = options.files_as;
+    QwenImagePlanning planning;
     {
       // The plan: the planner's within the budget (the jobs given with the first counted),
       // else stream.blocks_to_swap; the caches' headers are read as the submitter.
       const ActingAs as(options.files_as);
-      planning_ = PlanQwenImageJob(base_->config(), base_->engine_manifest(), first,
-                                   options.plan_group, device_, dtype_, /*predict=*/false);
+      planning = PlanQwenImageJob(base_->config(), base_->engine_manifest(), first,
+                                  options.plan_group, device_, dtype_, /*predict=*/false);
     }
     // Joiners are admitted against the first job's estimate under this plan (no budget: all).
-    planning_.inputs.group.clear();
-    const ResidencyPlan& plan = planning_.plan;
+    const ResidencyPlan& plan = planning.plan;
+    if (planning.budget > 0) {
+      QwenImageMemoryInputs memory = planning.inputs;
+      memory.group.clear();
+      admission_ = std::make_unique<DitJoinAdmission>(
+          QwenImageMemoryModel(memory), memory.job, plan, planning.budget,
+          "the plan's budget (stream.gpu_memory_budget)",
+          [this](const JobSpec& spec) { return QwenImageDitJob(spec, base_->config()); },
+          options.files_as);
+    }
     provider_ = std::make_unique<StoppableProvider>(
         base_->MakeEngine(plan, device_, options.engine), std::move(all_stop), device_.is_cuda());
     model_ = std::make_unique<QwenImageModel>(base_->config(), base_->rest(), provider_.get(),
@@ -86,29 +93,7 @@ class Group final : public FamilyGroup {
   // Within a budget, a joiner whose estimate beside the group's jobs exceeds it waits (it
   // trains once the group drains); without one, every job joins.
   std::string JoinRefusal(const std::vector<JobSpec>& others) const override {
-    if (others.empty() || planning_.budget == 0) return "";
-    QwenImageMemoryInputs in = planning_.inputs;
-    for (const JobSpec& spec : others)
-      if (const std::optional<DitJob>& m = MemberOf(spec)) in.group.push_back(*m);
-    return GroupJoinProblem(others.back().name, others.size(),
-                            EstimateQwenImageMemory(in, planning_.plan).total(), planning_.budget,
-                            "the plan's budget (stream.gpu_memory_budget)");
-  }
-  // A job's shape for the estimate (its caches' headers), read once per job: a serving worker
-  // asks for every waiting job at every step. nullopt: its caches cannot be read (the job
-  // fails alone when it starts, naming them).
-  const std::optional<DitJob>& MemberOf(const JobSpec& spec) const {
-    const std::lock_guard<std::mutex> lock(members_mutex_);
-    const std::string key = JobSpecToToml(spec);
-    auto it = members_.find(key);
-    if (it != members_.end()) return it->second;
-    std::optional<DitJob> member;
-    try {
-      const ActingAs as(files_as_);
-      member = QwenImageDitJob(spec, base_->config());
-    } catch (const std::exception&) {
-    }
-    return members_.emplace(key, std::move(member)).first->second;
+    return admission_ ? admission_->JoinRefusal(others) : "";
   }
 
   const QwenImageBase& base() const { return *base_; }
@@ -123,9 +108,7 @@ class Group final : public FamilyGroup {
   std::unique_ptr<StoppableProvider> provider_;
   std::unique_ptr<QwenImageModel> model_;
   const UserIdentity* files_as_ = nullptr;
-  QwenImagePlanning planning_;  // the plan and the first job's estimate inputs
-  mutable std::mutex members_mutex_;
-  mutable std::map<std::string, std::optional<DitJob>> members_;  // by job file text
+  std::unique_ptr<DitJoinAdmission> admission_;  // within a budget: joiners against it
 };
 
 class Job final : public FamilyJob {
