@@ -176,7 +176,7 @@ FluxPlanning PlanFluxJob(const FluxBase& base, const FluxJob& job, const FluxDat
                          const FluxPlanGroup& group) {
   FluxPlanning p;
   p.budget = JobMemoryBudget(job.gpu_memory_budget, job.budget_auto, device);
-  const DitPlanning d = PlanDitUnits(
+  static_cast<DitPlanning&>(p) = PlanDitUnits(
       p.budget, predict,
       p.budget > 0 ? ResidencyPlan{} : base.SwapPlan(job.blocks_to_swap, job.ring_size),
       job.taped_blocks,
@@ -192,9 +192,6 @@ FluxPlanning PlanFluxJob(const FluxBase& base, const FluxJob& job, const FluxDat
         return MeasureFluxCosts(base, all, p.inputs, data, device, dtype);
       },
       [&] { return group.member_costs ? group.member_costs() : std::vector<StepCosts>{}; });
-  p.plan = d.plan;
-  p.choice = d.choice;
-  p.costs = d.costs;
   if (!p.choice.candidates.empty()) LS_LOG_INFO("FLUX plan:\n{}", DescribeFluxPlanning(p));
   return p;
 }

@@ -33,11 +33,8 @@ StepCosts MeasureFluxCosts(const FluxBase& base, const FluxJob& job, const FluxM
 // planner's choice (calibrated here, the table logged); without one, blocks_to_swap and
 // ring_size as given, its prediction and estimate computed (calibrated) only when `predict`
 // (the plan command), else an empty table.
-struct FluxPlanning {
-  ResidencyPlan plan;
-  PlanChoice choice;  // empty without a budget
+struct FluxPlanning : DitPlanning {
   FluxMemoryInputs inputs;
-  StepCosts costs;
   uint64_t budget = 0;
 };
 // A job group's other jobs, for the plan of its first (worker/flux/flux_group.h): their

@@ -114,7 +114,7 @@ QwenImagePlanning PlanQwenImageJob(const QwenImageConfig& config, const Manifest
           ? ResidencyPlan{}
           : UnitSwapPlan(static_cast<int>(manifest.blocks.size()), spec.stream.blocks_to_swap,
                          spec.stream.ring_size, "stream.blocks_to_swap");
-  const DitPlanning d = PlanDitUnits(
+  static_cast<DitPlanning&>(p) = PlanDitUnits(
       p.budget, predict, hand, spec.stream.taped_blocks,
       [&] {
         p.inputs = QwenImageMemoryInputsFor(config, manifest, spec, others, device, dtype);
@@ -132,9 +132,6 @@ QwenImagePlanning PlanQwenImageJob(const QwenImageConfig& config, const Manifest
           each.push_back(MeasureJob(config, others[j], p.inputs.group[j], device, dtype));
         return each;
       });
-  p.plan = d.plan;
-  p.choice = d.choice;
-  p.costs = d.costs;
   if (!p.choice.candidates.empty())
     LS_LOG_INFO("Qwen-Image plan:\n{}", DescribeQwenImagePlanning(p));
   return p;

@@ -35,11 +35,8 @@ StepCosts MeasureQwenImageCosts(const QwenImageConfig& config, const JobSpec& sp
 // calibrated here, a group that does not fit even with every block streamed refused naming
 // the job; without one, stream.blocks_to_swap and ring_size as given, with its estimate and
 // prediction only when `predict` (the plan command).
-struct QwenImagePlanning {
-  ResidencyPlan plan;
-  PlanChoice choice;  // empty without a budget unless predicted
+struct QwenImagePlanning : DitPlanning {
   QwenImageMemoryInputs inputs;
-  StepCosts costs;
   uint64_t budget = 0;
 };
 QwenImagePlanning PlanQwenImageJob(const QwenImageConfig& config, const Manifest& manifest,
