@@ -118,8 +118,9 @@ def main():
                    QI_BENCH_PIXELS="64x64", QI_BENCH_TEXT_TOKENS="8",
                    QI_BENCH_GROUP_PIXELS="32x32", QI_BENCH_BUDGET="1400KiB",
                    QI_BENCH_GROUP_BUDGET="8MiB", QI_BENCH_GROUP="2", QI_BENCH_STEPS="3",
-                   QI_BENCH_WARMUP="1", QI_BENCH_PEER_DEADLINE="60",
-                   QI_BENCH_RUNS="resident,streamed,auto,group,peer,musubi",
+                   QI_BENCH_FP8_BUDGET="1350KiB", QI_BENCH_WARMUP="1",
+                   QI_BENCH_PEER_DEADLINE="60",
+                   QI_BENCH_RUNS="resident,streamed,fp8,auto,group,peer,musubi",
                    QI_BENCH_MUSUBI=os.path.join(tmp, "no-musubi.py"),
                    QI_BENCH_WORK=os.path.join(tmp, "work"))
         r = subprocess.run([os.path.join(ROOT, "tools", "gpu", "bench_qwen_image.sh"),
@@ -132,13 +133,21 @@ def main():
         rows = {line.split("|")[1].strip(): line for line in md.splitlines()
                 if line.startswith("| lorastream")}
         for name in ("lorastream resident (blocks_to_swap = 0, checkpointed)",
-                     "lorastream within 1400KiB", "lorastream, gpu_memory_budget = \"auto\"",
+                     "lorastream within 1400KiB", "lorastream, fp8 store, within 1350KiB",
+                     "lorastream, gpu_memory_budget = \"auto\"",
                      "lorastream, one job at 32x32 within 8MiB",
                      "lorastream, a group of 2 at 32x32 within 8MiB"):
             check(name in rows and "| 3/3 |" in rows[name], f"row {name!r} with 3 of 3 steps")
         streamed = rows.get("lorastream within 1400KiB", "")
         check(" of 3 streamed, ring " in streamed and "| 0 of 3" not in streamed,
               "the budget's plan streams blocks")
+        fp8 = rows.get("lorastream, fp8 store, within 1350KiB", "")
+        check(" of 3 streamed, ring " in fp8 and "| 0 of 3" not in fp8,
+              "the fp8 store's plan within its budget streams blocks")
+        check(re.search(r"\| fp8 store within 1350KiB / resident \| [0-9.]+ \|", md) is not None
+              and "fp8 store within 1350KiB: peak GiB" in md, "the fp8 store's ratios")
+        check(not any(n.startswith("lorastream.qi-bench-fp8-") for n in os.listdir("/dev/shm")),
+              "the fp8 store stopped with the script (its segments gone)")
         check("| resident / diffusers + peft" in md, "the like-with-like ratio's line")
         check("group of 2 at 32x32: image tokens/s over one job's" in md
               and "| >= 2 (the target's" in md, "the group's ratio with its target")

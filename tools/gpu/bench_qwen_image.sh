@@ -10,6 +10,9 @@
 #   group     one job at QI_BENCH_GROUP_PIXELS alone, then QI_BENCH_GROUP such jobs (each its
 #             own seed and output) as one group (`lorastream-worker train a.toml b.toml ...`),
 #             both within QI_BENCH_GROUP_BUDGET: the group's image tokens/s against one job's
+#   fp8       the checkpoint served as an fp8 store (`lorastream-store serve --quantize fp8`: the
+#             blocks' projections in e4m3 with 128x128 block scales, expanded on the GPU) and the
+#             same job naming the store within QI_BENCH_FP8_BUDGET
 #   peer      diffusers + peft on the same checkpoint (tools/gpu/bench_qwen_image_peer.py: bf16,
 #             LoRA on the same targets, gradient checkpointing on and off, each SDPA kernel and
 #             diffusers' other attention backends, each configuration within
@@ -40,7 +43,7 @@
 #   QI_BENCH_PRESET (qwen-image: a name in configs/models or a .toml path)  QI_BENCH_LAYERS
 #   (60: every block)  QI_BENCH_PIXELS (1024x1024: 4096 image tokens)  QI_BENCH_TEXT_TOKENS
 #   (256)  QI_BENCH_STEPS (6)  QI_BENCH_WARMUP (2)  QI_BENCH_BUDGET (24GiB)  QI_BENCH_GROUP
-#   (4; 0 or 1: no group run)  QI_BENCH_GROUP_PIXELS (512x512)  QI_BENCH_GROUP_BUDGET
+#   (4; 0 or 1: no group run)  QI_BENCH_FP8_BUDGET (12GiB: the fp8 run's)  QI_BENCH_GROUP_PIXELS (512x512)  QI_BENCH_GROUP_BUDGET
 #   (QI_BENCH_BUDGET)  QI_BENCH_RUNS (resident,streamed,auto,group,peer: a comma list of those
 #   to run, in its order; musubi too where QI_BENCH_MUSUBI is a file and the device CUDA)
 #   QI_BENCH_SWAP (3/4 of QI_BENCH_LAYERS rounded up, at most QI_BENCH_LAYERS - 1: 45 of 60;
@@ -61,7 +64,7 @@
 # On a CPU, with qwen-image-tiny: QI_BENCH_PRESET=qwen-image-tiny QI_BENCH_LAYERS=4
 #   QI_BENCH_DEVICE=cpu QI_BENCH_DTYPE=f32 QI_BENCH_PIXELS=64x64 QI_BENCH_TEXT_TOKENS=8
 #   QI_BENCH_GROUP_PIXELS=32x32 QI_BENCH_BUDGET=1600KiB
-#   QI_BENCH_GROUP_BUDGET=8MiB QI_BENCH_STEPS=4 QI_BENCH_WARMUP=1
+#   QI_BENCH_GROUP_BUDGET=8MiB QI_BENCH_FP8_BUDGET=1600KiB QI_BENCH_STEPS=4 QI_BENCH_WARMUP=1
 #   (the peer runs when torch, peft and diffusers import, else the table says it was skipped)
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -78,6 +81,7 @@ BUDGET="${QI_BENCH_BUDGET:-24GiB}"
 GROUP="${QI_BENCH_GROUP:-4}"
 GROUP_PIXELS="${QI_BENCH_GROUP_PIXELS:-512x512}"
 GROUP_BUDGET="${QI_BENCH_GROUP_BUDGET:-$BUDGET}"
+FP8_BUDGET="${QI_BENCH_FP8_BUDGET:-12GiB}"
 SWAP_DEFAULT=$(( (LAYERS * 3 + 3) / 4 ))  # 3/4 rounded up, at most LAYERS - 1 (musubi-tuner's)
 [ "$SWAP_DEFAULT" -lt "$LAYERS" ] || SWAP_DEFAULT=$(( LAYERS - 1 ))
 SWAP="${QI_BENCH_SWAP:-$SWAP_DEFAULT}"
@@ -99,10 +103,12 @@ PRESET_FILE="$PRESET"
 [ -f "$PRESET_FILE" ] || { echo "QI_BENCH_PRESET: no $PRESET_FILE"; exit 2; }
 rm -rf "$OUT"  # this run's figures only
 mkdir -p "$OUT" "$WORK"
-trap 'rm -rf "$WORK"' EXIT
+STORE_PID=""
+trap '[ -n "$STORE_PID" ] && kill "$STORE_PID" 2>/dev/null && wait "$STORE_PID"; rm -rf "$WORK"' EXIT
 COMMAND="QI_BENCH_PRESET=$PRESET QI_BENCH_LAYERS=$LAYERS QI_BENCH_PIXELS=$PIXELS \
 QI_BENCH_TEXT_TOKENS=$TEXT QI_BENCH_STEPS=$STEPS QI_BENCH_WARMUP=$WARMUP QI_BENCH_BUDGET=$BUDGET \
 QI_BENCH_GROUP=$GROUP QI_BENCH_GROUP_PIXELS=$GROUP_PIXELS QI_BENCH_GROUP_BUDGET=$GROUP_BUDGET \
+QI_BENCH_FP8_BUDGET=$FP8_BUDGET \
 QI_BENCH_RUNS=$RUNS${QI_BENCH_SWAP:+ QI_BENCH_SWAP=$SWAP} QI_BENCH_DEVICE=$DEVICE QI_BENCH_DTYPE=$DTYPE \
 QI_BENCH_PEER_DEADLINE=$PEER_DEADLINE${QI_BENCH_PEER_ARGS:+ QI_BENCH_PEER_ARGS=\"$QI_BENCH_PEER_ARGS\"}${QI_BENCH_PEER_CONFIGS:+ QI_BENCH_PEER_CONFIGS=\"$QI_BENCH_PEER_CONFIGS\"} \
 tools/gpu/bench_qwen_image.sh OUT"
@@ -123,11 +129,12 @@ if [[ ",$RUNS," == *,group,* ]] && [ "$GROUP" -ge 2 ]; then
   rm -rf "$WORK/scratch"
 fi
 
-job() {  # NAME CACHE-DIR PLAN-LINES [SEED]
+job() {  # NAME CACHE-DIR PLAN-LINES [SEED] [MODEL-LINE: the checkpoint's by default]
+  local model="${5:-checkpoint = \"$WORK/model/transformer\"}"
   cat > "$OUT/$1.toml" <<JOB
 name = "$1"
 [model]
-checkpoint = "$WORK/model/transformer"
+$model
 [lora]
 rank = 16
 alpha = 16.0
@@ -172,6 +179,26 @@ for run in "${run_list[@]}"; do
     streamed)
       job streamed "$WORK/cache" "gpu_memory_budget = \"$BUDGET\""
       train streamed streamed ;;
+    fp8)
+      # The checkpoint served compressed; the job names the store (the worker attaches it).
+      store="qi-bench-fp8-$$"
+      echo "== serve the checkpoint --quantize fp8 as store $store"
+      "$BIN/lorastream-store" serve "$WORK/model/transformer" --name "$store" --quantize fp8 \
+        > "$OUT/store_fp8.log" 2>&1 &
+      STORE_PID=$!
+      for _ in $(seq 6000); do
+        grep -q '^published' "$OUT/store_fp8.log" && break
+        kill -0 "$STORE_PID" 2>/dev/null || break
+        sleep 0.2
+      done
+      if grep '^published' "$OUT/store_fp8.log"; then
+        job fp8 "$WORK/cache" "gpu_memory_budget = \"$FP8_BUDGET\"" 1 "store = \"$store\""
+        train fp8 fp8
+      else
+        echo "the fp8 store did not publish:"; tail -20 "$OUT/store_fp8.log"; status=1
+      fi
+      kill "$STORE_PID" 2>/dev/null && wait "$STORE_PID"
+      STORE_PID="" ;;
     auto)
       job auto "$WORK/cache" "gpu_memory_budget = \"auto\""
       train auto auto ;;
@@ -241,6 +268,6 @@ done
 
 python3 "$ROOT/tools/gpu/bench_qwen_image_table.py" "$OUT" --steps "$STEPS" --warmup "$WARMUP" \
   --pixels "$PIXELS" --text-tokens "$TEXT" --group-pixels "$GROUP_PIXELS" --budget "$BUDGET" \
-  --group-budget "$GROUP_BUDGET" --device "$DEVICE" --dtype "$DTYPE" --rank 16 --swap "$SWAP" \
+  --group-budget "$GROUP_BUDGET" --fp8-budget "$FP8_BUDGET" --device "$DEVICE" --dtype "$DTYPE" --rank 16 --swap "$SWAP" \
   --peak-tflops "$PEAK_TFLOPS" --command "$COMMAND" | tee "$OUT/bench_qwen_image.md" || status=1
 exit $status
