@@ -1,20 +1,29 @@
-// A FLUX.1 LoRA job: the [flux] section of a job file (TOML), beside which the file may
-// hold only `name` and `priority` (common/job/job_spec.h: a JobSpec with is_flux, which `submit`
-// validates and the coordinator's journal keeps as it keeps every job). Torch-free. Relative
-// paths resolve against the job file's folder. Every key with its default:
+// A FLUX.1 LoRA job: a job file with a [flux] section (common/job/job_spec.h: a JobSpec with
+// is_flux, which `submit` validates and the coordinator's journal keeps as it keeps every job).
+// Torch-free. Relative paths resolve against the job file's folder. Written as one [flux]
+// section, beside which the file holds only `name` and `priority`, every key with its default
+// (the shared form moves most of them into every family's sections, under their names there:
+// ParseFluxJobSections below):
 //
+// clang-format off
 //   [flux]
 //   checkpoint = "flux1-dev.safetensors"  # BFL's single file or a diffusers folder, or
 //   store = "flux"               #   a store of one (lorastream-store serve): exactly one
-//   cache_dir = "cache"          # sd-scripts' latent and text-encoder caches
-//   (common/formats/flux_cache.h) output_dir = "out"           # adapter_kohya.safetensors,
-//   pytorch_lora_weights.safetensors steps = 100 batch_size = 1               # images of one
-//   bucket per step seed = 0                     # adapter init, batch order, noise and timesteps
-//   of every step learning_rate = 1e-4 lr_schedule = "constant"     # constant | linear | cosine
-//   (with warmup_steps) warmup_steps = 0 weight_decay = 0.01          # AdamW max_grad_norm = 1.0
-//   # 0: no clipping rank = 16 alpha = 16.0 targets = ["all"]            # ["attention"] or
-//   block-relative linear names init_from = ""               # a kohya LoRA file (or a FLUX job's
-//   output_dir) to start
+//   cache_dir = (required)       # sd-scripts' latent and text-encoder caches
+//                                #   (common/formats/flux_cache.h)
+//   output_dir = (required)      # adapter_kohya.safetensors, pytorch_lora_weights.safetensors
+//   steps = 100
+//   batch_size = 1               # images of one bucket per step
+//   seed = 0                     # adapter init, batch order, noise and timesteps of every step
+//   learning_rate = 1e-4
+//   lr_schedule = "constant"     # constant | linear | cosine (with warmup_steps)
+//   warmup_steps = 0
+//   weight_decay = 0.01          # AdamW
+//   max_grad_norm = 1.0          # 0: no clipping
+//   rank = 16
+//   alpha = 16.0                 # left out: the rank
+//   targets = ["all"]            # ["attention"] or block-relative linear names
+//   init_from = ""               # a kohya LoRA file (or a FLUX job's output_dir) to start
 //                                #   from: not a resume (step 0, a fresh optimizer); its rank,
 //                                #   alpha and targets must equal the job's, or are taken
 //                                #   from it when left out (written out as 0, 0, [])
@@ -26,7 +35,7 @@
 //   keep_checkpoints = 2         # output_dir/checkpoint-N folders kept (the newest)
 //   dtype = "f32"                # compute dtype: f32 | bf16
 //   gpu_memory_budget = 0        # bytes ("8GiB") or "auto": the planner chooses the units
-//                                # streamed and the ring (worker/flux/flux_plan.h); 0: none
+//                                #   streamed and the ring (worker/flux/flux_plan.h); 0: none
 //   blocks_to_swap = 0           # without a budget: units streamed through the ring
 //   ring_size = 2
 //   taped_blocks = 0             # the last N resident units keep their activations into the
@@ -34,6 +43,7 @@
 //                                #   (with a budget: the planner's choice), as stream.taped_blocks
 //   singles_per_unit = 2         # single-stream blocks per streamed unit (a store's: fixed
 //                                #   when it was served)
+// clang-format on
 #pragma once
 
 #include <cstdint>

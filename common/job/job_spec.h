@@ -3,6 +3,7 @@
 //
 // Every field, with its default (a field without a default is required):
 //
+// clang-format off
 //   name = "job"                  # free text; shows in `lorastream jobs` and the logs
 //   priority = 0                  # higher runs first (the coordinator's queue order)
 //
@@ -86,6 +87,7 @@
 //   taped_blocks = 0              # the last N blocks keep their activations into the
 //                                 #   backward instead of being recomputed: 0 = none (with a
 //                                 #   budget: the cost model's choice), -1 = as many as fit
+// clang-format on
 //
 // A FLUX.1 job is a file with a [flux] section (common/job/flux_job.h), a Qwen-Image job one with
 // a [qwen_image] section (common/job/qwen_image_job.h): the sections above hold their shared

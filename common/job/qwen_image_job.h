@@ -6,6 +6,7 @@
 // ring_size. [data] and [eval] are the LLM family's and are refused. Torch-free. Every key of
 // the section with its default:
 //
+// clang-format off
 //   [qwen_image]
 //   cache_dir = (required)        # musubi-tuner's caches (common/formats/qwen_image_cache.h)
 //   timestep_sampling = "shift"   # uniform | sigmoid | shift | qwen_shift
@@ -13,6 +14,7 @@
 //   discrete_flow_shift = 2.2     # for `shift` (musubi-tuner's example)
 //   edit = false                  # true: a Qwen-Image-Edit LoRA, on musubi's _qie caches (each
 //                                 # image's control latents in the sequence after its own)
+// clang-format on
 //
 // [lora] targets default to ["default"] for a Qwen-Image job (musubi-tuner's: every block
 // linear but the modulations); ["attention"], ["all"] or block-relative names
