@@ -24,8 +24,9 @@ int main(int argc, char** argv) {
   auto* s = app.add_subcommand(
       "serve", "load, pack, lock and publish a checkpoint; stay up until SIGTERM/SIGINT");
   s->add_option("model_dir", serve.model_dir,
-                "Hugging Face checkpoint folder, or a FLUX.1 checkpoint (BFL's single file or a "
-                "diffusers folder)")
+                "a language model's Hugging Face folder; a FLUX.1 checkpoint (BFL's single file "
+                "or a diffusers folder); a Qwen-Image one (ComfyUI's single file, bf16 or "
+                "fp8_e4m3fn, or a diffusers folder)")
       ->required();
   s->add_option("--name", serve.name, "store name ([A-Za-z0-9_-], at most 64)")->required();
   s->add_option("--dtype", dtype, "keep | bf16 (convert F32/F16 to BF16)")
