@@ -19,6 +19,7 @@
 #include "common/formats/flux_config.h"
 #include "common/formats/qwen_image_config.h"
 #include "common/formats/toml_file.h"
+#include "common/job/flux_job.h"
 #include "common/job/job_paths.h"
 #include "common/posix/gpu_info.h"
 #include "common/posix/regular_file.h"
@@ -286,38 +287,41 @@ std::string LocalCluster::Client(const std::vector<std::string>& args, int* exit
   return out;
 }
 
-int64_t LocalCluster::Submit(const std::string& job_path, std::string* replaced_output_dir) {
+std::string ClusterJobText(const std::string& job_path, const std::string& store_name,
+                           const std::string& output_dir, std::string* replaced_output_dir) {
   toml::table job;
+  bool flux_only = false;  // a FLUX job written as one [flux] section
   try {
     const std::string text = ReadRegularFile(job_path, kMaxTomlBytes, "job file");
     CheckTomlLimits(text, job_path);  // toml++ recurses per level: bounded first
     job = toml::parse(text, job_path);
+    flux_only = job.contains("flux") && !HasSharedJobSections(TomlSection::Parse(text, job_path));
   } catch (const toml::parse_error& e) {
     throw Error(ErrorCode::kCorrupt, job_path + ": " + std::string(e.description()));
   }
-  const std::string stem = fs::path(job_path).stem().string();
-  const std::string output_dir = options_.run_dir + "/adapters/" + stem;
   const std::string job_dir = JobFileDir(job_path);
   if (replaced_output_dir) {
     const toml::node* named =
-        job.at_path(job.contains("flux") ? "flux.output_dir" : "train.output_dir").node();
+        job.at_path(flux_only ? "flux.output_dir" : "train.output_dir").node();
     const std::string before =
         named && named->is_string() ? ResolveJobPath(named->as_string()->get(), job_dir) : "";
     *replaced_output_dir = before == output_dir ? "" : before;
   }
   if (job.contains("flux")) {
-    // A FLUX job: its [flux] section names the store (its units are the store's) and the
-    // output folder.
+    // A FLUX job: its units are the store's.
     if (!job["flux"].is_table())
       throw Error(ErrorCode::kCorrupt, job_path + ": key `flux` must be a table");
+    job["flux"].as_table()->erase("singles_per_unit");
+  }
+  if (flux_only) {
+    // Written as one [flux] section: it names the store and the output folder there.
     toml::table& flux = *job["flux"].as_table();
     flux.erase("checkpoint");
-    flux.erase("singles_per_unit");
-    flux.insert_or_assign("store", store_name_);
+    flux.insert_or_assign("store", store_name);
     flux.insert_or_assign("output_dir", output_dir);
   } else {
     toml::table model;
-    model.insert("store", store_name_);
+    model.insert("store", store_name);
     job.insert_or_assign("model", model);
     if (!job.contains("train")) job.insert("train", toml::table{});
     if (!job["train"].is_table())
@@ -329,17 +333,26 @@ int64_t LocalCluster::Submit(const std::string& job_path, std::string* replaced_
   // the original's folder, where they pointed (ResolveJobPath, the rule LoadJobSpec follows).
   // Every path a job file holds but the ones replaced above (model and output folders).
   for (const char* key : {"data.path", "eval.path", "train.stats_file", "lora.init_from",
-                          "flux.cache_dir", "qwen_image.cache_dir"}) {
+                          "flux.init_from", "flux.cache_dir", "qwen_image.cache_dir"}) {
     toml::node* node = job.at_path(key).node();
     if (node && node->is_string()) {
       std::string& path = node->as_string()->get();
       path = ResolveJobPath(path, job_dir);
     }
   }
+  std::ostringstream out;
+  out << job << "\n";
+  return out.str();
+}
+
+int64_t LocalCluster::Submit(const std::string& job_path, std::string* replaced_output_dir) {
+  const std::string stem = fs::path(job_path).stem().string();
+  const std::string text = ClusterJobText(
+      job_path, store_name_, options_.run_dir + "/adapters/" + stem, replaced_output_dir);
   std::string copy = options_.run_dir + "/jobs/" + fs::path(job_path).filename().string();
   {
     std::ofstream out(copy);
-    out << job << "\n";
+    out << text;
     if (!out) throw Error(ErrorCode::kIo, "cannot write " + copy);
   }
   int code = 0;

@@ -51,6 +51,18 @@ std::string ServedCheckpoint(const std::string& model_dir);
 // them apart.
 ModelFamily CheckpointFamily(const std::string& path);
 
+// The job file at `job_path` as a cluster submits it (TOML text): its base replaced by the
+// store `store_name` and its output folder by `output_dir`, where the job names them ([model]
+// store and [train] output_dir; a FLUX job written as one [flux] section: flux.store and
+// flux.output_dir; a FLUX job's singles_per_unit dropped, the store's units being fixed), and
+// the other relative paths it holds (its data and eval data, stats file, the adapter it
+// starts from, a FLUX or Qwen-Image job's caches) made absolute against the file's folder.
+// *replaced_output_dir gets the output folder the job named, when it named one other than
+// `output_dir` ("" otherwise). Throws Error(kCorrupt) naming the file when it does not parse.
+std::string ClusterJobText(const std::string& job_path, const std::string& store_name,
+                           const std::string& output_dir,
+                           std::string* replaced_output_dir = nullptr);
+
 class LocalCluster {
  public:
   explicit LocalCluster(LocalClusterOptions options);
@@ -77,11 +89,8 @@ class LocalCluster {
   pid_t WorkerPid(size_t index) const { return workers_.at(index).pid(); }
   pid_t StorePid() const { return store_.pid(); }
 
-  // Copies a job file into run_dir/jobs/ with [model] store set to this cluster's store and
-  // [train] output_dir set to run_dir/adapters/<file stem> (a FLUX job: flux.store and
-  // flux.output_dir; a Qwen-Image job as an LLM job), then submits it; returns the job id.
-  // Relative paths in the job (its data and eval data, stats file, the adapter it starts
-  // from, a FLUX or Qwen-Image job's caches) are made absolute against the job file's folder.
+  // Copies a job file into run_dir/jobs/ as ClusterJobText writes it for this cluster's store
+  // and run_dir/adapters/<file stem>, then submits it; returns the job id.
   // *replaced_output_dir gets the output folder the job named, when it named one other than the
   // cluster's ("" otherwise).
   int64_t Submit(const std::string& job_path, std::string* replaced_output_dir = nullptr);

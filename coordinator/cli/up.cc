@@ -152,8 +152,11 @@ UpModel ChooseUpModel(const UpOptions& options, const std::vector<std::string>& 
       throw Error(ErrorCode::kInvalidArgument, path + ": " + std::string(e.description()));
     }
     JobBase b{path, "", JobFamily(job.contains("flux"), job.contains("qwen_image"))};
-    const toml::node* checkpoint =
-        job.at_path(b.family == ModelFamily::kFlux ? "flux.checkpoint" : "model.checkpoint").node();
+    // [model] checkpoint, or a FLUX job's flux.checkpoint when it is written as one [flux]
+    // section (the shared form refuses that key in [flux]).
+    const toml::node* checkpoint = job.at_path("model.checkpoint").node();
+    if (b.family == ModelFamily::kFlux && job.at_path("flux.checkpoint").node())
+      checkpoint = job.at_path("flux.checkpoint").node();
     if (checkpoint && checkpoint->is_string() && !checkpoint->as_string()->get().empty())
       b.checkpoint = ResolveJobPath(checkpoint->as_string()->get(), JobFileDir(path));
     bases.push_back(std::move(b));

@@ -35,11 +35,11 @@ struct UpModel {
 };
 
 // The base `up` serves for `jobs`: --model when given; else the checkpoint the jobs name
-// (model.checkpoint, a FLUX job's flux.checkpoint; relative to the job file's folder); else
-// --preset, or, when none was given, the tiny preset of the jobs' family ("tiny",
-// "flux-tiny", "qwen-image-tiny"). Refused (Error kInvalidArgument, naming the job file)
-// before anything starts: jobs of two families mixed (LLM, FLUX.1, Qwen-Image), two
-// different checkpoints, or a job of another family than --model or --preset.
+// (model.checkpoint, or flux.checkpoint of a FLUX job written as one [flux] section; relative
+// to the job file's folder); else --preset, or, when none was given, the tiny preset of the
+// jobs' family ("tiny", "flux-tiny", "qwen-image-tiny"). Refused (Error kInvalidArgument,
+// naming the job file) before anything starts: jobs of two families mixed (LLM, FLUX.1,
+// Qwen-Image), two different checkpoints, or a job of another family than --model or --preset.
 UpModel ChooseUpModel(const UpOptions& options, const std::vector<std::string>& jobs,
                       const std::string& configs_dir);
 

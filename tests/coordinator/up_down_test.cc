@@ -10,6 +10,8 @@
 
 #include "cluster_fixture.h"
 #include "common/base/error.h"
+#include "common/job/job_paths.h"
+#include "common/job/job_spec.h"
 #include "coordinator/cli/local_cluster.h"
 #include "coordinator/cli/up.h"
 #include "store/synth_flux.h"
@@ -71,6 +73,19 @@ TEST_CASE("up serves the family and the base its jobs name", "[coordinator][up]"
   m = ChooseUpModel(o, {a, kLlamaJob}, kConfigs);
   CHECK(m.model_dir == dir / "model");
   CHECK(m.family == ModelFamily::kLlm);
+  // A FLUX job's checkpoint: model.checkpoint, or flux.checkpoint written as one [flux] section.
+  const std::string shared = Write(dir / "shared.toml",
+                                   "[model]\ncheckpoint = \"flux1.safetensors\"\n[train]\n"
+                                   "output_dir = \"o\"\n[flux]\ncache_dir = \"c\"\n");
+  const std::string single =
+      Write(dir / "single.toml",
+            "[flux]\ncheckpoint = \"flux1.safetensors\"\ncache_dir = \"c\"\noutput_dir = \"o\"\n");
+  for (const std::string& job : {shared, single}) {
+    INFO(job);
+    m = ChooseUpModel(o, {job}, kConfigs);
+    CHECK(m.family == ModelFamily::kFlux);
+    CHECK(m.model_dir == dir / "flux1.safetensors");
+  }
 
   // Qwen-Image: the checkpoint its job names (model.checkpoint, beside the job file) ...
   m = ChooseUpModel(o, {kQwenImageJob}, kConfigs);
@@ -105,6 +120,56 @@ TEST_CASE("up serves the family and the base its jobs name", "[coordinator][up]"
   UpOptions diffusers = o;
   diffusers.model_dir = dir / "qi-diffusers";
   CHECK(ChooseUpModel(diffusers, {qi}, kConfigs).family == ModelFamily::kQwenImage);
+}
+
+TEST_CASE("a job file as a cluster submits it: its store, output folder and absolute paths",
+          "[coordinator][up]") {
+  TempDir dir("up-job-text");
+  auto submitted = [&](const std::string& job, std::string* replaced) {
+    return ParseJobSpec(ClusterJobText(job, "the-store", dir / "adapters/x", replaced), "x.toml");
+  };
+  // The example FLUX job (every family's sections): [model] store and [train] output_dir.
+  std::string replaced;
+  JobSpec s = submitted(kFluxJob, &replaced);
+  REQUIRE(s.is_flux);
+  CHECK(s.flux.store == "the-store");
+  CHECK(s.flux.checkpoint.empty());
+  CHECK(s.flux.output_dir == dir / "adapters/x");
+  CHECK(replaced == ResolveJobPath("../../runs/jobs/flux-tiny-demo", kConfigs + "/jobs"));
+  CHECK(s.flux.cache_dir == ResolveJobPath("../data/flux-tiny", kConfigs + "/jobs"));
+  CHECK(s.flux.steps == 20);
+  CHECK(s.flux.save_every == 10);
+
+  // A FLUX job written as one [flux] section (the same keys in [flux]) and in the shared form:
+  // a checkpoint's single blocks per unit dropped (the store's units are fixed), the paths
+  // made absolute.
+  const std::string single = Write(dir / "single.toml",
+                                   "[flux]\ncheckpoint = \"m.safetensors\"\nsingles_per_unit = 4\n"
+                                   "cache_dir = \"c\"\noutput_dir = \"o\"\ninit_from = \"a\"\n");
+  const std::string shared =
+      Write(dir / "shared.toml",
+            "[model]\ncheckpoint = \"m.safetensors\"\n[lora]\ninit_from = \"a\"\n[train]\n"
+            "output_dir = \"o\"\n[flux]\ncache_dir = \"c\"\nsingles_per_unit = 4\n");
+  for (const std::string& job : {single, shared}) {
+    INFO(job);
+    s = submitted(job, &replaced);
+    REQUIRE(s.is_flux);
+    CHECK(s.flux_form_note.empty() == (job == shared));
+    CHECK(s.flux.store == "the-store");
+    CHECK(s.flux.checkpoint.empty());
+    CHECK(s.flux.singles_per_unit == FluxJob{}.singles_per_unit);
+    CHECK(s.flux.output_dir == dir / "adapters/x");
+    CHECK(replaced == dir / "o");
+    CHECK(s.flux.cache_dir == dir / "c");
+    CHECK(s.flux.init_from == dir / "a");
+  }
+
+  // An LLM job: [model] store and [train] output_dir, its data made absolute.
+  s = submitted(kLlamaJob, &replaced);
+  CHECK_FALSE(s.is_flux);
+  CHECK(s.model.store == "the-store");
+  CHECK(s.train.output_dir == dir / "adapters/x");
+  CHECK(s.data.path == ResolveJobPath("../data/tiny.jsonl", kConfigs + "/jobs"));
 }
 
 TEST_CASE("up refuses, before starting anything, jobs it cannot serve, naming the job",

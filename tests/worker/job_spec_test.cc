@@ -276,6 +276,49 @@ TEST_CASE(
       Catch::Contains("exactly one of model.checkpoint") && Catch::Contains("model.store"));
 }
 
+TEST_CASE(
+    "the example FLUX job, in every family's sections, is the same job as its [flux]-only form",
+    "[worker][flux]") {
+  const std::string jobs = std::string(LORASTREAM_SOURCE_DIR) + "/configs/jobs";
+  // configs/jobs/flux_tiny.toml as it was written before the shared sections, as one [flux]
+  // section: still a valid job file, trained as it was.
+  const std::string single = R"(name = "flux-tiny-demo"
+
+[flux]
+store = "flux-tiny"                 # or: checkpoint = "../../runs/models/flux-tiny/flux1.safetensors"
+cache_dir = "../data/flux-tiny"     # relative to this file's folder
+output_dir = "../../runs/jobs/flux-tiny-demo"
+steps = 20
+batch_size = 1
+seed = 0
+rank = 4
+alpha = 4.0
+learning_rate = 1e-3
+timestep_sampling = "sigmoid"
+save_every = 10                     # checkpoint-10, checkpoint-20 (a requeued job resumes)
+dtype = "f32"                       # the store's dtype (flux-tiny is f32; bf16 for FLUX.1-dev)
+blocks_to_swap = 2                  # units streamed from the store through the ring
+ring_size = 2
+)";
+  JobSpec legacy = ParseJobSpec(single, jobs + "/flux_tiny_single.toml");
+  ResolveJobSpecIn(legacy, jobs);
+  REQUIRE(legacy.is_flux);
+  CHECK_THAT(legacy.flux_form_note, Catch::Contains("save_every -> train.checkpoint_every"));
+  CHECK(ValidateJobSpec(legacy).empty());
+
+  const JobSpec example = LoadJobSpec(jobs + "/flux_tiny.toml");
+  REQUIRE(example.is_flux);
+  CHECK(example.flux_form_note.empty());  // written in the shared form
+  CHECK(ValidateJobSpec(example).empty());
+  CHECK(FluxJobToToml(example.flux) == FluxJobToToml(legacy.flux));
+  CHECK(JobSpecToToml(example) == JobSpecToToml(legacy));
+  CHECK(example.flux.store == "flux-tiny");
+  CHECK(example.flux.steps == 20);
+  CHECK(example.flux.save_every == 10);
+  CHECK(example.flux.learning_rate == 1e-3);
+  CHECK(example.flux.blocks_to_swap == 2);
+}
+
 TEST_CASE("a pre-quantised checkpoint named as model.checkpoint: a store serves it, says why",
           "[worker]") {
   testing::TempDir dir("spec-fp8");
