@@ -57,13 +57,16 @@ TEST_CASE("the memory estimate follows its documented formula", "[worker]") {
   REQUIRE(f.lm_head == 833ULL * (2 * 128256 + 4 + 16 * 4096) + 2 * 2048ULL * 4096 * 2);
   REQUIRE(f.lm_head <= kDefaultHeadChunkBytes + 2 * 2048ULL * 4096 * 2);
   REQUIRE(e.forward_working == 2048ULL * 2 * (4 * 4096 + 4096 + 2 * 1024 + 3 * 14336));
-  // The timeline: three phases, the peak the largest.
+  // The timeline: four phases, the peak the largest.
   const uint64_t fixed =
       e.rest + e.head_weights + e.resident_blocks + e.adapter + e.checkpoints + e.reserve;
   REQUIRE(e.forward() == fixed + 2 * block + e.forward_working + e.attention);
   REQUIRE(e.head() == fixed + e.ring + e.lm_head);
   REQUIRE(e.backward() == fixed + 2 * block + e.block_working + e.attention);
-  REQUIRE(e.total() == std::max({e.forward(), e.head(), e.backward()}));
+  // The optimizer: sqrt(v) over one run of parameters (4 bytes each, 64 MiB at most).
+  REQUIRE(e.optimizer_scratch == std::min<uint64_t>(16ULL * 1310720 * 4, 64ULL << 20));
+  REQUIRE(e.optimizer() == fixed + e.ring + e.optimizer_scratch);
+  REQUIRE(e.total() == std::max({e.forward(), e.head(), e.backward(), e.optimizer()}));
   // At 2048 tokens the chunked head's buffers are below the recomputed block's: the backward
   // is the peak, and the forward and the LM head have room for more.
   REQUIRE(e.total() == e.backward());
@@ -393,4 +396,8 @@ TEST_CASE("a mixture of experts' tape holds its routed rows", "[worker]") {
                         32 * t * 4 + (2 + 32 + 4) * t * 4 + t * (4 * 128 + 16 * 8));
   // The expert outputs alone are 64 MiB of the block's tape at 2048 tokens.
   REQUIRE(t * b * 8 * h == 64ULL << 20);
+  // Its adapter (every expert's gate, up and down) is hundreds of millions of parameters: the
+  // optimizer's scratch is its bound, not 4 bytes a parameter.
+  REQUIRE(e.adapter / 16 * 4 > (uint64_t{1} << 30));
+  REQUIRE(e.optimizer_scratch == kOptimizerScratchBytes);
 }

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -333,6 +334,46 @@ TEST_CASE("AdamW, schedules and clipping follow torch and transformers", "[worke
   CHECK(b.grad()[0].item<double>() == Approx(0.8).epsilon(1e-5));
   at::Tensor c = at::zeros({1}).requires_grad_(true);
   CHECK(!ClipGradNormAsync({c}, 1.0).defined());
+}
+
+TEST_CASE("AdamW updates in runs of bounded scratch, bit for bit the same as all at once",
+          "[worker]") {
+  // Parameters of uneven sizes (one larger than the smallest bound), some without a
+  // gradient; the bound cuts the list in many places, one place, or none.
+  const std::vector<int64_t> sizes = {5, 300, 1, 64, 7, 1000, 33, 2};
+  auto make = [&] {
+    std::vector<at::Tensor> ps;
+    for (size_t i = 0; i < sizes.size(); ++i)
+      ps.push_back(at::linspace(-1.0, 1.0 + static_cast<double>(i), sizes[i]).requires_grad_(true));
+    return ps;
+  };
+  std::vector<std::vector<at::Tensor>> sets;
+  std::vector<std::unique_ptr<AdamW>> opts;
+  for (uint64_t scratch : {uint64_t{1}, uint64_t{1500}, kOptimizerScratchBytes}) {
+    sets.push_back(make());
+    opts.push_back(
+        std::make_unique<AdamW>(sets.back(), AdamWOptions{0.9, 0.95, 1e-6, 0.05, scratch}));
+  }
+  at::manual_seed(3);
+  for (int step = 0; step < 3; ++step) {
+    std::vector<at::Tensor> grads;
+    for (size_t i = 0; i < sizes.size(); ++i) grads.push_back(at::randn({sizes[i]}));
+    for (size_t k = 0; k < sets.size(); ++k) {
+      for (size_t i = 0; i < sizes.size(); ++i)
+        sets[k][i].mutable_grad() = (i == 2 && step == 1) ? at::Tensor() : grads[i].clone();
+      opts[k]->Step(1e-2);
+    }
+  }
+  for (size_t k = 1; k < sets.size(); ++k)
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      CHECK(at::equal(sets[k][i], sets[0][i]));
+      CHECK(at::equal(opts[k]->exp_avg()[i], opts[0]->exp_avg()[i]));
+      CHECK(at::equal(opts[k]->exp_avg_sq()[i], opts[0]->exp_avg_sq()[i]));
+    }
+  // Every parameter moved (none skipped at a run's edge), the one without a gradient at one
+  // step less.
+  const std::vector<at::Tensor> start = make();
+  for (size_t i = 0; i < sizes.size(); ++i) CHECK(!at::equal(sets[0][i], start[i]));
 }
 
 TEST_CASE("lorastream-worker train runs a job file and prints progress", "[worker]") {

@@ -24,7 +24,10 @@ uint64_t MemoryEstimate::backward() const {
   return fixed() + backward_ring + block_working + attention +
          static_cast<uint64_t>(std::max(taped_blocks - 1, 0)) * tape;
 }
-uint64_t MemoryEstimate::total() const { return std::max({forward(), head(), backward()}); }
+uint64_t MemoryEstimate::optimizer() const { return fixed() + ring + optimizer_scratch; }
+uint64_t MemoryEstimate::total() const {
+  return std::max({forward(), head(), backward(), optimizer()});
+}
 
 std::string MemoryEstimate::Describe() const {
   return FormatGiB(total(), 2) + " at the peak: rest " + FormatBytes(rest, 2) +
@@ -47,7 +50,8 @@ std::string MemoryEstimate::Describe() const {
          (taped_blocks > 0
               ? ", " + std::to_string(taped_blocks) + " taped blocks of " + FormatBytes(tape, 2)
               : std::string()) +
-         "; peak " + FormatBytes(total(), 2);
+         ", optimizer " + FormatBytes(optimizer(), 2) + " (its scratch " +
+         FormatBytes(optimizer_scratch, 2) + "); peak " + FormatBytes(total(), 2);
 }
 
 uint64_t AutoMemoryBudget(uint64_t free_bytes) {
@@ -150,7 +154,10 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& 
                      const std::vector<std::string>& targets) {
     const uint64_t t = static_cast<uint64_t>(std::max<int64_t>(tokens, 0));
     e.forward_working += t * b * (4 * h + q + 2 * kv + 3 * inter);
-    e.adapter += static_cast<uint64_t>(LoraParameterCount(c, rank, targets)) * 16;
+    const uint64_t params = static_cast<uint64_t>(LoraParameterCount(c, rank, targets));
+    e.adapter += params * 16;
+    e.optimizer_scratch =
+        std::max(e.optimizer_scratch, std::min(params * 4, kOptimizerScratchBytes));
     e.checkpoints += static_cast<uint64_t>(plan.num_blocks()) * t * h * b;
     // LoRA dropout keeps each adapted projection's dropped input and its mask.
     uint64_t dropout = 0;

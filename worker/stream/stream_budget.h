@@ -38,13 +38,16 @@
 //                  adapted projection's dropped input and its mask, in the block working set
 //                  and in a tape
 //   reserve        fixed slack for allocator fragmentation and small tensors
-// The step's memory is a timeline of three phases, and the peak is the largest of them
+//   optimizer      min(4 P, kOptimizerScratchBytes): AdamW's sqrt(v) over one run of
+//                  parameters (a group's jobs step one after another: the largest job's)
+// The step's memory is a timeline of four phases, and the peak is the largest of them
 // (fixed = rest + resident LM head + resident blocks + adapter + checkpoints + reserve):
 //   forward    fixed + forward_slots x slot + forward working + attention + K tapes
 //   LM head    fixed + head_slots x slot + streamed LM head + lm head + K tapes
 //              (the forward's last blocks wait in their slots; the backward's first blocks
 //              are copied into the others)
 //   backward   fixed + backward_slots x slot + block working + attention + (K - 1) tapes
+//   optimizer  fixed + R x slot + optimizer (the activations are gone; the ring's R slots stay)
 // where K = taped_blocks (the first backward block's tape is part of its working set).
 // It is an estimate: the benchmark prints the measured peak next to it.
 #pragma once
@@ -59,6 +62,10 @@
 #include "worker/stream/stream_plan.h"
 
 namespace lorastream::worker {
+
+// The trainer's AdamW (worker/train/adamw.h) updates its parameters in runs whose temporaries
+// hold at most this many bytes.
+inline constexpr uint64_t kOptimizerScratchBytes = uint64_t{64} << 20;
 
 struct MemoryModelInputs {
   ModelConfig config;
@@ -105,7 +112,8 @@ struct MemoryEstimate {
            attention = 0, lm_head = 0, reserve = 0;
   uint64_t expansion = 0;  // a compressed store's one expansion scratch (its largest block's)
   uint64_t forward_ring = 0, head_ring = 0, backward_ring = 0, forward_working = 0;
-  uint64_t tape = 0;  // one taped block's activations
+  uint64_t tape = 0;               // one taped block's activations
+  uint64_t optimizer_scratch = 0;  // the optimizer step's temporaries
   int taped_blocks = 0;
   uint64_t slot = 0;          // one slot: the largest streamed block (0: none streams)
   uint64_t head_weights = 0;  // the LM head's weights (in fixed, or in head() when streamed)
@@ -118,6 +126,7 @@ struct MemoryEstimate {
   uint64_t forward() const;
   uint64_t head() const;
   uint64_t backward() const;
+  uint64_t optimizer() const;
   uint64_t total() const;        // the peak: the largest phase
   std::string Describe() const;  // "rest 2.1 GB + resident 4 x 436 MB + ..."
 };

@@ -1,6 +1,7 @@
 #include "worker/train/adamw.h"
 
 #include <cmath>
+#include <cstddef>
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -44,19 +45,38 @@ void AdamW::Step(double lr) {
   if (params.empty()) return;
   // torch's multi-tensor ("foreach") AdamW: the same arithmetic per element as the
   // single-tensor path, in a few fused launches instead of ~8 per tensor (a model of 224
-  // LoRA tensors would otherwise spend milliseconds per step launching kernels on a GPU).
-  at::_foreach_mul_(params, 1 - lr * options_.weight_decay);
+  // LoRA tensors would otherwise spend milliseconds per step launching kernels on a GPU),
+  // over runs of parameters whose sqrt(v) temporaries fit options_.scratch_bytes.
+  const double decay = 1 - lr * options_.weight_decay;
+  size_t begin = 0;
+  while (begin < params.size()) {
+    size_t end = begin;
+    uint64_t bytes = 0;
+    do {
+      bytes += static_cast<uint64_t>(exp_avg_sq[end].numel()) * exp_avg_sq[end].element_size();
+      ++end;
+    } while (end < params.size() && bytes + static_cast<uint64_t>(exp_avg_sq[end].numel()) *
+                                                exp_avg_sq[end].element_size() <=
+                                        options_.scratch_bytes);
+    const auto run = [&](const std::vector<at::Tensor>& v) {
+      return std::vector<at::Tensor>(v.begin() + static_cast<std::ptrdiff_t>(begin),
+                                     v.begin() + static_cast<std::ptrdiff_t>(end));
+    };
+    std::vector<at::Tensor> p = run(params), g = run(grads), m = run(exp_avg), v = run(exp_avg_sq);
+    at::_foreach_mul_(p, decay);
 #if TORCH_VERSION_MAJOR >= 2
-  at::_foreach_lerp_(exp_avg, grads, 1 - b1);
+    at::_foreach_lerp_(m, g, 1 - b1);
 #else
-  for (size_t i = 0; i < exp_avg.size(); ++i) exp_avg[i].lerp_(grads[i], 1 - b1);
+    for (size_t i = 0; i < m.size(); ++i) m[i].lerp_(g[i], 1 - b1);
 #endif
-  at::_foreach_mul_(exp_avg_sq, b2);
-  at::_foreach_addcmul_(exp_avg_sq, grads, grads, 1 - b2);
-  std::vector<at::Tensor> denom = at::_foreach_sqrt(exp_avg_sq);
-  at::_foreach_div_(denom, bias_correction2_sqrt);
-  at::_foreach_add_(denom, options_.eps);
-  at::_foreach_addcdiv_(params, exp_avg, denom, -step_size);
+    at::_foreach_mul_(v, b2);
+    at::_foreach_addcmul_(v, g, g, 1 - b2);
+    std::vector<at::Tensor> denom = at::_foreach_sqrt(v);
+    at::_foreach_div_(denom, bias_correction2_sqrt);
+    at::_foreach_add_(denom, options_.eps);
+    at::_foreach_addcdiv_(p, m, denom, -step_size);
+    begin = end;
+  }
 }
 
 double ScheduleFactor(const std::string& schedule, int64_t step, int64_t warmup, int64_t total) {

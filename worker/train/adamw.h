@@ -10,6 +10,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "worker/stream/stream_budget.h"
+
 namespace lorastream::worker {
 
 struct AdamWOptions {
@@ -17,6 +19,13 @@ struct AdamWOptions {
   double beta2 = 0.999;
   double eps = 1e-8;
   double weight_decay = 0.0;
+  // The most bytes of the update's temporary (sqrt(v), one f32 per parameter) at once: the
+  // parameters are updated in runs of at most this many bytes of it (one parameter larger
+  // than that is a run of its own), so a large adapter (a mixture of experts': hundreds of
+  // millions of parameters) needs no second copy of its size at the optimizer step. The
+  // arithmetic per element is the same whatever the runs. The memory estimate counts it
+  // (worker/stream/stream_budget.h).
+  uint64_t scratch_bytes = kOptimizerScratchBytes;
 };
 
 class AdamW {
