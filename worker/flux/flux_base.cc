@@ -4,7 +4,6 @@
 
 #include <ATen/ATen.h>
 
-#include "common/base/error.h"
 #include "common/base/format_bytes.h"
 #include "common/base/log.h"
 #include "common/formats/flux_layout.h"
@@ -16,18 +15,12 @@ namespace lorastream::worker::flux {
 
 namespace {
 
-at::Tensor FileTensor(const SafetensorsFile& file, const SafetensorsEntry& e) {
-  // from_blob over the read-only mapping: only read (converted into our own buffers).
-  return at::from_blob(const_cast<uint8_t*>(file.Data(e)), e.shape,
-                       at::TensorOptions().dtype(ScalarTypeOf(e.dtype, e.name)));
-}
-
 // BFL tensor `name` of the checkpoint: a view of the file's, or a concatenation of
 // diffusers' runs of rows (only read).
 at::Tensor BflTensor(const FluxCheckpointReader& source, const std::string& name) {
   std::vector<at::Tensor> rows;
   for (const FluxCheckpointReader::Piece& p : source.Pieces(name)) {
-    const at::Tensor t = FileTensor(*p.file, *p.entry);
+    const at::Tensor t = MappedTensor(*p.file, *p.entry, p.entry->name);
     rows.push_back(p.entry->shape.empty() ? t : t.narrow(0, p.source_row, p.rows));
   }
   return rows.size() == 1 ? rows[0] : at::cat(rows, 0);
@@ -41,11 +34,7 @@ FluxBase FluxBase::Load(const std::string& path, int64_t singles_per_unit, c10::
   for (const auto& [name, shape] : FluxAllShapes(source.config()))
     for (const FluxCheckpointReader::Piece& p : source.Pieces(name))
       if (p.entry->dtype == DType::kF8E4M3)
-        throw Error(ErrorCode::kUnsupported,
-                    path + ": tensor `" + p.entry->name +
-                        "` is fp8 (F8_E4M3); a job reads an fp8 FLUX checkpoint through a "
-                        "store: lorastream-store serve " +
-                        path + " --name NAME, then flux.store = \"NAME\"");
+        RefuseFp8Checkpoint(path, p.entry->name, "FLUX", "flux.store");
   FluxBase b;
   b.config_ = source.config();
   b.singles_per_unit_ = singles_per_unit;

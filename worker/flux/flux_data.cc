@@ -70,13 +70,7 @@ FluxDataBatch FluxDataset::Batch(int64_t step, int64_t batch_size, uint64_t seed
   return out;
 }
 
-std::pair<int64_t, int64_t> FluxDataset::largest_latent() const {
-  std::pair<int64_t, int64_t> out{0, 0};
-  for (const auto& s : samples_)
-    if (s.latents.size(1) * s.latents.size(2) > out.first * out.second)
-      out = {s.latents.size(1), s.latents.size(2)};
-  return out;
-}
+std::pair<int64_t, int64_t> FluxDataset::largest_latent() const { return LargestLatent(samples_); }
 
 int64_t FluxDataset::text_tokens() const { return samples_.empty() ? 0 : samples_[0].t5.size(0); }
 

@@ -238,6 +238,7 @@ std::vector<at::Tensor> FluxModel::ForwardGroup(const std::vector<const FluxBatc
     unit_computes = {c};
     streams = {dit::StackStreams(streams)};
   }
+  const dit::UnitRun run{checkpointed, stacked, &taped_};
   for (size_t u = 0; u < units_.size(); ++u) {
     const FluxUnit& unit = units_[u];
     for (auto& s : streams)
@@ -246,20 +247,11 @@ std::vector<at::Tensor> FluxModel::ForwardGroup(const std::vector<const FluxBatc
     for (size_t j = 0; j < adapters.size(); ++j)
       for (const auto& m : adapters[j]->UnitModules(unit))
         loras[j][m] = adapters[j]->modules().at(m);
-    if (stacked) loras = {dit::StackLoras(loras)};
-    std::vector<dit::UnitJob> jobs;
-    for (size_t j = 0; j < unit_computes.size(); ++j) {
-      dit::UnitJob job;
-      const FluxCompute& c = unit_computes[j];
-      job.forward = [unit, c](const std::vector<at::Tensor>& in, const NamedTensors& w,
-                              const LoraMap& lora) { return UnitForward(unit, in, w, lora, c); };
-      job.lora = std::move(loras[j]);
-      jobs.push_back(std::move(job));
-    }
-    if (checkpointed && u < taped_.size() && taped_[u])
-      dit::ForwardUnitTaped(*provider_, static_cast<int>(u), jobs, &streams);
-    else
-      dit::ForwardUnit(*provider_, static_cast<int>(u), jobs, &streams, checkpointed);
+    const auto forward = [unit](const std::vector<at::Tensor>& in, const NamedTensors& w,
+                                const LoraMap& lora,
+                                const FluxCompute& c) { return UnitForward(unit, in, w, lora, c); };
+    dit::ForwardModelUnit(*provider_, static_cast<int>(u), unit_computes, forward, std::move(loras),
+                          run, &streams);
   }
   if (stacked) streams = dit::UnstackStreams(streams[0], batches.size());
   last_stacked_ = stacked;

@@ -592,4 +592,23 @@ void ForwardUnitTaped(BlockProvider& provider, int index, const std::vector<Unit
     for (auto& t : s) t = passed[o++];
 }
 
+void ForwardModelUnit(BlockProvider& provider, int index, std::vector<UnitJobForward> forwards,
+                      std::vector<LoraMap> loras, const UnitRun& run,
+                      std::vector<std::vector<at::Tensor>>* streams) {
+  if (run.stacked) loras = {StackLoras(loras)};
+  LS_CHECK(forwards.size() == loras.size(), "a LoRA per job of a unit");
+  std::vector<UnitJob> jobs;
+  for (size_t j = 0; j < forwards.size(); ++j) {
+    UnitJob job;
+    job.forward = std::move(forwards[j]);
+    job.lora = std::move(loras[j]);
+    jobs.push_back(std::move(job));
+  }
+  const size_t u = static_cast<size_t>(index);
+  if (run.checkpointed && run.taped_units && u < run.taped_units->size() && (*run.taped_units)[u])
+    ForwardUnitTaped(provider, index, jobs, streams);
+  else
+    ForwardUnit(provider, index, jobs, streams, run.checkpointed);
+}
+
 }  // namespace lorastream::worker::dit

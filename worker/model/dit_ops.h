@@ -13,6 +13,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -142,12 +143,13 @@ std::vector<std::vector<at::Tensor>> UnstackStreams(const std::vector<at::Tensor
 at::Tensor PackLatents(const at::Tensor& latents);
 at::Tensor UnpackLatents(const at::Tensor& packed, int64_t height, int64_t width);
 
-// One job's part of a unit: its forward (streams -> streams over the unit's weights `w`,
-// with its LoRA `lora`) and its LoRA modules of the unit.
+// One job's forward of a unit: streams -> streams over the unit's weights `w`, with its LoRA
+// `lora`.
+using UnitJobForward = std::function<std::vector<at::Tensor>(
+    const std::vector<at::Tensor>& streams, const NamedTensors& w, const LoraMap& lora)>;
+// One job's part of a unit: its forward and its LoRA modules of the unit.
 struct UnitJob {
-  std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>& streams,
-                                        const NamedTensors& w, const LoraMap& lora)>
-      forward;
+  UnitJobForward forward;
   LoraMap lora;
 };
 // Unit `index` of `provider` over every job's streams (*streams)[j], replaced by its outputs.
@@ -165,5 +167,33 @@ void ForwardUnit(BlockProvider& provider, int index, const std::vector<UnitJob>&
 // tapes nothing else, ResidencyPlan::tape_resident_only).
 void ForwardUnitTaped(BlockProvider& provider, int index, const std::vector<UnitJob>& jobs,
                       std::vector<std::vector<at::Tensor>>* streams);
+
+// How a model's group forward runs its units: checkpointed (training) or with plain autograd,
+// the jobs stacked into one batch (StackJobsByDefault) or each on its own, and the model's
+// flags of taped units (taped_units[u]: unit u keeps its activations into its backward when
+// checkpointed; none past the end, none when null).
+struct UnitRun {
+  bool checkpointed = false;
+  bool stacked = false;
+  const std::vector<bool>* taped_units = nullptr;
+};
+// Unit `index` of a model's forward over every job's streams (one set for stacked jobs): job
+// j runs forwards[j] with its LoRA loras[j] (stacked into one by StackLoras for stacked jobs,
+// which have one forward); taped (ForwardUnitTaped) when `run` says so, else ForwardUnit.
+void ForwardModelUnit(BlockProvider& provider, int index, std::vector<UnitJobForward> forwards,
+                      std::vector<LoraMap> loras, const UnitRun& run,
+                      std::vector<std::vector<at::Tensor>>* streams);
+// The same with forwards[j] = forward(streams, w, lora, computes[j]): a family's unit forward
+// over what each job (or the stacked jobs) computes with, `computes` (FluxCompute, ...).
+template <class Compute, class Forward>
+void ForwardModelUnit(BlockProvider& provider, int index, const std::vector<Compute>& computes,
+                      const Forward& forward, std::vector<LoraMap> loras, const UnitRun& run,
+                      std::vector<std::vector<at::Tensor>>* streams) {
+  std::vector<UnitJobForward> forwards;
+  for (const Compute& c : computes)
+    forwards.push_back([forward, c](const std::vector<at::Tensor>& in, const NamedTensors& w,
+                                    const LoraMap& lora) { return forward(in, w, lora, c); });
+  ForwardModelUnit(provider, index, std::move(forwards), std::move(loras), run, streams);
+}
 
 }  // namespace lorastream::worker::dit

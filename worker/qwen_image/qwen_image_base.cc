@@ -2,7 +2,6 @@
 
 #include <ATen/ATen.h>
 
-#include "common/base/error.h"
 #include "common/base/format_bytes.h"
 #include "common/base/log.h"
 #include "common/formats/qwen_image_layout.h"
@@ -20,11 +19,7 @@ QwenImageBase QwenImageBase::Load(const std::string& path, c10::ScalarType dtype
   for (const auto& [name, shape] : QwenImageAllShapes(source.config())) {
     const SafetensorsFolder::Ref ref = source.Get(name);
     if (ref.entry->dtype == DType::kF8E4M3)
-      throw Error(ErrorCode::kUnsupported,
-                  path + ": tensor `" + ref.entry->name +
-                      "` is fp8 (F8_E4M3); a job reads an fp8 Qwen-Image checkpoint through a "
-                      "store: lorastream-store serve " +
-                      path + " --name NAME, then model.store = \"NAME\"");
+      RefuseFp8Checkpoint(path, ref.entry->name, "Qwen-Image", "model.store");
   }
   QwenImageBase b;
   b.config_ = source.config();
@@ -33,9 +28,7 @@ QwenImageBase QwenImageBase::Load(const std::string& path, c10::ScalarType dtype
   b.manifest_.source_dir = path;
   const SourceTensor tensor = [&](const std::string& name) {
     const SafetensorsFolder::Ref ref = source.Get(name);
-    // from_blob over the read-only mapping: only read (converted into our own buffers).
-    return at::from_blob(const_cast<uint8_t*>(ref.file->Data(*ref.entry)), ref.entry->shape,
-                         at::TensorOptions().dtype(ScalarTypeOf(ref.entry->dtype, name)));
+    return MappedTensor(*ref.file, *ref.entry, name);
   };
   b.unit_buffers_ = PackUnitBuffers(b.manifest_, tensor, "qwen_image");
   b.rest_ = LoadRestTensors(b.manifest_.rest, tensor, device, dtype);

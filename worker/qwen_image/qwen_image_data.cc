@@ -68,11 +68,7 @@ QwenImageDataset::QwenImageDataset(const std::string& cache_dir, const QwenImage
 }
 
 std::pair<int64_t, int64_t> QwenImageDataset::largest_latent() const {
-  std::pair<int64_t, int64_t> out{0, 0};
-  for (const auto& s : samples_)
-    if (s.latents.size(1) * s.latents.size(2) > out.first * out.second)
-      out = {s.latents.size(1), s.latents.size(2)};
-  return out;
+  return LargestLatent(samples_);
 }
 
 int64_t QwenImageDataset::max_text_tokens() const {

@@ -258,25 +258,16 @@ std::vector<at::Tensor> QwenImageModel::ForwardGroup(
     unit_computes = {c};
     streams = {dit::StackStreams(streams)};
   }
+  const dit::UnitRun run{checkpointed, stacked, &taped_};
   for (int64_t u = 0; u < config_.num_layers; ++u) {
-    std::vector<dit::UnitJob> jobs;
     std::vector<LoraMap> loras;
     for (const QwenImageAdapter* a : adapters) loras.push_back(a->UnitLora(u));
-    if (stacked) loras = {dit::StackLoras(loras)};
-    for (size_t j = 0; j < unit_computes.size(); ++j) {
-      dit::UnitJob job;
-      const QwenImageCompute& c = unit_computes[j];
-      job.forward = [u, c](const std::vector<at::Tensor>& in, const NamedTensors& w,
-                           const LoraMap& lora) {
-        return QwenImageBlockForward(u, in, w, lora, c);
-      };
-      job.lora = std::move(loras[j]);
-      jobs.push_back(std::move(job));
-    }
-    if (checkpointed && u < static_cast<int64_t>(taped_.size()) && taped_[u])
-      dit::ForwardUnitTaped(*provider_, static_cast<int>(u), jobs, &streams);
-    else
-      dit::ForwardUnit(*provider_, static_cast<int>(u), jobs, &streams, checkpointed);
+    const auto forward = [u](const std::vector<at::Tensor>& in, const NamedTensors& w,
+                             const LoraMap& lora, const QwenImageCompute& c) {
+      return QwenImageBlockForward(u, in, w, lora, c);
+    };
+    dit::ForwardModelUnit(*provider_, static_cast<int>(u), unit_computes, forward, std::move(loras),
+                          run, &streams);
   }
   if (stacked) streams = dit::UnstackStreams(streams[0], batches.size());
   last_stacked_ = stacked;

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include "common/base/error.h"
+#include "common/formats/safetensors.h"
 #include "store/attach.h"
 #include "worker/model/base_weights.h"
 #include "worker/stream/host_bytes.h"
@@ -18,6 +19,20 @@ at::Tensor PageAlignedHostBytes(uint64_t n) {
       owner->data(), {static_cast<int64_t>(owner->mapped_size())}, [owner](void*) {},
       at::TensorOptions().dtype(at::kByte));
   return pages.narrow(0, 0, static_cast<int64_t>(n));
+}
+
+at::Tensor MappedTensor(const SafetensorsFile& file, const SafetensorsEntry& entry,
+                        const std::string& what) {
+  return at::from_blob(const_cast<uint8_t*>(file.Data(entry)), entry.shape,
+                       at::TensorOptions().dtype(ScalarTypeOf(entry.dtype, what)));
+}
+
+void RefuseFp8Checkpoint(const std::string& path, const std::string& tensor,
+                         const std::string& family, const std::string& store_key) {
+  throw Error(ErrorCode::kUnsupported,
+              path + ": tensor `" + tensor + "` is fp8 (F8_E4M3); a job reads an fp8 " + family +
+                  " checkpoint through a store: lorastream-store serve " + path +
+                  " --name NAME, then " + store_key + " = \"NAME\"");
 }
 
 std::vector<at::Tensor> PackUnitBuffers(Manifest& m, const SourceTensor& source,

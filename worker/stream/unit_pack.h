@@ -16,6 +16,11 @@
 #include "worker/model/dit_ops.h"
 #include "worker/stream/stream_plan.h"
 
+namespace lorastream {
+class SafetensorsFile;
+struct SafetensorsEntry;
+}  // namespace lorastream
+
 namespace lorastream::store {
 class AttachedStore;
 }
@@ -29,6 +34,17 @@ at::Tensor PageAlignedHostBytes(uint64_t n);
 
 // The checkpoint's tensor of a canonical name (only read), in any dtype.
 using SourceTensor = std::function<at::Tensor(const std::string& name)>;
+
+// `entry` of `file` as a tensor over the file's read-only mapping, in its stored dtype (only
+// read: converted into this process's own buffers); `what` names it where that dtype is
+// refused (ScalarTypeOf).
+at::Tensor MappedTensor(const SafetensorsFile& file, const SafetensorsEntry& entry,
+                        const std::string& what);
+// Refuses (kUnsupported) the checkpoint at `path`, read directly, whose tensor `tensor` is fp8
+// (F8_E4M3): a job reads an fp8 checkpoint of `family` ("FLUX", "Qwen-Image") through a store
+// serving it, which it names as `store_key` ("model.store").
+[[noreturn]] void RefuseFp8Checkpoint(const std::string& path, const std::string& tensor,
+                                      const std::string& family, const std::string& store_key);
 
 // One buffer per block segment of `m` (every tensor converted into m.dtype at its offset);
 // each segment's shm_name becomes "PREFIX-unit-U".
