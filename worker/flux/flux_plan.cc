@@ -66,10 +66,6 @@ std::vector<double> FluxBlockScale(const FluxMemoryInputs& in, double single_to_
   return out;
 }
 
-std::string FluxPlanLabel(const FluxMemoryInputs& in, const ResidencyPlan& plan) {
-  return DitPlanLabel(FluxMemoryModel(in), plan);
-}
-
 PlanChoice ChooseFluxPlan(const FluxMemoryInputs& in, const StepCosts& costs, uint64_t budget_bytes,
                           int max_ring) {
   return ChooseDitPlan(FluxMemoryModel(in), FluxDitJob(in), in.group, costs, budget_bytes,

@@ -107,7 +107,4 @@ std::vector<double> FluxBlockScale(const FluxMemoryInputs& in, double single_to_
 PlanChoice ChooseFluxPlan(const FluxMemoryInputs& in, const StepCosts& costs, uint64_t budget_bytes,
                           int max_ring = 3);
 
-// "swap 20 (double 4, single 16) ring 2" for a FLUX plan.
-std::string FluxPlanLabel(const FluxMemoryInputs& in, const ResidencyPlan& plan);
-
 }  // namespace lorastream::worker::flux
