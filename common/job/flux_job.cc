@@ -205,12 +205,21 @@ FluxJob ParseFluxJobSections(const TomlSection& doc) {
       if (std::string(m.section) == name) keys.push_back(m.key);
     doc.Section(name).RejectUnknownKeys(keys);
   }
-  return ReadFluxJob([&doc, &flux](const char* k) {
+  FluxJob j = ReadFluxJob([&doc, &flux](const char* k) {
     for (const MovedKey& m : kMovedKeys)
       if (std::string(m.flux_key) == k)
         return std::make_pair(doc.Section(m.section), std::string(m.key));
     return std::make_pair(flux, std::string(k));
   });
+  j.shared_form = true;
+  return j;
+}
+
+std::string FluxKeyName(const FluxJob& job, const std::string& flux_key) {
+  if (job.shared_form)
+    for (const MovedKey& m : kMovedKeys)
+      if (flux_key == m.flux_key) return std::string(m.section) + "." + m.key;
+  return "flux." + flux_key;
 }
 
 std::string FluxLegacyNote(const TomlSection& flux) {
@@ -290,10 +299,11 @@ std::string Num(double v) {
 std::vector<std::string> FluxJobProblems(const FluxJob& j, const std::string& source) {
   std::vector<std::string> p;
   auto refuse = [&](const std::string& key, const std::string& why) {
-    p.push_back(source + ": key `flux." + key + "`: " + why);
+    p.push_back(source + ": key `" + FluxKeyName(j, key) + "`: " + why);
   };
   if (j.checkpoint.empty() == j.store.empty())
-    refuse("checkpoint", "name exactly one of flux.checkpoint and flux.store");
+    refuse("checkpoint", "name exactly one of " + FluxKeyName(j, "checkpoint") + " and " +
+                             FluxKeyName(j, "store"));
   if (!j.checkpoint.empty()) {
     try {
       DetectFluxCheckpoint(j.checkpoint);  // BFL's file or a diffusers folder, else why not
@@ -337,7 +347,8 @@ std::vector<std::string> FluxJobProblems(const FluxJob& j, const std::string& so
     refuse("alpha", "must be positive");
   if (!(j.sigmoid_scale > 0)) refuse("sigmoid_scale", "must be positive");
   if (j.warmup_steps < 0 || j.warmup_steps > j.steps)
-    refuse("warmup_steps", "must be in [0, flux.steps = " + std::to_string(j.steps) + "] (found " +
+    refuse("warmup_steps", "must be in [0, " + FluxKeyName(j, "steps") + " = " +
+                               std::to_string(j.steps) + "] (found " +
                                std::to_string(j.warmup_steps) + ")");
   if (j.lr_schedule != "constant" && j.lr_schedule != "linear" && j.lr_schedule != "cosine")
     refuse("lr_schedule", "`" + j.lr_schedule + "`: constant, linear or cosine");
@@ -358,6 +369,15 @@ std::vector<std::string> FluxJobProblems(const FluxJob& j, const std::string& so
   if (j.keep_checkpoints < 1 || j.keep_checkpoints > kMaxKeepCheckpoints)
     refuse("keep_checkpoints", "must be between 1 and " + std::to_string(kMaxKeepCheckpoints));
   return p;
+}
+
+bool IsSharedFormFluxJobText(const std::string& toml_text) {
+  try {
+    const TomlSection doc = TomlSection::Parse(toml_text, "job");
+    return doc.Has("flux") && HasSharedJobSections(doc);
+  } catch (const std::exception&) {
+    return false;
+  }
 }
 
 bool IsFluxJobFile(const std::string& path) {

@@ -81,13 +81,17 @@ struct FluxJob {
   int64_t taped_blocks = 0;  // 0: none (a budget: the planner's); -1: as many as fit
   int64_t singles_per_unit = 2;
   std::string init_from;  // "" or a kohya file (rank 0 / alpha 0 / no targets: the file's)
+  // Written in the shared form (ParseFluxJobSections): its messages name the keys there
+  // (FluxKeyName). Sent with the job; FluxJobToToml writes both forms alike (a journal
+  // restores it from the job file's text: IsSharedFormFluxJobText).
+  bool shared_form = false;
   template <class A>
   void serialize(A& ar) {
     ar(checkpoint, store, cache_dir, output_dir, steps, batch_size, seed, learning_rate,
        lr_schedule, warmup_steps, weight_decay, max_grad_norm, rank, alpha, targets, guidance,
        timestep_sampling, sigmoid_scale, discrete_flow_shift, save_every, keep_checkpoints, dtype,
        gpu_memory_budget, budget_auto, blocks_to_swap, ring_size, singles_per_unit, init_from,
-       taped_blocks);
+       taped_blocks, shared_form);
   }
 };
 
@@ -109,12 +113,23 @@ bool HasSharedJobSections(const TomlSection& doc);
 // The note for a job written in the [flux]-only form: where each of its moved keys now lives
 // ("" when it has none).
 std::string FluxLegacyNote(const TomlSection& flux);
-// The section with every key written out ("[flux]\n..."): ParseFluxJob reads it back equal.
+// A key of `job` by its [flux]-only name ("store", "save_every") as the job's file writes it:
+// "flux.store" in the [flux]-only form; in the shared form the key in its section
+// ("model.store", "train.checkpoint_every"), FLUX.1's own keys staying in [flux]
+// ("flux.cache_dir"). Every message about a FLUX.1 job's key names it so.
+std::string FluxKeyName(const FluxJob& job, const std::string& flux_key);
+// The section with every key written out ("[flux]\n..."): ParseFluxJob reads it back equal
+// but for shared_form (one job, written alike in either form).
 std::string FluxJobToToml(const FluxJob& job);
+// Whether the job file text `toml_text` is a FLUX.1 job in the shared form (false for any
+// other, or text that does not parse): what restores FluxJob::shared_form to a job read back
+// from JobSpecToToml, which writes both forms alike.
+bool IsSharedFormFluxJobText(const std::string& toml_text);
 // Makes the paths absolute against `base_dir` (common/job/job_paths.h).
 void ResolveFluxJob(FluxJob& job, const std::string& base_dir);
-// Every problem with the values, each naming `source` and the key
-// ("job.toml: key `flux.rank`: must be at least 1"). Empty when the job can run.
+// Every problem with the values, each naming `source` and the key as the job's file writes it
+// ("job.toml: key `flux.rank`: must be at least 1"; `lora.rank` in the shared form). Empty
+// when the job can run.
 std::vector<std::string> FluxJobProblems(const FluxJob& job, const std::string& source);
 
 // Whether the job file at `path` is a FLUX job (it has a [flux] section); false when it

@@ -11,6 +11,7 @@
 
 #include "common/base/error.h"
 #include "common/base/log.h"
+#include "common/job/flux_job.h"
 
 namespace lorastream {
 namespace {
@@ -97,13 +98,16 @@ void CheckJobPathsAs(const JobSpec& spec, const UserIdentity& who) {
     PathAccess access;
   };
   std::vector<Item> items;
-  const std::string checkpoint_key = spec.is_flux ? "flux.checkpoint" : "model.checkpoint";
+  // A FLUX.1 job's keys as its file writes them ([flux] alone, or the shared sections).
+  const std::string checkpoint_key =
+      spec.is_flux ? FluxKeyName(spec.flux, "checkpoint") : "model.checkpoint";
   if (spec.is_flux) {
-    items = {{"flux.cache_dir", spec.flux.cache_dir, PathAccess::kRead},
-             {"flux.checkpoint", spec.flux.checkpoint, PathAccess::kRead},
-             {"flux.output_dir", spec.flux.output_dir, PathAccess::kWrite}};
+    const std::string cache_key = FluxKeyName(spec.flux, "cache_dir");
+    items = {{cache_key, spec.flux.cache_dir, PathAccess::kRead},
+             {checkpoint_key, spec.flux.checkpoint, PathAccess::kRead},
+             {FluxKeyName(spec.flux, "output_dir"), spec.flux.output_dir, PathAccess::kWrite}};
     for (const std::string& file : Entries(spec.flux.cache_dir))
-      items.push_back({"flux.cache_dir", file, PathAccess::kRead});
+      items.push_back({cache_key, file, PathAccess::kRead});
   } else {
     items = {{"data.path", spec.data.path, PathAccess::kRead},
              {"eval.path", spec.eval.path, PathAccess::kRead},

@@ -3,31 +3,35 @@
 #include <algorithm>
 #include <utility>
 
+#include "common/job/flux_job.h"
+
 namespace lorastream {
 
 namespace {
 
 // Two FLUX.1 jobs: one base (one store, or one checkpoint packed alike), one compute dtype,
 // one plan. Everything else (caches, resolution, batch, rank, targets, steps) is the job's own.
+// Keys are named as the refused job's file writes them (FluxKeyName).
 std::string FluxGroupRefusal(const std::string& why, const FluxJob& first, const FluxJob& job) {
+  const auto key = [&job](const char* flux_key) { return FluxKeyName(job, flux_key); };
   if (job.store != first.store)
-    return why + "flux.store differs (`" + job.store + "`, `" + first.store +
+    return why + key("store") + " differs (`" + job.store + "`, `" + first.store +
            "`): a group shares one base";
   if (job.checkpoint != first.checkpoint)
-    return why + "flux.checkpoint differs (`" + job.checkpoint + "`, `" + first.checkpoint +
+    return why + key("checkpoint") + " differs (`" + job.checkpoint + "`, `" + first.checkpoint +
            "`): a group shares one base";
   if (job.dtype != first.dtype)
-    return why + "flux.dtype differs (" + job.dtype + ", " + first.dtype +
+    return why + key("dtype") + " differs (" + job.dtype + ", " + first.dtype +
            "): a group computes in one dtype";
   const std::pair<const char*, bool> fields[] = {
-      {"flux.singles_per_unit", job.singles_per_unit != first.singles_per_unit},
-      {"flux.gpu_memory_budget",
+      {"singles_per_unit", job.singles_per_unit != first.singles_per_unit},
+      {"gpu_memory_budget",
        job.gpu_memory_budget != first.gpu_memory_budget || job.budget_auto != first.budget_auto},
-      {"flux.blocks_to_swap", job.blocks_to_swap != first.blocks_to_swap},
-      {"flux.ring_size", job.ring_size != first.ring_size},
-      {"flux.taped_blocks", job.taped_blocks != first.taped_blocks}};
+      {"blocks_to_swap", job.blocks_to_swap != first.blocks_to_swap},
+      {"ring_size", job.ring_size != first.ring_size},
+      {"taped_blocks", job.taped_blocks != first.taped_blocks}};
   for (const auto& [field, differs] : fields)
-    if (differs) return why + field + " differs: a group streams one packing and one plan";
+    if (differs) return why + key(field) + " differs: a group streams one packing and one plan";
   return "";
 }
 

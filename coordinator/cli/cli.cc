@@ -27,6 +27,7 @@
 #include "common/formats/manifest_tokenizer.h"
 #include "common/formats/tokenizer_id.h"
 #include "common/job/adapter_consumers.h"
+#include "common/job/flux_job.h"
 #include "common/job/job_data.h"
 #include "common/job/job_kind.h"
 #include "common/job/job_paths.h"
@@ -119,7 +120,8 @@ std::string StoreProblem(const JobSpec& spec) {
     return "";  // not here or not yet published: the worker checks
   const Manifest m = ManifestFromJson(record->json, "store `" + spec.model.store + "`");
   if (JobFamily(spec) != m.model_family())
-    return spec.source + ": key `" + (spec.is_flux ? "flux.store" : "model.store") + "`: store `" +
+    return spec.source + ": key `" +
+           (spec.is_flux ? FluxKeyName(spec.flux, "store") : "model.store") + "`: store `" +
            spec.model.store + "` serves " + m.family() +
            (spec.is_flux ? ", not FLUX.1 (serve a FLUX checkpoint: lorastream-store serve PATH)"
             : spec.is_qwen_image

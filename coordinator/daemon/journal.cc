@@ -11,6 +11,7 @@
 
 #include "common/base/error.h"
 #include "common/base/log.h"
+#include "common/job/flux_job.h"
 #include "common/job/job_paths.h"
 #include "common/protocol/message_archive.h"
 
@@ -350,8 +351,9 @@ void Journal::UpgradeToVersion1() {
 
 std::string Journal::RecordProblem(const JobSpec& spec) {
   try {
-    if (SerializePayload(ParseJobSpec(JobSpecToToml(spec), spec.source)) == SerializePayload(spec))
-      return "";
+    JobSpec back = ParseJobSpec(JobSpecToToml(spec), spec.source);
+    back.flux.shared_form = spec.flux.shared_form;  // restored from the job file's text on load
+    if (SerializePayload(back) == SerializePayload(spec)) return "";
     return "it holds a value that a job file cannot (a seed or a memory budget over 2^63, or a "
            "memory budget together with \"auto\")";
   } catch (const std::exception& e) {
@@ -445,6 +447,9 @@ std::vector<JobRecord> Journal::LoadJobs(std::vector<std::string>* skipped) cons
     }
     try {
       job.spec = ParseJobSpec(st.Text(9), s.spec_source);
+      // A FLUX.1 job's form, which the spec (written alike in either) leaves out: its
+      // messages name the keys as the job file wrote them.
+      if (job.spec.is_flux) job.spec.flux.shared_form = IsSharedFormFluxJobText(job.spec_toml);
     } catch (const std::exception& e) {
       skip(s.id, std::string("its spec cannot be read: ") + e.what());
       continue;

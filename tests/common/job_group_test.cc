@@ -96,6 +96,32 @@ TEST_CASE(
              Catch::Contains("flux.ring_size differs"));
 }
 
+TEST_CASE("job groups: a FLUX.1 job in the shared form is refused naming its keys there",
+          "[common][flux]") {
+  JobSpec flux = Spec("flux");
+  flux.is_flux = true;
+  flux.flux.store = "flux-base";
+  auto refusal = [&](const std::function<void(FluxJob&)>& change) {
+    JobSpec other = flux;
+    other.name = "flux2";
+    other.flux.shared_form = true;  // written with [model], [train], [stream]
+    change(other.flux);
+    return GroupRefusal(flux, other, "cuda:0");
+  };
+  CHECK_THAT(refusal([](FluxJob& j) { j.store = "other"; }),
+             Catch::Contains("model.store differs") && !Catch::Contains("flux.store"));
+  CHECK_THAT(refusal([](FluxJob& j) { j.checkpoint = "flux1.safetensors"; }),
+             Catch::Contains("model.checkpoint differs"));
+  CHECK_THAT(refusal([](FluxJob& j) { j.dtype = "bf16"; }), Catch::Contains("train.dtype differs"));
+  CHECK_THAT(refusal([](FluxJob& j) { j.budget_auto = true; }),
+             Catch::Contains("stream.gpu_memory_budget differs"));
+  CHECK_THAT(refusal([](FluxJob& j) { j.ring_size = 1; }),
+             Catch::Contains("stream.ring_size differs"));
+  // FLUX.1's own key stays in [flux].
+  CHECK_THAT(refusal([](FluxJob& j) { j.singles_per_unit = 1; }),
+             Catch::Contains("flux.singles_per_unit differs"));
+}
+
 TEST_CASE("job groups: a worker's default job slots follow its GPU's memory", "[common]") {
   CHECK(DefaultJobSlots(0) == 1);             // the CPU
   CHECK(DefaultJobSlots(8ull << 30) == 1);    // a small GPU still trains one job

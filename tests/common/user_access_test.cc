@@ -188,6 +188,22 @@ TEST_CASE("AccessProblem walks every component with the user's ids and groups", 
   flux.model.checkpoint = secret_file;  // mirrored, as ParseJobSpec does
   CHECK_THROWS_WITH(CheckJobPathsAs(flux, who),
                     Catch::Contains("key `flux.checkpoint` (" + secret_file + ")"));
+  // Written in the shared form: the keys there ([model], [train]); the caches stay in [flux].
+  flux.flux.shared_form = true;
+  CHECK_THROWS_WITH(CheckJobPathsAs(flux, who),
+                    Catch::Contains("flux.toml: key `model.checkpoint` (" + secret_file + ")"));
+  flux.flux.checkpoint.clear();
+  flux.model.checkpoint.clear();
+  flux.flux.store = "flux";
+  flux.flux.output_dir = box.dir + "/secret/flux-out";
+  flux.model.store = "flux";
+  CHECK_THROWS_WITH(
+      CheckJobPathsAs(flux, who),
+      Catch::Contains("flux.toml: key `train.output_dir` (" + flux.flux.output_dir + ")"));
+  flux.flux.shared_form = false;
+  CHECK_THROWS_WITH(
+      CheckJobPathsAs(flux, who),
+      Catch::Contains("flux.toml: key `flux.output_dir` (" + flux.flux.output_dir + ")"));
 
   // A Qwen-Image job's caches (the folder and each file in it) under `qwen_image.cache_dir`,
   // its single-file checkpoint under `model.checkpoint`.

@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "common/base/error.h"
+#include "common/job/flux_job.h"
 #include "common/job/job_paths.h"
 #include "common/job/job_spec.h"
 #include "coordinator/daemon/journal.h"
@@ -67,6 +68,26 @@ JobSpec Submitted(const std::string& file, int64_t priority) {
   ResolveJobSpecIn(s, JobFileDir(source));
   if (priority != 0) s.priority = priority;
   return s;
+}
+
+// The jobs `specs` (ids 1, 2, ...; each submitted as the job file `text`) saved in a new
+// journal in `dir`, as a reopened journal loads them.
+std::vector<JobRecord> SavedAndReloaded(const fs::path& dir, const std::vector<JobSpec>& specs,
+                                        const std::string& text) {
+  const fs::path path = dir / "journal.db";
+  {
+    Journal journal(path.string());
+    for (size_t i = 0; i < specs.size(); ++i) {
+      JobRecord r;
+      r.summary.id = static_cast<int64_t>(i) + 1;
+      r.summary.name = specs[i].name;
+      r.spec = specs[i];
+      r.summary.spec_source = specs[i].source;
+      r.spec_toml = text;
+      journal.SaveJob(r);
+    }
+  }
+  return Journal(path.string()).LoadJobs();
 }
 
 void CheckSameSpec(const JobSpec& got, const JobSpec& want) {
@@ -607,21 +628,7 @@ TEST_CASE("a FLUX job's spec reads back from its journal form and through a reop
         SerializePayload(on_checkpoint));
 
   const testing::TempDir dir("journal-flux");
-  const fs::path path = dir.path() / "journal.db";
-  {
-    Journal journal(path.string());
-    for (const JobSpec& spec : {s, on_checkpoint}) {
-      JobRecord r;
-      r.summary.id = spec.flux.store.empty() ? 2 : 1;
-      r.summary.name = spec.name;
-      r.spec = spec;
-      r.summary.spec_source = spec.source;
-      r.spec_toml = text;
-      journal.SaveJob(r);
-    }
-  }
-  const Journal journal(path.string());
-  const std::vector<JobRecord> jobs = journal.LoadJobs();
+  const std::vector<JobRecord> jobs = SavedAndReloaded(dir.path(), {s, on_checkpoint}, text);
   REQUIRE(jobs.size() == 2);
   CheckSameSpec(jobs[0].spec, s);
   CheckSameSpec(jobs[1].spec, on_checkpoint);
@@ -656,4 +663,21 @@ TEST_CASE("a journal written at 3deb393 with FLUX.1 and LLM jobs opens with ever
   CheckSameSpec(back.spec, jobs[6].spec);
   CHECK(back.spec.is_flux);
   CHECK(back.spec.flux.singles_per_unit == 3);
+}
+
+TEST_CASE("a FLUX job in the shared form keeps its form through the journal",
+          "[coordinator][journal]") {
+  const std::string text =
+      "name = \"flux\"\n[model]\nstore = \"flux-tiny\"\n[train]\noutput_dir = \"out\"\n"
+      "[stream]\ngpu_memory_budget = \"8GiB\"\n[flux]\ncache_dir = \"cache\"\n";
+  JobSpec s = ParseJobSpec(text, "/jobs/flux.toml");
+  ResolveJobSpecIn(s, "/jobs");
+  REQUIRE(s.flux.shared_form);
+  CHECK(Journal::RecordProblem(s).empty());
+  const testing::TempDir dir("journal-flux-shared");
+  const std::vector<JobRecord> jobs = SavedAndReloaded(dir.path(), {s}, text);
+  REQUIRE(jobs.size() == 1);
+  CHECK(jobs[0].spec.flux.shared_form);
+  CheckSameSpec(jobs[0].spec, s);
+  CHECK(FluxKeyName(jobs[0].spec.flux, "store") == "model.store");
 }

@@ -11,6 +11,7 @@
 #include <map>
 
 #include "common/base/error.h"
+#include "common/formats/flux_config.h"
 #include "common/job/flux_job.h"
 #include "common/job/job_spec.h"
 #include "common/posix/subprocess.h"
@@ -392,4 +393,27 @@ TEST_CASE(
   a.output_dir = d + "/uninterrupted";
   const FluxTrainResult full = TrainFlux(a, {});
   CHECK(ReadFile(resumed.kohya_path) == ReadFile(full.kohya_path));
+}
+
+TEST_CASE("the FLUX planner's budget refusal names the job's keys as its file writes them",
+          "[worker][flux]") {
+  FluxMemoryInputs in;
+  in.config = FluxConfig{};  // FLUX.1-dev
+  in.units = FluxUnits(in.config, 2);
+  in.unit_bytes.assign(in.units.size(), uint64_t{1} << 30);
+  in.image_tokens = 4096;
+  in.text_tokens = 512;
+  StepCosts costs;
+  costs.block_forward_seconds = 0.005;
+  costs.block_backward_seconds = 0.015;
+  costs.h2d_bytes_per_second = 50e9;
+  costs.block_scale.assign(in.units.size(), 1.0);
+  FluxJob legacy;
+  FluxJob shared;
+  shared.shared_form = true;
+  CHECK(FluxJobMemoryModel(in, legacy).budget_key == "flux.gpu_memory_budget");
+  CHECK(FluxJobMemoryModel(in, legacy).batch_key == "flux.batch_size");
+  CHECK_THROWS_WITH(
+      ChooseDitPlan(FluxJobMemoryModel(in, shared), FluxDitJob(in), {}, costs, uint64_t{1} << 30),
+      Catch::Contains("stream.gpu_memory_budget 1") && Catch::Contains("lower train.batch_size"));
 }

@@ -414,3 +414,55 @@ TEST_CASE(
                     Catch::Contains("data"));
   CHECK_THROWS_WITH(ParseJobSpec(text + "guidance = 1.0\n", "q.toml"), Catch::Contains("guidance"));
 }
+
+TEST_CASE("a FLUX job's problems name its keys as its file writes them, in either form",
+          "[worker][flux]") {
+  const std::string shared =
+      "[model]\ncheckpoint = \"\"\n[lora]\nrank = 0\n[optim]\nlr = -1.0\nwarmup_steps = 9\n"
+      "[train]\noutput_dir = \"o\"\nsteps = 3\ncheckpoint_every = -1\n"
+      "[stream]\nring_size = 0\n[flux]\ncache_dir = \"no-such-cache\"\n";
+  const JobSpec s = ParseJobSpec(shared, "s.toml");
+  REQUIRE(s.is_flux);
+  CHECK(s.flux.shared_form);
+  const std::vector<std::string> p = ValidateJobSpec(s);
+  CHECK(Mentions(p,
+                 "s.toml: key `model.checkpoint`: name exactly one of model.checkpoint and "
+                 "model.store"));
+  CHECK(Mentions(p, "key `lora.rank`: must be at least 1"));
+  CHECK(Mentions(p, "key `optim.lr`: must be 0 or more"));
+  CHECK(Mentions(p, "key `optim.warmup_steps`: must be in [0, train.steps = 3]"));
+  CHECK(Mentions(p, "key `train.checkpoint_every`: must be 0 or more"));
+  CHECK(Mentions(p, "key `stream.ring_size`"));
+  CHECK(Mentions(p, "key `flux.cache_dir`"));  // FLUX.1's own key, in [flux] in either form
+  CHECK_FALSE(Mentions(p, "flux.rank"));
+  CHECK(FluxKeyName(s.flux, "store") == "model.store");
+  CHECK(FluxKeyName(s.flux, "save_every") == "train.checkpoint_every");
+  CHECK(FluxKeyName(s.flux, "learning_rate") == "optim.lr");
+  CHECK(FluxKeyName(s.flux, "gpu_memory_budget") == "stream.gpu_memory_budget");
+  CHECK(FluxKeyName(s.flux, "guidance") == "flux.guidance");
+
+  // The [flux]-only form: every key under flux., as before.
+  const JobSpec l = ParseJobSpec(
+      "[flux]\ncheckpoint = \"\"\nrank = 0\nlearning_rate = -1.0\nwarmup_steps = 9\n"
+      "output_dir = \"o\"\nsteps = 3\nsave_every = -1\nring_size = 0\n"
+      "cache_dir = \"no-such-cache\"\n",
+      "l.toml");
+  CHECK_FALSE(l.flux.shared_form);
+  const std::vector<std::string> q = ValidateJobSpec(l);
+  CHECK(Mentions(q,
+                 "l.toml: key `flux.checkpoint`: name exactly one of flux.checkpoint and "
+                 "flux.store"));
+  CHECK(Mentions(q, "key `flux.rank`: must be at least 1"));
+  CHECK(Mentions(q, "key `flux.learning_rate`: must be 0 or more"));
+  CHECK(Mentions(q, "key `flux.warmup_steps`: must be in [0, flux.steps = 3]"));
+  CHECK(Mentions(q, "key `flux.save_every`: must be 0 or more"));
+  CHECK_FALSE(Mentions(q, "lora.rank"));
+  CHECK(FluxKeyName(l.flux, "store") == "flux.store");
+
+  // The form travels with the job (not in its journal form, written alike: restored from the
+  // job file's text).
+  CHECK(IsSharedFormFluxJobText(shared));
+  CHECK_FALSE(IsSharedFormFluxJobText("[flux]\nstore = \"s\"\n"));
+  CHECK_FALSE(IsSharedFormFluxJobText("[model]\nstore = \"s\"\n"));  // an LLM job
+  CHECK_FALSE(IsSharedFormFluxJobText("not toml ["));
+}

@@ -29,12 +29,12 @@ at::Tensor BflTensor(const FluxCheckpointReader& source, const std::string& name
 }  // namespace
 
 FluxBase FluxBase::Load(const std::string& path, int64_t singles_per_unit, c10::ScalarType dtype,
-                        c10::Device device) {
+                        c10::Device device, const std::string& store_key) {
   const FluxCheckpointReader source = FluxCheckpointReader::Open(path);
   for (const auto& [name, shape] : FluxAllShapes(source.config()))
     for (const FluxCheckpointReader::Piece& p : source.Pieces(name))
       if (p.entry->dtype == DType::kF8E4M3)
-        RefuseFp8Checkpoint(path, p.entry->name, "FLUX", "flux.store");
+        RefuseFp8Checkpoint(path, p.entry->name, "FLUX", store_key);
   FluxBase b;
   b.config_ = source.config();
   b.singles_per_unit_ = singles_per_unit;
@@ -51,11 +51,12 @@ FluxBase FluxBase::Load(const std::string& path, int64_t singles_per_unit, c10::
   return b;
 }
 
-FluxBase FluxBase::FromStore(const std::string& name, c10::ScalarType dtype, c10::Device device) {
+FluxBase FluxBase::FromStore(const std::string& name, c10::ScalarType dtype, c10::Device device,
+                             const std::string& store_key, const std::string& dtype_key) {
   AttachedUnits a = AttachUnitStore(
       name, ModelFamily::kFlux,
-      "flux.store names a store of a FLUX checkpoint: lorastream-store serve FLUX_PATH",
-      "flux.dtype", dtype, device);
+      store_key + " names a store of a FLUX checkpoint: lorastream-store serve FLUX_PATH",
+      dtype_key, dtype, device);
   FluxBase b;
   b.config_ = a.manifest.flux;
   b.singles_per_unit_ = a.manifest.flux_singles_per_unit;
@@ -69,8 +70,10 @@ FluxBase FluxBase::FromStore(const std::string& name, c10::ScalarType dtype, c10
 }
 
 FluxBase FluxBase::ForJob(const FluxJob& job, c10::ScalarType dtype, c10::Device device) {
-  return job.store.empty() ? Load(job.checkpoint, job.singles_per_unit, dtype, device)
-                           : FromStore(job.store, dtype, device);
+  const std::string store_key = FluxKeyName(job, "store");
+  return job.store.empty()
+             ? Load(job.checkpoint, job.singles_per_unit, dtype, device, store_key)
+             : FromStore(job.store, dtype, device, store_key, FluxKeyName(job, "dtype"));
 }
 
 void FluxBase::LogLoaded(const std::string& from) const {

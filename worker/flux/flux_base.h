@@ -33,9 +33,10 @@ using worker::PageAlignedHostBytes;
 class FluxBase {
  public:
   // BFL's single file or a diffusers folder; any other layout is refused by name
-  // (DetectFluxCheckpoint), and so is an fp8 checkpoint (a store serves it: FromStore).
+  // (DetectFluxCheckpoint), and so is an fp8 checkpoint (a store serves it: FromStore), naming
+  // `store_key` (the job's key for a store, as its file writes it: FluxKeyName).
   static FluxBase Load(const std::string& path, int64_t singles_per_unit, c10::ScalarType dtype,
-                       c10::Device device);
+                       c10::Device device, const std::string& store_key = "flux.store");
   // The FLUX.1 store `name` (lorastream-store serve FLUX_PATH), attached read-only: its units
   // stream from the shared mapping (nothing of them is copied in this process), packed as
   // the store fixed them (its singles_per_unit); the tensors outside the blocks are copied
@@ -43,9 +44,12 @@ class FluxBase {
   // `dtype`. A compressed store (`serve --quantize`): its units are copied compressed and
   // the engine expands their linears into `dtype` on the device at each use (a resident unit
   // stays compressed on the device too: worker/stream/stream_engine.h), so any dtype goes.
-  static FluxBase FromStore(const std::string& name, c10::ScalarType dtype, c10::Device device);
-  // The base a job names: its flux.store, or its flux.checkpoint packed per its
-  // flux.singles_per_unit.
+  // Refusals name `store_key` and `dtype_key`, the job's keys as its file writes them.
+  static FluxBase FromStore(const std::string& name, c10::ScalarType dtype, c10::Device device,
+                            const std::string& store_key = "flux.store",
+                            const std::string& dtype_key = "flux.dtype");
+  // The base a job names: its store, or its checkpoint packed per its singles_per_unit
+  // (refusals naming the job's keys as its file writes them).
   static FluxBase ForJob(const FluxJob& job, c10::ScalarType dtype, c10::Device device);
 
   const FluxConfig& config() const { return config_; }

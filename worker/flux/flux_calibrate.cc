@@ -38,6 +38,13 @@ int64_t LoraParams(const FluxConfig& c, const std::vector<std::string>& targets,
 
 }  // namespace
 
+DitMemoryModel FluxJobMemoryModel(const FluxMemoryInputs& in, const FluxJob& job) {
+  DitMemoryModel m = FluxMemoryModel(in);
+  m.budget_key = FluxKeyName(job, "gpu_memory_budget");
+  m.batch_key = FluxKeyName(job, "batch_size");
+  return m;
+}
+
 FluxMemoryInputs FluxMemoryInputsFor(const FluxBase& base, const FluxJob& job,
                                      const FluxDataset& data, c10::Device device,
                                      c10::ScalarType dtype) {
@@ -183,8 +190,8 @@ FluxPlanning PlanFluxJob(const FluxBase& base, const FluxJob& job, const FluxDat
       [&] {
         p.inputs = FluxMemoryInputsFor(base, job, data, device, dtype);
         p.inputs.group = group.members;
-        return DitPlanInputs{FluxMemoryModel(p.inputs), FluxDitJob(p.inputs, group.first_name),
-                             p.inputs.group};
+        return DitPlanInputs{FluxJobMemoryModel(p.inputs, job),
+                             FluxDitJob(p.inputs, group.first_name), p.inputs.group};
       },
       [&](int64_t batches) {
         FluxJob all = job;  // stacked: every job's samples as one batch

@@ -25,6 +25,11 @@ FluxMemoryInputs FluxMemoryInputsFor(const FluxBase& base, const FluxJob& job,
                                      const FluxDataset& data, c10::Device device,
                                      c10::ScalarType dtype);
 
+// FluxMemoryModel(in) for `job`: its planner refusals name the budget and batch keys as the
+// job's file writes them (FluxKeyName: flux.gpu_memory_budget, or stream.gpu_memory_budget
+// in the shared form).
+DitMemoryModel FluxJobMemoryModel(const FluxMemoryInputs& in, const FluxJob& job);
+
 // block_scale is set for `in`'s units (FluxBlockScale).
 StepCosts MeasureFluxCosts(const FluxBase& base, const FluxJob& job, const FluxMemoryInputs& in,
                            const FluxDataset& data, c10::Device device, c10::ScalarType dtype);

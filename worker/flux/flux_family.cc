@@ -81,7 +81,7 @@ class Group final : public FamilyGroup {
     std::string limit_what = "the plan's budget (gpu_memory_budget)";
     if (planning.budget == 0) std::tie(limit, limit_what) = DeviceMemory(device_);
     admission_ = std::make_unique<DitJoinAdmission>(
-        FluxMemoryModel(memory), FluxDitJob(memory), planning.plan, limit, limit_what,
+        FluxJobMemoryModel(memory, planned), FluxDitJob(memory), planning.plan, limit, limit_what,
         [this](const JobSpec& spec) {
           return FluxMembersOf(*base_, {spec}, device_, dtype_).front();
         },

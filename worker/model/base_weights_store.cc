@@ -34,11 +34,12 @@ BaseWeights BaseWeights::FromStore(const std::string& name) {
   auto store = std::make_shared<store::AttachedStore>(store::AttachedStore::Attach(name));
   const Manifest& m = store->manifest();
   if (m.model_family() != ModelFamily::kLlm)
-    throw Error(ErrorCode::kRefused,
-                "store `" + name + "` serves " + m.family() + ", not an LLM: " +
-                    (m.is_flux() ? "a FLUX job names it as flux.store in its [flux] section"
-                                 : "a Qwen-Image job (one with a [qwen_image] section) names it "
-                                   "as model.store"));
+    throw Error(
+        ErrorCode::kRefused,
+        "store `" + name + "` serves " + m.family() + ", not an LLM: " +
+            (m.is_flux() ? "a FLUX.1 job (one with a [flux] section) names it as model.store"
+                         : "a Qwen-Image job (one with a [qwen_image] section) names it "
+                           "as model.store"));
   BaseWeights b;
   b.config_ = m.config;
   b.name_or_path_ = m.source_dir.empty() ? name : m.source_dir;
