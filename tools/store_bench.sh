@@ -1,5 +1,6 @@
 # shellcheck shell=bash
-# Sourced by the benchmarks that serve a store (bench_store_quant.sh, gpu/bench_moe.sh).
+# Sourced by the benchmarks that serve a store (bench_store_quant.sh, gpu/bench_moe.sh,
+# gpu/bench_flux.sh, gpu/bench_qwen_image.sh).
 # wait_for_line FILE PATTERN PID [SECONDS]: polls FILE for a line matching PATTERN while PID
 #   lives (SECONDS, 600 unless given); 1 with FILE on stderr when PID exits first or time runs out.
 # store_listing BIN NAME: the segment lines and the PSS line of store NAME in

@@ -28,6 +28,8 @@
 #   (with FLUX_BENCH_QUANTIZE=fp8: FLUX_BENCH_BUDGET=5MiB, for its expansion scratch)
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+# shellcheck source=tools/store_bench.sh
+source "$ROOT/tools/store_bench.sh"  # wait_for_line
 OUT="${1:?usage: bench_flux.sh OUT_DIR}/flux"
 BIN="${LORASTREAM_BUILD_DIR:-$ROOT/build}/bin"
 PRESET="${FLUX_BENCH_PRESET:-flux1-dev}"
@@ -84,12 +86,8 @@ if [ "$QUANTIZE" != none ]; then
   "$BIN/lorastream-store" serve "$WORK/model/flux1.safetensors" --name "$STORE" \
     --quantize "$QUANTIZE" > "$OUT/store_$QUANTIZE.log" 2>&1 &
   STORE_PID=$!
-  for _ in $(seq 6000); do
-    grep -q '^published' "$OUT/store_$QUANTIZE.log" && break
-    kill -0 "$STORE_PID" 2>/dev/null || break
-    sleep 0.2
-  done
-  if grep '^published' "$OUT/store_$QUANTIZE.log"; then
+  if wait_for_line "$OUT/store_$QUANTIZE.log" '^published' "$STORE_PID" 1200 2> /dev/null; then
+    grep '^published' "$OUT/store_$QUANTIZE.log"
     job "resident_$QUANTIZE" "store = \"$STORE\"" "blocks_to_swap = 0"
     job "streamed_$QUANTIZE" "store = \"$STORE\"" "gpu_memory_budget = \"$BUDGET\""
     RUNS="$RUNS resident_$QUANTIZE streamed_$QUANTIZE"

@@ -158,6 +158,8 @@ JOB
 status=0
 # shellcheck source=tools/gpu/bench_train.sh
 source "$ROOT/tools/gpu/bench_train.sh"
+# shellcheck source=tools/store_bench.sh
+source "$ROOT/tools/store_bench.sh"  # wait_for_line
 BENCH_PROFILE="${QI_BENCH_PROFILE:-0}"
 train() {  # LABEL JOB-NAMES...: bench_train, then the plan and the last step
   bench_train "$@"
@@ -186,12 +188,8 @@ for run in "${run_list[@]}"; do
       "$BIN/lorastream-store" serve "$WORK/model/transformer" --name "$store" --quantize fp8 \
         > "$OUT/store_fp8.log" 2>&1 &
       STORE_PID=$!
-      for _ in $(seq 6000); do
-        grep -q '^published' "$OUT/store_fp8.log" && break
-        kill -0 "$STORE_PID" 2>/dev/null || break
-        sleep 0.2
-      done
-      if grep '^published' "$OUT/store_fp8.log"; then
+      if wait_for_line "$OUT/store_fp8.log" '^published' "$STORE_PID" "$TIMEOUT" 2> /dev/null; then
+        grep '^published' "$OUT/store_fp8.log"
         job fp8 "$WORK/cache" "gpu_memory_budget = \"$FP8_BUDGET\"" 1 "store = \"$store\""
         train fp8 fp8
       else
