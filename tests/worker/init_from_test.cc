@@ -158,6 +158,15 @@ TEST_CASE("flux.init_from: with learning rate 0 the kohya file comes out bit for
   INFO(why);
   CHECK(why.find("flux.rank is 16") != std::string::npos);
   CHECK(why.find("rank 4") != std::string::npos);
+  // A job written in the shared form is told its keys as its file writes them.
+  bad.shared_form = true;
+  bad.targets = {"all"};
+  const std::string shared_why = Message([&] { TrainFlux(bad, {}); });
+  INFO(shared_why);
+  CHECK(shared_why.find("lora.rank is 16 but the file lora.init_from names") != std::string::npos);
+  CHECK(shared_why.find("lora.targets is [img_attn.proj, img_attn.qkv, img_mlp.0") !=
+        std::string::npos);
+  CHECK(shared_why.find("flux.rank") == std::string::npos);
   // Parsed from a job file: left-out keys read as the file's (0, 0, []).
   const std::string job = d + "/job.toml";
   std::ofstream(job) << "[flux]\ncheckpoint = \"model/flux1.safetensors\"\ncache_dir = \"cache\"\n"

@@ -83,10 +83,11 @@ FluxAdapter ReadKohyaAdapter(const std::string& path, const FluxConfig& config,
 void ApplyFluxInitFrom(FluxJob& job, const FluxConfig& config) {
   if (job.init_from.empty()) return;
   const std::string file = KohyaAdapterFile(job.init_from);
+  const std::string targets_key = FluxKeyName(job, "targets");  // flux.targets or lora.targets
   dit::ApplyDownUpInitFrom(
-      ReadKohyaAdapterInfo(file, config), file, "flux.",
-      [](const std::vector<std::string>& t) { return FluxTargets(t, "flux.targets"); }, job.rank,
-      job.alpha, job.targets);
+      ReadKohyaAdapterInfo(file, config), file, targets_key.substr(0, targets_key.find('.') + 1),
+      [&targets_key](const std::vector<std::string>& t) { return FluxTargets(t, targets_key); },
+      job.rank, job.alpha, job.targets);
 }
 
 void LoadFluxInitFrom(const FluxJob& job, FluxAdapter& adapter) {

@@ -91,9 +91,9 @@ void FluxBase::LogLoaded(const std::string& from) const {
       config_.guidance_embed ? "embedded" : "none");
 }
 
-ResidencyPlan FluxBase::SwapPlan(int64_t blocks_to_swap, int64_t ring_size) const {
-  return UnitSwapPlan(static_cast<int>(manifest_.blocks.size()), blocks_to_swap, ring_size,
-                      "flux.blocks_to_swap");
+ResidencyPlan FluxBase::SwapPlan(int64_t blocks_to_swap, int64_t ring_size,
+                                 const std::string& key) const {
+  return UnitSwapPlan(static_cast<int>(manifest_.blocks.size()), blocks_to_swap, ring_size, key);
 }
 
 std::unique_ptr<StreamEngine> FluxBase::MakeEngine(int64_t blocks_to_swap, int64_t ring_size,

@@ -72,8 +72,9 @@ class FluxBase {
   std::unique_ptr<StreamEngine> MakeEngine(const ResidencyPlan& plan, c10::Device device,
                                            const StreamEngineOptions& options = {}) const;
   // The plan of `blocks_to_swap` units through `ring_size` slots; refuses more units than
-  // the model has, naming flux.blocks_to_swap.
-  ResidencyPlan SwapPlan(int64_t blocks_to_swap, int64_t ring_size) const;
+  // the model has, naming `key` (the job's key, FluxKeyName).
+  ResidencyPlan SwapPlan(int64_t blocks_to_swap, int64_t ring_size,
+                         const std::string& key = "flux.blocks_to_swap") const;
 
  private:
   void LogLoaded(const std::string& from) const;

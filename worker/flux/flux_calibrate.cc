@@ -60,7 +60,8 @@ FluxMemoryInputs FluxMemoryInputsFor(const FluxBase& base, const FluxJob& job,
   }
   for (const auto& [name, t] : base.rest())
     in.rest_bytes += static_cast<uint64_t>(t.numel() * t.element_size());
-  in.lora_params = LoraParams(in.config, FluxTargets(job.targets, "flux.targets"), job.rank);
+  in.lora_params =
+      LoraParams(in.config, FluxTargets(job.targets, FluxKeyName(job, "targets")), job.rank);
   in.lora_rank = job.rank;
   in.batch = job.batch_size;
   const auto [h, w] = data.largest_latent();
@@ -87,8 +88,8 @@ StepCosts MeasureFluxCosts(const FluxBase& base, const FluxJob& job, const FluxM
   auto randn = [&](std::vector<int64_t> shape) {
     return at::empty(shape, at::kFloat).normal_(0, 1, gen).to(opts);
   };
-  FluxAdapter adapter(config, FluxTargets(job.targets, "flux.targets"), job.rank, job.alpha, 1,
-                      device);
+  FluxAdapter adapter(config, FluxTargets(job.targets, FluxKeyName(job, "targets")), job.rank,
+                      job.alpha, 1, device, FluxKeyName(job, "rank"));
   FluxCompute c;
   c.config = &config;
   c.vec = randn({b, config.hidden_size});
@@ -185,7 +186,9 @@ FluxPlanning PlanFluxJob(const FluxBase& base, const FluxJob& job, const FluxDat
   p.budget = JobMemoryBudget(job.gpu_memory_budget, job.budget_auto, device);
   static_cast<DitPlanning&>(p) = PlanDitUnits(
       p.budget, predict,
-      p.budget > 0 ? ResidencyPlan{} : base.SwapPlan(job.blocks_to_swap, job.ring_size),
+      p.budget > 0
+          ? ResidencyPlan{}
+          : base.SwapPlan(job.blocks_to_swap, job.ring_size, FluxKeyName(job, "blocks_to_swap")),
       job.taped_blocks,
       [&] {
         p.inputs = FluxMemoryInputsFor(base, job, data, device, dtype);

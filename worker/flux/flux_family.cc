@@ -169,9 +169,9 @@ class Job final : public FamilyJob {
   std::string Fingerprint() const override { return FluxJobFingerprint(job_); }
   void StartAdapter(const std::string& resume_dir) override {
     const FluxConfig& config = group_.base().config();
-    adapter_ =
-        std::make_unique<FluxAdapter>(config, FluxTargets(job_.targets, "flux.targets"), job_.rank,
-                                      job_.alpha, MixSeed(job_.seed, 0xada7), group_.device());
+    adapter_ = std::make_unique<FluxAdapter>(
+        config, FluxTargets(job_.targets, FluxKeyName(job_, "targets")), job_.rank, job_.alpha,
+        MixSeed(job_.seed, 0xada7), group_.device(), FluxKeyName(job_, "rank"));
     if (!resume_dir.empty())
       LoadKohyaAdapter((fs::path(resume_dir) / kKohyaAdapterFile).string(), *adapter_);
     else
@@ -196,7 +196,7 @@ class Job final : public FamilyJob {
     return std::string(buf) + "\nadapter (kohya, ComfyUI/Forge): " + dir + "/" + kKohyaAdapterFile +
            "\nadapter (diffusers load_lora_weights): " + dir + "/" + kDiffusersAdapterFile;
   }
-  const char* learning_rate_key() const override { return "flux.learning_rate"; }
+  std::string learning_rate_key() const override { return FluxKeyName(job_, "learning_rate"); }
 
   int64_t total_steps() const override { return job_.steps; }
   // The step's batch, noise and timesteps, from the job's seed and the step alone.

@@ -101,8 +101,9 @@ std::vector<dit::LoraAdapter::Shape> FluxLoraShapes(const FluxConfig& config,
 }  // namespace
 
 FluxAdapter::FluxAdapter(const FluxConfig& config, const std::vector<std::string>& targets,
-                         int64_t rank, double alpha, uint64_t seed, c10::Device device)
-    : dit::LoraAdapter(FluxLoraShapes(config, targets), rank, alpha, seed, device, "flux.rank") {}
+                         int64_t rank, double alpha, uint64_t seed, c10::Device device,
+                         const std::string& rank_key)
+    : dit::LoraAdapter(FluxLoraShapes(config, targets), rank, alpha, seed, device, rank_key) {}
 
 std::vector<std::string> FluxAdapter::UnitModules(const FluxUnit& unit) const {
   std::vector<std::string> out;

@@ -46,9 +46,11 @@ using NamedTensors = dit::NamedTensors;
 class FluxAdapter : public dit::LoraAdapter {
  public:
   using Module = dit::LoraModule;
-  // targets: block-relative names (FluxTargets); init from `seed` on the CPU, then to `device`.
+  // targets: block-relative names (FluxTargets); init from `seed` on the CPU, then to `device`;
+  // a rank below 1 refused naming `rank_key` (the job's key, FluxKeyName).
   FluxAdapter(const FluxConfig& config, const std::vector<std::string>& targets, int64_t rank,
-              double alpha, uint64_t seed, c10::Device device);
+              double alpha, uint64_t seed, c10::Device device,
+              const std::string& rank_key = "flux.rank");
 
   // The modules of a unit (full names), in name order.
   std::vector<std::string> UnitModules(const FluxUnit& unit) const;

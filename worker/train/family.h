@@ -58,7 +58,7 @@ class FamilyJob {
                                    double eval_loss) const = 0;
 
   // The job file's key of the learning rate (named when a loss diverges).
-  virtual const char* learning_rate_key() const { return "optim.lr"; }
+  virtual std::string learning_rate_key() const { return "optim.lr"; }
 
   // The job's last step (its steps in all).
   virtual int64_t total_steps() const = 0;
