@@ -276,8 +276,17 @@ std::string FluxJobToToml(const FluxJob& j) {
     flux.insert("gpu_memory_budget", "auto");
   else
     flux.insert("gpu_memory_budget", integer(j.gpu_memory_budget));
+  toml::table doc;
+  if (j.shared_form)  // each shared key in its section, [flux] keeping FLUX.1's own
+    for (const MovedKey& m : kMovedKeys)
+      if (const toml::node* value = flux.get(m.flux_key)) {
+        if (!doc.contains(m.section)) doc.insert(m.section, toml::table{});
+        doc[m.section].as_table()->insert(m.key, *value);
+        flux.erase(m.flux_key);
+      }
+  doc.insert("flux", std::move(flux));
   std::ostringstream out;
-  out << toml::table{{"flux", std::move(flux)}} << "\n";
+  out << doc << "\n";
   return out.str();
 }
 

@@ -82,8 +82,7 @@ struct FluxJob {
   int64_t singles_per_unit = 2;
   std::string init_from;  // "" or a kohya file (rank 0 / alpha 0 / no targets: the file's)
   // Written in the shared form (ParseFluxJobSections): its messages name the keys there
-  // (FluxKeyName). Sent with the job; FluxJobToToml writes both forms alike (a journal
-  // restores it from the job file's text: IsSharedFormFluxJobText).
+  // (FluxKeyName), and FluxJobToToml writes it in that form. Sent with the job.
   bool shared_form = false;
   template <class A>
   void serialize(A& ar) {
@@ -118,12 +117,13 @@ std::string FluxLegacyNote(const TomlSection& flux);
 // ("model.store", "train.checkpoint_every"), FLUX.1's own keys staying in [flux]
 // ("flux.cache_dir"). Every message about a FLUX.1 job's key names it so.
 std::string FluxKeyName(const FluxJob& job, const std::string& flux_key);
-// The section with every key written out ("[flux]\n..."): ParseFluxJob reads it back equal
-// but for shared_form (one job, written alike in either form).
+// The job with every key written out, in its own form: "[flux]\n..." alone, or for a
+// shared_form job the shared sections and [flux] with FLUX.1's own keys. Parsed back
+// (ParseFluxJob, ParseFluxJobSections), it is the same job in the same form.
 std::string FluxJobToToml(const FluxJob& job);
 // Whether the job file text `toml_text` is a FLUX.1 job in the shared form (false for any
-// other, or text that does not parse): what restores FluxJob::shared_form to a job read back
-// from JobSpecToToml, which writes both forms alike.
+// other, or text that does not parse): what restores FluxJob::shared_form to a job whose
+// journal spec was written in the [flux]-only form whatever the job's own form.
 bool IsSharedFormFluxJobText(const std::string& toml_text);
 // Makes the paths absolute against `base_dir` (common/job/job_paths.h).
 void ResolveFluxJob(FluxJob& job, const std::string& base_dir);

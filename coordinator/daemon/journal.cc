@@ -351,8 +351,7 @@ void Journal::UpgradeToVersion1() {
 
 std::string Journal::RecordProblem(const JobSpec& spec) {
   try {
-    JobSpec back = ParseJobSpec(JobSpecToToml(spec), spec.source);
-    back.flux.shared_form = spec.flux.shared_form;  // restored from the job file's text on load
+    const JobSpec back = ParseJobSpec(JobSpecToToml(spec), spec.source);
     if (SerializePayload(back) == SerializePayload(spec)) return "";
     return "it holds a value that a job file cannot (a seed or a memory budget over 2^63, or a "
            "memory budget together with \"auto\")";
@@ -447,9 +446,11 @@ std::vector<JobRecord> Journal::LoadJobs(std::vector<std::string>* skipped) cons
     }
     try {
       job.spec = ParseJobSpec(st.Text(9), s.spec_source);
-      // A FLUX.1 job's form, which the spec (written alike in either) leaves out: its
-      // messages name the keys as the job file wrote them.
-      if (job.spec.is_flux) job.spec.flux.shared_form = IsSharedFormFluxJobText(job.spec_toml);
+      // A spec column written in the [flux]-only form for a job written in the shared form
+      // (as journals of earlier builds hold every FLUX.1 job): the form from the job file's
+      // text, so that its messages name the keys as the file writes them.
+      if (job.spec.is_flux && !job.spec.flux.shared_form)
+        job.spec.flux.shared_form = IsSharedFormFluxJobText(job.spec_toml);
     } catch (const std::exception& e) {
       skip(s.id, std::string("its spec cannot be read: ") + e.what());
       continue;

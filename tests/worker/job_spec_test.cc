@@ -4,6 +4,7 @@
 
 #include "common/base/error.h"
 #include "common/job/job_paths.h"
+#include "common/protocol/messages.h"
 #include "worker_test_util.h"
 
 using namespace lorastream;
@@ -239,9 +240,23 @@ TEST_CASE(
   REQUIRE(b.is_flux);
   ResolveJobSpecIn(a, "/jobs");
   ResolveJobSpecIn(b, "/jobs");
-  // The same job: its [flux]-only rendering (every key) is equal, and so are the mirrors.
-  CHECK(FluxJobToToml(b.flux) == FluxJobToToml(a.flux));
-  CHECK(JobSpecToToml(b) == JobSpecToToml(a));
+  // The same job: each written out (every key) in its own form, and equal written in one.
+  CHECK(a.flux.shared_form == false);
+  CHECK(b.flux.shared_form == true);
+  FluxJob a_shared = a.flux;
+  a_shared.shared_form = true;
+  CHECK(FluxJobToToml(b.flux) == FluxJobToToml(a_shared));
+  CHECK(FluxJobToToml(b.flux) != FluxJobToToml(a.flux));
+  // Read back, each is itself in its own form, written out the same again.
+  for (const JobSpec* s : {&a, &b}) {
+    const std::string text = JobSpecToToml(*s);
+    INFO(text);
+    CHECK((text.find("[optim]") != std::string::npos) == s->flux.shared_form);
+    const JobSpec back = ParseJobSpec(text, s->source);
+    CHECK(back.flux.shared_form == s->flux.shared_form);
+    CHECK(SerializePayload(back) == SerializePayload(*s));
+    CHECK(JobSpecToToml(back) == text);
+  }
   CHECK(b.optim.lr == 3e-4);
   CHECK(b.optim.grad_clip == 0.5);
   CHECK(b.lora.rank == 8);
@@ -310,8 +325,9 @@ ring_size = 2
   REQUIRE(example.is_flux);
   CHECK(example.flux_form_note.empty());  // written in the shared form
   CHECK(ValidateJobSpec(example).empty());
-  CHECK(FluxJobToToml(example.flux) == FluxJobToToml(legacy.flux));
-  CHECK(JobSpecToToml(example) == JobSpecToToml(legacy));
+  FluxJob legacy_shared = legacy.flux;
+  legacy_shared.shared_form = true;
+  CHECK(FluxJobToToml(example.flux) == FluxJobToToml(legacy_shared));
   CHECK(example.flux.store == "flux-tiny");
   CHECK(example.flux.steps == 20);
   CHECK(example.flux.save_every == 10);
