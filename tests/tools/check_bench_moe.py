@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
 """Checks tools/gpu/bench_moe.sh's nf4 run on the CPU (ctest `bench_moe`), with tiny-moe:
+- its table prints no group figures for a group whose jobs never all trained together;
 - the streamed and nf4 runs train every step; the NF4 store's figures: fewer bytes than the
   checkpoint, its PSS within 1.1x of its bytes, 28 weights quantised per block (the 4 attention
   projections and every expert's 3), the ratios line against 18 GB;
@@ -53,8 +54,44 @@ def rows(md):
             if line.startswith("| lorastream")}
 
 
+def check_group_apart(tmp):
+    """bench_moe_table.py on a group run whose four jobs never trained together (the first
+    alone, then the other three as a group, as a budget that holds three makes them): no group
+    step, tokens/s or ratio from one job's or three jobs' steps; exit 1. Then the same jobs all
+    joined at once: the group's figures."""
+    out = os.path.join(tmp, "apart")
+    os.makedirs(out)
+    for name, step in [("streamed", 0.5)] + [(f"group{i}", 0.6) for i in range(1, 5)]:
+        with open(os.path.join(out, f"stats_{name}.jsonl"), "w") as f:
+            for i in range(3):
+                f.write(json.dumps({"step": i + 1, "step_seconds": step, "h2d_bytes": 1e9,
+                                    "h2d_busy_seconds": 0.02, "stall_seconds": 0.01,
+                                    "peak_device_bytes": 2**30, "loss": 1.0}) + "\n")
+    table = [sys.executable, os.path.join(ROOT, "tools", "gpu", "bench_moe_table.py"), out,
+             "--steps", "3", "--warmup", "1", "--budget", "600MiB"]
+
+    def run(counts):
+        with open(os.path.join(out, "train_group.log"), "w") as f:
+            for i, n in enumerate(counts):
+                f.write(f"job group{i + 1}: joins the group ({n} job{'' if n == 1 else 's'})\n")
+        return subprocess.run(table, capture_output=True, text=True)
+
+    r = run([1, 1, 2, 3])
+    row = rows(r.stdout).get("lorastream, a group of 4 within 600MiB", "")
+    check(r.returncode == 1, f"a group that never formed: exit 1 (got {r.returncode})")
+    check("did not train as one group: at most 3 of 4 jobs together" in row,
+          f"its row says so: {row!r}")
+    check("tokens/s / one streamed job's" not in r.stdout and "group of 4 within" not in
+          r.stdout.split("| ratio |")[-1], "no group ratio")
+    r = run([1, 2, 3, 4])
+    check(r.returncode == 0 and "| group of 4: tokens/s / one streamed job's | 3.33 |" in r.stdout,
+          f"all four together: the group's ratios (exit {r.returncode})")
+
+
 def main():
     build = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "build")
+    with tempfile.TemporaryDirectory() as tmp:
+        check_group_apart(tmp)
     nf4_row = "lorastream on an NF4 store within 600MiB"
     with tempfile.TemporaryDirectory() as tmp:
         rc, md, store, left = bench(build, tmp, "four", MOE_BENCH_RUNS="streamed,nf4")

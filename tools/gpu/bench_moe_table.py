@@ -25,6 +25,7 @@ PLAN = re.compile(r"stream plan from (.*?)(?: by the cost model \((\d+) candidat
                   r"(?:; predicted ([\d.]+) ms per step \(resident ([\d.]+) ms\))?; estimate ([\d.]+) GiB at the peak")
 BANDWIDTH = re.compile(r"H2D ([\d.]+) GB/s")
 NOT_PLANNED = re.compile(r"the group of (\d+) jobs cannot be planned")
+JOINED = re.compile(r"joins the group \((\d+) jobs?\)")
 SIZE = re.compile(r"\s*([\d.]+)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*")
 UNITS = {None: 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
          "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
@@ -99,6 +100,9 @@ def plan_of(log):
     unplanned = NOT_PLANNED.findall(text)
     if unplanned:
         out["unplanned_groups"] = unplanned
+    joined = [int(n) for n in JOINED.findall(text)]
+    if joined:  # the most jobs that trained together (a joiner beyond the budget waits)
+        out["together"] = max(joined)
     return out
 
 
@@ -164,7 +168,17 @@ def main():
              "streamed": f"lorastream within {args.budget}",
              "nf4": f"lorastream on an NF4 store within {args.nf4_budget}",
              "group": f"lorastream, a group of {runs.get('group', {}).get('jobs', 0)} within {args.budget}"}
+    # A group whose jobs never all trained together (the budget held fewer: they joined as
+    # memory allowed, one group after another) has no group step: its figures would be one
+    # job's or a smaller group's, so none are printed.
+    gr = runs.get("group")
+    apart = gr is not None and gr.get("together", gr["jobs"]) < gr["jobs"]
     for label, r in runs.items():
+        if label == "group" and apart:
+            print(f"| {names[label]} | did not train as one group: at most {r['together']} of "
+                  f"{r['jobs']} jobs together (train_group.log) | {r['steps']}/{args.steps} | "
+                  f"| | | | | | | |")
+            continue
         pred = r.get("predicted_ms")
         print(f"| {names[label]} | {r.get('plan', '—')} | {r['steps']}/{args.steps} | "
               f"{fmt(r['step_s'])} | {r['tok_s']:.0f} | {fmt(pred / 1e3 if pred else None)} | "
@@ -197,6 +211,9 @@ def main():
     for label in ("streamed", "group"):
         if runs.get(label, {}).get("costs"):
             print(f"{label} run's calibrated costs: {runs[label]['costs']}.")
+    if apart:
+        print(f"The group's {gr['jobs']} jobs never trained together within {args.budget}: no "
+              f"group figures.")
     if runs.get("group", {}).get("unplanned_groups"):
         print(f"The group run's log says groups of {', '.join(runs['group']['unplanned_groups'])} "
               f"jobs could not be planned within the budget (jobs joined as memory allowed).")
@@ -225,7 +242,8 @@ def main():
     print()
     print("| ratio | value | target |")
     print("| --- | --- | --- |")
-    res, st, gr = runs.get("resident"), runs.get("streamed"), runs.get("group")
+    res, st = runs.get("resident"), runs.get("streamed")
+    gr = None if apart else gr
     if res and best_peer:
         print(f"| resident / transformers + peft at its best ({best_peer[0]}) | "
               f"{fmt(ratio(res['step_s'], best_peer[1]['step_seconds']))} | <= 0.6 |")
@@ -272,7 +290,7 @@ def main():
             peak = f"peak {n['peak_gib']:.2f} GiB within {args.nf4_budget}: {within}"
         print(f"| NF4 store's RAM; its job's peak device memory | {ram}; {peak} | "
               f"≤ {NF4_TARGET_GB} GB; within 16 GiB |")
-    ok = all(r["steps"] == args.steps for r in runs.values()) and bool(runs)
+    ok = all(r["steps"] == args.steps for r in runs.values()) and bool(runs) and not apart
     return 0 if ok else 1
 
 
