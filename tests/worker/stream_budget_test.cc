@@ -36,6 +36,16 @@ TEST_CASE("the memory estimate follows its documented formula", "[worker]") {
   REQUIRE(e.head_weights == 128256ULL * 4096 * 2);
   REQUIRE_FALSE(e.head_streamed);
   REQUIRE(e.adapter == 16ULL * 1310720 * 16);
+  // Each block's adapter in bf16, held from its forward to its backward, with q/k/v's and
+  // gate/up's A factors concatenated once more; none in f32, where the adapter is its own.
+  REQUIRE(e.adapter_cast == (16ULL * 1310720 + 16ULL * 16 * 4096 * (3 + 2)) * 2);
+  MemoryModelInputs f32 = in;
+  f32.compute_bytes = 4;
+  REQUIRE(EstimateMemory(f32, plan).adapter_cast == 0);
+  MemoryModelInputs q_only = in;
+  q_only.lora_targets = {"q_proj", "o_proj"};
+  REQUIRE(EstimateMemory(q_only, plan).adapter_cast ==
+          2ULL * LoraParameterCount(in.config, 16, q_only.lora_targets));
   REQUIRE(e.checkpoints == 16ULL * 2048 * 4096 * 2);
   REQUIRE(e.block_working ==
           2048ULL * 2 * (8 * 4096 + 4 * (4096 + 2 * 1024) + 6 * 14336) + 2048ULL * 2 * 16 * 2 * 7);
@@ -60,9 +70,9 @@ TEST_CASE("the memory estimate follows its documented formula", "[worker]") {
   // The timeline: four phases, the peak the largest.
   const uint64_t fixed =
       e.rest + e.head_weights + e.resident_blocks + e.adapter + e.checkpoints + e.reserve;
-  REQUIRE(e.forward() == fixed + 2 * block + e.forward_working + e.attention);
-  REQUIRE(e.head() == fixed + e.ring + e.lm_head);
-  REQUIRE(e.backward() == fixed + 2 * block + e.block_working + e.attention);
+  REQUIRE(e.forward() == fixed + e.adapter_cast + 2 * block + e.forward_working + e.attention);
+  REQUIRE(e.head() == fixed + e.adapter_cast + e.ring + e.lm_head);
+  REQUIRE(e.backward() == fixed + e.adapter_cast + 2 * block + e.block_working + e.attention);
   // The optimizer: sqrt(v) over one run of parameters (4 bytes each, 64 MiB at most).
   REQUIRE(e.optimizer_scratch == std::min<uint64_t>(16ULL * 1310720 * 4, 64ULL << 20));
   REQUIRE(e.optimizer() == fixed + e.ring + e.optimizer_scratch);
@@ -279,6 +289,7 @@ TEST_CASE(
   const MemoryEstimate four = EstimateMemory(group, plan);
   // Four jobs like the first: every per-job term four times, the weights and slots once.
   CHECK(four.adapter == 4 * alone.adapter);
+  CHECK(four.adapter_cast == 4 * alone.adapter_cast);  // each job's blocks cast for its own
   CHECK(four.checkpoints == 4 * alone.checkpoints);
   CHECK(four.block_working == 4 * alone.block_working);
   CHECK(four.forward_working == 4 * alone.forward_working);
@@ -400,4 +411,10 @@ TEST_CASE("a mixture of experts' tape holds its routed rows", "[worker]") {
   // optimizer's scratch is its bound, not 4 bytes a parameter.
   REQUIRE(e.adapter / 16 * 4 > (uint64_t{1} << 30));
   REQUIRE(e.optimizer_scratch == kOptimizerScratchBytes);
+  // Its bf16 copy, held through the forward, the LM head and the backward, is 2 bytes a
+  // parameter plus q/k/v's A factors concatenated (the experts' are stacked as they are cast).
+  const uint64_t params = static_cast<uint64_t>(LoraParameterCount(c, 16, in.lora_targets));
+  REQUIRE(e.adapter_cast == (params + uint64_t(c.num_hidden_layers) * 16 * h * 3) * b);
+  REQUIRE(e.head() >= e.fixed() + e.adapter_cast);
+  REQUIRE(e.optimizer() < e.fixed() + e.adapter_cast);
 }

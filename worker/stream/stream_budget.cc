@@ -14,14 +14,14 @@ uint64_t MemoryEstimate::fixed() const {
          checkpoints + reserve;
 }
 uint64_t MemoryEstimate::forward() const {
-  return fixed() + forward_ring + forward_working + attention + taped_blocks * tape;
+  return fixed() + adapter_cast + forward_ring + forward_working + attention + taped_blocks * tape;
 }
 uint64_t MemoryEstimate::head() const {
-  return fixed() + std::max(ring, head_ring) + (head_streamed ? head_weights : 0) + lm_head +
-         head_scratch + taped_blocks * tape;
+  return fixed() + adapter_cast + std::max(ring, head_ring) + (head_streamed ? head_weights : 0) +
+         lm_head + head_scratch + taped_blocks * tape;
 }
 uint64_t MemoryEstimate::backward() const {
-  return fixed() + backward_ring + block_working + attention +
+  return fixed() + adapter_cast + backward_ring + block_working + attention +
          static_cast<uint64_t>(std::max(taped_blocks - 1, 0)) * tape;
 }
 uint64_t MemoryEstimate::optimizer() const { return fixed() + ring + optimizer_scratch; }
@@ -37,8 +37,11 @@ std::string MemoryEstimate::Describe() const {
                            : std::string()) +
          " + resident blocks " + FormatBytes(resident_blocks, 2) +
          (expansion > 0 ? " + expansion scratch " + FormatBytes(expansion, 2) : std::string()) +
-         " + adapter&optimizer " + FormatBytes(adapter, 2) + " + checkpoints " +
-         FormatBytes(checkpoints, 2) + " + reserve " + FormatBytes(reserve, 2) +
+         " + adapter&optimizer " + FormatBytes(adapter, 2) +
+         (adapter_cast > 0 ? " (until the optimizer: its compute-dtype copy " +
+                                 FormatBytes(adapter_cast, 2) + ")"
+                           : std::string()) +
+         " + checkpoints " + FormatBytes(checkpoints, 2) + " + reserve " + FormatBytes(reserve, 2) +
          ", then: forward " + FormatBytes(forward(), 2) + " (slots " +
          FormatBytes(forward_ring, 2) + ", working " + FormatBytes(forward_working, 2) +
          ", attention " + FormatBytes(attention, 2) + "), LM head " + FormatBytes(head(), 2) +
@@ -114,6 +117,25 @@ int64_t LoraParameterCount(const ModelConfig& c, int64_t rank,
   return per_block * c.num_hidden_layers;
 }
 
+namespace {
+
+// The A factors a block's compute-dtype adapter holds twice (CastLoraBlock): those of q, k
+// and v, and of a dense MLP's gate and up, concatenated per group where two or more of the
+// group are adapted; over every block.
+uint64_t StackedACount(const ModelConfig& c, int64_t rank,
+                       const std::vector<std::string>& targets) {
+  const auto has = [&targets](const char* name) {
+    return std::find(targets.begin(), targets.end(), name) != targets.end();
+  };
+  const int qkv = has("q_proj") + has("k_proj") + has("v_proj");
+  const int gate_up = c.is_moe() ? 0 : has("gate_proj") + has("up_proj");
+  const uint64_t per_group = static_cast<uint64_t>(rank) * static_cast<uint64_t>(c.hidden_size);
+  return static_cast<uint64_t>(c.num_hidden_layers) * per_group *
+         static_cast<uint64_t>((qkv >= 2 ? qkv : 0) + (gate_up >= 2 ? gate_up : 0));
+}
+
+}  // namespace
+
 MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& plan) {
   const ModelConfig& c = in.config;
   LS_CHECK(static_cast<int>(in.block_bytes.size()) == plan.num_blocks(),
@@ -156,6 +178,10 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& 
     e.forward_working += t * b * (4 * h + q + 2 * kv + 3 * inter);
     const uint64_t params = static_cast<uint64_t>(LoraParameterCount(c, rank, targets));
     e.adapter += params * 16;
+    // Each block's adapter in the compute dtype (CastLoraBlock, worker/model/block.h), held
+    // from the block's forward to its backward: every block's from the forward's end to the
+    // backward's start. None where the compute dtype is the adapter's own (f32).
+    if (b != 4) e.adapter_cast += (params + StackedACount(c, rank, targets)) * b;
     e.optimizer_scratch =
         std::max(e.optimizer_scratch, std::min(params * 4, kOptimizerScratchBytes));
     e.checkpoints += static_cast<uint64_t>(plan.num_blocks()) * t * h * b;

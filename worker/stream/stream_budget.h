@@ -12,6 +12,10 @@
 //                  device.
 //   adapter        P x 16 bytes: fp32 master weights, fp32 grads, two fp32 Adam moments
 //                  (P = rank x (in + out) summed over the targeted projections of all blocks)
+//   adapter cast   (P + A') x b where b < 4: each block's adapter in the compute dtype, made
+//                  at its forward and held to its backward (A' = the A factors of q/k/v and of
+//                  a dense MLP's gate/up, concatenated once more where two or more of a group
+//                  are adapted); in the forward, LM head and backward phases
 //   checkpoints    L x T x H x b: each block's input, kept by gradient checkpointing
 //   block working  T x b x (8 H + 4 (Q + 2 KV) + 6 I): one block recomputed with grad and
 //                  its backward (norm outputs, q/k/v, attention output, gate/up/act/product,
@@ -42,11 +46,13 @@
 //                  parameters (a group's jobs step one after another: the largest job's)
 // The step's memory is a timeline of four phases, and the peak is the largest of them
 // (fixed = rest + resident LM head + resident blocks + adapter + checkpoints + reserve):
-//   forward    fixed + forward_slots x slot + forward working + attention + K tapes
-//   LM head    fixed + head_slots x slot + streamed LM head + lm head + K tapes
+//   forward    fixed + adapter cast + forward_slots x slot + forward working + attention +
+//              K tapes
+//   LM head    fixed + adapter cast + head_slots x slot + streamed LM head + lm head + K tapes
 //              (the forward's last blocks wait in their slots; the backward's first blocks
 //              are copied into the others)
-//   backward   fixed + backward_slots x slot + block working + attention + (K - 1) tapes
+//   backward   fixed + adapter cast + backward_slots x slot + block working + attention +
+//              (K - 1) tapes
 //   optimizer  fixed + R x slot + optimizer (the activations are gone; the ring's R slots stay)
 // where K = taped_blocks (the first backward block's tape is part of its working set).
 // It is an estimate: the benchmark prints the measured peak next to it.
@@ -114,6 +120,7 @@ struct MemoryEstimate {
   uint64_t forward_ring = 0, head_ring = 0, backward_ring = 0, forward_working = 0;
   uint64_t tape = 0;               // one taped block's activations
   uint64_t optimizer_scratch = 0;  // the optimizer step's temporaries
+  uint64_t adapter_cast = 0;       // every block's adapter in the compute dtype (not f32)
   int taped_blocks = 0;
   uint64_t slot = 0;          // one slot: the largest streamed block (0: none streams)
   uint64_t head_weights = 0;  // the LM head's weights (in fixed, or in head() when streamed)
