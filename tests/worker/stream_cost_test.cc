@@ -59,6 +59,37 @@ TEST_CASE("calibration: two measured steps split into block, head and tail costs
   REQUIRE(c.block_forward_seconds > 0);
 }
 
+TEST_CASE("calibration: the optimizer measured alone is the least tail", "[worker]") {
+  StepCosts c;
+  c.head_seconds = 5.68e-3;
+  // A 24-block mixture of experts on an H100 (eager steps of 24 and 12 blocks; 18,432 expert
+  // LoRA tensors): the difference alone leaves no tail, and the blocks took the optimizer.
+  SplitMeasuredSteps(586.5e-3, 24, 287.0e-3, 12, 0.32, &c);
+  REQUIRE(c.tail_seconds == 0);
+  const double without = c.block_forward_seconds + c.block_backward_seconds;
+  // With the optimizer measured alone (100 ms): the tail is that, the blocks the rest, and
+  // the deep step is still what is predicted.
+  SplitMeasuredSteps(586.5e-3, 24, 287.0e-3, 12, 0.32, &c, 100e-3);
+  REQUIRE(c.tail_seconds == Approx(100e-3));
+  REQUIRE(c.block_forward_seconds + c.block_backward_seconds ==
+          Approx((586.5e-3 - 5.68e-3 - 100e-3) / 24));
+  REQUIRE(c.block_forward_seconds + c.block_backward_seconds < without);
+  REQUIRE(c.block_forward_seconds ==
+          Approx(0.32 * (c.block_forward_seconds + c.block_backward_seconds)));
+  REQUIRE(c.ResidentStepSeconds(24) == Approx(586.5e-3));
+  // A tail from the difference larger than the floor stays as it was.
+  c.head_seconds = 10e-3;
+  SplitMeasuredSteps(115e-3, 16, 65e-3, 8, 0.25, &c, 2e-3);
+  REQUIRE(c.tail_seconds == Approx(5e-3));
+  REQUIRE(c.ResidentStepSeconds(16) == Approx(115e-3));
+  // A floor beyond the deep step (a noisy measurement) leaves the blocks nothing, never less.
+  SplitMeasuredSteps(115e-3, 16, 65e-3, 8, 0.25, &c, 1.0);
+  REQUIRE(c.tail_seconds == Approx(105e-3));
+  REQUIRE(c.block_forward_seconds == 0);
+  REQUIRE(c.block_backward_seconds == 0);
+  REQUIRE(c.ResidentStepSeconds(16) == Approx(115e-3));
+}
+
 TEST_CASE("cost model: a resident plan takes the compute's sum", "[worker]") {
   const MemoryModelInputs in = Inputs(16, 2048);
   const StepCosts c = H200Like(2048);

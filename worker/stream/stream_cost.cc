@@ -70,13 +70,13 @@ std::string StepCosts::Describe() const {
 }
 
 void SplitMeasuredSteps(double deep_step, int deep, double short_step, int half,
-                        double forward_share, StepCosts* costs) {
+                        double forward_share, StepCosts* costs, double tail_floor) {
   LS_CHECK(deep > half && half >= 0, "the calibration's two depths");
   double per_block = std::max(0.0, (deep_step - short_step) / (deep - half));
   double tail = short_step - half * per_block - costs->head_seconds;
-  if (tail < 0) {
-    tail = 0;
-    per_block = std::max(0.0, (deep_step - costs->head_seconds) / deep);
+  if (tail < tail_floor) {
+    tail = std::clamp(tail_floor, 0.0, std::max(0.0, deep_step - costs->head_seconds));
+    per_block = std::max(0.0, (deep_step - costs->head_seconds - tail) / deep);
   }
   const double share = std::clamp(forward_share, 0.0, 1.0);
   costs->block_forward_seconds = per_block * share;

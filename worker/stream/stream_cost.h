@@ -70,10 +70,13 @@ StepCosts StackedGroupCosts(const StepCosts& one, const StepCosts& stacked, size
 // (split between its forward and its recompute+backward by `forward_share`), the tail is
 // what the short step leaves. The deep step is reproduced exactly (deep x block + head +
 // tail). Where the short step is faster per block than that difference (steps bound by
-// issuing kernels, at short lengths) the tail would be negative: then there is none, and a
-// block costs the deep step's share.
+// issuing kernels, at short lengths) the tail would be negative: then it is `tail_floor`
+// (0: none), and a block costs the deep step's share of what is left. `tail_floor`: the
+// step's tail measured alone (the gradient clipping and the optimizer over every adapter
+// tensor), which runs after the last block whatever the difference says: the tail is at
+// least that (at most the deep step less its head).
 void SplitMeasuredSteps(double deep_step, int deep, double short_step, int half,
-                        double forward_share, StepCosts* costs);
+                        double forward_share, StepCosts* costs, double tail_floor = 0);
 
 struct PredictedStep {
   double step_seconds = 0;

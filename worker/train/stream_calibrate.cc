@@ -20,6 +20,7 @@
 #include "worker/model/quant_expand.h"
 #include "worker/stream/host_bytes.h"
 #include "worker/train/adamw.h"
+#include "worker/train/dit_calibrate.h"
 #include "worker/train/micro_batch_runner.h"
 #ifdef LORASTREAM_HAVE_CUDA
 #include "worker/stream/cuda/cuda_bandwidth.h"
@@ -120,9 +121,11 @@ std::string CalibrationKey(const JobSpec& spec, const BaseWeights& base, const c
          std::to_string(spec.lora.rank) + "-" + targets + "-T" + std::to_string(tokens) + "-C" +
          std::to_string(chunk_rows) +
          // From whole steps, each ending in its one wait, after warm-ups that raise the
-         // clocks (older entries: a block alone, or steps that waited twice, measured cold);
-         // with the steps that stream nothing measured as CUDA graphs where they run so.
-         "-steps2" + (CalibratesGraphs(spec, c, device, dtype) ? "-graphs" : "") +
+         // clocks, and the optimizer's tail measured alone (older entries: a block alone, or
+         // steps that waited twice, measured cold, or a tail only from the steps'
+         // difference); with the steps that stream nothing measured as CUDA graphs where
+         // they run so.
+         "-steps3" + (CalibratesGraphs(spec, c, device, dtype) ? "-graphs" : "") +
          // A compressed store expands its blocks at their uses.
          (base.manifest() != nullptr && base.manifest()->quant().compressed()
               ? std::string("-") + QuantMethodName(base.manifest()->quant().method)
@@ -270,9 +273,15 @@ StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c
   parts.ids = at::randint(config.vocab_size, {rows, seq}, at::TensorOptions().dtype(at::kLong));
   const double long_step = RepeatedModelStepSeconds(parts, deep, reps, /*allow_graphs=*/false);
   const double short_step = RepeatedModelStepSeconds(parts, half, reps, /*allow_graphs=*/false);
+  // The tail alone: clipping and AdamW over every tensor of the job's adapter. It runs after
+  // the last block, where no block's compute hides copies; with many small tensors (a
+  // mixture of experts' LoRA: one A and one B per expert and projection) the steps'
+  // difference can put it in the blocks' share.
+  const double optimizer_alone =
+      MeasureOptimizerSeconds(adapter.Params(), spec.optim.grad_clip, device.is_cuda());
   const double split = forward_alone + backward_alone;
   SplitMeasuredSteps(long_step, deep, short_step, half, split > 0 ? forward_alone / split : 0.0,
-                     &costs);
+                     &costs, optimizer_alone);
   // A plan that streams nothing trains from a CUDA graph (worker/train/micro_batch_runner.h): its
   // full-depth step measured so, against the eager one.
   double graphed_step = 0;
@@ -295,10 +304,10 @@ StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c
   LS_LOG_INFO(
       "stream: calibrated on {} at {} tokens in {:.2f} s: {} (a block alone: forward "
       "{:.2f} ms, recompute+backward {:.2f} ms; steps of {} and {} blocks: {:.2f} and "
-      "{:.2f} ms; as a CUDA graph {:.2f} ms)",
+      "{:.2f} ms; as a CUDA graph {:.2f} ms; clipping and the optimizer alone {:.2f} ms)",
       device.str(), rows * seq, std::chrono::duration<double>(Clock::now() - start).count(),
       costs.Describe(), forward_alone * 1e3, backward_alone * 1e3, half, deep, short_step * 1e3,
-      long_step * 1e3, graphed_step * 1e3);
+      long_step * 1e3, graphed_step * 1e3, optimizer_alone * 1e3);
   return costs;
 }
 
