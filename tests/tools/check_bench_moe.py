@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Checks tools/gpu/bench_moe.sh's nf4 run on the CPU (ctest `bench_moe`), with tiny-moe:
 - its table prints no group figures for a group whose jobs never all trained together;
+- a plan by hand beside the planner's: its row, its floor at the streamed run's bandwidth;
 - the streamed and nf4 runs train every step; the NF4 store's figures: fewer bytes than the
   checkpoint, its PSS within 1.1x of its bytes, 28 weights quantised per block (the 4 attention
   projections and every expert's 3), the ratios line against 18 GB;
@@ -88,10 +89,44 @@ def check_group_apart(tmp):
           f"all four together: the group's ratios (exit {r.returncode})")
 
 
+def check_hand_plan(tmp):
+    """bench_moe_table.py with a plan by hand beside the planner's: its row, its PCIe floor at
+    the streamed run's calibrated bandwidth (a hand plan calibrates nothing), the planner's
+    step over the hand plan's."""
+    out = os.path.join(tmp, "hand")
+    os.makedirs(out)
+    for name, step, h2d in (("streamed", 0.5, 1e9), ("hand", 0.6, 2e9)):
+        with open(os.path.join(out, f"stats_{name}.jsonl"), "w") as f:
+            for i in range(3):
+                f.write(json.dumps({"step": i + 1, "step_seconds": step, "h2d_bytes": h2d,
+                                    "h2d_busy_seconds": 0.1, "stall_seconds": 0.01,
+                                    "peak_device_bytes": 2**30, "loss": 1.0}) + "\n")
+    with open(os.path.join(out, "train_streamed.log"), "w") as f:
+        f.write("stream plan from gpu_memory_budget 600.0 MiB by the cost model (10 candidates; "
+                "block forward 1.00 ms, H2D 10.0 GB/s): 2 of 4 blocks streamed [0 2] through 1 "
+                "ring slot; resident [1 3]; predicted 500.0 ms per step (resident 400.0 ms); "
+                "estimate 0.50 GiB at the peak\n")
+    with open(os.path.join(out, "train_hand.log"), "w") as f:
+        f.write("stream plan from blocks_to_swap 2: 2 of 4 blocks streamed [0 2] through 2 ring "
+                "slots; resident [1 3]; estimate 0.55 GiB at the peak\n")
+    hand = "blocks_to_swap = 2; ring_size = 2"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu", "bench_moe_table.py"),
+                        out, "--steps", "3", "--warmup", "1", "--budget", "600MiB", "--hand",
+                        hand], capture_output=True, text=True)
+    row = rows(r.stdout).get(f"lorastream, a plan by hand ({hand})", "")
+    check(r.returncode == 0, f"a hand plan beside the planner's: exit 0 (got {r.returncode})")
+    check("| 2 of 4 blocks streamed through 2 ring slots; 2 resident | 3/3 | 0.600 |" in row
+          and "| 0.200 |" in row, f"its row, its floor 2 GB at 10 GB/s: {row!r}")
+    check(f"| a plan by hand ({hand}) / its PCIe floor | 3.000 |" in r.stdout
+          and "| the planner's plan within 600MiB / the plan by hand | 0.833 |" in r.stdout,
+          "its ratios: 0.6 s over 0.2 s, 0.5 s over 0.6 s")
+
+
 def main():
     build = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "build")
     with tempfile.TemporaryDirectory() as tmp:
         check_group_apart(tmp)
+        check_hand_plan(tmp)
     nf4_row = "lorastream on an NF4 store within 600MiB"
     with tempfile.TemporaryDirectory() as tmp:
         rc, md, store, left = bench(build, tmp, "four", MOE_BENCH_RUNS="streamed,nf4")

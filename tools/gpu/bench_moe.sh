@@ -8,6 +8,10 @@
 #   group     MOE_BENCH_GROUP such jobs (each its own seed and output) as one group within the
 #             same budget (`lorastream-worker train a.toml b.toml ...`): aggregate tokens/s
 #             against K x one streamed job's
+#   hand      (not by default) the same job with the [stream] keys of MOE_BENCH_HAND, a plan by
+#             hand (e.g. "blocks_to_swap = 16; ring_size = 4; taped_blocks = 9"): the planner's
+#             choice beside another plan on the same machine; its PCIe floor from the streamed
+#             run's measured bandwidth
 #   nf4       (not by default: the full model needs a big host) the checkpoint served as an NF4
 #             store (`lorastream-store serve --quantize nf4 MOE_BENCH_NF4_ARGS`): its bytes
 #             (`lorastream-store ls`) and the PSS of its segments beside the bf16 checkpoint's bytes
@@ -34,6 +38,7 @@
 #   (24GiB)  MOE_BENCH_GROUP (4; 0 or 1: no group run)  MOE_BENCH_DEVICE (cuda:0)
 #   MOE_BENCH_DTYPE (bf16: the checkpoint and the jobs' train.dtype)  MOE_BENCH_RUNS (resident,
 #   streamed, group, peer, auto: a comma list of those to run, in its order; also nf4)
+#   MOE_BENCH_HAND (the hand run's [stream] keys, "; " between them)
 #   MOE_BENCH_NF4_BUDGET (16GiB: the nf4 run's gpu_memory_budget)  MOE_BENCH_NF4_ARGS (more
 #   options of its `lorastream-store serve`, e.g. "--quantize-head --quantize-embedding")
 #   MOE_BENCH_PEER_ARGS (more options of bench_moe_peer.py, e.g. "--compile --deadline 300")  MOE_BENCH_TIMEOUT (600: seconds
@@ -194,6 +199,12 @@ for run in "${run_list[@]}"; do
     streamed)
       job streamed "gpu_memory_budget = \"$BUDGET\""
       train streamed streamed ;;
+    hand)
+      if [ -z "${MOE_BENCH_HAND:-}" ]; then
+        echo "MOE_BENCH_RUNS names hand: set MOE_BENCH_HAND to its [stream] keys"; status=1; continue
+      fi
+      job hand "$(sed 's/; */\n/g' <<< "$MOE_BENCH_HAND")"
+      train hand hand ;;
     group)
       [ "$GROUP" -ge 2 ] || continue
       names=()
@@ -228,5 +239,6 @@ FULL_LAYERS=$(sed -n 's/^num_hidden_layers *= *\([0-9]*\).*/\1/p' \
 python3 "$ROOT/tools/gpu/bench_moe_table.py" "$OUT" --steps "$STEPS" --warmup "$WARMUP" \
   --preset "$PRESET" --layers "$LAYERS" --tokens "$TOKENS" --budget "$BUDGET" \
   --device "$DEVICE" --dtype "$DTYPE" --nf4-budget "$NF4_BUDGET" --full-layers "${FULL_LAYERS:-0}" \
+  --hand "${MOE_BENCH_HAND:-}" \
   | tee "$OUT/bench_moe.md" || status=1
 exit $status

@@ -118,6 +118,7 @@ def main():
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--nf4-budget", default="16GiB")
+    ap.add_argument("--hand", default="", help="the hand run's [stream] keys")
     ap.add_argument("--full-layers", type=int, default=0,
                     help="the preset's depth: the nf4 store is extrapolated to it (0: not)")
     args = ap.parse_args()
@@ -125,7 +126,7 @@ def main():
 
     runs = {}  # label -> figures
     for label, jobs in (("resident", ["resident"]), ("auto", ["auto"]), ("streamed", ["streamed"]),
-                        ("nf4", ["nf4"]),
+                        ("hand", ["hand"]), ("nf4", ["nf4"]),
                         ("group", sorted((f[len("stats_"):-len(".jsonl")] for f in os.listdir(out)
                                           if re.fullmatch(r"stats_group\d+\.jsonl", f)),
                                          key=lambda n: int(n[len("group"):])))):
@@ -147,6 +148,10 @@ def main():
             "peak_gib": max(r["peak_device_bytes"] for s in stats for r in s) / 2**30,
             "pcie_floor_s": h2d / (bw * 1e9) if bw else None,
             "loss_last": first[-1]["loss"], **plan}
+    # A plan by hand calibrates nothing: its floor at the bandwidth the streamed run measured.
+    hand, streamed = runs.get("hand"), runs.get("streamed")
+    if hand and hand["pcie_floor_s"] is None and streamed and streamed.get("bandwidth_gbps"):
+        hand["pcie_floor_s"] = hand["h2d_gb"] / streamed["bandwidth_gbps"]
     nf4 = nf4_store(out, args.full_layers)
     peer = None
     if os.path.exists(os.path.join(out, "peer.json")):
@@ -166,6 +171,7 @@ def main():
     names = {"resident": "lorastream resident (blocks_to_swap = 0, checkpointed)",
              "auto": "lorastream, gpu_memory_budget = \"auto\" (the planner's choice)",
              "streamed": f"lorastream within {args.budget}",
+             "hand": f"lorastream, a plan by hand ({args.hand})",
              "nf4": f"lorastream on an NF4 store within {args.nf4_budget}",
              "group": f"lorastream, a group of {runs.get('group', {}).get('jobs', 0)} within {args.budget}"}
     # A group whose jobs never all trained together (the budget held fewer: they joined as
@@ -261,6 +267,13 @@ def main():
             print(f"| streamed / max(PCIe floor, resident step) | "
                   f"{fmt(ratio(st['step_s'], floor))} | |")
             print(f"| streamed / resident | {fmt(ratio(st['step_s'], res['step_s']))} | |")
+    hand = runs.get("hand")
+    if hand:
+        print(f"| a plan by hand ({args.hand}) / its PCIe floor | "
+              f"{fmt(ratio(hand['step_s'], hand['pcie_floor_s']))} | |")
+        if st:
+            print(f"| the planner's plan within {args.budget} / the plan by hand | "
+                  f"{fmt(ratio(st['step_s'], hand['step_s']))} | |")
     if gr:
         print(f"| group of {gr['jobs']} within {args.budget} / its PCIe floor | "
               f"{fmt(ratio(gr['step_s'], gr['pcie_floor_s']))} | |")
