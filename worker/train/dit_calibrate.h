@@ -24,7 +24,8 @@ UnitSeconds MeasureUnitSeconds(
     const std::vector<at::Tensor>& streams, const std::vector<at::Tensor>& params, bool gpu);
 
 // The optimizer's step (AdamW, gradients clipped to `max_grad_norm`) over `params`, whose
-// gradients it sets: the step's tail (every family's calibration measures it so).
+// gradients it sets for the measurement and drops after: the step's tail (every family's
+// calibration measures it so).
 double MeasureOptimizerSeconds(const std::vector<at::Tensor>& params, double max_grad_norm,
                                bool gpu);
 
