@@ -389,15 +389,7 @@ TEST_CASE("a mixture of experts' tape holds its routed rows", "[worker]") {
   // routed row's gate, up and product (the dispatch width k x 768 per token) and its expert's
   // output before the routing weight (k x hidden), the router's f32 logits and the sorted
   // slots (int64 order and token per routed row).
-  ModelConfig c = Qwen3_8bShape();
-  c.model_type = "qwen3_moe";
-  c.hidden_size = 2048;
-  c.num_attention_heads = 32;
-  c.num_key_value_heads = 4;
-  c.head_dim = 128;
-  c.num_experts = 128;
-  c.num_experts_per_tok = 8;
-  c.moe_intermediate_size = 768;
+  const ModelConfig c = Qwen3MoeShape(36);
   REQUIRE(c.is_moe());
   const MemoryModelInputs in = InputsFor(c, 2048);
   const MemoryEstimate e = EstimateMemory(in, PlanFromSwapCount(c.num_hidden_layers, 0, 1));

@@ -473,17 +473,7 @@ TEST_CASE("cost model: a mixture of experts' optimizer tail moves its plan", "[w
   // calibrated (docs/MOE.md): block forward 7.80 ms, recompute+backward 16.40 ms, head 5.68
   // ms, H2D 53.0 GB/s, graphs x0.656, and no tail: the steps' difference had put the optimizer
   // over 18,432 expert LoRA tensors in the blocks' share.
-  ModelConfig c = testing::Qwen3_8bShape();
-  c.model_type = "qwen3_moe";
-  c.hidden_size = 2048;
-  c.num_attention_heads = 32;
-  c.num_key_value_heads = 4;
-  c.head_dim = 128;
-  c.num_experts = 128;
-  c.num_experts_per_tok = 8;
-  c.moe_intermediate_size = 768;
-  c.num_hidden_layers = 24;
-  const MemoryModelInputs in = testing::InputsFor(c, 2048);
+  const MemoryModelInputs in = testing::InputsFor(testing::Qwen3MoeShape(24), 2048);
   StepCosts k;
   k.block_forward_seconds = 7.80e-3;
   k.block_backward_seconds = 16.40e-3;
@@ -510,4 +500,36 @@ TEST_CASE("cost model: a mixture of experts' optimizer tail moves its plan", "[w
   const CandidatePlan& chosen = choice.candidates[static_cast<size_t>(choice.chosen)];
   CHECK(chosen.plan.taped_blocks == 0);
   CHECK(chosen.predicted.step_seconds < ran_predicted);
+}
+
+TEST_CASE("planner: the whole Qwen3-30B-A3B on an NF4 store within 16 GiB", "[worker]") {
+  // The 48 blocks as the NF4 store holds them (322,490,368 bytes each, measured: docs/MOE.md),
+  // each expanding to its 1,246,241,280 bf16 bytes, 2048 tokens.
+  MemoryModelInputs in = testing::InputsFor(testing::Qwen3MoeShape(48), 2048);
+  REQUIRE(in.block_bytes[0] == 1246241280);
+  in.expanded_bytes = in.block_bytes;
+  for (uint64_t& b : in.block_bytes) b = 322490368;
+  StepCosts k;
+  k.block_forward_seconds = 7.80e-3;
+  k.block_backward_seconds = 16.40e-3;
+  k.head_seconds = 5.68e-3;
+  k.tail_seconds = 0.2;
+  k.h2d_bytes_per_second = 53.0e9;
+  const uint64_t budget = uint64_t{16} << 30;
+  // Rank 16 on attention and every expert: 845M LoRA parameters, whose f32 weights, gradients
+  // and AdamW moments alone take 12.6 GiB: no plan fits, and the refusal names the minimum.
+  try {
+    ChoosePlan(in, k, budget);
+    FAIL("rank 16 on every expert planned within 16 GiB");
+  } catch (const Error& e) {
+    CHECK(std::string(e.what()).find("below the minimum of 18614326784 bytes (17.3 GiB)") !=
+          std::string::npos);
+  }
+  // Rank 16 on attention alone fits, most blocks streamed.
+  in.lora_targets = {"q_proj", "k_proj", "v_proj", "o_proj"};
+  const PlanChoice choice = ChoosePlan(in, k, budget);
+  REQUIRE(choice.chosen >= 0);
+  const CandidatePlan& chosen = choice.candidates[static_cast<size_t>(choice.chosen)];
+  CHECK(chosen.peak_bytes <= budget);
+  CHECK(chosen.plan.num_streamed() == 43);
 }

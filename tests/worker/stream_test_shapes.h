@@ -33,6 +33,22 @@ inline ModelConfig Qwen3_8bShape() {
   return c;
 }
 
+// Qwen3-30B-A3B: 48 blocks of 1.25 GB in bf16, each 128 experts of width 768 (8 per token)
+// behind Qwen3's attention with 4 key-value heads.
+inline ModelConfig Qwen3MoeShape(int layers) {
+  ModelConfig c = Qwen3_8bShape();
+  c.model_type = "qwen3_moe";
+  c.num_hidden_layers = layers;
+  c.hidden_size = 2048;
+  c.num_attention_heads = 32;
+  c.num_key_value_heads = 4;
+  c.head_dim = 128;
+  c.num_experts = 128;
+  c.num_experts_per_tok = 8;
+  c.moe_intermediate_size = 768;
+  return c;
+}
+
 // bf16 blocks sized from the config's shapes; the final norm and the LM head on the device,
 // the embedding table in host RAM (SetNonBlockBytes).
 inline worker::MemoryModelInputs InputsFor(const ModelConfig& config, int64_t tokens) {
