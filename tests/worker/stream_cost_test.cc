@@ -468,18 +468,29 @@ TEST_CASE("cost model: a compressed block expands at each use that does not find
   CHECK(b.h2d_bytes == a.h2d_bytes);
 }
 
-TEST_CASE("cost model: a mixture of experts' optimizer tail moves its plan", "[worker]") {
-  // 24 blocks of Qwen3-30B-A3B's shape at 2048 tokens within 24 GiB, with the costs an H100
-  // calibrated (docs/MOE.md): block forward 7.80 ms, recompute+backward 16.40 ms, head 5.68
-  // ms, H2D 53.0 GB/s, graphs x0.656, and no tail: the steps' difference had put the optimizer
-  // over 18,432 expert LoRA tensors in the blocks' share.
-  const MemoryModelInputs in = testing::InputsFor(testing::Qwen3MoeShape(24), 2048);
+namespace {
+
+// What an H100 calibrated for a Qwen3-30B-A3B-shaped block at 2048 tokens (rank 16 on attention
+// and every expert; docs/MOE.md).
+StepCosts MoeH100Costs() {
   StepCosts k;
   k.block_forward_seconds = 7.80e-3;
   k.block_backward_seconds = 16.40e-3;
   k.head_seconds = 5.68e-3;
   k.h2d_bytes_per_second = 53.0e9;
   k.graph_factor = 0.656;
+  return k;
+}
+
+}  // namespace
+
+TEST_CASE("cost model: a mixture of experts' optimizer tail moves its plan", "[worker]") {
+  // 24 blocks of Qwen3-30B-A3B's shape at 2048 tokens within 24 GiB, with the costs an H100
+  // calibrated (docs/MOE.md): block forward 7.80 ms, recompute+backward 16.40 ms, head 5.68
+  // ms, H2D 53.0 GB/s, graphs x0.656, and no tail: the steps' difference had put the optimizer
+  // over 18,432 expert LoRA tensors in the blocks' share.
+  const MemoryModelInputs in = testing::InputsFor(testing::Qwen3MoeShape(24), 2048);
+  const StepCosts k = MoeH100Costs();
   // The plan that ran (16 streamed through 4 slots, the last 9 taped), as the run's log
   // predicted it: 0.629 s (measured 0.873 s).
   ResidencyPlan ran = PlanFromSwapCount(24, 16, 4);
@@ -509,12 +520,8 @@ TEST_CASE("planner: the whole Qwen3-30B-A3B on an NF4 store within 16 GiB", "[wo
   REQUIRE(in.block_bytes[0] == 1246241280);
   in.expanded_bytes = in.block_bytes;
   for (uint64_t& b : in.block_bytes) b = 322490368;
-  StepCosts k;
-  k.block_forward_seconds = 7.80e-3;
-  k.block_backward_seconds = 16.40e-3;
-  k.head_seconds = 5.68e-3;
+  StepCosts k = MoeH100Costs();
   k.tail_seconds = 0.2;
-  k.h2d_bytes_per_second = 53.0e9;
   const uint64_t budget = uint64_t{16} << 30;
   // Rank 16 on attention and every expert: 845M LoRA parameters, whose f32 weights, gradients
   // and AdamW moments alone take 12.6 GiB: no plan fits, and the refusal names the minimum.
