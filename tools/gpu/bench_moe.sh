@@ -37,7 +37,7 @@
 #   MOE_BENCH_TOKENS (2048)  MOE_BENCH_STEPS (8)  MOE_BENCH_WARMUP (3)  MOE_BENCH_BUDGET
 #   (24GiB)  MOE_BENCH_GROUP (4; 0 or 1: no group run)  MOE_BENCH_DEVICE (cuda:0)
 #   MOE_BENCH_DTYPE (bf16: the checkpoint and the jobs' train.dtype)  MOE_BENCH_RUNS (resident,
-#   streamed, group, peer, auto: a comma list of those to run, in its order; also nf4)
+#   streamed, group, peer, auto: a comma list of those to run, in its order; also nf4, hand)
 #   MOE_BENCH_HAND (the hand run's [stream] keys, "; " between them)
 #   MOE_BENCH_NF4_BUDGET (16GiB: the nf4 run's gpu_memory_budget)  MOE_BENCH_NF4_ARGS (more
 #   options of its `lorastream-store serve`, e.g. "--quantize-head --quantize-embedding")
