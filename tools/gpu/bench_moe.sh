@@ -203,7 +203,7 @@ for run in "${run_list[@]}"; do
       if [ -z "${MOE_BENCH_HAND:-}" ]; then
         echo "MOE_BENCH_RUNS names hand: set MOE_BENCH_HAND to its [stream] keys"; status=1; continue
       fi
-      job hand "$(sed 's/; */\n/g' <<< "$MOE_BENCH_HAND")"
+      job hand "${MOE_BENCH_HAND//;/$'\n'}"  # one key a line (TOML takes their leading spaces)
       train hand hand ;;
     group)
       [ "$GROUP" -ge 2 ] || continue
