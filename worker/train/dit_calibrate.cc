@@ -56,6 +56,7 @@ UnitSeconds MeasureUnitSeconds(
 
 double MeasureOptimizerSeconds(const std::vector<at::Tensor>& params, double max_grad_norm,
                                bool gpu) {
+  if (params.empty()) return 0.0;  // nothing to step
   AdamW optimizer(params, {});
   for (auto p : params) p.mutable_grad() = at::ones_like(p);
   const double seconds = SecondsPerRun(1, gpu ? 5 : 2, [&] {
