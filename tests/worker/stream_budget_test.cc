@@ -186,6 +186,8 @@ TEST_CASE("a budget below the minimum is refused with the bytes needed", "[worke
     const std::string msg = e.what();
     REQUIRE(msg.find("gpu_memory_budget") != std::string::npos);
     REQUIRE(msg.find(std::to_string(minimum)) != std::string::npos);
+    // A dense model's adapter is a small part of the minimum: no word on it.
+    CHECK(msg.find("lora.rank") == std::string::npos);
   }
   // A ring of 1 lowers the minimum by one block.
   ResidencyPlan all1 = PlanFromSwapCount(16, 16, 1);
@@ -409,4 +411,21 @@ TEST_CASE("a mixture of experts' tape holds its routed rows", "[worker]") {
   REQUIRE(e.adapter_cast == (params + uint64_t(c.num_hidden_layers) * 16 * h * 3) * b);
   REQUIRE(e.head() >= e.fixed() + e.adapter_cast);
   REQUIRE(e.optimizer() < e.fixed() + e.adapter_cast);
+}
+
+TEST_CASE("a refusal names the adapter's state where it is most of the minimum", "[worker]") {
+  // Half of the minimum or more: the bytes, and the keys that shrink them.
+  MemoryEstimate e;
+  e.adapter = 12ull << 30;
+  e.adapter_cast = 1ull << 30;
+  e.rest = 4ull << 30;
+  REQUIRE(e.total() == 17ull << 30);
+  const std::string hint = AdapterStateHint(e);
+  CHECK(hint.find(std::to_string(13ull << 30) + " bytes (13.00 GiB) of it are the adapters'") !=
+        std::string::npos);
+  CHECK(hint.find("lora.rank or fewer lora.targets") != std::string::npos);
+  // Less than half: nothing.
+  e.rest = 14ull << 30;
+  CHECK(AdapterStateHint(e).empty());
+  CHECK(AdapterStateHint(MemoryEstimate{}).empty());
 }

@@ -29,6 +29,14 @@ uint64_t MemoryEstimate::total() const {
   return std::max({forward(), head(), backward(), optimizer()});
 }
 
+std::string AdapterStateHint(const MemoryEstimate& minimum) {
+  const uint64_t state = minimum.adapter + minimum.adapter_cast;
+  if (state == 0 || state < minimum.total() / 2) return "";
+  return "; " + std::to_string(state) + " bytes (" + FormatBytes(state, 2) +
+         ") of it are the adapters' f32 weights, gradients and AdamW moments and their " +
+         "compute-dtype copy, which only a lower lora.rank or fewer lora.targets shrink";
+}
+
 std::string MemoryEstimate::Describe() const {
   return FormatGiB(total(), 2) + " at the peak: rest " + FormatBytes(rest, 2) +
          " + LM head weights " + FormatBytes(head_weights, 2) +
@@ -323,7 +331,8 @@ ResidencyPlan PlanFromBudget(const MemoryModelInputs& in, uint64_t budget_bytes,
                         ") needed with every block streamed through " +
                         std::to_string(plan.ring_size) + " slots and the LM head streamed (" +
                         e.Describe() + "): raise gpu_memory_budget to at least " +
-                        std::to_string(e.total()) + ", or lower ring_size, seq_len or batch_size");
+                        std::to_string(e.total()) + ", or lower ring_size, seq_len or batch_size" +
+                        AdapterStateHint(e));
       }
     }
   }

@@ -138,6 +138,13 @@ struct MemoryEstimate {
   std::string Describe() const;  // "rest 2.1 GB + resident 4 x 436 MB + ..."
 };
 
+// What a refusal below a plan's minimum adds when the adapters' state (their f32 weights,
+// gradients and AdamW moments, and their compute-dtype copy) is half of that minimum or more,
+// as rank 16 on every expert of a mixture makes it: "; N bytes (X GiB) of it are ..., which
+// only a lower lora.rank or fewer lora.targets shrink". Empty otherwise: then streaming and
+// shorter rows are what a smaller budget takes.
+std::string AdapterStateHint(const MemoryEstimate& minimum);
+
 // `gpu_memory_budget = "auto"` on a GPU: this fraction of the bytes free on it when the job
 // starts (AutoMemoryBudget). The rest is left for what the estimate's reserve does not cover
 // (another process's growth, the CUDA libraries' own allocations).

@@ -248,16 +248,19 @@ PlanChoice ChoosePlan(const MemoryModelInputs& inputs, const StepCosts& costs,
       }
     }
   }
-  uint64_t minimum = ~uint64_t{0};
-  for (const CandidatePlan& c : choice.candidates) minimum = std::min(minimum, c.peak_bytes);
+  const CandidatePlan* smallest = nullptr;
+  for (const CandidatePlan& c : choice.candidates)
+    if (!smallest || c.peak_bytes < smallest->peak_bytes) smallest = &c;
   choice.chosen = PickPlan(choice.candidates);
   if (choice.chosen < 0) {
+    const uint64_t minimum = smallest ? smallest->peak_bytes : 0;
     throw Error(ErrorCode::kRefused,
                 "stream.gpu_memory_budget " + std::to_string(budget_bytes) + " bytes (" +
                     FormatBytes(budget_bytes) + ") is below the minimum of " +
                     std::to_string(minimum) + " bytes (" + FormatBytes(minimum) +
                     ") of every plan considered: raise gpu_memory_budget to at least " +
-                    std::to_string(minimum) + ", or lower seq_len or batch_size");
+                    std::to_string(minimum) + ", or lower seq_len or batch_size" +
+                    (smallest ? AdapterStateHint(EstimateMemory(inputs, smallest->plan)) : ""));
   }
   return choice;
 }
