@@ -110,15 +110,17 @@ std::string Client::Exchange(const std::string& frame, uint32_t request_id, int 
     throw Error(ErrorCode::kRefused, why);
   s.CheckEndpointDir();
   if (!s.socket) s.Connect();
-  if (!s.socket->send(zmq::buffer(frame), zmq::send_flags::dontwait))
-    throw Error(ErrorCode::kResource, "cannot queue a request to " + s.options.endpoint);
+  // The request goes out once the socket has a connection to queue it on: none for a while
+  // when a handshake fails and ZeroMQ reconnects. Until then it waits for one as for the reply.
+  bool queued = s.socket->send(zmq::buffer(frame), zmq::send_flags::dontwait).has_value();
   auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
   bool closed = false;  // a connection closed before its handshake completed
   while (true) {
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
         deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) break;
-    zmq::pollitem_t items[] = {{s.socket->handle(), 0, ZMQ_POLLIN, 0},
+    const short wanted = queued ? ZMQ_POLLIN : ZMQ_POLLOUT;
+    zmq::pollitem_t items[] = {{s.socket->handle(), 0, wanted, 0},
                                {s.monitor ? s.monitor->handle() : nullptr, 0, ZMQ_POLLIN, 0}};
     zmq::poll(items, s.monitor ? 2 : 1, std::min(left, std::chrono::milliseconds(200)));
     if (s.monitor && (items[1].revents & ZMQ_POLLIN)) {
@@ -133,6 +135,11 @@ std::string Client::Exchange(const std::string& frame, uint32_t request_id, int 
                                                 "failed (CURVE keys required, or mismatched)"));
       }
     }
+    if (!queued) {
+      if (items[0].revents & ZMQ_POLLOUT)
+        queued = s.socket->send(zmq::buffer(frame), zmq::send_flags::dontwait).has_value();
+      continue;
+    }
     if (!(items[0].revents & ZMQ_POLLIN)) continue;
     zmq::message_t reply;
     if (!s.socket->recv(reply, zmq::recv_flags::dontwait)) continue;
@@ -141,6 +148,12 @@ std::string Client::Exchange(const std::string& frame, uint32_t request_id, int 
     // A late reply to an earlier request that timed out: drop it.
   }
   Reconnect();  // forget the unanswered request so it is not delivered later
+  if (!queued && !closed)
+    throw Error(ErrorCode::kTimeout,
+                "cannot reach the coordinator at " + s.options.endpoint + " within " +
+                    std::to_string(timeout_ms) +
+                    " ms: no connection took the request (is `lorastream coordinator` running "
+                    "there? does it need --curve-keys?)");
   if (closed)
     throw Error(ErrorCode::kTimeout,
                 "cannot reach the coordinator at " + s.options.endpoint + " within " +
