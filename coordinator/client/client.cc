@@ -148,19 +148,19 @@ std::string Client::Exchange(const std::string& frame, uint32_t request_id, int 
     // A late reply to an earlier request that timed out: drop it.
   }
   Reconnect();  // forget the unanswered request so it is not delivered later
-  if (!queued && !closed)
-    throw Error(ErrorCode::kTimeout,
-                "cannot reach the coordinator at " + s.options.endpoint + " within " +
-                    std::to_string(timeout_ms) +
-                    " ms: no connection took the request (is `lorastream coordinator` running "
-                    "there? does it need --curve-keys?)");
+  const std::string unreachable = "cannot reach the coordinator at " + s.options.endpoint +
+                                  " within " + std::to_string(timeout_ms) + " ms: ";
   if (closed)
     throw Error(ErrorCode::kTimeout,
-                "cannot reach the coordinator at " + s.options.endpoint + " within " +
-                    std::to_string(timeout_ms) +
-                    " ms: it closed each connection before answering (it is stopping or "
+                unreachable +
+                    "it closed each connection before answering (it is stopping or "
                     "restarting; or it was started with --curve-keys and this client has no "
                     "keys)");
+  if (!queued)
+    throw Error(ErrorCode::kTimeout,
+                unreachable +
+                    "no connection took the request (is `lorastream coordinator` running "
+                    "there? does it need --curve-keys?)");
   throw Error(ErrorCode::kTimeout,
               "no reply from the coordinator at " + s.options.endpoint + " within " +
                   std::to_string(timeout_ms) +

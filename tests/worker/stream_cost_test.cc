@@ -498,12 +498,11 @@ TEST_CASE("cost model: a mixture of experts' optimizer tail moves its plan", "[w
   ResidencyPlan ran = PlanFromSwapCount(24, 16, 4);
   ran.taped_blocks = 9;
   REQUIRE(PredictStep(ran, in.block_bytes, k).step_seconds == Approx(0.629).margin(1e-3));
-  // The same step with a 105 ms tail measured alone, the blocks the rest.
+  // The same eager steps split with a 105 ms tail measured alone: the blocks get the rest.
   StepCosts t = k;
-  t.tail_seconds = 0.105;
-  const double block = (24 * (k.block_forward_seconds + k.block_backward_seconds) - 0.105) / 24;
-  t.block_forward_seconds = block * 7.80 / 24.20;
-  t.block_backward_seconds = block - t.block_forward_seconds;
+  const double deep = 24 * (k.block_forward_seconds + k.block_backward_seconds) + k.head_seconds;
+  SplitMeasuredSteps(deep, 24, 287.0e-3, 12, 7.80 / 24.20, &t, 0.105);
+  REQUIRE(t.tail_seconds == Approx(0.105));
   REQUIRE(t.ResidentStepSeconds(24) == Approx(k.ResidentStepSeconds(24)));
   const double ran_predicted = PredictStep(ran, in.block_bytes, t).step_seconds;
   REQUIRE(ran_predicted > 0.70);  // 0.712 s: copies no block hides during the optimizer

@@ -267,7 +267,6 @@ def main():
             print(f"| streamed / max(PCIe floor, resident step) | "
                   f"{fmt(ratio(st['step_s'], floor))} | |")
             print(f"| streamed / resident | {fmt(ratio(st['step_s'], res['step_s']))} | |")
-    hand = runs.get("hand")
     if hand:
         print(f"| a plan by hand ({args.hand}) / its PCIe floor | "
               f"{fmt(ratio(hand['step_s'], hand['pcie_floor_s']))} | |")
