@@ -75,6 +75,7 @@ FluxJob ReadFluxJob(const KeyAt& at) {
   j.warmup_steps = integer("warmup_steps", j.warmup_steps);
   j.weight_decay = real("weight_decay", j.weight_decay);
   j.max_grad_norm = real("max_grad_norm", j.max_grad_norm);
+  j.optimizer = str("optimizer", j.optimizer);
   // Starting from an adapter, what the job leaves out is the adapter's (0 / 0 / []: resolved
   // by the worker when it reads the file, worker/flux/flux_adapter_io.h ApplyFluxInitFrom).
   j.init_from = str("init_from", "");
@@ -118,6 +119,7 @@ FluxJob ParseFluxJob(const TomlSection& t) {
                        "warmup_steps",
                        "weight_decay",
                        "max_grad_norm",
+                       "optimizer",
                        "rank",
                        "alpha",
                        "targets",
@@ -160,6 +162,7 @@ constexpr MovedKey kMovedKeys[] = {
     {"warmup_steps", "optim", "warmup_steps"},
     {"weight_decay", "optim", "weight_decay"},
     {"max_grad_norm", "optim", "grad_clip"},
+    {"optimizer", "optim", "type"},
     {"rank", "lora", "rank"},
     {"alpha", "lora", "alpha"},
     {"targets", "lora", "targets"},
@@ -252,6 +255,7 @@ std::string FluxJobToToml(const FluxJob& j) {
                    {"warmup_steps", j.warmup_steps},
                    {"weight_decay", j.weight_decay},
                    {"max_grad_norm", j.max_grad_norm},
+                   {"optimizer", j.optimizer},
                    {"rank", j.rank},
                    {"alpha", j.alpha},
                    {"targets", std::move(targets)},
@@ -359,6 +363,8 @@ std::vector<std::string> FluxJobProblems(const FluxJob& j, const std::string& so
     refuse("warmup_steps", "must be in [0, " + FluxKeyName(j, "steps") + " = " +
                                std::to_string(j.steps) + "] (found " +
                                std::to_string(j.warmup_steps) + ")");
+  if (j.optimizer != "adamw" && j.optimizer != "adamw8bit")
+    refuse("optimizer", "`" + j.optimizer + "`: adamw or adamw8bit");
   if (j.lr_schedule != "constant" && j.lr_schedule != "linear" && j.lr_schedule != "cosine")
     refuse("lr_schedule", "`" + j.lr_schedule + "`: constant, linear or cosine");
   if (j.timestep_sampling != "uniform" && j.timestep_sampling != "sigmoid" &&

@@ -19,6 +19,7 @@
 //   lr_schedule = "constant"     # constant | linear | cosine (with warmup_steps)
 //   warmup_steps = 0
 //   weight_decay = 0.01          # AdamW
+//   optimizer = "adamw"          # or "adamw8bit": 8-bit moments (common/job/job_spec.h)
 //   max_grad_norm = 1.0          # 0: no clipping
 //   rank = 16
 //   alpha = 16.0                 # left out: the rank
@@ -64,6 +65,7 @@ struct FluxJob {
   int64_t warmup_steps = 0;
   double weight_decay = 0.01;
   double max_grad_norm = 1.0;
+  std::string optimizer = "adamw";  // "adamw" | "adamw8bit" (the shared form's optim.type)
   int64_t rank = 16;
   double alpha = 16.0;
   std::vector<std::string> targets{"all"};
@@ -90,7 +92,7 @@ struct FluxJob {
        lr_schedule, warmup_steps, weight_decay, max_grad_norm, rank, alpha, targets, guidance,
        timestep_sampling, sigmoid_scale, discrete_flow_shift, save_every, keep_checkpoints, dtype,
        gpu_memory_budget, budget_auto, blocks_to_swap, ring_size, singles_per_unit, init_from,
-       taped_blocks, shared_form);
+       taped_blocks, shared_form, optimizer);
   }
 };
 

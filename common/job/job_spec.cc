@@ -107,6 +107,7 @@ void MirrorFluxJob(JobSpec& s) {
   s.optim.warmup_steps = f.warmup_steps;
   s.optim.weight_decay = f.weight_decay;
   s.optim.grad_clip = f.max_grad_norm;
+  s.optim.type = f.optimizer;
   s.lora.rank = f.rank;
   s.lora.alpha = f.alpha;
   s.lora.targets = f.targets;
@@ -177,8 +178,9 @@ JobSpec ParseJobSpec(const std::string& toml_text, const std::string& source) {
   s.lora.rslora = l.GetBool("rslora", s.lora.rslora);
 
   TomlSection o = doc.Section("optim");
-  o.RejectUnknownKeys(
-      {"lr", "beta1", "beta2", "eps", "weight_decay", "schedule", "warmup_steps", "grad_clip"});
+  o.RejectUnknownKeys({"type", "lr", "beta1", "beta2", "eps", "weight_decay", "schedule",
+                       "warmup_steps", "grad_clip"});
+  s.optim.type = o.GetString("type", s.optim.type);
   s.optim.lr = o.GetDouble("lr", s.optim.lr);
   s.optim.beta1 = o.GetDouble("beta1", s.optim.beta1);
   s.optim.beta2 = o.GetDouble("beta2", s.optim.beta2);
@@ -276,7 +278,8 @@ std::string JobSpecToToml(const JobSpec& s) {
                            {"targets", strings(s.lora.targets)},
                            {"rslora", s.lora.rslora},
                            {"init_from", s.lora.init_from}}},
-      {"optim", toml::table{{"lr", s.optim.lr},
+      {"optim", toml::table{{"type", s.optim.type},
+                            {"lr", s.optim.lr},
                             {"beta1", s.optim.beta1},
                             {"beta2", s.optim.beta2},
                             {"eps", s.optim.eps},
@@ -609,6 +612,9 @@ std::vector<std::string> SharedSectionProblems(const JobSpec& s, const ModelConf
     p.push_back(key("lora.targets") + "must name at least one module");
 
   // [optim]
+  if (s.optim.type != "adamw" && s.optim.type != "adamw8bit")
+    p.push_back(key("optim.type") + "must be \"adamw\" or \"adamw8bit\" (found \"" + s.optim.type +
+                "\")");
   // lr = 0 leaves the adapter as it is (with lora.init_from: re-saved bit for bit).
   if (!(s.optim.lr >= 0) || !std::isfinite(s.optim.lr))
     p.push_back(key("optim.lr") + "must be >= 0 (found " + num(s.optim.lr) + ")");

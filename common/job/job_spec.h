@@ -36,6 +36,10 @@
 //                                 #   targets = [], which mean "the adapter's")
 //
 //   [optim]
+//   type = "adamw"                # "adamw": f32 moments, torch.optim.AdamW's arithmetic;
+//                                 #   "adamw8bit": 8-bit blockwise moments as bitsandbytes'
+//                                 #   AdamW8bit (worker/train/adamw.h): 10 bytes per LoRA
+//                                 #   parameter with its f32 weight and gradient, not 16
 //   lr = 2e-4                     # peak learning rate
 //   beta1 = 0.9
 //   beta2 = 0.999
@@ -143,6 +147,7 @@ struct LoraSpec {
 };
 
 struct OptimSpec {
+  std::string type = "adamw";  // "adamw" | "adamw8bit"
   double lr = 2e-4;
   double beta1 = 0.9;
   double beta2 = 0.999;
@@ -153,7 +158,7 @@ struct OptimSpec {
   double grad_clip = 1.0;
   template <class A>
   void serialize(A& ar) {
-    ar(lr, beta1, beta2, eps, weight_decay, schedule, warmup_steps, grad_clip);
+    ar(lr, beta1, beta2, eps, weight_decay, schedule, warmup_steps, grad_clip, type);
   }
 };
 

@@ -89,9 +89,11 @@ TEST_CASE("ValidateJobSpec returns every problem, each naming its field", "[work
   s.lora.targets = {"q_proj", "qkv_proj"};
   s.data.seq_len = 4096;  // tiny: max_position_embeddings = 256
   s.optim.schedule = "exponential";
+  s.optim.type = "adam8";
   s.stream.ring_size = 0;
   auto problems = ValidateJobSpec(s);
-  CHECK(problems.size() == 6);
+  CHECK(problems.size() == 7);
+  CHECK(Mentions(problems, "`optim.type` must be \"adamw\" or \"adamw8bit\" (found \"adam8\")"));
   CHECK(Mentions(problems, "`lora.rank` must be > 0"));
   CHECK(Mentions(problems, "unknown module `qkv_proj`"));
   CHECK(Mentions(problems, "`data.path` names a file that does not exist"));
@@ -216,7 +218,7 @@ TEST_CASE(
       "name = \"f\"\n[flux]\ncheckpoint = \"m.safetensors\"\ncache_dir = \"" + cache +
       "\"\noutput_dir = \"out\"\nsteps = 12\nbatch_size = 2\nseed = 7\nlearning_rate = 3e-4\n"
       "lr_schedule = \"cosine\"\nwarmup_steps = 2\nweight_decay = 0.05\nmax_grad_norm = 0.5\n"
-      "rank = 8\nalpha = 4\ntargets = [\"attention\"]\nguidance = 3.5\n"
+      "optimizer = \"adamw8bit\"\nrank = 8\nalpha = 4\ntargets = [\"attention\"]\nguidance = 3.5\n"
       "timestep_sampling = \"shift\"\nsigmoid_scale = 2.0\ndiscrete_flow_shift = 1.5\n"
       "save_every = 4\nkeep_checkpoints = 3\ndtype = \"bf16\"\nblocks_to_swap = 5\n"
       "ring_size = 3\ntaped_blocks = 2\nsingles_per_unit = 4\n";
@@ -224,7 +226,7 @@ TEST_CASE(
       "name = \"f\"\n[model]\ncheckpoint = \"m.safetensors\"\n"
       "[lora]\nrank = 8\nalpha = 4\ntargets = [\"attention\"]\n"
       "[optim]\nlr = 3e-4\nschedule = \"cosine\"\nwarmup_steps = 2\nweight_decay = 0.05\n"
-      "grad_clip = 0.5\n"
+      "grad_clip = 0.5\ntype = \"adamw8bit\"\n"
       "[train]\nsteps = 12\nbatch_size = 2\nseed = 7\noutput_dir = \"out\"\n"
       "checkpoint_every = 4\nkeep_checkpoints = 3\ndtype = \"bf16\"\n"
       "[stream]\nblocks_to_swap = 5\nring_size = 3\ntaped_blocks = 2\n"
@@ -259,6 +261,8 @@ TEST_CASE(
   }
   CHECK(b.optim.lr == 3e-4);
   CHECK(b.optim.grad_clip == 0.5);
+  CHECK(b.optim.type == "adamw8bit");  // flux.optimizer in the [flux]-only form
+  CHECK(a.optim.type == "adamw8bit");
   CHECK(b.lora.rank == 8);
   CHECK(b.flux.taped_blocks == 2);
   CHECK(b.train.seed == 7);
@@ -271,6 +275,9 @@ TEST_CASE(
   CHECK(d.flux.alpha == FluxJob{}.alpha);
   CHECK(d.flux.targets == FluxJob{}.targets);
   CHECK(d.flux.dtype == FluxJob{}.dtype);
+  CHECK(d.optim.type == "adamw");
+  CHECK_THROWS_WITH(ParseJobSpec(shared + "optimizer = \"adamw8bit\"\n", "f.toml"),
+                    Catch::Contains("key `flux.optimizer`") && Catch::Contains("`optim.type`"));
 
   // A moved key left in [flux], an LLM-only section or key, an unknown key: refused by name.
   CHECK_THROWS_WITH(

@@ -424,8 +424,45 @@ TEST_CASE("a refusal names the adapter's state where it is most of the minimum",
   CHECK(hint.find(std::to_string(13ull << 30) + " bytes (13.00 GiB) of it are the adapters'") !=
         std::string::npos);
   CHECK(hint.find("lora.rank or fewer lora.targets") != std::string::npos);
+  // The 8-bit moments are named only where some job keeps f32 ones.
+  CHECK(hint.find("adamw8bit") == std::string::npos);
+  e.f32_moments = true;
+  CHECK(AdapterStateHint(e).find("or optim.type = \"adamw8bit\"") != std::string::npos);
   // Less than half: nothing.
   e.rest = 14ull << 30;
   CHECK(AdapterStateHint(e).empty());
   CHECK(AdapterStateHint(MemoryEstimate{}).empty());
+}
+
+TEST_CASE(
+    "8-bit moments: each A and B of 4096 elements or more at 10 bytes and 1/32, a "
+    "group's jobs each their own",
+    "[worker]") {
+  // A tensor's state: f32 weight and gradient, and its moments: f32 under 4096 elements,
+  // else a byte each over whole blocks of 256 plus an f32 maximum per block, twice.
+  CHECK(AdapterStateBytes(4095, true) == 16 * 4095);
+  CHECK(AdapterStateBytes(4096, true) == 8 * 4096 + 2 * (4096 + 16 * 4));
+  CHECK(AdapterStateBytes(4097, true) == 8 * 4097 + 2 * (17 * 256 + 17 * 4));
+  CHECK(AdapterStateBytes(4096, false) == 16 * 4096);
+  // A dense model at rank 8 (hidden 4096: every A 8 x 4096, every B at least 8 x 1024).
+  const ModelConfig c = Llama3_8bShape(4);
+  MemoryModelInputs in = InputsFor(c, 512);
+  in.lora_rank = 8;
+  const ResidencyPlan plan = PlanFromSwapCount(c.num_hidden_layers, 0, 1);
+  const MemoryEstimate f32 = EstimateMemory(in, plan);
+  in.eight_bit_optimizer = true;
+  const MemoryEstimate eight = EstimateMemory(in, plan);
+  const uint64_t params = static_cast<uint64_t>(LoraParameterCount(c, 8, in.lora_targets));
+  CHECK(f32.adapter == 16 * params);
+  CHECK(f32.f32_moments);
+  CHECK(eight.adapter == 8 * params + 2 * (params + params / 256 * 4));
+  CHECK(!eight.f32_moments);
+  // Its optimizer's temporaries: 32 bytes an element, at most kEightBitOptimizerScratchBytes.
+  CHECK(eight.optimizer_scratch == std::min<uint64_t>(32 * params, kEightBitOptimizerScratchBytes));
+  // In a group, each job's own kind of moments.
+  in.group.push_back({"f32", 512, 8, 0.0, in.lora_targets, false});
+  in.group.push_back({"8bit", 512, 8, 0.0, in.lora_targets, true});
+  const MemoryEstimate group = EstimateMemory(in, plan);
+  CHECK(group.adapter == 2 * eight.adapter + f32.adapter);
+  CHECK(group.f32_moments);
 }

@@ -25,7 +25,8 @@
 # The model: random Qwen3-30B-A3B-shaped weights (lorastream-synth --preset qwen3-30b-a3b
 # --layers MOE_BENCH_LAYERS --dtype bf16; 128 experts of 3 x 2048 x 768 per block, 8 per
 # token), MOE_BENCH_TOKENS tokens of random ids, batch 1, rank 16 (alpha 32) on
-# q/k/v/o_proj and every expert's gate/up/down, AdamW, bf16 compute (f32 LoRA and optimizer).
+# q/k/v/o_proj and every expert's gate/up/down, AdamW (f32 moments, or MOE_BENCH_OPTIM),
+# bf16 compute (f32 LoRA weights).
 # Each figure: the median per-step time (stats.jsonl's step_seconds; the peer's synchronised
 # steps) after MOE_BENCH_WARMUP warm-up steps. Writes OUT/moe/: the job files, the logs, each
 # run's stats.jsonl, peer.json and bench_moe.md (tools/gpu/bench_moe_table.py: the table, the
@@ -38,7 +39,8 @@
 #   (24GiB)  MOE_BENCH_GROUP (4; 0 or 1: no group run)  MOE_BENCH_DEVICE (cuda:0)
 #   MOE_BENCH_DTYPE (bf16: the checkpoint and the jobs' train.dtype)  MOE_BENCH_RUNS (resident,
 #   streamed, group, peer, auto: a comma list of those to run, in its order; also nf4, hand)
-#   MOE_BENCH_HAND (the hand run's [stream] keys, "; " between them)
+#   MOE_BENCH_HAND (the hand run's [stream] keys, "; " between them)  MOE_BENCH_OPTIM (adamw;
+#   adamw8bit: every job's optim.type, 8-bit AdamW moments)
 #   MOE_BENCH_NF4_BUDGET (16GiB: the nf4 run's gpu_memory_budget)  MOE_BENCH_NF4_ARGS (more
 #   options of its `lorastream-store serve`, e.g. "--quantize-head --quantize-embedding")
 #   MOE_BENCH_PEER_ARGS (more options of bench_moe_peer.py, e.g. "--compile --deadline 300")  MOE_BENCH_TIMEOUT (600: seconds
@@ -74,6 +76,7 @@ TIMEOUT="${MOE_BENCH_TIMEOUT:-600}"
 PEER_TIMEOUT="${MOE_BENCH_PEER_TIMEOUT:-$TIMEOUT}"
 WORK="${MOE_BENCH_WORK:-/dev/shm/lorastream-moe-bench-$$}"
 TARGETS='["q_proj", "k_proj", "v_proj", "o_proj", "experts"]'
+OPTIM="${MOE_BENCH_OPTIM:-adamw}"
 rm -rf "$OUT"  # this run's figures only
 mkdir -p "$OUT" "$WORK"
 # shellcheck source=tools/store_bench.sh
@@ -123,6 +126,7 @@ rank = 16
 alpha = 32.0
 targets = $TARGETS
 [optim]
+type = "$OPTIM"
 lr = 1e-4
 [train]
 steps = $STEPS
@@ -239,6 +243,6 @@ FULL_LAYERS=$(sed -n 's/^num_hidden_layers *= *\([0-9]*\).*/\1/p' \
 python3 "$ROOT/tools/gpu/bench_moe_table.py" "$OUT" --steps "$STEPS" --warmup "$WARMUP" \
   --preset "$PRESET" --layers "$LAYERS" --tokens "$TOKENS" --budget "$BUDGET" \
   --device "$DEVICE" --dtype "$DTYPE" --nf4-budget "$NF4_BUDGET" --full-layers "${FULL_LAYERS:-0}" \
-  --hand "${MOE_BENCH_HAND:-}" \
+  --hand "${MOE_BENCH_HAND:-}" --optim "$OPTIM" \
   | tee "$OUT/bench_moe.md" || status=1
 exit $status

@@ -119,6 +119,7 @@ def main():
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--nf4-budget", default="16GiB")
     ap.add_argument("--hand", default="", help="the hand run's [stream] keys")
+    ap.add_argument("--optim", default="adamw", help="the jobs' optim.type")
     ap.add_argument("--full-layers", type=int, default=0,
                     help="the preset's depth: the nf4 store is extrapolated to it (0: not)")
     args = ap.parse_args()
@@ -160,7 +161,8 @@ def main():
     print(f"# Mixture of experts: {args.preset}, {args.layers} layers, {args.tokens} tokens")
     print()
     print(f"`tools/gpu/bench_moe.sh OUT` on {peer['device'] if peer else args.device}: batch 1, "
-          f"rank 16 on q/k/v/o_proj and every expert's gate/up/down, {args.dtype}, {args.steps} steps "
+          f"rank 16 on q/k/v/o_proj and every expert's gate/up/down, optim.type = \"{args.optim}\", "
+          f"{args.dtype}, {args.steps} steps "
           f"per run, medians of steps {w + 1}-{args.steps}; streamed runs within "
           f"gpu_memory_budget = \"{args.budget}\"; PCIe floor = H2D bytes per step / the "
           f"bandwidth the run's calibration measured.")

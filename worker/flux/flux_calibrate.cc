@@ -16,7 +16,7 @@
 #include "worker/flux/flux_model.h"
 #include "worker/model/quant_expand.h"
 #include "worker/model/torch_device.h"
-#include "worker/train/dit_calibrate.h"
+#include "worker/train/calibrate_parts.h"
 #include "worker/train/stream_calibrate.h"
 #include "worker/train/stream_provider.h"
 
@@ -63,6 +63,7 @@ FluxMemoryInputs FluxMemoryInputsFor(const FluxBase& base, const FluxJob& job,
   in.lora_params =
       LoraParams(in.config, FluxTargets(job.targets, FluxKeyName(job, "targets")), job.rank);
   in.lora_rank = job.rank;
+  in.eight_bit_optimizer = job.optimizer == "adamw8bit";
   in.batch = job.batch_size;
   const auto [h, w] = data.largest_latent();
   in.image_tokens = (h / 2) * (w / 2);
@@ -156,7 +157,8 @@ StepCosts MeasureFluxCosts(const FluxBase& base, const FluxJob& job, const FluxM
       in, costs.block_backward_seconds > 0 ? per_single / costs.block_backward_seconds : 1.0);
 
   // The optimizer's step over the adapter with its clipping: the step's tail.
-  costs.tail_seconds = MeasureOptimizerSeconds(adapter.Params(), job.max_grad_norm, gpu);
+  costs.tail_seconds = MeasureOptimizerSeconds(adapter.Params(), job.max_grad_norm,
+                                               job.optimizer == "adamw8bit", gpu);
   uint64_t largest = 0;
   for (uint64_t bytes : in.unit_bytes) largest = std::max(largest, bytes);
   costs.h2d_bytes_per_second = MeasureH2DBandwidth(largest, device);

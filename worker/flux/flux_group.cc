@@ -60,7 +60,8 @@ FluxPlanGroup FluxPlanGroupOf(const FluxBase& base, const JobSpec& first,
 }
 
 FluxGroupMember FluxMemberOf(const std::string& name, const FluxMemoryInputs& in) {
-  return {name, in.lora_params, in.batch, in.image_tokens, in.text_tokens, in.lora_rank};
+  return {name,         in.lora_params,        in.batch, in.image_tokens, in.text_tokens,
+          in.lora_rank, in.eight_bit_optimizer};
 }
 
 std::vector<FluxGroupMember> FluxMembersOf(const FluxBase& base, const std::vector<JobSpec>& specs,

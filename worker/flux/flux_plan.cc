@@ -42,7 +42,8 @@ DitMemoryModel FluxMemoryModel(const FluxMemoryInputs& in) {
 }
 
 DitJob FluxDitJob(const FluxMemoryInputs& in, const std::string& name) {
-  return {name, in.lora_params, in.batch, in.image_tokens, in.text_tokens, in.lora_rank};
+  return {name,         in.lora_params,        in.batch, in.image_tokens, in.text_tokens,
+          in.lora_rank, in.eight_bit_optimizer};
 }
 
 FluxMemoryEstimate EstimateFluxMemory(const FluxMemoryInputs& in, const ResidencyPlan& plan) {

@@ -58,9 +58,10 @@ struct FluxMemoryInputs {
   // Of a compressed store: each unit's linears expanded, in bytes of the compute dtype
   // (worker/model/quant_expand.h); empty: the units are plain.
   std::vector<uint64_t> expanded_bytes;
-  uint64_t rest_bytes = 0;  // the tensors outside the blocks, on the device
-  int64_t lora_params = 0;  // A and B of every adapted module
-  int64_t lora_rank = 0;    // their rank (a taped unit keeps each linear's A x)
+  uint64_t rest_bytes = 0;           // the tensors outside the blocks, on the device
+  int64_t lora_params = 0;           // A and B of every adapted module
+  int64_t lora_rank = 0;             // their rank (a taped unit keeps each linear's A x)
+  bool eight_bit_optimizer = false;  // 8-bit AdamW moments (flux.optimizer = "adamw8bit")
   int64_t batch = 1;
   int64_t image_tokens = 0;  // of the largest bucket: (H / 16) (W / 16)
   int64_t text_tokens = 0;   // T5 tokens per caption (512 for FLUX.1-dev)

@@ -11,7 +11,7 @@
 #include "common/formats/quant_format.h"
 #include "worker/qwen_image/qwen_image_model.h"
 #include "worker/stream/unit_pack.h"
-#include "worker/train/dit_calibrate.h"
+#include "worker/train/calibrate_parts.h"
 #include "worker/train/stream_calibrate.h"
 #include "worker/train/stream_provider.h"
 
@@ -83,7 +83,8 @@ StepCosts MeasureJob(const QwenImageConfig& config, const JobSpec& spec, const D
   StepCosts costs;
   costs.block_forward_seconds = t.forward;
   costs.block_backward_seconds = t.backward;
-  costs.tail_seconds = MeasureOptimizerSeconds(adapter.Params(), spec.optim.grad_clip, gpu);
+  costs.tail_seconds = MeasureOptimizerSeconds(adapter.Params(), spec.optim.grad_clip,
+                                               spec.optim.type == "adamw8bit", gpu);
   return costs;
 }
 

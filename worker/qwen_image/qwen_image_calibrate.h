@@ -2,7 +2,7 @@
 // byte sizes from the checkpoint's manifest, the job's tokens from its cache files' headers,
 // and the cost model's figures measured on the job's device: one block, resident, of the
 // model's shape (random weights: a block's time does not depend on its values), run as the
-// trainer runs it at the job's most tokens (worker/train/dit_calibrate.h); the optimizer step
+// trainer runs it at the job's most tokens (worker/train/calibrate_parts.h); the optimizer step
 // over the job's adapter; the Host->Device bandwidth of a block's copy.
 #pragma once
 

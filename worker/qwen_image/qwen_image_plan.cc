@@ -78,6 +78,7 @@ DitJob QwenImageDitJob(const JobSpec& spec, const QwenImageConfig& config) {
       config, QwenImageTargets(spec.lora.targets, spec.source + ": key `lora.targets`"),
       spec.lora.rank);
   job.lora_rank = spec.lora.rank;
+  job.eight_bit_optimizer = spec.optim.type == "adamw8bit";
   job.batch = spec.train.batch_size;
   std::tie(job.image_tokens, job.text_tokens) =
       QwenImageCacheTokens(spec.qwen_image.cache_dir, config, spec.qwen_image.edit);

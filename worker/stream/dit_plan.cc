@@ -5,6 +5,7 @@
 
 #include "common/base/error.h"
 #include "common/base/format_bytes.h"
+#include "worker/stream/stream_budget.h"
 
 namespace lorastream::worker {
 
@@ -28,7 +29,9 @@ DitMemoryEstimate EstimateAlone(const DitMemoryModel& m, const DitJob& job,
   DitMemoryEstimate e;
   e.rest = m.rest_bytes;
   e.reserve = m.reserve_bytes;
-  e.adapter = static_cast<uint64_t>(job.lora_params) * 16;
+  // A DiT's A and B factors are thousands of elements each (rank x 3072 for FLUX.1): every one
+  // at 8 bits where the moments are, its padding to whole blocks left out.
+  e.adapter = AdapterStateBytes(static_cast<uint64_t>(job.lora_params), job.eight_bit_optimizer);
   e.checkpoints = bt * m.checkpoint_per_token + (m.table_per_latent ? bt : t) * m.table_per_token;
   uint64_t largest_backward = 0;
   for (size_t u = 0; u < m.unit_bytes.size(); ++u) {

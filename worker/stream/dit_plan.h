@@ -97,9 +97,10 @@ struct DitJob {
   std::string name;
   int64_t lora_params = 0;
   int64_t batch = 1;
-  int64_t image_tokens = 0;  // of the largest bucket
-  int64_t text_tokens = 0;   // of the longest caption
-  int64_t lora_rank = 0;     // its adapter's rank (a taped unit keeps each linear's A x)
+  int64_t image_tokens = 0;          // of the largest bucket
+  int64_t text_tokens = 0;           // of the longest caption
+  int64_t lora_rank = 0;             // its adapter's rank (a taped unit keeps each linear's A x)
+  bool eight_bit_optimizer = false;  // 8-bit AdamW moments (optim.type = "adamw8bit")
 };
 
 // Whether every job of `group` has `job`'s shape (batch, tokens, adapter size and rank): a

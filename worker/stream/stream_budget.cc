@@ -34,7 +34,10 @@ std::string AdapterStateHint(const MemoryEstimate& minimum) {
   if (state == 0 || state < minimum.total() / 2) return "";
   return "; " + std::to_string(state) + " bytes (" + FormatBytes(state, 2) +
          ") of it are the adapters' f32 weights, gradients and AdamW moments and their " +
-         "compute-dtype copy, which only a lower lora.rank or fewer lora.targets shrink";
+         "compute-dtype copy, which only a lower lora.rank or fewer lora.targets shrink" +
+         (minimum.f32_moments ? std::string(", or optim.type = \"adamw8bit\" (8-bit moments: "
+                                            "about 10 bytes a parameter instead of 16)")
+                              : std::string());
 }
 
 std::string MemoryEstimate::Describe() const {
@@ -76,8 +79,13 @@ void SetNonBlockBytes(MemoryModelInputs* in) {
   in->head_bytes = static_cast<uint64_t>(in->config.vocab_size) * h * b;
 }
 
-int64_t LoraParameterCount(const ModelConfig& c, int64_t rank,
-                           const std::vector<std::string>& targets) {
+namespace {
+
+// Calls fn(in, out, copies) for each targeted projection of one block (`copies`: a mixture's
+// experts each have one).
+template <class Fn>
+void ForEachLoraProjection(const ModelConfig& c, const std::vector<std::string>& targets,
+                           const Fn& fn) {
   const int64_t q = c.num_attention_heads * c.head_dim;
   const int64_t kv = c.num_key_value_heads * c.head_dim;
   const int64_t h = c.hidden_size;
@@ -95,7 +103,6 @@ int64_t LoraParameterCount(const ModelConfig& c, int64_t rank,
                                   : t);
     }
   }
-  int64_t per_block = 0;
   for (const std::string& t : names) {
     int64_t in = 0, out = 0, n = 1;
     if (t == "q_proj") {
@@ -120,9 +127,31 @@ int64_t LoraParameterCount(const ModelConfig& c, int64_t rank,
                                            "` (known: q_proj k_proj v_proj o_proj gate_proj "
                                            "up_proj down_proj; experts, w1, w3, w2)");
     }
-    per_block += n * rank * (in + out);
+    fn(in, out, n);
   }
+}
+
+}  // namespace
+
+int64_t LoraParameterCount(const ModelConfig& c, int64_t rank,
+                           const std::vector<std::string>& targets) {
+  int64_t per_block = 0;
+  ForEachLoraProjection(c, targets, [&](int64_t in, int64_t out, int64_t copies) {
+    per_block += copies * rank * (in + out);
+  });
   return per_block * c.num_hidden_layers;
+}
+
+uint64_t LoraStateBytes(const ModelConfig& c, int64_t rank, const std::vector<std::string>& targets,
+                        bool eight_bit) {
+  uint64_t per_block = 0;
+  ForEachLoraProjection(c, targets, [&](int64_t in, int64_t out, int64_t copies) {
+    // A (rank x in) and B (out x rank), each a tensor of its own.
+    per_block += static_cast<uint64_t>(copies) *
+                 (AdapterStateBytes(static_cast<uint64_t>(rank * in), eight_bit) +
+                  AdapterStateBytes(static_cast<uint64_t>(rank * out), eight_bit));
+  });
+  return per_block * static_cast<uint64_t>(c.num_hidden_layers);
 }
 
 namespace {
@@ -181,17 +210,19 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& 
   // One job's share of the activations and its adapter; a group's are summed.
   uint64_t head_chunk = 0, head_kept = 0;
   auto add_job = [&](int64_t tokens, int64_t rank, double lora_dropout,
-                     const std::vector<std::string>& targets) {
+                     const std::vector<std::string>& targets, bool eight_bit) {
     const uint64_t t = static_cast<uint64_t>(std::max<int64_t>(tokens, 0));
     e.forward_working += t * b * (4 * h + q + 2 * kv + 3 * inter);
     const uint64_t params = static_cast<uint64_t>(LoraParameterCount(c, rank, targets));
-    e.adapter += params * 16;
+    e.adapter += LoraStateBytes(c, rank, targets, eight_bit);
+    if (!eight_bit) e.f32_moments = true;
     // Each block's adapter in the compute dtype (CastLoraBlock, worker/model/block.h), held
     // from the block's forward to its backward: every block's from the forward's end to the
     // backward's start. None where the compute dtype is the adapter's own (f32).
     if (b != 4) e.adapter_cast += (params + StackedACount(c, rank, targets)) * b;
-    e.optimizer_scratch =
-        std::max(e.optimizer_scratch, std::min(params * 4, kOptimizerScratchBytes));
+    e.optimizer_scratch = std::max(e.optimizer_scratch,
+                                   std::min(params * (eight_bit ? kEightBitScratchPerElement : 4),
+                                            OptimizerScratchBytes(eight_bit)));
     e.checkpoints += static_cast<uint64_t>(plan.num_blocks()) * t * h * b;
     // LoRA dropout keeps each adapted projection's dropped input and its mask.
     uint64_t dropout = 0;
@@ -220,9 +251,10 @@ MemoryEstimate EstimateMemory(const MemoryModelInputs& in, const ResidencyPlan& 
     head_kept += 2 * t * h * b;
     return chunk_rows;
   };
-  e.head_chunk_rows = add_job(in.tokens, in.lora_rank, in.lora_dropout, in.lora_targets);
+  e.head_chunk_rows =
+      add_job(in.tokens, in.lora_rank, in.lora_dropout, in.lora_targets, in.eight_bit_optimizer);
   for (const MemoryModelInputs::GroupMember& m : in.group)
-    add_job(m.tokens, m.lora_rank, m.lora_dropout, m.lora_targets);
+    add_job(m.tokens, m.lora_rank, m.lora_dropout, m.lora_targets, m.eight_bit_optimizer);
   e.taped_blocks = plan.taped_blocks;
   e.head_weights = in.head_bytes;
   e.head_streamed = plan.head_streamed;

@@ -11,7 +11,9 @@
 //                  stays in host RAM: only the batch's rows (T x H x b) are copied to the
 //                  device.
 //   adapter        P x 16 bytes: fp32 master weights, fp32 grads, two fp32 Adam moments
-//                  (P = rank x (in + out) summed over the targeted projections of all blocks)
+//                  (P = rank x (in + out) summed over the targeted projections of all blocks);
+//                  with 8-bit moments (optim.type = "adamw8bit") about P x 10: each A or B of
+//                  at least kEightBitMinElements elements AdapterStateBytes
 //   adapter cast   (P + A') x b where b < 4: each block's adapter in the compute dtype, made
 //                  at its forward and held to its backward (A' = the A factors of q/k/v and of
 //                  a dense MLP's gate/up, concatenated once more where two or more of a group
@@ -43,7 +45,8 @@
 //                  and in a tape
 //   reserve        fixed slack for allocator fragmentation and small tensors
 //   optimizer      min(4 P, kOptimizerScratchBytes): AdamW's sqrt(v) over one run of
-//                  parameters (a group's jobs step one after another: the largest job's)
+//                  parameters; with 8-bit moments min(32 P, kEightBitOptimizerScratchBytes)
+//                  (a group's jobs step one after another: the largest job's)
 // The step's memory is a timeline of four phases, and the peak is the largest of them
 // (fixed = rest + resident LM head + resident blocks + adapter + checkpoints + reserve):
 //   forward    fixed + adapter cast + forward_slots x slot + forward working + attention +
@@ -70,8 +73,27 @@
 namespace lorastream::worker {
 
 // The trainer's AdamW (worker/train/adamw.h) updates its parameters in runs whose temporaries
-// hold at most this many bytes.
+// hold at most this many bytes: with f32 moments (sqrt(v), 4 bytes per element), and with
+// 8-bit moments (kEightBitScratchPerElement: the gradients gathered, both moments in f32, the
+// update and the rounding's indices).
 inline constexpr uint64_t kOptimizerScratchBytes = uint64_t{64} << 20;
+inline constexpr uint64_t kEightBitOptimizerScratchBytes = uint64_t{256} << 20;
+inline constexpr uint64_t kEightBitScratchPerElement = 32;
+inline constexpr uint64_t OptimizerScratchBytes(bool eight_bit) {
+  return eight_bit ? kEightBitOptimizerScratchBytes : kOptimizerScratchBytes;
+}
+// 8-bit moments (AdamW8bit, bitsandbytes' blockwise form): one byte per element and one f32
+// absolute maximum per block of kEightBitBlock elements, for parameters of at least
+// kEightBitMinElements elements; smaller ones keep f32 moments.
+inline constexpr int64_t kEightBitBlock = 256;
+inline constexpr int64_t kEightBitMinElements = 4096;
+// Device bytes of one LoRA tensor of `n` elements with its training state: f32 weight, f32
+// gradient and AdamW's two moments (f32, or 8-bit as above).
+inline constexpr uint64_t AdapterStateBytes(uint64_t n, bool eight_bit) {
+  if (!eight_bit || n < static_cast<uint64_t>(kEightBitMinElements)) return 16 * n;
+  const uint64_t blocks = (n + kEightBitBlock - 1) / kEightBitBlock;
+  return 8 * n + 2 * (blocks * kEightBitBlock + 4 * blocks);
+}
 
 struct MemoryModelInputs {
   ModelConfig config;
@@ -97,6 +119,7 @@ struct MemoryModelInputs {
   int64_t tokens = 0;                            // batch_size x seq_len of one micro-batch
   int compute_bytes = 2;                         // 2: bf16 compute; 4: f32
   bool attention_materialized = false;           // true where attention has no fused kernel
+  bool eight_bit_optimizer = false;              // optim.type = "adamw8bit": 8-bit moments
   uint64_t reserve_bytes = uint64_t{512} << 20;  // allocator slack; lower = tighter plans
   // A job group (worker/train/group_trainer.h): the other jobs beside the one above. Each
   // adds its own adapter and optimizer state, checkpoints, working sets, attention, tapes and
@@ -109,6 +132,7 @@ struct MemoryModelInputs {
     int64_t lora_rank = 16;
     double lora_dropout = 0;
     std::vector<std::string> lora_targets;
+    bool eight_bit_optimizer = false;
   };
   std::vector<GroupMember> group;
 };
@@ -121,6 +145,7 @@ struct MemoryEstimate {
   uint64_t tape = 0;               // one taped block's activations
   uint64_t optimizer_scratch = 0;  // the optimizer step's temporaries
   uint64_t adapter_cast = 0;       // every block's adapter in the compute dtype (not f32)
+  bool f32_moments = false;        // some job's AdamW keeps f32 moments (not 8-bit)
   int taped_blocks = 0;
   uint64_t slot = 0;          // one slot: the largest streamed block (0: none streams)
   uint64_t head_weights = 0;  // the LM head's weights (in fixed, or in head() when streamed)
@@ -160,6 +185,9 @@ void SetNonBlockBytes(MemoryModelInputs* in);
 // The number of LoRA parameters (A and B of every targeted projection of every block).
 int64_t LoraParameterCount(const ModelConfig& config, int64_t rank,
                            const std::vector<std::string>& targets);
+// Their device bytes with their training state (AdapterStateBytes of each A and B).
+uint64_t LoraStateBytes(const ModelConfig& config, int64_t rank,
+                        const std::vector<std::string>& targets, bool eight_bit);
 
 MemoryEstimate EstimateMemory(const MemoryModelInputs& inputs, const ResidencyPlan& plan);
 

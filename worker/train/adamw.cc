@@ -1,7 +1,10 @@
 #include "worker/train/adamw.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <limits>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -11,12 +14,152 @@
 
 namespace lorastream::worker {
 
+namespace {
+
+// The parameters' runs: consecutive entries of `idx` whose temporaries (`bytes_of` each) fit
+// `scratch` together, one larger entry a run of its own.
+template <class F>
+std::vector<std::pair<size_t, size_t>> Runs(const std::vector<size_t>& idx, uint64_t scratch,
+                                            const F& bytes_of) {
+  std::vector<std::pair<size_t, size_t>> runs;
+  size_t begin = 0;
+  while (begin < idx.size()) {
+    size_t end = begin;
+    uint64_t bytes = 0;
+    do {
+      bytes += bytes_of(idx[end]);
+      ++end;
+    } while (end < idx.size() && bytes + bytes_of(idx[end]) <= scratch);
+    runs.emplace_back(begin, end);
+    begin = end;
+  }
+  return runs;
+}
+
+int64_t Blocks(int64_t n) { return (n + kEightBitBlock - 1) / kEightBitBlock; }
+
+// `x` (f32, [blocks, kEightBitBlock]) over each block's `absmax` ([blocks]) rounded to the
+// nearest entry of a dynamic map: the index of the first midpoint (`bounds`, 255 of them) not
+// below it. With `keep_sign` (the signed map, whose entry 127 is 0) an index whose entry has
+// another sign than x moves one entry towards x's side, as bitsandbytes keeps the first
+// moment's sign. Returns uint8 of x's shape.
+at::Tensor Quantize(const at::Tensor& x, const at::Tensor& absmax, const at::Tensor& bounds,
+                    bool keep_sign) {
+  // A block of zeros has absmax 0: divided by the smallest normal float it stays 0.
+  const at::Tensor scaled = x / absmax.clamp_min(std::numeric_limits<float>::min()).unsqueeze(1);
+  at::Tensor index = at::searchsorted(bounds, scaled, /*out_int32=*/true);
+  if (keep_sign) {
+    constexpr int kZero = 127;
+    index.add_(at::logical_and(x.gt(0), index.lt(kZero)).to(at::kInt));
+    index.sub_(at::logical_and(x.lt(0), index.ge(kZero)).to(at::kInt));
+  }
+  return index.to(at::kByte);
+}
+
+at::Tensor Dequantize(const at::Tensor& q, const at::Tensor& absmax, const at::Tensor& code) {
+  return code.index_select(0, q.to(at::kInt)).view({-1, kEightBitBlock}).mul_(absmax.unsqueeze(1));
+}
+
+}  // namespace
+
+at::Tensor DynamicMap(bool is_signed) {
+  // create_dynamic_map(signed, max_exponent_bits = 7, total_bits = 8): for exponents
+  // 10^-6 .. 10^0, the midpoints of an f32 linspace(0.1, 1) of 2^i + 1 (signed) or 2^(i+1) + 1
+  // points, each times the power of ten in f32 (a Python float times an f32 tensor), both
+  // signs where signed; then 0 and 1, sorted.
+  std::vector<float> data;
+  for (int i = 0; i < 7; ++i) {
+    const int64_t items = is_signed ? (int64_t{1} << i) + 1 : (int64_t{1} << (i + 1)) + 1;
+    const at::Tensor b = at::linspace(0.1, 1.0, items, at::TensorOptions().dtype(at::kFloat));
+    const at::Tensor means = (b.slice(0, 0, items - 1) + b.slice(0, 1, items)) / 2.0;
+    const auto scale = static_cast<float>(std::pow(10.0, -6 + i));
+    for (int64_t k = 0; k < items - 1; ++k) {
+      const float m = means[k].item<float>();
+      data.push_back(scale * m);
+      if (is_signed) data.push_back(-scale * m);
+    }
+  }
+  data.push_back(0.0f);
+  data.push_back(1.0f);
+  LS_CHECK(data.size() == 256, "the dynamic map has 256 entries");
+  std::sort(data.begin(), data.end());
+  return at::tensor(data);
+}
+
+at::Tensor DequantizeMoment(const at::Tensor& q, const at::Tensor& absmax, bool first) {
+  return Dequantize(q, absmax, DynamicMap(first).to(q.device())).view(-1);
+}
+
 AdamW::AdamW(std::vector<at::Tensor> params, AdamWOptions options)
     : params_(std::move(params)), options_(options) {
-  for (const auto& p : params_) {
-    exp_avg_.push_back(at::zeros_like(p, at::MemoryFormat::Preserve).detach());
-    exp_avg_sq_.push_back(at::zeros_like(p, at::MemoryFormat::Preserve).detach());
+  if (options_.scratch_bytes == 0)
+    options_.scratch_bytes = OptimizerScratchBytes(options_.eight_bit);
+  const size_t count = params_.size();
+  q_offset_.assign(count, -1);
+  block_offset_.assign(count, -1);
+  flat_params_.resize(count);
+  int64_t bytes = 0, blocks = 0;
+  at::Device device(at::kCPU);
+  for (size_t i = 0; i < count; ++i) {
+    const at::Tensor& p = params_[i];
+    if (options_.eight_bit && p.numel() >= kEightBitMinElements && p.is_contiguous() &&
+        p.scalar_type() == at::kFloat) {
+      LS_CHECK(bytes == 0 || p.device() == device, "8-bit moments: parameters on two devices");
+      device = p.device();
+      q_offset_[i] = bytes;
+      block_offset_[i] = blocks;
+      bytes += Blocks(p.numel()) * kEightBitBlock;
+      blocks += Blocks(p.numel());
+      flat_params_[i] = p.view(-1);
+    }
   }
+  for (int which = 0; which < 2; ++which) {
+    absmax_[which].resize(count);
+    if (bytes == 0) continue;
+    // bitsandbytes' start: every index 0 under an absolute maximum of 0 (moments of 0).
+    flat_q_[which] = at::zeros({bytes}, at::TensorOptions().dtype(at::kByte).device(device));
+    flat_absmax_[which] = at::zeros({blocks}, at::TensorOptions().dtype(at::kFloat).device(device));
+    const at::Tensor code = DynamicMap(which == 0);
+    code_[which] = code.to(device);
+    bounds_[which] = ((code.slice(0, 0, 255) + code.slice(0, 1, 256)) / 2).to(device);
+  }
+  for (size_t i = 0; i < count; ++i) {
+    if (q_offset_[i] < 0) {
+      exp_avg_.push_back(at::zeros_like(params_[i], at::MemoryFormat::Preserve).detach());
+      exp_avg_sq_.push_back(at::zeros_like(params_[i], at::MemoryFormat::Preserve).detach());
+      continue;
+    }
+    const int64_t n = Blocks(params_[i].numel());
+    exp_avg_.push_back(flat_q_[0].narrow(0, q_offset_[i], n * kEightBitBlock));
+    exp_avg_sq_.push_back(flat_q_[1].narrow(0, q_offset_[i], n * kEightBitBlock));
+    for (int which = 0; which < 2; ++which)
+      absmax_[which][i] = flat_absmax_[which].narrow(0, block_offset_[i], n);
+  }
+}
+
+at::Tensor AdamW::Moment(size_t i, int which) const {
+  const at::Tensor& kept = which == 0 ? exp_avg_[i] : exp_avg_sq_[i];
+  if (!absmax_[which][i].defined()) return kept;
+  return Dequantize(kept, absmax_[which][i], code_[which])
+      .view(-1)
+      .narrow(0, 0, params_[i].numel())
+      .view(params_[i].sizes());
+}
+
+void AdamW::SetMoment(size_t i, int which, const at::Tensor& value) {
+  c10::NoGradGuard no_grad;
+  at::Tensor& kept = which == 0 ? exp_avg_[i] : exp_avg_sq_[i];
+  if (!absmax_[which][i].defined()) {
+    kept.copy_(value);
+    return;
+  }
+  const int64_t n = params_[i].numel();
+  at::Tensor x = at::zeros({kept.numel()}, kept.options().dtype(at::kFloat));
+  x.narrow(0, 0, n).copy_(value.reshape(-1));
+  x = x.view({-1, kEightBitBlock});
+  const at::Tensor absmax = x.abs().amax(1);
+  absmax_[which][i].copy_(absmax);
+  kept.copy_(Quantize(x, absmax, bounds_[which], which == 0).view(-1));
 }
 
 void AdamW::ZeroGrad() {
@@ -29,40 +172,37 @@ void AdamW::ZeroGrad() {
 void AdamW::Step(double lr) {
   c10::NoGradGuard no_grad;
   ++step_;
+  std::vector<size_t> f32, eight;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].grad().defined()) continue;
+    (eight_bit(i) ? eight : f32).push_back(i);
+  }
+  if (!f32.empty()) StepF32(f32, lr);
+  if (!eight.empty()) StepEightBit(eight, lr);
+}
+
+void AdamW::StepF32(const std::vector<size_t>& idx, double lr) {
   const double b1 = options_.beta1, b2 = options_.beta2;
   const double bias_correction1 = 1 - std::pow(b1, static_cast<double>(step_));
   const double bias_correction2 = 1 - std::pow(b2, static_cast<double>(step_));
   const double step_size = lr / bias_correction1;
   const double bias_correction2_sqrt = std::sqrt(bias_correction2);
-  std::vector<at::Tensor> params, grads, exp_avg, exp_avg_sq;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (!params_[i].grad().defined()) continue;
-    params.push_back(params_[i]);
-    grads.push_back(params_[i].grad());
-    exp_avg.push_back(exp_avg_[i]);
-    exp_avg_sq.push_back(exp_avg_sq_[i]);
-  }
-  if (params.empty()) return;
   // torch's multi-tensor ("foreach") AdamW: the same arithmetic per element as the
   // single-tensor path, in a few fused launches instead of ~8 per tensor (a model of 224
   // LoRA tensors would otherwise spend milliseconds per step launching kernels on a GPU),
   // over runs of parameters whose sqrt(v) temporaries fit options_.scratch_bytes.
   const double decay = 1 - lr * options_.weight_decay;
-  size_t begin = 0;
-  while (begin < params.size()) {
-    size_t end = begin;
-    uint64_t bytes = 0;
-    do {
-      bytes += static_cast<uint64_t>(exp_avg_sq[end].numel()) * exp_avg_sq[end].element_size();
-      ++end;
-    } while (end < params.size() && bytes + static_cast<uint64_t>(exp_avg_sq[end].numel()) *
-                                                exp_avg_sq[end].element_size() <=
-                                        options_.scratch_bytes);
-    const auto run = [&](const std::vector<at::Tensor>& v) {
-      return std::vector<at::Tensor>(v.begin() + static_cast<std::ptrdiff_t>(begin),
-                                     v.begin() + static_cast<std::ptrdiff_t>(end));
-    };
-    std::vector<at::Tensor> p = run(params), g = run(grads), m = run(exp_avg), v = run(exp_avg_sq);
+  const auto bytes_of = [&](size_t i) {
+    return static_cast<uint64_t>(exp_avg_sq_[i].numel()) * exp_avg_sq_[i].element_size();
+  };
+  for (const auto& [begin, end] : Runs(idx, options_.scratch_bytes, bytes_of)) {
+    std::vector<at::Tensor> p, g, m, v;
+    for (size_t k = begin; k < end; ++k) {
+      p.push_back(params_[idx[k]]);
+      g.push_back(params_[idx[k]].grad());
+      m.push_back(exp_avg_[idx[k]]);
+      v.push_back(exp_avg_sq_[idx[k]]);
+    }
     at::_foreach_mul_(p, decay);
 #if TORCH_VERSION_MAJOR >= 2
     at::_foreach_lerp_(m, g, 1 - b1);
@@ -75,6 +215,72 @@ void AdamW::Step(double lr) {
     at::_foreach_div_(denom, bias_correction2_sqrt);
     at::_foreach_add_(denom, options_.eps);
     at::_foreach_addcdiv_(p, m, denom, -step_size);
+  }
+}
+
+void AdamW::StepEightBit(const std::vector<size_t>& idx, double lr) {
+  const double b1 = options_.beta1, b2 = options_.beta2;
+  // bitsandbytes' kOptimizerStatic8bit2StateBlockwise, in f32 as its kernel computes.
+  const float correction1 = 1.0f - std::pow(static_cast<float>(b1), static_cast<float>(step_));
+  const float correction2 =
+      std::sqrt(1.0f - std::pow(static_cast<float>(b2), static_cast<float>(step_)));
+  const float step_size = -static_cast<float>(lr) * correction2 / correction1;
+  // Runs: parameters next to each other in the state's buffers (none skipped between them)
+  // whose temporaries fit the scratch; one larger parameter is a run of its own.
+  const auto elements_of = [&](size_t i) { return exp_avg_[i].numel(); };
+  size_t begin = 0;
+  while (begin < idx.size()) {
+    size_t end = begin + 1;
+    int64_t elements = elements_of(idx[begin]);
+    while (end < idx.size() &&
+           q_offset_[idx[end]] == q_offset_[idx[end - 1]] + elements_of(idx[end - 1]) &&
+           static_cast<uint64_t>(elements + elements_of(idx[end])) * kEightBitScratchPerElement <=
+               options_.scratch_bytes) {
+      elements += elements_of(idx[end]);
+      ++end;
+    }
+    // The run's gradients gathered flat (each parameter's padded with zeros to whole blocks);
+    // its moments and maxima are one range of the state's buffers.
+    std::vector<at::Tensor> grads, params;
+    std::vector<int64_t> sizes;  // each parameter's elements and its padding, in turn
+    for (size_t k = begin; k < end; ++k) {
+      const size_t i = idx[k];
+      const int64_t n = params_[i].numel(), padded = elements_of(i);
+      grads.push_back(params_[i].grad().reshape(-1));
+      if (padded > n) grads.push_back(at::zeros({padded - n}, grads.back().options()));
+      sizes.push_back(n);
+      sizes.push_back(padded - n);
+      params.push_back(flat_params_[i]);
+    }
+    const int64_t first = q_offset_[idx[begin]], blocks = elements / kEightBitBlock;
+    at::Tensor q1 = flat_q_[0].narrow(0, first, elements);
+    at::Tensor q2 = flat_q_[1].narrow(0, first, elements);
+    at::Tensor a1 = flat_absmax_[0].narrow(0, block_offset_[idx[begin]], blocks);
+    at::Tensor a2 = flat_absmax_[1].narrow(0, block_offset_[idx[begin]], blocks);
+    const at::Tensor g = at::cat(grads).view({-1, kEightBitBlock});
+    grads.clear();
+    at::Tensor m = Dequantize(q1, a1, code_[0]);
+    m.mul_(static_cast<float>(b1)).add_(g, 1.0f - static_cast<float>(b1));
+    at::Tensor v = Dequantize(q2, a2, code_[1]);
+    v.mul_(static_cast<float>(b2)).addcmul_(g, g, 1.0f - static_cast<float>(b2));
+    // p += step_size * m / (sqrt(v) + correction2 * eps), then the decoupled decay.
+    at::Tensor update = v.sqrt().add_(correction2 * static_cast<float>(options_.eps));
+    update = at::div(m, update).mul_(step_size).view(-1);
+    {
+      const std::vector<at::Tensor> split = update.split_with_sizes(sizes);
+      std::vector<at::Tensor> pieces;
+      pieces.reserve(params.size());
+      for (size_t k = 0; k < params.size(); ++k) pieces.push_back(split[2 * k]);
+      at::_foreach_add_(params, pieces);
+    }
+    update = at::Tensor();
+    if (options_.weight_decay > 0)
+      at::_foreach_mul_(params, 1.0f - static_cast<float>(lr * options_.weight_decay));
+    const at::Tensor new_a1 = m.abs().amax(1), new_a2 = v.amax(1);
+    q1.copy_(Quantize(m, new_a1, bounds_[0], true).view(-1));
+    q2.copy_(Quantize(v, new_a2, bounds_[1], false).view(-1));
+    a1.copy_(new_a1);
+    a2.copy_(new_a2);
     begin = end;
   }
 }

@@ -2,6 +2,21 @@
 // (single-tensor path): decoupled weight decay, lerp for the first moment, bias corrections
 // applied to the step size and to sqrt(v). Plus the learning-rate schedules and the global
 // gradient-norm clipping of transformers / torch.nn.utils.
+//
+// With 8-bit moments (AdamWOptions::eight_bit, a job's `[optim] type = "adamw8bit"`) it is
+// bitsandbytes' blockwise AdamW8bit. Each moment of a parameter of at least
+// kEightBitMinElements elements is one byte per element: an index into a 256-entry dynamic
+// map (bitsandbytes' create_dynamic_map, signed for the first moment, unsigned for the
+// second), scaled by the absolute maximum of its block of kEightBitBlock elements (one f32
+// per block, blocks counted from each parameter's first element). The parameters' moments
+// lie one after another in one buffer, so a step gathers only the gradients. A step dequantises a
+// run of parameters' moments, updates them in f32 with the gradient, updates the parameters from
+// those f32 moments as bitsandbytes' kernel does (p += -lr sqrt(1 - b2^t) / (1 - b1^t) x
+// m / (sqrt(v) + sqrt(1 - b2^t) eps), then p *= 1 - lr weight_decay), takes each block's new
+// absolute maximum and rounds the moments back to the nearest entry, the first moment
+// keeping its sign. Smaller parameters (and any not contiguous f32) keep f32 moments and
+// torch's arithmetic, as bitsandbytes' min_8bit_size keeps them. State: 2 + 8/256 bytes per element
+// instead of 8.
 #pragma once
 
 #include <cstdint>
@@ -19,13 +34,16 @@ struct AdamWOptions {
   double beta2 = 0.999;
   double eps = 1e-8;
   double weight_decay = 0.0;
-  // The most bytes of the update's temporary (sqrt(v), one f32 per parameter) at once: the
-  // parameters are updated in runs of at most this many bytes of it (one parameter larger
-  // than that is a run of its own), so a large adapter (a mixture of experts': hundreds of
-  // millions of parameters) needs no second copy of its size at the optimizer step. The
-  // arithmetic per element is the same whatever the runs. The memory estimate counts it
-  // (worker/stream/stream_budget.h).
-  uint64_t scratch_bytes = kOptimizerScratchBytes;
+  // The most bytes of the update's temporaries at once: the parameters are updated in runs
+  // whose temporaries (f32 moments: sqrt(v), one f32 per element; 8-bit moments:
+  // kEightBitScratchPerElement per element) hold at most this many bytes (one parameter
+  // larger than that is a run of its own), so a large adapter (a mixture of experts':
+  // hundreds of millions of parameters) needs no second copy of its size at the optimizer
+  // step. The arithmetic per element is the same whatever the runs. The memory estimate
+  // counts it (worker/stream/stream_budget.h). 0: the default for the moments' kind
+  // (OptimizerScratchBytes).
+  uint64_t scratch_bytes = 0;
+  bool eight_bit = false;  // 8-bit moments (above)
 };
 
 class AdamW {
@@ -38,15 +56,46 @@ class AdamW {
 
   int64_t step() const { return step_; }
   void set_step(int64_t step) { step_ = step; }
+  // Each parameter's moments as kept: f32 of the parameter's shape, or (8-bit) a flat uint8
+  // of its elements rounded up to whole blocks, with exp_avg_absmax()/exp_avg_sq_absmax() (f32,
+  // one per block; undefined for a parameter with f32 moments).
   std::vector<at::Tensor>& exp_avg() { return exp_avg_; }
   std::vector<at::Tensor>& exp_avg_sq() { return exp_avg_sq_; }
+  std::vector<at::Tensor>& exp_avg_absmax() { return absmax_[0]; }
+  std::vector<at::Tensor>& exp_avg_sq_absmax() { return absmax_[1]; }
+  bool eight_bit(size_t i) const { return absmax_[0][i].defined(); }
+  // Parameter i's first (which = 0) or second moment in f32, of the parameter's shape,
+  // dequantised where it is kept in 8 bits; and set from such a tensor (quantised where it
+  // is kept so): how a checkpoint written with the other kind of moments resumes.
+  at::Tensor Moment(size_t i, int which) const;
+  void SetMoment(size_t i, int which, const at::Tensor& value);
   const std::vector<at::Tensor>& params() const { return params_; }
 
  private:
+  void StepF32(const std::vector<size_t>& idx, double lr);
+  void StepEightBit(const std::vector<size_t>& idx, double lr);
+
   std::vector<at::Tensor> params_, exp_avg_, exp_avg_sq_;
+  std::vector<at::Tensor> absmax_[2];
+  // 8-bit moments: every such parameter's bytes and block maxima, one after another in the
+  // parameters' order, in one buffer each (exp_avg_ and the others view them), so that a run
+  // of parameters reads and writes its state as one range; each such parameter's first byte
+  // and first block there, and its elements viewed flat.
+  at::Tensor flat_q_[2], flat_absmax_[2];
+  std::vector<int64_t> q_offset_, block_offset_;
+  std::vector<at::Tensor> flat_params_;
+  at::Tensor code_[2], bounds_[2];  // the dynamic maps and the midpoints between their entries
   AdamWOptions options_;
   int64_t step_ = 0;
 };
+
+// An 8-bit moment's bytes (flat, whole blocks) with its block maxima, in f32 (flat): the
+// signed map for the first moment (`first`), the unsigned one for the second.
+at::Tensor DequantizeMoment(const at::Tensor& q, const at::Tensor& absmax, bool first);
+
+// bitsandbytes' create_dynamic_map(signed) (max_exponent_bits 7, total_bits 8): 256 sorted
+// f32 values in [-1, 1] (signed) or [0, 1], holding 0 and 1.
+at::Tensor DynamicMap(bool is_signed);
 
 // The learning-rate multiplier of transformers' get_{constant,linear,cosine}_schedule_with_warmup
 // at scheduler step `step` (0 for the first optimizer step).

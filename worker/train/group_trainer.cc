@@ -203,9 +203,10 @@ class GroupTrainer::Job {
     }
     job_->StartAdapter(from);
     params_ = job_->Params();
-    optimizer_ =
-        std::make_unique<AdamW>(params_, AdamWOptions{spec_.optim.beta1, spec_.optim.beta2,
-                                                      spec_.optim.eps, spec_.optim.weight_decay});
+    AdamWOptions options{spec_.optim.beta1, spec_.optim.beta2, spec_.optim.eps,
+                         spec_.optim.weight_decay};
+    options.eight_bit = spec_.optim.type == "adamw8bit";
+    optimizer_ = std::make_unique<AdamW>(params_, options);
     if (!from.empty()) {
       LoadOptimizerState(from, job_->ParamNames(), state_.step, *optimizer_);
       LS_LOG_INFO("job {}: resuming from {} (step {})", spec_.name, from, state_.step);

@@ -20,7 +20,7 @@
 #include "worker/model/quant_expand.h"
 #include "worker/stream/host_bytes.h"
 #include "worker/train/adamw.h"
-#include "worker/train/dit_calibrate.h"
+#include "worker/train/calibrate_parts.h"
 #include "worker/train/micro_batch_runner.h"
 #ifdef LORASTREAM_HAVE_CUDA
 #include "worker/stream/cuda/cuda_bandwidth.h"
@@ -126,6 +126,8 @@ std::string CalibrationKey(const JobSpec& spec, const BaseWeights& base, const c
          // difference); with the steps that stream nothing measured as CUDA graphs where
          // they run so.
          "-steps3" + (CalibratesGraphs(spec, c, device, dtype) ? "-graphs" : "") +
+         // 8-bit moments change the optimizer's tail.
+         (spec.optim.type == "adamw8bit" ? "-adamw8bit" : "") +
          // A compressed store expands its blocks at their uses.
          (base.manifest() != nullptr && base.manifest()->quant().compressed()
               ? std::string("-") + QuantMethodName(base.manifest()->quant().method)
@@ -277,8 +279,8 @@ StepCosts MeasureStepCosts(const JobSpec& spec, const BaseWeights& base, const c
   // the last block, where no block's compute hides copies; with many small tensors (a
   // mixture of experts' LoRA: one A and one B per expert and projection) the steps'
   // difference can put it in the blocks' share.
-  const double optimizer_alone =
-      MeasureOptimizerSeconds(adapter.Params(), spec.optim.grad_clip, device.is_cuda());
+  const double optimizer_alone = MeasureOptimizerSeconds(
+      adapter.Params(), spec.optim.grad_clip, spec.optim.type == "adamw8bit", device.is_cuda());
   const double split = forward_alone + backward_alone;
   SplitMeasuredSteps(long_step, deep, short_step, half, split > 0 ? forward_alone / split : 0.0,
                      &costs, optimizer_alone);

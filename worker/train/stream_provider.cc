@@ -233,13 +233,14 @@ MemoryModelInputs JobMemoryInputs(const JobSpec& spec, const Manifest& manifest,
                                          static_cast<int>(c10::elementSize(dtype)), materialized);
   in.fused_cross_entropy = FusedCrossEntropyApplies(device.is_cuda(), dtype);
   in.lora_dropout = spec.lora.dropout;
+  in.eight_bit_optimizer = spec.optim.type == "adamw8bit";
   return in;
 }
 
 void AddGroupJobs(const std::vector<JobSpec>& others, MemoryModelInputs* inputs) {
   for (const JobSpec& s : others)
-    inputs->group.push_back(
-        {s.name, s.train.batch_size * s.data.seq_len, s.lora.rank, s.lora.dropout, s.lora.targets});
+    inputs->group.push_back({s.name, s.train.batch_size * s.data.seq_len, s.lora.rank,
+                             s.lora.dropout, s.lora.targets, s.optim.type == "adamw8bit"});
 }
 
 Manifest ComputeLayout(const BaseWeights& base, c10::ScalarType dtype) {

@@ -1,7 +1,9 @@
 // Checkpoints for resume, one writer and one reader for every family: OUTPUT_DIR/checkpoint-N/
 // holding the adapter's files (FamilyJob::SaveAdapter: f32 master weights, so a resume
 // continues from the exact values), trainer_state.safetensors: tensors "exp_avg.<name>" and
-// "exp_avg_sq.<name>" (f32) by FamilyJob::ParamNames, metadata as
+// "exp_avg_sq.<name>" by FamilyJob::ParamNames (f32 of the parameter's shape; with 8-bit
+// moments, worker/train/adamw.h, U8 of whole blocks beside "exp_avg_absmax.<name>" and
+// "exp_avg_sq_absmax.<name>", f32, one per block), metadata as
 // common/formats/trainer_state_meta.h describes (step, samples_seen, seed, fingerprint, eval_loss),
 // and checkpoint_manifest.json (the checksums of the family's files, written last;
 // common/formats/checkpoint_dir.h has the folder's rules: verification on resume, fallback,
@@ -45,8 +47,9 @@ std::string FindLatestCheckpoint(const std::string& output_dir,
 TrainState ReadTrainerState(const std::string& checkpoint_dir);
 
 // Reads the optimizer's moments (by `names`, the adapter's ParamNames) from
-// trainer_state.safetensors of `checkpoint_dir` and sets its step to `step`. Errors name the
-// file and tensor.
+// trainer_state.safetensors of `checkpoint_dir` and sets its step to `step`: exactly as saved
+// where the file's kind of moments is the optimizer's, converted (dequantised, or quantised)
+// where the job's optim.type changed since. Errors name the file and tensor.
 void LoadOptimizerState(const std::string& checkpoint_dir, const std::vector<std::string>& names,
                         int64_t step, AdamW& optimizer);
 

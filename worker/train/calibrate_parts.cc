@@ -1,4 +1,4 @@
-#include "worker/train/dit_calibrate.h"
+#include "worker/train/calibrate_parts.h"
 
 #include <chrono>
 
@@ -55,9 +55,11 @@ UnitSeconds MeasureUnitSeconds(
 }
 
 double MeasureOptimizerSeconds(const std::vector<at::Tensor>& params, double max_grad_norm,
-                               bool gpu) {
+                               bool eight_bit, bool gpu) {
   if (params.empty()) return 0.0;  // nothing to step
-  AdamW optimizer(params, {});
+  AdamWOptions options;
+  options.eight_bit = eight_bit;
+  AdamW optimizer(params, options);
   for (auto p : params) p.mutable_grad() = at::ones_like(p);
   const double seconds = SecondsPerRun(1, gpu ? 5 : 2, [&] {
     const at::Tensor norm = ClipGradNormAsync(params, max_grad_norm);
