@@ -40,8 +40,7 @@ std::vector<at::Tensor> Grads(const std::vector<at::Tensor>& params, int step) {
   at::manual_seed(1000 + step);
   std::vector<at::Tensor> g;
   // Gaussian gradients whose scale varies tenfold across a tensor's rows.
-  for (const auto& p : params)
-    g.push_back(at::randn(p.sizes()) * (0.1 + at::rand({p.size(0), 1})));
+  for (const auto& p : params) g.push_back(at::randn(p.sizes()) * (0.1 + at::rand({p.size(0), 1})));
   return g;
 }
 
@@ -71,9 +70,10 @@ TEST_CASE("adamw8bit: bitsandbytes' dynamic maps", "[worker]") {
   CHECK(u[1].item<float>() == Approx(0.325e-6).epsilon(1e-6));
 }
 
-TEST_CASE("adamw8bit: a moment set and read back is within the map's spacing of its block's "
-          "maximum",
-          "[worker]") {
+TEST_CASE(
+    "adamw8bit: a moment set and read back is within the map's spacing of its block's "
+    "maximum",
+    "[worker]") {
   std::vector<at::Tensor> params = Params(5);
   AdamW opt(params, EightBit());
   REQUIRE(opt.eight_bit(0));
@@ -150,9 +150,10 @@ TEST_CASE("adamw8bit: the update follows f32 AdamW within a bound, small tensors
   }
 }
 
-TEST_CASE("adamw8bit: runs of bounded scratch give the same bits; a parameter without a "
-          "gradient is left as it was",
-          "[worker]") {
+TEST_CASE(
+    "adamw8bit: runs of bounded scratch give the same bits; a parameter without a "
+    "gradient is left as it was",
+    "[worker]") {
   std::vector<std::vector<at::Tensor>> sets;
   std::vector<std::unique_ptr<AdamW>> opts;
   // One run per parameter (1 byte), and the default (all at once).
@@ -193,9 +194,10 @@ TEST_CASE("adamw8bit: runs of bounded scratch give the same bits; a parameter wi
   CHECK(at::equal(opt.exp_avg_absmax()[0], a1));
 }
 
-TEST_CASE("adamw8bit: a resumed run ends bit-identical to an uninterrupted one; a checkpoint "
-          "of the other moments resumes converted",
-          "[worker]") {
+TEST_CASE(
+    "adamw8bit: a resumed run ends bit-identical to an uninterrupted one; a checkpoint "
+    "of the other moments resumes converted",
+    "[worker]") {
   testing::TempDir dir("adamw8bit");
   testing::MakeCheckpoint(dir / "m", "tiny-qwen3");
   testing::WriteJsonl(dir / "d.jsonl", 6, 10, 50, 320);
@@ -284,8 +286,8 @@ TEST_CASE("adamw8bit: a job's loss falls as with f32 moments", "[worker]") {
   REQUIRE(losses[0].size() == 25);
   REQUIRE(losses[1].size() == 25);
   INFO(curves);
-  INFO("f32 moments: " << losses[0].front() << " -> " << losses[0].back() << "; 8-bit: "
-                       << losses[1].front() << " -> " << losses[1].back());
+  INFO("f32 moments: " << losses[0].front() << " -> " << losses[0].back()
+                       << "; 8-bit: " << losses[1].front() << " -> " << losses[1].back());
   CHECK(losses[1].front() == losses[0].front());  // the same first forward
   // After one and two updates the losses agree to 1e-3 (measured: 0 and 3.3e-5 apart) ...
   CHECK(std::abs(losses[1][1] - losses[0][1]) < 1e-3);

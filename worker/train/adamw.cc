@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <utility>
 
@@ -11,6 +13,13 @@
 #include <torch/version.h>
 
 #include "common/base/error.h"
+#include "worker/model/fused_ops.h"
+
+#if LORASTREAM_HAVE_CUDA
+#include <c10/cuda/CUDAStream.h>
+
+#include "worker/train/cuda/adamw8bit_kernel.h"
+#endif
 
 namespace lorastream::worker {
 
@@ -123,6 +132,24 @@ AdamW::AdamW(std::vector<at::Tensor> params, AdamWOptions options)
     code_[which] = code.to(device);
     bounds_[which] = ((code.slice(0, 0, 255) + code.slice(0, 1, 256)) / 2).to(device);
   }
+  std::vector<int64_t> first_block, numel, addresses;
+  for (size_t i = 0; i < count; ++i) {
+    if (q_offset_[i] >= 0) {
+      eight_bit_order_.push_back(i);
+      first_block.push_back(block_offset_[i]);
+      numel.push_back(params_[i].numel());
+      addresses.push_back(reinterpret_cast<int64_t>(params_[i].data_ptr()));
+    }
+  }
+  if (bytes > 0 && device.is_cuda()) {
+    const auto tensor = [&](const std::vector<int64_t>& v) {
+      return at::tensor(v, at::TensorOptions().dtype(at::kLong)).to(device);
+    };
+    kernel_first_block_ = tensor(first_block);
+    kernel_numel_ = tensor(numel);
+    kernel_params_ = tensor(addresses);
+    kernel_addresses_ = addresses;
+  }
   for (size_t i = 0; i < count; ++i) {
     if (q_offset_[i] < 0) {
       exp_avg_.push_back(at::zeros_like(params_[i], at::MemoryFormat::Preserve).detach());
@@ -178,7 +205,70 @@ void AdamW::Step(double lr) {
     (eight_bit(i) ? eight : f32).push_back(i);
   }
   if (!f32.empty()) StepF32(f32, lr);
-  if (!eight.empty()) StepEightBit(eight, lr);
+  if (!eight.empty() && !StepEightBitKernel(lr)) StepEightBit(eight, lr);
+}
+
+bool AdamW::StepEightBitKernel(double lr) {
+#if LORASTREAM_HAVE_CUDA
+  // LORASTREAM_ADAMW8BIT_KERNEL=0 (or LORASTREAM_FUSED_KERNELS=0): the ATen path, to compare.
+  static const bool enabled = [] {
+    const char* v = std::getenv("LORASTREAM_ADAMW8BIT_KERNEL");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  if (!kernel_params_.defined() || !enabled || !FusedKernelsEnabled()) return false;
+  // The gradients' addresses (0: none this step), where every one is a contiguous f32 tensor
+  // on the parameters' device.
+  std::vector<int64_t> grads;
+  grads.reserve(eight_bit_order_.size());
+  for (size_t k = 0; k < eight_bit_order_.size(); ++k) {
+    const size_t i = eight_bit_order_[k];
+    // A parameter moved to other memory since the tables were made: the ATen path.
+    if (reinterpret_cast<int64_t>(params_[i].data_ptr()) != kernel_addresses_[k]) return false;
+    const at::Tensor& g = params_[i].grad();
+    if (!g.defined()) {
+      grads.push_back(0);
+      continue;
+    }
+    if (!g.is_contiguous() || g.scalar_type() != at::kFloat || g.device() != params_[i].device())
+      return false;
+    grads.push_back(reinterpret_cast<int64_t>(g.data_ptr()));
+  }
+  const at::Tensor table =
+      at::tensor(grads, at::TensorOptions().dtype(at::kLong)).to(kernel_params_.device());
+  const double b1 = options_.beta1, b2 = options_.beta2;
+  cuda::EightBitStep s;
+  s.first_block = kernel_first_block_.data_ptr<int64_t>();
+  s.numel = kernel_numel_.data_ptr<int64_t>();
+  s.params = reinterpret_cast<float* const*>(kernel_params_.data_ptr<int64_t>());
+  s.grads = reinterpret_cast<const float* const*>(table.data_ptr<int64_t>());
+  s.count = static_cast<int64_t>(eight_bit_order_.size());
+  s.blocks = flat_absmax_[0].numel();
+  s.q1 = flat_q_[0].data_ptr<uint8_t>();
+  s.q2 = flat_q_[1].data_ptr<uint8_t>();
+  s.absmax1 = flat_absmax_[0].data_ptr<float>();
+  s.absmax2 = flat_absmax_[1].data_ptr<float>();
+  s.code1 = code_[0].data_ptr<float>();
+  s.code2 = code_[1].data_ptr<float>();
+  s.bounds1 = bounds_[0].data_ptr<float>();
+  s.bounds2 = bounds_[1].data_ptr<float>();
+  // As StepEightBit computes them.
+  const float correction1 = 1.0f - std::pow(static_cast<float>(b1), static_cast<float>(step_));
+  const float correction2 =
+      std::sqrt(1.0f - std::pow(static_cast<float>(b2), static_cast<float>(step_)));
+  s.beta1 = static_cast<float>(b1);
+  s.beta2 = static_cast<float>(b2);
+  s.eps = correction2 * static_cast<float>(options_.eps);
+  s.step_size = -static_cast<float>(lr) * correction2 / correction1;
+  s.decay =
+      options_.weight_decay > 0 ? 1.0f - static_cast<float>(lr * options_.weight_decay) : 1.0f;
+  cuda::EightBitAdamWStep(
+      s, c10::cuda::getCurrentCUDAStream(kernel_params_.device().index()).stream());
+  // The table's memory goes back to the caching allocator on this stream, after the kernel.
+  return true;
+#else
+  (void)lr;
+  return false;
+#endif
 }
 
 void AdamW::StepF32(const std::vector<size_t>& idx, double lr) {

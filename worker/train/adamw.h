@@ -74,6 +74,9 @@ class AdamW {
  private:
   void StepF32(const std::vector<size_t>& idx, double lr);
   void StepEightBit(const std::vector<size_t>& idx, double lr);
+  // On CUDA: the whole 8-bit step as one kernel (worker/train/cuda/adamw8bit_kernel.h);
+  // false where it does not apply (the ATen path then runs).
+  bool StepEightBitKernel(double lr);
 
   std::vector<at::Tensor> params_, exp_avg_, exp_avg_sq_;
   std::vector<at::Tensor> absmax_[2];
@@ -84,6 +87,11 @@ class AdamW {
   at::Tensor flat_q_[2], flat_absmax_[2];
   std::vector<int64_t> q_offset_, block_offset_;
   std::vector<at::Tensor> flat_params_;
+  // The kernel's tables on the device, in the state's order: each 8-bit parameter's first
+  // block, elements and address (int64), and which parameter that is.
+  at::Tensor kernel_first_block_, kernel_numel_, kernel_params_;
+  std::vector<size_t> eight_bit_order_;
+  std::vector<int64_t> kernel_addresses_;  // the parameters' addresses the table holds
   at::Tensor code_[2], bounds_[2];  // the dynamic maps and the midpoints between their entries
   AdamWOptions options_;
   int64_t step_ = 0;
