@@ -119,7 +119,7 @@ AdamW::AdamW(std::vector<at::Tensor> params, AdamWOptions options)
       block_offset_[i] = blocks;
       bytes += Blocks(p.numel()) * kEightBitBlock;
       blocks += Blocks(p.numel());
-      flat_params_[i] = p.view(-1);
+      flat_params_[i] = p.detach().view(-1);  // the same memory, outside autograd
     }
   }
   for (int which = 0; which < 2; ++which) {
