@@ -12,7 +12,8 @@
 //   weights      rest (embedders, final layer) + resident units + R x (largest streamed unit);
 //                a compressed store's units as stored (resident and in slots), every use
 //                expanding its linears into one scratch of the largest unit's (compute dtype)
-//   adapter      P x 16 (f32 master weights, gradients and AdamW's two moments)
+//   adapter      P x 16 (f32 master weights, gradients and AdamW's two moments; with 8-bit
+//                moments AdapterStateBytes: about P x 10)
 //   checkpoints  units x B T H b: each unit's input streams, kept by the checkpointed units,
 //                plus the rotary table (B T head_dim x 8: f32 [.., 2, 2] pairs)
 //   forward      one unit's forward without grad: B T (b (6H + 2M) + 32 H) per block

@@ -13,7 +13,8 @@
 //   weights      rest + resident units + R x (largest streamed unit); a compressed store's
 //                units as stored, every use expanding into one scratch of the largest
 //                unit's expanded bytes
-//   adapter      P x 16 (f32 master weights, gradients and AdamW's two moments)
+//   adapter      P x 16 (f32 master weights, gradients and AdamW's two moments; with 8-bit
+//                moments AdapterStateBytes: about P x 10)
 //   checkpoints  B T checkpoint_per_token + (B T or T) table_per_token (the rotary table:
 //                per latent, or one for the batch)
 //   forward      B T forward_per_token: one unit's forward without grad
