@@ -26,10 +26,11 @@ namespace lorastream::worker {
 namespace {
 
 // The parameters' runs: consecutive entries of `idx` whose temporaries (`bytes_of` each) fit
-// `scratch` together, one larger entry a run of its own.
-template <class F>
+// `scratch` together and each of which `joins(previous, next)` the one before it; one larger
+// entry a run of its own.
+template <class F, class J>
 std::vector<std::pair<size_t, size_t>> Runs(const std::vector<size_t>& idx, uint64_t scratch,
-                                            const F& bytes_of) {
+                                            const F& bytes_of, const J& joins) {
   std::vector<std::pair<size_t, size_t>> runs;
   size_t begin = 0;
   while (begin < idx.size()) {
@@ -38,7 +39,8 @@ std::vector<std::pair<size_t, size_t>> Runs(const std::vector<size_t>& idx, uint
     do {
       bytes += bytes_of(idx[end]);
       ++end;
-    } while (end < idx.size() && bytes + bytes_of(idx[end]) <= scratch);
+    } while (end < idx.size() && joins(idx[end - 1], idx[end]) &&
+             bytes + bytes_of(idx[end]) <= scratch);
     runs.emplace_back(begin, end);
     begin = end;
   }
@@ -65,13 +67,34 @@ at::Tensor Quantize(const at::Tensor& x, const at::Tensor& absmax, const at::Ten
   return index.to(at::kByte);
 }
 
+// Each block's absolute maximum of `x` ([blocks, kEightBitBlock]) and x rounded under it
+// (Quantize), flat: a moment as the state keeps it.
+std::pair<at::Tensor, at::Tensor> RoundBlocks(const at::Tensor& x, const at::Tensor& bounds,
+                                              bool keep_sign) {
+  at::Tensor absmax = x.abs().amax(1);
+  at::Tensor q = Quantize(x, absmax, bounds, keep_sign).view(-1);
+  return {std::move(q), std::move(absmax)};
+}
+
 at::Tensor Dequantize(const at::Tensor& q, const at::Tensor& absmax, const at::Tensor& code) {
   return code.index_select(0, q.to(at::kInt)).view({-1, kEightBitBlock}).mul_(absmax.unsqueeze(1));
 }
 
-}  // namespace
+// The step's scalars in f32, as bitsandbytes' kOptimizerStatic8bit2StateBlockwise computes
+// them: p += step_size * m / (sqrt(v) + eps), then p *= decay.
+struct EightBitScalars {
+  float step_size, eps, decay;
+};
+EightBitScalars EightBitStepScalars(const AdamWOptions& o, int64_t step, double lr) {
+  const float correction1 = 1.0f - std::pow(static_cast<float>(o.beta1), static_cast<float>(step));
+  const float correction2 =
+      std::sqrt(1.0f - std::pow(static_cast<float>(o.beta2), static_cast<float>(step)));
+  return {-static_cast<float>(lr) * correction2 / correction1,
+          correction2 * static_cast<float>(o.eps),
+          o.weight_decay > 0 ? 1.0f - static_cast<float>(lr * o.weight_decay) : 1.0f};
+}
 
-at::Tensor DynamicMap(bool is_signed) {
+std::vector<float> MakeDynamicMap(bool is_signed) {
   // create_dynamic_map(signed, max_exponent_bits = 7, total_bits = 8): for exponents
   // 10^-6 .. 10^0, the midpoints of an f32 linspace(0.1, 1) of 2^i + 1 (signed) or 2^(i+1) + 1
   // points, each times the power of ten in f32 (a Python float times an f32 tensor), both
@@ -92,7 +115,15 @@ at::Tensor DynamicMap(bool is_signed) {
   data.push_back(1.0f);
   LS_CHECK(data.size() == 256, "the dynamic map has 256 entries");
   std::sort(data.begin(), data.end());
-  return at::tensor(data);
+  return data;
+}
+
+}  // namespace
+
+at::Tensor DynamicMap(bool is_signed) {
+  // Made once (values, not tensors: nothing of LibTorch to outlive at exit).
+  static const std::vector<float> maps[2] = {MakeDynamicMap(false), MakeDynamicMap(true)};
+  return at::tensor(maps[is_signed ? 1 : 0]);
 }
 
 at::Tensor DequantizeMoment(const at::Tensor& q, const at::Tensor& absmax, bool first) {
@@ -183,10 +214,9 @@ void AdamW::SetMoment(size_t i, int which, const at::Tensor& value) {
   const int64_t n = params_[i].numel();
   at::Tensor x = at::zeros({kept.numel()}, kept.options().dtype(at::kFloat));
   x.narrow(0, 0, n).copy_(value.reshape(-1));
-  x = x.view({-1, kEightBitBlock});
-  const at::Tensor absmax = x.abs().amax(1);
+  const auto [q, absmax] = RoundBlocks(x.view({-1, kEightBitBlock}), bounds_[which], which == 0);
   absmax_[which][i].copy_(absmax);
-  kept.copy_(Quantize(x, absmax, bounds_[which], which == 0).view(-1));
+  kept.copy_(q);
 }
 
 void AdamW::ZeroGrad() {
@@ -235,7 +265,6 @@ bool AdamW::StepEightBitKernel(double lr) {
   }
   const at::Tensor table =
       at::tensor(grads, at::TensorOptions().dtype(at::kLong)).to(kernel_params_.device());
-  const double b1 = options_.beta1, b2 = options_.beta2;
   cuda::EightBitStep s;
   s.first_block = kernel_first_block_.data_ptr<int64_t>();
   s.numel = kernel_numel_.data_ptr<int64_t>();
@@ -251,16 +280,12 @@ bool AdamW::StepEightBitKernel(double lr) {
   s.code2 = code_[1].data_ptr<float>();
   s.bounds1 = bounds_[0].data_ptr<float>();
   s.bounds2 = bounds_[1].data_ptr<float>();
-  // As StepEightBit computes them.
-  const float correction1 = 1.0f - std::pow(static_cast<float>(b1), static_cast<float>(step_));
-  const float correction2 =
-      std::sqrt(1.0f - std::pow(static_cast<float>(b2), static_cast<float>(step_)));
-  s.beta1 = static_cast<float>(b1);
-  s.beta2 = static_cast<float>(b2);
-  s.eps = correction2 * static_cast<float>(options_.eps);
-  s.step_size = -static_cast<float>(lr) * correction2 / correction1;
-  s.decay =
-      options_.weight_decay > 0 ? 1.0f - static_cast<float>(lr * options_.weight_decay) : 1.0f;
+  const EightBitScalars k = EightBitStepScalars(options_, step_, lr);
+  s.beta1 = static_cast<float>(options_.beta1);
+  s.beta2 = static_cast<float>(options_.beta2);
+  s.eps = k.eps;
+  s.step_size = k.step_size;
+  s.decay = k.decay;
   cuda::EightBitAdamWStep(
       s, c10::cuda::getCurrentCUDAStream(kernel_params_.device().index()).stream());
   // The table's memory goes back to the caching allocator on this stream, after the kernel.
@@ -285,7 +310,8 @@ void AdamW::StepF32(const std::vector<size_t>& idx, double lr) {
   const auto bytes_of = [&](size_t i) {
     return static_cast<uint64_t>(exp_avg_sq_[i].numel()) * exp_avg_sq_[i].element_size();
   };
-  for (const auto& [begin, end] : Runs(idx, options_.scratch_bytes, bytes_of)) {
+  const auto any = [](size_t, size_t) { return true; };
+  for (const auto& [begin, end] : Runs(idx, options_.scratch_bytes, bytes_of, any)) {
     std::vector<at::Tensor> p, g, m, v;
     for (size_t k = begin; k < end; ++k) {
       p.push_back(params_[idx[k]]);
@@ -310,25 +336,19 @@ void AdamW::StepF32(const std::vector<size_t>& idx, double lr) {
 
 void AdamW::StepEightBit(const std::vector<size_t>& idx, double lr) {
   const double b1 = options_.beta1, b2 = options_.beta2;
-  // bitsandbytes' kOptimizerStatic8bit2StateBlockwise, in f32 as its kernel computes.
-  const float correction1 = 1.0f - std::pow(static_cast<float>(b1), static_cast<float>(step_));
-  const float correction2 =
-      std::sqrt(1.0f - std::pow(static_cast<float>(b2), static_cast<float>(step_)));
-  const float step_size = -static_cast<float>(lr) * correction2 / correction1;
+  const EightBitScalars k = EightBitStepScalars(options_, step_, lr);
   // Runs: parameters next to each other in the state's buffers (none skipped between them)
   // whose temporaries fit the scratch; one larger parameter is a run of its own.
   const auto elements_of = [&](size_t i) { return exp_avg_[i].numel(); };
-  size_t begin = 0;
-  while (begin < idx.size()) {
-    size_t end = begin + 1;
-    int64_t elements = elements_of(idx[begin]);
-    while (end < idx.size() &&
-           q_offset_[idx[end]] == q_offset_[idx[end - 1]] + elements_of(idx[end - 1]) &&
-           static_cast<uint64_t>(elements + elements_of(idx[end])) * kEightBitScratchPerElement <=
-               options_.scratch_bytes) {
-      elements += elements_of(idx[end]);
-      ++end;
-    }
+  const auto bytes_of = [&](size_t i) {
+    return static_cast<uint64_t>(elements_of(i)) * kEightBitScratchPerElement;
+  };
+  const auto adjacent = [&](size_t previous, size_t next) {
+    return q_offset_[next] == q_offset_[previous] + elements_of(previous);
+  };
+  for (const auto& [begin, end] : Runs(idx, options_.scratch_bytes, bytes_of, adjacent)) {
+    int64_t elements = 0;
+    for (size_t r = begin; r < end; ++r) elements += elements_of(idx[r]);
     // The run's gradients gathered flat (each parameter's padded with zeros to whole blocks);
     // its moments and maxima are one range of the state's buffers.
     std::vector<at::Tensor> grads, params;
@@ -354,8 +374,8 @@ void AdamW::StepEightBit(const std::vector<size_t>& idx, double lr) {
     at::Tensor v = Dequantize(q2, a2, code_[1]);
     v.mul_(static_cast<float>(b2)).addcmul_(g, g, 1.0f - static_cast<float>(b2));
     // p += step_size * m / (sqrt(v) + correction2 * eps), then the decoupled decay.
-    at::Tensor update = v.sqrt().add_(correction2 * static_cast<float>(options_.eps));
-    update = at::div(m, update).mul_(step_size).view(-1);
+    at::Tensor update = v.sqrt().add_(k.eps);
+    update = at::div(m, update).mul_(k.step_size).view(-1);
     {
       const std::vector<at::Tensor> split = update.split_with_sizes(sizes);
       std::vector<at::Tensor> pieces;
@@ -364,14 +384,13 @@ void AdamW::StepEightBit(const std::vector<size_t>& idx, double lr) {
       at::_foreach_add_(params, pieces);
     }
     update = at::Tensor();
-    if (options_.weight_decay > 0)
-      at::_foreach_mul_(params, 1.0f - static_cast<float>(lr * options_.weight_decay));
-    const at::Tensor new_a1 = m.abs().amax(1), new_a2 = v.amax(1);
-    q1.copy_(Quantize(m, new_a1, bounds_[0], true).view(-1));
-    q2.copy_(Quantize(v, new_a2, bounds_[1], false).view(-1));
+    if (k.decay != 1.0f) at::_foreach_mul_(params, k.decay);
+    const auto [new_q1, new_a1] = RoundBlocks(m, bounds_[0], true);
+    const auto [new_q2, new_a2] = RoundBlocks(v, bounds_[1], false);  // v >= 0: |v| is v
+    q1.copy_(new_q1);
+    q2.copy_(new_q2);
     a1.copy_(new_a1);
     a2.copy_(new_a2);
-    begin = end;
   }
 }
 
